@@ -1,0 +1,102 @@
+// A device that can hold a head's tensors and run the fused linear + cross-entropy on them.
+#ifndef LOSSHEAD_KERNELS_BACKEND_H_
+#define LOSSHEAD_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "losshead/kernels/problem.h"
+
+namespace losshead::kernels {
+
+class Backend;
+
+// An ordered queue of work on a backend (a cudaStream_t on CUDA; on the CPU, work runs inline in
+// the calling thread and Synchronize returns at once). Destroying it waits for its work.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  // Blocks until all work enqueued so far has finished; returns its first error.
+  virtual absl::Status Synchronize() = 0;
+  // The native handle (cudaStream_t) or nullptr.
+  virtual void* native() const = 0;
+};
+
+// Memory owned by a backend; freed on destruction. Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend* owner, void* data, size_t bytes) : owner_(owner), data_(data), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Reset(); }
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+  void Reset();
+
+ private:
+  Backend* owner_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct MemoryInfo {
+  uint64_t total_bytes = 0;
+  uint64_t free_bytes = 0;
+};
+
+// The backend contract. All methods are thread-safe. Methods taking a Stream enqueue their work
+// on it and may return before it finishes (CUDA); host memory passed to such a copy must stay
+// valid until the stream is synchronized. Nothing here synchronizes with the host unless named so.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual absl::string_view name() const = 0;  // "cpu" | "cuda"
+  virtual std::string device_description() const = 0;
+  virtual MemoryInfo memory_info() const = 0;
+
+  // INVALID_ARGUMENT if this backend cannot run `problem` (ValidateProblem plus its own limits).
+  virtual absl::Status CanImplement(const Problem& problem) const = 0;
+  // Bytes of workspace that Run needs for `problem`, at most `budget_bytes` and independent of N
+  // beyond a per-chunk cap. RESOURCE_EXHAUSTED if no chunk size fits the budget.
+  virtual absl::StatusOr<size_t> WorkspaceBytes(const Problem& problem,
+                                                size_t budget_bytes) const = 0;
+  // Forward and backward in one call: see Arguments. Validates first and launches nothing on error.
+  virtual absl::Status Run(const Problem& problem, const Arguments& args, Stream& stream) = 0;
+
+  // Memory management.
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
+  virtual absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes,
+                                    Stream& stream) = 0;
+  virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes,
+                                  Stream& stream) = 0;
+  virtual absl::Status Memset(void* dst, int value, size_t bytes, Stream& stream) = 0;
+
+ protected:
+  friend class DeviceBuffer;
+  virtual void Free(void* data) = 0;
+};
+
+enum class BackendKind { kCpu, kCuda, kAuto };
+
+// CPU always; CUDA when built with it and a device is present (UNAVAILABLE otherwise);
+// kAuto picks CUDA when available, else CPU. `device` selects the CUDA device ordinal.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind, int device = 0);
+
+// True when this build includes the CUDA backend and at least one CUDA device is visible.
+bool CudaAvailable();
+
+}  // namespace losshead::kernels
+
+#endif  // LOSSHEAD_KERNELS_BACKEND_H_

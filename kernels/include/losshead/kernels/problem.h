@@ -1,0 +1,75 @@
+// The fused linear + cross-entropy problem: what one call computes, independent of the backend.
+#ifndef LOSSHEAD_KERNELS_PROBLEM_H_
+#define LOSSHEAD_KERNELS_PROBLEM_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace losshead::kernels {
+
+// Element type of H, W and dH. Softmax math and the dW accumulator are always fp32.
+enum class DType { kBF16, kFP16, kFP32 };
+
+size_t DTypeSize(DType dtype);
+absl::string_view DTypeName(DType dtype);
+
+enum class Reduction {
+  kMean,  // loss = loss_sum / token_count, every gradient scaled by grad_scale / token_count
+  kSum,   // loss = loss_sum, gradients scaled by grad_scale
+  kNone,  // per-token losses; each token's gradient scaled by grad_scale (as kSum)
+};
+
+// Loss options, applied per token t with target y and logits x_j = h_t . w_j:
+//   z_j    = softcap > 0 ? softcap * tanh(x_j / softcap) : x_j
+//   lse    = log sum_j exp(z_j)
+//   loss_t = (1 - eps) (lse - z_y) + eps (lse - mean_j z_j) + z_loss * lse^2,  eps = label_smoothing
+// and its gradient with respect to z_j:
+//   g_j    = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V,  p = softmax(z)
+// chained through the soft-cap by (1 - (z_j / softcap)^2). A token whose target equals
+// ignore_index contributes no loss, no gradient, and is not counted.
+struct LossOptions {
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kMean;
+  float grad_scale = 1.0f;
+  float label_smoothing = 0.0f;
+  float z_loss = 0.0f;
+  float softcap = 0.0f;
+};
+
+// Shapes and types: H is N x D, W is V x D (both row-major, `dtype`), targets are N int32.
+struct Problem {
+  int64_t n = 0;
+  int64_t d = 0;
+  int64_t v = 0;
+  DType dtype = DType::kBF16;
+  LossOptions options;
+};
+
+// Checks shapes and options without touching memory: INVALID_ARGUMENT names the offending field.
+// Targets are not checked here (they live in device memory); callers validate them beforehand.
+absl::Status ValidateProblem(const Problem& problem);
+
+// Pointers for one call. Which memory they live in (host or device) is the backend's: see
+// Backend::Allocate. Optional outputs are skipped when null.
+struct Arguments {
+  const void* hidden = nullptr;   // N x D, problem.dtype
+  const void* weight = nullptr;   // V x D, problem.dtype
+  const int32_t* targets = nullptr;  // N, in [0, V) or ignore_index
+  void* grad_hidden = nullptr;    // N x D, problem.dtype, overwritten; optional
+  float* grad_weight = nullptr;   // V x D fp32, accumulated into (+=); optional
+  // Outputs: [0] = sum of per-token losses over non-ignored tokens, overwritten.
+  float* loss_sum = nullptr;
+  // [0] = number of non-ignored tokens, overwritten.
+  int64_t* token_count = nullptr;
+  float* per_token_loss = nullptr;  // N, 0 for ignored tokens; optional
+  float* per_token_lse = nullptr;   // N, lse for every token (ignored ones too); optional
+  void* workspace = nullptr;        // Backend::WorkspaceBytes(problem, budget) bytes
+  size_t workspace_bytes = 0;
+};
+
+}  // namespace losshead::kernels
+
+#endif  // LOSSHEAD_KERNELS_PROBLEM_H_

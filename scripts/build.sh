@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Configures and builds losshead into ${BUILD_DIR:-build}. Extra arguments go to cmake.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${BUILD_DIR:-build}
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} "$@"
+cmake --build "$build_dir" -j "${JOBS:-$(nproc)}"
