@@ -1,0 +1,56 @@
+// losshead-server as a library: start a gRPC server (and its metrics endpoint) in this process.
+#ifndef LOSSHEAD_SERVER_SERVER_H_
+#define LOSSHEAD_SERVER_SERVER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "losshead/kernels/backend.h"
+
+namespace losshead::server {
+
+struct ServerOptions {
+  // host:port; port 0 picks a free one (see Server::port()).
+  std::string listen_address = "0.0.0.0:50051";
+  // host:port of the Prometheus /metrics endpoint; empty disables it; port 0 picks a free one.
+  std::string metrics_address = "0.0.0.0:9464";
+  kernels::BackendKind backend = kernels::BackendKind::kAuto;
+  int device = 0;
+  // Largest gRPC message either way; tensors are chunked below it.
+  size_t max_message_bytes = size_t{4} << 20;
+  // Threads that run micro-batches (0: one per hardware thread, at least 2).
+  int worker_threads = 0;
+  // Per-head workspace budget handed to Backend::WorkspaceBytes.
+  size_t workspace_bytes = size_t{1} << 30;
+  // Results remembered per (head, client id) for idempotent replay.
+  size_t idempotency_window = 64;
+  // Bound on the wait for in-flight work at shutdown.
+  absl::Duration drain_timeout = absl::Seconds(30);
+};
+
+class Server {
+ public:
+  virtual ~Server() = default;
+
+  // Builds the backend, binds both ports and starts serving. Errors: the backend's status
+  // (UNAVAILABLE for CUDA without a device), or UNAVAILABLE when a port cannot be bound.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
+
+  virtual int port() const = 0;          // the bound gRPC port
+  virtual int metrics_port() const = 0;  // the bound metrics port, 0 when disabled
+  virtual const kernels::Backend& backend() const = 0;
+
+  // Graceful stop: health turns NOT_SERVING, new calls are refused, in-flight micro-batches finish
+  // and are answered, all within `deadline`; then the server stops. Idempotent.
+  virtual void Shutdown(absl::Duration deadline) = 0;
+  // Blocks until the server has stopped.
+  virtual void Wait() = 0;
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_SERVER_H_
