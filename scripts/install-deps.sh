@@ -6,6 +6,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git curl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev
+  prometheus  # prometheus + promtool: tests/deploy checks the scrape config, rules and live metrics
 )
 missing=()
 for p in "${packages[@]}"; do
