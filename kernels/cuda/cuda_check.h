@@ -1,0 +1,59 @@
+// Status-returning checks for CUDA runtime and cuBLAS calls. Library code never aborts: a failed
+// call becomes an absl::Status naming the call, the error and the file:line where it happened.
+#ifndef LOSSHEAD_KERNELS_CUDA_CUDA_CHECK_H_
+#define LOSSHEAD_KERNELS_CUDA_CUDA_CHECK_H_
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace losshead::kernels::cuda {
+
+inline absl::Status CudaError(cudaError_t err, const char* expr, const char* file, int line) {
+  // Out-of-memory is the caller's budget problem, not a broken device: keep the distinction.
+  const std::string msg = absl::StrCat(file, ":", line, ": ", expr, " failed: ",
+                                       cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+inline absl::Status CublasError(cublasStatus_t err, const char* expr, const char* file, int line) {
+  const std::string msg = absl::StrCat(file, ":", line, ": ", expr,
+                                       " failed: ", cublasGetStatusName(err), " (",
+                                       cublasGetStatusString(err), ")");
+  if (err == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+}  // namespace losshead::kernels::cuda
+
+#define LOSSHEAD_CUDA_CHECK(expr)                                                         \
+  do {                                                                                    \
+    const cudaError_t losshead_cuda_err_ = (expr);                                        \
+    if (losshead_cuda_err_ != cudaSuccess) {                                              \
+      return ::losshead::kernels::cuda::CudaError(losshead_cuda_err_, #expr, __FILE__,    \
+                                                  __LINE__);                              \
+    }                                                                                     \
+  } while (0)
+
+#define LOSSHEAD_CUBLAS_CHECK(expr)                                                       \
+  do {                                                                                    \
+    const cublasStatus_t losshead_cublas_err_ = (expr);                                   \
+    if (losshead_cublas_err_ != CUBLAS_STATUS_SUCCESS) {                                  \
+      return ::losshead::kernels::cuda::CublasError(losshead_cublas_err_, #expr, __FILE__, \
+                                                    __LINE__);                            \
+    }                                                                                     \
+  } while (0)
+
+#define LOSSHEAD_RETURN_IF_ERROR(expr)                    \
+  do {                                                    \
+    absl::Status losshead_status_ = (expr);               \
+    if (!losshead_status_.ok()) return losshead_status_;  \
+  } while (0)
+
+// A kernel launch reports configuration errors only through cudaGetLastError.
+#define LOSSHEAD_CUDA_CHECK_LAUNCH() LOSSHEAD_CUDA_CHECK(cudaGetLastError())
+
+#endif  // LOSSHEAD_KERNELS_CUDA_CUDA_CHECK_H_

@@ -1,0 +1,36 @@
+#include "kernels/cuda/loss_reduce.cuh"
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace losshead::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+
+__global__ void __launch_bounds__(kThreads)
+    LossReduceKernel(const float* __restrict__ row_loss, int64_t rows,
+                     RunScalars* __restrict__ scalars, float* __restrict__ loss_sum) {
+  __shared__ double warp_sums[kThreads / 32];
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < rows; i += kThreads) sum += row_loss[i];
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = scalars->loss_acc;
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+    scalars->loss_acc = total;
+    if (loss_sum != nullptr) *loss_sum = static_cast<float>(total);
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchLossReduce(const float* row_loss, int64_t rows, RunScalars* scalars,
+                              float* loss_sum, cudaStream_t stream) {
+  LossReduceKernel<<<1, kThreads, 0, stream>>>(row_loss, rows, scalars, loss_sum);
+  LOSSHEAD_CUDA_CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+}  // namespace losshead::kernels::cuda

@@ -1,0 +1,244 @@
+#include "kernels/cuda/softmax_grad.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace losshead::kernels::cuda {
+namespace {
+
+// One block per row. 512 threads x 4 vectors of 16 bytes keep 32 KiB of loads in flight per
+// block, enough to saturate HBM with a few blocks per SM, and a row's second read (pass 2) often
+// still hits L2 because only a few hundred rows are live at a time.
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+
+// A 16-byte vector of TL values.
+template <typename TL>
+struct Vec {
+  static constexpr int kSize = 16 / sizeof(TL);
+  union {
+    uint4 raw;
+    TL v[kSize];
+  };
+};
+
+// kSize values of TG, stored with one instruction (8 or 16 bytes).
+template <typename TG, int kSize>
+struct alignas(sizeof(TG) * kSize) OutVec {
+  TG v[kSize];
+};
+
+struct SoftmaxState {
+  float m;   // running max of z
+  float s;   // sum of exp(z - m)
+  float sz;  // sum of z (label smoothing)
+};
+
+__device__ __forceinline__ SoftmaxState Combine(SoftmaxState a, SoftmaxState b) {
+  // A thread that saw no element has m = -inf and s = 0; exp(-inf - -inf) would be NaN.
+  if (a.s == 0.0f) return {b.m, b.s, a.sz + b.sz};
+  if (b.s == 0.0f) return {a.m, a.s, a.sz + b.sz};
+  const float m = fmaxf(a.m, b.m);
+  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m), a.sz + b.sz};
+}
+
+struct Cap {
+  float cap, inv_cap;
+  __device__ __forceinline__ float operator()(float x) const {
+    return cap > 0.0f ? cap * tanhf(x * inv_cap) : x;
+  }
+};
+
+template <typename TL, typename TG>
+__global__ void __launch_bounds__(kThreads)
+    SoftmaxGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
+                      SoftmaxGradParams p, TG* grad, int64_t ldg, float* __restrict__ row_loss,
+                      float* __restrict__ per_token_loss, float* __restrict__ per_token_lse) {
+  constexpr int kVec = Vec<TL>::kSize;
+  __shared__ SoftmaxState warp_states[kThreads / 32];
+  __shared__ float shared_lse;
+
+  const int64_t row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const TL* x = logits + row * ldl;
+  const int64_t t = targets[row];
+  const bool valid = t != p.ignore_index && t >= 0 && t < p.v;
+  const Cap cap{p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+  const int64_t nvec = p.v / kVec;
+  const int64_t tail_start = nvec * kVec;
+  const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
+
+  // An ignored row still needs its lse when the caller asks for it; otherwise only zeros.
+  const bool need_stats = valid || per_token_lse != nullptr;
+  float lse = 0.0f;
+  if (need_stats) {
+    SoftmaxState st{-INFINITY, 0.0f, 0.0f};
+    for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
+      Vec<TL> in[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+        if (i < nvec) in[u].raw = __ldcg(&xv[i].raw);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + static_cast<int64_t>(u) * kThreads;
+        if (i < nvec) {
+          float z[kVec];
+          float vmax = -INFINITY;
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            z[k] = cap(ToF(in[u].v[k]));
+            vmax = fmaxf(vmax, z[k]);
+          }
+          if (vmax > st.m) {
+            st.s *= __expf(st.m - vmax);
+            st.m = vmax;
+          }
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            st.s += __expf(z[k] - st.m);
+            st.sz += z[k];
+          }
+        }
+      }
+    }
+    for (int64_t j = tail_start + tid; j < p.v; j += kThreads) {
+      const float z = cap(ToF(x[j]));
+      if (z > st.m) {
+        st.s *= __expf(st.m - z);
+        st.m = z;
+      }
+      st.s += __expf(z - st.m);
+      st.sz += z;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      SoftmaxState o;
+      o.m = __shfl_down_sync(0xffffffffu, st.m, offset);
+      o.s = __shfl_down_sync(0xffffffffu, st.s, offset);
+      o.sz = __shfl_down_sync(0xffffffffu, st.sz, offset);
+      st = Combine(st, o);
+    }
+    if (tid % 32 == 0) warp_states[tid / 32] = st;
+    __syncthreads();
+    if (tid == 0) {
+      SoftmaxState total = warp_states[0];
+      for (int w = 1; w < kThreads / 32; ++w) total = Combine(total, warp_states[w]);
+      const float l = total.m + logf(total.s);
+      float loss = 0.0f;
+      if (valid) {
+        const float zy = cap(ToF(x[t]));
+        const float eps = p.label_smoothing;
+        loss = (1.0f - eps) * (l - zy) + p.z_loss * l * l;
+        if (eps > 0.0f) loss += eps * (l - total.sz / static_cast<float>(p.v));
+      }
+      row_loss[row] = loss;
+      if (per_token_loss != nullptr) per_token_loss[row] = loss;
+      if (per_token_lse != nullptr) per_token_lse[row] = l;
+      shared_lse = l;
+    }
+    // Also orders thread 0's read of x[t] before pass 2 overwrites the row.
+    __syncthreads();
+    lse = shared_lse;
+  } else if (tid == 0) {
+    row_loss[row] = 0.0f;
+    if (per_token_loss != nullptr) per_token_loss[row] = 0.0f;
+  }
+
+  if (grad == nullptr) return;
+  TG* g = grad + row * ldg;
+  using Out = OutVec<TG, kVec>;
+  Out* gv = reinterpret_cast<Out*>(g);
+  // g_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, times dz/dx = 1 - (z/cap)^2.
+  const float coef = 1.0f + 2.0f * p.z_loss * lse;
+  const float eps_v = p.label_smoothing / static_cast<float>(p.v);
+  const float hit = 1.0f - p.label_smoothing;
+  auto grad_of = [&](float xval, int64_t j) -> float {
+    if (!valid) return 0.0f;
+    const float z = cap(xval);
+    float gj = __expf(z - lse) * coef - eps_v - (j == t ? hit : 0.0f);
+    if (cap.cap > 0.0f) {
+      const float r = z * cap.inv_cap;
+      gj *= 1.0f - r * r;
+    }
+    return gj;
+  };
+  // When TG is narrower than TL the gradient of element j lands on bytes of an element <= j that
+  // another thread may not have read yet in this tile: read the tile, barrier, then write.
+  constexpr bool kNarrowing = sizeof(TG) < sizeof(TL);
+  for (int64_t base = 0; base < nvec; base += kThreads * kUnroll) {
+    Vec<TL> in[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
+      in[u].raw = make_uint4(0, 0, 0, 0);
+      if (i < nvec && valid) in[u].raw = __ldcs(&xv[i].raw);
+    }
+    Out out[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        out[u].v[k] = FromF<TG>(valid ? grad_of(ToF(in[u].v[k]), i * kVec + k) : 0.0f);
+      }
+    }
+    if constexpr (kNarrowing) __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
+      if (i < nvec) gv[i] = out[u];
+    }
+  }
+  // Tail (v % kVec < kThreads elements): same read-barrier-write discipline.
+  const int64_t j = tail_start + tid;
+  float gt = 0.0f;
+  if (j < p.v && valid) gt = grad_of(ToF(x[j]), j);
+  if constexpr (kNarrowing) __syncthreads();
+  if (j < p.v) g[j] = FromF<TG>(gt);
+}
+
+}  // namespace
+
+template <typename TL, typename TG>
+absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
+                               const SoftmaxGradParams& params, TG* grad, int64_t ldg,
+                               float* row_loss, float* per_token_loss, float* per_token_lse,
+                               cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  SoftmaxGradKernel<TL, TG><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
+  LOSSHEAD_CUDA_CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
+#define LOSSHEAD_INSTANTIATE(TL, TG)                                                          \
+  template absl::Status LaunchSoftmaxGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*, \
+                                                  const SoftmaxGradParams&, TG*, int64_t,      \
+                                                  float*, float*, float*, cudaStream_t);
+LOSSHEAD_INSTANTIATE(float, float)
+LOSSHEAD_INSTANTIATE(float, __nv_bfloat16)
+LOSSHEAD_INSTANTIATE(float, __half)
+LOSSHEAD_INSTANTIATE(__nv_bfloat16, __nv_bfloat16)
+#undef LOSSHEAD_INSTANTIATE
+
+}  // namespace losshead::kernels::cuda
