@@ -1,0 +1,303 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cblas.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/chunk_plan.h"
+#include "kernels/cpu/row_loss.h"
+#include "kernels/cpu/thread_pool.h"
+#include "losshead/kernels/dtype_convert.h"
+
+namespace losshead::kernels {
+namespace {
+
+// OpenBLAS's thread count is process-wide and its threaded GEMMs are not meant to be entered
+// from several threads at once: every Run holds this lock while it computes.
+std::mutex& BlasMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+class CpuStream final : public Stream {
+ public:
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+  void* native() const override { return nullptr; }
+};
+
+uint64_t MemInfoField(const std::string& field) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string name;
+  uint64_t kib = 0;
+  std::string unit;
+  while (meminfo >> name >> kib >> unit) {
+    if (name == field + ":") return kib * 1024;
+  }
+  return 0;
+}
+
+absl::Status CheckTargets(const Problem& problem, const int32_t* targets, int64_t* count) {
+  int64_t counted = 0;
+  for (int64_t t = 0; t < problem.n; ++t) {
+    const int32_t y = targets[t];
+    if (y == problem.options.ignore_index) continue;
+    if (y < 0 || y >= problem.v) {
+      return absl::InvalidArgumentError(absl::StrCat("targets[", t, "] = ", y, " is outside [0, ",
+                                                     problem.v, ") and is not ignore_index (",
+                                                     problem.options.ignore_index, ")"));
+    }
+    ++counted;
+  }
+  *count = counted;
+  return absl::OkStatus();
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int threads) : threads_(threads), pool_(threads) {}
+
+  absl::string_view name() const override { return "cpu"; }
+  std::string device_description() const override {
+    return absl::StrCat("cpu (", threads_, " threads)");
+  }
+  MemoryInfo memory_info() const override {
+    MemoryInfo info;
+    info.total_bytes = MemInfoField("MemTotal");
+    info.free_bytes = MemInfoField("MemAvailable");
+    if (info.total_bytes == 0) {
+      const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+      info.total_bytes = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * page;
+      info.free_bytes = static_cast<uint64_t>(sysconf(_SC_AVPHYS_PAGES)) * page;
+    }
+    return info;
+  }
+
+  absl::Status CanImplement(const Problem& problem) const override {
+    if (absl::Status status = ValidateProblem(problem); !status.ok()) return status;
+    // BLAS leading dimensions are 32-bit.
+    if (problem.d > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cpu backend needs d to fit in int32, got ", problem.d));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<size_t> WorkspaceBytes(const Problem& problem,
+                                        size_t budget_bytes) const override {
+    if (absl::Status status = CanImplement(problem); !status.ok()) return status;
+    absl::StatusOr<ChunkPlan> plan = PlanChunks(problem, budget_bytes);
+    if (!plan.ok()) return plan.status();
+    return plan->bytes;
+  }
+
+  absl::Status Run(const Problem& problem, const Arguments& args, Stream& stream) override;
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    if (bytes == 0) return DeviceBuffer(this, nullptr, 0);
+    const size_t rounded =
+        (bytes + kCpuWorkspaceAlignment - 1) / kCpuWorkspaceAlignment * kCpuWorkspaceAlignment;
+    void* data = std::aligned_alloc(kCpuWorkspaceAlignment, rounded);
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " host bytes"));
+    }
+    return DeviceBuffer(this, data, bytes);
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    return std::unique_ptr<Stream>(new CpuStream());
+  }
+  absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes, Stream&) override {
+    return Copy(dst, host_src, bytes);
+  }
+  absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream&) override {
+    return Copy(host_dst, src, bytes);
+  }
+  absl::Status Memset(void* dst, int value, size_t bytes, Stream&) override {
+    if (bytes == 0) return absl::OkStatus();
+    if (dst == nullptr) return absl::InvalidArgumentError("Memset to a null pointer");
+    std::memset(dst, value, bytes);
+    return absl::OkStatus();
+  }
+
+ protected:
+  void Free(void* data) override { std::free(data); }
+
+ private:
+  static absl::Status Copy(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy with a null pointer");
+    std::memmove(dst, src, bytes);
+    return absl::OkStatus();
+  }
+
+  // Converts `rows` rows of `d` elements from `dtype` to fp32, split over the pool.
+  void ConvertRows(DType dtype, const void* src, float* dst, int64_t rows, int64_t d) {
+    const size_t element = DTypeSize(dtype);
+    pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+      ToFloat(dtype, static_cast<const char*>(src) + begin * d * element, dst + begin * d,
+              static_cast<size_t>((end - begin) * d));
+    });
+  }
+
+  const int threads_;
+  ThreadPool pool_;
+};
+
+absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stream& /*stream*/) {
+  if (absl::Status status = CanImplement(problem); !status.ok()) return status;
+  if (args.hidden == nullptr || args.weight == nullptr || args.targets == nullptr ||
+      args.loss_sum == nullptr || args.token_count == nullptr) {
+    return absl::InvalidArgumentError(
+        "hidden, weight, targets, loss_sum and token_count must not be null");
+  }
+  if (args.workspace == nullptr && args.workspace_bytes > 0) {
+    return absl::InvalidArgumentError("workspace is null but workspace_bytes > 0");
+  }
+  absl::StatusOr<ChunkPlan> plan_or = PlanChunks(problem, args.workspace_bytes);
+  if (!plan_or.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace too small: ", plan_or.status().message()));
+  }
+  const ChunkPlan& plan = *plan_or;
+  int64_t token_count = 0;
+  if (absl::Status status = CheckTargets(problem, args.targets, &token_count); !status.ok()) {
+    return status;
+  }
+
+  const int64_t n = problem.n;
+  const int64_t d = problem.d;
+  const int64_t v = problem.v;
+  const DType dtype = problem.dtype;
+  const LossOptions& options = problem.options;
+  const size_t element = DTypeSize(dtype);
+  float grad_scale = options.grad_scale;
+  if (options.reduction == Reduction::kMean) {
+    grad_scale = token_count > 0
+                     ? static_cast<float>(static_cast<double>(options.grad_scale) / token_count)
+                     : 0.0f;
+  }
+  const bool want_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr;
+
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(args.workspace);
+  char* base = reinterpret_cast<char*>((raw + kCpuWorkspaceAlignment - 1) /
+                                       kCpuWorkspaceAlignment * kCpuWorkspaceAlignment);
+  float* logits = reinterpret_cast<float*>(base + plan.logits_offset);
+  double* row_stats = reinterpret_cast<double*>(base + plan.row_stats_offset);
+  float* hidden_f32 = reinterpret_cast<float*>(base + plan.hidden_offset);
+  float* grad_hidden_f32 = reinterpret_cast<float*>(base + plan.grad_hidden_offset);
+  float* weight_f32 = reinterpret_cast<float*>(base + plan.weight_offset);
+  const int64_t block_rows = plan.weight_block_rows;
+  const bool weight_whole = !plan.converts_inputs || block_rows == v;
+
+  std::lock_guard<std::mutex> blas_lock(BlasMutex());
+  openblas_set_num_threads(threads_);
+
+  if (plan.converts_inputs && block_rows == v) ConvertRows(dtype, args.weight, weight_f32, v, d);
+  // The fp32 rows [b0, b0 + rows) of W, converting them into the block buffer when needed.
+  auto weight_block = [&](int64_t b0, int64_t rows) -> const float* {
+    if (!plan.converts_inputs) return static_cast<const float*>(args.weight) + b0 * d;
+    if (weight_whole) return weight_f32 + b0 * d;
+    ConvertRows(dtype, static_cast<const char*>(args.weight) + b0 * d * element, weight_f32, rows,
+                d);
+    return weight_f32;
+  };
+
+  double loss_sum = 0.0;
+  for (int64_t c0 = 0; c0 < n; c0 += plan.chunk_rows) {
+    const int64_t rows = std::min(plan.chunk_rows, n - c0);
+    const int32_t* targets = args.targets + c0;
+    const float* hidden;
+    if (plan.converts_inputs) {
+      ConvertRows(dtype, static_cast<const char*>(args.hidden) + c0 * d * element, hidden_f32,
+                  rows, d);
+      hidden = hidden_f32;
+    } else {
+      hidden = static_cast<const float*>(args.hidden) + c0 * d;
+    }
+
+    // Logits chunk: rows x v = H_chunk . W^T, one weight block at a time.
+    for (int64_t b0 = 0; b0 < v; b0 += block_rows) {
+      const int64_t bn = std::min(block_rows, v - b0);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
+                  static_cast<int>(bn), static_cast<int>(d), 1.0f, hidden, static_cast<int>(d),
+                  weight_block(b0, bn), static_cast<int>(d), 0.0f, logits + b0,
+                  static_cast<int>(v));
+    }
+
+    pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const bool ignored = targets[r] == options.ignore_index;
+        const RowLoss row = ComputeRowLoss(logits + r * v, v, targets[r], ignored, options,
+                                           grad_scale, want_grad);
+        row_stats[2 * r] = row.loss;
+        row_stats[2 * r + 1] = row.lse;
+      }
+    });
+    int64_t chunk_tokens = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool ignored = targets[r] == options.ignore_index;
+      chunk_tokens += ignored ? 0 : 1;
+      loss_sum += row_stats[2 * r];  // in token order: the sum is the same every run
+      if (args.per_token_loss != nullptr) {
+        args.per_token_loss[c0 + r] = static_cast<float>(row_stats[2 * r]);
+      }
+      if (args.per_token_lse != nullptr) {
+        args.per_token_lse[c0 + r] = static_cast<float>(row_stats[2 * r + 1]);
+      }
+    }
+
+    char* grad_hidden_out =
+        args.grad_hidden == nullptr ? nullptr
+                                    : static_cast<char*>(args.grad_hidden) + c0 * d * element;
+    if (chunk_tokens == 0) {
+      // Nothing but ignored tokens: dH is zero (all-zero bits in every dtype), dW is unchanged.
+      if (grad_hidden_out != nullptr) std::memset(grad_hidden_out, 0, rows * d * element);
+      continue;
+    }
+    if (args.grad_weight != nullptr) {
+      // dW (v x d) += G^T . H_chunk
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(v), static_cast<int>(d),
+                  static_cast<int>(rows), 1.0f, logits, static_cast<int>(v), hidden,
+                  static_cast<int>(d), 1.0f, args.grad_weight, static_cast<int>(d));
+    }
+    if (grad_hidden_out != nullptr) {
+      // dH chunk (rows x d) = G . W, summed over weight blocks in fp32 before any rounding.
+      float* dst = plan.converts_inputs ? grad_hidden_f32 : reinterpret_cast<float*>(grad_hidden_out);
+      for (int64_t b0 = 0; b0 < v; b0 += block_rows) {
+        const int64_t bn = std::min(block_rows, v - b0);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
+                    static_cast<int>(d), static_cast<int>(bn), 1.0f, logits + b0,
+                    static_cast<int>(v), weight_block(b0, bn), static_cast<int>(d),
+                    b0 == 0 ? 0.0f : 1.0f, dst, static_cast<int>(d));
+      }
+      if (plan.converts_inputs) {
+        pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+          FromFloat(dtype, grad_hidden_f32 + begin * d, grad_hidden_out + begin * d * element,
+                    static_cast<size_t>((end - begin) * d));
+        });
+      }
+    }
+  }
+
+  *args.loss_sum = static_cast<float>(loss_sum);
+  *args.token_count = token_count;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> CreateCpuBackend(int threads) {
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::make_unique<CpuBackend>(threads);
+}
+
+}  // namespace losshead::kernels

@@ -1,0 +1,71 @@
+// Test helpers shared by the backend suites: random rounded inputs, and one Run through the public
+// Backend API (allocate, copy in, run, copy out) with every output brought back to the host.
+#ifndef LOSSHEAD_TESTS_KERNELS_BACKEND_RUNNER_H_
+#define LOSSHEAD_TESTS_KERNELS_BACKEND_RUNNER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/problem.h"
+
+namespace losshead::kernels::testing {
+
+struct InputSpec {
+  double hidden_scale = 1.0;     // H ~ U(-hidden_scale, hidden_scale)
+  double weight_scale = 1.0;     // W ~ U(-weight_scale, weight_scale)
+  double ignore_fraction = 0.0;  // share of targets set to ignore_index
+};
+
+// Inputs in the problem's dtype (`*_bytes`) and the same values decoded to double, so that a
+// float64 reference sees exactly what the backend sees.
+struct Inputs {
+  Problem problem;
+  std::vector<uint8_t> hidden_bytes;
+  std::vector<uint8_t> weight_bytes;
+  std::vector<double> hidden;
+  std::vector<double> weight;
+  std::vector<int32_t> targets;
+};
+
+Inputs MakeRandomInputs(const Problem& problem, uint64_t seed, const InputSpec& spec = {});
+
+struct RunOptions {
+  size_t workspace_budget = size_t{64} << 20;
+  bool grad_hidden = true;
+  bool grad_weight = true;
+  bool per_token = true;
+  // dW before the call (V x D); zeros when empty.
+  std::vector<float> initial_grad_weight;
+};
+
+struct Outputs {
+  float loss_sum = 0.0f;
+  int64_t token_count = 0;
+  std::vector<float> per_token_loss;
+  std::vector<float> per_token_lse;
+  std::vector<double> grad_hidden;  // decoded from the problem's dtype
+  std::vector<float> grad_weight;   // the accumulator after the call
+};
+
+// Runs `inputs` on `backend` with WorkspaceBytes(problem, workspace_budget) bytes of workspace.
+// Output buffers start filled with a poison pattern, so anything not written shows up.
+absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& inputs,
+                                     const RunOptions& options = {});
+
+// Largest |actual - expected| / (rel * |expected| + abs); <= 1 means within tolerance.
+double WorstToleranceRatio(const std::vector<double>& actual, const std::vector<double>& expected,
+                           double rel, double abs);
+double MaxAbs(const std::vector<double>& values);
+
+template <typename T>
+std::vector<double> ToDouble(const std::vector<T>& values) {
+  return std::vector<double>(values.begin(), values.end());
+}
+
+}  // namespace losshead::kernels::testing
+
+#endif  // LOSSHEAD_TESTS_KERNELS_BACKEND_RUNNER_H_
