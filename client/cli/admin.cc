@@ -1,0 +1,105 @@
+// Small administrative subcommands: create, list, delete, stats, health.
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
+#include "client/cli/commands.h"
+#include "client/cli/flags.h"
+
+namespace losshead::cli {
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "error: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+void PrintHead(const v1::HeadInfo& h) {
+  std::printf("%-24s V=%-8lld D=%-6lld %-5s version=%llu tokens_since_pull=%llu "
+              "microbatches_since_pull=%llu tokens_total=%llu weights=%llu B gradient=%llu B "
+              "workspace=%llu B device=%s\n",
+              h.spec().name().c_str(), static_cast<long long>(h.spec().vocab_size()),
+              static_cast<long long>(h.spec().hidden_size()),
+              v1::DType_Name(h.spec().weight_dtype()).substr(6).c_str(),
+              static_cast<unsigned long long>(h.weights_version()),
+              static_cast<unsigned long long>(h.tokens_since_pull()),
+              static_cast<unsigned long long>(h.microbatches_since_pull()),
+              static_cast<unsigned long long>(h.tokens_total()),
+              static_cast<unsigned long long>(h.memory().weights_bytes()),
+              static_cast<unsigned long long>(h.memory().gradient_bytes()),
+              static_cast<unsigned long long>(h.memory().workspace_bytes()), h.device().c_str());
+}
+
+}  // namespace
+
+int RunCreate() {
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(client.status());
+  v1::HeadSpec spec;
+  spec.set_name(absl::GetFlag(FLAGS_head));
+  spec.set_vocab_size(absl::GetFlag(FLAGS_vocab));
+  spec.set_hidden_size(absl::GetFlag(FLAGS_hidden));
+  v1::DType dtype;
+  if (!v1::DType_Parse("DTYPE_" + absl::AsciiStrToUpper(absl::GetFlag(FLAGS_dtype)), &dtype)) {
+    return Fail(absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32"));
+  }
+  spec.set_weight_dtype(dtype);
+  if (absl::GetFlag(FLAGS_init_std) > 0) {
+    spec.mutable_init()->mutable_normal()->set_std(static_cast<float>(absl::GetFlag(FLAGS_init_std)));
+    spec.mutable_init()->mutable_normal()->set_seed(absl::GetFlag(FLAGS_seed));
+  } else {
+    spec.mutable_init()->set_zeros(true);
+  }
+  auto info = (*client)->CreateHead(spec);
+  if (!info.ok()) return Fail(info.status());
+  PrintHead(*info);
+  return 0;
+}
+
+int RunList() {
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(client.status());
+  auto heads = (*client)->ListHeads();
+  if (!heads.ok()) return Fail(heads.status());
+  for (const v1::HeadInfo& h : *heads) PrintHead(h);
+  return 0;
+}
+
+int RunDelete() {
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(client.status());
+  absl::Status status = (*client)->DeleteHead(absl::GetFlag(FLAGS_head));
+  if (!status.ok()) return Fail(status);
+  std::printf("deleted %s\n", absl::GetFlag(FLAGS_head).c_str());
+  return 0;
+}
+
+int RunStats() {
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(client.status());
+  auto stats = (*client)->GetStats();
+  if (!stats.ok()) return Fail(stats.status());
+  const v1::Stats& s = *stats;
+  std::printf("version %s, backend %s (%s), memory free %llu / %llu B, uptime %.1f s, "
+              "in flight %llu, max message %llu B\n",
+              s.version().c_str(), s.device().backend().c_str(), s.device().name().c_str(),
+              static_cast<unsigned long long>(s.device().memory_free_bytes()),
+              static_cast<unsigned long long>(s.device().memory_total_bytes()),
+              s.uptime_seconds(), static_cast<unsigned long long>(s.inflight_microbatches()),
+              static_cast<unsigned long long>(s.max_message_bytes()));
+  for (const v1::HeadInfo& h : s.heads()) PrintHead(h);
+  return 0;
+}
+
+int RunHealth() {
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(client.status());
+  auto status = (*client)->Health();
+  if (!status.ok()) return Fail(status.status());
+  constexpr const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  std::printf("%s\n", kNames[static_cast<int>(*status)]);
+  return *status == client::ServingStatus::kServing ? 0 : 1;
+}
+
+}  // namespace losshead::cli

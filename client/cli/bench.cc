@@ -1,0 +1,201 @@
+// `losshead bench`: synthetic bf16 micro-batches over several concurrent Step streams; reports
+// tokens/s and the latency of each micro-batch from its first byte sent to its answer received.
+// The result is checked before anything is timed: on a freshly created zero head every token's
+// loss is exactly log V.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "client/cli/commands.h"
+#include "client/cli/flags.h"
+#include "client/cli/host_math.h"
+
+namespace losshead::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int Fail(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "bench: %s: %s\n", what.c_str(), status.ToString().c_str());
+  return 1;
+}
+
+struct Batch {
+  std::vector<uint16_t> hidden;
+  std::vector<int32_t> targets;
+};
+
+client::Microbatch MakeMicrobatch(const std::string& head, const std::string& client_id,
+                                  uint64_t sequence, int64_t n, const Batch& batch) {
+  client::Microbatch mb;
+  mb.head = head;
+  mb.client_id = client_id;
+  mb.sequence = sequence;
+  mb.num_tokens = n;
+  mb.hidden_dtype = v1::DTYPE_BF16;
+  mb.hidden = client::AsBytes(batch.hidden);
+  mb.target_dtype = v1::DTYPE_INT32;
+  mb.targets = client::AsBytes(batch.targets);
+  return mb;
+}
+
+// One stream's loop: keeps `depth` micro-batches in flight until `done` says stop.
+absl::Status RunStream(client::Client& client, const std::string& head, int index, int64_t n,
+                       const Batch& batch, int depth, int64_t iterations, Clock::time_point stop,
+                       std::vector<double>* latencies, int64_t* tokens) {
+  auto stream = client.OpenStepStream();
+  if (!stream.ok()) return stream.status();
+  const std::string client_id = absl::StrCat("bench-", getpid(), "-", index);
+  std::deque<Clock::time_point> started;
+  uint64_t sequence = 0;
+  auto more = [&] {
+    return iterations > 0 ? static_cast<int64_t>(sequence) < iterations : Clock::now() < stop;
+  };
+  absl::Status status;
+  while (status.ok() && (more() || !started.empty())) {
+    while (status.ok() && static_cast<int>(started.size()) < depth && more()) {
+      started.push_back(Clock::now());
+      status = (*stream)->Send(MakeMicrobatch(head, client_id, ++sequence, n, batch));
+    }
+    if (started.empty()) break;
+    auto result = (*stream)->Receive();
+    if (!result.ok()) {
+      status = result.status();
+      break;
+    }
+    latencies->push_back(std::chrono::duration<double>(Clock::now() - started.front()).count());
+    started.pop_front();
+    *tokens += result->token_count;
+  }
+  absl::Status finished = (*stream)->Finish();
+  return status.ok() ? finished : status;
+}
+
+double Percentile(std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return NAN;
+  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()));
+  return sorted[i];
+}
+
+}  // namespace
+
+int RunBench() {
+  const int64_t n = absl::GetFlag(FLAGS_n);
+  const int64_t d = absl::GetFlag(FLAGS_d);
+  const int64_t v = absl::GetFlag(FLAGS_v);
+  const int streams = absl::GetFlag(FLAGS_streams);
+  const int depth = absl::GetFlag(FLAGS_pipeline);
+  const int64_t iterations = absl::GetFlag(FLAGS_iterations);
+  if (n < 1 || d < 1 || v < 1 || streams < 1 || depth < 1) {
+    return Fail("flags", absl::InvalidArgumentError("--n --d --v --streams --pipeline must be >= 1"));
+  }
+  const bool dedicated = absl::GetFlag(FLAGS_dedicated_connections);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int i = 0; i < (dedicated ? streams : 1); ++i) {
+    auto c = ConnectFromFlags(dedicated);
+    if (!c.ok()) return Fail("connect", c.status());
+    clients.push_back(std::move(*c));
+  }
+  client::Client& admin = *clients[0];
+
+  std::string head = absl::GetFlag(FLAGS_head);
+  const bool own_head = head.empty();
+  if (own_head) {
+    head = absl::StrCat("bench-", getpid());
+    v1::HeadSpec spec;
+    spec.set_name(head);
+    spec.set_vocab_size(v);
+    spec.set_hidden_size(d);
+    spec.set_weight_dtype(v1::DTYPE_BF16);
+    spec.mutable_init()->set_zeros(true);
+    auto created = admin.CreateHead(spec);
+    if (!created.ok()) return Fail("create head", created.status());
+    std::printf("bench: head %s V=%lld D=%lld bf16 on %s\n", head.c_str(),
+                static_cast<long long>(v), static_cast<long long>(d), created->device().c_str());
+  }
+
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  Batch batch;
+  batch.hidden = ToBf16(RandomNormal(static_cast<size_t>(n * d), 1.0f, rng));
+  batch.targets.resize(n);
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(v - 1));
+  for (int32_t& t : batch.targets) t = pick(rng);
+
+  // Check first: a zero head gives loss log V on every token, and a finite loss in any case.
+  int exit_code = 0;
+  {
+    auto check = admin.Step(MakeMicrobatch(head, absl::StrCat("bench-check-", getpid()), 1, n, batch));
+    if (!check.ok()) {
+      exit_code = Fail("check step", check.status());
+    } else if (!std::isfinite(check->loss) || check->token_count != n ||
+               (own_head && std::fabs(check->loss - std::log(static_cast<double>(v))) > 1e-3)) {
+      exit_code = Fail("check step", absl::InternalError(absl::StrCat(
+                                         "loss ", check->loss, " over ", check->token_count,
+                                         " tokens; expected log V = ", std::log(double(v)))));
+    } else {
+      std::printf("bench: check ok (loss %.5f, log V %.5f)\n", check->loss,
+                  std::log(static_cast<double>(v)));
+    }
+  }
+
+  if (exit_code == 0) {
+    std::vector<std::vector<double>> latencies(streams);
+    std::vector<int64_t> tokens(streams, 0);
+    std::vector<absl::Status> statuses(streams);
+    const Clock::time_point start = Clock::now();
+    const Clock::time_point stop =
+        start + std::chrono::duration_cast<Clock::duration>(
+                    std::chrono::duration<double>(absl::GetFlag(FLAGS_seconds)));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < streams; ++i) {
+      threads.emplace_back([&, i] {
+        statuses[i] = RunStream(*clients[dedicated ? i : 0], head, i, n, batch, depth, iterations,
+                                stop, &latencies[i], &tokens[i]);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    for (const absl::Status& s : statuses) {
+      if (!s.ok() && exit_code == 0) exit_code = Fail("stream", s);
+    }
+    std::vector<double> all;
+    int64_t total_tokens = 0;
+    for (int i = 0; i < streams; ++i) {
+      all.insert(all.end(), latencies[i].begin(), latencies[i].end());
+      total_tokens += tokens[i];
+    }
+    std::sort(all.begin(), all.end());
+    const double flops = 6.0 * static_cast<double>(total_tokens) * static_cast<double>(v) *
+                         static_cast<double>(d);
+    std::printf("bench: N=%lld D=%lld V=%lld bf16, %d streams x %d in flight: %zu micro-batches, "
+                "%lld tokens in %.2f s\n",
+                static_cast<long long>(n), static_cast<long long>(d), static_cast<long long>(v),
+                streams, depth, all.size(), static_cast<long long>(total_tokens), elapsed);
+    std::printf("bench: %.0f tokens/s, %.2f GFLOP/s, %.1f MB/s on the wire (hidden up + dH down)\n",
+                static_cast<double>(total_tokens) / elapsed, flops / elapsed * 1e-9,
+                4.0 * static_cast<double>(total_tokens) * static_cast<double>(d) / elapsed * 1e-6);
+    std::printf("bench: step latency p50 %.2f ms, p95 %.2f ms, p99 %.2f ms\n",
+                Percentile(all, 0.50) * 1e3, Percentile(all, 0.95) * 1e3,
+                Percentile(all, 0.99) * 1e3);
+  }
+  if (own_head) {
+    if (absl::Status s = admin.DeleteHead(head); !s.ok() && exit_code == 0) {
+      exit_code = Fail("delete head", s);
+    }
+  }
+  return exit_code;
+}
+
+}  // namespace losshead::cli

@@ -1,0 +1,25 @@
+// The subcommands of the `losshead` tool. Each returns the process exit code.
+#ifndef LOSSHEAD_CLIENT_CLI_COMMANDS_H_
+#define LOSSHEAD_CLIENT_CLI_COMMANDS_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "losshead/client/client.h"
+
+namespace losshead::cli {
+
+// A client for --server with --max_message_bytes and --deadline_s.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection = false);
+
+int RunDemo();
+int RunBench();
+int RunCreate();
+int RunList();
+int RunDelete();
+int RunStats();
+int RunHealth();
+
+}  // namespace losshead::cli
+
+#endif  // LOSSHEAD_CLIENT_CLI_COMMANDS_H_

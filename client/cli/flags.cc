@@ -1,0 +1,34 @@
+#include "client/cli/flags.h"
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, server, "localhost:50051", "host:port of losshead-server");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{4} << 20,
+          "largest gRPC message; set it to the server's limit");
+ABSL_FLAG(double, deadline_s, 60, "deadline of each unary call, pull and push, in seconds");
+ABSL_FLAG(std::string, head, "", "head name (demo, create, delete, bench: default generated)");
+ABSL_FLAG(uint64_t, seed, 1, "random seed");
+
+ABSL_FLAG(int64_t, vocab, 512, "vocabulary size V (demo, create)");
+ABSL_FLAG(int64_t, hidden, 64, "hidden size D (demo, create)");
+
+ABSL_FLAG(int, steps, 60, "demo: optimizer steps");
+ABSL_FLAG(int64_t, tokens_per_step, 2048, "demo: tokens per optimizer step");
+ABSL_FLAG(int64_t, microbatch, 512, "demo: tokens per micro-batch (pipelined on one stream)");
+ABSL_FLAG(double, lr, 0.05, "demo: learning rate");
+ABSL_FLAG(std::string, optimizer, "adam", "demo: adam | sgd");
+ABSL_FLAG(double, teacher_gain, 2.5,
+          "demo: teacher weights ~ N(0, (gain / sqrt(D))^2); larger means lower entropy");
+ABSL_FLAG(int, print_every, 5, "demo: print the loss every this many steps");
+
+ABSL_FLAG(std::string, dtype, "bf16", "create: weight dtype bf16 | fp16 | fp32");
+ABSL_FLAG(double, init_std, 0, "create: normal init std; 0 means zeros");
+
+ABSL_FLAG(int64_t, n, 1024, "bench: tokens per micro-batch");
+ABSL_FLAG(int64_t, d, 512, "bench: hidden size");
+ABSL_FLAG(int64_t, v, 8192, "bench: vocabulary size");
+ABSL_FLAG(int, streams, 2, "bench: concurrent Step streams");
+ABSL_FLAG(double, seconds, 5, "bench: run time when --iterations is 0");
+ABSL_FLAG(int64_t, iterations, 0, "bench: micro-batches per stream; 0 runs for --seconds");
+ABSL_FLAG(int, pipeline, 2, "bench: micro-batches in flight per stream");
+ABSL_FLAG(bool, dedicated_connections, true, "bench: one TCP connection per stream");

@@ -1,0 +1,131 @@
+// C++ client of the losshead v1 service: head management, chunked weight and gradient transfer,
+// micro-batch steps, stats and health.
+#ifndef LOSSHEAD_CLIENT_CLIENT_H_
+#define LOSSHEAD_CLIENT_CLIENT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "losshead/client/step_stream.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "losshead/v1/losshead.pb.h"
+
+namespace losshead::client {
+
+struct ClientOptions {
+  // Largest message sent or accepted. Set it to the server's limit (Stats.max_message_bytes):
+  // tensors are split into pieces below it, and the server's chunks must fit in it.
+  size_t max_message_bytes = size_t{4} << 20;
+  // Deadline of each unary call and of each whole pull, push or download.
+  absl::Duration deadline = absl::Seconds(60);
+  // Deadline of a Step stream, from its opening; infinite by default as streams live long.
+  absl::Duration stream_deadline = absl::InfiniteDuration();
+  // Gives this client its own TCP connection instead of sharing one with other clients to the same
+  // target (gRPC pools them by default); several connections carry more bytes than one.
+  bool dedicated_connection = false;
+  // Insecure when null.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+};
+
+// Bytes of a tensor that needs no typed access on the client side.
+using Bytes = std::vector<std::byte>;
+
+struct PushRequest {
+  std::string head;
+  v1::DType dtype = v1::DTYPE_FP32;  // BF16 | FP16 | FP32; V x D row-major
+  std::span<const std::byte> data;
+  v1::PushMode mode = v1::PUSH_MODE_REPLACE;
+  std::optional<uint64_t> expected_weights_version;
+};
+
+// A gradient pulled whole: the server's summary and V x D elements of summary.dtype().
+struct PulledGradient {
+  v1::GradientSummary summary;
+  Bytes data;
+};
+
+struct DownloadedWeights {
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  uint64_t weights_version = 0;
+  Bytes data;
+};
+
+// grpc.health.v1 serving status.
+enum class ServingStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
+
+// Thread-safe: one Client (one channel) may serve many threads and streams at once. Every method
+// returns the server's status code unchanged (see FromGrpcStatus); the client adds INVALID_ARGUMENT
+// for requests it can tell are malformed before sending and INTERNAL for answers that break the
+// protocol's framing (bad offsets, totals, missing summary).
+class Client {
+ public:
+  // Creates the channel; does not wait for the server (see WaitForReady / Health).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
+                                                         const ClientOptions& options = {});
+
+  // True once the channel is connected, DEADLINE_EXCEEDED if it is not within `timeout`.
+  absl::Status WaitForReady(absl::Duration timeout);
+
+  absl::StatusOr<v1::HeadInfo> CreateHead(const v1::HeadSpec& spec);
+  absl::StatusOr<v1::HeadInfo> GetHead(const std::string& name);
+  absl::StatusOr<std::vector<v1::HeadInfo>> ListHeads();
+  absl::Status DeleteHead(const std::string& name);
+  absl::StatusOr<v1::HeadInfo> SetLossOptions(const std::string& name,
+                                              const v1::LossOptions& default_options);
+
+  // Streams W (or a delta, PUSH_MODE_ADD) in pieces below the message limit; returns the new
+  // weights version. FAILED_PRECONDITION when expected_weights_version does not match.
+  absl::StatusOr<uint64_t> PushWeights(const PushRequest& request);
+  // PushWeights with PUSH_MODE_REPLACE and no expected version.
+  absl::StatusOr<uint64_t> UploadWeights(const std::string& head, v1::DType dtype,
+                                         std::span<const std::byte> data);
+  // UNSPECIFIED dtype: the head's weight dtype.
+  absl::StatusOr<DownloadedWeights> DownloadWeights(const std::string& head,
+                                                    v1::DType dtype = v1::DTYPE_UNSPECIFIED);
+  // Reassembles dW (FP32 or BF16) in host memory, checking that the chunks tile it exactly.
+  absl::StatusOr<PulledGradient> PullGradient(const std::string& head,
+                                              v1::DType dtype = v1::DTYPE_FP32,
+                                              bool reset = false);
+
+  absl::StatusOr<v1::Stats> GetStats();
+  // grpc.health.v1.Health/Check; an empty `service` asks about the server as a whole.
+  absl::StatusOr<ServingStatus> Health(const std::string& service = "");
+
+  // Opens a Step stream (see StepStream).
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
+  // One micro-batch on its own stream: its result or its error, with the server's code.
+  absl::StatusOr<StepResult> Step(const Microbatch& microbatch);
+
+  const ClientOptions& options() const { return options_; }
+  grpc::Channel* channel() const { return channel_.get(); }
+
+ private:
+  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  std::unique_ptr<grpc::ClientContext> NewContext(absl::Duration deadline) const;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::LossHead::Stub> stub_;
+  ClientOptions options_;
+};
+
+// Bytes per element of a dtype; 0 for UNSPECIFIED.
+size_t DTypeBytes(v1::DType dtype);
+
+// Payload bytes that fit in one message next to `overhead` bytes of other fields.
+size_t PieceBytes(size_t max_message_bytes, size_t overhead);
+
+}  // namespace losshead::client
+
+#endif  // LOSSHEAD_CLIENT_CLIENT_H_

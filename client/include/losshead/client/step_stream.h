@@ -1,0 +1,120 @@
+// Micro-batches over one bidirectional Step stream: chunked sends, pipelined, answered in order.
+#ifndef LOSSHEAD_CLIENT_STEP_STREAM_H_
+#define LOSSHEAD_CLIENT_STEP_STREAM_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "losshead/v1/losshead.pb.h"
+
+namespace losshead::client {
+
+// One micro-batch: N tokens of hidden states (N x D row-major, `hidden_dtype`) and their target ids
+// (N, `target_dtype` INT32 or INT64). The spans are only read during StepStream::Send.
+// (client_id, sequence) is the idempotency key: sending the same key twice returns the first
+// answer again without accumulating dW twice.
+struct Microbatch {
+  std::string head;
+  std::string client_id;
+  uint64_t sequence = 0;
+  int64_t num_tokens = 0;
+  v1::DType hidden_dtype = v1::DTYPE_BF16;
+  std::span<const std::byte> hidden;
+  v1::DType target_dtype = v1::DTYPE_INT32;
+  std::span<const std::byte> targets;
+  v1::StepOptions options;        // grad_scale, reduction, expected version, per-token loss, ...
+  v1::LossOptions loss_options;   // overrides of the head's default loss options
+};
+
+// The answer to one successful micro-batch.
+struct StepResult {
+  std::string client_id;
+  uint64_t sequence = 0;
+  double loss_sum = 0;
+  int64_t token_count = 0;
+  double loss = 0;
+  uint64_t weights_version = 0;
+  bool replayed = false;
+  v1::DType grad_hidden_dtype = v1::DTYPE_UNSPECIFIED;
+  std::vector<std::byte> grad_hidden;  // N x D of grad_hidden_dtype; empty with skip_grad_hidden
+  std::vector<float> per_token_loss;   // N, when return_per_token_loss was set
+};
+
+// Bytes of a typed vector, for Microbatch spans.
+template <typename T>
+std::span<const std::byte> AsBytes(const std::vector<T>& v) {
+  return std::as_bytes(std::span<const T>(v));
+}
+
+// A Step call. Send() may be called from several threads (each micro-batch's messages are written
+// as one unit) and Receive() from another; answers come back in the order micro-batches were sent.
+// A background thread drains the server's answers so that a caller who sends many micro-batches
+// before receiving never stalls the server's writes. Per-micro-batch errors come out of Receive()
+// with the server's code and the stream stays usable; once the call itself has ended, Receive()
+// returns the call's status for every outstanding micro-batch.
+class StepStream {
+ public:
+  // Use Client::OpenStepStream.
+  StepStream(std::unique_ptr<grpc::ClientContext> context, v1::LossHead::Stub* stub,
+             size_t max_message_bytes);
+  ~StepStream();  // cancels the call if Finish() was not called
+  StepStream(const StepStream&) = delete;
+  StepStream& operator=(const StepStream&) = delete;
+
+  // Writes one micro-batch, split into messages below max_message_bytes. Fails with the call's
+  // status (or UNAVAILABLE) when the stream can no longer be written, FAILED_PRECONDITION after
+  // Finish(). Shapes are not checked here: the server is the authority and answers per micro-batch.
+  absl::Status Send(const Microbatch& microbatch);
+
+  // Blocks for the answer to the oldest micro-batch not yet received.
+  // FAILED_PRECONDITION when nothing is outstanding.
+  absl::StatusOr<StepResult> Receive();
+
+  // Micro-batches sent whose answers have not been returned by Receive().
+  size_t outstanding() const;
+
+  // Half-closes, waits for the server to end the call, and returns the call's status. Answers
+  // still buffered stay available to Receive().
+  absl::Status Finish();
+
+  // Ends the call at once (CANCELLED for the server).
+  void Cancel();
+
+ private:
+  void ReadLoop();
+  // Fails every expected answer still missing with `status`; called once the call has ended.
+  void EndCall(const absl::Status& status);
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
+  const size_t max_message_bytes_;
+
+  std::mutex write_mu_;  // one micro-batch's messages are written without interleaving
+  bool writes_done_ = false;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::string, uint64_t>> expected_;  // keys sent, not yet answered
+  std::deque<absl::StatusOr<StepResult>> answers_;         // answered, not yet received
+  bool ended_ = false;
+  absl::Status call_status_;
+  std::thread reader_;
+};
+
+}  // namespace losshead::client
+
+#endif  // LOSSHEAD_CLIENT_STEP_STREAM_H_

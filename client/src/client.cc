@@ -1,0 +1,148 @@
+// Channel setup and the unary head-management calls.
+#include "losshead/client/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "losshead/client/status.h"
+
+namespace losshead::client {
+
+size_t DTypeBytes(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+    case v1::DTYPE_FP16:
+      return 2;
+    case v1::DTYPE_FP32:
+    case v1::DTYPE_INT32:
+      return 4;
+    case v1::DTYPE_INT64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+size_t PieceBytes(size_t max_message_bytes, size_t overhead) {
+  // Each bytes field costs a tag and a length varint, each scalar a few bytes: 64 covers them.
+  constexpr size_t kSlack = 64;
+  if (max_message_bytes <= overhead + kSlack + 1) return 1;
+  return max_message_bytes - overhead - kSlack;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
+                                                        const ClientOptions& options) {
+  if (target.empty()) return absl::InvalidArgumentError("empty server target");
+  if (options.max_message_bytes < 1024 ||
+      options.max_message_bytes > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes must be in [1024, 2^31): ", options.max_message_bytes));
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto credentials =
+      options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  auto channel = grpc::CreateCustomChannel(target, credentials, args);
+  if (channel == nullptr) return absl::InternalError("could not create a gRPC channel");
+  return std::unique_ptr<Client>(new Client(std::move(channel), options));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
+    : channel_(std::move(channel)), stub_(v1::LossHead::NewStub(channel_)), options_(options) {}
+
+std::unique_ptr<grpc::ClientContext> Client::NewContext(absl::Duration deadline) const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  if (deadline != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  }
+  return context;
+}
+
+absl::Status Client::WaitForReady(absl::Duration timeout) {
+  if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
+    return absl::OkStatus();
+  }
+  return absl::DeadlineExceededError("server not reachable within the timeout");
+}
+
+absl::StatusOr<v1::HeadInfo> Client::CreateHead(const v1::HeadSpec& spec) {
+  v1::CreateHeadRequest request;
+  *request.mutable_spec() = spec;
+  v1::HeadInfo info;
+  auto context = NewContext(options_.deadline);
+  grpc::Status status = stub_->CreateHead(context.get(), request, &info);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return info;
+}
+
+absl::StatusOr<v1::HeadInfo> Client::GetHead(const std::string& name) {
+  v1::GetHeadRequest request;
+  request.set_name(name);
+  v1::HeadInfo info;
+  auto context = NewContext(options_.deadline);
+  grpc::Status status = stub_->GetHead(context.get(), request, &info);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return info;
+}
+
+absl::StatusOr<std::vector<v1::HeadInfo>> Client::ListHeads() {
+  v1::ListHeadsResponse response;
+  auto context = NewContext(options_.deadline);
+  grpc::Status status = stub_->ListHeads(context.get(), v1::ListHeadsRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::vector<v1::HeadInfo>(response.heads().begin(), response.heads().end());
+}
+
+absl::Status Client::DeleteHead(const std::string& name) {
+  v1::DeleteHeadRequest request;
+  request.set_name(name);
+  v1::DeleteHeadResponse response;
+  auto context = NewContext(options_.deadline);
+  return FromGrpcStatus(stub_->DeleteHead(context.get(), request, &response));
+}
+
+absl::StatusOr<v1::HeadInfo> Client::SetLossOptions(const std::string& name,
+                                                    const v1::LossOptions& default_options) {
+  v1::SetLossOptionsRequest request;
+  request.set_name(name);
+  *request.mutable_default_options() = default_options;
+  v1::HeadInfo info;
+  auto context = NewContext(options_.deadline);
+  grpc::Status status = stub_->SetLossOptions(context.get(), request, &info);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return info;
+}
+
+absl::StatusOr<v1::Stats> Client::GetStats() {
+  v1::Stats stats;
+  auto context = NewContext(options_.deadline);
+  grpc::Status status = stub_->GetStats(context.get(), v1::GetStatsRequest(), &stats);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return stats;
+}
+
+absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStepStream() {
+  return std::make_unique<StepStream>(NewContext(options_.stream_deadline), stub_.get(),
+                                      options_.max_message_bytes);
+}
+
+absl::StatusOr<StepResult> Client::Step(const Microbatch& microbatch) {
+  auto stream = OpenStepStream();
+  if (!stream.ok()) return stream.status();
+  absl::Status sent = (*stream)->Send(microbatch);
+  if (!sent.ok()) return sent;
+  absl::StatusOr<StepResult> result = (*stream)->Receive();
+  absl::Status finished = (*stream)->Finish();
+  // A per-micro-batch error is the interesting status; the call's own comes second.
+  if (!result.ok()) return result.status();
+  if (!finished.ok()) return finished;
+  return result;
+}
+
+}  // namespace losshead::client

@@ -1,0 +1,248 @@
+// The Step stream: micro-batches out in message-sized pieces, answers reassembled by a reader
+// thread and handed out in order.
+#include "losshead/client/step_stream.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "losshead/client/client.h"
+#include "losshead/client/status.h"
+
+namespace losshead::client {
+
+StepStream::StepStream(std::unique_ptr<grpc::ClientContext> context, v1::LossHead::Stub* stub,
+                       size_t max_message_bytes)
+    : context_(std::move(context)), max_message_bytes_(max_message_bytes) {
+  stream_ = stub->Step(context_.get());
+  reader_ = std::thread([this] { ReadLoop(); });
+}
+
+StepStream::~StepStream() {
+  bool ended;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ended = ended_;
+  }
+  if (!ended) context_->TryCancel();
+  if (reader_.joinable()) reader_.join();
+}
+
+void StepStream::Cancel() { context_->TryCancel(); }
+
+size_t StepStream::outstanding() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return expected_.size() + answers_.size();
+}
+
+absl::Status StepStream::Send(const Microbatch& mb) {
+  bool write_failed = false;
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    if (writes_done_) return absl::FailedPreconditionError("Send after Finish on a step stream");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ended_) {
+        return call_status_.ok() ? absl::UnavailableError("the step stream has ended")
+                                 : call_status_;
+      }
+      expected_.emplace_back(mb.client_id, mb.sequence);
+    }
+
+    v1::StepHeader header;
+    header.set_head(mb.head);
+    header.set_client_id(mb.client_id);
+    header.set_sequence(mb.sequence);
+    header.set_num_tokens(mb.num_tokens);
+    header.set_hidden_dtype(mb.hidden_dtype);
+    header.set_target_dtype(mb.target_dtype);
+    *header.mutable_options() = mb.options;
+    *header.mutable_loss_options() = mb.loss_options;
+
+    // Hidden bytes first, then target bytes, cut at message-sized boundaries: the server appends
+    // pieces of each field in order, so a message may carry the tail of one and the head of the
+    // other.
+    const char* hidden = reinterpret_cast<const char*>(mb.hidden.data());
+    const char* targets = reinterpret_cast<const char*>(mb.targets.data());
+    size_t hidden_left = mb.hidden.size();
+    size_t targets_left = mb.targets.size();
+    bool first = true;
+    while (first || hidden_left + targets_left > 0) {
+      v1::StepRequest request;
+      size_t budget = PieceBytes(max_message_bytes_, first ? header.ByteSizeLong() + 16 : 16);
+      if (first) *request.mutable_header() = header;
+      const size_t h = std::min(budget, hidden_left);
+      if (h > 0) request.set_hidden(hidden, h);
+      hidden += h;
+      hidden_left -= h;
+      budget -= h;
+      const size_t t = std::min(budget, targets_left);
+      if (t > 0) request.set_targets(targets, t);
+      targets += t;
+      targets_left -= t;
+      request.set_last(hidden_left + targets_left == 0);
+      first = false;
+      if (!stream_->Write(request)) {
+        write_failed = true;
+        break;
+      }
+    }
+  }
+  if (!write_failed) return absl::OkStatus();
+  // A refused write means the call is over; the reader is about to learn why. The micro-batch
+  // stays expected, so Receive() reports the same status for it.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return ended_; });
+  return call_status_.ok() ? absl::UnavailableError("the step stream has ended") : call_status_;
+}
+
+absl::StatusOr<StepResult> StepStream::Receive() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (expected_.empty() && answers_.empty()) {
+    return absl::FailedPreconditionError("Receive with no micro-batch outstanding");
+  }
+  cv_.wait(lock, [this] { return !answers_.empty(); });
+  absl::StatusOr<StepResult> answer = std::move(answers_.front());
+  answers_.pop_front();
+  return answer;
+}
+
+absl::Status StepStream::Finish() {
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    if (!writes_done_) {
+      writes_done_ = true;
+      stream_->WritesDone();
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return ended_; });
+  return call_status_;
+}
+
+void StepStream::ReadLoop() {
+  v1::StepResponse response;
+  absl::Status protocol;  // first framing error; the call is cancelled on it
+  std::optional<StepResult> current;
+  std::string per_token;  // fp32 bytes until the answer is complete
+  uint64_t grad_bytes = 0;
+  uint64_t per_token_bytes = 0;
+
+  auto deliver = [this](absl::StatusOr<StepResult> answer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    expected_.pop_front();
+    answers_.push_back(std::move(answer));
+    cv_.notify_all();
+  };
+  auto fail = [&](absl::Status status) {
+    protocol = std::move(status);
+    context_->TryCancel();
+  };
+
+  while (stream_->Read(&response)) {
+    if (!protocol.ok()) continue;
+    if (!current.has_value()) {
+      std::pair<std::string, uint64_t> key;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (expected_.empty()) {
+          fail(absl::InternalError("step answer for a micro-batch that was not sent"));
+          continue;
+        }
+        key = expected_.front();
+      }
+      if (response.client_id() != key.first || response.sequence() != key.second) {
+        fail(absl::InternalError(absl::StrCat(
+            "step answer for (", response.client_id(), ", ", response.sequence(),
+            ") while (", key.first, ", ", key.second, ") was next")));
+        continue;
+      }
+      if (response.has_error()) {
+        if (!response.last()) {
+          fail(absl::InternalError("micro-batch error not marked last"));
+          continue;
+        }
+        absl::Status error =
+            FromCodeAndMessage(response.error().code(), response.error().message());
+        deliver(error.ok() ? absl::InternalError("micro-batch error with code OK") : error);
+        continue;
+      }
+      if (!response.has_result()) {
+        fail(absl::InternalError("first message of a step answer has no result"));
+        continue;
+      }
+      const v1::StepResult& r = response.result();
+      current.emplace();
+      current->client_id = key.first;
+      current->sequence = key.second;
+      current->loss_sum = r.loss_sum();
+      current->token_count = r.token_count();
+      current->loss = r.loss();
+      current->weights_version = r.weights_version();
+      current->replayed = r.replayed();
+      current->grad_hidden_dtype = r.grad_hidden_dtype();
+      grad_bytes = r.grad_hidden_bytes();
+      per_token_bytes = r.per_token_loss_bytes();
+      if (per_token_bytes % sizeof(float) != 0) {
+        fail(absl::InternalError("per-token loss bytes not a multiple of 4"));
+        continue;
+      }
+      current->grad_hidden.reserve(grad_bytes);
+      per_token.clear();
+      per_token.reserve(per_token_bytes);
+    } else if (response.has_result() || response.has_error()) {
+      fail(absl::InternalError("step answer started inside another"));
+      continue;
+    }
+    const std::string& g = response.grad_hidden();
+    const std::string& p = response.per_token_loss();
+    if (current->grad_hidden.size() + g.size() > grad_bytes ||
+        per_token.size() + p.size() > per_token_bytes) {
+      fail(absl::InternalError("step answer carries more bytes than it announced"));
+      continue;
+    }
+    const auto* gb = reinterpret_cast<const std::byte*>(g.data());
+    current->grad_hidden.insert(current->grad_hidden.end(), gb, gb + g.size());
+    per_token.append(p);
+    if (!response.last()) continue;
+    if (current->grad_hidden.size() != grad_bytes || per_token.size() != per_token_bytes) {
+      fail(absl::InternalError(absl::StrCat(
+          "step answer ended with ", current->grad_hidden.size(), "/", grad_bytes, " dH bytes and ",
+          per_token.size(), "/", per_token_bytes, " per-token loss bytes")));
+      continue;
+    }
+    current->per_token_loss.resize(per_token.size() / sizeof(float));
+    if (!per_token.empty()) {
+      std::memcpy(current->per_token_loss.data(), per_token.data(), per_token.size());
+    }
+    deliver(std::move(*current));
+    current.reset();
+  }
+
+  grpc::Status status;
+  {
+    // Finish must not race a Write; a Write on an ended call returns at once, so this waits
+    // at most for one refused write.
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    status = stream_->Finish();
+  }
+  absl::Status call = protocol.ok() ? FromGrpcStatus(status) : protocol;
+  if (protocol.ok() && call.ok() && current.has_value()) {
+    call = absl::InternalError("step call ended inside an answer");
+  }
+  EndCall(call);
+}
+
+void StepStream::EndCall(const absl::Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ended_ = true;
+  call_status_ = status;
+  const absl::Status missing =
+      status.ok() ? absl::InternalError("the step call ended without answering a micro-batch")
+                  : status;
+  for (size_t i = 0; i < expected_.size(); ++i) answers_.push_back(missing);
+  expected_.clear();
+  cv_.notify_all();
+}
+
+}  // namespace losshead::client

@@ -1,0 +1,189 @@
+// Chunked tensor transfers: weights up (push), weights down (download), gradients down (pull).
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "losshead/client/client.h"
+#include "losshead/client/status.h"
+
+namespace losshead::client {
+namespace {
+
+// Collects chunks that must tile [0, total) in order, without gaps or overlap; the server
+// promises this order, so anything else is a framing error rather than something to reorder.
+class Reassembler {
+ public:
+  absl::Status Start(uint64_t total_bytes, uint64_t max_bytes) {
+    if (total_bytes > max_bytes) {
+      return absl::InternalError(
+          absl::StrCat("server announced ", total_bytes, " bytes, expected ", max_bytes));
+    }
+    total_ = total_bytes;
+    data_.resize(total_bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Add(uint64_t offset, const std::string& piece) {
+    if (offset != filled_) {
+      return absl::InternalError(
+          absl::StrCat("chunk at offset ", offset, " while ", filled_, " bytes are filled"));
+    }
+    if (piece.size() > total_ - filled_) {
+      return absl::InternalError(absl::StrCat("chunk of ", piece.size(), " bytes at offset ",
+                                              offset, " overruns the total of ", total_));
+    }
+    if (!piece.empty()) std::memcpy(data_.data() + filled_, piece.data(), piece.size());
+    filled_ += piece.size();
+    return absl::OkStatus();
+  }
+  absl::Status Finish() const {
+    if (filled_ != total_) {
+      return absl::InternalError(
+          absl::StrCat("stream ended after ", filled_, " of ", total_, " bytes"));
+    }
+    return absl::OkStatus();
+  }
+  Bytes Take() { return std::move(data_); }
+
+ private:
+  uint64_t total_ = 0;
+  uint64_t filled_ = 0;
+  Bytes data_;
+};
+
+}  // namespace
+
+absl::StatusOr<uint64_t> Client::PushWeights(const PushRequest& request) {
+  v1::PushHeader header;
+  header.set_head(request.head);
+  header.set_dtype(request.dtype);
+  header.set_mode(request.mode);
+  if (request.expected_weights_version.has_value()) {
+    header.set_expected_weights_version(*request.expected_weights_version);
+  }
+  auto context = NewContext(options_.deadline);
+  v1::PushWeightsResponse response;
+  auto writer = stub_->PushWeights(context.get(), &response);
+
+  const size_t piece = PieceBytes(options_.max_message_bytes, header.ByteSizeLong() + 16);
+  size_t offset = 0;
+  bool first = true;
+  // An empty tensor still sends its header so that the server, not the client, rejects it.
+  while (first || offset < request.data.size()) {
+    v1::PushWeightsRequest message;
+    if (first) *message.mutable_header() = header;
+    const size_t n = std::min(piece, request.data.size() - offset);
+    message.set_offset(offset);
+    message.set_data(reinterpret_cast<const char*>(request.data.data()) + offset, n);
+    offset += n;
+    first = false;
+    // A failed write means the server ended the call; Finish() says why.
+    if (!writer->Write(message)) break;
+  }
+  writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.weights_version();
+}
+
+absl::StatusOr<uint64_t> Client::UploadWeights(const std::string& head, v1::DType dtype,
+                                               std::span<const std::byte> data) {
+  PushRequest request;
+  request.head = head;
+  request.dtype = dtype;
+  request.data = data;
+  return PushWeights(request);
+}
+
+absl::StatusOr<DownloadedWeights> Client::DownloadWeights(const std::string& head,
+                                                          v1::DType dtype) {
+  v1::DownloadWeightsRequest request;
+  request.set_head(head);
+  request.set_dtype(dtype);
+  auto context = NewContext(options_.deadline);
+  auto reader = stub_->DownloadWeights(context.get(), request);
+
+  DownloadedWeights weights;
+  Reassembler assembly;
+  absl::Status framing;
+  v1::WeightsChunk chunk;
+  bool first = true;
+  while (reader->Read(&chunk)) {
+    if (!framing.ok()) continue;  // drain so that Finish() can return
+    if (first) {
+      first = false;
+      weights.vocab_size = chunk.vocab_size();
+      weights.hidden_size = chunk.hidden_size();
+      weights.dtype = chunk.dtype();
+      weights.weights_version = chunk.weights_version();
+      const uint64_t expected = static_cast<uint64_t>(chunk.vocab_size()) *
+                                static_cast<uint64_t>(chunk.hidden_size()) *
+                                DTypeBytes(chunk.dtype());
+      if (chunk.total_bytes() != expected) {
+        framing = absl::InternalError(absl::StrCat("weights total_bytes ", chunk.total_bytes(),
+                                                   " != V x D x dtype = ", expected));
+        continue;
+      }
+      framing = assembly.Start(chunk.total_bytes(), expected);
+      if (!framing.ok()) continue;
+    }
+    framing = assembly.Add(chunk.offset(), chunk.data());
+  }
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (!framing.ok()) return framing;
+  if (first) return absl::InternalError("download ended without a first chunk");
+  if (absl::Status done = assembly.Finish(); !done.ok()) return done;
+  weights.data = assembly.Take();
+  return weights;
+}
+
+absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1::DType dtype,
+                                                    bool reset) {
+  v1::PullGradientRequest request;
+  request.set_head(head);
+  request.set_dtype(dtype);
+  request.set_reset(reset);
+  auto context = NewContext(options_.deadline);
+  auto reader = stub_->PullGradient(context.get(), request);
+
+  PulledGradient gradient;
+  Reassembler assembly;
+  absl::Status framing;
+  v1::GradientChunk chunk;
+  bool first = true;
+  while (reader->Read(&chunk)) {
+    if (!framing.ok()) continue;  // drain so that Finish() can return
+    if (first) {
+      first = false;
+      if (!chunk.has_summary()) {
+        framing = absl::InternalError("first gradient chunk carries no summary");
+        continue;
+      }
+      gradient.summary = chunk.summary();
+      const v1::GradientSummary& s = gradient.summary;
+      const uint64_t expected = static_cast<uint64_t>(s.vocab_size()) *
+                                static_cast<uint64_t>(s.hidden_size()) * DTypeBytes(s.dtype());
+      if (s.total_bytes() != expected) {
+        framing = absl::InternalError(absl::StrCat("gradient total_bytes ", s.total_bytes(),
+                                                   " != V x D x dtype = ", expected));
+        continue;
+      }
+      framing = assembly.Start(s.total_bytes(), expected);
+      if (!framing.ok()) continue;
+    } else if (chunk.has_summary()) {
+      framing = absl::InternalError("summary repeated after the first gradient chunk");
+      continue;
+    }
+    framing = assembly.Add(chunk.offset(), chunk.data());
+  }
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (!framing.ok()) return framing;
+  if (first) return absl::InternalError("pull ended without a summary");
+  if (absl::Status done = assembly.Finish(); !done.ok()) return done;
+  gradient.data = assembly.Take();
+  return gradient;
+}
+
+}  // namespace losshead::client
