@@ -1,0 +1,361 @@
+// Benchmark of the CUDA backend's fused linear + cross-entropy (bf16, mean reduction).
+// Per shape: checks the fused result on a few tokens against a float64 host reference, then times
+// the fused call (CUDA events, warm-up, median of --runs) and, in the same process, the speed of
+// light: the same three GEMMs in plain cuBLAS over all N tokens (logits N x V in bf16, dH = G.W,
+// dW += G^T.H in fp32). Prints ms, effective TFLOP/s (6NVD / t), SOL/fused and the device memory
+// the fused call needs beyond W, dW, dH and the inputs.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/bench/random_fill.cuh"
+#include "kernels/cuda/cuda_backend.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/dtype_convert.h"
+
+namespace losshead {
+namespace {
+
+using kernels::Arguments;
+using kernels::Backend;
+using kernels::DeviceBuffer;
+using kernels::Problem;
+
+#define BENCH_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    cudaError_t e_ = (expr);                                                               \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+#define BENCH_CUBLAS(expr)                                                                 \
+  do {                                                                                     \
+    cublasStatus_t e_ = (expr);                                                            \
+    if (e_ != CUBLAS_STATUS_SUCCESS) {                                                     \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                   \
+                   cublasGetStatusString(e_));                                             \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+#define BENCH_OK(expr)                                                                     \
+  do {                                                                                     \
+    absl::Status s_ = (expr);                                                              \
+    if (!s_.ok()) {                                                                        \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                   \
+                   std::string(s_.message()).c_str());                                     \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+template <typename T>
+T Unwrap(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, std::string(v.status().message()).c_str());
+    std::exit(1);
+  }
+  return std::move(*v);
+}
+
+struct Shape {
+  int64_t n, v, d;
+};
+
+// Median of `runs` timings of fn() with CUDA events on `stream`, after `warmup` calls.
+template <typename Fn>
+float MedianMs(cudaStream_t stream, int warmup, int runs, Fn fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<float> ms(runs);
+  for (int i = 0; i < runs; ++i) {
+    BENCH_CUDA(cudaEventRecord(a, stream));
+    fn();
+    BENCH_CUDA(cudaEventRecord(b, stream));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    BENCH_CUDA(cudaEventElapsedTime(&ms[i], a, b));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[runs / 2];
+}
+
+size_t FreeBytes() {
+  size_t free_b = 0, total = 0;
+  BENCH_CUDA(cudaMemGetInfo(&free_b, &total));
+  return free_b;
+}
+
+template <typename Fn>
+void ParallelFor(int64_t count, Fn fn) {
+  const int threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int64_t i = t; i < count; i += threads) fn(i);
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+struct CheckResult {
+  double loss_err, dh_err, dw_err;
+};
+
+// float64 reference for the first `m` tokens (mean reduction, default options) against a fused
+// call on those tokens alone. dW is compared on the target rows plus a spread of other rows.
+CheckResult Check(Backend& backend, kernels::Stream& stream, const Shape& s, const void* hidden,
+                  const void* weight, const int32_t* targets, int64_t m) {
+  Problem p;
+  p.n = m;
+  p.v = s.v;
+  p.d = s.d;
+  const size_t ws_bytes = Unwrap(backend.WorkspaceBytes(p, size_t{1} << 30), "workspace");
+  DeviceBuffer ws = Unwrap(backend.Allocate(ws_bytes), "alloc");
+  DeviceBuffer dh = Unwrap(backend.Allocate(m * s.d * 2), "alloc");
+  DeviceBuffer dw = Unwrap(backend.Allocate(s.v * s.d * 4), "alloc");
+  DeviceBuffer loss = Unwrap(backend.Allocate(4), "alloc");
+  DeviceBuffer count = Unwrap(backend.Allocate(8), "alloc");
+  BENCH_OK(backend.Memset(dw.data(), 0, s.v * s.d * 4, stream));
+  Arguments a;
+  a.hidden = hidden;
+  a.weight = weight;
+  a.targets = targets;
+  a.grad_hidden = dh.data();
+  a.grad_weight = dw.as<float>();
+  a.loss_sum = loss.as<float>();
+  a.token_count = count.as<int64_t>();
+  a.workspace = ws.data();
+  a.workspace_bytes = ws_bytes;
+  BENCH_OK(backend.Run(p, a, stream));
+
+  std::vector<uint16_t> h(m * s.d), w(s.v * s.d), dh_got(m * s.d);
+  std::vector<int32_t> y(m);
+  float loss_got = 0;
+  BENCH_OK(backend.CopyToHost(h.data(), hidden, h.size() * 2, stream));
+  BENCH_OK(backend.CopyToHost(w.data(), weight, w.size() * 2, stream));
+  BENCH_OK(backend.CopyToHost(y.data(), targets, m * 4, stream));
+  BENCH_OK(backend.CopyToHost(dh_got.data(), dh.data(), dh_got.size() * 2, stream));
+  BENCH_OK(backend.CopyToHost(&loss_got, loss.data(), 4, stream));
+  BENCH_OK(stream.Synchronize());
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < m; ++r) rows.push_back(y[r]);
+  for (int64_t j = 0; j < 56; ++j) rows.push_back((j * 7919 + 13) % s.v);
+  std::vector<float> dw_got(rows.size() * s.d);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    BENCH_OK(backend.CopyToHost(dw_got.data() + i * s.d, dw.as<float>() + rows[i] * s.d, s.d * 4,
+                                stream));
+  }
+  BENCH_OK(stream.Synchronize());
+
+  std::vector<double> hf(m * s.d);
+  for (size_t i = 0; i < hf.size(); ++i) hf[i] = kernels::Bf16ToFloat(h[i]);
+  std::vector<double> logits(m * s.v);
+  ParallelFor(s.v, [&](int64_t j) {
+    double wj[8192 * 2];
+    for (int64_t k = 0; k < s.d; ++k) wj[k] = kernels::Bf16ToFloat(w[j * s.d + k]);
+    for (int64_t r = 0; r < m; ++r) {
+      double acc = 0;
+      for (int64_t k = 0; k < s.d; ++k) acc += hf[r * s.d + k] * wj[k];
+      logits[r * s.v + j] = acc;
+    }
+  });
+  // g = (softmax - onehot) / m, in place over the logits.
+  double loss_ref = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    double* x = &logits[r * s.v];
+    const double mx = *std::max_element(x, x + s.v);
+    double sum = 0;
+    for (int64_t j = 0; j < s.v; ++j) sum += std::exp(x[j] - mx);
+    const double lse = mx + std::log(sum);
+    loss_ref += lse - x[y[r]];
+    for (int64_t j = 0; j < s.v; ++j) x[j] = (std::exp(x[j] - lse) - (j == y[r] ? 1 : 0)) / m;
+  }
+  std::vector<double> dh_ref(m * s.d, 0.0);
+  const int64_t kBlock = 64;
+  ParallelFor((s.d + kBlock - 1) / kBlock, [&](int64_t b) {
+    const int64_t k0 = b * kBlock, k1 = std::min(s.d, k0 + kBlock);
+    for (int64_t j = 0; j < s.v; ++j) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const double wv = kernels::Bf16ToFloat(w[j * s.d + k]);
+        for (int64_t r = 0; r < m; ++r) dh_ref[r * s.d + k] += logits[r * s.v + j] * wv;
+      }
+    }
+  });
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < m * s.d; ++i) {
+    const double diff = kernels::Bf16ToFloat(dh_got[i]) - dh_ref[i];
+    num += diff * diff;
+    den += dh_ref[i] * dh_ref[i];
+  }
+  CheckResult res;
+  res.dh_err = std::sqrt(num / den);
+  num = den = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (int64_t k = 0; k < s.d; ++k) {
+      double ref = 0;
+      for (int64_t r = 0; r < m; ++r) ref += logits[r * s.v + rows[i]] * hf[r * s.d + k];
+      const double diff = dw_got[i * s.d + k] - ref;
+      num += diff * diff;
+      den += ref * ref;
+    }
+  }
+  res.dw_err = std::sqrt(num / den);
+  res.loss_err = std::abs(loss_got - loss_ref) / std::abs(loss_ref);
+  return res;
+}
+
+struct Sol {
+  float logits_ms, dh_ms, dw_ms;
+  float total() const { return logits_ms + dh_ms + dw_ms; }
+};
+
+// The same three GEMMs in plain cuBLAS over all N tokens, logits materialised in bf16.
+Sol SpeedOfLight(const Shape& s, const __nv_bfloat16* h, const __nv_bfloat16* w,
+                 __nv_bfloat16* dh, float* dw, cudaStream_t stream, int runs) {
+  cublasHandle_t handle;
+  BENCH_CUBLAS(cublasCreate(&handle));
+  BENCH_CUBLAS(cublasSetStream(handle, stream));
+  __nv_bfloat16* g = nullptr;
+  BENCH_CUDA(cudaMalloc(&g, s.n * s.v * 2));
+  const float one = 1.0f, zero = 0.0f, scale = 1.0f / s.n;
+  const int n = s.n, v = s.v, d = s.d;
+  Sol sol;
+  sol.logits_ms = MedianMs(stream, 3, runs, [&] {
+    BENCH_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, v, n, d, &one, w, CUDA_R_16BF, d,
+                              h, CUDA_R_16BF, d, &zero, g, CUDA_R_16BF, v, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  });
+  // g now holds real logits: random-looking data for the gradient GEMMs, never zeros.
+  sol.dh_ms = MedianMs(stream, 3, runs, [&] {
+    BENCH_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, d, n, v, &scale, w, CUDA_R_16BF, d,
+                              g, CUDA_R_16BF, v, &zero, dh, CUDA_R_16BF, d, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  });
+  sol.dw_ms = MedianMs(stream, 3, runs, [&] {
+    BENCH_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, d, v, n, &scale, h, CUDA_R_16BF, d,
+                              g, CUDA_R_16BF, v, &one, dw, CUDA_R_32F, d, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  });
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  BENCH_CUDA(cudaFree(g));
+  cublasDestroy(handle);
+  return sol;
+}
+
+int Main(int argc, char** argv) {
+  int runs = 20;
+  size_t budget = size_t{1} << 30;
+  bool quick = false;
+  std::string variants = "fp32logits,bf16logits";
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--runs=", 0) == 0) runs = std::max(1, std::atoi(a.c_str() + 7));
+    if (a.rfind("--budget_mib=", 0) == 0) budget = size_t(std::atoll(a.c_str() + 13)) << 20;
+    if (a.rfind("--variants=", 0) == 0) variants = a.substr(11);
+    if (a == "--quick") quick = true;
+  }
+  std::vector<Shape> shapes = {{4096, 128256, 4096}, {8192, 128256, 4096}, {16384, 128256, 4096},
+                               {8192, 256000, 2304}, {8192, 128256, 8192}};
+  if (quick) shapes = {{4096, 128256, 4096}};
+  if (kernels::CudaDeviceCount() == 0) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs; bf16, mean reduction; workspace budget %zu MiB; median of %d\n",
+              prop.name, prop.multiProcessorCount, budget >> 20, runs);
+  std::vector<std::string> table;
+  bool all_ok = true;
+  for (const Shape& s : shapes) {
+    __nv_bfloat16 *h, *w, *dh;
+    float* dw;
+    int32_t* y;
+    BENCH_CUDA(cudaMalloc(&h, s.n * s.d * 2));
+    BENCH_CUDA(cudaMalloc(&w, s.v * s.d * 2));
+    BENCH_CUDA(cudaMalloc(&dh, s.n * s.d * 2));
+    BENCH_CUDA(cudaMalloc(&dw, s.v * s.d * 4));
+    BENCH_CUDA(cudaMalloc(&y, s.n * 4));
+    // |logit| of a few units, as in a trained head: h ~ U(-1, 1), w ~ U(-a, a) with a = 4/sqrt(D).
+    BENCH_CUDA(bench::FillUniformBf16(h, s.n * s.d, 1.0f, 1, nullptr));
+    BENCH_CUDA(bench::FillUniformBf16(w, s.v * s.d, 4.0f / std::sqrt(float(s.d)), 2, nullptr));
+    BENCH_CUDA(bench::FillUniformF32(dw, s.v * s.d, 1e-3f, 3, nullptr));
+    BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
+    BENCH_CUDA(cudaDeviceSynchronize());
+    cudaStream_t sol_stream;
+    BENCH_CUDA(cudaStreamCreateWithFlags(&sol_stream, cudaStreamNonBlocking));
+    const Sol sol = SpeedOfLight(s, h, w, dh, dw, sol_stream, runs);
+    const double flop = 6.0 * s.n * s.v * s.d;
+
+    for (const std::string variant : {"fp32logits", "bf16logits"}) {
+      if (variants.find(variant) == std::string::npos) continue;
+      kernels::CudaBackendOptions opt;
+      opt.bf16_logits = variant == "bf16logits";
+      std::unique_ptr<Backend> backend = Unwrap(kernels::CreateCudaBackend(0, opt), "backend");
+      const size_t free0 = FreeBytes();
+      std::unique_ptr<kernels::Stream> stream = Unwrap(backend->CreateStream(), "stream");
+      const CheckResult chk = Check(*backend, *stream, s, h, w, y, 8);
+      const bool ok = chk.loss_err < 2e-3 && chk.dh_err < 2e-2 && chk.dw_err < 2e-2;
+      all_ok &= ok;
+      Problem p;
+      p.n = s.n;
+      p.v = s.v;
+      p.d = s.d;
+      const size_t ws_bytes = Unwrap(backend->WorkspaceBytes(p, budget), "workspace");
+      DeviceBuffer ws = Unwrap(backend->Allocate(ws_bytes), "alloc");
+      DeviceBuffer loss = Unwrap(backend->Allocate(4), "alloc");
+      DeviceBuffer count = Unwrap(backend->Allocate(8), "alloc");
+      Arguments a;
+      a.hidden = h;
+      a.weight = w;
+      a.targets = y;
+      a.grad_hidden = dh;
+      a.grad_weight = dw;
+      a.loss_sum = loss.as<float>();
+      a.token_count = count.as<int64_t>();
+      a.workspace = ws.data();
+      a.workspace_bytes = ws_bytes;
+      auto cs = static_cast<cudaStream_t>(stream->native());
+      const float ms = MedianMs(cs, 3, runs, [&] { BENCH_OK(backend->Run(p, a, *stream)); });
+      const size_t free1 = FreeBytes();
+      BENCH_OK(stream->Synchronize());
+      const double extra_mib = (double(free0) - double(free1)) / (1 << 20);
+      char line[512];
+      std::snprintf(line, sizeof(line),
+                    "| %5lld | %6lld | %4lld | %-10s | %8.2f | %6.1f | %8.2f (%.2f+%.2f+%.2f) | %5.3f "
+                    "| %7.0f (ws %zu) | %.1e/%.1e/%.1e %s |",
+                    (long long)s.n, (long long)s.v, (long long)s.d, variant.c_str(), ms,
+                    flop / ms / 1e9, sol.total(), sol.logits_ms, sol.dh_ms, sol.dw_ms,
+                    sol.total() / ms, extra_mib, ws_bytes >> 20, chk.loss_err, chk.dh_err,
+                    chk.dw_err, ok ? "ok" : "FAIL");
+      std::printf("%s\n", line);
+      std::fflush(stdout);
+      table.push_back(line);
+    }
+    BENCH_CUDA(cudaStreamDestroy(sol_stream));
+    for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
+  }
+  std::printf(
+      "\n|     N |      V |    D | variant    | fused ms | TFLOP/s | SOL ms (logits+dH+dW) | "
+      "SOL/fused | extra MiB (workspace MiB) | check loss/dH/dW |\n");
+  for (const auto& l : table) std::printf("%s\n", l.c_str());
+  return all_ok ? 0 : 2;
+}
+
+}  // namespace
+}  // namespace losshead
+
+int main(int argc, char** argv) { return losshead::Main(argc, argv); }
