@@ -1,0 +1,37 @@
+"""The one exception type of the package."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import grpc
+
+_BY_VALUE: Dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The grpc.StatusCode for its integer value (UNKNOWN for values outside the enum)."""
+    return _BY_VALUE.get(int(value), grpc.StatusCode.UNKNOWN)
+
+
+class LossheadError(Exception):
+    """A failed call or micro-batch.
+
+    `code` is the grpc.StatusCode the server (or the transport) reported, `message` its text.
+    For a failed micro-batch of a Step stream, `client_id` and `sequence` name the micro-batch;
+    they are None for whole-call failures.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, client_id: Optional[str] = None,
+                 sequence: Optional[int] = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.client_id = client_id
+        self.sequence = sequence
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> "LossheadError":
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")

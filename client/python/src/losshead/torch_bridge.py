@@ -1,0 +1,264 @@
+"""PyTorch bridge: a remote LM head as an nn.Module, and a local mirror of W for torch.optim.
+
+Normalisation (how the mean loss stays exact across micro-batches and data-parallel ranks)
+-----------------------------------------------------------------------------------------
+Every training step reaches the server with reduction=SUM and grad_scale=1, whatever the
+module's reduction. The server's dW accumulator therefore holds d(sum of token losses)/dW over
+every micro-batch of every rank since the last pull, and the pull's summary says how many
+non-ignored tokens that is (token_count, counted by the server). `RemoteHeadOptimizer` divides
+by it, which gives the gradient of the mean loss over all tokens of the global batch: exactly
+what a local head computes for that batch as one, however it was split into micro-batches,
+chunks and ranks. The upstream gradient of the loss (e.g. a 1/accumulation factor) scales dH
+locally but never dW: dW is always the token mean.
+
+The trunk receives dH. With reduction="mean" (default) each call is normalised by its own
+token count, like F.cross_entropy. For the exact global token mean on the trunk too, when
+micro-batches hold different numbers of tokens, use reduction="sum" and divide the trunk's
+gradients by the global token count: `RemoteHeadOptimizer.pull_gradient` returns it, and a
+data-parallel rank that does not pull gets it by all-reducing `RemoteLMHead.take_token_count()`.
+
+Data parallelism: one rank owns the mirror and its optimizer (pull, step, push); the others only
+step. Every rank must have finished its steps before the pull (e.g. after the trunk's gradient
+all-reduce) and must wait for the push before its next step (a barrier, or
+`expected_weights_version`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+from losshead._wire import DTypeLike
+from losshead.client import Client, GradientSummary, LossOptions, StepResult
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class _RemoteLinearCrossEntropy(torch.autograd.Function):
+    """loss = CE(hidden @ W^T, targets) on the server; dH comes back with the loss."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+                module: "RemoteLMHead") -> torch.Tensor:
+        result = module._step(hidden, targets, need_grad_hidden=ctx.needs_input_grad[0])
+        out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        if module.reduction == "none":
+            assert result.per_token_loss is not None
+            loss = result.per_token_loss.to(device=hidden.device, dtype=out_dtype)
+            loss = loss.reshape(targets.shape)
+            scale = 1.0
+        elif module.reduction == "sum":
+            loss = torch.tensor(result.loss_sum, dtype=out_dtype, device=hidden.device)
+            scale = 1.0
+        else:
+            # 0/0 is NaN, as in F.cross_entropy when every target is ignored.
+            count = result.token_count
+            loss = torch.tensor(result.loss_sum / count if count else float("nan"),
+                                dtype=out_dtype, device=hidden.device)
+            scale = 1.0 / count if count else 0.0
+        ctx.grad_hidden = result.grad_hidden
+        ctx.scale = scale
+        ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
+        ctx.per_token = module.reduction == "none"
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor  # type: ignore[override]
+                 ) -> Tuple[Optional[torch.Tensor], None, None]:
+        shape, dtype, device = ctx.hidden_meta
+        dh = ctx.grad_hidden
+        ctx.grad_hidden = None  # one backward per forward; free the buffer early
+        if dh is None:
+            return None, None, None
+        # Computed in fp32 at least: dH arrives in bf16 and the upstream gradient may be tiny.
+        work = torch.promote_types(dtype, torch.float32)
+        dh = dh.to(device=device, dtype=work)
+        g = grad_output.to(work)
+        if ctx.per_token:
+            dh = dh * g.reshape(-1, 1)
+        else:
+            dh = dh * (g * ctx.scale)
+        return dh.to(dtype).reshape(shape), None, None
+
+
+class RemoteLMHead(nn.Module):
+    """The LM head + cross-entropy of a model, computed by a losshead server.
+
+    forward(hidden (..., D), targets (...)) returns the loss: a scalar for reduction "mean"
+    (over non-ignored tokens; NaN when there are none) or "sum", per-token losses of targets'
+    shape for "none" (0 at ignored tokens). backward returns dH from that same step, times the
+    upstream gradient; no second round trip. W lives on the server; dW accumulates there (see
+    the module docstring for its normalisation) until `RemoteHeadOptimizer` pulls it.
+
+    Loss options left as None inherit the head's defaults. Hidden states travel as
+    `wire_dtype` (bf16); batches of more than `chunk_tokens` tokens are split into micro-batches
+    pipelined over `streams` Step streams, so the upload of one chunk overlaps the computation
+    and download of the previous one. With grad mode off there is no dW to accumulate: the loss
+    is then computed locally from a downloaded copy of W (see `evaluate`).
+    """
+
+    def __init__(self, client: Client, head: str, *, reduction: str = "mean",
+                 ignore_index: Optional[int] = None, label_smoothing: Optional[float] = None,
+                 z_loss: Optional[float] = None, logit_softcap: Optional[float] = None,
+                 wire_dtype: DTypeLike = torch.bfloat16, grad_hidden_dtype: Optional[DTypeLike] = None,
+                 chunk_tokens: int = 4096, streams: int = 2) -> None:
+        super().__init__()
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
+        self.client = client
+        self.head = head
+        self.reduction = reduction
+        self.loss_options = LossOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                        z_loss=z_loss, logit_softcap=logit_softcap)
+        self.wire_dtype = wire_dtype
+        self.grad_hidden_dtype = grad_hidden_dtype
+        self.chunk_tokens = int(chunk_tokens)
+        self.streams = int(streams)
+        self.last_result: Optional[StepResult] = None
+        self._tokens = 0
+        self._eval_weights: Optional[Tuple[int, torch.Tensor]] = None
+
+    def extra_repr(self) -> str:
+        return f"head={self.head!r}, target={self.client.target!r}, reduction={self.reduction!r}"
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.evaluate(hidden, targets)
+        return _RemoteLinearCrossEntropy.apply(hidden, targets, self)
+
+    def take_token_count(self) -> int:
+        """Non-ignored tokens this module stepped since the last call (for data parallelism)."""
+        n, self._tokens = self._tokens, 0
+        return n
+
+    def _step(self, hidden: torch.Tensor, targets: torch.Tensor, *,
+              need_grad_hidden: bool) -> StepResult:
+        result = self.client.step_chunked(
+            self.head, hidden.detach(), targets.detach(), chunk_tokens=self.chunk_tokens,
+            streams=self.streams, reduction="sum", grad_scale=1.0,
+            loss_options=self.loss_options, hidden_dtype=self.wire_dtype,
+            return_per_token_loss=self.reduction == "none",
+            skip_grad_hidden=not need_grad_hidden, grad_hidden_dtype=self.grad_hidden_dtype)
+        self._tokens += result.token_count
+        self.last_result = result
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss computed locally from W downloaded when its version changes.
+
+        The v1 contract has no step that leaves dW and the token counters alone, so evaluation
+        must not go through Step. Costs one GetHead per call, one download per new version, and
+        chunk_tokens x V logits of memory at a time.
+        """
+        info = self.client.get_head(self.head)
+        opts = info.spec.default_options
+        version = info.weights_version
+        if self._eval_weights is None or self._eval_weights[0] != version:
+            w = self.client.download_weights(self.head).weights
+            self._eval_weights = (version, w.to(hidden.device))
+        w = self._eval_weights[1]
+        lo = self.loss_options
+        ignore = lo.ignore_index if lo.ignore_index is not None else (
+            opts.ignore_index if opts.HasField("ignore_index") else -100)
+        smoothing = lo.label_smoothing if lo.label_smoothing is not None else (
+            opts.label_smoothing if opts.HasField("label_smoothing") else 0.0)
+        z = lo.z_loss if lo.z_loss is not None else (opts.z_loss if opts.HasField("z_loss") else 0.0)
+        cap = lo.logit_softcap if lo.logit_softcap is not None else (
+            opts.logit_softcap if opts.HasField("logit_softcap") else 0.0)
+        h = hidden.reshape(-1, hidden.shape[-1]).to(self.wire_dtype).float()
+        t = targets.reshape(-1)
+        losses = []
+        for a in range(0, h.shape[0], self.chunk_tokens):
+            losses.append(token_losses(h[a:a + self.chunk_tokens] @ w.float().t(),
+                                       t[a:a + self.chunk_tokens], ignore_index=ignore,
+                                       label_smoothing=smoothing, z_loss=z, logit_softcap=cap))
+        per_token = torch.cat(losses) if losses else h.new_zeros(0)
+        out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        if self.reduction == "none":
+            return per_token.reshape(targets.shape).to(out_dtype)
+        total = per_token.sum()
+        if self.reduction == "mean":
+            total = total / (t != ignore).sum()
+        return total.to(out_dtype)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 logit_softcap: float = 0.0) -> torch.Tensor:
+    """Per-token loss with losshead's options (0 at ignored tokens); differentiable.
+
+    The reference the server implements: optional soft-cap c*tanh(z/c), cross-entropy with label
+    smoothing as in F.cross_entropy, plus z_loss * logsumexp^2.
+    """
+    if logit_softcap > 0:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    ce = nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index,
+                                     label_smoothing=label_smoothing, reduction="none")
+    if z_loss > 0:
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = ce + z_loss * lse.square() * (targets != ignore_index).to(lse.dtype)
+    return ce
+
+
+class RemoteHeadOptimizer:
+    """A local mirror of the remote W that any torch.optim optimizer can step.
+
+    `weight` is an nn.Parameter (fp32 master copy by default) initialised from the server. Per
+    optimisation step: `pull_gradient()` pulls dW with reset and sets weight.grad to the token
+    mean (see the module docstring), the optimizer steps, `push()` sends W back in the head's
+    dtype and checks that nobody else pushed in between (FAILED_PRECONDITION otherwise).
+    `step(optimizer)` does all three.
+    """
+
+    def __init__(self, client: Client, head: str, *, device: Any = "cpu",
+                 dtype: torch.dtype = torch.float32, push_dtype: Optional[DTypeLike] = None,
+                 normalize: bool = True) -> None:
+        self.client = client
+        self.head = head
+        self.normalize = normalize
+        info = client.get_head(head)
+        self.push_dtype = push_dtype if push_dtype is not None else info.spec.weight_dtype
+        downloaded = client.download_weights(head, dtype=torch.float32)
+        self.version = downloaded.version
+        self.weight = nn.Parameter(downloaded.weights.to(device=device, dtype=dtype))
+        self.last_summary: Optional[GradientSummary] = None
+
+    def pull_gradient(self) -> GradientSummary:
+        """Pulls dW (reset) into weight.grad, divided by the tokens it covers; returns its summary.
+
+        A window without tokens leaves a zero gradient.
+        """
+        pulled = self.client.pull_gradient(self.head, reset=True)
+        g = pulled.grad.to(device=self.weight.device, dtype=self.weight.dtype)
+        count = pulled.summary.token_count
+        if self.normalize:
+            g = g / count if count else torch.zeros_like(g)
+        self.weight.grad = g
+        self.last_summary = pulled.summary
+        return pulled.summary
+
+    @torch.no_grad()
+    def push(self) -> int:
+        """Sends W to the server; returns (and remembers) the new weights version."""
+        self.version = self.client.push_weights(self.head, self.weight.detach(),
+                                                dtype=self.push_dtype,
+                                                expected_weights_version=self.version)
+        return self.version
+
+    def step(self, optimizer: torch.optim.Optimizer) -> GradientSummary:
+        """pull_gradient, optimizer.step, push; clears weight.grad. Returns the pull's summary."""
+        summary = self.pull_gradient()
+        optimizer.step()
+        self.push()
+        self.weight.grad = None
+        return summary
+
+
+def scale_gradients_(parameters: Any, factor: float) -> None:
+    """Multiplies every existing .grad in `parameters` by `factor` in place."""
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.mul_(factor)
