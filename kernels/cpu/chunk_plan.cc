@@ -75,8 +75,8 @@ absl::StatusOr<ChunkPlan> PlanChunks(const Problem& problem, size_t budget_bytes
     }
   }
   return absl::ResourceExhaustedError(absl::StrCat(
-      "cpu backend needs at least ", Layout(problem, 1, 1).bytes, " workspace bytes for v=",
-      problem.v, " d=", problem.d, ", budget is ", budget_bytes));
+      "cpu backend needs at least ", Layout(problem, 1, 1).bytes,
+      " workspace bytes for v=", problem.v, " d=", problem.d, ", budget is ", budget_bytes));
 }
 
 }  // namespace losshead::kernels

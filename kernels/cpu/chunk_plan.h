@@ -19,9 +19,9 @@ inline constexpr size_t kCpuWorkspaceAlignment = 64;
 // kCpuWorkspaceAlignment; `bytes` includes the slack for that rounding. Regions:
 //   logits       chunk_rows x v fp32, overwritten by the gradient with respect to the logits
 //   row_stats    chunk_rows x 2 double (per-token loss and lse)
-//   hidden       chunk_rows x d fp32 copy of the H chunk     (bf16/fp16 only; fp32 is used in place)
-//   grad_hidden  chunk_rows x d fp32 dH chunk before rounding (bf16/fp16 only)
-//   weight       weight_block_rows x d fp32 copy of W rows   (bf16/fp16 only)
+//   hidden       chunk_rows x d fp32 copy of the H chunk     (bf16/fp16 only; fp32 is used in
+//   place) grad_hidden  chunk_rows x d fp32 dH chunk before rounding (bf16/fp16 only) weight
+//   weight_block_rows x d fp32 copy of W rows   (bf16/fp16 only)
 // weight_block_rows == v means W is converted once per call and reused by every chunk.
 struct ChunkPlan {
   int64_t chunk_rows = 0;

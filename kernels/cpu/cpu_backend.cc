@@ -134,7 +134,8 @@ class CpuBackend final : public Backend {
  private:
   static absl::Status Copy(void* dst, const void* src, size_t bytes) {
     if (bytes == 0) return absl::OkStatus();
-    if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy with a null pointer");
+    if (dst == nullptr || src == nullptr)
+      return absl::InvalidArgumentError("copy with a null pointer");
     std::memmove(dst, src, bytes);
     return absl::OkStatus();
   }
@@ -188,8 +189,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   const bool want_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr;
 
   const uintptr_t raw = reinterpret_cast<uintptr_t>(args.workspace);
-  char* base = reinterpret_cast<char*>((raw + kCpuWorkspaceAlignment - 1) /
-                                       kCpuWorkspaceAlignment * kCpuWorkspaceAlignment);
+  char* base = reinterpret_cast<char*>((raw + kCpuWorkspaceAlignment - 1) / kCpuWorkspaceAlignment *
+                                       kCpuWorkspaceAlignment);
   float* logits = reinterpret_cast<float*>(base + plan.logits_offset);
   double* row_stats = reinterpret_cast<double*>(base + plan.row_stats_offset);
   float* hidden_f32 = reinterpret_cast<float*>(base + plan.hidden_offset);
@@ -217,8 +218,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
     const int32_t* targets = args.targets + c0;
     const float* hidden;
     if (plan.converts_inputs) {
-      ConvertRows(dtype, static_cast<const char*>(args.hidden) + c0 * d * element, hidden_f32,
-                  rows, d);
+      ConvertRows(dtype, static_cast<const char*>(args.hidden) + c0 * d * element, hidden_f32, rows,
+                  d);
       hidden = hidden_f32;
     } else {
       hidden = static_cast<const float*>(args.hidden) + c0 * d;
@@ -236,8 +237,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
     pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const bool ignored = targets[r] == options.ignore_index;
-        const RowLoss row = ComputeRowLoss(logits + r * v, v, targets[r], ignored, options,
-                                           grad_scale, want_grad);
+        const RowLoss row =
+            ComputeRowLoss(logits + r * v, v, targets[r], ignored, options, grad_scale, want_grad);
         row_stats[2 * r] = row.loss;
         row_stats[2 * r + 1] = row.lse;
       }
@@ -255,9 +256,9 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
       }
     }
 
-    char* grad_hidden_out =
-        args.grad_hidden == nullptr ? nullptr
-                                    : static_cast<char*>(args.grad_hidden) + c0 * d * element;
+    char* grad_hidden_out = args.grad_hidden == nullptr
+                                ? nullptr
+                                : static_cast<char*>(args.grad_hidden) + c0 * d * element;
     if (chunk_tokens == 0) {
       // Nothing but ignored tokens: dH is zero (all-zero bits in every dtype), dW is unchanged.
       if (grad_hidden_out != nullptr) std::memset(grad_hidden_out, 0, rows * d * element);
@@ -271,7 +272,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
     }
     if (grad_hidden_out != nullptr) {
       // dH chunk (rows x d) = G . W, summed over weight blocks in fp32 before any rounding.
-      float* dst = plan.converts_inputs ? grad_hidden_f32 : reinterpret_cast<float*>(grad_hidden_out);
+      float* dst =
+          plan.converts_inputs ? grad_hidden_f32 : reinterpret_cast<float*>(grad_hidden_out);
       for (int64_t b0 = 0; b0 < v; b0 += block_rows) {
         const int64_t bn = std::min(block_rows, v - b0);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),

@@ -58,7 +58,8 @@ TEST(CpuMemoryTest, DeviceBufferMovesOwnershipAndResets) {
   DeviceBuffer a = *backend->Allocate(256);
   void* data = a.data();
   DeviceBuffer b = std::move(a);
-  EXPECT_EQ(a.data(), nullptr);  // NOLINT(bugprone-use-after-move): the moved-from state is the contract
+  EXPECT_EQ(a.data(),
+            nullptr);  // NOLINT(bugprone-use-after-move): the moved-from state is the contract
   EXPECT_EQ(a.bytes(), 0u);
   EXPECT_EQ(b.data(), data);
   DeviceBuffer c;

@@ -30,12 +30,14 @@ Inputs MakeRandomInputs(const Problem& problem, uint64_t seed, const InputSpec& 
   const size_t element = DTypeSize(problem.dtype);
   std::vector<float> f(std::max(hidden_count, weight_count));
 
-  for (size_t i = 0; i < hidden_count; ++i) f[i] = unit(rng) * static_cast<float>(spec.hidden_scale);
+  for (size_t i = 0; i < hidden_count; ++i)
+    f[i] = unit(rng) * static_cast<float>(spec.hidden_scale);
   in.hidden_bytes.resize(hidden_count * element);
   FromFloat(problem.dtype, f.data(), in.hidden_bytes.data(), hidden_count);
   in.hidden = Decode(problem.dtype, in.hidden_bytes, hidden_count);
 
-  for (size_t i = 0; i < weight_count; ++i) f[i] = unit(rng) * static_cast<float>(spec.weight_scale);
+  for (size_t i = 0; i < weight_count; ++i)
+    f[i] = unit(rng) * static_cast<float>(spec.weight_scale);
   in.weight_bytes.resize(weight_count * element);
   FromFloat(problem.dtype, f.data(), in.weight_bytes.data(), weight_count);
   in.weight = Decode(problem.dtype, in.weight_bytes, weight_count);
@@ -45,12 +47,13 @@ Inputs MakeRandomInputs(const Problem& problem, uint64_t seed, const InputSpec& 
   in.targets.resize(problem.n);
   for (int32_t& t : in.targets) {
     t = coin(rng) < spec.ignore_fraction ? static_cast<int32_t>(problem.options.ignore_index)
-                                          : target(rng);
+                                         : target(rng);
   }
   return in;
 }
 
-absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in, const RunOptions& options) {
+absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
+                                     const RunOptions& options) {
   const Problem& p = in.problem;
   const size_t element = DTypeSize(p.dtype);
   const size_t n = p.n, d = p.d, v = p.v;
@@ -68,16 +71,16 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in, const R
     keep.push_back(*std::move(buffer));
     return data;
   };
-#define LH_ASSIGN_OR_RETURN(lhs, expr)        \
-  {                                           \
-    auto result_ = (expr);                    \
+#define LH_ASSIGN_OR_RETURN(lhs, expr)          \
+  {                                             \
+    auto result_ = (expr);                      \
     if (!result_.ok()) return result_.status(); \
-    lhs = *result_;                           \
+    lhs = *result_;                             \
   }
-#define LH_RETURN_IF_ERROR(expr)              \
-  {                                           \
-    absl::Status status_ = (expr);            \
-    if (!status_.ok()) return status_;        \
+#define LH_RETURN_IF_ERROR(expr)       \
+  {                                    \
+    absl::Status status_ = (expr);     \
+    if (!status_.ok()) return status_; \
   }
   Arguments args;
   void *hidden, *weight, *targets, *grad_hidden = nullptr, *grad_weight = nullptr;

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -65,8 +66,7 @@ void ExpectMatchesReference(const Problem& p, const Outputs& out, const Referenc
     if (ref.per_token_loss[t] == 0.0) EXPECT_EQ(out.per_token_loss[t], 0.0f) << "token " << t;
   }
   const double dh_abs = 1e-6 * MaxAbs(ref.grad_hidden) + tol.grad_hidden_abs;
-  EXPECT_LE(WorstToleranceRatio(out.grad_hidden, ref.grad_hidden, tol.grad_hidden_rel, dh_abs),
-            1.0)
+  EXPECT_LE(WorstToleranceRatio(out.grad_hidden, ref.grad_hidden, tol.grad_hidden_rel, dh_abs), 1.0)
       << "grad_hidden";
   std::vector<double> expected_dw = ref.grad_weight;
   if (!grad_weight_before.empty()) {
@@ -150,7 +150,8 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(CpuBackendLargeLogitsTest, FP32AndBF16_N32_D67_V1000_LogitsAround1e4) {
   for (DType dtype : {DType::kFP32, DType::kBF16}) {
     SCOPED_TRACE(DTypeName(dtype));
-    const Problem p{.n = 32, .d = 67, .v = 1000, .dtype = dtype, .options = Options(Reduction::kSum)};
+    const Problem p{
+        .n = 32, .d = 67, .v = 1000, .dtype = dtype, .options = Options(Reduction::kSum)};
     const Inputs in = MakeRandomInputs(p, 77, {.hidden_scale = 100.0, .weight_scale = 50.0});
     const ReferenceResult ref = ReferenceLoss(p, in.hidden, in.weight, in.targets);
     ASSERT_GT(MaxAbs(ref.per_token_lse), 5e3);  // the case really has huge logits
@@ -165,9 +166,10 @@ TEST(CpuBackendLargeLogitsTest, FP32AndBF16_N32_D67_V1000_LogitsAround1e4) {
                                   2e-6 * logit_scale),
               1.0);
     EXPECT_NEAR(out->loss_sum, ref.loss_sum, 2e-6 * logit_scale * p.n);
-    EXPECT_LE(WorstToleranceRatio(out->grad_hidden, ref.grad_hidden, ToleranceFor(dtype).grad_hidden_rel,
-                                  1e-6 * MaxAbs(ref.grad_hidden)),
-              1.0);
+    EXPECT_LE(
+        WorstToleranceRatio(out->grad_hidden, ref.grad_hidden, ToleranceFor(dtype).grad_hidden_rel,
+                            1e-6 * MaxAbs(ref.grad_hidden)),
+        1.0);
     EXPECT_LE(WorstToleranceRatio(ToDouble(out->grad_weight), ref.grad_weight, 1e-5,
                                   1e-6 * MaxAbs(ref.grad_weight)),
               1.0);
@@ -176,11 +178,13 @@ TEST(CpuBackendLargeLogitsTest, FP32AndBF16_N32_D67_V1000_LogitsAround1e4) {
 
 TEST(CpuBackendIgnoreTest, BF16_N8_D67_V1000_AllTargetsIgnored) {
   for (Reduction reduction : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
-    const Problem p{.n = 8, .d = 67, .v = 1000, .dtype = DType::kBF16, .options = Options(reduction)};
+    const Problem p{
+        .n = 8, .d = 67, .v = 1000, .dtype = DType::kBF16, .options = Options(reduction)};
     const Inputs in = MakeRandomInputs(p, 5, {.ignore_fraction = 1.0});
     const ReferenceResult ref = ReferenceLoss(p, in.hidden, in.weight, in.targets);
     std::vector<float> dw_before(p.v * p.d);
-    for (size_t i = 0; i < dw_before.size(); ++i) dw_before[i] = 0.001f * static_cast<float>(i % 97);
+    for (size_t i = 0; i < dw_before.size(); ++i)
+      dw_before[i] = 0.001f * static_cast<float>(i % 97);
     std::unique_ptr<Backend> backend = CreateCpuBackend(2);
     absl::StatusOr<Outputs> out = RunOnBackend(*backend, in, {.initial_grad_weight = dw_before});
     ASSERT_TRUE(out.ok()) << out.status();
@@ -196,8 +200,8 @@ TEST(CpuBackendIgnoreTest, BF16_N8_D67_V1000_AllTargetsIgnored) {
 }
 
 TEST(CpuBackendAccumulateTest, BF16_N20_D67_V997_GradWeightAddsAcrossTwoCalls) {
-  const Problem p{.n = 20, .d = 67, .v = 997, .dtype = DType::kBF16,
-                  .options = Options(Reduction::kMean)};
+  const Problem p{
+      .n = 20, .d = 67, .v = 997, .dtype = DType::kBF16, .options = Options(Reduction::kMean)};
   const Inputs first = MakeRandomInputs(p, 11, kUnit);
   const Inputs second = MakeRandomInputs(p, 12, kUnit);
   std::vector<float> dw0(p.v * p.d);
@@ -212,7 +216,8 @@ TEST(CpuBackendAccumulateTest, BF16_N20_D67_V997_GradWeightAddsAcrossTwoCalls) {
   const ReferenceResult ref1 = ReferenceLoss(p, first.hidden, first.weight, first.targets);
   const ReferenceResult ref2 = ReferenceLoss(p, second.hidden, second.weight, second.targets);
   std::vector<double> expected(dw0.size());
-  for (size_t i = 0; i < dw0.size(); ++i) expected[i] = dw0[i] + ref1.grad_weight[i] + ref2.grad_weight[i];
+  for (size_t i = 0; i < dw0.size(); ++i)
+    expected[i] = dw0[i] + ref1.grad_weight[i] + ref2.grad_weight[i];
   EXPECT_LE(WorstToleranceRatio(ToDouble(after_second->grad_weight), expected, 1e-5,
                                 1e-6 * MaxAbs(expected)),
             1.0);
@@ -223,7 +228,10 @@ TEST(CpuBackendAccumulateTest, BF16_N20_D67_V997_GradWeightAddsAcrossTwoCalls) {
 TEST(CpuBackendChunkingTest, AllDTypes_N70_D67_V997_TinyWorkspaceMatchesLarge) {
   for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     SCOPED_TRACE(DTypeName(dtype));
-    const Problem p{.n = 70, .d = 67, .v = 997, .dtype = dtype,
+    const Problem p{.n = 70,
+                    .d = 67,
+                    .v = 997,
+                    .dtype = dtype,
                     .options = Options(Reduction::kMean, 1.0f, 0.1f, 1e-3f, 0.0f)};
     const Inputs in = MakeRandomInputs(p, 21, kUnitIgnore);
     std::unique_ptr<Backend> backend = CreateCpuBackend(2);
@@ -231,7 +239,10 @@ TEST(CpuBackendChunkingTest, AllDTypes_N70_D67_V997_TinyWorkspaceMatchesLarge) {
     size_t lo = 1, hi = size_t{1} << 30;
     while (lo < hi) {
       const size_t mid = lo + (hi - lo) / 2;
-      if (backend->WorkspaceBytes(p, mid).ok()) hi = mid; else lo = mid + 1;
+      if (backend->WorkspaceBytes(p, mid).ok())
+        hi = mid;
+      else
+        lo = mid + 1;
     }
     absl::StatusOr<size_t> big = backend->WorkspaceBytes(p, size_t{1} << 30);
     ASSERT_TRUE(big.ok());
@@ -254,7 +265,10 @@ TEST(CpuBackendChunkingTest, AllDTypes_N70_D67_V997_TinyWorkspaceMatchesLarge) {
 }
 
 TEST(CpuBackendDeterminismTest, BF16_N600_D64_V1000_TwoRunsAreBitwiseEqual) {
-  const Problem p{.n = 600, .d = 64, .v = 1000, .dtype = DType::kBF16,
+  const Problem p{.n = 600,
+                  .d = 64,
+                  .v = 1000,
+                  .dtype = DType::kBF16,
                   .options = Options(Reduction::kMean, 1.0f, 0.1f, 1e-3f, 20.0f)};
   const Inputs in = MakeRandomInputs(p, 31, kUnitIgnore);
   std::unique_ptr<Backend> backend = CreateCpuBackend(2);
@@ -268,8 +282,34 @@ TEST(CpuBackendDeterminismTest, BF16_N600_D64_V1000_TwoRunsAreBitwiseEqual) {
   EXPECT_EQ(a->grad_weight, b->grad_weight);
 }
 
+// Backend methods are thread-safe: two callers running at once get what each gets alone.
+TEST(CpuBackendConcurrencyTest, BF16_N300_D64_V1000_TwoThreadsMatchSequentialRuns) {
+  const Problem p{
+      .n = 300, .d = 64, .v = 1000, .dtype = DType::kBF16, .options = Options(Reduction::kSum)};
+  const Inputs first = MakeRandomInputs(p, 51, kUnit);
+  const Inputs second = MakeRandomInputs(p, 52, kUnitIgnore);
+  std::unique_ptr<Backend> backend = CreateCpuBackend(2);
+  absl::StatusOr<Outputs> alone_first = RunOnBackend(*backend, first, {});
+  absl::StatusOr<Outputs> alone_second = RunOnBackend(*backend, second, {});
+  ASSERT_TRUE(alone_first.ok() && alone_second.ok());
+  absl::StatusOr<Outputs> together_first, together_second;
+  std::thread other([&] { together_second = RunOnBackend(*backend, second, {}); });
+  together_first = RunOnBackend(*backend, first, {});
+  other.join();
+  ASSERT_TRUE(together_first.ok() && together_second.ok());
+  EXPECT_EQ(together_first->grad_hidden, alone_first->grad_hidden);
+  EXPECT_EQ(together_first->grad_weight, alone_first->grad_weight);
+  EXPECT_EQ(together_first->loss_sum, alone_first->loss_sum);
+  EXPECT_EQ(together_second->grad_hidden, alone_second->grad_hidden);
+  EXPECT_EQ(together_second->grad_weight, alone_second->grad_weight);
+  EXPECT_EQ(together_second->loss_sum, alone_second->loss_sum);
+}
+
 TEST(CpuBackendOptionalOutputsTest, FP16_N16_D67_V997_LossWithoutGradientsOrPerToken) {
-  const Problem p{.n = 16, .d = 67, .v = 997, .dtype = DType::kFP16,
+  const Problem p{.n = 16,
+                  .d = 67,
+                  .v = 997,
+                  .dtype = DType::kFP16,
                   .options = Options(Reduction::kSum, 1.0f, 0.1f, 1e-2f, 5.0f)};
   const Inputs in = MakeRandomInputs(p, 41, kUnitIgnore);
   const ReferenceResult ref = ReferenceLoss(p, in.hidden, in.weight, in.targets);

@@ -77,8 +77,12 @@ TEST_F(CpuBackendErrorsTest, ValidFixtureRuns) {
 }
 
 TEST_F(CpuBackendErrorsTest, BadShapesAreInvalidArgument) {
-  for (auto [n, d, v] : {std::tuple<int64_t, int64_t, int64_t>{0, 8, 16}, {4, 0, 16}, {4, 8, 0},
-                         {-1, 8, 16}, {4, -3, 16}, {4, 8, int64_t{1} << 32}}) {
+  for (auto [n, d, v] : {std::tuple<int64_t, int64_t, int64_t>{0, 8, 16},
+                         {4, 0, 16},
+                         {4, 8, 0},
+                         {-1, 8, 16},
+                         {4, -3, 16},
+                         {4, 8, int64_t{1} << 32}}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n << " d=" << d << " v=" << v);
     Problem bad = problem_;
     bad.n = n;

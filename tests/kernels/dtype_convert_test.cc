@@ -16,7 +16,8 @@ using ToHalf = uint16_t (*)(float);
 using FromHalf = float (*)(uint16_t);
 
 bool IsNaNBits(uint16_t h, uint16_t exponent_mask) {
-  return (h & exponent_mask) == exponent_mask && (h & static_cast<uint16_t>(~exponent_mask & 0x7fff));
+  return (h & exponent_mask) == exponent_mask &&
+         (h & static_cast<uint16_t>(~exponent_mask & 0x7fff));
 }
 
 void ExpectExactRoundTrip(ToHalf to, FromHalf from, uint16_t exponent_mask) {
@@ -60,7 +61,7 @@ TEST(DTypeConvertTest, FP16_AllBitPatternsRoundTrip) {
 
 TEST(DTypeConvertTest, BF16_RoundsToNearestEvenAtEveryMidpoint) {
   ExpectNearestEven(FloatToBf16, Bf16ToFloat, 0x7f7f);
-  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3f80);  // tie, down to even
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3f80);      // tie, down to even
   EXPECT_EQ(FloatToBf16(1.0f + 3 * 0x1p-8f), 0x3f82);  // tie, up to even
 }
 
