@@ -182,15 +182,15 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   const size_t element = DTypeSize(dtype);
   float grad_scale = options.grad_scale;
   if (options.reduction == Reduction::kMean) {
-    grad_scale = token_count > 0
-                     ? static_cast<float>(static_cast<double>(options.grad_scale) / token_count)
-                     : 0.0f;
+    grad_scale = token_count > 0 ? static_cast<float>(static_cast<double>(options.grad_scale) /
+                                                      static_cast<double>(token_count))
+                                 : 0.0f;
   }
   const bool want_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr;
 
-  const uintptr_t raw = reinterpret_cast<uintptr_t>(args.workspace);
-  char* base = reinterpret_cast<char*>((raw + kCpuWorkspaceAlignment - 1) / kCpuWorkspaceAlignment *
-                                       kCpuWorkspaceAlignment);
+  const size_t misalignment = reinterpret_cast<uintptr_t>(args.workspace) % kCpuWorkspaceAlignment;
+  char* base = static_cast<char*>(args.workspace) +
+               (misalignment == 0 ? 0 : kCpuWorkspaceAlignment - misalignment);
   float* logits = reinterpret_cast<float*>(base + plan.logits_offset);
   double* row_stats = reinterpret_cast<double*>(base + plan.row_stats_offset);
   float* hidden_f32 = reinterpret_cast<float*>(base + plan.hidden_offset);

@@ -76,6 +76,18 @@ TEST_F(CpuBackendErrorsTest, ValidFixtureRuns) {
   EXPECT_TRUE(std::isfinite(loss_sum_));
 }
 
+TEST_F(CpuBackendErrorsTest, MisalignedWorkspaceGivesTheSameResult) {
+  ASSERT_EQ(RunCode(problem_), absl::StatusCode::kOk);
+  const std::vector<float> aligned_grad_hidden = grad_hidden_;
+  const float aligned_loss = loss_sum_;
+  std::vector<uint8_t> larger(workspace_.size() + 3);
+  args_.workspace = larger.data() + 3;
+  args_.workspace_bytes = workspace_.size();
+  ASSERT_EQ(RunCode(problem_), absl::StatusCode::kOk);
+  EXPECT_EQ(grad_hidden_, aligned_grad_hidden);
+  EXPECT_EQ(loss_sum_, aligned_loss);
+}
+
 TEST_F(CpuBackendErrorsTest, BadShapesAreInvalidArgument) {
   for (auto [n, d, v] : {std::tuple<int64_t, int64_t, int64_t>{0, 8, 16},
                          {4, 0, 16},
