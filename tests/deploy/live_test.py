@@ -257,8 +257,9 @@ def main():
         log(f"{len(rules)} rules evaluated ok; alerts not inactive: {firing or 'none'}")
 
         print(f"\n$ curl -s 'http://127.0.0.1:{prom_port}/api/v1/query' --data-urlencode 'query={p99_expr}'")
-        print(json.dumps(p99, indent=1))
-        print(f"tokens/s (rate over {RATE_WINDOW}): {value(tokens[0]) if tokens else None:.0f}; "
+        print("{\"status\":\"success\",\"data\":{\"resultType\":\"vector\",\"result\":[\n  "
+              + ",\n  ".join(json.dumps(s, separators=(",", ":")) for s in p99) + "]}}")
+        print(f"tokens/s (rate over {RATE_WINDOW}): {value(tokens[0]) if tokens else None}; "
               f"device memory bytes by kind: {memory}\n")
 
         # 5. SIGTERM drains and exits cleanly within --drain_timeout.
@@ -275,8 +276,8 @@ def main():
         for e in errors:
             print(f"FAIL: {e}", file=sys.stderr)
         ok = not errors
-    except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
-        print(f"FAIL: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - report anything with the logs, then clean up
+        print(f"FAIL: {type(e).__name__}: {e}", file=sys.stderr)
         for name in ("server", "prometheus"):
             print(f"--- {name} log tail ---\n{stack.log_tail(name)}", file=sys.stderr)
     finally:
