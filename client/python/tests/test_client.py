@@ -1,0 +1,257 @@
+"""Client against a CPU-backend server: heads, transfers, steps, streams, idempotent retries."""
+
+from __future__ import annotations
+
+import zlib
+
+import grpc
+import pytest
+import torch
+
+from _reference import assert_close, random_problem, reference
+from losshead import Client, LossheadError, LossOptions, StepStream
+from losshead._proto.losshead.v1 import losshead_pb2 as pb
+
+# The CPU backend computes in fp32 from fp32 inputs: errors are at fp32 rounding level.
+FP32_REL = 2e-5
+
+
+def test_health_and_stats(client: Client) -> None:
+    assert client.health() == "SERVING"
+    stats = client.stats()
+    assert stats.device.backend == "cpu"
+    assert stats.max_message_bytes >= 1 << 20
+
+
+def test_head_lifecycle(client: Client, make_head) -> None:
+    name = make_head(17, 8, dtype=torch.bfloat16, init_std=0.02, seed=7)
+    info = client.get_head(name)
+    assert (info.spec.vocab_size, info.spec.hidden_size) == (17, 8)
+    assert info.spec.weight_dtype == pb.DTYPE_BF16
+    assert info.weights_version == 1
+    assert name in [h.spec.name for h in client.list_heads()]
+    info = client.set_loss_options(name, LossOptions(ignore_index=3, label_smoothing=0.25))
+    assert info.spec.default_options.ignore_index == 3
+    assert info.spec.default_options.label_smoothing == pytest.approx(0.25)
+    client.delete_head(name)
+    with pytest.raises(LossheadError) as e:
+        client.get_head(name)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_normal_init_is_seeded(client: Client, make_head) -> None:
+    a = make_head(64, 32, init_std=0.5, seed=11)
+    b = make_head(64, 32, init_std=0.5, seed=11)
+    wa = client.download_weights(a).weights
+    wb = client.download_weights(b).weights
+    assert torch.equal(wa, wb)
+    assert 0.4 < float(wa.std()) < 0.6
+
+
+def test_weights_round_trip_in_chunks(client: Client, make_head) -> None:
+    # 3000 x 512 fp32 = 6 MiB: more than one message each way.
+    v, d = 3000, 512
+    name = make_head(v, d)
+    w = torch.randn(v, d)
+    version = client.upload_weights(name, w)
+    assert version == 2
+    down = client.download_weights(name)
+    assert down.version == 2 and torch.equal(down.weights, w)
+    delta = torch.randn(v, d)
+    assert client.push_weights(name, delta, add=True, expected_weights_version=2) == 3
+    assert_close(client.download_weights(name).weights, w + delta, 1e-6, "W + delta")
+    # The gradient of an untouched head is zero and pulls whole.
+    pulled = client.pull_gradient(name)
+    assert pulled.grad.shape == (v, d) and not pulled.grad.any()
+    assert pulled.summary.token_count == 0
+
+
+def test_bf16_head_rounds_like_torch(client: Client, make_head) -> None:
+    name = make_head(40, 24, dtype=torch.bfloat16)
+    w = torch.randn(40, 24)
+    client.upload_weights(name, w)  # fp32 on the wire, rounded by the server
+    down = client.download_weights(name)
+    assert down.weights.dtype == torch.bfloat16
+    assert torch.equal(down.weights, w.to(torch.bfloat16))
+    as_fp32 = client.download_weights(name, dtype=torch.float32).weights
+    assert torch.equal(as_fp32, w.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", [
+    {},
+    {"ignore_index": -100},
+    {"ignore_index": 5, "label_smoothing": 0.1},
+    {"z_loss": 1e-3, "logit_softcap": 3.0},
+], ids=["plain", "ignore", "ignore5_smooth", "zloss_softcap"])
+def test_step_matches_torch_fp32(client: Client, make_head, reduction: str, options: dict) -> None:
+    n, d, v = 96, 48, 131
+    ignore = options.get("ignore_index", -100)
+    seed = zlib.crc32(f"{reduction}{sorted(options.items())}".encode())
+    hidden, weight, targets = random_problem(n, d, v, seed=seed,
+                                             ignore_fraction=0.2 if "ignore_index" in options
+                                             else 0.0, ignore_index=ignore)
+    name = make_head(v, d, weights=weight)
+    r = client.step(name, hidden, targets, reduction=reduction, return_per_token_loss=True,
+                    loss_options=LossOptions(**options))
+    ref = reference(hidden, weight, targets, reduction=reduction, **options)
+    assert r.token_count == ref.token_count
+    assert not r.replayed and r.weights_version == 1
+    assert r.loss_sum == pytest.approx(float(ref.per_token.sum()), rel=FP32_REL)
+    expected_loss = ref.loss.sum() if reduction == "none" else ref.loss
+    assert r.loss == pytest.approx(float(expected_loss), rel=FP32_REL)
+    assert_close(r.per_token_loss, ref.per_token, FP32_REL, "per-token loss")
+    assert r.grad_hidden.dtype == torch.float32
+    assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+    pulled = client.pull_gradient(name, reset=True)
+    assert pulled.summary.token_count == ref.token_count
+    assert pulled.summary.microbatch_count == 1
+    assert_close(pulled.grad, ref.grad_weight, FP32_REL, "dW")
+
+
+def test_step_bf16_wire_and_grad_scale(client: Client, make_head) -> None:
+    n, d, v = 64, 32, 100
+    hidden, weight, targets = random_problem(n, d, v, seed=3)
+    name = make_head(v, d, weights=weight)
+    r = client.step(name, hidden, targets, hidden_dtype=torch.bfloat16, reduction="sum",
+                    grad_scale=0.5)
+    assert r.grad_hidden.dtype == torch.bfloat16
+    ref = reference(hidden.to(torch.bfloat16), weight, targets, reduction="sum",
+                    upstream=torch.tensor(0.5))
+    assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(r.grad_hidden, ref.grad_hidden, 2 ** -8, "dH (bf16)")
+    assert_close(client.pull_gradient(name).grad, ref.grad_weight, FP32_REL, "dW")
+
+
+def test_large_microbatch_is_framed_in_pieces(client: Client, make_head) -> None:
+    # 2048 x 768 fp32 = 6 MiB up and 6 MiB of dH down: several messages each way.
+    n, d, v = 2048, 768, 64
+    hidden, weight, targets = random_problem(n, d, v, seed=4)
+    name = make_head(v, d, weights=weight)
+    r = client.step(name, hidden, targets, reduction="sum")
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+
+
+def test_step_stream_pipelines_in_order(client: Client, make_head) -> None:
+    d, v = 32, 77
+    name = make_head(v, d, weights=random_problem(1, d, v, seed=5)[1])
+    weight = client.download_weights(name).weights
+    batches = [random_problem(20 + 7 * i, d, v, seed=50 + i)[::2]  # (hidden, targets)
+               for i in range(6)]
+    results = list(client.step_stream(name, batches, max_inflight=3, reduction="sum"))
+    assert [r.sequence for r in results] == sorted(r.sequence for r in results)
+    grad = torch.zeros(v, d, dtype=torch.float64)
+    for (h, t), r in zip(batches, results):
+        ref = reference(h, weight, t, reduction="sum")
+        assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+        assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+        grad += ref.grad_weight
+    pulled = client.pull_gradient(name, reset=True)
+    assert pulled.summary.microbatch_count == 6
+    assert_close(pulled.grad, grad, FP32_REL, "accumulated dW")
+
+
+def test_step_chunked_equals_one_step(client: Client, make_head) -> None:
+    n, d, v = 1000, 40, 90
+    hidden, weight, targets = random_problem(n, d, v, seed=6, ignore_fraction=0.1)
+    name = make_head(v, d, weights=weight)
+    r = client.step_chunked(name, hidden, targets, chunk_tokens=128, streams=3,
+                            return_per_token_loss=True)
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert r.token_count == ref.token_count
+    assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+    assert_close(r.per_token_loss, ref.per_token, FP32_REL, "per-token loss")
+    info = client.get_head(name)
+    assert info.microbatches_since_pull == 8 and info.tokens_since_pull == ref.token_count
+    assert_close(client.pull_gradient(name).grad, ref.grad_weight, FP32_REL, "dW")
+    with pytest.raises(ValueError):
+        client.step_chunked(name, hidden, targets, reduction="mean")
+
+
+def test_retry_with_same_sequence_is_replayed(client: Client, make_head) -> None:
+    n, d, v = 50, 16, 33
+    hidden, weight, targets = random_problem(n, d, v, seed=7)
+    name = make_head(v, d, weights=weight)
+    first = client.step(name, hidden, targets, reduction="sum")
+    dw = client.pull_gradient(name).grad
+    again = client.step(name, hidden, targets, reduction="sum", sequence=first.sequence)
+    assert again.replayed and not first.replayed
+    assert again.sequence == first.sequence
+    assert again.loss == first.loss and again.token_count == first.token_count
+    assert torch.equal(again.grad_hidden, first.grad_hidden)
+    info = client.get_head(name)
+    assert info.microbatches_since_pull == 1 and info.tokens_since_pull == n
+    assert torch.equal(client.pull_gradient(name).grad, dw)
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "injected: connection lost after the server answered"
+
+
+class _LostAnswers:
+    """A Step call whose answers never arrive, as after a dropped connection."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise _Unavailable()
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _DropFirstStepAnswer(grpc.StreamStreamClientInterceptor):
+    """Lets the first Step call reach the server and be computed, then loses its answer."""
+
+    def __init__(self) -> None:
+        self.dropped = 0
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        call = continuation(client_call_details, request_iterator)
+        if self.dropped or not client_call_details.method.endswith("/Step"):
+            return call
+        self.dropped += 1
+        for response in call:  # wait until the micro-batch is computed and counted
+            if response.last:
+                break
+        call.cancel()
+        return _LostAnswers()
+
+
+def test_client_retries_lost_answer_without_double_counting(server_address: str,
+                                                            client: Client, make_head) -> None:
+    n, d, v = 40, 16, 21
+    hidden, weight, targets = random_problem(n, d, v, seed=8)
+    name = make_head(v, d, weights=weight)
+    interceptor = _DropFirstStepAnswer()
+    channel = grpc.intercept_channel(grpc.insecure_channel(server_address), interceptor)
+    with Client(server_address, channel=channel, client_id="retrying") as flaky:
+        r = flaky.step(name, hidden, targets, reduction="sum")
+    assert interceptor.dropped == 1
+    assert r.replayed  # the resend found the first attempt already counted
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH of the replay")
+    pulled = client.pull_gradient(name)
+    assert pulled.summary.microbatch_count == 1 and pulled.summary.token_count == n
+    assert_close(pulled.grad, ref.grad_weight, FP32_REL, "dW counted once")
+
+
+def test_raw_step_stream_answers_each_microbatch(client: Client, make_head) -> None:
+    d, v = 8, 10
+    name = make_head(v, d)
+    with StepStream(client) as stream:
+        mbs = [client.microbatch(name, torch.randn(4, d), torch.randint(0, v, (4,)))
+               for _ in range(3)]
+        for mb in mbs:
+            stream.submit(mb)
+        got = [stream.receive().sequence for _ in mbs]
+    assert got == [mb.header.sequence for mb in mbs]

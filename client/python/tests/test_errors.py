@@ -1,0 +1,170 @@
+"""Every bad input raises LossheadError with its exact status code and changes nothing."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import grpc
+import pytest
+import torch
+
+from losshead import Client, LossheadError, LossOptions
+from losshead._proto.losshead.v1 import losshead_pb2 as pb
+
+C = grpc.StatusCode
+
+
+def _raises(code: grpc.StatusCode, fn: Callable[[], object]) -> LossheadError:
+    with pytest.raises(LossheadError) as e:
+        fn()
+    assert e.value.code == code, f"expected {code.name}, got {e.value}"
+    assert e.value.message
+    return e.value
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"name": "has space", "vocab_size": 4, "hidden_size": 4},
+    {"name": "", "vocab_size": 4, "hidden_size": 4},
+    {"name": "x" * 129, "vocab_size": 4, "hidden_size": 4},
+    {"name": "ok", "vocab_size": 0, "hidden_size": 4},
+    {"name": "ok", "vocab_size": 4, "hidden_size": 0},
+    {"name": "ok", "vocab_size": 4, "hidden_size": 4, "weight_dtype": torch.int32},
+    {"name": "ok", "vocab_size": 4, "hidden_size": 4, "init_std": 0.0},
+    {"name": "ok", "vocab_size": 4, "hidden_size": 4,
+     "default_options": LossOptions(label_smoothing=1.0)},
+    {"name": "ok", "vocab_size": 4, "hidden_size": 4, "default_options": LossOptions(z_loss=-1)},
+], ids=["name_space", "name_empty", "name_long", "vocab0", "hidden0", "dtype_int32", "std0",
+        "smoothing1", "zloss_negative"])
+def test_create_head_invalid(client: Client, kwargs: dict) -> None:
+    _raises(C.INVALID_ARGUMENT, lambda: client.create_head(**kwargs))
+    assert "ok" not in [h.spec.name for h in client.list_heads()]
+
+
+def test_create_head_duplicate_and_too_large(client: Client, make_head) -> None:
+    name = make_head(4, 4)
+    _raises(C.ALREADY_EXISTS, lambda: client.create_head(name, 8, 8))
+    assert client.get_head(name).spec.vocab_size == 4
+    _raises(C.RESOURCE_EXHAUSTED, lambda: client.create_head("huge", 1 << 31, 1 << 31))
+
+
+def test_unknown_head_is_not_found(client: Client) -> None:
+    for call in [
+        lambda: client.get_head("absent"),
+        lambda: client.delete_head("absent"),
+        lambda: client.set_loss_options("absent", LossOptions()),
+        lambda: client.pull_gradient("absent"),
+        lambda: client.download_weights("absent"),
+        lambda: client.upload_weights("absent", torch.zeros(2, 2)),
+        lambda: client.step("absent", torch.randn(2, 4), torch.zeros(2, dtype=torch.long)),
+    ]:
+        _raises(C.NOT_FOUND, call)
+
+
+def test_set_loss_options_invalid(client: Client, make_head) -> None:
+    name = make_head(4, 4)
+    for options in [LossOptions(label_smoothing=1.0), LossOptions(label_smoothing=-0.1),
+                    LossOptions(z_loss=-0.5), LossOptions(logit_softcap=-1.0)]:
+        _raises(C.INVALID_ARGUMENT, lambda: client.set_loss_options(name, options))
+    assert not client.get_head(name).spec.default_options.HasField("label_smoothing")
+
+
+def _assert_untouched(client: Client, name: str) -> None:
+    info = client.get_head(name)
+    assert (info.tokens_since_pull, info.microbatches_since_pull, info.weights_version) == (0, 0, 1)
+    assert not client.pull_gradient(name).grad.any()
+
+
+@pytest.mark.parametrize("case", [
+    "hidden_size", "target_high", "target_negative", "targets_short", "no_tokens", "hidden_int",
+    "target_float", "hidden_nan", "smoothing", "zloss", "grad_dtype_int", "reduction_enum",
+], ids=str)
+def test_step_invalid_argument(client: Client, make_head, case: str) -> None:
+    v, d, n = 11, 8, 6
+    name = make_head(v, d, init_std=0.1)
+    hidden, targets = torch.randn(n, d), torch.randint(0, v, (n,))
+    kw: dict = {}
+    if case == "hidden_size":
+        hidden = torch.randn(n, d + 1)
+    elif case == "target_high":
+        targets[2] = v
+    elif case == "target_negative":
+        targets[0] = -1
+    elif case == "targets_short":
+        targets = targets[:-1]
+    elif case == "no_tokens":
+        hidden, targets = hidden[:0], targets[:0]
+    elif case == "hidden_int":
+        kw["hidden_dtype"] = torch.int32
+    elif case == "target_float":
+        kw["target_dtype"] = torch.float32  # targets must be INT32 | INT64
+    elif case == "hidden_nan":
+        hidden[1, 3] = float("nan")
+    elif case == "smoothing":
+        kw["loss_options"] = LossOptions(label_smoothing=1.0)
+    elif case == "zloss":
+        kw["loss_options"] = LossOptions(z_loss=-1.0)
+    elif case == "grad_dtype_int":
+        kw["grad_hidden_dtype"] = torch.int64
+    elif case == "reduction_enum":
+        kw["reduction"] = 17
+    e = _raises(C.INVALID_ARGUMENT, lambda: client.step(name, hidden, targets, **kw))
+    assert e.sequence is not None  # a micro-batch error, reported in its response
+    _assert_untouched(client, name)
+
+
+def test_step_wrong_weights_version(client: Client, make_head) -> None:
+    name = make_head(5, 4)
+    _raises(C.FAILED_PRECONDITION, lambda: client.step(
+        name, torch.randn(3, 4), torch.zeros(3, dtype=torch.long), expected_weights_version=2))
+    _assert_untouched(client, name)
+    r = client.step(name, torch.randn(3, 4), torch.zeros(3, dtype=torch.long),
+                    expected_weights_version=1)
+    assert r.weights_version == 1
+
+
+def test_failed_microbatch_does_not_end_the_stream(client: Client, make_head) -> None:
+    v, d = 9, 4
+    name = make_head(v, d, init_std=0.1)
+    good = (torch.randn(3, d), torch.randint(0, v, (3,)))
+    bad = (torch.randn(3, d), torch.tensor([0, v, 1]))
+    out = list(client.step_stream(name, [good, bad, good], return_errors=True, reduction="sum"))
+    assert isinstance(out[0], type(out[2])) and not isinstance(out[0], LossheadError)
+    assert isinstance(out[1], LossheadError) and out[1].code == C.INVALID_ARGUMENT
+    assert client.get_head(name).microbatches_since_pull == 2
+    with pytest.raises(LossheadError) as e:
+        list(client.step_stream(name, [good, bad, good]))
+    assert e.value.code == C.INVALID_ARGUMENT
+
+
+def test_malformed_step_stream_ends_the_call(client: Client, make_head) -> None:
+    name = make_head(4, 4)
+    header = pb.StepHeader(head=name, client_id="raw", sequence=1, num_tokens=1,
+                           hidden_dtype=pb.DTYPE_FP32, target_dtype=pb.DTYPE_INT64)
+    cases = {
+        "data outside a micro-batch": [pb.StepRequest(hidden=b"\0" * 16)],
+        "header inside a micro-batch": [pb.StepRequest(header=header),
+                                        pb.StepRequest(header=header)],
+        "stream ends inside a micro-batch": [pb.StepRequest(header=header, hidden=b"\0" * 16)],
+    }
+    for what, requests in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            list(client._stub.Step(iter(requests)))
+        assert e.value.code() == C.INVALID_ARGUMENT, what
+    _assert_untouched(client, name)
+
+
+def test_pull_and_push_invalid(client: Client, make_head) -> None:
+    name = make_head(6, 4)
+    _raises(C.INVALID_ARGUMENT, lambda: client.pull_gradient(name, dtype=torch.int32))
+    _raises(C.INVALID_ARGUMENT, lambda: client.upload_weights(name, torch.zeros(6, 5)))
+    _raises(C.INVALID_ARGUMENT, lambda: client.upload_weights(name, torch.zeros(5, 4)))
+    _raises(C.INVALID_ARGUMENT, lambda: client.upload_weights(
+        name, torch.zeros(6, 4, dtype=torch.int64), dtype=torch.int64))
+    nan = torch.zeros(6, 4)
+    nan[0, 0] = float("nan")
+    _raises(C.INVALID_ARGUMENT, lambda: client.upload_weights(name, nan))
+    _raises(C.FAILED_PRECONDITION,
+            lambda: client.upload_weights(name, torch.ones(6, 4), expected_weights_version=7))
+    _raises(C.INVALID_ARGUMENT, lambda: client.download_weights(name, dtype=torch.int32))
+    down = client.download_weights(name)
+    assert down.version == 1 and not down.weights.any()
