@@ -28,6 +28,13 @@ struct ServerOptions {
   size_t workspace_bytes = size_t{1} << 30;
   // Results remembered per (head, client id) for idempotent replay.
   size_t idempotency_window = 64;
+  // ... and at most this many bytes of them (dH + per-token losses) per (head, client id); the
+  // newest result is always kept. See server/idempotency_cache.h.
+  size_t idempotency_max_bytes = size_t{256} << 20;
+  // A micro-batch whose hidden + target bytes exceed this is answered RESOURCE_EXHAUSTED.
+  size_t max_microbatch_bytes = size_t{1} << 30;
+  // Micro-batches one Step stream may have received and not yet had answered (pipelining depth).
+  size_t max_inflight_per_stream = 4;
   // Bound on the wait for in-flight work at shutdown.
   absl::Duration drain_timeout = absl::Seconds(30);
 };

@@ -1,0 +1,70 @@
+#include "server/flags.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address (host:port; port 0 picks one)");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
+          "Prometheus /metrics address (host:port; empty disables it)");
+ABSL_FLAG(std::string, backend, "auto", "Kernel backend: cpu, cuda or auto (cuda if available)");
+ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{4} << 20,
+          "Largest gRPC message either way; tensors are chunked below it");
+ABSL_FLAG(uint64_t, max_microbatch_bytes, uint64_t{1} << 30,
+          "Largest micro-batch (hidden + target bytes); larger ones get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, worker_threads, 0, "Worker threads for micro-batches and transfers (0: per core)");
+ABSL_FLAG(uint64_t, workspace_bytes, uint64_t{1} << 30, "Per-head kernel workspace budget");
+ABSL_FLAG(uint64_t, idempotency_window, 64,
+          "Completed micro-batch results remembered per (head, client id) for replay");
+ABSL_FLAG(uint64_t, idempotency_max_bytes, uint64_t{256} << 20,
+          "Byte cap of the remembered results per (head, client id)");
+ABSL_FLAG(uint64_t, max_inflight_per_stream, 4,
+          "Micro-batches a Step stream may have received and not yet had answered");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
+          "On SIGTERM/SIGINT: how long in-flight work may take to finish");
+
+namespace losshead::server {
+
+absl::StatusOr<ServerOptions> OptionsFromFlags() {
+  ServerOptions o;
+  o.listen_address = absl::GetFlag(FLAGS_listen);
+  o.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend == "cpu") {
+    o.backend = kernels::BackendKind::kCpu;
+  } else if (backend == "cuda") {
+    o.backend = kernels::BackendKind::kCuda;
+  } else if (backend == "auto") {
+    o.backend = kernels::BackendKind::kAuto;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be cpu, cuda or auto, got '", backend, "'"));
+  }
+  o.device = absl::GetFlag(FLAGS_device);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.max_microbatch_bytes = absl::GetFlag(FLAGS_max_microbatch_bytes);
+  o.worker_threads = absl::GetFlag(FLAGS_worker_threads);
+  o.workspace_bytes = absl::GetFlag(FLAGS_workspace_bytes);
+  o.idempotency_window = absl::GetFlag(FLAGS_idempotency_window);
+  o.idempotency_max_bytes = absl::GetFlag(FLAGS_idempotency_max_bytes);
+  o.max_inflight_per_stream = absl::GetFlag(FLAGS_max_inflight_per_stream);
+  o.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  if (o.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError("--max_message_bytes must be >= 4096");
+  }
+  if (o.max_microbatch_bytes == 0 || o.max_inflight_per_stream == 0) {
+    return absl::InvalidArgumentError(
+        "--max_microbatch_bytes and --max_inflight_per_stream must be >= 1");
+  }
+  if (o.drain_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--drain_timeout must be >= 0");
+  }
+  return o;
+}
+
+}  // namespace losshead::server

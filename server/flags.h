@@ -1,0 +1,15 @@
+// Command-line flags of losshead-server and their mapping onto ServerOptions.
+#ifndef LOSSHEAD_SERVER_FLAGS_H_
+#define LOSSHEAD_SERVER_FLAGS_H_
+
+#include "absl/status/statusor.h"
+#include "server/server.h"
+
+namespace losshead::server {
+
+// ServerOptions from the parsed flags; INVALID_ARGUMENT for a bad --backend or a limit of 0.
+absl::StatusOr<ServerOptions> OptionsFromFlags();
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_FLAGS_H_

@@ -1,0 +1,561 @@
+#include "server/head.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "losshead/kernels/dtype_convert.h"
+#include "server/proto_convert.h"
+#include "server/status_util.h"
+
+namespace losshead::server {
+namespace {
+
+// Host conversions go through fp32 in blocks so that a 1 GiB tensor needs no 2 GiB temporary.
+constexpr size_t kConvertBlock = size_t{1} << 20;
+
+void ConvertTensor(kernels::DType from, const char* src, kernels::DType to, char* dst,
+                   size_t count) {
+  if (from == to) {
+    std::memcpy(dst, src, count * kernels::DTypeSize(from));
+    return;
+  }
+  std::vector<float> block(std::min(count, kConvertBlock));
+  for (size_t i = 0; i < count; i += kConvertBlock) {
+    const size_t n = std::min(kConvertBlock, count - i);
+    kernels::ToFloat(from, src + i * kernels::DTypeSize(from), block.data(), n);
+    kernels::FromFloat(to, block.data(), dst + i * kernels::DTypeSize(to), n);
+  }
+}
+
+std::string Convert(kernels::DType from, const std::string& src, kernels::DType to) {
+  const size_t count = src.size() / kernels::DTypeSize(from);
+  std::string out(count * kernels::DTypeSize(to), '\0');
+  ConvertTensor(from, src.data(), to, out.data(), count);
+  return out;
+}
+
+absl::Status AsResourceExhausted(const absl::Status& status, absl::string_view what) {
+  if (status.ok()) return status;
+  return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", what, ": ", status.message()));
+}
+
+bool ValidName(const std::string& name) {
+  if (name.empty() || name.size() > 128) return false;
+  for (char c : name) {
+    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct Head::Prepared {
+  kernels::Problem problem;
+  // N x D in the head's dtype: the request's own bytes when they arrived in it, else `converted`.
+  const std::string* request_hidden = nullptr;
+  std::string converted;
+  const std::string& hidden() const { return request_hidden ? *request_hidden : converted; }
+  std::vector<int32_t> targets;
+  bool want_grad_hidden = true;
+  kernels::DType grad_hidden_dtype = kernels::DType::kFP32;
+  bool want_per_token = false;
+  std::optional<uint64_t> expected_version;
+};
+
+absl::Status Head::ValidateSpec(const v1::HeadSpec& spec) {
+  if (!ValidName(spec.name())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head name must match [A-Za-z0-9_.-]{1,128}, got '", spec.name().substr(0, 160), "'"));
+  }
+  if (spec.vocab_size() < 1 || spec.vocab_size() > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size must be in [1, 2^31), got ", spec.vocab_size()));
+  }
+  if (spec.hidden_size() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_size must be >= 1, got ", spec.hidden_size()));
+  }
+  if (absl::Status s = FloatDType(spec.weight_dtype(), "weight_dtype").status(); !s.ok()) return s;
+  if (spec.init().has_normal()) {
+    const float std = spec.init().normal().std();
+    if (!(std > 0.0f) || !std::isfinite(std)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("init.normal.std must be finite and > 0, got ", std));
+    }
+  }
+  return ValidateLossOptions(spec.default_options());
+}
+
+Head::Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
+           const HeadOptions& options)
+    : backend_(backend),
+      spec_(spec),
+      dtype_(dtype),
+      options_(options),
+      cache_(options.idempotency_window, options.idempotency_max_bytes_per_client) {
+  absl::MutexLock lock(&state_mu_);
+  defaults_ = spec.default_options();
+}
+
+Head::~Head() {
+  // Work still queued on the stream must finish before the buffers it uses are freed.
+  if (stream_ != nullptr) stream_->Synchronize().IgnoreError();
+}
+
+absl::StatusOr<std::shared_ptr<Head>> Head::Create(kernels::Backend& backend,
+                                                   const v1::HeadSpec& spec,
+                                                   const HeadOptions& options) {
+  LOSSHEAD_RETURN_IF_ERROR(ValidateSpec(spec));
+  const kernels::DType dtype = *FloatDType(spec.weight_dtype(), "weight_dtype");
+  const uint64_t v = spec.vocab_size();
+  const uint64_t d = spec.hidden_size();
+  // The fp32 accumulator is the largest tensor; refuse sizes whose byte count would overflow.
+  if (d > (uint64_t{1} << 60) / (4 * v)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a ", v, " x ", d, " head is too large to allocate"));
+  }
+  std::shared_ptr<Head> head(new Head(backend, spec, dtype, options));
+  LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes));
+  return head;
+}
+
+absl::Status Head::Initialize(size_t workspace_budget) {
+  absl::MutexLock lock(&compute_mu_);
+  const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
+  const size_t esize = kernels::DTypeSize(dtype_);
+  {
+    auto w = backend_.Allocate(count * esize);
+    if (!w.ok()) return AsResourceExhausted(w.status(), "weights");
+    weights_ = std::move(*w);
+    auto g = backend_.Allocate(count * sizeof(float));
+    if (!g.ok()) return AsResourceExhausted(g.status(), "the gradient accumulator");
+    grad_ = std::move(*g);
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(stream_, backend_.CreateStream());
+  // The workspace itself is allocated on first use, sized for the micro-batch; here we only make
+  // sure some chunk size fits the budget so that a head that could never step is refused now.
+  kernels::Problem probe{.n = 1, .d = hidden_size(), .v = vocab_size(), .dtype = dtype_};
+  LOSSHEAD_RETURN_IF_ERROR(backend_.WorkspaceBytes(probe, workspace_budget).status());
+
+  LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(grad_.data(), 0, grad_.bytes(), *stream_));
+  if (!spec_.init().has_normal()) {
+    LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(weights_.data(), 0, weights_.bytes(), *stream_));
+    return stream_->Synchronize();
+  }
+  std::mt19937_64 rng(spec_.init().normal().seed());
+  std::normal_distribution<float> normal(0.0f, spec_.init().normal().std());
+  std::vector<float> block(std::min(count, kConvertBlock));
+  std::string converted(block.size() * esize, '\0');
+  for (size_t i = 0; i < count; i += kConvertBlock) {
+    const size_t n = std::min(kConvertBlock, count - i);
+    for (size_t j = 0; j < n; ++j) block[j] = normal(rng);
+    kernels::FromFloat(dtype_, block.data(), converted.data(), n);
+    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToDevice(weights_.as<char>() + i * esize,
+                                                   converted.data(), n * esize, *stream_));
+    // The host block is reused for the next piece: the copy must have landed.
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
+  const v1::StepHeader& h = mb.header;
+  Prepared p;
+  if (h.num_tokens() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("num_tokens must be >= 1, got ", h.num_tokens()));
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType hidden_dtype,
+                            FloatDType(h.hidden_dtype(), "hidden_dtype"));
+  if (h.target_dtype() != v1::DTYPE_INT32 && h.target_dtype() != v1::DTYPE_INT64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target_dtype must be DTYPE_INT32 or DTYPE_INT64, got ", static_cast<int>(h.target_dtype())));
+  }
+  p.want_grad_hidden = !h.options().skip_grad_hidden();
+  if (h.options().grad_hidden_dtype() == v1::DTYPE_UNSPECIFIED) {
+    p.grad_hidden_dtype = hidden_dtype;
+  } else {
+    LOSSHEAD_ASSIGN_OR_RETURN(p.grad_hidden_dtype,
+                              FloatDType(h.options().grad_hidden_dtype(), "options.grad_hidden_dtype"));
+  }
+  const uint64_t n = h.num_tokens();
+  const uint64_t d = hidden_size();
+  const size_t hsize = kernels::DTypeSize(hidden_dtype);
+  const size_t tsize = WireDTypeSize(h.target_dtype());
+  // Compare sizes without overflowing n * d * size for absurd n.
+  if (n > mb.hidden.size() / (d * hsize) || n * d * hsize != mb.hidden.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden has ", mb.hidden.size(), " bytes; num_tokens x hidden_size x ",
+        kernels::DTypeName(hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
+  }
+  if (n * tsize != mb.targets.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("targets has ", mb.targets.size(),
+                                                   " bytes; num_tokens needs ", n, " x ", tsize));
+  }
+  v1::LossOptions defaults;
+  {
+    absl::MutexLock lock(&state_mu_);
+    defaults = defaults_;
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(kernels::LossOptions loss,
+                            ResolveLossOptions(h.loss_options(), defaults, &h.options()));
+  p.want_per_token =
+      h.options().return_per_token_loss() || loss.reduction == kernels::Reduction::kNone;
+
+  // Targets: int32 for the kernels. An ignore_index beyond int32 is mapped to INT32_MIN, which no
+  // valid target can equal.
+  const int64_t ignore = loss.ignore_index;
+  const bool ignore_fits = ignore >= std::numeric_limits<int32_t>::min() &&
+                           ignore <= std::numeric_limits<int32_t>::max();
+  const int32_t ignore32 =
+      ignore_fits ? static_cast<int32_t>(ignore) : std::numeric_limits<int32_t>::min();
+  loss.ignore_index = ignore32;
+  p.targets.resize(n);
+  const int64_t v = vocab_size();
+  for (uint64_t i = 0; i < n; ++i) {
+    int64_t t;
+    if (h.target_dtype() == v1::DTYPE_INT32) {
+      int32_t t32;
+      std::memcpy(&t32, mb.targets.data() + i * 4, 4);
+      t = t32;
+    } else {
+      std::memcpy(&t, mb.targets.data() + i * 8, 8);
+    }
+    if (t == ignore) {
+      p.targets[i] = ignore32;
+    } else if (t < 0 || t >= v) {
+      return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] = ", t,
+                                                     " is outside [0, ", v,
+                                                     ") and is not ignore_index ", ignore));
+    } else {
+      p.targets[i] = static_cast<int32_t>(t);
+    }
+  }
+
+  // NaN policy: non-finite hidden states are rejected, never computed: they would poison dW for
+  // every micro-batch accumulated with them until the next pull.
+  if (kernels::HasNonFinite(hidden_dtype, mb.hidden.data(), n * d)) {
+    return absl::InvalidArgumentError("hidden contains NaN or Inf");
+  }
+  if (hidden_dtype == dtype_) {
+    p.request_hidden = &mb.hidden;
+  } else {
+    p.converted = Convert(hidden_dtype, mb.hidden, dtype_);
+    if (kernels::HasNonFinite(dtype_, p.converted.data(), n * d)) {
+      return absl::InvalidArgumentError(absl::StrCat("hidden overflows the head's dtype ",
+                                                     kernels::DTypeName(dtype_)));
+    }
+  }
+  p.problem = kernels::Problem{.n = static_cast<int64_t>(n),
+                               .d = hidden_size(),
+                               .v = vocab_size(),
+                               .dtype = dtype_,
+                               .options = loss};
+  LOSSHEAD_RETURN_IF_ERROR(backend_.CanImplement(p.problem));
+  if (h.options().has_expected_weights_version()) {
+    p.expected_version = h.options().expected_weights_version();
+  }
+  return p;
+}
+
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& mb,
+                                                              StepStats* stats) {
+  LOSSHEAD_ASSIGN_OR_RETURN(Prepared prepared, Prepare(mb));
+  const std::string& client_id = mb.header.client_id();
+  if (client_id.empty()) return Compute(prepared, stats);
+
+  LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
+                            cache_.Begin(client_id, mb.header.sequence()));
+  if (remembered != nullptr) {
+    stats->replayed = true;
+    return remembered;
+  }
+  auto outcome = Compute(prepared, stats);
+  if (outcome.ok()) {
+    cache_.Complete(client_id, mb.header.sequence(), *outcome);
+  } else {
+    cache_.Abandon(client_id, mb.header.sequence());
+  }
+  return outcome;
+}
+
+absl::Status Head::EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes) {
+  if (buffer.bytes() >= bytes) return absl::OkStatus();
+  const size_t old = buffer.bytes();
+  buffer.Reset();  // free first: the old and new buffer need not fit together
+  auto fresh = backend_.Allocate(bytes);
+  if (!fresh.ok()) {
+    absl::MutexLock lock(&state_mu_);
+    device_scratch_bytes_ -= old;
+    return AsResourceExhausted(fresh.status(), "micro-batch buffers");
+  }
+  buffer = std::move(*fresh);
+  absl::MutexLock lock(&state_mu_);
+  device_scratch_bytes_ += bytes - old;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared& p,
+                                                                 StepStats* stats) {
+  auto outcome = std::make_shared<StepOutcome>();
+  const size_t n = p.problem.n;
+  const size_t nd = n * hidden_size();
+  const size_t esize = kernels::DTypeSize(dtype_);
+  std::string grad_hidden;  // compute dtype
+  std::vector<float> per_token;
+  float loss_sum = 0;
+  int64_t token_count = 0;
+  {
+    const absl::Time wait_start = absl::Now();
+    absl::MutexLock lock(&compute_mu_);
+    const absl::Time start = absl::Now();
+    stats->queue += start - wait_start;
+    uint64_t version;
+    {
+      absl::MutexLock state(&state_mu_);
+      version = version_;
+    }
+    if (p.expected_version.has_value() && *p.expected_version != version) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expected_weights_version is ", *p.expected_version,
+                       " but the head's weights are at version ", version));
+    }
+    LOSSHEAD_ASSIGN_OR_RETURN(const size_t ws_bytes,
+                              backend_.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(workspace_, ws_bytes));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(hidden_buf_, nd * esize));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(targets_buf_, n * sizeof(int32_t)));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(scalars_buf_, 16));
+    if (p.want_grad_hidden) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(grad_hidden_buf_, nd * esize));
+    if (p.want_per_token) {
+      LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(per_token_buf_, n * sizeof(float)));
+    }
+
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToDevice(hidden_buf_.data(), p.hidden().data(), nd * esize, *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToDevice(targets_buf_.data(), p.targets.data(),
+                                                   n * sizeof(int32_t), *stream_));
+    kernels::Arguments args;
+    args.hidden = hidden_buf_.data();
+    args.weight = weights_.data();
+    args.targets = targets_buf_.as<int32_t>();
+    args.grad_hidden = p.want_grad_hidden ? grad_hidden_buf_.data() : nullptr;
+    args.grad_weight = grad_.as<float>();
+    // token_count first: it needs 8-byte alignment.
+    args.token_count = scalars_buf_.as<int64_t>();
+    args.loss_sum = reinterpret_cast<float*>(scalars_buf_.as<char>() + 8);
+    args.per_token_loss = p.want_per_token ? per_token_buf_.as<float>() : nullptr;
+    args.workspace = workspace_.data();
+    args.workspace_bytes = ws_bytes;
+    LOSSHEAD_RETURN_IF_ERROR(backend_.Run(p.problem, args, *stream_));
+
+    char scalars[16];
+    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(scalars, scalars_buf_.data(), 16, *stream_));
+    if (p.want_grad_hidden) {
+      grad_hidden.resize(nd * esize);
+      LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(grad_hidden.data(), grad_hidden_buf_.data(),
+                                                   nd * esize, *stream_));
+    }
+    if (p.want_per_token) {
+      per_token.resize(n);
+      LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(per_token.data(), per_token_buf_.data(),
+                                                   n * sizeof(float), *stream_));
+    }
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    std::memcpy(&token_count, scalars, 8);
+    std::memcpy(&loss_sum, scalars + 8, 4);
+    {
+      absl::MutexLock state(&state_mu_);
+      tokens_since_pull_ += token_count;
+      tokens_total_ += token_count;
+      microbatches_since_pull_ += 1;
+      microbatches_total_ += 1;
+      if (microbatches_since_pull_ == 1) {
+        min_version_since_pull_ = max_version_since_pull_ = version;
+      } else {
+        min_version_since_pull_ = std::min(min_version_since_pull_, version);
+        max_version_since_pull_ = std::max(max_version_since_pull_, version);
+      }
+    }
+    outcome->weights_version = version;
+    stats->compute += absl::Now() - start;
+  }
+  // Conversions to the wire happen outside the head's lock: other micro-batches can compute.
+  outcome->loss_sum = loss_sum;
+  outcome->token_count = token_count;
+  outcome->loss = p.problem.options.reduction == kernels::Reduction::kMean
+                      ? (token_count > 0 ? static_cast<double>(loss_sum) / token_count : 0.0)
+                      : static_cast<double>(loss_sum);
+  outcome->grad_hidden_dtype = ToProto(p.grad_hidden_dtype);
+  if (p.want_grad_hidden) {
+    outcome->grad_hidden = p.grad_hidden_dtype == dtype_
+                               ? std::move(grad_hidden)
+                               : Convert(dtype_, grad_hidden, p.grad_hidden_dtype);
+  }
+  if (p.want_per_token) {
+    outcome->per_token_loss.assign(reinterpret_cast<const char*>(per_token.data()),
+                                   per_token.size() * sizeof(float));
+  }
+  return outcome;
+}
+
+absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset) {
+  if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_FP32;
+  if (dtype != v1::DTYPE_FP32 && dtype != v1::DTYPE_BF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pull dtype must be DTYPE_FP32 or DTYPE_BF16, got ", static_cast<int>(dtype)));
+  }
+  GradientSnapshot snap;
+  snap.data.resize(grad_.bytes());
+  v1::GradientSummary& s = snap.summary;
+  {
+    absl::MutexLock lock(&compute_mu_);
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(snap.data.data(), grad_.data(), grad_.bytes(), *stream_));
+    if (reset) LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(grad_.data(), 0, grad_.bytes(), *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    absl::MutexLock state(&state_mu_);
+    s.set_token_count(tokens_since_pull_);
+    s.set_microbatch_count(microbatches_since_pull_);
+    s.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
+    s.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
+    if (reset) {
+      tokens_since_pull_ = 0;
+      microbatches_since_pull_ = 0;
+      min_version_since_pull_ = max_version_since_pull_ = 0;
+    }
+  }
+  if (dtype == v1::DTYPE_BF16) {
+    snap.data = Convert(kernels::DType::kFP32, snap.data, kernels::DType::kBF16);
+  }
+  s.set_vocab_size(vocab_size());
+  s.set_hidden_size(hidden_size());
+  s.set_dtype(dtype);
+  s.set_total_bytes(snap.data.size());
+  s.set_was_reset(reset);
+  return snap;
+}
+
+absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
+                                           const std::string& data,
+                                           std::optional<uint64_t> expected_version) {
+  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType src_dtype, FloatDType(dtype, "dtype"));
+  if (mode != v1::PUSH_MODE_REPLACE && mode != v1::PUSH_MODE_ADD) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ", static_cast<int>(mode)));
+  }
+  const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
+  if (data.size() != count * kernels::DTypeSize(src_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pushed weights have ", data.size(), " bytes; ", vocab_size(), " x ", hidden_size(), " x ",
+        kernels::DTypeName(src_dtype), " needs ", count * kernels::DTypeSize(src_dtype)));
+  }
+  if (kernels::HasNonFinite(src_dtype, data.data(), count)) {
+    return absl::InvalidArgumentError("pushed weights contain NaN or Inf");
+  }
+  const size_t esize = kernels::DTypeSize(dtype_);
+  std::string staged;
+  if (mode == v1::PUSH_MODE_REPLACE) {
+    staged = Convert(src_dtype, data, dtype_);
+    if (kernels::HasNonFinite(dtype_, staged.data(), count)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pushed weights overflow the head's dtype ", kernels::DTypeName(dtype_)));
+    }
+  }
+  absl::MutexLock lock(&compute_mu_);
+  {
+    absl::MutexLock state(&state_mu_);
+    if (expected_version.has_value() && *expected_version != version_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expected_weights_version is ", *expected_version,
+                       " but the head's weights are at version ", version_));
+    }
+  }
+  if (mode == v1::PUSH_MODE_ADD) {
+    staged.resize(count * esize);
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(staged.data(), weights_.data(), staged.size(), *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    std::vector<float> w(std::min(count, kConvertBlock));
+    std::vector<float> delta(w.size());
+    for (size_t i = 0; i < count; i += kConvertBlock) {
+      const size_t n = std::min(kConvertBlock, count - i);
+      kernels::ToFloat(dtype_, staged.data() + i * esize, w.data(), n);
+      kernels::ToFloat(src_dtype, data.data() + i * kernels::DTypeSize(src_dtype), delta.data(), n);
+      for (size_t j = 0; j < n; ++j) w[j] += delta[j];
+      kernels::FromFloat(dtype_, w.data(), staged.data() + i * esize, n);
+    }
+    if (kernels::HasNonFinite(dtype_, staged.data(), count)) {
+      return absl::InvalidArgumentError("W + pushed delta overflows to Inf");
+    }
+  }
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToDevice(weights_.data(), staged.data(), staged.size(), *stream_));
+  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+  absl::MutexLock state(&state_mu_);
+  return ++version_;
+}
+
+absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
+  kernels::DType to = dtype_;
+  if (dtype != v1::DTYPE_UNSPECIFIED) {
+    LOSSHEAD_ASSIGN_OR_RETURN(to, FloatDType(dtype, "dtype"));
+  }
+  WeightsSnapshot snap;
+  snap.dtype = ToProto(to);
+  snap.data.resize(weights_.bytes());
+  {
+    absl::MutexLock lock(&compute_mu_);
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(snap.data.data(), weights_.data(), weights_.bytes(), *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    absl::MutexLock state(&state_mu_);
+    snap.version = version_;
+  }
+  if (to != dtype_) snap.data = Convert(dtype_, snap.data, to);
+  return snap;
+}
+
+absl::Status Head::SetDefaultOptions(const v1::LossOptions& options) {
+  LOSSHEAD_RETURN_IF_ERROR(ValidateLossOptions(options));
+  absl::MutexLock state(&state_mu_);
+  defaults_ = options;
+  return absl::OkStatus();
+}
+
+size_t Head::workspace_bytes() const {
+  absl::MutexLock state(&state_mu_);
+  return device_scratch_bytes_;
+}
+
+uint64_t Head::weights_version() const {
+  absl::MutexLock state(&state_mu_);
+  return version_;
+}
+
+v1::HeadInfo Head::Info() const {
+  v1::HeadInfo info;
+  *info.mutable_spec() = spec_;
+  absl::MutexLock state(&state_mu_);
+  *info.mutable_spec()->mutable_default_options() = defaults_;
+  info.set_weights_version(version_);
+  info.set_tokens_since_pull(tokens_since_pull_);
+  info.set_microbatches_since_pull(microbatches_since_pull_);
+  info.set_tokens_total(tokens_total_);
+  info.set_microbatches_total(microbatches_total_);
+  info.mutable_memory()->set_weights_bytes(weights_.bytes());
+  info.mutable_memory()->set_gradient_bytes(grad_.bytes());
+  info.mutable_memory()->set_workspace_bytes(device_scratch_bytes_);
+  info.set_device(backend_.device_description());
+  return info;
+}
+
+}  // namespace losshead::server

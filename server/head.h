@@ -1,0 +1,153 @@
+// A head: W (V x D) on the backend's device, its fp32 dW accumulator, a weights version, counters
+// and default loss options. Thread-safe.
+//
+// One mutex (compute) serialises everything that touches W or dW on the device: micro-batches,
+// pulls and pushes. A micro-batch's dW update and its counter update happen under it together,
+// so a pull with reset sees every micro-batch either entirely before its cut or entirely after.
+// Another, short mutex guards the counters and options so that Info() never waits for compute.
+// Callers hold heads by shared_ptr: deleting a head from the registry while work runs on it is
+// safe; the memory goes when the last holder lets go.
+#ifndef LOSSHEAD_SERVER_HEAD_H_
+#define LOSSHEAD_SERVER_HEAD_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/problem.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/idempotency_cache.h"
+#include "server/step_outcome.h"
+
+namespace losshead::server {
+
+struct HeadOptions {
+  size_t workspace_budget_bytes = size_t{1} << 30;  // handed to Backend::WorkspaceBytes
+  size_t idempotency_window = 64;
+  size_t idempotency_max_bytes_per_client = size_t{256} << 20;
+};
+
+// One micro-batch as it came off the wire.
+struct MicroBatch {
+  v1::StepHeader header;
+  std::string hidden;
+  std::string targets;
+};
+
+// What happened to a micro-batch besides its outcome (for metrics).
+struct StepStats {
+  bool replayed = false;
+  absl::Duration queue;    // waiting for the head (the compute mutex)
+  absl::Duration compute;  // copies in, Run, copies out, synchronised
+};
+
+// dW (or W) copied to the host, with what it covers.
+struct GradientSnapshot {
+  v1::GradientSummary summary;
+  std::string data;  // V x D in summary.dtype
+};
+
+struct WeightsSnapshot {
+  uint64_t version = 0;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  std::string data;  // V x D
+};
+
+class Head {
+ public:
+  // Validates `spec` (INVALID_ARGUMENT), allocates W, dW and checks the workspace budget
+  // (RESOURCE_EXHAUSTED), initialises W (zeros, or normal(0, std) drawn on the host from
+  // std::mt19937_64(seed) in row-major order) and zeroes dW.
+  static absl::StatusOr<std::shared_ptr<Head>> Create(kernels::Backend& backend,
+                                                      const v1::HeadSpec& spec,
+                                                      const HeadOptions& options);
+  ~Head();
+
+  // Checks only the spec's fields (name syntax excepted); no allocation.
+  static absl::Status ValidateSpec(const v1::HeadSpec& spec);
+
+  // Runs one micro-batch: validation (INVALID_ARGUMENT; FAILED_PRECONDITION on a weights version
+  // mismatch), idempotent replay (see IdempotencyCache), forward + backward, dW accumulation.
+  // Any error leaves W, dW and the counters as they were.
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(const MicroBatch& microbatch,
+                                                          StepStats* stats);
+
+  // Copies dW out (fp32 or bf16) with the counters it covers; with `reset`, zeroes both in the same
+  // critical section as the copy.
+  absl::StatusOr<GradientSnapshot> PullGradient(v1::DType dtype, bool reset);
+
+  // W = data (REPLACE) or W += data (ADD); data is V x D of `dtype`. INVALID_ARGUMENT on a size
+  // mismatch or a non-finite value, FAILED_PRECONDITION on a version mismatch; W is unchanged on
+  // error. Returns the new version.
+  absl::StatusOr<uint64_t> PushWeights(v1::DType dtype, v1::PushMode mode, const std::string& data,
+                                       std::optional<uint64_t> expected_version);
+
+  // W converted to `dtype` (UNSPECIFIED: the head's dtype) with its version.
+  absl::StatusOr<WeightsSnapshot> DownloadWeights(v1::DType dtype);
+
+  // Replaces the default loss options (validated: INVALID_ARGUMENT).
+  absl::Status SetDefaultOptions(const v1::LossOptions& options);
+
+  v1::HeadInfo Info() const;
+  const std::string& name() const { return spec_.name(); }
+  int64_t vocab_size() const { return spec_.vocab_size(); }
+  int64_t hidden_size() const { return spec_.hidden_size(); }
+  kernels::DType dtype() const { return dtype_; }
+  size_t weights_bytes() const { return weights_.bytes(); }
+  size_t gradient_bytes() const { return grad_.bytes(); }
+  size_t workspace_bytes() const;
+  uint64_t weights_version() const;
+
+ private:
+  struct Prepared;
+
+  Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
+       const HeadOptions& options);
+  absl::Status Initialize(size_t workspace_budget);
+  absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(const Prepared& prepared,
+                                                             StepStats* stats);
+  absl::Status EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(compute_mu_);
+
+  kernels::Backend& backend_;
+  const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_
+  const kernels::DType dtype_;
+  const HeadOptions options_;
+  IdempotencyCache cache_;
+
+  // Device memory and stream: used under compute_mu_ only.
+  absl::Mutex compute_mu_ ABSL_ACQUIRED_BEFORE(state_mu_);
+  kernels::DeviceBuffer weights_;
+  kernels::DeviceBuffer grad_;
+  std::unique_ptr<kernels::Stream> stream_;
+  kernels::DeviceBuffer workspace_ ABSL_GUARDED_BY(compute_mu_);
+  kernels::DeviceBuffer hidden_buf_ ABSL_GUARDED_BY(compute_mu_);
+  kernels::DeviceBuffer targets_buf_ ABSL_GUARDED_BY(compute_mu_);
+  kernels::DeviceBuffer grad_hidden_buf_ ABSL_GUARDED_BY(compute_mu_);
+  kernels::DeviceBuffer per_token_buf_ ABSL_GUARDED_BY(compute_mu_);
+  kernels::DeviceBuffer scalars_buf_ ABSL_GUARDED_BY(compute_mu_);
+
+  // Counters and options; written under both mutexes when tied to device state, read under this.
+  mutable absl::Mutex state_mu_;
+  v1::LossOptions defaults_ ABSL_GUARDED_BY(state_mu_);
+  uint64_t version_ ABSL_GUARDED_BY(state_mu_) = 1;
+  uint64_t tokens_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t microbatches_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t min_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t max_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
+  size_t device_scratch_bytes_ ABSL_GUARDED_BY(state_mu_) = 0;  // workspace + I/O buffers
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_HEAD_H_

@@ -1,0 +1,64 @@
+#include "server/head_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/status_util.h"
+
+namespace losshead::server {
+
+absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& spec) {
+  LOSSHEAD_RETURN_IF_ERROR(Head::ValidateSpec(spec));
+  {
+    absl::MutexLock lock(&mu_);
+    if (heads_.contains(spec.name()) || creating_.contains(spec.name())) {
+      return absl::AlreadyExistsError(absl::StrCat("head '", spec.name(), "' already exists"));
+    }
+    creating_.insert(spec.name());
+  }
+  absl::StatusOr<std::shared_ptr<Head>> head = Head::Create(backend_, spec, options_);
+  absl::MutexLock lock(&mu_);
+  creating_.erase(spec.name());
+  if (head.ok()) heads_.emplace(spec.name(), *head);
+  return head;
+}
+
+absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = heads_.find(name);
+  if (it == heads_.end()) return absl::NotFoundError(absl::StrCat("no head named '", name, "'"));
+  return it->second;
+}
+
+std::vector<std::shared_ptr<Head>> HeadRegistry::List() const {
+  std::vector<std::shared_ptr<Head>> out;
+  {
+    absl::MutexLock lock(&mu_);
+    out.reserve(heads_.size());
+    for (const auto& [name, head] : heads_) out.push_back(head);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a->name() < b->name(); });
+  return out;
+}
+
+absl::Status HeadRegistry::Delete(const std::string& name) {
+  std::shared_ptr<Head> doomed;  // released outside the lock: freeing may wait for the device
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = heads_.find(name);
+    if (it == heads_.end()) return absl::NotFoundError(absl::StrCat("no head named '", name, "'"));
+    doomed = std::move(it->second);
+    heads_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+size_t HeadRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return heads_.size();
+}
+
+}  // namespace losshead::server

@@ -1,0 +1,47 @@
+// The heads of a server by name.
+#ifndef LOSSHEAD_SERVER_HEAD_REGISTRY_H_
+#define LOSSHEAD_SERVER_HEAD_REGISTRY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/head.h"
+
+namespace losshead::server {
+
+class HeadRegistry {
+ public:
+  HeadRegistry(kernels::Backend& backend, HeadOptions options)
+      : backend_(backend), options_(options) {}
+
+  // INVALID_ARGUMENT for a bad spec, ALREADY_EXISTS for a taken name (also while another create of
+  // the same name is allocating), RESOURCE_EXHAUSTED when the device memory does not suffice.
+  // Allocation and initialisation run in the caller's thread, outside the registry's lock.
+  absl::StatusOr<std::shared_ptr<Head>> Create(const v1::HeadSpec& spec);
+  // NOT_FOUND for an unknown name.
+  absl::StatusOr<std::shared_ptr<Head>> Get(const std::string& name) const;
+  // Sorted by name.
+  std::vector<std::shared_ptr<Head>> List() const;
+  // Removes the name at once; the head's memory is freed when the work still holding it ends.
+  absl::Status Delete(const std::string& name);
+  size_t size() const;
+
+ private:
+  kernels::Backend& backend_;
+  const HeadOptions options_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Head>> heads_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_HEAD_REGISTRY_H_

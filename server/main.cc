@@ -1,0 +1,63 @@
+// losshead-server: serves losshead.v1.LossHead until SIGTERM or SIGINT, then drains and exits.
+#include <csignal>
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "server/flags.h"
+#include "server/server.h"
+
+namespace {
+
+// Signal handlers may only touch lock-free state: a self-pipe-free flag polled by main.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+void OnSignal(int signal) { g_stop_signal = signal; }
+
+std::string HostOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "losshead-server: the fused LM-head (linear + cross-entropy) gRPC service");
+  absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<losshead::server::ServerOptions> options =
+      losshead::server::OptionsFromFlags();
+  if (!options.ok()) {
+    std::fprintf(stderr, "losshead-server: %s\n", options.status().ToString().c_str());
+    return 2;
+  }
+  auto server = losshead::server::Server::Start(*options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "losshead-server: cannot start: %s\n",
+                 server.status().ToString().c_str());
+    return 1;
+  }
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  const losshead::kernels::Backend& backend = (*server)->backend();
+  std::fprintf(stderr, "losshead-server: serving gRPC on %s:%d, backend %s (%s)\n",
+               HostOf(options->listen_address).c_str(), (*server)->port(),
+               std::string(backend.name()).c_str(), backend.device_description().c_str());
+  if ((*server)->metrics_port() != 0) {
+    std::fprintf(stderr, "losshead-server: metrics on http://%s:%d/metrics\n",
+                 HostOf(options->metrics_address).c_str(), (*server)->metrics_port());
+  } else {
+    std::fprintf(stderr, "losshead-server: metrics disabled\n");
+  }
+  while (g_stop_signal == 0) absl::SleepFor(absl::Milliseconds(100));
+  std::fprintf(stderr, "losshead-server: signal %d, draining (up to %s)\n",
+               static_cast<int>(g_stop_signal),
+               absl::FormatDuration(options->drain_timeout).c_str());
+  (*server)->Shutdown(options->drain_timeout);
+  (*server)->Wait();
+  std::fprintf(stderr, "losshead-server: stopped\n");
+  return 0;
+}

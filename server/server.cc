@@ -1,0 +1,146 @@
+#include "server/server.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+#include "server/head_registry.h"
+#include "server/metrics.h"
+#include "server/service.h"
+#include "server/service_context.h"
+#include "server/thread_pool.h"
+
+namespace losshead::server {
+namespace {
+
+constexpr char kServiceName[] = "losshead.v1.LossHead";
+
+class ServerImpl final : public Server {
+ public:
+  explicit ServerImpl(const ServerOptions& options) : options_(options) {}
+  ~ServerImpl() override {
+    Shutdown(absl::ZeroDuration());
+    Wait();
+  }
+
+  absl::Status Init() {
+    auto backend = kernels::CreateBackend(options_.backend, options_.device);
+    if (!backend.ok()) return backend.status();
+    backend_ = std::move(*backend);
+    metrics_ = std::make_unique<Metrics>();
+    pool_ = std::make_unique<ThreadPool>(options_.worker_threads);
+    registry_ = std::make_unique<HeadRegistry>(
+        *backend_, HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
+                               .idempotency_window = options_.idempotency_window,
+                               .idempotency_max_bytes_per_client = options_.idempotency_max_bytes});
+    ctx_.backend = backend_.get();
+    ctx_.registry = registry_.get();
+    ctx_.pool = pool_.get();
+    ctx_.metrics = metrics_.get();
+    ctx_.max_message_bytes = options_.max_message_bytes;
+    ctx_.max_microbatch_bytes = options_.max_microbatch_bytes;
+    ctx_.max_inflight_per_stream = std::max<size_t>(1, options_.max_inflight_per_stream);
+    ctx_.start_time = absl::Now();
+    service_ = std::make_unique<LossHeadService>(&ctx_);
+    service_->RefreshMemoryMetrics();
+
+    if (!options_.metrics_address.empty()) {
+      try {
+        exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address);
+      } catch (const std::exception& e) {
+        return absl::UnavailableError(absl::StrCat("cannot serve metrics on ",
+                                                   options_.metrics_address, ": ", e.what()));
+      }
+      const LossHeadService* service = service_.get();
+      refresher_ = Metrics::MakeRefresher([service] { service->RefreshMemoryMetrics(); });
+      // Registered first so that the gauges are fresh when the registry is collected.
+      exposer_->RegisterCollectable(refresher_);
+      exposer_->RegisterCollectable(metrics_->registry());
+      const std::vector<int> ports = exposer_->GetListeningPorts();
+      metrics_port_ = ports.empty() ? 0 : ports.front();
+    }
+
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(), &port_);
+    const int max_message = static_cast<int>(
+        std::min<size_t>(options_.max_message_bytes, std::numeric_limits<int>::max()));
+    builder.SetMaxReceiveMessageSize(max_message);
+    builder.SetMaxSendMessageSize(max_message);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr || port_ == 0) {
+      server_.reset();
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", options_.listen_address));
+    }
+    if (auto* health = server_->GetHealthCheckService()) {
+      health->SetServingStatus(true);
+      health->SetServingStatus(kServiceName, true);
+    }
+    return absl::OkStatus();
+  }
+
+  int port() const override { return port_; }
+  int metrics_port() const override { return metrics_port_; }
+  const kernels::Backend& backend() const override { return *backend_; }
+
+  void Shutdown(absl::Duration deadline) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (shutting_down_) return;
+      shutting_down_ = true;
+    }
+    if (server_ != nullptr) {
+      // Probes first, so that load balancers stop sending before calls are refused.
+      if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
+      // Streams stop reading and finish once their received micro-batches are answered.
+      ctx_.draining.store(true);
+      ctx_.streams.DrainAll();
+      // New calls are refused now; calls still running at the deadline are cancelled.
+      server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+    }
+    if (pool_ != nullptr) pool_->Shutdown();
+    exposer_.reset();
+    stopped_.Notify();
+  }
+
+  void Wait() override { stopped_.WaitForNotification(); }
+
+ private:
+  const ServerOptions options_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<HeadRegistry> registry_;
+  ServiceContext ctx_;
+  std::unique_ptr<LossHeadService> service_;
+  std::shared_ptr<prometheus::Collectable> refresher_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  absl::Mutex mu_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Notification stopped_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  auto server = std::make_unique<ServerImpl>(options);
+  absl::Status status = server->Init();
+  if (!status.ok()) return status;
+  return server;
+}
+
+}  // namespace losshead::server

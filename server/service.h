@@ -1,0 +1,52 @@
+// losshead.v1.LossHead on the gRPC callback API. Unary calls that only read state answer inline;
+// everything that allocates or copies device memory runs on the worker pool.
+#ifndef LOSSHEAD_SERVER_SERVICE_H_
+#define LOSSHEAD_SERVER_SERVICE_H_
+
+#include "grpcpp/grpcpp.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "server/service_context.h"
+
+namespace losshead::server {
+
+class LossHeadService final : public v1::LossHead::CallbackService {
+ public:
+  explicit LossHeadService(ServiceContext* ctx) : ctx_(ctx) {}
+
+  grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
+                                       const v1::CreateHeadRequest* request,
+                                       v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* GetHead(grpc::CallbackServerContext* context,
+                                    const v1::GetHeadRequest* request,
+                                    v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
+                                      const v1::ListHeadsRequest* request,
+                                      v1::ListHeadsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteHead(grpc::CallbackServerContext* context,
+                                       const v1::DeleteHeadRequest* request,
+                                       v1::DeleteHeadResponse* response) override;
+  grpc::ServerUnaryReactor* SetLossOptions(grpc::CallbackServerContext* context,
+                                           const v1::SetLossOptionsRequest* request,
+                                           v1::HeadInfo* response) override;
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerWriteReactor<v1::GradientChunk>* PullGradient(
+      grpc::CallbackServerContext* context, const v1::PullGradientRequest* request) override;
+  grpc::ServerReadReactor<v1::PushWeightsRequest>* PushWeights(
+      grpc::CallbackServerContext* context, v1::PushWeightsResponse* response) override;
+  grpc::ServerWriteReactor<v1::WeightsChunk>* DownloadWeights(
+      grpc::CallbackServerContext* context, const v1::DownloadWeightsRequest* request) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::Stats* response) override;
+
+  // Sets the per-head and device memory gauges and the head count (run on every scrape).
+  void RefreshMemoryMetrics() const;
+
+ private:
+  ServiceContext* const ctx_;
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_SERVICE_H_

@@ -1,0 +1,59 @@
+// Step stream framing, free of gRPC: assembling requests into micro-batches, and cutting one
+// micro-batch's outcome into response messages.
+#ifndef LOSSHEAD_SERVER_STEP_ASSEMBLER_H_
+#define LOSSHEAD_SERVER_STEP_ASSEMBLER_H_
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/head.h"
+#include "server/step_outcome.h"
+
+namespace losshead::server {
+
+// A micro-batch as assembled from the stream. `oversize` means its bytes passed the limit and
+// were dropped: it must be answered RESOURCE_EXHAUSTED.
+struct AssembledMicroBatch {
+  MicroBatch microbatch;
+  bool oversize = false;
+  uint64_t received_bytes = 0;  // hidden + targets bytes, dropped ones included
+  absl::Time first_message;
+  absl::Time last_message;
+};
+
+class StepAssembler {
+ public:
+  explicit StepAssembler(size_t max_microbatch_bytes) : max_bytes_(max_microbatch_bytes) {}
+
+  // Feeds the next request. INVALID_ARGUMENT for a malformed stream (data outside a micro-batch,
+  // a header inside one); the caller must end the call. Returns the micro-batch when `last`
+  // closes it, std::nullopt while it is still open.
+  absl::StatusOr<std::optional<AssembledMicroBatch>> Add(v1::StepRequest& request, absl::Time now);
+
+  // True inside a micro-batch (a stream may not end here).
+  bool open() const { return current_.has_value(); }
+
+ private:
+  const size_t max_bytes_;
+  std::optional<AssembledMicroBatch> current_;
+};
+
+// Bytes of tensor payload per response message: the limit less room for the other fields.
+size_t ChunkPayloadBytes(size_t max_message_bytes);
+
+// The responses of one micro-batch: an error alone (last = true), or the result followed by dH
+// and then per-token losses, at most `chunk_bytes` of payload per message, last = true on the
+// final one.
+std::vector<v1::StepResponse> BuildStepResponses(
+    const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
+    bool replayed, size_t chunk_bytes);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_STEP_ASSEMBLER_H_

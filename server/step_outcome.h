@@ -1,0 +1,27 @@
+// The result of one computed micro-batch, as the idempotency cache remembers and replays it.
+#ifndef LOSSHEAD_SERVER_STEP_OUTCOME_H_
+#define LOSSHEAD_SERVER_STEP_OUTCOME_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "losshead/v1/losshead.pb.h"
+
+namespace losshead::server {
+
+struct StepOutcome {
+  double loss_sum = 0;
+  int64_t token_count = 0;
+  double loss = 0;
+  uint64_t weights_version = 0;
+  v1::DType grad_hidden_dtype = v1::DTYPE_UNSPECIFIED;
+  std::string grad_hidden;     // empty when skip_grad_hidden
+  std::string per_token_loss;  // fp32; empty unless asked for (or reduction NONE)
+
+  size_t bytes() const { return grad_hidden.size() + per_token_loss.size() + sizeof(*this); }
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_STEP_OUTCOME_H_

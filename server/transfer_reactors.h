@@ -1,0 +1,23 @@
+// The streaming RPCs that move whole tensors: PullGradient and DownloadWeights (server-streamed,
+// chunked below the message limit) and PushWeights (client-streamed, staged on the host and
+// applied only when complete). Device copies run on the worker pool, never in a reaction.
+#ifndef LOSSHEAD_SERVER_TRANSFER_REACTORS_H_
+#define LOSSHEAD_SERVER_TRANSFER_REACTORS_H_
+
+#include "grpcpp/grpcpp.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "server/service_context.h"
+
+namespace losshead::server {
+
+// Each returns a self-deleting reactor for the call.
+grpc::ServerWriteReactor<v1::GradientChunk>* StartPullGradient(
+    ServiceContext* ctx, const v1::PullGradientRequest* request);
+grpc::ServerWriteReactor<v1::WeightsChunk>* StartDownloadWeights(
+    ServiceContext* ctx, const v1::DownloadWeightsRequest* request);
+grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
+    ServiceContext* ctx, v1::PushWeightsResponse* response);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_TRANSFER_REACTORS_H_
