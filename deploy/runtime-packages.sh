@@ -5,6 +5,9 @@
 # Fails when a library is missing or belongs to no package (it would be missing at run time).
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 BINARY..." >&2; exit 2; }
+for binary in "$@"; do
+  ldd "$binary" >/dev/null || { echo "runtime-packages: $binary is not a dynamic executable" >&2; exit 1; }
+done
 status=0
 declare -A packages=()
 while read -r soname path; do
