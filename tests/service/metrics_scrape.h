@@ -1,0 +1,36 @@
+// Reads a Prometheus text exposition over plain HTTP and answers questions about its samples.
+#ifndef LOSSHEAD_TESTS_SERVICE_METRICS_SCRAPE_H_
+#define LOSSHEAD_TESTS_SERVICE_METRICS_SCRAPE_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace losshead::testing {
+
+struct Sample {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+
+struct Exposition {
+  std::map<std::string, std::string> types;  // family name -> counter | gauge | histogram | ...
+  std::vector<Sample> samples;
+
+  // Sum of the samples named `name` whose labels include all of `labels`.
+  double Sum(const std::string& name, const std::map<std::string, std::string>& labels = {}) const;
+  // Samples named `name` whose labels include all of `labels`.
+  std::vector<Sample> Find(const std::string& name,
+                           const std::map<std::string, std::string>& labels = {}) const;
+};
+
+// GET http://127.0.0.1:<port><path> with HTTP/1.0 (no chunked encoding); the body on status 200.
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+absl::StatusOr<Exposition> ParseExposition(const std::string& text);
+
+}  // namespace losshead::testing
+
+#endif  // LOSSHEAD_TESTS_SERVICE_METRICS_SCRAPE_H_

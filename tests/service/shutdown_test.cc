@@ -1,0 +1,71 @@
+// Graceful shutdown: work in flight is answered, new calls are refused with UNAVAILABLE.
+#include <chrono>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "tests/service/host_tensors.h"
+#include "tests/service/reference.h"
+#include "tests/service/test_server.h"
+
+namespace losshead::testing {
+namespace {
+
+TEST(ShutdownTest, InFlightMicrobatchIsAnsweredAndNewCallsAreUnavailable) {
+  auto server = TestServer::Start();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = (*server)->NewClient();
+  ASSERT_NE(client, nullptr);
+
+  // About 13 GFLOP: long enough on a CPU to still run when Shutdown starts.
+  constexpr int64_t n = 2048, d = 256, v = 4096;
+  v1::HeadSpec spec;
+  spec.set_name("long");
+  spec.set_vocab_size(v);
+  spec.set_hidden_size(d);
+  spec.set_weight_dtype(v1::DTYPE_BF16);
+  ASSERT_TRUE(client->CreateHead(spec).ok());
+  const HostBatch batch = MakeBatch(n, d, v, v1::DTYPE_BF16, 1);
+
+  auto stream = client->OpenStepStream();
+  ASSERT_TRUE(stream.ok());
+  ASSERT_TRUE((*stream)->Send(ToMicrobatch("long", "s", 1, batch)).ok());
+  // Wait until the server holds the whole micro-batch (inflight counts it once received).
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    auto stats = client->GetStats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    if (stats->inflight_microbatches() > 0) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "micro-batch never went in flight";
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+
+  std::thread stopper([&] { (*server)->server().Shutdown(absl::Seconds(30)); });
+  // Shutdown has begun once health leaves SERVING (or the call is refused outright).
+  for (;;) {
+    auto health = client->Health();
+    if (!health.ok() || *health != client::ServingStatus::kServing) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+
+  // A call that starts now is refused.
+  auto late = client->GetHead("long");
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kUnavailable) << late.status();
+  auto late_step = client->Step(ToMicrobatch("long", "s", 2, batch));
+  EXPECT_EQ(late_step.status().code(), absl::StatusCode::kUnavailable) << late_step.status();
+
+  // The micro-batch in flight completes, correctly: a zero head's loss is log V on every token.
+  auto result = (*stream)->Receive();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->token_count, n);
+  EXPECT_NEAR(result->loss, std::log(static_cast<double>(v)), 1e-4);
+  EXPECT_EQ(result->grad_hidden.size(), static_cast<size_t>(n * d * 2));
+  (void)(*stream)->Finish();  // OK or UNAVAILABLE: the server may close the call after answering
+
+  stopper.join();
+  (*server)->server().Wait();
+  auto after = client->GetHead("long");
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
+}
+
+}  // namespace
+}  // namespace losshead::testing
