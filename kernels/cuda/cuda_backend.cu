@@ -195,7 +195,7 @@ class CudaBackend final : public Backend {
     }
     auto result = std::make_unique<CudaStream>(device_, stream, handle);
     LOSSHEAD_CUBLAS_CHECK(cublasSetStream(handle, stream));
-    // alpha/beta live in device memory (RunScalars). No TF32 for fp32 problems, and no split-K
+    // The gradient GEMMs' alpha/beta live in device memory (RunScalars). No TF32 for fp32 problems, and no split-K
     // reductions in the 16-bit output type.
     LOSSHEAD_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_DEVICE));
     LOSSHEAD_CUBLAS_CHECK(cublasSetMathMode(
@@ -253,17 +253,10 @@ class CudaBackend final : public Backend {
     const Layout one = MakeLayoutForChunk(problem, 1);
     if (bytes < one.total) return Layout{};
     const size_t per_row = static_cast<size_t>(one.ldl) * one.logits_elem + sizeof(float);
-    const size_t fixed = one.logits_off + kAlign;  // + alignment slack of the row-loss array
-    int64_t chunk = bytes > fixed ? static_cast<int64_t>((bytes - fixed) / per_row) : 0;
-    if (chunk >= problem.n) {
-      chunk = problem.n;
-    } else if (chunk >= 256) {
-      chunk = chunk / 256 * 256;
-    }
-    if (chunk < 1) return Layout{};
-    Layout l = MakeLayoutForChunk(problem, chunk);
-    if (l.total > bytes) return Layout{};
-    return l;
+    int64_t chunk = std::min<int64_t>(problem.n, (bytes - one.logits_off) / per_row);
+    while (chunk > 1 && MakeLayoutForChunk(problem, chunk).total > bytes) --chunk;
+    if (chunk < problem.n && chunk >= 256) chunk = chunk / 256 * 256;
+    return MakeLayoutForChunk(problem, chunk);
   }
 
   absl::Status Copy(void* dst, const void* src, size_t bytes, Stream& stream) {
@@ -296,6 +289,7 @@ class CudaBackend final : public Backend {
     const bool need_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr;
     constexpr cudaDataType_t kIn = CudaType<TIn>();
     constexpr cudaDataType_t kLogits = CudaType<TL>();
+    static constexpr float kOne = 1.0f, kZero = 0.0f;
 
     LOSSHEAD_CUBLAS_CHECK(cublasSetWorkspace(handle, ws + layout.cublas_off, layout.cublas_bytes));
     LOSSHEAD_RETURN_IF_ERROR(cuda::LaunchCountTargets(
@@ -313,14 +307,19 @@ class CudaBackend final : public Backend {
       const int c = std::min(static_cast<int>(layout.chunk), n - r0);
       const TIn* h = hidden + static_cast<int64_t>(r0) * d;
       // Column-major view: logits^T (V x c, ld ldl) = W^T_cm(V x D) . H_cm (D x c).
-      LOSSHEAD_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, v, c, d, &scalars->one,
-                                         weight, kIn, d, h, kIn, d, &scalars->zero, logits,
-                                         kLogits, static_cast<int>(ldl), CUBLAS_COMPUTE_32F,
+      // Host alpha/beta here: with a device beta cuBLAS cannot know it is 0 and reads the whole
+      // logits chunk back in its epilogue. Only the gradient GEMMs need the device alpha.
+      LOSSHEAD_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST));
+      LOSSHEAD_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, v, c, d, &kOne, weight,
+                                         kIn, d, h, kIn, d, &kZero, logits, kLogits,
+                                         static_cast<int>(ldl), CUBLAS_COMPUTE_32F,
                                          CUBLAS_GEMM_DEFAULT));
+      LOSSHEAD_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_DEVICE));
       LOSSHEAD_RETURN_IF_ERROR((cuda::LaunchSoftmaxGrad<TL, TIn>(
           logits, ldl, c, args.targets + r0, params, need_grad ? grad : nullptr, ldg, row_loss,
           args.per_token_loss != nullptr ? args.per_token_loss + r0 : nullptr,
-          args.per_token_lse != nullptr ? args.per_token_lse + r0 : nullptr, stream)));
+          args.per_token_lse != nullptr ? args.per_token_lse + r0 : nullptr, options_.row_threads,
+          stream)));
       LOSSHEAD_RETURN_IF_ERROR(
           cuda::LaunchLossReduce(row_loss, c, scalars, args.loss_sum, stream));
       if (grad_hidden != nullptr) {

@@ -6,16 +6,15 @@
 #include <cmath>
 #include <type_traits>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace losshead::kernels::cuda {
 namespace {
 
-// One block per row. 512 threads x 4 vectors of 16 bytes keep 32 KiB of loads in flight per
-// block, enough to saturate HBM with a few blocks per SM, and a row's second read (pass 2) often
-// still hits L2 because only a few hundred rows are live at a time.
-constexpr int kThreads = 512;
-constexpr int kUnroll = 4;
+// One block per row, kThreads x kUnroll 16-byte loads in flight per block (32 KiB): enough to
+// saturate HBM with a few blocks per SM. A row's second read (pass 2) hits L2 only when few rows
+// are live at once, hence the 1024-thread variant (about one row per SM).
 
 __device__ __forceinline__ float ToF(float x) { return x; }
 __device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -68,12 +67,13 @@ struct Cap {
   }
 };
 
-template <typename TL, typename TG>
+template <typename TL, typename TG, int kThreads>
 __global__ void __launch_bounds__(kThreads)
     SoftmaxGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                       SoftmaxGradParams p, TG* grad, int64_t ldg, float* __restrict__ row_loss,
                       float* __restrict__ per_token_loss, float* __restrict__ per_token_lse) {
   constexpr int kVec = Vec<TL>::kSize;
+  constexpr int kUnroll = kThreads >= 1024 ? 2 : 4;
   __shared__ SoftmaxState warp_states[kThreads / 32];
   __shared__ float shared_lse;
 
@@ -223,10 +223,19 @@ template <typename TL, typename TG>
 absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
-                               cudaStream_t stream) {
+                               int threads, cudaStream_t stream) {
   if (rows <= 0) return absl::OkStatus();
-  SoftmaxGradKernel<TL, TG><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
+  const unsigned grid = static_cast<unsigned>(rows);
+  if (threads == 512) {
+    SoftmaxGradKernel<TL, TG, 512><<<grid, 512, 0, stream>>>(
+        logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
+  } else if (threads == 1024) {
+    SoftmaxGradKernel<TL, TG, 1024><<<grid, 1024, 0, stream>>>(
+        logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("row kernel threads must be 512 or 1024, got ",
+                                                   threads));
+  }
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -234,7 +243,7 @@ absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, cons
 #define LOSSHEAD_INSTANTIATE(TL, TG)                                                          \
   template absl::Status LaunchSoftmaxGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*, \
                                                   const SoftmaxGradParams&, TG*, int64_t,      \
-                                                  float*, float*, float*, cudaStream_t);
+                                                  float*, float*, float*, int, cudaStream_t);
 LOSSHEAD_INSTANTIATE(float, float)
 LOSSHEAD_INSTANTIATE(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE(float, __half)

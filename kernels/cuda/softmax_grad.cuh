@@ -29,12 +29,13 @@ struct SoftmaxGradParams {
 //   smaller than TL. The reduction's scale is applied later, as the GEMMs' alpha.
 // A target outside [0, v) that is not ignore_index is treated as ignored (no out-of-bounds access;
 // the caller is expected to have rejected it already).
-// TL, TG: float, __nv_bfloat16 or __half (see the instantiations in the .cu).
+// TL, TG: float, __nv_bfloat16 or __half (see the instantiations in the .cu). `threads` per row:
+// 512 or 1024 (INVALID_ARGUMENT otherwise).
 template <typename TL, typename TG>
 absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
-                               cudaStream_t stream);
+                               int threads, cudaStream_t stream);
 
 }  // namespace losshead::kernels::cuda
 

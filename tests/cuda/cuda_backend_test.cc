@@ -79,7 +79,8 @@ struct Case {
   double ignored_fraction = 0.1;
   float logit_std = 3.0f;     // typical |logit|
   int64_t chunk_rows = 0;     // 0: default 1 GiB budget; else the budget for about this many rows
-  bool bf16_logits = false;
+  bool bf16_logits = true;  // the backend's default; applies to bf16 problems only
+  int row_threads = 512;
 };
 
 Inputs MakeInputs(const Case& c, uint64_t seed) {
@@ -199,9 +200,10 @@ double RelErr(const std::vector<float>& a, const std::vector<float>& b,
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-std::unique_ptr<Backend> MakeCuda(bool bf16_logits = false) {
+std::unique_ptr<Backend> MakeCuda(bool bf16_logits = true, int row_threads = 512) {
   CudaBackendOptions o;
   o.bf16_logits = bf16_logits;
+  o.row_threads = row_threads;
   absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(0, o);
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? std::move(*b) : nullptr;
@@ -210,20 +212,21 @@ std::unique_ptr<Backend> MakeCuda(bool bf16_logits = false) {
 // The budget that gives the CUDA backend chunks of about `rows` rows.
 size_t BudgetForRows(const Case& c) {
   if (c.chunk_rows == 0) return kGiB;
-  const size_t row = ((c.v + 15) / 16 * 16) * (c.bf16_logits ? 2 : 4) + 4;
+  const bool narrow = c.bf16_logits && c.dtype == DType::kBF16;
+  const size_t row = ((c.v + 15) / 16 * 16) * (narrow ? 2 : 4) + 4;
   return 32 * kMiB + 4096 + c.chunk_rows * row;  // 32 MiB: the cuBLAS part of the workspace
 }
 
 void CompareWithCpu(const Case& c, uint64_t seed) {
   const Problem problem = ProblemFor(c);
   const Inputs in = MakeInputs(c, seed);
-  std::unique_ptr<Backend> cuda = MakeCuda(c.bf16_logits);
+  std::unique_ptr<Backend> cuda = MakeCuda(c.bf16_logits, c.row_threads);
   ASSERT_NE(cuda, nullptr);
   std::unique_ptr<Backend> cpu = CreateCpuBackend();
   Outputs got, want;
   ASSERT_OK(RunOn(*cuda, problem, in, BudgetForRows(c), &got));
   ASSERT_OK(RunOn(*cpu, problem, in, 2 * kGiB, &want));
-  const Tolerance tol = ToleranceFor(c.dtype, c.bf16_logits);
+  const Tolerance tol = ToleranceFor(c.dtype, c.bf16_logits && c.dtype == DType::kBF16);
   EXPECT_EQ(got.token_count, want.token_count);
   const double loss_err = std::abs(static_cast<double>(got.loss_sum) - want.loss_sum) /
                           std::max(1e-30, std::abs(static_cast<double>(want.loss_sum)));
@@ -278,8 +281,25 @@ std::vector<Case> Cases() {
       [](Case& c) { c.ignored_fraction = 1.0; });
   add(DType::kFP32, 300, 1001, 64, Reduction::kMean, "_logits1e4",
       [](Case& c) { c.logit_std = 1e4f; });
+  add(DType::kBF16, 300, 1001, 64, Reduction::kSum, "_fp32logits_logits1e4", [](Case& c) {
+    c.logit_std = 1e4f;
+    c.bf16_logits = false;
+  });
   add(DType::kBF16, 300, 1001, 64, Reduction::kSum, "_logits1e4",
       [](Case& c) { c.logit_std = 1e4f; });
+  add(DType::kBF16, 1000, 32003, 768, Reduction::kMean, "_fp32logits_chunk256", [](Case& c) {
+    c.bf16_logits = false;
+    c.chunk_rows = 256;
+  });
+  add(DType::kBF16, 1000, 32003, 768, Reduction::kMean, "_rowthreads1024_chunk256", [](Case& c) {
+    c.row_threads = 1024;
+    c.chunk_rows = 256;
+  });
+  add(DType::kFP32, 300, 32003, 64, Reduction::kMean, "_rowthreads1024_softcap", [](Case& c) {
+    c.row_threads = 1024;
+    c.options.softcap = 20.0f;
+    c.options.label_smoothing = 0.1f;
+  });
   add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_smoothing",
       [](Case& c) { c.options.label_smoothing = 0.1f; });
   add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_zloss",
@@ -298,12 +318,7 @@ std::vector<Case> Cases() {
   });
   add(DType::kFP16, 500, 1001, 768, Reduction::kMean, "_gradscale65536",
       [](Case& c) { c.options.grad_scale = 65536.0f; });
-  add(DType::kBF16, 600, 32003, 768, Reduction::kMean, "_bf16logits_chunk256", [](Case& c) {
-    c.bf16_logits = true;
-    c.chunk_rows = 256;
-  });
-  add(DType::kBF16, 300, 1001, 64, Reduction::kMean, "_bf16logits_softcap", [](Case& c) {
-    c.bf16_logits = true;
+  add(DType::kBF16, 300, 1001, 64, Reduction::kMean, "_softcap_smoothing", [](Case& c) {
     c.options.softcap = 30.0f;
     c.options.label_smoothing = 0.1f;
   });
