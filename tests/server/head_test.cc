@@ -1,0 +1,390 @@
+// Head semantics against the CPU backend: validation codes, results, replay, pull/reset, push.
+#include "server/head.h"
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/dtype_convert.h"
+#include "server/head_registry.h"
+#include "tests/server/test_util.h"
+
+namespace losshead::server {
+namespace {
+
+using testing::Bytes;
+using testing::FromBytes;
+using testing::RandomFloats;
+
+constexpr int64_t kV = 11;
+constexpr int64_t kD = 6;
+
+class HeadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto backend = kernels::CreateBackend(kernels::BackendKind::kCpu);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = std::move(*backend);
+    registry_ = std::make_unique<HeadRegistry>(*backend_, HeadOptions{.idempotency_window = 2});
+  }
+
+  v1::HeadSpec Spec(const std::string& name, v1::DType dtype = v1::DTYPE_FP32) {
+    v1::HeadSpec spec;
+    spec.set_name(name);
+    spec.set_vocab_size(kV);
+    spec.set_hidden_size(kD);
+    spec.set_weight_dtype(dtype);
+    spec.mutable_init()->mutable_normal()->set_std(0.5f);
+    spec.mutable_init()->mutable_normal()->set_seed(42);
+    return spec;
+  }
+
+  std::shared_ptr<Head> Create(const std::string& name, v1::DType dtype = v1::DTYPE_FP32) {
+    auto head = registry_->Create(Spec(name, dtype));
+    EXPECT_TRUE(head.ok()) << head.status();
+    return head.ok() ? *head : nullptr;
+  }
+
+  MicroBatch Batch(int64_t n, uint64_t seed, const std::string& client = "",
+                   uint64_t sequence = 0) {
+    MicroBatch mb;
+    mb.header.set_head("h");
+    mb.header.set_client_id(client);
+    mb.header.set_sequence(sequence);
+    mb.header.set_num_tokens(n);
+    mb.header.set_hidden_dtype(v1::DTYPE_FP32);
+    mb.header.set_target_dtype(v1::DTYPE_INT32);
+    mb.hidden = Bytes(RandomFloats(n * kD, seed));
+    std::vector<int32_t> y(n);
+    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<int32_t>((seed + 3 * i) % kV);
+    mb.targets = Bytes(y);
+    return mb;
+  }
+
+  static std::vector<float> Weights(Head& head) {
+    auto w = head.DownloadWeights(v1::DTYPE_FP32);
+    EXPECT_TRUE(w.ok());
+    return FromBytes<float>(w->data);
+  }
+
+  static std::vector<float> Grad(Head& head) {
+    auto g = head.PullGradient(v1::DTYPE_FP32, false);
+    EXPECT_TRUE(g.ok());
+    return FromBytes<float>(g->data);
+  }
+
+  absl::StatusCode StepCode(Head& head, const MicroBatch& mb) {
+    StepStats stats;
+    return head.Step(mb, &stats).status().code();
+  }
+
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<HeadRegistry> registry_;
+};
+
+TEST_F(HeadTest, CreateValidatesTheSpec) {
+  auto code = [&](v1::HeadSpec spec) { return registry_->Create(spec).status().code(); };
+  v1::HeadSpec s = Spec("ok");
+  s.set_name("bad name!");
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec(std::string(129, 'a'));
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("v0");
+  s.set_vocab_size(0);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("d0");
+  s.set_hidden_size(0);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("int", v1::DTYPE_INT32);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("std");
+  s.mutable_init()->mutable_normal()->set_std(0);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("ls");
+  s.mutable_default_options()->set_label_smoothing(1.0f);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("huge");
+  s.set_vocab_size(1 << 30);
+  s.set_hidden_size(int64_t{1} << 40);
+  EXPECT_EQ(code(s), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(registry_->size(), 0u);
+
+  ASSERT_NE(Create("a.b-c_1"), nullptr);
+  EXPECT_EQ(code(Spec("a.b-c_1")), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry_->Get("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry_->Delete("nope").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry_->Delete("a.b-c_1").ok());
+  EXPECT_EQ(registry_->Get("a.b-c_1").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(HeadTest, NormalInitIsDeterministicAndInfoIsFresh) {
+  auto a = Create("a");
+  auto b = Create("b");
+  EXPECT_EQ(Weights(*a), Weights(*b));
+  v1::HeadInfo info = a->Info();
+  EXPECT_EQ(info.weights_version(), 1u);
+  EXPECT_EQ(info.memory().weights_bytes(), kV * kD * 4u);
+  EXPECT_EQ(info.memory().gradient_bytes(), kV * kD * 4u);
+  EXPECT_EQ(info.tokens_since_pull(), 0u);
+  for (float g : Grad(*a)) EXPECT_EQ(g, 0.0f);
+}
+
+TEST_F(HeadTest, StepMatchesTheReference) {
+  auto head = Create("h");
+  const std::vector<float> w = Weights(*head);
+  MicroBatch mb = Batch(5, 7);
+  auto y = FromBytes<int32_t>(mb.targets);
+  y[2] = -100;  // ignored
+  mb.targets = Bytes(y);
+  StepStats stats;
+  auto out = head->Step(mb, &stats);
+  ASSERT_TRUE(out.ok()) << out.status();
+  auto ref = testing::ReferenceMean(FromBytes<float>(mb.hidden), w, y, 5, kD, kV);
+  EXPECT_EQ((*out)->token_count, 4);
+  EXPECT_NEAR((*out)->loss_sum, ref.loss_sum, 1e-4);
+  EXPECT_NEAR((*out)->loss, ref.loss_sum / 4, 1e-4);
+  EXPECT_EQ((*out)->weights_version, 1u);
+  EXPECT_EQ((*out)->grad_hidden_dtype, v1::DTYPE_FP32);
+  auto dh = FromBytes<float>((*out)->grad_hidden);
+  ASSERT_EQ(dh.size(), ref.grad_hidden.size());
+  for (size_t i = 0; i < dh.size(); ++i) EXPECT_NEAR(dh[i], ref.grad_hidden[i], 1e-5);
+  auto dw = Grad(*head);
+  for (size_t i = 0; i < dw.size(); ++i) EXPECT_NEAR(dw[i], ref.grad_weight[i], 1e-5);
+  v1::HeadInfo info = head->Info();
+  EXPECT_EQ(info.tokens_since_pull(), 4u);
+  EXPECT_EQ(info.microbatches_since_pull(), 1u);
+}
+
+TEST_F(HeadTest, Bf16HiddenOnFp32HeadAndGradDtype) {
+  auto head = Create("h");
+  MicroBatch mb = Batch(3, 1);
+  std::vector<float> h = FromBytes<float>(mb.hidden);
+  std::vector<uint16_t> hb(h.size());
+  for (size_t i = 0; i < h.size(); ++i) hb[i] = kernels::FloatToBf16(h[i]);
+  mb.hidden = Bytes(hb);
+  mb.header.set_hidden_dtype(v1::DTYPE_BF16);
+  StepStats stats;
+  auto out = head->Step(mb, &stats);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)->grad_hidden_dtype, v1::DTYPE_BF16);
+  EXPECT_EQ((*out)->grad_hidden.size(), 3u * kD * 2);
+
+  mb.header.mutable_options()->set_grad_hidden_dtype(v1::DTYPE_FP32);
+  mb.header.mutable_options()->set_return_per_token_loss(true);
+  out = head->Step(mb, &stats);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)->grad_hidden.size(), 3u * kD * 4);
+  EXPECT_EQ((*out)->per_token_loss.size(), 3u * 4);
+
+  mb.header.mutable_options()->set_skip_grad_hidden(true);
+  out = head->Step(mb, &stats);
+  ASSERT_TRUE(out.ok());
+  EXPECT_TRUE((*out)->grad_hidden.empty());
+}
+
+TEST_F(HeadTest, InvalidMicroBatchesChangeNothing) {
+  auto head = Create("h");
+  auto check = [&](const MicroBatch& mb, absl::StatusCode want) {
+    EXPECT_EQ(StepCode(*head, mb), want) << mb.header.DebugString();
+  };
+  MicroBatch mb = Batch(4, 3);
+  mb.header.set_num_tokens(0);
+  check(mb, absl::StatusCode::kInvalidArgument);
+  mb = Batch(4, 3);
+  mb.hidden.pop_back();
+  check(mb, absl::StatusCode::kInvalidArgument);
+  mb = Batch(4, 3);
+  mb.targets += "xxxx";
+  check(mb, absl::StatusCode::kInvalidArgument);
+  mb = Batch(4, 3);
+  mb.header.set_hidden_dtype(v1::DTYPE_INT32);
+  check(mb, absl::StatusCode::kInvalidArgument);
+  mb = Batch(4, 3);
+  mb.header.set_target_dtype(v1::DTYPE_FP32);
+  check(mb, absl::StatusCode::kInvalidArgument);
+  mb = Batch(4, 3);
+  mb.header.mutable_options()->set_grad_hidden_dtype(v1::DTYPE_INT64);
+  check(mb, absl::StatusCode::kInvalidArgument);
+  mb = Batch(4, 3);
+  mb.header.mutable_loss_options()->set_z_loss(-1);
+  check(mb, absl::StatusCode::kInvalidArgument);
+  for (int32_t bad : {static_cast<int32_t>(kV), -1}) {
+    mb = Batch(4, 3);
+    auto y = FromBytes<int32_t>(mb.targets);
+    y[1] = bad;
+    mb.targets = Bytes(y);
+    check(mb, absl::StatusCode::kInvalidArgument);
+  }
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    mb = Batch(4, 3);
+    auto h = FromBytes<float>(mb.hidden);
+    h[5] = bad;
+    mb.hidden = Bytes(h);
+    check(mb, absl::StatusCode::kInvalidArgument);
+  }
+  mb = Batch(4, 3);
+  mb.header.mutable_options()->set_expected_weights_version(2);
+  check(mb, absl::StatusCode::kFailedPrecondition);
+
+  v1::HeadInfo info = head->Info();
+  EXPECT_EQ(info.microbatches_total(), 0u);
+  EXPECT_EQ(info.tokens_total(), 0u);
+  for (float g : Grad(*head)) EXPECT_EQ(g, 0.0f);
+}
+
+TEST_F(HeadTest, Int64TargetsAndCustomIgnoreIndex) {
+  auto head = Create("h");
+  MicroBatch mb = Batch(3, 5);
+  std::vector<int64_t> y = {1, int64_t{1} << 40, 2};
+  mb.targets = Bytes(y);
+  mb.header.set_target_dtype(v1::DTYPE_INT64);
+  mb.header.mutable_loss_options()->set_ignore_index(int64_t{1} << 40);
+  StepStats stats;
+  auto out = head->Step(mb, &stats);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)->token_count, 2);
+}
+
+TEST_F(HeadTest, ReplayReturnsTheSameResultWithoutCountingTwice) {
+  auto head = Create("h");
+  MicroBatch mb = Batch(4, 9, "trainer-0", 1);
+  StepStats first_stats;
+  auto first = head->Step(mb, &first_stats);
+  ASSERT_TRUE(first.ok());
+  EXPECT_FALSE(first_stats.replayed);
+  const std::vector<float> dw = Grad(*head);
+
+  StepStats again_stats;
+  auto again = head->Step(mb, &again_stats);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again_stats.replayed);
+  EXPECT_EQ((*again)->loss, (*first)->loss);
+  EXPECT_EQ((*again)->grad_hidden, (*first)->grad_hidden);
+  EXPECT_EQ(Grad(*head), dw);
+  EXPECT_EQ(head->Info().microbatches_total(), 1u);
+
+  // Window of 2: after sequences 2 and 3, sequence 1 is out of the window.
+  for (uint64_t s : {2, 3}) {
+    StepStats st;
+    ASSERT_TRUE(head->Step(Batch(4, 9 + s, "trainer-0", s), &st).ok());
+  }
+  EXPECT_EQ(StepCode(*head, mb), absl::StatusCode::kFailedPrecondition);
+  // Failed micro-batches are not remembered: a corrected retry computes.
+  MicroBatch bad = Batch(4, 20, "trainer-0", 4);
+  bad.header.set_num_tokens(5);
+  EXPECT_EQ(StepCode(*head, bad), absl::StatusCode::kInvalidArgument);
+  StepStats st;
+  ASSERT_TRUE(head->Step(Batch(4, 20, "trainer-0", 4), &st).ok());
+  EXPECT_FALSE(st.replayed);
+  EXPECT_EQ(head->Info().microbatches_total(), 4u);
+}
+
+TEST_F(HeadTest, PullResetCutsBetweenMicroBatches) {
+  auto head = Create("h");
+  StepStats st;
+  ASSERT_TRUE(head->Step(Batch(4, 1), &st).ok());
+  ASSERT_TRUE(head->Step(Batch(3, 2), &st).ok());
+  auto pull = head->PullGradient(v1::DTYPE_FP32, true);
+  ASSERT_TRUE(pull.ok());
+  EXPECT_EQ(pull->summary.token_count(), 7u);
+  EXPECT_EQ(pull->summary.microbatch_count(), 2u);
+  EXPECT_EQ(pull->summary.min_weights_version(), 1u);
+  EXPECT_EQ(pull->summary.max_weights_version(), 1u);
+  EXPECT_TRUE(pull->summary.was_reset());
+  EXPECT_EQ(pull->summary.total_bytes(), kV * kD * 4u);
+  auto empty = head->PullGradient(v1::DTYPE_BF16, true);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->summary.token_count(), 0u);
+  EXPECT_EQ(empty->summary.min_weights_version(), 0u);
+  EXPECT_EQ(empty->data, std::string(kV * kD * 2, '\0'));
+  EXPECT_EQ(head->PullGradient(v1::DTYPE_FP16, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(HeadTest, ConcurrentPullsWithResetLoseNothing) {
+  auto head = Create("h");
+  constexpr int kBatches = 40;
+  std::thread stepper([&] {
+    for (int i = 0; i < kBatches; ++i) {
+      StepStats st;
+      ASSERT_TRUE(head->Step(Batch(2, i), &st).ok());
+    }
+  });
+  uint64_t tokens = 0, batches = 0;
+  for (int i = 0; i < 20; ++i) {
+    auto pull = head->PullGradient(v1::DTYPE_FP32, true);
+    ASSERT_TRUE(pull.ok());
+    tokens += pull->summary.token_count();
+    batches += pull->summary.microbatch_count();
+  }
+  stepper.join();
+  auto last = head->PullGradient(v1::DTYPE_FP32, true);
+  tokens += last->summary.token_count();
+  batches += last->summary.microbatch_count();
+  EXPECT_EQ(batches, static_cast<uint64_t>(kBatches));
+  EXPECT_EQ(tokens, 2u * kBatches);
+}
+
+TEST_F(HeadTest, PushValidatesAndBumpsTheVersion) {
+  auto head = Create("h");
+  std::vector<float> w = RandomFloats(kV * kD, 3);
+  EXPECT_EQ(head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(w).substr(4), {})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(head->PushWeights(v1::DTYPE_INT32, v1::PUSH_MODE_REPLACE, Bytes(w), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<float> nan = w;
+  nan[3] = std::nanf("");
+  EXPECT_EQ(head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(nan), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(w), 5).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(head->weights_version(), 1u);
+
+  auto v = head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(w), 1);
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, 2u);
+  EXPECT_EQ(Weights(*head), w);
+  v = head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_ADD, Bytes(w), {});
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, 3u);
+  auto doubled = Weights(*head);
+  for (size_t i = 0; i < w.size(); ++i) EXPECT_EQ(doubled[i], 2 * w[i]);
+
+  MicroBatch mb = Batch(2, 1);
+  mb.header.mutable_options()->set_expected_weights_version(3);
+  StepStats st;
+  auto out = head->Step(mb, &st);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)->weights_version, 3u);
+}
+
+TEST_F(HeadTest, Bf16HeadDownloadsInAnyDtype) {
+  auto head = Create("h", v1::DTYPE_BF16);
+  auto bf = head->DownloadWeights(v1::DTYPE_UNSPECIFIED);
+  ASSERT_TRUE(bf.ok());
+  EXPECT_EQ(bf->dtype, v1::DTYPE_BF16);
+  EXPECT_EQ(bf->data.size(), kV * kD * 2u);
+  auto f32 = head->DownloadWeights(v1::DTYPE_FP32);
+  ASSERT_TRUE(f32.ok());
+  auto bits = FromBytes<uint16_t>(bf->data);
+  auto floats = FromBytes<float>(f32->data);
+  for (size_t i = 0; i < bits.size(); ++i) EXPECT_EQ(kernels::Bf16ToFloat(bits[i]), floats[i]);
+  StepStats st;
+  EXPECT_TRUE(head->Step(Batch(3, 4), &st).ok());
+}
+
+TEST_F(HeadTest, DeletedHeadFinishesItsWork) {
+  auto head = Create("h");
+  ASSERT_TRUE(registry_->Delete("h").ok());
+  StepStats st;
+  EXPECT_TRUE(head->Step(Batch(2, 1), &st).ok());  // still held: safe
+}
+
+}  // namespace
+}  // namespace losshead::server

@@ -1,0 +1,353 @@
+// The service through raw gRPC stubs: Step framing, ordering and chunking, pull/push streams,
+// metrics and shutdown.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "server/server.h"
+#include "tests/server/test_util.h"
+
+namespace losshead::server {
+namespace {
+
+using testing::Bytes;
+using testing::RandomFloats;
+
+constexpr int64_t kV = 64;
+constexpr int64_t kD = 32;
+constexpr size_t kMaxMessage = 8192;  // small, so that dH and dW travel in several chunks
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ServerOptions o;
+    o.listen_address = "127.0.0.1:0";
+    // The metrics endpoint takes about a second to stop; only the metrics test pays for it.
+    o.metrics_address = WithMetrics() ? "127.0.0.1:0" : "";
+    o.backend = kernels::BackendKind::kCpu;
+    o.worker_threads = 2;
+    o.max_message_bytes = kMaxMessage;
+    o.max_microbatch_bytes = 64 * 1024;
+    o.drain_timeout = absl::Seconds(5);
+    auto server = Server::Start(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                       grpc::InsecureChannelCredentials());
+    stub_ = v1::LossHead::NewStub(channel);
+    v1::CreateHeadRequest req;
+    req.mutable_spec()->set_name("h");
+    req.mutable_spec()->set_vocab_size(kV);
+    req.mutable_spec()->set_hidden_size(kD);
+    req.mutable_spec()->set_weight_dtype(v1::DTYPE_FP32);
+    req.mutable_spec()->mutable_init()->mutable_normal()->set_std(0.1f);
+    grpc::ClientContext ctx;
+    v1::HeadInfo info;
+    ASSERT_TRUE(stub_->CreateHead(&ctx, req, &info).ok());
+  }
+
+  virtual bool WithMetrics() const { return false; }
+
+  void TearDown() override {
+    if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
+  }
+
+  static v1::StepRequest Header(const std::string& head, int64_t n, uint64_t seq) {
+    v1::StepRequest r;
+    v1::StepHeader* h = r.mutable_header();
+    h->set_head(head);
+    h->set_client_id("c");
+    h->set_sequence(seq);
+    h->set_num_tokens(n);
+    h->set_hidden_dtype(v1::DTYPE_FP32);
+    h->set_target_dtype(v1::DTYPE_INT32);
+    return r;
+  }
+
+  // One micro-batch as header, then hidden in 3 pieces, then targets with last.
+  static std::vector<v1::StepRequest> MicroBatchMessages(const std::string& head, int64_t n,
+                                                         uint64_t seq) {
+    std::string hidden = Bytes(RandomFloats(n * kD, seq));
+    std::vector<int32_t> y(n);
+    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<int32_t>((i * 7 + seq) % kV);
+    std::vector<v1::StepRequest> out;
+    out.push_back(Header(head, n, seq));
+    const size_t third = hidden.size() / 3;
+    out.emplace_back().set_hidden(hidden.substr(0, third));
+    out.emplace_back().set_hidden(hidden.substr(third));
+    v1::StepRequest& last = out.emplace_back();
+    last.set_targets(Bytes(y));
+    last.set_last(true);
+    return out;
+  }
+
+  struct Answer {
+    v1::StepResponse first;
+    std::string grad_hidden;
+    int messages = 0;
+  };
+
+  static bool ReadAnswer(grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>* stream,
+                         Answer* a) {
+    v1::StepResponse r;
+    while (stream->Read(&r)) {
+      EXPECT_LE(r.ByteSizeLong(), kMaxMessage);
+      if (a->messages++ == 0) a->first = r;
+      a->grad_hidden += r.grad_hidden();
+      if (r.last()) return true;
+    }
+    return false;
+  }
+
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<v1::LossHead::Stub> stub_;
+};
+
+TEST_F(ServiceTest, PipelinedMicroBatchesAreAnsweredInOrderAndChunked) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Step(&ctx);
+  constexpr int kBatches = 6;
+  for (int s = 1; s <= kBatches; ++s) {
+    for (auto& m : MicroBatchMessages("h", 40, s)) ASSERT_TRUE(stream->Write(m));
+  }
+  stream->WritesDone();
+  for (int s = 1; s <= kBatches; ++s) {
+    Answer a;
+    ASSERT_TRUE(ReadAnswer(stream.get(), &a));
+    EXPECT_EQ(a.first.sequence(), static_cast<uint64_t>(s));
+    ASSERT_TRUE(a.first.has_result()) << a.first.DebugString();
+    EXPECT_EQ(a.first.result().token_count(), 40);
+    EXPECT_EQ(a.grad_hidden.size(), 40u * kD * 4);
+    EXPECT_EQ(a.first.result().grad_hidden_bytes(), a.grad_hidden.size());
+    EXPECT_GE(a.messages, 2);  // the result, then dH
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ServiceTest, MicroBatchErrorsKeepTheStreamGoing) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Step(&ctx);
+  for (auto& m : MicroBatchMessages("missing", 4, 1)) ASSERT_TRUE(stream->Write(m));
+  auto bad = MicroBatchMessages("h", 4, 2);
+  bad[0].mutable_header()->set_num_tokens(5);  // byte count mismatch
+  for (auto& m : bad) ASSERT_TRUE(stream->Write(m));
+  // 128 KiB in 4 KiB pieces: over the 64 KiB micro-batch limit, each message under the gRPC one.
+  ASSERT_TRUE(stream->Write(Header("h", 1024, 3)));
+  for (int i = 0; i < 32; ++i) {
+    v1::StepRequest piece;
+    piece.set_hidden(std::string(4096, '\0'));
+    ASSERT_TRUE(stream->Write(piece));
+  }
+  v1::StepRequest end;
+  end.set_targets(std::string(1024 * 4, '\0'));
+  end.set_last(true);
+  ASSERT_TRUE(stream->Write(end));
+  for (auto& m : MicroBatchMessages("h", 4, 4)) ASSERT_TRUE(stream->Write(m));
+  stream->WritesDone();
+  const grpc::StatusCode want[] = {grpc::StatusCode::NOT_FOUND, grpc::StatusCode::INVALID_ARGUMENT,
+                                   grpc::StatusCode::RESOURCE_EXHAUSTED};
+  for (grpc::StatusCode code : want) {
+    Answer a;
+    ASSERT_TRUE(ReadAnswer(stream.get(), &a));
+    ASSERT_TRUE(a.first.has_error());
+    EXPECT_EQ(a.first.error().code(), code) << a.first.error().message();
+    EXPECT_EQ(a.messages, 1);
+  }
+  Answer ok;
+  ASSERT_TRUE(ReadAnswer(stream.get(), &ok));
+  EXPECT_TRUE(ok.first.has_result());
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ServiceTest, DataOutsideAMicroBatchEndsTheCall) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Step(&ctx);
+  v1::StepRequest orphan;
+  orphan.set_hidden("abcd");
+  stream->Write(orphan);
+  stream->WritesDone();
+  v1::StepResponse r;
+  while (stream->Read(&r)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(ServiceTest, HeaderInsideAMicroBatchEndsTheCall) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Step(&ctx);
+  stream->Write(Header("h", 1, 1));
+  stream->Write(Header("h", 1, 2));
+  stream->WritesDone();
+  v1::StepResponse r;
+  while (stream->Read(&r)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(ServiceTest, StreamEndingInsideAMicroBatchEndsTheCall) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Step(&ctx);
+  auto msgs = MicroBatchMessages("h", 2, 1);
+  stream->Write(msgs[0]);
+  stream->WritesDone();
+  v1::StepResponse r;
+  while (stream->Read(&r)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(ServiceTest, PullStreamsChunksBelowTheLimitAndResets) {
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Step(&ctx);
+    for (auto& m : MicroBatchMessages("h", 8, 1)) stream->Write(m);
+    stream->WritesDone();
+    Answer a;
+    ASSERT_TRUE(ReadAnswer(stream.get(), &a));
+    ASSERT_TRUE(stream->Finish().ok());
+  }
+  for (int round = 0; round < 2; ++round) {
+    grpc::ClientContext ctx;
+    v1::PullGradientRequest req;
+    req.set_head("h");
+    req.set_reset(true);
+    auto reader = stub_->PullGradient(&ctx, req);
+    v1::GradientChunk chunk;
+    std::string data;
+    v1::GradientSummary summary;
+    int messages = 0;
+    while (reader->Read(&chunk)) {
+      EXPECT_LE(chunk.ByteSizeLong(), kMaxMessage);
+      if (messages++ == 0) summary = chunk.summary();
+      EXPECT_EQ(chunk.offset(), data.size());
+      data += chunk.data();
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(summary.total_bytes(), kV * kD * 4u);
+    EXPECT_EQ(data.size(), summary.total_bytes());
+    EXPECT_GT(messages, 1);
+    EXPECT_EQ(summary.token_count(), round == 0 ? 8u : 0u);
+  }
+  grpc::ClientContext ctx;
+  v1::PullGradientRequest req;
+  req.set_head("nope");
+  auto reader = stub_->PullGradient(&ctx, req);
+  v1::GradientChunk chunk;
+  EXPECT_FALSE(reader->Read(&chunk));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, PushAppliesOnlyACompleteTensor) {
+  const std::string w = Bytes(RandomFloats(kV * kD, 5));
+  auto push = [&](size_t bytes, uint64_t gap) {
+    grpc::ClientContext ctx;
+    v1::PushWeightsResponse resp;
+    auto writer = stub_->PushWeights(&ctx, &resp);
+    v1::PushWeightsRequest first;
+    first.mutable_header()->set_head("h");
+    first.mutable_header()->set_dtype(v1::DTYPE_FP32);
+    writer->Write(first);
+    for (size_t off = 0; off < bytes; off += 4096) {
+      v1::PushWeightsRequest piece;
+      piece.set_offset(off + (off > 0 ? gap : 0));
+      piece.set_data(w.substr(off, std::min<size_t>(4096, bytes - off)));
+      if (!writer->Write(piece)) break;
+    }
+    writer->WritesDone();
+    grpc::Status s = writer->Finish();
+    return std::make_pair(s.error_code(), resp.weights_version());
+  };
+  EXPECT_EQ(push(w.size() - 4, 0).first, grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(push(w.size(), 4).first, grpc::StatusCode::INVALID_ARGUMENT);
+  auto ok = push(w.size(), 0);
+  EXPECT_EQ(ok.first, grpc::StatusCode::OK);
+  EXPECT_EQ(ok.second, 2u);
+
+  grpc::ClientContext ctx;
+  v1::DownloadWeightsRequest req;
+  req.set_head("h");
+  auto reader = stub_->DownloadWeights(&ctx, req);
+  v1::WeightsChunk chunk;
+  std::string data;
+  uint64_t version = 0;
+  while (reader->Read(&chunk)) {
+    if (data.empty()) version = chunk.weights_version();
+    data += chunk.data();
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(version, 2u);
+  EXPECT_EQ(data, w);
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return "";
+  const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: localhost\r\n\r\n");
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
+  close(fd);
+  return out;
+}
+
+class MetricsTest : public ServiceTest {
+ protected:
+  bool WithMetrics() const override { return true; }
+};
+
+TEST_F(MetricsTest, MetricsAreExported) {
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Step(&ctx);
+    for (auto& m : MicroBatchMessages("h", 8, 1)) stream->Write(m);
+    stream->WritesDone();
+    Answer a;
+    ASSERT_TRUE(ReadAnswer(stream.get(), &a));
+    ASSERT_TRUE(stream->Finish().ok());
+  }
+  ASSERT_GT(server_->metrics_port(), 0);
+  const std::string body = HttpGet(server_->metrics_port(), "/metrics");
+  for (const char* want :
+       {"losshead_rpc_duration_seconds_bucket{method=\"Step\"",
+        "losshead_rpcs_total{code=\"OK\",method=\"CreateHead\"}",
+        "losshead_step_phase_duration_seconds_count{head=\"h\",phase=\"compute\"} 1",
+        "losshead_microbatches_total{head=\"h\",outcome=\"ok\"} 1",
+        "losshead_tokens_total{head=\"h\"} 8", "losshead_bytes_total{direction=\"in\",method=\"Step\"}",
+        "losshead_inflight_microbatches 0", "losshead_head_memory_bytes{head=\"h\",kind=\"weights\"} 8192",
+        "losshead_device_memory_bytes{kind=\"gradient\"} 8192", "losshead_heads 1"}) {
+    EXPECT_NE(body.find(want), std::string::npos) << want << "\n" << body;
+  }
+}
+
+TEST_F(ServiceTest, ShutdownEndsIdleStreamsPromptly) {
+  grpc::ClientContext ctx;
+  auto stream = stub_->Step(&ctx);
+  for (auto& m : MicroBatchMessages("h", 4, 1)) stream->Write(m);
+  Answer a;
+  ASSERT_TRUE(ReadAnswer(stream.get(), &a));  // answered; the stream stays open and idle
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::Seconds(5));
+  server_->Wait();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  v1::StepResponse r;
+  EXPECT_FALSE(stream->Read(&r));
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+}  // namespace
+}  // namespace losshead::server

@@ -1,0 +1,126 @@
+#include "server/step_assembler.h"
+
+#include <string>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace losshead::server {
+namespace {
+
+v1::StepRequest Request(bool header, std::string hidden, std::string targets, bool last) {
+  v1::StepRequest r;
+  if (header) {
+    r.mutable_header()->set_head("h");
+    r.mutable_header()->set_sequence(9);
+  }
+  r.set_hidden(std::move(hidden));
+  r.set_targets(std::move(targets));
+  r.set_last(last);
+  return r;
+}
+
+TEST(StepAssemblerTest, OneMessageMicroBatch) {
+  StepAssembler a(1 << 20);
+  auto r = Request(true, "abcd", "tt", true);
+  auto got = a.Add(r, absl::Now());
+  ASSERT_TRUE(got.ok());
+  ASSERT_TRUE(got->has_value());
+  EXPECT_EQ((*got)->microbatch.hidden, "abcd");
+  EXPECT_EQ((*got)->microbatch.targets, "tt");
+  EXPECT_EQ((*got)->microbatch.header.sequence(), 9u);
+  EXPECT_FALSE(a.open());
+}
+
+TEST(StepAssemblerTest, PiecesAreAppendedInOrder) {
+  StepAssembler a(1 << 20);
+  auto r1 = Request(true, "ab", "", false);
+  auto r2 = Request(false, "cd", "t1", false);
+  auto r3 = Request(false, "", "t2", true);
+  EXPECT_FALSE(a.Add(r1, absl::Now())->has_value());
+  EXPECT_TRUE(a.open());
+  EXPECT_FALSE(a.Add(r2, absl::Now())->has_value());
+  auto got = a.Add(r3, absl::Now());
+  ASSERT_TRUE(got.ok() && got->has_value());
+  EXPECT_EQ((*got)->microbatch.hidden, "abcd");
+  EXPECT_EQ((*got)->microbatch.targets, "t1t2");
+}
+
+TEST(StepAssemblerTest, DataOutsideAMicroBatchIsMalformed) {
+  StepAssembler a(1 << 20);
+  auto r = Request(false, "ab", "", true);
+  EXPECT_EQ(a.Add(r, absl::Now()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StepAssemblerTest, HeaderInsideAMicroBatchIsMalformed) {
+  StepAssembler a(1 << 20);
+  auto r1 = Request(true, "ab", "", false);
+  auto r2 = Request(true, "cd", "", true);
+  ASSERT_TRUE(a.Add(r1, absl::Now()).ok());
+  EXPECT_EQ(a.Add(r2, absl::Now()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StepAssemblerTest, OversizeStopsBufferingButKeepsFraming) {
+  StepAssembler a(10);
+  auto r1 = Request(true, "12345678", "", false);
+  auto r2 = Request(false, "12345678", "", false);
+  auto r3 = Request(false, "", "tt", true);
+  ASSERT_FALSE(a.Add(r1, absl::Now())->has_value());
+  ASSERT_FALSE(a.Add(r2, absl::Now())->has_value());
+  auto got = a.Add(r3, absl::Now());
+  ASSERT_TRUE(got.ok() && got->has_value());
+  EXPECT_TRUE((*got)->oversize);
+  EXPECT_EQ((*got)->received_bytes, 18u);
+  EXPECT_TRUE((*got)->microbatch.hidden.empty());
+  EXPECT_TRUE((*got)->microbatch.targets.empty());
+}
+
+TEST(StepResponsesTest, ErrorIsOneLastMessage) {
+  v1::StepHeader h;
+  h.set_client_id("c");
+  h.set_sequence(3);
+  auto out = BuildStepResponses(h, absl::NotFoundError("no head"), false, 64);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].error().code(), static_cast<int>(absl::StatusCode::kNotFound));
+  EXPECT_EQ(out[0].client_id(), "c");
+  EXPECT_EQ(out[0].sequence(), 3u);
+  EXPECT_TRUE(out[0].last());
+}
+
+TEST(StepResponsesTest, ResultThenChunksBelowTheLimit) {
+  auto o = std::make_shared<StepOutcome>();
+  o->grad_hidden = std::string(100, 'g');
+  o->per_token_loss = std::string(40, 'p');
+  o->loss = 1.5;
+  auto out = BuildStepResponses(v1::StepHeader(), o, true, 64);
+  ASSERT_EQ(out.size(), 4u);  // result, 64 g, 36 g + 28 p, 12 p
+  EXPECT_TRUE(out[0].has_result());
+  EXPECT_TRUE(out[0].result().replayed());
+  EXPECT_EQ(out[0].result().grad_hidden_bytes(), 100u);
+  EXPECT_EQ(out[0].result().per_token_loss_bytes(), 40u);
+  std::string g, p;
+  for (size_t i = 0; i < out.size(); ++i) {
+    EXPECT_LE(out[i].grad_hidden().size() + out[i].per_token_loss().size(), 64u);
+    EXPECT_EQ(out[i].last(), i + 1 == out.size());
+    g += out[i].grad_hidden();
+    p += out[i].per_token_loss();
+  }
+  EXPECT_EQ(g, o->grad_hidden);
+  EXPECT_EQ(p, o->per_token_loss);
+}
+
+TEST(StepResponsesTest, NoPayloadIsOneMessage) {
+  auto o = std::make_shared<StepOutcome>();
+  auto out = BuildStepResponses(v1::StepHeader(), o, false, 64);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_TRUE(out[0].has_result());
+  EXPECT_TRUE(out[0].last());
+}
+
+TEST(StepResponsesTest, ChunkPayloadLeavesRoom) {
+  EXPECT_EQ(ChunkPayloadBytes(4 << 20), (4u << 20) - 1024);
+  EXPECT_LT(ChunkPayloadBytes(4096), 4096u);
+}
+
+}  // namespace
+}  // namespace losshead::server
