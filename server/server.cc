@@ -1,5 +1,7 @@
 #include "server/server.h"
 
+#include <algorithm>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -76,6 +78,8 @@ class ServerImpl final : public Server {
         std::min<size_t>(options_.max_message_bytes, std::numeric_limits<int>::max()));
     builder.SetMaxReceiveMessageSize(max_message);
     builder.SetMaxSendMessageSize(max_message);
+    // Without this, Linux lets a second server bind the same port and silently share traffic.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port_ == 0) {

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "losshead/v1/losshead.grpc.pb.h"
@@ -303,6 +305,44 @@ std::string HttpGet(int port, const std::string& path) {
   while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
   close(fd);
   return out;
+}
+
+TEST_F(ServiceTest, TakenPortIsUnavailable) {
+  ServerOptions o;
+  o.listen_address = absl::StrCat("127.0.0.1:", server_->port());
+  o.metrics_address = "";
+  o.backend = kernels::BackendKind::kCpu;
+  EXPECT_EQ(Server::Start(o).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// grpc.health.v1.Health/Check without its generated code: the request is field 1 (service name),
+// the response field 1 (1 = SERVING).
+TEST_F(ServiceTest, HealthIsServing) {
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                     grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  for (std::string service : {std::string(), std::string("losshead.v1.LossHead")}) {
+    std::string request;
+    if (!service.empty()) request = absl::StrCat("\x0a", std::string(1, static_cast<char>(service.size())), service);
+    grpc::Slice slice(request);
+    grpc::ByteBuffer req(&slice, 1);
+    grpc::ByteBuffer resp;
+    grpc::ClientContext ctx;
+    grpc::Status status;
+    absl::Notification done;
+    stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                   [&](grpc::Status s) {
+                     status = s;
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(resp.Dump(&slices).ok());
+    std::string body;
+    for (const auto& sl : slices) body += std::string(sl.begin(), sl.end());
+    EXPECT_EQ(body, std::string("\x08\x01", 2)) << service;
+  }
 }
 
 class MetricsTest : public ServiceTest {
