@@ -73,7 +73,7 @@ int RunDemo() {
                       static_cast<float>(absl::GetFlag(FLAGS_lr)));
 
   std::printf("demo: head %s V=%lld D=%lld on %s, %lld tokens/step in micro-batches of %lld, "
-              "%s lr=%g\n",
+              "%s lr=%g (cosine decay)\n",
               head.c_str(), static_cast<long long>(v), static_cast<long long>(d),
               created->device().c_str(), static_cast<long long>(tokens),
               static_cast<long long>(micro), optimizer_name.c_str(), absl::GetFlag(FLAGS_lr));
@@ -142,6 +142,10 @@ int RunDemo() {
                                    tokens, " in ", sent)));
       break;
     }
+    // Cosine decay to a tenth of --lr: late steps average out the sampling noise of small batches.
+    const double progress = static_cast<double>(step - 1) / std::max(1, steps - 1);
+    optimizer.set_lr(static_cast<float>(absl::GetFlag(FLAGS_lr) *
+                                        (0.1 + 0.45 * (1 + std::cos(M_PI * progress)))));
     optimizer.Apply(reinterpret_cast<const float*>(grad->data.data()), weights.data());
     client::PushRequest push;
     push.head = head;

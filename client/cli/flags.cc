@@ -12,10 +12,10 @@ ABSL_FLAG(uint64_t, seed, 1, "random seed");
 ABSL_FLAG(int64_t, vocab, 512, "vocabulary size V (demo, create)");
 ABSL_FLAG(int64_t, hidden, 64, "hidden size D (demo, create)");
 
-ABSL_FLAG(int, steps, 60, "demo: optimizer steps");
+ABSL_FLAG(int, steps, 80, "demo: optimizer steps");
 ABSL_FLAG(int64_t, tokens_per_step, 2048, "demo: tokens per optimizer step");
 ABSL_FLAG(int64_t, microbatch, 512, "demo: tokens per micro-batch (pipelined on one stream)");
-ABSL_FLAG(double, lr, 0.05, "demo: learning rate");
+ABSL_FLAG(double, lr, 0.03, "demo: learning rate");
 ABSL_FLAG(std::string, optimizer, "adam", "demo: adam | sgd");
 ABSL_FLAG(double, teacher_gain, 2.5,
           "demo: teacher weights ~ N(0, (gain / sqrt(D))^2); larger means lower entropy");

@@ -25,6 +25,7 @@ class Optimizer {
   Optimizer(size_t size, bool adam, float lr);
   // params -= update(grad)
   void Apply(const float* grad, float* params);
+  void set_lr(float lr) { lr_ = lr; }
 
  private:
   bool adam_;
