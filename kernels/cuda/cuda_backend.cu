@@ -253,8 +253,11 @@ class CudaBackend final : public Backend {
     const Layout one = MakeLayoutForChunk(problem, 1);
     if (bytes < one.total) return Layout{};
     const size_t per_row = static_cast<size_t>(one.ldl) * one.logits_elem + sizeof(float);
-    int64_t chunk = std::min<int64_t>(problem.n, (bytes - one.logits_off) / per_row);
+    // Estimate, then settle on the exact largest chunk (alignment padding makes the estimate off
+    // by a row or two either way).
+    int64_t chunk = std::clamp<int64_t>((bytes - one.logits_off) / per_row, 1, problem.n);
     while (chunk > 1 && MakeLayoutForChunk(problem, chunk).total > bytes) --chunk;
+    while (chunk < problem.n && MakeLayoutForChunk(problem, chunk + 1).total <= bytes) ++chunk;
     if (chunk < problem.n && chunk >= 256) chunk = chunk / 256 * 256;
     return MakeLayoutForChunk(problem, chunk);
   }

@@ -81,6 +81,7 @@ struct Case {
   int64_t chunk_rows = 0;     // 0: default 1 GiB budget; else the budget for about this many rows
   bool bf16_logits = true;  // the backend's default; applies to bf16 problems only
   int row_threads = 512;
+  bool extreme_logits = false;  // bf16 logits at |logit| ~ 1e4: looser gradient bound
 };
 
 Inputs MakeInputs(const Case& c, uint64_t seed) {
@@ -226,7 +227,8 @@ void CompareWithCpu(const Case& c, uint64_t seed) {
   Outputs got, want;
   ASSERT_OK(RunOn(*cuda, problem, in, BudgetForRows(c), &got));
   ASSERT_OK(RunOn(*cpu, problem, in, 2 * kGiB, &want));
-  const Tolerance tol = ToleranceFor(c.dtype, c.bf16_logits && c.dtype == DType::kBF16);
+  Tolerance tol = ToleranceFor(c.dtype, c.bf16_logits && c.dtype == DType::kBF16);
+  if (c.extreme_logits && c.bf16_logits && c.dtype == DType::kBF16) tol.dh = tol.dw = 0.15;
   EXPECT_EQ(got.token_count, want.token_count);
   const double loss_err = std::abs(static_cast<double>(got.loss_sum) - want.loss_sum) /
                           std::max(1e-30, std::abs(static_cast<double>(want.loss_sum)));
@@ -285,8 +287,12 @@ std::vector<Case> Cases() {
     c.logit_std = 1e4f;
     c.bf16_logits = false;
   });
-  add(DType::kBF16, 300, 1001, 64, Reduction::kSum, "_logits1e4",
-      [](Case& c) { c.logit_std = 1e4f; });
+  // bf16 logits at |logit| ~ 1e4 round each logit by up to 32, which reorders near-ties of the
+  // softmax: only the fp32-logits path (above) meets the bf16 bound there; this bounds the default.
+  add(DType::kBF16, 300, 1001, 64, Reduction::kSum, "_logits1e4", [](Case& c) {
+    c.logit_std = 1e4f;
+    c.extreme_logits = true;
+  });
   add(DType::kBF16, 1000, 32003, 768, Reduction::kMean, "_fp32logits_chunk256", [](Case& c) {
     c.bf16_logits = false;
     c.chunk_rows = 256;
