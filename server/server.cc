@@ -107,11 +107,15 @@ class ServerImpl final : public Server {
     if (server_ != nullptr) {
       // Probes first, so that load balancers stop sending before calls are refused.
       if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
-      // Streams stop reading and finish once their received micro-batches are answered.
+      const absl::Time until = absl::Now() + deadline;
+      // From here new calls are answered UNAVAILABLE; Step streams stop reading and finish once
+      // the micro-batches they hold are answered. gRPC keeps serving meanwhile, so those answers
+      // and the refusals travel on a healthy transport.
       ctx_.draining.store(true);
       ctx_.streams.DrainAll();
-      // New calls are refused now; calls still running at the deadline are cancelled.
-      server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+      ctx_.streams.WaitUntilNone(until);
+      // gRPC refuses new calls; pulls and pushes still running at the deadline are cancelled.
+      server_->Shutdown(absl::ToChronoTime(until));
     }
     if (pool_ != nullptr) pool_->Shutdown();
     exposer_.reset();

@@ -24,6 +24,14 @@ void Answer(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* 
   reactor->Finish(ToGrpcStatus(status));
 }
 
+// True (and the call answered UNAVAILABLE) while the server shuts down.
+bool RefuseWhileDraining(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor,
+                         const char* method, absl::Time start) {
+  if (!ctx->draining.load()) return false;
+  Answer(ctx, reactor, method, start, absl::UnavailableError("the server is shutting down"));
+  return true;
+}
+
 }  // namespace
 
 grpc::ServerUnaryReactor* LossHeadService::CreateHead(grpc::CallbackServerContext* context,
@@ -31,6 +39,7 @@ grpc::ServerUnaryReactor* LossHeadService::CreateHead(grpc::CallbackServerContex
                                                       v1::HeadInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "CreateHead", start)) return reactor;
   // Allocation and the normal init of a large W take long: keep them off the gRPC threads.
   ctx_->pool->Schedule([this, reactor, request, response, start] {
     absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Create(request->spec());
@@ -48,6 +57,7 @@ grpc::ServerUnaryReactor* LossHeadService::GetHead(grpc::CallbackServerContext* 
                                                    v1::HeadInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "GetHead", start)) return reactor;
   absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request->name());
   if (head.ok()) *response = (*head)->Info();
   Answer(ctx_, reactor, "GetHead", start, head.status());
@@ -59,6 +69,7 @@ grpc::ServerUnaryReactor* LossHeadService::ListHeads(grpc::CallbackServerContext
                                                      v1::ListHeadsResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "ListHeads", start)) return reactor;
   for (const auto& head : ctx_->registry->List()) *response->add_heads() = head->Info();
   Answer(ctx_, reactor, "ListHeads", start, absl::OkStatus());
   return reactor;
@@ -69,6 +80,7 @@ grpc::ServerUnaryReactor* LossHeadService::DeleteHead(grpc::CallbackServerContex
                                                       v1::DeleteHeadResponse* /*response*/) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "DeleteHead", start)) return reactor;
   absl::Status status = ctx_->registry->Delete(request->name());
   if (status.ok()) {
     ctx_->metrics->RemoveHead(request->name());
@@ -83,6 +95,7 @@ grpc::ServerUnaryReactor* LossHeadService::SetLossOptions(grpc::CallbackServerCo
                                                           v1::HeadInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "SetLossOptions", start)) return reactor;
   absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request->name());
   absl::Status status = head.status();
   if (status.ok()) status = (*head)->SetDefaultOptions(request->default_options());
@@ -116,6 +129,7 @@ grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext*
                                                     v1::Stats* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "GetStats", start)) return reactor;
   const kernels::MemoryInfo memory = ctx_->backend->memory_info();
   v1::DeviceStats* device = response->mutable_device();
   device->set_backend(std::string(ctx_->backend->name()));

@@ -26,6 +26,8 @@ class StepStreams {
   void Remove(StepReactor* reactor);
   // Marks every live stream as draining and kicks it (outside this registry's lock).
   void DrainAll();
+  // Blocks until no stream is live or `deadline` passes; true if none is live.
+  bool WaitUntilNone(absl::Time deadline);
 
  private:
   absl::Mutex mu_;
@@ -42,6 +44,8 @@ struct ServiceContext {
   // Micro-batches of one stream received but not yet answered; reading pauses at this bound.
   size_t max_inflight_per_stream = 4;
   absl::Time start_time;
+  // Set at shutdown: new calls are answered UNAVAILABLE by the handlers themselves, so that a
+  // caller sees a clean refusal while in-flight micro-batches are still being answered.
   std::atomic<bool> draining{false};
   StepStreams streams;
 };

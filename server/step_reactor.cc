@@ -31,6 +31,14 @@ void StepStreams::DrainAll() {
   for (StepReactor* r : pinned) r->EndDrain();
 }
 
+bool StepStreams::WaitUntilNone(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithDeadline(
+      absl::Condition(+[](absl::flat_hash_set<StepReactor*>* live) { return live->empty(); },
+                      &live_),
+      deadline);
+}
+
 StepReactor::StepReactor(ServiceContext* ctx)
     : ctx_(ctx), start_(absl::Now()), assembler_(ctx->max_microbatch_bytes) {
   // Register before looking at the flag: a concurrent shutdown either sees this stream or this

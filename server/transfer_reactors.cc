@@ -27,7 +27,9 @@ class ChunkedWriter final : public grpc::ServerWriteReactor<Msg> {
   ChunkedWriter(ServiceContext* ctx, const char* method, Producer produce)
       : ctx_(ctx), method_(method), start_(absl::Now()) {
     ctx_->pool->Schedule([this, produce = std::move(produce)] {
-      absl::StatusOr<std::string> data = produce(msg_);
+      absl::StatusOr<std::string> data =
+          ctx_->draining.load() ? absl::UnavailableError("the server is shutting down")
+                                : produce(msg_);
       if (!data.ok()) {
         FinishWith(ToGrpcStatus(data.status()));
         return;
@@ -81,6 +83,10 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
  public:
   PushReactor(ServiceContext* ctx, v1::PushWeightsResponse* response)
       : ctx_(ctx), response_(response), start_(absl::Now()) {
+    if (ctx_->draining.load()) {
+      FinishWith(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"));
+      return;
+    }
     StartRead(&request_);
   }
 
