@@ -1,5 +1,6 @@
 // Graceful shutdown: work in flight is answered, new calls are refused with UNAVAILABLE.
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -16,8 +17,8 @@ TEST(ShutdownTest, InFlightMicrobatchIsAnsweredAndNewCallsAreUnavailable) {
   auto client = (*server)->NewClient();
   ASSERT_NE(client, nullptr);
 
-  // About 13 GFLOP: long enough on a CPU to still run when Shutdown starts.
-  constexpr int64_t n = 2048, d = 256, v = 4096;
+  // About 50 GFLOP: several hundred milliseconds on a CPU, so it still runs when Shutdown starts.
+  constexpr int64_t n = 4096, d = 256, v = 8192;
   v1::HeadSpec spec;
   spec.set_name("long");
   spec.set_vocab_size(v);
@@ -47,6 +48,15 @@ TEST(ShutdownTest, InFlightMicrobatchIsAnsweredAndNewCallsAreUnavailable) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 
+  // From here the answer must still be on its way: Receive blocks until it comes.
+  const auto shutdown_seen = std::chrono::steady_clock::now();
+  absl::StatusOr<client::StepResult> result;
+  std::chrono::steady_clock::duration blocked{};
+  std::thread receiver([&] {
+    result = (*stream)->Receive();
+    blocked = std::chrono::steady_clock::now() - shutdown_seen;
+  });
+
   // A call that starts now is refused.
   auto late = client->GetHead("long");
   EXPECT_EQ(late.status().code(), absl::StatusCode::kUnavailable) << late.status();
@@ -54,8 +64,10 @@ TEST(ShutdownTest, InFlightMicrobatchIsAnsweredAndNewCallsAreUnavailable) {
   EXPECT_EQ(late_step.status().code(), absl::StatusCode::kUnavailable) << late_step.status();
 
   // The micro-batch in flight completes, correctly: a zero head's loss is log V on every token.
-  auto result = (*stream)->Receive();
+  receiver.join();
   ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_GT(blocked, std::chrono::milliseconds(20))
+      << "the micro-batch finished before Shutdown began; the test proved nothing";
   EXPECT_EQ(result->token_count, n);
   EXPECT_NEAR(result->loss, std::log(static_cast<double>(v)), 1e-4);
   EXPECT_EQ(result->grad_hidden.size(), static_cast<size_t>(n * d * 2));
