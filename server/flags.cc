@@ -8,7 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address (host:port; port 0 picks one)");
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC listen address (host:port; port 0 picks one)");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus /metrics address (host:port; empty disables it)");
 ABSL_FLAG(std::string, backend, "auto", "Kernel backend: cpu, cuda or auto (cuda if available)");

@@ -43,7 +43,8 @@ std::string Convert(kernels::DType from, const std::string& src, kernels::DType 
 
 absl::Status AsResourceExhausted(const absl::Status& status, absl::string_view what) {
   if (status.ok()) return status;
-  return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", what, ": ", status.message()));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("cannot allocate ", what, ": ", status.message()));
 }
 
 bool ValidName(const std::string& name) {
@@ -171,20 +172,22 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   const v1::StepHeader& h = mb.header;
   Prepared p;
   if (h.num_tokens() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("num_tokens must be >= 1, got ", h.num_tokens()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens must be >= 1, got ", h.num_tokens()));
   }
   LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType hidden_dtype,
                             FloatDType(h.hidden_dtype(), "hidden_dtype"));
   if (h.target_dtype() != v1::DTYPE_INT32 && h.target_dtype() != v1::DTYPE_INT64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "target_dtype must be DTYPE_INT32 or DTYPE_INT64, got ", static_cast<int>(h.target_dtype())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_dtype must be DTYPE_INT32 or DTYPE_INT64, got ",
+                     static_cast<int>(h.target_dtype())));
   }
   p.want_grad_hidden = !h.options().skip_grad_hidden();
   if (h.options().grad_hidden_dtype() == v1::DTYPE_UNSPECIFIED) {
     p.grad_hidden_dtype = hidden_dtype;
   } else {
-    LOSSHEAD_ASSIGN_OR_RETURN(p.grad_hidden_dtype,
-                              FloatDType(h.options().grad_hidden_dtype(), "options.grad_hidden_dtype"));
+    LOSSHEAD_ASSIGN_OR_RETURN(p.grad_hidden_dtype, FloatDType(h.options().grad_hidden_dtype(),
+                                                              "options.grad_hidden_dtype"));
   }
   const uint64_t n = h.num_tokens();
   const uint64_t d = hidden_size();
@@ -192,9 +195,9 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   const size_t tsize = WireDTypeSize(h.target_dtype());
   // Compare sizes without overflowing n * d * size for absurd n.
   if (n > mb.hidden.size() / (d * hsize) || n * d * hsize != mb.hidden.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden has ", mb.hidden.size(), " bytes; num_tokens x hidden_size x ",
-        kernels::DTypeName(hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden has ", mb.hidden.size(), " bytes; num_tokens x hidden_size x ",
+                     kernels::DTypeName(hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
   }
   if (n * tsize != mb.targets.size()) {
     return absl::InvalidArgumentError(absl::StrCat("targets has ", mb.targets.size(),
@@ -232,9 +235,8 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
     if (t == ignore) {
       p.targets[i] = ignore32;
     } else if (t < 0 || t >= v) {
-      return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] = ", t,
-                                                     " is outside [0, ", v,
-                                                     ") and is not ignore_index ", ignore));
+      return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] = ", t, " is outside [0, ",
+                                                     v, ") and is not ignore_index ", ignore));
     } else {
       p.targets[i] = static_cast<int32_t>(t);
     }
@@ -250,8 +252,8 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   } else {
     p.converted = Convert(hidden_dtype, mb.hidden, dtype_);
     if (kernels::HasNonFinite(dtype_, p.converted.data(), n * d)) {
-      return absl::InvalidArgumentError(absl::StrCat("hidden overflows the head's dtype ",
-                                                     kernels::DTypeName(dtype_)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden overflows the head's dtype ", kernels::DTypeName(dtype_)));
     }
   }
   p.problem = kernels::Problem{.n = static_cast<int64_t>(n),
@@ -361,8 +363,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(scalars, scalars_buf_.data(), 16, *stream_));
     if (p.want_grad_hidden) {
       grad_hidden.resize(nd * esize);
-      LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(grad_hidden.data(), grad_hidden_buf_.data(),
-                                                   nd * esize, *stream_));
+      LOSSHEAD_RETURN_IF_ERROR(
+          backend_.CopyToHost(grad_hidden.data(), grad_hidden_buf_.data(), nd * esize, *stream_));
     }
     if (p.want_per_token) {
       per_token.resize(n);
@@ -449,8 +451,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
                                            std::optional<uint64_t> expected_version) {
   LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType src_dtype, FloatDType(dtype, "dtype"));
   if (mode != v1::PUSH_MODE_REPLACE && mode != v1::PUSH_MODE_ADD) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ", static_cast<int>(mode)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ", static_cast<int>(mode)));
   }
   const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
   if (data.size() != count * kernels::DTypeSize(src_dtype)) {

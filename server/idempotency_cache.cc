@@ -15,10 +15,10 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> IdempotencyCache::Begin(
     auto it = client.entries.find(sequence);
     if (it == client.entries.end()) {
       if (client.max_evicted.has_value() && sequence <= *client.max_evicted) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "sequence ", sequence, " of client '", client_id,
-            "' is outside the replay window (sequences <= ", *client.max_evicted,
-            " are no longer remembered); it may already be counted"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("sequence ", sequence, " of client '", client_id,
+                         "' is outside the replay window (sequences <= ", *client.max_evicted,
+                         " are no longer remembered); it may already be counted"));
       }
       client.entries.emplace(sequence, std::make_shared<Entry>());
       return std::shared_ptr<const StepOutcome>();  // claimed: the caller computes

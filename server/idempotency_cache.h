@@ -36,7 +36,7 @@ class IdempotencyCache {
   // micro-batch and then call exactly one of Complete or Abandon with the same key. Blocks while
   // another caller holds the claim on the same key. FAILED_PRECONDITION outside the window.
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Begin(const std::string& client_id,
-                                                          uint64_t sequence);
+                                                           uint64_t sequence);
   void Complete(const std::string& client_id, uint64_t sequence,
                 std::shared_ptr<const StepOutcome> outcome);
   // The computation failed: forget the claim; waiters (retries) compute on their own.

@@ -28,16 +28,14 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "losshead-server: the fused LM-head (linear + cross-entropy) gRPC service");
   absl::ParseCommandLine(argc, argv);
-  absl::StatusOr<losshead::server::ServerOptions> options =
-      losshead::server::OptionsFromFlags();
+  absl::StatusOr<losshead::server::ServerOptions> options = losshead::server::OptionsFromFlags();
   if (!options.ok()) {
     std::fprintf(stderr, "losshead-server: %s\n", options.status().ToString().c_str());
     return 2;
   }
   auto server = losshead::server::Server::Start(*options);
   if (!server.ok()) {
-    std::fprintf(stderr, "losshead-server: cannot start: %s\n",
-                 server.status().ToString().c_str());
+    std::fprintf(stderr, "losshead-server: cannot start: %s\n", server.status().ToString().c_str());
     return 1;
   }
   std::signal(SIGTERM, OnSignal);

@@ -157,10 +157,13 @@ void Metrics::RemoveHead(const std::string& head) {
   };
   for (const char* phase : {"receive", "queue", "compute", "send"}) {
     prometheus::Labels labels{{"head", head}, {"phase", phase}};
-    if (phase_duration_.Has(labels)) phase_duration_.Remove(&phase_duration_.Add(labels, Buckets()));
+    if (phase_duration_.Has(labels))
+      phase_duration_.Remove(&phase_duration_.Add(labels, Buckets()));
   }
-  for (const char* outcome : {"ok", "replayed", "error"}) drop(microbatches_, {{"outcome", outcome}});
-  for (const char* kind : {"weights", "gradient", "workspace"}) drop(head_memory_, {{"kind", kind}});
+  for (const char* outcome : {"ok", "replayed", "error"})
+    drop(microbatches_, {{"outcome", outcome}});
+  for (const char* kind : {"weights", "gradient", "workspace"})
+    drop(head_memory_, {{"kind", kind}});
   drop(tokens_, {});
   drop(pulls_, {});
   drop(pushes_, {});

@@ -58,8 +58,8 @@ class ServerImpl final : public Server {
       try {
         exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address);
       } catch (const std::exception& e) {
-        return absl::UnavailableError(absl::StrCat("cannot serve metrics on ",
-                                                   options_.metrics_address, ": ", e.what()));
+        return absl::UnavailableError(
+            absl::StrCat("cannot serve metrics on ", options_.metrics_address, ": ", e.what()));
       }
       const LossHeadService* service = service_.get();
       refresher_ = Metrics::MakeRefresher([service] { service->RefreshMemoryMetrics(); });
@@ -84,8 +84,7 @@ class ServerImpl final : public Server {
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port_ == 0) {
       server_.reset();
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on ", options_.listen_address));
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen_address));
     }
     if (auto* health = server_->GetHealthCheckService()) {
       health->SetServingStatus(true);

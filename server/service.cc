@@ -25,8 +25,8 @@ void Answer(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* 
 }
 
 // True (and the call answered UNAVAILABLE) while the server shuts down.
-bool RefuseWhileDraining(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor,
-                         const char* method, absl::Time start) {
+bool RefuseWhileDraining(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* method,
+                         absl::Time start) {
   if (!ctx->draining.load()) return false;
   Answer(ctx, reactor, method, start, absl::UnavailableError("the server is shutting down"));
   return true;

@@ -23,9 +23,9 @@ std::string ReasonName(int code);
 #define LOSSHEAD_STATUS_CONCAT_INNER_(a, b) a##b
 #define LOSSHEAD_STATUS_CONCAT_(a, b) LOSSHEAD_STATUS_CONCAT_INNER_(a, b)
 
-#define LOSSHEAD_RETURN_IF_ERROR(expr)               \
-  do {                                               \
-    ::absl::Status losshead_status_ = (expr);        \
+#define LOSSHEAD_RETURN_IF_ERROR(expr)                   \
+  do {                                                   \
+    ::absl::Status losshead_status_ = (expr);            \
     if (!losshead_status_.ok()) return losshead_status_; \
   } while (0)
 

@@ -52,8 +52,8 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
 size_t ChunkPayloadBytes(size_t max_message_bytes) {
   // Room for the result, ids and field tags; keep pieces 8-byte aligned for the reader's sake.
   constexpr size_t kOverhead = 1024;
-  size_t payload = max_message_bytes > 2 * kOverhead ? max_message_bytes - kOverhead
-                                                     : max_message_bytes / 2;
+  size_t payload =
+      max_message_bytes > 2 * kOverhead ? max_message_bytes - kOverhead : max_message_bytes / 2;
   payload &= ~size_t{7};
   return std::max<size_t>(payload, 8);
 }

@@ -34,8 +34,8 @@ void StepStreams::DrainAll() {
 bool StepStreams::WaitUntilNone(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   return mu_.AwaitWithDeadline(
-      absl::Condition(+[](absl::flat_hash_set<StepReactor*>* live) { return live->empty(); },
-                      &live_),
+      absl::Condition(
+          +[](absl::flat_hash_set<StepReactor*>* live) { return live->empty(); }, &live_),
       deadline);
 }
 

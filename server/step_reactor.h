@@ -72,8 +72,8 @@ class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResp
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish has been called
   std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);
   grpc::Status final_status_ ABSL_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = false;  // OnDone ran
-  int pins_ ABSL_GUARDED_BY(mu_) = 0;        // worker tasks and drains that still use `this`
+  bool done_ ABSL_GUARDED_BY(mu_) = false;     // OnDone ran
+  int pins_ ABSL_GUARDED_BY(mu_) = 0;          // worker tasks and drains that still use `this`
   int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // counted in the inflight gauge
 };
 

@@ -27,9 +27,9 @@ class ChunkedWriter final : public grpc::ServerWriteReactor<Msg> {
   ChunkedWriter(ServiceContext* ctx, const char* method, Producer produce)
       : ctx_(ctx), method_(method), start_(absl::Now()) {
     ctx_->pool->Schedule([this, produce = std::move(produce)] {
-      absl::StatusOr<std::string> data =
-          ctx_->draining.load() ? absl::UnavailableError("the server is shutting down")
-                                : produce(msg_);
+      absl::StatusOr<std::string> data = ctx_->draining.load()
+                                             ? absl::UnavailableError("the server is shutting down")
+                                             : produce(msg_);
       if (!data.ok()) {
         FinishWith(ToGrpcStatus(data.status()));
         return;
@@ -104,17 +104,17 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
                                      "PushWeights carried no header; weights unchanged"));
     }
     if (staged_.size() != total_bytes_) {
-      return FinishWith(grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("PushWeights ended after ", staged_.size(), " of ", total_bytes_,
-                       " bytes; weights unchanged")));
+      return FinishWith(
+          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                       absl::StrCat("PushWeights ended after ", staged_.size(), " of ",
+                                    total_bytes_, " bytes; weights unchanged")));
     }
     ctx_->pool->Schedule([this] {
-      absl::StatusOr<uint64_t> version = head_->PushWeights(
-          header_.dtype(), header_.mode(), staged_,
-          header_.has_expected_weights_version()
-              ? std::optional<uint64_t>(header_.expected_weights_version())
-              : std::nullopt);
+      absl::StatusOr<uint64_t> version =
+          head_->PushWeights(header_.dtype(), header_.mode(), staged_,
+                             header_.has_expected_weights_version()
+                                 ? std::optional<uint64_t>(header_.expected_weights_version())
+                                 : std::nullopt);
       std::string().swap(staged_);
       if (!version.ok()) return FinishWith(ToGrpcStatus(version.status()));
       ctx_->metrics->Push(head_->name());
@@ -138,8 +138,9 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
       LOSSHEAD_ASSIGN_OR_RETURN(head_, ctx_->registry->Get(header_.head()));
       LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType dtype, FloatDType(header_.dtype(), "dtype"));
       if (header_.mode() != v1::PUSH_MODE_REPLACE && header_.mode() != v1::PUSH_MODE_ADD) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ", static_cast<int>(header_.mode())));
+        return absl::InvalidArgumentError(
+            absl::StrCat("mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ",
+                         static_cast<int>(header_.mode())));
       }
       total_bytes_ = static_cast<uint64_t>(head_->vocab_size()) * head_->hidden_size() *
                      kernels::DTypeSize(dtype);
@@ -154,8 +155,8 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
                        staged_.size(), ": pieces must arrive in order, without gaps"));
     }
     if (data.size() > total_bytes_ - staged_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "PushWeights data run past the ", total_bytes_, " bytes of the head's V x D weights"));
+      return absl::InvalidArgumentError(absl::StrCat("PushWeights data run past the ", total_bytes_,
+                                                     " bytes of the head's V x D weights"));
     }
     if (staged_.empty()) staged_.reserve(total_bytes_);
     staged_.append(data);
@@ -199,8 +200,7 @@ grpc::ServerWriteReactor<v1::WeightsChunk>* StartDownloadWeights(
     ServiceContext* ctx, const v1::DownloadWeightsRequest* request) {
   v1::DownloadWeightsRequest req = *request;
   return new ChunkedWriter<v1::WeightsChunk>(
-      ctx, "DownloadWeights",
-      [ctx, req](v1::WeightsChunk& first) -> absl::StatusOr<std::string> {
+      ctx, "DownloadWeights", [ctx, req](v1::WeightsChunk& first) -> absl::StatusOr<std::string> {
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
         LOSSHEAD_ASSIGN_OR_RETURN(WeightsSnapshot snap, head->DownloadWeights(req.dtype()));
         first.set_vocab_size(head->vocab_size());

@@ -219,7 +219,8 @@ TEST_F(HeadTest, InvalidMicroBatchesChangeNothing) {
     mb.targets = Bytes(y);
     check(mb, absl::StatusCode::kInvalidArgument);
   }
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     mb = Batch(4, 3);
     auto h = FromBytes<float>(mb.hidden);
     h[5] = bad;
@@ -340,8 +341,9 @@ TEST_F(HeadTest, PushValidatesAndBumpsTheVersion) {
             absl::StatusCode::kInvalidArgument);
   std::vector<float> nan = w;
   nan[3] = std::nanf("");
-  EXPECT_EQ(head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(nan), {}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(nan), {}).status().code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(head->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(w), 5).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(head->weights_version(), 1u);

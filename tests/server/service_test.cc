@@ -323,7 +323,8 @@ TEST_F(ServiceTest, HealthIsServing) {
   grpc::GenericStub stub(channel);
   for (std::string service : {std::string(), std::string("losshead.v1.LossHead")}) {
     std::string request;
-    if (!service.empty()) request = absl::StrCat("\x0a", std::string(1, static_cast<char>(service.size())), service);
+    if (!service.empty())
+      request = absl::StrCat("\x0a", std::string(1, static_cast<char>(service.size())), service);
     grpc::Slice slice(request);
     grpc::ByteBuffer req(&slice, 1);
     grpc::ByteBuffer resp;
@@ -367,8 +368,10 @@ TEST_F(MetricsTest, MetricsAreExported) {
         "losshead_rpcs_total{code=\"OK\",method=\"CreateHead\"}",
         "losshead_step_phase_duration_seconds_count{head=\"h\",phase=\"compute\"} 1",
         "losshead_microbatches_total{head=\"h\",outcome=\"ok\"} 1",
-        "losshead_tokens_total{head=\"h\"} 8", "losshead_bytes_total{direction=\"in\",method=\"Step\"}",
-        "losshead_inflight_microbatches 0", "losshead_head_memory_bytes{head=\"h\",kind=\"weights\"} 8192",
+        "losshead_tokens_total{head=\"h\"} 8",
+        "losshead_bytes_total{direction=\"in\",method=\"Step\"}",
+        "losshead_inflight_microbatches 0",
+        "losshead_head_memory_bytes{head=\"h\",kind=\"weights\"} 8192",
         "losshead_device_memory_bytes{kind=\"gradient\"} 8192", "losshead_heads 1"}) {
     EXPECT_NE(body.find(want), std::string::npos) << want << "\n" << body;
   }
