@@ -16,19 +16,20 @@ int Fail(const absl::Status& status) {
 }
 
 void PrintHead(const v1::HeadInfo& h) {
-  std::printf("%-24s V=%-8lld D=%-6lld %-5s version=%llu tokens_since_pull=%llu "
-              "microbatches_since_pull=%llu tokens_total=%llu weights=%llu B gradient=%llu B "
-              "workspace=%llu B device=%s\n",
-              h.spec().name().c_str(), static_cast<long long>(h.spec().vocab_size()),
-              static_cast<long long>(h.spec().hidden_size()),
-              v1::DType_Name(h.spec().weight_dtype()).substr(6).c_str(),
-              static_cast<unsigned long long>(h.weights_version()),
-              static_cast<unsigned long long>(h.tokens_since_pull()),
-              static_cast<unsigned long long>(h.microbatches_since_pull()),
-              static_cast<unsigned long long>(h.tokens_total()),
-              static_cast<unsigned long long>(h.memory().weights_bytes()),
-              static_cast<unsigned long long>(h.memory().gradient_bytes()),
-              static_cast<unsigned long long>(h.memory().workspace_bytes()), h.device().c_str());
+  std::printf(
+      "%-24s V=%-8lld D=%-6lld %-5s version=%llu tokens_since_pull=%llu "
+      "microbatches_since_pull=%llu tokens_total=%llu weights=%llu B gradient=%llu B "
+      "workspace=%llu B device=%s\n",
+      h.spec().name().c_str(), static_cast<long long>(h.spec().vocab_size()),
+      static_cast<long long>(h.spec().hidden_size()),
+      v1::DType_Name(h.spec().weight_dtype()).substr(6).c_str(),
+      static_cast<unsigned long long>(h.weights_version()),
+      static_cast<unsigned long long>(h.tokens_since_pull()),
+      static_cast<unsigned long long>(h.microbatches_since_pull()),
+      static_cast<unsigned long long>(h.tokens_total()),
+      static_cast<unsigned long long>(h.memory().weights_bytes()),
+      static_cast<unsigned long long>(h.memory().gradient_bytes()),
+      static_cast<unsigned long long>(h.memory().workspace_bytes()), h.device().c_str());
 }
 
 }  // namespace
@@ -46,7 +47,8 @@ int RunCreate() {
   }
   spec.set_weight_dtype(dtype);
   if (absl::GetFlag(FLAGS_init_std) > 0) {
-    spec.mutable_init()->mutable_normal()->set_std(static_cast<float>(absl::GetFlag(FLAGS_init_std)));
+    spec.mutable_init()->mutable_normal()->set_std(
+        static_cast<float>(absl::GetFlag(FLAGS_init_std)));
     spec.mutable_init()->mutable_normal()->set_seed(absl::GetFlag(FLAGS_seed));
   } else {
     spec.mutable_init()->set_zeros(true);
@@ -81,13 +83,14 @@ int RunStats() {
   auto stats = (*client)->GetStats();
   if (!stats.ok()) return Fail(stats.status());
   const v1::Stats& s = *stats;
-  std::printf("version %s, backend %s (%s), memory free %llu / %llu B, uptime %.1f s, "
-              "in flight %llu, max message %llu B\n",
-              s.version().c_str(), s.device().backend().c_str(), s.device().name().c_str(),
-              static_cast<unsigned long long>(s.device().memory_free_bytes()),
-              static_cast<unsigned long long>(s.device().memory_total_bytes()),
-              s.uptime_seconds(), static_cast<unsigned long long>(s.inflight_microbatches()),
-              static_cast<unsigned long long>(s.max_message_bytes()));
+  std::printf(
+      "version %s, backend %s (%s), memory free %llu / %llu B, uptime %.1f s, "
+      "in flight %llu, max message %llu B\n",
+      s.version().c_str(), s.device().backend().c_str(), s.device().name().c_str(),
+      static_cast<unsigned long long>(s.device().memory_free_bytes()),
+      static_cast<unsigned long long>(s.device().memory_total_bytes()), s.uptime_seconds(),
+      static_cast<unsigned long long>(s.inflight_microbatches()),
+      static_cast<unsigned long long>(s.max_message_bytes()));
   for (const v1::HeadInfo& h : s.heads()) PrintHead(h);
   return 0;
 }

@@ -99,7 +99,8 @@ int RunBench() {
   const int depth = absl::GetFlag(FLAGS_pipeline);
   const int64_t iterations = absl::GetFlag(FLAGS_iterations);
   if (n < 1 || d < 1 || v < 1 || streams < 1 || depth < 1) {
-    return Fail("flags", absl::InvalidArgumentError("--n --d --v --streams --pipeline must be >= 1"));
+    return Fail("flags",
+                absl::InvalidArgumentError("--n --d --v --streams --pipeline must be >= 1"));
   }
   const bool dedicated = absl::GetFlag(FLAGS_dedicated_connections);
   std::vector<std::unique_ptr<client::Client>> clients;
@@ -136,7 +137,8 @@ int RunBench() {
   // Check first: a zero head gives loss log V on every token, and a finite loss in any case.
   int exit_code = 0;
   {
-    auto check = admin.Step(MakeMicrobatch(head, absl::StrCat("bench-check-", getpid()), 1, n, batch));
+    auto check =
+        admin.Step(MakeMicrobatch(head, absl::StrCat("bench-check-", getpid()), 1, n, batch));
     if (!check.ok()) {
       exit_code = Fail("check step", check.status());
     } else if (!std::isfinite(check->loss) || check->token_count != n ||
@@ -177,12 +179,13 @@ int RunBench() {
       total_tokens += tokens[i];
     }
     std::sort(all.begin(), all.end());
-    const double flops = 6.0 * static_cast<double>(total_tokens) * static_cast<double>(v) *
-                         static_cast<double>(d);
-    std::printf("bench: N=%lld D=%lld V=%lld bf16, %d streams x %d in flight: %zu micro-batches, "
-                "%lld tokens in %.2f s\n",
-                static_cast<long long>(n), static_cast<long long>(d), static_cast<long long>(v),
-                streams, depth, all.size(), static_cast<long long>(total_tokens), elapsed);
+    const double flops =
+        6.0 * static_cast<double>(total_tokens) * static_cast<double>(v) * static_cast<double>(d);
+    std::printf(
+        "bench: N=%lld D=%lld V=%lld bf16, %d streams x %d in flight: %zu micro-batches, "
+        "%lld tokens in %.2f s\n",
+        static_cast<long long>(n), static_cast<long long>(d), static_cast<long long>(v), streams,
+        depth, all.size(), static_cast<long long>(total_tokens), elapsed);
     std::printf("bench: %.0f tokens/s, %.2f GFLOP/s, %.1f MB/s on the wire (hidden up + dH down)\n",
                 static_cast<double>(total_tokens) / elapsed, flops / elapsed * 1e-9,
                 4.0 * static_cast<double>(total_tokens) * static_cast<double>(d) / elapsed * 1e-6);

@@ -72,11 +72,12 @@ int RunDemo() {
   Optimizer optimizer(weights.size(), optimizer_name == "adam",
                       static_cast<float>(absl::GetFlag(FLAGS_lr)));
 
-  std::printf("demo: head %s V=%lld D=%lld on %s, %lld tokens/step in micro-batches of %lld, "
-              "%s lr=%g (cosine decay)\n",
-              head.c_str(), static_cast<long long>(v), static_cast<long long>(d),
-              created->device().c_str(), static_cast<long long>(tokens),
-              static_cast<long long>(micro), optimizer_name.c_str(), absl::GetFlag(FLAGS_lr));
+  std::printf(
+      "demo: head %s V=%lld D=%lld on %s, %lld tokens/step in micro-batches of %lld, "
+      "%s lr=%g (cosine decay)\n",
+      head.c_str(), static_cast<long long>(v), static_cast<long long>(d), created->device().c_str(),
+      static_cast<long long>(tokens), static_cast<long long>(micro), optimizer_name.c_str(),
+      absl::GetFlag(FLAGS_lr));
   std::printf("%6s %10s %16s %10s\n", "step", "loss", "teacher_entropy", "gap");
 
   // One stream for the whole run: the micro-batches of a step are pipelined on it.
@@ -136,10 +137,10 @@ int RunDemo() {
     }
     if (grad->summary.token_count() != static_cast<uint64_t>(tokens) ||
         grad->summary.microbatch_count() != static_cast<uint64_t>(sent)) {
-      exit_code = Fail("pull", absl::InternalError(absl::StrCat(
-                                   "gradient covers ", grad->summary.token_count(), " tokens in ",
-                                   grad->summary.microbatch_count(), " micro-batches, sent ",
-                                   tokens, " in ", sent)));
+      exit_code = Fail(
+          "pull", absl::InternalError(absl::StrCat("gradient covers ", grad->summary.token_count(),
+                                                   " tokens in ", grad->summary.microbatch_count(),
+                                                   " micro-batches, sent ", tokens, " in ", sent)));
       break;
     }
     // Cosine decay to a tenth of --lr: late steps average out the sampling noise of small batches.
@@ -174,11 +175,11 @@ int RunDemo() {
   absl::Status finished = (*stream)->Finish();
   if (exit_code == 0 && !finished.ok()) exit_code = Fail("step stream", finished);
   if (exit_code == 0) {
-    std::printf("demo: loss %.4f -> %.4f (log V = %.4f, teacher entropy %.4f); %lld tokens, "
-                "%.0f tokens/s through step + pull + push\n",
-                first_loss, last_loss, std::log(static_cast<double>(v)), last_entropy,
-                static_cast<long long>(server_tokens),
-                static_cast<double>(server_tokens) / server_seconds);
+    std::printf(
+        "demo: loss %.4f -> %.4f (log V = %.4f, teacher entropy %.4f); %lld tokens, "
+        "%.0f tokens/s through step + pull + push\n",
+        first_loss, last_loss, std::log(static_cast<double>(v)), last_entropy,
+        static_cast<long long>(server_tokens), static_cast<double>(server_tokens) / server_seconds);
   }
   if (absl::Status deleted = client.DeleteHead(head); !deleted.ok() && exit_code == 0) {
     exit_code = Fail("delete head", deleted);

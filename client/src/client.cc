@@ -46,8 +46,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto credentials =
-      options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   auto channel = grpc::CreateCustomChannel(target, credentials, args);
   if (channel == nullptr) return absl::InternalError("could not create a gRPC channel");
   return std::unique_ptr<Client>(new Client(std::move(channel), options));

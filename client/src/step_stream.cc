@@ -152,9 +152,9 @@ void StepStream::ReadLoop() {
         key = expected_.front();
       }
       if (response.client_id() != key.first || response.sequence() != key.second) {
-        fail(absl::InternalError(absl::StrCat(
-            "step answer for (", response.client_id(), ", ", response.sequence(),
-            ") while (", key.first, ", ", key.second, ") was next")));
+        fail(absl::InternalError(absl::StrCat("step answer for (", response.client_id(), ", ",
+                                              response.sequence(), ") while (", key.first, ", ",
+                                              key.second, ") was next")));
         continue;
       }
       if (response.has_error()) {
@@ -206,9 +206,9 @@ void StepStream::ReadLoop() {
     per_token.append(p);
     if (!response.last()) continue;
     if (current->grad_hidden.size() != grad_bytes || per_token.size() != per_token_bytes) {
-      fail(absl::InternalError(absl::StrCat(
-          "step answer ended with ", current->grad_hidden.size(), "/", grad_bytes, " dH bytes and ",
-          per_token.size(), "/", per_token_bytes, " per-token loss bytes")));
+      fail(absl::InternalError(absl::StrCat("step answer ended with ", current->grad_hidden.size(),
+                                            "/", grad_bytes, " dH bytes and ", per_token.size(),
+                                            "/", per_token_bytes, " per-token loss bytes")));
       continue;
     }
     current->per_token_loss.resize(per_token.size() / sizeof(float));

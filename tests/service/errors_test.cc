@@ -172,9 +172,9 @@ TEST_F(ErrorsTest, TargetOutOfRangeIsInvalidArgument) {
 
 TEST_F(ErrorsTest, NanOrInfInHiddenIsInvalidArgument) {
   uint64_t sequence = 0;
-  for (float poison : {std::numeric_limits<float>::quiet_NaN(),
-                       std::numeric_limits<float>::infinity(),
-                       -std::numeric_limits<float>::infinity()}) {
+  for (float poison :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity()}) {
     HostBatch bad = good_;
     bad.hidden[kD + 3] = poison;
     bad.hidden_bytes = Encode(bad.hidden, v1::DTYPE_FP32);
@@ -282,8 +282,7 @@ TEST_F(ErrorsTest, HeadManagementErrorsHaveExactCodes) {
   EXPECT_EQ(client_->GetHead("no-such-head").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->DeleteHead("no-such-head").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->PullGradient("no-such-head").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(client_->DownloadWeights("no-such-head").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->DownloadWeights("no-such-head").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->SetLossOptions("no-such-head", {}).status().code(),
             absl::StatusCode::kNotFound);
   v1::LossOptions bad;

@@ -70,7 +70,8 @@ HostBatch MakeBatch(int64_t n, int64_t d, int64_t v, v1::DType dtype, uint64_t s
   std::uniform_int_distribution<int64_t> pick(0, v - 1);
   std::vector<int64_t> targets(n);
   for (int64_t i = 0; i < n; ++i) {
-    targets[i] = (ignore_every > 0 && i % ignore_every == ignore_every - 1) ? ignore_index : pick(rng);
+    targets[i] =
+        (ignore_every > 0 && i % ignore_every == ignore_every - 1) ? ignore_index : pick(rng);
   }
   SetTargets(b, std::move(targets));
   return b;
@@ -119,9 +120,9 @@ Tolerance ToleranceFor(v1::DType dtype) {
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure()
-         << bad << " of " << got.size() << " elements off by more than " << bound
-         << " (max |ref| " << scale << "); first at " << first << ": got " << got[first]
-         << ", want " << want[first] << "; worst error " << worst;
+         << bad << " of " << got.size() << " elements off by more than " << bound << " (max |ref| "
+         << scale << "); first at " << first << ": got " << got[first] << ", want " << want[first]
+         << "; worst error " << worst;
 }
 
 }  // namespace losshead::testing

@@ -47,7 +47,8 @@ class StepAccuracyTest : public ::testing::Test {
     const Tolerance tol = ToleranceFor(head.dtype);
 
     EXPECT_EQ(got->token_count, want.token_count);
-    EXPECT_NEAR(got->loss_sum, want.loss_sum, tol.loss_rel * std::max(1.0, std::fabs(want.loss_sum)));
+    EXPECT_NEAR(got->loss_sum, want.loss_sum,
+                tol.loss_rel * std::max(1.0, std::fabs(want.loss_sum)));
     EXPECT_NEAR(got->loss, want.loss, tol.loss_rel * std::max(1.0, std::fabs(want.loss)));
     EXPECT_EQ(got->weights_version, head.version);
     EXPECT_FALSE(got->replayed);
@@ -58,7 +59,8 @@ class StepAccuracyTest : public ::testing::Test {
                                  ? batch.dtype
                                  : options.grad_hidden_dtype();
     EXPECT_EQ(got->grad_hidden_dtype, gdtype);
-    ASSERT_EQ(got->grad_hidden.size(), static_cast<size_t>(batch.n * head.d) * client::DTypeBytes(gdtype));
+    ASSERT_EQ(got->grad_hidden.size(),
+              static_cast<size_t>(batch.n * head.d) * client::DTypeBytes(gdtype));
     EXPECT_TRUE(AllClose(Decode(got->grad_hidden, gdtype), want.grad_hidden,
                          ToleranceFor(gdtype).grad + tol.grad))
         << "dH";
@@ -94,14 +96,19 @@ struct Case {
   float label_smoothing;
 };
 
-class StepAccuracyCaseTest : public StepAccuracyTest,
-                             public ::testing::WithParamInterface<Case> {};
+// Keeps the discovered test names readable (gtest would print the struct's bytes).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << v1::DType_Name(c.dtype) << "/" << v1::Reduction_Name(c.reduction)
+      << "/label_smoothing=" << c.label_smoothing;
+}
+
+class StepAccuracyCaseTest : public StepAccuracyTest, public ::testing::WithParamInterface<Case> {};
 
 TEST_P(StepAccuracyCaseTest, MatchesFloat64Reference) {
   const Case c = GetParam();
-  const std::string name = absl::StrCat("acc-", v1::DType_Name(c.dtype), "-",
-                                        v1::Reduction_Name(c.reduction), "-",
-                                        c.label_smoothing > 0 ? "ls" : "plain");
+  const std::string name =
+      absl::StrCat("acc-", v1::DType_Name(c.dtype), "-", v1::Reduction_Name(c.reduction), "-",
+                   c.label_smoothing > 0 ? "ls" : "plain");
   auto head = CreateKnownHead(*client_, name, kV, kD, c.dtype, 11);
   ASSERT_TRUE(head.ok()) << head.status();
   // Every 5th target ignored (-100), the built-in default ignore_index.
@@ -122,17 +129,16 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
                       info.param.label_smoothing > 0 ? "_LabelSmoothing" : "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DtypesReductionsSmoothing, StepAccuracyCaseTest,
-    ::testing::Values(Case{v1::DTYPE_FP32, v1::REDUCTION_MEAN, 0.0f},
-                      Case{v1::DTYPE_FP32, v1::REDUCTION_SUM, 0.0f},
-                      Case{v1::DTYPE_FP32, v1::REDUCTION_NONE, 0.0f},
-                      Case{v1::DTYPE_FP32, v1::REDUCTION_MEAN, 0.1f},
-                      Case{v1::DTYPE_BF16, v1::REDUCTION_MEAN, 0.0f},
-                      Case{v1::DTYPE_BF16, v1::REDUCTION_SUM, 0.0f},
-                      Case{v1::DTYPE_BF16, v1::REDUCTION_NONE, 0.0f},
-                      Case{v1::DTYPE_BF16, v1::REDUCTION_SUM, 0.1f}),
-    CaseName);
+INSTANTIATE_TEST_SUITE_P(DtypesReductionsSmoothing, StepAccuracyCaseTest,
+                         ::testing::Values(Case{v1::DTYPE_FP32, v1::REDUCTION_MEAN, 0.0f},
+                                           Case{v1::DTYPE_FP32, v1::REDUCTION_SUM, 0.0f},
+                                           Case{v1::DTYPE_FP32, v1::REDUCTION_NONE, 0.0f},
+                                           Case{v1::DTYPE_FP32, v1::REDUCTION_MEAN, 0.1f},
+                                           Case{v1::DTYPE_BF16, v1::REDUCTION_MEAN, 0.0f},
+                                           Case{v1::DTYPE_BF16, v1::REDUCTION_SUM, 0.0f},
+                                           Case{v1::DTYPE_BF16, v1::REDUCTION_NONE, 0.0f},
+                                           Case{v1::DTYPE_BF16, v1::REDUCTION_SUM, 0.1f}),
+                         CaseName);
 
 TEST_F(StepAccuracyTest, HeadDefaultsApplyAndRequestOverridesWin) {
   auto head = CreateKnownHead(*client_, "acc-defaults", kV, kD, v1::DTYPE_FP32, 21);
@@ -150,9 +156,9 @@ TEST_F(StepAccuracyTest, HeadDefaultsApplyAndRequestOverridesWin) {
   std::vector<int64_t> targets = batch.targets;
   for (int64_t i = 0; i < kN; i += 4) targets[i] = 7;
   SetTargets(batch, targets);
-  CheckOneStep(*head, batch, {}, {},
-               RefOptions{.ignore_index = 7, .reduction = v1::REDUCTION_SUM,
-                          .label_smoothing = 0.05});
+  CheckOneStep(
+      *head, batch, {}, {},
+      RefOptions{.ignore_index = 7, .reduction = v1::REDUCTION_SUM, .label_smoothing = 0.05});
 
   // The request overrides: MEAN, no smoothing, z-loss and a soft-cap; ignore_index stays 7.
   v1::StepOptions options;
@@ -161,9 +167,10 @@ TEST_F(StepAccuracyTest, HeadDefaultsApplyAndRequestOverridesWin) {
   overrides.set_label_smoothing(0.0f);
   overrides.set_z_loss(1e-3f);
   overrides.set_logit_softcap(3.0f);
-  CheckOneStep(*head, batch, options, overrides,
-               RefOptions{.ignore_index = 7, .reduction = v1::REDUCTION_MEAN, .z_loss = 1e-3,
-                          .softcap = 3.0});
+  CheckOneStep(
+      *head, batch, options, overrides,
+      RefOptions{
+          .ignore_index = 7, .reduction = v1::REDUCTION_MEAN, .z_loss = 1e-3, .softcap = 3.0});
 }
 
 TEST_F(StepAccuracyTest, Int64TargetsAndFp32GradHiddenFromBf16) {

@@ -16,8 +16,9 @@ namespace losshead::testing {
 
 class TestServer {
  public:
-  static absl::StatusOr<std::unique_ptr<TestServer>> Start(
-      size_t max_message_bytes = size_t{4} << 20, bool metrics = false);
+  static absl::StatusOr<std::unique_ptr<TestServer>> Start(size_t max_message_bytes = size_t{4}
+                                                                                      << 20,
+                                                           bool metrics = false);
   ~TestServer();
 
   std::string target() const;

@@ -110,7 +110,8 @@ TEST_F(TransportTest, WeightsUploadDownloadAndAddRoundTripInChunks) {
   auto bf16 = client_->DownloadWeights(head->name, v1::DTYPE_BF16);
   ASSERT_TRUE(bf16.ok()) << bf16.status();
   EXPECT_EQ(bf16->dtype, v1::DTYPE_BF16);
-  EXPECT_EQ(Decode(bf16->data, v1::DTYPE_BF16), Decode(Encode(got, v1::DTYPE_BF16), v1::DTYPE_BF16));
+  EXPECT_EQ(Decode(bf16->data, v1::DTYPE_BF16),
+            Decode(Encode(got, v1::DTYPE_BF16), v1::DTYPE_BF16));
 }
 
 TEST_F(TransportTest, PipelinedMicrobatchesOnOneStreamAnswerInOrder) {
@@ -122,8 +123,8 @@ TEST_F(TransportTest, PipelinedMicrobatchesOnOneStreamAnswerInOrder) {
   for (int i = 0; i < kCount; ++i) {
     // Sizes differ so that a mix-up of answers could not go unnoticed.
     batches.push_back(MakeBatch(100 + 40 * i, kD, kV, v1::DTYPE_BF16, 100 + i, 4));
-    wants.push_back(Reference(head->weight, batches[i].hidden, batches[i].targets, batches[i].n,
-                              kD, kV, RefOptions{.reduction = v1::REDUCTION_SUM}));
+    wants.push_back(Reference(head->weight, batches[i].hidden, batches[i].targets, batches[i].n, kD,
+                              kV, RefOptions{.reduction = v1::REDUCTION_SUM}));
   }
   auto stream = client_->OpenStepStream();
   ASSERT_TRUE(stream.ok()) << stream.status();
@@ -141,7 +142,8 @@ TEST_F(TransportTest, PipelinedMicrobatchesOnOneStreamAnswerInOrder) {
     EXPECT_EQ(got->sequence, static_cast<uint64_t>(10 + i));
     EXPECT_EQ(got->token_count, wants[i].token_count);
     EXPECT_NEAR(got->loss_sum, wants[i].loss_sum, tol.loss_rel * wants[i].loss_sum);
-    EXPECT_TRUE(AllClose(Decode(got->grad_hidden, v1::DTYPE_BF16), wants[i].grad_hidden, 2 * tol.grad));
+    EXPECT_TRUE(
+        AllClose(Decode(got->grad_hidden, v1::DTYPE_BF16), wants[i].grad_hidden, 2 * tol.grad));
     dws.push_back(wants[i].grad_weight);
   }
   EXPECT_EQ((*stream)->Receive().status().code(), absl::StatusCode::kFailedPrecondition);
@@ -164,8 +166,8 @@ TEST_F(TransportTest, ConcurrentStreamsAccumulateIntoOneGradient) {
   for (int s = 0; s < kStreams; ++s) {
     for (int i = 0; i < kPerStream; ++i) {
       batches[s].push_back(MakeBatch(n, d, v, v1::DTYPE_FP32, 1000 + 10 * s + i, 5));
-      const RefResult r = Reference(head->weight, batches[s][i].hidden, batches[s][i].targets, n,
-                                    d, v, RefOptions{});
+      const RefResult r = Reference(head->weight, batches[s][i].hidden, batches[s][i].targets, n, d,
+                                    v, RefOptions{});
       tokens += r.token_count;
       dws.push_back(r.grad_weight);
     }

@@ -96,8 +96,7 @@ class Client {
                                                     v1::DType dtype = v1::DTYPE_UNSPECIFIED);
   // Reassembles dW (FP32 or BF16) in host memory, checking that the chunks tile it exactly.
   absl::StatusOr<PulledGradient> PullGradient(const std::string& head,
-                                              v1::DType dtype = v1::DTYPE_FP32,
-                                              bool reset = false);
+                                              v1::DType dtype = v1::DTYPE_FP32, bool reset = false);
 
   absl::StatusOr<v1::Stats> GetStats();
   // grpc.health.v1.Health/Check; an empty `service` asks about the server as a whole.

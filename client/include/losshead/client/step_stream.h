@@ -36,8 +36,8 @@ struct Microbatch {
   std::span<const std::byte> hidden;
   v1::DType target_dtype = v1::DTYPE_INT32;
   std::span<const std::byte> targets;
-  v1::StepOptions options;        // grad_scale, reduction, expected version, per-token loss, ...
-  v1::LossOptions loss_options;   // overrides of the head's default loss options
+  v1::StepOptions options;       // grad_scale, reduction, expected version, per-token loss, ...
+  v1::LossOptions loss_options;  // overrides of the head's default loss options
 };
 
 // The answer to one successful micro-batch.
