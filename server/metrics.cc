@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include "prometheus/text_serializer.h"
+
 #include <utility>
 #include <vector>
 
@@ -16,18 +18,6 @@ const prometheus::Histogram::BucketBoundaries& Buckets() {
       0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
   return *buckets;
 }
-
-class Refresher : public prometheus::Collectable {
- public:
-  explicit Refresher(std::function<void()> refresh) : refresh_(std::move(refresh)) {}
-  std::vector<prometheus::MetricFamily> Collect() const override {
-    refresh_();
-    return {};
-  }
-
- private:
-  std::function<void()> refresh_;
-};
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
@@ -90,8 +80,8 @@ Metrics::Metrics()
       inflight_(inflight_family_.Add({})),
       heads_(heads_family_.Add({})) {}
 
-std::shared_ptr<prometheus::Collectable> Metrics::MakeRefresher(std::function<void()> refresh) {
-  return std::make_shared<Refresher>(std::move(refresh));
+std::string Metrics::RenderText() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 
 void Metrics::RpcFinished(absl::string_view method, int code, absl::Duration duration) {

@@ -10,7 +10,6 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -32,9 +31,8 @@ class Metrics {
   Metrics();
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
-  // A collectable to register ahead of registry(): on every scrape it runs `refresh` (which sets
-  // the memory gauges) so that they are current without a polling thread.
-  static std::shared_ptr<prometheus::Collectable> MakeRefresher(std::function<void()> refresh);
+  // The Prometheus text exposition of every metric, as served at /metrics.
+  std::string RenderText() const;
 
   // One finished RPC: duration histogram, rpcs_total{code}, and failures_total{reason} if not OK.
   void RpcFinished(absl::string_view method, int code, absl::Duration duration);

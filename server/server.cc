@@ -13,9 +13,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "prometheus/exposer.h"
 #include "server/head_registry.h"
 #include "server/metrics.h"
+#include "server/metrics_endpoint.h"
 #include "server/service.h"
 #include "server/service_context.h"
 #include "server/thread_pool.h"
@@ -55,19 +55,16 @@ class ServerImpl final : public Server {
     service_->RefreshMemoryMetrics();
 
     if (!options_.metrics_address.empty()) {
-      try {
-        exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address);
-      } catch (const std::exception& e) {
-        return absl::UnavailableError(
-            absl::StrCat("cannot serve metrics on ", options_.metrics_address, ": ", e.what()));
-      }
       const LossHeadService* service = service_.get();
-      refresher_ = Metrics::MakeRefresher([service] { service->RefreshMemoryMetrics(); });
-      // Registered first so that the gauges are fresh when the registry is collected.
-      exposer_->RegisterCollectable(refresher_);
-      exposer_->RegisterCollectable(metrics_->registry());
-      const std::vector<int> ports = exposer_->GetListeningPorts();
-      metrics_port_ = ports.empty() ? 0 : ports.front();
+      const Metrics* metrics = metrics_.get();
+      auto endpoint = MetricsEndpoint::Start(options_.metrics_address, [service, metrics] {
+        // Device memory gauges are read on demand so that every scrape sees current values.
+        service->RefreshMemoryMetrics();
+        return metrics->RenderText();
+      });
+      if (!endpoint.ok()) return endpoint.status();
+      metrics_endpoint_ = std::move(*endpoint);
+      metrics_port_ = metrics_endpoint_->port();
     }
 
     grpc::EnableDefaultHealthCheckService(true);
@@ -117,7 +114,7 @@ class ServerImpl final : public Server {
       server_->Shutdown(absl::ToChronoTime(until));
     }
     if (pool_ != nullptr) pool_->Shutdown();
-    exposer_.reset();
+    metrics_endpoint_.reset();
     stopped_.Notify();
   }
 
@@ -131,8 +128,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<HeadRegistry> registry_;
   ServiceContext ctx_;
   std::unique_ptr<LossHeadService> service_;
-  std::shared_ptr<prometheus::Collectable> refresher_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   int metrics_port_ = 0;

@@ -33,7 +33,6 @@ class ServiceTest : public ::testing::Test {
   void SetUp() override {
     ServerOptions o;
     o.listen_address = "127.0.0.1:0";
-    // The metrics endpoint takes about a second to stop; only the metrics test pays for it.
     o.metrics_address = WithMetrics() ? "127.0.0.1:0" : "";
     o.backend = kernels::BackendKind::kCpu;
     o.worker_threads = 2;
