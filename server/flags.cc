@@ -26,6 +26,11 @@ ABSL_FLAG(uint64_t, idempotency_max_bytes, uint64_t{256} << 20,
           "Byte cap of the remembered results per (head, client id)");
 ABSL_FLAG(uint64_t, max_inflight_per_stream, 4,
           "Micro-batches a Step stream may have received and not yet had answered");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Directory of head checkpoints: restored at start, written on demand, periodically and "
+          "at shutdown; empty disables checkpoints");
+ABSL_FLAG(absl::Duration, checkpoint_interval, absl::Seconds(60),
+          "Period of automatic checkpoints (0: only on demand and at shutdown)");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT: how long in-flight work may take to finish");
 
@@ -55,6 +60,11 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.idempotency_max_bytes = absl::GetFlag(FLAGS_idempotency_max_bytes);
   o.max_inflight_per_stream = absl::GetFlag(FLAGS_max_inflight_per_stream);
   o.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  o.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
+  if (o.checkpoint_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--checkpoint_interval must be >= 0");
+  }
   if (o.max_message_bytes < 4096) {
     return absl::InvalidArgumentError("--max_message_bytes must be >= 4096");
   }

@@ -125,11 +125,11 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(kernels::Backend& backend,
         absl::StrCat("a ", v, " x ", d, " head is too large to allocate"));
   }
   std::shared_ptr<Head> head(new Head(backend, spec, dtype, options));
-  LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes));
+  LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, true));
   return head;
 }
 
-absl::Status Head::Initialize(size_t workspace_budget) {
+absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
   absl::MutexLock lock(&compute_mu_);
   const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
   const size_t esize = kernels::DTypeSize(dtype_);
@@ -148,6 +148,7 @@ absl::Status Head::Initialize(size_t workspace_budget) {
   LOSSHEAD_RETURN_IF_ERROR(backend_.WorkspaceBytes(probe, workspace_budget).status());
 
   LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(grad_.data(), 0, grad_.bytes(), *stream_));
+  if (!init_weights) return stream_->Synchronize();  // a restore overwrites W
   if (!spec_.init().has_normal()) {
     LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(weights_.data(), 0, weights_.bytes(), *stream_));
     return stream_->Synchronize();
@@ -272,7 +273,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& 
                                                               StepStats* stats) {
   LOSSHEAD_ASSIGN_OR_RETURN(Prepared prepared, Prepare(mb));
   const std::string& client_id = mb.header.client_id();
-  if (client_id.empty()) return Compute(prepared, stats);
+  if (client_id.empty()) return Compute(prepared, stats, client_id, 0);
 
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
                             cache_.Begin(client_id, mb.header.sequence()));
@@ -280,12 +281,9 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& 
     stats->replayed = true;
     return remembered;
   }
-  auto outcome = Compute(prepared, stats);
-  if (outcome.ok()) {
-    cache_.Complete(client_id, mb.header.sequence(), *outcome);
-  } else {
-    cache_.Abandon(client_id, mb.header.sequence());
-  }
+  // Compute completes the claim itself, under the compute lock (see there).
+  auto outcome = Compute(prepared, stats, client_id, mb.header.sequence());
+  if (!outcome.ok()) cache_.Abandon(client_id, mb.header.sequence());
   return outcome;
 }
 
@@ -306,7 +304,9 @@ absl::Status Head::EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes) {
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared& p,
-                                                                 StepStats* stats) {
+                                                                 StepStats* stats,
+                                                                 const std::string& client_id,
+                                                                 uint64_t sequence) {
   auto outcome = std::make_shared<StepOutcome>();
   const size_t n = p.problem.n;
   const size_t nd = n * hidden_size();
@@ -389,8 +389,18 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     }
     outcome->weights_version = version;
     stats->compute += absl::Now() - start;
+    // The result is finished and remembered before the lock goes: a checkpoint (which holds it)
+    // then sees every micro-batch counted in dW also remembered for replay, never half of it.
+    // This puts the dH dtype conversion, when one is asked for, inside the lock.
+    FinishOutcome(p, loss_sum, token_count, std::move(grad_hidden), per_token, outcome.get());
+    if (!client_id.empty()) cache_.Complete(client_id, sequence, outcome);
   }
-  // Conversions to the wire happen outside the head's lock: other micro-batches can compute.
+  return outcome;
+}
+
+void Head::FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
+                         std::string grad_hidden, const std::vector<float>& per_token,
+                         StepOutcome* outcome) const {
   outcome->loss_sum = loss_sum;
   outcome->token_count = token_count;
   outcome->loss = p.problem.options.reduction == kernels::Reduction::kMean
@@ -406,7 +416,6 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     outcome->per_token_loss.assign(reinterpret_cast<const char*>(per_token.data()),
                                    per_token.size() * sizeof(float));
   }
-  return outcome;
 }
 
 absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset) {

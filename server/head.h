@@ -15,14 +15,17 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/problem.h"
 #include "losshead/v1/losshead.pb.h"
+#include "server/checkpoint.h"
 #include "server/idempotency_cache.h"
 #include "server/step_outcome.h"
 
@@ -95,6 +98,18 @@ class Head {
   // Replaces the default loss options (validated: INVALID_ARGUMENT).
   absl::Status SetDefaultOptions(const v1::LossOptions& options);
 
+  // Checkpoints (server/head_checkpoint.cc). A consistent cut taken under the compute lock: W, dW,
+  // counters, defaults and idempotency state; every micro-batch is wholly in it or wholly out.
+  absl::StatusOr<HeadCheckpointData> Snapshot();
+  // A head holding exactly `data` (validated: DATA_LOSS when sizes or the spec do not fit).
+  static absl::StatusOr<std::shared_ptr<Head>> Restore(kernels::Backend& backend,
+                                                       const HeadCheckpointData& data,
+                                                       const HeadOptions& options);
+  // After `data` (a Snapshot of this head) is durable: its applied sequences become persisted.
+  void MarkPersisted(const HeadCheckpointData& data);
+  // Highest applied sequence of `client_id` now, and as of the last durable checkpoint.
+  v1::ClientProgress Progress(const std::string& client_id) const;
+
   v1::HeadInfo Info() const;
   const std::string& name() const { return spec_.name(); }
   int64_t vocab_size() const { return spec_.vocab_size(); }
@@ -110,10 +125,16 @@ class Head {
 
   Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
        const HeadOptions& options);
-  absl::Status Initialize(size_t workspace_budget);
+  absl::Status Initialize(size_t workspace_budget, bool init_weights);
   absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
+  // Runs a prepared micro-batch; with a client id, completes its idempotency claim.
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(const Prepared& prepared,
-                                                             StepStats* stats);
+                                                             StepStats* stats,
+                                                             const std::string& client_id,
+                                                             uint64_t sequence);
+  void FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
+                     std::string grad_hidden, const std::vector<float>& per_token,
+                     StepOutcome* outcome) const;
   absl::Status EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(compute_mu_);
 
@@ -146,6 +167,10 @@ class Head {
   uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   size_t device_scratch_bytes_ ABSL_GUARDED_BY(state_mu_) = 0;  // workspace + I/O buffers
+
+  // Per client id: the highest applied sequence in the last durable checkpoint.
+  mutable absl::Mutex persisted_mu_;
+  absl::flat_hash_map<std::string, uint64_t> persisted_ ABSL_GUARDED_BY(persisted_mu_);
 };
 
 }  // namespace losshead::server

@@ -25,6 +25,16 @@ absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& s
   return head;
 }
 
+absl::Status HeadRegistry::Adopt(std::shared_ptr<Head> head) {
+  absl::MutexLock lock(&mu_);
+  const std::string& name = head->name();
+  if (heads_.contains(name) || creating_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("head '", name, "' already exists"));
+  }
+  heads_.emplace(name, std::move(head));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Get(const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = heads_.find(name);

@@ -26,6 +26,8 @@ class HeadRegistry {
   // the same name is allocating), RESOURCE_EXHAUSTED when the device memory does not suffice.
   // Allocation and initialisation run in the caller's thread, outside the registry's lock.
   absl::StatusOr<std::shared_ptr<Head>> Create(const v1::HeadSpec& spec);
+  // Registers a head built elsewhere (a restored checkpoint); ALREADY_EXISTS for a taken name.
+  absl::Status Adopt(std::shared_ptr<Head> head);
   // NOT_FOUND for an unknown name.
   absl::StatusOr<std::shared_ptr<Head>> Get(const std::string& name) const;
   // Sorted by name.
@@ -33,6 +35,7 @@ class HeadRegistry {
   // Removes the name at once; the head's memory is freed when the work still holding it ends.
   absl::Status Delete(const std::string& name);
   size_t size() const;
+  const HeadOptions& head_options() const { return options_; }
 
  private:
   kernels::Backend& backend_;

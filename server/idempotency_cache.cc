@@ -1,5 +1,6 @@
 #include "server/idempotency_cache.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -43,6 +44,9 @@ void IdempotencyCache::Complete(const std::string& client_id, uint64_t sequence,
   client.done_count += 1;
   it->second->outcome = std::move(outcome);
   it->second->done = true;
+  if (!client.max_applied.has_value() || sequence > *client.max_applied) {
+    client.max_applied = sequence;
+  }
   EvictLocked(client);
 }
 
@@ -59,6 +63,52 @@ size_t IdempotencyCache::remembered(const std::string& client_id) const {
   absl::MutexLock lock(&mu_);
   auto it = clients_.find(client_id);
   return it == clients_.end() ? 0 : it->second.done_count;
+}
+
+std::optional<uint64_t> IdempotencyCache::max_applied(const std::string& client_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) return std::nullopt;
+  return it->second.max_applied;
+}
+
+std::vector<ClientCheckpoint> IdempotencyCache::Export() const {
+  std::vector<ClientCheckpoint> out;
+  absl::MutexLock lock(&mu_);
+  out.reserve(clients_.size());
+  for (const auto& [id, client] : clients_) {
+    ClientCheckpoint c{.client_id = id,
+                       .max_evicted = client.max_evicted,
+                       .max_applied = client.max_applied};
+    for (const auto& [sequence, entry] : client.entries) {
+      if (entry->done) c.results.emplace_back(sequence, entry->outcome);
+    }
+    // A client id whose only trace is an abandoned or running claim has nothing to restore.
+    if (c.max_evicted || c.max_applied || !c.results.empty()) out.push_back(std::move(c));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.client_id < b.client_id; });
+  return out;
+}
+
+void IdempotencyCache::Import(const std::vector<ClientCheckpoint>& clients) {
+  absl::MutexLock lock(&mu_);
+  clients_.clear();
+  for (const ClientCheckpoint& c : clients) {
+    Client& client = clients_[c.client_id];
+    client.max_evicted = c.max_evicted;
+    client.max_applied = c.max_applied;
+    for (const auto& [sequence, outcome] : c.results) {
+      auto entry = std::make_shared<Entry>();
+      entry->done = true;
+      entry->outcome = outcome;
+      client.done_bytes += outcome->bytes();
+      client.done_count += 1;
+      client.entries.emplace(sequence, std::move(entry));
+    }
+    // A smaller window or byte cap than the checkpoint's server had applies from now on.
+    EvictLocked(client);
+  }
 }
 
 void IdempotencyCache::EvictLocked(Client& client) {

@@ -18,11 +18,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/checkpoint.h"
 #include "server/step_outcome.h"
 
 namespace losshead::server {
@@ -45,6 +47,14 @@ class IdempotencyCache {
   // Completed results remembered for `client_id` (tests and stats).
   size_t remembered(const std::string& client_id) const;
 
+  // The highest sequence completed for `client_id`, remembered or evicted; nullopt if none.
+  std::optional<uint64_t> max_applied(const std::string& client_id) const;
+  // Completed state of every client id, for a checkpoint; claims still computing are left out
+  // (the caller makes sure none of them has touched dW yet: see Head::Snapshot).
+  std::vector<ClientCheckpoint> Export() const;
+  // Replaces all state with `clients` (a restored checkpoint), before the head serves.
+  void Import(const std::vector<ClientCheckpoint>& clients);
+
  private:
   struct Entry {
     bool done = false;
@@ -56,6 +66,7 @@ class IdempotencyCache {
     size_t done_count = 0;
     size_t done_bytes = 0;
     std::optional<uint64_t> max_evicted;
+    std::optional<uint64_t> max_applied;
   };
 
   void EvictLocked(Client& client) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

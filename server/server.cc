@@ -1,6 +1,7 @@
 #include "server/server.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <string>
@@ -13,6 +14,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/checkpointer.h"
 #include "server/head_registry.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
@@ -43,6 +45,12 @@ class ServerImpl final : public Server {
         *backend_, HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
                                .idempotency_window = options_.idempotency_window,
                                .idempotency_max_bytes_per_client = options_.idempotency_max_bytes});
+    if (!options_.checkpoint_dir.empty()) {
+      checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get());
+      absl::Status restored = checkpointer_->RestoreAll(*backend_, registry_->head_options());
+      if (!restored.ok()) return restored;
+      ctx_.checkpointer = checkpointer_.get();
+    }
     ctx_.backend = backend_.get();
     ctx_.registry = registry_.get();
     ctx_.pool = pool_.get();
@@ -87,6 +95,7 @@ class ServerImpl final : public Server {
       health->SetServingStatus(true);
       health->SetServingStatus(kServiceName, true);
     }
+    if (checkpointer_ != nullptr) checkpointer_->StartPeriodic(options_.checkpoint_interval);
     return absl::OkStatus();
   }
 
@@ -114,6 +123,15 @@ class ServerImpl final : public Server {
       server_->Shutdown(absl::ToChronoTime(until));
     }
     if (pool_ != nullptr) pool_->Shutdown();
+    if (checkpointer_ != nullptr && server_ != nullptr) {
+      // After the drain: every micro-batch that was answered is in the final checkpoint.
+      checkpointer_->StopPeriodic();
+      absl::StatusOr<v1::CheckpointResponse> written = checkpointer_->Write("");
+      if (!written.ok()) {
+        std::fprintf(stderr, "losshead-server: final checkpoint failed: %s\n",
+                     written.status().ToString().c_str());
+      }
+    }
     metrics_endpoint_.reset();
     stopped_.Notify();
   }
@@ -126,6 +144,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<HeadRegistry> registry_;
+  std::unique_ptr<Checkpointer> checkpointer_;
   ServiceContext ctx_;
   std::unique_ptr<LossHeadService> service_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;

@@ -35,6 +35,10 @@ struct ServerOptions {
   size_t max_microbatch_bytes = size_t{1} << 30;
   // Micro-batches one Step stream may have received and not yet had answered (pipelining depth).
   size_t max_inflight_per_stream = 4;
+  // Checkpoints (server/checkpointer.h): the directory (empty disables them), restored at start,
+  // written every `checkpoint_interval` (0: only on demand and at shutdown) and after the drain.
+  std::string checkpoint_dir;
+  absl::Duration checkpoint_interval = absl::Seconds(60);
   // Bound on the wait for in-flight work at shutdown.
   absl::Duration drain_timeout = absl::Seconds(30);
 };

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/checkpointer.h"
 #include "server/status_util.h"
 #include "server/step_reactor.h"
 #include "server/transfer_reactors.h"
@@ -82,6 +83,10 @@ grpc::ServerUnaryReactor* LossHeadService::DeleteHead(grpc::CallbackServerContex
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "DeleteHead", start)) return reactor;
   absl::Status status = ctx_->registry->Delete(request->name());
+  // Otherwise the head would come back at the next start.
+  if (status.ok() && ctx_->checkpointer != nullptr) {
+    status = ctx_->checkpointer->Remove(request->name());
+  }
   if (status.ok()) {
     ctx_->metrics->RemoveHead(request->name());
     ctx_->metrics->Heads(ctx_->registry->size());

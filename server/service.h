@@ -40,6 +40,14 @@ class LossHeadService final : public v1::LossHead::CallbackService {
                                      const v1::GetStatsRequest* request,
                                      v1::Stats* response) override;
 
+  // Checkpoints (server/checkpoint_service.cc).
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
+                                       const v1::CheckpointRequest* request,
+                                       v1::CheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* GetClientProgress(grpc::CallbackServerContext* context,
+                                              const v1::GetClientProgressRequest* request,
+                                              v1::ClientProgress* response) override;
+
   // Sets the per-head and device memory gauges and the head count (run on every scrape).
   void RefreshMemoryMetrics() const;
 

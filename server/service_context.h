@@ -18,6 +18,7 @@
 namespace losshead::server {
 
 class StepReactor;
+class Checkpointer;
 
 // Live Step streams, so that shutdown can tell each to stop reading and finish once answered.
 class StepStreams {
@@ -39,6 +40,8 @@ struct ServiceContext {
   HeadRegistry* registry = nullptr;
   ThreadPool* pool = nullptr;
   Metrics* metrics = nullptr;
+  // Null when checkpoints are disabled (no --checkpoint_dir).
+  Checkpointer* checkpointer = nullptr;
   size_t max_message_bytes = size_t{4} << 20;
   size_t max_microbatch_bytes = size_t{1} << 30;
   // Micro-batches of one stream received but not yet answered; reading pauses at this bound.

@@ -99,6 +99,15 @@ class Client {
                                               v1::DType dtype = v1::DTYPE_FP32, bool reset = false);
 
   absl::StatusOr<v1::Stats> GetStats();
+  // Writes the checkpoint of `head` (every head when empty) now; FAILED_PRECONDITION when the
+  // server runs without --checkpoint_dir. Safe to repeat.
+  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const std::string& head = "");
+  // Highest applied ("acknowledged") and checkpointed ("persisted") sequence of `client_id` on
+  // `head`. After a server restart, resend exactly the micro-batches above persisted_sequence
+  // (see the proto for when that is exact).
+  absl::StatusOr<v1::ClientProgress> GetClientProgress(const std::string& head,
+                                                       const std::string& client_id);
+
   // grpc.health.v1.Health/Check; an empty `service` asks about the server as a whole.
   absl::StatusOr<ServingStatus> Health(const std::string& service = "");
 
