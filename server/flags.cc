@@ -41,6 +41,17 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.listen_address = absl::GetFlag(FLAGS_listen);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   const std::string backend = absl::GetFlag(FLAGS_backend);
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA: require client certificates it signed (mTLS; needs --tls_cert)");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "'<reader|writer> <token>' lines: every RPC but health/reflection needs a bearer token");
+ABSL_FLAG(std::string, metrics_basic_auth_file, "",
+          "One 'user:password' line: /metrics needs HTTP basic auth");
+ABSL_FLAG(uint64_t, max_heads, 64, "Most heads on the server; CreateHead beyond is refused");
+ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
+          "Largest W + dW bytes of one head; CreateHead beyond is refused");
   if (backend == "cpu") {
     o.backend = kernels::BackendKind::kCpu;
   } else if (backend == "cuda") {
@@ -68,6 +79,13 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (o.max_message_bytes < 4096) {
     return absl::InvalidArgumentError("--max_message_bytes must be >= 4096");
   }
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  o.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  o.metrics_basic_auth_file = absl::GetFlag(FLAGS_metrics_basic_auth_file);
+  o.max_heads = absl::GetFlag(FLAGS_max_heads);
+  o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
   if (o.max_microbatch_bytes == 0 || o.max_inflight_per_stream == 0) {
     return absl::InvalidArgumentError(
         "--max_microbatch_bytes and --max_inflight_per_stream must be >= 1");

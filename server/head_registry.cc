@@ -8,13 +8,34 @@
 #include "server/status_util.h"
 
 namespace losshead::server {
+namespace {
+
+// Bytes per element of a validated weight dtype.
+uint64_t WeightDTypeBytes(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 : 2; }
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& spec) {
   LOSSHEAD_RETURN_IF_ERROR(Head::ValidateSpec(spec));
+  // V < 2^31 and D < 2^63 after validation; the product is checked in 128 bits.
+  const unsigned __int128 head_bytes = static_cast<unsigned __int128>(spec.vocab_size()) *
+                                       static_cast<unsigned __int128>(spec.hidden_size()) *
+                                       (WeightDTypeBytes(spec.weight_dtype()) + 4);
+  if (head_bytes > limits_.max_head_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a ", spec.vocab_size(), " x ", spec.hidden_size(),
+        " head needs more than the server's limit of ", limits_.max_head_bytes,
+        " bytes for W and dW (--max_head_bytes)"));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (heads_.contains(spec.name()) || creating_.contains(spec.name())) {
       return absl::AlreadyExistsError(absl::StrCat("head '", spec.name(), "' already exists"));
+    }
+    if (heads_.size() + creating_.size() >= limits_.max_heads) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the server holds its limit of ", limits_.max_heads,
+                       " heads (--max_heads); delete one first"));
     }
     creating_.insert(spec.name());
   }

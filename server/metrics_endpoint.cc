@@ -8,12 +8,16 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
 
 #include <cerrno>
 #include <cstring>
 #include <string>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -48,15 +52,51 @@ void SendAll(int fd, const std::string& data) {
 }
 
 std::string Response(absl::string_view status, absl::string_view content_type,
-                     absl::string_view body) {
+                     absl::string_view body, absl::string_view extra_headers = "") {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
-                      "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+                      "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
+                      "Connection: close\r\n\r\n", body);
+}
+
+std::string Sha256(absl::string_view text) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
+  return std::string(reinterpret_cast<const char*>(digest), sizeof(digest));
+}
+
+// The decoded credentials of the request's `Authorization: Basic` header; empty when absent.
+std::string BasicCredentials(absl::string_view request) {
+  const size_t headers_end = request.find("\r\n\r\n");
+  absl::string_view headers = request.substr(0, headers_end);
+  size_t pos = headers.find('\n');
+  while (pos != absl::string_view::npos) {
+    const size_t next = headers.find('\n', pos + 1);
+    absl::string_view line = headers.substr(pos + 1, next == absl::string_view::npos
+                                                         ? absl::string_view::npos
+                                                         : next - pos - 1);
+    pos = next;
+    const size_t colon = line.find(':');
+    if (colon == absl::string_view::npos ||
+        !absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(line.substr(0, colon)),
+                                "authorization")) {
+      continue;
+    }
+    absl::string_view value = absl::StripAsciiWhitespace(line.substr(colon + 1));
+    if (value.size() < 6 || !absl::EqualsIgnoreCase(value.substr(0, 6), "basic ")) return "";
+    std::string decoded;
+    if (!absl::Base64Unescape(absl::StripAsciiWhitespace(value.substr(6)), &decoded)) return "";
+    return decoded;
+  }
+  return "";
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const std::string& address,
-                                                                        Renderer render) {
+absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
+    const std::string& address, Renderer render, std::optional<std::string> basic_auth) {
+  if (basic_auth.has_value() && basic_auth->find(':') == std::string::npos) {
+    return absl::InvalidArgumentError("metrics basic auth must be 'user:password'");
+  }
   std::string host, port_text;
   int port_number = 0;
   if (!SplitHostPort(address, &host, &port_text) || !absl::SimpleAtoi(port_text, &port_number) ||
@@ -104,17 +144,20 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
     ::close(fd);
     return absl::UnavailableError(absl::StrCat("pipe: ", std::strerror(errno)));
   }
-  return std::unique_ptr<MetricsEndpoint>(
-      new MetricsEndpoint(fd, wake[0], wake[1], bound_port, std::move(render)));
+  std::optional<std::string> digest;
+  if (basic_auth.has_value()) digest = Sha256(*basic_auth);
+  return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(
+      fd, wake[0], wake[1], bound_port, std::move(render), std::move(digest)));
 }
 
 MetricsEndpoint::MetricsEndpoint(int listen_fd, int wake_fd_read, int wake_fd_write, int port,
-                                 Renderer render)
+                                 Renderer render, std::optional<std::string> basic_auth_digest)
     : listen_fd_(listen_fd),
       wake_read_fd_(wake_fd_read),
       wake_write_fd_(wake_fd_write),
       port_(port),
-      render_(std::move(render)) {
+      render_(std::move(render)),
+      basic_auth_digest_(std::move(basic_auth_digest)) {
   thread_ = std::thread([this] { Serve(); });
 }
 
@@ -173,6 +216,16 @@ void MetricsEndpoint::HandleConnection(int fd) {
   if (target != "/metrics") {
     SendAll(fd, Response("404 Not Found", "text/plain", "see /metrics\n"));
     return;
+  }
+  if (basic_auth_digest_.has_value()) {
+    // Digests have one length whatever was sent, so CRYPTO_memcmp's time tells nothing about how
+    // much of the password matched.
+    const std::string presented = Sha256(BasicCredentials(request));
+    if (CRYPTO_memcmp(presented.data(), basic_auth_digest_->data(), presented.size()) != 0) {
+      SendAll(fd, Response("401 Unauthorized", "text/plain", "authentication required\n",
+                           "WWW-Authenticate: Basic realm=\"losshead metrics\"\r\n"));
+      return;
+    }
   }
   if (method != "GET" && method != "HEAD") {
     SendAll(fd, Response("405 Method Not Allowed", "text/plain", "GET only\n"));

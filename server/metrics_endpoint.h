@@ -10,6 +10,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -24,8 +25,12 @@ class MetricsEndpoint {
 
   // Binds `address` ("host:port", IPv4 or [IPv6]; port 0 picks a free one) and starts serving.
   // UNAVAILABLE if the address cannot be resolved or bound; INVALID_ARGUMENT if it is malformed.
-  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address,
-                                                                Renderer render);
+  // With `basic_auth` ("user:password"), a request without those credentials in an
+  // `Authorization: Basic` header is answered 401 with a WWW-Authenticate challenge; the
+  // credentials are compared in constant time (SHA-256 digests, CRYPTO_memcmp).
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
+      const std::string& address, Renderer render,
+      std::optional<std::string> basic_auth = std::nullopt);
 
   // Stops accepting, finishes the scrape in progress (bounded by its socket timeouts) and joins.
   ~MetricsEndpoint();
@@ -33,7 +38,8 @@ class MetricsEndpoint {
   int port() const { return port_; }
 
  private:
-  MetricsEndpoint(int listen_fd, int wake_fd_read, int wake_fd_write, int port, Renderer render);
+  MetricsEndpoint(int listen_fd, int wake_fd_read, int wake_fd_write, int port, Renderer render,
+                  std::optional<std::string> basic_auth_digest);
   void Serve();
   void HandleConnection(int fd);
 
@@ -42,6 +48,8 @@ class MetricsEndpoint {
   const int wake_write_fd_;
   const int port_;
   const Renderer render_;
+  // SHA-256 of "user:password" when basic auth is on.
+  const std::optional<std::string> basic_auth_digest_;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
 };

@@ -18,6 +18,7 @@
 #include "server/head_registry.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
+#include "server/security.h"
 #include "server/service.h"
 #include "server/service_context.h"
 #include "server/thread_pool.h"
@@ -36,6 +37,10 @@ class ServerImpl final : public Server {
   }
 
   absl::Status Init() {
+    // Security files first: a server that cannot enforce what it was told to must not start.
+    absl::StatusOr<ServerSecurity> security = LoadServerSecurity(options_);
+    if (!security.ok()) return security.status();
+    security_ = std::move(*security);
     auto backend = kernels::CreateBackend(options_.backend, options_.device);
     if (!backend.ok()) return backend.status();
     backend_ = std::move(*backend);
@@ -44,7 +49,8 @@ class ServerImpl final : public Server {
     registry_ = std::make_unique<HeadRegistry>(
         *backend_, HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
                                .idempotency_window = options_.idempotency_window,
-                               .idempotency_max_bytes_per_client = options_.idempotency_max_bytes});
+                               .idempotency_max_bytes_per_client = options_.idempotency_max_bytes},
+        HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     if (!options_.checkpoint_dir.empty()) {
       checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get());
       absl::Status restored = checkpointer_->RestoreAll(*backend_, registry_->head_options());
@@ -55,6 +61,7 @@ class ServerImpl final : public Server {
     ctx_.registry = registry_.get();
     ctx_.pool = pool_.get();
     ctx_.metrics = metrics_.get();
+    ctx_.tokens = security_.tokens.get();
     ctx_.max_message_bytes = options_.max_message_bytes;
     ctx_.max_microbatch_bytes = options_.max_microbatch_bytes;
     ctx_.max_inflight_per_stream = std::max<size_t>(1, options_.max_inflight_per_stream);
@@ -69,7 +76,7 @@ class ServerImpl final : public Server {
         // Device memory gauges are read on demand so that every scrape sees current values.
         service->RefreshMemoryMetrics();
         return metrics->RenderText();
-      });
+      }, security_.metrics_basic_auth);
       if (!endpoint.ok()) return endpoint.status();
       metrics_endpoint_ = std::move(*endpoint);
       metrics_port_ = metrics_endpoint_->port();
@@ -78,7 +85,7 @@ class ServerImpl final : public Server {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(), &port_);
+    builder.AddListeningPort(options_.listen_address, security_.credentials, &port_);
     const int max_message = static_cast<int>(
         std::min<size_t>(options_.max_message_bytes, std::numeric_limits<int>::max()));
     builder.SetMaxReceiveMessageSize(max_message);
@@ -144,6 +151,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<HeadRegistry> registry_;
+  ServerSecurity security_;
   std::unique_ptr<Checkpointer> checkpointer_;
   ServiceContext ctx_;
   std::unique_ptr<LossHeadService> service_;

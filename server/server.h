@@ -48,7 +48,22 @@ class Server {
   virtual ~Server() = default;
 
   // Builds the backend, binds both ports and starts serving. Errors: the backend's status
-  // (UNAVAILABLE for CUDA without a device), or UNAVAILABLE when a port cannot be bound.
+  // Security (server/security.h, server/auth.h); the files are read once, at Start.
+  // TLS with this PEM certificate chain and key; both empty: plaintext.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // With a CA: clients must present a certificate it signed (mTLS).
+  std::string tls_client_ca_file;
+  // `<role> <token>` lines; every RPC but health and reflection then needs a bearer token.
+  std::string auth_tokens_file;
+  // One `user:password` line; /metrics then needs HTTP basic auth.
+  std::string metrics_basic_auth_file;
+  // CreateHead limits: heads on the server (RESOURCE_EXHAUSTED beyond) and W + dW bytes of one
+  // head (INVALID_ARGUMENT beyond), checked before anything is allocated.
+  size_t max_heads = 64;
+  uint64_t max_head_bytes = uint64_t{16} << 30;
+  // (UNAVAILABLE for CUDA without a device), UNAVAILABLE when a port cannot be bound, or
+  // LoadServerSecurity's error for a bad TLS, token or basic-auth file (nothing is started then).
   static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
 
   virtual int port() const = 0;          // the bound gRPC port

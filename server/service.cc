@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/checkpointer.h"
+#include "server/auth.h"
 #include "server/status_util.h"
 #include "server/step_reactor.h"
 #include "server/transfer_reactors.h"
@@ -115,8 +116,9 @@ grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* LossHeadService::Ste
 }
 
 grpc::ServerWriteReactor<v1::GradientChunk>* LossHeadService::PullGradient(
-    grpc::CallbackServerContext* /*context*/, const v1::PullGradientRequest* request) {
-  return StartPullGradient(ctx_, request);
+    grpc::CallbackServerContext* context, const v1::PullGradientRequest* request) {
+  return StartPullGradient(ctx_, request,
+                           AuthorizePullReset(ctx_->tokens, context->client_metadata()));
 }
 
 grpc::ServerReadReactor<v1::PushWeightsRequest>* LossHeadService::PushWeights(

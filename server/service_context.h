@@ -19,6 +19,7 @@ namespace losshead::server {
 
 class StepReactor;
 class Checkpointer;
+class TokenAuthenticator;
 
 // Live Step streams, so that shutdown can tell each to stop reading and finish once answered.
 class StepStreams {
@@ -41,6 +42,9 @@ struct ServiceContext {
   ThreadPool* pool = nullptr;
   Metrics* metrics = nullptr;
   // Null when checkpoints are disabled (no --checkpoint_dir).
+  // Bearer tokens (server/auth.h); null when the server asks for none. Calls reach the handlers
+  // already authorised for their method; handlers use it only for request-dependent rules.
+  const TokenAuthenticator* tokens = nullptr;
   Checkpointer* checkpointer = nullptr;
   size_t max_message_bytes = size_t{4} << 20;
   size_t max_microbatch_bytes = size_t{1} << 30;

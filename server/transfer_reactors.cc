@@ -183,10 +183,12 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
 }  // namespace
 
 grpc::ServerWriteReactor<v1::GradientChunk>* StartPullGradient(
-    ServiceContext* ctx, const v1::PullGradientRequest* request) {
+    ServiceContext* ctx, const v1::PullGradientRequest* request, absl::Status reset_permission) {
   v1::PullGradientRequest req = *request;
   return new ChunkedWriter<v1::GradientChunk>(
-      ctx, "PullGradient", [ctx, req](v1::GradientChunk& first) -> absl::StatusOr<std::string> {
+      ctx, "PullGradient",
+      [ctx, req, reset_permission](v1::GradientChunk& first) -> absl::StatusOr<std::string> {
+        if (req.reset()) LOSSHEAD_RETURN_IF_ERROR(reset_permission);
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
         LOSSHEAD_ASSIGN_OR_RETURN(GradientSnapshot snap,
                                   head->PullGradient(req.dtype(), req.reset()));

@@ -4,6 +4,7 @@
 #ifndef LOSSHEAD_SERVER_TRANSFER_REACTORS_H_
 #define LOSSHEAD_SERVER_TRANSFER_REACTORS_H_
 
+#include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
 #include "server/service_context.h"
@@ -11,8 +12,10 @@
 namespace losshead::server {
 
 // Each returns a self-deleting reactor for the call.
+// A pull with reset fails with `reset_permission` (when not OK) before anything is read or reset.
 grpc::ServerWriteReactor<v1::GradientChunk>* StartPullGradient(
-    ServiceContext* ctx, const v1::PullGradientRequest* request);
+    ServiceContext* ctx, const v1::PullGradientRequest* request,
+    absl::Status reset_permission = absl::OkStatus());
 grpc::ServerWriteReactor<v1::WeightsChunk>* StartDownloadWeights(
     ServiceContext* ctx, const v1::DownloadWeightsRequest* request);
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
