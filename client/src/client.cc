@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "channel_security.h"
 #include "losshead/client/status.h"
 
 namespace losshead::client {
@@ -46,8 +47,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
-  auto channel = grpc::CreateCustomChannel(target, credentials, args);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      internal::ChannelCredentialsFor(options);
+  if (!credentials.ok()) return credentials.status();
+  auto channel = grpc::CreateCustomChannel(target, *credentials, args);
   if (channel == nullptr) return absl::InternalError("could not create a gRPC channel");
   return std::unique_ptr<Client>(new Client(std::move(channel), options));
 }
@@ -57,6 +61,11 @@ Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& opti
 
 std::unique_ptr<grpc::ClientContext> Client::NewContext(absl::Duration deadline) const {
   auto context = std::make_unique<grpc::ClientContext>();
+  // Per call rather than as call credentials: gRPC sends call credentials only over TLS, and a
+  // token on a plaintext loopback or proxied connection is a supported setup.
+  if (!options_.bearer_token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
   if (deadline != absl::InfiniteDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   }

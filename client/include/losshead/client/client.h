@@ -33,7 +33,7 @@ struct ClientOptions {
   // Gives this client its own TCP connection instead of sharing one with other clients to the same
   // target (gRPC pools them by default); several connections carry more bytes than one.
   bool dedicated_connection = false;
-  // Insecure when null.
+  // Insecure when null (and no TLS field below is set); when set, the TLS fields are ignored.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
