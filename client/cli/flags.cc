@@ -8,6 +8,13 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{4} << 20,
 ABSL_FLAG(double, deadline_s, 60, "deadline of each unary call, pull and push, in seconds");
 ABSL_FLAG(std::string, head, "", "head name (demo, create, delete, bench: default generated)");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token sent on every call (its first non-comment line)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM root CA of the server's certificate: speak TLS");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS, with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name to verify in the server's certificate instead of --server's host");
 
 ABSL_FLAG(int64_t, vocab, 512, "vocabulary size V (demo, create)");
 ABSL_FLAG(int64_t, hidden, 64, "hidden size D (demo, create)");
