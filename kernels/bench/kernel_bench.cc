@@ -4,8 +4,10 @@
 // light: the same three GEMMs in plain cuBLAS over all N tokens (logits N x V in bf16, dH = G.W,
 // dW += G^T.H in fp32). Prints ms, effective TFLOP/s (6NVD / t), SOL/fused and the device memory
 // the fused call needs beyond W, dW, dH and the inputs.
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,31 +33,31 @@ using kernels::Backend;
 using kernels::DeviceBuffer;
 using kernels::Problem;
 
-#define BENCH_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess) {                                                               \
+#define BENCH_CUDA(expr)                                                                          \
+  do {                                                                                            \
+    cudaError_t e_ = (expr);                                                                      \
+    if (e_ != cudaSuccess) {                                                                      \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+      std::exit(1);                                                                               \
+    }                                                                                             \
   } while (0)
-#define BENCH_CUBLAS(expr)                                                                 \
-  do {                                                                                     \
-    cublasStatus_t e_ = (expr);                                                            \
-    if (e_ != CUBLAS_STATUS_SUCCESS) {                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                   \
-                   cublasGetStatusString(e_));                                             \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+#define BENCH_CUBLAS(expr)                                               \
+  do {                                                                   \
+    cublasStatus_t e_ = (expr);                                          \
+    if (e_ != CUBLAS_STATUS_SUCCESS) {                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cublasGetStatusString(e_));                           \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (0)
-#define BENCH_OK(expr)                                                                     \
-  do {                                                                                     \
-    absl::Status s_ = (expr);                                                              \
-    if (!s_.ok()) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                   \
-                   std::string(s_.message()).c_str());                                     \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+#define BENCH_OK(expr)                                                   \
+  do {                                                                   \
+    absl::Status s_ = (expr);                                            \
+    if (!s_.ok()) {                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   std::string(s_.message()).c_str());                   \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (0)
 
 template <typename T>
@@ -223,8 +225,8 @@ struct Sol {
 };
 
 // The same three GEMMs in plain cuBLAS over all N tokens, logits materialised in bf16.
-Sol SpeedOfLight(const Shape& s, const __nv_bfloat16* h, const __nv_bfloat16* w,
-                 __nv_bfloat16* dh, float* dw, cudaStream_t stream, int runs) {
+Sol SpeedOfLight(const Shape& s, const __nv_bfloat16* h, const __nv_bfloat16* w, __nv_bfloat16* dh,
+                 float* dw, cudaStream_t stream, int runs) {
   cublasHandle_t handle;
   BENCH_CUBLAS(cublasCreate(&handle));
   BENCH_CUBLAS(cublasSetStream(handle, stream));
@@ -234,8 +236,8 @@ Sol SpeedOfLight(const Shape& s, const __nv_bfloat16* h, const __nv_bfloat16* w,
   const int n = s.n, v = s.v, d = s.d;
   Sol sol;
   sol.logits_ms = MedianMs(stream, 3, runs, [&] {
-    BENCH_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, v, n, d, &one, w, CUDA_R_16BF, d,
-                              h, CUDA_R_16BF, d, &zero, g, CUDA_R_16BF, v, CUBLAS_COMPUTE_32F,
+    BENCH_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, v, n, d, &one, w, CUDA_R_16BF, d, h,
+                              CUDA_R_16BF, d, &zero, g, CUDA_R_16BF, v, CUBLAS_COMPUTE_32F,
                               CUBLAS_GEMM_DEFAULT));
   });
   // g now holds real logits: random-looking data for the gradient GEMMs, never zeros.
@@ -255,24 +257,219 @@ Sol SpeedOfLight(const Shape& s, const __nv_bfloat16* h, const __nv_bfloat16* w,
   return sol;
 }
 
+// A variant is '+'-joined tokens over the backend's defaults: fp32logits, t1024, bal/nobal,
+// ws<MiB> (cuBLAS workspace), res<MiB> (handle reserve), bps<k> (row blocks per SM), ovl.
+// "default" alone is the backend's defaults.
+kernels::CudaBackendOptions ParseVariant(const std::string& variant) {
+  kernels::CudaBackendOptions opt;
+  size_t start = 0;
+  while (start <= variant.size()) {
+    size_t end = variant.find('+', start);
+    if (end == std::string::npos) end = variant.size();
+    const std::string t = variant.substr(start, end - start);
+    if (t == "fp32logits") {
+      opt.bf16_logits = false;
+    } else if (t == "t1024") {
+      opt.row_threads = 1024;
+    } else if (t == "bal") {
+      opt.balance_chunks = true;
+    } else if (t == "nobal") {
+      opt.balance_chunks = false;
+    } else if (t == "ovl") {
+      opt.overlap = true;
+    } else if (t == "noovl") {
+      opt.overlap = false;
+    } else if (t.rfind("ws", 0) == 0) {
+      opt.cublas_workspace_bytes = size_t(std::atoll(t.c_str() + 2)) << 20;
+    } else if (t.rfind("res", 0) == 0) {
+      opt.handle_reserve_bytes = size_t(std::atoll(t.c_str() + 3)) << 20;
+    } else if (t.rfind("bps", 0) == 0) {
+      opt.row_blocks_per_sm = std::atoi(t.c_str() + 3);
+    } else if (t != "default" && !t.empty()) {
+      std::fprintf(stderr, "unknown variant token '%s'\n", t.c_str());
+      std::exit(1);
+    }
+    start = end + 1;
+  }
+  return opt;
+}
+
+// Device memory that one fused call needs in a fresh process, step by step (cudaMemGetInfo):
+// the stream (cuBLAS handle), the workspace, and the first and second calls (lazily loaded
+// kernels, anything cuBLAS allocates on first use). Then the same for a bare cuBLAS handle.
+void MemProbe(const std::string& variant, const Shape& s, size_t budget) {
+  BENCH_CUDA(cudaFree(nullptr));
+  const kernels::CudaBackendOptions opt = ParseVariant(variant);
+  std::unique_ptr<Backend> backend = Unwrap(kernels::CreateCudaBackend(0, opt), "backend");
+  __nv_bfloat16 *h, *w, *dh;
+  float* dw;
+  int32_t* y;
+  BENCH_CUDA(cudaMalloc(&h, s.n * s.d * 2));
+  BENCH_CUDA(cudaMalloc(&w, s.v * s.d * 2));
+  BENCH_CUDA(cudaMalloc(&dh, s.n * s.d * 2));
+  BENCH_CUDA(cudaMalloc(&dw, s.v * s.d * 4));
+  BENCH_CUDA(cudaMalloc(&y, s.n * 4));
+  BENCH_CUDA(bench::FillUniformBf16(h, s.n * s.d, 1.0f, 1, nullptr));
+  BENCH_CUDA(bench::FillUniformBf16(w, s.v * s.d, 4.0f / std::sqrt(float(s.d)), 2, nullptr));
+  BENCH_CUDA(bench::FillUniformF32(dw, s.v * s.d, 1e-3f, 3, nullptr));
+  BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
+  DeviceBuffer loss = Unwrap(backend->Allocate(4), "alloc");
+  DeviceBuffer count = Unwrap(backend->Allocate(8), "alloc");
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const size_t f0 = FreeBytes();
+  std::unique_ptr<kernels::Stream> stream = Unwrap(backend->CreateStream(), "stream");
+  const size_t f1 = FreeBytes();
+  Problem p;
+  p.n = s.n;
+  p.v = s.v;
+  p.d = s.d;
+  const size_t ws_bytes = Unwrap(backend->WorkspaceBytes(p, budget), "workspace");
+  DeviceBuffer ws = Unwrap(backend->Allocate(ws_bytes), "alloc");
+  const size_t f2 = FreeBytes();
+  Arguments a;
+  a.hidden = h;
+  a.weight = w;
+  a.targets = y;
+  a.grad_hidden = dh;
+  a.grad_weight = dw;
+  a.loss_sum = loss.as<float>();
+  a.token_count = count.as<int64_t>();
+  a.workspace = ws.data();
+  a.workspace_bytes = ws_bytes;
+  BENCH_OK(backend->Run(p, a, *stream));
+  BENCH_OK(stream->Synchronize());
+  const size_t f3 = FreeBytes();
+  BENCH_OK(backend->Run(p, a, *stream));
+  BENCH_OK(stream->Synchronize());
+  const size_t f4 = FreeBytes();
+  auto mib = [](size_t a, size_t b) { return (double(a) - double(b)) / (1 << 20); };
+  std::printf(
+      "memprobe %s N=%lld V=%lld D=%lld: stream %.1f MiB, workspace %.1f MiB (%zu B), first call "
+      "%.1f MiB, second call %.1f MiB; total extra %.1f MiB\n",
+      variant.c_str(), (long long)s.n, (long long)s.v, (long long)s.d, mib(f0, f1), mib(f1, f2),
+      ws_bytes, mib(f2, f3), mib(f3, f4), mib(f0, f4));
+  // A bare handle, step by step, for the record.
+  const size_t g0 = FreeBytes();
+  cublasHandle_t handle;
+  BENCH_CUBLAS(cublasCreate(&handle));
+  const size_t g1 = FreeBytes();
+  cudaStream_t st;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  BENCH_CUBLAS(cublasSetStream(handle, st));
+  const size_t g2 = FreeBytes();
+  BENCH_CUBLAS(cublasSetWorkspace(handle, ws.data(), size_t{4} << 20));
+  const size_t g3 = FreeBytes();
+  cublasLtHandle_t lt;
+  BENCH_CUBLAS(cublasLtCreate(&lt));
+  const size_t g4 = FreeBytes();
+  std::printf(
+      "memprobe bare handle: cublasCreate %.1f MiB, SetStream %.1f MiB, SetWorkspace %.1f "
+      "MiB, cublasLtCreate %.1f MiB\n",
+      mib(g0, g1), mib(g1, g2), mib(g2, g3), mib(g3, g4));
+  cublasLtDestroy(lt);
+  cublasDestroy(handle);
+  for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
+}
+
+// One fused call between cudaProfilerStart/Stop after a warm-up call, for a per-kernel profile
+// (ncu --profile-from-start off).
+void ProfileOne(const std::string& variant, const Shape& s, size_t budget) {
+  std::unique_ptr<Backend> backend =
+      Unwrap(kernels::CreateCudaBackend(0, ParseVariant(variant)), "backend");
+  __nv_bfloat16 *h, *w, *dh;
+  float* dw;
+  int32_t* y;
+  BENCH_CUDA(cudaMalloc(&h, s.n * s.d * 2));
+  BENCH_CUDA(cudaMalloc(&w, s.v * s.d * 2));
+  BENCH_CUDA(cudaMalloc(&dh, s.n * s.d * 2));
+  BENCH_CUDA(cudaMalloc(&dw, s.v * s.d * 4));
+  BENCH_CUDA(cudaMalloc(&y, s.n * 4));
+  BENCH_CUDA(bench::FillUniformBf16(h, s.n * s.d, 1.0f, 1, nullptr));
+  BENCH_CUDA(bench::FillUniformBf16(w, s.v * s.d, 4.0f / std::sqrt(float(s.d)), 2, nullptr));
+  BENCH_CUDA(bench::FillUniformF32(dw, s.v * s.d, 1e-3f, 3, nullptr));
+  BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
+  BENCH_CUDA(cudaDeviceSynchronize());
+  std::unique_ptr<kernels::Stream> stream = Unwrap(backend->CreateStream(), "stream");
+  Problem p;
+  p.n = s.n;
+  p.v = s.v;
+  p.d = s.d;
+  const size_t ws_bytes = Unwrap(backend->WorkspaceBytes(p, budget), "workspace");
+  DeviceBuffer ws = Unwrap(backend->Allocate(ws_bytes), "alloc");
+  DeviceBuffer loss = Unwrap(backend->Allocate(4), "alloc");
+  DeviceBuffer count = Unwrap(backend->Allocate(8), "alloc");
+  Arguments a;
+  a.hidden = h;
+  a.weight = w;
+  a.targets = y;
+  a.grad_hidden = dh;
+  a.grad_weight = dw;
+  a.loss_sum = loss.as<float>();
+  a.token_count = count.as<int64_t>();
+  a.workspace = ws.data();
+  a.workspace_bytes = ws_bytes;
+  BENCH_OK(backend->Run(p, a, *stream));
+  BENCH_OK(stream->Synchronize());
+  BENCH_CUDA(cudaProfilerStart());
+  BENCH_OK(backend->Run(p, a, *stream));
+  BENCH_OK(stream->Synchronize());
+  BENCH_CUDA(cudaProfilerStop());
+  std::printf("profiled one call: variant %s N=%lld V=%lld D=%lld workspace %zu B\n",
+              variant.c_str(), (long long)s.n, (long long)s.v, (long long)s.d, ws_bytes);
+  for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
+}
+
 int Main(int argc, char** argv) {
   int runs = 20;
   size_t budget = size_t{1} << 30;
   bool quick = false;
-  std::string variants = "fp32logits,bf16logits,bf16logits_t1024";
+  std::string variants = "default,fp32logits";
+  std::string shapes_arg;
+  int64_t profile_n = 0, memprobe_n = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--runs=", 0) == 0) runs = std::max(1, std::atoi(a.c_str() + 7));
     if (a.rfind("--budget_mib=", 0) == 0) budget = size_t(std::atoll(a.c_str() + 13)) << 20;
     if (a.rfind("--variants=", 0) == 0) variants = a.substr(11);
+    if (a.rfind("--shapes=", 0) == 0) shapes_arg = a.substr(9);  // N:V:D,N:V:D
+    if (a.rfind("--profile_n=", 0) == 0) profile_n = std::atoll(a.c_str() + 12);
+    if (a.rfind("--memprobe_n=", 0) == 0) memprobe_n = std::atoll(a.c_str() + 13);
     if (a == "--quick") quick = true;
   }
-  std::vector<Shape> shapes = {{4096, 128256, 4096}, {8192, 128256, 4096}, {16384, 128256, 4096},
-                               {8192, 256000, 2304}, {8192, 128256, 8192}};
+  std::vector<Shape> shapes = {{4096, 128256, 4096},
+                               {8192, 128256, 4096},
+                               {16384, 128256, 4096},
+                               {8192, 256000, 2304},
+                               {8192, 128256, 8192}};
   if (quick) shapes = {{4096, 128256, 4096}};
+  if (!shapes_arg.empty()) {
+    shapes.clear();
+    size_t start = 0;
+    while (start < shapes_arg.size()) {
+      size_t end = shapes_arg.find(',', start);
+      if (end == std::string::npos) end = shapes_arg.size();
+      long long n = 0, v = 0, d = 0;
+      if (std::sscanf(shapes_arg.substr(start, end - start).c_str(), "%lld:%lld:%lld", &n, &v,
+                      &d) != 3) {
+        std::fprintf(stderr, "bad --shapes\n");
+        return 1;
+      }
+      shapes.push_back({n, v, d});
+      start = end + 1;
+    }
+  }
   if (kernels::CudaDeviceCount() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
+  }
+  const std::string first_variant = variants.substr(0, variants.find(','));
+  if (profile_n > 0) {
+    ProfileOne(first_variant, {profile_n, 128256, 4096}, budget);
+    return 0;
+  }
+  if (memprobe_n > 0) {
+    MemProbe(first_variant, {memprobe_n, 128256, 4096}, budget);
+    return 0;
   }
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -300,11 +497,15 @@ int Main(int argc, char** argv) {
     const Sol sol = SpeedOfLight(s, h, w, dh, dw, sol_stream, runs);
     const double flop = 6.0 * s.n * s.v * s.d;
 
-    for (const std::string variant : {"fp32logits", "bf16logits", "bf16logits_t1024"}) {
-      if (("," + variants + ",").find("," + variant + ",") == std::string::npos) continue;
-      kernels::CudaBackendOptions opt;
-      opt.bf16_logits = variant != "fp32logits";
-      opt.row_threads = variant == "bf16logits_t1024" ? 1024 : 512;
+    std::vector<std::string> variant_list;
+    for (size_t start = 0; start <= variants.size();) {
+      size_t end = variants.find(',', start);
+      if (end == std::string::npos) end = variants.size();
+      if (end > start) variant_list.push_back(variants.substr(start, end - start));
+      start = end + 1;
+    }
+    for (const std::string& variant : variant_list) {
+      const kernels::CudaBackendOptions opt = ParseVariant(variant);
       std::unique_ptr<Backend> backend = Unwrap(kernels::CreateCudaBackend(0, opt), "backend");
       const size_t free0 = FreeBytes();
       std::unique_ptr<kernels::Stream> stream = Unwrap(backend->CreateStream(), "stream");
@@ -335,13 +536,13 @@ int Main(int argc, char** argv) {
       BENCH_OK(stream->Synchronize());
       const double extra_mib = (double(free0) - double(free1)) / (1 << 20);
       char line[512];
-      std::snprintf(line, sizeof(line),
-                    "| %5lld | %6lld | %4lld | %-16s | %8.2f | %6.1f | %8.2f (%.2f+%.2f+%.2f) | %5.3f "
-                    "| %7.0f (ws %zu) | %.1e/%.1e/%.1e %s |",
-                    (long long)s.n, (long long)s.v, (long long)s.d, variant.c_str(), ms,
-                    flop / ms / 1e9, sol.total(), sol.logits_ms, sol.dh_ms, sol.dw_ms,
-                    sol.total() / ms, extra_mib, ws_bytes >> 20, chk.loss_err, chk.dh_err,
-                    chk.dw_err, ok ? "ok" : "FAIL");
+      std::snprintf(
+          line, sizeof(line),
+          "| %5lld | %6lld | %4lld | %-24s | %8.2f | %6.1f | %8.2f (%.2f+%.2f+%.2f) | %5.3f "
+          "| %7.0f (ws %zu) | %.1e/%.1e/%.1e %s |",
+          (long long)s.n, (long long)s.v, (long long)s.d, variant.c_str(), ms, flop / ms / 1e9,
+          sol.total(), sol.logits_ms, sol.dh_ms, sol.dw_ms, sol.total() / ms, extra_mib,
+          ws_bytes >> 20, chk.loss_err, chk.dh_err, chk.dw_err, ok ? "ok" : "FAIL");
       std::printf("%s\n", line);
       std::fflush(stdout);
       table.push_back(line);
@@ -350,7 +551,8 @@ int Main(int argc, char** argv) {
     for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
   }
   std::printf(
-      "\n|     N |      V |    D | variant          | fused ms | TFLOP/s | SOL ms (logits+dH+dW) | "
+      "\n|     N |      V |    D | variant                  | fused ms | TFLOP/s | SOL ms "
+      "(logits+dH+dW) | "
       "SOL/fused | extra MiB (workspace MiB) | check loss/dH/dW |\n");
   for (const auto& l : table) std::printf("%s\n", l.c_str());
   return all_ok ? 0 : 2;

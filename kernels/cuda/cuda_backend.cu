@@ -1,14 +1,14 @@
-// The CUDA backend. Per token chunk of C rows:
-//   logits (C x V)  = H_c . W^T                      cuBLAS, fp32 accumulation
+// The CUDA backend. Per token chunk of C rows (chunks of equal size, as large as the workspace
+// allows):
+//   logits (C x V)  = H_c . W^T                      cublasLt, fp32 accumulation
 //   row kernel      : soft-cap, softmax, lse, loss; overwrites the logits with the unscaled
 //                     gradient G in the input dtype (the next GEMMs' operand)
-//   dH_c  (C x D)   = alpha . G . W                  cuBLAS, written in the input dtype
-//   dW    (V x D)  += alpha . G^T . H_c              cuBLAS, fp32 accumulator, beta = 1
+//   dH_c  (C x D)   = alpha . G . W                  cublasLt, written in the input dtype
+//   dW    (V x D)  += alpha . G^T . H_c              cublasLt, fp32 accumulator, beta = 1
 // alpha (grad_scale, / token_count for the mean) is computed on the device by a prologue kernel and
-// read by cuBLAS in device pointer mode, so nothing in Run waits for the GPU.
-#include "kernels/cuda/cuda_backend.h"
-
-#include <cublas_v2.h>
+// read by cublasLt in device pointer mode, so nothing in Run waits for the GPU. cublasLt rather
+// than cublas_v2: a cublas_v2 handle allocates a 64 MiB workspace pool of its own at creation,
+// outside any budget; the cublasLt GEMMs use a slice of our workspace and nothing else.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,8 +21,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/count_targets.cuh"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/loss_reduce.cuh"
+#include "kernels/cuda/lt_gemm.h"
 #include "kernels/cuda/scalars.h"
 #include "kernels/cuda/softmax_grad.cuh"
 
@@ -34,19 +36,36 @@ using cuda::RunScalars;
 constexpr size_t kAlign = 256;
 constexpr size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// A CUDA stream with its own cuBLAS handle: Run on different streams never shares a handle, and
-// the mutex serialises two threads that enqueue on the same stream (cuBLAS handles are not
-// thread-safe, and the per-Run cublasSetWorkspace must stay paired with its GEMMs).
+// A CUDA stream with its own cublasLt handle and GEMM plans: Run on different streams never
+// shares them, and the mutex serialises two threads that enqueue on the same stream.
+// The second stream and events serve the overlapped schedule (row kernel of one half of a chunk
+// beside the GEMMs of the other): only Run, under the mutex, uses them.
 class CudaStream final : public Stream {
  public:
-  CudaStream(int device, cudaStream_t stream, cublasHandle_t handle)
-      : device_(device), stream_(stream), handle_(handle) {}
+  static constexpr int kEvents = 4;
+  CudaStream(int device, cudaStream_t stream, std::unique_ptr<cuda::LtGemm> gemm)
+      : device_(device), stream_(stream), gemm_(std::move(gemm)) {}
   ~CudaStream() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
-    cublasDestroy(handle_);
+    if (side_ != nullptr) cudaStreamSynchronize(side_);
+    for (cudaEvent_t e : events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+    gemm_.reset();
     cudaStreamDestroy(stream_);
   }
+
+  absl::Status InitSide() {
+    LOSSHEAD_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : events_) {
+      LOSSHEAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    return absl::OkStatus();
+  }
+  cudaStream_t side() const { return side_; }
+  cudaEvent_t event(int i) const { return events_[i]; }
 
   absl::Status Synchronize() override {
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
@@ -57,30 +76,38 @@ class CudaStream final : public Stream {
 
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
-  cublasHandle_t handle() const { return handle_; }
+  cuda::LtGemm& gemm() { return *gemm_; }
   std::mutex& mutex() { return mu_; }
 
  private:
   const int device_;
   const cudaStream_t stream_;
-  const cublasHandle_t handle_;
+  std::unique_ptr<cuda::LtGemm> gemm_;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t events_[kEvents] = {};
   std::mutex mu_;
 };
 
 template <typename T>
 constexpr cudaDataType_t CudaType();
 template <>
-constexpr cudaDataType_t CudaType<float>() { return CUDA_R_32F; }
+constexpr cudaDataType_t CudaType<float>() {
+  return CUDA_R_32F;
+}
 template <>
-constexpr cudaDataType_t CudaType<__nv_bfloat16>() { return CUDA_R_16BF; }
+constexpr cudaDataType_t CudaType<__nv_bfloat16>() {
+  return CUDA_R_16BF;
+}
 template <>
-constexpr cudaDataType_t CudaType<__half>() { return CUDA_R_16F; }
+constexpr cudaDataType_t CudaType<__half>() {
+  return CUDA_R_16F;
+}
 
 // Where each part of the workspace lives for a chunk of `chunk` rows.
 struct Layout {
   int64_t chunk = 0;
-  int64_t ldl = 0;          // logits row stride in elements (V rounded up to 16: aligned vectors)
-  size_t logits_elem = 0;   // bytes per logits element
+  int64_t ldl = 0;         // logits row stride in elements (V rounded up to 16: aligned vectors)
+  size_t logits_elem = 0;  // bytes per logits element
   size_t scalars_off = 0;
   size_t row_loss_off = 0;
   size_t cublas_off = 0;
@@ -91,8 +118,12 @@ struct Layout {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, const CudaBackendOptions& options, std::string description)
-      : device_(device), options_(options), description_(std::move(description)) {}
+  CudaBackend(int device, const CudaBackendOptions& options, std::string description,
+              size_t smem_per_sm)
+      : device_(device),
+        options_(options),
+        description_(std::move(description)),
+        smem_per_sm_(smem_per_sm) {}
 
   absl::string_view name() const override { return "cuda"; }
   std::string device_description() const override { return description_; }
@@ -110,7 +141,7 @@ class CudaBackend final : public Backend {
 
   absl::Status CanImplement(const Problem& problem) const override {
     if (absl::Status s = ValidateProblem(problem); !s.ok()) return s;
-    // cuBLAS takes int sizes and strides; the narrowed gradient's stride is up to 2 * ldl.
+    // cublasLt takes int sizes and strides; the narrowed gradient's stride is up to 2 * ldl.
     constexpr int64_t kIntMax = 2147483647;
     if (problem.d > kIntMax) {
       return absl::InvalidArgumentError(absl::StrCat("d must fit in int32, got ", problem.d));
@@ -128,11 +159,13 @@ class CudaBackend final : public Backend {
   absl::StatusOr<size_t> WorkspaceBytes(const Problem& problem,
                                         size_t budget_bytes) const override {
     if (absl::Status s = CanImplement(problem); !s.ok()) return s;
-    const Layout layout = MakeLayout(problem, budget_bytes);
+    // The stream holds a little memory of its own: the workspace gets the rest.
+    const size_t reserve = options_.handle_reserve_bytes;
+    const Layout layout = MakeLayout(problem, budget_bytes > reserve ? budget_bytes - reserve : 0);
     if (layout.chunk < 1) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "workspace budget of ", budget_bytes, " bytes holds no chunk: at least ",
-          MakeLayoutForChunk(problem, 1).total, " bytes are needed for v = ", problem.v));
+          MakeLayoutForChunk(problem, 1).total + reserve, " bytes are needed for v = ", problem.v));
     }
     return layout.total;
   }
@@ -149,8 +182,7 @@ class CudaBackend final : public Backend {
     if (args.loss_sum == nullptr || args.token_count == nullptr) {
       return absl::InvalidArgumentError("loss_sum and token_count must not be null");
     }
-    if (args.workspace == nullptr ||
-        reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
+    if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
       return absl::InvalidArgumentError("workspace must be a 256-byte aligned device pointer");
     }
     const Layout layout = MakeLayout(problem, args.workspace_bytes);
@@ -187,20 +219,13 @@ class CudaBackend final : public Backend {
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
     cudaStream_t stream = nullptr;
     LOSSHEAD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cublasHandle_t handle = nullptr;
-    const cublasStatus_t st = cublasCreate(&handle);
-    if (st != CUBLAS_STATUS_SUCCESS) {
+    std::unique_ptr<cuda::LtGemm> gemm;
+    if (absl::Status st = cuda::LtGemm::Create(&gemm); !st.ok()) {
       cudaStreamDestroy(stream);
-      LOSSHEAD_CUBLAS_CHECK(st);
+      return st;
     }
-    auto result = std::make_unique<CudaStream>(device_, stream, handle);
-    LOSSHEAD_CUBLAS_CHECK(cublasSetStream(handle, stream));
-    // The gradient GEMMs' alpha/beta live in device memory (RunScalars). No TF32 for fp32 problems, and no split-K
-    // reductions in the 16-bit output type.
-    LOSSHEAD_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_DEVICE));
-    LOSSHEAD_CUBLAS_CHECK(cublasSetMathMode(
-        handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
-                                          CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    auto result = std::make_unique<CudaStream>(device_, stream, std::move(gemm));
+    LOSSHEAD_RETURN_IF_ERROR(result->InitSide());
     return std::unique_ptr<Stream>(std::move(result));
   }
 
@@ -208,8 +233,7 @@ class CudaBackend final : public Backend {
                             Stream& stream) override {
     return Copy(dst, host_src, bytes, stream);
   }
-  absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes,
-                          Stream& stream) override {
+  absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream& stream) override {
     return Copy(host_dst, src, bytes, stream);
   }
   absl::Status Memset(void* dst, int value, size_t bytes, Stream& stream) override {
@@ -228,6 +252,17 @@ class CudaBackend final : public Backend {
 
  private:
   static int64_t LogitsStride(int64_t v) { return (v + 15) / 16 * 16; }
+
+  // Rows per chunk for n tokens when the workspace holds up to `max_rows`: with balancing, the
+  // fewest chunks, all of one size (a multiple of 128 rows where that still fits), so that no
+  // small tail chunk pays a full pass over the fp32 dW accumulator for a few rows of work.
+  int ChunkRows(int n, int max_rows) const {
+    if (!options_.balance_chunks || n <= max_rows) return std::min(n, max_rows);
+    const int chunks = (n + max_rows - 1) / max_rows;
+    const int even = (n + chunks - 1) / chunks;
+    const int rounded = (even + 127) / 128 * 128;
+    return rounded <= max_rows ? rounded : even;
+  }
 
   bool UseBf16Logits(const Problem& problem) const {
     return problem.dtype == DType::kBF16 && options_.bf16_logits;
@@ -274,7 +309,7 @@ class CudaBackend final : public Backend {
   absl::Status RunTyped(const Problem& problem, const Arguments& args, const Layout& layout,
                         CudaStream& cs) {
     const cudaStream_t stream = cs.stream();
-    const cublasHandle_t handle = cs.handle();
+    cuda::LtGemm& gemm = cs.gemm();
     char* ws = static_cast<char*>(args.workspace);
     auto* scalars = reinterpret_cast<RunScalars*>(ws + layout.scalars_off);
     auto* row_loss = reinterpret_cast<float*>(ws + layout.row_loss_off);
@@ -294,7 +329,6 @@ class CudaBackend final : public Backend {
     constexpr cudaDataType_t kLogits = CudaType<TL>();
     static constexpr float kOne = 1.0f, kZero = 0.0f;
 
-    LOSSHEAD_CUBLAS_CHECK(cublasSetWorkspace(handle, ws + layout.cublas_off, layout.cublas_bytes));
     LOSSHEAD_RETURN_IF_ERROR(cuda::LaunchCountTargets(
         args.targets, problem.n, problem.v, o.ignore_index, o.reduction == Reduction::kMean,
         o.grad_scale, args.token_count, scalars, stream));
@@ -306,39 +340,112 @@ class CudaBackend final : public Backend {
     params.z_loss = o.z_loss;
     params.softcap = o.softcap;
 
-    for (int r0 = 0; r0 < n; r0 += static_cast<int>(layout.chunk)) {
-      const int c = std::min(static_cast<int>(layout.chunk), n - r0);
-      const TIn* h = hidden + static_cast<int64_t>(r0) * d;
-      // Column-major view: logits^T (V x c, ld ldl) = W^T_cm(V x D) . H_cm (D x c).
-      // Host alpha/beta here: with a device beta cuBLAS cannot know it is 0 and reads the whole
-      // logits chunk back in its epilogue. Only the gradient GEMMs need the device alpha.
-      LOSSHEAD_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST));
-      LOSSHEAD_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, v, c, d, &kOne, weight,
-                                         kIn, d, h, kIn, d, &kZero, logits, kLogits,
-                                         static_cast<int>(ldl), CUBLAS_COMPUTE_32F,
-                                         CUBLAS_GEMM_DEFAULT));
-      LOSSHEAD_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_DEVICE));
+    const int chunk = ChunkRows(n, static_cast<int>(layout.chunk));
+    const cuda::RowLaunch row_launch{options_.row_threads, options_.row_blocks_per_sm,
+                                     smem_per_sm_};
+    // Row kernel (and the chunk's loss reduction when `reduce`) over rows [q0, q0 + rows) of the
+    // chunk that starts at token r0, on stream `s`.
+    auto rows_step = [&](int r0, int q0, int rows, bool reduce, cudaStream_t s) -> absl::Status {
+      const int64_t t0 = static_cast<int64_t>(r0) + q0;
       LOSSHEAD_RETURN_IF_ERROR((cuda::LaunchSoftmaxGrad<TL, TIn>(
-          logits, ldl, c, args.targets + r0, params, need_grad ? grad : nullptr, ldg, row_loss,
-          args.per_token_loss != nullptr ? args.per_token_loss + r0 : nullptr,
-          args.per_token_lse != nullptr ? args.per_token_lse + r0 : nullptr, options_.row_threads,
-          stream)));
-      LOSSHEAD_RETURN_IF_ERROR(
-          cuda::LaunchLossReduce(row_loss, c, scalars, args.loss_sum, stream));
-      if (grad_hidden != nullptr) {
-        // dH_cm (D x c) = W_cm (D x V) . G_cm (V x c, ld ldg).
-        LOSSHEAD_CUBLAS_CHECK(cublasGemmEx(
-            handle, CUBLAS_OP_N, CUBLAS_OP_N, d, c, v, &scalars->grad_alpha, weight, kIn, d, grad,
-            kIn, static_cast<int>(ldg), &scalars->zero, grad_hidden + static_cast<int64_t>(r0) * d,
-            kIn, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+          logits + static_cast<int64_t>(q0) * ldl, ldl, rows, args.targets + t0, params,
+          need_grad ? grad + static_cast<int64_t>(q0) * ldg : nullptr, ldg, row_loss + q0,
+          args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
+          args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, row_launch, s)));
+      if (reduce) {
+        // Always over the whole chunk, in one fixed order: bit-identical whatever the schedule.
+        const int c = std::min(chunk, n - r0);
+        LOSSHEAD_RETURN_IF_ERROR(cuda::LaunchLossReduce(row_loss, c, scalars, args.loss_sum, s));
       }
-      if (args.grad_weight != nullptr) {
-        // dW_cm (D x V) += H_cm (D x c) . G_cm^T (c x V).
-        LOSSHEAD_CUBLAS_CHECK(cublasGemmEx(
-            handle, CUBLAS_OP_N, CUBLAS_OP_T, d, v, c, &scalars->grad_alpha, h, kIn, d, grad, kIn,
-            static_cast<int>(ldg), &scalars->one, args.grad_weight, CUDA_R_32F, d,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      return absl::OkStatus();
+    };
+    void* const gemm_ws = ws + layout.cublas_off;
+    const size_t gemm_ws_bytes = layout.cublas_bytes;
+    auto logits_gemm = [&](int t0, int rows, int q0) -> absl::Status {
+      // Column-major view: logits^T (V x rows, ld ldl) = W^T_cm(V x D) . H_cm (D x rows).
+      // Host alpha/beta here: with a device beta cublasLt cannot know it is 0 and reads the whole
+      // logits chunk back in its epilogue. Only the gradient GEMMs need the device alpha.
+      cuda::GemmShape g;
+      g.trans_a = CUBLAS_OP_T;
+      g.m = v;
+      g.n = rows;
+      g.k = d;
+      g.type_a = g.type_b = kIn;
+      g.type_c = kLogits;
+      g.lda = d;
+      g.ldb = d;
+      g.ldc = static_cast<int>(ldl);
+      return gemm.Run(g, &kOne, weight, hidden + static_cast<int64_t>(t0) * d, &kZero,
+                      logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes, stream);
+    };
+    auto dh_gemm = [&](int t0, int rows, int q0) -> absl::Status {
+      if (grad_hidden == nullptr) return absl::OkStatus();
+      // dH_cm (D x rows) = W_cm (D x V) . G_cm (V x rows, ld ldg).
+      cuda::GemmShape g;
+      g.m = d;
+      g.n = rows;
+      g.k = v;
+      g.type_a = g.type_b = g.type_c = kIn;
+      g.lda = d;
+      g.ldb = static_cast<int>(ldg);
+      g.ldc = d;
+      g.device_scalars = true;
+      return gemm.Run(g, &scalars->grad_alpha, weight, grad + static_cast<int64_t>(q0) * ldg,
+                      &scalars->zero, grad_hidden + static_cast<int64_t>(t0) * d, gemm_ws,
+                      gemm_ws_bytes, stream);
+    };
+    auto dw_gemm = [&](int t0, int rows) -> absl::Status {
+      if (args.grad_weight == nullptr) return absl::OkStatus();
+      // dW_cm (D x V) += H_cm (D x rows) . G_cm^T (rows x V).
+      cuda::GemmShape g;
+      g.trans_b = CUBLAS_OP_T;
+      g.m = d;
+      g.n = v;
+      g.k = rows;
+      g.type_a = g.type_b = kIn;
+      g.type_c = CUDA_R_32F;
+      g.lda = d;
+      g.ldb = static_cast<int>(ldg);
+      g.ldc = d;
+      g.device_scalars = true;
+      return gemm.Run(g, &scalars->grad_alpha, hidden + static_cast<int64_t>(t0) * d, grad,
+                      &scalars->one, args.grad_weight, gemm_ws, gemm_ws_bytes, stream);
+    };
+
+    for (int r0 = 0; r0 < n; r0 += chunk) {
+      const int c = std::min(chunk, n - r0);
+      // Halves of at least 256 rows keep the GEMMs' token dimension in whole tiles.
+      const int half = options_.overlap && c >= 512 ? (c / 2 + 127) / 128 * 128 : 0;
+      if (half == 0) {
+        LOSSHEAD_RETURN_IF_ERROR(logits_gemm(r0, c, 0));
+        LOSSHEAD_RETURN_IF_ERROR(rows_step(r0, 0, c, /*reduce=*/true, stream));
+        LOSSHEAD_RETURN_IF_ERROR(dh_gemm(r0, c, 0));
+        LOSSHEAD_RETURN_IF_ERROR(dw_gemm(r0, c));
+        continue;
       }
+      // main: logits(A) logits(B) | dH(A) after row(A) | dH(B), dW after row(B)
+      // side:      row(A) after logits(A), row(B) + loss after logits(B)
+      // so row(A) runs beside logits(B) and row(B) beside dH(A). dW covers the whole chunk: one
+      // read-modify-write of the fp32 accumulator per chunk, as without the split.
+      const cudaStream_t side = cs.side();
+      const cudaEvent_t logits_a = cs.event(0), logits_b = cs.event(1), rows_a = cs.event(2),
+                        rows_b = cs.event(3);
+      LOSSHEAD_RETURN_IF_ERROR(logits_gemm(r0, half, 0));
+      LOSSHEAD_CUDA_CHECK(cudaEventRecord(logits_a, stream));
+      LOSSHEAD_RETURN_IF_ERROR(logits_gemm(r0 + half, c - half, half));
+      LOSSHEAD_CUDA_CHECK(cudaEventRecord(logits_b, stream));
+      LOSSHEAD_CUDA_CHECK(cudaStreamWaitEvent(side, logits_a, 0));
+      LOSSHEAD_RETURN_IF_ERROR(rows_step(r0, 0, half, /*reduce=*/false, side));
+      LOSSHEAD_CUDA_CHECK(cudaEventRecord(rows_a, side));
+      LOSSHEAD_CUDA_CHECK(cudaStreamWaitEvent(side, logits_b, 0));
+      LOSSHEAD_RETURN_IF_ERROR(rows_step(r0, half, c - half, /*reduce=*/true, side));
+      LOSSHEAD_CUDA_CHECK(cudaEventRecord(rows_b, side));
+      LOSSHEAD_CUDA_CHECK(cudaStreamWaitEvent(stream, rows_a, 0));
+      LOSSHEAD_RETURN_IF_ERROR(dh_gemm(r0, half, 0));
+      // Also keeps the next chunk's logits GEMM off the buffer until this chunk's rows are done.
+      LOSSHEAD_CUDA_CHECK(cudaStreamWaitEvent(stream, rows_b, 0));
+      LOSSHEAD_RETURN_IF_ERROR(dh_gemm(r0 + half, c - half, half));
+      LOSSHEAD_RETURN_IF_ERROR(dw_gemm(r0, c));
     }
     return absl::OkStatus();
   }
@@ -346,6 +453,7 @@ class CudaBackend final : public Backend {
   const int device_;
   const CudaBackendOptions options_;
   const std::string description_;
+  const size_t smem_per_sm_;
 };
 
 }  // namespace
@@ -373,8 +481,13 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device,
   LOSSHEAD_CUDA_CHECK(cudaSetDevice(device));
   cudaDeviceProp prop;
   LOSSHEAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  if (options.row_threads != 512 && options.row_threads != 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row_threads must be 512 or 1024, got ", options.row_threads));
+  }
   return std::unique_ptr<Backend>(
-      new CudaBackend(device, options, absl::StrCat("cuda:", device, " (", prop.name, ")")));
+      new CudaBackend(device, options, absl::StrCat("cuda:", device, " (", prop.name, ")"),
+                      prop.sharedMemPerMultiprocessor));
 }
 
 }  // namespace losshead::kernels

@@ -25,9 +25,22 @@ struct CudaBackendOptions {
   // Threads per row of the softmax/gradient kernel: 512 or 1024 (1024 keeps fewer rows live, so
   // the gradient pass re-reads its row from L2 more often).
   int row_threads = 512;
-  // Part of the workspace handed to cuBLAS (cublasSetWorkspace), so that the library allocates
-  // nothing behind the budget's back.
-  size_t cublas_workspace_bytes = size_t{32} << 20;
+  // Part of the workspace handed to the cublasLt GEMMs. The large GEMMs here need no split-K:
+  // 4 MiB is enough for them and lets a 4096-row chunk of bf16 logits at V = 128256 fit in 1 GiB.
+  size_t cublas_workspace_bytes = size_t{4} << 20;
+  // Device memory that a stream holds outside the workspace (its second stream and events; the
+  // cublasLt handle allocates none). WorkspaceBytes keeps it out of the budget, so that the
+  // workspace plus the stream stay within what the caller asked for.
+  size_t handle_reserve_bytes = size_t{4} << 20;
+  // Split N into equal chunks (multiples of 128 rows) instead of full chunks and a remainder:
+  // no small, inefficient tail chunk.
+  bool balance_chunks = true;
+  // At most this many rows of the row kernel per SM at once (0: no cap), so that the rows in
+  // flight fit in L2 and the gradient pass re-reads them from there.
+  int row_blocks_per_sm = 0;
+  // Split each chunk in two halves of tokens and run a half's row kernel on a second stream while
+  // the GEMMs of the other half run.
+  bool overlap = false;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device,

@@ -1,5 +1,3 @@
-#include "kernels/cuda/softmax_grad.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -8,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/softmax_grad.cuh"
 
 namespace losshead::kernels::cuda {
 namespace {
@@ -22,13 +21,17 @@ __device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(
 template <typename T>
 __device__ __forceinline__ T FromF(float x);
 template <>
-__device__ __forceinline__ float FromF<float>(float x) { return x; }
+__device__ __forceinline__ float FromF<float>(float x) {
+  return x;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 template <>
-__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half FromF<__half>(float x) {
+  return __float2half_rn(x);
+}
 
 // A 16-byte vector of TL values.
 template <typename TL>
@@ -45,6 +48,19 @@ template <typename TG, int kSize>
 struct alignas(sizeof(TG) * kSize) OutVec {
   TG v[kSize];
 };
+
+// G is read next by the gradient GEMMs, long after this kernel: store it evict-first so that it
+// does not push out of L2 the logits rows that other blocks are about to read a second time.
+template <typename Out>
+__device__ __forceinline__ void StoreStreaming(Out* p, const Out& v) {
+  if constexpr (sizeof(Out) == 16) {
+    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+  } else if constexpr (sizeof(Out) == 8) {
+    __stcs(reinterpret_cast<uint2*>(p), *reinterpret_cast<const uint2*>(&v));
+  } else {
+    *p = v;
+  }
+}
 
 struct SoftmaxState {
   float m;   // running max of z
@@ -185,7 +201,14 @@ __global__ void __launch_bounds__(kThreads)
   // When TG is narrower than TL the gradient of element j lands on bytes of an element <= j that
   // another thread may not have read yet in this tile: read the tile, barrier, then write.
   constexpr bool kNarrowing = sizeof(TG) < sizeof(TL);
-  for (int64_t base = 0; base < nvec; base += kThreads * kUnroll) {
+  // Pass 1 ended at the row's end, so its last tiles are the likeliest still in L2: without
+  // narrowing (each thread overwrites exactly what it read) walk the row backwards. Narrowing
+  // writes land on lower addresses, which must not have been read yet: forwards only.
+  constexpr bool kReverse = !kNarrowing;
+  constexpr int64_t kTile = static_cast<int64_t>(kThreads) * kUnroll;
+  const int64_t ntiles = (nvec + kTile - 1) / kTile;
+  for (int64_t k = 0; k < ntiles; ++k) {
+    const int64_t base = (kReverse ? ntiles - 1 - k : k) * kTile;
     Vec<TL> in[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -206,7 +229,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
-      if (i < nvec) gv[i] = out[u];
+      if (i < nvec) StoreStreaming(&gv[i], out[u]);
     }
   }
   // Tail (v % kVec < kThreads elements): same read-barrier-write discipline.
@@ -217,33 +240,50 @@ __global__ void __launch_bounds__(kThreads)
   if (j < p.v) g[j] = FromF<TG>(gt);
 }
 
+template <typename TL, typename TG, int kThreads>
+absl::Status LaunchWithThreads(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
+                               const SoftmaxGradParams& params, TG* grad, int64_t ldg,
+                               float* row_loss, float* per_token_loss, float* per_token_lse,
+                               const RowLaunch& launch, cudaStream_t stream) {
+  auto* kernel = &SoftmaxGradKernel<TL, TG, kThreads>;
+  // The kernel needs no dynamic shared memory: asking for some only caps how many rows an SM
+  // holds at once, so that the rows in flight fit in L2 for the second pass.
+  size_t smem = 0;
+  if (launch.blocks_per_sm > 0 && launch.smem_per_sm > 0) {
+    smem = launch.smem_per_sm / (launch.blocks_per_sm + 1) + 1024;
+    LOSSHEAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem)));
+  }
+  kernel<<<static_cast<unsigned>(rows), kThreads, smem, stream>>>(
+      logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
+  LOSSHEAD_CUDA_CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 template <typename TL, typename TG>
 absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
-                               int threads, cudaStream_t stream) {
+                               const RowLaunch& launch, cudaStream_t stream) {
   if (rows <= 0) return absl::OkStatus();
-  const unsigned grid = static_cast<unsigned>(rows);
-  if (threads == 512) {
-    SoftmaxGradKernel<TL, TG, 512><<<grid, 512, 0, stream>>>(
-        logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
-  } else if (threads == 1024) {
-    SoftmaxGradKernel<TL, TG, 1024><<<grid, 1024, 0, stream>>>(
-        logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("row kernel threads must be 512 or 1024, got ",
-                                                   threads));
+  if (launch.threads == 512) {
+    return LaunchWithThreads<TL, TG, 512>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
+                                          per_token_loss, per_token_lse, launch, stream);
   }
-  LOSSHEAD_CUDA_CHECK_LAUNCH();
-  return absl::OkStatus();
+  if (launch.threads == 1024) {
+    return LaunchWithThreads<TL, TG, 1024>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
+                                           per_token_loss, per_token_lse, launch, stream);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("row kernel threads must be 512 or 1024, got ", launch.threads));
 }
 
-#define LOSSHEAD_INSTANTIATE(TL, TG)                                                          \
-  template absl::Status LaunchSoftmaxGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*, \
-                                                  const SoftmaxGradParams&, TG*, int64_t,      \
-                                                  float*, float*, float*, int, cudaStream_t);
+#define LOSSHEAD_INSTANTIATE(TL, TG)                                                              \
+  template absl::Status LaunchSoftmaxGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*,    \
+                                                  const SoftmaxGradParams&, TG*, int64_t, float*, \
+                                                  float*, float*, const RowLaunch&, cudaStream_t);
 LOSSHEAD_INSTANTIATE(float, float)
 LOSSHEAD_INSTANTIATE(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE(float, __half)

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -12,11 +13,20 @@
 namespace losshead::kernels::cuda {
 
 struct SoftmaxGradParams {
-  int64_t v = 0;             // vocabulary size: columns [0, v) of each row are logits
+  int64_t v = 0;  // vocabulary size: columns [0, v) of each row are logits
   int64_t ignore_index = -100;
   float label_smoothing = 0.0f;
   float z_loss = 0.0f;
-  float softcap = 0.0f;      // 0 = off
+  float softcap = 0.0f;  // 0 = off
+};
+
+// How the row kernel is launched: `threads` per row (512 or 1024); when blocks_per_sm > 0, at
+// most that many rows per SM at once (smem_per_sm: the device's shared memory per SM, used to
+// enforce the cap), which bounds the rows in flight so that the second pass hits L2.
+struct RowLaunch {
+  int threads = 512;
+  int blocks_per_sm = 0;
+  size_t smem_per_sm = 0;
 };
 
 // For each of `rows` rows r (row r of `logits` starts at r * ldl elements; ldl a multiple of 16,
@@ -29,13 +39,13 @@ struct SoftmaxGradParams {
 //   smaller than TL. The reduction's scale is applied later, as the GEMMs' alpha.
 // A target outside [0, v) that is not ignore_index is treated as ignored (no out-of-bounds access;
 // the caller is expected to have rejected it already).
-// TL, TG: float, __nv_bfloat16 or __half (see the instantiations in the .cu). `threads` per row:
-// 512 or 1024 (INVALID_ARGUMENT otherwise).
+// TL, TG: float, __nv_bfloat16 or __half (see the instantiations in the .cu). launch.threads: 512
+// or 1024 (INVALID_ARGUMENT otherwise).
 template <typename TL, typename TG>
 absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
-                               int threads, cudaStream_t stream);
+                               const RowLaunch& launch, cudaStream_t stream);
 
 }  // namespace losshead::kernels::cuda
 

@@ -4,6 +4,8 @@
 //   fp32: true fp32 GEMMs (no TF32) on both sides; only summation order differs.
 //   bf16/fp16: the logit gradient G is rounded to the input dtype before the dH/dW GEMMs (the
 //   tensor cores' operand), and dH is stored in it: about one rounding (2^-9 bf16, 2^-11 fp16).
+#include "kernels/cuda/cuda_backend.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,7 +20,6 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "losshead/kernels/problem.h"
@@ -32,9 +33,9 @@ constexpr size_t kGiB = size_t{1} << 30;
 #define SKIP_WITHOUT_GPU() \
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the CUDA suite needs a GPU"
 
-#define ASSERT_OK(expr)                         \
-  do {                                          \
-    const absl::Status s_ = (expr);             \
+#define ASSERT_OK(expr)                          \
+  do {                                           \
+    const absl::Status s_ = (expr);              \
     ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
   } while (0)
 
@@ -77,10 +78,13 @@ struct Case {
   int64_t n = 0, v = 0, d = 0;
   LossOptions options;
   double ignored_fraction = 0.1;
-  float logit_std = 3.0f;     // typical |logit|
-  int64_t chunk_rows = 0;     // 0: default 1 GiB budget; else the budget for about this many rows
+  float logit_std = 3.0f;   // typical |logit|
+  int64_t chunk_rows = 0;   // 0: default 1 GiB budget; else the budget for about this many rows
   bool bf16_logits = true;  // the backend's default; applies to bf16 problems only
   int row_threads = 512;
+  int row_blocks_per_sm = 0;
+  bool overlap = false;
+  bool balance_chunks = true;
   bool extreme_logits = false;  // bf16 logits at |logit| ~ 1e4: looser gradient bound
 };
 
@@ -134,8 +138,8 @@ absl::Status RunOn(Backend& backend, const Problem& problem, const Inputs& in, s
   auto hidden = alloc(n * d * el), weight = alloc(v * d * el), targets = alloc(n * 4),
        grad_hidden = alloc(n * d * el), grad_weight = alloc(v * d * 4), loss = alloc(4),
        count = alloc(8), ptl = alloc(n * 4), lse = alloc(n * 4), ws = alloc(*ws_bytes);
-  for (auto* b : {&hidden, &weight, &targets, &grad_hidden, &grad_weight, &loss, &count, &ptl,
-                  &lse, &ws}) {
+  for (auto* b :
+       {&hidden, &weight, &targets, &grad_hidden, &grad_weight, &loss, &count, &ptl, &lse, &ws}) {
     if (!b->ok()) return b->status();
   }
   absl::Status s;
@@ -201,10 +205,15 @@ double RelErr(const std::vector<float>& a, const std::vector<float>& b,
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-std::unique_ptr<Backend> MakeCuda(bool bf16_logits = true, int row_threads = 512) {
+std::unique_ptr<Backend> MakeCuda(const Case* c = nullptr) {
   CudaBackendOptions o;
-  o.bf16_logits = bf16_logits;
-  o.row_threads = row_threads;
+  if (c != nullptr) {
+    o.bf16_logits = c->bf16_logits;
+    o.row_threads = c->row_threads;
+    o.row_blocks_per_sm = c->row_blocks_per_sm;
+    o.overlap = c->overlap;
+    o.balance_chunks = c->balance_chunks;
+  }
   absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(0, o);
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? std::move(*b) : nullptr;
@@ -215,13 +224,15 @@ size_t BudgetForRows(const Case& c) {
   if (c.chunk_rows == 0) return kGiB;
   const bool narrow = c.bf16_logits && c.dtype == DType::kBF16;
   const size_t row = ((c.v + 15) / 16 * 16) * (narrow ? 2 : 4) + 4;
-  return 32 * kMiB + 4096 + c.chunk_rows * row;  // 32 MiB: the cuBLAS part of the workspace
+  // The cuBLAS part of the workspace, the handle's reserve, scalars and alignment slack.
+  const CudaBackendOptions o;
+  return o.cublas_workspace_bytes + o.handle_reserve_bytes + 4096 + c.chunk_rows * row;
 }
 
 void CompareWithCpu(const Case& c, uint64_t seed) {
   const Problem problem = ProblemFor(c);
   const Inputs in = MakeInputs(c, seed);
-  std::unique_ptr<Backend> cuda = MakeCuda(c.bf16_logits, c.row_threads);
+  std::unique_ptr<Backend> cuda = MakeCuda(&c);
   ASSERT_NE(cuda, nullptr);
   std::unique_ptr<Backend> cpu = CreateCpuBackend();
   Outputs got, want;
@@ -253,7 +264,8 @@ TEST_P(CudaVsCpuTest, MatchesCpuReference) {
 
 std::vector<Case> Cases() {
   std::vector<Case> cases;
-  auto add = [&](DType dt, int64_t n, int64_t v, int64_t d, Reduction red, std::string extra = "",
+  auto add = [&](
+                 DType dt, int64_t n, int64_t v, int64_t d, Reduction red, std::string extra = "",
                  auto tweak = [](Case&) {}) {
     Case c;
     c.dtype = dt;
@@ -306,15 +318,39 @@ std::vector<Case> Cases() {
     c.options.softcap = 20.0f;
     c.options.label_smoothing = 0.1f;
   });
+  // The overlapped schedule (row kernel of one half beside the other half's GEMMs), balanced
+  // chunks of 2500 / 3 rows, and the per-SM row cap, in every combination the defaults lack.
+  add(DType::kBF16, 2500, 32003, 768, Reduction::kMean, "_overlap_chunk1024", [](Case& c) {
+    c.overlap = true;
+    c.chunk_rows = 1024;
+  });
+  add(DType::kBF16, 2500, 32003, 768, Reduction::kNone, "_overlap_unbalanced_chunk1024",
+      [](Case& c) {
+        c.overlap = true;
+        c.balance_chunks = false;
+        c.chunk_rows = 1024;
+      });
+  add(DType::kFP32, 1200, 32003, 256, Reduction::kMean, "_overlap_fp32_smoothing", [](Case& c) {
+    c.overlap = true;
+    c.options.label_smoothing = 0.1f;
+  });
+  add(DType::kBF16, 1000, 32003, 768, Reduction::kMean, "_bps1_t1024_chunk512", [](Case& c) {
+    c.row_threads = 1024;
+    c.row_blocks_per_sm = 1;
+    c.chunk_rows = 512;
+  });
+  add(DType::kBF16, 1000, 32003, 768, Reduction::kSum, "_fp32logits_bps2", [](Case& c) {
+    c.bf16_logits = false;
+    c.row_blocks_per_sm = 2;
+  });
   add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_smoothing",
       [](Case& c) { c.options.label_smoothing = 0.1f; });
   add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_zloss",
       [](Case& c) { c.options.z_loss = 1e-4f; });
-  add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_softcap",
-      [](Case& c) {
-        c.options.softcap = 15.0f;
-        c.logit_std = 20.0f;
-      });
+  add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_softcap", [](Case& c) {
+    c.options.softcap = 15.0f;
+    c.logit_std = 20.0f;
+  });
   add(DType::kFP32, 500, 1001, 768, Reduction::kNone, "_all_options_chunk256", [](Case& c) {
     c.options.softcap = 30.0f;
     c.options.z_loss = 1e-3f;
@@ -361,6 +397,30 @@ TEST(CudaBackendTest, TwoRunsAreBitIdentical) {
         << DTypeName(dt);
     EXPECT_EQ(std::memcmp(a.per_token_loss.data(), b.per_token_loss.data(), c.n * 4), 0);
   }
+}
+
+TEST(CudaBackendTest, OverlappedRunsAreBitIdenticalToSerial) {
+  SKIP_WITHOUT_GPU();
+  Case c = SmallCase();
+  c.n = 1500;
+  c.chunk_rows = 768;
+  const Inputs in = MakeInputs(c, 43);
+  std::unique_ptr<Backend> serial = MakeCuda(&c);
+  c.overlap = true;
+  std::unique_ptr<Backend> overlapped = MakeCuda(&c);
+  ASSERT_NE(serial, nullptr);
+  ASSERT_NE(overlapped, nullptr);
+  Outputs a, b, b2;
+  ASSERT_OK(RunOn(*serial, ProblemFor(c), in, BudgetForRows(c), &a));
+  ASSERT_OK(RunOn(*overlapped, ProblemFor(c), in, BudgetForRows(c), &b));
+  ASSERT_OK(RunOn(*overlapped, ProblemFor(c), in, BudgetForRows(c), &b2));
+  // The split changes the dH GEMMs' shapes (cuBLAS may pick other kernels), so dH is compared
+  // run against run; the loss reduction and dW see the same operands in the same order.
+  EXPECT_EQ(std::memcmp(&a.loss_sum, &b.loss_sum, 4), 0);
+  EXPECT_EQ(std::memcmp(a.per_token_loss.data(), b.per_token_loss.data(), c.n * 4), 0);
+  EXPECT_EQ(b.grad_hidden_raw, b2.grad_hidden_raw);
+  EXPECT_EQ(std::memcmp(b.grad_weight.data(), b2.grad_weight.data(), b.grad_weight.size() * 4), 0);
+  EXPECT_LE(RelErr(b.grad_hidden, a.grad_hidden), 1e-2);
 }
 
 TEST(CudaBackendTest, GradWeightAccumulatesAcrossCalls) {
@@ -438,7 +498,8 @@ TEST(CudaBackendTest, OutOfRangeTargetIsTreatedAsIgnored) {
 class CudaBackendErrorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the CUDA suite needs a GPU";
+    if (CudaDeviceCount() == 0)
+      GTEST_SKIP() << "no CUDA device visible: the CUDA suite needs a GPU";
     cuda_ = MakeCuda();
     ASSERT_NE(cuda_, nullptr);
     problem_.n = 16;
@@ -450,8 +511,12 @@ class CudaBackendErrorTest : public ::testing::Test {
     auto ws = cuda_->WorkspaceBytes(problem_, kGiB);
     ASSERT_TRUE(ws.ok());
     ws_bytes_ = *ws;
-    for (auto [buf, bytes] : {std::pair{&hidden_, size_t{16 * 64 * 2}}, {&weight_, 1001 * 64 * 2},
-                              {&targets_, 16 * 4}, {&loss_, 4}, {&count_, 8}, {&ws_, ws_bytes_}}) {
+    for (auto [buf, bytes] : {std::pair{&hidden_, size_t{16 * 64 * 2}},
+                              {&weight_, 1001 * 64 * 2},
+                              {&targets_, 16 * 4},
+                              {&loss_, 4},
+                              {&count_, 8},
+                              {&ws_, ws_bytes_}}) {
       auto b = cuda_->Allocate(bytes);
       ASSERT_TRUE(b.ok());
       *buf = std::move(*b);

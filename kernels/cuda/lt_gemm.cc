@@ -1,0 +1,135 @@
+#include "kernels/cuda/lt_gemm.h"
+
+#include <cstdint>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace losshead::kernels::cuda {
+namespace {
+
+// Largest power of two (at most 256) that divides the address: the heuristic may only pick
+// kernels whose vector loads the operand's alignment allows.
+int AlignmentOf(const void* p) {
+  const auto x = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && x % a != 0) a /= 2;
+  return a;
+}
+
+}  // namespace
+
+struct LtGemm::Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Plan() {
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+absl::Status LtGemm::Create(std::unique_ptr<LtGemm>* out) {
+  cublasLtHandle_t handle = nullptr;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtCreate(&handle));
+  out->reset(new LtGemm(handle));
+  return absl::OkStatus();
+}
+
+LtGemm::LtGemm(cublasLtHandle_t handle) : handle_(handle) {}
+
+LtGemm::~LtGemm() {
+  plans_.clear();
+  cublasLtDestroy(handle_);
+}
+
+absl::Status LtGemm::MakePlan(const GemmShape& s, int align_a, int align_b, int align_c,
+                              size_t workspace_bytes, Plan* plan) {
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const int32_t ta = s.trans_a, tb = s.trans_b;
+  LOSSHEAD_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  LOSSHEAD_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  const int32_t mode = s.device_scalars ? CUBLASLT_POINTER_MODE_DEVICE : CUBLASLT_POINTER_MODE_HOST;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+      plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof(mode)));
+  const bool ta_t = s.trans_a != CUBLAS_OP_N, tb_t = s.trans_b != CUBLAS_OP_N;
+  LOSSHEAD_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&plan->a, s.type_a, ta_t ? s.k : s.m, ta_t ? s.m : s.k, s.lda));
+  LOSSHEAD_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&plan->b, s.type_b, tb_t ? s.n : s.k, tb_t ? s.k : s.n, s.ldb));
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, s.type_c, s.m, s.n, s.ldc));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  struct PrefGuard {
+    cublasLtMatmulPreference_t p;
+    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
+  } guard{pref};
+  const uint64_t ws = workspace_bytes;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  // Split-K partial sums are added in fp32, never in the 16-bit output type (what
+  // CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION asks of cublas_v2).
+  const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+  const uint32_t al_a = align_a, al_b = align_b, al_c = align_c;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b,
+                                                       plan->c, plan->c, pref, 1, &result, &found));
+  if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cublasLt found no algorithm for m=", s.m, " n=", s.n,
+                                            " k=", s.k, " within ", workspace_bytes,
+                                            " bytes of workspace"));
+  }
+  plan->algo = result.algo;
+  return absl::OkStatus();
+}
+
+absl::Status LtGemm::Run(const GemmShape& s, const void* alpha, const void* a, const void* b,
+                         const void* beta, void* c, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream) {
+  const int align_a = AlignmentOf(a), align_b = AlignmentOf(b), align_c = AlignmentOf(c);
+  const Key key{s.trans_a,
+                s.trans_b,
+                s.m,
+                s.n,
+                s.k,
+                s.type_a,
+                s.type_b,
+                s.type_c,
+                s.lda,
+                s.ldb,
+                s.ldc,
+                s.device_scalars ? 1 : 0,
+                align_a,
+                align_b * 512 + align_c,
+                workspace_bytes};
+  auto it = plans_.find(key);
+  if (it == plans_.end()) {
+    auto plan = std::make_unique<Plan>();
+    LOSSHEAD_RETURN_IF_ERROR(MakePlan(s, align_a, align_b, align_c, workspace_bytes, plan.get()));
+    it = plans_.emplace(key, std::move(plan)).first;
+  }
+  const Plan& p = *it->second;
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, alpha, a, p.a, b, p.b, beta, c, p.c, c, p.c,
+                                       &p.algo, workspace, workspace_bytes, stream));
+  return absl::OkStatus();
+}
+
+}  // namespace losshead::kernels::cuda

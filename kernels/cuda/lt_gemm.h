@@ -1,0 +1,56 @@
+// GEMMs through cublasLt with a caller-owned workspace. A cublasLt handle allocates no device
+// memory of its own (a cublas_v2 handle allocates a default workspace pool of 64 MiB on Hopper at
+// creation), so every byte a call uses is in the workspace the caller budgeted.
+#ifndef LOSSHEAD_KERNELS_CUDA_LT_GEMM_H_
+#define LOSSHEAD_KERNELS_CUDA_LT_GEMM_H_
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include "absl/status/status.h"
+
+namespace losshead::kernels::cuda {
+
+// D = alpha * op(A) * op(B) + beta * C with C = D, column-major as in cuBLAS; fp32 compute.
+// alpha and beta point to floats in host or device memory (`device_scalars`).
+struct GemmShape {
+  cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
+  int m = 0, n = 0, k = 0;
+  cudaDataType_t type_a = CUDA_R_16BF, type_b = CUDA_R_16BF, type_c = CUDA_R_16BF;
+  int lda = 0, ldb = 0, ldc = 0;
+  bool device_scalars = false;
+};
+
+// One stream's cublasLt handle plus, per shape, the descriptors and the algorithm the heuristic
+// picked the first time (same shape, same algorithm: results are reproducible run to run). Not
+// thread-safe: the owning stream's mutex serialises callers.
+class LtGemm {
+ public:
+  static absl::Status Create(std::unique_ptr<LtGemm>* out);
+  ~LtGemm();
+
+  absl::Status Run(const GemmShape& shape, const void* alpha, const void* a, const void* b,
+                   const void* beta, void* c, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream);
+
+ private:
+  struct Plan;
+  using Key =
+      std::tuple<int, int, int, int, int, int, int, int, int, int, int, int, int, int, size_t>;
+  explicit LtGemm(cublasLtHandle_t handle);
+  absl::Status MakePlan(const GemmShape& shape, int align_a, int align_b, int align_c,
+                        size_t workspace_bytes, Plan* plan);
+
+  cublasLtHandle_t handle_;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace losshead::kernels::cuda
+
+#endif  // LOSSHEAD_KERNELS_CUDA_LT_GEMM_H_
