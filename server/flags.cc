@@ -26,6 +26,14 @@ ABSL_FLAG(uint64_t, idempotency_max_bytes, uint64_t{256} << 20,
           "Byte cap of the remembered results per (head, client id)");
 ABSL_FLAG(uint64_t, max_inflight_per_stream, 4,
           "Micro-batches a Step stream may have received and not yet had answered");
+ABSL_FLAG(uint64_t, max_inflight_microbatches, 1024,
+          "Server-wide bound on micro-batches read and not yet answered; beyond it a micro-batch "
+          "is answered RESOURCE_EXHAUSTED with a retry hint");
+ABSL_FLAG(uint64_t, max_inflight_bytes, uint64_t{4} << 30,
+          "Server-wide bound on buffered micro-batch request bytes (reserved from the header); "
+          "must be >= --max_microbatch_bytes");
+ABSL_FLAG(absl::Duration, retry_after, absl::Milliseconds(50),
+          "Retry hint sent with a micro-batch refused under backpressure");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory of head checkpoints: restored at start, written on demand, periodically and "
           "at shutdown; empty disables checkpoints");
@@ -83,6 +91,19 @@ ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   o.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  o.max_inflight_microbatches = absl::GetFlag(FLAGS_max_inflight_microbatches);
+  o.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  o.retry_after = absl::GetFlag(FLAGS_retry_after);
+  if (o.max_inflight_microbatches == 0 || o.max_inflight_bytes < o.max_microbatch_bytes) {
+    // A micro-batch larger than the whole byte bound could never be admitted: clients would
+    // retry it forever.
+    return absl::InvalidArgumentError(
+        "--max_inflight_microbatches must be >= 1 and --max_inflight_bytes >= "
+        "--max_microbatch_bytes");
+  }
+  if (o.retry_after < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--retry_after must be >= 0");
+  }
   o.metrics_basic_auth_file = absl::GetFlag(FLAGS_metrics_basic_auth_file);
   o.max_heads = absl::GetFlag(FLAGS_max_heads);
   o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);

@@ -65,6 +65,10 @@ class ServerImpl final : public Server {
     ctx_.max_message_bytes = options_.max_message_bytes;
     ctx_.max_microbatch_bytes = options_.max_microbatch_bytes;
     ctx_.max_inflight_per_stream = std::max<size_t>(1, options_.max_inflight_per_stream);
+    admission_ =
+        std::make_unique<Admission>(std::max<size_t>(1, options_.max_inflight_microbatches),
+                                    options_.max_inflight_bytes, options_.retry_after);
+    ctx_.admission = admission_.get();
     ctx_.start_time = absl::Now();
     service_ = std::make_unique<LossHeadService>(&ctx_);
     service_->RefreshMemoryMetrics();
@@ -153,6 +157,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<HeadRegistry> registry_;
   ServerSecurity security_;
   std::unique_ptr<Checkpointer> checkpointer_;
+  std::unique_ptr<Admission> admission_;
   ServiceContext ctx_;
   std::unique_ptr<LossHeadService> service_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;

@@ -35,6 +35,13 @@ struct ServerOptions {
   size_t max_microbatch_bytes = size_t{1} << 30;
   // Micro-batches one Step stream may have received and not yet had answered (pipelining depth).
   size_t max_inflight_per_stream = 4;
+  // Server-wide backpressure: micro-batches admitted (header read, not yet answered) and the
+  // request bytes reserved for them. Beyond either bound a micro-batch is answered
+  // RESOURCE_EXHAUSTED with retry_after_ms = `retry_after` and the stream goes on. Bytes are
+  // reserved from the header's announced size before they are buffered.
+  size_t max_inflight_microbatches = 1024;
+  size_t max_inflight_bytes = size_t{4} << 30;
+  absl::Duration retry_after = absl::Milliseconds(50);
   // Checkpoints (server/checkpointer.h): the directory (empty disables them), restored at start,
   // written every `checkpoint_interval` (0: only on demand and at shutdown) and after the drain.
   std::string checkpoint_dir;

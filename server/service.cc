@@ -111,8 +111,8 @@ grpc::ServerUnaryReactor* LossHeadService::SetLossOptions(grpc::CallbackServerCo
 }
 
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* LossHeadService::Step(
-    grpc::CallbackServerContext* /*context*/) {
-  return new StepReactor(ctx_);
+    grpc::CallbackServerContext* context) {
+  return new StepReactor(ctx_, context);
 }
 
 grpc::ServerWriteReactor<v1::GradientChunk>* LossHeadService::PullGradient(
@@ -148,6 +148,10 @@ grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext*
   response->set_inflight_microbatches(std::max<int64_t>(0, ctx_->metrics->inflight()));
   response->set_max_message_bytes(ctx_->max_message_bytes);
   response->set_version(LOSSHEAD_VERSION);
+  if (ctx_->admission != nullptr) {
+    response->set_admitted_microbatches(ctx_->admission->microbatches());
+    response->set_reserved_bytes(ctx_->admission->bytes());
+  }
   Answer(ctx_, reactor, "GetStats", start, absl::OkStatus());
   return reactor;
 }

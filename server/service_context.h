@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "losshead/kernels/backend.h"
+#include "server/admission.h"
 #include "server/head_registry.h"
 #include "server/metrics.h"
 #include "server/thread_pool.h"
@@ -46,6 +47,8 @@ struct ServiceContext {
   // already authorised for their method; handlers use it only for request-dependent rules.
   const TokenAuthenticator* tokens = nullptr;
   Checkpointer* checkpointer = nullptr;
+  // Server-wide bound on admitted micro-batches and their buffered request bytes.
+  Admission* admission = nullptr;
   size_t max_message_bytes = size_t{4} << 20;
   size_t max_microbatch_bytes = size_t{1} << 30;
   // Micro-batches of one stream received but not yet answered; reading pauses at this bound.

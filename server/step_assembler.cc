@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/admission.h"
 
 namespace losshead::server {
 
@@ -30,7 +31,7 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
     std::string().swap(mb.microbatch.hidden);
     std::string().swap(mb.microbatch.targets);
   }
-  if (!mb.oversize) {
+  if (!mb.oversize && mb.refused.ok()) {
     // The first piece is moved rather than copied: single-message micro-batches copy nothing.
     if (mb.microbatch.hidden.empty()) {
       mb.microbatch.hidden = std::move(*request.mutable_hidden());
@@ -47,6 +48,13 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
   std::optional<AssembledMicroBatch> done = std::move(current_);
   current_.reset();
   return done;
+}
+
+void StepAssembler::Refuse(absl::Status status) {
+  AssembledMicroBatch& mb = *current_;
+  mb.refused = std::move(status);
+  std::string().swap(mb.microbatch.hidden);
+  std::string().swap(mb.microbatch.targets);
 }
 
 size_t ChunkPayloadBytes(size_t max_message_bytes) {
@@ -72,6 +80,7 @@ std::vector<v1::StepResponse> BuildStepResponses(
     v1::StepResponse& r = next();
     r.mutable_error()->set_code(static_cast<int>(outcome.status().code()));
     r.mutable_error()->set_message(std::string(outcome.status().message()));
+    r.mutable_error()->set_retry_after_ms(RetryAfterMs(outcome.status()));
     r.set_last(true);
     return out;
   }

@@ -22,6 +22,9 @@ namespace losshead::server {
 struct AssembledMicroBatch {
   MicroBatch microbatch;
   bool oversize = false;
+  // Not OK when the server refused the micro-batch (admission): its bytes were dropped like an
+  // oversize one's and it must be answered with this status.
+  absl::Status refused;
   uint64_t received_bytes = 0;  // hidden + targets bytes, dropped ones included
   absl::Time first_message;
   absl::Time last_message;
@@ -38,6 +41,18 @@ class StepAssembler {
 
   // True inside a micro-batch (a stream may not end here).
   bool open() const { return current_.has_value(); }
+  // The open micro-batch's header (requires open()).
+  const v1::StepHeader& open_header() const { return current_->microbatch.header; }
+  // True while the open micro-batch keeps what it receives (neither oversize nor refused).
+  bool buffering() const {
+    return current_.has_value() && !current_->oversize && current_->refused.ok();
+  }
+
+  // Refuses the open micro-batch (requires open()): frees its bytes, drops those still to come,
+  // and has it answered with `status` when it closes.
+  void Refuse(absl::Status status);
+  // Forgets the open micro-batch and frees its bytes (the call is over).
+  void Clear() { current_.reset(); }
 
  private:
   const size_t max_bytes_;

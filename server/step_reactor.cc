@@ -1,5 +1,6 @@
 #include "server/step_reactor.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -39,8 +40,8 @@ bool StepStreams::WaitUntilNone(absl::Time deadline) {
       deadline);
 }
 
-StepReactor::StepReactor(ServiceContext* ctx)
-    : ctx_(ctx), start_(absl::Now()), assembler_(ctx->max_microbatch_bytes) {
+StepReactor::StepReactor(ServiceContext* ctx, grpc::CallbackServerContext* call)
+    : ctx_(ctx), call_(call), start_(absl::Now()), assembler_(ctx->max_microbatch_bytes) {
   // Register before looking at the flag: a concurrent shutdown either sees this stream or this
   // stream sees the flag.
   ctx_->streams.Add(this);
@@ -79,16 +80,17 @@ void StepReactor::Pump() {
         write = &slot.responses[slot.next];
         writing_ = true;
       }
-      if (!reading_ && !read_closed_ && !draining_ &&
+      if (!reading_ && !read_closed_ && !draining_ && !cancelled_ &&
           slots_.size() < ctx_->max_inflight_per_stream) {
         reading_ = true;
         read = true;
       }
-      if (!writing_ && slots_.empty() && (read_closed_ || draining_)) {
-        finish = read_closed_ ? grpc::Status::OK
-                              : grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                             "the server is shutting down; no further "
-                                             "micro-batches are read on this stream");
+      if (!writing_ && slots_.empty() && (read_closed_ || draining_ || cancelled_)) {
+        finish = cancelled_     ? CancelStatus()
+                 : read_closed_ ? grpc::Status::OK
+                                : grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                               "the server is shutting down; no further "
+                                               "micro-batches are read on this stream");
       }
     }
     if (finish.has_value()) {
@@ -108,19 +110,52 @@ void StepReactor::OnReadDone(bool ok) {
     if (!ok) {
       read_closed_ = true;
       if (assembler_.open() && !finished_) {
-        pending_finish_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                       "malformed Step stream: it ended inside a micro-batch");
+        pending_finish_ =
+            cancelled_ ? CancelStatus()
+                       : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      "malformed Step stream: it ended inside a micro-batch");
       }
-    } else if (!finished_) {
+      // A partial micro-batch can never complete now: free its bytes at once.
+      assembler_.Clear();
+      ReleaseOpenLocked();
+    } else if (!finished_ && !cancelled_) {
       ctx_->metrics->Bytes("Step", "in", request_.hidden().size() + request_.targets().size());
+      // Reserve before buffering; a refused micro-batch keeps no bytes and is answered
+      // RESOURCE_EXHAUSTED with a retry hint when it closes, and the stream goes on.
+      const absl::Status admitted = AdmitPieceLocked(request_);
       auto assembled = assembler_.Add(request_, absl::Now());
       request_.Clear();
+      if (assembled.ok() && !admitted.ok()) {
+        if (assembled->has_value()) {
+          AssembledMicroBatch& mb = **assembled;
+          mb.refused = admitted;
+          std::string().swap(mb.microbatch.hidden);
+          std::string().swap(mb.microbatch.targets);
+        } else if (assembler_.open()) {
+          assembler_.Refuse(admitted);
+        }
+      }
+      if (assembled.ok() && !assembled->has_value() && assembler_.open() &&
+          !assembler_.buffering()) {
+        // Oversize or refused: nothing is buffered any more, so nothing stays reserved.
+        ReleaseOpenLocked();
+      }
       if (!assembled.ok()) {
+        ReleaseOpenLocked();
         pending_finish_ = ToGrpcStatus(assembled.status());
       } else if (assembled->has_value()) {
         auto slot = std::make_shared<Slot>();
         slot->assembled = std::move(**assembled);
         slot->ready = absl::Now();
+        if (slot->assembled.oversize || !slot->assembled.refused.ok()) {
+          ReleaseOpenLocked();
+        } else {
+          slot->admitted = open_admitted_;
+          slot->reserved = open_reserved_;
+          open_admitted_ = false;
+          open_reserved_ = 0;
+        }
+        open_received_ = 0;
         slots_.push_back(std::move(slot));
         ++inflight_;
         ctx_->metrics->InflightAdd(1);
@@ -132,7 +167,7 @@ void StepReactor::OnReadDone(bool ok) {
 }
 
 void StepReactor::StartNextSlotLocked() {
-  if (computing_ || finished_) return;
+  if (computing_ || finished_ || cancelled_) return;
   for (const std::shared_ptr<Slot>& slot : slots_) {
     if (slot->started) continue;
     slot->started = true;
@@ -150,7 +185,22 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   StepStats stats;
   absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome;
   bool known_head = false;
-  if (slot->assembled.oversize) {
+  bool gone;
+  {
+    absl::MutexLock lock(&mu_);
+    gone = cancelled_;
+  }
+  if (!gone && call_ != nullptr && absl::FromChrono(call_->deadline()) <= picked) gone = true;
+  if (gone) {
+    // The caller cannot receive the answer: computing would only change dW behind its back.
+    outcome = CancelStatus().error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                  ? absl::DeadlineExceededError(
+                        "the Step call's deadline passed before this "
+                        "micro-batch started")
+                  : absl::CancelledError("the Step call was cancelled");
+  } else if (!slot->assembled.refused.ok()) {
+    outcome = slot->assembled.refused;
+  } else if (slot->assembled.oversize) {
     outcome = absl::ResourceExhaustedError(absl::StrCat(
         "micro-batch of ", slot->assembled.received_bytes, " bytes exceeds the limit of ",
         ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
@@ -193,6 +243,7 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     // The request's tensors are no longer needed; free them before the responses drain.
     std::string().swap(slot->assembled.microbatch.hidden);
     std::string().swap(slot->assembled.microbatch.targets);
+    ReleaseSlotBytesLocked(*slot);
     computing_ = false;
     StartNextSlotLocked();
   }
@@ -217,6 +268,7 @@ void StepReactor::OnWriteDone(bool ok) {
           ctx_->metrics->StepPhase(slot.assembled.microbatch.header.head(), "send",
                                    absl::Now() - slot.first_send);
         }
+        ReleaseSlotLocked(slot);
         slots_.pop_front();
         --inflight_;
         ctx_->metrics->InflightAdd(-1);
@@ -235,9 +287,96 @@ void StepReactor::OnDone() {
     ctx_->metrics->RpcFinished("Step", final_status_.error_code(), absl::Now() - start_);
     ctx_->metrics->InflightAdd(-inflight_);
     inflight_ = 0;
+    ReleaseOpenLocked();
+    for (const std::shared_ptr<Slot>& slot : slots_) ReleaseSlotLocked(*slot);
     destroy = pins_ == 0;
   }
   if (destroy) delete this;
+}
+
+void StepReactor::OnCancel() {
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    assembler_.Clear();
+    ReleaseOpenLocked();
+    // Micro-batches not started are dropped now; a computing one finishes (it cannot be
+    // interrupted) and its answer's write fails.
+    for (auto it = slots_.begin(); it != slots_.end();) {
+      Slot& slot = **it;
+      if (slot.started) {
+        ++it;
+        continue;
+      }
+      ReleaseSlotLocked(slot);
+      --inflight_;
+      ctx_->metrics->InflightAdd(-1);
+      it = slots_.erase(it);
+    }
+  }
+  Pump();
+}
+
+grpc::Status StepReactor::CancelStatus() const {
+  if (call_ != nullptr && absl::FromChrono(call_->deadline()) <= absl::Now()) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the Step call's deadline passed");
+  }
+  return grpc::Status(grpc::StatusCode::CANCELLED, "the Step call was cancelled");
+}
+
+absl::Status StepReactor::AdmitPieceLocked(const v1::StepRequest& request) {
+  Admission* admission = ctx_->admission;
+  const size_t piece = request.hidden().size() + request.targets().size();
+  if (request.has_header() && !assembler_.open()) {
+    open_received_ = piece;
+    if (admission == nullptr) return absl::OkStatus();
+    // Reserve what the header announces (capped by the per-micro-batch limit, beyond which the
+    // micro-batch is refused anyway), so that a large micro-batch is refused at its first
+    // message rather than after much of it has been buffered.
+    size_t announced = 0;
+    if (auto head = ctx_->registry->Get(request.header().head()); head.ok()) {
+      announced = static_cast<size_t>(std::min<uint64_t>(
+          AnnouncedBytes(request.header(), (*head)->hidden_size()), ctx_->max_microbatch_bytes));
+    }
+    const size_t want = std::max(announced, piece);
+    if (!admission->TryAdmit(want)) {
+      return admission->Refusal(absl::StrCat("no room to admit a micro-batch of ", want, " bytes"));
+    }
+    open_admitted_ = true;
+    open_reserved_ = want;
+    return absl::OkStatus();
+  }
+  if (!assembler_.open() || !assembler_.buffering()) return absl::OkStatus();
+  open_received_ += piece;
+  if (admission == nullptr || !open_admitted_ || open_received_ <= open_reserved_) {
+    return absl::OkStatus();
+  }
+  const size_t more = open_received_ - open_reserved_;
+  if (!admission->TryReserve(more)) {
+    ReleaseOpenLocked();
+    return admission->Refusal(absl::StrCat("no room to buffer ", more, " more bytes"));
+  }
+  open_reserved_ += more;
+  return absl::OkStatus();
+}
+
+void StepReactor::ReleaseOpenLocked() {
+  if (ctx_->admission != nullptr && (open_admitted_ || open_reserved_ > 0)) {
+    ctx_->admission->Release(open_admitted_ ? 1 : 0, open_reserved_);
+  }
+  open_admitted_ = false;
+  open_reserved_ = 0;
+}
+
+void StepReactor::ReleaseSlotBytesLocked(Slot& slot) {
+  if (ctx_->admission != nullptr && slot.reserved > 0) ctx_->admission->Release(0, slot.reserved);
+  slot.reserved = 0;
+}
+
+void StepReactor::ReleaseSlotLocked(Slot& slot) {
+  ReleaseSlotBytesLocked(slot);
+  if (ctx_->admission != nullptr && slot.admitted) ctx_->admission->Release(1, 0);
+  slot.admitted = false;
 }
 
 void StepReactor::Unpin() {

@@ -23,11 +23,16 @@ namespace losshead::server {
 
 class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
  public:
-  explicit StepReactor(ServiceContext* ctx);
+  // `call` (may be null in tests) gives the call's deadline: a stream cancelled past it ends
+  // DEADLINE_EXCEEDED rather than CANCELLED.
+  explicit StepReactor(ServiceContext* ctx, grpc::CallbackServerContext* call = nullptr);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnDone() override;
+  // Client cancel, connection drop or deadline: buffered bytes and admissions are given back at
+  // once, and micro-batches not yet started are never computed.
+  void OnCancel() override;
 
   // Shutdown, in two steps so that StepStreams never calls into gRPC under its lock: BeginDrain
   // marks the stream and pins the reactor; EndDrain stops reading, finishes once the queued
@@ -45,6 +50,8 @@ class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResp
     size_t next = 0;
     absl::Time ready;       // fully received
     absl::Time first_send;  // first response handed to gRPC
+    bool admitted = false;  // holds one server-wide admission (Admission) until answered
+    size_t reserved = 0;    // request bytes reserved in Admission until its tensors are freed
   };
 
   // Issues whatever gRPC operations the state allows: the next write, the next read, Finish.
@@ -53,10 +60,18 @@ class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResp
   void StartNextSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSlot(std::shared_ptr<Slot> slot);
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Admission bookkeeping of one message of the open (or just opened) micro-batch, before its
+  // bytes are buffered: the refusal to answer it with, or OK.
+  absl::Status AdmitPieceLocked(const v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSlotBytesLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSlotLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  grpc::Status CancelStatus() const;
   // Drops one pin; deletes the reactor when gRPC is done with it and nothing pins it.
   void Unpin();
 
   ServiceContext* const ctx_;
+  grpc::CallbackServerContext* const call_;
   const absl::Time start_;
   v1::StepRequest request_;  // owned by the outstanding read
 
@@ -75,6 +90,11 @@ class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResp
   bool done_ ABSL_GUARDED_BY(mu_) = false;     // OnDone ran
   int pins_ ABSL_GUARDED_BY(mu_) = 0;          // worker tasks and drains that still use `this`
   int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // counted in the inflight gauge
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // The open micro-batch's admission: admitted, bytes reserved and bytes received so far.
+  bool open_admitted_ ABSL_GUARDED_BY(mu_) = false;
+  size_t open_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t open_received_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace losshead::server

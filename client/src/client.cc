@@ -79,7 +79,7 @@ absl::Status Client::WaitForReady(absl::Duration timeout) {
   return absl::DeadlineExceededError("server not reachable within the timeout");
 }
 
-absl::StatusOr<v1::HeadInfo> Client::CreateHead(const v1::HeadSpec& spec) {
+absl::StatusOr<v1::HeadInfo> Client::CreateHeadOnce(const v1::HeadSpec& spec) {
   v1::CreateHeadRequest request;
   *request.mutable_spec() = spec;
   v1::HeadInfo info;
@@ -89,7 +89,7 @@ absl::StatusOr<v1::HeadInfo> Client::CreateHead(const v1::HeadSpec& spec) {
   return info;
 }
 
-absl::StatusOr<v1::HeadInfo> Client::GetHead(const std::string& name) {
+absl::StatusOr<v1::HeadInfo> Client::GetHeadOnce(const std::string& name) {
   v1::GetHeadRequest request;
   request.set_name(name);
   v1::HeadInfo info;
@@ -99,7 +99,7 @@ absl::StatusOr<v1::HeadInfo> Client::GetHead(const std::string& name) {
   return info;
 }
 
-absl::StatusOr<std::vector<v1::HeadInfo>> Client::ListHeads() {
+absl::StatusOr<std::vector<v1::HeadInfo>> Client::ListHeadsOnce() {
   v1::ListHeadsResponse response;
   auto context = NewContext(options_.deadline);
   grpc::Status status = stub_->ListHeads(context.get(), v1::ListHeadsRequest(), &response);
@@ -107,7 +107,7 @@ absl::StatusOr<std::vector<v1::HeadInfo>> Client::ListHeads() {
   return std::vector<v1::HeadInfo>(response.heads().begin(), response.heads().end());
 }
 
-absl::Status Client::DeleteHead(const std::string& name) {
+absl::Status Client::DeleteHeadOnce(const std::string& name) {
   v1::DeleteHeadRequest request;
   request.set_name(name);
   v1::DeleteHeadResponse response;
@@ -115,8 +115,8 @@ absl::Status Client::DeleteHead(const std::string& name) {
   return FromGrpcStatus(stub_->DeleteHead(context.get(), request, &response));
 }
 
-absl::StatusOr<v1::HeadInfo> Client::SetLossOptions(const std::string& name,
-                                                    const v1::LossOptions& default_options) {
+absl::StatusOr<v1::HeadInfo> Client::SetLossOptionsOnce(const std::string& name,
+                                                        const v1::LossOptions& default_options) {
   v1::SetLossOptionsRequest request;
   request.set_name(name);
   *request.mutable_default_options() = default_options;
@@ -127,7 +127,7 @@ absl::StatusOr<v1::HeadInfo> Client::SetLossOptions(const std::string& name,
   return info;
 }
 
-absl::StatusOr<v1::Stats> Client::GetStats() {
+absl::StatusOr<v1::Stats> Client::GetStatsOnce() {
   v1::Stats stats;
   auto context = NewContext(options_.deadline);
   grpc::Status status = stub_->GetStats(context.get(), v1::GetStatsRequest(), &stats);
@@ -140,7 +140,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStepStream() {
                                       options_.max_message_bytes);
 }
 
-absl::StatusOr<StepResult> Client::Step(const Microbatch& microbatch) {
+absl::StatusOr<StepResult> Client::StepOnce(const Microbatch& microbatch) {
   auto stream = OpenStepStream();
   if (!stream.ok()) return stream.status();
   absl::Status sent = (*stream)->Send(microbatch);

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
+#include "losshead/client/retry.h"
 #include "losshead/client/status.h"
 
 namespace losshead::client {
@@ -164,6 +166,11 @@ void StepStream::ReadLoop() {
         }
         absl::Status error =
             FromCodeAndMessage(response.error().code(), response.error().message());
+        if (response.error().retry_after_ms() > 0 && !error.ok()) {
+          // Kept with the status so that the retry logic can honour the server's hint.
+          error.SetPayload(kRetryAfterPayload,
+                           absl::Cord(absl::StrCat(response.error().retry_after_ms())));
+        }
         deliver(error.ok() ? absl::InternalError("micro-batch error with code OK") : error);
         continue;
       }

@@ -53,7 +53,7 @@ class Reassembler {
 
 }  // namespace
 
-absl::StatusOr<uint64_t> Client::PushWeights(const PushRequest& request) {
+absl::StatusOr<uint64_t> Client::PushWeightsOnce(const PushRequest& request) {
   v1::PushHeader header;
   header.set_head(request.head);
   header.set_dtype(request.dtype);
@@ -95,8 +95,8 @@ absl::StatusOr<uint64_t> Client::UploadWeights(const std::string& head, v1::DTyp
   return PushWeights(request);
 }
 
-absl::StatusOr<DownloadedWeights> Client::DownloadWeights(const std::string& head,
-                                                          v1::DType dtype) {
+absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string& head,
+                                                              v1::DType dtype) {
   v1::DownloadWeightsRequest request;
   request.set_head(head);
   request.set_dtype(dtype);
@@ -138,8 +138,8 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeights(const std::string& hea
   return weights;
 }
 
-absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1::DType dtype,
-                                                    bool reset) {
+absl::StatusOr<PulledGradient> Client::PullGradientOnce(const std::string& head, v1::DType dtype,
+                                                        bool reset) {
   v1::PullGradientRequest request;
   request.set_head(head);
   request.set_dtype(dtype);

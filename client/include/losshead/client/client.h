@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -13,9 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "losshead/client/retry.h"
 #include "losshead/client/step_stream.h"
 #include "losshead/v1/losshead.grpc.pb.h"
 #include "losshead/v1/losshead.pb.h"
@@ -35,6 +38,19 @@ struct ClientOptions {
   bool dedicated_connection = false;
   // Insecure when null (and no TLS field below is set); when set, the TLS fields are ignored.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // TLS: on when `tls` or any file below is set. Root CA PEM file (empty: the system's roots);
+  // client certificate and key PEM files for mTLS; the name to verify in the server's
+  // certificate instead of the target's host (tests, or servers reached by IP).
+  bool tls = false;
+  std::string tls_root_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;
+  // Sent on every call as `authorization: Bearer <token>`; empty: none.
+  std::string bearer_token;
+  // Retries of transient failures; see losshead/client/retry.h for what is retried and why
+  // nothing is counted twice. Applies to every method, and per micro-batch to Step and StepMany.
+  RetryPolicy retry;
 };
 
 // Bytes of a tensor that needs no typed access on the client side.
@@ -115,6 +131,16 @@ class Client {
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
   // One micro-batch on its own stream: its result or its error, with the server's code.
   absl::StatusOr<StepResult> Step(const Microbatch& microbatch);
+  // Micro-batches over Step streams, up to `pipeline_depth` in flight, one answer per micro-batch
+  // in the same order. A micro-batch answered with a retryable error, or lost with its stream, is
+  // re-sent (same client_id and sequence, on a new stream if the old one ended) after a backoff;
+  // a permanent error is its answer. With pipeline_depth 1 dW accumulates in the given order;
+  // deeper, a retried micro-batch may land after later ones.
+  std::vector<absl::StatusOr<StepResult>> StepMany(std::span<const Microbatch> microbatches,
+                                                   size_t pipeline_depth = 4);
+
+  // Attempts that were retries (all methods), since Connect.
+  uint64_t retries() const { return retries_.load(); }
 
   const ClientOptions& options() const { return options_; }
   grpc::Channel* channel() const { return channel_.get(); }
@@ -122,10 +148,30 @@ class Client {
  private:
   Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
   std::unique_ptr<grpc::ClientContext> NewContext(absl::Duration deadline) const;
+  // Runs `attempt` until it succeeds, fails permanently or options_.retry is spent, sleeping the
+  // backoff between attempts; returns the last status.
+  absl::Status RunWithRetry(absl::FunctionRef<absl::Status()> attempt);
+  // Sleeps the backoff of the `attempt`-th failure and counts a retry.
+  void Backoff(int attempt, const absl::Status& status);
+
+  // Single attempts of the public methods (the public ones add the retries).
+  absl::StatusOr<v1::HeadInfo> CreateHeadOnce(const v1::HeadSpec& spec);
+  absl::StatusOr<v1::HeadInfo> GetHeadOnce(const std::string& name);
+  absl::StatusOr<std::vector<v1::HeadInfo>> ListHeadsOnce();
+  absl::Status DeleteHeadOnce(const std::string& name);
+  absl::StatusOr<v1::HeadInfo> SetLossOptionsOnce(const std::string& name,
+                                                  const v1::LossOptions& default_options);
+  absl::StatusOr<uint64_t> PushWeightsOnce(const PushRequest& request);
+  absl::StatusOr<DownloadedWeights> DownloadWeightsOnce(const std::string& head, v1::DType dtype);
+  absl::StatusOr<PulledGradient> PullGradientOnce(const std::string& head, v1::DType dtype,
+                                                  bool reset);
+  absl::StatusOr<v1::Stats> GetStatsOnce();
+  absl::StatusOr<StepResult> StepOnce(const Microbatch& microbatch);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LossHead::Stub> stub_;
   ClientOptions options_;
+  std::atomic<uint64_t> retries_{0};
 };
 
 // Bytes per element of a dtype; 0 for UNSPECIFIED.

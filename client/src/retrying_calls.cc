@@ -1,0 +1,179 @@
+// The public Client methods: each single attempt (the *Once methods) wrapped in the retry policy,
+// and StepMany, which re-sends micro-batches under their idempotency keys. See retry.h.
+#include <algorithm>
+#include <deque>
+#include <optional>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "losshead/client/client.h"
+#include "losshead/client/retry.h"
+
+namespace losshead::client {
+
+absl::Status Client::RunWithRetry(absl::FunctionRef<absl::Status()> attempt) {
+  const int max_attempts = std::max(1, options_.retry.max_attempts);
+  absl::Status status;
+  for (int i = 1;; ++i) {
+    status = attempt();
+    if (status.ok() || !IsRetryable(status) || i >= max_attempts) return status;
+    Backoff(i, status);
+  }
+}
+
+void Client::Backoff(int attempt, const absl::Status& status) {
+  retries_.fetch_add(1);
+  absl::SleepFor(BackoffDelay(options_.retry, attempt, status));
+}
+
+absl::StatusOr<v1::HeadInfo> Client::CreateHead(const v1::HeadSpec& spec) {
+  absl::StatusOr<v1::HeadInfo> r;
+  RunWithRetry([&] { return (r = CreateHeadOnce(spec)).status(); });
+  return r;
+}
+
+absl::StatusOr<v1::HeadInfo> Client::GetHead(const std::string& name) {
+  absl::StatusOr<v1::HeadInfo> r;
+  RunWithRetry([&] { return (r = GetHeadOnce(name)).status(); });
+  return r;
+}
+
+absl::StatusOr<std::vector<v1::HeadInfo>> Client::ListHeads() {
+  absl::StatusOr<std::vector<v1::HeadInfo>> r;
+  RunWithRetry([&] { return (r = ListHeadsOnce()).status(); });
+  return r;
+}
+
+absl::Status Client::DeleteHead(const std::string& name) {
+  return RunWithRetry([&] { return DeleteHeadOnce(name); });
+}
+
+absl::StatusOr<v1::HeadInfo> Client::SetLossOptions(const std::string& name,
+                                                    const v1::LossOptions& default_options) {
+  absl::StatusOr<v1::HeadInfo> r;
+  RunWithRetry([&] { return (r = SetLossOptionsOnce(name, default_options)).status(); });
+  return r;
+}
+
+absl::StatusOr<v1::Stats> Client::GetStats() {
+  absl::StatusOr<v1::Stats> r;
+  RunWithRetry([&] { return (r = GetStatsOnce()).status(); });
+  return r;
+}
+
+absl::StatusOr<uint64_t> Client::PushWeights(const PushRequest& request) {
+  if (request.mode == v1::PUSH_MODE_ADD && !request.expected_weights_version.has_value()) {
+    // A delta that landed but whose answer was lost would be added twice by a repeat.
+    return PushWeightsOnce(request);
+  }
+  absl::StatusOr<uint64_t> r;
+  RunWithRetry([&] { return (r = PushWeightsOnce(request)).status(); });
+  return r;
+}
+
+absl::StatusOr<DownloadedWeights> Client::DownloadWeights(const std::string& head,
+                                                          v1::DType dtype) {
+  absl::StatusOr<DownloadedWeights> r;
+  RunWithRetry([&] { return (r = DownloadWeightsOnce(head, dtype)).status(); });
+  return r;
+}
+
+absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1::DType dtype,
+                                                    bool reset) {
+  if (!reset) {
+    absl::StatusOr<PulledGradient> r;
+    RunWithRetry([&] { return (r = PullGradientOnce(head, dtype, reset)).status(); });
+    return r;
+  }
+  // Never re-sent (see retry.h): only the wait for a connection is retried, before sending.
+  const int max_attempts = std::max(1, options_.retry.max_attempts);
+  for (int i = 1; i < max_attempts; ++i) {
+    const absl::Duration wait = BackoffDelay(options_.retry, i, absl::OkStatus());
+    if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + wait))) break;
+    retries_.fetch_add(1);
+  }
+  return PullGradientOnce(head, dtype, reset);
+}
+
+absl::StatusOr<StepResult> Client::Step(const Microbatch& microbatch) {
+  absl::StatusOr<StepResult> r;
+  RunWithRetry([&] { return (r = StepOnce(microbatch)).status(); });
+  return r;
+}
+
+std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microbatch> microbatches,
+                                                         size_t pipeline_depth) {
+  const size_t depth = std::max<size_t>(1, pipeline_depth);
+  const int max_attempts = std::max(1, options_.retry.max_attempts);
+  std::vector<std::optional<absl::StatusOr<StepResult>>> answers(microbatches.size());
+  std::vector<int> attempts(microbatches.size(), 0);
+  // Micro-batches to send, in order, with the earliest time each may be (re)sent.
+  std::deque<std::pair<size_t, absl::Time>> todo;
+  for (size_t i = 0; i < microbatches.size(); ++i) todo.emplace_back(i, absl::InfinitePast());
+
+  std::unique_ptr<StepStream> stream;
+  std::deque<size_t> sent;  // on `stream`, not yet received
+  auto settle = [&](size_t i, absl::StatusOr<StepResult> answer) {
+    if (!answer.ok() && IsRetryable(answer.status()) && attempts[i] < max_attempts) {
+      retries_.fetch_add(1);
+      todo.emplace_back(i,
+                        absl::Now() + BackoffDelay(options_.retry, attempts[i], answer.status()));
+      return;
+    }
+    answers[i] = std::move(answer);
+  };
+  while (!todo.empty() || !sent.empty()) {
+    // Fill the pipeline with micro-batches whose backoff has passed.
+    while (sent.size() < depth && !todo.empty() && todo.front().second <= absl::Now()) {
+      const size_t i = todo.front().first;
+      todo.pop_front();
+      if (stream == nullptr) {
+        auto opened = OpenStepStream();
+        if (!opened.ok()) {
+          ++attempts[i];
+          settle(i, opened.status());
+          continue;
+        }
+        stream = std::move(*opened);
+      }
+      ++attempts[i];
+      absl::Status status = stream->Send(microbatches[i]);
+      // A refused Send means the call is over: the micro-batch is still expected by the stream,
+      // which answers it (and the others outstanding) with the call's status.
+      sent.push_back(i);
+      if (!status.ok()) break;
+    }
+    if (sent.empty()) {
+      if (!todo.empty()) {
+        // Everything left is backing off: sleep until the earliest may go.
+        absl::Time earliest = absl::InfiniteFuture();
+        for (const auto& t : todo) earliest = std::min(earliest, t.second);
+        absl::SleepFor(std::max(absl::ZeroDuration(), earliest - absl::Now()));
+      }
+      continue;
+    }
+    const size_t i = sent.front();
+    sent.pop_front();
+    absl::StatusOr<StepResult> answer = stream->Receive();
+    const bool stream_lost = !answer.ok() && !absl::IsResourceExhausted(answer.status());
+    settle(i, std::move(answer));
+    if (stream_lost) {
+      // Most likely the call itself ended (server restart, drain, dropped connection): collect
+      // the other answers it still owes (each its own, or the call's status), then start over on
+      // a new stream. Re-sent micro-batches keep their keys, so any that did land are replayed.
+      while (!sent.empty()) {
+        const size_t j = sent.front();
+        sent.pop_front();
+        settle(j, stream->Receive());
+      }
+      stream.reset();
+    }
+  }
+  if (stream != nullptr) stream->Finish().IgnoreError();
+  std::vector<absl::StatusOr<StepResult>> out;
+  out.reserve(answers.size());
+  for (auto& a : answers) out.push_back(std::move(*a));
+  return out;
+}
+
+}  // namespace losshead::client
