@@ -1,0 +1,39 @@
+// Servers with chosen bounds, clients with a chosen retry policy, and raw Step streams that can
+// stop anywhere inside a micro-batch: what the load and fault tests share.
+#ifndef LOSSHEAD_TESTS_LOAD_LOAD_UTIL_H_
+#define LOSSHEAD_TESTS_LOAD_LOAD_UTIL_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "losshead/client/client.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "server/server.h"
+#include "tests/service/host_tensors.h"
+
+namespace losshead::testing {
+
+// A CPU server on 127.0.0.1:0 with `options` applied over the test defaults.
+absl::StatusOr<std::unique_ptr<server::Server>> StartServer(
+    const std::function<void(server::ServerOptions&)>& adjust);
+
+std::unique_ptr<client::Client> Connect(int port, const client::RetryPolicy& retry,
+                                        size_t max_message_bytes = size_t{4} << 20);
+
+// A retry policy for tests: many quick attempts, so that only a real loss fails a test.
+client::RetryPolicy FastRetries(int max_attempts = 1000);
+
+// The StepRequest messages of one micro-batch, cut into `pieces` messages (header on the first,
+// last = true on the final one).
+std::vector<v1::StepRequest> StepMessages(const client::Microbatch& mb, int pieces);
+
+// Polls GetStats until `pred` holds (or gives up after `limit`, returning the last stats).
+v1::Stats WaitForStats(client::Client& client, const std::function<bool(const v1::Stats&)>& pred,
+                       absl::Duration limit = absl::Seconds(30));
+
+}  // namespace losshead::testing
+
+#endif  // LOSSHEAD_TESTS_LOAD_LOAD_UTIL_H_
