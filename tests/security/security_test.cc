@@ -1,0 +1,430 @@
+// A real server (CPU backend) on loopback with TLS, mTLS, bearer tokens, metrics basic auth and
+// head limits, exercised with the real client; and the losshead-server binary refusing to start
+// with bad security files.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "losshead/client/client.h"
+#include "server/server.h"
+#include "tests/security/certs.h"
+
+namespace losshead::testing {
+namespace {
+
+using absl::StatusCode;
+
+constexpr char kReaderToken[] = "reader-token-0123456789abcdef";
+constexpr char kWriterToken[] = "writer-token-0123456789abcdef";
+constexpr int64_t kV = 16, kD = 8;
+
+server::ServerOptions BaseOptions() {
+  server::ServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.metrics_address = "";
+  options.backend = kernels::BackendKind::kCpu;
+  options.worker_threads = 2;
+  options.workspace_bytes = size_t{16} << 20;
+  return options;
+}
+
+client::ClientOptions ClientOpts(const std::string& token = "") {
+  client::ClientOptions options;
+  options.deadline = absl::Seconds(10);
+  options.stream_deadline = absl::Seconds(10);
+  options.bearer_token = token;
+  return options;
+}
+
+std::unique_ptr<client::Client> Connect(int port, const client::ClientOptions& options) {
+  auto c = client::Client::Connect(absl::StrCat("127.0.0.1:", port), options);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+v1::HeadSpec Spec(const std::string& name, int64_t v = kV, int64_t d = kD) {
+  v1::HeadSpec spec;
+  spec.set_name(name);
+  spec.set_vocab_size(v);
+  spec.set_hidden_size(d);
+  spec.set_weight_dtype(v1::DTYPE_FP32);
+  return spec;
+}
+
+// A tiny micro-batch with fp32 hidden states; the vectors back the spans.
+struct TinyBatch {
+  std::vector<float> hidden = std::vector<float>(4 * kD, 0.25f);
+  std::vector<int32_t> targets = {1, 2, 3, 4};
+  client::Microbatch Microbatch(const std::string& head, uint64_t sequence) const {
+    client::Microbatch mb;
+    mb.head = head;
+    mb.client_id = "security-test";
+    mb.sequence = sequence;
+    mb.num_tokens = 4;
+    mb.hidden_dtype = v1::DTYPE_FP32;
+    mb.hidden = client::AsBytes(hidden);
+    mb.target_dtype = v1::DTYPE_INT32;
+    mb.targets = client::AsBytes(targets);
+    return mb;
+  }
+};
+
+// Sends `request` to 127.0.0.1:port and returns the whole answer.
+std::string HttpExchange(int port, const std::string& request) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return "";
+  }
+  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string response;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = ::recv(fd, buffer, sizeof(buffer), 0)) > 0) response.append(buffer, n);
+  ::close(fd);
+  return response;
+}
+
+std::string MetricsGet(int port, const std::string& credentials) {
+  std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n";
+  if (!credentials.empty()) {
+    absl::StrAppend(&request, "Authorization: Basic ", absl::Base64Escape(credentials), "\r\n");
+  }
+  return HttpExchange(port, request + "\r\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plaintext with bearer tokens, metrics basic auth and head limits.
+
+class TokenTest : public ::testing::Test {
+ protected:
+  static constexpr size_t kMaxHeads = 3;
+
+  void SetUp() override {
+    auto pki = MakeTestPki();  // only for its temporary directory
+    ASSERT_TRUE(pki.ok()) << pki.status();
+    pki_ = std::move(*pki);
+    server::ServerOptions options = BaseOptions();
+    options.metrics_address = "127.0.0.1:0";
+    options.auth_tokens_file = WriteFile(pki_->dir, "tokens",
+                                         absl::StrCat("# roles\nreader ", kReaderToken,
+                                                      "\nwriter ", kWriterToken, "\n"));
+    options.metrics_basic_auth_file = WriteFile(pki_->dir, "metrics-auth", "prom:s3cret-pw\n");
+    options.max_heads = kMaxHeads;
+    options.max_head_bytes = kV * kD * 8 * 4;  // fp32 W + dW of a head 4x as large as Spec()
+    auto server = server::Server::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    writer_ = Connect(server_->port(), ClientOpts(kWriterToken));
+    reader_ = Connect(server_->port(), ClientOpts(kReaderToken));
+    anonymous_ = Connect(server_->port(), ClientOpts());
+    wrong_ = Connect(server_->port(), ClientOpts("wrong-token-0123456789abcdef"));
+    ASSERT_TRUE(writer_->CreateHead(Spec("h")).ok());
+    ASSERT_TRUE(writer_->Step(batch_.Microbatch("h", 1)).ok());
+  }
+
+  std::unique_ptr<TestPki> pki_;
+  std::unique_ptr<server::Server> server_;
+  std::unique_ptr<client::Client> writer_, reader_, anonymous_, wrong_;
+  TinyBatch batch_;
+};
+
+TEST_F(TokenTest, NoOrWrongTokenIsUnauthenticatedOnEveryMethod) {
+  for (client::Client* c : {anonymous_.get(), wrong_.get()}) {
+    EXPECT_EQ(c->GetStats().status().code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->ListHeads().status().code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->GetHead("h").status().code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->PullGradient("h").status().code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->DownloadWeights("h").status().code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->CreateHead(Spec("x")).status().code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->DeleteHead("h").code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->Step(batch_.Microbatch("h", 7)).status().code(), StatusCode::kUnauthenticated);
+  }
+}
+
+TEST_F(TokenTest, HealthNeedsNoToken) {
+  auto health = anonymous_->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, client::ServingStatus::kServing);
+  auto service = anonymous_->Health("losshead.v1.LossHead");
+  ASSERT_TRUE(service.ok()) << service.status();
+  EXPECT_EQ(*service, client::ServingStatus::kServing);
+}
+
+TEST_F(TokenTest, ReaderReadsButCannotChangeAnything) {
+  const auto before = writer_->GetHead("h");
+  ASSERT_TRUE(before.ok());
+  ASSERT_EQ(before->tokens_total(), 4u);
+
+  EXPECT_TRUE(reader_->GetStats().ok());
+  EXPECT_TRUE(reader_->ListHeads().ok());
+  EXPECT_TRUE(reader_->GetHead("h").ok());
+  auto pulled = reader_->PullGradient("h", v1::DTYPE_FP32, /*reset=*/false);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->summary.token_count(), 4);
+  auto weights = reader_->DownloadWeights("h");
+  ASSERT_TRUE(weights.ok()) << weights.status();
+
+  EXPECT_EQ(reader_->Step(batch_.Microbatch("h", 2)).status().code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_EQ(reader_->UploadWeights("h", v1::DTYPE_FP32, weights->data).status().code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_EQ(reader_->CreateHead(Spec("r")).status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reader_->DeleteHead("h").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reader_->SetLossOptions("h", v1::LossOptions()).status().code(),
+            StatusCode::kPermissionDenied);
+  // Reset empties what writers accumulate: a writer's call.
+  EXPECT_EQ(reader_->PullGradient("h", v1::DTYPE_FP32, /*reset=*/true).status().code(),
+            StatusCode::kPermissionDenied);
+
+  const auto after = writer_->GetHead("h");
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tokens_total(), before->tokens_total());
+  EXPECT_EQ(after->tokens_since_pull(), before->tokens_since_pull());
+  EXPECT_EQ(after->weights_version(), before->weights_version());
+  auto heads = writer_->ListHeads();
+  ASSERT_TRUE(heads.ok());
+  EXPECT_EQ(heads->size(), 1u);
+}
+
+TEST_F(TokenTest, WriterDoesEverything) {
+  ASSERT_TRUE(writer_->CreateHead(Spec("w")).ok());
+  auto weights = writer_->DownloadWeights("w");
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  auto version = writer_->UploadWeights("w", v1::DTYPE_FP32, weights->data);
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 2u);
+  EXPECT_TRUE(writer_->SetLossOptions("w", v1::LossOptions()).ok());
+  auto step = writer_->Step(batch_.Microbatch("w", 1));
+  ASSERT_TRUE(step.ok()) << step.status();
+  auto pulled = writer_->PullGradient("w", v1::DTYPE_FP32, /*reset=*/true);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->summary.token_count(), 4);
+  auto info = writer_->GetHead("w");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tokens_since_pull(), 0u);
+  EXPECT_TRUE(writer_->GetStats().ok());
+  EXPECT_TRUE(writer_->DeleteHead("w").ok());
+}
+
+TEST_F(TokenTest, MethodWithoutARoleIsDeniedEvenToWriters) {
+  // A method the role table does not list: refused before gRPC would answer UNIMPLEMENTED.
+  grpc::GenericStub stub(writer_->channel()->shared_from_this());
+  for (const std::string& token : {std::string(kWriterToken), std::string()}) {
+    grpc::ClientContext context;
+    if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+    grpc::Slice empty("");
+    grpc::ByteBuffer request(&empty, 1), response;
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&context, "/losshead.v1.LossHead/NoSuchMethod", grpc::StubOptions(), &request,
+                   &response, [&](grpc::Status s) {
+                     status = std::move(s);
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    EXPECT_EQ(status.error_code(), token.empty() ? grpc::StatusCode::UNAUTHENTICATED
+                                                 : grpc::StatusCode::PERMISSION_DENIED);
+  }
+}
+
+TEST_F(TokenTest, MetricsNeedBasicAuth) {
+  const int port = server_->metrics_port();
+  ASSERT_GT(port, 0);
+  const std::string none = MetricsGet(port, "");
+  EXPECT_TRUE(absl::StartsWith(none, "HTTP/1.1 401")) << none;
+  EXPECT_TRUE(absl::StrContains(none, "WWW-Authenticate: Basic")) << none;
+  EXPECT_TRUE(absl::StartsWith(MetricsGet(port, "prom:wrong"), "HTTP/1.1 401"));
+  EXPECT_TRUE(absl::StartsWith(MetricsGet(port, "prom:s3cret-pw-and-more"), "HTTP/1.1 401"));
+  EXPECT_TRUE(absl::StartsWith(MetricsGet(port, "other:s3cret-pw"), "HTTP/1.1 401"));
+  const std::string ok = MetricsGet(port, "prom:s3cret-pw");
+  EXPECT_TRUE(absl::StartsWith(ok, "HTTP/1.1 200 OK")) << ok.substr(0, 200);
+  EXPECT_TRUE(absl::StrContains(ok, "losshead_")) << ok.substr(0, 200);
+}
+
+TEST_F(TokenTest, HeadLimitsRefuseBeforeAllocating) {
+  // 4 x as many rows as Spec() fits exactly; one more row does not.
+  EXPECT_TRUE(writer_->CreateHead(Spec("fits", 4 * kV)).ok());
+  EXPECT_EQ(writer_->CreateHead(Spec("too-big", 4 * kV + 1)).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(writer_->CreateHead(Spec("third")).ok());
+  ASSERT_EQ(writer_->ListHeads()->size(), kMaxHeads);
+  EXPECT_EQ(writer_->CreateHead(Spec("fourth")).status().code(), StatusCode::kResourceExhausted);
+  auto heads = writer_->ListHeads();
+  ASSERT_TRUE(heads.ok());
+  EXPECT_EQ(heads->size(), kMaxHeads);
+  // Deleting one makes room.
+  ASSERT_TRUE(writer_->DeleteHead("third").ok());
+  EXPECT_TRUE(writer_->CreateHead(Spec("fourth")).ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// TLS and mTLS.
+
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto pki = MakeTestPki();
+    ASSERT_TRUE(pki.ok()) << pki.status();
+    pki_ = pki->release();
+  }
+  static void TearDownTestSuite() {
+    delete pki_;
+    pki_ = nullptr;
+  }
+
+  std::unique_ptr<server::Server> StartServer(bool mtls, bool tokens) {
+    server::ServerOptions options = BaseOptions();
+    options.tls_cert_file = pki_->server_cert;
+    options.tls_key_file = pki_->server_key;
+    if (mtls) options.tls_client_ca_file = pki_->ca_cert;
+    if (tokens) {
+      options.auth_tokens_file =
+          WriteFile(pki_->dir, "tls-tokens", absl::StrCat("writer ", kWriterToken, "\n"));
+    }
+    auto server = server::Server::Start(options);
+    EXPECT_TRUE(server.ok()) << server.status();
+    return server.ok() ? std::move(*server) : nullptr;
+  }
+
+  static client::ClientOptions TlsClient(bool with_cert, bool rogue = false) {
+    client::ClientOptions options = ClientOpts();
+    options.deadline = absl::Seconds(3);
+    options.tls_root_ca_file = pki_->ca_cert;
+    if (with_cert) {
+      options.tls_cert_file = rogue ? pki_->rogue_cert : pki_->client_cert;
+      options.tls_key_file = rogue ? pki_->rogue_key : pki_->client_key;
+    }
+    return options;
+  }
+
+  static TestPki* pki_;
+};
+
+TestPki* TlsTest::pki_ = nullptr;
+
+TEST_F(TlsTest, TlsClientWithTheRightCaWorksAndPlaintextFails) {
+  auto server = StartServer(/*mtls=*/false, /*tokens=*/false);
+  ASSERT_NE(server, nullptr);
+  auto tls = Connect(server->port(), TlsClient(false));
+  auto stats = tls->GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  // The certificate names localhost too.
+  client::ClientOptions by_name = TlsClient(false);
+  auto named = client::Client::Connect(absl::StrCat("localhost:", server->port()), by_name);
+  ASSERT_TRUE(named.ok());
+  EXPECT_TRUE((*named)->ListHeads().ok());
+
+  client::ClientOptions plain_options = ClientOpts();
+  plain_options.deadline = absl::Seconds(3);
+  auto plain = Connect(server->port(), plain_options);
+  EXPECT_EQ(plain->GetStats().status().code(), StatusCode::kUnavailable);
+
+  // A client that trusts another CA refuses the server.
+  client::ClientOptions other_ca = TlsClient(false);
+  other_ca.tls_root_ca_file = pki_->dir + "/rogue-ca.crt";
+  EXPECT_EQ(Connect(server->port(), other_ca)->GetStats().status().code(),
+            StatusCode::kUnavailable);
+}
+
+TEST_F(TlsTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
+  auto server = StartServer(/*mtls=*/true, /*tokens=*/false);
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(Connect(server->port(), TlsClient(false))->GetStats().status().code(),
+            StatusCode::kUnavailable);
+  EXPECT_EQ(Connect(server->port(), TlsClient(true, /*rogue=*/true))->GetStats().status().code(),
+            StatusCode::kUnavailable);
+  auto ok = Connect(server->port(), TlsClient(true))->GetStats();
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+TEST_F(TlsTest, TokensOverTls) {
+  auto server = StartServer(/*mtls=*/true, /*tokens=*/true);
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(Connect(server->port(), TlsClient(true))->GetStats().status().code(),
+            StatusCode::kUnauthenticated);
+  client::ClientOptions with_token = TlsClient(true);
+  with_token.bearer_token = kWriterToken;
+  auto c = Connect(server->port(), with_token);
+  EXPECT_TRUE(c->CreateHead(Spec("tls-head")).ok());
+  EXPECT_TRUE(c->Step(TinyBatch().Microbatch("tls-head", 1)).ok());
+  auto health = Connect(server->port(), TlsClient(true))->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, client::ServingStatus::kServing);
+}
+
+TEST_F(TlsTest, StartRefusesBadSecurityFiles) {
+  auto start = [](server::ServerOptions options) {
+    return server::Server::Start(options).status().code();
+  };
+  server::ServerOptions o = BaseOptions();
+  o.tls_cert_file = pki_->server_cert;
+  EXPECT_EQ(start(o), StatusCode::kInvalidArgument);  // cert without key
+  o.tls_key_file = pki_->client_key;                  // someone else's key
+  EXPECT_EQ(start(o), StatusCode::kInvalidArgument);
+  o.tls_key_file = pki_->dir + "/missing.key";
+  EXPECT_EQ(start(o), StatusCode::kNotFound);
+  o.tls_key_file = pki_->server_key;
+  o.tls_client_ca_file = pki_->dir + "/tokens-not-a-ca";
+  WriteFile(pki_->dir, "tokens-not-a-ca", "not a certificate\n");
+  EXPECT_EQ(start(o), StatusCode::kInvalidArgument);
+  server::ServerOptions t = BaseOptions();
+  t.auth_tokens_file = WriteFile(pki_->dir, "short-tokens", "writer short\n");
+  EXPECT_EQ(start(t), StatusCode::kInvalidArgument);
+  t.auth_tokens_file = pki_->dir + "/missing-tokens";
+  EXPECT_EQ(start(t), StatusCode::kNotFound);
+  server::ServerOptions m = BaseOptions();
+  m.metrics_basic_auth_file = WriteFile(pki_->dir, "bad-basic", "no-colon-here\n");
+  EXPECT_EQ(start(m), StatusCode::kInvalidArgument);
+}
+
+// The binary: a bad TLS file is a clear error at start and a non-zero exit.
+TEST_F(TlsTest, ServerBinaryRefusesToStartWithBadTlsFiles) {
+  struct Case {
+    std::string flags;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {absl::StrCat("--tls_cert=", pki_->dir, "/nope.crt --tls_key=", pki_->server_key),
+       "nope.crt"},
+      {absl::StrCat("--tls_cert=", pki_->server_cert, " --tls_key=", pki_->client_key),
+       "is not the key"},
+      {absl::StrCat("--tls_cert=", pki_->server_cert), "must be given together"},
+  };
+  for (const Case& c : cases) {
+    const std::string command =
+        absl::StrCat("timeout 30 ", LOSSHEAD_SERVER_BIN,
+                     " --listen=127.0.0.1:0 --metrics_listen= --backend=cpu ", c.flags, " 2>&1");
+    FILE* pipe = ::popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string output;
+    char buffer[512];
+    while (size_t n = std::fread(buffer, 1, sizeof(buffer), pipe)) output.append(buffer, n);
+    const int status = ::pclose(pipe);
+    ASSERT_TRUE(WIFEXITED(status)) << output;
+    EXPECT_NE(WEXITSTATUS(status), 0) << output;
+    EXPECT_NE(WEXITSTATUS(status), 124) << "the server started: " << output;
+    EXPECT_TRUE(absl::StrContains(output, c.expected)) << output;
+    EXPECT_FALSE(absl::StrContains(output, "serving gRPC")) << output;
+  }
+}
+
+}  // namespace
+}  // namespace losshead::testing
