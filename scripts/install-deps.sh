@@ -7,6 +7,8 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev
   prometheus  # prometheus + promtool: tests/deploy checks the scrape config, rules and live metrics
+  openssl  # the CLI: tests/security makes a throwaway CA, server and client certificates
+  clang libclang-rt-14-dev  # scripts/run-fuzz.sh: libFuzzer with ASan + UBSan
 )
 missing=()
 for p in "${packages[@]}"; do
