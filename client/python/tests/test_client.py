@@ -96,7 +96,7 @@ def test_step_matches_torch_fp32(client: Client, make_head, reduction: str, opti
                     loss_options=LossOptions(**options))
     ref = reference(hidden, weight, targets, reduction=reduction, **options)
     assert r.token_count == ref.token_count
-    assert not r.replayed and r.weights_version == 1
+    assert not r.replayed and r.weights_version == 2  # 1 at creation, 2 after the upload
     assert r.loss_sum == pytest.approx(float(ref.per_token.sum()), rel=FP32_REL)
     expected_loss = ref.loss.sum() if reduction == "none" else ref.loss
     assert r.loss == pytest.approx(float(expected_loss), rel=FP32_REL)
@@ -196,20 +196,31 @@ class _Unavailable(grpc.RpcError):
 
 
 class _LostAnswers:
-    """A Step call whose answers never arrive, as after a dropped connection."""
+    """A Step call whose answers are lost after the server computed the first micro-batch."""
+
+    def __init__(self, call) -> None:
+        self._call = call
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        raise _Unavailable()
+        if self._call is not None:
+            for response in self._call:  # the micro-batch is computed and counted...
+                if response.last:
+                    break
+            self._call.cancel()
+            self._call = None
+        raise _Unavailable()  # ...but its answer never reaches the client
 
     def cancel(self) -> bool:
+        if self._call is not None:
+            self._call.cancel()
         return True
 
 
 class _DropFirstStepAnswer(grpc.StreamStreamClientInterceptor):
-    """Lets the first Step call reach the server and be computed, then loses its answer."""
+    """Loses the answers of the first Step call, as a dropped connection would."""
 
     def __init__(self) -> None:
         self.dropped = 0
@@ -219,11 +230,7 @@ class _DropFirstStepAnswer(grpc.StreamStreamClientInterceptor):
         if self.dropped or not client_call_details.method.endswith("/Step"):
             return call
         self.dropped += 1
-        for response in call:  # wait until the micro-batch is computed and counted
-            if response.last:
-                break
-        call.cancel()
-        return _LostAnswers()
+        return _LostAnswers(call)
 
 
 def test_client_retries_lost_answer_without_double_counting(server_address: str,

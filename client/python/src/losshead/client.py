@@ -688,7 +688,12 @@ class Client:
             raise ValueError("step_chunked: reduction must be 'sum' or 'none'; the server's mean "
                              "is per micro-batch")
         d = hidden.shape[-1]
-        h2, t1 = hidden.reshape(-1, d), targets.reshape(-1)
+        h2, t1 = hidden.detach().reshape(-1, d), targets.detach().reshape(-1)
+        wire = options.get("hidden_dtype")
+        if wire is not None:
+            # One device-to-host copy for the whole batch instead of one per chunk.
+            h2 = h2.to(device="cpu", dtype=_wire.to_torch_dtype(wire))  # type: ignore[arg-type]
+        t1 = t1.cpu()
         n = h2.shape[0]
         bounds = [(a, min(n, a + chunk_tokens)) for a in range(0, max(n, 1), chunk_tokens)]
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red, **options)  # type: ignore[arg-type]
