@@ -188,6 +188,11 @@ absl::StatusOr<Header> DecodeHeader(absl::string_view bytes, uint64_t file_bytes
   r.U64(&h.weights_bytes);
   r.U64(&h.gradient_bytes);
   r.U64(&h.checksum);
+  // Reserved bytes are outside the checksum: insist on zeros so that no byte goes unchecked.
+  const absl::string_view tail = bytes.substr(kHeaderBytes - 16, 16);
+  if (reserved != 0 || tail.find_first_not_of('\0') != absl::string_view::npos) {
+    return Corrupt("reserved header bytes are not zero");
+  }
   if (h.version != kCheckpointFormatVersion) {
     return absl::DataLossError(absl::StrCat("checkpoint format version ", h.version,
                                             " is not supported (this server reads ",

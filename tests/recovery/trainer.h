@@ -1,0 +1,106 @@
+// A deterministic, resumable training loop against one head, for the crash-recovery tests.
+//
+// Each optimizer step s sends K micro-batches (client id kClientId, sequences s*K+1 .. s*K+K, data
+// from fixed seeds) on one Step stream, pulls dW without reset, then pulls with reset, and pushes
+// W - lr * dW computed on the host with expected_weights_version. After `steps` steps it sends K
+// more micro-batches and stops (so the final dW is not empty).
+//
+// Resumable by construction: every round starts from the server's state (weights version,
+// micro-batches since pull, the client id's acknowledged sequence) and does only what is missing.
+// The trainer keeps its own master weights per version and the dW it pulled per step, as a real
+// trainer keeps its optimizer state; reading dW before the resetting pull means a pull whose answer
+// is lost never loses a gradient.
+#ifndef LOSSHEAD_TESTS_RECOVERY_TRAINER_H_
+#define LOSSHEAD_TESTS_RECOVERY_TRAINER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "losshead/client/client.h"
+#include "tests/service/host_tensors.h"
+
+namespace losshead::testing {
+
+inline constexpr char kTrainHead[] = "lm";
+inline constexpr char kClientId[] = "trainer-0";
+
+struct TrainConfig {
+  v1::DType dtype = v1::DTYPE_FP32;
+  int64_t vocab = 96;
+  int64_t hidden = 40;
+  int64_t tokens = 16;  // per micro-batch
+  int steps = 4;
+  int per_step = 6;  // K
+  float lr = 0.5f;
+};
+
+enum class TrainEvent { kAnswered, kPulled, kReset, kPushed };
+
+struct Event {
+  TrainEvent kind;
+  int step = 0;
+  int k = 0;  // kAnswered: index of the micro-batch in its step
+  uint64_t sequence = 0;
+};
+
+// Returning an error stops the round with it (e.g. after the hook killed the server).
+using Hook = std::function<absl::Status(const Event&)>;
+
+// What a run ends with, compared bit for bit between a faulty run and the fault-free one.
+struct FinalState {
+  client::Bytes weights;
+  client::Bytes gradient;
+  uint64_t weights_version = 0;
+  uint64_t tokens_total = 0;
+  uint64_t microbatches_total = 0;
+  uint64_t tokens_since_pull = 0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(const TrainConfig& config);
+
+  // One round: runs until training is done (OK) or a call fails (its status).
+  absl::Status Run(client::Client& client, const Hook& hook);
+  absl::StatusOr<FinalState> Final(client::Client& client) const;
+
+  uint64_t Sequence(int step, int k) const {
+    return static_cast<uint64_t>(step) * config_.per_step + k + 1;
+  }
+  const HostBatch& batch(uint64_t sequence) const { return batches_.at(sequence); }
+
+  // First answer per sequence (replays and recomputations are checked against it).
+  const std::map<uint64_t, client::StepResult>& answers() const { return answers_; }
+  const std::map<int, client::Bytes>& pulled() const { return pulled_; }
+  uint64_t max_answered() const { return max_answered_; }
+  int first_sends() const { return first_sends_; }
+  int resends() const { return resends_; }
+  int replays() const { return replays_; }
+  // Sequences whose recomputed answer differed from the first one (must stay 0).
+  int mismatched_answers() const { return mismatched_; }
+
+ private:
+  absl::Status SendFrom(client::Client& client, int step, uint64_t acknowledged,
+                        const Hook& hook);
+  absl::Status EnsureHead(client::Client& client, v1::HeadInfo* info);
+
+  const TrainConfig config_;
+  std::map<uint64_t, HostBatch> batches_;
+  std::map<uint64_t, std::vector<float>> master_;  // W by weights version, exact in the dtype
+  std::map<int, client::Bytes> pulled_;
+  std::map<uint64_t, client::StepResult> answers_;
+  std::map<uint64_t, int> sent_;
+  uint64_t max_answered_ = 0;
+  int first_sends_ = 0;
+  int resends_ = 0;
+  int replays_ = 0;
+  int mismatched_ = 0;
+};
+
+}  // namespace losshead::testing
+
+#endif  // LOSSHEAD_TESTS_RECOVERY_TRAINER_H_
