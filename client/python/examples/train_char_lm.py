@@ -145,7 +145,7 @@ def train(batches: Sequence[Sequence[torch.Tensor]], args: argparse.Namespace,
 
 
 def train_remote(batches, args: argparse.Namespace) -> List[float]:
-    client = Client(args.server)
+    client = Client(args.server, connections=args.connections)
     client.wait_until_serving(timeout=30)
     name = args.head_name or f"charlm-{os.getpid()}"
     try:
@@ -158,7 +158,8 @@ def train_remote(batches, args: argparse.Namespace) -> List[float]:
     print(f"remote head {name!r} on {args.server}: {info.spec.vocab_size} x "
           f"{info.spec.hidden_size}, device {info.device}", flush=True)
     try:
-        head = RemoteLMHead(client, name, chunk_tokens=args.chunk_tokens, streams=args.streams)
+        head = RemoteLMHead(client, name, wire_dtype=args.wire_dtype,
+                            chunk_tokens=args.chunk_tokens, streams=args.streams)
         mirror = RemoteHeadOptimizer(client, name, device=args.device)
         return train(batches, args, head, [mirror.weight], mirror.step, "remote")
     finally:
@@ -196,9 +197,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--head-dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="weight dtype of the remote head")
+    p.add_argument("--wire-dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of hidden states and dH on the wire")
     p.add_argument("--chunk-tokens", type=int, default=4096,
                    help="tokens per micro-batch sent to the server (larger batches are chunked)")
     p.add_argument("--streams", type=int, default=2, help="Step streams for the chunks")
+    p.add_argument("--connections", type=int, default=1, help="TCP connections for the streams")
     p.add_argument("--text", help="training text (default: an installed licence text)")
     p.add_argument("--head-name", help="name of the remote head (default: charlm-<pid>)")
     p.add_argument("--keep-head", action="store_true", help="do not delete the head at the end")
@@ -234,7 +238,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{i + 1:4d}  {remote[i]:8.4f}  {local[i]:8.4f}  {remote[i] - local[i]:+.4f}")
     rel = diffs[worst] / local[worst]
     print(f"largest |remote - local| loss difference: {diffs[worst]:.4f} at step {worst + 1} "
-          f"({rel:.2%} of the loss); final losses {remote[-1]:.4f} vs {local[-1]:.4f}")
+          f"({rel:.2%} of the loss); mean {sum(diffs) / len(diffs):.4f}; final losses "
+          f"{remote[-1]:.4f} vs {local[-1]:.4f}")
     return 0
 
 

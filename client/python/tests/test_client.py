@@ -262,3 +262,15 @@ def test_raw_step_stream_answers_each_microbatch(client: Client, make_head) -> N
             stream.submit(mb)
         got = [stream.receive().sequence for _ in mbs]
     assert got == [mb.header.sequence for mb in mbs]
+
+
+def test_chunks_over_several_connections(server_address: str, make_head) -> None:
+    n, d, v = 600, 32, 70
+    hidden, weight, targets = random_problem(n, d, v, seed=9, ignore_fraction=0.1)
+    name = make_head(v, d, weights=weight)
+    with Client(server_address, connections=3) as c:
+        r = c.step_chunked(name, hidden, targets, chunk_tokens=50, streams=6)
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert r.token_count == ref.token_count
+    assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")

@@ -163,11 +163,12 @@ class StepStream:
     LossheadError from `receive` for every micro-batch still unanswered.
     """
 
-    def __init__(self, client: "Client") -> None:
+    def __init__(self, client: "Client", connection: int = 0) -> None:
         self._client = client
         self._queue: "queue.Queue[Optional[_Microbatch]]" = queue.Queue()
         self._pending: Deque[_Microbatch] = collections.deque()
-        self._call = client._stub.Step(self._requests(), metadata=client._metadata)
+        stub = client._step_stubs[connection % len(client._step_stubs)]
+        self._call = stub.Step(self._requests(), metadata=client._metadata)
         self._responses = iter(self._call)
         self._broken: Optional[LossheadError] = None
         self._closed = False
@@ -351,24 +352,30 @@ class Client:
     replays it instead of adding it to dW again. `piece_bytes` bounds the tensor bytes per
     message (below the server's 4 MiB default limit). `timeout` applies to unary calls and
     weight/gradient transfers; Step streams have none. `retries` is how often a micro-batch is
-    resent after UNAVAILABLE.
+    resent after UNAVAILABLE. `connections` > 1 opens that many TCP connections for Step
+    streams (gRPC otherwise multiplexes every stream over one), which carries more bytes when
+    chunks are spread over several streams.
     """
 
     def __init__(self, target: str, *, client_id: Optional[str] = None,
                  channel: Optional[grpc.Channel] = None, timeout: Optional[float] = 300.0,
                  piece_bytes: int = 4 * _MiB - 64 * 1024, retries: int = 3,
-                 metadata: Sequence[Tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[Tuple[str, str]] = (), connections: int = 1) -> None:
         self.target = target
         self.client_id = client_id or _default_client_id()
         self.timeout = timeout
         self.piece_bytes = int(piece_bytes)
         self.retries = int(retries)
         self._metadata = tuple(metadata) or None
-        self._channel = channel or grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", 64 * _MiB),
-            ("grpc.max_send_message_length", 64 * _MiB),
-        ])
+        options = [("grpc.max_receive_message_length", 64 * _MiB),
+                   ("grpc.max_send_message_length", 64 * _MiB)]
+        self._channel = channel or grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.LossHeadStub(self._channel)
+        # A local subchannel pool keeps a channel from sharing its connection with the others.
+        self._extra_channels = [] if channel is not None else [
+            grpc.insecure_channel(target, options=options + [("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(max(1, connections) - 1)]
+        self._step_stubs = [self._stub] + [pb_grpc.LossHeadStub(c) for c in self._extra_channels]
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
@@ -377,6 +384,8 @@ class Client:
 
     # -- plumbing ---------------------------------------------------------------------------
     def close(self) -> None:
+        for c in self._extra_channels:
+            c.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -606,7 +615,7 @@ class Client:
         for attempt in itertools.count():
             retry: List[int] = []
             n_streams = max(1, min(streams, len(todo)))
-            opened = [StepStream(self) for _ in range(n_streams)]
+            opened = [StepStream(self, connection=j) for j in range(n_streams)]
             try:
                 for j, i in enumerate(todo):
                     opened[j % n_streams].submit(mbs[i])
