@@ -21,7 +21,10 @@ absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& s
   const unsigned __int128 head_bytes = static_cast<unsigned __int128>(spec.vocab_size()) *
                                        static_cast<unsigned __int128>(spec.hidden_size()) *
                                        (WeightDTypeBytes(spec.weight_dtype()) + 4);
-  if (head_bytes > limits_.max_head_bytes) {
+  // Without a configured limit, sizes past what any device holds stay Head::Create's
+  // RESOURCE_EXHAUSTED.
+  const bool limited = limits_.max_head_bytes != std::numeric_limits<uint64_t>::max();
+  if (limited && head_bytes > limits_.max_head_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a ", spec.vocab_size(), " x ", spec.hidden_size(),
         " head needs more than the server's limit of ", limits_.max_head_bytes,
