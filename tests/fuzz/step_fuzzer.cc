@@ -1,0 +1,119 @@
+// libFuzzer target: random bytes as a sequence of StepRequest messages (see step_fuzz_format.h)
+// through what the server does with a Step stream short of gRPC: admission bookkeeping from the
+// header (AnnouncedBytes), reassembly (StepAssembler), validation and the step itself on a tiny
+// CPU head (Head::Step: dtype, shape, target and option checks, idempotent replay), and the
+// response chunking (BuildStepResponses). It must never crash, hang or grow without bound; the
+// checks below abort on broken invariants so that the fuzzer reports them.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "absl/time/clock.h"
+#include "google/protobuf/stubs/logging.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/admission.h"
+#include "server/head.h"
+#include "server/step_assembler.h"
+
+namespace {
+
+using losshead::server::AssembledMicroBatch;
+using losshead::server::Head;
+using losshead::server::StepAssembler;
+
+// Small limits keep each input cheap: a micro-batch beyond 64 KiB is refused as oversize.
+constexpr size_t kMaxMicrobatchBytes = 64 << 10;
+constexpr size_t kChunkBytes = 256;
+
+losshead::kernels::Backend& Backend() {
+  static auto* backend =
+      losshead::kernels::CreateBackend(losshead::kernels::BackendKind::kCpu)->release();
+  return *backend;
+}
+
+void Check(bool ok) {
+  if (!ok) std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  // Invalid UTF-8 in string fields is a parse failure the target expects; do not log each one.
+  google::protobuf::SetLogHandler(nullptr);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  // A fresh head per input: state (counters, idempotency cache) never carries over.
+  losshead::v1::HeadSpec spec;
+  spec.set_name("fuzz");
+  spec.set_vocab_size(7);
+  spec.set_hidden_size(4);
+  spec.set_weight_dtype(losshead::v1::DTYPE_FP32);
+  spec.mutable_init()->mutable_normal()->set_std(0.5f);
+  auto head =
+      Head::Create(Backend(), spec,
+                   losshead::server::HeadOptions{.workspace_budget_bytes = 1 << 20,
+                                                 .idempotency_window = 4,
+                                                 .idempotency_max_bytes_per_client = 1 << 16});
+  Check(head.ok());
+  auto assembler = std::make_unique<StepAssembler>(kMaxMicrobatchBytes);
+  size_t pos = 0;
+  int microbatches = 0;
+  while (pos + 2 <= size && microbatches < 64) {
+    const size_t n = data[pos] | (size_t{data[pos + 1]} << 8);
+    pos += 2;
+    const size_t len = n < size - pos ? n : size - pos;
+    losshead::v1::StepRequest request;
+    const bool parsed = request.ParseFromArray(data + pos, static_cast<int>(len));
+    pos += len;
+    if (!parsed) {
+      assembler = std::make_unique<StepAssembler>(kMaxMicrobatchBytes);  // a new stream
+      continue;
+    }
+    if (request.has_header()) {
+      const uint64_t announced =
+          losshead::server::AnnouncedBytes(request.header(), (*head)->hidden_size());
+      // Announced bytes are exactly what a valid micro-batch carries: N x (D x h + t).
+      Check(announced == 0 || announced >= static_cast<uint64_t>(request.header().num_tokens()));
+    }
+    auto added = assembler->Add(request, absl::Now());
+    if (!added.ok()) {
+      Check(added.status().code() == absl::StatusCode::kInvalidArgument);
+      assembler = std::make_unique<StepAssembler>(kMaxMicrobatchBytes);
+      continue;
+    }
+    if (!added->has_value()) continue;
+    ++microbatches;
+    AssembledMicroBatch& mb = **added;
+    Check(mb.oversize ||
+          mb.microbatch.hidden.size() + mb.microbatch.targets.size() == mb.received_bytes);
+    Check(mb.oversize == (mb.received_bytes > kMaxMicrobatchBytes));
+    absl::StatusOr<std::shared_ptr<const losshead::server::StepOutcome>> outcome =
+        absl::ResourceExhaustedError("oversize");
+    losshead::server::StepStats stats;
+    const losshead::v1::HeadInfo before = (*head)->Info();
+    if (!mb.oversize) outcome = (*head)->Step(mb.microbatch, &stats);
+    const losshead::v1::HeadInfo after = (*head)->Info();
+    if (!outcome.ok() || stats.replayed) {
+      // Bad input changes nothing; a replay adds nothing.
+      Check(after.microbatches_total() == before.microbatches_total());
+      Check(after.tokens_total() == before.tokens_total());
+    } else {
+      Check(after.microbatches_total() == before.microbatches_total() + 1);
+      Check(static_cast<int64_t>(after.tokens_total() - before.tokens_total()) ==
+            (*outcome)->token_count);
+    }
+    const auto responses = losshead::server::BuildStepResponses(mb.microbatch.header, outcome,
+                                                                stats.replayed, kChunkBytes);
+    Check(!responses.empty() && responses.back().last());
+    for (size_t i = 0; i + 1 < responses.size(); ++i) Check(!responses[i].last());
+    for (const auto& r : responses) {
+      Check(r.grad_hidden().size() + r.per_token_loss().size() <= kChunkBytes);
+    }
+  }
+  return 0;
+}
