@@ -14,6 +14,7 @@ stubs) generation is skipped and the existing stubs are used.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -38,9 +39,7 @@ def _protoc_command(root: Path) -> list[str]:
     if protoc and plugin:
         return [protoc, f"--plugin=protoc-gen-grpc={plugin}", f"-I{root}",
                 f"--python_out={OUT}", f"--pyi_out={OUT}", f"--grpc_out={OUT}"]
-    try:
-        import grpc_tools  # noqa: F401  (only probing for it)
-    except ImportError:
+    if importlib.util.find_spec("grpc_tools") is None:
         raise SystemExit(
             "losshead: cannot generate stubs: need protoc + grpc_python_plugin "
             "(Debian: protobuf-compiler protobuf-compiler-grpc) or the grpcio-tools package")

@@ -71,7 +71,7 @@ class CharTransformer(nn.Module):
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
         layer = nn.TransformerEncoderLayer(d_model, n_heads, dim_feedforward=4 * d_model,
                                            dropout=0.0, batch_first=True, norm_first=True)
-        self.layers = nn.TransformerEncoder(layer, n_layers)
+        self.layers = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         mask = torch.triu(torch.full((seq_len, seq_len), float("-inf")), diagonal=1)
         self.register_buffer("mask", mask, persistent=False)
