@@ -41,14 +41,6 @@ ABSL_FLAG(absl::Duration, checkpoint_interval, absl::Seconds(60),
           "Period of automatic checkpoints (0: only on demand and at shutdown)");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT: how long in-flight work may take to finish");
-
-namespace losshead::server {
-
-absl::StatusOr<ServerOptions> OptionsFromFlags() {
-  ServerOptions o;
-  o.listen_address = absl::GetFlag(FLAGS_listen);
-  o.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
-  const std::string backend = absl::GetFlag(FLAGS_backend);
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -60,6 +52,14 @@ ABSL_FLAG(std::string, metrics_basic_auth_file, "",
 ABSL_FLAG(uint64_t, max_heads, 64, "Most heads on the server; CreateHead beyond is refused");
 ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
           "Largest W + dW bytes of one head; CreateHead beyond is refused");
+
+namespace losshead::server {
+
+absl::StatusOr<ServerOptions> OptionsFromFlags() {
+  ServerOptions o;
+  o.listen_address = absl::GetFlag(FLAGS_listen);
+  o.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
+  const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend == "cpu") {
     o.backend = kernels::BackendKind::kCpu;
   } else if (backend == "cuda") {
@@ -79,18 +79,18 @@ ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
   o.idempotency_max_bytes = absl::GetFlag(FLAGS_idempotency_max_bytes);
   o.max_inflight_per_stream = absl::GetFlag(FLAGS_max_inflight_per_stream);
   o.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  o.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  o.metrics_basic_auth_file = absl::GetFlag(FLAGS_metrics_basic_auth_file);
+  o.max_heads = absl::GetFlag(FLAGS_max_heads);
+  o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
   if (o.checkpoint_interval < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--checkpoint_interval must be >= 0");
   }
-  if (o.max_message_bytes < 4096) {
-    return absl::InvalidArgumentError("--max_message_bytes must be >= 4096");
-  }
-  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-  o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
-  o.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   o.max_inflight_microbatches = absl::GetFlag(FLAGS_max_inflight_microbatches);
   o.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   o.retry_after = absl::GetFlag(FLAGS_retry_after);
@@ -104,9 +104,9 @@ ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
   if (o.retry_after < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--retry_after must be >= 0");
   }
-  o.metrics_basic_auth_file = absl::GetFlag(FLAGS_metrics_basic_auth_file);
-  o.max_heads = absl::GetFlag(FLAGS_max_heads);
-  o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
+  if (o.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError("--max_message_bytes must be >= 4096");
+  }
   if (o.max_microbatch_bytes == 0 || o.max_inflight_per_stream == 0) {
     return absl::InvalidArgumentError(
         "--max_microbatch_bytes and --max_inflight_per_stream must be >= 1");

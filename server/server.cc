@@ -151,11 +151,11 @@ class ServerImpl final : public Server {
 
  private:
   const ServerOptions options_;
+  ServerSecurity security_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<HeadRegistry> registry_;
-  ServerSecurity security_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<Admission> admission_;
   ServiceContext ctx_;

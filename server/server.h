@@ -48,13 +48,6 @@ struct ServerOptions {
   absl::Duration checkpoint_interval = absl::Seconds(60);
   // Bound on the wait for in-flight work at shutdown.
   absl::Duration drain_timeout = absl::Seconds(30);
-};
-
-class Server {
- public:
-  virtual ~Server() = default;
-
-  // Builds the backend, binds both ports and starts serving. Errors: the backend's status
   // Security (server/security.h, server/auth.h); the files are read once, at Start.
   // TLS with this PEM certificate chain and key; both empty: plaintext.
   std::string tls_cert_file;
@@ -69,6 +62,13 @@ class Server {
   // head (INVALID_ARGUMENT beyond), checked before anything is allocated.
   size_t max_heads = 64;
   uint64_t max_head_bytes = uint64_t{16} << 30;
+};
+
+class Server {
+ public:
+  virtual ~Server() = default;
+
+  // Builds the backend, binds both ports and starts serving. Errors: the backend's status
   // (UNAVAILABLE for CUDA without a device), UNAVAILABLE when a port cannot be bound, or
   // LoadServerSecurity's error for a bad TLS, token or basic-auth file (nothing is started then).
   static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);

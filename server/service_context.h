@@ -19,8 +19,8 @@
 namespace losshead::server {
 
 class StepReactor;
-class Checkpointer;
 class TokenAuthenticator;
+class Checkpointer;
 
 // Live Step streams, so that shutdown can tell each to stop reading and finish once answered.
 class StepStreams {
@@ -42,10 +42,10 @@ struct ServiceContext {
   HeadRegistry* registry = nullptr;
   ThreadPool* pool = nullptr;
   Metrics* metrics = nullptr;
-  // Null when checkpoints are disabled (no --checkpoint_dir).
   // Bearer tokens (server/auth.h); null when the server asks for none. Calls reach the handlers
   // already authorised for their method; handlers use it only for request-dependent rules.
   const TokenAuthenticator* tokens = nullptr;
+  // Null when checkpoints are disabled (no --checkpoint_dir).
   Checkpointer* checkpointer = nullptr;
   // Server-wide bound on admitted micro-batches and their buffered request bytes.
   Admission* admission = nullptr;
