@@ -14,8 +14,9 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import (Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence,
+                    Tuple, TypeVar, Union)
 
 import grpc
 import torch
@@ -25,16 +26,17 @@ from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._proto.losshead.v1 import losshead_pb2_grpc as pb_grpc
 from losshead._wire import DTypeLike
 from losshead.errors import LossheadError, status_code
+from losshead.retry import RetryPolicy, is_retryable
 
 ReductionLike = Union[str, int, None]
+# PEM data for the TLS options: a file path, or the PEM bytes themselves.
+PemLike = Union[str, bytes, "os.PathLike[str]", None]
+_T = TypeVar("_T")
 
 _REDUCTIONS = {
     None: pb.REDUCTION_UNSPECIFIED, "": pb.REDUCTION_UNSPECIFIED,
     "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE,
 }
-# Codes after which resending the same (client_id, sequence) is safe and may succeed: the server
-# replays micro-batches it already counted, so a retry never adds to dW twice.
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 _MiB = 1 << 20
 
 
@@ -117,6 +119,36 @@ class Gradient:
 class Weights:
     weights: torch.Tensor  # V x D on the CPU
     version: int
+
+
+@dataclass
+class ClientProgress:
+    """Highest sequence of a client id applied to dW on the server ("acknowledged") and the
+    highest one in the head's last checkpoint ("persisted"); None when there is none."""
+
+    client_id: str
+    acknowledged_sequence: Optional[int]
+    persisted_sequence: Optional[int]
+
+    @classmethod
+    def from_proto(cls, msg: pb.ClientProgress) -> "ClientProgress":
+        return cls(client_id=msg.client_id,
+                   acknowledged_sequence=(msg.acknowledged_sequence
+                                          if msg.HasField("acknowledged_sequence") else None),
+                   persisted_sequence=(msg.persisted_sequence
+                                       if msg.HasField("persisted_sequence") else None))
+
+
+@dataclass
+class HeadCheckpoint:
+    """One head's checkpoint as written: what it holds and, per client id, what is persisted."""
+
+    head: str
+    weights_version: int
+    microbatches_since_pull: int
+    bytes: int
+    write_seconds: float
+    clients: List[ClientProgress] = field(default_factory=list)
 
 
 @dataclass
@@ -222,7 +254,8 @@ class StepStream:
             if not first.last:  # an error is the micro-batch's only message
                 self._drain_until_last()
             raise LossheadError(status_code(first.error.code), first.error.message,
-                                client_id=client_id, sequence=sequence)
+                                client_id=client_id, sequence=sequence,
+                                retry_after_ms=first.error.retry_after_ms)
         if outcome != "result":
             self._broken = LossheadError(grpc.StatusCode.INTERNAL,
                                          "first answer of a micro-batch has no result")
@@ -287,6 +320,104 @@ class StepStream:
         self.close()
 
 
+_Outcome = Union[StepResult, LossheadError]
+
+
+class _StepPipeline:
+    """Micro-batches over one Step stream at a time, each re-sent under its idempotency key.
+
+    The same scheduling as the C++ client's StepMany: up to `depth` micro-batches are on the
+    stream; one answered with a retryable error (RESOURCE_EXHAUSTED with a retry hint, or
+    UNAVAILABLE) is re-sent with the same (client_id, sequence) once its backoff has passed; when
+    the call itself fails (server restart, drain, dropped connection) every micro-batch still
+    unanswered on it is re-sent on a new stream. A resend of one that had landed is answered
+    from the server's idempotency cache (`replayed`), so nothing is counted twice. Outcomes are
+    yielded in input order; at most `depth` micro-batches are unsettled or held for ordering.
+    """
+
+    def __init__(self, client: "Client", connection: int = 0,
+                 depth: Optional[int] = None) -> None:
+        self._client = client
+        self._connection = connection
+        self._depth = float("inf") if depth is None else max(1, int(depth))
+
+    def run(self, source: Iterator[Tuple[int, _Microbatch]]
+            ) -> Iterator[Tuple[int, _Outcome]]:
+        """(index, micro-batch) pairs in increasing index order -> (index, outcome) pairs."""
+        client, policy, depth = self._client, self._client.retry, self._depth
+        unsettled: Dict[int, _Microbatch] = {}
+        attempts: Dict[int, int] = {}
+        order: Deque[int] = collections.deque()  # indices taken from `source`, not yet yielded
+        held: Dict[int, _Outcome] = {}
+        todo: List[Tuple[int, float]] = []  # (index, earliest resend time), in scheduling order
+        sent: Deque[int] = collections.deque()  # on `stream`, not yet answered
+        stream: Optional[StepStream] = None
+        exhausted = False
+
+        def settle(i: int, outcome: _Outcome) -> None:
+            if (isinstance(outcome, LossheadError) and is_retryable(outcome)
+                    and attempts[i] < policy.attempts):
+                client._count_retry()
+                todo.append((i, time.monotonic() + policy.delay(attempts[i], outcome)))
+                return
+            del unsettled[i], attempts[i]
+            held[i] = outcome
+
+        def ready() -> Iterator[Tuple[int, _Outcome]]:
+            while order and order[0] in held:
+                i = order.popleft()
+                yield i, held.pop(i)
+
+        try:
+            while True:
+                # Fill the stream: resends whose backoff has passed first, then new ones.
+                while len(sent) < depth:
+                    now = time.monotonic()
+                    due = next((k for k, (_, t) in enumerate(todo) if t <= now), None)
+                    if due is not None:
+                        i = todo.pop(due)[0]
+                    elif not exhausted and len(unsettled) + len(held) < depth:
+                        nxt = next(source, None)
+                        if nxt is None:
+                            exhausted = True
+                            continue
+                        i, mb = nxt
+                        unsettled[i], attempts[i] = mb, 0
+                        order.append(i)
+                    else:
+                        break
+                    if stream is None:
+                        stream = StepStream(client, connection=self._connection)
+                    attempts[i] += 1
+                    stream.submit(unsettled[i])
+                    sent.append(i)
+                if not sent:
+                    if not todo:
+                        if exhausted:
+                            return
+                        continue
+                    # Everything left is backing off: sleep until the earliest may go.
+                    time.sleep(max(0.0, min(t for _, t in todo) - time.monotonic()))
+                    continue
+                i = sent.popleft()
+                try:
+                    outcome: _Outcome = stream.receive()  # type: ignore[union-attr]
+                except LossheadError as e:
+                    outcome = e
+                settle(i, outcome)
+                if isinstance(outcome, LossheadError) and outcome.sequence is None:
+                    # The call itself ended: it owes every other micro-batch on it the same
+                    # status. Start over on a new stream; re-sent keys that did land replay.
+                    while sent:
+                        settle(sent.popleft(), LossheadError(outcome.code, outcome.message))
+                    stream.close()  # type: ignore[union-attr]
+                    stream = None
+                yield from ready()
+        finally:
+            if stream is not None:
+                stream.close()
+
+
 def _encode_health_request(service: str) -> bytes:
     # grpc.health.v1.HealthCheckRequest{string service = 1}, encoded by hand: the Debian and
     # pip worlds disagree on where the health stubs live, and two copies of the same proto
@@ -344,36 +475,95 @@ def _default_client_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+def _read_pem(value: PemLike, what: str) -> Optional[bytes]:
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise LossheadError(grpc.StatusCode.NOT_FOUND,
+                            f"cannot read {what} '{os.fspath(value)}': {e.strerror}") from None
+
+
+def _channel_credentials(tls: bool, root_ca: PemLike, cert: PemLike, key: PemLike
+                         ) -> Optional[grpc.ChannelCredentials]:
+    """TLS credentials when TLS is asked for (`tls` or any PEM given), else None (plaintext)."""
+    if not (tls or root_ca is not None or cert is not None or key is not None):
+        return None
+    if (cert is None) != (key is None):
+        raise LossheadError(grpc.StatusCode.INVALID_ARGUMENT,
+                            "a TLS client certificate and its key go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(root_ca, "TLS root CA"),  # None: the system's roots
+        private_key=_read_pem(key, "TLS client key"),
+        certificate_chain=_read_pem(cert, "TLS client certificate"))
+
+
 class Client:
     """A connection to one losshead server.
 
     `client_id` (default: host, pid and a random suffix) and a per-client sequence counter form
     the idempotency key of each micro-batch; a retry resends the same key, so the server
     replays it instead of adding it to dW again. `piece_bytes` bounds the tensor bytes per
-    message (below the server's 4 MiB default limit). `timeout` applies to unary calls and
-    weight/gradient transfers; Step streams have none. `retries` is how often a micro-batch is
-    resent after UNAVAILABLE. `connections` > 1 opens that many TCP connections for Step
-    streams (gRPC otherwise multiplexes every stream over one), which carries more bytes when
-    chunks are spread over several streams.
+    message (below the server's 4 MiB default limit). `timeout` applies to each attempt of a
+    unary call or weight/gradient transfer; Step streams have none. `connections` > 1 opens
+    that many TCP connections for Step streams (gRPC otherwise multiplexes every stream over
+    one), which carries more bytes when chunks are spread over several streams.
+
+    `retry` (a `RetryPolicy`; default 5 attempts, 50 ms doubling to 2 s, +-20 % jitter) governs
+    every method; see `losshead.retry` for what is retried and why nothing is counted twice.
+    `retries` counts the attempts that were retries since the client was made.
+
+    Security (plaintext by default): `token` is sent on every call as
+    `authorization: Bearer <token>`. TLS is on when `tls` or any of `tls_root_ca` (CA that
+    signed the server's certificate; default the system's roots), `tls_cert` / `tls_key`
+    (client certificate and key, for mTLS) is given, each a file path or the PEM bytes;
+    `tls_server_name` is the name to verify in the server's certificate instead of the
+    target's host. With `channel` the TLS options are ignored (the channel has its own).
+    `channel_options` are extra gRPC channel arguments.
     """
 
     def __init__(self, target: str, *, client_id: Optional[str] = None,
                  channel: Optional[grpc.Channel] = None, timeout: Optional[float] = 300.0,
-                 piece_bytes: int = 4 * _MiB - 64 * 1024, retries: int = 3,
-                 metadata: Sequence[Tuple[str, str]] = (), connections: int = 1) -> None:
+                 piece_bytes: int = 4 * _MiB - 64 * 1024, retry: Optional[RetryPolicy] = None,
+                 metadata: Sequence[Tuple[str, str]] = (), connections: int = 1,
+                 token: Optional[str] = None, tls: bool = False, tls_root_ca: PemLike = None,
+                 tls_cert: PemLike = None, tls_key: PemLike = None,
+                 tls_server_name: Optional[str] = None,
+                 channel_options: Sequence[Tuple[str, Any]] = ()) -> None:
         self.target = target
         self.client_id = client_id or _default_client_id()
         self.timeout = timeout
         self.piece_bytes = int(piece_bytes)
-        self.retries = int(retries)
-        self._metadata = tuple(metadata) or None
+        self.retry = retry if retry is not None else RetryPolicy()
+        self._retries = 0
+        self._retries_lock = threading.Lock()
+        md = list(metadata)
+        if token:
+            # Per call rather than as call credentials: gRPC sends call credentials only over
+            # TLS, and a token on a plaintext loopback or proxied connection is supported.
+            md.append(("authorization", f"Bearer {token}"))
+        self._metadata = tuple(md) or None
         options = [("grpc.max_receive_message_length", 64 * _MiB),
-                   ("grpc.max_send_message_length", 64 * _MiB)]
-        self._channel = channel or grpc.insecure_channel(target, options=options)
+                   ("grpc.max_send_message_length", 64 * _MiB), *channel_options]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        credentials = None if channel is not None else _channel_credentials(
+            tls, tls_root_ca, tls_cert, tls_key)
+
+        def make_channel(extra: Sequence[Tuple[str, Any]] = ()) -> grpc.Channel:
+            if credentials is None:
+                return grpc.insecure_channel(target, options=options + list(extra))
+            return grpc.secure_channel(target, credentials, options=options + list(extra))
+
+        self._channel = channel or make_channel()
         self._stub = pb_grpc.LossHeadStub(self._channel)
         # A local subchannel pool keeps a channel from sharing its connection with the others.
         self._extra_channels = [] if channel is not None else [
-            grpc.insecure_channel(target, options=options + [("grpc.use_local_subchannel_pool", 1)])
+            make_channel([("grpc.use_local_subchannel_pool", 1)])
             for _ in range(max(1, connections) - 1)]
         self._step_stubs = [self._stub] + [pb_grpc.LossHeadStub(c) for c in self._extra_channels]
         self._health = self._channel.unary_unary(
@@ -399,11 +589,50 @@ class Client:
         with self._seq_lock:
             return next(self._seq)
 
-    def _unary(self, method, request):  # type: ignore[no-untyped-def]
+    @property
+    def retries(self) -> int:
+        """Attempts that were retries (all methods), since the client was made."""
+        return self._retries
+
+    def _count_retry(self) -> None:
+        with self._retries_lock:
+            self._retries += 1
+
+    def _with_retry(self, attempt: Callable[[], _T]) -> _T:
+        """Runs `attempt` until it succeeds, fails permanently or the policy is spent."""
+        policy = self.retry
+        for i in itertools.count(1):
+            try:
+                return attempt()
+            except LossheadError as e:
+                if i >= policy.attempts or not is_retryable(e):
+                    raise
+                self._count_retry()
+                time.sleep(policy.delay(i, e))
+        raise AssertionError("unreachable")
+
+    def _wait_for_connection(self) -> None:
+        """Waits, with the retry policy's backoff, for the channel to be connected; gives up
+        quietly when the policy is spent (the single attempt that follows reports the error)."""
+        policy = self.retry
+        for i in range(1, policy.attempts):
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=policy.delay(i))
+                return
+            except grpc.FutureTimeoutError:
+                self._count_retry()
+            finally:
+                ready.cancel()
+
+    def _unary_once(self, method, request):  # type: ignore[no-untyped-def]
         try:
             return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise LossheadError.from_rpc_error(e) from None
+
+    def _unary(self, method, request):  # type: ignore[no-untyped-def]
+        return self._with_retry(lambda: self._unary_once(method, request))
 
     # -- health and stats -------------------------------------------------------------------
     def health(self, service: str = "", timeout: Optional[float] = 5.0) -> str:
@@ -431,6 +660,28 @@ class Client:
 
     def stats(self) -> pb.Stats:
         return self._unary(self._stub.GetStats, pb.GetStatsRequest())
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def checkpoint(self, head: str = "") -> List[HeadCheckpoint]:
+        """Writes the checkpoint of `head` (every head when empty) now; safe to repeat.
+
+        FAILED_PRECONDITION when the server runs without --checkpoint_dir, NOT_FOUND for an
+        unknown head.
+        """
+        response = self._unary(self._stub.Checkpoint, pb.CheckpointRequest(head=head))
+        return [HeadCheckpoint(head=h.head, weights_version=h.weights_version,
+                               microbatches_since_pull=h.microbatches_since_pull, bytes=h.bytes,
+                               write_seconds=h.write_seconds,
+                               clients=[ClientProgress.from_proto(c) for c in h.clients])
+                for h in response.heads]
+
+    def client_progress(self, head: str, client_id: Optional[str] = None) -> ClientProgress:
+        """Acknowledged (applied) and persisted (checkpointed) sequence of `client_id` (default:
+        this client's) on `head`. After a server restart, resend exactly the micro-batches
+        above `persisted_sequence` (see the proto for when that is exact)."""
+        return ClientProgress.from_proto(self._unary(
+            self._stub.GetClientProgress,
+            pb.GetClientProgressRequest(head=head, client_id=client_id or self.client_id)))
 
     # -- heads ------------------------------------------------------------------------------
     def create_head(self, name: str, vocab_size: int, hidden_size: int, *,
@@ -471,6 +722,9 @@ class Client:
         `dtype` is the wire dtype (default: data's dtype when it is bf16/fp16/fp32, else fp32);
         the server converts to the head's dtype. With `expected_weights_version` the push fails
         with FAILED_PRECONDITION if W has another version.
+
+        A replacement is re-sent whole after a transient failure; a delta (`add`) only with
+        `expected_weights_version`, so that a delta that landed cannot be added twice.
         """
         wire = dtype if dtype is not None else (
             data.dtype if data.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -487,7 +741,12 @@ class Client:
             for off in range(step, len(raw), step):
                 yield pb.PushWeightsRequest(offset=off, data=bytes(raw[off:off + step]))
 
-        return self._unary(self._stub.PushWeights, requests()).weights_version
+        def once() -> pb.PushWeightsResponse:
+            return self._unary_once(self._stub.PushWeights, requests())
+
+        if add and expected_weights_version is None:
+            return once().weights_version  # a lost answer must not add the delta twice
+        return self._with_retry(once).weights_version
 
     def upload_weights(self, head: str, weights: torch.Tensor, *,
                        dtype: Optional[DTypeLike] = None,
@@ -498,6 +757,9 @@ class Client:
 
     def download_weights(self, head: str, dtype: Optional[DTypeLike] = None) -> Weights:
         """W (V x D) on the CPU, in `dtype` (default: the head's weight dtype)."""
+        return self._with_retry(lambda: self._download_weights_once(head, dtype))
+
+    def _download_weights_once(self, head: str, dtype: Optional[DTypeLike]) -> Weights:
         request = pb.DownloadWeightsRequest(
             head=head, dtype=_wire.to_wire_dtype(dtype) if dtype is not None else 0)
         try:
@@ -527,7 +789,19 @@ class Client:
 
         With `reset` the accumulator is zeroed atomically: micro-batches that arrive during the
         pull land in the next window.
+
+        Without `reset` a transient failure is retried. With `reset` the pull is never re-sent
+        once it may have reached the server (the reset may have happened with the answer lost;
+        a second pull would hand back an empty window): the client only waits, with the retry
+        policy's backoff, for a connection before the single attempt, and raises a later error
+        unchanged; `get_head(head).tokens_since_pull` then tells whether the reset happened.
         """
+        if not reset:
+            return self._with_retry(lambda: self._pull_gradient_once(head, reset, dtype))
+        self._wait_for_connection()
+        return self._pull_gradient_once(head, reset, dtype)
+
+    def _pull_gradient_once(self, head: str, reset: bool, dtype: DTypeLike) -> Gradient:
         request = pb.PullGradientRequest(head=head, dtype=_wire.to_wire_dtype(dtype), reset=reset)
         try:
             summary: Optional[pb.GradientSummary] = None
@@ -598,50 +872,45 @@ class Client:
                            targets=_wire.encode(targets.reshape(-1), target_dtype),
                            hidden_size=d)
 
-    def run_microbatches(self, mbs: Sequence[_Microbatch], *, streams: int = 1
-                         ) -> List[StepResult]:
+    def run_microbatches(self, mbs: Sequence[_Microbatch], *, streams: int = 1,
+                         max_inflight: Optional[int] = None) -> List[StepResult]:
         """Runs micro-batches pipelined over `streams` Step streams; results in input order.
 
-        All are submitted at once (gRPC sends in the background while answers are read), so the
-        upload of micro-batch k+1 overlaps the computation and dH download of micro-batch k.
-        Micro-batches whose call fails with UNAVAILABLE are resent with their original
-        (client_id, sequence) on fresh streams, up to `retries` times; the server replays those
-        it already counted. The first failed micro-batch raises its LossheadError once every
-        micro-batch has been answered.
+        Micro-batch k goes on stream k % streams; each stream has up to `max_inflight` of them
+        on the wire (default: all at once; gRPC sends in the background while answers are
+        read), so the upload of micro-batch k+1 overlaps the computation and dH download of
+        micro-batch k. With one stream and `max_inflight=1`, dW accumulates in the given order.
+
+        Retries follow `self.retry`: a micro-batch refused with a retry hint (backpressure) or
+        lost with its call (UNAVAILABLE) is re-sent with its original (client_id, sequence), on
+        a fresh stream when the call ended; the server replays those it already counted. The
+        first failed micro-batch raises its LossheadError once every micro-batch is settled.
         """
-        results: List[Optional[StepResult]] = [None] * len(mbs)
-        errors: List[Optional[LossheadError]] = [None] * len(mbs)
-        todo = list(range(len(mbs)))
-        for attempt in itertools.count():
-            retry: List[int] = []
-            n_streams = max(1, min(streams, len(todo)))
-            opened = [StepStream(self, connection=j) for j in range(n_streams)]
+        n_streams = max(1, min(streams, len(mbs)))
+        outcomes: List[Optional[_Outcome]] = [None] * len(mbs)
+        failures: List[BaseException] = []
+
+        def lane(j: int) -> None:
             try:
-                for j, i in enumerate(todo):
-                    opened[j % n_streams].submit(mbs[i])
-                for j, i in enumerate(todo):
-                    try:
-                        results[i] = opened[j % n_streams].receive()
-                    except LossheadError as e:
-                        if e.sequence is None and e.code in _RETRYABLE:
-                            retry.append(i)  # the call failed, not the micro-batch
-                        else:
-                            errors[i] = e
-            finally:
-                for s in opened:
-                    s.close()
-            if not retry or attempt >= self.retries:
-                for i in retry:
-                    errors[i] = LossheadError(grpc.StatusCode.UNAVAILABLE,
-                                              f"micro-batch {mbs[i].header.sequence} not "
-                                              f"answered after {self.retries} retries")
-                break
-            time.sleep(min(2.0, 0.1 * 2 ** attempt))
-            todo = retry
-        for e in errors:
-            if e is not None:
-                raise e
-        return [r for r in results if r is not None]
+                pipeline = _StepPipeline(self, connection=j, depth=max_inflight)
+                for i, outcome in pipeline.run((i, mbs[i]) for i in range(j, len(mbs), n_streams)):
+                    outcomes[i] = outcome
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                failures.append(e)
+
+        threads = [threading.Thread(target=lane, args=(j,), daemon=True,
+                                    name=f"losshead-step-{j}") for j in range(1, n_streams)]
+        for t in threads:
+            t.start()
+        lane(0)
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
+        for o in outcomes:
+            if isinstance(o, LossheadError):
+                raise o
+        return [o for o in outcomes if isinstance(o, StepResult)]
 
     def step(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, **options: object
              ) -> StepResult:
@@ -651,6 +920,7 @@ class Client:
         for others), target_dtype (int64), reduction ("mean" | "sum" | "none"), grad_scale,
         loss_options (LossOptions), expected_weights_version, return_per_token_loss,
         skip_grad_hidden, grad_hidden_dtype, sequence (reuse one to retry by hand).
+        Transient failures are retried under the same key (see `run_microbatches`).
         """
         return self.run_microbatches([self.microbatch(head, hidden, targets, **options)])[0]
 
@@ -659,28 +929,18 @@ class Client:
                     ) -> Iterator[Union[StepResult, LossheadError]]:
         """Pipelines (hidden, targets) micro-batches over one Step stream, yielding in order.
 
-        Up to `max_inflight` micro-batches are on the wire at once. A failed micro-batch raises
-        its LossheadError (or is yielded, with `return_errors`) and the others go on.
+        Up to `max_inflight` micro-batches are on the wire (or waiting to be yielded) at once.
+        Transient failures are retried under the same key as in `run_microbatches`, on a new
+        stream when the call ended. A failed micro-batch raises its LossheadError (or is
+        yielded, with `return_errors`) and the others go on.
         """
-        with StepStream(self) as stream:
-            it = iter(batches)
-            exhausted = False
-            while True:
-                while not exhausted and stream.pending < max_inflight:
-                    try:
-                        hidden, targets = next(it)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    stream.submit(self.microbatch(head, hidden, targets, **options))
-                if not stream.pending:
-                    return
-                try:
-                    yield stream.receive()
-                except LossheadError as e:
-                    if not return_errors or e.sequence is None:
-                        raise
-                    yield e
+        source = ((k, self.microbatch(head, h, t, **options))  # type: ignore[arg-type]
+                  for k, (h, t) in enumerate(batches))
+        for _, outcome in _StepPipeline(self, depth=max_inflight).run(source):
+            if isinstance(outcome, LossheadError):
+                if not return_errors or outcome.sequence is None:
+                    raise outcome
+            yield outcome
 
     def step_chunked(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
                      chunk_tokens: int = 4096, streams: int = 2, reduction: ReductionLike = "sum",

@@ -19,16 +19,19 @@ class LossheadError(Exception):
 
     `code` is the grpc.StatusCode the server (or the transport) reported, `message` its text.
     For a failed micro-batch of a Step stream, `client_id` and `sequence` name the micro-batch;
-    they are None for whole-call failures.
+    they are None for whole-call failures. `retry_after_ms` > 0 is the server's hint on a
+    transient refusal (a micro-batch refused under backpressure): the same micro-batch may be
+    re-sent after that many milliseconds; 0 means retrying will not help.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, *, client_id: Optional[str] = None,
-                 sequence: Optional[int] = None) -> None:
+                 sequence: Optional[int] = None, retry_after_ms: int = 0) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.client_id = client_id
         self.sequence = sequence
+        self.retry_after_ms = int(retry_after_ms)
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> "LossheadError":
