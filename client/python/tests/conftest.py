@@ -7,9 +7,7 @@ root. The tests skip only when the variable is unset and the default does not ex
 from __future__ import annotations
 
 import itertools
-import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,39 +16,18 @@ from typing import Callable, Iterator, List
 import pytest
 import torch
 
+from _servers import ServerFactory, free_port, server_binary
 from losshead import Client, LossheadError
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_SERVER_BIN = REPO_ROOT / "build" / "server" / "losshead-server"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _server_binary() -> Path:
-    env = os.environ.get("LOSSHEAD_SERVER_BIN")
-    if env:
-        path = Path(env)
-        if not path.is_file():
-            pytest.fail(f"LOSSHEAD_SERVER_BIN={env} does not exist")
-        return path
-    if not DEFAULT_SERVER_BIN.is_file():
-        pytest.skip(f"no server: set LOSSHEAD_SERVER_BIN or build {DEFAULT_SERVER_BIN}")
-    return DEFAULT_SERVER_BIN
-
 
 @pytest.fixture(scope="session")
 def server_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = _server_binary()
+    binary = server_binary()
     log_path = tmp_path_factory.mktemp("server") / "losshead-server.log"
     for attempt in range(3):  # a free port can be taken between probing and binding
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         log = open(log_path, "w")
         proc = subprocess.Popen(
-            [str(binary), "--listen", address, "--metrics_listen", f"127.0.0.1:{_free_port()}",
+            [str(binary), "--listen", address, "--metrics_listen", f"127.0.0.1:{free_port()}",
              "--backend", "cpu"], stdout=log, stderr=subprocess.STDOUT)
         client = Client(address)
         try:
@@ -118,3 +95,13 @@ def make_head(client: Client, request: pytest.FixtureRequest
             client.delete_head(name)
         except LossheadError:
             pass
+
+
+@pytest.fixture
+def servers(tmp_path: "Path") -> Iterator[ServerFactory]:
+    """Starts extra servers with their own flags (servers.start(*flags)); stops them after."""
+    factory = ServerFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
