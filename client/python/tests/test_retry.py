@@ -249,18 +249,25 @@ def test_unavailable_is_retried_across_restarts_with_checkpoints(servers: Server
         assert not c.step("lm", batches[3][0], batches[3][2], reduction="sum",
                           sequence=4).replayed
 
-        # A graceful stop mid-work: Step micro-batches are re-sent on a new stream.
+        (ck,) = c.checkpoint("lm")
+        assert [p.persisted_sequence for p in ck.clients] == [4]
+
+        # Step micro-batches are re-sent on new streams until the server is back; the one the
+        # checkpoint holds is replayed, the others computed.
         before = c.retries
-        servers.started[-1].stop(signal.SIGTERM)
+        servers.started[-1].stop(signal.SIGKILL)
         restart = _restart_later(servers, flags, port, 0.3)
-        results = c.run_microbatches(mbs[4:], streams=2)
+        results = c.run_microbatches(mbs[3:], streams=2)
         restart.join()
         assert c.retries > before
-        assert [r.sequence for r in results] == [5, 6]
+        assert [(r.sequence, r.replayed) for r in results] == [(4, True), (5, False), (6, False)]
+        c.checkpoint("lm")
 
         # A resetting pull waits for the connection before its single attempt.
+        servers.started[-1].stop(signal.SIGKILL)
+        with pytest.raises(LossheadError):  # not retried: the channel now knows it is down
+            c.health(timeout=1.0)
         before = c.retries
-        servers.started[-1].stop(signal.SIGTERM)
         restart = _restart_later(servers, flags, port, 0.3)
         pulled = c.pull_gradient("lm", reset=True)
         restart.join()
