@@ -622,18 +622,25 @@ class Client:
         raise AssertionError("unreachable")
 
     def _wait_for_connection(self) -> None:
-        """Waits, with the retry policy's backoff, for the channel to be connected; gives up
-        quietly when the policy is spent (the single attempt that follows reports the error)."""
+        """Waits, with the retry policy's backoff, until the server answers on this channel;
+        gives up quietly when the policy is spent (the single attempt that follows reports the
+        error). Each wait is a health probe that waits for a connection (wait_for_ready) for
+        that long: unlike the channel's state, an answer proves the connection is alive."""
         policy = self.retry
         for i in range(1, policy.attempts):
-            ready = grpc.channel_ready_future(self._channel)
+            wait = policy.delay(i)
+            start = time.monotonic()
             try:
-                ready.result(timeout=policy.delay(i))
-                return
-            except grpc.FutureTimeoutError:
-                self._count_retry()
-            finally:
-                ready.cancel()
+                status = self._health("", timeout=wait, metadata=self._metadata,
+                                      wait_for_ready=True)
+                if status != 2:  # NOT_SERVING: draining, its calls are refused
+                    return
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    grpc.StatusCode.UNAVAILABLE):
+                    return  # the server answered (e.g. no health service): it is there
+            self._count_retry()
+            time.sleep(max(0.0, wait - (time.monotonic() - start)))
 
     def _unary_once(self, method, request):  # type: ignore[no-untyped-def]
         try:
