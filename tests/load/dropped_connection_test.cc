@@ -171,7 +171,9 @@ class SlamProxy {
       for (int i = 0; i < 2 && !done; ++i) {
         if (fds[i].revents == 0) continue;
         const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
-        if (n <= 0 || write(fds[1 - i].fd, buf, n) != n) done = true;
+        // MSG_NOSIGNAL: after Slam() the other socket is shut down, and write() there would raise
+        // SIGPIPE and kill the whole test binary instead of ending this pump.
+        if (n <= 0 || send(fds[1 - i].fd, buf, n, MSG_NOSIGNAL) != n) done = true;
         if (n > 0) bytes_ += n;
       }
       if (done) break;
