@@ -45,8 +45,15 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (ended_) {
-        return call_status_.ok() ? absl::UnavailableError("the step stream has ended")
-                                 : call_status_;
+        // Answered at once, as after a refused write (below): either way Receive() answers this
+        // micro-batch with the call's status, so callers count it as sent whichever way Send
+        // learnt that the call was over. expected_ is empty here, so the order holds.
+        const absl::Status status = call_status_.ok()
+                                        ? absl::UnavailableError("the step stream has ended")
+                                        : call_status_;
+        answers_.push_back(status);
+        cv_.notify_all();
+        return status;
       }
       expected_.emplace_back(mb.client_id, mb.sequence);
     }

@@ -155,6 +155,32 @@ TEST_F(TransportTest, PipelinedMicrobatchesOnOneStreamAnswerInOrder) {
   EXPECT_TRUE(AllClose(Decode(pulled->data, v1::DTYPE_FP32), Sum(dws), tol.grad));
 }
 
+// Every micro-batch given to Send is answered by Receive, also when Send finds the call already
+// over: StepMany counts a refused one as sent and re-sends it on a new stream after a drop.
+TEST_F(TransportTest, SendOnAnEndedCallIsStillAnsweredByReceive) {
+  auto head = CreateKnownHead(*client_, "ended", kV, kD, v1::DTYPE_FP32, 6);
+  ASSERT_TRUE(head.ok()) << head.status();
+  const HostBatch batch = MakeBatch(4, kD, kV, v1::DTYPE_FP32, 7, 0);
+  auto stream = client_->OpenStepStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  (*stream)->Cancel();
+  // Sends until one is refused (a refused write waits for the end of the call), then once more:
+  // that one finds the call ended before writing anything.
+  uint64_t sent = 0;
+  absl::Status refused;
+  while (refused.ok() && sent < 100) {
+    refused = (*stream)->Send(ToMicrobatch(head->name, "ended", ++sent, batch));
+  }
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ((*stream)->Send(ToMicrobatch(head->name, "ended", ++sent, batch)).code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_EQ((*stream)->outstanding(), sent);
+  for (uint64_t i = 0; i < sent; ++i) {
+    EXPECT_EQ((*stream)->Receive().status().code(), absl::StatusCode::kCancelled) << i;
+  }
+  EXPECT_EQ((*stream)->Receive().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(TransportTest, ConcurrentStreamsAccumulateIntoOneGradient) {
   constexpr int kStreams = 4, kPerStream = 3;
   constexpr int64_t n = 64, d = 32, v = 97;

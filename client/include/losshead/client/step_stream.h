@@ -76,7 +76,8 @@ class StepStream {
   StepStream& operator=(const StepStream&) = delete;
 
   // Writes one micro-batch, split into messages below max_message_bytes. Fails with the call's
-  // status (or UNAVAILABLE) when the stream can no longer be written, FAILED_PRECONDITION after
+  // status (or UNAVAILABLE) when the stream can no longer be written; the micro-batch then still
+  // counts as outstanding and Receive() answers it with a failure too. FAILED_PRECONDITION after
   // Finish(). Shapes are not checked here: the server is the authority and answers per micro-batch.
   absl::Status Send(const Microbatch& microbatch);
 
