@@ -88,26 +88,35 @@ void FromFloat(DType dtype, const float* src, void* dst, size_t count) {
   }
 }
 
+namespace {
+
+// True when some element of `s` has all exponent bits of `mask` set (Inf or NaN). The scan runs
+// in blocks without an early exit inside a block, so that the compiler vectorises it: a 64 MiB
+// micro-batch is checked at memory speed rather than one branch per element.
+template <typename T>
+bool AnyExponentAllOnes(const T* s, size_t count, T mask) {
+  constexpr size_t kBlock = 4096;
+  size_t i = 0;
+  for (; i + kBlock <= count; i += kBlock) {
+    T hit = 0;
+    for (size_t j = 0; j < kBlock; ++j) hit |= static_cast<T>((s[i + j] & mask) == mask);
+    if (hit != 0) return true;
+  }
+  T hit = 0;
+  for (; i < count; ++i) hit |= static_cast<T>((s[i] & mask) == mask);
+  return hit != 0;
+}
+
+}  // namespace
+
 bool HasNonFinite(DType dtype, const void* src, size_t count) {
   switch (dtype) {
-    case DType::kFP32: {
-      const auto* s = static_cast<const uint32_t*>(src);
-      for (size_t i = 0; i < count; ++i)
-        if ((s[i] & 0x7f800000u) == 0x7f800000u) return true;
-      return false;
-    }
-    case DType::kBF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < count; ++i)
-        if ((s[i] & 0x7f80u) == 0x7f80u) return true;
-      return false;
-    }
-    case DType::kFP16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < count; ++i)
-        if ((s[i] & 0x7c00u) == 0x7c00u) return true;
-      return false;
-    }
+    case DType::kFP32:
+      return AnyExponentAllOnes(static_cast<const uint32_t*>(src), count, uint32_t{0x7f800000u});
+    case DType::kBF16:
+      return AnyExponentAllOnes(static_cast<const uint16_t*>(src), count, uint16_t{0x7f80u});
+    case DType::kFP16:
+      return AnyExponentAllOnes(static_cast<const uint16_t*>(src), count, uint16_t{0x7c00u});
   }
   return false;
 }

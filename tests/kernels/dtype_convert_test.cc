@@ -127,5 +127,27 @@ TEST(DTypeConvertTest, AllDTypes_HasNonFiniteFindsInfAndNaNOnly) {
   }
 }
 
+// The scan works in blocks: a bad value anywhere, at block edges too, in a tensor of several blocks
+// and a ragged tail, is found; the same tensor without it is clean.
+TEST(DTypeConvertTest, AllDTypes_HasNonFiniteFindsABadValueAtAnyPosition) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  constexpr size_t kCount = 3 * 4096 + 17;
+  for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::vector<float> values(kCount);
+    for (size_t i = 0; i < kCount; ++i) values[i] = static_cast<float>(i % 251) - 125.0f;
+    std::vector<uint8_t> packed(kCount * DTypeSize(dtype));
+    FromFloat(dtype, values.data(), packed.data(), kCount);
+    EXPECT_FALSE(HasNonFinite(dtype, packed.data(), kCount));
+    for (size_t at : {size_t{0}, size_t{4095}, size_t{4096}, size_t{2 * 4096 + 5}, size_t{3 * 4096},
+                      kCount - 1}) {
+      std::vector<float> with_bad = values;
+      with_bad[at] = nan;
+      FromFloat(dtype, with_bad.data(), packed.data(), kCount);
+      EXPECT_TRUE(HasNonFinite(dtype, packed.data(), kCount)) << at;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace losshead::kernels
