@@ -1,3 +1,4 @@
+#include "absl/strings/str_cat.h"
 #include "losshead/kernels/backend.h"
 
 namespace losshead::kernels {
@@ -20,6 +21,30 @@ void DeviceBuffer::Reset() {
   owner_ = nullptr;
   data_ = nullptr;
   bytes_ = 0;
+}
+
+HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    free_ = other.free_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+    other.free_ = nullptr;
+  }
+  return *this;
+}
+
+void HostBuffer::Reset() {
+  if (data_ != nullptr && free_ != nullptr) free_(data_);
+  data_ = nullptr;
+  bytes_ = 0;
+  free_ = nullptr;
+}
+
+absl::StatusOr<HostBuffer> Backend::AllocateHost(size_t) {
+  return absl::UnimplementedError(absl::StrCat(name(), " backend: no staging host memory"));
 }
 
 }  // namespace losshead::kernels

@@ -236,6 +236,14 @@ class CudaBackend final : public Backend {
   absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream& stream) override {
     return Copy(host_dst, src, bytes, stream);
   }
+  absl::StatusOr<HostBuffer> AllocateHost(size_t bytes) override {
+    if (bytes == 0) return HostBuffer();
+    LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
+    void* data = nullptr;
+    // Portable: the pages stay pinned for every device of the process, whichever is current.
+    LOSSHEAD_CUDA_CHECK(cudaHostAlloc(&data, bytes, cudaHostAllocPortable));
+    return HostBuffer(data, bytes, +[](void* p) { cudaFreeHost(p); });
+  }
   absl::Status Memset(void* dst, int value, size_t bytes, Stream& stream) override {
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
     LOSSHEAD_CUDA_CHECK(

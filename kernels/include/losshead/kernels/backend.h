@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -49,6 +50,30 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// Host memory that a backend copies to and from at full speed (page-locked on CUDA, where a copy
+// from ordinary pageable memory goes through a driver bounce buffer at a fraction of the bus
+// rate). Freed on destruction. Move-only.
+class HostBuffer {
+ public:
+  using FreeFn = void (*)(void*);
+  HostBuffer() = default;
+  HostBuffer(void* data, size_t bytes, FreeFn free) : data_(data), bytes_(bytes), free_(free) {}
+  HostBuffer(HostBuffer&& other) noexcept { *this = std::move(other); }
+  HostBuffer& operator=(HostBuffer&& other) noexcept;
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer() { Reset(); }
+
+  char* data() const { return static_cast<char*>(data_); }
+  size_t bytes() const { return bytes_; }
+  void Reset();
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  FreeFn free_ = nullptr;
+};
+
 struct MemoryInfo {
   uint64_t total_bytes = 0;
   uint64_t free_bytes = 0;
@@ -82,6 +107,10 @@ class Backend {
   virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes,
                                   Stream& stream) = 0;
   virtual absl::Status Memset(void* dst, int value, size_t bytes, Stream& stream) = 0;
+  // Host memory to stage copies through (see HostBuffer). Allocation is slow on CUDA (it pins
+  // pages): keep and reuse these buffers. UNIMPLEMENTED where staging buys nothing (the CPU
+  // backend copies from any host memory at full speed): copy from the caller's memory directly.
+  virtual absl::StatusOr<HostBuffer> AllocateHost(size_t bytes);
 
  protected:
   friend class DeviceBuffer;
