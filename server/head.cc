@@ -72,6 +72,42 @@ struct Head::Prepared {
   std::optional<uint64_t> expected_version;
 };
 
+// One micro-batch's device buffers, its staging host memory (empty where the backend needs none)
+// and a stream of its own for the copies, so that they run beside another micro-batch's Run.
+struct Head::IoSlot {
+  std::unique_ptr<kernels::Stream> copies;
+  kernels::DeviceBuffer hidden;
+  kernels::DeviceBuffer targets;
+  kernels::DeviceBuffer grad_hidden;
+  kernels::DeviceBuffer per_token;
+  kernels::DeviceBuffer scalars;
+  kernels::HostBuffer staging;  // hidden + targets in, then dH + per-token losses out
+};
+
+// Takes a free I/O slot (waiting for one) and gives it back on destruction.
+class Head::SlotLease {
+ public:
+  explicit SlotLease(Head& head) : head_(head) {
+    absl::MutexLock lock(&head_.slots_mu_);
+    head_.slots_mu_.Await(absl::Condition(
+        +[](std::vector<std::unique_ptr<IoSlot>>* free) { return !free->empty(); },
+        &head_.free_slots_));
+    slot_ = std::move(head_.free_slots_.back());
+    head_.free_slots_.pop_back();
+  }
+  ~SlotLease() {
+    absl::MutexLock lock(&head_.slots_mu_);
+    head_.free_slots_.push_back(std::move(slot_));
+  }
+  SlotLease(const SlotLease&) = delete;
+  SlotLease& operator=(const SlotLease&) = delete;
+  IoSlot& operator*() const { return *slot_; }
+
+ private:
+  Head& head_;
+  std::unique_ptr<IoSlot> slot_;
+};
+
 absl::Status Head::ValidateSpec(const v1::HeadSpec& spec) {
   if (!ValidName(spec.name())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -103,12 +139,17 @@ Head::Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType d
       dtype_(dtype),
       options_(options),
       cache_(options.idempotency_window, options.idempotency_max_bytes_per_client) {
+  {
+    absl::MutexLock lock(&slots_mu_);
+    for (size_t i = 0; i < kIoSlots; ++i) free_slots_.push_back(std::make_unique<IoSlot>());
+  }
   absl::MutexLock lock(&state_mu_);
   defaults_ = spec.default_options();
 }
 
 Head::~Head() {
-  // Work still queued on the stream must finish before the buffers it uses are freed.
+  // Work still queued on the stream must finish before the buffers it uses are freed (the slots'
+  // streams wait for their own work when they are destroyed).
   if (stream_ != nullptr) stream_->Synchronize().IgnoreError();
 }
 
@@ -303,18 +344,96 @@ absl::Status Head::EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Head::EnsureStaging(kernels::HostBuffer& buffer, size_t bytes) {
+  if (buffer.bytes() >= bytes) return true;
+  buffer.Reset();
+  absl::StatusOr<kernels::HostBuffer> fresh = backend_.AllocateHost(bytes);
+  if (absl::IsUnimplemented(fresh.status())) return false;
+  if (!fresh.ok()) return AsResourceExhausted(fresh.status(), "micro-batch staging memory");
+  buffer = std::move(*fresh);
+  return true;
+}
+
+absl::Status Head::StageIn(const Prepared& p, IoSlot& slot) {
+  const size_t n = p.problem.n;
+  const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
+  const size_t targets_bytes = n * sizeof(int32_t);
+  if (slot.copies == nullptr) {
+    LOSSHEAD_ASSIGN_OR_RETURN(slot.copies, backend_.CreateStream());
+  }
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.hidden, hidden_bytes));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.targets, targets_bytes));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.scalars, 16));
+  if (p.want_grad_hidden) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.grad_hidden, hidden_bytes));
+  if (p.want_per_token) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.per_token, n * sizeof(float)));
+  // The larger of the two directions: the buffer serves the copies in, then the copies out.
+  const size_t out_bytes =
+      (p.want_grad_hidden ? hidden_bytes : 0) + (p.want_per_token ? n * sizeof(float) : 0);
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      const bool staged,
+      EnsureStaging(slot.staging, std::max(hidden_bytes + targets_bytes, out_bytes)));
+  const char* hidden = p.hidden().data();
+  const char* targets = reinterpret_cast<const char*>(p.targets.data());
+  if (staged) {
+    // Page-locked memory copies at the bus rate and asynchronously; a copy from the request's own
+    // (pageable) bytes would go through the driver's bounce buffer at a fraction of it.
+    std::memcpy(slot.staging.data(), hidden, hidden_bytes);
+    std::memcpy(slot.staging.data() + hidden_bytes, targets, targets_bytes);
+    hidden = slot.staging.data();
+    targets = slot.staging.data() + hidden_bytes;
+  }
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToDevice(slot.targets.data(), targets, targets_bytes, *slot.copies));
+  return slot.copies->Synchronize();
+}
+
+absl::Status Head::StageOut(const Prepared& p, IoSlot& slot, std::string* grad_hidden,
+                            std::vector<float>* per_token) {
+  const size_t n = p.problem.n;
+  const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
+  const bool staged = slot.staging.bytes() > 0;
+  if (p.want_grad_hidden) grad_hidden->resize(hidden_bytes);
+  if (p.want_per_token) per_token->resize(n);
+  char* dh = staged ? slot.staging.data() : grad_hidden->data();
+  char* pt = staged ? slot.staging.data() + (p.want_grad_hidden ? hidden_bytes : 0)
+                    : reinterpret_cast<char*>(per_token->data());
+  if (p.want_grad_hidden) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(dh, slot.grad_hidden.data(), hidden_bytes, *slot.copies));
+  }
+  if (p.want_per_token) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(pt, slot.per_token.data(), n * sizeof(float), *slot.copies));
+  }
+  LOSSHEAD_RETURN_IF_ERROR(slot.copies->Synchronize());
+  if (staged) {
+    if (p.want_grad_hidden) std::memcpy(grad_hidden->data(), dh, hidden_bytes);
+    if (p.want_per_token) std::memcpy(per_token->data(), pt, n * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared& p,
                                                                  StepStats* stats,
                                                                  const std::string& client_id,
                                                                  uint64_t sequence) {
   auto outcome = std::make_shared<StepOutcome>();
   const size_t n = p.problem.n;
-  const size_t nd = n * hidden_size();
-  const size_t esize = kernels::DTypeSize(dtype_);
   std::string grad_hidden;  // compute dtype
   std::vector<float> per_token;
   float loss_sum = 0;
   int64_t token_count = 0;
+
+  const absl::Time slot_wait = absl::Now();
+  SlotLease lease(*this);
+  IoSlot& slot = *lease;
+  const absl::Time stage_start = absl::Now();
+  stats->queue += stage_start - slot_wait;
+  // Copies in run outside compute_mu_, beside the run of the micro-batch ahead of this one.
+  LOSSHEAD_RETURN_IF_ERROR(StageIn(p, slot));
+  stats->stage += absl::Now() - stage_start;
   {
     const absl::Time wait_start = absl::Now();
     absl::MutexLock lock(&compute_mu_);
@@ -333,44 +452,25 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     LOSSHEAD_ASSIGN_OR_RETURN(const size_t ws_bytes,
                               backend_.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
     LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(workspace_, ws_bytes));
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(hidden_buf_, nd * esize));
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(targets_buf_, n * sizeof(int32_t)));
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(scalars_buf_, 16));
-    if (p.want_grad_hidden) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(grad_hidden_buf_, nd * esize));
-    if (p.want_per_token) {
-      LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(per_token_buf_, n * sizeof(float)));
-    }
 
-    LOSSHEAD_RETURN_IF_ERROR(
-        backend_.CopyToDevice(hidden_buf_.data(), p.hidden().data(), nd * esize, *stream_));
-    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToDevice(targets_buf_.data(), p.targets.data(),
-                                                   n * sizeof(int32_t), *stream_));
     kernels::Arguments args;
-    args.hidden = hidden_buf_.data();
+    args.hidden = slot.hidden.data();
     args.weight = weights_.data();
-    args.targets = targets_buf_.as<int32_t>();
-    args.grad_hidden = p.want_grad_hidden ? grad_hidden_buf_.data() : nullptr;
+    args.targets = slot.targets.as<int32_t>();
+    args.grad_hidden = p.want_grad_hidden ? slot.grad_hidden.data() : nullptr;
     args.grad_weight = grad_.as<float>();
     // token_count first: it needs 8-byte alignment.
-    args.token_count = scalars_buf_.as<int64_t>();
-    args.loss_sum = reinterpret_cast<float*>(scalars_buf_.as<char>() + 8);
-    args.per_token_loss = p.want_per_token ? per_token_buf_.as<float>() : nullptr;
+    args.token_count = slot.scalars.as<int64_t>();
+    args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
+    args.per_token_loss = p.want_per_token ? slot.per_token.as<float>() : nullptr;
     args.workspace = workspace_.data();
     args.workspace_bytes = ws_bytes;
     LOSSHEAD_RETURN_IF_ERROR(backend_.Run(p.problem, args, *stream_));
 
+    // Only the 16 bytes of scalars come back under the lock; dH follows on the slot's stream
+    // once the lock is free for the next micro-batch's run.
     char scalars[16];
-    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(scalars, scalars_buf_.data(), 16, *stream_));
-    if (p.want_grad_hidden) {
-      grad_hidden.resize(nd * esize);
-      LOSSHEAD_RETURN_IF_ERROR(
-          backend_.CopyToHost(grad_hidden.data(), grad_hidden_buf_.data(), nd * esize, *stream_));
-    }
-    if (p.want_per_token) {
-      per_token.resize(n);
-      LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(per_token.data(), per_token_buf_.data(),
-                                                   n * sizeof(float), *stream_));
-    }
+    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(scalars, slot.scalars.data(), 16, *stream_));
     LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
     std::memcpy(&token_count, scalars, 8);
     std::memcpy(&loss_sum, scalars + 8, 4);
@@ -386,15 +486,24 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
         min_version_since_pull_ = std::min(min_version_since_pull_, version);
         max_version_since_pull_ = std::max(max_version_since_pull_, version);
       }
+      // Counted in dW, not yet remembered: a snapshot waits for this outcome (see Snapshot).
+      ++pending_outcomes_;
     }
     outcome->weights_version = version;
     stats->compute += absl::Now() - start;
-    // The result is finished and remembered before the lock goes: a checkpoint (which holds it)
-    // then sees every micro-batch counted in dW also remembered for replay, never half of it.
-    // This puts the dH dtype conversion, when one is asked for, inside the lock.
+  }
+  const absl::Time finish_start = absl::Now();
+  absl::Status out = StageOut(p, slot, &grad_hidden, &per_token);
+  if (out.ok()) {
     FinishOutcome(p, loss_sum, token_count, std::move(grad_hidden), per_token, outcome.get());
     if (!client_id.empty()) cache_.Complete(client_id, sequence, outcome);
   }
+  {
+    absl::MutexLock state(&state_mu_);
+    --pending_outcomes_;
+  }
+  stats->finish += absl::Now() - finish_start;
+  if (!out.ok()) return out;
   return outcome;
 }
 

@@ -4,6 +4,8 @@
 // One mutex (compute) serialises everything that touches W or dW on the device: micro-batches,
 // pulls and pushes. A micro-batch's dW update and its counter update happen under it together,
 // so a pull with reset sees every micro-batch either entirely before its cut or entirely after.
+// Only the run itself holds it: a micro-batch's copies in (host -> device) and out (dH back to the
+// host) use buffers of their own (an I/O slot) and overlap the run of another micro-batch.
 // Another, short mutex guards the counters and options so that Info() never waits for compute.
 // Callers hold heads by shared_ptr: deleting a head from the registry while work runs on it is
 // safe; the memory goes when the last holder lets go.
@@ -47,8 +49,10 @@ struct MicroBatch {
 // What happened to a micro-batch besides its outcome (for metrics).
 struct StepStats {
   bool replayed = false;
-  absl::Duration queue;    // waiting for the head (the compute mutex)
-  absl::Duration compute;  // copies in, Run, copies out, synchronised
+  absl::Duration queue;    // waiting for the head (an I/O slot, then the compute mutex)
+  absl::Duration stage;    // copies in (host -> device), before the compute mutex
+  absl::Duration compute;  // Run under the compute mutex, synchronised
+  absl::Duration finish;   // copies out (dH -> host), after the compute mutex
 };
 
 // dW (or W) copied to the host, with what it covers.
@@ -122,6 +126,8 @@ class Head {
 
  private:
   struct Prepared;
+  struct IoSlot;
+  class SlotLease;
 
   Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
        const HeadOptions& options);
@@ -135,8 +141,15 @@ class Head {
   void FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
                      std::string grad_hidden, const std::vector<float>& per_token,
                      StepOutcome* outcome) const;
-  absl::Status EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(compute_mu_);
+  // Grows `buffer` (which the caller owns exclusively: under compute_mu_ or in its I/O slot).
+  absl::Status EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes);
+  // Grows `slot`'s staging buffer; false where the backend needs none (copy directly).
+  absl::StatusOr<bool> EnsureStaging(kernels::HostBuffer& buffer, size_t bytes);
+  // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised).
+  absl::Status StageIn(const Prepared& p, IoSlot& slot);
+  // Copies dH and per-token losses of a finished run out of `slot` into `outcome`.
+  absl::Status StageOut(const Prepared& p, IoSlot& slot, std::string* grad_hidden,
+                        std::vector<float>* per_token);
 
   kernels::Backend& backend_;
   const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_
@@ -150,11 +163,12 @@ class Head {
   kernels::DeviceBuffer grad_;
   std::unique_ptr<kernels::Stream> stream_;
   kernels::DeviceBuffer workspace_ ABSL_GUARDED_BY(compute_mu_);
-  kernels::DeviceBuffer hidden_buf_ ABSL_GUARDED_BY(compute_mu_);
-  kernels::DeviceBuffer targets_buf_ ABSL_GUARDED_BY(compute_mu_);
-  kernels::DeviceBuffer grad_hidden_buf_ ABSL_GUARDED_BY(compute_mu_);
-  kernels::DeviceBuffer per_token_buf_ ABSL_GUARDED_BY(compute_mu_);
-  kernels::DeviceBuffer scalars_buf_ ABSL_GUARDED_BY(compute_mu_);
+
+  // I/O slots: a micro-batch takes one for its copies in, its run and its copies out. Three let
+  // one run while the next is copied in and the previous is copied out.
+  static constexpr size_t kIoSlots = 3;
+  absl::Mutex slots_mu_;
+  std::vector<std::unique_ptr<IoSlot>> free_slots_ ABSL_GUARDED_BY(slots_mu_);
 
   // Counters and options; written under both mutexes when tied to device state, read under this.
   mutable absl::Mutex state_mu_;
@@ -167,6 +181,9 @@ class Head {
   uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   size_t device_scratch_bytes_ ABSL_GUARDED_BY(state_mu_) = 0;  // workspace + I/O buffers
+  // Micro-batches counted in dW whose outcome is not yet remembered for replay (their dH is being
+  // copied out). A snapshot waits for none under compute_mu_: see Snapshot.
+  int pending_outcomes_ ABSL_GUARDED_BY(state_mu_) = 0;
 
   // Per client id: the highest applied sequence in the last durable checkpoint.
   mutable absl::Mutex persisted_mu_;

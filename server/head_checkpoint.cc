@@ -15,9 +15,16 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
   d.spec = spec_;
   d.weights.resize(weights_.bytes());
   d.gradient.resize(grad_.bytes());
-  // Micro-batches add to dW, bump the counters and complete their idempotency claim all under
-  // compute_mu_; pulls and pushes hold it too. Holding it here makes the snapshot one cut.
+  // Micro-batches add to dW and bump the counters under compute_mu_; pulls and pushes hold it too.
+  // Holding it here makes the snapshot one cut. A micro-batch completes its idempotency claim just
+  // after (once its dH is on the host): waiting for those still pending, while no new one can
+  // start, puts every micro-batch counted in dW among the remembered ones too.
   absl::MutexLock lock(&compute_mu_);
+  {
+    absl::MutexLock state(&state_mu_);
+    state_mu_.Await(absl::Condition(
+        +[](int* pending) { return *pending == 0; }, &pending_outcomes_));
+  }
   LOSSHEAD_RETURN_IF_ERROR(
       backend_.CopyToHost(d.weights.data(), weights_.data(), weights_.bytes(), *stream_));
   LOSSHEAD_RETURN_IF_ERROR(

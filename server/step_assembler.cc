@@ -50,6 +50,11 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
   return done;
 }
 
+void StepAssembler::ReserveHidden(size_t bytes) {
+  if (!buffering()) return;
+  current_->microbatch.hidden.reserve(std::min(bytes, max_bytes_));
+}
+
 void StepAssembler::Refuse(absl::Status status) {
   AssembledMicroBatch& mb = *current_;
   mb.refused = std::move(status);

@@ -48,6 +48,10 @@ class StepAssembler {
     return current_.has_value() && !current_->oversize && current_->refused.ok();
   }
 
+  // Sizes the open micro-batch's hidden buffer for `bytes` (capped by the micro-batch limit) when
+  // it is still buffering: its pieces then append without the reallocations, and the copies of
+  // everything received so far, that growing by doubling costs.
+  void ReserveHidden(size_t bytes);
   // Refuses the open micro-batch (requires open()): frees its bytes, drops those still to come,
   // and has it answered with `status` when it closes.
   void Refuse(absl::Status status);

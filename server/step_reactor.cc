@@ -123,8 +123,14 @@ void StepReactor::OnReadDone(bool ok) {
       // Reserve before buffering; a refused micro-batch keeps no bytes and is answered
       // RESOURCE_EXHAUSTED with a retry hint when it closes, and the stream goes on.
       const absl::Status admitted = AdmitPieceLocked(request_);
+      // A micro-batch of several messages: size its buffer from the header once.
+      const uint64_t announced =
+          request_.has_header() && !request_.last() ? AnnouncedHiddenBytes(request_.header()) : 0;
       auto assembled = assembler_.Add(request_, absl::Now());
       request_.Clear();
+      if (announced > 0 && assembled.ok() && admitted.ok() && !assembled->has_value()) {
+        assembler_.ReserveHidden(announced);
+      }
       if (assembled.ok() && !admitted.ok()) {
         if (assembled->has_value()) {
           AssembledMicroBatch& mb = **assembled;
@@ -218,7 +224,11 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     // Only existing heads get labelled series: a typo must not mint a new time series.
     m.StepPhase(head_name, "receive", slot->assembled.last_message - slot->assembled.first_message);
     m.StepPhase(head_name, "queue", (picked - slot->ready) + stats.queue);
-    if (outcome.ok() && !stats.replayed) m.StepPhase(head_name, "compute", stats.compute);
+    if (outcome.ok() && !stats.replayed) {
+      m.StepPhase(head_name, "stage", stats.stage);
+      m.StepPhase(head_name, "compute", stats.compute);
+      m.StepPhase(head_name, "finish", stats.finish);
+    }
     if (!outcome.ok()) {
       m.Microbatch(head_name, "error", static_cast<int>(outcome.status().code()));
     } else if (stats.replayed) {
@@ -322,6 +332,13 @@ grpc::Status StepReactor::CancelStatus() const {
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the Step call's deadline passed");
   }
   return grpc::Status(grpc::StatusCode::CANCELLED, "the Step call was cancelled");
+}
+
+uint64_t StepReactor::AnnouncedHiddenBytes(const v1::StepHeader& header) const {
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
+  if (!head.ok()) return 0;
+  // Targets included: a few bytes per token more than the hidden states need.
+  return AnnouncedBytes(header, (*head)->hidden_size());
 }
 
 absl::Status StepReactor::AdmitPieceLocked(const v1::StepRequest& request) {

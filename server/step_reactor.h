@@ -63,6 +63,8 @@ class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResp
   // Admission bookkeeping of one message of the open (or just opened) micro-batch, before its
   // bytes are buffered: the refusal to answer it with, or OK.
   absl::Status AdmitPieceLocked(const v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes the header announces for its head (0 for an unknown head or unusable fields).
+  uint64_t AnnouncedHiddenBytes(const v1::StepHeader& header) const;
   void ReleaseOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlotBytesLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlotLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
