@@ -350,12 +350,19 @@ absl::Status StepReactor::AdmitPieceLocked(const v1::StepRequest& request) {
     // Reserve what the header announces (capped by the per-micro-batch limit, beyond which the
     // micro-batch is refused anyway), so that a large micro-batch is refused at its first
     // message rather than after much of it has been buffered.
-    size_t announced = 0;
+    uint64_t announced = 0;
     if (auto head = ctx_->registry->Get(request.header().head()); head.ok()) {
-      announced = static_cast<size_t>(std::min<uint64_t>(
-          AnnouncedBytes(request.header(), (*head)->hidden_size()), ctx_->max_microbatch_bytes));
+      announced = AnnouncedBytes(request.header(), (*head)->hidden_size());
     }
-    const size_t want = std::max(announced, piece);
+    // Too large for any server state: a permanent refusal without a retry hint, decided before
+    // admission so that a busy server does not invite retries of what it can never accept.
+    if (announced > ctx_->max_microbatch_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "micro-batch of ", announced, " bytes (as its header announces) exceeds the limit of ",
+          ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
+    }
+    if (piece > ctx_->max_microbatch_bytes) return absl::OkStatus();  // refused as oversize
+    const size_t want = std::max(static_cast<size_t>(announced), piece);
     if (!admission->TryAdmit(want)) {
       return admission->Refusal(absl::StrCat("no room to admit a micro-batch of ", want, " bytes"));
     }
@@ -365,6 +372,8 @@ absl::Status StepReactor::AdmitPieceLocked(const v1::StepRequest& request) {
   }
   if (!assembler_.open() || !assembler_.buffering()) return absl::OkStatus();
   open_received_ += piece;
+  // Past the per-micro-batch limit the assembler stops buffering and refuses it permanently.
+  if (open_received_ > ctx_->max_microbatch_bytes) return absl::OkStatus();
   if (admission == nullptr || !open_admitted_ || open_received_ <= open_reserved_) {
     return absl::OkStatus();
   }

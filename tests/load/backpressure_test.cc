@@ -102,6 +102,29 @@ TEST_P(BackpressureTest, RefusedWithRetryHintThenFreedAtOnceByCancel) {
   ExpectNothingHeld();
 }
 
+TEST_P(BackpressureTest, OversizeIsRefusedForGoodWithoutRetryHintEvenWhenBusy) {
+  grpc::ClientContext holder;
+  auto stream = Hold(&holder);
+  // Twice the tokens: over --max_microbatch_bytes whatever the server is doing.
+  const HostBatch big = MakeBatch(2 * kN, kD, kV, v1::DTYPE_FP32, 13);
+  auto retrying = Connect(server_->port(), FastRetries(100));
+  ASSERT_NE(retrying, nullptr);
+  for (uint64_t sequence : {1, 2}) {
+    client::Microbatch mb = ToMicrobatch(head_.name, "big", sequence, big);
+    absl::StatusOr<client::StepResult> refused = retrying->Step(mb);
+    ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "--max_microbatch_bytes"))
+        << refused.status();
+    EXPECT_FALSE(client::RetryAfter(refused.status()).has_value()) << refused.status();
+  }
+  EXPECT_EQ(retrying->retries(), 0u);  // nothing to wait for: no retry was made
+  holder.TryCancel();
+  v1::StepResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  stream->Finish();
+  ExpectNothingHeld();
+}
+
 TEST_P(BackpressureTest, ClientRetriesUntilRoomFrees) {
   grpc::ClientContext holder;
   auto stream = Hold(&holder);
