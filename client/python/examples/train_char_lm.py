@@ -127,7 +127,7 @@ def train(batches: Sequence[Sequence[torch.Tensor]], args: argparse.Namespace,
             # per-micro-batch means is the token mean the head's gradient is normalised to.
             loss = head_loss(hidden, tokens[:, 1:]) / len(micro)
             loss.backward()
-            step_loss += float(loss)
+            step_loss += float(loss.detach())
         head_step(head_opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
