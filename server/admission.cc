@@ -8,6 +8,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "losshead/v1/wire_dtype.h"
 #include "server/proto_convert.h"
 
 namespace losshead::server {
@@ -58,8 +59,8 @@ absl::Status Admission::Refusal(absl::string_view what) const {
 }
 
 uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size) {
-  const size_t h = WireDTypeSize(header.hidden_dtype());
-  const size_t t = WireDTypeSize(header.target_dtype());
+  const size_t h = v1::WireDTypeSize(header.hidden_dtype());
+  const size_t t = v1::WireDTypeSize(header.target_dtype());
   if (header.num_tokens() <= 0 || hidden_size <= 0 || h == 0 || t == 0) return 0;
   const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
                                   (static_cast<unsigned __int128>(hidden_size) * h + t);

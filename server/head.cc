@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "losshead/v1/wire_dtype.h"
 #include "server/proto_convert.h"
 #include "server/status_util.h"
 
@@ -234,7 +235,7 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   const uint64_t n = h.num_tokens();
   const uint64_t d = hidden_size();
   const size_t hsize = kernels::DTypeSize(hidden_dtype);
-  const size_t tsize = WireDTypeSize(h.target_dtype());
+  const size_t tsize = v1::WireDTypeSize(h.target_dtype());
   // Compare sizes without overflowing n * d * size for absurd n.
   if (n > mb.hidden.size() / (d * hsize) || n * d * hsize != mb.hidden.size()) {
     return absl::InvalidArgumentError(

@@ -34,21 +34,6 @@ v1::DType ToProto(kernels::DType dtype) {
   return v1::DTYPE_UNSPECIFIED;
 }
 
-size_t WireDTypeSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_BF16:
-    case v1::DTYPE_FP16:
-      return 2;
-    case v1::DTYPE_FP32:
-    case v1::DTYPE_INT32:
-      return 4;
-    case v1::DTYPE_INT64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
 namespace {
 
 absl::StatusOr<kernels::Reduction> ToKernel(v1::Reduction reduction, absl::string_view field) {

@@ -16,9 +16,6 @@ namespace losshead::server {
 absl::StatusOr<kernels::DType> FloatDType(v1::DType dtype, absl::string_view field);
 v1::DType ToProto(kernels::DType dtype);
 
-// Bytes per element of a wire dtype; 0 for DTYPE_UNSPECIFIED or unknown values.
-size_t WireDTypeSize(v1::DType dtype);
-
 // Checks the fields that are set: INVALID_ARGUMENT names the offending one.
 absl::Status ValidateLossOptions(const v1::LossOptions& options);
 

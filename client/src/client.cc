@@ -13,21 +13,6 @@
 
 namespace losshead::client {
 
-size_t DTypeBytes(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_BF16:
-    case v1::DTYPE_FP16:
-      return 2;
-    case v1::DTYPE_FP32:
-    case v1::DTYPE_INT32:
-      return 4;
-    case v1::DTYPE_INT64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
 size_t PieceBytes(size_t max_message_bytes, size_t overhead) {
   // Each bytes field costs a tag and a length varint, each scalar a few bytes: 64 covers them.
   constexpr size_t kSlack = 64;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
 #include "losshead/client/status.h"
+#include "losshead/v1/wire_dtype.h"
 
 namespace losshead::client {
 namespace {
@@ -118,7 +119,7 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
       weights.weights_version = chunk.weights_version();
       const uint64_t expected = static_cast<uint64_t>(chunk.vocab_size()) *
                                 static_cast<uint64_t>(chunk.hidden_size()) *
-                                DTypeBytes(chunk.dtype());
+                                v1::WireDTypeSize(chunk.dtype());
       if (chunk.total_bytes() != expected) {
         framing = absl::InternalError(absl::StrCat("weights total_bytes ", chunk.total_bytes(),
                                                    " != V x D x dtype = ", expected));
@@ -163,7 +164,8 @@ absl::StatusOr<PulledGradient> Client::PullGradientOnce(const std::string& head,
       gradient.summary = chunk.summary();
       const v1::GradientSummary& s = gradient.summary;
       const uint64_t expected = static_cast<uint64_t>(s.vocab_size()) *
-                                static_cast<uint64_t>(s.hidden_size()) * DTypeBytes(s.dtype());
+                                static_cast<uint64_t>(s.hidden_size()) *
+                                v1::WireDTypeSize(s.dtype());
       if (s.total_bytes() != expected) {
         framing = absl::InternalError(absl::StrCat("gradient total_bytes ", s.total_bytes(),
                                                    " != V x D x dtype = ", expected));

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "losshead/v1/wire_dtype.h"
 
 namespace losshead::testing {
 namespace {
@@ -33,20 +34,20 @@ std::vector<float> RandomValues(size_t count, double std, v1::DType dtype, uint6
 }
 
 client::Bytes Encode(const std::vector<float>& values, v1::DType dtype) {
-  client::Bytes out(values.size() * client::DTypeBytes(dtype));
+  client::Bytes out(values.size() * v1::WireDTypeSize(dtype));
   kernels::FromFloat(KernelDType(dtype), values.data(), out.data(), values.size());
   return out;
 }
 
 std::vector<float> Decode(const client::Bytes& bytes, v1::DType dtype) {
-  std::vector<float> out(bytes.size() / client::DTypeBytes(dtype));
+  std::vector<float> out(bytes.size() / v1::WireDTypeSize(dtype));
   kernels::ToFloat(KernelDType(dtype), bytes.data(), out.data(), out.size());
   return out;
 }
 
 void SetTargets(HostBatch& batch, std::vector<int64_t> targets) {
   batch.targets = std::move(targets);
-  const size_t size = client::DTypeBytes(batch.target_dtype);
+  const size_t size = v1::WireDTypeSize(batch.target_dtype);
   batch.target_bytes.resize(batch.targets.size() * size);
   for (size_t i = 0; i < batch.targets.size(); ++i) {
     if (batch.target_dtype == v1::DTYPE_INT64) {

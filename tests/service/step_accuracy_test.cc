@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "losshead/v1/wire_dtype.h"
 #include "tests/service/host_tensors.h"
 #include "tests/service/reference.h"
 #include "tests/service/test_server.h"
@@ -60,7 +61,7 @@ class StepAccuracyTest : public ::testing::Test {
                                  : options.grad_hidden_dtype();
     EXPECT_EQ(got->grad_hidden_dtype, gdtype);
     ASSERT_EQ(got->grad_hidden.size(),
-              static_cast<size_t>(batch.n * head.d) * client::DTypeBytes(gdtype));
+              static_cast<size_t>(batch.n * head.d) * v1::WireDTypeSize(gdtype));
     EXPECT_TRUE(AllClose(Decode(got->grad_hidden, gdtype), want.grad_hidden,
                          ToleranceFor(gdtype).grad + tol.grad))
         << "dH";

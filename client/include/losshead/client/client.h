@@ -174,9 +174,6 @@ class Client {
   std::atomic<uint64_t> retries_{0};
 };
 
-// Bytes per element of a dtype; 0 for UNSPECIFIED.
-size_t DTypeBytes(v1::DType dtype);
-
 // Payload bytes that fit in one message next to `overhead` bytes of other fields.
 size_t PieceBytes(size_t max_message_bytes, size_t overhead);
 
