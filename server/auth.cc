@@ -4,10 +4,7 @@
 #include <openssl/sha.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <sstream>
+#include <string>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -16,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/read_file.h"
 #include "grpc/grpc_security.h"
 
 namespace losshead::server {
@@ -130,14 +128,9 @@ absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> TokenAuthenticator::Fr
 
 absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> TokenAuthenticator::FromFile(
     const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(
-        absl::StrCat("cannot read token file '", path, "': ", std::strerror(errno)));
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> auth = FromText(text.str());
+  absl::StatusOr<std::string> text = ReadFileToString(path, "token file");
+  if (!text.ok()) return text.status();
+  absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> auth = FromText(*text);
   if (!auth.ok()) {
     return absl::Status(auth.status().code(),
                         absl::StrCat(path, ": ", auth.status().message()));

@@ -4,31 +4,16 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
-#include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/read_file.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace losshead::server {
 namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(
-        absl::StrCat("cannot read ", what, " '", path, "': ", std::strerror(errno)));
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return absl::NotFoundError(absl::StrCat("cannot read ", what, " '", path, "'"));
-  return text.str();
-}
 
 struct BioDeleter {
   void operator()(BIO* bio) const { BIO_free(bio); }
@@ -92,7 +77,7 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const ServerOptions& options) 
   }
   if (!options.metrics_basic_auth_file.empty()) {
     absl::StatusOr<std::string> text =
-        ReadFile(options.metrics_basic_auth_file, "metrics basic-auth file");
+        ReadFileToString(options.metrics_basic_auth_file, "metrics basic-auth file");
     if (!text.ok()) return text.status();
     const std::string line(absl::StripAsciiWhitespace(*text));
     const size_t colon = line.find(':');
@@ -107,9 +92,9 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const ServerOptions& options) 
 
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (has_cert) {
-    absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file, "--tls_cert");
+    absl::StatusOr<std::string> cert = ReadFileToString(options.tls_cert_file, "--tls_cert");
     if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadFile(options.tls_key_file, "--tls_key");
+    absl::StatusOr<std::string> key = ReadFileToString(options.tls_key_file, "--tls_key");
     if (!key.ok()) return key.status();
     if (absl::Status s = CheckCertAndKey(*cert, options.tls_cert_file, *key, options.tls_key_file);
         !s.ok()) {
@@ -117,7 +102,8 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const ServerOptions& options) 
     }
     grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
     if (!options.tls_client_ca_file.empty()) {
-      absl::StatusOr<std::string> ca = ReadFile(options.tls_client_ca_file, "--tls_client_ca");
+      absl::StatusOr<std::string> ca =
+          ReadFileToString(options.tls_client_ca_file, "--tls_client_ca");
       if (!ca.ok()) return ca.status();
       if (FirstCertificate(*ca) == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(
