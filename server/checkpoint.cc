@@ -162,6 +162,16 @@ uint64_t FullChecksum(const Header& h, absl::string_view meta, absl::string_view
   return Checksum(gradient, Checksum(weights, Checksum(meta, HeaderSeed(h))));
 }
 
+// The header of a file holding `meta` and `data`'s tensors, checksum included.
+Header HeaderFor(absl::string_view meta, const HeadCheckpointData& data) {
+  Header h{.version = kCheckpointFormatVersion,
+           .meta_bytes = meta.size(),
+           .weights_bytes = data.weights.size(),
+           .gradient_bytes = data.gradient.size()};
+  h.checksum = FullChecksum(h, meta, data.weights, data.gradient);
+  return h;
+}
+
 std::string EncodeHeader(const Header& h) {
   std::string out(kMagic, sizeof(kMagic));
   PutU32(out, h.version);
@@ -295,12 +305,7 @@ uint64_t Checksum(absl::string_view data, uint64_t seed) {
 
 std::string EncodeCheckpoint(const HeadCheckpointData& data) {
   const std::string meta = EncodeMeta(data);
-  Header h{.version = kCheckpointFormatVersion,
-           .meta_bytes = meta.size(),
-           .weights_bytes = data.weights.size(),
-           .gradient_bytes = data.gradient.size()};
-  h.checksum = FullChecksum(h, meta, data.weights, data.gradient);
-  return absl::StrCat(EncodeHeader(h), meta, data.weights, data.gradient);
+  return absl::StrCat(EncodeHeader(HeaderFor(meta, data)), meta, data.weights, data.gradient);
 }
 
 absl::StatusOr<HeadCheckpointData> DecodeCheckpoint(absl::string_view file) {
@@ -320,11 +325,7 @@ absl::StatusOr<HeadCheckpointData> DecodeCheckpoint(absl::string_view file) {
 absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
                                              const HeadCheckpointData& data) {
   const std::string meta = EncodeMeta(data);
-  Header h{.version = kCheckpointFormatVersion,
-           .meta_bytes = meta.size(),
-           .weights_bytes = data.weights.size(),
-           .gradient_bytes = data.gradient.size()};
-  h.checksum = FullChecksum(h, meta, data.weights, data.gradient);
+  const Header h = HeaderFor(meta, data);
   const std::string tmp = absl::StrCat(path, ".tmp");
   {
     Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
