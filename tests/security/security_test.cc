@@ -1,9 +1,6 @@
 // A real server (CPU backend) on loopback with TLS, mTLS, bearer tokens, metrics basic auth and
 // head limits, exercised with the real client; and the losshead-server binary refusing to start
 // with bad security files.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +17,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "losshead/client/client.h"
 #include "server/server.h"
+#include "tests/common/http_exchange.h"
 #include "tests/security/certs.h"
 
 namespace losshead::testing {
@@ -82,32 +80,12 @@ struct TinyBatch {
   }
 };
 
-// Sends `request` to 127.0.0.1:port and returns the whole answer.
-std::string HttpExchange(int port, const std::string& request) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
-  std::string response;
-  char buffer[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buffer, sizeof(buffer), 0)) > 0) response.append(buffer, n);
-  ::close(fd);
-  return response;
-}
-
 std::string MetricsGet(int port, const std::string& credentials) {
   std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n";
   if (!credentials.empty()) {
     absl::StrAppend(&request, "Authorization: Basic ", absl::Base64Escape(credentials), "\r\n");
   }
-  return HttpExchange(port, request + "\r\n");
+  return HttpExchange(port, request + "\r\n").value_or("");
 }
 
 // ---------------------------------------------------------------------------------------------

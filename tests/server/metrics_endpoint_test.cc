@@ -1,38 +1,19 @@
 #include "server/metrics_endpoint.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/common/http_exchange.h"
 
 namespace losshead::server {
 namespace {
 
-// Sends `request` verbatim to 127.0.0.1:port and returns everything the endpoint answers.
+// Everything the endpoint answers to `request`; empty when the exchange fails.
 std::string Exchange(int port, const std::string& request) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
-  std::string response;
-  char buffer[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buffer, sizeof(buffer), 0)) > 0) response.append(buffer, n);
-  ::close(fd);
-  return response;
+  return testing::HttpExchange(port, request).value_or("");
 }
 
 TEST(MetricsEndpointTest, ServesRenderedBodyOnGetMetricsOnly) {

@@ -1,19 +1,12 @@
 #include "tests/service/metrics_scrape.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstdlib>
-#include <cstring>
+#include <cmath>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "tests/common/http_exchange.h"
 
 namespace losshead::testing {
 namespace {
@@ -94,42 +87,10 @@ std::vector<Sample> Exposition::Find(const std::string& name,
 }
 
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
-  timeval timeout{.tv_sec = 10, .tv_usec = 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const std::string error = std::strerror(errno);
-    ::close(fd);
-    return absl::UnavailableError(absl::StrCat("connect to port ", port, ": ", error));
-  }
-  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  size_t sent = 0;
-  while (sent < request.size()) {
-    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, 0);
-    if (n <= 0) {
-      ::close(fd);
-      return absl::UnavailableError("send failed");
-    }
-    sent += static_cast<size_t>(n);
-  }
-  std::string response;
-  char buffer[16384];
-  for (;;) {
-    const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
-    if (n < 0) {
-      ::close(fd);
-      return absl::UnavailableError(absl::StrCat("recv: ", std::strerror(errno)));
-    }
-    if (n == 0) break;
-    response.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fd);
+  absl::StatusOr<std::string> answer =
+      HttpExchange(port, absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"));
+  if (!answer.ok()) return answer.status();
+  const std::string& response = *answer;
   const size_t end = response.find("\r\n\r\n");
   if (end == std::string::npos) return absl::InternalError("no HTTP header end");
   const std::string status_line = response.substr(0, response.find("\r\n"));
