@@ -15,27 +15,7 @@
 namespace losshead::testing {
 namespace {
 
-class AccountingTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    auto s = TestServer::Start();
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = s->release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    client_ = server_->NewClient();
-    ASSERT_NE(client_, nullptr);
-  }
-
-  static TestServer* server_;
-  std::unique_ptr<client::Client> client_;
-};
-
-TestServer* AccountingTest::server_ = nullptr;
+class AccountingTest : public SharedServerTest<> {};
 
 TEST_F(AccountingTest, PullOnEmptyAccumulatorIsOkWithZeroTokens) {
   auto head = CreateKnownHead(*client_, "empty", 11, 5, v1::DTYPE_BF16, 1);

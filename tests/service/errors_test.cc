@@ -17,20 +17,11 @@ namespace {
 constexpr size_t kLimit = size_t{256} << 10;
 constexpr int64_t kN = 16, kD = 8, kV = 19;
 
-class ErrorsTest : public ::testing::Test {
+class ErrorsTest : public SharedServerTest<kLimit> {
  protected:
-  static void SetUpTestSuite() {
-    auto s = TestServer::Start(kLimit);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = s->release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
   void SetUp() override {
-    client_ = server_->NewClient();
-    ASSERT_NE(client_, nullptr);
+    SharedServerTest::SetUp();
+    if (HasFatalFailure()) return;
     const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
     auto head = CreateKnownHead(*client_, name, kV, kD, v1::DTYPE_FP32, 1);
     ASSERT_TRUE(head.ok()) << head.status();
@@ -102,15 +93,11 @@ class ErrorsTest : public ::testing::Test {
     EXPECT_TRUE(good.ok()) << "stream unusable after the error: " << good.status();
   }
 
-  static TestServer* server_;
-  std::unique_ptr<client::Client> client_;
   KnownHead head_;
   HostBatch good_;
   std::unique_ptr<client::StepStream> stream_;
   int good_steps_ = 0;
 };
-
-TestServer* ErrorsTest::server_ = nullptr;
 
 TEST_F(ErrorsTest, UnknownHeadIsNotFound) {
   client::Microbatch mb = Good(1);

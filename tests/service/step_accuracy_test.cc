@@ -16,22 +16,8 @@ namespace {
 
 constexpr int64_t kN = 37, kD = 24, kV = 101;
 
-class StepAccuracyTest : public ::testing::Test {
+class StepAccuracyTest : public SharedServerTest<> {
  protected:
-  static void SetUpTestSuite() {
-    auto s = TestServer::Start();
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = s->release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    client_ = server_->NewClient();
-    ASSERT_NE(client_, nullptr);
-  }
-
   // Steps `batch` once on `head` with `step_options` and checks loss, dH, per-token loss and the
   // pulled dW against the reference under `ref`.
   void CheckOneStep(const KnownHead& head, const HostBatch& batch, const v1::StepOptions& options,
@@ -84,12 +70,8 @@ class StepAccuracyTest : public ::testing::Test {
     EXPECT_TRUE(AllClose(Decode(pulled->data, v1::DTYPE_FP32), want.grad_weight, tol.grad)) << "dW";
   }
 
-  static TestServer* server_;
-  std::unique_ptr<client::Client> client_;
   uint64_t sequence_ = 0;
 };
-
-TestServer* StepAccuracyTest::server_ = nullptr;
 
 struct Case {
   v1::DType dtype;

@@ -8,17 +8,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gtest/gtest.h"
 #include "losshead/client/client.h"
 #include "server/server.h"
 #include "tests/service/host_tensors.h"
 
 namespace losshead::testing {
 
+inline constexpr size_t kTestServerMessageBytes = size_t{4} << 20;
+
 class TestServer {
  public:
-  static absl::StatusOr<std::unique_ptr<TestServer>> Start(size_t max_message_bytes = size_t{4}
-                                                                                      << 20,
-                                                           bool metrics = false);
+  static absl::StatusOr<std::unique_ptr<TestServer>> Start(
+      size_t max_message_bytes = kTestServerMessageBytes, bool metrics = false);
   ~TestServer();
 
   std::string target() const;
@@ -30,6 +32,30 @@ class TestServer {
  private:
   std::unique_ptr<server::Server> server_;
   size_t max_message_bytes_ = 0;
+};
+
+// A suite whose tests share one TestServer with message limit kMaxMessageBytes, started before the
+// suite's first test and stopped after its last; each test gets a fresh client_ with that limit.
+// Suites run one after another, so suites with the same limit never hold server_ at once.
+template <size_t kMaxMessageBytes = kTestServerMessageBytes>
+class SharedServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto s = TestServer::Start(kMaxMessageBytes);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = s->release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    client_ = server_->NewClient();
+    ASSERT_NE(client_, nullptr);
+  }
+
+  static inline TestServer* server_ = nullptr;
+  std::unique_ptr<client::Client> client_;
 };
 
 // A head whose W the test knows exactly: created, then W uploaded in the head's dtype.

@@ -16,23 +16,9 @@ namespace {
 
 constexpr size_t kLimit = size_t{64} << 10;
 
-class TransportTest : public ::testing::Test {
+// The client's limit equals the server's, so any answer message over 64 KiB fails the call.
+class TransportTest : public SharedServerTest<kLimit> {
  protected:
-  static void SetUpTestSuite() {
-    auto s = TestServer::Start(kLimit);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = s->release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    // The client's limit equals the server's, so any answer message over 64 KiB fails the call.
-    client_ = server_->NewClient(kLimit);
-    ASSERT_NE(client_, nullptr);
-  }
-
   static std::vector<double> Sum(const std::vector<std::vector<double>>& parts) {
     std::vector<double> sum(parts.at(0).size(), 0.0);
     for (const auto& p : parts) {
@@ -40,12 +26,7 @@ class TransportTest : public ::testing::Test {
     }
     return sum;
   }
-
-  static TestServer* server_;
-  std::unique_ptr<client::Client> client_;
 };
-
-TestServer* TransportTest::server_ = nullptr;
 
 // hidden 300 x 96 fp32 = 112.5 KiB, dH the same, dW 257 x 96 fp32 = 96.4 KiB: all above 64 KiB.
 constexpr int64_t kN = 300, kD = 96, kV = 257;
