@@ -21,27 +21,32 @@ absl::Status Client::RunWithRetry(absl::FunctionRef<absl::Status()> attempt) {
   }
 }
 
+template <typename T>
+absl::StatusOr<T> Client::RetryCall(absl::FunctionRef<absl::StatusOr<T>()> attempt) {
+  absl::StatusOr<T> result = absl::UnknownError("not attempted");
+  const absl::Status status = RunWithRetry([&] {
+    result = attempt();
+    return result.status();
+  });
+  if (!status.ok()) return status;
+  return result;
+}
+
 void Client::Backoff(int attempt, const absl::Status& status) {
   retries_.fetch_add(1);
   absl::SleepFor(BackoffDelay(options_.retry, attempt, status));
 }
 
 absl::StatusOr<v1::HeadInfo> Client::CreateHead(const v1::HeadSpec& spec) {
-  absl::StatusOr<v1::HeadInfo> r;
-  RunWithRetry([&] { return (r = CreateHeadOnce(spec)).status(); });
-  return r;
+  return RetryCall<v1::HeadInfo>([&] { return CreateHeadOnce(spec); });
 }
 
 absl::StatusOr<v1::HeadInfo> Client::GetHead(const std::string& name) {
-  absl::StatusOr<v1::HeadInfo> r;
-  RunWithRetry([&] { return (r = GetHeadOnce(name)).status(); });
-  return r;
+  return RetryCall<v1::HeadInfo>([&] { return GetHeadOnce(name); });
 }
 
 absl::StatusOr<std::vector<v1::HeadInfo>> Client::ListHeads() {
-  absl::StatusOr<std::vector<v1::HeadInfo>> r;
-  RunWithRetry([&] { return (r = ListHeadsOnce()).status(); });
-  return r;
+  return RetryCall<std::vector<v1::HeadInfo>>([&] { return ListHeadsOnce(); });
 }
 
 absl::Status Client::DeleteHead(const std::string& name) {
@@ -50,15 +55,11 @@ absl::Status Client::DeleteHead(const std::string& name) {
 
 absl::StatusOr<v1::HeadInfo> Client::SetLossOptions(const std::string& name,
                                                     const v1::LossOptions& default_options) {
-  absl::StatusOr<v1::HeadInfo> r;
-  RunWithRetry([&] { return (r = SetLossOptionsOnce(name, default_options)).status(); });
-  return r;
+  return RetryCall<v1::HeadInfo>([&] { return SetLossOptionsOnce(name, default_options); });
 }
 
 absl::StatusOr<v1::Stats> Client::GetStats() {
-  absl::StatusOr<v1::Stats> r;
-  RunWithRetry([&] { return (r = GetStatsOnce()).status(); });
-  return r;
+  return RetryCall<v1::Stats>([&] { return GetStatsOnce(); });
 }
 
 absl::StatusOr<uint64_t> Client::PushWeights(const PushRequest& request) {
@@ -66,24 +67,18 @@ absl::StatusOr<uint64_t> Client::PushWeights(const PushRequest& request) {
     // A delta that landed but whose answer was lost would be added twice by a repeat.
     return PushWeightsOnce(request);
   }
-  absl::StatusOr<uint64_t> r;
-  RunWithRetry([&] { return (r = PushWeightsOnce(request)).status(); });
-  return r;
+  return RetryCall<uint64_t>([&] { return PushWeightsOnce(request); });
 }
 
 absl::StatusOr<DownloadedWeights> Client::DownloadWeights(const std::string& head,
                                                           v1::DType dtype) {
-  absl::StatusOr<DownloadedWeights> r;
-  RunWithRetry([&] { return (r = DownloadWeightsOnce(head, dtype)).status(); });
-  return r;
+  return RetryCall<DownloadedWeights>([&] { return DownloadWeightsOnce(head, dtype); });
 }
 
 absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1::DType dtype,
                                                     bool reset) {
   if (!reset) {
-    absl::StatusOr<PulledGradient> r;
-    RunWithRetry([&] { return (r = PullGradientOnce(head, dtype, reset)).status(); });
-    return r;
+    return RetryCall<PulledGradient>([&] { return PullGradientOnce(head, dtype, reset); });
   }
   // Never re-sent (see retry.h): only the wait for a connection is retried, before sending.
   const int max_attempts = std::max(1, options_.retry.max_attempts);
@@ -96,9 +91,7 @@ absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1:
 }
 
 absl::StatusOr<StepResult> Client::Step(const Microbatch& microbatch) {
-  absl::StatusOr<StepResult> r;
-  RunWithRetry([&] { return (r = StepOnce(microbatch)).status(); });
-  return r;
+  return RetryCall<StepResult>([&] { return StepOnce(microbatch); });
 }
 
 std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microbatch> microbatches,

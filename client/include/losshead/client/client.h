@@ -151,6 +151,9 @@ class Client {
   // Runs `attempt` until it succeeds, fails permanently or options_.retry is spent, sleeping the
   // backoff between attempts; returns the last status.
   absl::Status RunWithRetry(absl::FunctionRef<absl::Status()> attempt);
+  // RunWithRetry for a call that returns a value: the last attempt's result.
+  template <typename T>
+  absl::StatusOr<T> RetryCall(absl::FunctionRef<absl::StatusOr<T>()> attempt);
   // Sleeps the backoff of the `attempt`-th failure and counts a retry.
   void Backoff(int attempt, const absl::Status& status);
 
