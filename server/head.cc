@@ -71,6 +71,7 @@ struct Head::Prepared {
   kernels::DType grad_hidden_dtype = kernels::DType::kFP32;
   bool want_per_token = false;
   std::optional<uint64_t> expected_version;
+  bool forward_only = false;  // no dW, no counters, no idempotency (evaluation)
 };
 
 // One micro-batch's device buffers, its staging host memory (empty where the backend needs none)
@@ -308,12 +309,18 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   if (h.options().has_expected_weights_version()) {
     p.expected_version = h.options().expected_weights_version();
   }
+  p.forward_only = h.options().forward_only();
   return p;
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& mb,
                                                               StepStats* stats) {
   LOSSHEAD_ASSIGN_OR_RETURN(Prepared prepared, Prepare(mb));
+  // Forward-only counts nothing, so there is nothing a replay could protect from being counted
+  // twice: it bypasses the cache both ways. Answering it from a counted micro-batch's result (or
+  // remembering it so that a later counted one with the same key replays it) would hand a
+  // training step's outcome to an evaluation, or skip a training step's dW.
+  if (prepared.forward_only) return Compute(prepared, stats, "", 0);
   const std::string& client_id = mb.header.client_id();
   if (client_id.empty()) return Compute(prepared, stats, client_id, 0);
 
@@ -459,7 +466,9 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     args.weight = weights_.data();
     args.targets = slot.targets.as<int32_t>();
     args.grad_hidden = p.want_grad_hidden ? slot.grad_hidden.data() : nullptr;
-    args.grad_weight = grad_.as<float>();
+    // Forward-only: without dW the backend skips the dW GEMM; the loss and dH are computed the same
+    // way, so they match a counted step's bit for bit.
+    args.grad_weight = p.forward_only ? nullptr : grad_.as<float>();
     // token_count first: it needs 8-byte alignment.
     args.token_count = slot.scalars.as<int64_t>();
     args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
@@ -475,7 +484,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
     std::memcpy(&token_count, scalars, 8);
     std::memcpy(&loss_sum, scalars + 8, 4);
-    {
+    if (!p.forward_only) {
       absl::MutexLock state(&state_mu_);
       tokens_since_pull_ += token_count;
       tokens_total_ += token_count;
@@ -491,6 +500,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
       ++pending_outcomes_;
     }
     outcome->weights_version = version;
+    outcome->forward_only = p.forward_only;
     stats->compute += absl::Now() - start;
   }
   const absl::Time finish_start = absl::Now();
@@ -499,7 +509,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     FinishOutcome(p, loss_sum, token_count, std::move(grad_hidden), per_token, outcome.get());
     if (!client_id.empty()) cache_.Complete(client_id, sequence, outcome);
   }
-  {
+  if (!p.forward_only) {
     absl::MutexLock state(&state_mu_);
     --pending_outcomes_;
   }

@@ -82,7 +82,10 @@ class Head {
 
   // Runs one micro-batch: validation (INVALID_ARGUMENT; FAILED_PRECONDITION on a weights version
   // mismatch), idempotent replay (see IdempotencyCache), forward + backward, dW accumulation.
-  // Any error leaves W, dW and the counters as they were.
+  // Any error leaves W, dW and the counters as they were. A forward-only micro-batch
+  // (StepOptions.forward_only) is validated and run the same way under the compute lock (it uses
+  // the head's workspace and stream, and must not see W half pushed) but adds nothing to dW,
+  // counts nothing and bypasses the idempotency cache.
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(const MicroBatch& microbatch,
                                                           StepStats* stats);
 

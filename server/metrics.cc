@@ -39,11 +39,11 @@ Metrics::Metrics()
                           .Register(*registry_)),
       microbatches_(prometheus::BuildCounter()
                         .Name("losshead_microbatches_total")
-                        .Help("Micro-batches by outcome: ok, replayed, error")
+                        .Help("Micro-batches by outcome: ok, forward, replayed, error")
                         .Register(*registry_)),
       tokens_(prometheus::BuildCounter()
                   .Name("losshead_tokens_total")
-                  .Help("Non-ignored tokens computed (replays not counted)")
+                  .Help("Non-ignored tokens computed, forward-only included (replays not counted)")
                   .Register(*registry_)),
       bytes_(prometheus::BuildCounter()
                  .Name("losshead_bytes_total")
@@ -150,7 +150,7 @@ void Metrics::RemoveHead(const std::string& head) {
     if (phase_duration_.Has(labels))
       phase_duration_.Remove(&phase_duration_.Add(labels, Buckets()));
   }
-  for (const char* outcome : {"ok", "replayed", "error"})
+  for (const char* outcome : {"ok", "forward", "replayed", "error"})
     drop(microbatches_, {{"outcome", outcome}});
   for (const char* kind : {"weights", "gradient", "workspace"})
     drop(head_memory_, {{"kind", kind}});

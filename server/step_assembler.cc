@@ -97,6 +97,7 @@ std::vector<v1::StepResponse> BuildStepResponses(
   result->set_loss(o.loss);
   result->set_weights_version(o.weights_version);
   result->set_replayed(replayed);
+  result->set_forward_only(o.forward_only);
   result->set_grad_hidden_dtype(o.grad_hidden_dtype);
   result->set_grad_hidden_bytes(o.grad_hidden.size());
   result->set_per_token_loss_bytes(o.per_token_loss.size());

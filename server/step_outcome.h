@@ -15,6 +15,7 @@ struct StepOutcome {
   int64_t token_count = 0;
   double loss = 0;
   uint64_t weights_version = 0;
+  bool forward_only = false;  // never remembered for replay, so checkpoints need not carry it
   v1::DType grad_hidden_dtype = v1::DTYPE_UNSPECIFIED;
   std::string grad_hidden;     // empty when skip_grad_hidden
   std::string per_token_loss;  // fp32; empty unless asked for (or reduction NONE)

@@ -234,7 +234,8 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     } else if (stats.replayed) {
       m.Microbatch(head_name, "replayed");
     } else {
-      m.Microbatch(head_name, "ok");
+      // Evaluation apart from training: "ok" stays the rate of micro-batches counted in dW.
+      m.Microbatch(head_name, (*outcome)->forward_only ? "forward" : "ok");
       m.Tokens(head_name, (*outcome)->token_count);
     }
   } else {
