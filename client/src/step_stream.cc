@@ -194,6 +194,7 @@ void StepStream::ReadLoop() {
       current->loss = r.loss();
       current->weights_version = r.weights_version();
       current->replayed = r.replayed();
+      current->forward_only = r.forward_only();
       current->grad_hidden_dtype = r.grad_hidden_dtype();
       grad_bytes = r.grad_hidden_bytes();
       per_token_bytes = r.per_token_loss_bytes();

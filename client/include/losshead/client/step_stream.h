@@ -36,7 +36,9 @@ struct Microbatch {
   std::span<const std::byte> hidden;
   v1::DType target_dtype = v1::DTYPE_INT32;
   std::span<const std::byte> targets;
-  v1::StepOptions options;       // grad_scale, reduction, expected version, per-token loss, ...
+  // grad_scale, reduction, expected version, per-token loss, ...; forward_only for evaluation
+  // (loss and dH without adding to dW or counting; see the proto).
+  v1::StepOptions options;
   v1::LossOptions loss_options;  // overrides of the head's default loss options
 };
 
@@ -49,6 +51,7 @@ struct StepResult {
   double loss = 0;
   uint64_t weights_version = 0;
   bool replayed = false;
+  bool forward_only = false;  // the server ran it forward-only (false from one that cannot)
   v1::DType grad_hidden_dtype = v1::DTYPE_UNSPECIFIED;
   std::vector<std::byte> grad_hidden;  // N x D of grad_hidden_dtype; empty with skip_grad_hidden
   std::vector<float> per_token_loss;   // N, when return_per_token_loss was set
