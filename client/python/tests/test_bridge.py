@@ -182,14 +182,55 @@ def test_optimizer_bridge_tracks_a_local_head(client: Client, make_head, make_op
     assert_close(client.download_weights(name).weights, local_w, 1e-4, "server W")
 
 
-def test_no_grad_evaluates_without_touching_dw(client: Client, make_head) -> None:
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_grad_evaluates_without_touching_dw(client: Client, make_head, reduction: str) -> None:
     n, d, v = 40, 16, 30
-    hidden, weight, targets = random_problem(n, d, v, seed=50, ignore_fraction=0.2)
+    hidden, weight, targets = random_problem(n, d, v, seed=_seed("eval", reduction),
+                                             ignore_fraction=0.2)
     name = make_head(v, d, weights=weight)
-    head = RemoteLMHead(client, name, wire_dtype=torch.float32, z_loss=1e-3)
+    head = RemoteLMHead(client, name, reduction=reduction, wire_dtype=torch.float32,
+                        z_loss=1e-3, chunk_tokens=16)
+    # A gradient window with something in it: evaluation must leave it exactly as it is.
+    train = hidden[:25].clone().requires_grad_()
+    head(train, targets[:25]).sum().backward()
+    counted = head.take_token_count()
+    before = client.pull_gradient(name)
+    info_before = client.get_head(name)
+
     with torch.no_grad():
         loss = head(hidden, targets)
-    ref = reference(hidden, weight, targets, z_loss=1e-3)
+    explicit = head.evaluate(hidden, targets)
+    ref = reference(hidden, weight, targets, reduction=reduction, z_loss=1e-3)
+    assert loss.shape == ref.loss.shape and not loss.requires_grad
     assert_close(loss, ref.loss, FP32_REL, "eval loss")
+    assert torch.equal(explicit, loss)
+    assert head.last_result is not None and head.last_result.forward_only
+    assert head.last_result.grad_hidden is None  # no dH asked for, none sent
+
+    after = client.pull_gradient(name)
     info = client.get_head(name)
-    assert info.microbatches_since_pull == 0 and info.tokens_since_pull == 0
+    assert torch.equal(after.grad, before.grad)
+    assert after.summary == before.summary
+    assert after.summary.token_count == counted
+    assert (info.tokens_since_pull, info.microbatches_since_pull, info.tokens_total,
+            info.microbatches_total) == (info_before.tokens_since_pull,
+                                         info_before.microbatches_since_pull,
+                                         info_before.tokens_total, info_before.microbatches_total)
+    assert head.take_token_count() == 0
+
+
+def test_evaluation_follows_pushed_weights(client: Client, make_head) -> None:
+    n, d, v = 32, 16, 24
+    hidden, weight, targets = random_problem(n, d, v, seed=51)
+    name = make_head(v, d, weights=weight)
+    head = RemoteLMHead(client, name, wire_dtype=torch.float32)
+    with torch.no_grad():
+        first = head(hidden, targets)
+    new_w = weight * 0.5 + 0.1
+    client.push_weights(name, new_w)
+    with torch.no_grad():
+        second = head(hidden, targets)
+    assert_close(first, reference(hidden, weight, targets).loss, FP32_REL, "loss, first W")
+    assert_close(second, reference(hidden, new_w, targets).loss, FP32_REL, "loss, pushed W")
+    assert head.last_result is not None
+    assert head.last_result.weights_version == client.get_head(name).weights_version

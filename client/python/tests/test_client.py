@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from concurrent import futures
 
 import grpc
 import pytest
@@ -11,6 +12,7 @@ import torch
 from _reference import assert_close, random_problem, reference
 from losshead import Client, LossheadError, LossOptions, StepStream
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
+from losshead._proto.losshead.v1 import losshead_pb2_grpc as pb_grpc
 
 # The CPU backend computes in fp32 from fp32 inputs: errors are at fp32 rounding level.
 FP32_REL = 2e-5
@@ -185,6 +187,68 @@ def test_retry_with_same_sequence_is_replayed(client: Client, make_head) -> None
     info = client.get_head(name)
     assert info.microbatches_since_pull == 1 and info.tokens_since_pull == n
     assert torch.equal(client.pull_gradient(name).grad, dw)
+
+
+def test_forward_only_step_equals_a_counted_step_and_counts_nothing(client: Client,
+                                                                     make_head) -> None:
+    n, d, v = 60, 24, 70
+    hidden, weight, targets = random_problem(n, d, v, seed=8, ignore_fraction=0.2)
+    name = make_head(v, d, weights=weight)
+    counted = client.step(name, hidden, targets, reduction="sum", return_per_token_loss=True)
+    before = client.pull_gradient(name)
+    info_before = client.get_head(name)
+    # Reusing the counted step's key: forward-only is never answered from the replay cache.
+    fwd = client.step(name, hidden, targets, reduction="sum", return_per_token_loss=True,
+                      forward_only=True, sequence=counted.sequence)
+    assert fwd.forward_only and not fwd.replayed and not counted.forward_only
+    assert (fwd.loss, fwd.loss_sum, fwd.token_count, fwd.weights_version) == (
+        counted.loss, counted.loss_sum, counted.token_count, counted.weights_version)
+    assert torch.equal(fwd.grad_hidden, counted.grad_hidden)
+    assert torch.equal(fwd.per_token_loss, counted.per_token_loss)
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert fwd.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    loss_only = client.step(name, hidden, targets, forward_only=True, skip_grad_hidden=True)
+    assert loss_only.grad_hidden is None
+    assert loss_only.loss == pytest.approx(float(ref.loss) / ref.token_count, rel=FP32_REL)
+    after = client.pull_gradient(name)
+    assert torch.equal(after.grad, before.grad) and after.summary == before.summary
+    info = client.get_head(name)
+    assert (info.tokens_total, info.microbatches_total) == (info_before.tokens_total,
+                                                            info_before.microbatches_total)
+    # The counted step's key still replays the counted answer.
+    again = client.step(name, hidden, targets, reduction="sum", sequence=counted.sequence)
+    assert again.replayed and again.loss_sum == counted.loss_sum
+
+
+class _ServerWithoutForwardOnly(pb_grpc.LossHeadServicer):
+    """Answers every micro-batch as a server that predates StepOptions.forward_only does."""
+
+    def Step(self, requests, context):  # type: ignore[no-untyped-def]
+        for req in requests:
+            if req.HasField("header"):
+                header = req.header
+            if req.last:
+                yield pb.StepResponse(
+                    client_id=header.client_id, sequence=header.sequence, last=True,
+                    result=pb.StepResult(loss=1.0, loss_sum=1.0, token_count=1,
+                                         weights_version=1))
+
+
+def test_forward_only_on_a_server_without_it_raises() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_LossHeadServicer_to_server(_ServerWithoutForwardOnly(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            hidden, targets = torch.zeros(1, 4), torch.zeros(1, dtype=torch.int64)
+            assert not c.step("old", hidden, targets).forward_only
+            with pytest.raises(LossheadError) as e:
+                c.step("old", hidden, targets, forward_only=True)
+            assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
+            assert "forward_only" in e.value.message
+    finally:
+        server.stop(None)
 
 
 class _Unavailable(grpc.RpcError):

@@ -94,6 +94,7 @@ class StepResult:
     sequence: int
     grad_hidden: Optional[torch.Tensor] = None
     per_token_loss: Optional[torch.Tensor] = None
+    forward_only: bool = False
 
 
 @dataclass
@@ -280,6 +281,13 @@ class StepStream:
                                 f"micro-batch {sequence}: got {dh_off}/{len(dh)} dH bytes and "
                                 f"{ptl_off}/{len(ptl)} per-token loss bytes",
                                 client_id=client_id, sequence=sequence)
+        if mb.header.options.forward_only and not res.forward_only:
+            # A server that predates forward_only ignores it: this micro-batch was added to dW.
+            # Saying so is all that is left to do; pretending it was an evaluation is not.
+            raise LossheadError(grpc.StatusCode.UNIMPLEMENTED,
+                                f"micro-batch {sequence}: the server does not support "
+                                "forward_only and counted it in dW (upgrade the server)",
+                                client_id=client_id, sequence=sequence)
         n = mb.header.num_tokens
         grad_hidden = per_token_loss = None
         if res.grad_hidden_bytes:
@@ -289,7 +297,7 @@ class StepStream:
         return StepResult(loss=res.loss, loss_sum=res.loss_sum, token_count=res.token_count,
                           weights_version=res.weights_version, replayed=res.replayed,
                           client_id=client_id, sequence=sequence, grad_hidden=grad_hidden,
-                          per_token_loss=per_token_loss)
+                          per_token_loss=per_token_loss, forward_only=res.forward_only)
 
     def _drain_until_last(self) -> None:
         while not self._next_response().last:
@@ -856,7 +864,7 @@ class Client:
                    expected_weights_version: Optional[int] = None,
                    return_per_token_loss: bool = False, skip_grad_hidden: bool = False,
                    grad_hidden_dtype: Optional[DTypeLike] = None,
-                   sequence: Optional[int] = None) -> _Microbatch:
+                   sequence: Optional[int] = None, forward_only: bool = False) -> _Microbatch:
         """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
 
         Nothing is validated here beyond what encoding needs: the server is the judge and
@@ -871,7 +879,7 @@ class Client:
             else torch.bfloat16)
         opts = pb.StepOptions(reduction=to_reduction(reduction),
                               return_per_token_loss=return_per_token_loss,
-                              skip_grad_hidden=skip_grad_hidden)
+                              skip_grad_hidden=skip_grad_hidden, forward_only=forward_only)
         if grad_scale is not None:
             opts.grad_scale = float(grad_scale)
         if expected_weights_version is not None:
@@ -936,7 +944,10 @@ class Client:
         Options (all optional): hidden_dtype (wire dtype of hidden; default its own dtype, bf16
         for others), target_dtype (int64), reduction ("mean" | "sum" | "none"), grad_scale,
         loss_options (LossOptions), expected_weights_version, return_per_token_loss,
-        skip_grad_hidden, grad_hidden_dtype, sequence (reuse one to retry by hand).
+        skip_grad_hidden, grad_hidden_dtype, sequence (reuse one to retry by hand),
+        forward_only (evaluation: the loss, and dH unless skip_grad_hidden, without adding to dW
+        or to the pull's token and micro-batch counts; never replayed, a retry recomputes; a
+        server without it raises UNIMPLEMENTED after having counted the micro-batch).
         Transient failures are retried under the same key (see `run_microbatches`).
         """
         return self.run_microbatches([self.microbatch(head, hidden, targets, **options)])[0]
@@ -997,6 +1008,7 @@ def combine_results(parts: Sequence[StepResult]) -> StepResult:
         loss=loss_sum, loss_sum=loss_sum, token_count=sum(p.token_count for p in parts),
         weights_version=min(p.weights_version for p in parts),
         replayed=all(p.replayed for p in parts), client_id=parts[0].client_id,
+        forward_only=all(p.forward_only for p in parts),
         sequence=parts[0].sequence,
         grad_hidden=torch.cat(dhs) if all(x is not None for x in dhs) else None,  # type: ignore[arg-type]
         per_token_loss=torch.cat(ptls) if all(x is not None for x in ptls) else None)  # type: ignore[arg-type]

@@ -95,8 +95,9 @@ class RemoteLMHead(nn.Module):
     Loss options left as None inherit the head's defaults. Hidden states travel as
     `wire_dtype` (bf16); batches of more than `chunk_tokens` tokens are split into micro-batches
     pipelined over `streams` Step streams, so the upload of one chunk overlaps the computation
-    and download of the previous one. With grad mode off there is no dW to accumulate: the loss
-    is then computed locally from a downloaded copy of W (see `evaluate`).
+    and download of the previous one. With grad mode off (`torch.no_grad()`, or `evaluate`) the
+    server runs forward-only steps: the loss without dH, nothing added to dW or counted.
+    `last_result` holds the combined StepResult of the last call, training or evaluation.
     """
 
     def __init__(self, client: Client, head: str, *, reduction: str = "mean",
@@ -118,7 +119,6 @@ class RemoteLMHead(nn.Module):
         self.streams = int(streams)
         self.last_result: Optional[StepResult] = None
         self._tokens = 0
-        self._eval_weights: Optional[Tuple[int, torch.Tensor]] = None
 
     def extra_repr(self) -> str:
         return f"head={self.head!r}, target={self.client.target!r}, reduction={self.reduction!r}"
@@ -147,42 +147,32 @@ class RemoteLMHead(nn.Module):
 
     @torch.no_grad()
     def evaluate(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss computed locally from W downloaded when its version changes.
+        """The loss on the server from forward-only steps: nothing is added to dW or counted.
 
-        The v1 contract has no step that leaves dW and the token counters alone, so evaluation
-        must not go through Step. Costs one GetHead per call, one download per new version, and
-        chunk_tokens x V logits of memory at a time.
+        Same chunking, streams, wire dtype and loss options as training, without dH: the
+        micro-batches leave dW, the pull's token and micro-batch counts and `take_token_count`
+        alone, so evaluating between optimizer steps does not disturb the gradient window.
+        Returns what `forward` would (a scalar, or per-token losses for reduction "none"), as a
+        tensor without a graph. A server without forward-only support raises LossheadError
+        (UNIMPLEMENTED) after having counted the micro-batches in dW.
         """
-        info = self.client.get_head(self.head)
-        opts = info.spec.default_options
-        version = info.weights_version
-        if self._eval_weights is None or self._eval_weights[0] != version:
-            w = self.client.download_weights(self.head).weights
-            self._eval_weights = (version, w.to(hidden.device))
-        w = self._eval_weights[1]
-        lo = self.loss_options
-        ignore = lo.ignore_index if lo.ignore_index is not None else (
-            opts.ignore_index if opts.HasField("ignore_index") else -100)
-        smoothing = lo.label_smoothing if lo.label_smoothing is not None else (
-            opts.label_smoothing if opts.HasField("label_smoothing") else 0.0)
-        z = lo.z_loss if lo.z_loss is not None else (opts.z_loss if opts.HasField("z_loss") else 0.0)
-        cap = lo.logit_softcap if lo.logit_softcap is not None else (
-            opts.logit_softcap if opts.HasField("logit_softcap") else 0.0)
-        h = hidden.reshape(-1, hidden.shape[-1]).to(self.wire_dtype).float()
-        t = targets.reshape(-1)
-        losses = []
-        for a in range(0, h.shape[0], self.chunk_tokens):
-            losses.append(token_losses(h[a:a + self.chunk_tokens] @ w.float().t(),
-                                       t[a:a + self.chunk_tokens], ignore_index=ignore,
-                                       label_smoothing=smoothing, z_loss=z, logit_softcap=cap))
-        per_token = torch.cat(losses) if losses else h.new_zeros(0)
+        result = self.client.step_chunked(
+            self.head, hidden.detach(), targets.detach(), chunk_tokens=self.chunk_tokens,
+            streams=self.streams, reduction="sum", loss_options=self.loss_options,
+            hidden_dtype=self.wire_dtype, return_per_token_loss=self.reduction == "none",
+            skip_grad_hidden=True, forward_only=True)
+        self.last_result = result
         out_dtype = torch.promote_types(hidden.dtype, torch.float32)
         if self.reduction == "none":
-            return per_token.reshape(targets.shape).to(out_dtype)
-        total = per_token.sum()
+            assert result.per_token_loss is not None
+            return result.per_token_loss.to(device=hidden.device, dtype=out_dtype).reshape(
+                targets.shape)
+        total = result.loss_sum
         if self.reduction == "mean":
-            total = total / (t != ignore).sum()
-        return total.to(out_dtype)
+            # 0/0 is NaN, as in F.cross_entropy when every target is ignored.
+            count = result.token_count
+            total = total / count if count else float("nan")
+        return torch.tensor(total, dtype=out_dtype, device=hidden.device)
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
