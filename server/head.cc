@@ -18,6 +18,10 @@
 namespace losshead::server {
 namespace {
 
+// Idle dH buffers a head keeps for reuse: a few full-size (8192 x 4096 bf16) results, about what
+// its I/O slots finish while the cache gives older ones back.
+constexpr size_t kIdleResultBytes = size_t{256} << 20;
+
 // Host conversions go through fp32 in blocks so that a 1 GiB tensor needs no 2 GiB temporary.
 constexpr size_t kConvertBlock = size_t{1} << 20;
 
@@ -140,6 +144,7 @@ Head::Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType d
       spec_(spec),
       dtype_(dtype),
       options_(options),
+      results_(std::make_shared<ResultPool>(kIdleResultBytes)),
       cache_(options.idempotency_window, options.idempotency_max_bytes_per_client) {
   {
     absl::MutexLock lock(&slots_mu_);
@@ -402,7 +407,8 @@ absl::Status Head::StageOut(const Prepared& p, IoSlot& slot, std::string* grad_h
   const size_t n = p.problem.n;
   const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
   const bool staged = slot.staging.bytes() > 0;
-  if (p.want_grad_hidden) grad_hidden->resize(hidden_bytes);
+  // Every byte is overwritten below: a recycled buffer needs neither zeroing nor page faults.
+  if (p.want_grad_hidden) *grad_hidden = results_->Take(hidden_bytes);
   if (p.want_per_token) per_token->resize(n);
   char* dh = staged ? slot.staging.data() : grad_hidden->data();
   char* pt = staged ? slot.staging.data() + (p.want_grad_hidden ? hidden_bytes : 0)
@@ -528,9 +534,13 @@ void Head::FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
                       : static_cast<double>(loss_sum);
   outcome->grad_hidden_dtype = ToProto(p.grad_hidden_dtype);
   if (p.want_grad_hidden) {
-    outcome->grad_hidden = p.grad_hidden_dtype == dtype_
-                               ? std::move(grad_hidden)
-                               : Convert(dtype_, grad_hidden, p.grad_hidden_dtype);
+    if (p.grad_hidden_dtype == dtype_) {
+      outcome->grad_hidden = std::move(grad_hidden);
+    } else {
+      outcome->grad_hidden = Convert(dtype_, grad_hidden, p.grad_hidden_dtype);
+      results_->Give(std::move(grad_hidden));
+    }
+    outcome->pool = results_;
   }
   if (p.want_per_token) {
     outcome->per_token_loss.assign(reinterpret_cast<const char*>(per_token.data()),

@@ -29,6 +29,7 @@
 #include "losshead/v1/losshead.pb.h"
 #include "server/checkpoint.h"
 #include "server/idempotency_cache.h"
+#include "server/result_pool.h"
 #include "server/step_outcome.h"
 
 namespace losshead::server {
@@ -158,6 +159,10 @@ class Head {
   const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_
   const kernels::DType dtype_;
   const HeadOptions options_;
+  // dH result buffers, recycled: each outcome gives its buffer back when the cache and the
+  // responses in flight are done with it. Declared before cache_ so that it outlives the outcomes
+  // the cache holds (they hold it too).
+  const std::shared_ptr<ResultPool> results_;
   IdempotencyCache cache_;
 
   // Device memory and stream: used under compute_mu_ only.

@@ -110,7 +110,7 @@ grpc::ServerUnaryReactor* LossHeadService::SetLossOptions(grpc::CallbackServerCo
   return reactor;
 }
 
-grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* LossHeadService::Step(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* LossHeadService::Step(
     grpc::CallbackServerContext* context) {
   return new StepReactor(ctx_, context);
 }

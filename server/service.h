@@ -9,7 +9,21 @@
 
 namespace losshead::server {
 
-class LossHeadService final : public v1::LossHead::CallbackService {
+// LossHead::CallbackService with Step registered raw (byte buffers): its responses reference dH
+// rather than copy it into messages (server/step_wire.h). Every method must be listed: one left
+// out would answer UNIMPLEMENTED.
+using LossHeadServiceBase = v1::LossHead::WithCallbackMethod_CreateHead<
+    v1::LossHead::WithCallbackMethod_GetHead<v1::LossHead::WithCallbackMethod_ListHeads<
+        v1::LossHead::WithCallbackMethod_DeleteHead<v1::LossHead::WithCallbackMethod_SetLossOptions<
+            v1::LossHead::WithRawCallbackMethod_Step<v1::LossHead::WithCallbackMethod_PullGradient<
+                v1::LossHead::WithCallbackMethod_PushWeights<
+                    v1::LossHead::WithCallbackMethod_DownloadWeights<
+                        v1::LossHead::WithCallbackMethod_GetStats<
+                            v1::LossHead::WithCallbackMethod_Checkpoint<
+                                v1::LossHead::WithCallbackMethod_GetClientProgress<
+                                    v1::LossHead::Service>>>>>>>>>>>>;
+
+class LossHeadService final : public LossHeadServiceBase {
  public:
   explicit LossHeadService(ServiceContext* ctx) : ctx_(ctx) {}
 
@@ -28,7 +42,7 @@ class LossHeadService final : public v1::LossHead::CallbackService {
   grpc::ServerUnaryReactor* SetLossOptions(grpc::CallbackServerContext* context,
                                            const v1::SetLossOptionsRequest* request,
                                            v1::HeadInfo* response) override;
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
       grpc::CallbackServerContext* context) override;
   grpc::ServerWriteReactor<v1::GradientChunk>* PullGradient(
       grpc::CallbackServerContext* context, const v1::PullGradientRequest* request) override;

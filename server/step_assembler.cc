@@ -71,26 +71,20 @@ size_t ChunkPayloadBytes(size_t max_message_bytes) {
   return std::max<size_t>(payload, 8);
 }
 
-std::vector<v1::StepResponse> BuildStepResponses(
+v1::StepResponse FirstStepResponse(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
-    bool replayed, size_t chunk_bytes) {
-  std::vector<v1::StepResponse> out;
-  auto next = [&]() -> v1::StepResponse& {
-    v1::StepResponse& r = out.emplace_back();
-    r.set_client_id(header.client_id());
-    r.set_sequence(header.sequence());
-    return r;
-  };
+    bool replayed) {
+  v1::StepResponse first;
+  first.set_client_id(header.client_id());
+  first.set_sequence(header.sequence());
   if (!outcome.ok()) {
-    v1::StepResponse& r = next();
-    r.mutable_error()->set_code(static_cast<int>(outcome.status().code()));
-    r.mutable_error()->set_message(std::string(outcome.status().message()));
-    r.mutable_error()->set_retry_after_ms(RetryAfterMs(outcome.status()));
-    r.set_last(true);
-    return out;
+    first.mutable_error()->set_code(static_cast<int>(outcome.status().code()));
+    first.mutable_error()->set_message(std::string(outcome.status().message()));
+    first.mutable_error()->set_retry_after_ms(RetryAfterMs(outcome.status()));
+    first.set_last(true);
+    return first;
   }
   const StepOutcome& o = **outcome;
-  v1::StepResponse& first = next();
   v1::StepResult* result = first.mutable_result();
   result->set_loss_sum(o.loss_sum);
   result->set_token_count(o.token_count);
@@ -101,26 +95,55 @@ std::vector<v1::StepResponse> BuildStepResponses(
   result->set_grad_hidden_dtype(o.grad_hidden_dtype);
   result->set_grad_hidden_bytes(o.grad_hidden.size());
   result->set_per_token_loss_bytes(o.per_token_loss.size());
-  // dH, then per-token losses, in pieces of at most chunk_bytes each (per message, both fields
-  // together); the result message carries no payload so that it reaches the client first.
+  // The result message carries no payload so that it reaches the client first.
+  first.set_last(o.grad_hidden.empty() && o.per_token_loss.empty());
+  return first;
+}
+
+std::vector<StepPiece> PlanStepPieces(size_t grad_bytes, size_t loss_bytes, size_t chunk_bytes) {
+  std::vector<StepPiece> pieces;
   size_t gh = 0;
   size_t pt = 0;
-  while (gh < o.grad_hidden.size() || pt < o.per_token_loss.size()) {
-    v1::StepResponse& r = next();
+  while (gh < grad_bytes || pt < loss_bytes) {
+    StepPiece& piece = pieces.emplace_back();
     size_t room = chunk_bytes;
-    if (gh < o.grad_hidden.size()) {
-      const size_t n = std::min(room, o.grad_hidden.size() - gh);
-      r.set_grad_hidden(o.grad_hidden.substr(gh, n));
-      gh += n;
-      room -= n;
+    if (gh < grad_bytes) {
+      piece.grad_offset = gh;
+      piece.grad_bytes = std::min(room, grad_bytes - gh);
+      gh += piece.grad_bytes;
+      room -= piece.grad_bytes;
     }
-    if (room > 0 && pt < o.per_token_loss.size()) {
-      const size_t n = std::min(room, o.per_token_loss.size() - pt);
-      r.set_per_token_loss(o.per_token_loss.substr(pt, n));
-      pt += n;
+    if (room > 0 && pt < loss_bytes) {
+      piece.loss_offset = pt;
+      piece.loss_bytes = std::min(room, loss_bytes - pt);
+      pt += piece.loss_bytes;
     }
   }
-  out.back().set_last(true);
+  return pieces;
+}
+
+std::vector<v1::StepResponse> BuildStepResponses(
+    const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
+    bool replayed, size_t chunk_bytes) {
+  std::vector<v1::StepResponse> out;
+  out.push_back(FirstStepResponse(header, outcome, replayed));
+  if (!outcome.ok()) return out;
+  const StepOutcome& o = **outcome;
+  const std::vector<StepPiece> pieces =
+      PlanStepPieces(o.grad_hidden.size(), o.per_token_loss.size(), chunk_bytes);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const StepPiece& piece = pieces[i];
+    v1::StepResponse& r = out.emplace_back();
+    r.set_client_id(header.client_id());
+    r.set_sequence(header.sequence());
+    if (piece.grad_bytes > 0) {
+      r.set_grad_hidden(o.grad_hidden.substr(piece.grad_offset, piece.grad_bytes));
+    }
+    if (piece.loss_bytes > 0) {
+      r.set_per_token_loss(o.per_token_loss.substr(piece.loss_offset, piece.loss_bytes));
+    }
+    r.set_last(i + 1 == pieces.size());
+  }
   return out;
 }
 

@@ -66,9 +66,25 @@ class StepAssembler {
 // Bytes of tensor payload per response message: the limit less room for the other fields.
 size_t ChunkPayloadBytes(size_t max_message_bytes);
 
+// The first response of a micro-batch: its error (alone, last = true) or its result, which carries
+// no payload (last = true when there is none to follow).
+v1::StepResponse FirstStepResponse(
+    const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
+    bool replayed);
+
+// The payload of one response after the first: byte ranges of dH and of per-token losses.
+struct StepPiece {
+  size_t grad_offset = 0;
+  size_t grad_bytes = 0;
+  size_t loss_offset = 0;
+  size_t loss_bytes = 0;
+};
+// dH, then per-token losses, at most `chunk_bytes` of both together per message.
+std::vector<StepPiece> PlanStepPieces(size_t grad_bytes, size_t loss_bytes, size_t chunk_bytes);
+
 // The responses of one micro-batch: an error alone (last = true), or the result followed by dH
 // and then per-token losses, at most `chunk_bytes` of payload per message, last = true on the
-// final one.
+// final one. (The server sends the same messages without copying the payload: step_wire.h.)
 std::vector<v1::StepResponse> BuildStepResponses(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
     bool replayed, size_t chunk_bytes);

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/status_util.h"
+#include "server/step_wire.h"
 
 namespace losshead::server {
 
@@ -64,7 +65,7 @@ void StepReactor::EndDrain() {
 }
 
 void StepReactor::Pump() {
-  const v1::StepResponse* write = nullptr;
+  const grpc::ByteBuffer* write = nullptr;
   bool read = false;
   std::optional<grpc::Status> finish;
   {
@@ -99,7 +100,7 @@ void StepReactor::Pump() {
     }
   }
   if (write != nullptr) StartWrite(write);
-  if (read) StartRead(&request_);
+  if (read) StartRead(&read_buffer_);
   if (finish.has_value()) Finish(*finish);
 }
 
@@ -107,6 +108,16 @@ void StepReactor::OnReadDone(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     reading_ = false;
+    // Parsed as gRPC parses a typed request (one copy out of the slices); a message that does not
+    // parse ends the call rather than pass for the end of the stream.
+    if (ok && !grpc::SerializationTraits<v1::StepRequest>::Deserialize(&read_buffer_, &request_)
+                   .ok()) {
+      ok = false;
+      if (!finished_ && !cancelled_) {
+        pending_finish_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       "malformed Step stream: a message is not a StepRequest");
+      }
+    }
     if (!ok) {
       read_closed_ = true;
       if (assembler_.open() && !finished_) {
@@ -244,7 +255,7 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   if (outcome.ok()) {
     m.Bytes("Step", "out", (*outcome)->grad_hidden.size() + (*outcome)->per_token_loss.size());
   }
-  std::vector<v1::StepResponse> responses = BuildStepResponses(
+  std::vector<grpc::ByteBuffer> responses = EncodeStepResponses(
       mb.header, outcome, stats.replayed, ChunkPayloadBytes(ctx_->max_message_bytes));
   {
     absl::MutexLock lock(&mu_);

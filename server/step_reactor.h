@@ -2,6 +2,9 @@
 // pool one after another (so one stream's dW contributions keep their order), and writes each
 // micro-batch's responses in request order. While micro-batch k computes, k+1.. are received
 // (pipelining) up to ServiceContext::max_inflight_per_stream; then reading pauses.
+//
+// The method is registered raw (byte buffers both ways): requests are parsed here as gRPC would,
+// and responses reference the outcome's dH instead of copying it (server/step_wire.h).
 #ifndef LOSSHEAD_SERVER_STEP_REACTOR_H_
 #define LOSSHEAD_SERVER_STEP_REACTOR_H_
 
@@ -21,7 +24,7 @@
 
 namespace losshead::server {
 
-class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // `call` (may be null in tests) gives the call's deadline: a stream cancelled past it ends
   // DEADLINE_EXCEEDED rather than CANCELLED.
@@ -46,7 +49,7 @@ class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResp
     bool started = false;
     bool done = false;
     bool head_known = false;  // its head exists: its phases are recorded under the head's label
-    std::vector<v1::StepResponse> responses;
+    std::vector<grpc::ByteBuffer> responses;
     size_t next = 0;
     absl::Time ready;       // fully received
     absl::Time first_send;  // first response handed to gRPC
@@ -75,7 +78,8 @@ class StepReactor : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResp
   ServiceContext* const ctx_;
   grpc::CallbackServerContext* const call_;
   const absl::Time start_;
-  v1::StepRequest request_;  // owned by the outstanding read
+  grpc::ByteBuffer read_buffer_;  // owned by the outstanding read
+  v1::StepRequest request_;       // the last read, parsed
 
   absl::Mutex mu_;
   StepAssembler assembler_ ABSL_GUARDED_BY(mu_);
