@@ -335,7 +335,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& 
     stats->replayed = true;
     return remembered;
   }
-  // Compute completes the claim itself, under the compute lock (see there).
+  // Compute completes the claim once the outcome is whole. A failed one is abandoned so that a
+  // retry computes afresh: failures come before the run (nothing counted) or from the device.
   auto outcome = Compute(prepared, stats, client_id, mb.header.sequence());
   if (!outcome.ok()) cache_.Abandon(client_id, mb.header.sequence());
   return outcome;

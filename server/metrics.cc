@@ -145,7 +145,7 @@ void Metrics::RemoveHead(const std::string& head) {
     labels["head"] = head;
     if (family.Has(labels)) family.Remove(&family.Add(labels));
   };
-  for (const char* phase : {"receive", "queue", "compute", "send"}) {
+  for (const char* phase : {"receive", "queue", "stage", "compute", "finish", "send"}) {
     prometheus::Labels labels{{"head", head}, {"phase", phase}};
     if (phase_duration_.Has(labels))
       phase_duration_.Remove(&phase_duration_.Add(labels, Buckets()));

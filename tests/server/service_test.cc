@@ -386,6 +386,16 @@ TEST_F(MetricsTest, MetricsAreExported) {
   for (const std::string& want : wanted) {
     EXPECT_NE(body.find(want), std::string::npos) << want << "\n" << body;
   }
+
+  // Deleting the head drops every series that names it, phases included.
+  grpc::ClientContext ctx;
+  v1::DeleteHeadRequest del;
+  del.set_name("h");
+  v1::DeleteHeadResponse deleted;
+  ASSERT_TRUE(stub_->DeleteHead(&ctx, del, &deleted).ok());
+  body = HttpGet(server_->metrics_port(), "/metrics");
+  EXPECT_NE(body.find("losshead_heads 0"), std::string::npos) << body;
+  EXPECT_EQ(body.find("head=\"h\""), std::string::npos) << body;
 }
 
 TEST_F(ServiceTest, ShutdownEndsIdleStreamsPromptly) {
