@@ -125,8 +125,10 @@ Problem ProblemFor(const Case& c) {
 
 // Runs `calls` calls of `problem` on `backend` through its own memory and stream: dW starts at
 // in.grad_weight_init and accumulates over the calls; the other outputs come from the last call.
+// `with_grad_weight` false passes no dW accumulator (a forward-only step); dW then reads back as
+// its initial value.
 absl::Status RunOn(Backend& backend, const Problem& problem, const Inputs& in, size_t budget,
-                   Outputs* out, int calls = 1) {
+                   Outputs* out, int calls = 1, bool with_grad_weight = true) {
   const size_t el = DTypeSize(problem.dtype);
   const int64_t n = problem.n, d = problem.d, v = problem.v;
   absl::StatusOr<size_t> ws_bytes = backend.WorkspaceBytes(problem, budget);
@@ -162,7 +164,7 @@ absl::Status RunOn(Backend& backend, const Problem& problem, const Inputs& in, s
   args.weight = weight->data();
   args.targets = targets->as<int32_t>();
   args.grad_hidden = grad_hidden->data();
-  args.grad_weight = grad_weight->as<float>();
+  args.grad_weight = with_grad_weight ? grad_weight->as<float>() : nullptr;
   args.loss_sum = loss->as<float>();
   args.token_count = count->as<int64_t>();
   args.per_token_loss = ptl->as<float>();
@@ -442,6 +444,30 @@ TEST(CudaBackendTest, GradWeightAccumulatesAcrossCalls) {
     twice[i] = in.grad_weight_init[i] + 2 * (once.grad_weight[i] - in.grad_weight_init[i]);
   }
   EXPECT_LE(RelErr(got.grad_weight, twice, &in.grad_weight_init), 1e-5);
+}
+
+TEST(CudaBackendTest, WithoutGradWeightLossAndDhAreUnchangedAndDwUntouched) {
+  SKIP_WITHOUT_GPU();
+  for (DType dtype : {DType::kBF16, DType::kFP32}) {
+    const Case c = SmallCase(dtype);
+    const Inputs in = MakeInputs(c, 21);
+    std::unique_ptr<Backend> cuda = MakeCuda();
+    ASSERT_NE(cuda, nullptr);
+    Outputs full, forward;
+    ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &full));
+    ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &forward, 1,
+                    /*with_grad_weight=*/false));
+    EXPECT_EQ(forward.loss_sum, full.loss_sum);
+    EXPECT_EQ(forward.token_count, full.token_count);
+    EXPECT_EQ(forward.grad_hidden_raw, full.grad_hidden_raw);
+    EXPECT_EQ(std::memcmp(forward.per_token_loss.data(), full.per_token_loss.data(),
+                          full.per_token_loss.size() * 4),
+              0);
+    ASSERT_EQ(forward.grad_weight.size(), in.grad_weight_init.size());
+    EXPECT_EQ(std::memcmp(forward.grad_weight.data(), in.grad_weight_init.data(),
+                          in.grad_weight_init.size() * 4),
+              0);
+  }
 }
 
 TEST(CudaBackendTest, ConcurrentStreamsMatchSerialResults) {
