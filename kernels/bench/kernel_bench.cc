@@ -112,6 +112,38 @@ void ParallelFor(int64_t count, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
+// One fused call over caller-owned device tensors (bf16 H, W and dH, fp32 dW, int32 targets),
+// default options: the problem, its workspace and scalar outputs, and the arguments.
+struct FusedCall {
+  Problem problem;
+  size_t workspace_bytes = 0;
+  DeviceBuffer workspace, loss, count;
+  Arguments args;
+};
+
+FusedCall MakeFusedCall(Backend& backend, int64_t n, const Shape& s, size_t budget,
+                        const void* hidden, const void* weight, const int32_t* targets,
+                        void* grad_hidden, float* grad_weight) {
+  FusedCall c;
+  c.problem.n = n;
+  c.problem.v = s.v;
+  c.problem.d = s.d;
+  c.workspace_bytes = Unwrap(backend.WorkspaceBytes(c.problem, budget), "workspace");
+  c.workspace = Unwrap(backend.Allocate(c.workspace_bytes), "alloc");
+  c.loss = Unwrap(backend.Allocate(4), "alloc");
+  c.count = Unwrap(backend.Allocate(8), "alloc");
+  c.args.hidden = hidden;
+  c.args.weight = weight;
+  c.args.targets = targets;
+  c.args.grad_hidden = grad_hidden;
+  c.args.grad_weight = grad_weight;
+  c.args.loss_sum = c.loss.as<float>();
+  c.args.token_count = c.count.as<int64_t>();
+  c.args.workspace = c.workspace.data();
+  c.args.workspace_bytes = c.workspace_bytes;
+  return c;
+}
+
 struct CheckResult {
   double loss_err, dh_err, dw_err;
 };
@@ -120,28 +152,12 @@ struct CheckResult {
 // call on those tokens alone. dW is compared on the target rows plus a spread of other rows.
 CheckResult Check(Backend& backend, kernels::Stream& stream, const Shape& s, const void* hidden,
                   const void* weight, const int32_t* targets, int64_t m) {
-  Problem p;
-  p.n = m;
-  p.v = s.v;
-  p.d = s.d;
-  const size_t ws_bytes = Unwrap(backend.WorkspaceBytes(p, size_t{1} << 30), "workspace");
-  DeviceBuffer ws = Unwrap(backend.Allocate(ws_bytes), "alloc");
   DeviceBuffer dh = Unwrap(backend.Allocate(m * s.d * 2), "alloc");
   DeviceBuffer dw = Unwrap(backend.Allocate(s.v * s.d * 4), "alloc");
-  DeviceBuffer loss = Unwrap(backend.Allocate(4), "alloc");
-  DeviceBuffer count = Unwrap(backend.Allocate(8), "alloc");
   BENCH_OK(backend.Memset(dw.data(), 0, s.v * s.d * 4, stream));
-  Arguments a;
-  a.hidden = hidden;
-  a.weight = weight;
-  a.targets = targets;
-  a.grad_hidden = dh.data();
-  a.grad_weight = dw.as<float>();
-  a.loss_sum = loss.as<float>();
-  a.token_count = count.as<int64_t>();
-  a.workspace = ws.data();
-  a.workspace_bytes = ws_bytes;
-  BENCH_OK(backend.Run(p, a, stream));
+  const FusedCall call = MakeFusedCall(backend, m, s, size_t{1} << 30, hidden, weight, targets,
+                                       dh.data(), dw.as<float>());
+  BENCH_OK(backend.Run(call.problem, call.args, stream));
 
   std::vector<uint16_t> h(m * s.d), w(s.v * s.d), dh_got(m * s.d);
   std::vector<int32_t> y(m);
@@ -150,7 +166,7 @@ CheckResult Check(Backend& backend, kernels::Stream& stream, const Shape& s, con
   BENCH_OK(backend.CopyToHost(w.data(), weight, w.size() * 2, stream));
   BENCH_OK(backend.CopyToHost(y.data(), targets, m * 4, stream));
   BENCH_OK(backend.CopyToHost(dh_got.data(), dh.data(), dh_got.size() * 2, stream));
-  BENCH_OK(backend.CopyToHost(&loss_got, loss.data(), 4, stream));
+  BENCH_OK(backend.CopyToHost(&loss_got, call.loss.data(), 4, stream));
   BENCH_OK(stream.Synchronize());
   std::vector<int64_t> rows;
   for (int64_t r = 0; r < m; ++r) rows.push_back(y[r]);
@@ -390,32 +406,16 @@ void ProfileOne(const std::string& variant, const Shape& s, size_t budget) {
   BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
   BENCH_CUDA(cudaDeviceSynchronize());
   std::unique_ptr<kernels::Stream> stream = Unwrap(backend->CreateStream(), "stream");
-  Problem p;
-  p.n = s.n;
-  p.v = s.v;
-  p.d = s.d;
-  const size_t ws_bytes = Unwrap(backend->WorkspaceBytes(p, budget), "workspace");
-  DeviceBuffer ws = Unwrap(backend->Allocate(ws_bytes), "alloc");
-  DeviceBuffer loss = Unwrap(backend->Allocate(4), "alloc");
-  DeviceBuffer count = Unwrap(backend->Allocate(8), "alloc");
-  Arguments a;
-  a.hidden = h;
-  a.weight = w;
-  a.targets = y;
-  a.grad_hidden = dh;
-  a.grad_weight = dw;
-  a.loss_sum = loss.as<float>();
-  a.token_count = count.as<int64_t>();
-  a.workspace = ws.data();
-  a.workspace_bytes = ws_bytes;
-  BENCH_OK(backend->Run(p, a, *stream));
+  const FusedCall call = MakeFusedCall(*backend, s.n, s, budget, h, w, y, dh, dw);
+  BENCH_OK(backend->Run(call.problem, call.args, *stream));
   BENCH_OK(stream->Synchronize());
   BENCH_CUDA(cudaProfilerStart());
-  BENCH_OK(backend->Run(p, a, *stream));
+  BENCH_OK(backend->Run(call.problem, call.args, *stream));
   BENCH_OK(stream->Synchronize());
   BENCH_CUDA(cudaProfilerStop());
   std::printf("profiled one call: variant %s N=%lld V=%lld D=%lld workspace %zu B\n",
-              variant.c_str(), (long long)s.n, (long long)s.v, (long long)s.d, ws_bytes);
+              variant.c_str(), (long long)s.n, (long long)s.v, (long long)s.d,
+              call.workspace_bytes);
   for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
 }
 
@@ -512,26 +512,10 @@ int Main(int argc, char** argv) {
       const CheckResult chk = Check(*backend, *stream, s, h, w, y, 8);
       const bool ok = chk.loss_err < 2e-3 && chk.dh_err < 2e-2 && chk.dw_err < 2e-2;
       all_ok &= ok;
-      Problem p;
-      p.n = s.n;
-      p.v = s.v;
-      p.d = s.d;
-      const size_t ws_bytes = Unwrap(backend->WorkspaceBytes(p, budget), "workspace");
-      DeviceBuffer ws = Unwrap(backend->Allocate(ws_bytes), "alloc");
-      DeviceBuffer loss = Unwrap(backend->Allocate(4), "alloc");
-      DeviceBuffer count = Unwrap(backend->Allocate(8), "alloc");
-      Arguments a;
-      a.hidden = h;
-      a.weight = w;
-      a.targets = y;
-      a.grad_hidden = dh;
-      a.grad_weight = dw;
-      a.loss_sum = loss.as<float>();
-      a.token_count = count.as<int64_t>();
-      a.workspace = ws.data();
-      a.workspace_bytes = ws_bytes;
+      const FusedCall call = MakeFusedCall(*backend, s.n, s, budget, h, w, y, dh, dw);
       auto cs = static_cast<cudaStream_t>(stream->native());
-      const float ms = MedianMs(cs, 3, runs, [&] { BENCH_OK(backend->Run(p, a, *stream)); });
+      const float ms =
+          MedianMs(cs, 3, runs, [&] { BENCH_OK(backend->Run(call.problem, call.args, *stream)); });
       const size_t free1 = FreeBytes();
       BENCH_OK(stream->Synchronize());
       const double extra_mib = (double(free0) - double(free1)) / (1 << 20);
@@ -542,7 +526,7 @@ int Main(int argc, char** argv) {
           "| %7.0f (ws %zu) | %.1e/%.1e/%.1e %s |",
           (long long)s.n, (long long)s.v, (long long)s.d, variant.c_str(), ms, flop / ms / 1e9,
           sol.total(), sol.logits_ms, sol.dh_ms, sol.dw_ms, sol.total() / ms, extra_mib,
-          ws_bytes >> 20, chk.loss_err, chk.dh_err, chk.dw_err, ok ? "ok" : "FAIL");
+          call.workspace_bytes >> 20, chk.loss_err, chk.dh_err, chk.dw_err, ok ? "ok" : "FAIL");
       std::printf("%s\n", line);
       std::fflush(stdout);
       table.push_back(line);
