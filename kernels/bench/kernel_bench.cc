@@ -112,6 +112,31 @@ void ParallelFor(int64_t count, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
+// A shape's device tensors, filled with random data (never zeros): |logit| of a few units, as in
+// a trained head: h ~ U(-1, 1), w ~ U(-a, a) with a = 4/sqrt(D); dW starts small and non-zero.
+struct BenchTensors {
+  explicit BenchTensors(const Shape& s) {
+    BENCH_CUDA(cudaMalloc(&h, s.n * s.d * 2));
+    BENCH_CUDA(cudaMalloc(&w, s.v * s.d * 2));
+    BENCH_CUDA(cudaMalloc(&dh, s.n * s.d * 2));
+    BENCH_CUDA(cudaMalloc(&dw, s.v * s.d * 4));
+    BENCH_CUDA(cudaMalloc(&y, s.n * 4));
+    BENCH_CUDA(bench::FillUniformBf16(h, s.n * s.d, 1.0f, 1, nullptr));
+    BENCH_CUDA(bench::FillUniformBf16(w, s.v * s.d, 4.0f / std::sqrt(float(s.d)), 2, nullptr));
+    BENCH_CUDA(bench::FillUniformF32(dw, s.v * s.d, 1e-3f, 3, nullptr));
+    BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
+  }
+  ~BenchTensors() {
+    for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
+  }
+  BenchTensors(const BenchTensors&) = delete;
+  BenchTensors& operator=(const BenchTensors&) = delete;
+
+  __nv_bfloat16 *h = nullptr, *w = nullptr, *dh = nullptr;
+  float* dw = nullptr;
+  int32_t* y = nullptr;
+};
+
 // One fused call over caller-owned device tensors (bf16 H, W and dH, fp32 dW, int32 targets),
 // default options: the problem, its workspace and scalar outputs, and the arguments.
 struct FusedCall {
@@ -317,18 +342,10 @@ void MemProbe(const std::string& variant, const Shape& s, size_t budget) {
   BENCH_CUDA(cudaFree(nullptr));
   const kernels::CudaBackendOptions opt = ParseVariant(variant);
   std::unique_ptr<Backend> backend = Unwrap(kernels::CreateCudaBackend(0, opt), "backend");
-  __nv_bfloat16 *h, *w, *dh;
-  float* dw;
-  int32_t* y;
-  BENCH_CUDA(cudaMalloc(&h, s.n * s.d * 2));
-  BENCH_CUDA(cudaMalloc(&w, s.v * s.d * 2));
-  BENCH_CUDA(cudaMalloc(&dh, s.n * s.d * 2));
-  BENCH_CUDA(cudaMalloc(&dw, s.v * s.d * 4));
-  BENCH_CUDA(cudaMalloc(&y, s.n * 4));
-  BENCH_CUDA(bench::FillUniformBf16(h, s.n * s.d, 1.0f, 1, nullptr));
-  BENCH_CUDA(bench::FillUniformBf16(w, s.v * s.d, 4.0f / std::sqrt(float(s.d)), 2, nullptr));
-  BENCH_CUDA(bench::FillUniformF32(dw, s.v * s.d, 1e-3f, 3, nullptr));
-  BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
+  const BenchTensors t(s);
+  __nv_bfloat16 *h = t.h, *w = t.w, *dh = t.dh;
+  float* dw = t.dw;
+  int32_t* y = t.y;
   DeviceBuffer loss = Unwrap(backend->Allocate(4), "alloc");
   DeviceBuffer count = Unwrap(backend->Allocate(8), "alloc");
   BENCH_CUDA(cudaDeviceSynchronize());
@@ -384,7 +401,6 @@ void MemProbe(const std::string& variant, const Shape& s, size_t budget) {
       mib(g0, g1), mib(g1, g2), mib(g2, g3), mib(g3, g4));
   cublasLtDestroy(lt);
   cublasDestroy(handle);
-  for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
 }
 
 // One fused call between cudaProfilerStart/Stop after a warm-up call, for a per-kernel profile
@@ -392,18 +408,10 @@ void MemProbe(const std::string& variant, const Shape& s, size_t budget) {
 void ProfileOne(const std::string& variant, const Shape& s, size_t budget) {
   std::unique_ptr<Backend> backend =
       Unwrap(kernels::CreateCudaBackend(0, ParseVariant(variant)), "backend");
-  __nv_bfloat16 *h, *w, *dh;
-  float* dw;
-  int32_t* y;
-  BENCH_CUDA(cudaMalloc(&h, s.n * s.d * 2));
-  BENCH_CUDA(cudaMalloc(&w, s.v * s.d * 2));
-  BENCH_CUDA(cudaMalloc(&dh, s.n * s.d * 2));
-  BENCH_CUDA(cudaMalloc(&dw, s.v * s.d * 4));
-  BENCH_CUDA(cudaMalloc(&y, s.n * 4));
-  BENCH_CUDA(bench::FillUniformBf16(h, s.n * s.d, 1.0f, 1, nullptr));
-  BENCH_CUDA(bench::FillUniformBf16(w, s.v * s.d, 4.0f / std::sqrt(float(s.d)), 2, nullptr));
-  BENCH_CUDA(bench::FillUniformF32(dw, s.v * s.d, 1e-3f, 3, nullptr));
-  BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
+  const BenchTensors t(s);
+  __nv_bfloat16 *h = t.h, *w = t.w, *dh = t.dh;
+  float* dw = t.dw;
+  int32_t* y = t.y;
   BENCH_CUDA(cudaDeviceSynchronize());
   std::unique_ptr<kernels::Stream> stream = Unwrap(backend->CreateStream(), "stream");
   const FusedCall call = MakeFusedCall(*backend, s.n, s, budget, h, w, y, dh, dw);
@@ -416,7 +424,6 @@ void ProfileOne(const std::string& variant, const Shape& s, size_t budget) {
   std::printf("profiled one call: variant %s N=%lld V=%lld D=%lld workspace %zu B\n",
               variant.c_str(), (long long)s.n, (long long)s.v, (long long)s.d,
               call.workspace_bytes);
-  for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
 }
 
 int Main(int argc, char** argv) {
@@ -478,19 +485,10 @@ int Main(int argc, char** argv) {
   std::vector<std::string> table;
   bool all_ok = true;
   for (const Shape& s : shapes) {
-    __nv_bfloat16 *h, *w, *dh;
-    float* dw;
-    int32_t* y;
-    BENCH_CUDA(cudaMalloc(&h, s.n * s.d * 2));
-    BENCH_CUDA(cudaMalloc(&w, s.v * s.d * 2));
-    BENCH_CUDA(cudaMalloc(&dh, s.n * s.d * 2));
-    BENCH_CUDA(cudaMalloc(&dw, s.v * s.d * 4));
-    BENCH_CUDA(cudaMalloc(&y, s.n * 4));
-    // |logit| of a few units, as in a trained head: h ~ U(-1, 1), w ~ U(-a, a) with a = 4/sqrt(D).
-    BENCH_CUDA(bench::FillUniformBf16(h, s.n * s.d, 1.0f, 1, nullptr));
-    BENCH_CUDA(bench::FillUniformBf16(w, s.v * s.d, 4.0f / std::sqrt(float(s.d)), 2, nullptr));
-    BENCH_CUDA(bench::FillUniformF32(dw, s.v * s.d, 1e-3f, 3, nullptr));
-    BENCH_CUDA(bench::FillTargets(y, s.n, s.v, 4, nullptr));
+    const BenchTensors t(s);
+    __nv_bfloat16 *h = t.h, *w = t.w, *dh = t.dh;
+    float* dw = t.dw;
+    int32_t* y = t.y;
     BENCH_CUDA(cudaDeviceSynchronize());
     cudaStream_t sol_stream;
     BENCH_CUDA(cudaStreamCreateWithFlags(&sol_stream, cudaStreamNonBlocking));
@@ -532,7 +530,6 @@ int Main(int argc, char** argv) {
       table.push_back(line);
     }
     BENCH_CUDA(cudaStreamDestroy(sol_stream));
-    for (void* ptr : {(void*)h, (void*)w, (void*)dh, (void*)dw, (void*)y}) cudaFree(ptr);
   }
   std::printf(
       "\n|     N |      V |    D | variant                  | fused ms | TFLOP/s | SOL ms "
