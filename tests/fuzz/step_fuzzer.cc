@@ -6,6 +6,7 @@
 // checks below abort on broken invariants so that the fuzzer reports them.
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -34,11 +35,16 @@ losshead::kernels::Backend& Backend() {
   return *backend;
 }
 
-void Check(bool ok) {
-  if (!ok) std::abort();
-}
-
 }  // namespace
+
+// Aborts with the broken invariant named, so that a crash report says which one failed.
+#define FUZZ_CHECK(condition)                                                                \
+  do {                                                                                       \
+    if (!(condition)) {                                                                      \
+      std::fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #condition); \
+      std::abort();                                                                          \
+    }                                                                                        \
+  } while (false)
 
 extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   // Invalid UTF-8 in string fields is a parse failure the target expects; do not log each one.
@@ -59,7 +65,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                    losshead::server::HeadOptions{.workspace_budget_bytes = 1 << 20,
                                                  .idempotency_window = 4,
                                                  .idempotency_max_bytes_per_client = 1 << 16});
-  Check(head.ok());
+  FUZZ_CHECK(head.ok());
   auto assembler = std::make_unique<StepAssembler>(kMaxMicrobatchBytes);
   size_t pos = 0;
   int microbatches = 0;
@@ -78,41 +84,44 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const uint64_t announced =
           losshead::server::AnnouncedBytes(request.header(), (*head)->hidden_size());
       // Announced bytes are exactly what a valid micro-batch carries: N x (D x h + t).
-      Check(announced == 0 || announced >= static_cast<uint64_t>(request.header().num_tokens()));
+      FUZZ_CHECK(announced == 0 ||
+                 announced >= static_cast<uint64_t>(request.header().num_tokens()));
     }
     auto added = assembler->Add(request, absl::Now());
     if (!added.ok()) {
-      Check(added.status().code() == absl::StatusCode::kInvalidArgument);
+      FUZZ_CHECK(added.status().code() == absl::StatusCode::kInvalidArgument);
       assembler = std::make_unique<StepAssembler>(kMaxMicrobatchBytes);
       continue;
     }
     if (!added->has_value()) continue;
     ++microbatches;
     AssembledMicroBatch& mb = **added;
-    Check(mb.oversize ||
-          mb.microbatch.hidden.size() + mb.microbatch.targets.size() == mb.received_bytes);
-    Check(mb.oversize == (mb.received_bytes > kMaxMicrobatchBytes));
+    FUZZ_CHECK(mb.oversize ||
+               mb.microbatch.hidden.size() + mb.microbatch.targets.size() == mb.received_bytes);
+    FUZZ_CHECK(mb.oversize == (mb.received_bytes > kMaxMicrobatchBytes));
     absl::StatusOr<std::shared_ptr<const losshead::server::StepOutcome>> outcome =
         absl::ResourceExhaustedError("oversize");
     losshead::server::StepStats stats;
     const losshead::v1::HeadInfo before = (*head)->Info();
     if (!mb.oversize) outcome = (*head)->Step(mb.microbatch, &stats);
     const losshead::v1::HeadInfo after = (*head)->Info();
-    if (!outcome.ok() || stats.replayed) {
-      // Bad input changes nothing; a replay adds nothing.
-      Check(after.microbatches_total() == before.microbatches_total());
-      Check(after.tokens_total() == before.tokens_total());
+    const bool forward_only = mb.microbatch.header.options().forward_only();
+    if (outcome.ok()) FUZZ_CHECK((*outcome)->forward_only == forward_only);
+    if (!outcome.ok() || stats.replayed || forward_only) {
+      // Bad input changes nothing; a replay adds nothing; a forward-only step counts nothing.
+      FUZZ_CHECK(after.microbatches_total() == before.microbatches_total());
+      FUZZ_CHECK(after.tokens_total() == before.tokens_total());
     } else {
-      Check(after.microbatches_total() == before.microbatches_total() + 1);
-      Check(static_cast<int64_t>(after.tokens_total() - before.tokens_total()) ==
-            (*outcome)->token_count);
+      FUZZ_CHECK(after.microbatches_total() == before.microbatches_total() + 1);
+      FUZZ_CHECK(static_cast<int64_t>(after.tokens_total() - before.tokens_total()) ==
+                 (*outcome)->token_count);
     }
     const auto responses = losshead::server::BuildStepResponses(mb.microbatch.header, outcome,
                                                                 stats.replayed, kChunkBytes);
-    Check(!responses.empty() && responses.back().last());
-    for (size_t i = 0; i + 1 < responses.size(); ++i) Check(!responses[i].last());
+    FUZZ_CHECK(!responses.empty() && responses.back().last());
+    for (size_t i = 0; i + 1 < responses.size(); ++i) FUZZ_CHECK(!responses[i].last());
     for (const auto& r : responses) {
-      Check(r.grad_hidden().size() + r.per_token_loss().size() <= kChunkBytes);
+      FUZZ_CHECK(r.grad_hidden().size() + r.per_token_loss().size() <= kChunkBytes);
     }
   }
   return 0;

@@ -1,5 +1,6 @@
 // Writes the fuzzer's seed corpus into the directory given as argv[1]: valid micro-batches for the
-// target's head (V = 7, D = 4), in one piece and in several, with options, and a malformed stream.
+// target's head (V = 7, D = 4), in one piece and in several, with options, forward-only, and a
+// malformed stream.
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -31,7 +32,8 @@ std::string Ints(int count) {
   return out;
 }
 
-std::vector<StepRequest> Microbatch(uint64_t sequence, int n, int pieces, bool options) {
+std::vector<StepRequest> Microbatch(uint64_t sequence, int n, int pieces, bool options,
+                                    bool forward_only = false) {
   const std::string hidden = Floats(n * 4, 0.5f);
   const std::string targets = Ints(n);
   std::vector<StepRequest> out(pieces);
@@ -48,6 +50,7 @@ std::vector<StepRequest> Microbatch(uint64_t sequence, int n, int pieces, bool o
     h->mutable_loss_options()->set_label_smoothing(0.1f);
     h->mutable_loss_options()->set_z_loss(0.01f);
   }
+  if (forward_only) h->mutable_options()->set_forward_only(true);
   const size_t hp = (hidden.size() + pieces - 1) / pieces;
   for (int i = 0; i < pieces; ++i) {
     const size_t b = std::min(hidden.size(), i * hp);
@@ -75,6 +78,9 @@ int main(int argc, char** argv) {
   Write(dir, "one_piece", {Microbatch(1, 3, 1, false)});
   Write(dir, "pieces", {Microbatch(1, 5, 3, false), Microbatch(2, 2, 1, true)});
   Write(dir, "replay", {Microbatch(1, 4, 2, true), Microbatch(1, 4, 1, true)});
+  // Evaluation: a forward-only step, then a counted one reusing its sequence number.
+  Write(dir, "forward_only",
+        {Microbatch(1, 3, 1, false, /*forward_only=*/true), Microbatch(1, 3, 1, false)});
   auto malformed = Microbatch(3, 2, 2, false);
   malformed.push_back(malformed[0]);  // a header inside an open micro-batch
   Write(dir, "malformed", {malformed});
