@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/checkpointer.h"
 #include "server/head_registry.h"
+#include "server/live_calls.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
 #include "server/security.h"
@@ -97,6 +99,9 @@ class ServerImpl final : public Server {
     // Without this, Linux lets a second server bind the same port and silently share traffic.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.RegisterService(service_.get());
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counting;
+    counting.push_back(live_calls_.CountingFactory());
+    builder.experimental().SetInterceptorCreators(std::move(counting));
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port_ == 0) {
       server_.reset();
@@ -130,8 +135,11 @@ class ServerImpl final : public Server {
       ctx_.draining.store(true);
       ctx_.streams.DrainAll();
       ctx_.streams.WaitUntilNone(until);
-      // gRPC refuses new calls; pulls and pushes still running at the deadline are cancelled.
-      server_->Shutdown(absl::ToChronoTime(until));
+      live_calls_.WaitUntilNone(until);
+      // Nothing of ours runs any more (or the deadline passed): gRPC refuses new calls, cancels
+      // what still runs (health watches, reflection, calls past the deadline) and closes idle
+      // connections now rather than waiting for their clients to hang up.
+      server_->Shutdown(absl::ToChronoTime(absl::Now()));
     }
     if (pool_ != nullptr) pool_->Shutdown();
     if (checkpointer_ != nullptr && server_ != nullptr) {
@@ -158,6 +166,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<HeadRegistry> registry_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<Admission> admission_;
+  LiveCalls live_calls_;
   ServiceContext ctx_;
   std::unique_ptr<LossHeadService> service_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -412,6 +413,65 @@ TEST_F(ServiceTest, ShutdownEndsIdleStreamsPromptly) {
   v1::StepResponse r;
   EXPECT_FALSE(stream->Read(&r));
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+// A client that opened an HTTP/2 connection and never hangs up: gRPC's own Shutdown would wait for
+// it until the deadline; the server closes it once its calls are done.
+TEST_F(ServiceTest, ShutdownClosesIdleConnectionsPromptly) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(server_->port());
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  // The client connection preface, then an empty SETTINGS frame (9-byte header, type 4).
+  const std::string preface = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") +
+                              std::string("\0\0\0\4\0\0\0\0\0", 9);
+  ASSERT_EQ(write(fd, preface.data(), preface.size()), static_cast<ssize_t>(preface.size()));
+  // The server's SETTINGS: the connection is up on its side.
+  char buf[4096];
+  ASSERT_GT(read(fd, buf, sizeof(buf)), 0);
+
+  // A pull that is still streaming when shutdown starts is not cut short by it: 32 MiB in 8 KiB
+  // messages is more than gRPC's flow-control windows let the server send before it is read.
+  constexpr int64_t kBigV = 32768, kBigD = 256;
+  {
+    v1::CreateHeadRequest req;
+    req.mutable_spec()->set_name("big");
+    req.mutable_spec()->set_vocab_size(kBigV);
+    req.mutable_spec()->set_hidden_size(kBigD);
+    req.mutable_spec()->set_weight_dtype(v1::DTYPE_BF16);
+    grpc::ClientContext ctx;
+    v1::HeadInfo info;
+    ASSERT_TRUE(stub_->CreateHead(&ctx, req, &info).ok());
+  }
+  grpc::ClientContext pull_ctx;
+  v1::PullGradientRequest pull;
+  pull.set_head("big");
+  auto reader = stub_->PullGradient(&pull_ctx, pull);
+  v1::GradientChunk first;
+  ASSERT_TRUE(reader->Read(&first));  // the call is running; the rest waits in flow control
+
+  const absl::Time start = absl::Now();
+  std::thread stopper([&] {
+    server_->Shutdown(absl::Seconds(60));
+    server_->Wait();
+  });
+  int64_t pulled = first.data().size();
+  v1::GradientChunk chunk;
+  while (reader->Read(&chunk)) pulled += chunk.data().size();
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(pulled, kBigV * kBigD * 4);
+  stopper.join();
+  // gRPC's own Shutdown gives such a connection 20 s (its GOAWAY ping timeout) before closing it.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // The idle connection was closed by the server: reading reaches its end (after its GOAWAY).
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) {
+  }
+  EXPECT_EQ(n, 0);
+  close(fd);
 }
 
 }  // namespace
