@@ -55,8 +55,9 @@ int LiveCalls::count() const {
 
 bool LiveCalls::WaitUntilNone(absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithDeadline(
-      absl::Condition(+[](const int* count) { return *count == 0; }, &count_), deadline);
+  return mu_.AwaitWithDeadline(absl::Condition(
+                                   +[](const int* count) { return *count == 0; }, &count_),
+                               deadline);
 }
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
