@@ -15,6 +15,8 @@
 #include "absl/strings/strip.h"
 #include "common/read_file.h"
 #include "grpc/grpc_security.h"
+#include "server/metrics.h"
+#include "server/token_table.h"
 
 namespace losshead::server {
 namespace {
@@ -58,8 +60,7 @@ std::array<uint8_t, 32> Sha256(absl::string_view text) {
 }
 
 bool PrintableToken(absl::string_view token) {
-  return std::all_of(token.begin(), token.end(),
-                     [](char c) { return c > ' ' && c < 127; });
+  return std::all_of(token.begin(), token.end(), [](char c) { return c > ' ' && c < 127; });
 }
 
 }  // namespace
@@ -107,8 +108,8 @@ absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> TokenAuthenticator::Fr
     } else if (fields[0] == "writer") {
       role = Role::kWriter;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "token file line ", line_number, ": role must be reader or writer"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token file line ", line_number, ": role must be reader or writer"));
     }
     if (fields[1].size() < kMinTokenChars || !PrintableToken(fields[1])) {
       return absl::InvalidArgumentError(absl::StrCat("token file line ", line_number,
@@ -132,8 +133,7 @@ absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> TokenAuthenticator::Fr
   if (!text.ok()) return text.status();
   absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> auth = FromText(*text);
   if (!auth.ok()) {
-    return absl::Status(auth.status().code(),
-                        absl::StrCat(path, ": ", auth.status().message()));
+    return absl::Status(auth.status().code(), absl::StrCat(path, ": ", auth.status().message()));
   }
   return auth;
 }
@@ -162,8 +162,7 @@ absl::Status TokenAuthenticator::Authorize(absl::string_view full_method,
   if (access == Access::kOpen) return absl::OkStatus();
   const Role role = Authenticate(authorization);
   if (role == Role::kNone) {
-    return absl::UnauthenticatedError(
-        "a valid 'authorization: Bearer <token>' header is required");
+    return absl::UnauthenticatedError("a valid 'authorization: Bearer <token>' header is required");
   }
   if (access == Access::kDenied) {
     return absl::PermissionDeniedError(
@@ -178,14 +177,14 @@ absl::Status TokenAuthenticator::Authorize(absl::string_view full_method,
 }
 
 absl::Status AuthorizePullReset(
-    const TokenAuthenticator* tokens,
+    const TokenTable* tokens,
     const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata) {
   if (tokens == nullptr) return absl::OkStatus();
   absl::string_view authorization;
   if (auto it = client_metadata.find("authorization"); it != client_metadata.end()) {
     authorization = absl::string_view(it->second.data(), it->second.size());
   }
-  if (tokens->Authenticate(authorization) < Role::kWriter) {
+  if (tokens->Current()->Authenticate(authorization) < Role::kWriter) {
     return absl::PermissionDeniedError("PullGradient with reset needs the writer role");
   }
   return absl::OkStatus();
@@ -205,8 +204,15 @@ grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
       authorization = absl::string_view(value.data(), value.size());
     }
   }
-  const absl::Status status = auth_->Authorize(method, authorization);
+  const absl::Status status = tokens_->Current()->Authorize(method, authorization);
   if (status.ok()) return grpc::Status::OK;
+  if (metrics_ != nullptr) {
+    constexpr absl::string_view kPrefix = "/losshead.v1.LossHead/";
+    const bool known =
+        absl::StartsWith(method, kPrefix) && RequiredAccess(method) != Access::kDenied;
+    metrics_->Failure(known ? method.substr(kPrefix.size()) : "other",
+                      static_cast<int>(status.code()));
+  }
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
@@ -228,9 +234,9 @@ class PlaintextWithProcessor final : public grpc::ServerCredentials {
     // The core credentials outlive this object (the server keeps them once the builder is gone),
     // so they own a reference to the processor, dropped by DestroyC.
     grpc_server_credentials_set_auth_metadata_processor(
-        creds, grpc_auth_metadata_processor{
-                   &ProcessC, &DestroyC,
-                   new std::shared_ptr<grpc::AuthMetadataProcessor>(processor_)});
+        creds,
+        grpc_auth_metadata_processor{&ProcessC, &DestroyC,
+                                     new std::shared_ptr<grpc::AuthMetadataProcessor>(processor_)});
     const int port = grpc_server_add_http2_port(server, addr.c_str(), creds);
     grpc_server_credentials_release(creds);
     return port;
@@ -244,11 +250,11 @@ class PlaintextWithProcessor final : public grpc::ServerCredentials {
         static_cast<std::shared_ptr<grpc::AuthMetadataProcessor>*>(state)->get();
     grpc::AuthMetadataProcessor::InputMetadata input;
     for (size_t i = 0; i < num_md; ++i) {
-      input.emplace(grpc::string_ref(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].key)),
-                                     GRPC_SLICE_LENGTH(md[i].key)),
-                    grpc::string_ref(
-                        reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].value)),
-                        GRPC_SLICE_LENGTH(md[i].value)));
+      input.emplace(
+          grpc::string_ref(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].key)),
+                           GRPC_SLICE_LENGTH(md[i].key)),
+          grpc::string_ref(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].value)),
+                           GRPC_SLICE_LENGTH(md[i].value)));
     }
     grpc::AuthMetadataProcessor::OutputMetadata consumed, response;
     const grpc::Status status = processor->Process(input, nullptr, &consumed, &response);

@@ -1,11 +1,11 @@
 // Bearer-token authentication and role-based authorisation of every RPC.
 //
-// Tokens come from a file read at start, one per line: `<role> <token>` with role `reader` or
-// `writer` (a writer may do everything a reader may), '#' starts a comment, tokens are at least
-// 16 characters of printable ASCII without spaces. Only SHA-256 digests of the tokens are kept,
-// and a presented token is compared against every one of them with CRYPTO_memcmp and without an
-// early exit, so neither the time nor the memory of the server tells which token, or which prefix
-// of one, came close.
+// Tokens come from a file (read at start and on SIGHUP, see server/token_table.h), one per line:
+// `<role> <token>` with role `reader` or `writer` (a writer may do everything a reader may), '#'
+// starts a comment, tokens are at least 16 characters of printable ASCII without spaces. Only
+// SHA-256 digests of the tokens are kept, and a presented token is compared against every one of
+// them with CRYPTO_memcmp and without an early exit, so neither the time nor the memory of the
+// server tells which token, or which prefix of one, came close.
 //
 // The check runs as a grpc::AuthMetadataProcessor, before any handler: a refused call never
 // reaches the service. The decision uses the call's full method name (`:path`):
@@ -50,7 +50,8 @@ class TokenAuthenticator {
   // bad role, a short token, a duplicate token or a file without tokens.
   static absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> FromText(absl::string_view text);
   // Reads and parses `path`; NOT_FOUND / PERMISSION_DENIED when it cannot be read.
-  static absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> FromFile(const std::string& path);
+  static absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> FromFile(
+      const std::string& path);
 
   // The role of the token in an `authorization` header value ("Bearer <token>"); kNone for a
   // missing, malformed or unknown one. Takes the same time whichever stored token matches.
@@ -74,23 +75,31 @@ class TokenAuthenticator {
 // method-level check lets readers pull. OK without tokens (null) or with a writer's token in the
 // call's metadata; PERMISSION_DENIED otherwise (the call got past the method check, so its token
 // is a known one).
+class Metrics;
+class TokenTable;
+
 absl::Status AuthorizePullReset(
-    const TokenAuthenticator* tokens,
+    const TokenTable* tokens,
     const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
 
 // Runs TokenAuthenticator::Authorize on each call's initial metadata. Non-blocking: the check is a
 // few hashes, so it runs inline on the transport thread instead of a thread hop per call.
+// The table's current tokens decide, so a reload applies to every call that starts after it.
+// Refusals are counted in `metrics` (if not null) as failures_total{method, reason}; the method
+// label is a LossHead method name, or "other" for any name outside the role table, so that callers
+// cannot mint label values.
 class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
  public:
-  explicit BearerTokenProcessor(std::shared_ptr<const TokenAuthenticator> auth)
-      : auth_(std::move(auth)) {}
+  BearerTokenProcessor(std::shared_ptr<const TokenTable> tokens, Metrics* metrics)
+      : tokens_(std::move(tokens)), metrics_(metrics) {}
   bool IsBlocking() const override { return false; }
   grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
                        OutputMetadata* consumed_auth_metadata,
                        OutputMetadata* response_metadata) override;
 
  private:
-  std::shared_ptr<const TokenAuthenticator> auth_;
+  std::shared_ptr<const TokenTable> tokens_;
+  Metrics* const metrics_;
 };
 
 // Plaintext (no TLS) server credentials that still run `processor` on every call.

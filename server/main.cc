@@ -1,4 +1,5 @@
 // losshead-server: serves losshead.v1.LossHead until SIGTERM or SIGINT, then drains and exits.
+// SIGHUP re-reads --auth_tokens_file (token rotation without a restart).
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -12,10 +13,23 @@
 
 namespace {
 
-// Signal handlers may only touch lock-free state: a self-pipe-free flag polled by main.
+// Signal handlers may only touch lock-free state: flags polled by main.
 volatile std::sig_atomic_t g_stop_signal = 0;
+volatile std::sig_atomic_t g_reload_requested = 0;
 
 void OnSignal(int signal) { g_stop_signal = signal; }
+void OnReload(int /*signal*/) { g_reload_requested = 1; }
+
+void ReloadTokens(losshead::server::Server& server) {
+  const absl::Status reloaded = server.ReloadTokens();
+  if (reloaded.ok()) {
+    std::fprintf(stderr, "losshead-server: SIGHUP, token file reloaded\n");
+  } else {
+    std::fprintf(stderr,
+                 "losshead-server: SIGHUP, token file not reloaded (tokens unchanged): %s\n",
+                 reloaded.ToString().c_str());
+  }
+}
 
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -40,6 +54,7 @@ int main(int argc, char** argv) {
   }
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
+  std::signal(SIGHUP, OnReload);
   const losshead::kernels::Backend& backend = (*server)->backend();
   std::fprintf(stderr, "losshead-server: serving gRPC on %s:%d, backend %s (%s)\n",
                HostOf(options->listen_address).c_str(), (*server)->port(),
@@ -50,7 +65,13 @@ int main(int argc, char** argv) {
   } else {
     std::fprintf(stderr, "losshead-server: metrics disabled\n");
   }
-  while (g_stop_signal == 0) absl::SleepFor(absl::Milliseconds(100));
+  while (g_stop_signal == 0) {
+    absl::SleepFor(absl::Milliseconds(100));
+    if (g_reload_requested != 0) {
+      g_reload_requested = 0;
+      ReloadTokens(**server);
+    }
+  }
   std::fprintf(stderr, "losshead-server: signal %d, draining (up to %s)\n",
                static_cast<int>(g_stop_signal),
                absl::FormatDuration(options->drain_timeout).c_str());

@@ -1,11 +1,10 @@
 #include "server/metrics.h"
 
-#include "prometheus/text_serializer.h"
-
 #include <utility>
 #include <vector>
 
 #include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
 #include "server/status_util.h"
 
 namespace losshead::server {
@@ -77,6 +76,14 @@ Metrics::Metrics()
                         .Name("losshead_heads")
                         .Help("Heads on the server")
                         .Register(*registry_)),
+      auth_tokens_family_(prometheus::BuildGauge()
+                              .Name("losshead_auth_tokens")
+                              .Help("Bearer tokens in force (absent without a token file)")
+                              .Register(*registry_)),
+      token_reloads_(prometheus::BuildCounter()
+                         .Name("losshead_auth_token_reloads_total")
+                         .Help("Re-reads of the token file by result: ok, error (old tokens kept)")
+                         .Register(*registry_)),
       inflight_(inflight_family_.Add({})),
       heads_(heads_family_.Add({})) {}
 
@@ -138,6 +145,15 @@ void Metrics::DeviceMemoryBytes(const DeviceMemory& m) {
 }
 
 void Metrics::Heads(size_t count) { heads_.Set(static_cast<double>(count)); }
+
+void Metrics::AuthTokens(size_t count) {
+  auth_tokens_family_.Add({}).Set(static_cast<double>(count));
+}
+
+void Metrics::TokenReload(bool ok, size_t tokens_in_force) {
+  token_reloads_.Add({{"result", ok ? "ok" : "error"}}).Increment();
+  AuthTokens(tokens_in_force);
+}
 
 void Metrics::RemoveHead(const std::string& head) {
   auto drop = [&head](auto& family, const prometheus::Labels& extra) {

@@ -50,6 +50,9 @@ class Metrics {
   void HeadMemory(const std::string& head, uint64_t weights, uint64_t gradient, uint64_t workspace);
   void DeviceMemoryBytes(const DeviceMemory& memory);
   void Heads(size_t count);
+  // Bearer tokens in force, and one token-file reload (result "ok" or "error").
+  void AuthTokens(size_t count);
+  void TokenReload(bool ok, size_t tokens_in_force);
   // Drops every series labelled with `head`.
   void RemoveHead(const std::string& head);
 
@@ -68,6 +71,8 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& pulls_;
   prometheus::Family<prometheus::Counter>& pushes_;
   prometheus::Family<prometheus::Gauge>& heads_family_;
+  prometheus::Family<prometheus::Gauge>& auth_tokens_family_;
+  prometheus::Family<prometheus::Counter>& token_reloads_;
   prometheus::Gauge& inflight_;
   prometheus::Gauge& heads_;
   std::atomic<int64_t> inflight_count_{0};

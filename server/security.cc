@@ -26,12 +26,14 @@ struct PkeyDeleter {
 };
 
 std::unique_ptr<BIO, BioDeleter> MemoryBio(const std::string& pem) {
-  return std::unique_ptr<BIO, BioDeleter>(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+  return std::unique_ptr<BIO, BioDeleter>(
+      BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
 }
 
 std::unique_ptr<X509, X509Deleter> FirstCertificate(const std::string& pem) {
   auto bio = MemoryBio(pem);
-  return std::unique_ptr<X509, X509Deleter>(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
+  return std::unique_ptr<X509, X509Deleter>(
+      PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
 }
 
 // gRPC accepts any bytes here and fails each handshake later with a terse log line; checking the
@@ -51,16 +53,15 @@ absl::Status CheckCertAndKey(const std::string& cert_pem, const std::string& cer
         absl::StrCat("--tls_key '", key_path, "' holds no (unencrypted) PEM private key"));
   }
   if (X509_check_private_key(cert.get(), key.get()) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--tls_key '", key_path,
-                                                   "' is not the key of --tls_cert '", cert_path,
-                                                   "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_key '", key_path, "' is not the key of --tls_cert '", cert_path, "'"));
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<ServerSecurity> LoadServerSecurity(const ServerOptions& options) {
+absl::StatusOr<ServerSecurity> LoadServerSecurity(const ServerOptions& options, Metrics* metrics) {
   ServerSecurity security;
   const bool has_cert = !options.tls_cert_file.empty();
   if (has_cert != !options.tls_key_file.empty()) {
@@ -73,7 +74,7 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const ServerOptions& options) 
     absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> tokens =
         TokenAuthenticator::FromFile(options.auth_tokens_file);
     if (!tokens.ok()) return tokens.status();
-    security.tokens = std::move(*tokens);
+    security.tokens = std::make_shared<TokenTable>(std::move(*tokens));
   }
   if (!options.metrics_basic_auth_file.empty()) {
     absl::StatusOr<std::string> text =
@@ -118,16 +119,25 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const ServerOptions& options) 
     security.tls = true;
     if (security.tokens != nullptr) {
       credentials->SetAuthMetadataProcessor(
-          std::make_shared<BearerTokenProcessor>(security.tokens));
+          std::make_shared<BearerTokenProcessor>(security.tokens, metrics));
     }
   } else if (security.tokens != nullptr) {
-    credentials =
-        PlaintextCredentialsWithProcessor(std::make_shared<BearerTokenProcessor>(security.tokens));
+    credentials = PlaintextCredentialsWithProcessor(
+        std::make_shared<BearerTokenProcessor>(security.tokens, metrics));
   } else {
     credentials = grpc::InsecureServerCredentials();
   }
   security.credentials = std::move(credentials);
   return security;
+}
+
+absl::StatusOr<size_t> ReloadTokens(const ServerOptions& options, TokenTable& tokens) {
+  absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> loaded =
+      TokenAuthenticator::FromFile(options.auth_tokens_file);
+  if (!loaded.ok()) return loaded.status();
+  const size_t count = (*loaded)->size();
+  tokens.Replace(std::move(*loaded));
+  return count;
 }
 
 }  // namespace losshead::server

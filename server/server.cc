@@ -39,19 +39,20 @@ class ServerImpl final : public Server {
   }
 
   absl::Status Init() {
+    metrics_ = std::make_unique<Metrics>();
     // Security files first: a server that cannot enforce what it was told to must not start.
-    absl::StatusOr<ServerSecurity> security = LoadServerSecurity(options_);
+    absl::StatusOr<ServerSecurity> security = LoadServerSecurity(options_, metrics_.get());
     if (!security.ok()) return security.status();
     security_ = std::move(*security);
     auto backend = kernels::CreateBackend(options_.backend, options_.device);
     if (!backend.ok()) return backend.status();
     backend_ = std::move(*backend);
-    metrics_ = std::make_unique<Metrics>();
     pool_ = std::make_unique<ThreadPool>(options_.worker_threads);
     registry_ = std::make_unique<HeadRegistry>(
-        *backend_, HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
-                               .idempotency_window = options_.idempotency_window,
-                               .idempotency_max_bytes_per_client = options_.idempotency_max_bytes},
+        *backend_,
+        HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
+                    .idempotency_window = options_.idempotency_window,
+                    .idempotency_max_bytes_per_client = options_.idempotency_max_bytes},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     if (!options_.checkpoint_dir.empty()) {
       checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get());
@@ -64,6 +65,7 @@ class ServerImpl final : public Server {
     ctx_.pool = pool_.get();
     ctx_.metrics = metrics_.get();
     ctx_.tokens = security_.tokens.get();
+    if (security_.tokens != nullptr) metrics_->AuthTokens(security_.tokens->Current()->size());
     ctx_.max_message_bytes = options_.max_message_bytes;
     ctx_.max_microbatch_bytes = options_.max_microbatch_bytes;
     ctx_.max_inflight_per_stream = std::max<size_t>(1, options_.max_inflight_per_stream);
@@ -78,11 +80,14 @@ class ServerImpl final : public Server {
     if (!options_.metrics_address.empty()) {
       const LossHeadService* service = service_.get();
       const Metrics* metrics = metrics_.get();
-      auto endpoint = MetricsEndpoint::Start(options_.metrics_address, [service, metrics] {
-        // Device memory gauges are read on demand so that every scrape sees current values.
-        service->RefreshMemoryMetrics();
-        return metrics->RenderText();
-      }, security_.metrics_basic_auth);
+      auto endpoint = MetricsEndpoint::Start(
+          options_.metrics_address,
+          [service, metrics] {
+            // Device memory gauges are read on demand so that every scrape sees current values.
+            service->RefreshMemoryMetrics();
+            return metrics->RenderText();
+          },
+          security_.metrics_basic_auth);
       if (!endpoint.ok()) return endpoint.status();
       metrics_endpoint_ = std::move(*endpoint);
       metrics_port_ = metrics_endpoint_->port();
@@ -118,6 +123,16 @@ class ServerImpl final : public Server {
   int port() const override { return port_; }
   int metrics_port() const override { return metrics_port_; }
   const kernels::Backend& backend() const override { return *backend_; }
+
+  absl::Status ReloadTokens() override {
+    if (security_.tokens == nullptr) {
+      return absl::FailedPreconditionError(
+          "the server was started without --auth_tokens_file; there are no tokens to reload");
+    }
+    absl::StatusOr<size_t> count = ::losshead::server::ReloadTokens(options_, *security_.tokens);
+    metrics_->TokenReload(count.ok(), count.value_or(security_.tokens->Current()->size()));
+    return count.status();
+  }
 
   void Shutdown(absl::Duration deadline) override {
     {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "losshead/kernels/backend.h"
@@ -48,7 +49,8 @@ struct ServerOptions {
   absl::Duration checkpoint_interval = absl::Seconds(60);
   // Bound on the wait for in-flight work at shutdown.
   absl::Duration drain_timeout = absl::Seconds(30);
-  // Security (server/security.h, server/auth.h); the files are read once, at Start.
+  // Security (server/security.h, server/auth.h); the files are read at Start, the token file
+  // again on Server::ReloadTokens (SIGHUP for losshead-server).
   // TLS with this PEM certificate chain and key; both empty: plaintext.
   std::string tls_cert_file;
   std::string tls_key_file;
@@ -76,6 +78,13 @@ class Server {
   virtual int port() const = 0;          // the bound gRPC port
   virtual int metrics_port() const = 0;  // the bound metrics port, 0 when disabled
   virtual const kernels::Backend& backend() const = 0;
+
+  // Re-reads auth_tokens_file: calls that start afterwards are checked against the new tokens.
+  // On error (NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT with the line number) the tokens in
+  // force stay as they were. FAILED_PRECONDITION when the server was started without a token file
+  // (authentication cannot be turned on while running). Counted in
+  // losshead_auth_token_reloads_total{result}.
+  virtual absl::Status ReloadTokens() = 0;
 
   // Graceful stop: health turns NOT_SERVING, new calls are refused, in-flight micro-batches finish
   // and are answered, all within `deadline`; then the server stops. Idempotent.

@@ -19,7 +19,7 @@
 namespace losshead::server {
 
 class StepReactor;
-class TokenAuthenticator;
+class TokenTable;
 class Checkpointer;
 
 // Live Step streams, so that shutdown can tell each to stop reading and finish once answered.
@@ -44,7 +44,7 @@ struct ServiceContext {
   Metrics* metrics = nullptr;
   // Bearer tokens (server/auth.h); null when the server asks for none. Calls reach the handlers
   // already authorised for their method; handlers use it only for request-dependent rules.
-  const TokenAuthenticator* tokens = nullptr;
+  const TokenTable* tokens = nullptr;
   // Null when checkpoints are disabled (no --checkpoint_dir).
   Checkpointer* checkpointer = nullptr;
   // Server-wide bound on admitted micro-batches and their buffered request bytes.

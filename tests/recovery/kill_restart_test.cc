@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "losshead/client/client.h"
-#include "tests/recovery/server_process.h"
+#include "tests/common/server_process.h"
 #include "tests/recovery/trainer.h"
 
 #ifndef LOSSHEAD_SERVER_BINARY

@@ -1,6 +1,7 @@
 // A real server (CPU backend) on loopback with TLS, mTLS, bearer tokens, metrics basic auth and
 // head limits, exercised with the real client; and the losshead-server binary refusing to start
 // with bad security files.
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,11 +14,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "gtest/gtest.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "gtest/gtest.h"
 #include "losshead/client/client.h"
 #include "server/server.h"
 #include "tests/common/http_exchange.h"
+#include "tests/common/server_process.h"
 #include "tests/security/certs.h"
 
 namespace losshead::testing {
@@ -101,9 +103,10 @@ class TokenTest : public ::testing::Test {
     pki_ = std::move(*pki);
     server::ServerOptions options = BaseOptions();
     options.metrics_address = "127.0.0.1:0";
-    options.auth_tokens_file = WriteFile(pki_->dir, "tokens",
-                                         absl::StrCat("# roles\nreader ", kReaderToken,
-                                                      "\nwriter ", kWriterToken, "\n"));
+    options.auth_tokens_file =
+        WriteFile(pki_->dir, "tokens",
+                  absl::StrCat("# roles\nreader ", kReaderToken, "\nwriter ", kWriterToken, "\n"));
+    tokens_file_ = options.auth_tokens_file;
     options.metrics_basic_auth_file = WriteFile(pki_->dir, "metrics-auth", "prom:s3cret-pw\n");
     options.max_heads = kMaxHeads;
     options.max_head_bytes = kV * kD * 8 * 4;  // fp32 W + dW of a head 4x as large as Spec()
@@ -119,6 +122,7 @@ class TokenTest : public ::testing::Test {
   }
 
   std::unique_ptr<TestPki> pki_;
+  std::string tokens_file_;
   std::unique_ptr<server::Server> server_;
   std::unique_ptr<client::Client> writer_, reader_, anonymous_, wrong_;
   TinyBatch batch_;
@@ -223,6 +227,37 @@ TEST_F(TokenTest, MethodWithoutARoleIsDeniedEvenToWriters) {
   }
 }
 
+// Refusals never reach a handler; the token check counts them. Method names outside the role
+// table are one label value, whatever the caller sends.
+TEST_F(TokenTest, RefusalsAreCountedByMethodAndReason) {
+  EXPECT_EQ(anonymous_->GetStats().status().code(), StatusCode::kUnauthenticated);
+  EXPECT_EQ(wrong_->GetStats().status().code(), StatusCode::kUnauthenticated);
+  EXPECT_EQ(reader_->Step(batch_.Microbatch("h", 9)).status().code(),
+            StatusCode::kPermissionDenied);
+  grpc::GenericStub stub(writer_->channel()->shared_from_this());
+  for (const std::string method : {"NoSuchMethod", "AnotherOne"}) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kWriterToken));
+    grpc::Slice empty("");
+    grpc::ByteBuffer request(&empty, 1), response;
+    absl::Notification done;
+    stub.UnaryCall(&context, "/losshead.v1.LossHead/" + method, grpc::StubOptions(), &request,
+                   &response, [&](grpc::Status) { done.Notify(); });
+    done.WaitForNotification();
+  }
+  const std::string metrics = MetricsGet(server_->metrics_port(), "prom:s3cret-pw");
+  EXPECT_TRUE(absl::StrContains(
+      metrics, "losshead_failures_total{method=\"GetStats\",reason=\"unauthenticated\"} 2"))
+      << metrics;
+  EXPECT_TRUE(absl::StrContains(
+      metrics, "losshead_failures_total{method=\"Step\",reason=\"permission_denied\"} 1"))
+      << metrics;
+  EXPECT_TRUE(absl::StrContains(
+      metrics, "losshead_failures_total{method=\"other\",reason=\"permission_denied\"} 2"))
+      << metrics;
+  EXPECT_FALSE(absl::StrContains(metrics, "NoSuchMethod")) << metrics;
+}
+
 TEST_F(TokenTest, MetricsNeedBasicAuth) {
   const int port = server_->metrics_port();
   ASSERT_GT(port, 0);
@@ -251,6 +286,93 @@ TEST_F(TokenTest, HeadLimitsRefuseBeforeAllocating) {
   // Deleting one makes room.
   ASSERT_TRUE(writer_->DeleteHead("third").ok());
   EXPECT_TRUE(writer_->CreateHead(Spec("fourth")).ok());
+}
+
+// Rotation in place: the writer's token is replaced, the reader's kept. Existing connections keep
+// working for tokens still in the file; a removed token is refused on its very next call.
+TEST_F(TokenTest, ReloadRotatesTokensAndABadFileChangesNothing) {
+  constexpr char kNewWriterToken[] = "rotated-writer-0123456789abcdef";
+  WriteFile(pki_->dir, "tokens",
+            absl::StrCat("reader ", kReaderToken, "\nwriter ", kNewWriterToken, "\n"));
+  ASSERT_TRUE(server_->ReloadTokens().ok());
+  auto rotated = Connect(server_->port(), ClientOpts(kNewWriterToken));
+  EXPECT_EQ(writer_->Step(batch_.Microbatch("h", 2)).status().code(), StatusCode::kUnauthenticated);
+  EXPECT_EQ(writer_->GetStats().status().code(), StatusCode::kUnauthenticated);
+  ASSERT_TRUE(rotated->Step(batch_.Microbatch("h", 2)).ok());
+  EXPECT_TRUE(reader_->GetHead("h").ok());
+  EXPECT_EQ(reader_->PullGradient("h", v1::DTYPE_FP32, /*reset=*/true).status().code(),
+            StatusCode::kPermissionDenied);
+  auto pulled = rotated->PullGradient("h", v1::DTYPE_FP32, /*reset=*/true);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->summary.token_count(), 8u);  // SetUp's micro-batch and the rotated one
+
+  // A bad file and a missing one: refused with the reason, the rotated tokens stay in force.
+  WriteFile(pki_->dir, "tokens", absl::StrCat("writer ", kWriterToken, "\nwriter short\n"));
+  const absl::Status bad = server_->ReloadTokens();
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_TRUE(absl::StrContains(bad.message(), "line 2")) << bad;
+  EXPECT_FALSE(absl::StrContains(bad.message(), kWriterToken)) << "tokens never appear in errors";
+  ASSERT_EQ(std::remove(tokens_file_.c_str()), 0);
+  EXPECT_EQ(server_->ReloadTokens().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(rotated->Step(batch_.Microbatch("h", 3)).ok());
+  EXPECT_EQ(writer_->Step(batch_.Microbatch("h", 3)).status().code(), StatusCode::kUnauthenticated);
+
+  const std::string metrics = MetricsGet(server_->metrics_port(), "prom:s3cret-pw");
+  EXPECT_TRUE(absl::StrContains(metrics, "losshead_auth_token_reloads_total{result=\"ok\"} 1"))
+      << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "losshead_auth_token_reloads_total{result=\"error\"} 2"))
+      << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "losshead_auth_tokens 2")) << metrics;
+}
+
+TEST(TokenReloadTest, ServerWithoutTokensCannotTurnThemOn) {
+  auto server = server::Server::Start(BaseOptions());
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->ReloadTokens().code(), StatusCode::kFailedPrecondition);
+  auto anyone = Connect((*server)->port(), ClientOpts());
+  EXPECT_TRUE(anyone->GetStats().ok());
+}
+
+// The binary re-reads its token file on SIGHUP, and keeps serving with the old tokens when the
+// new file is bad.
+TEST_F(TokenTest, ServerBinaryReloadsTokensOnSighup) {
+  const std::string file =
+      WriteFile(pki_->dir, "binary-tokens", absl::StrCat("writer ", kWriterToken, "\n"));
+  const std::string log = pki_->dir + "/sighup.log";
+  auto process = ServerProcess::Start(
+      LOSSHEAD_SERVER_BIN, {"--backend=cpu", absl::StrCat("--auth_tokens_file=", file)}, log);
+  ASSERT_TRUE(process.ok()) << process.status();
+  auto old_writer = Connect((*process)->port(), ClientOpts(kWriterToken));
+  auto new_writer = Connect((*process)->port(), ClientOpts(kReaderToken));
+  ASSERT_TRUE(old_writer->GetStats().ok());
+  EXPECT_EQ(new_writer->GetStats().status().code(), StatusCode::kUnauthenticated);
+
+  // Waits for the server to log `line` for the n-th time.
+  auto await_log = [&log](const std::string& line, int n) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < give_up) {
+      const std::string text = ReadText(log);
+      int seen = 0;
+      for (size_t at = text.find(line); at != std::string::npos; at = text.find(line, at + 1)) {
+        ++seen;
+      }
+      if (seen >= n) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  };
+  WriteFile(pki_->dir, "binary-tokens", absl::StrCat("writer ", kReaderToken, "\n"));
+  (*process)->Signal(SIGHUP);
+  ASSERT_TRUE(await_log("token file reloaded", 1)) << ReadText(log);
+  EXPECT_EQ(old_writer->GetStats().status().code(), StatusCode::kUnauthenticated);
+  EXPECT_TRUE(new_writer->GetStats().ok());
+
+  WriteFile(pki_->dir, "binary-tokens", "writer short\n");
+  (*process)->Signal(SIGHUP);
+  ASSERT_TRUE(await_log("token file not reloaded (tokens unchanged)", 1)) << ReadText(log);
+  EXPECT_TRUE(new_writer->GetStats().ok());
+  EXPECT_TRUE((*process)->Running());
+  EXPECT_EQ((*process)->Terminate(), 0) << ReadText(log);
 }
 
 // ---------------------------------------------------------------------------------------------

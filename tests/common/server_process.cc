@@ -1,4 +1,4 @@
-#include "tests/recovery/server_process.h"
+#include "tests/common/server_process.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -59,8 +59,7 @@ std::string ReadText(const std::string& path) {
 }
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
-    const std::string& binary, const std::vector<std::string>& flags,
-    const std::string& log_path) {
+    const std::string& binary, const std::vector<std::string>& flags, const std::string& log_path) {
   // Earlier runs may have logged to the same file: look for the port after its current end.
   const size_t offset = ReadText(log_path).size();
   std::vector<std::string> all = {"--listen=127.0.0.1:0", "--metrics_listen="};
@@ -118,6 +117,10 @@ ServerProcess::~ServerProcess() {
 }
 
 std::string ServerProcess::target() const { return absl::StrCat("127.0.0.1:", port_); }
+
+void ServerProcess::Signal(int signal) {
+  if (!reaped_) kill(pid_, signal);
+}
 
 void ServerProcess::Kill() {
   if (reaped_) return;

@@ -1,6 +1,6 @@
 // A losshead-server child process on a loopback port, for tests that kill and restart it.
-#ifndef LOSSHEAD_TESTS_RECOVERY_SERVER_PROCESS_H_
-#define LOSSHEAD_TESTS_RECOVERY_SERVER_PROCESS_H_
+#ifndef LOSSHEAD_TESTS_COMMON_SERVER_PROCESS_H_
+#define LOSSHEAD_TESTS_COMMON_SERVER_PROCESS_H_
 
 #include <sys/types.h>
 
@@ -31,6 +31,8 @@ class ServerProcess {
   int port() const { return port_; }
   std::string target() const;
   pid_t pid() const { return pid_; }
+  // Sends `signal` (SIGHUP, ...) and returns at once.
+  void Signal(int signal);
   // SIGKILL, then reaps it.
   void Kill();
   // SIGTERM, then waits for the exit; returns the exit code (-signal if killed by one).
@@ -50,4 +52,4 @@ std::string ReadText(const std::string& path);
 
 }  // namespace losshead::testing
 
-#endif  // LOSSHEAD_TESTS_RECOVERY_SERVER_PROCESS_H_
+#endif  // LOSSHEAD_TESTS_COMMON_SERVER_PROCESS_H_
