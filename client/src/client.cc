@@ -42,14 +42,23 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
 }
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : channel_(std::move(channel)), stub_(v1::LossHead::NewStub(channel_)), options_(options) {}
+    : channel_(std::move(channel)),
+      stub_(v1::LossHead::NewStub(channel_)),
+      options_(options),
+      bearer_token_(options.bearer_token) {}
+
+void Client::SetBearerToken(std::string token) {
+  absl::MutexLock lock(&token_mu_);
+  bearer_token_ = std::move(token);
+}
 
 std::unique_ptr<grpc::ClientContext> Client::NewContext(absl::Duration deadline) const {
   auto context = std::make_unique<grpc::ClientContext>();
   // Per call rather than as call credentials: gRPC sends call credentials only over TLS, and a
   // token on a plaintext loopback or proxied connection is a supported setup.
-  if (!options_.bearer_token.empty()) {
-    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  {
+    absl::MutexLock lock(&token_mu_);
+    if (!bearer_token_.empty()) context->AddMetadata("authorization", "Bearer " + bearer_token_);
   }
   if (deadline != absl::InfiniteDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));

@@ -316,6 +316,9 @@ TEST_F(TokenTest, ReloadRotatesTokensAndABadFileChangesNothing) {
   EXPECT_EQ(server_->ReloadTokens().code(), StatusCode::kNotFound);
   EXPECT_TRUE(rotated->Step(batch_.Microbatch("h", 3)).ok());
   EXPECT_EQ(writer_->Step(batch_.Microbatch("h", 3)).status().code(), StatusCode::kUnauthenticated);
+  // The old writer's client switches to the new token without reconnecting.
+  writer_->SetBearerToken(kNewWriterToken);
+  EXPECT_TRUE(writer_->Step(batch_.Microbatch("h", 4)).ok());
 
   const std::string metrics = MetricsGet(server_->metrics_port(), "prom:s3cret-pw");
   EXPECT_TRUE(absl::StrContains(metrics, "losshead_auth_token_reloads_total{result=\"ok\"} 1"))

@@ -7,7 +7,9 @@ rogue CA with its own client certificate) is made with the openssl CLI in a temp
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable, Dict
 
@@ -109,6 +111,33 @@ def test_tokens_and_roles(servers: ServerFactory, pki: Dict[str, Path]) -> None:
         assert _code(writer.checkpoint) == C.FAILED_PRECONDITION  # no --checkpoint_dir: past auth
         writer.delete_head("lm")
         assert writer.list_heads() == []
+
+
+def test_token_rotation_with_sighup_and_set_token(servers: ServerFactory, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"writer {WRITER}\n")
+    server = servers.start(f"--auth_tokens_file={tokens}", token=WRITER)
+    rotated = "rotated-writer-0123456789abcdef"
+    v, d, n = 32, 16, 8
+    h, _, t = random_problem(n, d, v, seed=5)
+    with Client(server.address, token=WRITER, retry=NO_RETRY, client_id="rot") as c:
+        c.create_head("lm", v, d)
+        assert c.step("lm", h, t).token_count == n
+        # The operator rotates: a new file (renamed over the old one), then SIGHUP.
+        staged = tmp_path / "tokens.new"
+        staged.write_text(f"writer {rotated}\n")
+        staged.replace(tokens)
+        server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "token file reloaded" not in server.log_path.read_text():
+            assert time.monotonic() < deadline, server.log_path.read_text()
+            time.sleep(0.02)
+        assert _code(lambda: c.step("lm", h, t)) == C.UNAUTHENTICATED  # the old token is refused
+        c.set_token(rotated)  # same client, same connection
+        assert c.step("lm", h, t).token_count == n
+        assert c.pull_gradient("lm", reset=True).summary.token_count == 2 * n
+        c.set_token(None)
+        assert _code(c.stats) == C.UNAUTHENTICATED
 
 
 # -- TLS -------------------------------------------------------------------------------------

@@ -14,9 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/step_stream.h"
@@ -142,6 +144,12 @@ class Client {
   // Attempts that were retries (all methods), since Connect.
   uint64_t retries() const { return retries_.load(); }
 
+  // Replaces options().bearer_token for calls that start from now on (calls and streams already
+  // open keep theirs): after the server's token file was rotated, a trainer switches without
+  // reconnecting. Empty: no token. Safe to call while other threads use the client.
+  void SetBearerToken(std::string token);
+
+  // The options given to Connect (bearer_token as given there, see SetBearerToken).
   const ClientOptions& options() const { return options_; }
   grpc::Channel* channel() const { return channel_.get(); }
 
@@ -174,6 +182,8 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LossHead::Stub> stub_;
   ClientOptions options_;
+  mutable absl::Mutex token_mu_;
+  std::string bearer_token_ ABSL_GUARDED_BY(token_mu_);
   std::atomic<uint64_t> retries_{0};
 };
 

@@ -549,12 +549,8 @@ class Client:
         self.retry = retry if retry is not None else RetryPolicy()
         self._retries = 0
         self._retries_lock = threading.Lock()
-        md = list(metadata)
-        if token:
-            # Per call rather than as call credentials: gRPC sends call credentials only over
-            # TLS, and a token on a plaintext loopback or proxied connection is supported.
-            md.append(("authorization", f"Bearer {token}"))
-        self._metadata = tuple(md) or None
+        self._base_metadata = tuple(metadata)
+        self.set_token(token)
         options = [("grpc.max_receive_message_length", 64 * _MiB),
                    ("grpc.max_send_message_length", 64 * _MiB), *channel_options]
         # A channel whose server went away fails every call fast until it reconnects, and by
@@ -591,6 +587,17 @@ class Client:
         self._seq = itertools.count(1)
 
     # -- plumbing ---------------------------------------------------------------------------
+    def set_token(self, token: Optional[str]) -> None:
+        """Sends `token` (None or "": none) on calls that start from now on; streams already open
+        keep theirs. After the server re-read its token file (SIGHUP), a trainer switches to its
+        new token without reconnecting."""
+        md = list(self._base_metadata)
+        if token:
+            # Per call rather than as call credentials: gRPC sends call credentials only over
+            # TLS, and a token on a plaintext loopback or proxied connection is supported.
+            md.append(("authorization", f"Bearer {token}"))
+        self._metadata = tuple(md) or None
+
     def close(self) -> None:
         for c in self._extra_channels:
             c.close()
