@@ -7,6 +7,8 @@
 #include <sstream>
 #include <string>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "tests/service/host_tensors.h"
 #include "tests/service/metrics_scrape.h"
@@ -68,10 +70,21 @@ TEST(MetricsTest, ScrapedCountersMatchTrafficAndEveryDocumentedMetricIsExported)
   ASSERT_TRUE(client->PullGradient(head->name, v1::DTYPE_FP32, true).ok());
   EXPECT_EQ(client->GetHead("no-such-head").status().code(), absl::StatusCode::kNotFound);
 
-  auto body = HttpGet((*server)->metrics_port(), "/metrics");
-  ASSERT_TRUE(body.ok()) << body.status();
-  auto e = ParseExposition(*body);
-  ASSERT_TRUE(e.ok()) << e.status();
+  // A streaming call is counted when the server is done with it (OnDone), which may come after
+  // the client has its status: scrape until the Step and pull calls are in.
+  absl::StatusOr<Exposition> e;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);;) {
+    auto body = HttpGet((*server)->metrics_port(), "/metrics");
+    ASSERT_TRUE(body.ok()) << body.status();
+    e = ParseExposition(*body);
+    ASSERT_TRUE(e.ok()) << e.status();
+    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "OK"}}) >= 1 &&
+        e->Sum("losshead_rpcs_total", {{"method", "PullGradient"}, {"code", "OK"}}) >= 1) {
+      break;
+    }
+    ASSERT_LT(absl::Now(), give_up) << "the Step and pull calls were never counted:\n" << *body;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
 
   EXPECT_EQ(e->Sum("losshead_tokens_total", {{"head", "metered"}}), static_cast<double>(tokens));
   EXPECT_EQ(e->Sum("losshead_microbatches_total", {{"head", "metered"}, {"outcome", "ok"}}), 3);
