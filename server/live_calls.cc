@@ -48,11 +48,6 @@ void LiveCalls::Leave() {
   --count_;
 }
 
-int LiveCalls::count() const {
-  absl::MutexLock lock(&mu_);
-  return count_;
-}
-
 bool LiveCalls::WaitUntilNone(absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
   return mu_.AwaitWithDeadline(absl::Condition(

@@ -19,7 +19,6 @@ class LiveCalls {
  public:
   void Enter();
   void Leave();
-  int count() const;
   // Blocks until no counted call runs or `deadline` passes; true if none runs.
   bool WaitUntilNone(absl::Time deadline) const;
 
