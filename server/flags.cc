@@ -47,6 +47,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA: require client certificates it signed (mTLS; needs --tls_cert)");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "'<reader|writer> <token>' lines: every RPC but health/reflection needs a bearer token");
+ABSL_FLAG(absl::Duration, auth_tokens_reload_interval, absl::Seconds(10),
+          "How often --auth_tokens_file is checked for a change, which reloads it (0: only on "
+          "SIGHUP)");
 ABSL_FLAG(std::string, metrics_basic_auth_file, "",
           "One 'user:password' line: /metrics needs HTTP basic auth");
 ABSL_FLAG(uint64_t, max_heads, 64, "Most heads on the server; CreateHead beyond is refused");
@@ -83,6 +86,10 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   o.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  o.auth_tokens_reload_interval = absl::GetFlag(FLAGS_auth_tokens_reload_interval);
+  if (o.auth_tokens_reload_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--auth_tokens_reload_interval must be >= 0");
+  }
   o.metrics_basic_auth_file = absl::GetFlag(FLAGS_metrics_basic_auth_file);
   o.max_heads = absl::GetFlag(FLAGS_max_heads);
   o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);

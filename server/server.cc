@@ -16,6 +16,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/checkpointer.h"
+#include "server/file_watcher.h"
 #include "server/head_registry.h"
 #include "server/live_calls.h"
 #include "server/metrics.h"
@@ -40,6 +41,8 @@ class ServerImpl final : public Server {
 
   absl::Status Init() {
     metrics_ = std::make_unique<Metrics>();
+    // Stamped before it is read, so that a change while the server starts is reloaded.
+    const FileStamp tokens_stamp = StampOf(options_.auth_tokens_file);
     // Security files first: a server that cannot enforce what it was told to must not start.
     absl::StatusOr<ServerSecurity> security = LoadServerSecurity(options_, metrics_.get());
     if (!security.ok()) return security.status();
@@ -117,6 +120,21 @@ class ServerImpl final : public Server {
       health->SetServingStatus(kServiceName, true);
     }
     if (checkpointer_ != nullptr) checkpointer_->StartPeriodic(options_.checkpoint_interval);
+    if (security_.tokens != nullptr &&
+        options_.auth_tokens_reload_interval > absl::ZeroDuration()) {
+      token_watcher_ = std::make_unique<FileWatcher>(
+          options_.auth_tokens_file, tokens_stamp, options_.auth_tokens_reload_interval, [this] {
+            const absl::Status reloaded = ReloadTokens();
+            if (reloaded.ok()) {
+              std::fprintf(stderr, "losshead-server: token file changed, reloaded\n");
+            } else {
+              std::fprintf(stderr,
+                           "losshead-server: token file changed, not reloaded (tokens "
+                           "unchanged): %s\n",
+                           reloaded.ToString().c_str());
+            }
+          });
+    }
     return absl::OkStatus();
   }
 
@@ -140,6 +158,7 @@ class ServerImpl final : public Server {
       if (shutting_down_) return;
       shutting_down_ = true;
     }
+    token_watcher_.reset();
     if (server_ != nullptr) {
       // Probes first, so that load balancers stop sending before calls are refused.
       if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
@@ -188,6 +207,8 @@ class ServerImpl final : public Server {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   int metrics_port_ = 0;
+  // After what its thread uses (ReloadTokens), so that it is destroyed, its thread joined, first.
+  std::unique_ptr<FileWatcher> token_watcher_;
   absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification stopped_;

@@ -58,6 +58,9 @@ struct ServerOptions {
   std::string tls_client_ca_file;
   // `<role> <token>` lines; every RPC but health and reflection then needs a bearer token.
   std::string auth_tokens_file;
+  // How often the token file is checked for a change (inode, size, modification time), which
+  // reloads it as ReloadTokens does; 0: only on ReloadTokens (SIGHUP).
+  absl::Duration auth_tokens_reload_interval = absl::Seconds(10);
   // One `user:password` line; /metrics then needs HTTP basic auth.
   std::string metrics_basic_auth_file;
   // CreateHead limits: heads on the server (RESOURCE_EXHAUSTED beyond) and W + dW bytes of one

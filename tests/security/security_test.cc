@@ -107,6 +107,8 @@ class TokenTest : public ::testing::Test {
         WriteFile(pki_->dir, "tokens",
                   absl::StrCat("# roles\nreader ", kReaderToken, "\nwriter ", kWriterToken, "\n"));
     tokens_file_ = options.auth_tokens_file;
+    // These tests reload only when they say so (and count the reloads).
+    options.auth_tokens_reload_interval = absl::ZeroDuration();
     options.metrics_basic_auth_file = WriteFile(pki_->dir, "metrics-auth", "prom:s3cret-pw\n");
     options.max_heads = kMaxHeads;
     options.max_head_bytes = kV * kD * 8 * 4;  // fp32 W + dW of a head 4x as large as Spec()
@@ -328,6 +330,59 @@ TEST_F(TokenTest, ReloadRotatesTokensAndABadFileChangesNothing) {
   EXPECT_TRUE(absl::StrContains(metrics, "losshead_auth_tokens 2")) << metrics;
 }
 
+// Without a signal: a new file renamed into place is picked up by the watcher; a bad one is refused
+// and the tokens in force stay; so does a file that goes missing.
+TEST(TokenWatchTest, ChangedFileIsReloadedWithoutASignal) {
+  auto pki = MakeTestPki();  // only for its temporary directory
+  ASSERT_TRUE(pki.ok()) << pki.status();
+  const std::string dir = (*pki)->dir;
+  // Written next to the file and renamed over it, as an operator (or a Secret volume) does.
+  auto replace = [&dir](const std::string& text) {
+    const std::string staged = WriteFile(dir, "watched.new", text);
+    ASSERT_EQ(std::rename(staged.c_str(), (dir + "/watched").c_str()), 0);
+  };
+  server::ServerOptions options = BaseOptions();
+  options.metrics_address = "127.0.0.1:0";
+  options.auth_tokens_file = WriteFile(dir, "watched", absl::StrCat("writer ", kWriterToken, "\n"));
+  options.auth_tokens_reload_interval = absl::Milliseconds(20);
+  auto server = server::Server::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto old_writer = Connect((*server)->port(), ClientOpts(kWriterToken));
+  auto new_writer = Connect((*server)->port(), ClientOpts(kReaderToken));
+  ASSERT_TRUE(old_writer->GetStats().ok());
+  // Polls `call` until it gives `code` (the watcher runs every 20 ms).
+  auto eventually = [](auto call, StatusCode code) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(20);
+    while (call().status().code() != code) {
+      if (absl::Now() > give_up) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  };
+  auto reloads = [&](const std::string& result) {
+    const std::string text = MetricsGet((*server)->metrics_port(), "");
+    return absl::StrContains(
+        text, absl::StrCat("losshead_auth_token_reloads_total{result=\"", result, "\"}"));
+  };
+
+  replace(absl::StrCat("writer ", kReaderToken, "\n"));
+  ASSERT_TRUE(eventually([&] { return old_writer->GetStats(); }, StatusCode::kUnauthenticated));
+  EXPECT_TRUE(new_writer->GetStats().ok());
+  EXPECT_TRUE(reloads("ok"));
+
+  replace("writer short\n");
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (!reloads("error")) {
+    ASSERT_LT(absl::Now(), give_up) << "the bad file was never tried";
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(new_writer->GetStats().ok());
+  EXPECT_EQ(old_writer->GetStats().status().code(), StatusCode::kUnauthenticated);
+  ASSERT_EQ(std::remove((dir + "/watched").c_str()), 0);
+  absl::SleepFor(absl::Milliseconds(100));  // several watcher rounds
+  EXPECT_TRUE(new_writer->GetStats().ok());
+}
+
 TEST(TokenReloadTest, ServerWithoutTokensCannotTurnThemOn) {
   auto server = server::Server::Start(BaseOptions());
   ASSERT_TRUE(server.ok()) << server.status();
@@ -342,8 +397,10 @@ TEST_F(TokenTest, ServerBinaryReloadsTokensOnSighup) {
   const std::string file =
       WriteFile(pki_->dir, "binary-tokens", absl::StrCat("writer ", kWriterToken, "\n"));
   const std::string log = pki_->dir + "/sighup.log";
-  auto process = ServerProcess::Start(
-      LOSSHEAD_SERVER_BIN, {"--backend=cpu", absl::StrCat("--auth_tokens_file=", file)}, log);
+  auto process = ServerProcess::Start(LOSSHEAD_SERVER_BIN,
+                                      {"--backend=cpu", absl::StrCat("--auth_tokens_file=", file),
+                                       "--auth_tokens_reload_interval=0"},
+                                      log);
   ASSERT_TRUE(process.ok()) << process.status();
   auto old_writer = Connect((*process)->port(), ClientOpts(kWriterToken));
   auto new_writer = Connect((*process)->port(), ClientOpts(kReaderToken));

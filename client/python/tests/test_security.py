@@ -116,7 +116,8 @@ def test_tokens_and_roles(servers: ServerFactory, pki: Dict[str, Path]) -> None:
 def test_token_rotation_with_sighup_and_set_token(servers: ServerFactory, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"writer {WRITER}\n")
-    server = servers.start(f"--auth_tokens_file={tokens}", token=WRITER)
+    server = servers.start(f"--auth_tokens_file={tokens}", "--auth_tokens_reload_interval=0",
+                           token=WRITER)
     rotated = "rotated-writer-0123456789abcdef"
     v, d, n = 32, 16, 8
     h, _, t = random_problem(n, d, v, seed=5)
