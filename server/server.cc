@@ -147,6 +147,8 @@ class ServerImpl final : public Server {
       return absl::FailedPreconditionError(
           "the server was started without --auth_tokens_file; there are no tokens to reload");
     }
+    // One reload at a time (SIGHUP and the watcher may coincide): the file read last wins.
+    absl::MutexLock lock(&reload_mu_);
     absl::StatusOr<size_t> count = ::losshead::server::ReloadTokens(options_, *security_.tokens);
     metrics_->TokenReload(count.ok(), count.value_or(security_.tokens->Current()->size()));
     return count.status();
@@ -201,6 +203,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<Admission> admission_;
   LiveCalls live_calls_;
+  absl::Mutex reload_mu_;
   ServiceContext ctx_;
   std::unique_ptr<LossHeadService> service_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
