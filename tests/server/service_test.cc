@@ -5,6 +5,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -426,8 +428,8 @@ TEST_F(ServiceTest, ShutdownClosesIdleConnectionsPromptly) {
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   // The client connection preface, then an empty SETTINGS frame (9-byte header, type 4).
-  const std::string preface = std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") +
-                              std::string("\0\0\0\4\0\0\0\0\0", 9);
+  const std::string preface =
+      std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string("\0\0\0\4\0\0\0\0\0", 9);
   ASSERT_EQ(write(fd, preface.data(), preface.size()), static_cast<ssize_t>(preface.size()));
   // The server's SETTINGS: the connection is up on its side.
   char buf[4096];
@@ -466,11 +468,12 @@ TEST_F(ServiceTest, ShutdownClosesIdleConnectionsPromptly) {
   stopper.join();
   // gRPC's own Shutdown gives such a connection 20 s (its GOAWAY ping timeout) before closing it.
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
-  // The idle connection was closed by the server: reading reaches its end (after its GOAWAY).
+  // The idle connection was closed by the server: reading reaches its end (after its GOAWAY), or
+  // a reset if the server closed with bytes of ours unread.
   ssize_t n;
   while ((n = read(fd, buf, sizeof(buf))) > 0) {
   }
-  EXPECT_EQ(n, 0);
+  EXPECT_TRUE(n == 0 || (n < 0 && errno == ECONNRESET)) << std::strerror(errno);
   close(fd);
 }
 
