@@ -123,17 +123,8 @@ class ServerImpl final : public Server {
     if (security_.tokens != nullptr &&
         options_.auth_tokens_reload_interval > absl::ZeroDuration()) {
       token_watcher_ = std::make_unique<FileWatcher>(
-          options_.auth_tokens_file, tokens_stamp, options_.auth_tokens_reload_interval, [this] {
-            const absl::Status reloaded = ReloadTokens();
-            if (reloaded.ok()) {
-              std::fprintf(stderr, "losshead-server: token file changed, reloaded\n");
-            } else {
-              std::fprintf(stderr,
-                           "losshead-server: token file changed, not reloaded (tokens "
-                           "unchanged): %s\n",
-                           reloaded.ToString().c_str());
-            }
-          });
+          options_.auth_tokens_file, tokens_stamp, options_.auth_tokens_reload_interval,
+          [this] { ReloadTokens().IgnoreError(); });  // logged and counted by ReloadTokens
     }
     return absl::OkStatus();
   }
@@ -151,6 +142,12 @@ class ServerImpl final : public Server {
     absl::MutexLock lock(&reload_mu_);
     absl::StatusOr<size_t> count = ::losshead::server::ReloadTokens(options_, *security_.tokens);
     metrics_->TokenReload(count.ok(), count.value_or(security_.tokens->Current()->size()));
+    if (count.ok()) {
+      std::fprintf(stderr, "losshead-server: token file reloaded (%zu tokens)\n", *count);
+    } else {
+      std::fprintf(stderr, "losshead-server: token file not reloaded (tokens unchanged): %s\n",
+                   count.status().ToString().c_str());
+    }
     return count.status();
   }
 

@@ -85,7 +85,7 @@ class Server {
   // Re-reads auth_tokens_file: calls that start afterwards are checked against the new tokens.
   // On error (NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT with the line number) the tokens in
   // force stay as they were. FAILED_PRECONDITION when the server was started without a token file
-  // (authentication cannot be turned on while running). Counted in
+  // (authentication cannot be turned on while running). Logged to stderr and counted in
   // losshead_auth_token_reloads_total{result}.
   virtual absl::Status ReloadTokens() = 0;
 
