@@ -58,8 +58,13 @@ def main():
         for script in ("scripts/install-deps.sh", "scripts/build.sh"):
             if script not in tests_sh:
                 errors.append(f"CI (scripts/run-tests.sh) does not call {script} any more")
-    if runs and not any("LOSSHEAD_CUDA=ON" in r for r in runs if "scripts/build.sh" in r):
-        errors.append("scripts/build.sh is not asked for the CUDA backend (-DLOSSHEAD_CUDA=ON)")
+    # The default (BACKEND=cuda) build asks for the CUDA backend, so a missing compiler fails it.
+    if runs and not any(re.search(r"BACKEND\}?\"?\s*=\s*cuda\s*\]\s*&&\s*echo ON", r)
+                        and "-DLOSSHEAD_CUDA=" in r for r in runs if "scripts/build.sh" in r):
+        errors.append("scripts/build.sh is not asked for the CUDA backend (LOSSHEAD_CUDA=ON "
+                      "when BACKEND=cuda)")
+    if not re.search(r"^ARG BACKEND=cuda$", (repo / "deploy" / "Dockerfile").read_text(), re.M):
+        errors.append("the default BACKEND is not cuda")
 
     final = stages[-1]["steps"] if stages else []
     last = {}

@@ -8,7 +8,14 @@ streams) and `losshead demo` (pulls and pushes), then asks Prometheus's HTTP API
   every dashboard query evaluates (the load-bearing ones return data); every rule evaluates;
 and checks every metric name the dashboard and rules reference is exported by the server's
 /metrics. Bounded (~40 s, hard limit 110 s); stops its processes; loopback only.
-usage: live_test.py REPO_ROOT SERVER_BIN CLIENT_BIN   (prometheus from PATH or $PROMETHEUS)
+
+With --server-image and --prometheus-image the server and Prometheus run as containers of those
+images instead (`docker run --network host`, loopback ports; scripts/run-container-tests.sh builds
+them): the same checks, plus the server's container runs as the unprivileged user and drains on the
+SIGTERM that `docker run` forwards to it. CLIENT_BIN stays on the host, so bench, demo and health
+go through the container's published ports.
+usage: live_test.py REPO_ROOT SERVER_BIN CLIENT_BIN [--server-image IMAGE --prometheus-image IMAGE]
+       (prometheus from PATH or $PROMETHEUS without images)
 """
 
 import json
@@ -31,6 +38,8 @@ from deploy_common import (NON_LOSSHEAD_METRICS, dashboard_exprs, exported_names
                            load_dashboard, metric_names, rules_exprs)
 
 HARD_LIMIT_S = 110
+CONTAINER_HARD_LIMIT_S = 240  # container starts and the image's Prometheus add their own seconds
+CONTAINER_UID = "10001"  # the image's losshead user
 HEAD = "deploy-live"
 V, D, N = 4096, 256, 256
 BENCH_S = 6
@@ -61,6 +70,7 @@ class Stack:
     def __init__(self, tmp):
         self.tmp = tmp
         self.procs = []
+        self.containers = []
 
     def start(self, name, argv):
         out = open(Path(self.tmp) / f"{name}.log", "w")
@@ -72,7 +82,16 @@ class Stack:
         path = Path(self.tmp) / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
+    def start_container(self, name, image, docker_args, args):
+        """`docker run` in the foreground: SIGTERM to it reaches the container's process 1."""
+        container = f"losshead-live-{name}-{os.getpid()}"
+        self.containers.append(container)
+        return self.start(name, ["docker", "run", "--rm", "--network", "host", "--name", container,
+                                 *docker_args, image, *args]), container
+
     def stop_all(self):
+        for container in self.containers:
+            subprocess.run(["docker", "rm", "-f", container], capture_output=True, timeout=60)
         for name, p, out in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -126,18 +145,37 @@ def run(argv, timeout, what):
     return output
 
 
-def main():
-    if len(sys.argv) != 4:
+def parse_args(argv):
+    images = {}
+    positional = []
+    it = iter(argv)
+    for a in it:
+        if a in ("--server-image", "--prometheus-image"):
+            images[a] = next(it, None)
+        else:
+            positional.append(a)
+    if len(positional) != 3 or len(images) not in (0, 2) or None in images.values():
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    repo, server_bin, client_bin = (str(Path(a).resolve()) for a in sys.argv[1:4])
-    prometheus = find_tool("prometheus", "PROMETHEUS")
-    for b in (server_bin, client_bin):
+    return positional, images.get("--server-image"), images.get("--prometheus-image")
+
+
+def container_uid(container):
+    status = run(["docker", "exec", container, "cat", "/proc/1/status"], 30, "docker exec")
+    return re.search(r"^Uid:\s+(\d+)", status, re.M).group(1)
+
+
+def main():
+    (repo, server_bin, client_bin), server_image, prom_image = parse_args(sys.argv[1:])
+    repo, server_bin, client_bin = (str(Path(a).resolve()) for a in (repo, server_bin, client_bin))
+    prometheus = None if prom_image else find_tool("prometheus", "PROMETHEUS")
+    for b in ([] if server_image else [server_bin]) + [client_bin]:
         if not os.access(b, os.X_OK):
             print(f"FAIL: {b} is not an executable", file=sys.stderr)
             sys.exit(1)
-    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError(f"over {HARD_LIMIT_S} s")))
-    signal.alarm(HARD_LIMIT_S)
+    limit = CONTAINER_HARD_LIMIT_S if server_image else HARD_LIMIT_S
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError(f"over {limit} s")))
+    signal.alarm(limit)
 
     started = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="losshead-deploy-live-")
@@ -146,29 +184,53 @@ def main():
     try:
         grpc_port, metrics_port, prom_port = free_port(), free_port(), free_port()
         server_addr = f"127.0.0.1:{grpc_port}"
-        server = stack.start("server", [server_bin, f"--listen={server_addr}",
-                                        f"--metrics_listen=127.0.0.1:{metrics_port}",
-                                        "--backend=cpu", "--drain_timeout=10s"])
+        server_flags = [f"--listen={server_addr}", f"--metrics_listen=127.0.0.1:{metrics_port}",
+                        "--drain_timeout=10s"]
+        server_container = None
+        if server_image:
+            # The image's own backend flag file: the CPU variant must start without --backend.
+            server, server_container = stack.start_container(
+                "server", server_image, [],
+                ["--flagfile=/etc/losshead/backend.flags", *server_flags])
+        else:
+            server = stack.start("server", [server_bin, "--backend=cpu", *server_flags])
 
+        # Prometheus in a container reads the config and rules through a read-only mount.
+        config_dir = "/config" if prom_image else tmp
+        rules = Path(tmp) / "rules.yml"
+        rules.write_text((Path(repo) / "deploy" / "prometheus" / "rules.yml").read_text())
         config = Path(tmp) / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {json.dumps(str(Path(repo) / 'deploy' / 'prometheus' / 'rules.yml'))}\n"
+            f"rule_files:\n  - {json.dumps(config_dir + '/rules.yml')}\n"
             "scrape_configs:\n  - job_name: losshead\n    static_configs:\n"
             f"      - targets: ['127.0.0.1:{metrics_port}']\n")
-        prom_proc = stack.start("prometheus", [
-            prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-            f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn",
-            "--storage.tsdb.retention.time=1h"])
+        prom_flags = [f"--config.file={config_dir}/prometheus.yml",
+                      f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn",
+                      "--storage.tsdb.retention.time=1h"]
+        if prom_image:
+            for path in (tmp, rules, config):
+                os.chmod(path, 0o755 if path == tmp else 0o644)  # the image runs as nobody
+            prom_proc, _ = stack.start_container(
+                "prometheus", prom_image, ["-v", f"{tmp}:/config:ro"],
+                [*prom_flags, "--storage.tsdb.path=/prometheus"])
+        else:
+            prom_proc = stack.start("prometheus", [prometheus, *prom_flags,
+                                                   f"--storage.tsdb.path={tmp}/data"])
         prom = Prom(f"http://127.0.0.1:{prom_port}")
 
         wait_until("losshead-server health SERVING",
                    lambda: subprocess.run([client_bin, "health", f"--server={server_addr}"],
                                           capture_output=True, timeout=5).returncode == 0,
-                   30, server, stack, "server")
+                   60 if server_image else 30, server, stack, "server")
         log(f"losshead-server SERVING on {server_addr}, metrics on 127.0.0.1:{metrics_port}")
+        if server_container:
+            uid = container_uid(server_container)
+            if uid != CONTAINER_UID:
+                raise AssertionError(f"the server's container runs as uid {uid}, want {CONTAINER_UID}")
+            log(f"container {server_image} runs losshead-server as uid {uid}")
         wait_until("prometheus ready", lambda: "Ready" in http_get(f"{prom.base}/-/ready"),
-                   30, prom_proc, stack, "prometheus")
+                   60 if prom_image else 30, prom_proc, stack, "prometheus")
         # Prometheus applies discovered targets after up to 5 s: load before the first scrape
         # would leave the rate() windows without a baseline.
         wait_until("first scrape of losshead-server",
@@ -295,7 +357,13 @@ def main():
         print(f"tokens/s (rate over {RATE_WINDOW}): {value(tokens[0]) if tokens else None}; "
               f"device memory bytes by kind: {memory}\n")
 
-        # 5. SIGTERM drains and exits cleanly within --drain_timeout.
+        # 5. SIGTERM drains and exits cleanly within --drain_timeout, with a bench in flight.
+        draining = stack.start("drain-bench", [client_bin, "bench", f"--server={server_addr}",
+                                               f"--head={HEAD}", f"--n={N}", f"--d={D}", f"--v={V}",
+                                               "--streams=2", "--seconds=30"])
+        wait_until("the drain bench's first micro-batches",
+                   lambda: "check ok" in stack.log_tail("drain-bench"), 30, draining, stack,
+                   "drain-bench")
         t0 = time.monotonic()
         server.send_signal(signal.SIGTERM)
         try:
@@ -303,8 +371,13 @@ def main():
             log(f"losshead-server exited {rc} {time.monotonic() - t0:.1f} s after SIGTERM")
             if rc != 0:
                 errors.append(f"losshead-server exited {rc} on SIGTERM:\n{stack.log_tail('server')}")
+            if "draining" not in stack.log_tail("server", 10):
+                errors.append(f"no drain logged after SIGTERM:\n{stack.log_tail('server', 10)}")
+            # The bench's streams end (UNAVAILABLE) instead of hanging on a server that is gone.
+            draining.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            errors.append("losshead-server still running 20 s after SIGTERM (--drain_timeout=10s)")
+            errors.append("losshead-server or its bench still running 20-30 s after SIGTERM "
+                          "(--drain_timeout=10s)")
 
         for e in errors:
             print(f"FAIL: {e}", file=sys.stderr)
