@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/bench/bench_util.h"
 #include "kernels/bench/random_fill.cuh"
 #include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
@@ -28,19 +29,13 @@
 namespace losshead {
 namespace {
 
+using bench::MedianMs;
+using bench::Unwrap;
 using kernels::Arguments;
 using kernels::Backend;
 using kernels::DeviceBuffer;
 using kernels::Problem;
 
-#define BENCH_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t e_ = (expr);                                                                      \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
 #define BENCH_CUBLAS(expr)                                               \
   do {                                                                   \
     cublasStatus_t e_ = (expr);                                          \
@@ -50,49 +45,10 @@ using kernels::Problem;
       std::exit(1);                                                      \
     }                                                                    \
   } while (0)
-#define BENCH_OK(expr)                                                   \
-  do {                                                                   \
-    absl::Status s_ = (expr);                                            \
-    if (!s_.ok()) {                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-                   std::string(s_.message()).c_str());                   \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
-
-template <typename T>
-T Unwrap(absl::StatusOr<T> v, const char* what) {
-  if (!v.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, std::string(v.status().message()).c_str());
-    std::exit(1);
-  }
-  return std::move(*v);
-}
 
 struct Shape {
   int64_t n, v, d;
 };
-
-// Median of `runs` timings of fn() with CUDA events on `stream`, after `warmup` calls.
-template <typename Fn>
-float MedianMs(cudaStream_t stream, int warmup, int runs, Fn fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<float> ms(runs);
-  for (int i = 0; i < runs; ++i) {
-    BENCH_CUDA(cudaEventRecord(a, stream));
-    fn();
-    BENCH_CUDA(cudaEventRecord(b, stream));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    BENCH_CUDA(cudaEventElapsedTime(&ms[i], a, b));
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[runs / 2];
-}
 
 size_t FreeBytes() {
   size_t free_b = 0, total = 0;

@@ -23,6 +23,13 @@ __global__ void FillKernel(T* data, int64_t count, float scale, uint64_t seed) {
   }
 }
 
+__global__ void BetweenKernel(float* data, int64_t count, float lo, float hi, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    data[i] = lo + (Uniform(seed, i) + 1.0f) * 0.5f * (hi - lo);
+  }
+}
+
 __global__ void TargetsKernel(int32_t* targets, int64_t count, int64_t v, uint64_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -41,6 +48,12 @@ cudaError_t FillUniformBf16(__nv_bfloat16* data, int64_t count, float scale, uin
 cudaError_t FillUniformF32(float* data, int64_t count, float scale, uint64_t seed,
                            cudaStream_t stream) {
   FillKernel<<<1024, 256, 0, stream>>>(data, count, scale, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t FillUniformF32Between(float* data, int64_t count, float lo, float hi, uint64_t seed,
+                                  cudaStream_t stream) {
+  BetweenKernel<<<1024, 256, 0, stream>>>(data, count, lo, hi, seed);
   return cudaGetLastError();
 }
 

@@ -20,30 +20,36 @@ def step(h, w, y):
     return F.cross_entropy(logits.float(), y)
 
 
-def bench(fn, h, w, y, runs):
-    def once():
-        h.grad = None
-        w.grad = None
-        fn(h, w, y).backward()
-
-    for _ in range(3):
-        once()
+def median_ms(fn, runs, warmup=3):
+    """Median time of fn() in ms over `runs` calls, CUDA events around each, after a warm-up."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(runs):
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
         a.record()
-        once()
+        fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench(fn, h, w, y, runs):
+    def once():
+        h.grad = None
+        w.grad = None
+        fn(h, w, y).backward()
+
+    ms = median_ms(once, runs)
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     once()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    return statistics.median(times), extra
+    return ms, extra
 
 
 def main():

@@ -15,7 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/chunk_plan.h"
+#include "kernels/cpu/optimizer_step.h"
 #include "kernels/cpu/row_loss.h"
+#include "kernels/cpu/squared_norm.h"
 #include "kernels/cpu/thread_pool.h"
 #include "losshead/kernels/dtype_convert.h"
 
@@ -101,6 +103,19 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status Run(const Problem& problem, const Arguments& args, Stream& stream) override;
+
+  absl::Status SquaredNorm(const float* data, int64_t count, double* result, Stream&) override {
+    if (absl::Status status = ValidateSquaredNorm(data, count, result); !status.ok()) return status;
+    *result = CpuSquaredNorm(data, count, pool_);
+    return absl::OkStatus();
+  }
+
+  absl::Status OptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,
+                             Stream&) override {
+    if (absl::Status status = ValidateOptimizerStep(problem, tensors); !status.ok()) return status;
+    CpuOptimizerStep(problem, tensors, pool_);
+    return absl::OkStatus();
+  }
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer(this, nullptr, 0);

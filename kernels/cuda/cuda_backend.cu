@@ -9,6 +9,8 @@
 // read by cublasLt in device pointer mode, so nothing in Run waits for the GPU. cublasLt rather
 // than cublas_v2: a cublas_v2 handle allocates a 64 MiB workspace pool of its own at creation,
 // outside any budget; the cublasLt GEMMs use a slice of our workspace and nothing else.
+// The optimizer step and the gradient norm are single memory-bound passes (optimizer_step.cu,
+// squared_norm.cu) that share their per-element math with the CPU backend.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -25,8 +27,10 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/loss_reduce.cuh"
 #include "kernels/cuda/lt_gemm.h"
+#include "kernels/cuda/optimizer_step.cuh"
 #include "kernels/cuda/scalars.h"
 #include "kernels/cuda/softmax_grad.cuh"
+#include "kernels/cuda/squared_norm.cuh"
 
 namespace losshead::kernels {
 namespace {
@@ -53,6 +57,7 @@ class CudaStream final : public Stream {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (side_ != nullptr) cudaStreamDestroy(side_);
+    if (norm_partials_ != nullptr) cudaFree(norm_partials_);
     gemm_.reset();
     cudaStreamDestroy(stream_);
   }
@@ -62,8 +67,12 @@ class CudaStream final : public Stream {
     for (cudaEvent_t& e : events_) {
       LOSSHEAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
+    // Allocated here rather than per call: cudaMalloc would synchronise the device.
+    LOSSHEAD_CUDA_CHECK(cudaMalloc(&norm_partials_, sizeof(double) * cuda::kSquaredNormPartials));
     return absl::OkStatus();
   }
+  // SquaredNorm's per-block partial sums; only used under the mutex.
+  double* norm_partials() const { return norm_partials_; }
   cudaStream_t side() const { return side_; }
   cudaEvent_t event(int i) const { return events_[i]; }
 
@@ -85,6 +94,7 @@ class CudaStream final : public Stream {
   std::unique_ptr<cuda::LtGemm> gemm_;
   cudaStream_t side_ = nullptr;
   cudaEvent_t events_[kEvents] = {};
+  double* norm_partials_ = nullptr;
   std::mutex mu_;
 };
 
@@ -172,10 +182,8 @@ class CudaBackend final : public Backend {
 
   absl::Status Run(const Problem& problem, const Arguments& args, Stream& stream) override {
     if (absl::Status s = CanImplement(problem); !s.ok()) return s;
-    auto* cs = dynamic_cast<CudaStream*>(&stream);
-    if (cs == nullptr || cs->device() != device_) {
-      return absl::InvalidArgumentError("stream was not created by this CUDA backend");
-    }
+    CudaStream* cs = OwnStream(stream);
+    if (cs == nullptr) return ForeignStream();
     if (args.hidden == nullptr || args.weight == nullptr || args.targets == nullptr) {
       return absl::InvalidArgumentError("hidden, weight and targets must not be null");
     }
@@ -204,6 +212,47 @@ class CudaBackend final : public Backend {
           return RunTyped<__nv_bfloat16, __nv_bfloat16>(problem, args, layout, *cs);
         }
         return RunTyped<__nv_bfloat16, float>(problem, args, layout, *cs);
+    }
+    return absl::InvalidArgumentError("unknown dtype");
+  }
+
+  absl::Status SquaredNorm(const float* data, int64_t count, double* result,
+                           Stream& stream) override {
+    if (absl::Status s = ValidateSquaredNorm(data, count, result); !s.ok()) return s;
+    CudaStream* cs = OwnStream(stream);
+    if (cs == nullptr) return ForeignStream();
+    std::lock_guard<std::mutex> lock(cs->mutex());
+    LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
+    return cuda::LaunchSquaredNorm(data, count, cs->norm_partials(), result, cs->stream());
+  }
+
+  absl::Status OptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,
+                             Stream& stream) override {
+    if (absl::Status s = ValidateOptimizerStep(problem, tensors); !s.ok()) return s;
+    CudaStream* cs = OwnStream(stream);
+    if (cs == nullptr) return ForeignStream();
+    const OptimizerKind kind = KindOf(problem.options);
+    const optim::StepScalars scalars = optim::MakeStepScalars(problem);
+    float* state_a = tensors.exp_avg;
+    if (kind == OptimizerKind::kSgd) {
+      state_a = scalars.sgd_momentum ? tensors.momentum_buffer : nullptr;
+    }
+    float* state_b = kind == OptimizerKind::kAdamW ? tensors.exp_avg_sq : nullptr;
+    std::lock_guard<std::mutex> lock(cs->mutex());
+    LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
+    switch (problem.dtype) {
+      case DType::kFP32:
+        return cuda::LaunchOptimizerStep<float>(kind, scalars, static_cast<float*>(tensors.weight),
+                                                nullptr, tensors.grad, state_a, state_b,
+                                                problem.count, cs->stream());
+      case DType::kBF16:
+        return cuda::LaunchOptimizerStep(kind, scalars, tensors.master,
+                                         static_cast<__nv_bfloat16*>(tensors.weight), tensors.grad,
+                                         state_a, state_b, problem.count, cs->stream());
+      case DType::kFP16:
+        return cuda::LaunchOptimizerStep(kind, scalars, tensors.master,
+                                         static_cast<__half*>(tensors.weight), tensors.grad,
+                                         state_a, state_b, problem.count, cs->stream());
     }
     return absl::InvalidArgumentError("unknown dtype");
   }
@@ -260,6 +309,15 @@ class CudaBackend final : public Backend {
 
  private:
   static int64_t LogitsStride(int64_t v) { return (v + 15) / 16 * 16; }
+
+  // `stream` as one of this backend's streams, or null when another backend made it.
+  CudaStream* OwnStream(Stream& stream) const {
+    auto* cs = dynamic_cast<CudaStream*>(&stream);
+    return cs != nullptr && cs->device() == device_ ? cs : nullptr;
+  }
+  static absl::Status ForeignStream() {
+    return absl::InvalidArgumentError("stream was not created by this CUDA backend");
+  }
 
   // Rows per chunk for n tokens when the workspace holds up to `max_rows`: with balancing, the
   // fewest chunks, all of one size (a multiple of 128 rows where that still fits), so that no

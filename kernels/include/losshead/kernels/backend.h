@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "losshead/kernels/optimizer.h"
 #include "losshead/kernels/problem.h"
 
 namespace losshead::kernels {
@@ -98,6 +99,23 @@ class Backend {
                                                 size_t budget_bytes) const = 0;
   // Forward and backward in one call: see Arguments. Validates first and launches nothing on error.
   virtual absl::Status Run(const Problem& problem, const Arguments& args, Stream& stream) = 0;
+
+  // Sum of squares of `count` fp32 values at `data`, accumulated in fp64 over a partition of the
+  // elements fixed by `count` alone, written to `*result` (one double in this backend's memory).
+  // A rerun gives the same bits whatever the thread count or device; the CPU and CUDA backends
+  // agree to fp64 rounding. Any NaN or Inf in `data` makes the result non-finite, so one check of
+  // it covers the whole gradient. For the clip coefficient of an optimizer step: the norm of the
+  // raw dW accumulator, which the caller turns into OptimizerProblem::grad_scale.
+  // INVALID_ARGUMENT (nothing launched) for count < 0 or a null pointer where one is needed.
+  virtual absl::Status SquaredNorm(const float* data, int64_t count, double* result,
+                                   Stream& stream) = 0;
+  // One optimizer step in a single pass over the buffers (see OptimizerProblem): reads grad,
+  // master (the weights when fp32) and state; writes master, state and the rounded weights, and
+  // zeroes grad. Validates first (ValidateOptimizerStep) and launches nothing on error.
+  // Elementwise: a rerun on the same inputs gives the same bits, and the CPU and CUDA backends
+  // give the same bits too (every fp32 operation rounded separately, in the same order).
+  virtual absl::Status OptimizerStep(const OptimizerProblem& problem,
+                                     const OptimizerTensors& tensors, Stream& stream) = 0;
 
   // Memory management.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;

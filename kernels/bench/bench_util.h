@@ -1,0 +1,81 @@
+// Helpers shared by the benchmarks: exit-on-error checks and the CUDA-event timer.
+#ifndef LOSSHEAD_KERNELS_BENCH_BENCH_UTIL_H_
+#define LOSSHEAD_KERNELS_BENCH_BENCH_UTIL_H_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+// A benchmark has nobody to return an error to: report where it failed and stop.
+#define BENCH_CUDA(expr)                                                                          \
+  do {                                                                                            \
+    cudaError_t e_ = (expr);                                                                      \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+#define BENCH_OK(expr)                                                   \
+  do {                                                                   \
+    absl::Status s_ = (expr);                                            \
+    if (!s_.ok()) {                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   std::string(s_.message()).c_str());                   \
+      std::exit(1);                                                      \
+    }                                                                    \
+  } while (0)
+
+namespace losshead::bench {
+
+template <typename T>
+T Unwrap(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, std::string(v.status().message()).c_str());
+    std::exit(1);
+  }
+  return std::move(*v);
+}
+
+// Median of `runs` timings of fn() with CUDA events on `stream`, after `warmup` calls.
+// before() runs ahead of each timed call, outside the events (e.g. to refill an input that the
+// call consumes).
+template <typename Fn, typename Before>
+float MedianMs(cudaStream_t stream, int warmup, int runs, Fn fn, Before before) {
+  for (int i = 0; i < warmup; ++i) {
+    before();
+    fn();
+  }
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<float> ms(runs);
+  for (int i = 0; i < runs; ++i) {
+    before();
+    BENCH_CUDA(cudaEventRecord(a, stream));
+    fn();
+    BENCH_CUDA(cudaEventRecord(b, stream));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    BENCH_CUDA(cudaEventElapsedTime(&ms[i], a, b));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[runs / 2];
+}
+
+template <typename Fn>
+float MedianMs(cudaStream_t stream, int warmup, int runs, Fn fn) {
+  return MedianMs(stream, warmup, runs, fn, [] {});
+}
+
+}  // namespace losshead::bench
+
+#endif  // LOSSHEAD_KERNELS_BENCH_BENCH_UTIL_H_

@@ -1,0 +1,71 @@
+#include "kernels/cpu/optimizer_step.h"
+
+#include <cstdint>
+
+#include "kernels/common/optimizer_math.h"
+#include "losshead/kernels/dtype_convert.h"
+
+namespace losshead::kernels {
+namespace {
+
+using optim::StepScalars;
+
+// Where the rounded image of the master goes: nowhere for fp32 weights (they are the master).
+template <DType kDType>
+void StoreRounded(void* weight, int64_t i, float p) {
+  if constexpr (kDType == DType::kBF16) static_cast<uint16_t*>(weight)[i] = FloatToBf16(p);
+  if constexpr (kDType == DType::kFP16) static_cast<uint16_t*>(weight)[i] = FloatToFp16(p);
+}
+
+template <typename Rule, DType kDType>
+void StepRange(const StepScalars& s, const OptimizerTensors& t, float* a_state, float* b_state,
+               int64_t begin, int64_t end) {
+  float* param = kDType == DType::kFP32 ? static_cast<float*>(t.weight) : t.master;
+  for (int64_t i = begin; i < end; ++i) {
+    float p = param[i];
+    float a = a_state != nullptr ? a_state[i] : 0.0f;
+    float b = b_state != nullptr ? b_state[i] : 0.0f;
+    Rule::Apply(s, t.grad[i], p, a, b);
+    param[i] = p;
+    if (a_state != nullptr) a_state[i] = a;
+    if (b_state != nullptr) b_state[i] = b;
+    StoreRounded<kDType>(t.weight, i, p);
+    t.grad[i] = 0.0f;
+  }
+}
+
+template <typename Rule>
+void Step(const OptimizerProblem& problem, const OptimizerTensors& t, float* a_state,
+          float* b_state, ThreadPool& pool) {
+  const StepScalars s = optim::MakeStepScalars(problem);
+  pool.ParallelFor(problem.count, [&](int64_t begin, int64_t end) {
+    switch (problem.dtype) {
+      case DType::kFP32:
+        return StepRange<Rule, DType::kFP32>(s, t, a_state, b_state, begin, end);
+      case DType::kBF16:
+        return StepRange<Rule, DType::kBF16>(s, t, a_state, b_state, begin, end);
+      case DType::kFP16:
+        return StepRange<Rule, DType::kFP16>(s, t, a_state, b_state, begin, end);
+    }
+  });
+}
+
+}  // namespace
+
+void CpuOptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,
+                      ThreadPool& pool) {
+  switch (KindOf(problem.options)) {
+    case OptimizerKind::kAdamW:
+      return Step<optim::AdamWRule>(problem, tensors, tensors.exp_avg, tensors.exp_avg_sq, pool);
+    case OptimizerKind::kSgd: {
+      // Without momentum SGD keeps no state: the buffer, if any, is neither read nor written.
+      const bool momentum = std::get<SgdOptions>(problem.options).momentum != 0.0f;
+      return Step<optim::SgdRule>(problem, tensors, momentum ? tensors.momentum_buffer : nullptr,
+                                  nullptr, pool);
+    }
+    case OptimizerKind::kLion:
+      return Step<optim::LionRule>(problem, tensors, tensors.exp_avg, nullptr, pool);
+  }
+}
+
+}  // namespace losshead::kernels
