@@ -22,6 +22,7 @@ command -v debootstrap >/dev/null || {
 }
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
+chmod 755 "$root"  # it becomes the image's /, which every user must be able to traverse
 debootstrap --variant=minbase bookworm "$root" "$mirror" >/dev/null
 # What the registry's image does too: no package lists or caches in the layer, and apt told not to
 # keep downloaded packages.
