@@ -23,16 +23,22 @@ size_t PieceBytes(size_t max_message_bytes, size_t overhead) {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
                                                         const ClientOptions& options) {
   if (target.empty()) return absl::InvalidArgumentError("empty server target");
-  if (options.max_message_bytes < 1024 ||
-      options.max_message_bytes > static_cast<size_t>(std::numeric_limits<int>::max())) {
+  const size_t receive_bytes = options.max_receive_message_bytes != 0
+                                   ? options.max_receive_message_bytes
+                                   : options.max_message_bytes;
+  constexpr size_t kMaxMessage = static_cast<size_t>(std::numeric_limits<int>::max());
+  if (options.max_message_bytes < 1024 || options.max_message_bytes > kMaxMessage ||
+      receive_bytes < 1024 || receive_bytes > kMaxMessage) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_message_bytes must be in [1024, 2^31): ", options.max_message_bytes));
+        absl::StrCat("max_message_bytes and max_receive_message_bytes must be in [1024, 2^31): ",
+                     options.max_message_bytes, ", ", options.max_receive_message_bytes));
   }
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxReceiveMessageSize(static_cast<int>(receive_bytes));
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  for (const auto& [key, value] : options.channel_args) args.SetInt(key, value);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       internal::ChannelCredentialsFor(options);
   if (!credentials.ok()) return credentials.status();
@@ -60,6 +66,7 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext(absl::Duration deadline)
     absl::MutexLock lock(&token_mu_);
     if (!bearer_token_.empty()) context->AddMetadata("authorization", "Bearer " + bearer_token_);
   }
+  for (const auto& [key, value] : options_.metadata) context->AddMetadata(key, value);
   if (deadline != absl::InfiniteDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   }

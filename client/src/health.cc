@@ -73,11 +73,17 @@ absl::StatusOr<ServingStatus> DecodeResponse(const std::string& in) {
 }  // namespace
 
 absl::StatusOr<ServingStatus> Client::Health(const std::string& service) {
+  return HealthCheck(service, options_.deadline, /*wait_for_ready=*/false);
+}
+
+absl::StatusOr<ServingStatus> Client::HealthCheck(const std::string& service,
+                                                  absl::Duration deadline, bool wait_for_ready) {
   const std::string encoded = EncodeRequest(service);
   grpc::Slice slice(encoded);
   grpc::ByteBuffer request(&slice, 1);
   grpc::ByteBuffer response;
-  auto context = NewContext(options_.deadline);
+  auto context = NewContext(deadline);
+  context->set_wait_for_ready(wait_for_ready);
   grpc::GenericStub stub(channel_);
   std::promise<grpc::Status> done;
   stub.UnaryCall(context.get(), "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,

@@ -72,22 +72,65 @@ absl::StatusOr<uint64_t> Client::PushWeights(const PushRequest& request) {
 
 absl::StatusOr<DownloadedWeights> Client::DownloadWeights(const std::string& head,
                                                           v1::DType dtype) {
-  return RetryCall<DownloadedWeights>([&] { return DownloadWeightsOnce(head, dtype); });
+  Bytes data;
+  absl::StatusOr<DownloadedWeights> weights =
+      RetryCall<DownloadedWeights>([&] { return DownloadWeightsOnce(head, dtype, {}, &data); });
+  if (weights.ok()) weights->data = std::move(data);
+  return weights;
+}
+
+absl::StatusOr<DownloadedWeights> Client::DownloadWeightsInto(const std::string& head,
+                                                              v1::DType dtype,
+                                                              std::span<std::byte> out) {
+  return RetryCall<DownloadedWeights>(
+      [&] { return DownloadWeightsOnce(head, dtype, out, nullptr); });
 }
 
 absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1::DType dtype,
                                                     bool reset) {
+  PulledGradient gradient;
+  absl::StatusOr<v1::GradientSummary> summary =
+      PullGradientWithRetry(head, dtype, reset, {}, &gradient.data);
+  if (!summary.ok()) return summary.status();
+  gradient.summary = *std::move(summary);
+  return gradient;
+}
+
+absl::StatusOr<v1::GradientSummary> Client::PullGradientInto(const std::string& head,
+                                                             v1::DType dtype, bool reset,
+                                                             std::span<std::byte> out) {
+  return PullGradientWithRetry(head, dtype, reset, out, nullptr);
+}
+
+absl::StatusOr<v1::GradientSummary> Client::PullGradientWithRetry(const std::string& head,
+                                                                  v1::DType dtype, bool reset,
+                                                                  std::span<std::byte> out,
+                                                                  Bytes* owned) {
   if (!reset) {
-    return RetryCall<PulledGradient>([&] { return PullGradientOnce(head, dtype, reset); });
+    return RetryCall<v1::GradientSummary>(
+        [&] { return PullGradientOnce(head, dtype, reset, out, owned); });
   }
-  // Never re-sent (see retry.h): only the wait for a connection is retried, before sending.
+  // Never re-sent (see retry.h): only the wait for the server is retried, before sending.
+  WaitForServer();
+  return PullGradientOnce(head, dtype, reset, out, owned);
+}
+
+void Client::WaitForServer() {
   const int max_attempts = std::max(1, options_.retry.max_attempts);
   for (int i = 1; i < max_attempts; ++i) {
     const absl::Duration wait = BackoffDelay(options_.retry, i, absl::OkStatus());
-    if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + wait))) break;
+    const absl::Time start = absl::Now();
+    absl::StatusOr<ServingStatus> probe = HealthCheck("", wait, /*wait_for_ready=*/true);
+    // NOT_SERVING: draining, its calls are refused. Any other answer, even an error such as a
+    // missing health service, comes from a live server.
+    if (probe.ok()
+            ? *probe != ServingStatus::kNotServing
+            : !absl::IsDeadlineExceeded(probe.status()) && !absl::IsUnavailable(probe.status())) {
+      return;
+    }
     retries_.fetch_add(1);
+    absl::SleepFor(wait - (absl::Now() - start));
   }
-  return PullGradientOnce(head, dtype, reset);
 }
 
 absl::StatusOr<StepResult> Client::Step(const Microbatch& microbatch) {

@@ -13,6 +13,10 @@
 
 namespace losshead::client {
 
+bool IsMicrobatchError(const absl::Status& status) {
+  return status.GetPayload(kMicrobatchErrorPayload).has_value();
+}
+
 StepStream::StepStream(std::unique_ptr<grpc::ClientContext> context, v1::LossHead::Stub* stub,
                        size_t max_message_bytes)
     : context_(std::move(context)), max_message_bytes_(max_message_bytes) {
@@ -48,14 +52,13 @@ absl::Status StepStream::Send(const Microbatch& mb) {
         // Answered at once, as after a refused write (below): either way Receive() answers this
         // micro-batch with the call's status, so callers count it as sent whichever way Send
         // learnt that the call was over. expected_ is empty here, so the order holds.
-        const absl::Status status = call_status_.ok()
-                                        ? absl::UnavailableError("the step stream has ended")
-                                        : call_status_;
+        const absl::Status status =
+            call_status_.ok() ? absl::UnavailableError("the step stream has ended") : call_status_;
         answers_.push_back(status);
         cv_.notify_all();
         return status;
       }
-      expected_.emplace_back(mb.client_id, mb.sequence);
+      expected_.push_back({mb.client_id, mb.sequence, mb.grad_hidden_out});
     }
 
     v1::StepHeader header;
@@ -135,6 +138,8 @@ void StepStream::ReadLoop() {
   std::optional<StepResult> current;
   std::string per_token;  // fp32 bytes until the answer is complete
   uint64_t grad_bytes = 0;
+  uint64_t grad_filled = 0;
+  std::byte* grad_dest = nullptr;  // the caller's buffer; null: current->grad_hidden
   uint64_t per_token_bytes = 0;
 
   auto deliver = [this](absl::StatusOr<StepResult> answer) {
@@ -151,7 +156,7 @@ void StepStream::ReadLoop() {
   while (stream_->Read(&response)) {
     if (!protocol.ok()) continue;
     if (!current.has_value()) {
-      std::pair<std::string, uint64_t> key;
+      Expected key;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (expected_.empty()) {
@@ -160,10 +165,10 @@ void StepStream::ReadLoop() {
         }
         key = expected_.front();
       }
-      if (response.client_id() != key.first || response.sequence() != key.second) {
+      if (response.client_id() != key.client_id || response.sequence() != key.sequence) {
         fail(absl::InternalError(absl::StrCat("step answer for (", response.client_id(), ", ",
-                                              response.sequence(), ") while (", key.first, ", ",
-                                              key.second, ") was next")));
+                                              response.sequence(), ") while (", key.client_id, ", ",
+                                              key.sequence, ") was next")));
         continue;
       }
       if (response.has_error()) {
@@ -178,6 +183,7 @@ void StepStream::ReadLoop() {
           error.SetPayload(kRetryAfterPayload,
                            absl::Cord(absl::StrCat(response.error().retry_after_ms())));
         }
+        if (!error.ok()) error.SetPayload(kMicrobatchErrorPayload, absl::Cord("1"));
         deliver(error.ok() ? absl::InternalError("micro-batch error with code OK") : error);
         continue;
       }
@@ -187,8 +193,8 @@ void StepStream::ReadLoop() {
       }
       const v1::StepResult& r = response.result();
       current.emplace();
-      current->client_id = key.first;
-      current->sequence = key.second;
+      current->client_id = key.client_id;
+      current->sequence = key.sequence;
       current->loss_sum = r.loss_sum();
       current->token_count = r.token_count();
       current->loss = r.loss();
@@ -197,12 +203,26 @@ void StepStream::ReadLoop() {
       current->forward_only = r.forward_only();
       current->grad_hidden_dtype = r.grad_hidden_dtype();
       grad_bytes = r.grad_hidden_bytes();
+      current->grad_hidden_bytes = grad_bytes;
+      grad_filled = 0;
       per_token_bytes = r.per_token_loss_bytes();
       if (per_token_bytes % sizeof(float) != 0) {
         fail(absl::InternalError("per-token loss bytes not a multiple of 4"));
         continue;
       }
-      current->grad_hidden.reserve(grad_bytes);
+      if (key.grad_hidden_out.has_value()) {
+        if (grad_bytes > key.grad_hidden_out->size()) {
+          // Cancelling ends the call: every micro-batch outstanding on it fails with this status.
+          fail(absl::InternalError(absl::StrCat("dH of ", grad_bytes, " bytes does not fit the ",
+                                                key.grad_hidden_out->size(),
+                                                "-byte buffer given for it")));
+          continue;
+        }
+        grad_dest = key.grad_hidden_out->data();
+      } else {
+        grad_dest = nullptr;
+        current->grad_hidden.reserve(grad_bytes);
+      }
       per_token.clear();
       per_token.reserve(per_token_bytes);
     } else if (response.has_result() || response.has_error()) {
@@ -211,19 +231,23 @@ void StepStream::ReadLoop() {
     }
     const std::string& g = response.grad_hidden();
     const std::string& p = response.per_token_loss();
-    if (current->grad_hidden.size() + g.size() > grad_bytes ||
-        per_token.size() + p.size() > per_token_bytes) {
+    if (grad_filled + g.size() > grad_bytes || per_token.size() + p.size() > per_token_bytes) {
       fail(absl::InternalError("step answer carries more bytes than it announced"));
       continue;
     }
-    const auto* gb = reinterpret_cast<const std::byte*>(g.data());
-    current->grad_hidden.insert(current->grad_hidden.end(), gb, gb + g.size());
+    if (grad_dest != nullptr) {
+      if (!g.empty()) std::memcpy(grad_dest + grad_filled, g.data(), g.size());
+    } else {
+      const auto* gb = reinterpret_cast<const std::byte*>(g.data());
+      current->grad_hidden.insert(current->grad_hidden.end(), gb, gb + g.size());
+    }
+    grad_filled += g.size();
     per_token.append(p);
     if (!response.last()) continue;
-    if (current->grad_hidden.size() != grad_bytes || per_token.size() != per_token_bytes) {
-      fail(absl::InternalError(absl::StrCat("step answer ended with ", current->grad_hidden.size(),
-                                            "/", grad_bytes, " dH bytes and ", per_token.size(),
-                                            "/", per_token_bytes, " per-token loss bytes")));
+    if (grad_filled != grad_bytes || per_token.size() != per_token_bytes) {
+      fail(absl::InternalError(absl::StrCat("step answer ended with ", grad_filled, "/", grad_bytes,
+                                            " dH bytes and ", per_token.size(), "/",
+                                            per_token_bytes, " per-token loss bytes")));
       continue;
     }
     current->per_token_loss.resize(per_token.size() / sizeof(float));

@@ -2,6 +2,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstring>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
@@ -13,15 +14,24 @@ namespace {
 
 // Collects chunks that must tile [0, total) in order, without gaps or overlap; the server
 // promises this order, so anything else is a framing error rather than something to reorder.
+// The bytes land in the caller's buffer, or in `owned` (allocated at Start) when it is not null.
 class Reassembler {
  public:
+  Reassembler(std::span<std::byte> out, Bytes* owned) : out_(out), owned_(owned) {}
+
   absl::Status Start(uint64_t total_bytes, uint64_t max_bytes) {
     if (total_bytes > max_bytes) {
       return absl::InternalError(
           absl::StrCat("server announced ", total_bytes, " bytes, expected ", max_bytes));
     }
+    if (owned_ != nullptr) {
+      owned_->resize(total_bytes);
+      out_ = std::span<std::byte>(*owned_);
+    } else if (total_bytes > out_.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the server sends ", total_bytes, " bytes; the buffer given holds ", out_.size()));
+    }
     total_ = total_bytes;
-    data_.resize(total_bytes);
     return absl::OkStatus();
   }
   absl::Status Add(uint64_t offset, const std::string& piece) {
@@ -33,7 +43,7 @@ class Reassembler {
       return absl::InternalError(absl::StrCat("chunk of ", piece.size(), " bytes at offset ",
                                               offset, " overruns the total of ", total_));
     }
-    if (!piece.empty()) std::memcpy(data_.data() + filled_, piece.data(), piece.size());
+    if (!piece.empty()) std::memcpy(out_.data() + filled_, piece.data(), piece.size());
     filled_ += piece.size();
     return absl::OkStatus();
   }
@@ -44,12 +54,12 @@ class Reassembler {
     }
     return absl::OkStatus();
   }
-  Bytes Take() { return std::move(data_); }
 
  private:
+  std::span<std::byte> out_;
+  Bytes* owned_;
   uint64_t total_ = 0;
   uint64_t filled_ = 0;
-  Bytes data_;
 };
 
 }  // namespace
@@ -97,7 +107,9 @@ absl::StatusOr<uint64_t> Client::UploadWeights(const std::string& head, v1::DTyp
 }
 
 absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string& head,
-                                                              v1::DType dtype) {
+                                                              v1::DType dtype,
+                                                              std::span<std::byte> out,
+                                                              Bytes* owned) {
   v1::DownloadWeightsRequest request;
   request.set_head(head);
   request.set_dtype(dtype);
@@ -105,7 +117,7 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
   auto reader = stub_->DownloadWeights(context.get(), request);
 
   DownloadedWeights weights;
-  Reassembler assembly;
+  Reassembler assembly(out, owned);
   absl::Status framing;
   v1::WeightsChunk chunk;
   bool first = true;
@@ -135,12 +147,13 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
   if (!framing.ok()) return framing;
   if (first) return absl::InternalError("download ended without a first chunk");
   if (absl::Status done = assembly.Finish(); !done.ok()) return done;
-  weights.data = assembly.Take();
   return weights;
 }
 
-absl::StatusOr<PulledGradient> Client::PullGradientOnce(const std::string& head, v1::DType dtype,
-                                                        bool reset) {
+absl::StatusOr<v1::GradientSummary> Client::PullGradientOnce(const std::string& head,
+                                                             v1::DType dtype, bool reset,
+                                                             std::span<std::byte> out,
+                                                             Bytes* owned) {
   v1::PullGradientRequest request;
   request.set_head(head);
   request.set_dtype(dtype);
@@ -148,8 +161,8 @@ absl::StatusOr<PulledGradient> Client::PullGradientOnce(const std::string& head,
   auto context = NewContext(options_.deadline);
   auto reader = stub_->PullGradient(context.get(), request);
 
-  PulledGradient gradient;
-  Reassembler assembly;
+  v1::GradientSummary summary;
+  Reassembler assembly(out, owned);
   absl::Status framing;
   v1::GradientChunk chunk;
   bool first = true;
@@ -161,8 +174,8 @@ absl::StatusOr<PulledGradient> Client::PullGradientOnce(const std::string& head,
         framing = absl::InternalError("first gradient chunk carries no summary");
         continue;
       }
-      gradient.summary = chunk.summary();
-      const v1::GradientSummary& s = gradient.summary;
+      summary = chunk.summary();
+      const v1::GradientSummary& s = summary;
       const uint64_t expected = static_cast<uint64_t>(s.vocab_size()) *
                                 static_cast<uint64_t>(s.hidden_size()) *
                                 v1::WireDTypeSize(s.dtype());
@@ -184,8 +197,7 @@ absl::StatusOr<PulledGradient> Client::PullGradientOnce(const std::string& head,
   if (!framing.ok()) return framing;
   if (first) return absl::InternalError("pull ended without a summary");
   if (absl::Status done = assembly.Finish(); !done.ok()) return done;
-  gradient.data = assembly.Take();
-  return gradient;
+  return summary;
 }
 
 }  // namespace losshead::client

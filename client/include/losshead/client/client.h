@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -31,6 +32,9 @@ struct ClientOptions {
   // Largest message sent or accepted. Set it to the server's limit (Stats.max_message_bytes):
   // tensors are split into pieces below it, and the server's chunks must fit in it.
   size_t max_message_bytes = size_t{4} << 20;
+  // Largest message accepted, when it differs from max_message_bytes (0: the same): a client
+  // that sends small pieces may still accept a server's larger chunks.
+  size_t max_receive_message_bytes = 0;
   // Deadline of each unary call and of each whole pull, push or download.
   absl::Duration deadline = absl::Seconds(60);
   // Deadline of a Step stream, from its opening; infinite by default as streams live long.
@@ -50,6 +54,10 @@ struct ClientOptions {
   std::string tls_server_name;
   // Sent on every call as `authorization: Bearer <token>`; empty: none.
   std::string bearer_token;
+  // Further metadata sent on every call (lower-case keys), after the bearer token.
+  std::vector<std::pair<std::string, std::string>> metadata;
+  // Further integer channel arguments (e.g. grpc.initial_reconnect_backoff_ms), applied last.
+  std::vector<std::pair<std::string, int>> channel_args;
   // Retries of transient failures; see losshead/client/retry.h for what is retried and why
   // nothing is counted twice. Applies to every method, and per micro-batch to Step and StepMany.
   RetryPolicy retry;
@@ -115,6 +123,14 @@ class Client {
   // Reassembles dW (FP32 or BF16) in host memory, checking that the chunks tile it exactly.
   absl::StatusOr<PulledGradient> PullGradient(const std::string& head,
                                               v1::DType dtype = v1::DTYPE_FP32, bool reset = false);
+  // PullGradient into the caller's buffer, which must hold V x D elements of `dtype` (more is
+  // left untouched): no intermediate copy of dW. FAILED_PRECONDITION when the server announces
+  // more bytes than `out` holds (with `reset`, that window is then gone, as after a lost answer).
+  absl::StatusOr<v1::GradientSummary> PullGradientInto(const std::string& head, v1::DType dtype,
+                                                       bool reset, std::span<std::byte> out);
+  // DownloadWeights into the caller's buffer (the same rules); `data` of the result stays empty.
+  absl::StatusOr<DownloadedWeights> DownloadWeightsInto(const std::string& head, v1::DType dtype,
+                                                        std::span<std::byte> out);
 
   absl::StatusOr<v1::Stats> GetStats();
   // Writes the checkpoint of `head` (every head when empty) now; FAILED_PRECONDITION when the
@@ -164,6 +180,13 @@ class Client {
   absl::StatusOr<T> RetryCall(absl::FunctionRef<absl::StatusOr<T>()> attempt);
   // Sleeps the backoff of the `attempt`-th failure and counts a retry.
   void Backoff(int attempt, const absl::Status& status);
+  // Health/Check with its own deadline; with `wait_for_ready` it waits for a connection.
+  absl::StatusOr<ServingStatus> HealthCheck(const std::string& service, absl::Duration deadline,
+                                            bool wait_for_ready);
+  // Waits, with the retry policy's backoff, until the server answers a health probe (an answer
+  // proves the connection alive, unlike the channel's state); gives up quietly when the policy
+  // is spent.
+  void WaitForServer();
 
   // Single attempts of the public methods (the public ones add the retries).
   absl::StatusOr<v1::HeadInfo> CreateHeadOnce(const v1::HeadSpec& spec);
@@ -173,9 +196,17 @@ class Client {
   absl::StatusOr<v1::HeadInfo> SetLossOptionsOnce(const std::string& name,
                                                   const v1::LossOptions& default_options);
   absl::StatusOr<uint64_t> PushWeightsOnce(const PushRequest& request);
-  absl::StatusOr<DownloadedWeights> DownloadWeightsOnce(const std::string& head, v1::DType dtype);
-  absl::StatusOr<PulledGradient> PullGradientOnce(const std::string& head, v1::DType dtype,
-                                                  bool reset);
+  // The transfers write into `out`, or into `*owned` (allocated to the announced size) when it
+  // is not null.
+  absl::StatusOr<DownloadedWeights> DownloadWeightsOnce(const std::string& head, v1::DType dtype,
+                                                        std::span<std::byte> out, Bytes* owned);
+  absl::StatusOr<v1::GradientSummary> PullGradientOnce(const std::string& head, v1::DType dtype,
+                                                       bool reset, std::span<std::byte> out,
+                                                       Bytes* owned);
+  // PullGradient's retry rules around PullGradientOnce.
+  absl::StatusOr<v1::GradientSummary> PullGradientWithRetry(const std::string& head,
+                                                            v1::DType dtype, bool reset,
+                                                            std::span<std::byte> out, Bytes* owned);
   absl::StatusOr<v1::Stats> GetStatsOnce();
   absl::StatusOr<StepResult> StepOnce(const Microbatch& microbatch);
 

@@ -13,7 +13,8 @@
 // - PullGradient with reset = true is NOT re-sent once it may have reached the server: if the
 //   reset happened and the answer was lost, a second pull would return an empty window and the
 //   first window's dW would be gone without anyone noticing. Instead the client waits (with the
-//   same backoff) for the channel to be connected before the single attempt, and a failure after
+//   same backoff) until the server answers a health probe before the single attempt (a
+//   connected channel may still hold a connection the server has dropped), and a failure after
 //   sending is returned unchanged; the caller can read GetHead().tokens_since_pull to learn
 //   whether the reset took place.
 // - PushWeights REPLACE is re-sent whole (the same W again); PUSH_MODE_ADD is re-sent only with

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "losshead/v1/losshead.grpc.pb.h"
 #include "losshead/v1/losshead.pb.h"
 
@@ -40,7 +41,19 @@ struct Microbatch {
   // (loss and dH without adding to dW or counting; see the proto).
   v1::StepOptions options;
   v1::LossOptions loss_options;  // overrides of the head's default loss options
+  // Where dH goes: unset, into StepResult::grad_hidden; set, straight into this caller's buffer
+  // as it arrives (no intermediate copy; StepResult::grad_hidden stays empty), which must stay
+  // valid until the answer is received or the stream is destroyed. An answer with more dH bytes
+  // than the buffer holds fails INTERNAL.
+  std::optional<std::span<std::byte>> grad_hidden_out;
 };
+
+// The status payload that marks an error as one micro-batch's (StepResponse.error: the stream
+// went on) rather than the call's.
+inline constexpr absl::string_view kMicrobatchErrorPayload = "type.losshead.dev/microbatch";
+
+// Whether `status` is a micro-batch's own error (see kMicrobatchErrorPayload).
+bool IsMicrobatchError(const absl::Status& status);
 
 // The answer to one successful micro-batch.
 struct StepResult {
@@ -53,7 +66,9 @@ struct StepResult {
   bool replayed = false;
   bool forward_only = false;  // the server ran it forward-only (false from one that cannot)
   v1::DType grad_hidden_dtype = v1::DTYPE_UNSPECIFIED;
+  uint64_t grad_hidden_bytes = 0;      // of dH, wherever it went
   std::vector<std::byte> grad_hidden;  // N x D of grad_hidden_dtype; empty with skip_grad_hidden
+                                       // or Microbatch::grad_hidden_out
   std::vector<float> per_token_loss;   // N, when return_per_token_loss was set
 };
 
@@ -112,8 +127,14 @@ class StepStream {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<std::string, uint64_t>> expected_;  // keys sent, not yet answered
-  std::deque<absl::StatusOr<StepResult>> answers_;         // answered, not yet received
+  // A micro-batch sent and not yet answered: its key and where its dH goes.
+  struct Expected {
+    std::string client_id;
+    uint64_t sequence = 0;
+    std::optional<std::span<std::byte>> grad_hidden_out;
+  };
+  std::deque<Expected> expected_;
+  std::deque<absl::StatusOr<StepResult>> answers_;  // answered, not yet received
   bool ended_ = false;
   absl::Status call_status_;
   std::thread reader_;

@@ -3,12 +3,15 @@
     from losshead import Client, RemoteLMHead, RemoteHeadOptimizer
 
 `Client` speaks the v1 gRPC contract (heads, steps, gradient pulls, weight pushes, stats,
-health, checkpoints), with retries (`RetryPolicy`), bearer tokens and TLS; `RemoteLMHead` is an nn.Module whose forward/backward run on the server;
+health, checkpoints), with retries (`RetryPolicy`), bearer tokens and TLS; its tensors travel
+through the C++ client (liblosshead_capi.so) when `native_available()`, else through grpcio.
+`RemoteLMHead` is an nn.Module whose forward/backward run on the server;
 `RemoteHeadOptimizer` mirrors the remote W locally so any torch.optim optimizer can step it.
 """
 
 from losshead.client import (Client, ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
                              LossOptions, StepResult, StepStream, Weights, combine_results)
+from losshead._native import native_available, native_library
 from losshead.errors import LossheadError
 from losshead.retry import RetryPolicy
 from losshead.torch_bridge import (RemoteHeadOptimizer, RemoteLMHead, scale_gradients_,
@@ -18,6 +21,6 @@ __all__ = [
     "Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheckpoint", "LossOptions",
     "LossheadError", "RemoteHeadOptimizer", "RemoteLMHead", "RetryPolicy", "StepResult",
     "StepStream", "Weights",
-    "combine_results", "scale_gradients_", "token_losses",
+    "combine_results", "native_available", "native_library", "scale_gradients_", "token_losses",
 ]
 __version__ = "0.1.0"

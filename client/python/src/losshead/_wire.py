@@ -61,12 +61,21 @@ def element_size(dtype: DTypeLike) -> int:
 
 def encode(tensor: torch.Tensor, dtype: DTypeLike) -> bytes:
     """Row-major little-endian bytes of `tensor` converted to `dtype` (on the host)."""
-    dt = to_torch_dtype(dtype)
-    t = tensor.detach().to(device="cpu", dtype=dt).contiguous()
-    carrier = _NUMPY_CARRIER.get(dt)
-    if carrier is not None:
-        t = t.view(carrier)
-    return t.numpy().tobytes()
+    return bytes(byte_view(host_tensor(tensor, dtype)))
+
+
+def host_tensor(tensor: torch.Tensor, dtype: DTypeLike) -> torch.Tensor:
+    """`tensor` as a contiguous CPU tensor of `dtype`: itself when it already is one, so that
+    its memory is read in place."""
+    return tensor.detach().to(device="cpu", dtype=to_torch_dtype(dtype)).contiguous()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    carrier = _NUMPY_CARRIER.get(tensor.dtype)
+    t = tensor.view(carrier) if carrier is not None else tensor
+    # Flattened first: memoryview cannot cast a shape with a zero in it.
+    return memoryview(t.reshape(-1).numpy()).cast("B")
 
 
 def decode(buffer: Union[bytes, bytearray, memoryview], dtype: DTypeLike,

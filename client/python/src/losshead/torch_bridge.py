@@ -74,7 +74,8 @@ class _RemoteLinearCrossEntropy(torch.autograd.Function):
             return None, None, None
         # Computed in fp32 at least: dH arrives in bf16 and the upstream gradient may be tiny.
         work = torch.promote_types(dtype, torch.float32)
-        dh = dh.to(device=device, dtype=work)
+        # dH of a CUDA batch arrives in pinned host memory: one asynchronous DMA to the device.
+        dh = dh.to(device=device, non_blocking=dh.is_pinned()).to(work)
         g = grad_output.to(work)
         if ctx.per_token:
             dh = dh * g.reshape(-1, 1)

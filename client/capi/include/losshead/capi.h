@@ -1,0 +1,159 @@
+/* C ABI of the losshead C++ client (liblosshead_capi.so): the data path for languages that load
+ * a plain shared library (Python through ctypes), so that one implementation of the protocol,
+ * the retries and the idempotency keys serves them all.
+ *
+ * Contract: handles are opaque and owned by the caller (free them with their *_free function).
+ * Every call returns a gRPC status code (0: OK) and, when `status` is not null, fills it with
+ * the code and message. Tensors are raw little-endian bytes in caller-owned buffers: inputs are
+ * read during the call only, outputs are written during the call only. No call keeps a pointer
+ * after it returns. Every function may be called from several threads at once, on the same
+ * client too (a client is one gRPC channel; each call blocks only its own thread). Dtypes and
+ * protobuf payloads are those of proto/losshead/v1/losshead.proto.
+ */
+#ifndef LOSSHEAD_CAPI_H_
+#define LOSSHEAD_CAPI_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LH_CAPI_VERSION 1
+
+/* The ABI version this library implements (LH_CAPI_VERSION when it was built). */
+int lh_capi_version(void);
+
+typedef struct lh_status {
+  int code;                /* grpc::StatusCode; 0: OK */
+  uint32_t retry_after_ms; /* > 0: the server's hint on a transient refusal */
+  int microbatch;          /* 1: one micro-batch's error (the stream went on), 0: the call's */
+  char message[1024];      /* NUL-terminated, cut to fit */
+} lh_status;
+
+typedef struct lh_int_arg {
+  const char* key;
+  int value;
+} lh_int_arg;
+
+typedef struct lh_metadata {
+  const char* key; /* lower case */
+  const char* value;
+} lh_metadata;
+
+/* Connection options; zero / null fields take the C++ client's defaults (ClientOptions). */
+typedef struct lh_client_options {
+  uint64_t max_message_bytes;         /* largest message sent (pieces are cut below it) */
+  uint64_t max_receive_message_bytes; /* largest accepted; 0: max_message_bytes */
+  double deadline_s;                  /* each unary call, pull, push, download; <= 0: none */
+  int dedicated_connection;           /* 1: a TCP connection of its own */
+  /* TLS: on when `tls` is 1 or any PEM is given; PEM contents, not paths (NUL-terminated). */
+  int tls;
+  const char* tls_root_pem; /* null: the system's roots */
+  const char* tls_cert_pem; /* client certificate and key, for mTLS: both or neither */
+  const char* tls_key_pem;
+  const char* tls_server_name; /* name to verify instead of the target's host */
+  const char* bearer_token;    /* sent as `authorization: Bearer <token>` */
+  /* Retry policy (losshead/client/retry.h); max_attempts 0: the defaults for all five. */
+  int retry_max_attempts;
+  double retry_initial_backoff_s;
+  double retry_max_backoff_s;
+  double retry_multiplier;
+  double retry_jitter;
+  const lh_int_arg* channel_args; /* integer gRPC channel arguments */
+  size_t num_channel_args;
+  const lh_metadata* metadata; /* sent on every call */
+  size_t num_metadata;
+} lh_client_options;
+
+typedef struct lh_client lh_client;
+
+/* Creates the channel (does not wait for the server). INVALID_ARGUMENT for bad options. */
+int lh_client_connect(const char* target, const lh_client_options* options, lh_client** out,
+                      lh_status* status);
+void lh_client_free(lh_client* client);
+/* Token for calls that start from now on; null or "": none. */
+void lh_client_set_token(lh_client* client, const char* token);
+/* Attempts that were retries (all calls) since connect. */
+uint64_t lh_client_retries(const lh_client* client);
+
+/* One micro-batch (losshead::client::Microbatch) and where its answer goes. */
+typedef struct lh_microbatch {
+  const char* head;
+  const char* client_id;
+  uint64_t sequence;
+  int64_t num_tokens;
+  int hidden_dtype;
+  const void* hidden; /* num_tokens x D */
+  size_t hidden_bytes;
+  int target_dtype;
+  const void* targets; /* num_tokens */
+  size_t targets_bytes;
+  const void* options; /* serialized losshead.v1.StepOptions; may be empty */
+  size_t options_bytes;
+  const void* loss_options; /* serialized losshead.v1.LossOptions; may be empty */
+  size_t loss_options_bytes;
+  void* grad_hidden_out; /* dH is written here; an answer with more bytes fails INTERNAL */
+  size_t grad_hidden_capacity;
+  float* per_token_loss_out;      /* per-token losses, when asked for; more fail INTERNAL */
+  size_t per_token_loss_capacity; /* in floats */
+} lh_microbatch;
+
+typedef struct lh_step_result {
+  lh_status status; /* this micro-batch's outcome; the fields below are set when it is OK */
+  double loss;
+  double loss_sum;
+  int64_t token_count;
+  uint64_t weights_version;
+  int replayed;
+  int forward_only;
+  int grad_hidden_dtype;
+  uint64_t grad_hidden_bytes;
+  uint64_t per_token_loss_count;
+} lh_step_result;
+
+/* Client::StepMany: the micro-batches over Step streams, up to `pipeline_depth` in flight,
+ * retried under their idempotency keys; results[i] answers mbs[i]. Returns non-OK only when
+ * the batch could not be started (unparsable options); per-micro-batch outcomes are in results.
+ */
+int lh_step_many(lh_client* client, const lh_microbatch* mbs, size_t count, size_t pipeline_depth,
+                 lh_step_result* results, lh_status* status);
+
+/* Client::PushWeights from `data` (V x D of `dtype`); add: PUSH_MODE_ADD. */
+int lh_push_weights(lh_client* client, const char* head, int dtype, const void* data, size_t bytes,
+                    int add, int has_expected_version, uint64_t expected_version,
+                    uint64_t* new_version, lh_status* status);
+
+typedef struct lh_gradient_summary {
+  int64_t vocab_size;
+  int64_t hidden_size;
+  int dtype;
+  uint64_t token_count;
+  uint64_t microbatch_count;
+  uint64_t min_weights_version;
+  uint64_t max_weights_version;
+  uint64_t total_bytes;
+  int was_reset;
+} lh_gradient_summary;
+
+/* Client::PullGradientInto: dW into `out` (at least V x D of `dtype`). */
+int lh_pull_gradient(lh_client* client, const char* head, int dtype, int reset, void* out,
+                     size_t capacity, lh_gradient_summary* summary, lh_status* status);
+
+typedef struct lh_weights_info {
+  int64_t vocab_size;
+  int64_t hidden_size;
+  int dtype;
+  uint64_t weights_version;
+} lh_weights_info;
+
+/* Client::DownloadWeightsInto: W into `out`; dtype 0: the head's. */
+int lh_download_weights(lh_client* client, const char* head, int dtype, void* out, size_t capacity,
+                        lh_weights_info* info, lh_status* status);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LOSSHEAD_CAPI_H_ */

@@ -1,0 +1,92 @@
+// lh_step_many: C micro-batches to Client::StepMany and its answers back into C results.
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "internal.h"
+#include "losshead/client/step_stream.h"
+
+namespace losshead::capi {
+namespace {
+
+std::span<const std::byte> Bytes(const void* data, size_t size) {
+  return {static_cast<const std::byte*>(data), data == nullptr ? 0 : size};
+}
+
+// A Microbatch whose tensors are views of the caller's buffers; `mb.head` and the key are the
+// only copies made.
+absl::StatusOr<client::Microbatch> ToMicrobatch(const lh_microbatch& in) {
+  client::Microbatch mb;
+  mb.head = in.head == nullptr ? "" : in.head;
+  mb.client_id = in.client_id == nullptr ? "" : in.client_id;
+  mb.sequence = in.sequence;
+  mb.num_tokens = in.num_tokens;
+  mb.hidden_dtype = static_cast<v1::DType>(in.hidden_dtype);
+  mb.hidden = Bytes(in.hidden, in.hidden_bytes);
+  mb.target_dtype = static_cast<v1::DType>(in.target_dtype);
+  mb.targets = Bytes(in.targets, in.targets_bytes);
+  if (in.options_bytes > 0 &&
+      !mb.options.ParseFromArray(in.options, static_cast<int>(in.options_bytes))) {
+    return absl::InvalidArgumentError("unparsable StepOptions");
+  }
+  if (in.loss_options_bytes > 0 &&
+      !mb.loss_options.ParseFromArray(in.loss_options, static_cast<int>(in.loss_options_bytes))) {
+    return absl::InvalidArgumentError("unparsable LossOptions");
+  }
+  mb.grad_hidden_out =
+      std::span<std::byte>(static_cast<std::byte*>(in.grad_hidden_out),
+                           in.grad_hidden_out == nullptr ? 0 : in.grad_hidden_capacity);
+  return mb;
+}
+
+absl::Status ToResult(const lh_microbatch& in, const absl::StatusOr<client::StepResult>& answer,
+                      lh_step_result* out) {
+  if (!answer.ok()) return answer.status();
+  const client::StepResult& r = *answer;
+  if (r.per_token_loss.size() > in.per_token_loss_capacity) {
+    return absl::InternalError(absl::StrCat(r.per_token_loss.size(),
+                                            " per-token losses do not fit the buffer of ",
+                                            in.per_token_loss_capacity));
+  }
+  if (!r.per_token_loss.empty()) {
+    std::memcpy(in.per_token_loss_out, r.per_token_loss.data(),
+                r.per_token_loss.size() * sizeof(float));
+  }
+  out->loss = r.loss;
+  out->loss_sum = r.loss_sum;
+  out->token_count = r.token_count;
+  out->weights_version = r.weights_version;
+  out->replayed = r.replayed ? 1 : 0;
+  out->forward_only = r.forward_only ? 1 : 0;
+  out->grad_hidden_dtype = r.grad_hidden_dtype;
+  out->grad_hidden_bytes = r.grad_hidden_bytes;
+  out->per_token_loss_count = r.per_token_loss.size();
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace losshead::capi
+
+extern "C" int lh_step_many(lh_client* client, const lh_microbatch* mbs, size_t count,
+                            size_t pipeline_depth, lh_step_result* results, lh_status* status) {
+  using losshead::capi::Guarded;
+  return Guarded(status, [&]() -> absl::Status {
+    std::vector<losshead::client::Microbatch> batch;
+    batch.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      auto mb = losshead::capi::ToMicrobatch(mbs[i]);
+      if (!mb.ok()) return mb.status();
+      batch.push_back(*std::move(mb));
+    }
+    auto answers = client->client->StepMany(batch, std::max<size_t>(1, pipeline_depth));
+    for (size_t i = 0; i < count; ++i) {
+      results[i] = lh_step_result{};
+      losshead::capi::Report(losshead::capi::ToResult(mbs[i], answers[i], &results[i]),
+                             &results[i].status);
+    }
+    return absl::OkStatus();
+  });
+}

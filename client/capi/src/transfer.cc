@@ -1,0 +1,76 @@
+// Weights and gradients between the server and the caller's buffers.
+#include <span>
+
+#include "internal.h"
+
+namespace losshead::capi {
+namespace {
+
+std::span<std::byte> Out(void* data, size_t capacity) {
+  return {static_cast<std::byte*>(data), data == nullptr ? 0 : capacity};
+}
+
+}  // namespace
+}  // namespace losshead::capi
+
+extern "C" {
+
+int lh_push_weights(lh_client* client, const char* head, int dtype, const void* data, size_t bytes,
+                    int add, int has_expected_version, uint64_t expected_version,
+                    uint64_t* new_version, lh_status* status) {
+  return losshead::capi::Guarded(status, [&]() -> absl::Status {
+    losshead::client::PushRequest request;
+    request.head = head == nullptr ? "" : head;
+    request.dtype = static_cast<losshead::v1::DType>(dtype);
+    request.data = {static_cast<const std::byte*>(data), data == nullptr ? 0 : bytes};
+    request.mode = add != 0 ? losshead::v1::PUSH_MODE_ADD : losshead::v1::PUSH_MODE_REPLACE;
+    if (has_expected_version != 0) request.expected_weights_version = expected_version;
+    auto version = client->client->PushWeights(request);
+    if (!version.ok()) return version.status();
+    if (new_version != nullptr) *new_version = *version;
+    return absl::OkStatus();
+  });
+}
+
+int lh_pull_gradient(lh_client* client, const char* head, int dtype, int reset, void* out,
+                     size_t capacity, lh_gradient_summary* summary, lh_status* status) {
+  return losshead::capi::Guarded(status, [&]() -> absl::Status {
+    auto pulled = client->client->PullGradientInto(head == nullptr ? "" : head,
+                                                   static_cast<losshead::v1::DType>(dtype),
+                                                   reset != 0, losshead::capi::Out(out, capacity));
+    if (!pulled.ok()) return pulled.status();
+    if (summary != nullptr) {
+      *summary = lh_gradient_summary{
+          .vocab_size = pulled->vocab_size(),
+          .hidden_size = pulled->hidden_size(),
+          .dtype = pulled->dtype(),
+          .token_count = pulled->token_count(),
+          .microbatch_count = pulled->microbatch_count(),
+          .min_weights_version = pulled->min_weights_version(),
+          .max_weights_version = pulled->max_weights_version(),
+          .total_bytes = pulled->total_bytes(),
+          .was_reset = pulled->was_reset() ? 1 : 0,
+      };
+    }
+    return absl::OkStatus();
+  });
+}
+
+int lh_download_weights(lh_client* client, const char* head, int dtype, void* out, size_t capacity,
+                        lh_weights_info* info, lh_status* status) {
+  return losshead::capi::Guarded(status, [&]() -> absl::Status {
+    auto weights = client->client->DownloadWeightsInto(head == nullptr ? "" : head,
+                                                       static_cast<losshead::v1::DType>(dtype),
+                                                       losshead::capi::Out(out, capacity));
+    if (!weights.ok()) return weights.status();
+    if (info != nullptr) {
+      *info = lh_weights_info{.vocab_size = weights->vocab_size,
+                              .hidden_size = weights->hidden_size,
+                              .dtype = weights->dtype,
+                              .weights_version = weights->weights_version};
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,180 @@
+"""The PyTorch bridge against a running losshead server, beside a local head on the same data.
+
+Starts nothing: give it the address of a server (see client/python/README.md for the GPU-host
+command line). Measures, per data path (native C++ client, gRPC from Python) and stream count,
+RemoteLMHead forward + backward over one batch (median after warm-up; tokens/s and the
+trainer's extra device memory), the local head (F.linear + F.cross_entropy, eager and
+torch.compile) on the same hidden states and weights, and pull / push / download throughput
+from Python. The head is created with W ~ N(0, 0.02^2) and the local head copies it; hidden
+states are N(0, 1). Each remote result is checked against the local head before it is timed.
+
+    python3 client/python/benchmarks/bridge_bench.py --server 127.0.0.1:50051
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from losshead import Client, RemoteLMHead, native_available, native_library
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
+                    iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _extra_memory_mib(fn: Callable[[], object], device: torch.device) -> Optional[float]:
+    """Peak device memory of one call above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+
+
+Row = Tuple[str, float, float, Optional[float], str]
+
+
+def _fwd_bwd(loss_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor
+             ) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        h = hidden.detach().requires_grad_()
+        loss = loss_fn(h)
+        loss.backward()
+        return loss.detach()
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", required=True)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
+    p.add_argument("--chunk-tokens", type=int, default=4096)
+    p.add_argument("--streams", default="1,4", help="comma-separated stream counts")
+    p.add_argument("--paths", default="native",
+                   help="comma-separated: native (C++ client), grpc (Python only)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--no-local", action="store_true", help="skip the local-head rows")
+    p.add_argument("--no-transfers", action="store_true", help="skip pull / push / download")
+    p.add_argument("--token", default=os.environ.get("LOSSHEAD_TOKEN"))
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    v, d, n = args.vocab, args.hidden, args.tokens
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(n, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    head = f"bridge-bench-{os.getpid()}"
+    print(f"native library: {native_library() if native_available() else 'absent'}")
+    print(f"V={v} D={d} tokens/step={n} chunk_tokens={args.chunk_tokens} bf16 device={device}")
+
+    rows: List[Row] = []
+    with Client(args.server, token=args.token, native=False) as admin:
+        admin.create_head(head, v, d, weight_dtype=torch.bfloat16, init_std=0.02, seed=1)
+        try:
+            weight = admin.download_weights(head).weights.to(device)
+            with torch.no_grad():
+                local = F.cross_entropy(F.linear(hidden, weight).float(), targets)
+            for path in args.paths.split(","):
+                for streams in (int(s) for s in args.streams.split(",")):
+                    rows.append(_remote_row(args, path, streams, head, hidden, targets, device,
+                                            float(local), n))
+                    admin.pull_gradient(head, reset=True)  # keep dW bounded between rows
+            if not args.no_local:
+                rows += _local_rows(args, hidden, targets, weight, device, n)
+            transfers = [] if args.no_transfers else [
+                _transfer_rows(args, path, head, v, d) for path in args.paths.split(",")]
+        finally:
+            admin.delete_head(head)
+
+    print(f"\n{'path':<34} {'ms/step':>9} {'tokens/s':>10} {'extra MiB':>10}  note")
+    for name, ms, tps, mib, note in rows:
+        mem = f"{mib:10.0f}" if mib is not None else f"{'-':>10}"
+        print(f"{name:<34} {ms:9.1f} {tps:10,.0f} {mem}  {note}")
+    for t in transfers:
+        for name, gbps, note in t:
+            print(f"{name:<34} {gbps:9.2f} GB/s  {note}")
+
+
+def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
+                hidden: torch.Tensor, targets: torch.Tensor, device: torch.device,
+                local_loss: float, n: int) -> Row:
+    with Client(args.server, token=args.token, native=path == "native",
+                connections=streams) as c:
+        module = RemoteLMHead(c, head, chunk_tokens=args.chunk_tokens, streams=streams)
+        run = _fwd_bwd(lambda h: module(h, targets), hidden)
+        loss = float(run())
+        # The remote head must compute what the local one does before it is timed.
+        assert abs(loss - local_loss) <= 2e-2 * abs(local_loss), (loss, local_loss)
+        seconds = _median_seconds(run, device, args.warmup, args.iters)
+        mib = _extra_memory_mib(run, device)
+    return (f"RemoteLMHead {path}, {streams} stream(s)", seconds * 1e3, n / seconds, mib,
+            f"loss {loss:.4f} (local {local_loss:.4f})")
+
+
+def _local_rows(args: argparse.Namespace, hidden: torch.Tensor, targets: torch.Tensor,
+                weight: torch.Tensor, device: torch.device, n: int) -> List[Row]:
+    w = weight.detach().clone().requires_grad_()
+
+    def loss_fn(h: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(h, w).float(), targets)
+
+    rows = []
+    variants = [("local head, eager", loss_fn)]
+    if hasattr(torch, "compile"):
+        variants.append(("local head, torch.compile", torch.compile(loss_fn)))
+    for name, fn in variants:
+        run = _fwd_bwd(fn, hidden)
+        seconds = _median_seconds(run, device, args.warmup, args.iters)
+        w.grad = None
+        mib = _extra_memory_mib(run, device)
+        rows.append((name, seconds * 1e3, n / seconds, mib, "+ W and dW resident"))
+        w.grad = None
+    return rows
+
+
+def _transfer_rows(args: argparse.Namespace, path: str, head: str, v: int, d: int
+                   ) -> List[Tuple[str, float, str]]:
+    cpu = torch.device("cpu")
+    with Client(args.server, token=args.token, native=path == "native") as c:
+        w = c.download_weights(head).weights
+        fp32 = v * d * 4
+        pull = _median_seconds(lambda: c.pull_gradient(head), cpu, 1, args.iters)
+        push = _median_seconds(lambda: c.push_weights(head, w), cpu, 1, args.iters)
+        down = _median_seconds(lambda: c.download_weights(head), cpu, 1, args.iters)
+    bf16 = w.numel() * w.element_size()
+    return [(f"pull dW fp32 ({path})", fp32 / pull / 1e9, f"{fp32 / 2**20:.0f} MiB"),
+            (f"push W bf16 ({path})", bf16 / push / 1e9, f"{bf16 / 2**20:.0f} MiB"),
+            (f"download W bf16 ({path})", bf16 / down / 1e9, f"{bf16 / 2**20:.0f} MiB")]
+
+
+if __name__ == "__main__":
+    main()

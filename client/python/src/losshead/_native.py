@@ -1,0 +1,342 @@
+"""The native data path: the C++ client (liblosshead_capi.so, client/capi/) through ctypes.
+
+Tensors cross as pointers to their memory: hidden states and targets are read in place, dH and
+per-token losses are written by the C++ side straight into tensors allocated here, and pulls and
+downloads land in the result tensor. ctypes releases the GIL for the whole foreign call, so
+framing, (de)serialisation and I/O run outside it and one Python thread per Step stream drives
+the streams in parallel. Retries and idempotency are the C++ client's (the same policy as
+`losshead.retry`).
+
+The library is found at ``$LOSSHEAD_CAPI_LIB``, else beside this module (setup.py copies it in);
+``LOSSHEAD_NATIVE=0`` turns the native path off. Without it the client speaks gRPC from Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import grpc
+import torch
+
+from losshead import _wire
+from losshead._channel import TlsFiles
+from losshead._proto.losshead.v1 import losshead_pb2 as pb
+from losshead._step_stream import _Microbatch
+from losshead._types import StepResult
+from losshead.errors import LossheadError, status_code
+from losshead.retry import RetryPolicy
+
+_ABI_VERSION = 1
+_LIBRARY = "liblosshead_capi.so"
+_c = ctypes
+_p = ctypes.c_void_p
+
+
+class _Status(_c.Structure):
+    _fields_ = [("code", _c.c_int), ("retry_after_ms", _c.c_uint32), ("microbatch", _c.c_int),
+                ("message", _c.c_char * 1024)]
+
+
+class _IntArg(_c.Structure):
+    _fields_ = [("key", _c.c_char_p), ("value", _c.c_int)]
+
+
+class _MetadataPair(_c.Structure):
+    _fields_ = [("key", _c.c_char_p), ("value", _c.c_char_p)]
+
+
+class _Options(_c.Structure):
+    _fields_ = [("max_message_bytes", _c.c_uint64), ("max_receive_message_bytes", _c.c_uint64),
+                ("deadline_s", _c.c_double), ("dedicated_connection", _c.c_int),
+                ("tls", _c.c_int), ("tls_root_pem", _c.c_char_p), ("tls_cert_pem", _c.c_char_p),
+                ("tls_key_pem", _c.c_char_p), ("tls_server_name", _c.c_char_p),
+                ("bearer_token", _c.c_char_p), ("retry_max_attempts", _c.c_int),
+                ("retry_initial_backoff_s", _c.c_double), ("retry_max_backoff_s", _c.c_double),
+                ("retry_multiplier", _c.c_double), ("retry_jitter", _c.c_double),
+                ("channel_args", _c.POINTER(_IntArg)), ("num_channel_args", _c.c_size_t),
+                ("metadata", _c.POINTER(_MetadataPair)), ("num_metadata", _c.c_size_t)]
+
+
+class _CMicrobatch(_c.Structure):
+    _fields_ = [("head", _c.c_char_p), ("client_id", _c.c_char_p), ("sequence", _c.c_uint64),
+                ("num_tokens", _c.c_int64), ("hidden_dtype", _c.c_int), ("hidden", _p),
+                ("hidden_bytes", _c.c_size_t), ("target_dtype", _c.c_int), ("targets", _p),
+                ("targets_bytes", _c.c_size_t), ("options", _c.c_char_p),
+                ("options_bytes", _c.c_size_t), ("loss_options", _c.c_char_p),
+                ("loss_options_bytes", _c.c_size_t), ("grad_hidden_out", _p),
+                ("grad_hidden_capacity", _c.c_size_t),
+                ("per_token_loss_out", _c.POINTER(_c.c_float)),
+                ("per_token_loss_capacity", _c.c_size_t)]
+
+
+class _CStepResult(_c.Structure):
+    _fields_ = [("status", _Status), ("loss", _c.c_double), ("loss_sum", _c.c_double),
+                ("token_count", _c.c_int64), ("weights_version", _c.c_uint64),
+                ("replayed", _c.c_int), ("forward_only", _c.c_int),
+                ("grad_hidden_dtype", _c.c_int), ("grad_hidden_bytes", _c.c_uint64),
+                ("per_token_loss_count", _c.c_uint64)]
+
+
+class _GradientSummary(_c.Structure):
+    _fields_ = [("vocab_size", _c.c_int64), ("hidden_size", _c.c_int64), ("dtype", _c.c_int),
+                ("token_count", _c.c_uint64), ("microbatch_count", _c.c_uint64),
+                ("min_weights_version", _c.c_uint64), ("max_weights_version", _c.c_uint64),
+                ("total_bytes", _c.c_uint64), ("was_reset", _c.c_int)]
+
+
+class _WeightsInfo(_c.Structure):
+    _fields_ = [("vocab_size", _c.c_int64), ("hidden_size", _c.c_int64), ("dtype", _c.c_int),
+                ("weights_version", _c.c_uint64)]
+
+
+_S = _c.POINTER(_Status)
+_SIGNATURES = {
+    "lh_capi_version": (_c.c_int, []),
+    "lh_client_connect": (_c.c_int, [_c.c_char_p, _c.POINTER(_Options), _c.POINTER(_p), _S]),
+    "lh_client_free": (None, [_p]),
+    "lh_client_set_token": (None, [_p, _c.c_char_p]),
+    "lh_client_retries": (_c.c_uint64, [_p]),
+    "lh_step_many": (_c.c_int, [_p, _c.POINTER(_CMicrobatch), _c.c_size_t, _c.c_size_t,
+                                _c.POINTER(_CStepResult), _S]),
+    "lh_push_weights": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _p, _c.c_size_t, _c.c_int,
+                                   _c.c_int, _c.c_uint64, _c.POINTER(_c.c_uint64), _S]),
+    "lh_pull_gradient": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _c.c_int, _p, _c.c_size_t,
+                                    _c.POINTER(_GradientSummary), _S]),
+    "lh_download_weights": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _p, _c.c_size_t,
+                                       _c.POINTER(_WeightsInfo), _S]),
+}
+
+_lock = threading.Lock()
+_loaded: Optional[Tuple[Optional[ctypes.CDLL], str]] = None
+
+
+def _candidates() -> List[Path]:
+    given = os.environ.get("LOSSHEAD_CAPI_LIB")
+    return [Path(given)] if given else [Path(__file__).resolve().parent / _LIBRARY]
+
+
+def _load() -> Tuple[Optional[ctypes.CDLL], str]:
+    """(library, where it came from) or (None, why not); loaded once per process."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if os.environ.get("LOSSHEAD_NATIVE", "1") == "0":
+            _loaded = (None, "LOSSHEAD_NATIVE=0")
+            return _loaded
+        why = f"{_LIBRARY} not found"
+        for path in _candidates():
+            if not path.is_file():
+                why = f"{path} does not exist"
+                continue
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                why = f"cannot load {path}: {e}"
+                continue
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+            if lib.lh_capi_version() != _ABI_VERSION:
+                why = f"{path} speaks ABI {lib.lh_capi_version()}, this package {_ABI_VERSION}"
+                continue
+            _loaded = (lib, str(path))
+            return _loaded
+        _loaded = (None, why)
+        return _loaded
+
+
+def native_available() -> bool:
+    """Whether the native library is loaded (then clients use it unless told otherwise)."""
+    return _load()[0] is not None
+
+
+def native_library() -> str:
+    """The loaded library's path, or why none is loaded."""
+    return _load()[1]
+
+
+def _error(status: _Status, client_id: Optional[str] = None,
+           sequence: Optional[int] = None) -> LossheadError:
+    """A micro-batch's own error names it (as the gRPC path's); a call's does not."""
+    mine = bool(status.microbatch)
+    return LossheadError(status_code(status.code), status.message.decode(errors="replace"),
+                         client_id=client_id if mine else None,
+                         sequence=sequence if mine else None,
+                         retry_after_ms=status.retry_after_ms)
+
+
+def _ptr(t: torch.Tensor) -> Optional[int]:
+    return t.data_ptr() if t.numel() else None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+_Outcome = Union[StepResult, LossheadError]
+
+
+class NativeClient:
+    """One C++ Client (one gRPC channel, or a dedicated connection) behind the C ABI."""
+
+    def __init__(self, target: str, *, retry: RetryPolicy, timeout: Optional[float],
+                 max_message_bytes: int, tls: Optional[TlsFiles],
+                 tls_server_name: Optional[str], token: Optional[str],
+                 metadata: Sequence[Tuple[str, str]], channel_args: Sequence[Tuple[str, Any]],
+                 dedicated: bool) -> None:
+        lib = _load()[0]
+        if lib is None:
+            raise LossheadError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no native library: {native_library()}")
+        self._lib = lib
+        ints = [(k.encode(), int(v)) for k, v in channel_args
+                if isinstance(v, int) and not k.startswith("grpc.max_")]
+        args = (_IntArg * max(1, len(ints)))(*[_IntArg(k, v) for k, v in ints])
+        md = (_MetadataPair * max(1, len(metadata)))(
+            *[_MetadataPair(k.encode(), v.encode()) for k, v in metadata])
+        opts = _Options(
+            max_message_bytes=max_message_bytes, max_receive_message_bytes=64 << 20,
+            deadline_s=float(timeout) if timeout is not None else 0.0,
+            dedicated_connection=int(dedicated), tls=int(tls is not None),
+            tls_root_pem=tls.root_ca if tls else None, tls_cert_pem=tls.cert if tls else None,
+            tls_key_pem=tls.key if tls else None,
+            tls_server_name=tls_server_name.encode() if tls_server_name else None,
+            bearer_token=token.encode() if token else None,
+            retry_max_attempts=retry.attempts, retry_initial_backoff_s=retry.initial_backoff,
+            retry_max_backoff_s=retry.max_backoff, retry_multiplier=retry.multiplier,
+            retry_jitter=retry.jitter, channel_args=args, num_channel_args=len(ints),
+            metadata=md, num_metadata=len(metadata))
+        handle, status = _p(), _Status()
+        if lib.lh_client_connect(target.encode(), _c.byref(opts), _c.byref(handle),
+                                 _c.byref(status)):
+            raise _error(status)
+        self._handle: Optional[int] = handle.value
+        self._closed_retries = 0
+
+    def close(self) -> None:
+        if self._handle:
+            self._closed_retries = self.retries  # still readable once closed
+            self._lib.lh_client_free(self._handle)
+            self._handle = None
+
+    def _live(self) -> int:
+        if not self._handle:
+            raise LossheadError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
+        return self._handle
+
+    def __del__(self) -> None:
+        self.close()
+
+    def set_token(self, token: Optional[str]) -> None:
+        if self._handle:
+            self._lib.lh_client_set_token(self._handle, token.encode() if token else None)
+
+    @property
+    def retries(self) -> int:
+        if not self._handle:
+            return self._closed_retries
+        return int(self._lib.lh_client_retries(self._handle))
+
+    # -- steps ------------------------------------------------------------------------------
+    def step_many(self, mbs: Sequence[_Microbatch], depth: int) -> List[_Outcome]:
+        """Client::StepMany over one stream at a time; outcomes in input order."""
+        n = len(mbs)
+        keep: List[Any] = []  # what the C structs point to, alive until the call returns
+        outs: List[Tuple[Optional[torch.Tensor], torch.Tensor]] = []
+        cmbs = (_CMicrobatch * n)()
+        for i, mb in enumerate(mbs):
+            h = mb.header
+            dh = mb.grad_hidden_out
+            if dh is None and not h.options.skip_grad_hidden:
+                dh = torch.empty((h.num_tokens, mb.hidden_size), dtype=_grad_dtype(h))
+            # Always room for them: a replayed answer carries them if the first attempt asked.
+            ptl = torch.empty(max(0, h.num_tokens), dtype=torch.float32)
+            outs.append((dh, ptl))
+            fields = (h.head.encode(), h.client_id.encode(), h.options.SerializeToString(),
+                      h.loss_options.SerializeToString())
+            keep.append(fields)
+            c = cmbs[i]
+            c.head, c.client_id, c.options, c.loss_options = fields
+            c.options_bytes, c.loss_options_bytes = len(fields[2]), len(fields[3])
+            c.sequence, c.num_tokens = h.sequence, h.num_tokens
+            c.hidden_dtype, c.target_dtype = h.hidden_dtype, h.target_dtype
+            c.hidden, c.hidden_bytes = _ptr(mb.hidden), _nbytes(mb.hidden)
+            c.targets, c.targets_bytes = _ptr(mb.targets), _nbytes(mb.targets)
+            if dh is not None:
+                c.grad_hidden_out, c.grad_hidden_capacity = _ptr(dh), _nbytes(dh)
+            if ptl.numel():
+                c.per_token_loss_out = _c.cast(ptl.data_ptr(), _c.POINTER(_c.c_float))
+                c.per_token_loss_capacity = ptl.numel()
+        results, status = (_CStepResult * n)(), _Status()
+        if n and self._lib.lh_step_many(self._live(), cmbs, n, max(1, depth), results,
+                                        _c.byref(status)):
+            raise _error(status)
+        return [_outcome(mb, r, dh, ptl) for mb, r, (dh, ptl) in zip(mbs, results, outs)]
+
+    # -- transfers --------------------------------------------------------------------------
+    def push(self, head: str, data: torch.Tensor, dtype: int, add: bool,
+             expected_weights_version: Optional[int]) -> int:
+        version, status = _c.c_uint64(), _Status()
+        if self._lib.lh_push_weights(
+                self._live(), head.encode(), dtype, _ptr(data), _nbytes(data), int(add),
+                int(expected_weights_version is not None), int(expected_weights_version or 0),
+                _c.byref(version), _c.byref(status)):
+            raise _error(status)
+        return int(version.value)
+
+    def pull_into(self, head: str, dtype: int, reset: bool, out: torch.Tensor
+                  ) -> _GradientSummary:
+        summary, status = _GradientSummary(), _Status()
+        if self._lib.lh_pull_gradient(self._live(), head.encode(), dtype, int(reset), _ptr(out),
+                                      _nbytes(out), _c.byref(summary), _c.byref(status)):
+            raise _error(status)
+        return summary
+
+    def download_into(self, head: str, dtype: int, out: torch.Tensor) -> _WeightsInfo:
+        info, status = _WeightsInfo(), _Status()
+        if self._lib.lh_download_weights(self._live(), head.encode(), dtype, _ptr(out),
+                                         _nbytes(out), _c.byref(info), _c.byref(status)):
+            raise _error(status)
+        return info
+
+
+def _grad_dtype(header: pb.StepHeader) -> torch.dtype:
+    """The dH dtype the server will send (StepOptions.grad_hidden_dtype, else hidden's)."""
+    wire = header.options.grad_hidden_dtype or header.hidden_dtype
+    return _wire.to_torch_dtype(wire)
+
+
+def _outcome(mb: _Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
+             ptl: Optional[torch.Tensor]) -> _Outcome:
+    client_id, sequence = mb.key
+    if r.status.code:
+        return _error(r.status, client_id, sequence)
+    if mb.header.options.forward_only and not r.forward_only:
+        # A server that predates forward_only ignores it: this micro-batch was added to dW.
+        return LossheadError(grpc.StatusCode.UNIMPLEMENTED,
+                             f"micro-batch {sequence}: the server does not support "
+                             "forward_only and counted it in dW (upgrade the server)",
+                             client_id=client_id, sequence=sequence)
+    grad_hidden = None
+    if r.grad_hidden_bytes:
+        if dh is None or r.grad_hidden_bytes != _nbytes(dh) or (
+                _wire.to_torch_dtype(r.grad_hidden_dtype) != dh.dtype):
+            return LossheadError(grpc.StatusCode.INTERNAL,
+                                 f"micro-batch {sequence}: dH of {r.grad_hidden_bytes} bytes "
+                                 f"of wire dtype {r.grad_hidden_dtype}, expected "
+                                 f"{tuple(dh.shape) if dh is not None else 'none'} of "
+                                 f"{dh.dtype if dh is not None else '-'}",
+                                 client_id=client_id, sequence=sequence)
+        grad_hidden = dh
+    per_token_loss = None
+    if ptl is not None and r.per_token_loss_count:
+        per_token_loss = ptl[:r.per_token_loss_count]
+    return StepResult(loss=r.loss, loss_sum=r.loss_sum, token_count=r.token_count,
+                      weights_version=r.weights_version, replayed=bool(r.replayed),
+                      client_id=client_id, sequence=sequence, grad_hidden=grad_hidden,
+                      per_token_loss=per_token_loss, forward_only=bool(r.forward_only))

@@ -1,0 +1,306 @@
+"""The pure-grpcio Step path: micro-batches framed into StepRequest messages by Python, one
+stream at a time, and the retry schedule over it (the C++ client's StepMany, in Python).
+
+Used where the native library is absent, or where the caller hands the client its own gRPC
+channel (interceptors see every message); otherwise `losshead._native` carries the steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Tuple, Union
+
+import grpc
+import torch
+
+from losshead import _wire
+from losshead._proto.losshead.v1 import losshead_pb2 as pb
+from losshead._types import StepResult
+from losshead.errors import LossheadError, status_code
+from losshead.retry import is_retryable
+
+if TYPE_CHECKING:
+    from losshead.client import Client
+
+
+@dataclass
+class _Microbatch:
+    """One micro-batch, ready to be framed: its header and its tensors as the wire carries them.
+
+    `hidden` (N x D) and `targets` (N) are contiguous CPU tensors of the header's wire dtypes,
+    read in place by whichever path sends them. `grad_hidden_out`, when set, is a contiguous CPU
+    tensor (N x D, the expected dH dtype) that the native path writes dH into.
+    """
+
+    header: pb.StepHeader
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    hidden_size: int
+    grad_hidden_out: Optional[torch.Tensor] = None
+
+    @property
+    def key(self) -> Tuple[str, int]:
+        return self.header.client_id, self.header.sequence
+
+    def messages(self, piece_bytes: int) -> Iterator[pb.StepRequest]:
+        """Header + pieces + last, each message carrying at most `piece_bytes` of tensor data."""
+        hidden, targets = _wire.byte_view(self.hidden), _wire.byte_view(self.targets)
+        h_off = t_off = 0
+        first = True
+        while True:
+            budget = piece_bytes
+            h_piece = hidden[h_off:h_off + budget]
+            h_off += len(h_piece)
+            budget -= len(h_piece)
+            t_piece = targets[t_off:t_off + budget] if budget > 0 else targets[t_off:t_off]
+            t_off += len(t_piece)
+            last = h_off == len(hidden) and t_off == len(targets)
+            msg = pb.StepRequest(hidden=bytes(h_piece), targets=bytes(t_piece), last=last)
+            if first:
+                msg.header.CopyFrom(self.header)
+                first = False
+            yield msg
+            if last:
+                return
+
+
+class StepStream:
+    """One Step call: micro-batches go out in submission order and come back in that order.
+
+    `submit` only queues; gRPC's own thread frames and sends, so the next micro-batch travels
+    while the caller reads the answer of the previous one with `receive`. A failed micro-batch
+    raises LossheadError from `receive` and the stream goes on; a failed call raises
+    LossheadError from `receive` for every micro-batch still unanswered.
+    """
+
+    def __init__(self, client: "Client", connection: int = 0) -> None:
+        self._client = client
+        self._queue: "queue.Queue[Optional[_Microbatch]]" = queue.Queue()
+        self._pending: Deque[_Microbatch] = collections.deque()
+        stub = client._step_stubs[connection % len(client._step_stubs)]
+        self._call = stub.Step(self._requests(), metadata=client._metadata)
+        self._responses = iter(self._call)
+        self._broken: Optional[LossheadError] = None
+        self._closed = False
+
+    def _requests(self) -> Iterator[pb.StepRequest]:
+        while True:
+            mb = self._queue.get()
+            if mb is None:
+                return
+            yield from mb.messages(self._client.piece_bytes)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, mb: _Microbatch) -> None:
+        if self._closed or self._broken is not None:
+            raise LossheadError(grpc.StatusCode.FAILED_PRECONDITION, "step stream is closed")
+        self._pending.append(mb)
+        self._queue.put(mb)
+
+    def _next_response(self) -> pb.StepResponse:
+        if self._broken is not None:
+            raise self._broken
+        try:
+            return next(self._responses)
+        except StopIteration:
+            self._broken = LossheadError(
+                grpc.StatusCode.INTERNAL,
+                f"Step stream ended with {len(self._pending)} micro-batch(es) unanswered")
+        except grpc.RpcError as e:
+            self._broken = LossheadError.from_rpc_error(e)
+        raise self._broken
+
+    def receive(self) -> StepResult:
+        """The answer to the oldest unanswered micro-batch."""
+        if not self._pending:
+            raise LossheadError(grpc.StatusCode.FAILED_PRECONDITION, "nothing submitted")
+        mb = self._pending[0]
+        first = self._next_response()
+        client_id, sequence = mb.key
+        if (first.client_id, first.sequence) != (client_id, sequence):
+            self._broken = LossheadError(
+                grpc.StatusCode.INTERNAL,
+                f"answer for ({first.client_id}, {first.sequence}) while expecting "
+                f"({client_id}, {sequence})")
+            raise self._broken
+        self._pending.popleft()
+        outcome = first.WhichOneof("outcome")
+        if outcome == "error":
+            if not first.last:  # an error is the micro-batch's only message
+                self._drain_until_last()
+            raise LossheadError(status_code(first.error.code), first.error.message,
+                                client_id=client_id, sequence=sequence,
+                                retry_after_ms=first.error.retry_after_ms)
+        if outcome != "result":
+            self._broken = LossheadError(grpc.StatusCode.INTERNAL,
+                                         "first answer of a micro-batch has no result")
+            raise self._broken
+        res = first.result
+        dh = bytearray(res.grad_hidden_bytes)
+        ptl = bytearray(res.per_token_loss_bytes)
+        dh_off = ptl_off = 0
+        msg = first
+        while True:
+            if msg.grad_hidden:
+                dh[dh_off:dh_off + len(msg.grad_hidden)] = msg.grad_hidden
+                dh_off += len(msg.grad_hidden)
+            if msg.per_token_loss:
+                ptl[ptl_off:ptl_off + len(msg.per_token_loss)] = msg.per_token_loss
+                ptl_off += len(msg.per_token_loss)
+            if msg.last:
+                break
+            msg = self._next_response()
+        if dh_off != len(dh) or ptl_off != len(ptl):
+            raise LossheadError(grpc.StatusCode.INTERNAL,
+                                f"micro-batch {sequence}: got {dh_off}/{len(dh)} dH bytes and "
+                                f"{ptl_off}/{len(ptl)} per-token loss bytes",
+                                client_id=client_id, sequence=sequence)
+        if mb.header.options.forward_only and not res.forward_only:
+            # A server that predates forward_only ignores it: this micro-batch was added to dW.
+            # Saying so is all that is left to do; pretending it was an evaluation is not.
+            raise LossheadError(grpc.StatusCode.UNIMPLEMENTED,
+                                f"micro-batch {sequence}: the server does not support "
+                                "forward_only and counted it in dW (upgrade the server)",
+                                client_id=client_id, sequence=sequence)
+        n = mb.header.num_tokens
+        grad_hidden = per_token_loss = None
+        if res.grad_hidden_bytes:
+            grad_hidden = _wire.decode(dh, res.grad_hidden_dtype, (n, mb.hidden_size))
+        if res.per_token_loss_bytes:
+            per_token_loss = _wire.decode(ptl, pb.DTYPE_FP32, (n,))
+        return StepResult(loss=res.loss, loss_sum=res.loss_sum, token_count=res.token_count,
+                          weights_version=res.weights_version, replayed=res.replayed,
+                          client_id=client_id, sequence=sequence, grad_hidden=grad_hidden,
+                          per_token_loss=per_token_loss, forward_only=res.forward_only)
+
+    def _drain_until_last(self) -> None:
+        while not self._next_response().last:
+            pass
+
+    def unanswered(self) -> List[_Microbatch]:
+        return list(self._pending)
+
+    def close(self) -> None:
+        """Half-closes the stream; cancels it if micro-batches are still unanswered."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        if self._pending or self._broken is not None:
+            self._call.cancel()
+            return
+        try:
+            for _ in self._responses:  # collect the final status
+                pass
+        except grpc.RpcError:
+            pass
+
+    def __enter__(self) -> "StepStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_Outcome = Union[StepResult, LossheadError]
+
+
+class _StepPipeline:
+    """Micro-batches over one Step stream at a time, each re-sent under its idempotency key.
+
+    The same scheduling as the C++ client's StepMany: up to `depth` micro-batches are on the
+    stream; one answered with a retryable error (RESOURCE_EXHAUSTED with a retry hint, or
+    UNAVAILABLE) is re-sent with the same (client_id, sequence) once its backoff has passed; when
+    the call itself fails (server restart, drain, dropped connection) every micro-batch still
+    unanswered on it is re-sent on a new stream. A resend of one that had landed is answered
+    from the server's idempotency cache (`replayed`), so nothing is counted twice. Outcomes are
+    yielded in input order; at most `depth` micro-batches are unsettled or held for ordering.
+    """
+
+    def __init__(self, client: "Client", connection: int = 0,
+                 depth: Optional[int] = None) -> None:
+        self._client = client
+        self._connection = connection
+        self._depth = float("inf") if depth is None else max(1, int(depth))
+
+    def run(self, source: Iterator[Tuple[int, _Microbatch]]
+            ) -> Iterator[Tuple[int, _Outcome]]:
+        """(index, micro-batch) pairs in increasing index order -> (index, outcome) pairs."""
+        client, policy, depth = self._client, self._client.retry, self._depth
+        unsettled: Dict[int, _Microbatch] = {}
+        attempts: Dict[int, int] = {}
+        order: Deque[int] = collections.deque()  # indices taken from `source`, not yet yielded
+        held: Dict[int, _Outcome] = {}
+        todo: List[Tuple[int, float]] = []  # (index, earliest resend time), in scheduling order
+        sent: Deque[int] = collections.deque()  # on `stream`, not yet answered
+        stream: Optional[StepStream] = None
+        exhausted = False
+
+        def settle(i: int, outcome: _Outcome) -> None:
+            if (isinstance(outcome, LossheadError) and is_retryable(outcome)
+                    and attempts[i] < policy.attempts):
+                client._count_retry()
+                todo.append((i, time.monotonic() + policy.delay(attempts[i], outcome)))
+                return
+            del unsettled[i], attempts[i]
+            held[i] = outcome
+
+        def ready() -> Iterator[Tuple[int, _Outcome]]:
+            while order and order[0] in held:
+                i = order.popleft()
+                yield i, held.pop(i)
+
+        try:
+            while True:
+                # Fill the stream: resends whose backoff has passed first, then new ones.
+                while len(sent) < depth:
+                    now = time.monotonic()
+                    due = next((k for k, (_, t) in enumerate(todo) if t <= now), None)
+                    if due is not None:
+                        i = todo.pop(due)[0]
+                    elif not exhausted and len(unsettled) + len(held) < depth:
+                        nxt = next(source, None)
+                        if nxt is None:
+                            exhausted = True
+                            continue
+                        i, mb = nxt
+                        unsettled[i], attempts[i] = mb, 0
+                        order.append(i)
+                    else:
+                        break
+                    if stream is None:
+                        stream = StepStream(client, connection=self._connection)
+                    attempts[i] += 1
+                    stream.submit(unsettled[i])
+                    sent.append(i)
+                if not sent:
+                    if not todo:
+                        if exhausted:
+                            return
+                        continue
+                    # Everything left is backing off: sleep until the earliest may go.
+                    time.sleep(max(0.0, min(t for _, t in todo) - time.monotonic()))
+                    continue
+                i = sent.popleft()
+                try:
+                    outcome: _Outcome = stream.receive()  # type: ignore[union-attr]
+                except LossheadError as e:
+                    outcome = e
+                settle(i, outcome)
+                if isinstance(outcome, LossheadError) and outcome.sequence is None:
+                    # The call itself ended: it owes every other micro-batch on it the same
+                    # status. Start over on a new stream; re-sent keys that did land replay.
+                    while sent:
+                        settle(sent.popleft(), LossheadError(outcome.code, outcome.message))
+                    stream.close()  # type: ignore[union-attr]
+                    stream = None
+                yield from ready()
+        finally:
+            if stream is not None:
+                stream.close()

@@ -1,0 +1,214 @@
+"""Steps: micro-batches of hidden states and targets in, loss and dH out, dW accumulating.
+
+The native path hands each Step stream's micro-batches to the C++ client's StepMany in one
+foreign call (GIL released) per stream, one Python thread per stream; hidden states are read
+from the tensors in place and dH is written into its result tensor (for a batch from a CUDA
+tensor: pinned host memory, so that the copy back to the device is one DMA). The gRPC path
+(`losshead._step_stream`) is the fallback, and serves `open_step_stream` and `step_stream`,
+whose callers schedule micro-batches one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import grpc
+import torch
+
+from losshead import _wire
+from losshead._base import ClientBase
+from losshead._proto.losshead.v1 import losshead_pb2 as pb
+from losshead._step_stream import StepStream, _Microbatch, _Outcome, _StepPipeline
+from losshead._types import (LossOptions, ReductionLike, StepResult, combine_results,
+                             to_reduction)
+from losshead._wire import DTypeLike
+from losshead.errors import LossheadError
+
+_WIRE_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Steps(ClientBase):
+    """The step methods of `losshead.Client`."""
+
+    def open_step_stream(self) -> StepStream:
+        """A raw Step stream, for callers that schedule micro-batches themselves."""
+        return StepStream(self)
+
+    def microbatch(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
+                   hidden_dtype: Optional[DTypeLike] = None, target_dtype: DTypeLike = torch.int64,
+                   reduction: ReductionLike = None, grad_scale: Optional[float] = None,
+                   loss_options: Optional[LossOptions] = None,
+                   expected_weights_version: Optional[int] = None,
+                   return_per_token_loss: bool = False, skip_grad_hidden: bool = False,
+                   grad_hidden_dtype: Optional[DTypeLike] = None,
+                   sequence: Optional[int] = None, forward_only: bool = False) -> _Microbatch:
+        """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
+
+        Nothing is validated here beyond what encoding needs: the server is the judge and
+        answers bad input with INVALID_ARGUMENT and friends.
+        """
+        if hidden.dim() == 0:
+            raise LossheadError(grpc.StatusCode.INVALID_ARGUMENT, "hidden must have a last dim D")
+        d = hidden.shape[-1]
+        h2 = hidden.reshape(-1, d)
+        wire_h = hidden_dtype if hidden_dtype is not None else _default_wire(hidden)
+        opts = pb.StepOptions(reduction=to_reduction(reduction),
+                              return_per_token_loss=return_per_token_loss,
+                              skip_grad_hidden=skip_grad_hidden, forward_only=forward_only)
+        if grad_scale is not None:
+            opts.grad_scale = float(grad_scale)
+        if expected_weights_version is not None:
+            opts.expected_weights_version = int(expected_weights_version)
+        if grad_hidden_dtype is not None:
+            opts.grad_hidden_dtype = _wire.to_wire_dtype(grad_hidden_dtype)
+        header = pb.StepHeader(
+            head=head, client_id=self.client_id,
+            sequence=int(sequence) if sequence is not None else self.next_sequence(),
+            num_tokens=h2.shape[0], hidden_dtype=_wire.to_wire_dtype(wire_h),
+            target_dtype=_wire.to_wire_dtype(target_dtype), options=opts)
+        if loss_options is not None:
+            header.loss_options.CopyFrom(loss_options.to_proto())
+        return _Microbatch(header=header, hidden=_wire.host_tensor(h2, wire_h),
+                           targets=_wire.host_tensor(targets.reshape(-1), target_dtype),
+                           hidden_size=d)
+
+    def run_microbatches(self, mbs: Sequence[_Microbatch], *, streams: int = 1,
+                         max_inflight: Optional[int] = None) -> List[StepResult]:
+        """Runs micro-batches pipelined over `streams` Step streams; results in input order.
+
+        Micro-batch k goes on stream k % streams; each stream has up to `max_inflight` of them
+        on the wire (default: all at once; gRPC sends in the background while answers are
+        read), so the upload of micro-batch k+1 overlaps the computation and dH download of
+        micro-batch k. With one stream and `max_inflight=1`, dW accumulates in the given order.
+
+        Retries follow `self.retry`: a micro-batch refused with a retry hint (backpressure) or
+        lost with its call (UNAVAILABLE) is re-sent with its original (client_id, sequence), on
+        a fresh stream when the call ended; the server replays those it already counted. The
+        first failed micro-batch raises its LossheadError once every micro-batch is settled.
+        """
+        n_streams = max(1, min(streams, len(mbs)))
+        outcomes: List[Optional[_Outcome]] = [None] * len(mbs)
+        failures: List[BaseException] = []
+        run_lane = self._native_lane if self._natives else self._grpc_lane
+
+        def lane(j: int) -> None:
+            try:
+                run_lane(j, mbs, range(j, len(mbs), n_streams), max_inflight, outcomes)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                failures.append(e)
+
+        threads = [threading.Thread(target=lane, args=(j,), daemon=True,
+                                    name=f"losshead-step-{j}") for j in range(1, n_streams)]
+        for t in threads:
+            t.start()
+        lane(0)
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
+        for o in outcomes:
+            if isinstance(o, LossheadError):
+                raise o
+        return [o for o in outcomes if isinstance(o, StepResult)]
+
+    def _grpc_lane(self, j: int, mbs: Sequence[_Microbatch], indices: range,
+                   max_inflight: Optional[int], outcomes: List[Optional[_Outcome]]) -> None:
+        pipeline = _StepPipeline(self, connection=j, depth=max_inflight)
+        for i, outcome in pipeline.run((i, mbs[i]) for i in indices):
+            outcomes[i] = outcome
+
+    def _native_lane(self, j: int, mbs: Sequence[_Microbatch], indices: range,
+                     max_inflight: Optional[int], outcomes: List[Optional[_Outcome]]) -> None:
+        native = self._natives[j % len(self._natives)]
+        depth = max_inflight if max_inflight is not None else len(indices)
+        for i, outcome in zip(indices, native.step_many([mbs[i] for i in indices], depth)):
+            outcomes[i] = outcome
+
+    def step(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, **options: object
+             ) -> StepResult:
+        """One micro-batch: loss and dH for hidden (..., D) and targets (...); dW accumulates.
+
+        Options (all optional): hidden_dtype (wire dtype of hidden; default its own dtype, bf16
+        for others), target_dtype (int64), reduction ("mean" | "sum" | "none"), grad_scale,
+        loss_options (LossOptions), expected_weights_version, return_per_token_loss,
+        skip_grad_hidden, grad_hidden_dtype, sequence (reuse one to retry by hand),
+        forward_only (evaluation: the loss, and dH unless skip_grad_hidden, without adding to dW
+        or to the pull's token and micro-batch counts; never replayed, a retry recomputes; a
+        server without it raises UNIMPLEMENTED after having counted the micro-batch).
+        Transient failures are retried under the same key (see `run_microbatches`).
+        """
+        return self.run_microbatches([self.microbatch(head, hidden, targets, **options)])[0]
+
+    def step_stream(self, head: str, batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], *,
+                    max_inflight: int = 4, return_errors: bool = False, **options: object
+                    ) -> Iterator[Union[StepResult, LossheadError]]:
+        """Pipelines (hidden, targets) micro-batches over one Step stream, yielding in order.
+
+        Up to `max_inflight` micro-batches are on the wire (or waiting to be yielded) at once.
+        Transient failures are retried under the same key as in `run_microbatches`, on a new
+        stream when the call ended. A failed micro-batch raises its LossheadError (or is
+        yielded, with `return_errors`) and the others go on.
+        """
+        source = ((k, self.microbatch(head, h, t, **options))  # type: ignore[arg-type]
+                  for k, (h, t) in enumerate(batches))
+        for _, outcome in _StepPipeline(self, depth=max_inflight).run(source):
+            if isinstance(outcome, LossheadError):
+                if not return_errors or outcome.sequence is None:
+                    raise outcome
+            yield outcome
+
+    def step_chunked(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
+                     chunk_tokens: int = 4096, streams: int = 2, reduction: ReductionLike = "sum",
+                     **options: object) -> StepResult:
+        """One large batch as several micro-batches of <= `chunk_tokens` tokens, pipelined.
+
+        Each chunk is its own micro-batch (own sequence number), so the reduction must not
+        depend on the chunking: "sum" (default) or "none". For the mean, step with "sum" and
+        divide by `token_count`. The combined result carries summed loss and token count, the
+        concatenated dH and per-token losses, and the lowest weights version seen.
+        """
+        red = to_reduction(reduction)
+        if red not in (pb.REDUCTION_SUM, pb.REDUCTION_NONE):
+            raise ValueError("step_chunked: reduction must be 'sum' or 'none'; the server's mean "
+                             "is per micro-batch")
+        d = hidden.shape[-1]
+        wire = _wire.to_torch_dtype(
+            options.pop("hidden_dtype", None) or _default_wire(hidden))  # type: ignore[arg-type]
+        # One device-to-host copy for the whole batch instead of one per chunk.
+        h2 = _staged(hidden.detach().reshape(-1, d), wire)
+        t1 = targets.detach().reshape(-1).cpu()
+        n = h2.shape[0]
+        bounds = [(a, min(n, a + chunk_tokens)) for a in range(0, max(n, 1), chunk_tokens)]
+        mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
+                               hidden_dtype=wire, **options) for a, b in bounds]
+        grad = None
+        if self._natives and not options.get("skip_grad_hidden"):
+            # The chunks' dH lands in one tensor: no concatenation afterwards.
+            grad_dtype = _wire.to_torch_dtype(
+                options.get("grad_hidden_dtype") or wire)  # type: ignore[arg-type]
+            grad = torch.empty((n, d), dtype=grad_dtype, pin_memory=hidden.is_cuda)
+            for mb, (a, b) in zip(mbs, bounds):
+                mb.grad_hidden_out = grad[a:b]
+        parts = self.run_microbatches(mbs, streams=streams)
+        if grad is None or any(p.grad_hidden is None for p in parts):
+            return combine_results(parts)
+        combined = combine_results([dataclasses.replace(p, grad_hidden=None) for p in parts])
+        combined.grad_hidden = grad
+        return combined
+
+
+def _default_wire(hidden: torch.Tensor) -> torch.dtype:
+    """Hidden states travel in their own dtype when the wire has it, else in bf16."""
+    return hidden.dtype if hidden.dtype in _WIRE_FLOATS else torch.bfloat16
+
+
+def _staged(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`hidden` as a contiguous CPU tensor of `dtype`, read in place when it already is one; a
+    CUDA tensor is copied into pinned host memory (torch's caching host allocator reuses it)."""
+    if not hidden.is_cuda:
+        return _wire.host_tensor(hidden, dtype)
+    staged = torch.empty(hidden.shape, dtype=dtype, pin_memory=True)
+    staged.copy_(hidden.to(dtype))
+    return staged

@@ -1,0 +1,144 @@
+"""The package's value types: loss options, step results, gradients, weights, progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from losshead._proto.losshead.v1 import losshead_pb2 as pb
+
+ReductionLike = Union[str, int, None]
+
+_REDUCTIONS = {
+    None: pb.REDUCTION_UNSPECIFIED, "": pb.REDUCTION_UNSPECIFIED,
+    "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE,
+}
+
+
+def to_reduction(reduction: ReductionLike) -> int:
+    """The proto Reduction for "mean" | "sum" | "none" | None (inherit) or an enum value."""
+    if isinstance(reduction, int):
+        return reduction
+    try:
+        return _REDUCTIONS[reduction.lower() if isinstance(reduction, str) else reduction]
+    except KeyError:
+        raise ValueError(f"losshead: unknown reduction {reduction!r}") from None
+
+
+@dataclass
+class LossOptions:
+    """Loss options; None inherits (request -> head default -> built-in default).
+
+    Built-in defaults: ignore_index -100, reduction mean, no label smoothing, z-loss or soft-cap.
+    """
+
+    ignore_index: Optional[int] = None
+    reduction: ReductionLike = None
+    label_smoothing: Optional[float] = None
+    z_loss: Optional[float] = None
+    logit_softcap: Optional[float] = None
+
+    def to_proto(self) -> pb.LossOptions:
+        msg = pb.LossOptions(reduction=to_reduction(self.reduction))
+        if self.ignore_index is not None:
+            msg.ignore_index = int(self.ignore_index)
+        if self.label_smoothing is not None:
+            msg.label_smoothing = float(self.label_smoothing)
+        if self.z_loss is not None:
+            msg.z_loss = float(self.z_loss)
+        if self.logit_softcap is not None:
+            msg.logit_softcap = float(self.logit_softcap)
+        return msg
+
+
+@dataclass
+class StepResult:
+    """The outcome of one micro-batch (or, from `step_chunked`, of all its chunks combined).
+
+    `loss` is the reduced loss the server computed (for a combined result: `loss_sum`, or the
+    mean over `token_count` for reduction "mean"), `grad_hidden` is dH (N x D, CPU, the dtype
+    the server sent) unless skipped, `per_token_loss` the fp32 losses (N) when asked for.
+    """
+
+    loss: float
+    loss_sum: float
+    token_count: int
+    weights_version: int
+    replayed: bool
+    client_id: str
+    sequence: int
+    grad_hidden: Optional[torch.Tensor] = None
+    per_token_loss: Optional[torch.Tensor] = None
+    forward_only: bool = False
+
+
+@dataclass
+class GradientSummary:
+    """What a pulled dW covers (see GradientSummary in the proto)."""
+
+    vocab_size: int
+    hidden_size: int
+    token_count: int
+    microbatch_count: int
+    min_weights_version: int
+    max_weights_version: int
+    was_reset: bool
+
+
+@dataclass
+class Gradient:
+    grad: torch.Tensor  # V x D on the CPU, fp32 unless another dtype was asked for
+    summary: GradientSummary
+
+
+@dataclass
+class Weights:
+    weights: torch.Tensor  # V x D on the CPU
+    version: int
+
+
+@dataclass
+class ClientProgress:
+    """Highest sequence of a client id applied to dW on the server ("acknowledged") and the
+    highest one in the head's last checkpoint ("persisted"); None when there is none."""
+
+    client_id: str
+    acknowledged_sequence: Optional[int]
+    persisted_sequence: Optional[int]
+
+    @classmethod
+    def from_proto(cls, msg: pb.ClientProgress) -> "ClientProgress":
+        return cls(client_id=msg.client_id,
+                   acknowledged_sequence=(msg.acknowledged_sequence
+                                          if msg.HasField("acknowledged_sequence") else None),
+                   persisted_sequence=(msg.persisted_sequence
+                                       if msg.HasField("persisted_sequence") else None))
+
+
+@dataclass
+class HeadCheckpoint:
+    """One head's checkpoint as written: what it holds and, per client id, what is persisted."""
+
+    head: str
+    weights_version: int
+    microbatches_since_pull: int
+    bytes: int
+    write_seconds: float
+    clients: List[ClientProgress] = field(default_factory=list)
+
+
+def combine_results(parts: Sequence[StepResult]) -> StepResult:
+    """One StepResult for consecutive chunks of a batch (sums and concatenations)."""
+    loss_sum = sum(p.loss_sum for p in parts)
+    dhs = [p.grad_hidden for p in parts]
+    ptls = [p.per_token_loss for p in parts]
+    return StepResult(
+        loss=loss_sum, loss_sum=loss_sum, token_count=sum(p.token_count for p in parts),
+        weights_version=min(p.weights_version for p in parts),
+        replayed=all(p.replayed for p in parts), client_id=parts[0].client_id,
+        forward_only=all(p.forward_only for p in parts),
+        sequence=parts[0].sequence,
+        grad_hidden=torch.cat(dhs) if all(x is not None for x in dhs) else None,  # type: ignore[arg-type]
+        per_token_loss=torch.cat(ptls) if all(x is not None for x in ptls) else None)  # type: ignore[arg-type]

@@ -1,0 +1,191 @@
+"""The native data path (liblosshead_capi.so through ctypes) against the gRPC path and torch.
+
+Both paths talk to the same CPU server (deterministic), so their answers must be identical bit
+for bit; both are also checked against the float64 reference. run_tests.sh sets
+LOSSHEAD_TEST_NATIVE=1 when it built the library into the package: then its absence fails.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, Iterator
+
+import grpc
+import pytest
+import torch
+
+from _reference import assert_close, random_problem, reference
+from _servers import NO_RETRY, free_port
+from losshead import Client, LossheadError, LossOptions, RemoteLMHead, native_available
+from losshead import native_library
+
+C = grpc.StatusCode
+FP32_REL = 2e-5
+needs_native = pytest.mark.skipif(not native_available(),
+                                  reason=f"no native library: {native_library()}")
+
+
+def test_the_native_library_is_used_where_it_was_built(server_address: str) -> None:
+    if os.environ.get("LOSSHEAD_TEST_NATIVE") != "1":
+        pytest.skip("LOSSHEAD_TEST_NATIVE is not set (no library was built for these tests)")
+    assert native_available(), native_library()
+    with Client(server_address) as c:
+        assert c.native
+    with Client(server_address, native=False) as c:
+        assert not c.native
+    with Client(server_address, channel=grpc.insecure_channel(server_address)) as c:
+        assert not c.native  # a caller's channel sees every call
+    with pytest.raises(ValueError):
+        Client(server_address, channel=grpc.insecure_channel(server_address), native=True)
+
+
+@pytest.fixture
+def paths(server_address: str) -> Iterator[Dict[str, Client]]:
+    if not native_available():
+        pytest.skip(f"no native library: {native_library()}")
+    with Client(server_address, native=True, client_id="native") as n, \
+            Client(server_address, native=False, client_id="grpc") as g:
+        assert n.native and not g.native
+        yield {"native": n, "grpc": g}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_steps_equal_the_grpc_path_and_torch(paths: Dict[str, Client], make_head,
+                                             wire: torch.dtype) -> None:
+    n, d, v = 300, 40, 77
+    hidden, weight, targets = random_problem(n, d, v, seed=70, ignore_fraction=0.2)
+    opts = LossOptions(label_smoothing=0.1, z_loss=1e-3)
+    results = {}
+    for name, c in paths.items():
+        head = make_head(v, d, weights=weight)
+        one = c.step(head, hidden[:50], targets[:50], hidden_dtype=wire, reduction="sum",
+                     return_per_token_loss=True, loss_options=opts)
+        chunked = c.step_chunked(head, hidden, targets, chunk_tokens=64, streams=3,
+                                 hidden_dtype=wire, loss_options=opts,
+                                 return_per_token_loss=True)
+        evaluated = c.step(head, hidden[:50], targets[:50], hidden_dtype=wire,
+                           forward_only=True, skip_grad_hidden=True, loss_options=opts)
+        results[name] = (one, chunked, evaluated, c.pull_gradient(head, reset=True))
+    (n1, nc, ne, npull), (g1, gc, ge, gpull) = results["native"], results["grpc"]
+    for a, b in ((n1, g1), (nc, gc), (ne, ge)):
+        assert (a.loss, a.loss_sum, a.token_count, a.weights_version, a.forward_only) == (
+            b.loss, b.loss_sum, b.token_count, b.weights_version, b.forward_only)
+    _same(n1.grad_hidden, g1.grad_hidden, "dH of one step")
+    _same(nc.grad_hidden, gc.grad_hidden, "dH of the chunks")
+    _same(nc.per_token_loss, gc.per_token_loss, "per-token loss")
+    assert ne.grad_hidden is None and ne.forward_only
+    # Chunks on several streams land in dW in any order: equal up to summation order.
+    assert_close(npull.grad, gpull.grad, FP32_REL, "dW")
+    assert npull.summary == gpull.summary
+    ref = reference(hidden.to(wire), weight, targets, reduction="sum", label_smoothing=0.1,
+                    z_loss=1e-3)
+    assert nc.token_count == ref.token_count
+    assert nc.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(nc.grad_hidden, ref.grad_hidden, FP32_REL if wire == torch.float32 else 2 ** -7,
+                 "dH")
+
+
+def test_transfers_equal_the_grpc_path(paths: Dict[str, Client], make_head) -> None:
+    # 1500 x 700 fp32 = 4.2 MB: more than one message each way.
+    v, d = 1500, 700
+    w = torch.randn(v, d)
+    pulled = {}
+    for name, c in paths.items():
+        head = make_head(v, d, dtype=torch.bfloat16)
+        assert c.upload_weights(head, w) == 2  # fp32 on the wire, bf16 on the server
+        down = c.download_weights(head)
+        _same(down.weights, w.to(torch.bfloat16), f"{name}: W")
+        _same(c.download_weights(head, dtype="fp32").weights, w.to(torch.bfloat16).float(),
+              f"{name}: W as fp32")
+        assert c.push_weights(head, torch.ones(v, d, dtype=torch.bfloat16), add=True,
+                              expected_weights_version=2) == 3
+        h, _, t = random_problem(64, d, v, seed=71)
+        c.step(head, h, t, reduction="sum")
+        pulled[name] = (c.pull_gradient(head), c.pull_gradient(head, dtype=torch.bfloat16,
+                                                               reset=True))
+        assert c.get_head(head).tokens_since_pull == 0
+    for a, b in zip(pulled["native"], pulled["grpc"]):
+        _same(a.grad, b.grad, "dW")
+        assert a.summary == b.summary
+    assert pulled["native"][1].summary.was_reset
+
+
+def test_errors_carry_the_same_codes(paths: Dict[str, Client], make_head) -> None:
+    v, d = 9, 4
+    head = make_head(v, d, init_std=0.1)
+    good_h, good_t = torch.randn(3, d), torch.randint(0, v, (3,))
+
+    def code(fn: Callable[[], object]) -> LossheadError:
+        with pytest.raises(LossheadError) as e:
+            fn()
+        return e.value
+
+    for name, c in paths.items():
+        bad = code(lambda: c.step(head, good_h, torch.tensor([0, v, 1])))
+        assert bad.code == C.INVALID_ARGUMENT and bad.sequence is not None, name
+        assert bad.client_id == c.client_id and bad.message
+        stale = code(lambda: c.step(head, good_h, good_t, expected_weights_version=5))
+        assert stale.code == C.FAILED_PRECONDITION and stale.sequence is not None, name
+        for call in (lambda: c.step("absent", good_h, good_t),
+                     lambda: c.pull_gradient("absent"), lambda: c.download_weights("absent"),
+                     lambda: c.upload_weights("absent", torch.zeros(2, 2))):
+            assert code(call).code == C.NOT_FOUND, name
+        assert code(lambda: c.upload_weights(head, torch.zeros(v, d + 1))).code == (
+            C.INVALID_ARGUMENT)
+        assert code(lambda: c.pull_gradient(head, dtype=torch.int32)).code == C.INVALID_ARGUMENT
+    info = paths["native"].get_head(head)
+    assert (info.tokens_since_pull, info.microbatches_since_pull) == (0, 0)
+
+
+@needs_native
+def test_unreachable_server_is_a_call_error() -> None:
+    with Client(f"127.0.0.1:{free_port()}", native=True, retry=NO_RETRY, timeout=2) as c:
+        with pytest.raises(LossheadError) as e:
+            c.step("lm", torch.randn(2, 4), torch.zeros(2, dtype=torch.long))
+        assert e.value.code == C.UNAVAILABLE and e.value.sequence is None
+        with pytest.raises(LossheadError) as e:
+            c.upload_weights("lm", torch.zeros(2, 4))
+        assert e.value.code == C.UNAVAILABLE
+        assert c.retries == 0
+
+
+@needs_native
+def test_streams_over_several_connections(server_address: str, make_head) -> None:
+    n, d, v = 900, 32, 70
+    hidden, weight, targets = random_problem(n, d, v, seed=72, ignore_fraction=0.1)
+    head = make_head(v, d, weights=weight)
+    with Client(server_address, native=True, connections=4) as c:
+        r = c.step_chunked(head, hidden, targets, chunk_tokens=100, streams=4)
+        assert c.get_head(head).microbatches_since_pull == 9
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+    # A closed client still says how often it retried and refuses new work.
+    assert c.retries == 0
+    with pytest.raises(LossheadError) as e:
+        c.step(head, hidden[:2], targets[:2])
+    assert e.value.code == C.FAILED_PRECONDITION
+
+
+@needs_native
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_remote_head_on_cuda_tensors(server_address: str, make_head) -> None:
+    n, d, v = 640, 64, 300
+    hidden, weight, targets = random_problem(n, d, v, seed=73, ignore_fraction=0.1)
+    head = make_head(v, d, weights=weight)
+    with Client(server_address, native=True, connections=2) as c:
+        module = RemoteLMHead(c, head, wire_dtype=torch.float32, chunk_tokens=128, streams=2)
+        h = hidden.cuda().requires_grad_()
+        loss = module(h, targets.cuda())
+        loss.backward()
+        assert module.last_result is not None
+        assert module.last_result.grad_hidden.is_pinned()  # one DMA back to the device
+    ref = reference(hidden, weight, targets)
+    assert loss.device.type == "cuda" and h.grad.device.type == "cuda"
+    assert_close(loss, ref.loss, FP32_REL, "loss")
+    assert_close(h.grad, ref.grad_hidden, FP32_REL, "dH")
