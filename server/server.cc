@@ -15,21 +15,29 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "server/checkpointer.h"
-#include "server/file_watcher.h"
-#include "server/head_registry.h"
-#include "server/live_calls.h"
-#include "server/metrics.h"
-#include "server/metrics_endpoint.h"
-#include "server/security.h"
-#include "server/service.h"
-#include "server/service_context.h"
-#include "server/thread_pool.h"
+#include "server/durability/checkpointer.h"
+#include "server/engine/head_registry.h"
+#include "server/engine/thread_pool.h"
+#include "server/observability/metrics.h"
+#include "server/observability/metrics_endpoint.h"
+#include "server/rpc/live_calls.h"
+#include "server/rpc/service.h"
+#include "server/rpc/service_context.h"
+#include "server/security/file_watcher.h"
+#include "server/security/security.h"
 
 namespace losshead::server {
 namespace {
 
 constexpr char kServiceName[] = "losshead.v1.LossHead";
+
+SecurityOptions SecurityOf(const ServerOptions& options) {
+  return SecurityOptions{.tls_cert_file = options.tls_cert_file,
+                         .tls_key_file = options.tls_key_file,
+                         .tls_client_ca_file = options.tls_client_ca_file,
+                         .auth_tokens_file = options.auth_tokens_file,
+                         .metrics_basic_auth_file = options.metrics_basic_auth_file};
+}
 
 class ServerImpl final : public Server {
  public:
@@ -44,7 +52,8 @@ class ServerImpl final : public Server {
     // Stamped before it is read, so that a change while the server starts is reloaded.
     const FileStamp tokens_stamp = StampOf(options_.auth_tokens_file);
     // Security files first: a server that cannot enforce what it was told to must not start.
-    absl::StatusOr<ServerSecurity> security = LoadServerSecurity(options_, metrics_.get());
+    absl::StatusOr<ServerSecurity> security =
+        LoadServerSecurity(SecurityOf(options_), metrics_.get());
     if (!security.ok()) return security.status();
     security_ = std::move(*security);
     auto backend = kernels::CreateBackend(options_.backend, options_.device);
@@ -140,7 +149,8 @@ class ServerImpl final : public Server {
     }
     // One reload at a time (SIGHUP and the watcher may coincide): the file read last wins.
     absl::MutexLock lock(&reload_mu_);
-    absl::StatusOr<size_t> count = ::losshead::server::ReloadTokens(options_, *security_.tokens);
+    absl::StatusOr<size_t> count =
+        ::losshead::server::ReloadTokens(options_.auth_tokens_file, *security_.tokens);
     metrics_->TokenReload(count.ok(), count.value_or(security_.tokens->Current()->size()));
     if (count.ok()) {
       std::fprintf(stderr, "losshead-server: token file reloaded (%zu tokens)\n", *count);

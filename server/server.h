@@ -30,7 +30,7 @@ struct ServerOptions {
   // Results remembered per (head, client id) for idempotent replay.
   size_t idempotency_window = 64;
   // ... and at most this many bytes of them (dH + per-token losses) per (head, client id); the
-  // newest result is always kept. See server/idempotency_cache.h.
+  // newest result is always kept. See server/engine/idempotency_cache.h.
   size_t idempotency_max_bytes = size_t{256} << 20;
   // A micro-batch whose hidden + target bytes exceed this is answered RESOURCE_EXHAUSTED.
   size_t max_microbatch_bytes = size_t{1} << 30;
@@ -43,14 +43,15 @@ struct ServerOptions {
   size_t max_inflight_microbatches = 1024;
   size_t max_inflight_bytes = size_t{4} << 30;
   absl::Duration retry_after = absl::Milliseconds(50);
-  // Checkpoints (server/checkpointer.h): the directory (empty disables them), restored at start,
-  // written every `checkpoint_interval` (0: only on demand and at shutdown) and after the drain.
+  // Checkpoints (server/durability/checkpointer.h): the directory (empty disables them), restored
+  // at start, written every `checkpoint_interval` (0: only on demand and at shutdown) and after
+  // the drain.
   std::string checkpoint_dir;
   absl::Duration checkpoint_interval = absl::Seconds(60);
   // Bound on the wait for in-flight work at shutdown.
   absl::Duration drain_timeout = absl::Seconds(30);
-  // Security (server/security.h, server/auth.h); the files are read at Start, the token file
-  // again on Server::ReloadTokens (SIGHUP for losshead-server).
+  // Security (server/security/security.h, server/security/auth.h); the files are read at Start,
+  // the token file again on Server::ReloadTokens (SIGHUP for losshead-server).
   // TLS with this PEM certificate chain and key; both empty: plaintext.
   std::string tls_cert_file;
   std::string tls_key_file;

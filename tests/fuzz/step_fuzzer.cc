@@ -15,9 +15,9 @@
 #include "google/protobuf/stubs/logging.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/v1/losshead.pb.h"
-#include "server/admission.h"
-#include "server/head.h"
-#include "server/step_assembler.h"
+#include "server/engine/admission.h"
+#include "server/engine/head.h"
+#include "server/rpc/step_assembler.h"
 
 namespace {
 

@@ -15,8 +15,8 @@
 #include "gtest/gtest.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
-#include "server/checkpoint.h"
-#include "server/head.h"
+#include "server/durability/checkpoint.h"
+#include "server/engine/head.h"
 
 namespace losshead::server {
 namespace {

@@ -1,8 +1,8 @@
 // TokenAuthenticator and the method -> role table, without a server.
-#include "server/auth.h"
+#include "server/security/auth.h"
 
-#include "gtest/gtest.h"
 #include "google/protobuf/descriptor.h"
+#include "gtest/gtest.h"
 #include "losshead/v1/losshead.pb.h"
 
 namespace losshead::server {

@@ -1,5 +1,5 @@
 // Head semantics against the CPU backend: validation codes, results, replay, pull/reset, push.
-#include "server/head.h"
+#include "server/engine/head.h"
 
 #include <cmath>
 #include <limits>
@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
-#include "server/head_registry.h"
+#include "server/engine/head_registry.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {

@@ -1,4 +1,4 @@
-#include "server/idempotency_cache.h"
+#include "server/engine/idempotency_cache.h"
 
 #include <atomic>
 #include <memory>

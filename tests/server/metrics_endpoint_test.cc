@@ -1,4 +1,4 @@
-#include "server/metrics_endpoint.h"
+#include "server/observability/metrics_endpoint.h"
 
 #include <atomic>
 #include <string>

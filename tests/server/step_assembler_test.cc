@@ -1,4 +1,4 @@
-#include "server/step_assembler.h"
+#include "server/rpc/step_assembler.h"
 
 #include <string>
 

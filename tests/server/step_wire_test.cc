@@ -1,4 +1,4 @@
-#include "server/step_wire.h"
+#include "server/rpc/step_wire.h"
 
 #include <memory>
 #include <string>
@@ -7,8 +7,8 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "gtest/gtest.h"
-#include "server/result_pool.h"
-#include "server/step_assembler.h"
+#include "server/engine/result_pool.h"
+#include "server/rpc/step_assembler.h"
 
 namespace losshead::server {
 namespace {

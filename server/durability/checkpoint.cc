@@ -1,0 +1,386 @@
+#include "server/durability/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/engine/status_macros.h"
+
+namespace losshead::server {
+namespace {
+
+constexpr char kMagic[8] = {'L', 'H', 'C', 'K', 'P', 'T', '\r', '\n'};
+constexpr size_t kHeaderBytes = 64;
+constexpr uint64_t kPrime = 0x100000001b3ULL;
+constexpr uint8_t kHasEvicted = 1;
+constexpr uint8_t kHasApplied = 2;
+
+// Little-endian encoding; the server only builds on little-endian hosts (x86-64, aarch64), so the
+// in-memory representation is the file's.
+void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
+void PutU32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
+void PutF64(std::string& out, double v) { out.append(reinterpret_cast<const char*>(&v), 8); }
+void PutBytes(std::string& out, absl::string_view s) {
+  PutU64(out, s.size());
+  out.append(s.data(), s.size());
+}
+
+class Reader {
+ public:
+  explicit Reader(absl::string_view data) : data_(data) {}
+  bool U64(uint64_t* v) { return Raw(v, 8); }
+  bool U32(uint32_t* v) { return Raw(v, 4); }
+  bool U8(uint8_t* v) { return Raw(v, 1); }
+  bool F64(double* v) { return Raw(v, 8); }
+  bool Bytes(std::string* s) {
+    uint64_t n;
+    if (!U64(&n) || n > data_.size()) return false;
+    s->assign(data_.data(), n);
+    data_.remove_prefix(n);
+    return true;
+  }
+  size_t left() const { return data_.size(); }
+
+ private:
+  bool Raw(void* v, size_t n) {
+    if (data_.size() < n) return false;
+    std::memcpy(v, data_.data(), n);
+    data_.remove_prefix(n);
+    return true;
+  }
+  absl::string_view data_;
+};
+
+std::string EncodeMeta(const HeadCheckpointData& d) {
+  std::string out;
+  PutBytes(out, d.spec.SerializeAsString());
+  for (uint64_t v : {d.weights_version, d.tokens_since_pull, d.microbatches_since_pull,
+                     d.min_version_since_pull, d.max_version_since_pull, d.tokens_total,
+                     d.microbatches_total}) {
+    PutU64(out, v);
+  }
+  PutU64(out, d.clients.size());
+  for (const ClientCheckpoint& c : d.clients) {
+    PutBytes(out, c.client_id);
+    out.push_back(static_cast<char>((c.max_evicted ? kHasEvicted : 0) |
+                                    (c.max_applied ? kHasApplied : 0)));
+    PutU64(out, c.max_evicted.value_or(0));
+    PutU64(out, c.max_applied.value_or(0));
+    PutU64(out, c.results.size());
+    for (const auto& [sequence, r] : c.results) {
+      PutU64(out, sequence);
+      PutF64(out, r->loss_sum);
+      PutU64(out, static_cast<uint64_t>(r->token_count));
+      PutF64(out, r->loss);
+      PutU64(out, r->weights_version);
+      PutU32(out, static_cast<uint32_t>(r->grad_hidden_dtype));
+      PutBytes(out, r->grad_hidden);
+      PutBytes(out, r->per_token_loss);
+    }
+  }
+  return out;
+}
+
+absl::Status Corrupt(absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("corrupt checkpoint: ", what));
+}
+
+absl::Status DecodeMeta(absl::string_view meta, HeadCheckpointData* d) {
+  Reader r(meta);
+  std::string spec;
+  if (!r.Bytes(&spec) || !d->spec.ParseFromString(spec)) return Corrupt("head spec");
+  for (uint64_t* v : {&d->weights_version, &d->tokens_since_pull, &d->microbatches_since_pull,
+                      &d->min_version_since_pull, &d->max_version_since_pull, &d->tokens_total,
+                      &d->microbatches_total}) {
+    if (!r.U64(v)) return Corrupt("counters");
+  }
+  uint64_t clients;
+  if (!r.U64(&clients)) return Corrupt("client count");
+  // Each client takes at least 33 bytes: bound the count before reserving anything.
+  if (clients > r.left() / 33) return Corrupt("client count exceeds the data");
+  d->clients.resize(clients);
+  for (ClientCheckpoint& c : d->clients) {
+    uint8_t flags;
+    uint64_t evicted, applied, results;
+    if (!r.Bytes(&c.client_id) || !r.U8(&flags) || !r.U64(&evicted) || !r.U64(&applied) ||
+        !r.U64(&results)) {
+      return Corrupt("client record");
+    }
+    if (flags & ~(kHasEvicted | kHasApplied)) return Corrupt("client flags");
+    if (flags & kHasEvicted) c.max_evicted = evicted;
+    if (flags & kHasApplied) c.max_applied = applied;
+    if (results > r.left() / 60) return Corrupt("result count exceeds the data");
+    c.results.reserve(results);
+    for (uint64_t i = 0; i < results; ++i) {
+      auto outcome = std::make_shared<StepOutcome>();
+      uint64_t sequence, tokens;
+      uint32_t dtype;
+      if (!r.U64(&sequence) || !r.F64(&outcome->loss_sum) || !r.U64(&tokens) ||
+          !r.F64(&outcome->loss) || !r.U64(&outcome->weights_version) || !r.U32(&dtype) ||
+          !r.Bytes(&outcome->grad_hidden) || !r.Bytes(&outcome->per_token_loss)) {
+        return Corrupt("remembered result");
+      }
+      if (!v1::DType_IsValid(static_cast<int>(dtype))) return Corrupt("result dtype");
+      if (!c.results.empty() && sequence <= c.results.back().first) {
+        return Corrupt("remembered results out of order");
+      }
+      outcome->token_count = static_cast<int64_t>(tokens);
+      outcome->grad_hidden_dtype = static_cast<v1::DType>(dtype);
+      c.results.emplace_back(sequence, std::move(outcome));
+    }
+  }
+  if (r.left() != 0) return Corrupt("trailing bytes after the client records");
+  return absl::OkStatus();
+}
+
+struct Header {
+  uint32_t version = 0;
+  uint64_t meta_bytes = 0;
+  uint64_t weights_bytes = 0;
+  uint64_t gradient_bytes = 0;
+  uint64_t checksum = 0;
+};
+
+// The checksum's seed: the lengths, so a file cut or extended at a section boundary is refused.
+uint64_t HeaderSeed(const Header& h) {
+  std::string fields;
+  PutU32(fields, h.version);
+  PutU64(fields, h.meta_bytes);
+  PutU64(fields, h.weights_bytes);
+  PutU64(fields, h.gradient_bytes);
+  return Checksum(fields);
+}
+
+uint64_t FullChecksum(const Header& h, absl::string_view meta, absl::string_view weights,
+                      absl::string_view gradient) {
+  return Checksum(gradient, Checksum(weights, Checksum(meta, HeaderSeed(h))));
+}
+
+// The header of a file holding `meta` and `data`'s tensors, checksum included.
+Header HeaderFor(absl::string_view meta, const HeadCheckpointData& data) {
+  Header h{.version = kCheckpointFormatVersion,
+           .meta_bytes = meta.size(),
+           .weights_bytes = data.weights.size(),
+           .gradient_bytes = data.gradient.size()};
+  h.checksum = FullChecksum(h, meta, data.weights, data.gradient);
+  return h;
+}
+
+std::string EncodeHeader(const Header& h) {
+  std::string out(kMagic, sizeof(kMagic));
+  PutU32(out, h.version);
+  PutU32(out, 0);
+  PutU64(out, h.meta_bytes);
+  PutU64(out, h.weights_bytes);
+  PutU64(out, h.gradient_bytes);
+  PutU64(out, h.checksum);
+  out.resize(kHeaderBytes, '\0');
+  return out;
+}
+
+absl::StatusOr<Header> DecodeHeader(absl::string_view bytes, uint64_t file_bytes) {
+  if (bytes.size() < kHeaderBytes) return Corrupt("shorter than its header");
+  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+    return Corrupt("bad magic (not a losshead checkpoint)");
+  }
+  Reader r(bytes.substr(sizeof(kMagic), kHeaderBytes - sizeof(kMagic)));
+  Header h;
+  uint32_t reserved;
+  r.U32(&h.version);
+  r.U32(&reserved);
+  r.U64(&h.meta_bytes);
+  r.U64(&h.weights_bytes);
+  r.U64(&h.gradient_bytes);
+  r.U64(&h.checksum);
+  // Reserved bytes are outside the checksum: insist on zeros so that no byte goes unchecked.
+  const absl::string_view tail = bytes.substr(kHeaderBytes - 16, 16);
+  if (reserved != 0 || tail.find_first_not_of('\0') != absl::string_view::npos) {
+    return Corrupt("reserved header bytes are not zero");
+  }
+  if (h.version != kCheckpointFormatVersion) {
+    return absl::DataLossError(absl::StrCat("checkpoint format version ", h.version,
+                                            " is not supported (this server reads ",
+                                            kCheckpointFormatVersion, ")"));
+  }
+  const uint64_t body = file_bytes - kHeaderBytes;
+  if (h.meta_bytes > body || h.weights_bytes > body - h.meta_bytes ||
+      h.gradient_bytes != body - h.meta_bytes - h.weights_bytes) {
+    return Corrupt(absl::StrCat("section lengths ", h.meta_bytes, " + ", h.weights_bytes, " + ",
+                                h.gradient_bytes, " do not match the file's ", body,
+                                " bytes after the header (torn write?)"));
+  }
+  return h;
+}
+
+absl::Status Errno(absl::string_view what, const std::string& path) {
+  const int e = errno;
+  const std::string text = absl::StrCat(what, " ", path, ": ", std::strerror(e));
+  if (e == ENOENT) return absl::NotFoundError(text);
+  return absl::InternalError(text);
+}
+
+absl::Status WriteAll(int fd, absl::string_view data, const std::string& path) {
+  while (!data.empty()) {
+    const ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Errno("cannot write", path);
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadAll(int fd, char* out, size_t bytes, const std::string& path) {
+  while (bytes > 0) {
+    const ssize_t n = ::read(fd, out, bytes);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Errno("cannot read", path);
+    }
+    if (n == 0) return absl::DataLossError(absl::StrCat("unexpected end of file in ", path));
+    out += n;
+    bytes -= static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  // close() reports deferred write errors on some file systems: check it.
+  absl::Status Close(const std::string& path) {
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) return Errno("cannot close", path);
+    return absl::OkStatus();
+  }
+
+ private:
+  int fd_;
+};
+
+std::string DirOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+}  // namespace
+
+uint64_t Checksum(absl::string_view data, uint64_t seed) {
+  uint64_t lane[4];
+  for (int i = 0; i < 4; ++i) lane[i] = seed + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(i);
+  const char* p = data.data();
+  size_t n = data.size();
+  auto mix = [](uint64_t h, uint64_t w) {
+    h = (h ^ w) * kPrime;
+    return h ^ (h >> 32);  // carries high bits down; a bijection, so no change is lost
+  };
+  while (n >= 32) {
+    uint64_t w[4];
+    std::memcpy(w, p, 32);
+    for (int i = 0; i < 4; ++i) lane[i] = mix(lane[i], w[i]);
+    p += 32;
+    n -= 32;
+  }
+  for (; n > 0; --n, ++p) lane[0] = mix(lane[0], static_cast<unsigned char>(*p));
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (uint64_t l : lane) {
+    for (int b = 0; b < 8; ++b) h = (h ^ ((l >> (8 * b)) & 0xff)) * kPrime;
+  }
+  return h;
+}
+
+std::string EncodeCheckpoint(const HeadCheckpointData& data) {
+  const std::string meta = EncodeMeta(data);
+  return absl::StrCat(EncodeHeader(HeaderFor(meta, data)), meta, data.weights, data.gradient);
+}
+
+absl::StatusOr<HeadCheckpointData> DecodeCheckpoint(absl::string_view file) {
+  LOSSHEAD_ASSIGN_OR_RETURN(const Header h, DecodeHeader(file, file.size()));
+  file.remove_prefix(kHeaderBytes);
+  const absl::string_view meta = file.substr(0, h.meta_bytes);
+  const absl::string_view weights = file.substr(h.meta_bytes, h.weights_bytes);
+  const absl::string_view gradient = file.substr(h.meta_bytes + h.weights_bytes);
+  if (FullChecksum(h, meta, weights, gradient) != h.checksum) return Corrupt("checksum mismatch");
+  HeadCheckpointData d;
+  LOSSHEAD_RETURN_IF_ERROR(DecodeMeta(meta, &d));
+  d.weights.assign(weights.data(), weights.size());
+  d.gradient.assign(gradient.data(), gradient.size());
+  return d;
+}
+
+absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
+                                             const HeadCheckpointData& data) {
+  const std::string meta = EncodeMeta(data);
+  const Header h = HeaderFor(meta, data);
+  const std::string tmp = absl::StrCat(path, ".tmp");
+  {
+    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return Errno("cannot create", tmp);
+    absl::Status s = WriteAll(fd.get(), EncodeHeader(h), tmp);
+    if (s.ok()) s = WriteAll(fd.get(), meta, tmp);
+    if (s.ok()) s = WriteAll(fd.get(), data.weights, tmp);
+    if (s.ok()) s = WriteAll(fd.get(), data.gradient, tmp);
+    // The data must be on disk before the rename makes it the checkpoint.
+    if (s.ok() && ::fsync(fd.get()) != 0) s = Errno("cannot fsync", tmp);
+    if (s.ok()) s = fd.Close(tmp);
+    if (!s.ok()) {
+      ::unlink(tmp.c_str());
+      return s;
+    }
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    absl::Status s = Errno("cannot rename onto", path);
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  // The rename itself is durable only once the directory entry is.
+  const std::string dir = DirOf(path);
+  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.get() < 0) return Errno("cannot open directory", dir);
+  if (::fsync(dfd.get()) != 0) return Errno("cannot fsync directory", dir);
+  return kHeaderBytes + meta.size() + data.weights.size() + data.gradient.size();
+}
+
+absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Errno("cannot open", path);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return Errno("cannot stat", path);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  auto in_file = [&path](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+  };
+  std::string header(kHeaderBytes, '\0');
+  if (size < kHeaderBytes) return in_file(Corrupt("shorter than its header"));
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), kHeaderBytes, path));
+  absl::StatusOr<Header> h = DecodeHeader(header, size);
+  if (!h.ok()) return in_file(h.status());
+  std::string meta(h->meta_bytes, '\0');
+  HeadCheckpointData d;
+  d.weights.resize(h->weights_bytes);
+  d.gradient.resize(h->gradient_bytes);
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), meta.data(), meta.size(), path));
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), d.weights.data(), d.weights.size(), path));
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), d.gradient.data(), d.gradient.size(), path));
+  if (FullChecksum(*h, meta, d.weights, d.gradient) != h->checksum) {
+    return in_file(Corrupt("checksum mismatch"));
+  }
+  if (absl::Status s = DecodeMeta(meta, &d); !s.ok()) return in_file(s);
+  return d;
+}
+
+}  // namespace losshead::server

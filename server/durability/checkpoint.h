@@ -1,0 +1,49 @@
+// The checkpoint of one head as a file: its spec, W, dW, counters and idempotency state.
+//
+// File layout (all integers little-endian):
+//   header (64 bytes): magic "LHCKPT\r\n", format version u32, reserved u32, meta bytes u64,
+//     weights bytes u64, gradient bytes u64, checksum u64, 16 reserved zero bytes
+//   meta:     spec (serialized HeadSpec, default options = the head's current ones), version and
+//             counters, then per client id: max evicted / max applied sequence and the remembered
+//             results (loss, token count, version, dH and per-token-loss bytes)
+//   weights:  W, V x D in the head's dtype
+//   gradient: dW, V x D fp32
+// The checksum covers the header's lengths and all three sections (Checksum below), so a torn or
+// corrupted file is refused rather than half restored. Files are written atomically: a temporary
+// file in the same directory, written and fsynced, renamed over the old one, then the directory is
+// fsynced; a crash at any moment leaves either the old checkpoint or the new one.
+#ifndef LOSSHEAD_SERVER_DURABILITY_CHECKPOINT_H_
+#define LOSSHEAD_SERVER_DURABILITY_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/engine/head_checkpoint.h"
+
+namespace losshead::server {
+
+inline constexpr uint32_t kCheckpointFormatVersion = 1;
+inline constexpr char kCheckpointSuffix[] = ".lhck";
+
+// 64-bit checksum: four interleaved FNV-1a lanes over little-endian 8-byte words (lane i takes
+// words i, i + 4, ...), trailing bytes into lane 0, lanes folded with FNV-1a. A change confined to
+// one word always changes it; it runs at memory speed, unlike byte-wise FNV.
+uint64_t Checksum(absl::string_view data, uint64_t seed = 0xcbf29ce484222325ULL);
+
+// The file's bytes (tests and fuzzing; WriteCheckpointFile avoids this copy of W and dW).
+std::string EncodeCheckpoint(const HeadCheckpointData& data);
+// Parses and verifies a whole file image. DATA_LOSS names what is wrong (magic, version, lengths,
+// checksum, meta fields); nothing is trusted before the checksum matches.
+absl::StatusOr<HeadCheckpointData> DecodeCheckpoint(absl::string_view file);
+
+// Atomic write (see above); returns the bytes written. Errors carry the path and errno text.
+absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
+                                             const HeadCheckpointData& data);
+// Reads and verifies `path`; errors (NOT_FOUND, DATA_LOSS, ...) name the file.
+absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_DURABILITY_CHECKPOINT_H_

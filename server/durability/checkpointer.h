@@ -1,0 +1,64 @@
+// Writes and restores the checkpoints of a server's heads in one directory: <head>.lhck per head
+// (format: server/durability/checkpoint.h). Writes happen on demand (the Checkpoint RPC),
+// periodically, and at shutdown; they are serialised, each head's snapshot is consistent on its own
+// (heads are not cut together). Thread-safe.
+#ifndef LOSSHEAD_SERVER_DURABILITY_CHECKPOINTER_H_
+#define LOSSHEAD_SERVER_DURABILITY_CHECKPOINTER_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/engine/head.h"
+#include "server/engine/head_registry.h"
+
+namespace losshead::server {
+
+class Checkpointer {
+ public:
+  Checkpointer(std::string dir, HeadRegistry* registry) : dir_(std::move(dir)), registry_(registry) {}
+  ~Checkpointer();  // StopPeriodic()
+
+  // At start, before serving: creates the directory if needed, deletes temporary files left by a
+  // write that a crash interrupted, and restores every <head>.lhck into the registry. Any file
+  // that cannot be restored fails the whole restore with an error naming it (DATA_LOSS for a
+  // corrupt or torn file): a server must not start with part of its state silently missing.
+  absl::Status RestoreAll(kernels::Backend& backend, const HeadOptions& options);
+
+  // Writes `head`'s checkpoint, or every head's when empty (NOT_FOUND for an unknown head). A
+  // head deleted meanwhile is skipped, never resurrected on disk.
+  absl::StatusOr<v1::CheckpointResponse> Write(const std::string& head);
+
+  // Deletes `head`'s checkpoint file (after the head left the registry).
+  absl::Status Remove(const std::string& head);
+
+  // Writes every head each `interval` on a thread of its own until StopPeriodic; errors are
+  // logged and retried at the next tick.
+  void StartPeriodic(absl::Duration interval);
+  void StopPeriodic();
+
+  std::string PathOf(const std::string& head) const;
+  const std::string& dir() const { return dir_; }
+
+ private:
+  absl::StatusOr<v1::HeadCheckpoint> WriteLocked(const std::shared_ptr<Head>& head)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string dir_;
+  HeadRegistry* const registry_;
+  absl::Mutex mu_;  // one write (or removal) at a time
+
+  std::unique_ptr<absl::Notification> stop_;
+  std::thread periodic_;
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_DURABILITY_CHECKPOINTER_H_

@@ -1,0 +1,78 @@
+#include "server/engine/admission.h"
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "losshead/v1/wire_dtype.h"
+#include "server/engine/proto_convert.h"
+
+namespace losshead::server {
+namespace {
+
+constexpr absl::string_view kRetryAfterPayload = "type.losshead.dev/retry_after_ms";
+
+}  // namespace
+
+bool Admission::TryAdmit(size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (microbatches_ + 1 > max_microbatches_ || bytes > max_bytes_ - bytes_) return false;
+  ++microbatches_;
+  bytes_ += bytes;
+  return true;
+}
+
+bool Admission::TryReserve(size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (bytes > max_bytes_ - bytes_) return false;
+  bytes_ += bytes;
+  return true;
+}
+
+void Admission::Release(size_t microbatches, size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  microbatches_ -= std::min(microbatches, microbatches_);
+  bytes_ -= std::min(bytes, bytes_);
+}
+
+size_t Admission::microbatches() const {
+  absl::MutexLock lock(&mu_);
+  return microbatches_;
+}
+
+size_t Admission::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
+absl::Status Admission::Refusal(absl::string_view what) const {
+  const int64_t ms = std::max<int64_t>(1, absl::ToInt64Milliseconds(retry_after_));
+  absl::Status status = absl::ResourceExhaustedError(
+      absl::StrCat("server busy: ", what, " (--max_inflight_microbatches ", max_microbatches_,
+                   ", --max_inflight_bytes ", max_bytes_, "); retry after ", ms, " ms"));
+  status.SetPayload(kRetryAfterPayload, absl::Cord(absl::StrCat(ms)));
+  return status;
+}
+
+uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size) {
+  const size_t h = v1::WireDTypeSize(header.hidden_dtype());
+  const size_t t = v1::WireDTypeSize(header.target_dtype());
+  if (header.num_tokens() <= 0 || hidden_size <= 0 || h == 0 || t == 0) return 0;
+  const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
+                                  (static_cast<unsigned __int128>(hidden_size) * h + t);
+  return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
+                                                      : static_cast<uint64_t>(total);
+}
+
+uint32_t RetryAfterMs(const absl::Status& status) {
+  auto payload = status.GetPayload(kRetryAfterPayload);
+  uint32_t ms = 0;
+  if (!payload.has_value() || !absl::SimpleAtoi(std::string(*payload), &ms)) return 0;
+  return ms;
+}
+
+}  // namespace losshead::server

@@ -1,0 +1,58 @@
+// Server-wide admission of Step micro-batches: a bound on how many may be in flight (header read,
+// not yet answered) and on the request bytes buffered for them. Bytes are reserved before they
+// are buffered (from the header's announced size, then piece by piece when more arrive), so the
+// buffered request bytes can never exceed the bound, whatever the clients send.
+#ifndef LOSSHEAD_SERVER_ENGINE_ADMISSION_H_
+#define LOSSHEAD_SERVER_ENGINE_ADMISSION_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "losshead/v1/losshead.pb.h"
+
+namespace losshead::server {
+
+class Admission {
+ public:
+  Admission(size_t max_microbatches, size_t max_bytes, absl::Duration retry_after)
+      : max_microbatches_(max_microbatches), max_bytes_(max_bytes), retry_after_(retry_after) {}
+
+  // Admits one micro-batch with `bytes` reserved; false (nothing taken) beyond either bound.
+  bool TryAdmit(size_t bytes);
+  // Reserves `bytes` more for an admitted micro-batch; false (nothing taken) beyond the bound.
+  bool TryReserve(size_t bytes);
+  // Gives back `microbatches` admissions and `bytes` reserved bytes.
+  void Release(size_t microbatches, size_t bytes);
+
+  size_t microbatches() const;
+  size_t bytes() const;
+
+  // The RESOURCE_EXHAUSTED of a refused micro-batch: "retry after N ms" in the message and N in
+  // the status payload (see RetryAfterMs), which the Step response carries as retry_after_ms.
+  absl::Status Refusal(absl::string_view what) const;
+
+ private:
+  const size_t max_microbatches_;
+  const size_t max_bytes_;
+  const absl::Duration retry_after_;
+  mutable absl::Mutex mu_;
+  size_t microbatches_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Request bytes a header announces (N x D x hidden dtype + N x target dtype) for a head of hidden
+// size `hidden_size`; 0 when the header's fields do not allow computing it (the micro-batch is
+// then reserved for piece by piece and fails validation later). Saturates instead of overflowing.
+uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size);
+
+// The retry hint of a status built by Admission::Refusal; 0 when it has none.
+uint32_t RetryAfterMs(const absl::Status& status);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_ADMISSION_H_

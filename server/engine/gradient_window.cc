@@ -1,0 +1,141 @@
+// Head's gradient window: what the micro-batches accumulated since the last cut, and W. A pull
+// copies dW out with the counters it covers and, with reset, opens the next window in the same
+// critical section; a push replaces or adds to W and bumps the version; a download copies W out.
+// The server-side optimizer step belongs here: it cuts the window like a pull with reset.
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "losshead/kernels/dtype_convert.h"
+#include "server/engine/head.h"
+#include "server/engine/head_internal.h"
+#include "server/engine/proto_convert.h"
+#include "server/engine/status_macros.h"
+
+namespace losshead::server {
+
+using head_internal::Convert;
+using head_internal::kConvertBlock;
+
+absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset) {
+  if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_FP32;
+  if (dtype != v1::DTYPE_FP32 && dtype != v1::DTYPE_BF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pull dtype must be DTYPE_FP32 or DTYPE_BF16, got ", static_cast<int>(dtype)));
+  }
+  GradientSnapshot snap;
+  snap.data.resize(grad_.bytes());
+  v1::GradientSummary& s = snap.summary;
+  {
+    absl::MutexLock lock(&compute_mu_);
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(snap.data.data(), grad_.data(), grad_.bytes(), *stream_));
+    if (reset) LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(grad_.data(), 0, grad_.bytes(), *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    absl::MutexLock state(&state_mu_);
+    s.set_token_count(tokens_since_pull_);
+    s.set_microbatch_count(microbatches_since_pull_);
+    s.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
+    s.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
+    if (reset) {
+      tokens_since_pull_ = 0;
+      microbatches_since_pull_ = 0;
+      min_version_since_pull_ = max_version_since_pull_ = 0;
+    }
+  }
+  if (dtype == v1::DTYPE_BF16) {
+    snap.data = Convert(kernels::DType::kFP32, snap.data, kernels::DType::kBF16);
+  }
+  s.set_vocab_size(vocab_size());
+  s.set_hidden_size(hidden_size());
+  s.set_dtype(dtype);
+  s.set_total_bytes(snap.data.size());
+  s.set_was_reset(reset);
+  return snap;
+}
+
+absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
+                                           const std::string& data,
+                                           std::optional<uint64_t> expected_version) {
+  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType src_dtype, FloatDType(dtype, "dtype"));
+  if (mode != v1::PUSH_MODE_REPLACE && mode != v1::PUSH_MODE_ADD) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ", static_cast<int>(mode)));
+  }
+  const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
+  if (data.size() != count * kernels::DTypeSize(src_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pushed weights have ", data.size(), " bytes; ", vocab_size(), " x ", hidden_size(), " x ",
+        kernels::DTypeName(src_dtype), " needs ", count * kernels::DTypeSize(src_dtype)));
+  }
+  if (kernels::HasNonFinite(src_dtype, data.data(), count)) {
+    return absl::InvalidArgumentError("pushed weights contain NaN or Inf");
+  }
+  const size_t esize = kernels::DTypeSize(dtype_);
+  std::string staged;
+  if (mode == v1::PUSH_MODE_REPLACE) {
+    staged = Convert(src_dtype, data, dtype_);
+    if (kernels::HasNonFinite(dtype_, staged.data(), count)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pushed weights overflow the head's dtype ", kernels::DTypeName(dtype_)));
+    }
+  }
+  absl::MutexLock lock(&compute_mu_);
+  {
+    absl::MutexLock state(&state_mu_);
+    if (expected_version.has_value() && *expected_version != version_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expected_weights_version is ", *expected_version,
+                       " but the head's weights are at version ", version_));
+    }
+  }
+  if (mode == v1::PUSH_MODE_ADD) {
+    staged.resize(count * esize);
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(staged.data(), weights_.data(), staged.size(), *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    std::vector<float> w(std::min(count, kConvertBlock));
+    std::vector<float> delta(w.size());
+    for (size_t i = 0; i < count; i += kConvertBlock) {
+      const size_t n = std::min(kConvertBlock, count - i);
+      kernels::ToFloat(dtype_, staged.data() + i * esize, w.data(), n);
+      kernels::ToFloat(src_dtype, data.data() + i * kernels::DTypeSize(src_dtype), delta.data(), n);
+      for (size_t j = 0; j < n; ++j) w[j] += delta[j];
+      kernels::FromFloat(dtype_, w.data(), staged.data() + i * esize, n);
+    }
+    if (kernels::HasNonFinite(dtype_, staged.data(), count)) {
+      return absl::InvalidArgumentError("W + pushed delta overflows to Inf");
+    }
+  }
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToDevice(weights_.data(), staged.data(), staged.size(), *stream_));
+  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+  absl::MutexLock state(&state_mu_);
+  return ++version_;
+}
+
+absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
+  kernels::DType to = dtype_;
+  if (dtype != v1::DTYPE_UNSPECIFIED) {
+    LOSSHEAD_ASSIGN_OR_RETURN(to, FloatDType(dtype, "dtype"));
+  }
+  WeightsSnapshot snap;
+  snap.dtype = ToProto(to);
+  snap.data.resize(weights_.bytes());
+  {
+    absl::MutexLock lock(&compute_mu_);
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(snap.data.data(), weights_.data(), weights_.bytes(), *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    absl::MutexLock state(&state_mu_);
+    snap.version = version_;
+  }
+  if (to != dtype_) snap.data = Convert(dtype_, snap.data, to);
+  return snap;
+}
+
+}  // namespace losshead::server

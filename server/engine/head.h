@@ -1,0 +1,209 @@
+// A head: W (V x D) on the backend's device, its fp32 dW accumulator, a weights version, counters
+// and default loss options. Thread-safe.
+//
+// One mutex (compute) serialises everything that touches W or dW on the device: micro-batches,
+// pulls and pushes. A micro-batch's dW update and its counter update happen under it together,
+// so a pull with reset sees every micro-batch either entirely before its cut or entirely after.
+// Only the run itself holds it: a micro-batch's copies in (host -> device) and out (dH back to the
+// host) use buffers of their own (an I/O slot) and overlap the run of another micro-batch.
+// Another, short mutex guards the counters and options so that Info() never waits for compute.
+// Callers hold heads by shared_ptr: deleting a head from the registry while work runs on it is
+// safe; the memory goes when the last holder lets go.
+//
+// The members are defined by concern: the head itself in head.cc, the step pipeline in
+// step_pipeline.cc, the gradient window in gradient_window.cc, the checkpoint cut in
+// head_checkpoint.cc (what they share: head_internal.h).
+#ifndef LOSSHEAD_SERVER_ENGINE_HEAD_H_
+#define LOSSHEAD_SERVER_ENGINE_HEAD_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/problem.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/engine/head_checkpoint.h"
+#include "server/engine/idempotency_cache.h"
+#include "server/engine/result_pool.h"
+#include "server/engine/step_outcome.h"
+
+namespace losshead::server {
+
+struct HeadOptions {
+  size_t workspace_budget_bytes = size_t{1} << 30;  // handed to Backend::WorkspaceBytes
+  size_t idempotency_window = 64;
+  size_t idempotency_max_bytes_per_client = size_t{256} << 20;
+};
+
+// One micro-batch as it came off the wire.
+struct MicroBatch {
+  v1::StepHeader header;
+  std::string hidden;
+  std::string targets;
+};
+
+// What happened to a micro-batch besides its outcome (for metrics).
+struct StepStats {
+  bool replayed = false;
+  absl::Duration queue;    // waiting for the head (an I/O slot, then the compute mutex)
+  absl::Duration stage;    // copies in (host -> device), before the compute mutex
+  absl::Duration compute;  // Run under the compute mutex, synchronised
+  absl::Duration finish;   // copies out (dH -> host), after the compute mutex
+};
+
+// dW (or W) copied to the host, with what it covers.
+struct GradientSnapshot {
+  v1::GradientSummary summary;
+  std::string data;  // V x D in summary.dtype
+};
+
+struct WeightsSnapshot {
+  uint64_t version = 0;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  std::string data;  // V x D
+};
+
+class Head {
+ public:
+  // Validates `spec` (INVALID_ARGUMENT), allocates W, dW and checks the workspace budget
+  // (RESOURCE_EXHAUSTED), initialises W (zeros, or normal(0, std) drawn on the host from
+  // std::mt19937_64(seed) in row-major order) and zeroes dW.
+  static absl::StatusOr<std::shared_ptr<Head>> Create(kernels::Backend& backend,
+                                                      const v1::HeadSpec& spec,
+                                                      const HeadOptions& options);
+  ~Head();
+
+  // Checks only the spec's fields (name syntax excepted); no allocation.
+  static absl::Status ValidateSpec(const v1::HeadSpec& spec);
+
+  // Replaces the default loss options (validated: INVALID_ARGUMENT).
+  absl::Status SetDefaultOptions(const v1::LossOptions& options);
+
+  // The step pipeline (step_pipeline.cc).
+  // Runs one micro-batch: validation (INVALID_ARGUMENT; FAILED_PRECONDITION on a weights version
+  // mismatch), idempotent replay (see IdempotencyCache), forward + backward, dW accumulation.
+  // Any error leaves W, dW and the counters as they were. A forward-only micro-batch
+  // (StepOptions.forward_only) is validated and run the same way under the compute lock (it uses
+  // the head's workspace and stream, and must not see W half pushed) but adds nothing to dW,
+  // counts nothing and bypasses the idempotency cache.
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(const MicroBatch& microbatch,
+                                                          StepStats* stats);
+
+  // The gradient window (gradient_window.cc).
+  // Copies dW out (fp32 or bf16) with the counters it covers; with `reset`, zeroes both in the same
+  // critical section as the copy.
+  absl::StatusOr<GradientSnapshot> PullGradient(v1::DType dtype, bool reset);
+
+  // W = data (REPLACE) or W += data (ADD); data is V x D of `dtype`. INVALID_ARGUMENT on a size
+  // mismatch or a non-finite value, FAILED_PRECONDITION on a version mismatch; W is unchanged on
+  // error. Returns the new version.
+  absl::StatusOr<uint64_t> PushWeights(v1::DType dtype, v1::PushMode mode, const std::string& data,
+                                       std::optional<uint64_t> expected_version);
+
+  // W converted to `dtype` (UNSPECIFIED: the head's dtype) with its version.
+  absl::StatusOr<WeightsSnapshot> DownloadWeights(v1::DType dtype);
+
+  // The checkpoint cut (head_checkpoint.cc). A consistent cut taken under the compute lock: W, dW,
+  // counters, defaults and idempotency state; every micro-batch is wholly in it or wholly out.
+  absl::StatusOr<HeadCheckpointData> Snapshot();
+  // A head holding exactly `data` (validated: DATA_LOSS when sizes or the spec do not fit).
+  static absl::StatusOr<std::shared_ptr<Head>> Restore(kernels::Backend& backend,
+                                                       const HeadCheckpointData& data,
+                                                       const HeadOptions& options);
+  // After `data` (a Snapshot of this head) is durable: its applied sequences become persisted.
+  void MarkPersisted(const HeadCheckpointData& data);
+  // Highest applied sequence of `client_id` now, and as of the last durable checkpoint.
+  v1::ClientProgress Progress(const std::string& client_id) const;
+
+  v1::HeadInfo Info() const;
+  const std::string& name() const { return spec_.name(); }
+  int64_t vocab_size() const { return spec_.vocab_size(); }
+  int64_t hidden_size() const { return spec_.hidden_size(); }
+  kernels::DType dtype() const { return dtype_; }
+  size_t weights_bytes() const { return weights_.bytes(); }
+  size_t gradient_bytes() const { return grad_.bytes(); }
+  size_t workspace_bytes() const;
+  uint64_t weights_version() const;
+
+ private:
+  struct Prepared;
+  struct IoSlot;
+  class SlotLease;
+
+  Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
+       const HeadOptions& options);
+  absl::Status Initialize(size_t workspace_budget, bool init_weights);
+  absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
+  // Runs a prepared micro-batch; with a client id, completes its idempotency claim.
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(const Prepared& prepared,
+                                                             StepStats* stats,
+                                                             const std::string& client_id,
+                                                             uint64_t sequence);
+  void FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
+                     std::string grad_hidden, const std::vector<float>& per_token,
+                     StepOutcome* outcome) const;
+  // Grows `buffer` (which the caller owns exclusively: under compute_mu_ or in its I/O slot).
+  absl::Status EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes);
+  // Grows `slot`'s staging buffer; false where the backend needs none (copy directly).
+  absl::StatusOr<bool> EnsureStaging(kernels::HostBuffer& buffer, size_t bytes);
+  // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised).
+  absl::Status StageIn(const Prepared& p, IoSlot& slot);
+  // Copies dH and per-token losses of a finished run out of `slot` into `outcome`.
+  absl::Status StageOut(const Prepared& p, IoSlot& slot, std::string* grad_hidden,
+                        std::vector<float>* per_token);
+
+  kernels::Backend& backend_;
+  const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_
+  const kernels::DType dtype_;
+  const HeadOptions options_;
+  // dH result buffers, recycled: each outcome gives its buffer back when the cache and the
+  // responses in flight are done with it. Declared before cache_ so that it outlives the outcomes
+  // the cache holds (they hold it too).
+  const std::shared_ptr<ResultPool> results_;
+  IdempotencyCache cache_;
+
+  // Device memory and stream: used under compute_mu_ only.
+  absl::Mutex compute_mu_ ABSL_ACQUIRED_BEFORE(state_mu_);
+  kernels::DeviceBuffer weights_;
+  kernels::DeviceBuffer grad_;
+  std::unique_ptr<kernels::Stream> stream_;
+  kernels::DeviceBuffer workspace_ ABSL_GUARDED_BY(compute_mu_);
+
+  // I/O slots: a micro-batch takes one for its copies in, its run and its copies out. Three let
+  // one run while the next is copied in and the previous is copied out.
+  static constexpr size_t kIoSlots = 3;
+  absl::Mutex slots_mu_;
+  std::vector<std::unique_ptr<IoSlot>> free_slots_ ABSL_GUARDED_BY(slots_mu_);
+
+  // Counters and options; written under both mutexes when tied to device state, read under this.
+  mutable absl::Mutex state_mu_;
+  v1::LossOptions defaults_ ABSL_GUARDED_BY(state_mu_);
+  uint64_t version_ ABSL_GUARDED_BY(state_mu_) = 1;
+  uint64_t tokens_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t microbatches_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t min_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t max_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
+  size_t device_scratch_bytes_ ABSL_GUARDED_BY(state_mu_) = 0;  // workspace + I/O buffers
+  // Micro-batches counted in dW whose outcome is not yet remembered for replay (their dH is being
+  // copied out). A snapshot waits for none under compute_mu_: see Snapshot.
+  int pending_outcomes_ ABSL_GUARDED_BY(state_mu_) = 0;
+
+  // Per client id: the highest applied sequence in the last durable checkpoint.
+  mutable absl::Mutex persisted_mu_;
+  absl::flat_hash_map<std::string, uint64_t> persisted_ ABSL_GUARDED_BY(persisted_mu_);
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_HEAD_H_

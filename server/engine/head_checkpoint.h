@@ -1,0 +1,44 @@
+// What a head's checkpoint holds, as data: the consistent cut that Head::Snapshot takes and
+// Head::Restore reads back (server/engine/head_checkpoint.cc). The file format that carries it is
+// durability's (server/durability/checkpoint.h); the engine knows no files.
+#ifndef LOSSHEAD_SERVER_ENGINE_HEAD_CHECKPOINT_H_
+#define LOSSHEAD_SERVER_ENGINE_HEAD_CHECKPOINT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "losshead/v1/losshead.pb.h"
+#include "server/engine/step_outcome.h"
+
+namespace losshead::server {
+
+// The idempotency state of one client id (see IdempotencyCache).
+struct ClientCheckpoint {
+  std::string client_id;
+  std::optional<uint64_t> max_evicted;
+  std::optional<uint64_t> max_applied;
+  // Completed results by increasing sequence.
+  std::vector<std::pair<uint64_t, std::shared_ptr<const StepOutcome>>> results;
+};
+
+struct HeadCheckpointData {
+  v1::HeadSpec spec;  // default_options: the head's current defaults
+  uint64_t weights_version = 1;
+  uint64_t tokens_since_pull = 0;
+  uint64_t microbatches_since_pull = 0;
+  uint64_t min_version_since_pull = 0;
+  uint64_t max_version_since_pull = 0;
+  uint64_t tokens_total = 0;
+  uint64_t microbatches_total = 0;
+  std::string weights;   // V x D in spec.weight_dtype
+  std::string gradient;  // V x D fp32
+  std::vector<ClientCheckpoint> clients;  // by client id
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_HEAD_CHECKPOINT_H_

@@ -1,0 +1,98 @@
+#include "server/engine/head_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/engine/status_macros.h"
+
+namespace losshead::server {
+namespace {
+
+// Bytes per element of a validated weight dtype.
+uint64_t WeightDTypeBytes(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 : 2; }
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& spec) {
+  LOSSHEAD_RETURN_IF_ERROR(Head::ValidateSpec(spec));
+  // V < 2^31 and D < 2^63 after validation; the product is checked in 128 bits.
+  const unsigned __int128 head_bytes = static_cast<unsigned __int128>(spec.vocab_size()) *
+                                       static_cast<unsigned __int128>(spec.hidden_size()) *
+                                       (WeightDTypeBytes(spec.weight_dtype()) + 4);
+  // Without a configured limit, sizes past what any device holds stay Head::Create's
+  // RESOURCE_EXHAUSTED.
+  const bool limited = limits_.max_head_bytes != std::numeric_limits<uint64_t>::max();
+  if (limited && head_bytes > limits_.max_head_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a ", spec.vocab_size(), " x ", spec.hidden_size(),
+        " head needs more than the server's limit of ", limits_.max_head_bytes,
+        " bytes for W and dW (--max_head_bytes)"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (heads_.contains(spec.name()) || creating_.contains(spec.name())) {
+      return absl::AlreadyExistsError(absl::StrCat("head '", spec.name(), "' already exists"));
+    }
+    if (heads_.size() + creating_.size() >= limits_.max_heads) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the server holds its limit of ", limits_.max_heads,
+                       " heads (--max_heads); delete one first"));
+    }
+    creating_.insert(spec.name());
+  }
+  absl::StatusOr<std::shared_ptr<Head>> head = Head::Create(backend_, spec, options_);
+  absl::MutexLock lock(&mu_);
+  creating_.erase(spec.name());
+  if (head.ok()) heads_.emplace(spec.name(), *head);
+  return head;
+}
+
+absl::Status HeadRegistry::Adopt(std::shared_ptr<Head> head) {
+  absl::MutexLock lock(&mu_);
+  const std::string& name = head->name();
+  if (heads_.contains(name) || creating_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("head '", name, "' already exists"));
+  }
+  heads_.emplace(name, std::move(head));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = heads_.find(name);
+  if (it == heads_.end()) return absl::NotFoundError(absl::StrCat("no head named '", name, "'"));
+  return it->second;
+}
+
+std::vector<std::shared_ptr<Head>> HeadRegistry::List() const {
+  std::vector<std::shared_ptr<Head>> out;
+  {
+    absl::MutexLock lock(&mu_);
+    out.reserve(heads_.size());
+    for (const auto& [name, head] : heads_) out.push_back(head);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a->name() < b->name(); });
+  return out;
+}
+
+absl::Status HeadRegistry::Delete(const std::string& name) {
+  std::shared_ptr<Head> doomed;  // released outside the lock: freeing may wait for the device
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = heads_.find(name);
+    if (it == heads_.end()) return absl::NotFoundError(absl::StrCat("no head named '", name, "'"));
+    doomed = std::move(it->second);
+    heads_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+size_t HeadRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return heads_.size();
+}
+
+}  // namespace losshead::server

@@ -1,0 +1,67 @@
+// The heads of a server by name.
+#ifndef LOSSHEAD_SERVER_ENGINE_HEAD_REGISTRY_H_
+#define LOSSHEAD_SERVER_ENGINE_HEAD_REGISTRY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/engine/head.h"
+
+namespace losshead::server {
+
+// Operator limits on what CreateHead may allocate (a writer token must not be able to fill the
+// device or the host with heads).
+struct HeadLimits {
+  // Heads on the server, those being created included; beyond it RESOURCE_EXHAUSTED (deleting a
+  // head makes room, so a retry later can succeed).
+  size_t max_heads = std::numeric_limits<size_t>::max();
+  // W + dW bytes of one head (V x D x (dtype bytes + 4)); beyond it INVALID_ARGUMENT: no retry on
+  // this server can succeed, as for any other spec outside the server's bounds.
+  uint64_t max_head_bytes = std::numeric_limits<uint64_t>::max();
+};
+
+class HeadRegistry {
+ public:
+  HeadRegistry(kernels::Backend& backend, HeadOptions options, HeadLimits limits = {})
+      : backend_(backend), options_(options), limits_(limits) {}
+
+  // INVALID_ARGUMENT for a bad spec or one above limits.max_head_bytes, ALREADY_EXISTS for a taken
+  // name (also while another create of the same name is allocating), RESOURCE_EXHAUSTED when
+  // limits.max_heads are there or the device memory does not suffice. Limits are checked before
+  // anything is allocated.
+  // Allocation and initialisation run in the caller's thread, outside the registry's lock.
+  absl::StatusOr<std::shared_ptr<Head>> Create(const v1::HeadSpec& spec);
+  // Registers a head built elsewhere (a restored checkpoint); ALREADY_EXISTS for a taken name.
+  absl::Status Adopt(std::shared_ptr<Head> head);
+  // NOT_FOUND for an unknown name.
+  absl::StatusOr<std::shared_ptr<Head>> Get(const std::string& name) const;
+  // Sorted by name.
+  std::vector<std::shared_ptr<Head>> List() const;
+  // Removes the name at once; the head's memory is freed when the work still holding it ends.
+  absl::Status Delete(const std::string& name);
+  size_t size() const;
+  const HeadOptions& head_options() const { return options_; }
+
+ private:
+  kernels::Backend& backend_;
+  const HeadOptions options_;
+  const HeadLimits limits_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Head>> heads_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_HEAD_REGISTRY_H_

@@ -1,0 +1,109 @@
+#include "server/engine/proto_convert.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace losshead::server {
+
+absl::StatusOr<kernels::DType> FloatDType(v1::DType dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return kernels::DType::kBF16;
+    case v1::DTYPE_FP16:
+      return kernels::DType::kFP16;
+    case v1::DTYPE_FP32:
+      return kernels::DType::kFP32;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " must be DTYPE_BF16, DTYPE_FP16 or DTYPE_FP32, got ",
+                       v1::DType_IsValid(dtype) ? v1::DType_Name(dtype)
+                                                : absl::StrCat(static_cast<int>(dtype))));
+  }
+}
+
+v1::DType ToProto(kernels::DType dtype) {
+  switch (dtype) {
+    case kernels::DType::kBF16:
+      return v1::DTYPE_BF16;
+    case kernels::DType::kFP16:
+      return v1::DTYPE_FP16;
+    case kernels::DType::kFP32:
+      return v1::DTYPE_FP32;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+namespace {
+
+absl::StatusOr<kernels::Reduction> ToKernel(v1::Reduction reduction, absl::string_view field) {
+  switch (reduction) {
+    case v1::REDUCTION_MEAN:
+      return kernels::Reduction::kMean;
+    case v1::REDUCTION_SUM:
+      return kernels::Reduction::kSum;
+    case v1::REDUCTION_NONE:
+      return kernels::Reduction::kNone;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " is not a known Reduction: ", static_cast<int>(reduction)));
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateLossOptions(const v1::LossOptions& o) {
+  if (o.reduction() != v1::REDUCTION_UNSPECIFIED) {
+    absl::Status s = ToKernel(o.reduction(), "reduction").status();
+    if (!s.ok()) return s;
+  }
+  if (o.has_label_smoothing() && !(o.label_smoothing() >= 0.0f && o.label_smoothing() < 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("label_smoothing must be in [0, 1), got ", o.label_smoothing()));
+  }
+  if (o.has_z_loss() && !(o.z_loss() >= 0.0f && std::isfinite(o.z_loss()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("z_loss must be finite and >= 0, got ", o.z_loss()));
+  }
+  if (o.has_logit_softcap() && !(o.logit_softcap() >= 0.0f && std::isfinite(o.logit_softcap()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logit_softcap must be finite and >= 0 (0 = off), got ", o.logit_softcap()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<kernels::LossOptions> ResolveLossOptions(const v1::LossOptions& request,
+                                                        const v1::LossOptions& head_default,
+                                                        const v1::StepOptions* step) {
+  if (absl::Status s = ValidateLossOptions(request); !s.ok()) return s;
+  kernels::LossOptions out;
+  // Later layers win: built-in, then the head's default, then the request.
+  for (const v1::LossOptions* layer : {&head_default, &request}) {
+    if (layer->has_ignore_index()) out.ignore_index = layer->ignore_index();
+    if (layer->reduction() != v1::REDUCTION_UNSPECIFIED) {
+      auto r = ToKernel(layer->reduction(), "loss_options.reduction");
+      if (!r.ok()) return r.status();
+      out.reduction = *r;
+    }
+    if (layer->has_label_smoothing()) out.label_smoothing = layer->label_smoothing();
+    if (layer->has_z_loss()) out.z_loss = layer->z_loss();
+    if (layer->has_logit_softcap()) out.softcap = layer->logit_softcap();
+  }
+  if (step != nullptr) {
+    if (step->reduction() != v1::REDUCTION_UNSPECIFIED) {
+      auto r = ToKernel(step->reduction(), "options.reduction");
+      if (!r.ok()) return r.status();
+      out.reduction = *r;
+    }
+    if (step->has_grad_scale()) {
+      if (!std::isfinite(step->grad_scale())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("options.grad_scale must be finite, got ", step->grad_scale()));
+      }
+      out.grad_scale = step->grad_scale();
+    }
+  }
+  return out;
+}
+
+}  // namespace losshead::server

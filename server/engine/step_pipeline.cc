@@ -1,0 +1,400 @@
+// Head's step pipeline: a micro-batch is prepared (validated, targets and hidden converted), takes
+// an I/O slot, is staged in on the slot's stream, runs under the compute lock (dW and the window's
+// counters together), is staged out, and completes or abandons its idempotency claim.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "losshead/kernels/dtype_convert.h"
+#include "losshead/v1/wire_dtype.h"
+#include "server/engine/head.h"
+#include "server/engine/head_internal.h"
+#include "server/engine/proto_convert.h"
+#include "server/engine/status_macros.h"
+
+namespace losshead::server {
+
+using head_internal::AsResourceExhausted;
+using head_internal::Convert;
+
+struct Head::Prepared {
+  kernels::Problem problem;
+  // N x D in the head's dtype: the request's own bytes when they arrived in it, else `converted`.
+  const std::string* request_hidden = nullptr;
+  std::string converted;
+  const std::string& hidden() const { return request_hidden ? *request_hidden : converted; }
+  std::vector<int32_t> targets;
+  bool want_grad_hidden = true;
+  kernels::DType grad_hidden_dtype = kernels::DType::kFP32;
+  bool want_per_token = false;
+  std::optional<uint64_t> expected_version;
+  bool forward_only = false;  // no dW, no counters, no idempotency (evaluation)
+};
+
+// Takes a free I/O slot (waiting for one) and gives it back on destruction.
+class Head::SlotLease {
+ public:
+  explicit SlotLease(Head& head) : head_(head) {
+    absl::MutexLock lock(&head_.slots_mu_);
+    head_.slots_mu_.Await(absl::Condition(
+        +[](std::vector<std::unique_ptr<IoSlot>>* free) { return !free->empty(); },
+        &head_.free_slots_));
+    slot_ = std::move(head_.free_slots_.back());
+    head_.free_slots_.pop_back();
+  }
+  ~SlotLease() {
+    absl::MutexLock lock(&head_.slots_mu_);
+    head_.free_slots_.push_back(std::move(slot_));
+  }
+  SlotLease(const SlotLease&) = delete;
+  SlotLease& operator=(const SlotLease&) = delete;
+  IoSlot& operator*() const { return *slot_; }
+
+ private:
+  Head& head_;
+  std::unique_ptr<IoSlot> slot_;
+};
+
+absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
+  const v1::StepHeader& h = mb.header;
+  Prepared p;
+  if (h.num_tokens() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens must be >= 1, got ", h.num_tokens()));
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType hidden_dtype,
+                            FloatDType(h.hidden_dtype(), "hidden_dtype"));
+  if (h.target_dtype() != v1::DTYPE_INT32 && h.target_dtype() != v1::DTYPE_INT64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_dtype must be DTYPE_INT32 or DTYPE_INT64, got ",
+                     static_cast<int>(h.target_dtype())));
+  }
+  p.want_grad_hidden = !h.options().skip_grad_hidden();
+  if (h.options().grad_hidden_dtype() == v1::DTYPE_UNSPECIFIED) {
+    p.grad_hidden_dtype = hidden_dtype;
+  } else {
+    LOSSHEAD_ASSIGN_OR_RETURN(p.grad_hidden_dtype, FloatDType(h.options().grad_hidden_dtype(),
+                                                              "options.grad_hidden_dtype"));
+  }
+  const uint64_t n = h.num_tokens();
+  const uint64_t d = hidden_size();
+  const size_t hsize = kernels::DTypeSize(hidden_dtype);
+  const size_t tsize = v1::WireDTypeSize(h.target_dtype());
+  // Compare sizes without overflowing n * d * size for absurd n.
+  if (n > mb.hidden.size() / (d * hsize) || n * d * hsize != mb.hidden.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden has ", mb.hidden.size(), " bytes; num_tokens x hidden_size x ",
+                     kernels::DTypeName(hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
+  }
+  if (n * tsize != mb.targets.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("targets has ", mb.targets.size(),
+                                                   " bytes; num_tokens needs ", n, " x ", tsize));
+  }
+  v1::LossOptions defaults;
+  {
+    absl::MutexLock lock(&state_mu_);
+    defaults = defaults_;
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(kernels::LossOptions loss,
+                            ResolveLossOptions(h.loss_options(), defaults, &h.options()));
+  p.want_per_token =
+      h.options().return_per_token_loss() || loss.reduction == kernels::Reduction::kNone;
+
+  // Targets: int32 for the kernels. An ignore_index beyond int32 is mapped to INT32_MIN, which no
+  // valid target can equal.
+  const int64_t ignore = loss.ignore_index;
+  const bool ignore_fits = ignore >= std::numeric_limits<int32_t>::min() &&
+                           ignore <= std::numeric_limits<int32_t>::max();
+  const int32_t ignore32 =
+      ignore_fits ? static_cast<int32_t>(ignore) : std::numeric_limits<int32_t>::min();
+  loss.ignore_index = ignore32;
+  p.targets.resize(n);
+  const int64_t v = vocab_size();
+  for (uint64_t i = 0; i < n; ++i) {
+    int64_t t;
+    if (h.target_dtype() == v1::DTYPE_INT32) {
+      int32_t t32;
+      std::memcpy(&t32, mb.targets.data() + i * 4, 4);
+      t = t32;
+    } else {
+      std::memcpy(&t, mb.targets.data() + i * 8, 8);
+    }
+    if (t == ignore) {
+      p.targets[i] = ignore32;
+    } else if (t < 0 || t >= v) {
+      return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] = ", t, " is outside [0, ",
+                                                     v, ") and is not ignore_index ", ignore));
+    } else {
+      p.targets[i] = static_cast<int32_t>(t);
+    }
+  }
+
+  // NaN policy: non-finite hidden states are rejected, never computed: they would poison dW for
+  // every micro-batch accumulated with them until the next pull.
+  if (kernels::HasNonFinite(hidden_dtype, mb.hidden.data(), n * d)) {
+    return absl::InvalidArgumentError("hidden contains NaN or Inf");
+  }
+  if (hidden_dtype == dtype_) {
+    p.request_hidden = &mb.hidden;
+  } else {
+    p.converted = Convert(hidden_dtype, mb.hidden, dtype_);
+    if (kernels::HasNonFinite(dtype_, p.converted.data(), n * d)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden overflows the head's dtype ", kernels::DTypeName(dtype_)));
+    }
+  }
+  p.problem = kernels::Problem{.n = static_cast<int64_t>(n),
+                               .d = hidden_size(),
+                               .v = vocab_size(),
+                               .dtype = dtype_,
+                               .options = loss};
+  LOSSHEAD_RETURN_IF_ERROR(backend_.CanImplement(p.problem));
+  if (h.options().has_expected_weights_version()) {
+    p.expected_version = h.options().expected_weights_version();
+  }
+  p.forward_only = h.options().forward_only();
+  return p;
+}
+
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& mb,
+                                                              StepStats* stats) {
+  LOSSHEAD_ASSIGN_OR_RETURN(Prepared prepared, Prepare(mb));
+  // Forward-only counts nothing, so there is nothing a replay could protect from being counted
+  // twice: it bypasses the cache both ways. Answering it from a counted micro-batch's result (or
+  // remembering it so that a later counted one with the same key replays it) would hand a
+  // training step's outcome to an evaluation, or skip a training step's dW.
+  if (prepared.forward_only) return Compute(prepared, stats, "", 0);
+  const std::string& client_id = mb.header.client_id();
+  if (client_id.empty()) return Compute(prepared, stats, client_id, 0);
+
+  LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
+                            cache_.Begin(client_id, mb.header.sequence()));
+  if (remembered != nullptr) {
+    stats->replayed = true;
+    return remembered;
+  }
+  // Compute completes the claim once the outcome is whole. A failed one is abandoned so that a
+  // retry computes afresh: failures come before the run (nothing counted) or from the device.
+  auto outcome = Compute(prepared, stats, client_id, mb.header.sequence());
+  if (!outcome.ok()) cache_.Abandon(client_id, mb.header.sequence());
+  return outcome;
+}
+
+absl::Status Head::EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes) {
+  if (buffer.bytes() >= bytes) return absl::OkStatus();
+  const size_t old = buffer.bytes();
+  buffer.Reset();  // free first: the old and new buffer need not fit together
+  auto fresh = backend_.Allocate(bytes);
+  if (!fresh.ok()) {
+    absl::MutexLock lock(&state_mu_);
+    device_scratch_bytes_ -= old;
+    return AsResourceExhausted(fresh.status(), "micro-batch buffers");
+  }
+  buffer = std::move(*fresh);
+  absl::MutexLock lock(&state_mu_);
+  device_scratch_bytes_ += bytes - old;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Head::EnsureStaging(kernels::HostBuffer& buffer, size_t bytes) {
+  if (buffer.bytes() >= bytes) return true;
+  buffer.Reset();
+  absl::StatusOr<kernels::HostBuffer> fresh = backend_.AllocateHost(bytes);
+  if (absl::IsUnimplemented(fresh.status())) return false;
+  if (!fresh.ok()) return AsResourceExhausted(fresh.status(), "micro-batch staging memory");
+  buffer = std::move(*fresh);
+  return true;
+}
+
+absl::Status Head::StageIn(const Prepared& p, IoSlot& slot) {
+  const size_t n = p.problem.n;
+  const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
+  const size_t targets_bytes = n * sizeof(int32_t);
+  if (slot.copies == nullptr) {
+    LOSSHEAD_ASSIGN_OR_RETURN(slot.copies, backend_.CreateStream());
+  }
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.hidden, hidden_bytes));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.targets, targets_bytes));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.scalars, 16));
+  if (p.want_grad_hidden) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.grad_hidden, hidden_bytes));
+  if (p.want_per_token) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.per_token, n * sizeof(float)));
+  // The larger of the two directions: the buffer serves the copies in, then the copies out.
+  const size_t out_bytes =
+      (p.want_grad_hidden ? hidden_bytes : 0) + (p.want_per_token ? n * sizeof(float) : 0);
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      const bool staged,
+      EnsureStaging(slot.staging, std::max(hidden_bytes + targets_bytes, out_bytes)));
+  const char* hidden = p.hidden().data();
+  const char* targets = reinterpret_cast<const char*>(p.targets.data());
+  if (staged) {
+    // Page-locked memory copies at the bus rate and asynchronously; a copy from the request's own
+    // (pageable) bytes would go through the driver's bounce buffer at a fraction of it.
+    std::memcpy(slot.staging.data(), hidden, hidden_bytes);
+    std::memcpy(slot.staging.data() + hidden_bytes, targets, targets_bytes);
+    hidden = slot.staging.data();
+    targets = slot.staging.data() + hidden_bytes;
+  }
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToDevice(slot.targets.data(), targets, targets_bytes, *slot.copies));
+  return slot.copies->Synchronize();
+}
+
+absl::Status Head::StageOut(const Prepared& p, IoSlot& slot, std::string* grad_hidden,
+                            std::vector<float>* per_token) {
+  const size_t n = p.problem.n;
+  const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
+  const bool staged = slot.staging.bytes() > 0;
+  // Every byte is overwritten below: a recycled buffer needs neither zeroing nor page faults.
+  if (p.want_grad_hidden) *grad_hidden = results_->Take(hidden_bytes);
+  if (p.want_per_token) per_token->resize(n);
+  char* dh = staged ? slot.staging.data() : grad_hidden->data();
+  char* pt = staged ? slot.staging.data() + (p.want_grad_hidden ? hidden_bytes : 0)
+                    : reinterpret_cast<char*>(per_token->data());
+  if (p.want_grad_hidden) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(dh, slot.grad_hidden.data(), hidden_bytes, *slot.copies));
+  }
+  if (p.want_per_token) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend_.CopyToHost(pt, slot.per_token.data(), n * sizeof(float), *slot.copies));
+  }
+  LOSSHEAD_RETURN_IF_ERROR(slot.copies->Synchronize());
+  if (staged) {
+    if (p.want_grad_hidden) std::memcpy(grad_hidden->data(), dh, hidden_bytes);
+    if (p.want_per_token) std::memcpy(per_token->data(), pt, n * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared& p,
+                                                                 StepStats* stats,
+                                                                 const std::string& client_id,
+                                                                 uint64_t sequence) {
+  auto outcome = std::make_shared<StepOutcome>();
+  const size_t n = p.problem.n;
+  std::string grad_hidden;  // compute dtype
+  std::vector<float> per_token;
+  float loss_sum = 0;
+  int64_t token_count = 0;
+
+  const absl::Time slot_wait = absl::Now();
+  SlotLease lease(*this);
+  IoSlot& slot = *lease;
+  const absl::Time stage_start = absl::Now();
+  stats->queue += stage_start - slot_wait;
+  // Copies in run outside compute_mu_, beside the run of the micro-batch ahead of this one.
+  LOSSHEAD_RETURN_IF_ERROR(StageIn(p, slot));
+  stats->stage += absl::Now() - stage_start;
+  {
+    const absl::Time wait_start = absl::Now();
+    absl::MutexLock lock(&compute_mu_);
+    const absl::Time start = absl::Now();
+    stats->queue += start - wait_start;
+    uint64_t version;
+    {
+      absl::MutexLock state(&state_mu_);
+      version = version_;
+    }
+    if (p.expected_version.has_value() && *p.expected_version != version) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expected_weights_version is ", *p.expected_version,
+                       " but the head's weights are at version ", version));
+    }
+    LOSSHEAD_ASSIGN_OR_RETURN(const size_t ws_bytes,
+                              backend_.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(workspace_, ws_bytes));
+
+    kernels::Arguments args;
+    args.hidden = slot.hidden.data();
+    args.weight = weights_.data();
+    args.targets = slot.targets.as<int32_t>();
+    args.grad_hidden = p.want_grad_hidden ? slot.grad_hidden.data() : nullptr;
+    // Forward-only: without dW the backend skips the dW GEMM; the loss and dH are computed the same
+    // way, so they match a counted step's bit for bit.
+    args.grad_weight = p.forward_only ? nullptr : grad_.as<float>();
+    // token_count first: it needs 8-byte alignment.
+    args.token_count = slot.scalars.as<int64_t>();
+    args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
+    args.per_token_loss = p.want_per_token ? slot.per_token.as<float>() : nullptr;
+    args.workspace = workspace_.data();
+    args.workspace_bytes = ws_bytes;
+    LOSSHEAD_RETURN_IF_ERROR(backend_.Run(p.problem, args, *stream_));
+
+    // Only the 16 bytes of scalars come back under the lock; dH follows on the slot's stream
+    // once the lock is free for the next micro-batch's run.
+    char scalars[16];
+    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(scalars, slot.scalars.data(), 16, *stream_));
+    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    std::memcpy(&token_count, scalars, 8);
+    std::memcpy(&loss_sum, scalars + 8, 4);
+    if (!p.forward_only) {
+      absl::MutexLock state(&state_mu_);
+      tokens_since_pull_ += token_count;
+      tokens_total_ += token_count;
+      microbatches_since_pull_ += 1;
+      microbatches_total_ += 1;
+      if (microbatches_since_pull_ == 1) {
+        min_version_since_pull_ = max_version_since_pull_ = version;
+      } else {
+        min_version_since_pull_ = std::min(min_version_since_pull_, version);
+        max_version_since_pull_ = std::max(max_version_since_pull_, version);
+      }
+      // Counted in dW, not yet remembered: a snapshot waits for this outcome (see Snapshot).
+      ++pending_outcomes_;
+    }
+    outcome->weights_version = version;
+    outcome->forward_only = p.forward_only;
+    stats->compute += absl::Now() - start;
+  }
+  const absl::Time finish_start = absl::Now();
+  absl::Status out = StageOut(p, slot, &grad_hidden, &per_token);
+  if (out.ok()) {
+    FinishOutcome(p, loss_sum, token_count, std::move(grad_hidden), per_token, outcome.get());
+    if (!client_id.empty()) cache_.Complete(client_id, sequence, outcome);
+  }
+  if (!p.forward_only) {
+    absl::MutexLock state(&state_mu_);
+    --pending_outcomes_;
+  }
+  stats->finish += absl::Now() - finish_start;
+  if (!out.ok()) return out;
+  return outcome;
+}
+
+void Head::FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
+                         std::string grad_hidden, const std::vector<float>& per_token,
+                         StepOutcome* outcome) const {
+  outcome->loss_sum = loss_sum;
+  outcome->token_count = token_count;
+  outcome->loss = p.problem.options.reduction == kernels::Reduction::kMean
+                      ? (token_count > 0 ? static_cast<double>(loss_sum) / token_count : 0.0)
+                      : static_cast<double>(loss_sum);
+  outcome->grad_hidden_dtype = ToProto(p.grad_hidden_dtype);
+  if (p.want_grad_hidden) {
+    if (p.grad_hidden_dtype == dtype_) {
+      outcome->grad_hidden = std::move(grad_hidden);
+    } else {
+      outcome->grad_hidden = Convert(dtype_, grad_hidden, p.grad_hidden_dtype);
+      results_->Give(std::move(grad_hidden));
+    }
+    outcome->pool = results_;
+  }
+  if (p.want_per_token) {
+    outcome->per_token_loss.assign(reinterpret_cast<const char*>(per_token.data()),
+                                   per_token.size() * sizeof(float));
+  }
+}
+
+}  // namespace losshead::server

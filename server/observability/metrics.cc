@@ -1,0 +1,188 @@
+#include "server/observability/metrics.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+namespace losshead::server {
+namespace {
+
+// Seconds, from 0.1 ms (a tiny micro-batch's queue wait) to 60 s (a 2 GiB pull on a slow link).
+const prometheus::Histogram::BucketBoundaries& Buckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+      0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
+  return *buckets;
+}
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+// "INVALID_ARGUMENT", "OK", ... (the label value of losshead_rpcs_total{code}); absl and gRPC share
+// the numeric codes.
+std::string CodeName(int code) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+// "invalid_argument", ... (the label value of losshead_failures_total{reason}).
+std::string ReasonName(int code) { return absl::AsciiStrToLower(CodeName(code)); }
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      rpc_duration_(prometheus::BuildHistogram()
+                        .Name("losshead_rpc_duration_seconds")
+                        .Help("Wall time of each RPC, from start to final status")
+                        .Register(*registry_)),
+      rpcs_(prometheus::BuildCounter()
+                .Name("losshead_rpcs_total")
+                .Help("Finished RPCs by gRPC status code")
+                .Register(*registry_)),
+      phase_duration_(prometheus::BuildHistogram()
+                          .Name("losshead_step_phase_duration_seconds")
+                          .Help("Per micro-batch phase durations: receive, queue, compute, send")
+                          .Register(*registry_)),
+      microbatches_(prometheus::BuildCounter()
+                        .Name("losshead_microbatches_total")
+                        .Help("Micro-batches by outcome: ok, forward, replayed, error")
+                        .Register(*registry_)),
+      tokens_(prometheus::BuildCounter()
+                  .Name("losshead_tokens_total")
+                  .Help("Non-ignored tokens computed, forward-only included (replays not counted)")
+                  .Register(*registry_)),
+      bytes_(prometheus::BuildCounter()
+                 .Name("losshead_bytes_total")
+                 .Help("Tensor payload bytes received (in) and sent (out)")
+                 .Register(*registry_)),
+      inflight_family_(prometheus::BuildGauge()
+                           .Name("losshead_inflight_microbatches")
+                           .Help("Micro-batches received completely and not yet answered")
+                           .Register(*registry_)),
+      failures_(prometheus::BuildCounter()
+                    .Name("losshead_failures_total")
+                    .Help("Failed micro-batches and RPCs by reason")
+                    .Register(*registry_)),
+      head_memory_(prometheus::BuildGauge()
+                       .Name("losshead_head_memory_bytes")
+                       .Help("Device memory of one head by kind")
+                       .Register(*registry_)),
+      device_memory_(prometheus::BuildGauge()
+                         .Name("losshead_device_memory_bytes")
+                         .Help("Device memory by kind: weights, gradient, workspace, free, total")
+                         .Register(*registry_)),
+      pulls_(prometheus::BuildCounter()
+                 .Name("losshead_pulls_total")
+                 .Help("Gradient pulls")
+                 .Register(*registry_)),
+      pushes_(prometheus::BuildCounter()
+                  .Name("losshead_pushes_total")
+                  .Help("Weight pushes")
+                  .Register(*registry_)),
+      heads_family_(prometheus::BuildGauge()
+                        .Name("losshead_heads")
+                        .Help("Heads on the server")
+                        .Register(*registry_)),
+      auth_tokens_family_(prometheus::BuildGauge()
+                              .Name("losshead_auth_tokens")
+                              .Help("Bearer tokens in force (absent without a token file)")
+                              .Register(*registry_)),
+      token_reloads_(prometheus::BuildCounter()
+                         .Name("losshead_auth_token_reloads_total")
+                         .Help("Re-reads of the token file by result: ok, error (old tokens kept)")
+                         .Register(*registry_)),
+      inflight_(inflight_family_.Add({})),
+      heads_(heads_family_.Add({})) {}
+
+std::string Metrics::RenderText() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+void Metrics::RpcFinished(absl::string_view method, int code, absl::Duration duration) {
+  const std::string m(method);
+  rpc_duration_.Add({{"method", m}}, Buckets()).Observe(Seconds(duration));
+  rpcs_.Add({{"method", m}, {"code", CodeName(code)}}).Increment();
+  if (code != 0) failures_.Add({{"method", m}, {"reason", ReasonName(code)}}).Increment();
+}
+
+void Metrics::StepPhase(const std::string& head, absl::string_view phase, absl::Duration d) {
+  phase_duration_.Add({{"head", head}, {"phase", std::string(phase)}}, Buckets())
+      .Observe(Seconds(d));
+}
+
+void Metrics::Microbatch(const std::string& head, absl::string_view outcome, int code) {
+  microbatches_.Add({{"head", head}, {"outcome", std::string(outcome)}}).Increment();
+  if (code != 0) failures_.Add({{"method", "Step"}, {"reason", ReasonName(code)}}).Increment();
+}
+
+void Metrics::Failure(absl::string_view method, int code) {
+  failures_.Add({{"method", std::string(method)}, {"reason", ReasonName(code)}}).Increment();
+}
+
+void Metrics::Tokens(const std::string& head, uint64_t tokens) {
+  tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));
+}
+
+void Metrics::Bytes(absl::string_view method, absl::string_view direction, uint64_t bytes) {
+  bytes_.Add({{"method", std::string(method)}, {"direction", std::string(direction)}})
+      .Increment(static_cast<double>(bytes));
+}
+
+void Metrics::InflightAdd(int64_t delta) {
+  inflight_count_ += delta;
+  inflight_.Increment(static_cast<double>(delta));
+}
+
+void Metrics::Pull(const std::string& head) { pulls_.Add({{"head", head}}).Increment(); }
+void Metrics::Push(const std::string& head) { pushes_.Add({{"head", head}}).Increment(); }
+
+void Metrics::HeadMemory(const std::string& head, uint64_t weights, uint64_t gradient,
+                         uint64_t workspace) {
+  head_memory_.Add({{"head", head}, {"kind", "weights"}}).Set(static_cast<double>(weights));
+  head_memory_.Add({{"head", head}, {"kind", "gradient"}}).Set(static_cast<double>(gradient));
+  head_memory_.Add({{"head", head}, {"kind", "workspace"}}).Set(static_cast<double>(workspace));
+}
+
+void Metrics::DeviceMemoryBytes(const DeviceMemory& m) {
+  device_memory_.Add({{"kind", "weights"}}).Set(static_cast<double>(m.weights));
+  device_memory_.Add({{"kind", "gradient"}}).Set(static_cast<double>(m.gradient));
+  device_memory_.Add({{"kind", "workspace"}}).Set(static_cast<double>(m.workspace));
+  device_memory_.Add({{"kind", "free"}}).Set(static_cast<double>(m.free));
+  device_memory_.Add({{"kind", "total"}}).Set(static_cast<double>(m.total));
+}
+
+void Metrics::Heads(size_t count) { heads_.Set(static_cast<double>(count)); }
+
+void Metrics::AuthTokens(size_t count) {
+  auth_tokens_family_.Add({}).Set(static_cast<double>(count));
+}
+
+void Metrics::TokenReload(bool ok, size_t tokens_in_force) {
+  token_reloads_.Add({{"result", ok ? "ok" : "error"}}).Increment();
+  AuthTokens(tokens_in_force);
+}
+
+void Metrics::RemoveHead(const std::string& head) {
+  auto drop = [&head](auto& family, const prometheus::Labels& extra) {
+    prometheus::Labels labels = extra;
+    labels["head"] = head;
+    if (family.Has(labels)) family.Remove(&family.Add(labels));
+  };
+  for (const char* phase : {"receive", "queue", "stage", "compute", "finish", "send"}) {
+    prometheus::Labels labels{{"head", head}, {"phase", phase}};
+    if (phase_duration_.Has(labels))
+      phase_duration_.Remove(&phase_duration_.Add(labels, Buckets()));
+  }
+  for (const char* outcome : {"ok", "forward", "replayed", "error"})
+    drop(microbatches_, {{"outcome", outcome}});
+  for (const char* kind : {"weights", "gradient", "workspace"})
+    drop(head_memory_, {{"kind", kind}});
+  drop(tokens_, {});
+  drop(pulls_, {});
+  drop(pushes_, {});
+}
+
+}  // namespace losshead::server

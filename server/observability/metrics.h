@@ -1,0 +1,83 @@
+// The Prometheus metrics of docs/metrics.md, and nothing else. Thread-safe.
+#ifndef LOSSHEAD_SERVER_OBSERVABILITY_METRICS_H_
+#define LOSSHEAD_SERVER_OBSERVABILITY_METRICS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace losshead::server {
+
+struct DeviceMemory {
+  uint64_t weights = 0;
+  uint64_t gradient = 0;
+  uint64_t workspace = 0;
+  uint64_t free = 0;
+  uint64_t total = 0;
+};
+
+class Metrics {
+ public:
+  Metrics();
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  // The Prometheus text exposition of every metric, as served at /metrics.
+  std::string RenderText() const;
+
+  // One finished RPC: duration histogram, rpcs_total{code}, and failures_total{reason} if not OK.
+  void RpcFinished(absl::string_view method, int code, absl::Duration duration);
+  void StepPhase(const std::string& head, absl::string_view phase, absl::Duration duration);
+  // outcome: "ok" | "replayed" | "error". `code` is the error's (failures_total{method="Step"}).
+  void Microbatch(const std::string& head, absl::string_view outcome, int code = 0);
+  // failures_total{method, reason} alone (a micro-batch for a head that does not exist).
+  void Failure(absl::string_view method, int code);
+  void Tokens(const std::string& head, uint64_t tokens);
+  void Bytes(absl::string_view method, absl::string_view direction, uint64_t bytes);
+  void InflightAdd(int64_t delta);
+  int64_t inflight() const { return inflight_count_.load(); }
+  void Pull(const std::string& head);
+  void Push(const std::string& head);
+  void HeadMemory(const std::string& head, uint64_t weights, uint64_t gradient, uint64_t workspace);
+  void DeviceMemoryBytes(const DeviceMemory& memory);
+  void Heads(size_t count);
+  // Bearer tokens in force, and one token-file reload (result "ok" or "error").
+  void AuthTokens(size_t count);
+  void TokenReload(bool ok, size_t tokens_in_force);
+  // Drops every series labelled with `head`.
+  void RemoveHead(const std::string& head);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Histogram>& rpc_duration_;
+  prometheus::Family<prometheus::Counter>& rpcs_;
+  prometheus::Family<prometheus::Histogram>& phase_duration_;
+  prometheus::Family<prometheus::Counter>& microbatches_;
+  prometheus::Family<prometheus::Counter>& tokens_;
+  prometheus::Family<prometheus::Counter>& bytes_;
+  prometheus::Family<prometheus::Gauge>& inflight_family_;
+  prometheus::Family<prometheus::Counter>& failures_;
+  prometheus::Family<prometheus::Gauge>& head_memory_;
+  prometheus::Family<prometheus::Gauge>& device_memory_;
+  prometheus::Family<prometheus::Counter>& pulls_;
+  prometheus::Family<prometheus::Counter>& pushes_;
+  prometheus::Family<prometheus::Gauge>& heads_family_;
+  prometheus::Family<prometheus::Gauge>& auth_tokens_family_;
+  prometheus::Family<prometheus::Counter>& token_reloads_;
+  prometheus::Gauge& inflight_;
+  prometheus::Gauge& heads_;
+  std::atomic<int64_t> inflight_count_{0};
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_OBSERVABILITY_METRICS_H_

@@ -1,0 +1,179 @@
+#include "server/rpc/service.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "server/durability/checkpointer.h"
+#include "server/rpc/status_util.h"
+#include "server/rpc/step_reactor.h"
+#include "server/rpc/transfer_reactors.h"
+#include "server/security/auth.h"
+
+#ifndef LOSSHEAD_VERSION
+#define LOSSHEAD_VERSION "unknown"
+#endif
+
+namespace losshead::server {
+namespace {
+
+// Answers a unary call and records it; `reactor` may not be used afterwards.
+void Answer(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* method,
+            absl::Time start, const absl::Status& status) {
+  ctx->metrics->RpcFinished(method, static_cast<int>(status.code()), absl::Now() - start);
+  reactor->Finish(ToGrpcStatus(status));
+}
+
+// True (and the call answered UNAVAILABLE) while the server shuts down.
+bool RefuseWhileDraining(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* method,
+                         absl::Time start) {
+  if (!ctx->draining.load()) return false;
+  Answer(ctx, reactor, method, start, absl::UnavailableError("the server is shutting down"));
+  return true;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* LossHeadService::CreateHead(grpc::CallbackServerContext* context,
+                                                      const v1::CreateHeadRequest* request,
+                                                      v1::HeadInfo* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "CreateHead", start)) return reactor;
+  // Allocation and the normal init of a large W take long: keep them off the gRPC threads.
+  ctx_->pool->Schedule([this, reactor, request, response, start] {
+    absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Create(request->spec());
+    if (head.ok()) {
+      *response = (*head)->Info();
+      RefreshMemoryMetrics();
+    }
+    Answer(ctx_, reactor, "CreateHead", start, head.status());
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* LossHeadService::GetHead(grpc::CallbackServerContext* context,
+                                                   const v1::GetHeadRequest* request,
+                                                   v1::HeadInfo* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "GetHead", start)) return reactor;
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request->name());
+  if (head.ok()) *response = (*head)->Info();
+  Answer(ctx_, reactor, "GetHead", start, head.status());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* LossHeadService::ListHeads(grpc::CallbackServerContext* context,
+                                                     const v1::ListHeadsRequest* /*request*/,
+                                                     v1::ListHeadsResponse* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "ListHeads", start)) return reactor;
+  for (const auto& head : ctx_->registry->List()) *response->add_heads() = head->Info();
+  Answer(ctx_, reactor, "ListHeads", start, absl::OkStatus());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* LossHeadService::DeleteHead(grpc::CallbackServerContext* context,
+                                                      const v1::DeleteHeadRequest* request,
+                                                      v1::DeleteHeadResponse* /*response*/) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "DeleteHead", start)) return reactor;
+  absl::Status status = ctx_->registry->Delete(request->name());
+  // Otherwise the head would come back at the next start.
+  if (status.ok() && ctx_->checkpointer != nullptr) {
+    status = ctx_->checkpointer->Remove(request->name());
+  }
+  if (status.ok()) {
+    ctx_->metrics->RemoveHead(request->name());
+    ctx_->metrics->Heads(ctx_->registry->size());
+  }
+  Answer(ctx_, reactor, "DeleteHead", start, status);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* LossHeadService::SetLossOptions(grpc::CallbackServerContext* context,
+                                                          const v1::SetLossOptionsRequest* request,
+                                                          v1::HeadInfo* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "SetLossOptions", start)) return reactor;
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request->name());
+  absl::Status status = head.status();
+  if (status.ok()) status = (*head)->SetDefaultOptions(request->default_options());
+  if (status.ok()) *response = (*head)->Info();
+  Answer(ctx_, reactor, "SetLossOptions", start, status);
+  return reactor;
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* LossHeadService::Step(
+    grpc::CallbackServerContext* context) {
+  return new StepReactor(ctx_, context);
+}
+
+grpc::ServerWriteReactor<v1::GradientChunk>* LossHeadService::PullGradient(
+    grpc::CallbackServerContext* context, const v1::PullGradientRequest* request) {
+  return StartPullGradient(ctx_, request,
+                           AuthorizePullReset(ctx_->tokens, context->client_metadata()));
+}
+
+grpc::ServerReadReactor<v1::PushWeightsRequest>* LossHeadService::PushWeights(
+    grpc::CallbackServerContext* /*context*/, v1::PushWeightsResponse* response) {
+  return StartPushWeights(ctx_, response);
+}
+
+grpc::ServerWriteReactor<v1::WeightsChunk>* LossHeadService::DownloadWeights(
+    grpc::CallbackServerContext* /*context*/, const v1::DownloadWeightsRequest* request) {
+  return StartDownloadWeights(ctx_, request);
+}
+
+grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext* context,
+                                                    const v1::GetStatsRequest* /*request*/,
+                                                    v1::Stats* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "GetStats", start)) return reactor;
+  const kernels::MemoryInfo memory = ctx_->backend->memory_info();
+  v1::DeviceStats* device = response->mutable_device();
+  device->set_backend(std::string(ctx_->backend->name()));
+  device->set_name(ctx_->backend->device_description());
+  device->set_memory_total_bytes(memory.total_bytes);
+  device->set_memory_free_bytes(memory.free_bytes);
+  for (const auto& head : ctx_->registry->List()) *response->add_heads() = head->Info();
+  response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - ctx_->start_time));
+  response->set_inflight_microbatches(std::max<int64_t>(0, ctx_->metrics->inflight()));
+  response->set_max_message_bytes(ctx_->max_message_bytes);
+  response->set_version(LOSSHEAD_VERSION);
+  if (ctx_->admission != nullptr) {
+    response->set_admitted_microbatches(ctx_->admission->microbatches());
+    response->set_reserved_bytes(ctx_->admission->bytes());
+  }
+  Answer(ctx_, reactor, "GetStats", start, absl::OkStatus());
+  return reactor;
+}
+
+void LossHeadService::RefreshMemoryMetrics() const {
+  DeviceMemory total;
+  size_t count = 0;
+  for (const auto& head : ctx_->registry->List()) {
+    const uint64_t w = head->weights_bytes();
+    const uint64_t g = head->gradient_bytes();
+    const uint64_t ws = head->workspace_bytes();
+    ctx_->metrics->HeadMemory(head->name(), w, g, ws);
+    total.weights += w;
+    total.gradient += g;
+    total.workspace += ws;
+    ++count;
+  }
+  const kernels::MemoryInfo memory = ctx_->backend->memory_info();
+  total.free = memory.free_bytes;
+  total.total = memory.total_bytes;
+  ctx_->metrics->DeviceMemoryBytes(total);
+  ctx_->metrics->Heads(count);
+}
+
+}  // namespace losshead::server

@@ -1,0 +1,74 @@
+// losshead.v1.LossHead on the gRPC callback API. Unary calls that only read state answer inline;
+// everything that allocates or copies device memory runs on the worker pool.
+#ifndef LOSSHEAD_SERVER_RPC_SERVICE_H_
+#define LOSSHEAD_SERVER_RPC_SERVICE_H_
+
+#include "grpcpp/grpcpp.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "server/rpc/service_context.h"
+
+namespace losshead::server {
+
+// LossHead::CallbackService with Step registered raw (byte buffers): its responses reference dH
+// rather than copy it into messages (server/rpc/step_wire.h). Every method must be listed: one left
+// out would answer UNIMPLEMENTED.
+using LossHeadServiceBase = v1::LossHead::WithCallbackMethod_CreateHead<
+    v1::LossHead::WithCallbackMethod_GetHead<v1::LossHead::WithCallbackMethod_ListHeads<
+        v1::LossHead::WithCallbackMethod_DeleteHead<v1::LossHead::WithCallbackMethod_SetLossOptions<
+            v1::LossHead::WithRawCallbackMethod_Step<v1::LossHead::WithCallbackMethod_PullGradient<
+                v1::LossHead::WithCallbackMethod_PushWeights<
+                    v1::LossHead::WithCallbackMethod_DownloadWeights<
+                        v1::LossHead::WithCallbackMethod_GetStats<
+                            v1::LossHead::WithCallbackMethod_Checkpoint<
+                                v1::LossHead::WithCallbackMethod_GetClientProgress<
+                                    v1::LossHead::Service>>>>>>>>>>>>;
+
+class LossHeadService final : public LossHeadServiceBase {
+ public:
+  explicit LossHeadService(ServiceContext* ctx) : ctx_(ctx) {}
+
+  grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
+                                       const v1::CreateHeadRequest* request,
+                                       v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* GetHead(grpc::CallbackServerContext* context,
+                                    const v1::GetHeadRequest* request,
+                                    v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
+                                      const v1::ListHeadsRequest* request,
+                                      v1::ListHeadsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteHead(grpc::CallbackServerContext* context,
+                                       const v1::DeleteHeadRequest* request,
+                                       v1::DeleteHeadResponse* response) override;
+  grpc::ServerUnaryReactor* SetLossOptions(grpc::CallbackServerContext* context,
+                                           const v1::SetLossOptionsRequest* request,
+                                           v1::HeadInfo* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerWriteReactor<v1::GradientChunk>* PullGradient(
+      grpc::CallbackServerContext* context, const v1::PullGradientRequest* request) override;
+  grpc::ServerReadReactor<v1::PushWeightsRequest>* PushWeights(
+      grpc::CallbackServerContext* context, v1::PushWeightsResponse* response) override;
+  grpc::ServerWriteReactor<v1::WeightsChunk>* DownloadWeights(
+      grpc::CallbackServerContext* context, const v1::DownloadWeightsRequest* request) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::Stats* response) override;
+
+  // Checkpoints (server/rpc/checkpoint_service.cc).
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
+                                       const v1::CheckpointRequest* request,
+                                       v1::CheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* GetClientProgress(grpc::CallbackServerContext* context,
+                                              const v1::GetClientProgressRequest* request,
+                                              v1::ClientProgress* response) override;
+
+  // Sets the per-head and device memory gauges and the head count (run on every scrape).
+  void RefreshMemoryMetrics() const;
+
+ private:
+  ServiceContext* const ctx_;
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_RPC_SERVICE_H_

@@ -1,0 +1,65 @@
+// What the RPC handlers share: the backend, heads, workers, metrics and limits of one server.
+#ifndef LOSSHEAD_SERVER_RPC_SERVICE_CONTEXT_H_
+#define LOSSHEAD_SERVER_RPC_SERVICE_CONTEXT_H_
+
+#include <atomic>
+#include <cstddef>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "losshead/kernels/backend.h"
+#include "server/engine/admission.h"
+#include "server/engine/head_registry.h"
+#include "server/engine/thread_pool.h"
+#include "server/observability/metrics.h"
+
+namespace losshead::server {
+
+class StepReactor;
+class TokenTable;
+class Checkpointer;
+
+// Live Step streams, so that shutdown can tell each to stop reading and finish once answered.
+class StepStreams {
+ public:
+  void Add(StepReactor* reactor);
+  void Remove(StepReactor* reactor);
+  // Marks every live stream as draining and kicks it (outside this registry's lock).
+  void DrainAll();
+  // Blocks until no stream is live or `deadline` passes; true if none is live.
+  bool WaitUntilNone(absl::Time deadline);
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_set<StepReactor*> live_ ABSL_GUARDED_BY(mu_);
+};
+
+struct ServiceContext {
+  kernels::Backend* backend = nullptr;
+  HeadRegistry* registry = nullptr;
+  ThreadPool* pool = nullptr;
+  Metrics* metrics = nullptr;
+  // Bearer tokens (server/security/auth.h); null when the server asks for none. Calls reach the
+  // handlers already authorised for their method; handlers use it only for request-dependent rules.
+  const TokenTable* tokens = nullptr;
+  // Null when checkpoints are disabled (no --checkpoint_dir).
+  Checkpointer* checkpointer = nullptr;
+  // Server-wide bound on admitted micro-batches and their buffered request bytes.
+  Admission* admission = nullptr;
+  size_t max_message_bytes = size_t{4} << 20;
+  size_t max_microbatch_bytes = size_t{1} << 30;
+  // Micro-batches of one stream received but not yet answered; reading pauses at this bound.
+  size_t max_inflight_per_stream = 4;
+  absl::Time start_time;
+  // Set at shutdown: new calls are answered UNAVAILABLE by the handlers themselves, so that a
+  // caller sees a clean refusal while in-flight micro-batches are still being answered.
+  std::atomic<bool> draining{false};
+  StepStreams streams;
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_RPC_SERVICE_CONTEXT_H_

@@ -1,0 +1,150 @@
+#include "server/rpc/step_assembler.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/engine/admission.h"
+
+namespace losshead::server {
+
+absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRequest& request,
+                                                                      absl::Time now) {
+  if (request.has_header()) {
+    if (current_.has_value()) {
+      return absl::InvalidArgumentError(
+          "malformed Step stream: a header arrived inside an open micro-batch");
+    }
+    current_.emplace();
+    current_->microbatch.header = std::move(*request.mutable_header());
+    current_->first_message = now;
+  } else if (!current_.has_value()) {
+    return absl::InvalidArgumentError(
+        "malformed Step stream: a message without a header outside any micro-batch");
+  }
+  AssembledMicroBatch& mb = *current_;
+  mb.last_message = now;
+  mb.received_bytes += request.hidden().size() + request.targets().size();
+  if (!mb.oversize && mb.received_bytes > max_bytes_) {
+    // Stop buffering: the bytes seen so far are freed and the rest are only counted.
+    mb.oversize = true;
+    std::string().swap(mb.microbatch.hidden);
+    std::string().swap(mb.microbatch.targets);
+  }
+  if (!mb.oversize && mb.refused.ok()) {
+    // The first piece is moved rather than copied: single-message micro-batches copy nothing.
+    if (mb.microbatch.hidden.empty()) {
+      mb.microbatch.hidden = std::move(*request.mutable_hidden());
+    } else {
+      mb.microbatch.hidden.append(request.hidden());
+    }
+    if (mb.microbatch.targets.empty()) {
+      mb.microbatch.targets = std::move(*request.mutable_targets());
+    } else {
+      mb.microbatch.targets.append(request.targets());
+    }
+  }
+  if (!request.last()) return std::optional<AssembledMicroBatch>();
+  std::optional<AssembledMicroBatch> done = std::move(current_);
+  current_.reset();
+  return done;
+}
+
+void StepAssembler::ReserveHidden(size_t bytes) {
+  if (!buffering()) return;
+  current_->microbatch.hidden.reserve(std::min(bytes, max_bytes_));
+}
+
+void StepAssembler::Refuse(absl::Status status) {
+  AssembledMicroBatch& mb = *current_;
+  mb.refused = std::move(status);
+  std::string().swap(mb.microbatch.hidden);
+  std::string().swap(mb.microbatch.targets);
+}
+
+size_t ChunkPayloadBytes(size_t max_message_bytes) {
+  // Room for the result, ids and field tags; keep pieces 8-byte aligned for the reader's sake.
+  constexpr size_t kOverhead = 1024;
+  size_t payload =
+      max_message_bytes > 2 * kOverhead ? max_message_bytes - kOverhead : max_message_bytes / 2;
+  payload &= ~size_t{7};
+  return std::max<size_t>(payload, 8);
+}
+
+v1::StepResponse FirstStepResponse(
+    const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
+    bool replayed) {
+  v1::StepResponse first;
+  first.set_client_id(header.client_id());
+  first.set_sequence(header.sequence());
+  if (!outcome.ok()) {
+    first.mutable_error()->set_code(static_cast<int>(outcome.status().code()));
+    first.mutable_error()->set_message(std::string(outcome.status().message()));
+    first.mutable_error()->set_retry_after_ms(RetryAfterMs(outcome.status()));
+    first.set_last(true);
+    return first;
+  }
+  const StepOutcome& o = **outcome;
+  v1::StepResult* result = first.mutable_result();
+  result->set_loss_sum(o.loss_sum);
+  result->set_token_count(o.token_count);
+  result->set_loss(o.loss);
+  result->set_weights_version(o.weights_version);
+  result->set_replayed(replayed);
+  result->set_forward_only(o.forward_only);
+  result->set_grad_hidden_dtype(o.grad_hidden_dtype);
+  result->set_grad_hidden_bytes(o.grad_hidden.size());
+  result->set_per_token_loss_bytes(o.per_token_loss.size());
+  // The result message carries no payload so that it reaches the client first.
+  first.set_last(o.grad_hidden.empty() && o.per_token_loss.empty());
+  return first;
+}
+
+std::vector<StepPiece> PlanStepPieces(size_t grad_bytes, size_t loss_bytes, size_t chunk_bytes) {
+  std::vector<StepPiece> pieces;
+  size_t gh = 0;
+  size_t pt = 0;
+  while (gh < grad_bytes || pt < loss_bytes) {
+    StepPiece& piece = pieces.emplace_back();
+    size_t room = chunk_bytes;
+    if (gh < grad_bytes) {
+      piece.grad_offset = gh;
+      piece.grad_bytes = std::min(room, grad_bytes - gh);
+      gh += piece.grad_bytes;
+      room -= piece.grad_bytes;
+    }
+    if (room > 0 && pt < loss_bytes) {
+      piece.loss_offset = pt;
+      piece.loss_bytes = std::min(room, loss_bytes - pt);
+      pt += piece.loss_bytes;
+    }
+  }
+  return pieces;
+}
+
+std::vector<v1::StepResponse> BuildStepResponses(
+    const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
+    bool replayed, size_t chunk_bytes) {
+  std::vector<v1::StepResponse> out;
+  out.push_back(FirstStepResponse(header, outcome, replayed));
+  if (!outcome.ok()) return out;
+  const StepOutcome& o = **outcome;
+  const std::vector<StepPiece> pieces =
+      PlanStepPieces(o.grad_hidden.size(), o.per_token_loss.size(), chunk_bytes);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const StepPiece& piece = pieces[i];
+    v1::StepResponse& r = out.emplace_back();
+    r.set_client_id(header.client_id());
+    r.set_sequence(header.sequence());
+    if (piece.grad_bytes > 0) {
+      r.set_grad_hidden(o.grad_hidden.substr(piece.grad_offset, piece.grad_bytes));
+    }
+    if (piece.loss_bytes > 0) {
+      r.set_per_token_loss(o.per_token_loss.substr(piece.loss_offset, piece.loss_bytes));
+    }
+    r.set_last(i + 1 == pieces.size());
+  }
+  return out;
+}
+
+}  // namespace losshead::server

@@ -1,0 +1,94 @@
+// Step stream framing, free of gRPC: assembling requests into micro-batches, and cutting one
+// micro-batch's outcome into response messages.
+#ifndef LOSSHEAD_SERVER_RPC_STEP_ASSEMBLER_H_
+#define LOSSHEAD_SERVER_RPC_STEP_ASSEMBLER_H_
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/engine/head.h"
+#include "server/engine/step_outcome.h"
+
+namespace losshead::server {
+
+// A micro-batch as assembled from the stream. `oversize` means its bytes passed the limit and
+// were dropped: it must be answered RESOURCE_EXHAUSTED.
+struct AssembledMicroBatch {
+  MicroBatch microbatch;
+  bool oversize = false;
+  // Not OK when the server refused the micro-batch (admission): its bytes were dropped like an
+  // oversize one's and it must be answered with this status.
+  absl::Status refused;
+  uint64_t received_bytes = 0;  // hidden + targets bytes, dropped ones included
+  absl::Time first_message;
+  absl::Time last_message;
+};
+
+class StepAssembler {
+ public:
+  explicit StepAssembler(size_t max_microbatch_bytes) : max_bytes_(max_microbatch_bytes) {}
+
+  // Feeds the next request. INVALID_ARGUMENT for a malformed stream (data outside a micro-batch,
+  // a header inside one); the caller must end the call. Returns the micro-batch when `last`
+  // closes it, std::nullopt while it is still open.
+  absl::StatusOr<std::optional<AssembledMicroBatch>> Add(v1::StepRequest& request, absl::Time now);
+
+  // True inside a micro-batch (a stream may not end here).
+  bool open() const { return current_.has_value(); }
+  // The open micro-batch's header (requires open()).
+  const v1::StepHeader& open_header() const { return current_->microbatch.header; }
+  // True while the open micro-batch keeps what it receives (neither oversize nor refused).
+  bool buffering() const {
+    return current_.has_value() && !current_->oversize && current_->refused.ok();
+  }
+
+  // Sizes the open micro-batch's hidden buffer for `bytes` (capped by the micro-batch limit) when
+  // it is still buffering: its pieces then append without the reallocations, and the copies of
+  // everything received so far, that growing by doubling costs.
+  void ReserveHidden(size_t bytes);
+  // Refuses the open micro-batch (requires open()): frees its bytes, drops those still to come,
+  // and has it answered with `status` when it closes.
+  void Refuse(absl::Status status);
+  // Forgets the open micro-batch and frees its bytes (the call is over).
+  void Clear() { current_.reset(); }
+
+ private:
+  const size_t max_bytes_;
+  std::optional<AssembledMicroBatch> current_;
+};
+
+// Bytes of tensor payload per response message: the limit less room for the other fields.
+size_t ChunkPayloadBytes(size_t max_message_bytes);
+
+// The first response of a micro-batch: its error (alone, last = true) or its result, which carries
+// no payload (last = true when there is none to follow).
+v1::StepResponse FirstStepResponse(
+    const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
+    bool replayed);
+
+// The payload of one response after the first: byte ranges of dH and of per-token losses.
+struct StepPiece {
+  size_t grad_offset = 0;
+  size_t grad_bytes = 0;
+  size_t loss_offset = 0;
+  size_t loss_bytes = 0;
+};
+// dH, then per-token losses, at most `chunk_bytes` of both together per message.
+std::vector<StepPiece> PlanStepPieces(size_t grad_bytes, size_t loss_bytes, size_t chunk_bytes);
+
+// The responses of one micro-batch: an error alone (last = true), or the result followed by dH
+// and then per-token losses, at most `chunk_bytes` of payload per message, last = true on the
+// final one. (The server sends the same messages without copying the payload: step_wire.h.)
+std::vector<v1::StepResponse> BuildStepResponses(
+    const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
+    bool replayed, size_t chunk_bytes);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_RPC_STEP_ASSEMBLER_H_

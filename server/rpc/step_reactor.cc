@@ -1,0 +1,430 @@
+#include "server/rpc/step_reactor.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/rpc/status_util.h"
+#include "server/rpc/step_wire.h"
+
+namespace losshead::server {
+
+void StepStreams::Add(StepReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  live_.insert(reactor);
+}
+
+void StepStreams::Remove(StepReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  live_.erase(reactor);
+}
+
+void StepStreams::DrainAll() {
+  std::vector<StepReactor*> pinned;
+  {
+    absl::MutexLock lock(&mu_);
+    for (StepReactor* r : live_) {
+      r->BeginDrain();
+      pinned.push_back(r);
+    }
+  }
+  for (StepReactor* r : pinned) r->EndDrain();
+}
+
+bool StepStreams::WaitUntilNone(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithDeadline(
+      absl::Condition(
+          +[](absl::flat_hash_set<StepReactor*>* live) { return live->empty(); }, &live_),
+      deadline);
+}
+
+StepReactor::StepReactor(ServiceContext* ctx, grpc::CallbackServerContext* call)
+    : ctx_(ctx), call_(call), start_(absl::Now()), assembler_(ctx->max_microbatch_bytes) {
+  // Register before looking at the flag: a concurrent shutdown either sees this stream or this
+  // stream sees the flag.
+  ctx_->streams.Add(this);
+  if (ctx_->draining.load()) {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+  }
+  Pump();
+}
+
+void StepReactor::BeginDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  ++pins_;
+}
+
+void StepReactor::EndDrain() {
+  Pump();
+  Unpin();
+}
+
+void StepReactor::Pump() {
+  const grpc::ByteBuffer* write = nullptr;
+  bool read = false;
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    if (pending_finish_.has_value()) {
+      finish = std::move(pending_finish_);
+      pending_finish_.reset();
+    } else {
+      if (!writing_ && !slots_.empty() && slots_.front()->done) {
+        Slot& slot = *slots_.front();
+        if (slot.next == 0) slot.first_send = absl::Now();
+        write = &slot.responses[slot.next];
+        writing_ = true;
+      }
+      if (!reading_ && !read_closed_ && !draining_ && !cancelled_ &&
+          slots_.size() < ctx_->max_inflight_per_stream) {
+        reading_ = true;
+        read = true;
+      }
+      if (!writing_ && slots_.empty() && (read_closed_ || draining_ || cancelled_)) {
+        finish = cancelled_     ? CancelStatus()
+                 : read_closed_ ? grpc::Status::OK
+                                : grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                               "the server is shutting down; no further "
+                                               "micro-batches are read on this stream");
+      }
+    }
+    if (finish.has_value()) {
+      finished_ = true;
+      final_status_ = *finish;
+    }
+  }
+  if (write != nullptr) StartWrite(write);
+  if (read) StartRead(&read_buffer_);
+  if (finish.has_value()) Finish(*finish);
+}
+
+void StepReactor::OnReadDone(bool ok) {
+  {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    // Parsed as gRPC parses a typed request (one copy out of the slices); a message that does not
+    // parse ends the call rather than pass for the end of the stream.
+    if (ok && !grpc::SerializationTraits<v1::StepRequest>::Deserialize(&read_buffer_, &request_)
+                   .ok()) {
+      ok = false;
+      if (!finished_ && !cancelled_) {
+        pending_finish_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       "malformed Step stream: a message is not a StepRequest");
+      }
+    }
+    if (!ok) {
+      read_closed_ = true;
+      if (assembler_.open() && !finished_) {
+        pending_finish_ =
+            cancelled_ ? CancelStatus()
+                       : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      "malformed Step stream: it ended inside a micro-batch");
+      }
+      // A partial micro-batch can never complete now: free its bytes at once.
+      assembler_.Clear();
+      ReleaseOpenLocked();
+    } else if (!finished_ && !cancelled_) {
+      ctx_->metrics->Bytes("Step", "in", request_.hidden().size() + request_.targets().size());
+      // Reserve before buffering; a refused micro-batch keeps no bytes and is answered
+      // RESOURCE_EXHAUSTED with a retry hint when it closes, and the stream goes on.
+      const absl::Status admitted = AdmitPieceLocked(request_);
+      // A micro-batch of several messages: size its buffer from the header once.
+      const uint64_t announced =
+          request_.has_header() && !request_.last() ? AnnouncedHiddenBytes(request_.header()) : 0;
+      auto assembled = assembler_.Add(request_, absl::Now());
+      request_.Clear();
+      if (announced > 0 && assembled.ok() && admitted.ok() && !assembled->has_value()) {
+        assembler_.ReserveHidden(announced);
+      }
+      if (assembled.ok() && !admitted.ok()) {
+        if (assembled->has_value()) {
+          AssembledMicroBatch& mb = **assembled;
+          mb.refused = admitted;
+          std::string().swap(mb.microbatch.hidden);
+          std::string().swap(mb.microbatch.targets);
+        } else if (assembler_.open()) {
+          assembler_.Refuse(admitted);
+        }
+      }
+      if (assembled.ok() && !assembled->has_value() && assembler_.open() &&
+          !assembler_.buffering()) {
+        // Oversize or refused: nothing is buffered any more, so nothing stays reserved.
+        ReleaseOpenLocked();
+      }
+      if (!assembled.ok()) {
+        ReleaseOpenLocked();
+        pending_finish_ = ToGrpcStatus(assembled.status());
+      } else if (assembled->has_value()) {
+        auto slot = std::make_shared<Slot>();
+        slot->assembled = std::move(**assembled);
+        slot->ready = absl::Now();
+        if (slot->assembled.oversize || !slot->assembled.refused.ok()) {
+          ReleaseOpenLocked();
+        } else {
+          slot->admitted = open_admitted_;
+          slot->reserved = open_reserved_;
+          open_admitted_ = false;
+          open_reserved_ = 0;
+        }
+        open_received_ = 0;
+        slots_.push_back(std::move(slot));
+        ++inflight_;
+        ctx_->metrics->InflightAdd(1);
+        StartNextSlotLocked();
+      }
+    }
+  }
+  Pump();
+}
+
+void StepReactor::StartNextSlotLocked() {
+  if (computing_ || finished_ || cancelled_) return;
+  for (const std::shared_ptr<Slot>& slot : slots_) {
+    if (slot->started) continue;
+    slot->started = true;
+    computing_ = true;
+    ++pins_;
+    ctx_->pool->Schedule([this, slot] { RunSlot(slot); });
+    return;
+  }
+}
+
+void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
+  const absl::Time picked = absl::Now();
+  const MicroBatch& mb = slot->assembled.microbatch;
+  const std::string& head_name = mb.header.head();
+  StepStats stats;
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome;
+  bool known_head = false;
+  bool gone;
+  {
+    absl::MutexLock lock(&mu_);
+    gone = cancelled_;
+  }
+  if (!gone && call_ != nullptr && absl::FromChrono(call_->deadline()) <= picked) gone = true;
+  if (gone) {
+    // The caller cannot receive the answer: computing would only change dW behind its back.
+    outcome = CancelStatus().error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                  ? absl::DeadlineExceededError(
+                        "the Step call's deadline passed before this "
+                        "micro-batch started")
+                  : absl::CancelledError("the Step call was cancelled");
+  } else if (!slot->assembled.refused.ok()) {
+    outcome = slot->assembled.refused;
+  } else if (slot->assembled.oversize) {
+    outcome = absl::ResourceExhaustedError(absl::StrCat(
+        "micro-batch of ", slot->assembled.received_bytes, " bytes exceeds the limit of ",
+        ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
+  } else {
+    absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(head_name);
+    if (!head.ok()) {
+      outcome = head.status();
+    } else {
+      known_head = true;
+      outcome = (*head)->Step(mb, &stats);
+    }
+  }
+  Metrics& m = *ctx_->metrics;
+  if (known_head) {
+    // Only existing heads get labelled series: a typo must not mint a new time series.
+    m.StepPhase(head_name, "receive", slot->assembled.last_message - slot->assembled.first_message);
+    m.StepPhase(head_name, "queue", (picked - slot->ready) + stats.queue);
+    if (outcome.ok() && !stats.replayed) {
+      m.StepPhase(head_name, "stage", stats.stage);
+      m.StepPhase(head_name, "compute", stats.compute);
+      m.StepPhase(head_name, "finish", stats.finish);
+    }
+    if (!outcome.ok()) {
+      m.Microbatch(head_name, "error", static_cast<int>(outcome.status().code()));
+    } else if (stats.replayed) {
+      m.Microbatch(head_name, "replayed");
+    } else {
+      // Evaluation apart from training: "ok" stays the rate of micro-batches counted in dW.
+      m.Microbatch(head_name, (*outcome)->forward_only ? "forward" : "ok");
+      m.Tokens(head_name, (*outcome)->token_count);
+    }
+  } else {
+    m.Failure("Step", static_cast<int>(outcome.status().code()));
+  }
+  if (outcome.ok()) {
+    m.Bytes("Step", "out", (*outcome)->grad_hidden.size() + (*outcome)->per_token_loss.size());
+  }
+  std::vector<grpc::ByteBuffer> responses = EncodeStepResponses(
+      mb.header, outcome, stats.replayed, ChunkPayloadBytes(ctx_->max_message_bytes));
+  {
+    absl::MutexLock lock(&mu_);
+    slot->responses = std::move(responses);
+    slot->done = true;
+    slot->head_known = known_head;
+    // The request's tensors are no longer needed; free them before the responses drain.
+    std::string().swap(slot->assembled.microbatch.hidden);
+    std::string().swap(slot->assembled.microbatch.targets);
+    ReleaseSlotBytesLocked(*slot);
+    computing_ = false;
+    StartNextSlotLocked();
+  }
+  Pump();
+  Unpin();
+}
+
+void StepReactor::OnWriteDone(bool ok) {
+  {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {
+      read_closed_ = true;
+      if (!finished_) {
+        pending_finish_ = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      }
+    } else {
+      Slot& slot = *slots_.front();
+      ++slot.next;
+      if (slot.next == slot.responses.size()) {
+        if (slot.head_known) {
+          ctx_->metrics->StepPhase(slot.assembled.microbatch.header.head(), "send",
+                                   absl::Now() - slot.first_send);
+        }
+        ReleaseSlotLocked(slot);
+        slots_.pop_front();
+        --inflight_;
+        ctx_->metrics->InflightAdd(-1);
+      }
+    }
+  }
+  Pump();
+}
+
+void StepReactor::OnDone() {
+  ctx_->streams.Remove(this);
+  bool destroy;
+  {
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+    ctx_->metrics->RpcFinished("Step", final_status_.error_code(), absl::Now() - start_);
+    ctx_->metrics->InflightAdd(-inflight_);
+    inflight_ = 0;
+    ReleaseOpenLocked();
+    for (const std::shared_ptr<Slot>& slot : slots_) ReleaseSlotLocked(*slot);
+    destroy = pins_ == 0;
+  }
+  if (destroy) delete this;
+}
+
+void StepReactor::OnCancel() {
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    assembler_.Clear();
+    ReleaseOpenLocked();
+    // Micro-batches not started are dropped now; a computing one finishes (it cannot be
+    // interrupted) and its answer's write fails.
+    for (auto it = slots_.begin(); it != slots_.end();) {
+      Slot& slot = **it;
+      if (slot.started) {
+        ++it;
+        continue;
+      }
+      ReleaseSlotLocked(slot);
+      --inflight_;
+      ctx_->metrics->InflightAdd(-1);
+      it = slots_.erase(it);
+    }
+  }
+  Pump();
+}
+
+grpc::Status StepReactor::CancelStatus() const {
+  if (call_ != nullptr && absl::FromChrono(call_->deadline()) <= absl::Now()) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the Step call's deadline passed");
+  }
+  return grpc::Status(grpc::StatusCode::CANCELLED, "the Step call was cancelled");
+}
+
+uint64_t StepReactor::AnnouncedHiddenBytes(const v1::StepHeader& header) const {
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
+  if (!head.ok()) return 0;
+  // Targets included: a few bytes per token more than the hidden states need.
+  return AnnouncedBytes(header, (*head)->hidden_size());
+}
+
+absl::Status StepReactor::AdmitPieceLocked(const v1::StepRequest& request) {
+  Admission* admission = ctx_->admission;
+  const size_t piece = request.hidden().size() + request.targets().size();
+  if (request.has_header() && !assembler_.open()) {
+    open_received_ = piece;
+    if (admission == nullptr) return absl::OkStatus();
+    // Reserve what the header announces (capped by the per-micro-batch limit, beyond which the
+    // micro-batch is refused anyway), so that a large micro-batch is refused at its first
+    // message rather than after much of it has been buffered.
+    uint64_t announced = 0;
+    if (auto head = ctx_->registry->Get(request.header().head()); head.ok()) {
+      announced = AnnouncedBytes(request.header(), (*head)->hidden_size());
+    }
+    // Too large for any server state: a permanent refusal without a retry hint, decided before
+    // admission so that a busy server does not invite retries of what it can never accept.
+    if (announced > ctx_->max_microbatch_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "micro-batch of ", announced, " bytes (as its header announces) exceeds the limit of ",
+          ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
+    }
+    if (piece > ctx_->max_microbatch_bytes) return absl::OkStatus();  // refused as oversize
+    const size_t want = std::max(static_cast<size_t>(announced), piece);
+    if (!admission->TryAdmit(want)) {
+      return admission->Refusal(absl::StrCat("no room to admit a micro-batch of ", want, " bytes"));
+    }
+    open_admitted_ = true;
+    open_reserved_ = want;
+    return absl::OkStatus();
+  }
+  if (!assembler_.open() || !assembler_.buffering()) return absl::OkStatus();
+  open_received_ += piece;
+  // Past the per-micro-batch limit the assembler stops buffering and refuses it permanently.
+  if (open_received_ > ctx_->max_microbatch_bytes) return absl::OkStatus();
+  if (admission == nullptr || !open_admitted_ || open_received_ <= open_reserved_) {
+    return absl::OkStatus();
+  }
+  const size_t more = open_received_ - open_reserved_;
+  if (!admission->TryReserve(more)) {
+    ReleaseOpenLocked();
+    return admission->Refusal(absl::StrCat("no room to buffer ", more, " more bytes"));
+  }
+  open_reserved_ += more;
+  return absl::OkStatus();
+}
+
+void StepReactor::ReleaseOpenLocked() {
+  if (ctx_->admission != nullptr && (open_admitted_ || open_reserved_ > 0)) {
+    ctx_->admission->Release(open_admitted_ ? 1 : 0, open_reserved_);
+  }
+  open_admitted_ = false;
+  open_reserved_ = 0;
+}
+
+void StepReactor::ReleaseSlotBytesLocked(Slot& slot) {
+  if (ctx_->admission != nullptr && slot.reserved > 0) ctx_->admission->Release(0, slot.reserved);
+  slot.reserved = 0;
+}
+
+void StepReactor::ReleaseSlotLocked(Slot& slot) {
+  ReleaseSlotBytesLocked(slot);
+  if (ctx_->admission != nullptr && slot.admitted) ctx_->admission->Release(1, 0);
+  slot.admitted = false;
+}
+
+void StepReactor::Unpin() {
+  bool destroy;
+  {
+    absl::MutexLock lock(&mu_);
+    --pins_;
+    destroy = done_ && pins_ == 0;
+  }
+  if (destroy) delete this;
+}
+
+}  // namespace losshead::server

@@ -1,0 +1,108 @@
+// The Step bidi stream of one call: assembles micro-batches (reactions), runs them on the worker
+// pool one after another (so one stream's dW contributions keep their order), and writes each
+// micro-batch's responses in request order. While micro-batch k computes, k+1.. are received
+// (pipelining) up to ServiceContext::max_inflight_per_stream; then reading pauses.
+//
+// The method is registered raw (byte buffers both ways): requests are parsed here as gRPC would,
+// and responses reference the outcome's dH instead of copying it (server/rpc/step_wire.h).
+#ifndef LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
+#define LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
+
+#include <cstddef>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "server/rpc/service_context.h"
+#include "server/rpc/step_assembler.h"
+
+namespace losshead::server {
+
+class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  // `call` (may be null in tests) gives the call's deadline: a stream cancelled past it ends
+  // DEADLINE_EXCEEDED rather than CANCELLED.
+  explicit StepReactor(ServiceContext* ctx, grpc::CallbackServerContext* call = nullptr);
+
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnDone() override;
+  // Client cancel, connection drop or deadline: buffered bytes and admissions are given back at
+  // once, and micro-batches not yet started are never computed.
+  void OnCancel() override;
+
+  // Shutdown, in two steps so that StepStreams never calls into gRPC under its lock: BeginDrain
+  // marks the stream and pins the reactor; EndDrain stops reading, finishes once the queued
+  // micro-batches are answered, and unpins.
+  void BeginDrain();
+  void EndDrain();
+
+ private:
+  struct Slot {
+    AssembledMicroBatch assembled;
+    bool started = false;
+    bool done = false;
+    bool head_known = false;  // its head exists: its phases are recorded under the head's label
+    std::vector<grpc::ByteBuffer> responses;
+    size_t next = 0;
+    absl::Time ready;       // fully received
+    absl::Time first_send;  // first response handed to gRPC
+    bool admitted = false;  // holds one server-wide admission (Admission) until answered
+    size_t reserved = 0;    // request bytes reserved in Admission until its tensors are freed
+  };
+
+  // Issues whatever gRPC operations the state allows: the next write, the next read, Finish.
+  // Must be called without mu_ (gRPC may run reactions inline).
+  void Pump();
+  void StartNextSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunSlot(std::shared_ptr<Slot> slot);
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Admission bookkeeping of one message of the open (or just opened) micro-batch, before its
+  // bytes are buffered: the refusal to answer it with, or OK.
+  absl::Status AdmitPieceLocked(const v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes the header announces for its head (0 for an unknown head or unusable fields).
+  uint64_t AnnouncedHiddenBytes(const v1::StepHeader& header) const;
+  void ReleaseOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSlotBytesLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSlotLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  grpc::Status CancelStatus() const;
+  // Drops one pin; deletes the reactor when gRPC is done with it and nothing pins it.
+  void Unpin();
+
+  ServiceContext* const ctx_;
+  grpc::CallbackServerContext* const call_;
+  const absl::Time start_;
+  grpc::ByteBuffer read_buffer_;  // owned by the outstanding read
+  v1::StepRequest request_;       // the last read, parsed
+
+  absl::Mutex mu_;
+  StepAssembler assembler_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  bool computing_ ABSL_GUARDED_BY(mu_) = false;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;  // client half-closed or call broken
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish has been called
+  std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);
+  grpc::Status final_status_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;     // OnDone ran
+  int pins_ ABSL_GUARDED_BY(mu_) = 0;          // worker tasks and drains that still use `this`
+  int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // counted in the inflight gauge
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // The open micro-batch's admission: admitted, bytes reserved and bytes received so far.
+  bool open_admitted_ ABSL_GUARDED_BY(mu_) = false;
+  size_t open_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t open_received_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_

@@ -1,0 +1,26 @@
+// The streaming RPCs that move whole tensors: PullGradient and DownloadWeights (server-streamed,
+// chunked below the message limit) and PushWeights (client-streamed, staged on the host and
+// applied only when complete). Device copies run on the worker pool, never in a reaction.
+#ifndef LOSSHEAD_SERVER_RPC_TRANSFER_REACTORS_H_
+#define LOSSHEAD_SERVER_RPC_TRANSFER_REACTORS_H_
+
+#include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
+#include "losshead/v1/losshead.grpc.pb.h"
+#include "server/rpc/service_context.h"
+
+namespace losshead::server {
+
+// Each returns a self-deleting reactor for the call.
+// A pull with reset fails with `reset_permission` (when not OK) before anything is read or reset.
+grpc::ServerWriteReactor<v1::GradientChunk>* StartPullGradient(
+    ServiceContext* ctx, const v1::PullGradientRequest* request,
+    absl::Status reset_permission = absl::OkStatus());
+grpc::ServerWriteReactor<v1::WeightsChunk>* StartDownloadWeights(
+    ServiceContext* ctx, const v1::DownloadWeightsRequest* request);
+grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
+    ServiceContext* ctx, v1::PushWeightsResponse* response);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_RPC_TRANSFER_REACTORS_H_
