@@ -15,6 +15,7 @@ test_packages=(
   prometheus  # prometheus + promtool: tests/deploy checks the scrape config, rules and live metrics
   openssl  # the CLI: tests/security makes a throwaway CA, server and client certificates
   clang libclang-rt-14-dev  # scripts/run-fuzz.sh: libFuzzer with ASan + UBSan
+  llvm  # llvm-symbolizer: sanitizer reports (and LSan's suppressions) need symbolised stacks
   # Python: tests/deploy's checks, and the Python client's suite (client/python/run_tests.sh
   # installs the package into a venv that sees these system packages; no other index is needed).
   python3 python3-venv python3-pip python3-setuptools python3-wheel
