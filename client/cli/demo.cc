@@ -1,8 +1,10 @@
 // `losshead demo`: trains a head end to end through the server. A fixed random teacher head labels
-// random hidden states by sampling from its softmax; a student head on the server learns it while
-// the optimizer runs here, as a trainer's would: stream micro-batches, pull dW with reset, update
-// a host copy of W, push it back. The loss falls toward the teacher's entropy, the lowest mean
-// cross-entropy reachable on samples of the teacher.
+// random hidden states by sampling from its softmax; a student head on the server learns it: stream
+// micro-batches, then one ApplyOptimizer steps the server-side optimizer over them (the
+// hyper-parameters, a cosine learning-rate schedule included, come from here). With
+// --client_optimizer the optimizer runs here instead, as a custom one would: pull dW with reset,
+// update a host copy of W, push it back. The loss falls toward the teacher's entropy, the lowest
+// mean cross-entropy reachable on samples of the teacher.
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +32,57 @@ int Fail(const std::string& what, const absl::Status& status) {
 }
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The window must hold exactly what this step sent.
+absl::Status CheckWindow(const v1::GradientSummary& window, int64_t tokens, int64_t sent) {
+  if (window.token_count() == static_cast<uint64_t>(tokens) &&
+      window.microbatch_count() == static_cast<uint64_t>(sent)) {
+    return absl::OkStatus();
+  }
+  return absl::InternalError(absl::StrCat("the step covers ", window.token_count(), " tokens in ",
+                                          window.microbatch_count(), " micro-batches, sent ",
+                                          tokens, " in ", sent));
+}
+
+// One server-side optimizer step (torch's AdamW without weight decay, or plain SGD), keyed by the
+// step number so that a retry never steps twice. Returns the new weights version.
+absl::StatusOr<uint64_t> ServerStep(client::Client& client, const std::string& head,
+                                    const std::string& client_id, int step, bool adam, double lr,
+                                    uint64_t version, int64_t tokens, int64_t sent) {
+  v1::ApplyOptimizerRequest request;
+  request.set_head(head);
+  request.set_client_id(client_id);
+  request.set_step_key(static_cast<uint64_t>(step));
+  request.set_expected_weights_version(version);
+  v1::OptimizerHyperParams& p = *request.mutable_params();
+  p.set_lr(lr);
+  if (adam) {
+    p.set_beta1(0.9);
+    p.set_beta2(0.999);
+    p.set_eps(1e-8);
+  }
+  absl::StatusOr<v1::ApplyOptimizerResponse> applied = client.ApplyOptimizer(request);
+  if (!applied.ok()) return applied.status();
+  if (absl::Status s = CheckWindow(applied->window(), tokens, sent); !s.ok()) return s;
+  return applied->weights_version();
+}
+
+// The client-side path: pull dW with reset, step the host copy of W, push it back.
+absl::StatusOr<uint64_t> ClientStep(client::Client& client, const std::string& head, double lr,
+                                    uint64_t version, int64_t tokens, int64_t sent,
+                                    Optimizer& optimizer, std::vector<float>& weights) {
+  auto grad = client.PullGradient(head, v1::DTYPE_FP32, /*reset=*/true);
+  if (!grad.ok()) return grad.status();
+  if (absl::Status s = CheckWindow(grad->summary, tokens, sent); !s.ok()) return s;
+  optimizer.set_lr(static_cast<float>(lr));
+  optimizer.Apply(reinterpret_cast<const float*>(grad->data.data()), weights.data());
+  client::PushRequest push;
+  push.head = head;
+  push.dtype = v1::DTYPE_FP32;
+  push.data = client::AsBytes(weights);
+  push.expected_weights_version = version;
+  return client.PushWeights(push);
+}
 
 }  // namespace
 
@@ -65,19 +118,26 @@ int RunDemo() {
   spec.set_hidden_size(d);
   spec.set_weight_dtype(v1::DTYPE_FP32);
   spec.mutable_init()->set_zeros(true);
+  const bool on_server = !absl::GetFlag(FLAGS_client_optimizer);
+  if (on_server) {
+    spec.mutable_optimizer()->set_kind(optimizer_name == "adam" ? v1::OPTIMIZER_ADAMW
+                                                                : v1::OPTIMIZER_SGD);
+  }
   auto created = client.CreateHead(spec);
   if (!created.ok()) return Fail("create head " + head, created.status());
   uint64_t version = created->weights_version();
-  std::vector<float> weights(static_cast<size_t>(v * d), 0.0f);
+  // The client-side path's host copy of W and optimizer state.
+  std::vector<float> weights(on_server ? 0 : static_cast<size_t>(v * d), 0.0f);
   Optimizer optimizer(weights.size(), optimizer_name == "adam",
                       static_cast<float>(absl::GetFlag(FLAGS_lr)));
+  const std::string client_id = absl::StrCat("demo-", getpid());
 
   std::printf(
       "demo: head %s V=%lld D=%lld on %s, %lld tokens/step in micro-batches of %lld, "
-      "%s lr=%g (cosine decay)\n",
+      "%s lr=%g (cosine decay) on the %s\n",
       head.c_str(), static_cast<long long>(v), static_cast<long long>(d), created->device().c_str(),
       static_cast<long long>(tokens), static_cast<long long>(micro), optimizer_name.c_str(),
-      absl::GetFlag(FLAGS_lr));
+      absl::GetFlag(FLAGS_lr), on_server ? "server" : "client");
   std::printf("%6s %10s %16s %10s\n", "step", "loss", "teacher_entropy", "gap");
 
   // One stream for the whole run: the micro-batches of a step are pipelined on it.
@@ -100,16 +160,17 @@ int RunDemo() {
       const int64_t n = std::min(micro, tokens - begin);
       client::Microbatch mb;
       mb.head = head;
-      mb.client_id = "demo";
+      mb.client_id = client_id;
       mb.sequence = ++sequence;
       mb.num_tokens = n;
       mb.hidden_dtype = v1::DTYPE_FP32;
       mb.hidden = std::as_bytes(std::span<const float>(hidden.data() + begin * d, n * d));
       mb.target_dtype = v1::DTYPE_INT32;
       mb.targets = std::as_bytes(std::span<const int32_t>(targets.data() + begin, n));
-      // dW of the whole step's mean loss: sum over tokens, scaled once by 1 / tokens.
+      // dW of the whole step's mean loss: sum over tokens, scaled once by 1 / tokens (the
+      // server-side apply divides by the window's tokens itself).
       mb.options.set_reduction(v1::REDUCTION_SUM);
-      mb.options.set_grad_scale(1.0f / static_cast<float>(tokens));
+      if (!on_server) mb.options.set_grad_scale(1.0f / static_cast<float>(tokens));
       mb.options.set_expected_weights_version(version);
       if (absl::Status s = (*stream)->Send(mb); !s.ok()) {
         exit_code = Fail("send", s);
@@ -130,35 +191,18 @@ int RunDemo() {
     }
     if (exit_code != 0) break;
 
-    auto grad = client.PullGradient(head, v1::DTYPE_FP32, /*reset=*/true);
-    if (!grad.ok()) {
-      exit_code = Fail("pull", grad.status());
-      break;
-    }
-    if (grad->summary.token_count() != static_cast<uint64_t>(tokens) ||
-        grad->summary.microbatch_count() != static_cast<uint64_t>(sent)) {
-      exit_code = Fail(
-          "pull", absl::InternalError(absl::StrCat("gradient covers ", grad->summary.token_count(),
-                                                   " tokens in ", grad->summary.microbatch_count(),
-                                                   " micro-batches, sent ", tokens, " in ", sent)));
-      break;
-    }
     // Cosine decay to a tenth of --lr: late steps average out the sampling noise of small batches.
     const double progress = static_cast<double>(step - 1) / std::max(1, steps - 1);
-    optimizer.set_lr(static_cast<float>(absl::GetFlag(FLAGS_lr) *
-                                        (0.1 + 0.45 * (1 + std::cos(M_PI * progress)))));
-    optimizer.Apply(reinterpret_cast<const float*>(grad->data.data()), weights.data());
-    client::PushRequest push;
-    push.head = head;
-    push.dtype = v1::DTYPE_FP32;
-    push.data = client::AsBytes(weights);
-    push.expected_weights_version = version;
-    auto pushed = client.PushWeights(push);
-    if (!pushed.ok()) {
-      exit_code = Fail("push", pushed.status());
+    const double lr = absl::GetFlag(FLAGS_lr) * (0.1 + 0.45 * (1 + std::cos(M_PI * progress)));
+    absl::StatusOr<uint64_t> stepped =
+        on_server ? ServerStep(client, head, client_id, step, optimizer_name == "adam", lr, version,
+                               tokens, sent)
+                  : ClientStep(client, head, lr, version, tokens, sent, optimizer, weights);
+    if (!stepped.ok()) {
+      exit_code = Fail("optimizer step", stepped.status());
       break;
     }
-    version = *pushed;
+    version = *stepped;
     server_seconds += Seconds(Clock::now() - start);
     server_tokens += token_count;
 
@@ -177,7 +221,7 @@ int RunDemo() {
   if (exit_code == 0) {
     std::printf(
         "demo: loss %.4f -> %.4f (log V = %.4f, teacher entropy %.4f); %lld tokens, "
-        "%.0f tokens/s through step + pull + push\n",
+        "%.0f tokens/s through steps and optimizer steps\n",
         first_loss, last_loss, std::log(static_cast<double>(v)), last_entropy,
         static_cast<long long>(server_tokens), static_cast<double>(server_tokens) / server_seconds);
   }

@@ -24,6 +24,9 @@ ABSL_FLAG(int64_t, tokens_per_step, 2048, "demo: tokens per optimizer step");
 ABSL_FLAG(int64_t, microbatch, 512, "demo: tokens per micro-batch (pipelined on one stream)");
 ABSL_FLAG(double, lr, 0.03, "demo: learning rate");
 ABSL_FLAG(std::string, optimizer, "adam", "demo: adam | sgd");
+ABSL_FLAG(bool, client_optimizer, false,
+          "demo: run the optimizer here (pull dW, step a host copy of W, push it) instead of on "
+          "the server (ApplyOptimizer); the slow path, for optimizers the server lacks");
 ABSL_FLAG(double, teacher_gain, 2.5,
           "demo: teacher weights ~ N(0, (gain / sqrt(D))^2); larger means lower entropy");
 ABSL_FLAG(int, print_every, 5, "demo: print the loss every this many steps");

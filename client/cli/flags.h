@@ -27,6 +27,7 @@ ABSL_DECLARE_FLAG(int64_t, tokens_per_step);
 ABSL_DECLARE_FLAG(int64_t, microbatch);
 ABSL_DECLARE_FLAG(double, lr);
 ABSL_DECLARE_FLAG(std::string, optimizer);
+ABSL_DECLARE_FLAG(bool, client_optimizer);
 ABSL_DECLARE_FLAG(double, teacher_gain);
 ABSL_DECLARE_FLAG(int, print_every);
 // create

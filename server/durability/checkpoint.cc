@@ -7,9 +7,12 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "server/durability/checkpoint_codec.h"
+#include "server/durability/checkpoint_optimizer.h"
 #include "server/engine/status_macros.h"
 
 namespace losshead::server {
@@ -21,41 +24,12 @@ constexpr uint64_t kPrime = 0x100000001b3ULL;
 constexpr uint8_t kHasEvicted = 1;
 constexpr uint8_t kHasApplied = 2;
 
-// Little-endian encoding; the server only builds on little-endian hosts (x86-64, aarch64), so the
-// in-memory representation is the file's.
-void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
-void PutU32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
-void PutF64(std::string& out, double v) { out.append(reinterpret_cast<const char*>(&v), 8); }
-void PutBytes(std::string& out, absl::string_view s) {
-  PutU64(out, s.size());
-  out.append(s.data(), s.size());
-}
-
-class Reader {
- public:
-  explicit Reader(absl::string_view data) : data_(data) {}
-  bool U64(uint64_t* v) { return Raw(v, 8); }
-  bool U32(uint32_t* v) { return Raw(v, 4); }
-  bool U8(uint8_t* v) { return Raw(v, 1); }
-  bool F64(double* v) { return Raw(v, 8); }
-  bool Bytes(std::string* s) {
-    uint64_t n;
-    if (!U64(&n) || n > data_.size()) return false;
-    s->assign(data_.data(), n);
-    data_.remove_prefix(n);
-    return true;
-  }
-  size_t left() const { return data_.size(); }
-
- private:
-  bool Raw(void* v, size_t n) {
-    if (data_.size() < n) return false;
-    std::memcpy(v, data_.data(), n);
-    data_.remove_prefix(n);
-    return true;
-  }
-  absl::string_view data_;
-};
+using checkpoint_codec::Corrupt;
+using checkpoint_codec::PutBytes;
+using checkpoint_codec::PutF64;
+using checkpoint_codec::PutU32;
+using checkpoint_codec::PutU64;
+using checkpoint_codec::Reader;
 
 std::string EncodeMeta(const HeadCheckpointData& d) {
   std::string out;
@@ -84,14 +58,14 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
       PutBytes(out, r->per_token_loss);
     }
   }
+  EncodeOptimizerMeta(out, d);
   return out;
 }
 
-absl::Status Corrupt(absl::string_view what) {
-  return absl::DataLossError(absl::StrCat("corrupt checkpoint: ", what));
-}
-
-absl::Status DecodeMeta(absl::string_view meta, HeadCheckpointData* d) {
+// `version` is the file's format version: 1 has no optimizer record. The optimizer tensors'
+// lengths go to `optimizer_lengths`.
+absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpointData* d,
+                        std::vector<uint64_t>* optimizer_lengths) {
   Reader r(meta);
   std::string spec;
   if (!r.Bytes(&spec) || !d->spec.ParseFromString(spec)) return Corrupt("head spec");
@@ -135,7 +109,9 @@ absl::Status DecodeMeta(absl::string_view meta, HeadCheckpointData* d) {
       c.results.emplace_back(sequence, std::move(outcome));
     }
   }
-  if (r.left() != 0) return Corrupt("trailing bytes after the client records");
+  optimizer_lengths->clear();
+  if (version >= 2) LOSSHEAD_RETURN_IF_ERROR(DecodeOptimizerMeta(r, d, optimizer_lengths));
+  if (r.left() != 0) return Corrupt("trailing bytes after the meta records");
   return absl::OkStatus();
 }
 
@@ -145,6 +121,9 @@ struct Header {
   uint64_t weights_bytes = 0;
   uint64_t gradient_bytes = 0;
   uint64_t checksum = 0;
+  // Version 2: the optimizer section, pieces of equal length (zero both when there is none).
+  uint64_t optimizer_bytes = 0;
+  uint64_t optimizer_piece_bytes = 0;
 };
 
 // The checksum's seed: the lengths, so a file cut or extended at a section boundary is refused.
@@ -154,22 +133,41 @@ uint64_t HeaderSeed(const Header& h) {
   PutU64(fields, h.meta_bytes);
   PutU64(fields, h.weights_bytes);
   PutU64(fields, h.gradient_bytes);
+  if (h.version >= 2) {
+    PutU64(fields, h.optimizer_bytes);
+    PutU64(fields, h.optimizer_piece_bytes);
+  }
   return Checksum(fields);
 }
 
 uint64_t FullChecksum(const Header& h, absl::string_view meta, absl::string_view weights,
-                      absl::string_view gradient) {
-  return Checksum(gradient, Checksum(weights, Checksum(meta, HeaderSeed(h))));
+                      absl::string_view gradient,
+                      const std::vector<absl::string_view>& optimizer = {}) {
+  uint64_t sum = Checksum(gradient, Checksum(weights, Checksum(meta, HeaderSeed(h))));
+  for (absl::string_view piece : optimizer) sum = Checksum(piece, sum);
+  return sum;
 }
 
 // The header of a file holding `meta` and `data`'s tensors, checksum included.
 Header HeaderFor(absl::string_view meta, const HeadCheckpointData& data) {
+  const std::vector<absl::string_view> optimizer = OptimizerSection(data);
   Header h{.version = kCheckpointFormatVersion,
            .meta_bytes = meta.size(),
            .weights_bytes = data.weights.size(),
-           .gradient_bytes = data.gradient.size()};
-  h.checksum = FullChecksum(h, meta, data.weights, data.gradient);
+           .gradient_bytes = data.gradient.size(),
+           .optimizer_bytes = optimizer.empty() ? 0 : optimizer.size() * optimizer[0].size(),
+           .optimizer_piece_bytes = optimizer.empty() ? 0 : optimizer[0].size()};
+  h.checksum = FullChecksum(h, meta, data.weights, data.gradient, optimizer);
   return h;
+}
+
+// The optimizer section cut into the header's pieces.
+std::vector<absl::string_view> Pieces(absl::string_view section, uint64_t piece_bytes) {
+  std::vector<absl::string_view> pieces;
+  for (; !section.empty(); section.remove_prefix(piece_bytes)) {
+    pieces.push_back(section.substr(0, piece_bytes));
+  }
+  return pieces;
 }
 
 std::string EncodeHeader(const Header& h) {
@@ -180,6 +178,8 @@ std::string EncodeHeader(const Header& h) {
   PutU64(out, h.weights_bytes);
   PutU64(out, h.gradient_bytes);
   PutU64(out, h.checksum);
+  PutU64(out, h.optimizer_bytes);
+  PutU64(out, h.optimizer_piece_bytes);
   out.resize(kHeaderBytes, '\0');
   return out;
 }
@@ -198,21 +198,28 @@ absl::StatusOr<Header> DecodeHeader(absl::string_view bytes, uint64_t file_bytes
   r.U64(&h.weights_bytes);
   r.U64(&h.gradient_bytes);
   r.U64(&h.checksum);
+  r.U64(&h.optimizer_bytes);  // version 1: reserved zeros
+  r.U64(&h.optimizer_piece_bytes);
   // Reserved bytes are outside the checksum: insist on zeros so that no byte goes unchecked.
-  const absl::string_view tail = bytes.substr(kHeaderBytes - 16, 16);
-  if (reserved != 0 || tail.find_first_not_of('\0') != absl::string_view::npos) {
+  if (reserved != 0 || (h.version < 2 && (h.optimizer_bytes | h.optimizer_piece_bytes) != 0)) {
     return Corrupt("reserved header bytes are not zero");
   }
-  if (h.version != kCheckpointFormatVersion) {
+  if (h.version < 1 || h.version > kCheckpointFormatVersion) {
     return absl::DataLossError(absl::StrCat("checkpoint format version ", h.version,
-                                            " is not supported (this server reads ",
+                                            " is not supported (this server reads 1 to ",
                                             kCheckpointFormatVersion, ")"));
+  }
+  if ((h.optimizer_piece_bytes == 0) != (h.optimizer_bytes == 0) ||
+      (h.optimizer_piece_bytes != 0 && h.optimizer_bytes % h.optimizer_piece_bytes != 0)) {
+    return Corrupt("optimizer section lengths");
   }
   const uint64_t body = file_bytes - kHeaderBytes;
   if (h.meta_bytes > body || h.weights_bytes > body - h.meta_bytes ||
-      h.gradient_bytes != body - h.meta_bytes - h.weights_bytes) {
+      h.optimizer_bytes > body - h.meta_bytes - h.weights_bytes ||
+      h.gradient_bytes != body - h.meta_bytes - h.weights_bytes - h.optimizer_bytes) {
     return Corrupt(absl::StrCat("section lengths ", h.meta_bytes, " + ", h.weights_bytes, " + ",
-                                h.gradient_bytes, " do not match the file's ", body,
+                                h.gradient_bytes, " + ", h.optimizer_bytes,
+                                " do not match the file's ", body,
                                 " bytes after the header (torn write?)"));
   }
   return h;
@@ -305,7 +312,10 @@ uint64_t Checksum(absl::string_view data, uint64_t seed) {
 
 std::string EncodeCheckpoint(const HeadCheckpointData& data) {
   const std::string meta = EncodeMeta(data);
-  return absl::StrCat(EncodeHeader(HeaderFor(meta, data)), meta, data.weights, data.gradient);
+  std::string file =
+      absl::StrCat(EncodeHeader(HeaderFor(meta, data)), meta, data.weights, data.gradient);
+  for (absl::string_view piece : OptimizerSection(data)) absl::StrAppend(&file, piece);
+  return file;
 }
 
 absl::StatusOr<HeadCheckpointData> DecodeCheckpoint(absl::string_view file) {
@@ -313,12 +323,19 @@ absl::StatusOr<HeadCheckpointData> DecodeCheckpoint(absl::string_view file) {
   file.remove_prefix(kHeaderBytes);
   const absl::string_view meta = file.substr(0, h.meta_bytes);
   const absl::string_view weights = file.substr(h.meta_bytes, h.weights_bytes);
-  const absl::string_view gradient = file.substr(h.meta_bytes + h.weights_bytes);
-  if (FullChecksum(h, meta, weights, gradient) != h.checksum) return Corrupt("checksum mismatch");
+  const absl::string_view gradient = file.substr(h.meta_bytes + h.weights_bytes, h.gradient_bytes);
+  const std::vector<absl::string_view> optimizer = Pieces(
+      file.substr(h.meta_bytes + h.weights_bytes + h.gradient_bytes), h.optimizer_piece_bytes);
+  if (FullChecksum(h, meta, weights, gradient, optimizer) != h.checksum) {
+    return Corrupt("checksum mismatch");
+  }
   HeadCheckpointData d;
-  LOSSHEAD_RETURN_IF_ERROR(DecodeMeta(meta, &d));
+  std::vector<uint64_t> lengths;
+  LOSSHEAD_RETURN_IF_ERROR(DecodeMeta(meta, h.version, &d, &lengths));
   d.weights.assign(weights.data(), weights.size());
   d.gradient.assign(gradient.data(), gradient.size());
+  LOSSHEAD_RETURN_IF_ERROR(AssignOptimizerSection(
+      std::vector<std::string>(optimizer.begin(), optimizer.end()), lengths, &d));
   return d;
 }
 
@@ -334,6 +351,9 @@ absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
     if (s.ok()) s = WriteAll(fd.get(), meta, tmp);
     if (s.ok()) s = WriteAll(fd.get(), data.weights, tmp);
     if (s.ok()) s = WriteAll(fd.get(), data.gradient, tmp);
+    for (absl::string_view piece : OptimizerSection(data)) {
+      if (s.ok()) s = WriteAll(fd.get(), piece, tmp);
+    }
     // The data must be on disk before the rename makes it the checkpoint.
     if (s.ok() && ::fsync(fd.get()) != 0) s = Errno("cannot fsync", tmp);
     if (s.ok()) s = fd.Close(tmp);
@@ -352,7 +372,8 @@ absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
   Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dfd.get() < 0) return Errno("cannot open directory", dir);
   if (::fsync(dfd.get()) != 0) return Errno("cannot fsync directory", dir);
-  return kHeaderBytes + meta.size() + data.weights.size() + data.gradient.size();
+  return kHeaderBytes + meta.size() + data.weights.size() + data.gradient.size() +
+         h.optimizer_bytes;
 }
 
 absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path) {
@@ -376,10 +397,21 @@ absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path) {
   LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), meta.data(), meta.size(), path));
   LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), d.weights.data(), d.weights.size(), path));
   LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), d.gradient.data(), d.gradient.size(), path));
-  if (FullChecksum(*h, meta, d.weights, d.gradient) != h->checksum) {
+  std::vector<std::string> optimizer(
+      h->optimizer_piece_bytes == 0 ? 0 : h->optimizer_bytes / h->optimizer_piece_bytes);
+  for (std::string& piece : optimizer) {
+    piece.resize(h->optimizer_piece_bytes);
+    LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), piece.data(), piece.size(), path));
+  }
+  if (FullChecksum(*h, meta, d.weights, d.gradient,
+                   std::vector<absl::string_view>(optimizer.begin(), optimizer.end())) !=
+      h->checksum) {
     return in_file(Corrupt("checksum mismatch"));
   }
-  if (absl::Status s = DecodeMeta(meta, &d); !s.ok()) return in_file(s);
+  std::vector<uint64_t> lengths;
+  absl::Status s = DecodeMeta(meta, h->version, &d, &lengths);
+  if (s.ok()) s = AssignOptimizerSection(std::move(optimizer), lengths, &d);
+  if (!s.ok()) return in_file(s);
   return d;
 }
 

@@ -1,14 +1,20 @@
 // The checkpoint of one head as a file: its spec, W, dW, counters and idempotency state.
 //
-// File layout (all integers little-endian):
+// File layout (all integers little-endian), format version 2:
 //   header (64 bytes): magic "LHCKPT\r\n", format version u32, reserved u32, meta bytes u64,
-//     weights bytes u64, gradient bytes u64, checksum u64, 16 reserved zero bytes
-//   meta:     spec (serialized HeadSpec, default options = the head's current ones), version and
-//             counters, then per client id: max evicted / max applied sequence and the remembered
-//             results (loss, token count, version, dH and per-token-loss bytes)
-//   weights:  W, V x D in the head's dtype
-//   gradient: dW, V x D fp32
-// The checksum covers the header's lengths and all three sections (Checksum below), so a torn or
+//     weights bytes u64, gradient bytes u64, checksum u64, optimizer bytes u64, optimizer piece
+//     bytes u64
+//   meta:      spec (serialized HeadSpec, default options and optimizer = the head's current
+//              ones), version and counters, then per client id: max evicted / max applied
+//              sequence and the remembered results (loss, token count, version, dH and
+//              per-token-loss bytes), then the optimizer record (checkpoint_optimizer.h: step
+//              count, momentum bit, master version, buffer lengths, remembered applies)
+//   weights:   W, V x D in the head's dtype
+//   gradient:  dW, V x D fp32
+//   optimizer: the master copy (BF16 and FP16 heads), then the state buffers, V x D fp32 each
+// Version 1 (no optimizer) is still read: its header has zeros for the optimizer lengths, its
+// meta no optimizer record.
+// The checksum covers the header's lengths and all the sections (Checksum below), so a torn or
 // corrupted file is refused rather than half restored. Files are written atomically: a temporary
 // file in the same directory, written and fsynced, renamed over the old one, then the directory is
 // fsynced; a crash at any moment leaves either the old checkpoint or the new one.
@@ -24,7 +30,7 @@
 
 namespace losshead::server {
 
-inline constexpr uint32_t kCheckpointFormatVersion = 1;
+inline constexpr uint32_t kCheckpointFormatVersion = 2;  // reads 1 (no optimizer) too
 inline constexpr char kCheckpointSuffix[] = ".lhck";
 
 // 64-bit checksum: four interleaved FNV-1a lanes over little-endian 8-byte words (lane i takes

@@ -96,6 +96,7 @@ absl::Status Head::ValidateSpec(const v1::HeadSpec& spec) {
           absl::StrCat("init.normal.std must be finite and > 0, got ", std));
     }
   }
+  LOSSHEAD_RETURN_IF_ERROR(ValidateOptimizerSpec(spec.optimizer()));
   return ValidateLossOptions(spec.default_options());
 }
 
@@ -106,7 +107,8 @@ Head::Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType d
       dtype_(dtype),
       options_(options),
       results_(std::make_shared<ResultPool>(kIdleResultBytes)),
-      cache_(options.idempotency_window, options.idempotency_max_bytes_per_client) {
+      cache_(options.idempotency_window, options.idempotency_max_bytes_per_client),
+      applies_(options.apply_window) {
   {
     absl::MutexLock lock(&slots_mu_);
     for (size_t i = 0; i < kIoSlots; ++i) free_slots_.push_back(std::make_unique<IoSlot>());
@@ -133,8 +135,24 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(kernels::Backend& backend,
     return absl::ResourceExhaustedError(
         absl::StrCat("a ", v, " x ", d, " head is too large to allocate"));
   }
+  // Admission: refuse a head whose tensors cannot all fit before allocating any of them (an
+  // optimizer's state is several times W). A backend that cannot tell (total 0) is not checked.
+  const OptimizerFootprint optimizer = OptimizerBytes(spec.optimizer(), dtype, v * d);
+  const uint64_t needed = v * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
+  const kernels::MemoryInfo memory = backend.memory_info();
+  if (memory.total_bytes > 0 && needed > memory.free_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a ", v, " x ", d, " head needs ", needed, " bytes (W, dW and the optimizer's ",
+        optimizer.total(), ") but the device has ", memory.free_bytes, " free"));
+  }
   std::shared_ptr<Head> head(new Head(backend, spec, dtype, options));
   LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, true));
+  if (HasOptimizer(spec.optimizer())) {
+    LOSSHEAD_ASSIGN_OR_RETURN(OptimizerBuffers buffers,
+                              AllocateOptimizer(backend, spec.optimizer(), dtype, v * d));
+    absl::MutexLock lock(&head->compute_mu_);
+    LOSSHEAD_RETURN_IF_ERROR(head->InstallOptimizer(std::move(buffers)));
+  }
   return head;
 }
 
@@ -190,6 +208,11 @@ size_t Head::workspace_bytes() const {
   return device_scratch_bytes_;
 }
 
+OptimizerFootprint Head::optimizer_bytes() const {
+  absl::MutexLock state(&state_mu_);
+  return optimizer_footprint_;
+}
+
 uint64_t Head::weights_version() const {
   absl::MutexLock state(&state_mu_);
   return version_;
@@ -200,6 +223,8 @@ v1::HeadInfo Head::Info() const {
   *info.mutable_spec() = spec_;
   absl::MutexLock state(&state_mu_);
   *info.mutable_spec()->mutable_default_options() = defaults_;
+  *info.mutable_spec()->mutable_optimizer() = optimizer_spec_;
+  info.set_optimizer_step(optimizer_step_);
   info.set_weights_version(version_);
   info.set_tokens_since_pull(tokens_since_pull_);
   info.set_microbatches_since_pull(microbatches_since_pull_);
@@ -208,6 +233,8 @@ v1::HeadInfo Head::Info() const {
   info.mutable_memory()->set_weights_bytes(weights_.bytes());
   info.mutable_memory()->set_gradient_bytes(grad_.bytes());
   info.mutable_memory()->set_workspace_bytes(device_scratch_bytes_);
+  info.mutable_memory()->set_master_weights_bytes(optimizer_footprint_.master);
+  info.mutable_memory()->set_optimizer_state_bytes(optimizer_footprint_.state);
   info.set_device(backend_.device_description());
   return info;
 }

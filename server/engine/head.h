@@ -11,8 +11,9 @@
 // safe; the memory goes when the last holder lets go.
 //
 // The members are defined by concern: the head itself in head.cc, the step pipeline in
-// step_pipeline.cc, the gradient window in gradient_window.cc, the checkpoint cut in
-// head_checkpoint.cc (what they share: head_internal.h).
+// step_pipeline.cc, the gradient window in gradient_window.cc, the server-side optimizer in
+// optimizer_apply.cc, the checkpoint cut in head_checkpoint.cc (what they share:
+// head_internal.h).
 #ifndef LOSSHEAD_SERVER_ENGINE_HEAD_H_
 #define LOSSHEAD_SERVER_ENGINE_HEAD_H_
 
@@ -31,7 +32,9 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/problem.h"
 #include "losshead/v1/losshead.pb.h"
+#include "server/engine/apply_log.h"
 #include "server/engine/head_checkpoint.h"
+#include "server/engine/head_optimizer.h"
 #include "server/engine/idempotency_cache.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/step_outcome.h"
@@ -42,6 +45,7 @@ struct HeadOptions {
   size_t workspace_budget_bytes = size_t{1} << 30;  // handed to Backend::WorkspaceBytes
   size_t idempotency_window = 64;
   size_t idempotency_max_bytes_per_client = size_t{256} << 20;
+  size_t apply_window = 16;  // optimizer responses remembered per client id (ApplyLog)
 };
 
 // One micro-batch as it came off the wire.
@@ -112,6 +116,16 @@ class Head {
   // W converted to `dtype` (UNSPECIFIED: the head's dtype) with its version.
   absl::StatusOr<WeightsSnapshot> DownloadWeights(v1::DType dtype);
 
+  // The server-side optimizer (optimizer_apply.cc).
+  // Replaces the optimizer (INVALID_ARGUMENT for a bad spec); the new one starts afresh: state
+  // zero, step count 0, master weights taken from W. RESOURCE_EXHAUSTED when its buffers do not
+  // fit: the old optimizer stays as it was. Remembered applies are kept (keys still increase).
+  absl::Status SetOptimizer(const v1::OptimizerSpec& spec);
+  // One optimizer step over the gradient window, exactly once per (client id, step key); see
+  // ApplyOptimizerRequest in the proto for the semantics and codes. Errors change nothing.
+  absl::StatusOr<v1::ApplyOptimizerResponse> ApplyOptimizer(
+      const v1::ApplyOptimizerRequest& request);
+
   // The checkpoint cut (head_checkpoint.cc). A consistent cut taken under the compute lock: W, dW,
   // counters, defaults and idempotency state; every micro-batch is wholly in it or wholly out.
   absl::StatusOr<HeadCheckpointData> Snapshot();
@@ -132,6 +146,7 @@ class Head {
   size_t weights_bytes() const { return weights_.bytes(); }
   size_t gradient_bytes() const { return grad_.bytes(); }
   size_t workspace_bytes() const;
+  OptimizerFootprint optimizer_bytes() const;
   uint64_t weights_version() const;
 
  private:
@@ -142,6 +157,11 @@ class Head {
   Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
        const HeadOptions& options);
   absl::Status Initialize(size_t workspace_budget, bool init_weights);
+  // Makes `buffers` (fresh, of this head) the optimizer: zeroed state, master from W. Under
+  // compute_mu_.
+  absl::Status InstallOptimizer(OptimizerBuffers buffers);
+  // Takes master from W when a push has changed W since (see master_version). Under compute_mu_.
+  absl::Status SyncMaster();
   absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
   // Runs a prepared micro-batch; with a client id, completes its idempotency claim.
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(const Prepared& prepared,
@@ -177,6 +197,8 @@ class Head {
   kernels::DeviceBuffer grad_;
   std::unique_ptr<kernels::Stream> stream_;
   kernels::DeviceBuffer workspace_ ABSL_GUARDED_BY(compute_mu_);
+  OptimizerBuffers optimizer_ ABSL_GUARDED_BY(compute_mu_);
+  ApplyLog applies_ ABSL_GUARDED_BY(compute_mu_);
 
   // I/O slots: a micro-batch takes one for its copies in, its run and its copies out. Three let
   // one run while the next is copied in and the previous is copied out.
@@ -195,6 +217,10 @@ class Head {
   uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   size_t device_scratch_bytes_ ABSL_GUARDED_BY(state_mu_) = 0;  // workspace + I/O buffers
+  // What Info reports of the optimizer (its buffers are under compute_mu_).
+  v1::OptimizerSpec optimizer_spec_ ABSL_GUARDED_BY(state_mu_);
+  uint64_t optimizer_step_ ABSL_GUARDED_BY(state_mu_) = 0;
+  OptimizerFootprint optimizer_footprint_ ABSL_GUARDED_BY(state_mu_);
   // Micro-batches counted in dW whose outcome is not yet remembered for replay (their dH is being
   // copied out). A snapshot waits for none under compute_mu_: see Snapshot.
   int pending_outcomes_ ABSL_GUARDED_BY(state_mu_) = 0;

@@ -36,7 +36,24 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
       backend_.CopyToHost(d.weights.data(), weights_.data(), weights_.bytes(), *stream_));
   LOSSHEAD_RETURN_IF_ERROR(
       backend_.CopyToHost(d.gradient.data(), grad_.data(), grad_.bytes(), *stream_));
+  // The optimizer: its master copy (even when a push has made it stale: master_version says so
+  // and the restored head re-syncs it exactly as this one would) and its state.
+  d.master.resize(optimizer_.master.bytes());
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToHost(d.master.data(), optimizer_.master.data(), d.master.size(), *stream_));
+  d.optimizer_state.resize(optimizer_.state.size());
+  for (size_t i = 0; i < optimizer_.state.size(); ++i) {
+    d.optimizer_state[i].resize(optimizer_.state[i].bytes());
+    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(d.optimizer_state[i].data(),
+                                                 optimizer_.state[i].data(),
+                                                 d.optimizer_state[i].size(), *stream_));
+  }
   LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+  *d.spec.mutable_optimizer() = optimizer_.spec;
+  d.optimizer_step = optimizer_.step;
+  d.momentum_started = optimizer_.momentum_started;
+  d.master_version = optimizer_.master_version;
+  d.applies = applies_.Export();
   {
     absl::MutexLock state(&state_mu_);
     *d.spec.mutable_default_options() = defaults_;
@@ -74,10 +91,36 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(kernels::Backend& backend,
   if (data.weights_version < 1) {
     return absl::DataLossError("checkpoint holds weights version 0");
   }
+  const OptimizerFootprint footprint = OptimizerBytes(data.spec.optimizer(), dtype, count);
+  const size_t buffers = StateBufferCount(data.spec.optimizer());
+  bool state_fits = data.optimizer_state.size() == buffers;
+  for (const std::string& state : data.optimizer_state) {
+    state_fits = state_fits && state.size() == count * sizeof(float);
+  }
+  if (data.master.size() != footprint.master || !state_fits) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint of a ", v, " x ", d, " head holds ", data.master.size(),
+                     " master weight bytes and ", data.optimizer_state.size(),
+                     " optimizer state buffers that do not fit its optimizer"));
+  }
   std::shared_ptr<Head> head(new Head(backend, data.spec, dtype, options));
   LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, false));
+  LOSSHEAD_ASSIGN_OR_RETURN(OptimizerBuffers optimizer,
+                            AllocateOptimizer(backend, data.spec.optimizer(), dtype, count));
   {
     absl::MutexLock lock(&head->compute_mu_);
+    LOSSHEAD_RETURN_IF_ERROR(backend.CopyToDevice(optimizer.master.data(), data.master.data(),
+                                                  data.master.size(), *head->stream_));
+    for (size_t i = 0; i < buffers; ++i) {
+      LOSSHEAD_RETURN_IF_ERROR(
+          backend.CopyToDevice(optimizer.state[i].data(), data.optimizer_state[i].data(),
+                               data.optimizer_state[i].size(), *head->stream_));
+    }
+    optimizer.step = data.optimizer_step;
+    optimizer.momentum_started = data.momentum_started;
+    optimizer.master_version = data.master_version;
+    head->optimizer_ = std::move(optimizer);
+    head->applies_.Import(data.applies);
     LOSSHEAD_RETURN_IF_ERROR(backend.CopyToDevice(head->weights_.data(), data.weights.data(),
                                                   data.weights.size(), *head->stream_));
     LOSSHEAD_RETURN_IF_ERROR(backend.CopyToDevice(head->grad_.data(), data.gradient.data(),
@@ -91,6 +134,9 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(kernels::Backend& backend,
     head->max_version_since_pull_ = data.max_version_since_pull;
     head->tokens_total_ = data.tokens_total;
     head->microbatches_total_ = data.microbatches_total;
+    head->optimizer_spec_ = data.spec.optimizer();
+    head->optimizer_step_ = data.optimizer_step;
+    head->optimizer_footprint_ = footprint;
   }
   head->cache_.Import(data.clients);
   head->MarkPersisted(data);  // what was restored is, by definition, persisted

@@ -25,6 +25,13 @@ struct ClientCheckpoint {
   std::vector<std::pair<uint64_t, std::shared_ptr<const StepOutcome>>> results;
 };
 
+// The remembered optimizer applies of one client id (see ApplyLog).
+struct ApplyClientCheckpoint {
+  std::string client_id;
+  uint64_t max_applied = 0;
+  std::vector<std::pair<uint64_t, v1::ApplyOptimizerResponse>> responses;  // by increasing key
+};
+
 struct HeadCheckpointData {
   v1::HeadSpec spec;  // default_options: the head's current defaults
   uint64_t weights_version = 1;
@@ -34,9 +41,19 @@ struct HeadCheckpointData {
   uint64_t max_version_since_pull = 0;
   uint64_t tokens_total = 0;
   uint64_t microbatches_total = 0;
-  std::string weights;   // V x D in spec.weight_dtype
-  std::string gradient;  // V x D fp32
+  std::string weights;                    // V x D in spec.weight_dtype
+  std::string gradient;                   // V x D fp32
   std::vector<ClientCheckpoint> clients;  // by client id
+  // The optimizer (spec.optimizer says which; none: the fields below stay empty): its step count,
+  // SGD's momentum bit, the weights version its master copy was taken at, the master copy (fp32,
+  // BF16 and FP16 heads only) and the state buffers (StateBufferCount's order, fp32), and the
+  // remembered applies.
+  uint64_t optimizer_step = 0;
+  bool momentum_started = false;
+  uint64_t master_version = 0;
+  std::string master;
+  std::vector<std::string> optimizer_state;
+  std::vector<ApplyClientCheckpoint> applies;  // by client id
 };
 
 }  // namespace losshead::server

@@ -15,21 +15,31 @@ uint64_t WeightDTypeBytes(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& spec) {
-  LOSSHEAD_RETURN_IF_ERROR(Head::ValidateSpec(spec));
-  // V < 2^31 and D < 2^63 after validation; the product is checked in 128 bits.
+absl::Status HeadRegistry::CheckHeadBytes(const v1::HeadSpec& spec) const {
+  // V < 2^31 and D < 2^63 after validation; the product is checked in 128 bits. Each optimizer
+  // buffer (master, moments) is one fp32 per weight.
+  const uint64_t buffers =
+      HasOptimizer(spec.optimizer())
+          ? StateBufferCount(spec.optimizer()) + (spec.weight_dtype() == v1::DTYPE_FP32 ? 0 : 1)
+          : 0;
   const unsigned __int128 head_bytes = static_cast<unsigned __int128>(spec.vocab_size()) *
                                        static_cast<unsigned __int128>(spec.hidden_size()) *
-                                       (WeightDTypeBytes(spec.weight_dtype()) + 4);
+                                       (WeightDTypeBytes(spec.weight_dtype()) + 4 + 4 * buffers);
   // Without a configured limit, sizes past what any device holds stay Head::Create's
   // RESOURCE_EXHAUSTED.
   const bool limited = limits_.max_head_bytes != std::numeric_limits<uint64_t>::max();
   if (limited && head_bytes > limits_.max_head_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a ", spec.vocab_size(), " x ", spec.hidden_size(),
-        " head needs more than the server's limit of ", limits_.max_head_bytes,
-        " bytes for W and dW (--max_head_bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a ", spec.vocab_size(), " x ", spec.hidden_size(),
+                     " head needs more than the server's limit of ", limits_.max_head_bytes,
+                     " bytes for W, dW and its optimizer (--max_head_bytes)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& spec) {
+  LOSSHEAD_RETURN_IF_ERROR(Head::ValidateSpec(spec));
+  LOSSHEAD_RETURN_IF_ERROR(CheckHeadBytes(spec));
   {
     absl::MutexLock lock(&mu_);
     if (heads_.contains(spec.name()) || creating_.contains(spec.name())) {
@@ -46,6 +56,17 @@ absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& s
   absl::MutexLock lock(&mu_);
   creating_.erase(spec.name());
   if (head.ok()) heads_.emplace(spec.name(), *head);
+  return head;
+}
+
+absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::SetOptimizer(
+    const std::string& name, const v1::OptimizerSpec& optimizer) {
+  LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, Get(name));
+  LOSSHEAD_RETURN_IF_ERROR(ValidateOptimizerSpec(optimizer));
+  v1::HeadSpec spec = head->Info().spec();
+  *spec.mutable_optimizer() = optimizer;
+  LOSSHEAD_RETURN_IF_ERROR(CheckHeadBytes(spec));
+  LOSSHEAD_RETURN_IF_ERROR(head->SetOptimizer(optimizer));
   return head;
 }
 

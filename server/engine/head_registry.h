@@ -26,8 +26,9 @@ struct HeadLimits {
   // Heads on the server, those being created included; beyond it RESOURCE_EXHAUSTED (deleting a
   // head makes room, so a retry later can succeed).
   size_t max_heads = std::numeric_limits<size_t>::max();
-  // W + dW bytes of one head (V x D x (dtype bytes + 4)); beyond it INVALID_ARGUMENT: no retry on
-  // this server can succeed, as for any other spec outside the server's bounds.
+  // W + dW + optimizer bytes of one head (V x D x (dtype bytes + 4), plus the master weights and
+  // state of its optimizer); beyond it INVALID_ARGUMENT: no retry on this server can succeed, as
+  // for any other spec outside the server's bounds.
   uint64_t max_head_bytes = std::numeric_limits<uint64_t>::max();
 };
 
@@ -42,6 +43,10 @@ class HeadRegistry {
   // anything is allocated.
   // Allocation and initialisation run in the caller's thread, outside the registry's lock.
   absl::StatusOr<std::shared_ptr<Head>> Create(const v1::HeadSpec& spec);
+  // Head::SetOptimizer on `name` after the same max_head_bytes check as Create (INVALID_ARGUMENT);
+  // NOT_FOUND for an unknown name. Returns the head.
+  absl::StatusOr<std::shared_ptr<Head>> SetOptimizer(const std::string& name,
+                                                     const v1::OptimizerSpec& optimizer);
   // Registers a head built elsewhere (a restored checkpoint); ALREADY_EXISTS for a taken name.
   absl::Status Adopt(std::shared_ptr<Head> head);
   // NOT_FOUND for an unknown name.
@@ -54,6 +59,9 @@ class HeadRegistry {
   const HeadOptions& head_options() const { return options_; }
 
  private:
+  // INVALID_ARGUMENT when a head of `spec` would exceed limits_.max_head_bytes.
+  absl::Status CheckHeadBytes(const v1::HeadSpec& spec) const;
+
   kernels::Backend& backend_;
   const HeadOptions options_;
   const HeadLimits limits_;

@@ -72,7 +72,8 @@ Metrics::Metrics()
                        .Register(*registry_)),
       device_memory_(prometheus::BuildGauge()
                          .Name("losshead_device_memory_bytes")
-                         .Help("Device memory by kind: weights, gradient, workspace, free, total")
+                         .Help("Device memory by kind: weights, gradient, workspace, "
+                               "master_weights, optimizer_state, free, total")
                          .Register(*registry_)),
       pulls_(prometheus::BuildCounter()
                  .Name("losshead_pulls_total")
@@ -82,6 +83,14 @@ Metrics::Metrics()
                   .Name("losshead_pushes_total")
                   .Help("Weight pushes")
                   .Register(*registry_)),
+      optimizer_applies_(prometheus::BuildCounter()
+                             .Name("losshead_optimizer_applies_total")
+                             .Help("Server-side optimizer applies by outcome: ok, replayed, error")
+                             .Register(*registry_)),
+      optimizer_apply_duration_(prometheus::BuildHistogram()
+                                    .Name("losshead_optimizer_apply_duration_seconds")
+                                    .Help("Wall time of one optimizer apply on its head")
+                                    .Register(*registry_)),
       heads_family_(prometheus::BuildGauge()
                         .Name("losshead_heads")
                         .Help("Heads on the server")
@@ -139,17 +148,29 @@ void Metrics::InflightAdd(int64_t delta) {
 void Metrics::Pull(const std::string& head) { pulls_.Add({{"head", head}}).Increment(); }
 void Metrics::Push(const std::string& head) { pushes_.Add({{"head", head}}).Increment(); }
 
-void Metrics::HeadMemory(const std::string& head, uint64_t weights, uint64_t gradient,
-                         uint64_t workspace) {
-  head_memory_.Add({{"head", head}, {"kind", "weights"}}).Set(static_cast<double>(weights));
-  head_memory_.Add({{"head", head}, {"kind", "gradient"}}).Set(static_cast<double>(gradient));
-  head_memory_.Add({{"head", head}, {"kind", "workspace"}}).Set(static_cast<double>(workspace));
+void Metrics::OptimizerApply(const std::string& head, absl::string_view outcome,
+                             absl::Duration duration) {
+  optimizer_applies_.Add({{"head", head}, {"outcome", std::string(outcome)}}).Increment();
+  optimizer_apply_duration_.Add({{"head", head}}, Buckets()).Observe(Seconds(duration));
+}
+
+void Metrics::HeadMemory(const std::string& head, const DeviceMemory& m) {
+  const std::pair<const char*, uint64_t> kinds[] = {{"weights", m.weights},
+                                                    {"gradient", m.gradient},
+                                                    {"workspace", m.workspace},
+                                                    {"master_weights", m.master_weights},
+                                                    {"optimizer_state", m.optimizer_state}};
+  for (const auto& [kind, bytes] : kinds) {
+    head_memory_.Add({{"head", head}, {"kind", kind}}).Set(static_cast<double>(bytes));
+  }
 }
 
 void Metrics::DeviceMemoryBytes(const DeviceMemory& m) {
   device_memory_.Add({{"kind", "weights"}}).Set(static_cast<double>(m.weights));
   device_memory_.Add({{"kind", "gradient"}}).Set(static_cast<double>(m.gradient));
   device_memory_.Add({{"kind", "workspace"}}).Set(static_cast<double>(m.workspace));
+  device_memory_.Add({{"kind", "master_weights"}}).Set(static_cast<double>(m.master_weights));
+  device_memory_.Add({{"kind", "optimizer_state"}}).Set(static_cast<double>(m.optimizer_state));
   device_memory_.Add({{"kind", "free"}}).Set(static_cast<double>(m.free));
   device_memory_.Add({{"kind", "total"}}).Set(static_cast<double>(m.total));
 }
@@ -178,8 +199,12 @@ void Metrics::RemoveHead(const std::string& head) {
   }
   for (const char* outcome : {"ok", "forward", "replayed", "error"})
     drop(microbatches_, {{"outcome", outcome}});
-  for (const char* kind : {"weights", "gradient", "workspace"})
+  for (const char* kind : {"weights", "gradient", "workspace", "master_weights", "optimizer_state"})
     drop(head_memory_, {{"kind", kind}});
+  for (const char* outcome : {"ok", "replayed", "error"})
+    drop(optimizer_applies_, {{"outcome", outcome}});
+  if (optimizer_apply_duration_.Has({{"head", head}}))
+    optimizer_apply_duration_.Remove(&optimizer_apply_duration_.Add({{"head", head}}, Buckets()));
   drop(tokens_, {});
   drop(pulls_, {});
   drop(pushes_, {});

@@ -22,6 +22,8 @@ struct DeviceMemory {
   uint64_t weights = 0;
   uint64_t gradient = 0;
   uint64_t workspace = 0;
+  uint64_t master_weights = 0;   // optimizers' fp32 copies of W
+  uint64_t optimizer_state = 0;  // optimizers' moments and momentum buffers
   uint64_t free = 0;
   uint64_t total = 0;
 };
@@ -46,8 +48,12 @@ class Metrics {
   void InflightAdd(int64_t delta);
   int64_t inflight() const { return inflight_count_.load(); }
   void Pull(const std::string& head);
+  // One ApplyOptimizer on `head`: outcome "ok" | "replayed" | "error", and its duration (the
+  // failure reasons are RpcFinished's).
+  void OptimizerApply(const std::string& head, absl::string_view outcome, absl::Duration duration);
   void Push(const std::string& head);
-  void HeadMemory(const std::string& head, uint64_t weights, uint64_t gradient, uint64_t workspace);
+  // Device memory of one head by kind (DeviceMemory's fields; free and total unused).
+  void HeadMemory(const std::string& head, const DeviceMemory& memory);
   void DeviceMemoryBytes(const DeviceMemory& memory);
   void Heads(size_t count);
   // Bearer tokens in force, and one token-file reload (result "ok" or "error").
@@ -70,6 +76,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& device_memory_;
   prometheus::Family<prometheus::Counter>& pulls_;
   prometheus::Family<prometheus::Counter>& pushes_;
+  prometheus::Family<prometheus::Counter>& optimizer_applies_;
+  prometheus::Family<prometheus::Histogram>& optimizer_apply_duration_;
   prometheus::Family<prometheus::Gauge>& heads_family_;
   prometheus::Family<prometheus::Gauge>& auth_tokens_family_;
   prometheus::Family<prometheus::Counter>& token_reloads_;

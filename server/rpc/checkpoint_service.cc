@@ -7,19 +7,9 @@
 #include "absl/time/time.h"
 #include "server/durability/checkpointer.h"
 #include "server/rpc/service.h"
-#include "server/rpc/status_util.h"
+#include "server/rpc/unary_call.h"
 
 namespace losshead::server {
-namespace {
-
-void Finish(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* method,
-            absl::Time start, const absl::Status& status) {
-  ctx->metrics->RpcFinished(method, static_cast<int>(status.code()), absl::Now() - start);
-  reactor->Finish(ToGrpcStatus(status));
-}
-
-}  // namespace
-
 grpc::ServerUnaryReactor* LossHeadService::Checkpoint(grpc::CallbackServerContext* context,
                                                       const v1::CheckpointRequest* request,
                                                       v1::CheckpointResponse* response) {
@@ -27,20 +17,20 @@ grpc::ServerUnaryReactor* LossHeadService::Checkpoint(grpc::CallbackServerContex
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (ctx_->draining.load()) {
     // Shutdown writes the final checkpoint itself, after the drain.
-    Finish(ctx_, reactor, "Checkpoint", start,
-           absl::UnavailableError("the server is shutting down"));
+    FinishUnary(ctx_, reactor, "Checkpoint", start,
+                absl::UnavailableError("the server is shutting down"));
     return reactor;
   }
   if (ctx_->checkpointer == nullptr) {
-    Finish(ctx_, reactor, "Checkpoint", start,
-           absl::FailedPreconditionError("checkpoints are disabled (no --checkpoint_dir)"));
+    FinishUnary(ctx_, reactor, "Checkpoint", start,
+                absl::FailedPreconditionError("checkpoints are disabled (no --checkpoint_dir)"));
     return reactor;
   }
   // Copies W and dW out and writes files: keep it off the gRPC threads.
   ctx_->pool->Schedule([this, reactor, request, response, start] {
     absl::StatusOr<v1::CheckpointResponse> written = ctx_->checkpointer->Write(request->head());
     if (written.ok()) *response = std::move(*written);
-    Finish(ctx_, reactor, "Checkpoint", start, written.status());
+    FinishUnary(ctx_, reactor, "Checkpoint", start, written.status());
   });
   return reactor;
 }
@@ -51,8 +41,8 @@ grpc::ServerUnaryReactor* LossHeadService::GetClientProgress(
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (ctx_->draining.load()) {
-    Finish(ctx_, reactor, "GetClientProgress", start,
-           absl::UnavailableError("the server is shutting down"));
+    FinishUnary(ctx_, reactor, "GetClientProgress", start,
+                absl::UnavailableError("the server is shutting down"));
     return reactor;
   }
   absl::Status status;
@@ -63,7 +53,7 @@ grpc::ServerUnaryReactor* LossHeadService::GetClientProgress(
     status = head.status();
     if (head.ok()) *response = (*head)->Progress(request->client_id());
   }
-  Finish(ctx_, reactor, "GetClientProgress", start, status);
+  FinishUnary(ctx_, reactor, "GetClientProgress", start, status);
   return reactor;
 }
 

@@ -10,6 +10,7 @@
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_reactor.h"
 #include "server/rpc/transfer_reactors.h"
+#include "server/rpc/unary_call.h"
 #include "server/security/auth.h"
 
 #ifndef LOSSHEAD_VERSION
@@ -17,25 +18,6 @@
 #endif
 
 namespace losshead::server {
-namespace {
-
-// Answers a unary call and records it; `reactor` may not be used afterwards.
-void Answer(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* method,
-            absl::Time start, const absl::Status& status) {
-  ctx->metrics->RpcFinished(method, static_cast<int>(status.code()), absl::Now() - start);
-  reactor->Finish(ToGrpcStatus(status));
-}
-
-// True (and the call answered UNAVAILABLE) while the server shuts down.
-bool RefuseWhileDraining(ServiceContext* ctx, grpc::ServerUnaryReactor* reactor, const char* method,
-                         absl::Time start) {
-  if (!ctx->draining.load()) return false;
-  Answer(ctx, reactor, method, start, absl::UnavailableError("the server is shutting down"));
-  return true;
-}
-
-}  // namespace
-
 grpc::ServerUnaryReactor* LossHeadService::CreateHead(grpc::CallbackServerContext* context,
                                                       const v1::CreateHeadRequest* request,
                                                       v1::HeadInfo* response) {
@@ -49,7 +31,7 @@ grpc::ServerUnaryReactor* LossHeadService::CreateHead(grpc::CallbackServerContex
       *response = (*head)->Info();
       RefreshMemoryMetrics();
     }
-    Answer(ctx_, reactor, "CreateHead", start, head.status());
+    FinishUnary(ctx_, reactor, "CreateHead", start, head.status());
   });
   return reactor;
 }
@@ -62,7 +44,7 @@ grpc::ServerUnaryReactor* LossHeadService::GetHead(grpc::CallbackServerContext* 
   if (RefuseWhileDraining(ctx_, reactor, "GetHead", start)) return reactor;
   absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request->name());
   if (head.ok()) *response = (*head)->Info();
-  Answer(ctx_, reactor, "GetHead", start, head.status());
+  FinishUnary(ctx_, reactor, "GetHead", start, head.status());
   return reactor;
 }
 
@@ -73,7 +55,7 @@ grpc::ServerUnaryReactor* LossHeadService::ListHeads(grpc::CallbackServerContext
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "ListHeads", start)) return reactor;
   for (const auto& head : ctx_->registry->List()) *response->add_heads() = head->Info();
-  Answer(ctx_, reactor, "ListHeads", start, absl::OkStatus());
+  FinishUnary(ctx_, reactor, "ListHeads", start, absl::OkStatus());
   return reactor;
 }
 
@@ -92,7 +74,7 @@ grpc::ServerUnaryReactor* LossHeadService::DeleteHead(grpc::CallbackServerContex
     ctx_->metrics->RemoveHead(request->name());
     ctx_->metrics->Heads(ctx_->registry->size());
   }
-  Answer(ctx_, reactor, "DeleteHead", start, status);
+  FinishUnary(ctx_, reactor, "DeleteHead", start, status);
   return reactor;
 }
 
@@ -106,7 +88,7 @@ grpc::ServerUnaryReactor* LossHeadService::SetLossOptions(grpc::CallbackServerCo
   absl::Status status = head.status();
   if (status.ok()) status = (*head)->SetDefaultOptions(request->default_options());
   if (status.ok()) *response = (*head)->Info();
-  Answer(ctx_, reactor, "SetLossOptions", start, status);
+  FinishUnary(ctx_, reactor, "SetLossOptions", start, status);
   return reactor;
 }
 
@@ -152,7 +134,7 @@ grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext*
     response->set_admitted_microbatches(ctx_->admission->microbatches());
     response->set_reserved_bytes(ctx_->admission->bytes());
   }
-  Answer(ctx_, reactor, "GetStats", start, absl::OkStatus());
+  FinishUnary(ctx_, reactor, "GetStats", start, absl::OkStatus());
   return reactor;
 }
 
@@ -160,13 +142,18 @@ void LossHeadService::RefreshMemoryMetrics() const {
   DeviceMemory total;
   size_t count = 0;
   for (const auto& head : ctx_->registry->List()) {
-    const uint64_t w = head->weights_bytes();
-    const uint64_t g = head->gradient_bytes();
-    const uint64_t ws = head->workspace_bytes();
-    ctx_->metrics->HeadMemory(head->name(), w, g, ws);
-    total.weights += w;
-    total.gradient += g;
-    total.workspace += ws;
+    const OptimizerFootprint optimizer = head->optimizer_bytes();
+    const DeviceMemory memory{.weights = head->weights_bytes(),
+                              .gradient = head->gradient_bytes(),
+                              .workspace = head->workspace_bytes(),
+                              .master_weights = optimizer.master,
+                              .optimizer_state = optimizer.state};
+    ctx_->metrics->HeadMemory(head->name(), memory);
+    total.weights += memory.weights;
+    total.gradient += memory.gradient;
+    total.workspace += memory.workspace;
+    total.master_weights += memory.master_weights;
+    total.optimizer_state += memory.optimizer_state;
     ++count;
   }
   const kernels::MemoryInfo memory = ctx_->backend->memory_info();

@@ -18,10 +18,12 @@ using LossHeadServiceBase = v1::LossHead::WithCallbackMethod_CreateHead<
             v1::LossHead::WithRawCallbackMethod_Step<v1::LossHead::WithCallbackMethod_PullGradient<
                 v1::LossHead::WithCallbackMethod_PushWeights<
                     v1::LossHead::WithCallbackMethod_DownloadWeights<
-                        v1::LossHead::WithCallbackMethod_GetStats<
-                            v1::LossHead::WithCallbackMethod_Checkpoint<
-                                v1::LossHead::WithCallbackMethod_GetClientProgress<
-                                    v1::LossHead::Service>>>>>>>>>>>>;
+                        v1::LossHead::WithCallbackMethod_SetOptimizer<
+                            v1::LossHead::WithCallbackMethod_ApplyOptimizer<
+                                v1::LossHead::WithCallbackMethod_GetStats<
+                                    v1::LossHead::WithCallbackMethod_Checkpoint<
+                                        v1::LossHead::WithCallbackMethod_GetClientProgress<
+                                            v1::LossHead::Service>>>>>>>>>>>>>>;
 
 class LossHeadService final : public LossHeadServiceBase {
  public:
@@ -53,6 +55,14 @@ class LossHeadService final : public LossHeadServiceBase {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::Stats* response) override;
+
+  // The server-side optimizer (server/rpc/optimizer_service.cc).
+  grpc::ServerUnaryReactor* SetOptimizer(grpc::CallbackServerContext* context,
+                                         const v1::SetOptimizerRequest* request,
+                                         v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* ApplyOptimizer(grpc::CallbackServerContext* context,
+                                           const v1::ApplyOptimizerRequest* request,
+                                           v1::ApplyOptimizerResponse* response) override;
 
   // Checkpoints (server/rpc/checkpoint_service.cc).
   grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,

@@ -44,6 +44,8 @@ constexpr MethodRule kLossHeadRules[] = {
     {"/losshead.v1.LossHead/Step", Access::kWriter},
     {"/losshead.v1.LossHead/PushWeights", Access::kWriter},
     {"/losshead.v1.LossHead/Checkpoint", Access::kWriter},
+    {"/losshead.v1.LossHead/SetOptimizer", Access::kWriter},
+    {"/losshead.v1.LossHead/ApplyOptimizer", Access::kWriter},
 };
 
 // Services that must answer without a token: probes and tooling discovery.

@@ -262,8 +262,9 @@ def main():
 
         log(run([client_bin, "create", f"--server={server_addr}", f"--head={HEAD}", f"--vocab={V}",
                  f"--hidden={D}", "--init_std=0.02"], 30, "losshead create"))
+        # The client-side optimizer path: it is the one that pulls and pushes.
         demo = stack.start("demo", [client_bin, "demo", f"--server={server_addr}", "--steps=30",
-                                    "--print_every=10"])
+                                    "--print_every=10", "--client_optimizer"])
         bench_out = run([client_bin, "bench", f"--server={server_addr}", f"--head={HEAD}", f"--n={N}",
                          f"--d={D}", f"--v={V}", "--streams=2", f"--seconds={BENCH_S}"],
                         BENCH_S + 40, "losshead bench")

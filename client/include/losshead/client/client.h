@@ -142,6 +142,16 @@ class Client {
   absl::StatusOr<v1::ClientProgress> GetClientProgress(const std::string& head,
                                                        const std::string& client_id);
 
+  // The server-side optimizer (see the proto). SetOptimizer replaces the head's optimizer (state
+  // afresh) and returns its info. ApplyOptimizer steps it over the gradient window exactly once
+  // per (client_id, step_key): retried like any call, as a repeat that reached the server is
+  // answered from its record (replayed = true) without stepping again. Choose keys that increase
+  // per client id; after a lost answer, GetHead().optimizer_step() tells whether it stepped.
+  absl::StatusOr<v1::HeadInfo> SetOptimizer(const std::string& head,
+                                            const v1::OptimizerSpec& optimizer);
+  absl::StatusOr<v1::ApplyOptimizerResponse> ApplyOptimizer(
+      const v1::ApplyOptimizerRequest& request);
+
   // grpc.health.v1.Health/Check; an empty `service` asks about the server as a whole.
   absl::StatusOr<ServingStatus> Health(const std::string& service = "");
 

@@ -13,14 +13,16 @@ from losshead.client import (Client, ClientProgress, Gradient, GradientSummary, 
                              LossOptions, StepResult, StepStream, Weights, combine_results)
 from losshead._native import native_available, native_library
 from losshead.errors import LossheadError
+from losshead.optim import ApplyResult, RemoteAdamW, RemoteSGD, step_with_clipping
 from losshead.retry import RetryPolicy
 from losshead.torch_bridge import (RemoteHeadOptimizer, RemoteLMHead, scale_gradients_,
                                    token_losses)
 
 __all__ = [
-    "Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheckpoint", "LossOptions",
-    "LossheadError", "RemoteHeadOptimizer", "RemoteLMHead", "RetryPolicy", "StepResult",
-    "StepStream", "Weights",
-    "combine_results", "native_available", "native_library", "scale_gradients_", "token_losses",
+    "ApplyResult", "Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheckpoint",
+    "LossOptions", "LossheadError", "RemoteAdamW", "RemoteHeadOptimizer", "RemoteLMHead",
+    "RemoteSGD", "RetryPolicy", "StepResult", "StepStream", "Weights",
+    "combine_results", "native_available", "native_library", "scale_gradients_",
+    "step_with_clipping", "token_losses",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""RemoteAdamW / RemoteSGD against torch.optim fed the same gradients, and step_with_clipping
+against torch.nn.utils.clip_grad_norm_."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from losshead import Client, RemoteAdamW, RemoteSGD, step_with_clipping
+
+V, D, TOKENS = 37, 16, 24
+REL = 1e-6
+
+
+def _window(client: Client, head: str, step: int) -> torch.Tensor:
+    """Two micro-batches (token sums) into the head; the raw dW the next apply will see."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for _ in range(2):
+        hidden = torch.randn(TOKENS, D, generator=g)
+        targets = torch.randint(0, V, (TOKENS,), generator=g)
+        client.step(head, hidden, targets, hidden_dtype=torch.float32, reduction="sum")
+    return client.pull_gradient(head, reset=False).grad
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= REL * want.abs().max().item(), f"max error {err}"
+
+
+@pytest.mark.parametrize("kind, options", [
+    ("adamw", dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)),
+    ("sgd", dict(lr=0.3, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("sgd", dict(lr=0.3, momentum=0.5, dampening=0.2)),
+], ids=["adamw", "sgd_nesterov", "sgd_dampening"])
+def test_twenty_steps_match_torch(client: Client, make_head, kind: str, options: dict) -> None:
+    w0 = torch.randn(V, D, generator=torch.Generator().manual_seed(3)) * 0.3
+    head = make_head(V, D, weights=w0)
+    local = torch.nn.Parameter(w0.clone())
+    if kind == "adamw":
+        remote = RemoteAdamW(client, head, **options)
+        ref = torch.optim.AdamW([local], foreach=False, **options)
+    else:
+        remote = RemoteSGD(client, head, **options)
+        ref = torch.optim.SGD([local], foreach=False, **options)
+    # Schedules act on param_groups: the same one drives both.
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.7) for o in (remote, ref)]
+    for step in range(1, 21):
+        raw = _window(client, head, step)
+        local.grad = raw / (2 * TOKENS)
+        ref.step()
+        remote.step()
+        result = remote.last_result
+        assert result.token_count == 2 * TOKENS and result.microbatch_count == 2
+        assert result.optimizer_step == step and not result.replayed
+        for s in schedules:
+            s.step()
+    assert remote.param_groups[0]["lr"] == pytest.approx(ref.param_groups[0]["lr"])
+    _assert_close(client.download_weights(head).weights, local.detach())
+    assert client.get_head(head).optimizer_step == 20
+
+
+def test_clipping_matches_clip_grad_norm(client: Client, make_head) -> None:
+    w0 = torch.randn(V, D, generator=torch.Generator().manual_seed(4)) * 0.3
+    head = make_head(V, D, weights=w0)
+    remote = RemoteSGD(client, head, lr=1.0)
+    g = torch.Generator().manual_seed(5)
+    trunk = [torch.nn.Parameter(torch.randn(20, 10, generator=g)) for _ in range(2)]
+    raw = _window(client, head, 0)
+    head_grad = raw / (2 * TOKENS)
+    for p in trunk:
+        p.grad = torch.randn(p.shape, generator=g) * head_grad.norm() * 0.5
+    # torch over all parameters, the head's gradient included.
+    want_trunk = [p.grad.clone() for p in trunk]
+    want_head = head_grad.clone()
+    local = [torch.nn.Parameter(torch.zeros_like(grad)) for grad in want_trunk + [want_head]]
+    for p, grad in zip(local, want_trunk + [want_head]):
+        p.grad = grad
+    max_norm = 0.3 * float(torch.sqrt(sum((x.grad.double() ** 2).sum() for x in local)))
+    total = torch.nn.utils.clip_grad_norm_(local, max_norm)
+    coefficient = step_with_clipping(remote, trunk, max_norm)
+    assert coefficient < 1
+    assert coefficient == pytest.approx(max_norm / (float(total) + 1e-6), rel=1e-6)
+    assert remote.last_result.total_grad_norm == pytest.approx(float(total), rel=1e-6)
+    for p, want in zip(trunk, want_trunk):
+        _assert_close(p.grad, want)
+    # SGD with lr 1: W moved by the clipped head gradient.
+    _assert_close(client.download_weights(head).weights, w0 - want_head)
+
+
+def test_state_dict_keeps_the_step_key(client: Client, make_head) -> None:
+    head = make_head(V, D)
+    remote = RemoteAdamW(client, head, lr=0.01)
+    _window(client, head, 1)
+    remote.step()
+    saved = remote.state_dict()
+    assert saved["losshead"]["step_key"] == 1
+    # A trainer restarted from its checkpoint: the same key again is the same apply.
+    again = RemoteAdamW(client, head, lr=0.01)
+    again.load_state_dict(saved)
+    again.step_key -= 1
+    again.step()
+    assert again.last_result.replayed
+    assert again.last_result.weights_version == remote.last_result.weights_version
+    _window(client, head, 2)
+    again.step()
+    assert not again.last_result.replayed and again.last_result.optimizer_step == 2

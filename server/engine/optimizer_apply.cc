@@ -1,0 +1,189 @@
+// Head's server-side optimizer: choosing one (SetOptimizer, and Create through InstallOptimizer)
+// and applying it. An apply cuts the gradient window exactly as a pull with reset does, under the
+// compute lock: every micro-batch is wholly in the step or wholly in the next window.
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "losshead/kernels/dtype_convert.h"
+#include "server/engine/head.h"
+#include "server/engine/head_internal.h"
+#include "server/engine/status_macros.h"
+
+namespace losshead::server {
+namespace {
+
+// torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
+constexpr double kClipEpsilon = 1e-6;
+
+absl::Status FiniteAbove(double value, bool or_equal, absl::string_view field) {
+  if (std::isfinite(value) && (value > 0 || (or_equal && value == 0))) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " must be finite and ", or_equal ? ">= 0" : "> 0", ", got ", value));
+}
+
+// What can be checked without the head: the request's own fields.
+absl::Status ValidateApplyRequest(const v1::ApplyOptimizerRequest& r) {
+  if (r.client_id().empty()) return absl::InvalidArgumentError("client_id must not be empty");
+  if (r.step_key() < 1) return absl::InvalidArgumentError("step_key must be >= 1");
+  if (r.has_grad_divisor()) {
+    LOSSHEAD_RETURN_IF_ERROR(FiniteAbove(r.grad_divisor(), false, "grad_divisor"));
+  }
+  if (r.has_max_norm()) LOSSHEAD_RETURN_IF_ERROR(FiniteAbove(r.max_norm(), false, "max_norm"));
+  return FiniteAbove(r.trunk_grad_sq_norm(), true, "trunk_grad_sq_norm");
+}
+
+}  // namespace
+
+absl::Status Head::SetOptimizer(const v1::OptimizerSpec& spec) {
+  LOSSHEAD_RETURN_IF_ERROR(ValidateOptimizerSpec(spec));
+  // Allocated before the lock, so that steps go on meanwhile and a failure changes nothing.
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      OptimizerBuffers buffers,
+      AllocateOptimizer(backend_, spec, dtype_,
+                        static_cast<uint64_t>(weights_.bytes()) / kernels::DTypeSize(dtype_)));
+  absl::MutexLock lock(&compute_mu_);
+  return InstallOptimizer(std::move(buffers));
+}
+
+absl::Status Head::InstallOptimizer(OptimizerBuffers buffers) {
+  for (kernels::DeviceBuffer& state : buffers.state) {
+    LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(state.data(), 0, state.bytes(), *stream_));
+  }
+  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+  buffers.master_version = 0;  // not yet taken from W: SyncMaster does it
+  std::swap(optimizer_, buffers);
+  absl::Status synced = SyncMaster();
+  if (!synced.ok()) {
+    std::swap(optimizer_, buffers);  // the old optimizer stays
+    return synced;
+  }
+  absl::MutexLock state(&state_mu_);
+  optimizer_spec_ = optimizer_.spec;
+  optimizer_step_ = 0;
+  optimizer_footprint_ = OptimizerBytes(optimizer_.spec, dtype_, grad_.bytes() / sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status Head::SyncMaster() {
+  uint64_t version;
+  {
+    absl::MutexLock state(&state_mu_);
+    version = version_;
+  }
+  if (optimizer_.master_version == version) return absl::OkStatus();
+  if (optimizer_.master.data() != nullptr) {
+    // W -> fp32 through the host in blocks: only a push or a new optimizer gets here.
+    using head_internal::kConvertBlock;
+    const size_t count = optimizer_.master.bytes() / sizeof(float);
+    const size_t esize = kernels::DTypeSize(dtype_);
+    std::string w(std::min(count, kConvertBlock) * esize, '\0');
+    std::vector<float> block(std::min(count, kConvertBlock));
+    for (size_t i = 0; i < count; i += kConvertBlock) {
+      const size_t n = std::min(kConvertBlock, count - i);
+      LOSSHEAD_RETURN_IF_ERROR(
+          backend_.CopyToHost(w.data(), weights_.as<char>() + i * esize, n * esize, *stream_));
+      LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+      kernels::ToFloat(dtype_, w.data(), block.data(), n);
+      LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToDevice(optimizer_.master.as<float>() + i,
+                                                     block.data(), n * sizeof(float), *stream_));
+      LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());  // the host block is reused
+    }
+  }
+  optimizer_.master_version = version;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
+    const v1::ApplyOptimizerRequest& request) {
+  LOSSHEAD_RETURN_IF_ERROR(ValidateApplyRequest(request));
+  absl::MutexLock lock(&compute_mu_);
+  LOSSHEAD_ASSIGN_OR_RETURN(std::optional<v1::ApplyOptimizerResponse> replay,
+                            applies_.Find(request.client_id(), request.step_key()));
+  if (replay.has_value()) return *std::move(replay);
+  LOSSHEAD_ASSIGN_OR_RETURN(kernels::OptimizerOptions options,
+                            KernelOptions(optimizer_, request.params()));
+  const int64_t count = static_cast<int64_t>(grad_.bytes() / sizeof(float));
+  kernels::OptimizerProblem problem{.count = count,
+                                    .dtype = dtype_,
+                                    .options = options,
+                                    .step = static_cast<int64_t>(optimizer_.step + 1)};
+  LOSSHEAD_RETURN_IF_ERROR(kernels::ValidateOptimizerProblem(problem));
+
+  v1::ApplyOptimizerResponse response;
+  v1::GradientSummary& window = *response.mutable_window();
+  {
+    absl::MutexLock state(&state_mu_);
+    if (request.has_expected_weights_version() && request.expected_weights_version() != version_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expected_weights_version is ", request.expected_weights_version(),
+                       " but the head's weights are at version ", version_));
+    }
+    window.set_token_count(tokens_since_pull_);
+    window.set_microbatch_count(microbatches_since_pull_);
+    window.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
+    window.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
+  }
+  if (!request.has_grad_divisor() && window.token_count() == 0) {
+    return absl::FailedPreconditionError(
+        "the gradient window holds no tokens and no grad_divisor was given");
+  }
+  const double divisor = request.has_grad_divisor() ? request.grad_divisor()
+                                                    : static_cast<double>(window.token_count());
+
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.SquaredNorm(grad_.as<float>(), count, optimizer_.norm.as<double>(), *stream_));
+  double squared = 0;
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend_.CopyToHost(&squared, optimizer_.norm.data(), sizeof(double), *stream_));
+  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+  if (!std::isfinite(squared)) {
+    return absl::FailedPreconditionError(
+        "the gradient window holds NaN or Inf (or overflows); nothing was stepped: pull it to "
+        "inspect, or pull with reset to drop it");
+  }
+  const double head_norm = std::sqrt(squared) / divisor;
+  const double total_norm = std::sqrt(head_norm * head_norm + request.trunk_grad_sq_norm());
+  const double coefficient = request.has_max_norm()
+                                 ? std::min(1.0, request.max_norm() / (total_norm + kClipEpsilon))
+                                 : 1.0;
+  problem.grad_scale = static_cast<float>(coefficient / divisor);
+  // A divisor so small that the scale overflows fp32 is the caller's error, caught before the step.
+  LOSSHEAD_RETURN_IF_ERROR(kernels::ValidateOptimizerProblem(problem));
+  LOSSHEAD_RETURN_IF_ERROR(SyncMaster());
+  LOSSHEAD_RETURN_IF_ERROR(backend_.OptimizerStep(
+      problem, KernelTensors(optimizer_, weights_.data(), grad_.as<float>()), *stream_));
+  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+
+  optimizer_.step += 1;
+  if (const auto* sgd = std::get_if<kernels::SgdOptions>(&problem.options);
+      sgd != nullptr && sgd->momentum != 0.0f) {
+    optimizer_.momentum_started = true;
+  }
+  {
+    absl::MutexLock state(&state_mu_);
+    optimizer_.master_version = ++version_;
+    optimizer_step_ = optimizer_.step;
+    tokens_since_pull_ = 0;
+    microbatches_since_pull_ = 0;
+    min_version_since_pull_ = max_version_since_pull_ = 0;
+    response.set_weights_version(version_);
+  }
+  window.set_vocab_size(vocab_size());
+  window.set_hidden_size(hidden_size());
+  window.set_was_reset(true);
+  response.set_head_grad_norm(head_norm);
+  response.set_total_grad_norm(total_norm);
+  response.set_clip_coefficient(coefficient);
+  response.set_optimizer_step(optimizer_.step);
+  applies_.Record(request.client_id(), request.step_key(), response);
+  return response;
+}
+
+}  // namespace losshead::server
