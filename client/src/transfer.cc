@@ -1,8 +1,24 @@
 // Chunked tensor transfers: weights up (push), weights down (download), gradients down (pull).
+//
+// The tensor bytes never pass through a protobuf message here. A typed message costs two copies
+// of every byte on each side (into its bytes field, then into gRPC's slices, when sending; out of
+// the slices into the field, then into the destination, when receiving), and for a 2 GB gradient
+// those copies were most of the time of a pull. These calls speak the same methods with gRPC
+// byte buffers instead: a push references the caller's memory from the slices it writes, and a
+// received chunk is walked slice by slice, its `data` field copied once, straight to its place in
+// the destination; every other field is parsed by protobuf as before.
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+#include <grpcpp/support/sync_stream.h>
 
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
@@ -11,6 +27,171 @@
 
 namespace losshead::client {
 namespace {
+
+// The `data` field of GradientChunk, WeightsChunk and PushWeightsRequest
+// (proto/losshead/v1/losshead.proto).
+constexpr uint32_t kGradientDataField = 3;
+constexpr uint32_t kWeightsDataField = 7;
+constexpr uint32_t kPushDataField = 3;
+constexpr uint32_t kWireVarint = 0;
+constexpr uint32_t kWireFixed64 = 1;
+constexpr uint32_t kWireLengthDelimited = 2;
+constexpr uint32_t kWireFixed32 = 5;
+
+void AppendVarint(std::string& out, uint64_t value) {
+  while (value >= 0x80) {
+    out.push_back(static_cast<char>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out.push_back(static_cast<char>(value));
+}
+
+// A LossHead method called without the typed stub (its messages are byte buffers).
+class RawMethod {
+ public:
+  RawMethod(const char* method, grpc::internal::RpcMethod::RpcType type)
+      : name_(absl::StrCat("/", v1::LossHead::service_full_name(), "/", method)),
+        rpc_(name_.c_str(), type) {}
+  const grpc::internal::RpcMethod& rpc() const { return rpc_; }
+
+ private:
+  const std::string name_;  // before rpc_, which keeps a pointer to it
+  const grpc::internal::RpcMethod rpc_;
+};
+
+const grpc::internal::RpcMethod& PullGradientMethod() {
+  static const RawMethod* method =
+      new RawMethod("PullGradient", grpc::internal::RpcMethod::SERVER_STREAMING);
+  return method->rpc();
+}
+
+const grpc::internal::RpcMethod& DownloadWeightsMethod() {
+  static const RawMethod* method =
+      new RawMethod("DownloadWeights", grpc::internal::RpcMethod::SERVER_STREAMING);
+  return method->rpc();
+}
+
+const grpc::internal::RpcMethod& PushWeightsMethod() {
+  static const RawMethod* method =
+      new RawMethod("PushWeights", grpc::internal::RpcMethod::CLIENT_STREAMING);
+  return method->rpc();
+}
+
+// Where one received message's `data` field lies: pieces of the message's slices, which stay
+// alive as long as `slices` does.
+struct DataPieces {
+  std::vector<grpc::Slice> slices;
+  std::vector<std::pair<const uint8_t*, size_t>> pieces;
+  uint64_t size = 0;
+};
+
+// Reads a serialized message held in gRPC slices without joining them.
+class SliceCursor {
+ public:
+  explicit SliceCursor(const std::vector<grpc::Slice>& slices) : slices_(slices) { SkipEmpty(); }
+
+  bool done() const { return index_ == slices_.size(); }
+
+  bool Byte(uint8_t* out) {
+    if (done()) return false;
+    *out = slices_[index_].begin()[pos_];
+    Advance(1);
+    return true;
+  }
+  bool Varint(uint64_t* out) {
+    uint64_t value = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!Byte(&b)) return false;
+      value |= uint64_t{b & 0x7fu} << shift;
+      if ((b & 0x80) == 0) {
+        *out = value;
+        return true;
+      }
+    }
+    return false;
+  }
+  // The next `n` bytes as pieces of the slices (no copy).
+  bool Pieces(uint64_t n, std::vector<std::pair<const uint8_t*, size_t>>* out) {
+    while (n > 0) {
+      if (done()) return false;
+      const size_t take = std::min<uint64_t>(n, slices_[index_].size() - pos_);
+      out->emplace_back(slices_[index_].begin() + pos_, take);
+      Advance(take);
+      n -= take;
+    }
+    return true;
+  }
+  // The next `n` bytes appended to `out`.
+  bool Append(uint64_t n, std::string* out) {
+    std::vector<std::pair<const uint8_t*, size_t>> pieces;
+    if (!Pieces(n, &pieces)) return false;
+    for (const auto& [p, size] : pieces) out->append(reinterpret_cast<const char*>(p), size);
+    return true;
+  }
+
+ private:
+  void Advance(size_t n) {
+    pos_ += n;
+    if (pos_ == slices_[index_].size()) {
+      ++index_;
+      pos_ = 0;
+      SkipEmpty();
+    }
+  }
+  void SkipEmpty() {
+    while (index_ < slices_.size() && slices_[index_].size() == 0) ++index_;
+  }
+
+  const std::vector<grpc::Slice>& slices_;
+  size_t index_ = 0;
+  size_t pos_ = 0;
+};
+
+// Parses `buffer` into `message`, except for the bytes field `data_field`, which is left in
+// `data` as pieces of the buffer's slices (the last occurrence, as protobuf would keep).
+absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
+                              google::protobuf::MessageLite* message, DataPieces* data) {
+  data->slices.clear();
+  data->pieces.clear();
+  data->size = 0;
+  if (!buffer.Dump(&data->slices).ok()) return absl::InternalError("unreadable message");
+  SliceCursor in(data->slices);
+  std::string rest;  // every other field, as it came
+  while (!in.done()) {
+    uint64_t tag;
+    if (!in.Varint(&tag)) return absl::InternalError("truncated message tag");
+    const uint32_t wire = static_cast<uint32_t>(tag & 7);
+    const uint64_t field = tag >> 3;
+    bool ok = true;
+    if (wire == kWireLengthDelimited) {
+      uint64_t n;
+      ok = in.Varint(&n);
+      if (ok && field == data_field) {
+        data->pieces.clear();
+        data->size = n;
+        ok = in.Pieces(n, &data->pieces);
+      } else if (ok) {
+        AppendVarint(rest, tag);
+        AppendVarint(rest, n);
+        ok = in.Append(n, &rest);
+      }
+    } else if (wire == kWireVarint) {
+      uint64_t v;
+      ok = in.Varint(&v);
+      AppendVarint(rest, tag);
+      AppendVarint(rest, v);
+    } else if (wire == kWireFixed64 || wire == kWireFixed32) {
+      AppendVarint(rest, tag);
+      ok = in.Append(wire == kWireFixed64 ? 8 : 4, &rest);
+    } else {
+      return absl::InternalError(absl::StrCat("unexpected wire type ", wire, " in a chunk"));
+    }
+    if (!ok) return absl::InternalError("truncated chunk message");
+  }
+  if (!message->ParseFromString(rest)) return absl::InternalError("unparsable chunk message");
+  return absl::OkStatus();
+}
 
 // Collects chunks that must tile [0, total) in order, without gaps or overlap; the server
 // promises this order, so anything else is a framing error rather than something to reorder.
@@ -34,17 +215,19 @@ class Reassembler {
     total_ = total_bytes;
     return absl::OkStatus();
   }
-  absl::Status Add(uint64_t offset, const std::string& piece) {
+  absl::Status Add(uint64_t offset, const DataPieces& piece) {
     if (offset != filled_) {
       return absl::InternalError(
           absl::StrCat("chunk at offset ", offset, " while ", filled_, " bytes are filled"));
     }
-    if (piece.size() > total_ - filled_) {
-      return absl::InternalError(absl::StrCat("chunk of ", piece.size(), " bytes at offset ",
-                                              offset, " overruns the total of ", total_));
+    if (piece.size > total_ - filled_) {
+      return absl::InternalError(absl::StrCat("chunk of ", piece.size, " bytes at offset ", offset,
+                                              " overruns the total of ", total_));
     }
-    if (!piece.empty()) std::memcpy(out_.data() + filled_, piece.data(), piece.size());
-    filled_ += piece.size();
+    for (const auto& [p, size] : piece.pieces) {
+      std::memcpy(out_.data() + filled_, p, size);
+      filled_ += size;
+    }
     return absl::OkStatus();
   }
   absl::Status Finish() const {
@@ -74,18 +257,33 @@ absl::StatusOr<uint64_t> Client::PushWeightsOnce(const PushRequest& request) {
   }
   auto context = NewContext(options_.deadline);
   v1::PushWeightsResponse response;
-  auto writer = stub_->PushWeights(context.get(), &response);
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          channel_.get(), PushWeightsMethod(), context.get(), &response));
 
   const size_t piece = PieceBytes(options_.max_message_bytes, header.ByteSizeLong() + 16);
+  const char* data = reinterpret_cast<const char*>(request.data.data());
   size_t offset = 0;
   bool first = true;
   // An empty tensor still sends its header so that the server, not the client, rejects it.
   while (first || offset < request.data.size()) {
-    v1::PushWeightsRequest message;
-    if (first) *message.mutable_header() = header;
+    // Each message: its other fields and the data field's tag and length, encoded here, then a
+    // slice that references the caller's bytes, which outlive the call (it ends before return).
+    v1::PushWeightsRequest fields;
+    if (first) *fields.mutable_header() = header;
+    fields.set_offset(offset);
+    std::string frame = fields.SerializeAsString();
     const size_t n = std::min(piece, request.data.size() - offset);
-    message.set_offset(offset);
-    message.set_data(reinterpret_cast<const char*>(request.data.data()) + offset, n);
+    grpc::Slice slices[2];
+    size_t count = 1;
+    if (n > 0) {
+      AppendVarint(frame, (uint64_t{kPushDataField} << 3) | kWireLengthDelimited);
+      AppendVarint(frame, n);
+      slices[1] = grpc::Slice(data + offset, n, grpc::Slice::STATIC_SLICE);
+      count = 2;
+    }
+    slices[0] = grpc::Slice(frame);
+    grpc::ByteBuffer message(slices, count);
     offset += n;
     first = false;
     // A failed write means the server ended the call; Finish() says why.
@@ -114,15 +312,22 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
   request.set_head(head);
   request.set_dtype(dtype);
   auto context = NewContext(options_.deadline);
-  auto reader = stub_->DownloadWeights(context.get(), request);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+          channel_.get(), DownloadWeightsMethod(), context.get(), request));
 
   DownloadedWeights weights;
   Reassembler assembly(out, owned);
   absl::Status framing;
+  grpc::ByteBuffer buffer;
   v1::WeightsChunk chunk;
+  DataPieces data;
   bool first = true;
-  while (reader->Read(&chunk)) {
+  while (reader->Read(&buffer)) {
     if (!framing.ok()) continue;  // drain so that Finish() can return
+    chunk.Clear();
+    framing = ParseWithoutData(buffer, kWeightsDataField, &chunk, &data);
+    if (!framing.ok()) continue;
     if (first) {
       first = false;
       weights.vocab_size = chunk.vocab_size();
@@ -140,7 +345,7 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
       framing = assembly.Start(chunk.total_bytes(), expected);
       if (!framing.ok()) continue;
     }
-    framing = assembly.Add(chunk.offset(), chunk.data());
+    framing = assembly.Add(chunk.offset(), data);
   }
   grpc::Status status = reader->Finish();
   if (!status.ok()) return FromGrpcStatus(status);
@@ -159,15 +364,22 @@ absl::StatusOr<v1::GradientSummary> Client::PullGradientOnce(const std::string& 
   request.set_dtype(dtype);
   request.set_reset(reset);
   auto context = NewContext(options_.deadline);
-  auto reader = stub_->PullGradient(context.get(), request);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+          channel_.get(), PullGradientMethod(), context.get(), request));
 
   v1::GradientSummary summary;
   Reassembler assembly(out, owned);
   absl::Status framing;
+  grpc::ByteBuffer buffer;
   v1::GradientChunk chunk;
+  DataPieces data;
   bool first = true;
-  while (reader->Read(&chunk)) {
+  while (reader->Read(&buffer)) {
     if (!framing.ok()) continue;  // drain so that Finish() can return
+    chunk.Clear();
+    framing = ParseWithoutData(buffer, kGradientDataField, &chunk, &data);
+    if (!framing.ok()) continue;
     if (first) {
       first = false;
       if (!chunk.has_summary()) {
@@ -190,7 +402,7 @@ absl::StatusOr<v1::GradientSummary> Client::PullGradientOnce(const std::string& 
       framing = absl::InternalError("summary repeated after the first gradient chunk");
       continue;
     }
-    framing = assembly.Add(chunk.offset(), chunk.data());
+    framing = assembly.Add(chunk.offset(), data);
   }
   grpc::Status status = reader->Finish();
   if (!status.ok()) return FromGrpcStatus(status);

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -14,12 +16,28 @@
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/proto_convert.h"
+#include "server/engine/result_pool.h"
 #include "server/engine/status_macros.h"
+#include "server/engine/transfer_buffers.h"
 
 namespace losshead::server {
 
 using head_internal::Convert;
 using head_internal::kConvertBlock;
+
+namespace {
+
+ResultPool& TransferPool() {
+  // Smaller transfers go through the allocator's own free lists without page faults.
+  static ResultPool* const pool = new ResultPool(kIdleTransferBytes, size_t{16} << 20);
+  return *pool;
+}
+
+}  // namespace
+
+std::string TakeTransferBuffer(size_t bytes) { return TransferPool().Take(bytes); }
+
+void GiveTransferBuffer(std::string buffer) { TransferPool().Give(std::move(buffer)); }
 
 absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset) {
   if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_FP32;
@@ -28,7 +46,8 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
         absl::StrCat("pull dtype must be DTYPE_FP32 or DTYPE_BF16, got ", static_cast<int>(dtype)));
   }
   GradientSnapshot snap;
-  snap.data.resize(grad_.bytes());
+  // Every byte is overwritten by the copy below; the reactor gives the buffer back once sent.
+  snap.data = TakeTransferBuffer(grad_.bytes());
   v1::GradientSummary& s = snap.summary;
   {
     absl::MutexLock lock(&compute_mu_);
@@ -48,7 +67,9 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     }
   }
   if (dtype == v1::DTYPE_BF16) {
-    snap.data = Convert(kernels::DType::kFP32, snap.data, kernels::DType::kBF16);
+    std::string fp32 = std::move(snap.data);
+    snap.data = Convert(kernels::DType::kFP32, fp32, kernels::DType::kBF16);
+    GiveTransferBuffer(std::move(fp32));
   }
   s.set_vocab_size(vocab_size());
   s.set_hidden_size(hidden_size());
@@ -77,7 +98,11 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   }
   const size_t esize = kernels::DTypeSize(dtype_);
   std::string staged;
-  if (mode == v1::PUSH_MODE_REPLACE) {
+  absl::Cleanup recycle = [&staged] { GiveTransferBuffer(std::move(staged)); };
+  // A replacement in the head's own dtype goes to the device from `data` as it is (checked
+  // above); any other is converted, then checked for overflow.
+  const bool in_place = mode == v1::PUSH_MODE_REPLACE && src_dtype == dtype_;
+  if (mode == v1::PUSH_MODE_REPLACE && !in_place) {
     staged = Convert(src_dtype, data, dtype_);
     if (kernels::HasNonFinite(dtype_, staged.data(), count)) {
       return absl::InvalidArgumentError(
@@ -94,7 +119,7 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
     }
   }
   if (mode == v1::PUSH_MODE_ADD) {
-    staged.resize(count * esize);
+    staged = TakeTransferBuffer(count * esize);  // overwritten whole by the copy below
     LOSSHEAD_RETURN_IF_ERROR(
         backend_.CopyToHost(staged.data(), weights_.data(), staged.size(), *stream_));
     LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
@@ -111,8 +136,9 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
       return absl::InvalidArgumentError("W + pushed delta overflows to Inf");
     }
   }
+  const std::string& source = in_place ? data : staged;
   LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToDevice(weights_.data(), staged.data(), staged.size(), *stream_));
+      backend_.CopyToDevice(weights_.data(), source.data(), source.size(), *stream_));
   LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
   absl::MutexLock state(&state_mu_);
   return ++version_;
@@ -125,7 +151,7 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
   }
   WeightsSnapshot snap;
   snap.dtype = ToProto(to);
-  snap.data.resize(weights_.bytes());
+  snap.data = TakeTransferBuffer(weights_.bytes());
   {
     absl::MutexLock lock(&compute_mu_);
     LOSSHEAD_RETURN_IF_ERROR(
@@ -134,7 +160,11 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
     absl::MutexLock state(&state_mu_);
     snap.version = version_;
   }
-  if (to != dtype_) snap.data = Convert(dtype_, snap.data, to);
+  if (to != dtype_) {
+    std::string raw = std::move(snap.data);
+    snap.data = Convert(dtype_, raw, to);
+    GiveTransferBuffer(std::move(raw));
+  }
   return snap;
 }
 

@@ -12,6 +12,7 @@
 #include "losshead/kernels/problem.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/status_macros.h"
+#include "server/engine/transfer_buffers.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_assembler.h"
 
@@ -53,15 +54,18 @@ class ChunkedWriter final : public grpc::ServerWriteReactor<Msg> {
 
   void OnDone() override {
     ctx_->metrics->RpcFinished(method_, status_.error_code(), absl::Now() - start_);
+    GiveTransferBuffer(std::move(data_));
     delete this;
   }
 
  private:
   void WriteNext() {
-    if (offset_ > 0) msg_.Clear();  // header fields ride on the first message only
+    // Header fields ride on the first message only. Clear keeps the data field's allocation, so
+    // every piece is copied into the same warm buffer rather than a fresh one.
+    if (offset_ > 0) msg_.Clear();
     const size_t n = std::min(ChunkPayloadBytes(ctx_->max_message_bytes), data_.size() - offset_);
     msg_.set_offset(offset_);
-    msg_.set_data(data_.substr(offset_, n));
+    msg_.mutable_data()->assign(data_, offset_, n);
     offset_ += n;
     this->StartWrite(&msg_);
   }
@@ -116,7 +120,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
                              header_.has_expected_weights_version()
                                  ? std::optional<uint64_t>(header_.expected_weights_version())
                                  : std::nullopt);
-      std::string().swap(staged_);
+      GiveTransferBuffer(std::move(staged_));
       if (!version.ok()) return FinishWith(ToGrpcStatus(version.status()));
       ctx_->metrics->Push(head_->name());
       response_->set_weights_version(*version);
@@ -126,6 +130,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
 
   void OnDone() override {
     ctx_->metrics->RpcFinished("PushWeights", status_.error_code(), absl::Now() - start_);
+    GiveTransferBuffer(std::move(staged_));  // a push refused half-way
     delete this;
   }
 
@@ -159,7 +164,11 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
       return absl::InvalidArgumentError(absl::StrCat("PushWeights data run past the ", total_bytes_,
                                                      " bytes of the head's V x D weights"));
     }
-    if (staged_.empty()) staged_.reserve(total_bytes_);
+    if (staged_.capacity() < total_bytes_) {
+      // A recycled buffer: appending within its capacity writes no zeros and faults no pages.
+      staged_ = TakeTransferBuffer(total_bytes_);
+      staged_.clear();
+    }
     staged_.append(data);
     ctx_->metrics->Bytes("PushWeights", "in", data.size());
     return absl::OkStatus();

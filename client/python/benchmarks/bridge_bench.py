@@ -84,6 +84,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-local", action="store_true", help="skip the local-head rows")
     p.add_argument("--no-transfers", action="store_true", help="skip pull / push / download")
+    p.add_argument("--no-steps", action="store_true",
+                   help="skip the RemoteLMHead rows (transfers only)")
     p.add_argument("--token", default=os.environ.get("LOSSHEAD_TOKEN"))
     args = p.parse_args()
 
@@ -100,16 +102,17 @@ def main() -> None:
     with Client(args.server, token=args.token, native=False) as admin:
         admin.create_head(head, v, d, weight_dtype=torch.bfloat16, init_std=0.02, seed=1)
         try:
-            weight = admin.download_weights(head).weights.to(device)
-            with torch.no_grad():
-                local = F.cross_entropy(F.linear(hidden, weight).float(), targets)
-            for path in args.paths.split(","):
-                for streams in (int(s) for s in args.streams.split(",")):
-                    rows.append(_remote_row(args, path, streams, head, hidden, targets, device,
-                                            float(local), n))
-                    admin.pull_gradient(head, reset=True)  # keep dW bounded between rows
-            if not args.no_local:
-                rows += _local_rows(args, hidden, targets, weight, device, n)
+            if not args.no_steps:
+                weight = admin.download_weights(head).weights.to(device)
+                with torch.no_grad():
+                    local = F.cross_entropy(F.linear(hidden, weight).float(), targets)
+                for path in args.paths.split(","):
+                    for streams in (int(s) for s in args.streams.split(",")):
+                        rows.append(_remote_row(args, path, streams, head, hidden, targets,
+                                                device, float(local), n))
+                        admin.pull_gradient(head, reset=True)  # keep dW bounded between rows
+                if not args.no_local:
+                    rows += _local_rows(args, hidden, targets, weight, device, n)
             transfers = [] if args.no_transfers else [
                 _transfer_rows(args, path, head, v, d) for path in args.paths.split(",")]
         finally:

@@ -155,6 +155,51 @@ def test_unreachable_server_is_a_call_error() -> None:
 
 
 @needs_native
+def test_large_transfers_into_reused_tensors(paths: Dict[str, Client], make_head) -> None:
+    # 4100 x 1100 fp32 = 18 MB: above the size from which the server recycles its transfer
+    # buffers, so the second round reuses the first one's (stale bytes must not show).
+    v, d = 4100, 1100
+    h, _, t = random_problem(256, d, v, seed=73)
+    got = {}
+    for name, c in paths.items():
+        head = make_head(v, d, dtype=torch.bfloat16)
+        out_w = torch.full((v, d), 7.0, dtype=torch.bfloat16)
+        out_g = torch.full((v, d), 7.0)
+        rounds = []
+        for k in range(2):
+            w = torch.randn(v, d, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+            c.push_weights(head, w)
+            down = c.download_weights(head, out=out_w)
+            assert down.weights is out_w
+            _same(out_w, w, f"{name}: W round {k}")
+            c.step(head, h, t, reduction="sum")
+            g = c.pull_gradient(head, reset=True, out=out_g)
+            assert g.grad is out_g and g.summary.token_count == 256
+            rounds.append(out_g.clone())
+        got[name] = rounds
+        with pytest.raises(ValueError):
+            c.pull_gradient(head, out=torch.empty(v, d, dtype=torch.bfloat16))
+    for a, b in zip(got["native"], got["grpc"]):
+        _same(a, b, "dW")
+
+
+def test_remote_head_gives_every_stream_work(server_address: str, make_head) -> None:
+    n, d, v = 3000, 32, 70
+    hidden, weight, targets = random_problem(n, d, v, seed=74, ignore_fraction=0.1)
+    head = make_head(v, d, weights=weight)
+    with Client(server_address, connections=2) as c:
+        m = RemoteLMHead(c, head, chunk_tokens=4096, streams=2, min_chunk_tokens=500,
+                         wire_dtype=torch.float32)
+        h = hidden.detach().requires_grad_()
+        loss = m(h, targets)
+        loss.backward()
+        # Two micro-batches per stream (750 tokens each), not one of 3000 on one stream.
+        assert c.get_head(head).microbatches_since_pull == 4
+    ref = reference(hidden, weight, targets, reduction="mean")
+    assert float(loss) == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(h.grad, ref.grad_hidden, FP32_REL, "dH")
+
+
 def test_streams_over_several_connections(server_address: str, make_head) -> None:
     n, d, v = 900, 32, 70
     hidden, weight, targets = random_problem(n, d, v, seed=72, ignore_fraction=0.1)

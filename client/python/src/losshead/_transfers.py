@@ -68,16 +68,28 @@ class Transfers(ClientBase):
         return self.push_weights(head, weights, dtype=dtype,
                                  expected_weights_version=expected_weights_version)
 
-    def download_weights(self, head: str, dtype: Optional[DTypeLike] = None) -> Weights:
-        """W (V x D) on the CPU, in `dtype` (default: the head's weight dtype)."""
+    def download_weights(self, head: str, dtype: Optional[DTypeLike] = None, *,
+                         out: Optional[torch.Tensor] = None) -> Weights:
+        """W (V x D) on the CPU, in `dtype` (default: the head's weight dtype, or `out`'s).
+
+        With `out` (a contiguous CPU tensor of V x D) W is written into it and it is returned:
+        reusing one tensor spares the page faults of a fresh gigabyte-sized allocation, which
+        cost about as much as the transfer itself.
+        """
+        if dtype is None and out is not None:
+            dtype = out.dtype
         if self._natives:
             info = self.get_head(head)
             dt = _wire.to_torch_dtype(dtype if dtype is not None else info.spec.weight_dtype)
-            out = torch.empty((info.spec.vocab_size, info.spec.hidden_size), dtype=dt)
-            got = self._natives[0].download_into(head, _wire.to_wire_dtype(dt), out)
-            _check_filled("DownloadWeights", got.dtype, got.vocab_size, got.hidden_size, out)
-            return Weights(weights=out, version=got.weights_version)
-        return self._with_retry(lambda: self._download_weights_once(head, dtype))
+            dest = _destination(out, (info.spec.vocab_size, info.spec.hidden_size), dt)
+            got = self._natives[0].download_into(head, _wire.to_wire_dtype(dt), dest)
+            _check_filled("DownloadWeights", got.dtype, got.vocab_size, got.hidden_size, dest)
+            return Weights(weights=dest, version=got.weights_version)
+        w = self._with_retry(lambda: self._download_weights_once(head, dtype))
+        if out is None:
+            return w
+        _destination(out, tuple(w.weights.shape), w.weights.dtype).copy_(w.weights)
+        return Weights(weights=out, version=w.version)
 
     def _download_weights_once(self, head: str, dtype: Optional[DTypeLike]) -> Weights:
         request = pb.DownloadWeightsRequest(
@@ -87,12 +99,14 @@ class Transfers(ClientBase):
         w = _wire.decode(buf, first.dtype, (first.vocab_size, first.hidden_size))
         return Weights(weights=w, version=first.weights_version)
 
-    def pull_gradient(self, head: str, *, reset: bool = False,
-                      dtype: DTypeLike = torch.float32) -> Gradient:
+    def pull_gradient(self, head: str, *, reset: bool = False, dtype: DTypeLike = torch.float32,
+                      out: Optional[torch.Tensor] = None) -> Gradient:
         """dW (V x D) accumulated since the last reset, and what it covers.
 
         With `reset` the accumulator is zeroed atomically: micro-batches that arrive during the
-        pull land in the next window.
+        pull land in the next window. With `out` (a contiguous CPU tensor of V x D and `dtype`)
+        dW is written into it and `grad` is `out`: an optimizer that pulls every step reuses
+        one tensor instead of faulting in a fresh 2 GB one each time.
 
         Without `reset` a transient failure is retried. With `reset` the pull is never re-sent
         once it may have reached the server (the reset may have happened with the answer lost;
@@ -101,11 +115,16 @@ class Transfers(ClientBase):
         unchanged; `get_head(head).tokens_since_pull` then tells whether the reset happened.
         """
         if self._natives:
-            return self._pull_gradient_native(head, reset, dtype)
+            return self._pull_gradient_native(head, reset, dtype, out)
         if not reset:
-            return self._with_retry(lambda: self._pull_gradient_once(head, reset, dtype))
-        self._wait_for_connection()
-        return self._pull_gradient_once(head, reset, dtype)
+            g = self._with_retry(lambda: self._pull_gradient_once(head, reset, dtype))
+        else:
+            self._wait_for_connection()
+            g = self._pull_gradient_once(head, reset, dtype)
+        if out is None:
+            return g
+        _destination(out, tuple(g.grad.shape), g.grad.dtype).copy_(g.grad)
+        return Gradient(grad=out, summary=g.summary)
 
     def _pull_gradient_once(self, head: str, reset: bool, dtype: DTypeLike) -> Gradient:
         request = pb.PullGradientRequest(head=head, dtype=_wire.to_wire_dtype(dtype), reset=reset)
@@ -118,18 +137,32 @@ class Transfers(ClientBase):
             min_weights_version=summary.min_weights_version,
             max_weights_version=summary.max_weights_version, was_reset=summary.was_reset))
 
-    def _pull_gradient_native(self, head: str, reset: bool, dtype: DTypeLike) -> Gradient:
+    def _pull_gradient_native(self, head: str, reset: bool, dtype: DTypeLike,
+                              out: Optional[torch.Tensor]) -> Gradient:
         # The shape first, so that dW lands in its tensor as it arrives; a head's shape never
         # changes, and a read is retried like any.
         info = self.get_head(head)
         dt = _wire.to_torch_dtype(dtype)
-        out = torch.empty((info.spec.vocab_size, info.spec.hidden_size), dtype=dt)
-        s = self._natives[0].pull_into(head, _wire.to_wire_dtype(dt), reset, out)
-        _check_filled("PullGradient", s.dtype, s.vocab_size, s.hidden_size, out)
-        return Gradient(grad=out, summary=GradientSummary(
+        dest = _destination(out, (info.spec.vocab_size, info.spec.hidden_size), dt)
+        s = self._natives[0].pull_into(head, _wire.to_wire_dtype(dt), reset, dest)
+        _check_filled("PullGradient", s.dtype, s.vocab_size, s.hidden_size, dest)
+        return Gradient(grad=dest, summary=GradientSummary(
             vocab_size=s.vocab_size, hidden_size=s.hidden_size, token_count=s.token_count,
             microbatch_count=s.microbatch_count, min_weights_version=s.min_weights_version,
             max_weights_version=s.max_weights_version, was_reset=bool(s.was_reset)))
+
+
+def _destination(out: Optional[torch.Tensor], shape: Tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """`out` when it can take a V x D tensor of `dtype` in place, a new tensor when it is None;
+    ValueError otherwise (nothing has been sent)."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    if (out.device.type != "cpu" or out.dtype != dtype or tuple(out.shape) != tuple(shape)
+            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous CPU tensor of {tuple(shape)} and {dtype}, "
+                         f"not {tuple(out.shape)} of {out.dtype} on {out.device}")
+    return out
 
 
 def _check_filled(what: str, dtype: int, vocab_size: int, hidden_size: int,

@@ -30,6 +30,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
+from losshead import _wire
 from losshead._wire import DTypeLike
 from losshead.client import Client, GradientSummary, LossOptions, StepResult
 
@@ -96,7 +97,11 @@ class RemoteLMHead(nn.Module):
     Loss options left as None inherit the head's defaults. Hidden states travel as
     `wire_dtype` (bf16); batches of more than `chunk_tokens` tokens are split into micro-batches
     pipelined over `streams` Step streams, so the upload of one chunk overlaps the computation
-    and download of the previous one. With grad mode off (`torch.no_grad()`, or `evaluate`) the
+    and download of the previous one. A batch is cut finer than `chunk_tokens` where that gives
+    every stream two micro-batches (one computing while the next uploads), down to
+    `min_chunk_tokens`: a batch of 8192 tokens on 4 streams goes as 8 micro-batches of 1024,
+    not 2 of 4096 that would leave two streams idle. The loss, dH and dW do not depend on the
+    cut (each chunk is summed on the server and the sums are added up). With grad mode off (`torch.no_grad()`, or `evaluate`) the
     server runs forward-only steps: the loss without dH, nothing added to dW or counted.
     `last_result` holds the combined StepResult of the last call, training or evaluation.
     """
@@ -105,7 +110,8 @@ class RemoteLMHead(nn.Module):
                  ignore_index: Optional[int] = None, label_smoothing: Optional[float] = None,
                  z_loss: Optional[float] = None, logit_softcap: Optional[float] = None,
                  wire_dtype: DTypeLike = torch.bfloat16, grad_hidden_dtype: Optional[DTypeLike] = None,
-                 chunk_tokens: int = 4096, streams: int = 2) -> None:
+                 chunk_tokens: int = 4096, streams: int = 2,
+                 min_chunk_tokens: int = 1024) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
@@ -118,6 +124,7 @@ class RemoteLMHead(nn.Module):
         self.grad_hidden_dtype = grad_hidden_dtype
         self.chunk_tokens = int(chunk_tokens)
         self.streams = int(streams)
+        self.min_chunk_tokens = int(min_chunk_tokens)
         self.last_result: Optional[StepResult] = None
         self._tokens = 0
 
@@ -134,10 +141,17 @@ class RemoteLMHead(nn.Module):
         n, self._tokens = self._tokens, 0
         return n
 
+    def _chunk_for(self, n: int) -> int:
+        """Tokens per micro-batch for a batch of `n`: at most `chunk_tokens`; two micro-batches
+        per stream where that keeps them at `min_chunk_tokens` or more."""
+        per_stream = -(-n // (2 * max(1, self.streams)))
+        return max(1, min(self.chunk_tokens, max(per_stream, self.min_chunk_tokens)))
+
     def _step(self, hidden: torch.Tensor, targets: torch.Tensor, *,
               need_grad_hidden: bool) -> StepResult:
         result = self.client.step_chunked(
-            self.head, hidden.detach(), targets.detach(), chunk_tokens=self.chunk_tokens,
+            self.head, hidden.detach(), targets.detach(),
+            chunk_tokens=self._chunk_for(targets.numel()),
             streams=self.streams, reduction="sum", grad_scale=1.0,
             loss_options=self.loss_options, hidden_dtype=self.wire_dtype,
             return_per_token_loss=self.reduction == "none",
@@ -158,7 +172,8 @@ class RemoteLMHead(nn.Module):
         (UNIMPLEMENTED) after having counted the micro-batches in dW.
         """
         result = self.client.step_chunked(
-            self.head, hidden.detach(), targets.detach(), chunk_tokens=self.chunk_tokens,
+            self.head, hidden.detach(), targets.detach(),
+            chunk_tokens=self._chunk_for(targets.numel()),
             streams=self.streams, reduction="sum", loss_options=self.loss_options,
             hidden_dtype=self.wire_dtype, return_per_token_loss=self.reduction == "none",
             skip_grad_hidden=True, forward_only=True)
@@ -202,6 +217,11 @@ class RemoteHeadOptimizer:
     mean (see the module docstring), the optimizer steps, `push()` sends W back in the head's
     dtype and checks that nobody else pushed in between (FAILED_PRECONDITION otherwise).
     `step(optimizer)` does all three.
+
+    dW is pulled into the same host tensor every time, and W is pushed from the same staging
+    tensor: a fresh multi-gigabyte tensor per step would cost its page faults, about as long as
+    the transfer itself. So, as with torch's in-place gradients, `weight.grad` on the CPU in
+    fp32 is that reused tensor: a copy of it must be taken to keep it past the next pull.
     """
 
     def __init__(self, client: Client, head: str, *, device: Any = "cpu",
@@ -216,26 +236,41 @@ class RemoteHeadOptimizer:
         self.version = downloaded.version
         self.weight = nn.Parameter(downloaded.weights.to(device=device, dtype=dtype))
         self.last_summary: Optional[GradientSummary] = None
+        self._pulled: Optional[torch.Tensor] = None  # fp32 host tensor dW lands in
+        self._staged: Optional[torch.Tensor] = None  # host tensor W is pushed from
 
     def pull_gradient(self) -> GradientSummary:
         """Pulls dW (reset) into weight.grad, divided by the tokens it covers; returns its summary.
 
         A window without tokens leaves a zero gradient.
         """
-        pulled = self.client.pull_gradient(self.head, reset=True)
-        g = pulled.grad.to(device=self.weight.device, dtype=self.weight.dtype)
+        if self._pulled is None:
+            self._pulled = torch.empty(self.weight.shape, dtype=torch.float32)
+        pulled = self.client.pull_gradient(self.head, reset=True, out=self._pulled)
         count = pulled.summary.token_count
+        g = pulled.grad
         if self.normalize:
-            g = g / count if count else torch.zeros_like(g)
-        self.weight.grad = g
+            # In place on the pulled tensor: the division costs no second V x D allocation.
+            if count:
+                g.div_(count)
+            else:
+                g.zero_()
+        self.weight.grad = g.to(device=self.weight.device, dtype=self.weight.dtype)
         self.last_summary = pulled.summary
         return pulled.summary
 
     @torch.no_grad()
     def push(self) -> int:
         """Sends W to the server; returns (and remembers) the new weights version."""
-        self.version = self.client.push_weights(self.head, self.weight.detach(),
-                                                dtype=self.push_dtype,
+        w = self.weight.detach()
+        wire = _wire.to_torch_dtype(self.push_dtype)
+        if w.device.type != "cpu" or w.dtype != wire or not w.is_contiguous():
+            # Converted (or brought to the host) into one reused tensor rather than a fresh one.
+            if self._staged is None:
+                self._staged = torch.empty(w.shape, dtype=wire)
+            self._staged.copy_(w)
+            w = self._staged
+        self.version = self.client.push_weights(self.head, w, dtype=self.push_dtype,
                                                 expected_weights_version=self.version)
         return self.version
 
