@@ -2,7 +2,8 @@
 # End-to-end figures on the GPU host, in one run: losshead-server on CUDA, the C++ `losshead
 # bench` (random head; one zero-head row for comparison) and the Python bridge benchmark
 # (RemoteLMHead on the native path and on gRPC from Python, the local torch head eager and
-# compiled, pull / push / download), all against the same server at V = 128256, D = 4096.
+# compiled, pull / push / download) and the server-side AdamW step from Python against the mirror
+# path, all against the same server at V = 128256, D = 4096.
 #
 #   scripts/run-gpu-e2e-bench.sh BUNDLE_DIR [OUT_DIR]
 #
@@ -49,4 +50,6 @@ python3 client/python/benchmarks/bridge_bench.py --server "127.0.0.1:$port" --pa
   --streams 1,4 2>&1 | tee "$out/bridge-bench.txt"
 python3 client/python/benchmarks/bridge_bench.py --server "127.0.0.1:$port" --paths native \
   --streams 4 --chunk-tokens 2048 --no-local --no-transfers 2>&1 | tee "$out/bridge-bench-2048.txt"
+python3 client/python/benchmarks/optimizer_bench.py --server "127.0.0.1:$port" --mirror 2>&1 |
+  tee "$out/optimizer-bench.txt"
 echo "logs: $out"
