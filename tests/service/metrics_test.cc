@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "tests/service/host_tensors.h"
 #include "tests/service/metrics_scrape.h"
+#include "tests/service/optimizer_testing.h"
 #include "tests/service/test_server.h"
 
 #ifndef LOSSHEAD_SOURCE_DIR
@@ -67,6 +68,13 @@ TEST(MetricsTest, ScrapedCountersMatchTrafficAndEveryDocumentedMetricIsExported)
   ASSERT_TRUE(replay.ok() && replay->replayed);
   EXPECT_EQ((*stream)->Receive().status().code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE((*stream)->Finish().ok());
+  // A server-side AdamW step over the three micro-batches: its counter, its latency histogram and
+  // the optimizer's memory kinds. The pull after it finds an empty window.
+  v1::OptimizerSpec adamw;
+  adamw.set_kind(v1::OPTIMIZER_ADAMW);
+  ASSERT_TRUE(client->SetOptimizer(head->name, adamw).ok());
+  ASSERT_TRUE(
+      client->ApplyOptimizer(ApplyRequest(head->name, "m", 1, AdamWParams(1e-3, 0.01))).ok());
   ASSERT_TRUE(client->PullGradient(head->name, v1::DTYPE_FP32, true).ok());
   EXPECT_EQ(client->GetHead("no-such-head").status().code(), absl::StatusCode::kNotFound);
 
@@ -95,6 +103,13 @@ TEST(MetricsTest, ScrapedCountersMatchTrafficAndEveryDocumentedMetricIsExported)
   EXPECT_GE(e->Sum("losshead_failures_total", {{"reason", "not_found"}}), 1);
   EXPECT_EQ(e->Sum("losshead_pulls_total", {{"head", "metered"}}), 1);
   EXPECT_EQ(e->Sum("losshead_pushes_total", {{"head", "metered"}}), 1);
+  EXPECT_EQ(e->Sum("losshead_optimizer_applies_total", {{"head", "metered"}, {"outcome", "ok"}}),
+            1);
+  EXPECT_EQ(e->Sum("losshead_head_memory_bytes", {{"head", "metered"}, {"kind", "master_weights"}}),
+            static_cast<double>(v * d * 4));
+  EXPECT_EQ(
+      e->Sum("losshead_head_memory_bytes", {{"head", "metered"}, {"kind", "optimizer_state"}}),
+      static_cast<double>(2 * v * d * 4));
   EXPECT_EQ(e->Sum("losshead_heads"), 1);
   EXPECT_EQ(e->Sum("losshead_inflight_microbatches"), 0);
   EXPECT_GE(e->Sum("losshead_bytes_total", {{"direction", "in"}}), static_cast<double>(bytes_in));
