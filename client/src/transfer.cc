@@ -24,27 +24,18 @@
 #include "losshead/client/client.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
+#include "losshead/v1/wire_format.h"
 
 namespace losshead::client {
 namespace {
+
+namespace wire = v1::wire;
 
 // The `data` field of GradientChunk, WeightsChunk and PushWeightsRequest
 // (proto/losshead/v1/losshead.proto).
 constexpr uint32_t kGradientDataField = 3;
 constexpr uint32_t kWeightsDataField = 7;
 constexpr uint32_t kPushDataField = 3;
-constexpr uint32_t kWireVarint = 0;
-constexpr uint32_t kWireFixed64 = 1;
-constexpr uint32_t kWireLengthDelimited = 2;
-constexpr uint32_t kWireFixed32 = 5;
-
-void AppendVarint(std::string& out, uint64_t value) {
-  while (value >= 0x80) {
-    out.push_back(static_cast<char>((value & 0x7f) | 0x80));
-    value >>= 7;
-  }
-  out.push_back(static_cast<char>(value));
-}
 
 // A LossHead method called without the typed stub (its messages are byte buffers).
 class RawMethod {
@@ -161,10 +152,10 @@ absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
   while (!in.done()) {
     uint64_t tag;
     if (!in.Varint(&tag)) return absl::InternalError("truncated message tag");
-    const uint32_t wire = static_cast<uint32_t>(tag & 7);
+    const uint32_t wire_type = static_cast<uint32_t>(tag & 7);
     const uint64_t field = tag >> 3;
     bool ok = true;
-    if (wire == kWireLengthDelimited) {
+    if (wire_type == wire::kLengthDelimited) {
       uint64_t n;
       ok = in.Varint(&n);
       if (ok && field == data_field) {
@@ -172,20 +163,20 @@ absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
         data->size = n;
         ok = in.Pieces(n, &data->pieces);
       } else if (ok) {
-        AppendVarint(rest, tag);
-        AppendVarint(rest, n);
+        wire::AppendVarint(rest, tag);
+        wire::AppendVarint(rest, n);
         ok = in.Append(n, &rest);
       }
-    } else if (wire == kWireVarint) {
+    } else if (wire_type == wire::kVarint) {
       uint64_t v;
       ok = in.Varint(&v);
-      AppendVarint(rest, tag);
-      AppendVarint(rest, v);
-    } else if (wire == kWireFixed64 || wire == kWireFixed32) {
-      AppendVarint(rest, tag);
-      ok = in.Append(wire == kWireFixed64 ? 8 : 4, &rest);
+      wire::AppendVarint(rest, tag);
+      wire::AppendVarint(rest, v);
+    } else if (wire_type == wire::kFixed64 || wire_type == wire::kFixed32) {
+      wire::AppendVarint(rest, tag);
+      ok = in.Append(wire_type == wire::kFixed64 ? 8 : 4, &rest);
     } else {
-      return absl::InternalError(absl::StrCat("unexpected wire type ", wire, " in a chunk"));
+      return absl::InternalError(absl::StrCat("unexpected wire type ", wire_type, " in a chunk"));
     }
     if (!ok) return absl::InternalError("truncated chunk message");
   }
@@ -277,8 +268,8 @@ absl::StatusOr<uint64_t> Client::PushWeightsOnce(const PushRequest& request) {
     grpc::Slice slices[2];
     size_t count = 1;
     if (n > 0) {
-      AppendVarint(frame, (uint64_t{kPushDataField} << 3) | kWireLengthDelimited);
-      AppendVarint(frame, n);
+      wire::AppendTag(frame, kPushDataField, wire::kLengthDelimited);
+      wire::AppendVarint(frame, n);
       slices[1] = grpc::Slice(data + offset, n, grpc::Slice::STATIC_SLICE);
       count = 2;
     }

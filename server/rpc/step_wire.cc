@@ -5,29 +5,18 @@
 #include <utility>
 
 #include "grpcpp/support/slice.h"
+#include "losshead/v1/wire_format.h"
 #include "server/rpc/step_assembler.h"
 
 namespace losshead::server {
 namespace {
 
+namespace wire = v1::wire;
+
 // StepResponse's payload and end-of-answer fields (proto/losshead/v1/losshead.proto).
 constexpr uint32_t kGradHiddenField = 5;
 constexpr uint32_t kPerTokenLossField = 6;
 constexpr uint32_t kLastField = 7;
-constexpr uint32_t kWireVarint = 0;
-constexpr uint32_t kWireLengthDelimited = 2;
-
-void AppendVarint(std::string& out, uint64_t value) {
-  while (value >= 0x80) {
-    out.push_back(static_cast<char>((value & 0x7f) | 0x80));
-    value >>= 7;
-  }
-  out.push_back(static_cast<char>(value));
-}
-
-void AppendTag(std::string& out, uint32_t field, uint32_t wire_type) {
-  AppendVarint(out, (uint64_t{field} << 3) | wire_type);
-}
 
 void ReleaseOutcome(void* holder) {
   delete static_cast<std::shared_ptr<const StepOutcome>*>(holder);
@@ -71,23 +60,23 @@ std::vector<grpc::ByteBuffer> EncodeStepResponses(
     slices.clear();
     std::string frame = ids_bytes;
     if (piece.grad_bytes > 0) {
-      AppendTag(frame, kGradHiddenField, kWireLengthDelimited);
-      AppendVarint(frame, piece.grad_bytes);
+      wire::AppendTag(frame, kGradHiddenField, wire::kLengthDelimited);
+      wire::AppendVarint(frame, piece.grad_bytes);
       slices.emplace_back(frame);
       slices.push_back(Reference(o, o->grad_hidden.data() + piece.grad_offset, piece.grad_bytes));
       frame.clear();
     }
     if (piece.loss_bytes > 0) {
-      AppendTag(frame, kPerTokenLossField, kWireLengthDelimited);
-      AppendVarint(frame, piece.loss_bytes);
+      wire::AppendTag(frame, kPerTokenLossField, wire::kLengthDelimited);
+      wire::AppendVarint(frame, piece.loss_bytes);
       slices.emplace_back(frame);
       slices.push_back(
           Reference(o, o->per_token_loss.data() + piece.loss_offset, piece.loss_bytes));
       frame.clear();
     }
     if (i + 1 == pieces.size()) {
-      AppendTag(frame, kLastField, kWireVarint);
-      AppendVarint(frame, 1);
+      wire::AppendTag(frame, kLastField, wire::kVarint);
+      wire::AppendVarint(frame, 1);
     }
     if (!frame.empty()) slices.emplace_back(frame);
     out.emplace_back(slices.data(), slices.size());
