@@ -86,6 +86,10 @@ def main() -> None:
     p.add_argument("--no-transfers", action="store_true", help="skip pull / push / download")
     p.add_argument("--no-steps", action="store_true",
                    help="skip the RemoteLMHead rows (transfers only)")
+    p.add_argument("--plans", default="",
+                   help="extra native rows, comma-separated STREAMS:CHUNK:MIN:DEPTH:EDGE (the "
+                        "RemoteLMHead cut: streams, chunk_tokens, min_chunk_tokens, depth, "
+                        "edge_tokens)")
     p.add_argument("--token", default=os.environ.get("LOSSHEAD_TOKEN"))
     args = p.parse_args()
 
@@ -104,13 +108,24 @@ def main() -> None:
         try:
             if not args.no_steps:
                 weight = admin.download_weights(head).weights.to(device)
-                with torch.no_grad():
-                    local = F.cross_entropy(F.linear(hidden, weight).float(), targets)
+                # The reference every remote row must match before it is timed: loss and dH.
+                h = hidden.detach().requires_grad_()
+                local = F.cross_entropy(F.linear(h, weight).float(), targets)
+                local.backward()
+                ref = (float(local), h.grad)
+                del h, local
                 for path in args.paths.split(","):
                     for streams in (int(s) for s in args.streams.split(",")):
                         rows.append(_remote_row(args, path, streams, head, hidden, targets,
-                                                device, float(local), n))
+                                                device, ref, n))
                         admin.pull_gradient(head, reset=True)  # keep dW bounded between rows
+                for plan in filter(None, args.plans.split(",")):
+                    streams, chunk, floor, depth, edge = (int(x) for x in plan.split(":"))
+                    rows.append(_remote_row(args, "native", streams, head, hidden, targets,
+                                            device, ref, n, chunk_tokens=chunk,
+                                            min_chunk_tokens=floor, depth=depth,
+                                            edge_tokens=edge))
+                    admin.pull_gradient(head, reset=True)
                 if not args.no_local:
                     rows += _local_rows(args, hidden, targets, weight, device, n)
             transfers = [] if args.no_transfers else [
@@ -129,18 +144,28 @@ def main() -> None:
 
 def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
                 hidden: torch.Tensor, targets: torch.Tensor, device: torch.device,
-                local_loss: float, n: int) -> Row:
+                ref: Tuple[float, torch.Tensor], n: int, **cut: int) -> Row:
     with Client(args.server, token=args.token, native=path == "native",
                 connections=streams) as c:
-        module = RemoteLMHead(c, head, chunk_tokens=args.chunk_tokens, streams=streams)
-        run = _fwd_bwd(lambda h: module(h, targets), hidden)
-        loss = float(run())
+        cut.setdefault("chunk_tokens", args.chunk_tokens)
+        module = RemoteLMHead(c, head, streams=streams, **cut)
+        local_loss, local_grad = ref
+        h = hidden.detach().requires_grad_()
+        out = module(h, targets)
+        out.backward()
+        loss = float(out)
         # The remote head must compute what the local one does before it is timed.
         assert abs(loss - local_loss) <= 2e-2 * abs(local_loss), (loss, local_loss)
+        err = float((h.grad.float() - local_grad.float()).norm() / local_grad.float().norm())
+        assert err <= 2e-2, f"dH differs from the local head's by {err:.3g} (relative norm)"
+        del h
+        run = _fwd_bwd(lambda h: module(h, targets), hidden)
         seconds = _median_seconds(run, device, args.warmup, args.iters)
         mib = _extra_memory_mib(run, device)
+    sizes = module._chunks_for(n)
     return (f"RemoteLMHead {path}, {streams} stream(s)", seconds * 1e3, n / seconds, mib,
-            f"loss {loss:.4f} (local {local_loss:.4f})")
+            f"loss {loss:.4f} (local {local_loss:.4f}), dH rel. err {err:.1e}; "
+            f"micro-batches {sizes}")
 
 
 def _local_rows(args: argparse.Namespace, hidden: torch.Tensor, targets: torch.Tensor,

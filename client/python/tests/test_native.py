@@ -188,8 +188,8 @@ def test_remote_head_gives_every_stream_work(server_address: str, make_head) -> 
     hidden, weight, targets = random_problem(n, d, v, seed=74, ignore_fraction=0.1)
     head = make_head(v, d, weights=weight)
     with Client(server_address, connections=2) as c:
-        m = RemoteLMHead(c, head, chunk_tokens=4096, streams=2, min_chunk_tokens=500,
-                         wire_dtype=torch.float32)
+        m = RemoteLMHead(c, head, chunk_tokens=4096, streams=2, min_chunk_tokens=500, depth=2,
+                         edge_tokens=0, wire_dtype=torch.float32)
         h = hidden.detach().requires_grad_()
         loss = m(h, targets)
         loss.backward()

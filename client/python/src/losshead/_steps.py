@@ -11,8 +11,9 @@ whose callers schedule micro-batches one at a time.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import torch
@@ -75,7 +76,8 @@ class Steps(ClientBase):
                            hidden_size=d)
 
     def run_microbatches(self, mbs: Sequence[_Microbatch], *, streams: int = 1,
-                         max_inflight: Optional[int] = None) -> List[StepResult]:
+                         max_inflight: Optional[int] = None,
+                         lane_ready: Optional[Callable[[int], None]] = None) -> List[StepResult]:
         """Runs micro-batches pipelined over `streams` Step streams; results in input order.
 
         Micro-batch k goes on stream k % streams; each stream has up to `max_inflight` of them
@@ -87,6 +89,8 @@ class Steps(ClientBase):
         lost with its call (UNAVAILABLE) is re-sent with its original (client_id, sequence), on
         a fresh stream when the call ended; the server replays those it already counted. The
         first failed micro-batch raises its LossheadError once every micro-batch is settled.
+        `lane_ready(j)`, when given, is called on stream j's thread before it sends anything
+        (step_chunked waits there for that stream's rows to reach the host).
         """
         n_streams = max(1, min(streams, len(mbs)))
         outcomes: List[Optional[_Outcome]] = [None] * len(mbs)
@@ -95,6 +99,8 @@ class Steps(ClientBase):
 
         def lane(j: int) -> None:
             try:
+                if lane_ready is not None:
+                    lane_ready(j)
                 run_lane(j, mbs, range(j, len(mbs), n_streams), max_inflight, outcomes)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 failures.append(e)
@@ -161,13 +167,14 @@ class Steps(ClientBase):
 
     def step_chunked(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
                      chunk_tokens: int = 4096, streams: int = 2, reduction: ReductionLike = "sum",
-                     **options: object) -> StepResult:
+                     chunks: Optional[Sequence[int]] = None, **options: object) -> StepResult:
         """One large batch as several micro-batches of <= `chunk_tokens` tokens, pipelined.
 
-        Each chunk is its own micro-batch (own sequence number), so the reduction must not
-        depend on the chunking: "sum" (default) or "none". For the mean, step with "sum" and
-        divide by `token_count`. The combined result carries summed loss and token count, the
-        concatenated dH and per-token losses, and the lowest weights version seen.
+        `chunks` gives the micro-batches' sizes instead (in order; they must add up to the
+        batch's tokens). Each chunk is its own micro-batch (own sequence number), so the
+        reduction must not depend on the chunking: "sum" (default) or "none". For the mean, step
+        with "sum" and divide by `token_count`. The combined result carries summed loss and token
+        count, the concatenated dH and per-token losses, and the lowest weights version seen.
         """
         red = to_reduction(reduction)
         if red not in (pb.REDUCTION_SUM, pb.REDUCTION_NONE):
@@ -176,11 +183,12 @@ class Steps(ClientBase):
         d = hidden.shape[-1]
         wire = _wire.to_torch_dtype(
             options.pop("hidden_dtype", None) or _default_wire(hidden))  # type: ignore[arg-type]
-        # One device-to-host copy for the whole batch instead of one per chunk.
-        h2 = _staged(hidden.detach().reshape(-1, d), wire)
+        flat = hidden.detach().reshape(-1, d)
         t1 = targets.detach().reshape(-1).cpu()
-        n = h2.shape[0]
-        bounds = [(a, min(n, a + chunk_tokens)) for a in range(0, max(n, 1), chunk_tokens)]
+        n = flat.shape[0]
+        bounds = _bounds(n, chunk_tokens, chunks)
+        n_streams = max(1, min(streams, len(bounds)))
+        h2, lane_ready = _staged(flat, wire, bounds, n_streams)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
                                hidden_dtype=wire, **options) for a, b in bounds]
         grad = None
@@ -191,7 +199,7 @@ class Steps(ClientBase):
             grad = torch.empty((n, d), dtype=grad_dtype, pin_memory=hidden.is_cuda)
             for mb, (a, b) in zip(mbs, bounds):
                 mb.grad_hidden_out = grad[a:b]
-        parts = self.run_microbatches(mbs, streams=streams)
+        parts = self.run_microbatches(mbs, streams=n_streams, lane_ready=lane_ready)
         if grad is None or any(p.grad_hidden is None for p in parts):
             return combine_results(parts)
         combined = combine_results([dataclasses.replace(p, grad_hidden=None) for p in parts])
@@ -204,11 +212,43 @@ def _default_wire(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype if hidden.dtype in _WIRE_FLOATS else torch.bfloat16
 
 
-def _staged(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`hidden` as a contiguous CPU tensor of `dtype`, read in place when it already is one; a
-    CUDA tensor is copied into pinned host memory (torch's caching host allocator reuses it)."""
+def _bounds(n: int, chunk_tokens: int, chunks: Optional[Sequence[int]]) -> List[Tuple[int, int]]:
+    """[start, end) of each micro-batch: `chunks` as given, else pieces of `chunk_tokens`."""
+    if chunks is None:
+        step = max(1, chunk_tokens)
+        return [(a, min(n, a + step)) for a in range(0, max(n, 1), step)]
+    sizes = [int(c) for c in chunks]
+    if not sizes or sum(sizes) != n or any(c < 0 for c in sizes):
+        raise ValueError(f"step_chunked: chunks {sizes} must be sizes >= 0 adding up to the "
+                         f"batch's {n} tokens")
+    ends = list(itertools.accumulate(sizes))
+    return [(end - size, end) for size, end in zip(sizes, ends)]
+
+
+LaneReady = Optional[Callable[[int], None]]
+
+
+def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int, int]],
+            streams: int) -> Tuple[torch.Tensor, LaneReady]:
+    """`hidden` as a contiguous CPU tensor of `dtype`, and what a stream's sender waits for.
+
+    A CPU tensor is read in place when it already is one (nothing to wait for). A CUDA tensor
+    is copied into pinned host memory (torch's caching host allocator reuses it) stream by
+    stream, micro-batch k going to stream k % streams: the first stream's micro-batches come
+    first, and each stream starts sending once its own rows are on the host instead of after
+    the whole batch.
+    """
     if not hidden.is_cuda:
-        return _wire.host_tensor(hidden, dtype)
+        return _wire.host_tensor(hidden, dtype), None
+    source = hidden.to(dtype)
     staged = torch.empty(hidden.shape, dtype=dtype, pin_memory=True)
-    staged.copy_(hidden.to(dtype))
-    return staged
+    copied = []
+    for lane in range(streams):
+        for a, b in bounds[lane::streams]:
+            staged[a:b].copy_(source[a:b], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        copied.append(event)
+    # Freeing a converted `source` now is safe: the copies were queued on the current stream
+    # before anything that could reuse its memory.
+    return staged, lambda lane: copied[lane].synchronize()

@@ -25,12 +25,13 @@ all-reduce) and must wait for the push before its next step (a barrier, or
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from losshead import _wire
+from losshead._chunk_plan import plan_chunks
 from losshead._wire import DTypeLike
 from losshead.client import Client, GradientSummary, LossOptions, StepResult
 
@@ -95,23 +96,23 @@ class RemoteLMHead(nn.Module):
     the module docstring for its normalisation) until `RemoteHeadOptimizer` pulls it.
 
     Loss options left as None inherit the head's defaults. Hidden states travel as
-    `wire_dtype` (bf16); batches of more than `chunk_tokens` tokens are split into micro-batches
-    pipelined over `streams` Step streams, so the upload of one chunk overlaps the computation
-    and download of the previous one. A batch is cut finer than `chunk_tokens` where that gives
-    every stream two micro-batches (one computing while the next uploads), down to
-    `min_chunk_tokens`: a batch of 8192 tokens on 4 streams goes as 8 micro-batches of 1024,
-    not 2 of 4096 that would leave two streams idle. The loss, dH and dW do not depend on the
-    cut (each chunk is summed on the server and the sums are added up). With grad mode off (`torch.no_grad()`, or `evaluate`) the
-    server runs forward-only steps: the loss without dH, nothing added to dW or counted.
-    `last_result` holds the combined StepResult of the last call, training or evaluation.
+    `wire_dtype` (bf16). A batch is cut into micro-batches pipelined over `streams` Step
+    streams (losshead._chunk_plan): at most `chunk_tokens` each, `depth` per stream where that
+    keeps them at `min_chunk_tokens` or more (the upload of one overlaps the computation and
+    download of the previous), and, with `edge_tokens`, a small first and last one so that the
+    server starts early and the last answer comes back fast. The loss, dH and dW do not depend
+    on the cut (each chunk is summed on the server and the sums are added up). With grad mode
+    off (`torch.no_grad()`, or `evaluate`) the server runs forward-only steps: the loss without
+    dH, nothing added to dW or counted. `last_result` holds the combined StepResult of the last
+    call, training or evaluation.
     """
 
     def __init__(self, client: Client, head: str, *, reduction: str = "mean",
                  ignore_index: Optional[int] = None, label_smoothing: Optional[float] = None,
                  z_loss: Optional[float] = None, logit_softcap: Optional[float] = None,
                  wire_dtype: DTypeLike = torch.bfloat16, grad_hidden_dtype: Optional[DTypeLike] = None,
-                 chunk_tokens: int = 4096, streams: int = 2,
-                 min_chunk_tokens: int = 1024) -> None:
+                 chunk_tokens: int = 2048, streams: int = 2,
+                 min_chunk_tokens: int = 1024, depth: int = 4, edge_tokens: int = 512) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
@@ -125,6 +126,8 @@ class RemoteLMHead(nn.Module):
         self.chunk_tokens = int(chunk_tokens)
         self.streams = int(streams)
         self.min_chunk_tokens = int(min_chunk_tokens)
+        self.depth = int(depth)
+        self.edge_tokens = int(edge_tokens)
         self.last_result: Optional[StepResult] = None
         self._tokens = 0
 
@@ -141,17 +144,17 @@ class RemoteLMHead(nn.Module):
         n, self._tokens = self._tokens, 0
         return n
 
-    def _chunk_for(self, n: int) -> int:
-        """Tokens per micro-batch for a batch of `n`: at most `chunk_tokens`; two micro-batches
-        per stream where that keeps them at `min_chunk_tokens` or more."""
-        per_stream = -(-n // (2 * max(1, self.streams)))
-        return max(1, min(self.chunk_tokens, max(per_stream, self.min_chunk_tokens)))
+    def _chunks_for(self, n: int) -> List[int]:
+        """The micro-batch sizes of a batch of `n` tokens (see losshead._chunk_plan)."""
+        return plan_chunks(n, streams=self.streams, chunk_tokens=self.chunk_tokens,
+                           min_chunk_tokens=self.min_chunk_tokens, depth=self.depth,
+                           edge_tokens=self.edge_tokens)
 
     def _step(self, hidden: torch.Tensor, targets: torch.Tensor, *,
               need_grad_hidden: bool) -> StepResult:
         result = self.client.step_chunked(
             self.head, hidden.detach(), targets.detach(),
-            chunk_tokens=self._chunk_for(targets.numel()),
+            chunks=self._chunks_for(targets.numel()),
             streams=self.streams, reduction="sum", grad_scale=1.0,
             loss_options=self.loss_options, hidden_dtype=self.wire_dtype,
             return_per_token_loss=self.reduction == "none",
@@ -173,7 +176,7 @@ class RemoteLMHead(nn.Module):
         """
         result = self.client.step_chunked(
             self.head, hidden.detach(), targets.detach(),
-            chunk_tokens=self._chunk_for(targets.numel()),
+            chunks=self._chunks_for(targets.numel()),
             streams=self.streams, reduction="sum", loss_options=self.loss_options,
             hidden_dtype=self.wire_dtype, return_per_token_loss=self.reduction == "none",
             skip_grad_hidden=True, forward_only=True)
