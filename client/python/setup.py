@@ -99,6 +99,6 @@ def copy_native_library() -> None:
 # takes milliseconds.
 generate_stubs()
 copy_native_library()
-setup(packages=["losshead", "losshead._proto", "losshead._proto.losshead",
-                "losshead._proto.losshead.v1", "losshead._proto.grpc",
+setup(packages=["losshead", "losshead.integrations", "losshead._proto",
+                "losshead._proto.losshead", "losshead._proto.losshead.v1", "losshead._proto.grpc",
                 "losshead._proto.grpc.health", "losshead._proto.grpc.health.v1"])

@@ -1,0 +1,527 @@
+"""losshead.integrations: a causal LM's head offloaded in one call, against the same model with its
+own head (Hugging Face's label shift and loss) on fresh random inputs.
+
+The first part needs no model library: a hand-written model with the layout of Hugging Face's
+*ForCausalLM classes (`.model` trunk returning hidden states, `.lm_head`, `.config`). The tests
+marked by `pytest.importorskip("transformers")` build tiny Llama and Gemma 2 models from configs
+and run where transformers is installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import itertools
+import re
+import zlib
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Iterator, List, Optional
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _reference import assert_close
+from losshead import Client, LossheadError, RemoteAdamW
+from losshead.integrations.causal_lm import (TIED_EMBEDDINGS_ERROR, CausalLMOutput,
+                                             OffloadedLMHead, causal_targets, offload_causal_lm,
+                                             reduce_loss)
+
+V, D, B, T = 97, 32, 3, 11
+FP32_REL = 2e-5
+BF16_REL = 2 ** -6  # hidden states go up and dH comes back in bf16, then through the trunk
+
+
+# -- a model of Hugging Face's layout, without Hugging Face --------------------------------------
+@dataclass
+class TrunkOutput:
+    last_hidden_state: torch.Tensor
+
+
+class TinyTrunk(nn.Module):
+    """Embeddings, one causal mixing layer (each position sees the mean of itself and the ones
+    before it) and a final norm; remembers the keyword arguments of its last call."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.mix = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.last_kwargs: dict = {}
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, **kwargs: object) -> TrunkOutput:
+        self.last_kwargs = dict(kwargs)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype).reshape(1, -1, 1)
+        x = x + torch.tanh(self.mix(x.cumsum(1) / steps))
+        return TrunkOutput(self.norm(x))
+
+
+class TinyCausalLM(nn.Module):
+    """Its own forward is the reference: logits, Gemma's soft-cap, then Hugging Face's loss
+    (slice the logits, shift the labels, cross-entropy with ignore index -100, divided by
+    num_items_in_batch when given)."""
+
+    def __init__(self, vocab: int = V, hidden: int = D, *, tie: bool = False,
+                 softcap: Optional[float] = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.config = SimpleNamespace(vocab_size=vocab, hidden_size=hidden,
+                                      tie_word_embeddings=tie, final_logit_softcapping=softcap)
+        self.model = TinyTrunk(vocab, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=0.3)
+        if tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, num_items_in_batch: object = None
+                ) -> SimpleNamespace:
+        hidden = self.model(input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        loss = None
+        if labels is not None:
+            shift_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1])
+            shift_labels = labels[..., 1:].reshape(-1)
+            reduction = "sum" if num_items_in_batch is not None else "mean"
+            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100,
+                                   reduction=reduction)
+            if num_items_in_batch is not None:
+                loss = loss / num_items_in_batch
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode()) % 10_000
+
+
+def _batch(seed: int, vocab: int = V, ignore_fraction: float = 0.2):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (B, T), generator=g)
+    labels = input_ids.clone()
+    labels[torch.rand(B, T, generator=g) < ignore_fraction] = -100
+    mask = torch.ones(B, T, dtype=torch.long)
+    return input_ids, mask, labels
+
+
+def _trunk_grads(model: nn.Module) -> List[torch.Tensor]:
+    return [p.grad.detach().clone() for _, p in sorted(model.model.named_parameters())]
+
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def head_name(client: Client, request: pytest.FixtureRequest) -> Iterator[Callable[[], str]]:
+    """head_name() -> a fresh head name; heads of those names are deleted when the test ends."""
+    made: List[str] = []
+
+    def make() -> str:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"hf{next(_names)}-{request.node.name}")[:120]
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        try:
+            client.delete_head(name)
+        except LossheadError:
+            pass
+
+
+def _assert_no_head(client: Client, name: str) -> None:
+    with pytest.raises(LossheadError) as e:
+        client.get_head(name)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def _assert_untouched(model: TinyCausalLM, weight: torch.Tensor) -> None:
+    assert isinstance(model.lm_head, nn.Linear)
+    assert "forward" not in model.__dict__
+    assert torch.equal(model.lm_head.weight.detach(), weight)
+
+
+# -- the pure parts ------------------------------------------------------------------------------
+def test_causal_targets_give_hugging_faces_loss() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    _, _, labels = _batch(2)
+    targets = causal_targets(labels)
+    assert torch.equal(targets[..., :-1], labels[..., 1:])
+    assert bool((targets[..., -1] == -100).all())
+    # Every position against its shifted target = Hugging Face's slice of the logits.
+    ours = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), reduction="sum")
+    theirs = F.cross_entropy(logits[..., :-1, :].reshape(-1, V), labels[..., 1:].reshape(-1),
+                             reduction="sum")
+    assert_close(ours, theirs, 1e-12, "summed loss")
+    assert int((targets != -100).sum()) == int((labels[..., 1:] != -100).sum())
+    assert torch.equal(causal_targets(labels, ignore_index=5)[..., -1], torch.full((B,), 5))
+
+
+def test_reduce_loss_mean_num_items_and_all_ignored() -> None:
+    s = torch.tensor(12.0, requires_grad=True)
+    assert reduce_loss(s, 4).detach().item() == 3.0
+    assert reduce_loss(s, 4, num_items_in_batch=8).detach().item() == 1.5
+    assert reduce_loss(s, 4, num_items_in_batch=torch.tensor(6)).detach().item() == 2.0
+    empty = torch.tensor(0.0, requires_grad=True)
+    loss = reduce_loss(empty, 0)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert float(empty.grad) == 1.0  # dH of no tokens is zero, so the trunk's gradient is too
+
+
+# -- offloading the hand-written model -----------------------------------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["mean", "num_items", "softcap", "num_items_tensor"])
+def test_remote_loss_and_trunk_gradients_match_own_head(client: Client, head_name,
+                                                        precision: str, case: str) -> None:
+    softcap = 2.0 if case == "softcap" else None
+    model = TinyCausalLM(softcap=softcap, seed=_seed(precision, case))
+    if precision == "bf16":
+        # W must be what a bf16 head holds, so that the comparison sees the wire alone.
+        model.lm_head.weight.data = model.lm_head.weight.data.bfloat16().float()
+    reference = copy.deepcopy(model).double()
+    input_ids, mask, labels = _batch(_seed(precision, case, "batch"))
+    kept = int((labels[..., 1:] != -100).sum())
+    extra = {}
+    if case == "num_items":
+        extra["num_items_in_batch"] = kept + 17  # as if other micro-batches shared the step
+    elif case == "num_items_tensor":
+        extra["num_items_in_batch"] = torch.tensor(2 * kept)
+    name = head_name()
+    wire = torch.float32 if precision == "fp32" else torch.bfloat16
+    rel = FP32_REL if precision == "fp32" else BF16_REL
+    offload_causal_lm(model, client, name, head_dtype=wire, wire_dtype=wire, chunk_tokens=8,
+                      streams=2)
+
+    out = model(input_ids, attention_mask=mask, labels=labels, **extra)
+    out.loss.backward()
+    want = reference(input_ids, attention_mask=mask, labels=labels, **extra)
+    want.loss.backward()
+
+    assert isinstance(out, CausalLMOutput) and out.logits is None
+    assert out.loss.dtype == torch.float32
+    assert_close(out.loss, want.loss, rel, "loss")
+    for got, ref in zip(_trunk_grads(model), _trunk_grads(reference)):
+        assert_close(got, ref, rel, "trunk gradient")
+    # The trunk saw the caller's arguments and nothing of the loss's.
+    assert set(model.model.last_kwargs) == {"attention_mask"}
+    # dW on the server is the gradient of the token sum: the reference's times its divisor.
+    divisor = extra.get("num_items_in_batch", kept)
+    grad = client.pull_gradient(name).grad
+    assert_close(grad, reference.lm_head.weight.grad * float(divisor), rel, "dW")
+    assert client.get_head(name).tokens_since_pull == kept
+    if softcap:
+        # The cap matters at this scale: without it the loss is another one.
+        plain = copy.deepcopy(reference)
+        plain.config.final_logit_softcapping = None
+        uncapped = plain(input_ids, labels=labels, **extra).loss.detach().item()
+        assert abs(uncapped - want.loss.detach().item()) > 0.05
+
+
+def test_weights_upload_exact_and_local_copy_freed(client: Client, head_name) -> None:
+    model = TinyCausalLM(seed=3)
+    weight = model.lm_head.weight
+    original = weight.detach().clone()
+    name = head_name()
+    offloaded = offload_causal_lm(model, client, name)
+    downloaded = client.download_weights(name)
+    assert downloaded.weights.dtype == torch.float32
+    assert torch.equal(downloaded.weights, original)
+    assert downloaded.version == offloaded.weights_version == 2  # created, then pushed once
+    # No V x D tensor is left on the trainer, nor any parameter an optimizer would take.
+    assert weight.numel() == 0
+    assert isinstance(model.lm_head, OffloadedLMHead)
+    assert all("lm_head" not in n for n, _ in model.named_parameters())
+    assert all(not k.startswith("lm_head") for k in model.state_dict())
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in model.model.parameters())
+    assert model.lm_head.weight.device.type == "meta" and model.lm_head.weight.numel() == 0
+    with pytest.raises(RuntimeError, match=re.escape(f"lm_head lives on the losshead server "
+                                                     f"({client.target}, head {name!r})")):
+        model.lm_head(torch.zeros(1, D))
+
+
+def test_tied_embeddings_refused_and_nothing_changed(client: Client, head_name) -> None:
+    name = head_name()
+    for model in (TinyCausalLM(tie=True), _tied_by_hand()):
+        weight = model.lm_head.weight.detach().clone()
+        with pytest.raises(ValueError, match=f"^{re.escape(TIED_EMBEDDINGS_ERROR)}$"):
+            offload_causal_lm(model, client, name)
+        _assert_untouched(model, weight)
+        _assert_no_head(client, name)
+    assert "the two copies would diverge" in TIED_EMBEDDINGS_ERROR
+
+
+def _tied_by_hand() -> TinyCausalLM:
+    """Shares the matrix without saying so in the config."""
+    model = TinyCausalLM(tie=False)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def test_other_layouts_and_logit_scales_refused(client: Client, head_name) -> None:
+    name = head_name()
+    scaled = TinyCausalLM()
+    scaled.config.logit_scale = 0.0625
+    with pytest.raises(ValueError, match=r"^losshead: config\.logit_scale = 0\.0625 rescales"):
+        offload_causal_lm(scaled, client, name)
+    biased = TinyCausalLM()
+    biased.lm_head = nn.Linear(D, V, bias=True)
+    with pytest.raises(ValueError, match="^losshead: lm_head has a bias"):
+        offload_causal_lm(biased, client, name)
+    headless = TinyCausalLM()
+    del headless.lm_head
+    with pytest.raises(TypeError, match="^losshead: TinyCausalLM is not a causal LM of the "
+                                        "expected layout"):
+        offload_causal_lm(headless, client, name)
+    _assert_no_head(client, name)
+
+
+def test_attach_to_existing_head(client: Client, head_name) -> None:
+    name = head_name()
+    trained = torch.randn(V, D, generator=torch.Generator().manual_seed(4)) * 0.2
+    client.create_head(name, V, D, weight_dtype=torch.float32)
+    version = client.push_weights(name, trained)
+    model = TinyCausalLM(seed=5)
+    reference = copy.deepcopy(model).double()
+    reference.lm_head.weight.data = trained.double()
+    offloaded = offload_causal_lm(model, client, name, create=False, wire_dtype=torch.float32)
+    assert offloaded.weights_version == version
+    assert client.get_head(name).weights_version == version  # nothing uploaded
+    input_ids, _, labels = _batch(6)
+    assert_close(model(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss,
+                 FP32_REL, "loss on the server's weights")
+
+
+def test_attach_shape_mismatch_and_create_existing_refused(client: Client, head_name) -> None:
+    name = head_name()
+    client.create_head(name, V + 1, D)
+    model = TinyCausalLM()
+    weight = model.lm_head.weight.detach().clone()
+    with pytest.raises(ValueError, match=re.escape(
+            f"losshead: head {name!r} is {V + 1} x {D}, the model's lm_head {V} x {D}")):
+        offload_causal_lm(model, client, name, create=False)
+    _assert_untouched(model, weight)
+    with pytest.raises(LossheadError) as e:
+        offload_causal_lm(model, client, name)
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    _assert_untouched(model, weight)
+    assert client.get_head(name).spec.vocab_size == V + 1  # the existing head is left alone
+
+
+def test_calls_without_labels_or_for_logits_raise(client: Client, head_name) -> None:
+    model = TinyCausalLM()
+    name = head_name()
+    offload_causal_lm(model, client, name)
+    input_ids, _, labels = _batch(7)
+    with pytest.raises(ValueError, match=re.escape(
+            f"losshead: the LM head is offloaded to {client.target} (head {name!r}): the "
+            "model's forward computes the loss only and needs labels")):
+        model(input_ids)
+    with pytest.raises(ValueError, match=re.escape("losshead: logits_to_keep=1 asks for logits")):
+        model(input_ids, labels=labels, logits_to_keep=1)
+    with pytest.raises(ValueError, match="^losshead: labels of shape"):
+        model(input_ids, labels=labels[:, :-1])
+    assert client.get_head(name).tokens_total == 0  # nothing reached the server
+    with pytest.raises(ValueError, match="offloaded already"):
+        offload_causal_lm(model, client, head_name())
+
+
+def test_no_grad_evaluates_and_tuple_output(client: Client, head_name) -> None:
+    model = TinyCausalLM(seed=8)
+    reference = copy.deepcopy(model).double()
+    name = head_name()
+    offload_causal_lm(model, client, name, wire_dtype=torch.float32)
+    input_ids, _, labels = _batch(9)
+    with torch.no_grad():
+        loss = model(input_ids, labels=labels).loss
+    assert client.get_head(name).tokens_since_pull == 0  # forward-only: dW untouched
+    assert_close(loss, reference(input_ids, labels=labels).loss, FP32_REL, "eval loss")
+    as_tuple = model(input_ids, labels=labels, return_dict=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 1
+    assert_close(as_tuple[0], loss, FP32_REL, "tuple loss")
+
+
+def test_training_with_server_optimizer_then_export_and_restore(client: Client,
+                                                                head_name) -> None:
+    model = TinyCausalLM(seed=10)
+    weight = model.lm_head.weight
+    original = weight.detach().clone()
+    name = head_name()
+    offloaded = offload_causal_lm(model, client, name, wire_dtype=torch.float32)
+    trunk_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    head_opt = RemoteAdamW(client, name, lr=1e-2)
+    losses = []
+    input_ids, _, labels = _batch(100)
+    for _ in range(4):  # the same batch: its loss must go down
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        trunk_opt.step()
+        head_opt.step()
+        trunk_opt.zero_grad()
+        losses.append(loss.detach().item())
+    assert losses[-1] < losses[0]
+    on_server = client.download_weights(name)
+    exported = offloaded.export_state_dict()
+    assert list(exported) == ["lm_head.weight"]
+    assert torch.equal(exported["lm_head.weight"], on_server.weights)
+    assert not torch.equal(on_server.weights, original)  # the head did train
+
+    version = offloaded.restore(model)
+    assert version == on_server.version == client.get_head(name).weights_version
+    assert model.lm_head.weight is weight  # the model's own parameter, refilled
+    assert torch.equal(weight.detach(), on_server.weights)
+    assert "forward" not in model.__dict__
+    assert torch.equal(model.state_dict()["lm_head.weight"], on_server.weights)
+    input_ids, _, labels = _batch(11)
+    out = model(input_ids, labels=labels)  # the model's own forward again: logits are back
+    hidden = model.model(input_ids).last_hidden_state
+    assert torch.equal(out.logits, model.lm_head(hidden))
+    with pytest.raises(ValueError, match="is not offloaded from this model"):
+        offloaded.restore(model)
+
+
+def test_local_head_block_then_offloaded_again(client: Client, head_name) -> None:
+    model = TinyCausalLM(seed=12)
+    name = head_name()
+    offloaded = offload_causal_lm(model, client, name, wire_dtype=torch.float32)
+    input_ids, _, labels = _batch(13)
+    before = model(input_ids, labels=labels).loss.detach().item()
+    server_w = client.download_weights(name).weights
+    with offloaded.local_head(model) as local:
+        assert local is model
+        logits = model(input_ids).logits
+        hidden = model.model(input_ids).last_hidden_state
+        assert torch.equal(logits, F.linear(hidden, server_w))
+        model.lm_head.weight.data.zero_()  # discarded: the server's W is the trained one
+    assert isinstance(model.lm_head, OffloadedLMHead) and offloaded.remote is not None
+    assert model.lm_head.weight.numel() == 0
+    again = model(input_ids, labels=labels).loss.detach().item()
+    assert abs(again - before) <= FP32_REL * abs(before)
+    assert torch.equal(client.download_weights(name).weights, server_w)
+
+
+def test_transformers_entry_point_without_transformers(client: Client, head_name) -> None:
+    if importlib.util.find_spec("transformers") is not None:
+        pytest.skip("transformers is installed here")
+    from losshead.integrations.transformers import offload_lm_head  # imports without it
+    model = TinyCausalLM()
+    weight = model.lm_head.weight.detach().clone()
+    name = head_name()
+    with pytest.raises(ImportError, match="^losshead.integrations.transformers needs the "
+                                          "'transformers' package"):
+        offload_lm_head(model, client, name)
+    _assert_untouched(model, weight)
+    _assert_no_head(client, name)
+
+
+# -- real transformers models (where transformers is installed) ---------------------------------
+def _tiny_llama(**overrides: object):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, attn_implementation="eager", **overrides)
+    torch.manual_seed(20)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _tiny_gemma2(**overrides: object):
+    transformers = pytest.importorskip("transformers")
+    options = dict(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=64, final_logit_softcapping=2.0,
+                   attn_implementation="eager")
+    options.update(overrides)
+    config = transformers.Gemma2Config(**options)
+    torch.manual_seed(21)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+HF_REL = 1e-4  # the reference is the model's own fp32 forward
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("num_items", [None, 50])
+def test_transformers_model_matches_its_own_loss(client: Client, head_name, family: str,
+                                                 num_items: Optional[int]) -> None:
+    pytest.importorskip("transformers")
+    from losshead.integrations.transformers import offload_lm_head
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    model = _tiny_llama() if family == "llama" else _tiny_gemma2(tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.3)  # logits large enough for Gemma's cap to matter
+    reference = copy.deepcopy(model)
+    input_ids, mask, labels = _batch(30)
+    extra = {} if num_items is None else {"num_items_in_batch": num_items}
+    name = head_name()
+    offload_lm_head(model, client, name, wire_dtype=torch.float32)
+    out = model(input_ids, attention_mask=mask, labels=labels, **extra)
+    out.loss.backward()
+    want = reference(input_ids, attention_mask=mask, labels=labels, **extra)
+    want.loss.backward()
+    assert isinstance(out, CausalLMOutputWithPast) and out.logits is None
+    assert_close(out.loss, want.loss, HF_REL, "loss")
+    for (n, p), (_, q) in zip(sorted(model.model.named_parameters()),
+                              sorted(reference.model.named_parameters())):
+        assert_close(p.grad, q.grad, HF_REL, f"trunk gradient {n}")
+    if family == "gemma2":
+        assert model.lm_head is not None and reference.config.final_logit_softcapping == 2.0
+        uncapped = copy.deepcopy(reference)
+        uncapped.config.final_logit_softcapping = None
+        with torch.no_grad():
+            plain = uncapped(input_ids, labels=labels, **extra).loss
+        assert abs(plain.item() - want.loss.detach().item()) > 0.05
+
+
+def test_transformers_tied_gemma2_refused(client: Client, head_name) -> None:
+    model = _tiny_gemma2()  # Gemma ties its embeddings by default
+    from losshead.integrations.transformers import offload_lm_head
+    assert model.config.tie_word_embeddings
+    name = head_name()
+    with pytest.raises(ValueError, match=f"^{re.escape(TIED_EMBEDDINGS_ERROR)}$"):
+        offload_lm_head(model, client, name)
+    _assert_no_head(client, name)
+    assert isinstance(model.lm_head, nn.Linear)
+
+
+def test_transformers_generate_raises_and_checkpoint_round_trip(client: Client, head_name,
+                                                                tmp_path) -> None:
+    model = _tiny_llama()
+    transformers = pytest.importorskip("transformers")
+    from losshead.integrations.transformers import offload_lm_head
+    name = head_name()
+    offloaded = offload_lm_head(model, client, name, wire_dtype=torch.float32)
+    input_ids, mask, labels = _batch(31)
+    with pytest.raises(ValueError, match="computes the loss only and needs labels"):
+        model.generate(input_ids[:, :4], attention_mask=mask[:, :4], max_new_tokens=2)
+    head_opt = RemoteAdamW(client, name, lr=1e-2)
+    model(input_ids, attention_mask=mask, labels=labels).loss.backward()
+    head_opt.step()
+    on_server = client.download_weights(name).weights
+
+    # While offloaded: a complete checkpoint from the model's state dict and the export.
+    state = {**model.state_dict(), **offloaded.export_state_dict()}
+    model.save_pretrained(tmp_path / "offloaded", state_dict=state)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "offloaded")
+    assert torch.equal(loaded.lm_head.weight.detach(), on_server)
+
+    offloaded.restore(model)
+    model.save_pretrained(tmp_path / "restored")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "restored")
+    assert torch.equal(loaded.lm_head.weight.detach(), on_server)
+    for (n, p), (_, q) in zip(sorted(model.state_dict().items()),
+                              sorted(loaded.state_dict().items())):
+        assert torch.equal(p, q), n
+    with torch.no_grad():
+        generated = model.generate(input_ids[:, :4], attention_mask=mask[:, :4],
+                                   max_new_tokens=2, do_sample=False)
+    assert generated.shape[0] == B and 4 < generated.shape[1] <= 6  # may stop at an EOS
