@@ -97,8 +97,8 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* LossHeadService::St
   return new StepReactor(ctx_, context);
 }
 
-grpc::ServerWriteReactor<v1::GradientChunk>* LossHeadService::PullGradient(
-    grpc::CallbackServerContext* context, const v1::PullGradientRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::PullGradient(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return StartPullGradient(ctx_, request,
                            AuthorizePullReset(ctx_->tokens, context->client_metadata()));
 }
@@ -108,8 +108,8 @@ grpc::ServerReadReactor<v1::PushWeightsRequest>* LossHeadService::PushWeights(
   return StartPushWeights(ctx_, response);
 }
 
-grpc::ServerWriteReactor<v1::WeightsChunk>* LossHeadService::DownloadWeights(
-    grpc::CallbackServerContext* /*context*/, const v1::DownloadWeightsRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::DownloadWeights(
+    grpc::CallbackServerContext* /*context*/, const grpc::ByteBuffer* request) {
   return StartDownloadWeights(ctx_, request);
 }
 

@@ -9,15 +9,16 @@
 
 namespace losshead::server {
 
-// LossHead::CallbackService with Step registered raw (byte buffers): its responses reference dH
-// rather than copy it into messages (server/rpc/step_wire.h). Every method must be listed: one left
+// LossHead::CallbackService with Step, PullGradient and DownloadWeights registered raw (byte
+// buffers): their responses reference dH or the tensor's snapshot rather than copy it into
+// messages (server/rpc/step_wire.h, transfer_reactors.h). Every method must be listed: one left
 // out would answer UNIMPLEMENTED.
 using LossHeadServiceBase = v1::LossHead::WithCallbackMethod_CreateHead<
     v1::LossHead::WithCallbackMethod_GetHead<v1::LossHead::WithCallbackMethod_ListHeads<
         v1::LossHead::WithCallbackMethod_DeleteHead<v1::LossHead::WithCallbackMethod_SetLossOptions<
-            v1::LossHead::WithRawCallbackMethod_Step<v1::LossHead::WithCallbackMethod_PullGradient<
+            v1::LossHead::WithRawCallbackMethod_Step<v1::LossHead::WithRawCallbackMethod_PullGradient<
                 v1::LossHead::WithCallbackMethod_PushWeights<
-                    v1::LossHead::WithCallbackMethod_DownloadWeights<
+                    v1::LossHead::WithRawCallbackMethod_DownloadWeights<
                         v1::LossHead::WithCallbackMethod_SetOptimizer<
                             v1::LossHead::WithCallbackMethod_ApplyOptimizer<
                                 v1::LossHead::WithCallbackMethod_GetStats<
@@ -46,12 +47,12 @@ class LossHeadService final : public LossHeadServiceBase {
                                            v1::HeadInfo* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
       grpc::CallbackServerContext* context) override;
-  grpc::ServerWriteReactor<v1::GradientChunk>* PullGradient(
-      grpc::CallbackServerContext* context, const v1::PullGradientRequest* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* PullGradient(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request) override;
   grpc::ServerReadReactor<v1::PushWeightsRequest>* PushWeights(
       grpc::CallbackServerContext* context, v1::PushWeightsResponse* response) override;
-  grpc::ServerWriteReactor<v1::WeightsChunk>* DownloadWeights(
-      grpc::CallbackServerContext* context, const v1::DownloadWeightsRequest* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* DownloadWeights(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::Stats* response) override;

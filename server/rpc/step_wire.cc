@@ -6,6 +6,7 @@
 
 #include "grpcpp/support/slice.h"
 #include "losshead/v1/wire_format.h"
+#include "server/rpc/shared_slice.h"
 #include "server/rpc/step_assembler.h"
 
 namespace losshead::server {
@@ -17,19 +18,6 @@ namespace wire = v1::wire;
 constexpr uint32_t kGradHiddenField = 5;
 constexpr uint32_t kPerTokenLossField = 6;
 constexpr uint32_t kLastField = 7;
-
-void ReleaseOutcome(void* holder) {
-  delete static_cast<std::shared_ptr<const StepOutcome>*>(holder);
-}
-
-// `bytes` bytes at `data`, inside `outcome`'s buffers, without a copy: the slice holds a
-// reference to the outcome until gRPC has written it.
-grpc::Slice Reference(const std::shared_ptr<const StepOutcome>& outcome, const char* data,
-                      size_t bytes) {
-  // gRPC only reads the slice; its constructor merely takes a mutable pointer.
-  return grpc::Slice(const_cast<char*>(data), bytes, &ReleaseOutcome,
-                     new std::shared_ptr<const StepOutcome>(outcome));
-}
 
 grpc::ByteBuffer Serialized(const v1::StepResponse& response) {
   grpc::Slice slice(response.SerializeAsString());
@@ -63,7 +51,8 @@ std::vector<grpc::ByteBuffer> EncodeStepResponses(
       wire::AppendTag(frame, kGradHiddenField, wire::kLengthDelimited);
       wire::AppendVarint(frame, piece.grad_bytes);
       slices.emplace_back(frame);
-      slices.push_back(Reference(o, o->grad_hidden.data() + piece.grad_offset, piece.grad_bytes));
+      slices.push_back(
+          SharedSlice(o, o->grad_hidden.data() + piece.grad_offset, piece.grad_bytes));
       frame.clear();
     }
     if (piece.loss_bytes > 0) {
@@ -71,7 +60,7 @@ std::vector<grpc::ByteBuffer> EncodeStepResponses(
       wire::AppendVarint(frame, piece.loss_bytes);
       slices.emplace_back(frame);
       slices.push_back(
-          Reference(o, o->per_token_loss.data() + piece.loss_offset, piece.loss_bytes));
+          SharedSlice(o, o->per_token_loss.data() + piece.loss_offset, piece.loss_bytes));
       frame.clear();
     }
     if (i + 1 == pieces.size()) {

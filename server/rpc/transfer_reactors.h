@@ -1,6 +1,7 @@
 // The streaming RPCs that move whole tensors: PullGradient and DownloadWeights (server-streamed,
-// chunked below the message limit) and PushWeights (client-streamed, staged on the host and
-// applied only when complete). Device copies run on the worker pool, never in a reaction.
+// chunked below the message limit, registered raw so that their messages reference the snapshot
+// instead of copying it) and PushWeights (client-streamed, staged on the host and applied only
+// when complete). Device copies run on the worker pool, never in a reaction.
 #ifndef LOSSHEAD_SERVER_RPC_TRANSFER_REACTORS_H_
 #define LOSSHEAD_SERVER_RPC_TRANSFER_REACTORS_H_
 
@@ -13,11 +14,13 @@ namespace losshead::server {
 
 // Each returns a self-deleting reactor for the call.
 // A pull with reset fails with `reset_permission` (when not OK) before anything is read or reset.
-grpc::ServerWriteReactor<v1::GradientChunk>* StartPullGradient(
-    ServiceContext* ctx, const v1::PullGradientRequest* request,
+// `request` is the serialised PullGradientRequest / DownloadWeightsRequest (INVALID_ARGUMENT when
+// it does not parse); the responses are serialised GradientChunk / WeightsChunk messages.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(
+    ServiceContext* ctx, const grpc::ByteBuffer* request,
     absl::Status reset_permission = absl::OkStatus());
-grpc::ServerWriteReactor<v1::WeightsChunk>* StartDownloadWeights(
-    ServiceContext* ctx, const v1::DownloadWeightsRequest* request);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext* ctx,
+                                                                 const grpc::ByteBuffer* request);
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
     ServiceContext* ctx, v1::PushWeightsResponse* response);
 
