@@ -8,7 +8,7 @@
 
 namespace losshead::testing {
 
-Trainer::Trainer(const TrainConfig& config) : config_(config) {
+MicrobatchSender::MicrobatchSender(const TrainConfig& config) : per_step_(config.per_step) {
   for (int s = 0; s <= config.steps; ++s) {
     for (int k = 0; k < config.per_step; ++k) {
       const uint64_t seq = Sequence(s, k);
@@ -16,33 +16,14 @@ Trainer::Trainer(const TrainConfig& config) : config_(config) {
                                       /*seed=*/1000 + seq, /*ignore_every=*/5));
     }
   }
-  // Version 1 is the zero W of a new head; the trainer's first push makes version 2.
-  master_[2] = RandomValues(static_cast<size_t>(config.vocab * config.hidden), 0.1, config.dtype,
-                            /*seed=*/7);
 }
 
-absl::Status Trainer::EnsureHead(client::Client& client, v1::HeadInfo* info) {
-  absl::StatusOr<v1::HeadInfo> got = client.GetHead(kTrainHead);
-  if (absl::IsNotFound(got.status())) {
-    // Nothing of the head was checkpointed before a crash: start over, as a trainer would.
-    v1::HeadSpec spec;
-    spec.set_name(kTrainHead);
-    spec.set_vocab_size(config_.vocab);
-    spec.set_hidden_size(config_.hidden);
-    spec.set_weight_dtype(config_.dtype);
-    got = client.CreateHead(spec);
-  }
-  if (!got.ok()) return got.status();
-  *info = *got;
-  return absl::OkStatus();
-}
-
-absl::Status Trainer::SendFrom(client::Client& client, int step, uint64_t acknowledged,
-                               const Hook& hook) {
+absl::Status MicrobatchSender::SendFrom(client::Client& client, int step, uint64_t acknowledged,
+                                        const Hook& hook) {
   absl::StatusOr<std::unique_ptr<client::StepStream>> stream = client.OpenStepStream();
   if (!stream.ok()) return stream.status();
   std::vector<std::pair<int, uint64_t>> pending;
-  for (int k = 0; k < config_.per_step; ++k) {
+  for (int k = 0; k < per_step_; ++k) {
     const uint64_t seq = Sequence(step, k);
     // In the server's state and answered: nothing to do. In its state but never answered (the
     // answer was lost with the connection): resend for the dH; the server replays it.
@@ -73,6 +54,47 @@ absl::Status Trainer::SendFrom(client::Client& client, int step, uint64_t acknow
   return (*stream)->Finish();
 }
 
+absl::StatusOr<FinalState> ReadFinal(client::Client& client) {
+  FinalState f;
+  absl::StatusOr<client::DownloadedWeights> w = client.DownloadWeights(kTrainHead);
+  if (!w.ok()) return w.status();
+  absl::StatusOr<client::PulledGradient> g =
+      client.PullGradient(kTrainHead, v1::DTYPE_FP32, /*reset=*/false);
+  if (!g.ok()) return g.status();
+  absl::StatusOr<v1::HeadInfo> info = client.GetHead(kTrainHead);
+  if (!info.ok()) return info.status();
+  f.weights = std::move(w->data);
+  f.gradient = std::move(g->data);
+  f.weights_version = info->weights_version();
+  f.tokens_total = info->tokens_total();
+  f.microbatches_total = info->microbatches_total();
+  f.tokens_since_pull = info->tokens_since_pull();
+  f.optimizer_step = info->optimizer_step();
+  return f;
+}
+
+Trainer::Trainer(const TrainConfig& config) : config_(config), sender_(config) {
+  // Version 1 is the zero W of a new head; the trainer's first push makes version 2.
+  master_[2] = RandomValues(static_cast<size_t>(config.vocab * config.hidden), 0.1, config.dtype,
+                            /*seed=*/7);
+}
+
+absl::Status Trainer::EnsureHead(client::Client& client, v1::HeadInfo* info) {
+  absl::StatusOr<v1::HeadInfo> got = client.GetHead(kTrainHead);
+  if (absl::IsNotFound(got.status())) {
+    // Nothing of the head was checkpointed before a crash: start over, as a trainer would.
+    v1::HeadSpec spec;
+    spec.set_name(kTrainHead);
+    spec.set_vocab_size(config_.vocab);
+    spec.set_hidden_size(config_.hidden);
+    spec.set_weight_dtype(config_.dtype);
+    got = client.CreateHead(spec);
+  }
+  if (!got.ok()) return got.status();
+  *info = *got;
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::Run(client::Client& client, const Hook& hook) {
   while (true) {
     v1::HeadInfo info;
@@ -90,12 +112,12 @@ absl::Status Trainer::Run(client::Client& client, const Hook& hook) {
     if (!progress.ok()) return progress.status();
     const uint64_t acknowledged =
         progress->has_acknowledged_sequence() ? progress->acknowledged_sequence() : 0;
-    if (step == config_.steps) return SendFrom(client, step, acknowledged, hook);
+    if (step == config_.steps) return sender_.SendFrom(client, step, acknowledged, hook);
 
     const uint64_t last = Sequence(step, config_.per_step - 1);
     const bool reset_done = acknowledged >= last && info.microbatches_since_pull() == 0;
     if (!reset_done) {
-      if (absl::Status s = SendFrom(client, step, acknowledged, hook); !s.ok()) return s;
+      if (absl::Status s = sender_.SendFrom(client, step, acknowledged, hook); !s.ok()) return s;
       absl::StatusOr<client::PulledGradient> read =
           client.PullGradient(kTrainHead, v1::DTYPE_FP32, /*reset=*/false);
       if (!read.ok()) return read.status();
@@ -130,24 +152,6 @@ absl::Status Trainer::Run(client::Client& client, const Hook& hook) {
     if (!pushed.ok() && !absl::IsFailedPrecondition(pushed.status())) return pushed.status();
     if (absl::Status s = hook({TrainEvent::kPushed, step}); !s.ok()) return s;
   }
-}
-
-absl::StatusOr<FinalState> Trainer::Final(client::Client& client) const {
-  FinalState f;
-  absl::StatusOr<client::DownloadedWeights> w = client.DownloadWeights(kTrainHead);
-  if (!w.ok()) return w.status();
-  absl::StatusOr<client::PulledGradient> g =
-      client.PullGradient(kTrainHead, v1::DTYPE_FP32, /*reset=*/false);
-  if (!g.ok()) return g.status();
-  absl::StatusOr<v1::HeadInfo> info = client.GetHead(kTrainHead);
-  if (!info.ok()) return info.status();
-  f.weights = std::move(w->data);
-  f.gradient = std::move(g->data);
-  f.weights_version = info->weights_version();
-  f.tokens_total = info->tokens_total();
-  f.microbatches_total = info->microbatches_total();
-  f.tokens_since_pull = info->tokens_since_pull();
-  return f;
 }
 
 }  // namespace losshead::testing

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "losshead/client/client.h"
 #include "tests/service/host_tensors.h"
 
@@ -38,13 +39,14 @@ struct TrainConfig {
   float lr = 0.5f;
 };
 
-enum class TrainEvent { kAnswered, kPulled, kReset, kPushed };
+// kApplying, kApplyAnswered and kApplied are OptimizerTrainer's (optimizer_trainer.h).
+enum class TrainEvent { kAnswered, kPulled, kReset, kPushed, kApplying, kApplyAnswered, kApplied };
 
 struct Event {
   TrainEvent kind;
   int step = 0;
-  int k = 0;  // kAnswered: index of the micro-batch in its step
-  uint64_t sequence = 0;
+  int k = 0;              // kAnswered: index of the micro-batch in its step
+  uint64_t sequence = 0;  // kAnswered: its sequence; the apply events: the step key
 };
 
 // Returning an error stops the round with it (e.g. after the hook killed the server).
@@ -58,24 +60,28 @@ struct FinalState {
   uint64_t tokens_total = 0;
   uint64_t microbatches_total = 0;
   uint64_t tokens_since_pull = 0;
+  uint64_t optimizer_step = 0;
 };
 
-class Trainer {
- public:
-  explicit Trainer(const TrainConfig& config);
+// The head kTrainHead's W, dW (fp32, not reset) and counters.
+absl::StatusOr<FinalState> ReadFinal(client::Client& client);
 
-  // One round: runs until training is done (OK) or a call fails (its status).
-  absl::Status Run(client::Client& client, const Hook& hook);
-  absl::StatusOr<FinalState> Final(client::Client& client) const;
+// The micro-batches of a run, step s and index k: client id kClientId, sequence s*K + k + 1,
+// data from fixed seeds; and the answers they got. Steps 0 .. config.steps.
+class MicrobatchSender {
+ public:
+  explicit MicrobatchSender(const TrainConfig& config);
+
+  // Sends, on one Step stream, every micro-batch of `step` that is not both in the server's state
+  // (sequence <= acknowledged) and answered; the hook sees each answer (kAnswered).
+  absl::Status SendFrom(client::Client& client, int step, uint64_t acknowledged, const Hook& hook);
 
   uint64_t Sequence(int step, int k) const {
-    return static_cast<uint64_t>(step) * config_.per_step + k + 1;
+    return static_cast<uint64_t>(step) * per_step_ + k + 1;
   }
   const HostBatch& batch(uint64_t sequence) const { return batches_.at(sequence); }
-
   // First answer per sequence (replays and recomputations are checked against it).
   const std::map<uint64_t, client::StepResult>& answers() const { return answers_; }
-  const std::map<int, client::Bytes>& pulled() const { return pulled_; }
   uint64_t max_answered() const { return max_answered_; }
   int first_sends() const { return first_sends_; }
   int resends() const { return resends_; }
@@ -84,14 +90,8 @@ class Trainer {
   int mismatched_answers() const { return mismatched_; }
 
  private:
-  absl::Status SendFrom(client::Client& client, int step, uint64_t acknowledged,
-                        const Hook& hook);
-  absl::Status EnsureHead(client::Client& client, v1::HeadInfo* info);
-
-  const TrainConfig config_;
+  const int per_step_;
   std::map<uint64_t, HostBatch> batches_;
-  std::map<uint64_t, std::vector<float>> master_;  // W by weights version, exact in the dtype
-  std::map<int, client::Bytes> pulled_;
   std::map<uint64_t, client::StepResult> answers_;
   std::map<uint64_t, int> sent_;
   uint64_t max_answered_ = 0;
@@ -99,6 +99,33 @@ class Trainer {
   int resends_ = 0;
   int replays_ = 0;
   int mismatched_ = 0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(const TrainConfig& config);
+
+  // One round: runs until training is done (OK) or a call fails (its status).
+  absl::Status Run(client::Client& client, const Hook& hook);
+  absl::StatusOr<FinalState> Final(client::Client& client) const { return ReadFinal(client); }
+
+  uint64_t Sequence(int step, int k) const { return sender_.Sequence(step, k); }
+  const HostBatch& batch(uint64_t sequence) const { return sender_.batch(sequence); }
+  const std::map<uint64_t, client::StepResult>& answers() const { return sender_.answers(); }
+  const std::map<int, client::Bytes>& pulled() const { return pulled_; }
+  uint64_t max_answered() const { return sender_.max_answered(); }
+  int first_sends() const { return sender_.first_sends(); }
+  int resends() const { return sender_.resends(); }
+  int replays() const { return sender_.replays(); }
+  int mismatched_answers() const { return sender_.mismatched_answers(); }
+
+ private:
+  absl::Status EnsureHead(client::Client& client, v1::HeadInfo* info);
+
+  const TrainConfig config_;
+  MicrobatchSender sender_;
+  std::map<uint64_t, std::vector<float>> master_;  // W by weights version, exact in the dtype
+  std::map<int, client::Bytes> pulled_;
 };
 
 }  // namespace losshead::testing

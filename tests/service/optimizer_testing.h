@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -21,6 +22,8 @@ class RefOptimizer {
   // One step with gradient `grad` (already divided and clipped) and the request's params.
   void Step(const std::vector<double>& grad, const v1::OptimizerHyperParams& p);
   const std::vector<double>& params() const { return params_; }
+  // A push: the parameters are replaced, the state and the step count are kept.
+  void SetParams(std::vector<double> params) { params_ = std::move(params); }
 
  private:
   v1::OptimizerKind kind_;

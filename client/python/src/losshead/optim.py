@@ -13,6 +13,18 @@ applies on the server. `step_with_clipping` clips a trunk and the head together,
 torch.nn.utils.clip_grad_norm_ over all their parameters would. The mirror path
 (`RemoteHeadOptimizer`: pull dW, step a local copy of W, push it) stays for optimizers the
 server lacks; it moves W and dW over the wire every step and is much slower.
+
+Data parallelism: every rank steps its own micro-batches (`RemoteLMHead`) into the one head,
+whose window sums them all. Once every rank has finished its micro-batches of a step (a
+barrier; the trunk's gradient all-reduce is one), exactly one rank calls `step()`, and every
+rank waits for it (a second barrier) before its next micro-batch, which would otherwise land in
+the window being applied. The server divides dW by the window's token count, which makes it the
+gradient of the mean over all tokens of all ranks: what one process training on the
+concatenated batch computes. For the trunk to match, use `RemoteLMHead(reduction="sum")` and
+divide its all-reduced gradients by the all-reduced `take_token_count()`. With clipping, the
+applying rank calls `step_with_clipping` on the all-reduced trunk gradients and broadcasts the
+coefficient it returns; the other ranks scale their trunk gradients by it
+(`losshead.scale_gradients_`).
 """
 
 from __future__ import annotations
