@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "channel_security.h"
 #include "losshead/client/status.h"
+#include "losshead/v1/transport_args.h"
 
 namespace losshead::client {
 
@@ -38,6 +39,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxReceiveMessageSize(static_cast<int>(receive_bytes));
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  for (const auto& [key, value] : v1::kTensorTransportArgs) {
+    const bool overridden = std::any_of(options.channel_args.begin(), options.channel_args.end(),
+                                        [&](const auto& arg) { return arg.first == key; });
+    if (!overridden) args.SetInt(key, value);
+  }
   for (const auto& [key, value] : options.channel_args) args.SetInt(key, value);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       internal::ChannelCredentialsFor(options);
