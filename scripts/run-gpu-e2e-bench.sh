@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end figures on the GPU host, in one run: losshead-server on CUDA, the C++ `losshead
 # bench` (random head; one zero-head row for comparison) and the Python bridge benchmark
-# (RemoteLMHead on the native path and on gRPC from Python, the local torch head eager and
-# compiled, pull / push / download) and the server-side AdamW step from Python against the mirror
+# (RemoteLMHead on the native path and on gRPC from Python, other cuts of the batch, the local
+# torch head eager and compiled, pull / push / download) and the server-side AdamW step from Python against the mirror
 # path, all against the same server at V = 128256, D = 4096.
 #
 #   scripts/run-gpu-e2e-bench.sh BUNDLE_DIR [OUT_DIR]
@@ -48,8 +48,11 @@ bench() {  # name, flags...
 export PYTHONPATH="$PWD/client/python/src" LOSSHEAD_CAPI_LIB="$bundle/bin/liblosshead_capi.so"
 python3 client/python/benchmarks/bridge_bench.py --server "127.0.0.1:$port" --paths native,grpc \
   --streams 1,4 2>&1 | tee "$out/bridge-bench.txt"
+# Other cuts of the same batch: the previous defaults (2 x 4096 on one stream, 8 x 1024 on four)
+# and one micro-batch of 2048 per stream.
 python3 client/python/benchmarks/bridge_bench.py --server "127.0.0.1:$port" --paths native \
-  --streams 4 --chunk-tokens 2048 --no-local --no-transfers 2>&1 | tee "$out/bridge-bench-2048.txt"
+  --streams "" --plans 1:4096:1024:2:0,4:4096:1024:2:0,4:2048:1024:1:0 --no-local --no-transfers \
+  2>&1 | tee "$out/bridge-bench-cuts.txt"
 python3 client/python/benchmarks/optimizer_bench.py --server "127.0.0.1:$port" --mirror 2>&1 |
   tee "$out/optimizer-bench.txt"
 echo "logs: $out"

@@ -115,7 +115,7 @@ def main() -> None:
                 ref = (float(local), h.grad)
                 del h, local
                 for path in args.paths.split(","):
-                    for streams in (int(s) for s in args.streams.split(",")):
+                    for streams in (int(s) for s in args.streams.split(",") if s):
                         rows.append(_remote_row(args, path, streams, head, hidden, targets,
                                                 device, ref, n))
                         admin.pull_gradient(head, reset=True)  # keep dW bounded between rows
@@ -196,12 +196,22 @@ def _transfer_rows(args: argparse.Namespace, path: str, head: str, v: int, d: in
         w = c.download_weights(head).weights
         fp32 = v * d * 4
         pull = _median_seconds(lambda: c.pull_gradient(head), cpu, 1, args.iters)
+        # Into a tensor allocated once, as RemoteHeadOptimizer pulls: no page faults per call.
+        g = torch.empty(v, d, dtype=torch.float32)
+        pull_into = _median_seconds(lambda: c.pull_gradient(head, out=g), cpu, 1, args.iters)
         push = _median_seconds(lambda: c.push_weights(head, w), cpu, 1, args.iters)
         down = _median_seconds(lambda: c.download_weights(head), cpu, 1, args.iters)
+        w2 = torch.empty_like(w)
+        down_into = _median_seconds(lambda: c.download_weights(head, out=w2), cpu, 1, args.iters)
     bf16 = w.numel() * w.element_size()
-    return [(f"pull dW fp32 ({path})", fp32 / pull / 1e9, f"{fp32 / 2**20:.0f} MiB"),
+    return [(f"pull dW fp32 ({path})", fp32 / pull / 1e9, f"{fp32 / 2**20:.0f} MiB, fresh tensor"),
+            (f"pull dW fp32 ({path})", fp32 / pull_into / 1e9,
+             f"{fp32 / 2**20:.0f} MiB, into a reused tensor"),
             (f"push W bf16 ({path})", bf16 / push / 1e9, f"{bf16 / 2**20:.0f} MiB"),
-            (f"download W bf16 ({path})", bf16 / down / 1e9, f"{bf16 / 2**20:.0f} MiB")]
+            (f"download W bf16 ({path})", bf16 / down / 1e9,
+             f"{bf16 / 2**20:.0f} MiB, fresh tensor"),
+            (f"download W bf16 ({path})", bf16 / down_into / 1e9,
+             f"{bf16 / 2**20:.0f} MiB, into a reused tensor")]
 
 
 if __name__ == "__main__":
