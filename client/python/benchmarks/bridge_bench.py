@@ -75,7 +75,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
-    p.add_argument("--chunk-tokens", type=int, default=4096)
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="RemoteLMHead's chunk_tokens (default: its own)")
     p.add_argument("--streams", default="1,4", help="comma-separated stream counts")
     p.add_argument("--paths", default="native",
                    help="comma-separated: native (C++ client), grpc (Python only)")
@@ -100,7 +101,7 @@ def main() -> None:
     targets = torch.randint(0, v, (n,), generator=g).to(device)
     head = f"bridge-bench-{os.getpid()}"
     print(f"native library: {native_library() if native_available() else 'absent'}")
-    print(f"V={v} D={d} tokens/step={n} chunk_tokens={args.chunk_tokens} bf16 device={device}")
+    print(f"V={v} D={d} tokens/step={n} bf16 device={device}")
 
     rows: List[Row] = []
     with Client(args.server, token=args.token, native=False) as admin:
@@ -112,7 +113,7 @@ def main() -> None:
                 h = hidden.detach().requires_grad_()
                 local = F.cross_entropy(F.linear(h, weight).float(), targets)
                 local.backward()
-                ref = (float(local), h.grad)
+                ref = (float(local.detach()), h.grad)
                 del h, local
                 for path in args.paths.split(","):
                     for streams in (int(s) for s in args.streams.split(",") if s):
@@ -147,7 +148,8 @@ def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
                 ref: Tuple[float, torch.Tensor], n: int, **cut: int) -> Row:
     with Client(args.server, token=args.token, native=path == "native",
                 connections=streams) as c:
-        cut.setdefault("chunk_tokens", args.chunk_tokens)
+        if args.chunk_tokens is not None:
+            cut.setdefault("chunk_tokens", args.chunk_tokens)
         module = RemoteLMHead(c, head, streams=streams, **cut)
         local_loss, local_grad = ref
         h = hidden.detach().requires_grad_()
