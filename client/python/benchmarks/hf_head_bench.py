@@ -313,7 +313,7 @@ def main() -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", help="train on this file's bytes (default: torch's sources)")
-    p.add_argument("--chunk-tokens", type=int, default=4096)
+    p.add_argument("--chunk-tokens", type=int, default=2048)
     p.add_argument("--streams", type=int, default=4, help="Step streams (and connections)")
     p.add_argument("--head-prefix", default="hf-bench")
     args = p.parse_args()
