@@ -15,6 +15,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "losshead/v1/transport_args.h"
 #include "server/durability/checkpointer.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/thread_pool.h"
@@ -115,6 +116,9 @@ class ServerImpl final : public Server {
     builder.SetMaxSendMessageSize(max_message);
     // Without this, Linux lets a second server bind the same port and silently share traffic.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    for (const auto& [key, value] : v1::kTensorTransportArgs) {
+      builder.AddChannelArgument(key, value);
+    }
     builder.RegisterService(service_.get());
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counting;
     counting.push_back(live_calls_.CountingFactory());
