@@ -9,6 +9,7 @@ build_packages=(
   build-essential cmake ninja-build pkg-config git curl ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libopenblas-dev libssl-dev
+  libxxhash-dev  # the server's fingerprints of remembered micro-batches
 )
 test_packages=(
   libgtest-dev libgmock-dev

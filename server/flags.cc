@@ -34,6 +34,13 @@ ABSL_FLAG(uint64_t, max_inflight_bytes, uint64_t{4} << 30,
           "must be >= --max_microbatch_bytes");
 ABSL_FLAG(absl::Duration, retry_after, absl::Milliseconds(50),
           "Retry hint sent with a micro-batch refused under backpressure");
+ABSL_FLAG(absl::Duration, step_stall_timeout, absl::Seconds(15),
+          "A micro-batch being received that gets no message for this long (while the server "
+          "waits for one) is abandoned: its admission and reserved bytes are released and its "
+          "stream ends ABORTED. A client sends a micro-batch's messages back to back, so a gap is "
+          "network time: 15s is more than a 4 MiB message needs even at 1 MB/s and far beyond any "
+          "pause of a live client, yet a stalled one holds its reservation (up to "
+          "--max_microbatch_bytes) for no longer than 15s. 'inf' disables it; > 0");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory of head checkpoints: restored at start, written on demand, periodically and "
           "at shutdown; empty disables checkpoints");
@@ -110,6 +117,10 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   }
   if (o.retry_after < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--retry_after must be >= 0");
+  }
+  o.step_stall_timeout = absl::GetFlag(FLAGS_step_stall_timeout);
+  if (o.step_stall_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--step_stall_timeout must be > 0 (inf disables it)");
   }
   if (o.max_message_bytes < 4096) {
     return absl::InvalidArgumentError("--max_message_bytes must be >= 4096");

@@ -43,6 +43,10 @@ struct ServerOptions {
   size_t max_inflight_microbatches = 1024;
   size_t max_inflight_bytes = size_t{4} << 30;
   absl::Duration retry_after = absl::Milliseconds(50);
+  // A micro-batch being received that gets no message for this long while the server waits for
+  // one is abandoned: its admission and reserved bytes are released and its stream ends ABORTED
+  // (after the micro-batches it had fully sent are answered). Infinite: never.
+  absl::Duration step_stall_timeout = absl::Seconds(15);
   // Checkpoints (server/durability/checkpointer.h): the directory (empty disables them), restored
   // at start, written every `checkpoint_interval` (0: only on demand and at shutdown) and after
   // the drain.

@@ -23,6 +23,9 @@ constexpr size_t kHeaderBytes = 64;
 constexpr uint64_t kPrime = 0x100000001b3ULL;
 constexpr uint8_t kHasEvicted = 1;
 constexpr uint8_t kHasApplied = 2;
+// Format 3: what a remembered result carries besides its outcome.
+constexpr uint8_t kHasFingerprint = 1;
+constexpr uint8_t kHasFailure = 2;
 
 using checkpoint_codec::Corrupt;
 using checkpoint_codec::PutBytes;
@@ -56,14 +59,48 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
       PutU32(out, static_cast<uint32_t>(r->grad_hidden_dtype));
       PutBytes(out, r->grad_hidden);
       PutBytes(out, r->per_token_loss);
+      out.push_back(static_cast<char>((r->fingerprint ? kHasFingerprint : 0) |
+                                      (r->failure.ok() ? 0 : kHasFailure)));
+      if (r->fingerprint) {
+        PutU64(out, r->fingerprint->hidden);
+        PutU64(out, r->fingerprint->targets);
+        PutBytes(out, r->fingerprint->shape);
+      }
+      if (!r->failure.ok()) {
+        PutU32(out, static_cast<uint32_t>(r->failure.code()));
+        PutBytes(out, r->failure.message());
+      }
     }
   }
   EncodeOptimizerMeta(out, d);
   return out;
 }
 
-// `version` is the file's format version: 1 has no optimizer record. The optimizer tensors'
-// lengths go to `optimizer_lengths`.
+// Format 3's additions to a remembered result: its fingerprint and remembered failure.
+absl::Status DecodeResultExtras(Reader& r, StepOutcome* outcome) {
+  uint8_t flags;
+  if (!r.U8(&flags)) return Corrupt("remembered result flags");
+  if (flags & ~(kHasFingerprint | kHasFailure)) return Corrupt("remembered result flags");
+  if (flags & kHasFingerprint) {
+    StepFingerprint& f = outcome->fingerprint.emplace();
+    if (!r.U64(&f.hidden) || !r.U64(&f.targets) || !r.Bytes(&f.shape)) {
+      return Corrupt("remembered result fingerprint");
+    }
+  }
+  if (flags & kHasFailure) {
+    uint32_t code;
+    std::string message;
+    if (!r.U32(&code) || !r.Bytes(&message)) return Corrupt("remembered failure");
+    if (code == 0 || code > static_cast<uint32_t>(absl::StatusCode::kUnauthenticated)) {
+      return Corrupt("remembered failure code");
+    }
+    outcome->failure = absl::Status(static_cast<absl::StatusCode>(code), message);
+  }
+  return absl::OkStatus();
+}
+
+// `version` is the file's format version: 1 has no optimizer record, 1 and 2 no fingerprints or
+// remembered failures. The optimizer tensors' lengths go to `optimizer_lengths`.
 absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpointData* d,
                         std::vector<uint64_t>* optimizer_lengths) {
   Reader r(meta);
@@ -104,13 +141,16 @@ absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpoint
       if (!c.results.empty() && sequence <= c.results.back().first) {
         return Corrupt("remembered results out of order");
       }
+      if (version >= 3) LOSSHEAD_RETURN_IF_ERROR(DecodeResultExtras(r, outcome.get()));
       outcome->token_count = static_cast<int64_t>(tokens);
       outcome->grad_hidden_dtype = static_cast<v1::DType>(dtype);
       c.results.emplace_back(sequence, std::move(outcome));
     }
   }
   optimizer_lengths->clear();
-  if (version >= 2) LOSSHEAD_RETURN_IF_ERROR(DecodeOptimizerMeta(r, d, optimizer_lengths));
+  if (version >= 2) {
+    LOSSHEAD_RETURN_IF_ERROR(DecodeOptimizerMeta(r, version, d, optimizer_lengths));
+  }
   if (r.left() != 0) return Corrupt("trailing bytes after the meta records");
   return absl::OkStatus();
 }

@@ -1,19 +1,24 @@
 // The checkpoint of one head as a file: its spec, W, dW, counters and idempotency state.
 //
-// File layout (all integers little-endian), format version 2:
+// File layout (all integers little-endian), format version 3:
 //   header (64 bytes): magic "LHCKPT\r\n", format version u32, reserved u32, meta bytes u64,
 //     weights bytes u64, gradient bytes u64, checksum u64, optimizer bytes u64, optimizer piece
 //     bytes u64
 //   meta:      spec (serialized HeadSpec, default options and optimizer = the head's current
 //              ones), version and counters, then per client id: max evicted / max applied
 //              sequence and the remembered results (loss, token count, version, dH and
-//              per-token-loss bytes), then the optimizer record (checkpoint_optimizer.h: step
-//              count, momentum bit, master version, buffer lengths, remembered applies)
+//              per-token-loss bytes, then a flags byte: 1 = a fingerprint follows (hidden and
+//              target digests, header shape bytes), 2 = a remembered failure follows (status code
+//              u32, message bytes)), then the optimizer record (checkpoint_optimizer.h: step
+//              count, momentum bit, master version, buffer lengths, remembered applies with
+//              their fingerprints)
 //   weights:   W, V x D in the head's dtype
 //   gradient:  dW, V x D fp32
 //   optimizer: the master copy (BF16 and FP16 heads), then the state buffers, V x D fp32 each
-// Version 1 (no optimizer) is still read: its header has zeros for the optimizer lengths, its
-// meta no optimizer record.
+// Versions 1 and 2 are still read. Version 2 has no fingerprints or remembered failures (no flags
+// byte per result, no fingerprint per apply): what it remembers replays unchecked. Version 1 has
+// no optimizer either: its header has zeros for the optimizer lengths, its meta no optimizer
+// record.
 // The checksum covers the header's lengths and all the sections (Checksum below), so a torn or
 // corrupted file is refused rather than half restored. Files are written atomically: a temporary
 // file in the same directory, written and fsynced, renamed over the old one, then the directory is
@@ -30,7 +35,8 @@
 
 namespace losshead::server {
 
-inline constexpr uint32_t kCheckpointFormatVersion = 2;  // reads 1 (no optimizer) too
+// Reads 2 (no fingerprints) and 1 (no optimizer either) too.
+inline constexpr uint32_t kCheckpointFormatVersion = 3;
 inline constexpr char kCheckpointSuffix[] = ".lhck";
 
 // 64-bit checksum: four interleaved FNV-1a lanes over little-endian 8-byte words (lane i takes

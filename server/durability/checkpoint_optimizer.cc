@@ -20,15 +20,16 @@ void EncodeOptimizerMeta(std::string& out, const HeadCheckpointData& d) {
     PutBytes(out, c.client_id);
     PutU64(out, c.max_applied);
     PutU64(out, c.responses.size());
-    for (const auto& [key, response] : c.responses) {
-      PutU64(out, key);
-      PutBytes(out, response.SerializeAsString());
+    for (const RememberedApply& apply : c.responses) {
+      PutU64(out, apply.key);
+      PutBytes(out, apply.response.SerializeAsString());
+      PutBytes(out, apply.fingerprint);
     }
   }
 }
 
-absl::Status DecodeOptimizerMeta(checkpoint_codec::Reader& r, HeadCheckpointData* d,
-                                 std::vector<uint64_t>* lengths) {
+absl::Status DecodeOptimizerMeta(checkpoint_codec::Reader& r, uint32_t version,
+                                 HeadCheckpointData* d, std::vector<uint64_t>* lengths) {
   uint8_t momentum;
   uint64_t master, buffers;
   if (!r.U64(&d->optimizer_step) || !r.U8(&momentum) || !r.U64(&d->master_version) ||
@@ -57,16 +58,17 @@ absl::Status DecodeOptimizerMeta(checkpoint_codec::Reader& r, HeadCheckpointData
     if (responses > r.left() / 16) return Corrupt("apply response count exceeds the data");
     c.responses.reserve(responses);
     for (uint64_t i = 0; i < responses; ++i) {
-      uint64_t key;
+      RememberedApply apply;
       std::string bytes;
-      v1::ApplyOptimizerResponse response;
-      if (!r.U64(&key) || !r.Bytes(&bytes) || !response.ParseFromString(bytes)) {
+      if (!r.U64(&apply.key) || !r.Bytes(&bytes) || !apply.response.ParseFromString(bytes) ||
+          (version >= 3 && !r.Bytes(&apply.fingerprint))) {
         return Corrupt("remembered apply");
       }
-      if ((!c.responses.empty() && key <= c.responses.back().first) || key > c.max_applied) {
+      if ((!c.responses.empty() && apply.key <= c.responses.back().key) ||
+          apply.key > c.max_applied) {
         return Corrupt("remembered applies out of order");
       }
-      c.responses.emplace_back(key, std::move(response));
+      c.responses.push_back(std::move(apply));
     }
   }
   return absl::OkStatus();

@@ -1,5 +1,5 @@
-// The optimizer's part of a checkpoint file (format version 2; see checkpoint.h): its record at
-// the end of the meta section and the optimizer section after dW.
+// The optimizer's part of a checkpoint file (format versions 2 and 3; see checkpoint.h): its record
+// at the end of the meta section and the optimizer section after dW.
 #ifndef LOSSHEAD_SERVER_DURABILITY_CHECKPOINT_OPTIMIZER_H_
 #define LOSSHEAD_SERVER_DURABILITY_CHECKPOINT_OPTIMIZER_H_
 
@@ -14,12 +14,13 @@
 namespace losshead::server {
 
 // Appends the record: step count, momentum bit, master version, the lengths of the master copy
-// and of each state buffer, then per client id the remembered applies (key, response).
+// and of each state buffer, then per client id the remembered applies (key, response, and from
+// format 3 on the fingerprint).
 void EncodeOptimizerMeta(std::string& out, const HeadCheckpointData& data);
-// Reads the record into `data`; the tensors' lengths go to `lengths` (master first) for
-// SplitOptimizerSection. DATA_LOSS names what is wrong.
-absl::Status DecodeOptimizerMeta(checkpoint_codec::Reader& r, HeadCheckpointData* data,
-                                 std::vector<uint64_t>* lengths);
+// Reads the record of a file of format `version` (>= 2) into `data`; the tensors' lengths go to
+// `lengths` (master first) for SplitOptimizerSection. DATA_LOSS names what is wrong.
+absl::Status DecodeOptimizerMeta(checkpoint_codec::Reader& r, uint32_t version,
+                                 HeadCheckpointData* data, std::vector<uint64_t>* lengths);
 
 // The optimizer section's pieces in file order: the master copy when there is one, then each
 // state buffer; all of one length (V x D fp32), which the file's header records.

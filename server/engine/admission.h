@@ -1,7 +1,10 @@
 // Server-wide admission of Step micro-batches: a bound on how many may be in flight (header read,
-// not yet answered) and on the request bytes buffered for them. Bytes are reserved before they
+// not yet answered), on the request bytes buffered for them, and on how long a micro-batch being
+// received may hold its reservation without receiving anything (the stall timeout: the Step
+// reactor abandons such a micro-batch and releases what it holds). Bytes are reserved before they
 // are buffered (from the header's announced size, then piece by piece when more arrive), so the
-// buffered request bytes can never exceed the bound, whatever the clients send.
+// buffered request bytes can never exceed the bound, whatever the clients send, and for no longer
+// than the clients keep sending.
 #ifndef LOSSHEAD_SERVER_ENGINE_ADMISSION_H_
 #define LOSSHEAD_SERVER_ENGINE_ADMISSION_H_
 
@@ -19,8 +22,12 @@ namespace losshead::server {
 
 class Admission {
  public:
-  Admission(size_t max_microbatches, size_t max_bytes, absl::Duration retry_after)
-      : max_microbatches_(max_microbatches), max_bytes_(max_bytes), retry_after_(retry_after) {}
+  Admission(size_t max_microbatches, size_t max_bytes, absl::Duration retry_after,
+            absl::Duration stall_timeout = absl::InfiniteDuration())
+      : max_microbatches_(max_microbatches),
+        max_bytes_(max_bytes),
+        retry_after_(retry_after),
+        stall_timeout_(stall_timeout) {}
 
   // Admits one micro-batch with `bytes` reserved; false (nothing taken) beyond either bound.
   bool TryAdmit(size_t bytes);
@@ -31,6 +38,8 @@ class Admission {
 
   size_t microbatches() const;
   size_t bytes() const;
+  // How long a micro-batch being received may wait for its next message (infinite: no bound).
+  absl::Duration stall_timeout() const { return stall_timeout_; }
 
   // The RESOURCE_EXHAUSTED of a refused micro-batch: "retry after N ms" in the message and N in
   // the status payload (see RetryAfterMs), which the Step response carries as retry_after_ms.
@@ -40,6 +49,7 @@ class Admission {
   const size_t max_microbatches_;
   const size_t max_bytes_;
   const absl::Duration retry_after_;
+  const absl::Duration stall_timeout_;
   mutable absl::Mutex mu_;
   size_t microbatches_ ABSL_GUARDED_BY(mu_) = 0;
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;

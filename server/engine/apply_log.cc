@@ -5,16 +5,26 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "server/engine/request_fingerprint.h"
 
 namespace losshead::server {
 
 absl::StatusOr<std::optional<v1::ApplyOptimizerResponse>> ApplyLog::Find(
-    const std::string& client_id, uint64_t key) const {
+    const std::string& client_id, uint64_t key, const std::string& fingerprint) const {
   auto it = clients_.find(client_id);
   if (it == clients_.end()) return std::nullopt;
   const Client& client = it->second;
   if (auto r = client.responses.find(key); r != client.responses.end()) {
-    v1::ApplyOptimizerResponse replay = r->second;
+    const Remembered& remembered = r->second;
+    if (!remembered.fingerprint.empty() && remembered.fingerprint != fingerprint) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "step_key ", key, " of client '", client_id,
+          "' was already used for a different apply (this one differs in ",
+          ApplyDifferences(remembered.fingerprint, fingerprint),
+          "); a retry must resend the same request and a new step needs a new key; nothing "
+          "was stepped"));
+    }
+    v1::ApplyOptimizerResponse replay = remembered.response;
     replay.set_replayed(true);
     return replay;
   }
@@ -27,11 +37,11 @@ absl::StatusOr<std::optional<v1::ApplyOptimizerResponse>> ApplyLog::Find(
   return std::nullopt;
 }
 
-void ApplyLog::Record(const std::string& client_id, uint64_t key,
+void ApplyLog::Record(const std::string& client_id, uint64_t key, std::string fingerprint,
                       const v1::ApplyOptimizerResponse& response) {
   Client& client = clients_[client_id];
   client.max_applied = std::max(client.max_applied, key);
-  client.responses[key] = response;
+  client.responses[key] = Remembered{.fingerprint = std::move(fingerprint), .response = response};
   while (client.responses.size() > window_) client.responses.erase(client.responses.begin());
 }
 
@@ -40,7 +50,10 @@ std::vector<ApplyClientCheckpoint> ApplyLog::Export() const {
   out.reserve(clients_.size());
   for (const auto& [id, client] : clients_) {
     ApplyClientCheckpoint c{.client_id = id, .max_applied = client.max_applied};
-    c.responses.assign(client.responses.begin(), client.responses.end());
+    for (const auto& [key, remembered] : client.responses) {
+      c.responses.push_back(RememberedApply{
+          .key = key, .fingerprint = remembered.fingerprint, .response = remembered.response});
+    }
     out.push_back(std::move(c));
   }
   std::sort(out.begin(), out.end(),
@@ -53,7 +66,9 @@ void ApplyLog::Import(const std::vector<ApplyClientCheckpoint>& clients) {
   for (const ApplyClientCheckpoint& c : clients) {
     Client& client = clients_[c.client_id];
     client.max_applied = c.max_applied;
-    client.responses.insert(c.responses.begin(), c.responses.end());
+    for (const RememberedApply& r : c.responses) {
+      client.responses[r.key] = Remembered{.fingerprint = r.fingerprint, .response = r.response};
+    }
     while (client.responses.size() > window_) client.responses.erase(client.responses.begin());
   }
 }

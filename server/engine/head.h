@@ -53,6 +53,10 @@ struct MicroBatch {
   v1::StepHeader header;
   std::string hidden;
   std::string targets;
+  // ByteDigest values of hidden and targets when the receiver took them while assembling (see
+  // StepAssembler); Head::Step computes a missing one when the micro-batch needs a fingerprint.
+  std::optional<uint64_t> hidden_digest;
+  std::optional<uint64_t> targets_digest;
 };
 
 // What happened to a micro-batch besides its outcome (for metrics).
@@ -93,9 +97,15 @@ class Head {
   absl::Status SetDefaultOptions(const v1::LossOptions& options);
 
   // The step pipeline (step_pipeline.cc).
+  // What the header alone decides: the codes Step would answer for num_tokens < 1, a bad dtype or
+  // option, or a problem the backend cannot run (INVALID_ARGUMENT), before any data arrives.
+  absl::Status CheckHeader(const v1::StepHeader& header) const;
   // Runs one micro-batch: validation (INVALID_ARGUMENT; FAILED_PRECONDITION on a weights version
-  // mismatch), idempotent replay (see IdempotencyCache), forward + backward, dW accumulation.
-  // Any error leaves W, dW and the counters as they were. A forward-only micro-batch
+  // mismatch), idempotent replay (see IdempotencyCache; ALREADY_EXISTS for a key reused with other
+  // content), forward + backward, dW accumulation. Any error before the run leaves W, dW and the
+  // counters as they were. A device failure once the run has begun is DATA_LOSS: the micro-batch
+  // may be in dW (it is counted when it got as far as the copy of its results), and with a client
+  // id its key keeps that answer, so that no retry adds it again. A forward-only micro-batch
   // (StepOptions.forward_only) is validated and run the same way under the compute lock (it uses
   // the head's workspace and stream, and must not see W half pushed) but adds nothing to dW,
   // counts nothing and bypasses the idempotency cache.
@@ -162,8 +172,11 @@ class Head {
   absl::Status InstallOptimizer(OptimizerBuffers buffers);
   // Takes master from W when a push has changed W since (see master_version). Under compute_mu_.
   absl::Status SyncMaster();
+  // The header's part of Prepare (CheckHeader's checks); the payload's part follows in Prepare.
+  absl::Status PrepareHeader(const v1::StepHeader& header, Prepared* prepared) const;
   absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
-  // Runs a prepared micro-batch; with a client id, completes its idempotency claim.
+  // Runs a prepared micro-batch; with a client id, completes its idempotency claim, or fails it
+  // when the device fails once the run has begun (see Step).
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(const Prepared& prepared,
                                                              StepStats* stats,
                                                              const std::string& client_id,

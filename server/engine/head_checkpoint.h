@@ -21,15 +21,25 @@ struct ClientCheckpoint {
   std::string client_id;
   std::optional<uint64_t> max_evicted;
   std::optional<uint64_t> max_applied;
-  // Completed results by increasing sequence.
+  // Completed results by increasing sequence, each with its fingerprint and, for a micro-batch
+  // that may be in dW without a result, its remembered failure (see StepOutcome).
   std::vector<std::pair<uint64_t, std::shared_ptr<const StepOutcome>>> results;
+};
+
+// One remembered optimizer apply (see ApplyLog): its key, what it asked for (ApplyFingerprint;
+// empty when restored from a checkpoint older than fingerprints, format <= 2: a repeat of it
+// replays unchecked) and its response.
+struct RememberedApply {
+  uint64_t key = 0;
+  std::string fingerprint;
+  v1::ApplyOptimizerResponse response;
 };
 
 // The remembered optimizer applies of one client id (see ApplyLog).
 struct ApplyClientCheckpoint {
   std::string client_id;
   uint64_t max_applied = 0;
-  std::vector<std::pair<uint64_t, v1::ApplyOptimizerResponse>> responses;  // by increasing key
+  std::vector<RememberedApply> responses;  // by increasing key
 };
 
 struct HeadCheckpointData {

@@ -9,7 +9,7 @@
 namespace losshead::server {
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> IdempotencyCache::Begin(
-    const std::string& client_id, uint64_t sequence) {
+    const std::string& client_id, uint64_t sequence, const StepFingerprint& fingerprint) {
   absl::MutexLock lock(&mu_);
   while (true) {
     Client& client = clients_[client_id];
@@ -21,10 +21,22 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> IdempotencyCache::Begin(
                          "' is outside the replay window (sequences <= ", *client.max_evicted,
                          " are no longer remembered); it may already be counted"));
       }
-      client.entries.emplace(sequence, std::make_shared<Entry>());
+      auto entry = std::make_shared<Entry>();
+      entry->fingerprint = fingerprint;
+      client.entries.emplace(sequence, std::move(entry));
       return std::shared_ptr<const StepOutcome>();  // claimed: the caller computes
     }
     std::shared_ptr<Entry> entry = it->second;
+    // Checked before waiting too: a different micro-batch must not wait for, nor be answered by,
+    // the one that holds its key.
+    if (entry->fingerprint.has_value() && *entry->fingerprint != fingerprint) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "sequence ", sequence, " of client '", client_id,
+          "' was already used for a different micro-batch (this one differs in ",
+          StepDifferences(*entry->fingerprint, fingerprint),
+          "); a retry must resend the same micro-batch and a new one needs a new sequence; "
+          "nothing was counted"));
+    }
     if (entry->done) return entry->outcome;
     // The original is computing on another worker: wait for it rather than compute twice.
     mu_.Await(absl::Condition(
@@ -35,11 +47,24 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> IdempotencyCache::Begin(
 }
 
 void IdempotencyCache::Complete(const std::string& client_id, uint64_t sequence,
-                                std::shared_ptr<const StepOutcome> outcome) {
+                                std::shared_ptr<StepOutcome> outcome) {
   absl::MutexLock lock(&mu_);
+  SettleLocked(client_id, sequence, std::move(outcome));
+}
+
+void IdempotencyCache::Fail(const std::string& client_id, uint64_t sequence, absl::Status failure) {
+  auto outcome = std::make_shared<StepOutcome>();
+  outcome->failure = std::move(failure);
+  absl::MutexLock lock(&mu_);
+  SettleLocked(client_id, sequence, std::move(outcome));
+}
+
+void IdempotencyCache::SettleLocked(const std::string& client_id, uint64_t sequence,
+                                    std::shared_ptr<StepOutcome> outcome) {
   Client& client = clients_[client_id];
   auto it = client.entries.find(sequence);
   if (it == client.entries.end() || it->second->done) return;
+  outcome->fingerprint = it->second->fingerprint;
   client.done_bytes += outcome->bytes();
   client.done_count += 1;
   it->second->outcome = std::move(outcome);
@@ -101,6 +126,7 @@ void IdempotencyCache::Import(const std::vector<ClientCheckpoint>& clients) {
     for (const auto& [sequence, outcome] : c.results) {
       auto entry = std::make_shared<Entry>();
       entry->done = true;
+      entry->fingerprint = outcome->fingerprint;
       entry->outcome = outcome;
       client.done_bytes += outcome->bytes();
       client.done_count += 1;

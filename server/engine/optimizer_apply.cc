@@ -3,6 +3,7 @@
 // compute lock: every micro-batch is wholly in the step or wholly in the next window.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -14,6 +15,7 @@
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
+#include "server/engine/request_fingerprint.h"
 #include "server/engine/status_macros.h"
 
 namespace losshead::server {
@@ -103,9 +105,10 @@ absl::Status Head::SyncMaster() {
 absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     const v1::ApplyOptimizerRequest& request) {
   LOSSHEAD_RETURN_IF_ERROR(ValidateApplyRequest(request));
+  std::string fingerprint = ApplyFingerprint(request);
   absl::MutexLock lock(&compute_mu_);
   LOSSHEAD_ASSIGN_OR_RETURN(std::optional<v1::ApplyOptimizerResponse> replay,
-                            applies_.Find(request.client_id(), request.step_key()));
+                            applies_.Find(request.client_id(), request.step_key(), fingerprint));
   if (replay.has_value()) return *std::move(replay);
   LOSSHEAD_ASSIGN_OR_RETURN(kernels::OptimizerOptions options,
                             KernelOptions(optimizer_, request.params()));
@@ -156,6 +159,14 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   problem.grad_scale = static_cast<float>(coefficient / divisor);
   // A divisor so small that the scale overflows fp32 is the caller's error, caught before the step.
   LOSSHEAD_RETURN_IF_ERROR(kernels::ValidateOptimizerProblem(problem));
+  // No element of dW exceeds its norm: a scaled norm within fp32 keeps every scaled element
+  // finite, where an overflow would step Inf into the moments and NaN (Inf / Inf) into W.
+  if (!(std::sqrt(squared) * problem.grad_scale < std::numeric_limits<float>::max())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the gradient window divided by ", divisor,
+        " overflows fp32; nothing was stepped: give a larger grad_divisor, or pull with reset "
+        "to drop the window"));
+  }
   LOSSHEAD_RETURN_IF_ERROR(SyncMaster());
   LOSSHEAD_RETURN_IF_ERROR(backend_.OptimizerStep(
       problem, KernelTensors(optimizer_, weights_.data(), grad_.as<float>()), *stream_));
@@ -182,7 +193,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   response.set_total_grad_norm(total_norm);
   response.set_clip_coefficient(coefficient);
   response.set_optimizer_step(optimizer_.step);
-  applies_.Record(request.client_id(), request.step_key(), response);
+  applies_.Record(request.client_id(), request.step_key(), std::move(fingerprint), response);
   return response;
 }
 

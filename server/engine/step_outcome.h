@@ -5,9 +5,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "absl/status/status.h"
 #include "losshead/v1/losshead.pb.h"
+#include "server/engine/request_fingerprint.h"
 #include "server/engine/result_pool.h"
 
 namespace losshead::server {
@@ -30,8 +33,18 @@ struct StepOutcome {
   std::string grad_hidden;     // empty when skip_grad_hidden
   std::string per_token_loss;  // fp32; empty unless asked for (or reduction NONE)
   std::shared_ptr<ResultPool> pool;  // null: grad_hidden is freed as usual
+  // What the micro-batch asked for, stamped when the outcome is remembered: a repeat of its key
+  // must match it. Unset for outcomes restored from a checkpoint older than fingerprints (format
+  // <= 2): a repeat of one replays unchecked, as before.
+  std::optional<StepFingerprint> fingerprint;
+  // Not OK for a micro-batch that may be in dW but has no result (the device failed after its run
+  // began): the answer of every repeat of its key, which is never computed again.
+  absl::Status failure;
 
-  size_t bytes() const { return grad_hidden.size() + per_token_loss.size() + sizeof(*this); }
+  size_t bytes() const {
+    return grad_hidden.size() + per_token_loss.size() + sizeof(*this) +
+           (fingerprint.has_value() ? fingerprint->shape.size() : 0) + failure.message().size();
+  }
 };
 
 }  // namespace losshead::server

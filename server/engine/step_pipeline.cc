@@ -1,6 +1,7 @@
 // Head's step pipeline: a micro-batch is prepared (validated, targets and hidden converted), takes
 // an I/O slot, is staged in on the slot's stream, runs under the compute lock (dW and the window's
-// counters together), is staged out, and completes or abandons its idempotency claim.
+// counters together), is staged out, and completes its idempotency claim (or fails it when the
+// device fails once the run has begun, or abandons it when nothing was touched).
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -20,12 +21,23 @@
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/proto_convert.h"
+#include "server/engine/request_fingerprint.h"
 #include "server/engine/status_macros.h"
 
 namespace losshead::server {
 
 using head_internal::AsResourceExhausted;
 using head_internal::Convert;
+
+namespace {
+
+// A micro-batch as errors name it.
+std::string KeyOf(const std::string& client_id, uint64_t sequence) {
+  if (client_id.empty()) return "(without a client id)";
+  return absl::StrCat("(client '", client_id, "', sequence ", sequence, ")");
+}
+
+}  // namespace
 
 struct Head::Prepared {
   kernels::Problem problem;
@@ -39,6 +51,8 @@ struct Head::Prepared {
   bool want_per_token = false;
   std::optional<uint64_t> expected_version;
   bool forward_only = false;  // no dW, no counters, no idempotency (evaluation)
+  kernels::DType hidden_dtype = kernels::DType::kFP32;  // as sent
+  int64_t ignore_index = 0;  // as resolved; problem.options has its int32 image
 };
 
 // Takes a free I/O slot (waiting for one) and gives it back on destruction.
@@ -65,15 +79,18 @@ class Head::SlotLease {
   std::unique_ptr<IoSlot> slot_;
 };
 
-absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
-  const v1::StepHeader& h = mb.header;
-  Prepared p;
+absl::Status Head::CheckHeader(const v1::StepHeader& header) const {
+  Prepared unused;
+  return PrepareHeader(header, &unused);
+}
+
+absl::Status Head::PrepareHeader(const v1::StepHeader& h, Prepared* prepared) const {
+  Prepared& p = *prepared;
   if (h.num_tokens() < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_tokens must be >= 1, got ", h.num_tokens()));
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType hidden_dtype,
-                            FloatDType(h.hidden_dtype(), "hidden_dtype"));
+  LOSSHEAD_ASSIGN_OR_RETURN(p.hidden_dtype, FloatDType(h.hidden_dtype(), "hidden_dtype"));
   if (h.target_dtype() != v1::DTYPE_INT32 && h.target_dtype() != v1::DTYPE_INT64) {
     return absl::InvalidArgumentError(
         absl::StrCat("target_dtype must be DTYPE_INT32 or DTYPE_INT64, got ",
@@ -81,24 +98,10 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   }
   p.want_grad_hidden = !h.options().skip_grad_hidden();
   if (h.options().grad_hidden_dtype() == v1::DTYPE_UNSPECIFIED) {
-    p.grad_hidden_dtype = hidden_dtype;
+    p.grad_hidden_dtype = p.hidden_dtype;
   } else {
     LOSSHEAD_ASSIGN_OR_RETURN(p.grad_hidden_dtype, FloatDType(h.options().grad_hidden_dtype(),
                                                               "options.grad_hidden_dtype"));
-  }
-  const uint64_t n = h.num_tokens();
-  const uint64_t d = hidden_size();
-  const size_t hsize = kernels::DTypeSize(hidden_dtype);
-  const size_t tsize = v1::WireDTypeSize(h.target_dtype());
-  // Compare sizes without overflowing n * d * size for absurd n.
-  if (n > mb.hidden.size() / (d * hsize) || n * d * hsize != mb.hidden.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden has ", mb.hidden.size(), " bytes; num_tokens x hidden_size x ",
-                     kernels::DTypeName(hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
-  }
-  if (n * tsize != mb.targets.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("targets has ", mb.targets.size(),
-                                                   " bytes; num_tokens needs ", n, " x ", tsize));
   }
   v1::LossOptions defaults;
   {
@@ -109,15 +112,43 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
                             ResolveLossOptions(h.loss_options(), defaults, &h.options()));
   p.want_per_token =
       h.options().return_per_token_loss() || loss.reduction == kernels::Reduction::kNone;
+  // Targets are int32 for the kernels. An ignore_index beyond int32 is mapped to INT32_MIN, which
+  // no valid target can equal.
+  p.ignore_index = loss.ignore_index;
+  const bool ignore_fits = p.ignore_index >= std::numeric_limits<int32_t>::min() &&
+                           p.ignore_index <= std::numeric_limits<int32_t>::max();
+  loss.ignore_index =
+      ignore_fits ? static_cast<int32_t>(p.ignore_index) : std::numeric_limits<int32_t>::min();
+  p.problem = kernels::Problem{
+      .n = h.num_tokens(), .d = hidden_size(), .v = vocab_size(), .dtype = dtype_, .options = loss};
+  LOSSHEAD_RETURN_IF_ERROR(backend_.CanImplement(p.problem));
+  if (h.options().has_expected_weights_version()) {
+    p.expected_version = h.options().expected_weights_version();
+  }
+  p.forward_only = h.options().forward_only();
+  return absl::OkStatus();
+}
 
-  // Targets: int32 for the kernels. An ignore_index beyond int32 is mapped to INT32_MIN, which no
-  // valid target can equal.
-  const int64_t ignore = loss.ignore_index;
-  const bool ignore_fits = ignore >= std::numeric_limits<int32_t>::min() &&
-                           ignore <= std::numeric_limits<int32_t>::max();
-  const int32_t ignore32 =
-      ignore_fits ? static_cast<int32_t>(ignore) : std::numeric_limits<int32_t>::min();
-  loss.ignore_index = ignore32;
+absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
+  const v1::StepHeader& h = mb.header;
+  Prepared p;
+  LOSSHEAD_RETURN_IF_ERROR(PrepareHeader(h, &p));
+  const uint64_t n = h.num_tokens();
+  const uint64_t d = hidden_size();
+  const size_t hsize = kernels::DTypeSize(p.hidden_dtype);
+  const size_t tsize = v1::WireDTypeSize(h.target_dtype());
+  // Compare sizes without overflowing n * d * size for absurd n.
+  if (n > mb.hidden.size() / (d * hsize) || n * d * hsize != mb.hidden.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden has ", mb.hidden.size(), " bytes; num_tokens x hidden_size x ",
+                     kernels::DTypeName(p.hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
+  }
+  if (n * tsize != mb.targets.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("targets has ", mb.targets.size(),
+                                                   " bytes; num_tokens needs ", n, " x ", tsize));
+  }
+  const int64_t ignore = p.ignore_index;
+  const int32_t ignore32 = p.problem.options.ignore_index;
   p.targets.resize(n);
   const int64_t v = vocab_size();
   for (uint64_t i = 0; i < n; ++i) {
@@ -141,28 +172,18 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
 
   // NaN policy: non-finite hidden states are rejected, never computed: they would poison dW for
   // every micro-batch accumulated with them until the next pull.
-  if (kernels::HasNonFinite(hidden_dtype, mb.hidden.data(), n * d)) {
+  if (kernels::HasNonFinite(p.hidden_dtype, mb.hidden.data(), n * d)) {
     return absl::InvalidArgumentError("hidden contains NaN or Inf");
   }
-  if (hidden_dtype == dtype_) {
+  if (p.hidden_dtype == dtype_) {
     p.request_hidden = &mb.hidden;
   } else {
-    p.converted = Convert(hidden_dtype, mb.hidden, dtype_);
+    p.converted = Convert(p.hidden_dtype, mb.hidden, dtype_);
     if (kernels::HasNonFinite(dtype_, p.converted.data(), n * d)) {
       return absl::InvalidArgumentError(
           absl::StrCat("hidden overflows the head's dtype ", kernels::DTypeName(dtype_)));
     }
   }
-  p.problem = kernels::Problem{.n = static_cast<int64_t>(n),
-                               .d = hidden_size(),
-                               .v = vocab_size(),
-                               .dtype = dtype_,
-                               .options = loss};
-  LOSSHEAD_RETURN_IF_ERROR(backend_.CanImplement(p.problem));
-  if (h.options().has_expected_weights_version()) {
-    p.expected_version = h.options().expected_weights_version();
-  }
-  p.forward_only = h.options().forward_only();
   return p;
 }
 
@@ -177,14 +198,21 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& 
   const std::string& client_id = mb.header.client_id();
   if (client_id.empty()) return Compute(prepared, stats, client_id, 0);
 
+  // The receiver digests the tensors while it assembles them; only a direct caller pays a pass.
+  const StepFingerprint fingerprint{
+      .hidden = mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden),
+      .targets = mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
+      .shape = StepShape(mb.header)};
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
-                            cache_.Begin(client_id, mb.header.sequence()));
+                            cache_.Begin(client_id, mb.header.sequence(), fingerprint));
   if (remembered != nullptr) {
+    if (!remembered->failure.ok()) return remembered->failure;
     stats->replayed = true;
     return remembered;
   }
-  // Compute completes the claim once the outcome is whole. A failed one is abandoned so that a
-  // retry computes afresh: failures come before the run (nothing counted) or from the device.
+  // Compute settles the claim itself once the run has begun (Complete, or Fail after a device
+  // failure: the micro-batch may be in dW). A failure before the run touched nothing and is
+  // abandoned here so that a retry computes afresh; Abandon ignores a settled claim.
   auto outcome = Compute(prepared, stats, client_id, mb.header.sequence());
   if (!outcome.ok()) cache_.Abandon(client_id, mb.header.sequence());
   return outcome;
@@ -288,6 +316,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
   std::vector<float> per_token;
   float loss_sum = 0;
   int64_t token_count = 0;
+  // Forward-only micro-batches come without a client id (Step): nothing of theirs is remembered.
+  const bool keyed = !client_id.empty();
 
   const absl::Time slot_wait = absl::Now();
   SlotLease lease(*this);
@@ -330,13 +360,25 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     args.per_token_loss = p.want_per_token ? slot.per_token.as<float>() : nullptr;
     args.workspace = workspace_.data();
     args.workspace_bytes = ws_bytes;
-    LOSSHEAD_RETURN_IF_ERROR(backend_.Run(p.problem, args, *stream_));
-
     // Only the 16 bytes of scalars come back under the lock; dH follows on the slot's stream
     // once the lock is free for the next micro-batch's run.
     char scalars[16];
-    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(scalars, slot.scalars.data(), 16, *stream_));
-    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    absl::Status ran = backend_.Run(p.problem, args, *stream_);
+    if (ran.ok()) ran = backend_.CopyToHost(scalars, slot.scalars.data(), 16, *stream_);
+    if (ran.ok()) ran = stream_->Synchronize();
+    if (!ran.ok()) {
+      if (p.forward_only) return ran;  // dW was not an argument: nothing can be in it
+      // The run may have added some of its chunks to dW before it failed, and there is no exact
+      // way to take them out again. The key keeps this answer: a retry must not add them twice.
+      absl::Status fault = absl::DataLossError(absl::StrCat(
+          "the device failed while running micro-batch ", KeyOf(client_id, sequence), ": ",
+          ran.message(),
+          "; dW may hold part of it, which the gradient window's counters do not count: pull "
+          "with reset to drop the window before the next optimizer step",
+          keyed ? "; this key keeps this answer and is never computed again" : ""));
+      if (keyed) cache_.Fail(client_id, sequence, fault);
+      return fault;
+    }
     std::memcpy(&token_count, scalars, 8);
     std::memcpy(&loss_sum, scalars + 8, 4);
     if (!p.forward_only) {
@@ -362,7 +404,16 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
   absl::Status out = StageOut(p, slot, &grad_hidden, &per_token);
   if (out.ok()) {
     FinishOutcome(p, loss_sum, token_count, std::move(grad_hidden), per_token, outcome.get());
-    if (!client_id.empty()) cache_.Complete(client_id, sequence, outcome);
+    if (keyed) cache_.Complete(client_id, sequence, outcome);
+  } else if (!p.forward_only) {
+    // Counted in dW and in the window, without a result: the key keeps this failure (before the
+    // snapshot may run, as Complete would), so that no retry counts it a second time.
+    out = absl::DataLossError(absl::StrCat(
+        "micro-batch ", KeyOf(client_id, sequence), " was counted in dW (", token_count,
+        " tokens) but the device failed while copying its loss and dH back: ", out.message(),
+        keyed ? "; this key keeps this answer and is never counted again"
+              : "; without a client id, sending it again counts it again"));
+    if (keyed) cache_.Fail(client_id, sequence, out);
   }
   if (!p.forward_only) {
     absl::MutexLock state(&state_mu_);

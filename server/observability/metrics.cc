@@ -103,8 +103,14 @@ Metrics::Metrics()
                          .Name("losshead_auth_token_reloads_total")
                          .Help("Re-reads of the token file by result: ok, error (old tokens kept)")
                          .Register(*registry_)),
+      stalls_family_(prometheus::BuildCounter()
+                         .Name("losshead_stalled_microbatches_total")
+                         .Help("Micro-batches abandoned after --step_stall_timeout without a "
+                               "message (reservation released, stream ended ABORTED)")
+                         .Register(*registry_)),
       inflight_(inflight_family_.Add({})),
-      heads_(heads_family_.Add({})) {}
+      heads_(heads_family_.Add({})),
+      stalls_(stalls_family_.Add({})) {}
 
 std::string Metrics::RenderText() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
@@ -130,6 +136,8 @@ void Metrics::Microbatch(const std::string& head, absl::string_view outcome, int
 void Metrics::Failure(absl::string_view method, int code) {
   failures_.Add({{"method", std::string(method)}, {"reason", ReasonName(code)}}).Increment();
 }
+
+void Metrics::StalledMicrobatch() { stalls_.Increment(); }
 
 void Metrics::Tokens(const std::string& head, uint64_t tokens) {
   tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));

@@ -15,10 +15,22 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
       return absl::InvalidArgumentError(
           "malformed Step stream: a header arrived inside an open micro-batch");
     }
+    // A header ends the skipping of a refused micro-batch: its remaining messages may be left out.
+    skipping_ = false;
     current_.emplace();
     current_->microbatch.header = std::move(*request.mutable_header());
     current_->first_message = now;
+    const v1::StepHeader& header = current_->microbatch.header;
+    // Only a key the server may remember needs a fingerprint.
+    if (!header.client_id().empty() && !header.options().forward_only()) {
+      hidden_digest_.emplace();
+      targets_digest_.emplace();
+    }
   } else if (!current_.has_value()) {
+    if (skipping_) {
+      skipping_ = !request.last();
+      return std::optional<AssembledMicroBatch>();
+    }
     return absl::InvalidArgumentError(
         "malformed Step stream: a message without a header outside any micro-batch");
   }
@@ -26,12 +38,17 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
   mb.last_message = now;
   mb.received_bytes += request.hidden().size() + request.targets().size();
   if (!mb.oversize && mb.received_bytes > max_bytes_) {
-    // Stop buffering: the bytes seen so far are freed and the rest are only counted.
+    // Refused for good: hand it back now and skip what is left of it.
     mb.oversize = true;
     std::string().swap(mb.microbatch.hidden);
     std::string().swap(mb.microbatch.targets);
+    return Close(!request.last());
   }
   if (!mb.oversize && mb.refused.ok()) {
+    if (hidden_digest_.has_value()) {
+      hidden_digest_->Update(request.hidden());
+      targets_digest_->Update(request.targets());
+    }
     // The first piece is moved rather than copied: single-message micro-batches copy nothing.
     if (mb.microbatch.hidden.empty()) {
       mb.microbatch.hidden = std::move(*request.mutable_hidden());
@@ -45,8 +62,19 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
     }
   }
   if (!request.last()) return std::optional<AssembledMicroBatch>();
-  std::optional<AssembledMicroBatch> done = std::move(current_);
+  return Close(false);
+}
+
+AssembledMicroBatch StepAssembler::Close(bool skip_rest) {
+  AssembledMicroBatch done = *std::move(current_);
   current_.reset();
+  if (hidden_digest_.has_value() && !done.oversize && done.refused.ok()) {
+    done.microbatch.hidden_digest = hidden_digest_->Value();
+    done.microbatch.targets_digest = targets_digest_->Value();
+  }
+  hidden_digest_.reset();
+  targets_digest_.reset();
+  skipping_ = skip_rest;
   return done;
 }
 
@@ -55,11 +83,12 @@ void StepAssembler::ReserveHidden(size_t bytes) {
   current_->microbatch.hidden.reserve(std::min(bytes, max_bytes_));
 }
 
-void StepAssembler::Refuse(absl::Status status) {
+AssembledMicroBatch StepAssembler::Refuse(absl::Status status) {
   AssembledMicroBatch& mb = *current_;
   mb.refused = std::move(status);
   std::string().swap(mb.microbatch.hidden);
   std::string().swap(mb.microbatch.targets);
+  return Close(true);
 }
 
 size_t ChunkPayloadBytes(size_t max_message_bytes) {

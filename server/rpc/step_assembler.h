@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/head.h"
+#include "server/engine/request_fingerprint.h"
 #include "server/engine/step_outcome.h"
 
 namespace losshead::server {
@@ -22,24 +23,33 @@ namespace losshead::server {
 struct AssembledMicroBatch {
   MicroBatch microbatch;
   bool oversize = false;
-  // Not OK when the server refused the micro-batch (admission): its bytes were dropped like an
-  // oversize one's and it must be answered with this status.
+  // Not OK when the server refused the micro-batch (admission, or a header it can never serve):
+  // its bytes were dropped like an oversize one's and it must be answered with this status.
   absl::Status refused;
   uint64_t received_bytes = 0;  // hidden + targets bytes, dropped ones included
   absl::Time first_message;
   absl::Time last_message;
 };
 
+// Assembles the messages of a Step stream into micro-batches. A micro-batch whose key may be
+// remembered (a client id, not forward-only) has its hidden and target bytes digested as each
+// piece arrives (MicroBatch::hidden_digest, targets_digest: its idempotency fingerprint), while
+// the piece is still in cache, so that no second pass over a large micro-batch is needed.
+//
+// A micro-batch refused before its last message (Refuse, or oversize) is handed back at once to
+// be answered; the rest of its messages are skipped: they may follow as usual, or the client may
+// leave them out and send the next header (or end the stream) right away.
 class StepAssembler {
  public:
   explicit StepAssembler(size_t max_microbatch_bytes) : max_bytes_(max_microbatch_bytes) {}
 
   // Feeds the next request. INVALID_ARGUMENT for a malformed stream (data outside a micro-batch,
   // a header inside one); the caller must end the call. Returns the micro-batch when `last`
-  // closes it, std::nullopt while it is still open.
+  // closes it, or when its bytes pass the limit (oversize; the rest of it is then skipped), and
+  // std::nullopt while it is still open or its message was skipped.
   absl::StatusOr<std::optional<AssembledMicroBatch>> Add(v1::StepRequest& request, absl::Time now);
 
-  // True inside a micro-batch (a stream may not end here).
+  // True inside a micro-batch (a stream may not end here). A skipped one's rest is not.
   bool open() const { return current_.has_value(); }
   // The open micro-batch's header (requires open()).
   const v1::StepHeader& open_header() const { return current_->microbatch.header; }
@@ -47,20 +57,34 @@ class StepAssembler {
   bool buffering() const {
     return current_.has_value() && !current_->oversize && current_->refused.ok();
   }
+  // True while the rest of a micro-batch handed back early is being skipped.
+  bool skipping() const { return skipping_; }
 
   // Sizes the open micro-batch's hidden buffer for `bytes` (capped by the micro-batch limit) when
   // it is still buffering: its pieces then append without the reallocations, and the copies of
   // everything received so far, that growing by doubling costs.
   void ReserveHidden(size_t bytes);
-  // Refuses the open micro-batch (requires open()): frees its bytes, drops those still to come,
-  // and has it answered with `status` when it closes.
-  void Refuse(absl::Status status);
-  // Forgets the open micro-batch and frees its bytes (the call is over).
-  void Clear() { current_.reset(); }
+  // Refuses the open micro-batch (requires open()): frees its bytes and hands it back, to be
+  // answered with `status` (not OK) now; the rest of its messages are skipped.
+  AssembledMicroBatch Refuse(absl::Status status);
+  // Forgets the open micro-batch and frees its bytes (the call is over, or it stalled).
+  void Clear() {
+    current_.reset();
+    hidden_digest_.reset();
+    targets_digest_.reset();
+    skipping_ = false;
+  }
 
  private:
+  // Hands back the open micro-batch (digests attached) and closes it; with `skip_rest`, the rest
+  // of its messages are skipped.
+  AssembledMicroBatch Close(bool skip_rest);
+
   const size_t max_bytes_;
   std::optional<AssembledMicroBatch> current_;
+  std::optional<ByteDigest> hidden_digest_;
+  std::optional<ByteDigest> targets_digest_;
+  bool skipping_ = false;
 };
 
 // Bytes of tensor payload per response message: the limit less room for the other fields.

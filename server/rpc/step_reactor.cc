@@ -81,17 +81,20 @@ void StepReactor::Pump() {
         write = &slot.responses[slot.next];
         writing_ = true;
       }
-      if (!reading_ && !read_closed_ && !draining_ && !cancelled_ &&
+      if (!reading_ && !read_closed_ && !draining_ && !cancelled_ && !stalled_.has_value() &&
           slots_.size() < ctx_->max_inflight_per_stream) {
         reading_ = true;
         read = true;
+        read_started_ = absl::Now();  // the stall timer's only cost per message
       }
-      if (!writing_ && slots_.empty() && (read_closed_ || draining_ || cancelled_)) {
-        finish = cancelled_     ? CancelStatus()
-                 : read_closed_ ? grpc::Status::OK
-                                : grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                               "the server is shutting down; no further "
-                                               "micro-batches are read on this stream");
+      if (!writing_ && slots_.empty() &&
+          (read_closed_ || draining_ || cancelled_ || stalled_.has_value())) {
+        finish = cancelled_             ? CancelStatus()
+                 : stalled_.has_value() ? *stalled_
+                 : read_closed_         ? grpc::Status::OK
+                                        : grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                       "the server is shutting down; no further "
+                                                       "micro-batches are read on this stream");
       }
     }
     if (finish.has_value()) {
@@ -129,58 +132,115 @@ void StepReactor::OnReadDone(bool ok) {
       // A partial micro-batch can never complete now: free its bytes at once.
       assembler_.Clear();
       ReleaseOpenLocked();
-    } else if (!finished_ && !cancelled_) {
+    } else if (!finished_ && !cancelled_ && !stalled_.has_value()) {
       ctx_->metrics->Bytes("Step", "in", request_.hidden().size() + request_.targets().size());
-      // Reserve before buffering; a refused micro-batch keeps no bytes and is answered
-      // RESOURCE_EXHAUSTED with a retry hint when it closes, and the stream goes on.
-      const absl::Status admitted = AdmitPieceLocked(request_);
-      // A micro-batch of several messages: size its buffer from the header once.
-      const uint64_t announced =
-          request_.has_header() && !request_.last() ? AnnouncedHiddenBytes(request_.header()) : 0;
-      auto assembled = assembler_.Add(request_, absl::Now());
+      ReceiveLocked(request_);
       request_.Clear();
-      if (announced > 0 && assembled.ok() && admitted.ok() && !assembled->has_value()) {
-        assembler_.ReserveHidden(announced);
+      const absl::Duration stall =
+          ctx_->admission != nullptr ? ctx_->admission->stall_timeout() : absl::InfiniteDuration();
+      // One alarm at a time covers every micro-batch of the stream: it re-arms while one is open.
+      if (assembler_.open() && !stall_alarm_pending_ && stall != absl::InfiniteDuration()) {
+        ArmStallAlarmLocked(absl::Now() + stall);
       }
-      if (assembled.ok() && !admitted.ok()) {
-        if (assembled->has_value()) {
-          AssembledMicroBatch& mb = **assembled;
-          mb.refused = admitted;
-          std::string().swap(mb.microbatch.hidden);
-          std::string().swap(mb.microbatch.targets);
-        } else if (assembler_.open()) {
-          assembler_.Refuse(admitted);
-        }
-      }
-      if (assembled.ok() && !assembled->has_value() && assembler_.open() &&
-          !assembler_.buffering()) {
-        // Oversize or refused: nothing is buffered any more, so nothing stays reserved.
+    }
+    // After a stall, whatever still arrives is dropped: the stream ends once its earlier
+    // micro-batches are answered.
+  }
+  Pump();
+}
+
+void StepReactor::ReceiveLocked(v1::StepRequest& request) {
+  const bool opens = request.has_header() && !assembler_.open();
+  // Admitted (and reserved) before anything is buffered.
+  const absl::Status admitted = opens ? AdmitHeaderLocked(request) : AdmitPieceLocked(request);
+  auto assembled = assembler_.Add(request, absl::Now());
+  if (!assembled.ok()) {
+    ReleaseOpenLocked();
+    pending_finish_ = ToGrpcStatus(assembled.status());
+    return;
+  }
+  if (assembled->has_value()) {
+    AssembledMicroBatch& mb = **assembled;
+    if (!admitted.ok() && mb.refused.ok()) {
+      mb.refused = admitted;
+      std::string().swap(mb.microbatch.hidden);
+      std::string().swap(mb.microbatch.targets);
+    }
+    EnqueueLocked(std::move(mb));
+  } else if (assembler_.open()) {
+    if (!admitted.ok()) {
+      // Answered now, before the rest of it is read (and then skipped).
+      EnqueueLocked(assembler_.Refuse(admitted));
+    } else if (opens && open_announced_ > 0) {
+      // A micro-batch of several messages: size its buffer from the header once.
+      assembler_.ReserveHidden(open_announced_);
+    }
+  }
+}
+
+void StepReactor::EnqueueLocked(AssembledMicroBatch assembled) {
+  auto slot = std::make_shared<Slot>();
+  slot->assembled = std::move(assembled);
+  slot->ready = absl::Now();
+  if (slot->assembled.oversize || !slot->assembled.refused.ok()) {
+    ReleaseOpenLocked();
+  } else {
+    slot->admitted = open_admitted_;
+    slot->reserved = open_reserved_;
+    open_admitted_ = false;
+    open_reserved_ = 0;
+  }
+  open_received_ = 0;
+  open_announced_ = 0;
+  slots_.push_back(std::move(slot));
+  ++inflight_;
+  ctx_->metrics->InflightAdd(1);
+  StartNextSlotLocked();
+}
+
+void StepReactor::ArmStallAlarmLocked(absl::Time when) {
+  ++pins_;  // the alarm's callback uses `this`
+  stall_alarm_pending_ = true;
+  // A spent alarm (its callback has begun, perhaps this very one) may be destroyed: gRPC keeps
+  // what a running callback needs alive until it returns. The callback runs on gRPC's executor
+  // threads, never inside Set, so setting it under mu_ is safe.
+  stall_alarm_ = std::make_unique<grpc::Alarm>();
+  stall_alarm_->Set(absl::ToChronoTime(when), [this](bool fired) { OnStallAlarm(fired); });
+}
+
+void StepReactor::OnStallAlarm(bool fired) {
+  bool stalled = false;
+  {
+    absl::MutexLock lock(&mu_);
+    stall_alarm_pending_ = false;
+    if (fired && !finished_ && !cancelled_ && !stalled_.has_value() && assembler_.open()) {
+      const absl::Duration timeout = ctx_->admission->stall_timeout();
+      const absl::Time now = absl::Now();
+      // Only a read the server is waiting on counts: while reading pauses (the stream's
+      // micro-batches ahead are being answered) the client cannot send.
+      if (reading_ && now - read_started_ >= timeout) {
+        const v1::StepHeader& h = assembler_.open_header();
+        stalled_ = grpc::Status(
+            grpc::StatusCode::ABORTED,
+            absl::StrCat("micro-batch (head '", h.head(), "', client '", h.client_id(),
+                         "', sequence ", h.sequence(), ") received nothing for ",
+                         absl::ToDoubleSeconds(now - read_started_),
+                         " s (--step_stall_timeout=", absl::FormatDuration(timeout),
+                         "): it was abandoned and its reservation released, and nothing of it "
+                         "was counted; send it again on a new stream"));
+        assembler_.Clear();
         ReleaseOpenLocked();
-      }
-      if (!assembled.ok()) {
-        ReleaseOpenLocked();
-        pending_finish_ = ToGrpcStatus(assembled.status());
-      } else if (assembled->has_value()) {
-        auto slot = std::make_shared<Slot>();
-        slot->assembled = std::move(**assembled);
-        slot->ready = absl::Now();
-        if (slot->assembled.oversize || !slot->assembled.refused.ok()) {
-          ReleaseOpenLocked();
-        } else {
-          slot->admitted = open_admitted_;
-          slot->reserved = open_reserved_;
-          open_admitted_ = false;
-          open_reserved_ = 0;
-        }
         open_received_ = 0;
-        slots_.push_back(std::move(slot));
-        ++inflight_;
-        ctx_->metrics->InflightAdd(1);
-        StartNextSlotLocked();
+        open_announced_ = 0;
+        ctx_->metrics->StalledMicrobatch();
+        stalled = true;
+      } else {
+        ArmStallAlarmLocked((reading_ ? read_started_ : now) + timeout);
       }
     }
   }
-  Pump();
+  if (stalled) Pump();
+  Unpin();
 }
 
 void StepReactor::StartNextSlotLocked() {
@@ -202,6 +262,7 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   StepStats stats;
   absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome;
   bool known_head = false;
+  bool refused_by_head = false;
   bool gone;
   {
     absl::MutexLock lock(&mu_);
@@ -215,12 +276,16 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
                         "the Step call's deadline passed before this "
                         "micro-batch started")
                   : absl::CancelledError("the Step call was cancelled");
-  } else if (!slot->assembled.refused.ok()) {
-    outcome = slot->assembled.refused;
-  } else if (slot->assembled.oversize) {
-    outcome = absl::ResourceExhaustedError(absl::StrCat(
-        "micro-batch of ", slot->assembled.received_bytes, " bytes exceeds the limit of ",
-        ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
+  } else if (!slot->assembled.refused.ok() || slot->assembled.oversize) {
+    outcome = !slot->assembled.refused.ok()
+                  ? slot->assembled.refused
+                  : absl::ResourceExhaustedError(absl::StrCat(
+                        "micro-batch exceeds the limit of ", ctx_->max_microbatch_bytes,
+                        " bytes (--max_microbatch_bytes): ", slot->assembled.received_bytes,
+                        " bytes received; the rest of it is skipped"));
+    // Refused before it ran (at its header, by admission or by size): still an error of its
+    // head, when there is one.
+    refused_by_head = ctx_->registry->Get(head_name).ok();
   } else {
     absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(head_name);
     if (!head.ok()) {
@@ -249,6 +314,8 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
       m.Microbatch(head_name, (*outcome)->forward_only ? "forward" : "ok");
       m.Tokens(head_name, (*outcome)->token_count);
     }
+  } else if (refused_by_head) {
+    m.Microbatch(head_name, "error", static_cast<int>(outcome.status().code()));
   } else {
     m.Failure("Step", static_cast<int>(outcome.status().code()));
   }
@@ -303,6 +370,7 @@ void StepReactor::OnWriteDone(bool ok) {
 void StepReactor::OnDone() {
   ctx_->streams.Remove(this);
   bool destroy;
+  grpc::Alarm* pending_alarm = nullptr;
   {
     absl::MutexLock lock(&mu_);
     done_ = true;
@@ -311,7 +379,18 @@ void StepReactor::OnDone() {
     inflight_ = 0;
     ReleaseOpenLocked();
     for (const std::shared_ptr<Slot>& slot : slots_) ReleaseSlotLocked(*slot);
+    // The call is finished, so nothing re-arms the alarm now; cancelling it makes its callback
+    // run (and unpin) at once instead of after the timeout. Pinned across the call, outside mu_.
+    if (stall_alarm_pending_) {
+      pending_alarm = stall_alarm_.get();
+      ++pins_;
+    }
     destroy = pins_ == 0;
+  }
+  if (pending_alarm != nullptr) {
+    pending_alarm->Cancel();
+    Unpin();
+    return;
   }
   if (destroy) delete this;
 }
@@ -346,42 +425,41 @@ grpc::Status StepReactor::CancelStatus() const {
   return grpc::Status(grpc::StatusCode::CANCELLED, "the Step call was cancelled");
 }
 
-uint64_t StepReactor::AnnouncedHiddenBytes(const v1::StepHeader& header) const {
+absl::Status StepReactor::AdmitHeaderLocked(const v1::StepRequest& request) {
+  const v1::StepHeader& header = request.header();
+  const size_t piece = request.hidden().size() + request.targets().size();
+  open_received_ = piece;
+  open_announced_ = 0;
+  // What can never be served is refused before any of its data is read, and without a retry
+  // hint even when the server is busy, so that nobody is invited to send it again.
   absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
-  if (!head.ok()) return 0;
-  // Targets included: a few bytes per token more than the hidden states need.
-  return AnnouncedBytes(header, (*head)->hidden_size());
+  if (!head.ok()) return head.status();
+  const uint64_t announced = AnnouncedBytes(header, (*head)->hidden_size());
+  if (announced > ctx_->max_microbatch_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "micro-batch of ", announced, " bytes (as its header announces) exceeds the limit of ",
+        ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
+  }
+  if (absl::Status checked = (*head)->CheckHeader(header); !checked.ok()) return checked;
+  open_announced_ = announced;
+  Admission* admission = ctx_->admission;
+  if (admission == nullptr) return absl::OkStatus();
+  if (piece > ctx_->max_microbatch_bytes) return absl::OkStatus();  // refused as oversize
+  // Reserve what the header announces (capped by the per-micro-batch limit, beyond which the
+  // micro-batch is refused anyway), so that a large micro-batch is refused at its first
+  // message rather than after much of it has been buffered.
+  const size_t want = std::max(static_cast<size_t>(announced), piece);
+  if (!admission->TryAdmit(want)) {
+    return admission->Refusal(absl::StrCat("no room to admit a micro-batch of ", want, " bytes"));
+  }
+  open_admitted_ = true;
+  open_reserved_ = want;
+  return absl::OkStatus();
 }
 
 absl::Status StepReactor::AdmitPieceLocked(const v1::StepRequest& request) {
   Admission* admission = ctx_->admission;
   const size_t piece = request.hidden().size() + request.targets().size();
-  if (request.has_header() && !assembler_.open()) {
-    open_received_ = piece;
-    if (admission == nullptr) return absl::OkStatus();
-    // Reserve what the header announces (capped by the per-micro-batch limit, beyond which the
-    // micro-batch is refused anyway), so that a large micro-batch is refused at its first
-    // message rather than after much of it has been buffered.
-    uint64_t announced = 0;
-    if (auto head = ctx_->registry->Get(request.header().head()); head.ok()) {
-      announced = AnnouncedBytes(request.header(), (*head)->hidden_size());
-    }
-    // Too large for any server state: a permanent refusal without a retry hint, decided before
-    // admission so that a busy server does not invite retries of what it can never accept.
-    if (announced > ctx_->max_microbatch_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "micro-batch of ", announced, " bytes (as its header announces) exceeds the limit of ",
-          ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
-    }
-    if (piece > ctx_->max_microbatch_bytes) return absl::OkStatus();  // refused as oversize
-    const size_t want = std::max(static_cast<size_t>(announced), piece);
-    if (!admission->TryAdmit(want)) {
-      return admission->Refusal(absl::StrCat("no room to admit a micro-batch of ", want, " bytes"));
-    }
-    open_admitted_ = true;
-    open_reserved_ = want;
-    return absl::OkStatus();
-  }
   if (!assembler_.open() || !assembler_.buffering()) return absl::OkStatus();
   open_received_ += piece;
   // Past the per-micro-batch limit the assembler stops buffering and refuses it permanently.

@@ -5,6 +5,14 @@
 //
 // The method is registered raw (byte buffers both ways): requests are parsed here as gRPC would,
 // and responses reference the outcome's dH instead of copying it (server/rpc/step_wire.h).
+//
+// A header is checked before any of its data is read: an unknown head, a field the head cannot
+// serve, a size over --max_microbatch_bytes or no room in Admission get the micro-batch answered
+// at once, and the rest of its messages are skipped (StepAssembler). A micro-batch being received
+// that gets no message for Admission::stall_timeout() while a read waits for one is abandoned:
+// its reservation is released, the micro-batches before it are answered, and the stream ends
+// ABORTED. The timer is one grpc::Alarm per stream, armed while a micro-batch is open; each read
+// costs only a timestamp.
 #ifndef LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 #define LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 
@@ -17,6 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
 #include "server/rpc/service_context.h"
@@ -63,11 +72,21 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   void StartNextSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSlot(std::shared_ptr<Slot> slot);
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Admission bookkeeping of one message of the open (or just opened) micro-batch, before its
-  // bytes are buffered: the refusal to answer it with, or OK.
+  // One parsed request: admission, assembly, and a slot for each micro-batch to answer.
+  void ReceiveLocked(v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EnqueueLocked(AssembledMicroBatch assembled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The header of a micro-batch about to open, before anything of it is buffered: what can never
+  // be served (unknown head, a field the head refuses, over --max_microbatch_bytes) or finds no
+  // room in Admission is the refusal to answer it with at once; OK admits it.
+  absl::Status AdmitHeaderLocked(const v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Admission bookkeeping of a further message of the open micro-batch, before its bytes are
+  // buffered: the refusal to answer it with, or OK.
   absl::Status AdmitPieceLocked(const v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Bytes the header announces for its head (0 for an unknown head or unusable fields).
-  uint64_t AnnouncedHiddenBytes(const v1::StepHeader& header) const;
+  // The stall timer: ArmStallAlarmLocked sets the alarm for `when` (pinning the reactor until it
+  // fires or is cancelled); OnStallAlarm abandons the open micro-batch once a read has waited
+  // the whole timeout, or re-arms.
+  void ArmStallAlarmLocked(absl::Time when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnStallAlarm(bool fired);
   void ReleaseOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlotBytesLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlotLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -101,6 +120,13 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   bool open_admitted_ ABSL_GUARDED_BY(mu_) = false;
   size_t open_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   size_t open_received_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t open_announced_ ABSL_GUARDED_BY(mu_) = 0;  // bytes its header announces
+  // The stall timer (see above): when the outstanding read was started, the alarm, whether it
+  // is set and has not run yet, and the status of a stream whose micro-batch stalled.
+  absl::Time read_started_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::Alarm> stall_alarm_ ABSL_GUARDED_BY(mu_);
+  bool stall_alarm_pending_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> stalled_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace losshead::server

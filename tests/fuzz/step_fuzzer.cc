@@ -1,9 +1,11 @@
 // libFuzzer target: random bytes as a sequence of StepRequest messages (see step_fuzz_format.h)
 // through what the server does with a Step stream short of gRPC: admission bookkeeping from the
-// header (AnnouncedBytes), reassembly (StepAssembler), validation and the step itself on a tiny
-// CPU head (Head::Step: dtype, shape, target and option checks, idempotent replay), and the
-// response chunking (BuildStepResponses). It must never crash, hang or grow without bound; the
-// checks below abort on broken invariants so that the fuzzer reports them.
+// header (AnnouncedBytes), reassembly (StepAssembler, with the skipping of an oversize
+// micro-batch's rest and the digests of its key's fingerprint), validation and the step itself on
+// a tiny CPU head (Head::Step: dtype, shape, target and option checks, idempotent replay, refusal
+// of a key reused for other content), and the response chunking (BuildStepResponses). It must
+// never crash, hang or grow without bound; the checks below abort on broken invariants so that
+// the fuzzer reports them.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -17,6 +19,7 @@
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/admission.h"
 #include "server/engine/head.h"
+#include "server/engine/request_fingerprint.h"
 #include "server/rpc/step_assembler.h"
 
 namespace {
@@ -99,6 +102,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(mb.oversize ||
                mb.microbatch.hidden.size() + mb.microbatch.targets.size() == mb.received_bytes);
     FUZZ_CHECK(mb.oversize == (mb.received_bytes > kMaxMicrobatchBytes));
+    // Digests taken piece by piece are those of the whole tensors (the key's fingerprint).
+    FUZZ_CHECK(mb.microbatch.hidden_digest.has_value() == mb.microbatch.targets_digest.has_value());
+    if (mb.microbatch.hidden_digest.has_value()) {
+      FUZZ_CHECK(*mb.microbatch.hidden_digest ==
+                 losshead::server::ByteDigest::Of(mb.microbatch.hidden));
+      FUZZ_CHECK(*mb.microbatch.targets_digest ==
+                 losshead::server::ByteDigest::Of(mb.microbatch.targets));
+    }
     absl::StatusOr<std::shared_ptr<const losshead::server::StepOutcome>> outcome =
         absl::ResourceExhaustedError("oversize");
     losshead::server::StepStats stats;

@@ -185,6 +185,127 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CheckpointFormatTest,
                          ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16),
                          [](const auto& info) { return v1::DType_Name(info.param); });
 
+void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
+void PutU32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
+void PutF64(std::string& out, double v) { out.append(reinterpret_cast<const char*>(&v), 8); }
+void PutBytes(std::string& out, const std::string& s) {
+  PutU64(out, s.size());
+  out += s;
+}
+
+// A file as the format-2 writer made it (before fingerprints): a 3 x 2 fp32 head with a plain SGD,
+// one remembered micro-batch of client "a" (sequence 1) and one remembered apply of client "o"
+// (key 1), each record without the fingerprint that format 3 adds.
+std::string FormatTwoFile(const std::string& dh, const v1::ApplyOptimizerResponse& applied) {
+  v1::HeadSpec spec;
+  spec.set_name("old");
+  spec.set_vocab_size(3);
+  spec.set_hidden_size(2);
+  spec.set_weight_dtype(v1::DTYPE_FP32);
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_SGD);
+  std::string meta;
+  PutBytes(meta, spec.SerializeAsString());
+  for (uint64_t counter : {5, 2, 1, 5, 5, 2, 1}) PutU64(meta, counter);
+  PutU64(meta, 1);  // clients
+  PutBytes(meta, "a");
+  meta.push_back(2);  // max applied only
+  PutU64(meta, 0);
+  PutU64(meta, 1);
+  PutU64(meta, 1);  // results
+  PutU64(meta, 1);  // sequence
+  PutF64(meta, 1.5);
+  PutU64(meta, 2);
+  PutF64(meta, 0.75);
+  PutU64(meta, 5);
+  PutU32(meta, v1::DTYPE_FP32);
+  PutBytes(meta, dh);
+  PutBytes(meta, "");
+  // The optimizer record: step 1, no momentum, master version 0, no master, no state buffers.
+  PutU64(meta, 1);
+  meta.push_back(0);
+  PutU64(meta, 0);
+  PutU64(meta, 0);
+  PutU64(meta, 0);
+  PutU64(meta, 1);  // apply clients
+  PutBytes(meta, "o");
+  PutU64(meta, 1);
+  PutU64(meta, 1);
+  PutU64(meta, 1);  // key
+  PutBytes(meta, applied.SerializeAsString());
+  const std::string weights(24, '\0');
+  const std::string gradient(24, '\0');
+  const uint32_t version = 2;
+  std::string seed_fields;
+  PutU32(seed_fields, version);
+  for (uint64_t n : {meta.size(), weights.size(), gradient.size(), size_t{0}, size_t{0}}) {
+    PutU64(seed_fields, n);
+  }
+  const uint64_t sum = Checksum(gradient, Checksum(weights, Checksum(meta, Checksum(seed_fields))));
+  std::string file = "LHCKPT\r\n";
+  PutU32(file, version);
+  PutU32(file, 0);
+  for (uint64_t n : {meta.size(), weights.size(), gradient.size(), sum, size_t{0}, size_t{0}}) {
+    PutU64(file, n);
+  }
+  file.resize(64, '\0');
+  return file + meta + weights + gradient;
+}
+
+// What a format-2 checkpoint remembers has no fingerprint: its keys replay whatever is resent (as
+// before fingerprints existed), while keys used after the restore are checked, and the head's
+// next checkpoint is format 3.
+TEST(CheckpointFormatTwoTest, FilesStillRestoreAndTheirKeysReplayUnchecked) {
+  const std::string dh(16, '\x11');
+  v1::ApplyOptimizerResponse applied;
+  applied.set_weights_version(5);
+  applied.set_optimizer_step(1);
+  auto decoded = DecodeCheckpoint(FormatTwoFile(dh, applied));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_EQ(decoded->clients.size(), 1u);
+  ASSERT_EQ(decoded->clients[0].results.size(), 1u);
+  EXPECT_FALSE(decoded->clients[0].results[0].second->fingerprint.has_value());
+  ASSERT_EQ(decoded->applies.size(), 1u);
+  EXPECT_TRUE(decoded->applies[0].responses[0].fingerprint.empty());
+  auto backend = kernels::CreateBackend(kernels::BackendKind::kCpu);
+  ASSERT_TRUE(backend.ok());
+  auto head = Head::Restore(**backend, *decoded, HeadOptions{});
+  ASSERT_TRUE(head.ok()) << head.status();
+
+  StepStats stats;
+  auto replay = (*head)->Step(Batch(2, 2, 3, v1::DTYPE_FP32, "a", 1), &stats);
+  ASSERT_TRUE(replay.ok()) << replay.status();
+  EXPECT_TRUE(stats.replayed);
+  EXPECT_EQ((*replay)->loss_sum, 1.5);
+  EXPECT_EQ((*replay)->grad_hidden, dh);
+  v1::ApplyOptimizerRequest apply;
+  apply.set_client_id("o");
+  apply.set_step_key(1);
+  apply.mutable_params()->set_lr(0.5);
+  apply.set_grad_divisor(1.0);
+  auto apply_replay = (*head)->ApplyOptimizer(apply);
+  ASSERT_TRUE(apply_replay.ok()) << apply_replay.status();
+  EXPECT_TRUE(apply_replay->replayed());
+  EXPECT_EQ(apply_replay->optimizer_step(), 1u);
+
+  // A key used after the restore is fingerprinted, and the next file is format 3.
+  ASSERT_TRUE((*head)->Step(Batch(2, 2, 3, v1::DTYPE_FP32, "a", 2), &stats).ok());
+  ASSERT_TRUE((*head)->Step(Batch(2, 2, 3, v1::DTYPE_FP32, "a", 9), &stats).ok());
+  MicroBatch other = Batch(2, 2, 3, v1::DTYPE_FP32, "a", 9);
+  other.hidden = Batch(2, 2, 3, v1::DTYPE_FP32, "a", 10).hidden;
+  EXPECT_EQ((*head)->Step(other, &stats).status().code(), absl::StatusCode::kAlreadyExists);
+  auto snap = (*head)->Snapshot();
+  ASSERT_TRUE(snap.ok());
+  const std::string file = EncodeCheckpoint(*snap);
+  uint32_t written_version;
+  std::memcpy(&written_version, file.data() + 8, 4);
+  EXPECT_EQ(written_version, kCheckpointFormatVersion);
+  auto again = DecodeCheckpoint(file);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->clients[0].results.size(), 3u);
+  EXPECT_FALSE(again->clients[0].results[0].second->fingerprint.has_value());
+  EXPECT_TRUE(again->clients[0].results[1].second->fingerprint.has_value());
+}
+
 TEST(CheckpointFileTest, AtomicWriteAndReadBack) {
   const std::string dir =
       (std::filesystem::temp_directory_path() / absl::StrCat("lhck-", getpid())).string();

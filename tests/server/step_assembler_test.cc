@@ -1,5 +1,6 @@
 #include "server/rpc/step_assembler.h"
 
+#include <optional>
 #include <string>
 
 #include "absl/time/clock.h"
@@ -60,19 +61,84 @@ TEST(StepAssemblerTest, HeaderInsideAMicroBatchIsMalformed) {
   EXPECT_EQ(a.Add(r2, absl::Now()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(StepAssemblerTest, OversizeStopsBufferingButKeepsFraming) {
+TEST(StepAssemblerTest, OversizeIsHandedBackAtOnceAndItsRestIsSkipped) {
   StepAssembler a(10);
   auto r1 = Request(true, "12345678", "", false);
   auto r2 = Request(false, "12345678", "", false);
   auto r3 = Request(false, "", "tt", true);
   ASSERT_FALSE(a.Add(r1, absl::Now())->has_value());
-  ASSERT_FALSE(a.Add(r2, absl::Now())->has_value());
-  auto got = a.Add(r3, absl::Now());
+  auto got = a.Add(r2, absl::Now());  // passes the limit: answered now, not at its last message
   ASSERT_TRUE(got.ok() && got->has_value());
   EXPECT_TRUE((*got)->oversize);
-  EXPECT_EQ((*got)->received_bytes, 18u);
+  EXPECT_EQ((*got)->received_bytes, 16u);
   EXPECT_TRUE((*got)->microbatch.hidden.empty());
   EXPECT_TRUE((*got)->microbatch.targets.empty());
+  EXPECT_FALSE(a.open());
+  EXPECT_TRUE(a.skipping());
+  auto rest = a.Add(r3, absl::Now());  // skipped, framing kept: the next header opens anew
+  ASSERT_TRUE(rest.ok());
+  EXPECT_FALSE(rest->has_value());
+  EXPECT_FALSE(a.skipping());
+  auto next = Request(true, "ab", "t", true);
+  auto ok = a.Add(next, absl::Now());
+  ASSERT_TRUE(ok.ok() && ok->has_value());
+  EXPECT_EQ((*ok)->microbatch.hidden, "ab");
+}
+
+TEST(StepAssemblerTest, RefusedIsHandedBackAtOnceAndItsRestMayBeLeftOut) {
+  StepAssembler a(1 << 20);
+  auto r1 = Request(true, "abcd", "", false);
+  ASSERT_FALSE(a.Add(r1, absl::Now())->has_value());
+  AssembledMicroBatch refused = a.Refuse(absl::ResourceExhaustedError("busy"));
+  EXPECT_EQ(refused.refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(refused.microbatch.hidden.empty());
+  EXPECT_FALSE(a.open());  // the stream may end here
+  // Its remaining pieces are dropped while they come...
+  auto piece = Request(false, "efgh", "", false);
+  auto skipped = a.Add(piece, absl::Now());
+  ASSERT_TRUE(skipped.ok());
+  EXPECT_FALSE(skipped->has_value());
+  EXPECT_TRUE(a.skipping());
+  // ... and a header ends them: the client need not send the rest of a refused micro-batch.
+  auto next = Request(true, "xy", "t", true);
+  auto got = a.Add(next, absl::Now());
+  ASSERT_TRUE(got.ok() && got->has_value());
+  EXPECT_EQ((*got)->microbatch.hidden, "xy");
+  EXPECT_FALSE(a.skipping());
+}
+
+// Digests over the bytes in order, whatever the pieces: a retry sent in other pieces matches.
+TEST(StepAssemblerTest, KeyedMicroBatchIsDigestedPieceByPiece) {
+  const std::string hidden = "0123456789abcdefghij";
+  const std::string targets = "TTTTuuuu";
+  for (size_t piece : {size_t{1}, size_t{3}, size_t{7}, hidden.size()}) {
+    StepAssembler a(1 << 20);
+    std::optional<AssembledMicroBatch> got;
+    for (size_t at = 0; at < hidden.size(); at += piece) {
+      const bool last = at + piece >= hidden.size();
+      auto r = Request(at == 0, hidden.substr(at, piece), last ? targets : "", last);
+      if (at == 0) r.mutable_header()->set_client_id("c");
+      auto added = a.Add(r, absl::Now());
+      ASSERT_TRUE(added.ok());
+      if (added->has_value()) got = std::move(**added);
+    }
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->microbatch.hidden, hidden);
+    EXPECT_EQ(got->microbatch.hidden_digest, ByteDigest::Of(hidden)) << piece;
+    EXPECT_EQ(got->microbatch.targets_digest, ByteDigest::Of(targets)) << piece;
+  }
+  // Keys that are never remembered cost no digest.
+  StepAssembler a(1 << 20);
+  auto anonymous = Request(true, hidden, targets, true);
+  auto got = a.Add(anonymous, absl::Now());
+  ASSERT_TRUE(got.ok() && got->has_value());
+  EXPECT_FALSE((*got)->microbatch.hidden_digest.has_value());
+  auto forward = Request(true, hidden, targets, true);
+  forward.mutable_header()->set_client_id("c");
+  forward.mutable_header()->mutable_options()->set_forward_only(true);
+  got = a.Add(forward, absl::Now());
+  ASSERT_TRUE(got.ok() && got->has_value());
+  EXPECT_FALSE((*got)->microbatch.hidden_digest.has_value());
 }
 
 TEST(StepResponsesTest, ErrorIsOneLastMessage) {

@@ -202,13 +202,9 @@ INSTANTIATE_TEST_SUITE_P(Windows, OptimizerNonFiniteTest,
 // (grad_scale = coefficient / divisor) in fp32, so a caller's grad_divisor below 1 can turn a
 // finite dW near 1e38 into Inf, and AdamW's update into Inf / Inf = NaN. By the same policy the
 // apply must be refused (FAILED_PRECONDITION) with nothing changed.
-// DISABLED: today the apply succeeds and writes NaN into W, the master copy and the state
-// (ApplyOptimizer checks that the squared norm is finite and that grad_scale is, not their
-// product). Enable it once ApplyOptimizer refuses sqrt(squared norm) x grad_scale >= FLT_MAX
-// before stepping.
 using OptimizerOverflowTest = SharedServerTest<>;
 
-TEST_F(OptimizerOverflowTest, DISABLED_DividedWindowThatOverflowsFp32IsRefused) {
+TEST_F(OptimizerOverflowTest, DividedWindowThatOverflowsFp32IsRefused) {
   const std::string head = "overflow";
   auto known = CreateKnownHead(*client_, head, kV, kD, v1::DTYPE_FP32, /*seed=*/22, /*std=*/0.3);
   ASSERT_TRUE(known.ok()) << known.status();

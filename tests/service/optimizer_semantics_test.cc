@@ -93,7 +93,10 @@ TEST_F(OptimizerSemanticsTest, RetriedApplyNeverStepsTwice) {
   }
   const State late = Now();
   EXPECT_EQ(client_->ApplyOptimizer(first).status().code(), absl::StatusCode::kFailedPrecondition);
-  auto remembered = client_->ApplyOptimizer(ApplyRequest(head_, "t", 21, AdamWParams(0.0, 0)));
+  // The retry must be the same request as the one remembered (a different one is refused).
+  v1::ApplyOptimizerRequest retry = ApplyRequest(head_, "t", 21, AdamWParams(0.0, 0));
+  retry.set_grad_divisor(1.0);
+  auto remembered = client_->ApplyOptimizer(retry);
   ASSERT_TRUE(remembered.ok());
   EXPECT_TRUE(remembered->replayed());
   EXPECT_TRUE(Now() == late);

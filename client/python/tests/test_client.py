@@ -216,7 +216,8 @@ def test_forward_only_step_equals_a_counted_step_and_counts_nothing(client: Clie
     assert (info.tokens_total, info.microbatches_total) == (info_before.tokens_total,
                                                             info_before.microbatches_total)
     # The counted step's key still replays the counted answer.
-    again = client.step(name, hidden, targets, reduction="sum", sequence=counted.sequence)
+    again = client.step(name, hidden, targets, reduction="sum", return_per_token_loss=True,
+                        sequence=counted.sequence)
     assert again.replayed and again.loss_sum == counted.loss_sum
 
 
