@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "losshead/client/client.h"
 #include "tests/common/server_process.h"
+#include "tests/recovery/recovery_process.h"
 #include "tests/recovery/trainer.h"
 
 #ifndef LOSSHEAD_SERVER_BINARY
@@ -26,20 +27,6 @@
 
 namespace losshead::testing {
 namespace {
-
-std::string TempDir() {
-  std::string pattern = (std::filesystem::temp_directory_path() / "losshead-recovery-XXXXXX");
-  char* dir = mkdtemp(pattern.data());
-  return dir == nullptr ? "" : std::string(dir);
-}
-
-std::unique_ptr<client::Client> Connect(const ServerProcess& process) {
-  client::ClientOptions options;
-  options.deadline = absl::Seconds(30);
-  options.stream_deadline = absl::Seconds(120);
-  auto c = client::Client::Connect(process.target(), options);
-  return c.ok() ? std::move(*c) : nullptr;
-}
 
 // The fault-free run, once per dtype.
 struct Reference {
@@ -52,14 +39,14 @@ const Reference& ReferenceFor(const TrainConfig& config) {
   static auto* cache = new std::map<int, Reference>();
   auto it = cache->find(config.dtype);
   if (it != cache->end()) return it->second;
-  const std::string dir = TempDir();
+  const std::string dir = RecoveryTempDir();
   Reference ref;
   {
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
                                         {"--backend=cpu", "--worker_threads=2"}, dir + "/ref.log");
     EXPECT_TRUE(process.ok()) << process.status();
     if (process.ok()) {
-      auto c = Connect(**process);
+      auto c = ConnectToServer(**process);
       Trainer trainer(config);
       absl::Status run = trainer.Run(*c, [](const Event&) { return absl::OkStatus(); });
       EXPECT_TRUE(run.ok()) << run;
@@ -77,7 +64,7 @@ const Reference& ReferenceFor(const TrainConfig& config) {
 class KillRestartTest : public ::testing::TestWithParam<v1::DType> {
  protected:
   void SetUp() override {
-    dir_ = TempDir();
+    dir_ = RecoveryTempDir();
     ASSERT_FALSE(dir_.empty());
     config_.dtype = GetParam();
   }
@@ -96,7 +83,7 @@ class KillRestartTest : public ::testing::TestWithParam<v1::DType> {
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, Flags(), dir_ + "/server.log");
     ASSERT_TRUE(process.ok()) << process.status();
     process_ = std::move(*process);
-    client_ = Connect(*process_);
+    client_ = ConnectToServer(*process_);
     ASSERT_NE(client_, nullptr);
     ++starts_;
   }
@@ -355,7 +342,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, KillRestartTest,
 
 // A corrupt or torn checkpoint: the server refuses to start, naming the file.
 TEST(CorruptCheckpointTest, ServerRefusesToStart) {
-  const std::string dir = TempDir();
+  const std::string dir = RecoveryTempDir();
   const std::string ckpt = dir + "/ckpt";
   const std::string log = dir + "/server.log";
   const std::vector<std::string> flags = {"--backend=cpu", "--checkpoint_dir=" + ckpt,
@@ -363,7 +350,7 @@ TEST(CorruptCheckpointTest, ServerRefusesToStart) {
   {
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags, log);
     ASSERT_TRUE(process.ok()) << process.status();
-    auto c = Connect(**process);
+    auto c = ConnectToServer(**process);
     TrainConfig config;
     Trainer trainer(config);
     ASSERT_TRUE(trainer.Run(*c, [](const Event&) { return absl::OkStatus(); }).ok());
@@ -407,7 +394,7 @@ TEST(CorruptCheckpointTest, ServerRefusesToStart) {
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags, log);
     ASSERT_TRUE(process.ok()) << process.status();
     EXPECT_FALSE(std::filesystem::exists(file + ".tmp"));
-    auto c = Connect(**process);
+    auto c = ConnectToServer(**process);
     auto info = c->GetHead(kTrainHead);
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->microbatches_total(), 6u * 5);

@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "losshead/client/client.h"
 #include "tests/common/server_process.h"
+#include "tests/recovery/recovery_process.h"
 #include "tests/recovery/optimizer_trainer.h"
 
 #ifndef LOSSHEAD_SERVER_BINARY
@@ -30,20 +31,6 @@
 
 namespace losshead::testing {
 namespace {
-
-std::string TempDir() {
-  std::string pattern = (std::filesystem::temp_directory_path() / "losshead-recovery-XXXXXX");
-  char* dir = mkdtemp(pattern.data());
-  return dir == nullptr ? "" : std::string(dir);
-}
-
-std::unique_ptr<client::Client> Connect(const ServerProcess& process) {
-  client::ClientOptions options;
-  options.deadline = absl::Seconds(30);
-  options.stream_deadline = absl::Seconds(120);
-  auto c = client::Client::Connect(process.target(), options);
-  return c.ok() ? std::move(*c) : nullptr;
-}
 
 const OptimizerTrainConfig kConfig;
 
@@ -57,13 +44,13 @@ struct Reference {
 const Reference& TheReference() {
   static const Reference* ref = [] {
     auto* r = new Reference();
-    const std::string dir = TempDir();
+    const std::string dir = RecoveryTempDir();
     {
       auto process = ServerProcess::Start(
           LOSSHEAD_SERVER_BINARY, {"--backend=cpu", "--worker_threads=2"}, dir + "/ref.log");
       EXPECT_TRUE(process.ok()) << process.status();
       if (!process.ok()) return r;
-      auto c = Connect(**process);
+      auto c = ConnectToServer(**process);
       OptimizerTrainer trainer(kConfig);
       absl::Status run = trainer.Run(*c, [](const Event&) { return absl::OkStatus(); });
       EXPECT_TRUE(run.ok()) << run;
@@ -84,7 +71,7 @@ const Reference& TheReference() {
 class OptimizerKillRestartTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = TempDir();
+    dir_ = RecoveryTempDir();
     ASSERT_FALSE(dir_.empty());
   }
   void TearDown() override {
@@ -99,7 +86,7 @@ class OptimizerKillRestartTest : public ::testing::Test {
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags, dir_ + "/server.log");
     ASSERT_TRUE(process.ok()) << process.status();
     process_ = std::move(*process);
-    client_ = Connect(*process_);
+    client_ = ConnectToServer(*process_);
     ASSERT_NE(client_, nullptr);
     ++starts_;
   }
