@@ -1,14 +1,18 @@
 // 64 clients stream micro-batches at once for a bounded time while a puller pulls with reset,
-// against small server bounds so that many micro-batches are refused and retried. At the end the
-// pulled windows add up exactly to what the clients were acknowledged: no micro-batch lost or
-// counted twice, and summed dW equals an independent float64 reference summed per micro-batch.
+// against small server bounds so that many micro-batches are refused and retried; in the second
+// test, stalled clients meanwhile keep opening streams that send half a micro-batch and then
+// nothing, holding admission until --step_stall_timeout lets go of it. At the end the pulled
+// windows add up exactly to what the clients were acknowledged: no micro-batch lost or counted
+// twice, and summed dW equals an independent float64 reference summed per micro-batch.
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/load/load_util.h"
 #include "tests/service/reference.h"
@@ -21,13 +25,54 @@ constexpr int kClients = 64;
 constexpr int64_t kV = 23, kD = 8;
 // Bounded time: each client stops starting new rounds after this; every round still completes.
 constexpr absl::Duration kDuration = absl::Seconds(5);
+constexpr absl::Duration kStall = absl::Milliseconds(250);
 
-TEST(ConcurrentClientsTest, NoMicrobatchLostOrCountedTwiceUnderBackpressure) {
+struct StallCounts {
+  std::atomic<uint64_t> aborted{0};  // stalled micro-batches the server let go of (ABORTED)
+  std::atomic<uint64_t> refused{0};  // stalled headers refused at once (no room): held nothing
+  std::atomic<uint64_t> other{0};    // anything else: a failure
+};
+
+// Until `stop`: opens a Step stream, sends the header and half of a micro-batch that fills the
+// byte bound's quarter, then nothing; waits for the server to end the call.
+void StallRepeatedly(int port, int id, absl::Time stop, StallCounts& counts) {
+  auto stub = v1::LossHead::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  const HostBatch batch = MakeBatch(100, kD, kV, v1::DTYPE_FP32, 77 + id);  // 3.2 KB of hidden
+  for (uint64_t sequence = 1; absl::Now() < stop; ++sequence) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    auto stream = stub->Step(&context);
+    const auto messages =
+        StepMessages(ToMicrobatch("load", absl::StrCat("stalled", id), sequence, batch), 2);
+    if (!stream->Write(messages[0])) {
+      counts.other.fetch_add(1);
+      continue;
+    }
+    v1::StepResponse response;
+    if (stream->Read(&response)) {
+      // Answered at once: refused for want of room, holding nothing. Try again shortly.
+      (response.has_error() ? counts.refused : counts.other).fetch_add(1);
+      context.TryCancel();
+      while (stream->Read(&response)) {
+      }
+      stream->Finish();
+      absl::SleepFor(absl::Milliseconds(5));
+      continue;
+    }
+    const grpc::Status status = stream->Finish();
+    (status.error_code() == grpc::StatusCode::ABORTED ? counts.aborted : counts.other)
+        .fetch_add(1);
+  }
+}
+
+void RunLoad(int stalled_clients) {
   auto server = StartServer([](server::ServerOptions& o) {
     o.max_inflight_microbatches = 8;  // far below 64 clients x 2 in flight: refusals happen
     o.max_microbatch_bytes = 4096;
     o.max_inflight_bytes = 4 * 4096;
     o.retry_after = absl::Milliseconds(2);
+    o.step_stall_timeout = kStall;
   });
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
@@ -45,6 +90,11 @@ TEST(ConcurrentClientsTest, NoMicrobatchLostOrCountedTwiceUnderBackpressure) {
   std::atomic<int> running{kClients};
   const absl::Time stop = absl::Now() + kDuration;
 
+  StallCounts stalls;
+  std::vector<std::thread> stallers;
+  for (int i = 0; i < stalled_clients; ++i) {
+    stallers.emplace_back([&, i] { StallRepeatedly(port, i, stop, stalls); });
+  }
   std::vector<std::thread> threads;
   for (int c = 0; c < kClients; ++c) {
     threads.emplace_back([&, c] {
@@ -108,6 +158,7 @@ TEST(ConcurrentClientsTest, NoMicrobatchLostOrCountedTwiceUnderBackpressure) {
     }
   });
   for (auto& t : threads) t.join();
+  for (auto& t : stallers) t.join();
   puller.join();
   ASSERT_TRUE(pull_error.ok()) << pull_error;
   auto last = admin->PullGradient(head->name, v1::DTYPE_FP32, /*reset=*/true);
@@ -138,14 +189,30 @@ TEST(ConcurrentClientsTest, NoMicrobatchLostOrCountedTwiceUnderBackpressure) {
   EXPECT_EQ(stats.admitted_microbatches(), 0u);
   EXPECT_EQ(stats.reserved_bytes(), 0u);
   EXPECT_GT(retries, 0u);  // the small bounds did refuse micro-batches
+  EXPECT_EQ(stalls.other.load(), 0u);
+  if (stalled_clients > 0) {
+    EXPECT_GT(stalls.aborted.load(), 0u);  // stalled micro-batches did hold room, and let go
+    EXPECT_GT(microbatches, 0u);
+  }
   // The figures of RELIABILITY.md.
   std::printf(
-      "load: %d clients, %.1f s, %llu micro-batches acknowledged, %llu tokens, %llu retries "
-      "(refused or lost), %llu replayed, %llu pulls with reset, lost 0, double-counted 0\n",
-      kClients, absl::ToDoubleSeconds(kDuration), static_cast<unsigned long long>(microbatches),
-      static_cast<unsigned long long>(tokens), static_cast<unsigned long long>(retries),
-      static_cast<unsigned long long>(replayed), static_cast<unsigned long long>(pulls));
+      "load: %d clients + %d stalled, %.1f s, %llu micro-batches acknowledged, %llu tokens, "
+      "%llu retries (refused or lost), %llu replayed, %llu pulls with reset, %llu stalled "
+      "micro-batches abandoned after %.2f s, %llu stalled headers refused at once, lost 0, "
+      "double-counted 0\n",
+      kClients, stalled_clients, absl::ToDoubleSeconds(kDuration),
+      static_cast<unsigned long long>(microbatches), static_cast<unsigned long long>(tokens),
+      static_cast<unsigned long long>(retries), static_cast<unsigned long long>(replayed),
+      static_cast<unsigned long long>(pulls),
+      static_cast<unsigned long long>(stalls.aborted.load()), absl::ToDoubleSeconds(kStall),
+      static_cast<unsigned long long>(stalls.refused.load()));
 }
+
+TEST(ConcurrentClientsTest, NoMicrobatchLostOrCountedTwiceUnderBackpressure) { RunLoad(0); }
+
+// Four stalled clients can each hold a quarter of the byte bound: while they all stall, nothing
+// else is admitted, and only the stall timeout lets the others go on.
+TEST(ConcurrentClientsTest, StalledClientsDelayButNeverLoseWellBehavedOnes) { RunLoad(4); }
 
 }  // namespace
 }  // namespace losshead::testing
