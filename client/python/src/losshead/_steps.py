@@ -240,15 +240,17 @@ def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int
     """
     if not hidden.is_cuda:
         return _wire.host_tensor(hidden, dtype), None
-    source = hidden.to(dtype)
     staged = torch.empty(hidden.shape, dtype=dtype, pin_memory=True)
     copied = []
-    for lane in range(streams):
-        for a, b in bounds[lane::streams]:
-            staged[a:b].copy_(source[a:b], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        copied.append(event)
+    # On the tensor's own device: the events must follow the stream the copies are queued on.
+    with torch.cuda.device(hidden.device):
+        source = hidden.to(dtype)
+        for lane in range(streams):
+            for a, b in bounds[lane::streams]:
+                staged[a:b].copy_(source[a:b], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            copied.append(event)
     # Freeing a converted `source` now is safe: the copies were queued on the current stream
     # before anything that could reuse its memory.
     return staged, lambda lane: copied[lane].synchronize()
