@@ -30,8 +30,10 @@ def plan_chunks(n: int, *, streams: int, chunk_tokens: int, min_chunk_tokens: in
         return [max(n, 0)]
     chunk = max(1, chunk_tokens)
     floor = max(1, min(min_chunk_tokens, chunk))
-    count = max(-(-n // chunk), max(1, streams) * max(1, depth))
-    count = max(1, min(count, n // floor), -(-n // chunk))
+    fewest = -(-n // chunk)  # micro-batches needed to stay within chunk_tokens
+    wanted = max(fewest, max(1, streams) * max(1, depth))
+    # As many as wanted while each keeps `floor` tokens, never fewer than the chunk size needs.
+    count = max(1, min(wanted, n // floor), fewest)
     edge = edge_tokens if 0 < edge_tokens < floor else 0
     if edge and count >= 3 and n - 2 * edge >= (count - 2) * floor:
         middle = n - 2 * edge
