@@ -116,8 +116,10 @@ class ServerImpl final : public Server {
     builder.SetMaxSendMessageSize(max_message);
     // Without this, Linux lets a second server bind the same port and silently share traffic.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    for (const auto& [key, value] : v1::kTensorTransportArgs) {
-      builder.AddChannelArgument(key, value);
+    if (!security_.tls) {  // see transport_args.h for why not with TLS
+      for (const auto& [key, value] : v1::kTensorTransportArgs) {
+        builder.AddChannelArgument(key, value);
+      }
     }
     builder.RegisterService(service_.get());
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counting;

@@ -39,10 +39,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxReceiveMessageSize(static_cast<int>(receive_bytes));
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
-  for (const auto& tuning : v1::kTensorTransportArgs) {
-    const bool overridden = std::any_of(options.channel_args.begin(), options.channel_args.end(),
-                                        [&](const auto& arg) { return arg.first == tuning.first; });
-    if (!overridden) args.SetInt(tuning.first, tuning.second);
+  // Plaintext only: see transport_args.h for why not with TLS.
+  if (options.credentials == nullptr && !internal::WantsTls(options)) {
+    for (const auto& tuning : v1::kTensorTransportArgs) {
+      const bool overridden =
+          std::any_of(options.channel_args.begin(), options.channel_args.end(),
+                      [&](const auto& arg) { return arg.first == tuning.first; });
+      if (!overridden) args.SetInt(tuning.first, tuning.second);
+    }
   }
   for (const auto& [key, value] : options.channel_args) args.SetInt(key, value);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =

@@ -6,6 +6,10 @@
 // 4096 bf16 micro-batches): 57,000 -> 80,000 tokens/s, and the pulls and downloads of a 128256 x
 // 4096 head 5-30 % faster (BENCHMARKS.md). The price is up to 1 MiB of read buffer per open
 // connection.
+//
+// Plaintext connections only: with TLS and reads this large, gRPC 1.51 (Debian 12) leaks the
+// slice array of a connection whose handshake fails (LeakSanitizer in tests/security), which an
+// untrusted peer could repeat at will; TLS connections keep gRPC's own read sizes.
 #ifndef LOSSHEAD_V1_TRANSPORT_ARGS_H_
 #define LOSSHEAD_V1_TRANSPORT_ARGS_H_
 
