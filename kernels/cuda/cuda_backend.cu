@@ -137,6 +137,7 @@ class CudaBackend final : public Backend {
 
   absl::string_view name() const override { return "cuda"; }
   std::string device_description() const override { return description_; }
+  int device_ordinal() const override { return device_; }
 
   MemoryInfo memory_info() const override {
     MemoryInfo info;

@@ -89,6 +89,9 @@ class Backend {
 
   virtual absl::string_view name() const = 0;  // "cpu" | "cuda"
   virtual std::string device_description() const = 0;
+  // The CUDA device ordinal this backend runs on, or -1 where it has none (the CPU backend, the
+  // default): CreateCollective gives each device one rank. A wrapper of a CUDA backend forwards it.
+  virtual int device_ordinal() const { return -1; }
   virtual MemoryInfo memory_info() const = 0;
 
   // INVALID_ARGUMENT if this backend cannot run `problem` (ValidateProblem plus its own limits).
