@@ -63,9 +63,15 @@ Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& opti
       options_(options),
       bearer_token_(options.bearer_token) {}
 
+Client::~Client() { CloseIdleStreams(); }
+
 void Client::SetBearerToken(std::string token) {
-  absl::MutexLock lock(&token_mu_);
-  bearer_token_ = std::move(token);
+  {
+    absl::MutexLock lock(&token_mu_);
+    bearer_token_ = std::move(token);
+  }
+  // A kept stream carries the old token: the next steps open theirs with the new one.
+  CloseIdleStreams();
 }
 
 std::unique_ptr<grpc::ClientContext> Client::NewContext(absl::Duration deadline) const {
@@ -147,20 +153,60 @@ absl::StatusOr<v1::Stats> Client::GetStatsOnce() {
 }
 
 absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStepStream() {
-  return std::make_unique<StepStream>(NewContext(options_.stream_deadline), stub_.get(),
+  return std::make_unique<StepStream>(NewContext(options_.stream_deadline), channel_.get(),
                                       options_.max_message_bytes);
 }
 
+absl::StatusOr<std::unique_ptr<StepStream>> Client::TakeStepStream() {
+  {
+    absl::MutexLock lock(&streams_mu_);
+    while (!idle_streams_.empty()) {
+      std::unique_ptr<StepStream> stream = std::move(idle_streams_.back());
+      idle_streams_.pop_back();
+      // Ended while idle (server drained or restarted, connection lost): not worth an attempt.
+      if (!stream->ended()) return stream;
+    }
+  }
+  return OpenStepStream();
+}
+
+void Client::ReturnStepStream(std::unique_ptr<StepStream> stream) {
+  // More idle streams than this are more than any caller keeps busy at once.
+  constexpr size_t kMaxIdleStreams = 16;
+  if (options_.stream_deadline == absl::InfiniteDuration() && stream->outstanding() == 0 &&
+      !stream->ended()) {
+    absl::MutexLock lock(&streams_mu_);
+    if (idle_streams_.size() < kMaxIdleStreams) {
+      idle_streams_.push_back(std::move(stream));
+      return;
+    }
+  }
+  stream->Finish().IgnoreError();
+}
+
+void Client::CloseIdleStreams() {
+  std::vector<std::unique_ptr<StepStream>> idle;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    idle.swap(idle_streams_);
+  }
+  // A short grace: a server that does not answer the half-close is cancelled instead.
+  for (auto& stream : idle) stream->Close(absl::Seconds(1));
+}
+
 absl::StatusOr<StepResult> Client::StepOnce(const Microbatch& microbatch) {
-  auto stream = OpenStepStream();
+  auto stream = TakeStepStream();
   if (!stream.ok()) return stream.status();
   absl::Status sent = (*stream)->Send(microbatch);
   if (!sent.ok()) return sent;
   absl::StatusOr<StepResult> result = (*stream)->Receive();
-  absl::Status finished = (*stream)->Finish();
-  // A per-micro-batch error is the interesting status; the call's own comes second.
-  if (!result.ok()) return result.status();
-  if (!finished.ok()) return finished;
+  // A per-micro-batch error is the interesting status; the call's own comes second (a stream
+  // that ended unexpectedly answers the micro-batch with the call's status).
+  if (!result.ok()) {
+    if (IsMicrobatchError(result.status())) ReturnStepStream(std::move(*stream));
+    return result.status();
+  }
+  ReturnStepStream(std::move(*stream));
   return result;
 }
 

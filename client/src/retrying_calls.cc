@@ -164,7 +164,7 @@ std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microba
       const size_t i = todo.front().first;
       todo.pop_front();
       if (stream == nullptr) {
-        auto opened = OpenStepStream();
+        auto opened = TakeStepStream();
         if (!opened.ok()) {
           ++attempts[i];
           settle(i, opened.status());
@@ -205,7 +205,7 @@ std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microba
       stream.reset();
     }
   }
-  if (stream != nullptr) stream->Finish().IgnoreError();
+  if (stream != nullptr) ReturnStepStream(std::move(stream));
   std::vector<absl::StatusOr<StepResult>> out;
   out.reserve(answers.size());
   for (auto& a : answers) out.push_back(std::move(*a));

@@ -1,6 +1,10 @@
 // The Step stream: micro-batches out in message-sized pieces, answers reassembled by a reader
-// thread and handed out in order.
+// thread and handed out in order. Messages are gRPC byte buffers framed here (raw_message.h):
+// hidden states are copied once into the slices sent, and dH once from the slices received into
+// its destination.
 #include "losshead/client/step_stream.h"
+
+#include <grpcpp/support/sync_stream.h>
 
 #include <algorithm>
 #include <cstring>
@@ -10,17 +14,32 @@
 #include "losshead/client/client.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/status.h"
+#include "losshead/v1/wire_format.h"
+#include "raw_message.h"
 
 namespace losshead::client {
+namespace {
+
+namespace wire = v1::wire;
+
+// Fields of StepRequest and StepResponse (proto/losshead/v1/losshead.proto).
+constexpr uint32_t kRequestHeaderField = 1;
+constexpr uint32_t kRequestHiddenField = 2;
+constexpr uint32_t kRequestTargetsField = 3;
+constexpr uint32_t kRequestLastField = 4;
+constexpr uint32_t kResponseGradHiddenField = 5;
+
+}  // namespace
 
 bool IsMicrobatchError(const absl::Status& status) {
   return status.GetPayload(kMicrobatchErrorPayload).has_value();
 }
 
-StepStream::StepStream(std::unique_ptr<grpc::ClientContext> context, v1::LossHead::Stub* stub,
-                       size_t max_message_bytes)
+StepStream::StepStream(std::unique_ptr<grpc::ClientContext> context,
+                       grpc::ChannelInterface* channel, size_t max_message_bytes)
     : context_(std::move(context)), max_message_bytes_(max_message_bytes) {
-  stream_ = stub->Step(context_.get());
+  stream_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+      channel, raw::StepMethod(), context_.get()));
   reader_ = std::thread([this] { ReadLoop(); });
 }
 
@@ -35,6 +54,25 @@ StepStream::~StepStream() {
 }
 
 void StepStream::Cancel() { context_->TryCancel(); }
+
+void StepStream::Close(absl::Duration grace) {
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    if (!writes_done_) {
+      writes_done_ = true;
+      stream_->WritesDone();
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, absl::ToChronoNanoseconds(grace), [this] { return ended_; })) {
+    context_->TryCancel();
+  }
+}
+
+bool StepStream::ended() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ended_;
+}
 
 size_t StepStream::outstanding() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -73,28 +111,41 @@ absl::Status StepStream::Send(const Microbatch& mb) {
 
     // Hidden bytes first, then target bytes, cut at message-sized boundaries: the server appends
     // pieces of each field in order, so a message may carry the tail of one and the head of the
-    // other.
-    const char* hidden = reinterpret_cast<const char*>(mb.hidden.data());
+    // other. Each message is framed here: the header (first message only), the hidden piece
+    // copied once into the message's slice, then the targets piece and `last`.
+    std::string header_field;
+    wire::AppendTag(header_field, kRequestHeaderField, wire::kLengthDelimited);
+    wire::AppendVarint(header_field, header.ByteSizeLong());
+    header.AppendToString(&header_field);
+    const std::byte* hidden = mb.hidden.data();
     const char* targets = reinterpret_cast<const char*>(mb.targets.data());
     size_t hidden_left = mb.hidden.size();
     size_t targets_left = mb.targets.size();
     bool first = true;
     while (first || hidden_left + targets_left > 0) {
-      v1::StepRequest request;
-      size_t budget = PieceBytes(max_message_bytes_, first ? header.ByteSizeLong() + 16 : 16);
-      if (first) *request.mutable_header() = header;
+      size_t budget = PieceBytes(max_message_bytes_, first ? header_field.size() + 16 : 16);
       const size_t h = std::min(budget, hidden_left);
-      if (h > 0) request.set_hidden(hidden, h);
-      hidden += h;
-      hidden_left -= h;
       budget -= h;
       const size_t t = std::min(budget, targets_left);
-      if (t > 0) request.set_targets(targets, t);
+      std::string trailer;
+      if (t > 0) {
+        wire::AppendTag(trailer, kRequestTargetsField, wire::kLengthDelimited);
+        wire::AppendVarint(trailer, t);
+        trailer.append(targets, t);
+      }
+      if (hidden_left - h + targets_left - t == 0) {
+        wire::AppendTag(trailer, kRequestLastField, wire::kVarint);
+        wire::AppendVarint(trailer, 1);
+      }
+      grpc::ByteBuffer message =
+          raw::MessageWithData(first ? header_field : std::string(), kRequestHiddenField,
+                               std::span<const std::byte>(hidden, h), trailer);
+      hidden += h;
+      hidden_left -= h;
       targets += t;
       targets_left -= t;
-      request.set_last(hidden_left + targets_left == 0);
       first = false;
-      if (!stream_->Write(request)) {
+      if (!stream_->Write(message)) {
         write_failed = true;
         break;
       }
@@ -133,7 +184,9 @@ absl::Status StepStream::Finish() {
 }
 
 void StepStream::ReadLoop() {
-  v1::StepResponse response;
+  grpc::ByteBuffer buffer;
+  v1::StepResponse response;  // every field but dH, which stays in `grad` (pieces of `buffer`)
+  raw::DataPieces grad;
   absl::Status protocol;  // first framing error; the call is cancelled on it
   std::optional<StepResult> current;
   std::string per_token;  // fp32 bytes until the answer is complete
@@ -153,8 +206,15 @@ void StepStream::ReadLoop() {
     context_->TryCancel();
   };
 
-  while (stream_->Read(&response)) {
+  while (stream_->Read(&buffer)) {
     if (!protocol.ok()) continue;
+    response.Clear();
+    if (absl::Status parsed =
+            raw::ParseWithoutData(buffer, kResponseGradHiddenField, &response, &grad);
+        !parsed.ok()) {
+      fail(absl::InternalError(absl::StrCat("malformed step answer: ", parsed.message())));
+      continue;
+    }
     if (!current.has_value()) {
       Expected key;
       {
@@ -229,19 +289,18 @@ void StepStream::ReadLoop() {
       fail(absl::InternalError("step answer started inside another"));
       continue;
     }
-    const std::string& g = response.grad_hidden();
     const std::string& p = response.per_token_loss();
-    if (grad_filled + g.size() > grad_bytes || per_token.size() + p.size() > per_token_bytes) {
+    if (grad_filled + grad.size > grad_bytes || per_token.size() + p.size() > per_token_bytes) {
       fail(absl::InternalError("step answer carries more bytes than it announced"));
       continue;
     }
     if (grad_dest != nullptr) {
-      if (!g.empty()) std::memcpy(grad_dest + grad_filled, g.data(), g.size());
+      grad.CopyTo(grad_dest + grad_filled);
     } else {
-      const auto* gb = reinterpret_cast<const std::byte*>(g.data());
-      current->grad_hidden.insert(current->grad_hidden.end(), gb, gb + g.size());
+      current->grad_hidden.resize(grad_filled + grad.size);
+      grad.CopyTo(current->grad_hidden.data() + grad_filled);
     }
-    grad_filled += g.size();
+    grad_filled += grad.size;
     per_token.append(p);
     if (!response.last()) continue;
     if (grad_filled != grad_bytes || per_token.size() != per_token_bytes) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_wire.h"
+#include "server/security/auth.h"
 
 namespace losshead::server {
 
@@ -431,7 +432,16 @@ absl::Status StepReactor::AdmitHeaderLocked(const v1::StepRequest& request) {
   open_received_ = piece;
   open_announced_ = 0;
   // What can never be served is refused before any of its data is read, and without a retry
-  // hint even when the server is busy, so that nobody is invited to send it again.
+  // hint even when the server is busy, so that nobody is invited to send it again. First the
+  // stream's token: streams live long (clients keep them between steps) and a reload may have
+  // revoked it since the call was authorised.
+  if (call_ != nullptr) {
+    if (absl::Status auth = AuthorizeOpenCall(ctx_->tokens, "/losshead.v1.LossHead/Step",
+                                              call_->client_metadata());
+        !auth.ok()) {
+      return auth;
+    }
+  }
   absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
   if (!head.ok()) return head.status();
   const uint64_t announced = AnnouncedBytes(header, (*head)->hidden_size());

@@ -192,6 +192,21 @@ absl::Status AuthorizePullReset(
   return absl::OkStatus();
 }
 
+absl::Status AuthorizeOpenCall(
+    const TokenTable* tokens, absl::string_view full_method,
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata) {
+  if (tokens == nullptr) return absl::OkStatus();
+  absl::string_view authorization;
+  if (auto it = client_metadata.find("authorization"); it != client_metadata.end()) {
+    authorization = absl::string_view(it->second.data(), it->second.size());
+  }
+  absl::Status status = tokens->Current()->Authorize(full_method, authorization);
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(),
+                                   " (the token file was reloaded since this stream opened)"));
+}
+
 grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
                                            grpc::AuthContext* /*context*/,
                                            OutputMetadata* /*consumed_auth_metadata*/,

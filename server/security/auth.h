@@ -82,6 +82,13 @@ absl::Status AuthorizePullReset(
     const TokenTable* tokens,
     const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
 
+// A long-lived call (a Step stream) is authorised when it opens; this re-checks its token against
+// the table's current tokens, as a call opened now would be checked: a token removed or demoted by
+// a reload stops working on streams already open. OK without tokens (null).
+absl::Status AuthorizeOpenCall(
+    const TokenTable* tokens, absl::string_view full_method,
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
+
 // Runs TokenAuthenticator::Authorize on each call's initial metadata. Non-blocking: the check is a
 // few hashes, so it runs inline on the transport thread instead of a thread hop per call.
 // The table's current tokens decide, so a reload applies to every call that starts after it.

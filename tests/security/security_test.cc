@@ -330,6 +330,27 @@ TEST_F(TokenTest, ReloadRotatesTokensAndABadFileChangesNothing) {
   EXPECT_TRUE(absl::StrContains(metrics, "losshead_auth_tokens 2")) << metrics;
 }
 
+// Step streams live long (clients keep them open between steps): a token removed by a reload stops
+// working on a stream opened before the reload, at its next micro-batch, which counts nothing.
+TEST_F(TokenTest, RevokedTokenIsRefusedOnAStreamAlreadyOpen) {
+  auto stream = writer_->OpenStepStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_TRUE((*stream)->Send(batch_.Microbatch("h", 2)).ok());
+  ASSERT_TRUE((*stream)->Receive().ok());
+  WriteFile(pki_->dir, "tokens", absl::StrCat("writer rotated-writer-0123456789abcdef\n"));
+  ASSERT_TRUE(server_->ReloadTokens().ok());
+  ASSERT_TRUE((*stream)->Send(batch_.Microbatch("h", 3)).ok());
+  absl::StatusOr<client::StepResult> refused = (*stream)->Receive();
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnauthenticated) << refused.status();
+  EXPECT_TRUE(client::IsMicrobatchError(refused.status())) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "reloaded")) << refused.status();
+  (*stream)->Cancel();
+  auto rotated = Connect(server_->port(), ClientOpts("rotated-writer-0123456789abcdef"));
+  auto pulled = rotated->PullGradient("h", v1::DTYPE_FP32, /*reset=*/true);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->summary.microbatch_count(), 2u);  // SetUp's and sequence 2, not sequence 3
+}
+
 // Without a signal: a new file renamed into place is picked up by the watcher; a bad one is refused
 // and the tokens in force stay; so does a file that goes missing.
 TEST(TokenWatchTest, ChangedFileIsReloadedWithoutASignal) {

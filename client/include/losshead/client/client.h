@@ -158,7 +158,10 @@ class Client {
 
   // Opens a Step stream (see StepStream).
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
-  // One micro-batch on its own stream: its result or its error, with the server's code.
+  // One micro-batch: its result or its error, with the server's code. Step and StepMany keep
+  // their streams open for the next call (when stream_deadline is infinite, as by default):
+  // a trainer stepping every few milliseconds does not pay a new call, a reader thread and a
+  // cold flow-control window each time.
   absl::StatusOr<StepResult> Step(const Microbatch& microbatch);
   // Micro-batches over Step streams, up to `pipeline_depth` in flight, one answer per micro-batch
   // in the same order. A micro-batch answered with a retryable error, or lost with its stream, is
@@ -172,7 +175,8 @@ class Client {
   uint64_t retries() const { return retries_.load(); }
 
   // Replaces options().bearer_token for calls that start from now on (calls and streams already
-  // open keep theirs): after the server's token file was rotated, a trainer switches without
+  // open keep theirs; the Step streams kept between StepMany calls are closed, so the next steps
+  // carry the new token): after the server's token file was rotated, a trainer switches without
   // reconnecting. Empty: no token. Safe to call while other threads use the client.
   void SetBearerToken(std::string token);
 
@@ -180,8 +184,19 @@ class Client {
   const ClientOptions& options() const { return options_; }
   grpc::Channel* channel() const { return channel_.get(); }
 
+ ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
  private:
   Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  // A Step stream for Step and StepMany: one left open by an earlier call, else a new one.
+  absl::StatusOr<std::unique_ptr<StepStream>> TakeStepStream();
+  // Keeps `stream` for the next call when it can serve one (nothing outstanding, the call still
+  // open, no deadline); closes it otherwise.
+  void ReturnStepStream(std::unique_ptr<StepStream> stream);
+  // Closes the streams kept by ReturnStepStream (new ones open with the current token).
+  void CloseIdleStreams();
   std::unique_ptr<grpc::ClientContext> NewContext(absl::Duration deadline) const;
   // Runs `attempt` until it succeeds, fails permanently or options_.retry is spent, sleeping the
   // backoff between attempts; returns the last status.
@@ -227,6 +242,8 @@ class Client {
   mutable absl::Mutex token_mu_;
   std::string bearer_token_ ABSL_GUARDED_BY(token_mu_);
   std::atomic<uint64_t> retries_{0};
+  absl::Mutex streams_mu_;
+  std::vector<std::unique_ptr<StepStream>> idle_streams_ ABSL_GUARDED_BY(streams_mu_);
 };
 
 // Payload bytes that fit in one message next to `overhead` bytes of other fields.

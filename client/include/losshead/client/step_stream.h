@@ -19,13 +19,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "losshead/v1/losshead.grpc.pb.h"
+#include "absl/time/time.h"
 #include "losshead/v1/losshead.pb.h"
 
 namespace losshead::client {
 
 // One micro-batch: N tokens of hidden states (N x D row-major, `hidden_dtype`) and their target ids
-// (N, `target_dtype` INT32 or INT64). The spans are only read during StepStream::Send.
+// (N, `target_dtype` INT32 or INT64). The spans are only read during StepStream::Send (copied once,
+// into the messages' own buffers).
 // (client_id, sequence) is the idempotency key: sending the same key twice returns the first
 // answer again without accumulating dW twice.
 struct Microbatch {
@@ -87,7 +88,7 @@ std::span<const std::byte> AsBytes(const std::vector<T>& v) {
 class StepStream {
  public:
   // Use Client::OpenStepStream.
-  StepStream(std::unique_ptr<grpc::ClientContext> context, v1::LossHead::Stub* stub,
+  StepStream(std::unique_ptr<grpc::ClientContext> context, grpc::ChannelInterface* channel,
              size_t max_message_bytes);
   ~StepStream();  // cancels the call if Finish() was not called
   StepStream(const StepStream&) = delete;
@@ -112,6 +113,11 @@ class StepStream {
 
   // Ends the call at once (CANCELLED for the server).
   void Cancel();
+  // Half-closes and waits up to `grace` for the server to end the call, then cancels it: for a
+  // stream with nothing outstanding that is no longer needed.
+  void Close(absl::Duration grace);
+  // Whether the call has ended (the server finished it, or it failed or was cancelled).
+  bool ended() const;
 
  private:
   void ReadLoop();
@@ -119,7 +125,8 @@ class StepStream {
   void EndCall(const absl::Status& status);
 
   std::unique_ptr<grpc::ClientContext> context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
+  // Byte buffers rather than typed messages: see raw_message.h.
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
   const size_t max_message_bytes_;
 
   std::mutex write_mu_;  // one micro-batch's messages are written without interleaving

@@ -1,0 +1,54 @@
+// LossHead methods spoken with gRPC byte buffers instead of typed messages, so that tensor bytes
+// are copied once between the caller's memory and gRPC's slices (a typed message costs two copies
+// of every byte on each side: into its bytes field, then into the slices, when sending; out of the
+// slices into the field, then into the destination, when receiving).
+#ifndef LOSSHEAD_CLIENT_SRC_RAW_MESSAGE_H_
+#define LOSSHEAD_CLIENT_SRC_RAW_MESSAGE_H_
+
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "google/protobuf/message_lite.h"
+
+namespace losshead::client::raw {
+
+// The LossHead methods this client calls without the typed stub.
+const grpc::internal::RpcMethod& StepMethod();
+const grpc::internal::RpcMethod& PullGradientMethod();
+const grpc::internal::RpcMethod& DownloadWeightsMethod();
+const grpc::internal::RpcMethod& PushWeightsMethod();
+
+// Where one received message's bytes field lies: pieces of the message's slices, which stay
+// alive as long as `slices` does.
+struct DataPieces {
+  std::vector<grpc::Slice> slices;
+  std::vector<std::pair<const uint8_t*, size_t>> pieces;
+  uint64_t size = 0;
+
+  // Copies the pieces, in order, to `out` (which holds at least `size` bytes).
+  void CopyTo(std::byte* out) const;
+};
+
+// Parses `buffer` into `message`, except for the bytes field `data_field`, which is left in
+// `data` as pieces of the buffer's slices (the last occurrence, as protobuf would keep).
+absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
+                              google::protobuf::MessageLite* message, DataPieces* data);
+
+// One message: `fields` (a serialized message without the bytes field), then the bytes field
+// `data_field` holding a copy of `data` (left out when empty), then `trailer` (more serialized
+// fields). Field order does not matter to protobuf; the copy of `data` is the only one made.
+grpc::ByteBuffer MessageWithData(const std::string& fields, uint32_t data_field,
+                                 std::span<const std::byte> data, const std::string& trailer);
+
+}  // namespace losshead::client::raw
+
+#endif  // LOSSHEAD_CLIENT_SRC_RAW_MESSAGE_H_
