@@ -9,7 +9,6 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -311,23 +310,10 @@ TEST_P(KillRestartTest, RandomKillsWithPeriodicCheckpoints) {
   extra_flags_ = {"--checkpoint_interval=20ms"};
   ASSERT_NO_FATAL_FAILURE(StartServer());
   Trainer trainer(config_);
-  std::mt19937 rng(1234 + static_cast<int>(GetParam()));
-  std::vector<int> at = {static_cast<int>(rng() % 10), 10 + static_cast<int>(rng() % 10),
-                         20 + static_cast<int>(rng() % 10)};
-  int events = 0;
-  size_t next = 0;
+  RandomKills kills(1234 + static_cast<uint32_t>(GetParam()), /*window=*/10,
+                    /*max_delay_us=*/3000);
   Hook hook = [&](const Event&) -> absl::Status {
-    ++events;
-    if (next < at.size() && events > at[next] && !killer_.joinable()) {
-      ++next;
-      ++kills_;
-      const int delay_us = static_cast<int>(rng() % 3000);
-      ServerProcess* victim = process_.get();
-      killer_ = std::thread([victim, delay_us] {
-        absl::SleepFor(absl::Microseconds(delay_us));
-        victim->Kill();
-      });
-    }
+    if (kills.MaybeKill(process_.get(), killer_)) ++kills_;
     return absl::OkStatus();
   };
   ASSERT_NO_FATAL_FAILURE(RunToEnd(trainer, hook));

@@ -13,7 +13,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -324,24 +323,10 @@ TEST_P(OptimizerRandomKillTest, ResultIsExact) {
   checkpoint_interval_ = "--checkpoint_interval=5ms";
   ASSERT_NO_FATAL_FAILURE(StartServer());
   OptimizerTrainer trainer(kConfig);
-  std::mt19937 rng(GetParam());
   // The run has 5 x (4 answers + 3 apply events) + 4 answers = 39 events.
-  const std::vector<int> at = {static_cast<int>(rng() % 12), 12 + static_cast<int>(rng() % 12),
-                               24 + static_cast<int>(rng() % 12)};
-  int events = 0;
-  size_t next = 0;
+  RandomKills kills(static_cast<uint32_t>(GetParam()), /*window=*/12, /*max_delay_us=*/2000);
   Hook hook = [&](const Event&) -> absl::Status {
-    ++events;
-    if (next < at.size() && events > at[next] && !killer_.joinable()) {
-      ++next;
-      ++kills_;
-      const int delay_us = static_cast<int>(rng() % 2000);
-      ServerProcess* victim = process_.get();
-      killer_ = std::thread([victim, delay_us] {
-        absl::SleepFor(absl::Microseconds(delay_us));
-        victim->Kill();
-      });
-    }
+    if (kills.MaybeKill(process_.get(), killer_)) ++kills_;
     return absl::OkStatus();
   };
   ASSERT_NO_FATAL_FAILURE(RunToEnd(trainer, hook));

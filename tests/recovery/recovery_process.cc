@@ -23,4 +23,21 @@ std::unique_ptr<client::Client> ConnectToServer(const ServerProcess& process) {
   return c.ok() ? std::move(*c) : nullptr;
 }
 
+RandomKills::RandomKills(uint32_t seed, int window, int max_delay_us)
+    : rng_(seed), max_delay_us_(max_delay_us) {
+  for (int k = 0; k < 3; ++k) at_.push_back(k * window + static_cast<int>(rng_() % window));
+}
+
+bool RandomKills::MaybeKill(ServerProcess* victim, std::thread& killer) {
+  ++events_;
+  if (next_ >= at_.size() || events_ <= at_[next_] || killer.joinable()) return false;
+  ++next_;
+  const int delay_us = static_cast<int>(rng_() % max_delay_us_);
+  killer = std::thread([victim, delay_us] {
+    absl::SleepFor(absl::Microseconds(delay_us));
+    victim->Kill();
+  });
+  return true;
+}
+
 }  // namespace losshead::testing

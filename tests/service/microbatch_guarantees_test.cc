@@ -21,20 +21,12 @@ namespace {
 
 constexpr int64_t kN = 12, kD = 8, kV = 23;
 
-class MicrobatchGuaranteesTest : public ::testing::Test {
+class MicrobatchGuaranteesTest
+    : public SharedServerTest<kTestServerMessageBytes, /*kMetrics=*/true> {
  protected:
-  static void SetUpTestSuite() {
-    auto s = TestServer::Start(kTestServerMessageBytes, /*metrics=*/true);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = s->release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
   void SetUp() override {
-    client_ = server_->NewClient();
-    ASSERT_NE(client_, nullptr);
+    SharedServerTest::SetUp();
+    if (HasFatalFailure()) return;
     const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
     auto head = CreateKnownHead(*client_, name, kV, kD, v1::DTYPE_FP32, 5);
     ASSERT_TRUE(head.ok()) << head.status();
@@ -109,8 +101,6 @@ class MicrobatchGuaranteesTest : public ::testing::Test {
     return r;
   }
 
-  static inline TestServer* server_ = nullptr;
-  std::unique_ptr<client::Client> client_;
   KnownHead head_;
   HostBatch batch_;
 };

@@ -34,14 +34,15 @@ class TestServer {
   size_t max_message_bytes_ = 0;
 };
 
-// A suite whose tests share one TestServer with message limit kMaxMessageBytes, started before the
-// suite's first test and stopped after its last; each test gets a fresh client_ with that limit.
-// Suites run one after another, so suites with the same limit never hold server_ at once.
-template <size_t kMaxMessageBytes = kTestServerMessageBytes>
+// A suite whose tests share one TestServer with message limit kMaxMessageBytes (and a metrics
+// endpoint with kMetrics), started before the suite's first test and stopped after its last; each
+// test gets a fresh client_ with that limit. Suites run one after another, so suites with the same
+// parameters never hold server_ at once.
+template <size_t kMaxMessageBytes = kTestServerMessageBytes, bool kMetrics = false>
 class SharedServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto s = TestServer::Start(kMaxMessageBytes);
+    auto s = TestServer::Start(kMaxMessageBytes, kMetrics);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = s->release();
   }
