@@ -20,9 +20,13 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/collective.h"
+#include "tests/kernels/slices.h"
 
 namespace losshead::kernels {
 namespace {
+
+using ::losshead::testing::Offsets;
+using ::losshead::testing::Total;
 
 #define SKIP_WITHOUT_GPUS(k)                                                               \
   if (CudaDeviceCount() < (k))                                                             \
@@ -69,18 +73,6 @@ Bytes RandomBytes(std::mt19937_64& rng, int k, size_t bytes) {
     for (uint8_t& b : rank) b = static_cast<uint8_t>(byte(rng));
   }
   return ranks;
-}
-
-std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
-  std::vector<int64_t> offsets(counts.size(), 0);
-  for (size_t r = 1; r < counts.size(); ++r) offsets[r] = offsets[r - 1] + counts[r - 1];
-  return offsets;
-}
-
-int64_t Total(const std::vector<int64_t>& counts) {
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  return total;
 }
 
 // k backends of one kind with one stream each, and the collective over them.

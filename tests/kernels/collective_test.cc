@@ -19,9 +19,13 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "losshead/kernels/backend.h"
+#include "tests/kernels/slices.h"
 
 namespace losshead::kernels {
 namespace {
+
+using ::losshead::testing::Offsets;
+using ::losshead::testing::Total;
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
@@ -65,18 +69,6 @@ std::vector<void*> Pointers(std::vector<std::vector<T>>& ranks) {
   std::vector<void*> pointers;
   for (std::vector<T>& v : ranks) pointers.push_back(v.data());
   return pointers;
-}
-
-std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
-  std::vector<int64_t> offsets(counts.size(), 0);
-  for (size_t r = 1; r < counts.size(); ++r) offsets[r] = offsets[r - 1] + counts[r - 1];
-  return offsets;
-}
-
-int64_t Total(const std::vector<int64_t>& counts) {
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  return total;
 }
 
 // k CPU backends with one stream each, and the collective over them.
