@@ -62,6 +62,9 @@ ABSL_FLAG(std::string, metrics_basic_auth_file, "",
 ABSL_FLAG(uint64_t, max_heads, 64, "Most heads on the server; CreateHead beyond is refused");
 ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
           "Largest W + dW bytes of one head; CreateHead beyond is refused");
+ABSL_FLAG(std::string, step_trace, "",
+          "Append one JSON line per answered micro-batch, with the time of each phase, to this "
+          "file (empty: none)");
 
 namespace losshead::server {
 
@@ -100,6 +103,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.metrics_basic_auth_file = absl::GetFlag(FLAGS_metrics_basic_auth_file);
   o.max_heads = absl::GetFlag(FLAGS_max_heads);
   o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
+  o.step_trace_file = absl::GetFlag(FLAGS_step_trace);
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
   if (o.checkpoint_interval < absl::ZeroDuration()) {

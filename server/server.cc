@@ -21,6 +21,7 @@
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/metrics_endpoint.h"
+#include "server/observability/step_trace.h"
 #include "server/rpc/live_calls.h"
 #include "server/rpc/service.h"
 #include "server/rpc/service_context.h"
@@ -57,6 +58,12 @@ class ServerImpl final : public Server {
         LoadServerSecurity(SecurityOf(options_), metrics_.get());
     if (!security.ok()) return security.status();
     security_ = std::move(*security);
+    if (!options_.step_trace_file.empty()) {
+      absl::StatusOr<std::unique_ptr<StepTrace>> trace = StepTrace::Open(options_.step_trace_file);
+      if (!trace.ok()) return trace.status();
+      step_trace_ = std::move(*trace);
+      ctx_.step_trace = step_trace_.get();
+    }
     auto backend = kernels::CreateBackend(options_.backend, options_.device);
     if (!backend.ok()) return backend.status();
     backend_ = std::move(*backend);
@@ -215,6 +222,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<HeadRegistry> registry_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<Admission> admission_;
+  std::unique_ptr<StepTrace> step_trace_;
   LiveCalls live_calls_;
   absl::Mutex reload_mu_;
   ServiceContext ctx_;

@@ -72,6 +72,9 @@ struct ServerOptions {
   // head (INVALID_ARGUMENT beyond), checked before anything is allocated.
   size_t max_heads = 64;
   uint64_t max_head_bytes = uint64_t{16} << 30;
+  // A file to append one JSON line per answered micro-batch to, with the time of each of its
+  // phases (server/observability/step_trace.h); empty: none.
+  std::string step_trace_file;
 };
 
 class Server {
@@ -79,8 +82,9 @@ class Server {
   virtual ~Server() = default;
 
   // Builds the backend, binds both ports and starts serving. Errors: the backend's status
-  // (UNAVAILABLE for CUDA without a device), UNAVAILABLE when a port cannot be bound, or
-  // LoadServerSecurity's error for a bad TLS, token or basic-auth file (nothing is started then).
+  // (UNAVAILABLE for CUDA without a device), UNAVAILABLE when a port cannot be bound,
+  // LoadServerSecurity's error for a bad TLS, token or basic-auth file, or the error opening
+  // step_trace_file (nothing is started then).
   static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
 
   virtual int port() const = 0;          // the bound gRPC port

@@ -66,6 +66,11 @@ struct StepStats {
   absl::Duration stage;    // copies in (host -> device), before the compute mutex
   absl::Duration compute;  // Run under the compute mutex, synchronised
   absl::Duration finish;   // copies out (dH -> host), after the compute mutex
+  // When each phase began or ended (for --step_trace); UnixEpoch when it was not reached.
+  absl::Time stage_start = absl::UnixEpoch();
+  absl::Time compute_start = absl::UnixEpoch();
+  absl::Time compute_end = absl::UnixEpoch();
+  absl::Time finish_end = absl::UnixEpoch();
 };
 
 // dW (or W) copied to the host, with what it covers.

@@ -323,6 +323,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
   SlotLease lease(*this);
   IoSlot& slot = *lease;
   const absl::Time stage_start = absl::Now();
+  stats->stage_start = stage_start;
   stats->queue += stage_start - slot_wait;
   // Copies in run outside compute_mu_, beside the run of the micro-batch ahead of this one.
   LOSSHEAD_RETURN_IF_ERROR(StageIn(p, slot));
@@ -331,6 +332,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     const absl::Time wait_start = absl::Now();
     absl::MutexLock lock(&compute_mu_);
     const absl::Time start = absl::Now();
+    stats->compute_start = start;
     stats->queue += start - wait_start;
     uint64_t version;
     {
@@ -398,7 +400,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     }
     outcome->weights_version = version;
     outcome->forward_only = p.forward_only;
-    stats->compute += absl::Now() - start;
+    stats->compute_end = absl::Now();
+    stats->compute += stats->compute_end - start;
   }
   const absl::Time finish_start = absl::Now();
   absl::Status out = StageOut(p, slot, &grad_hidden, &per_token);
@@ -419,7 +422,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
     absl::MutexLock state(&state_mu_);
     --pending_outcomes_;
   }
-  stats->finish += absl::Now() - finish_start;
+  stats->finish_end = absl::Now();
+  stats->finish += stats->finish_end - finish_start;
   if (!out.ok()) return out;
   return outcome;
 }

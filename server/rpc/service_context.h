@@ -15,6 +15,7 @@
 #include "server/engine/head_registry.h"
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
+#include "server/observability/step_trace.h"
 
 namespace losshead::server {
 
@@ -49,6 +50,8 @@ struct ServiceContext {
   Checkpointer* checkpointer = nullptr;
   // Server-wide bound on admitted micro-batches and their buffered request bytes.
   Admission* admission = nullptr;
+  // Null unless --step_trace names a file.
+  StepTrace* step_trace = nullptr;
   size_t max_message_bytes = size_t{4} << 20;
   size_t max_microbatch_bytes = size_t{1} << 30;
   // Micro-batches of one stream received but not yet answered; reading pauses at this bound.

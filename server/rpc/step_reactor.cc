@@ -328,6 +328,9 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   {
     absl::MutexLock lock(&mu_);
     slot->responses = std::move(responses);
+    slot->picked = picked;
+    slot->stats = stats;
+    slot->code = static_cast<int>(outcome.status().code());
     slot->done = true;
     slot->head_known = known_head;
     // The request's tensors are no longer needed; free them before the responses drain.
@@ -342,6 +345,7 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
 }
 
 void StepReactor::OnWriteDone(bool ok) {
+  std::optional<StepTraceRecord> traced;
   {
     absl::MutexLock lock(&mu_);
     writing_ = false;
@@ -358,6 +362,7 @@ void StepReactor::OnWriteDone(bool ok) {
           ctx_->metrics->StepPhase(slot.assembled.microbatch.header.head(), "send",
                                    absl::Now() - slot.first_send);
         }
+        if (ctx_->step_trace != nullptr) traced = TraceRecord(slot);
         ReleaseSlotLocked(slot);
         slots_.pop_front();
         --inflight_;
@@ -365,7 +370,28 @@ void StepReactor::OnWriteDone(bool ok) {
       }
     }
   }
+  // Outside mu_: the write may wait for other streams' lines.
+  if (traced.has_value()) ctx_->step_trace->Write(*traced);
   Pump();
+}
+
+StepTraceRecord StepReactor::TraceRecord(const Slot& slot) {
+  const v1::StepHeader& h = slot.assembled.microbatch.header;
+  return StepTraceRecord{.head = h.head(),
+                         .client_id = h.client_id(),
+                         .sequence = h.sequence(),
+                         .tokens = h.num_tokens(),
+                         .code = slot.code,
+                         .replayed = slot.stats.replayed,
+                         .first_message = slot.assembled.first_message,
+                         .last_message = slot.assembled.last_message,
+                         .picked = slot.picked,
+                         .stage = slot.stats.stage_start,
+                         .compute = slot.stats.compute_start,
+                         .compute_end = slot.stats.compute_end,
+                         .finish_end = slot.stats.finish_end,
+                         .first_send = slot.first_send,
+                         .sent = absl::Now()};
 }
 
 void StepReactor::OnDone() {

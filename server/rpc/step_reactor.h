@@ -62,6 +62,9 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
     size_t next = 0;
     absl::Time ready;       // fully received
     absl::Time first_send;  // first response handed to gRPC
+    absl::Time picked;      // a worker took it
+    StepStats stats;        // what Head::Step reported (for --step_trace)
+    int code = 0;           // the answer's status code
     bool admitted = false;  // holds one server-wide admission (Admission) until answered
     size_t reserved = 0;    // request bytes reserved in Admission until its tensors are freed
   };
@@ -91,6 +94,8 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   void ReleaseSlotBytesLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlotLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status CancelStatus() const;
+  // The --step_trace line of a micro-batch whose last answer was just written.
+  static StepTraceRecord TraceRecord(const Slot& slot);
   // Drops one pin; deletes the reactor when gRPC is done with it and nothing pins it.
   void Unpin();
 

@@ -4,8 +4,7 @@
 
 namespace losshead::testing {
 
-absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(size_t max_message_bytes,
-                                                              bool metrics) {
+server::ServerOptions TestServer::Options(size_t max_message_bytes, bool metrics) {
   server::ServerOptions options;
   options.listen_address = "127.0.0.1:0";
   options.metrics_address = metrics ? "127.0.0.1:0" : "";
@@ -13,11 +12,21 @@ absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(size_t max_message
   options.max_message_bytes = max_message_bytes;
   options.worker_threads = 2;
   options.workspace_bytes = size_t{64} << 20;
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(size_t max_message_bytes,
+                                                              bool metrics) {
+  return StartWith(Options(max_message_bytes, metrics));
+}
+
+absl::StatusOr<std::unique_ptr<TestServer>> TestServer::StartWith(
+    const server::ServerOptions& options) {
   auto server = server::Server::Start(options);
   if (!server.ok()) return server.status();
   auto test_server = std::unique_ptr<TestServer>(new TestServer());
   test_server->server_ = std::move(*server);
-  test_server->max_message_bytes_ = max_message_bytes;
+  test_server->max_message_bytes_ = options.max_message_bytes;
   return test_server;
 }
 

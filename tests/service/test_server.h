@@ -21,6 +21,11 @@ class TestServer {
  public:
   static absl::StatusOr<std::unique_ptr<TestServer>> Start(
       size_t max_message_bytes = kTestServerMessageBytes, bool metrics = false);
+  // The options Start uses, for a test that changes some before StartWith.
+  static server::ServerOptions Options(size_t max_message_bytes = kTestServerMessageBytes,
+                                       bool metrics = false);
+  static absl::StatusOr<std::unique_ptr<TestServer>> StartWith(
+      const server::ServerOptions& options);
   ~TestServer();
 
   std::string target() const;

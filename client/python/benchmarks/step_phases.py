@@ -9,13 +9,21 @@ is the time the device spent on the step; what the step took beyond it is pipeli
 (nothing computes before the first micro-batch has arrived; nothing returns before the last one's
 dH has been sent) and Python.
 
+With `--trace`, the server's `--step_trace` file (the server on this host, so that both clocks
+are the same), it also prints each cut's timeline: when, from the start of forward, the first
+micro-batch had arrived whole, the device started, the device finished, the last answer was
+written and backward returned, and how long the device sat idle in between (medians over the
+timed steps).
+
     python3 client/python/benchmarks/step_phases.py --server 127.0.0.1:50051 \\
-        --metrics 127.0.0.1:9100 --plans 4:2048:1024:4:512,4:1024:1024:2:0
+        --metrics 127.0.0.1:9100 --plans 4:2048:1024:4:512,4:1024:1024:2:0 \\
+        [--trace /tmp/step-trace.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -43,6 +51,27 @@ def scrape(metrics: str, head: str) -> Dict[Tuple[str, str], float]:
     return out
 
 
+def timeline(trace: str, head: str, steps: List[Tuple[int, int]]) -> str:
+    """Medians over `steps` ((start, end) in Unix microseconds) of their micro-batches' phases."""
+    with open(trace) as f:
+        records = [r for r in map(json.loads, f) if r["head"] == head and r["compute_us"]]
+    rows: Dict[str, List[float]] = {}
+    for start, end in steps:
+        mine = [r for r in records if start <= r["first_message_us"] <= end]
+        if not mine:
+            continue
+        busy = sum(r["compute_end_us"] - r["compute_us"] for r in mine)
+        first = min(r["compute_us"] for r in mine)
+        last = max(r["compute_end_us"] for r in mine)
+        marks = {"first arrived": min(r["last_message_us"] for r in mine),
+                 "device starts": first, "device ends": last,
+                 "last answer written": max(r["sent_us"] for r in mine), "step ends": end}
+        for name, t in marks.items():
+            rows.setdefault(name, []).append((t - start) / 1e3)
+        rows.setdefault("device idle between", []).append((last - first - busy) / 1e3)
+    return "; ".join(f"{k} {statistics.median(v):.1f}" for k, v in rows.items())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--server", required=True)
@@ -52,6 +81,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--plans", default="4:2048:1024:4:512,1:2048:1024:4:512",
                    help="comma-separated STREAMS:CHUNK:MIN:DEPTH:EDGE (RemoteLMHead's cut)")
+    p.add_argument("--trace", help="the server's --step_trace file: print each cut's timeline")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -88,18 +118,23 @@ def main() -> None:
                     module = RemoteLMHead(c, head, streams=streams, chunk_tokens=chunk,
                                           min_chunk_tokens=floor, depth=depth, edge_tokens=edge)
 
+                    spans: List[Tuple[int, int]] = []  # wall clock, as the trace's
+
                     def step() -> float:
                         h = hidden.detach().requires_grad_()
                         sync()
+                        wall = time.time_ns() // 1000
                         start = time.perf_counter()
                         module(h, targets).backward()
                         sync()
+                        spans.append((wall, time.time_ns() // 1000))
                         return time.perf_counter() - start
 
                     for _ in range(args.warmup):
                         step()
                     admin.pull_gradient(head, reset=True)
                     inside.clear()
+                    spans.clear()
                     before = scrape(args.metrics, head)
                     times = [step() for _ in range(args.iters)]
                     after = scrape(args.metrics, head)
@@ -113,6 +148,9 @@ def main() -> None:
                       f"{statistics.median(inside) * 1e3:.1f} ms; server, summed over the step's "
                       f"micro-batches: "
                       + ", ".join(f"{k} {per_step[k]:.1f}" for k in sorted(per_step)), flush=True)
+                if args.trace:
+                    print(f"  timeline, ms from the start of forward: "
+                          f"{timeline(args.trace, head, spans)}", flush=True)
         finally:
             admin.delete_head(head)
 
