@@ -229,8 +229,35 @@ def test_remote_head_on_cuda_tensors(server_address: str, make_head) -> None:
         loss = module(h, targets.cuda())
         loss.backward()
         assert module.last_result is not None
-        assert module.last_result.grad_hidden.is_pinned()  # one DMA back to the device
+        # Each stream's dH was copied to the device as soon as that stream was done.
+        assert module.last_result.grad_hidden.device == h.device
     ref = reference(hidden, weight, targets)
     assert loss.device.type == "cuda" and h.grad.device.type == "cuda"
     assert_close(loss, ref.loss, FP32_REL, "loss")
     assert_close(h.grad, ref.grad_hidden, FP32_REL, "dH")
+
+
+@needs_native
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_dh_copied_to_the_device_per_stream_equals_the_host_copy(server_address: str,
+                                                                make_head) -> None:
+    n, d, v = 1000, 48, 200
+    hidden, weight, targets = random_problem(n, d, v, seed=74, ignore_fraction=0.1)
+    head = make_head(v, d, weights=weight)
+    chunks = [90, 310, 200, 150, 250]  # uneven, over 3 streams
+    with Client(server_address, native=True, connections=3) as c:
+        host = c.step_chunked(head, hidden.cuda(), targets, chunks=chunks, streams=3,
+                              hidden_dtype=torch.float32)
+        # Issued from the streams' threads, ordered on the caller's (non-default) CUDA stream.
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            dev = c.step_chunked(head, hidden.cuda(), targets, chunks=chunks, streams=3,
+                                 hidden_dtype=torch.float32, grad_hidden_device="cuda")
+            on_side = dev.grad_hidden * 1  # queued on `side`, after the copies
+        torch.cuda.synchronize()
+    assert host.grad_hidden.device.type == "cpu" and host.grad_hidden.is_pinned()
+    assert dev.grad_hidden.device.type == "cuda"
+    _same(on_side.cpu(), host.grad_hidden, "dH copied per stream")
+    assert (dev.loss_sum, dev.token_count) == (host.loss_sum, host.token_count)
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert_close(host.grad_hidden, ref.grad_hidden, FP32_REL, "dH")

@@ -77,7 +77,8 @@ class Steps(ClientBase):
 
     def run_microbatches(self, mbs: Sequence[_Microbatch], *, streams: int = 1,
                          max_inflight: Optional[int] = None,
-                         lane_ready: Optional[Callable[[int], None]] = None) -> List[StepResult]:
+                         lane_ready: Optional[Callable[[int], None]] = None,
+                         lane_done: Optional[Callable[[int], None]] = None) -> List[StepResult]:
         """Runs micro-batches pipelined over `streams` Step streams; results in input order.
 
         Micro-batch k goes on stream k % streams; each stream has up to `max_inflight` of them
@@ -90,7 +91,9 @@ class Steps(ClientBase):
         a fresh stream when the call ended; the server replays those it already counted. The
         first failed micro-batch raises its LossheadError once every micro-batch is settled.
         `lane_ready(j)`, when given, is called on stream j's thread before it sends anything
-        (step_chunked waits there for that stream's rows to reach the host).
+        (step_chunked waits there for that stream's rows to reach the host); `lane_done(j)`,
+        on stream j's thread once its micro-batches are settled without raising (step_chunked
+        copies that stream's dH to the device there).
         """
         n_streams = max(1, min(streams, len(mbs)))
         outcomes: List[Optional[_Outcome]] = [None] * len(mbs)
@@ -102,6 +105,8 @@ class Steps(ClientBase):
                 if lane_ready is not None:
                     lane_ready(j)
                 run_lane(j, mbs, range(j, len(mbs), n_streams), max_inflight, outcomes)
+                if lane_done is not None:
+                    lane_done(j)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 failures.append(e)
 
@@ -167,7 +172,9 @@ class Steps(ClientBase):
 
     def step_chunked(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
                      chunk_tokens: int = 4096, streams: int = 2, reduction: ReductionLike = "sum",
-                     chunks: Optional[Sequence[int]] = None, **options: object) -> StepResult:
+                     chunks: Optional[Sequence[int]] = None,
+                     grad_hidden_device: Optional[Union[str, torch.device]] = None,
+                     **options: object) -> StepResult:
         """One large batch as several micro-batches of <= `chunk_tokens` tokens, pipelined.
 
         `chunks` gives the micro-batches' sizes instead (in order; they must add up to the
@@ -175,6 +182,10 @@ class Steps(ClientBase):
         reduction must not depend on the chunking: "sum" (default) or "none". For the mean, step
         with "sum" and divide by `token_count`. The combined result carries summed loss and token
         count, the concatenated dH and per-token losses, and the lowest weights version seen.
+
+        dH is returned on the host (pinned memory for a CUDA batch), or on `grad_hidden_device`:
+        a CUDA device gets each stream's rows as soon as that stream is done, so that the copies
+        overlap the streams still running (ordered on the caller's current CUDA stream).
         """
         red = to_reduction(reduction)
         if red not in (pb.REDUCTION_SUM, pb.REDUCTION_NONE):
@@ -199,11 +210,24 @@ class Steps(ClientBase):
             grad = torch.empty((n, d), dtype=grad_dtype, pin_memory=hidden.is_cuda)
             for mb, (a, b) in zip(mbs, bounds):
                 mb.grad_hidden_out = grad[a:b]
-        parts = self.run_microbatches(mbs, streams=n_streams, lane_ready=lane_ready)
+        target = torch.device(grad_hidden_device) if grad_hidden_device is not None else None
+        on_device, lane_done = None, None
+        if grad is not None and target is not None and target.type == "cuda":
+            on_device, lane_done = _lane_copies(grad, target, bounds, n_streams)
+        parts = self.run_microbatches(mbs, streams=n_streams, lane_ready=lane_ready,
+                                      lane_done=lane_done)
         if grad is None or any(p.grad_hidden is None for p in parts):
-            return combine_results(parts)
+            combined = combine_results(parts)
+            if target is not None and combined.grad_hidden is not None:
+                combined.grad_hidden = combined.grad_hidden.to(target)
+            return combined
         combined = combine_results([dataclasses.replace(p, grad_hidden=None) for p in parts])
-        combined.grad_hidden = grad
+        if on_device is not None:
+            combined.grad_hidden = on_device
+        elif target is not None:
+            combined.grad_hidden = grad.to(target, non_blocking=grad.is_pinned())
+        else:
+            combined.grad_hidden = grad
         return combined
 
 
@@ -226,6 +250,25 @@ def _bounds(n: int, chunk_tokens: int, chunks: Optional[Sequence[int]]) -> List[
 
 
 LaneReady = Optional[Callable[[int], None]]
+
+
+def _lane_copies(grad: torch.Tensor, device: torch.device, bounds: Sequence[Tuple[int, int]],
+                 streams: int) -> Tuple[torch.Tensor, Callable[[int], None]]:
+    """A tensor like `grad` on `device`, and what copies a stream's rows of `grad` into it.
+
+    Stream j carries micro-batches j, j + streams, ... (run_microbatches). The copies are queued
+    on the CUDA stream current where step_chunked was called, from the stream's own thread, so
+    that whatever the caller queues there afterwards (backward) sees them; `grad` is pinned when
+    the batch came from a CUDA tensor, which makes each copy one asynchronous DMA.
+    """
+    out = torch.empty(grad.shape, dtype=grad.dtype, device=device)
+    caller = torch.cuda.current_stream(device)
+
+    def copy(lane: int) -> None:
+        with torch.cuda.stream(caller):
+            for a, b in bounds[lane::streams]:
+                out[a:b].copy_(grad[a:b], non_blocking=grad.is_pinned())
+    return out, copy
 
 
 def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int, int]],

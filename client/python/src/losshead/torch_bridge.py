@@ -76,8 +76,9 @@ class _RemoteLinearCrossEntropy(torch.autograd.Function):
             return None, None, None
         # Computed in fp32 at least: dH arrives in bf16 and the upstream gradient may be tiny.
         work = torch.promote_types(dtype, torch.float32)
-        # dH of a CUDA batch arrives in pinned host memory: one asynchronous DMA to the device.
-        dh = dh.to(device=device, non_blocking=dh.is_pinned()).to(work)
+        # dH of a CUDA batch is on its device already (step_chunked copied each stream's part
+        # there as soon as that stream was done); a CPU batch's stays where it is.
+        dh = dh.to(device=device).to(work)
         g = grad_output.to(work)
         if ctx.per_token:
             dh = dh * g.reshape(-1, 1)
@@ -158,7 +159,8 @@ class RemoteLMHead(nn.Module):
             streams=self.streams, reduction="sum", grad_scale=1.0,
             loss_options=self.loss_options, hidden_dtype=self.wire_dtype,
             return_per_token_loss=self.reduction == "none",
-            skip_grad_hidden=not need_grad_hidden, grad_hidden_dtype=self.grad_hidden_dtype)
+            skip_grad_hidden=not need_grad_hidden, grad_hidden_dtype=self.grad_hidden_dtype,
+            grad_hidden_device=hidden.device if hidden.is_cuda else None)
         self._tokens += result.token_count
         self.last_result = result
         return result
