@@ -18,6 +18,7 @@
 #include "losshead/v1/transport_args.h"
 #include "server/durability/checkpointer.h"
 #include "server/engine/head_registry.h"
+#include "server/engine/pinned_pool.h"
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/metrics_endpoint.h"
@@ -32,6 +33,8 @@ namespace losshead::server {
 namespace {
 
 constexpr char kServiceName[] = "losshead.v1.LossHead";
+// Received micro-batches' page-locked buffers kept for reuse: a few full-size micro-batches.
+constexpr size_t kMaxIdlePinnedBytes = size_t{1} << 30;
 
 SecurityOptions SecurityOf(const ServerOptions& options) {
   return SecurityOptions{.tls_cert_file = options.tls_cert_file,
@@ -81,6 +84,14 @@ class ServerImpl final : public Server {
       ctx_.checkpointer = checkpointer_.get();
     }
     ctx_.backend = backend_.get();
+    {
+      // Page-locked memory for micro-batches being received. What is idle beyond the bound is
+      // freed (the bytes in use are bounded by admission, --max_inflight_bytes).
+      kernels::Backend* backend_ptr = backend_.get();
+      ctx_.pinned = PinnedPool::Create(
+          [backend_ptr](size_t bytes) { return backend_ptr->AllocateHost(bytes); },
+          std::min<size_t>(options_.max_inflight_bytes, kMaxIdlePinnedBytes));
+    }
     ctx_.registry = registry_.get();
     ctx_.pool = pool_.get();
     ctx_.metrics = metrics_.get();

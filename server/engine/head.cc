@@ -39,7 +39,7 @@ void ConvertTensor(kernels::DType from, const char* src, kernels::DType to, char
 
 }  // namespace
 
-std::string Convert(kernels::DType from, const std::string& src, kernels::DType to) {
+std::string Convert(kernels::DType from, absl::string_view src, kernels::DType to) {
   const size_t count = src.size() / kernels::DTypeSize(from);
   std::string out(count * kernels::DTypeSize(to), '\0');
   ConvertTensor(from, src.data(), to, out.data(), count);

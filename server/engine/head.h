@@ -36,6 +36,7 @@
 #include "server/engine/head_checkpoint.h"
 #include "server/engine/head_optimizer.h"
 #include "server/engine/idempotency_cache.h"
+#include "server/engine/pinned_pool.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/step_outcome.h"
 
@@ -52,11 +53,28 @@ struct HeadOptions {
 struct MicroBatch {
   v1::StepHeader header;
   std::string hidden;
+  // Set instead of `hidden` when the receiver assembled the hidden states in page-locked memory
+  // (see PinnedPool): they then go to the device without another host copy. Shared by copies of
+  // the micro-batch (nothing writes to it once assembled).
+  std::shared_ptr<PinnedBytes> pinned_hidden;
   std::string targets;
   // ByteDigest values of hidden and targets when the receiver took them while assembling (see
   // StepAssembler); Head::Step computes a missing one when the micro-batch needs a fingerprint.
   std::optional<uint64_t> hidden_digest;
   std::optional<uint64_t> targets_digest;
+  // Whether hidden holds a NaN or Inf in its header's dtype, when the receiver checked as the
+  // pieces arrived; Head::Step checks itself when unset.
+  std::optional<bool> hidden_nonfinite;
+
+  absl::string_view hidden_bytes() const {
+    return pinned_hidden != nullptr ? pinned_hidden->view() : absl::string_view(hidden);
+  }
+  // Frees the tensors (the micro-batch is answered, or refused before it ran).
+  void ReleaseTensors() {
+    std::string().swap(hidden);
+    pinned_hidden.reset();
+    std::string().swap(targets);
+  }
 };
 
 // What happened to a micro-batch besides its outcome (for metrics).

@@ -34,7 +34,7 @@ namespace head_internal {
 inline constexpr size_t kConvertBlock = size_t{1} << 20;
 
 // `src` (elements of `from`) converted to `to` on the host, block by block; a copy when equal.
-std::string Convert(kernels::DType from, const std::string& src, kernels::DType to);
+std::string Convert(kernels::DType from, absl::string_view src, kernels::DType to);
 
 // An allocation failure as RESOURCE_EXHAUSTED naming `what`; OK stays OK.
 absl::Status AsResourceExhausted(const absl::Status& status, absl::string_view what);

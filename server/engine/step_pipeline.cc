@@ -42,9 +42,12 @@ std::string KeyOf(const std::string& client_id, uint64_t sequence) {
 struct Head::Prepared {
   kernels::Problem problem;
   // N x D in the head's dtype: the request's own bytes when they arrived in it, else `converted`.
-  const std::string* request_hidden = nullptr;
+  std::optional<absl::string_view> request_hidden;
+  // The request's bytes are page-locked (MicroBatch::pinned_hidden): copied to the device as
+  // they are.
+  bool request_pinned = false;
   std::string converted;
-  const std::string& hidden() const { return request_hidden ? *request_hidden : converted; }
+  absl::string_view hidden() const { return request_hidden ? *request_hidden : converted; }
   std::vector<int32_t> targets;
   bool want_grad_hidden = true;
   kernels::DType grad_hidden_dtype = kernels::DType::kFP32;
@@ -137,10 +140,11 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   const uint64_t d = hidden_size();
   const size_t hsize = kernels::DTypeSize(p.hidden_dtype);
   const size_t tsize = v1::WireDTypeSize(h.target_dtype());
+  const absl::string_view hidden = mb.hidden_bytes();
   // Compare sizes without overflowing n * d * size for absurd n.
-  if (n > mb.hidden.size() / (d * hsize) || n * d * hsize != mb.hidden.size()) {
+  if (n > hidden.size() / (d * hsize) || n * d * hsize != hidden.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("hidden has ", mb.hidden.size(), " bytes; num_tokens x hidden_size x ",
+        absl::StrCat("hidden has ", hidden.size(), " bytes; num_tokens x hidden_size x ",
                      kernels::DTypeName(p.hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
   }
   if (n * tsize != mb.targets.size()) {
@@ -171,14 +175,17 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   }
 
   // NaN policy: non-finite hidden states are rejected, never computed: they would poison dW for
-  // every micro-batch accumulated with them until the next pull.
-  if (kernels::HasNonFinite(p.hidden_dtype, mb.hidden.data(), n * d)) {
-    return absl::InvalidArgumentError("hidden contains NaN or Inf");
-  }
+  // every micro-batch accumulated with them until the next pull. The receiver checks as the
+  // pieces arrive, while they are in cache; a direct caller's micro-batch is checked here.
+  const bool nonfinite = mb.hidden_nonfinite.has_value()
+                             ? *mb.hidden_nonfinite
+                             : kernels::HasNonFinite(p.hidden_dtype, hidden.data(), n * d);
+  if (nonfinite) return absl::InvalidArgumentError("hidden contains NaN or Inf");
   if (p.hidden_dtype == dtype_) {
-    p.request_hidden = &mb.hidden;
+    p.request_hidden = hidden;
+    p.request_pinned = mb.pinned_hidden != nullptr;
   } else {
-    p.converted = Convert(p.hidden_dtype, mb.hidden, dtype_);
+    p.converted = Convert(p.hidden_dtype, hidden, dtype_);
     if (kernels::HasNonFinite(dtype_, p.converted.data(), n * d)) {
       return absl::InvalidArgumentError(
           absl::StrCat("hidden overflows the head's dtype ", kernels::DTypeName(dtype_)));
@@ -200,7 +207,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& 
 
   // The receiver digests the tensors while it assembles them; only a direct caller pays a pass.
   const StepFingerprint fingerprint{
-      .hidden = mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden),
+      .hidden = mb.hidden_digest.has_value() ? *mb.hidden_digest
+                                              : ByteDigest::Of(mb.hidden_bytes()),
       .targets = mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
       .shape = StepShape(mb.header)};
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
@@ -266,10 +274,13 @@ absl::Status Head::StageIn(const Prepared& p, IoSlot& slot) {
   const char* targets = reinterpret_cast<const char*>(p.targets.data());
   if (staged) {
     // Page-locked memory copies at the bus rate and asynchronously; a copy from the request's own
-    // (pageable) bytes would go through the driver's bounce buffer at a fraction of it.
-    std::memcpy(slot.staging.data(), hidden, hidden_bytes);
+    // (pageable) bytes would go through the driver's bounce buffer at a fraction of it. Hidden
+    // states the receiver assembled in page-locked memory need no staging.
+    if (!p.request_pinned) {
+      std::memcpy(slot.staging.data(), hidden, hidden_bytes);
+      hidden = slot.staging.data();
+    }
     std::memcpy(slot.staging.data() + hidden_bytes, targets, targets_bytes);
-    hidden = slot.staging.data();
     targets = slot.staging.data() + hidden_bytes;
   }
   LOSSHEAD_RETURN_IF_ERROR(

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -13,6 +14,7 @@
 #include "losshead/kernels/backend.h"
 #include "server/engine/admission.h"
 #include "server/engine/head_registry.h"
+#include "server/engine/pinned_pool.h"
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/step_trace.h"
@@ -50,6 +52,8 @@ struct ServiceContext {
   Checkpointer* checkpointer = nullptr;
   // Server-wide bound on admitted micro-batches and their buffered request bytes.
   Admission* admission = nullptr;
+  // Page-locked buffers that micro-batches are received into; null: ordinary memory.
+  std::shared_ptr<PinnedPool> pinned;
   // Null unless --step_trace names a file.
   StepTrace* step_trace = nullptr;
   size_t max_message_bytes = size_t{4} << 20;

@@ -4,7 +4,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "losshead/kernels/dtype_convert.h"
 #include "server/engine/admission.h"
+#include "server/engine/proto_convert.h"
 
 namespace losshead::server {
 
@@ -21,6 +23,10 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
     current_->microbatch.header = std::move(*request.mutable_header());
     current_->first_message = now;
     const v1::StepHeader& header = current_->microbatch.header;
+    checked_ = {};
+    if (auto dtype = FloatDType(header.hidden_dtype(), "hidden_dtype"); dtype.ok()) {
+      checked_.dtype = *dtype;
+    }
     // Only a key the server may remember needs a fingerprint.
     if (!header.client_id().empty() && !header.options().forward_only()) {
       hidden_digest_.emplace();
@@ -40,8 +46,7 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
   if (!mb.oversize && mb.received_bytes > max_bytes_) {
     // Refused for good: hand it back now and skip what is left of it.
     mb.oversize = true;
-    std::string().swap(mb.microbatch.hidden);
-    std::string().swap(mb.microbatch.targets);
+    mb.microbatch.ReleaseTensors();
     return Close(!request.last());
   }
   if (!mb.oversize && mb.refused.ok()) {
@@ -49,12 +54,7 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
       hidden_digest_->Update(request.hidden());
       targets_digest_->Update(request.targets());
     }
-    // The first piece is moved rather than copied: single-message micro-batches copy nothing.
-    if (mb.microbatch.hidden.empty()) {
-      mb.microbatch.hidden = std::move(*request.mutable_hidden());
-    } else {
-      mb.microbatch.hidden.append(request.hidden());
-    }
+    AppendHidden(*request.mutable_hidden());
     if (mb.microbatch.targets.empty()) {
       mb.microbatch.targets = std::move(*request.mutable_targets());
     } else {
@@ -72,22 +72,64 @@ AssembledMicroBatch StepAssembler::Close(bool skip_rest) {
     done.microbatch.hidden_digest = hidden_digest_->Value();
     done.microbatch.targets_digest = targets_digest_->Value();
   }
+  // A value found stands; "none found" only from a check that covered every byte (a trailing
+  // partial element means a size Head::Step refuses anyway).
+  if (checked_.dtype.has_value() && !done.oversize && done.refused.ok() &&
+      (checked_.nonfinite || checked_.checked == done.microbatch.hidden_bytes().size())) {
+    done.microbatch.hidden_nonfinite = checked_.nonfinite;
+  }
+  checked_ = {};
   hidden_digest_.reset();
   targets_digest_.reset();
   skipping_ = skip_rest;
   return done;
 }
 
+void StepAssembler::AppendHidden(std::string& piece) {
+  MicroBatch& mb = current_->microbatch;
+  if (mb.pinned_hidden != nullptr) {
+    if (!mb.pinned_hidden->Append(piece)) {
+      // More than the header announced (Head::Step refuses the size): go on in ordinary memory.
+      const absl::string_view so_far = mb.pinned_hidden->view();
+      mb.hidden.assign(so_far.data(), so_far.size());
+      mb.pinned_hidden.reset();
+      mb.hidden.append(piece);
+    }
+  } else if (mb.hidden.empty()) {
+    // The first piece is moved rather than copied: single-message micro-batches copy nothing.
+    mb.hidden = std::move(piece);
+  } else {
+    mb.hidden.append(piece);
+  }
+  if (!checked_.dtype.has_value() || checked_.nonfinite) return;
+  const absl::string_view all = mb.hidden_bytes();
+  const size_t element = kernels::DTypeSize(*checked_.dtype);
+  const size_t whole = all.size() / element * element;
+  if (whole > checked_.checked) {
+    checked_.nonfinite = kernels::HasNonFinite(*checked_.dtype, all.data() + checked_.checked,
+                                               (whole - checked_.checked) / element);
+    checked_.checked = whole;
+  }
+}
+
 void StepAssembler::ReserveHidden(size_t bytes) {
   if (!buffering()) return;
-  current_->microbatch.hidden.reserve(std::min(bytes, max_bytes_));
+  MicroBatch& mb = current_->microbatch;
+  const size_t want = std::min(bytes, max_bytes_);
+  if (pinned_ != nullptr && mb.pinned_hidden == nullptr) {
+    if (PinnedBytes pinned = pinned_->Take(want); pinned && pinned.Append(mb.hidden)) {
+      mb.pinned_hidden = std::make_shared<PinnedBytes>(std::move(pinned));
+      std::string().swap(mb.hidden);
+      return;
+    }
+  }
+  mb.hidden.reserve(want);
 }
 
 AssembledMicroBatch StepAssembler::Refuse(absl::Status status) {
   AssembledMicroBatch& mb = *current_;
   mb.refused = std::move(status);
-  std::string().swap(mb.microbatch.hidden);
-  std::string().swap(mb.microbatch.targets);
+  mb.microbatch.ReleaseTensors();
   return Close(true);
 }
 

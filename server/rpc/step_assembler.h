@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -13,6 +15,7 @@
 #include "absl/time/time.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/head.h"
+#include "server/engine/pinned_pool.h"
 #include "server/engine/request_fingerprint.h"
 #include "server/engine/step_outcome.h"
 
@@ -31,17 +34,21 @@ struct AssembledMicroBatch {
   absl::Time last_message;
 };
 
-// Assembles the messages of a Step stream into micro-batches. A micro-batch whose key may be
-// remembered (a client id, not forward-only) has its hidden and target bytes digested as each
-// piece arrives (MicroBatch::hidden_digest, targets_digest: its idempotency fingerprint), while
-// the piece is still in cache, so that no second pass over a large micro-batch is needed.
+// Assembles the messages of a Step stream into micro-batches. While each piece is still in cache,
+// the hidden states are checked for NaN and Inf in the header's dtype
+// (MicroBatch::hidden_nonfinite), and a micro-batch whose key may be remembered (a client id, not
+// forward-only) has its hidden and target bytes digested (MicroBatch::hidden_digest,
+// targets_digest: its idempotency fingerprint), so that no second pass over a large micro-batch
+// is needed before its run. A micro-batch of several messages is assembled in page-locked memory
+// from a PinnedPool where there is one (ReserveHidden).
 //
 // A micro-batch refused before its last message (Refuse, or oversize) is handed back at once to
 // be answered; the rest of its messages are skipped: they may follow as usual, or the client may
 // leave them out and send the next header (or end the stream) right away.
 class StepAssembler {
  public:
-  explicit StepAssembler(size_t max_microbatch_bytes) : max_bytes_(max_microbatch_bytes) {}
+  explicit StepAssembler(size_t max_microbatch_bytes, std::shared_ptr<PinnedPool> pinned = nullptr)
+      : max_bytes_(max_microbatch_bytes), pinned_(std::move(pinned)) {}
 
   // Feeds the next request. INVALID_ARGUMENT for a malformed stream (data outside a micro-batch,
   // a header inside one); the caller must end the call. Returns the micro-batch when `last`
@@ -62,7 +69,8 @@ class StepAssembler {
 
   // Sizes the open micro-batch's hidden buffer for `bytes` (capped by the micro-batch limit) when
   // it is still buffering: its pieces then append without the reallocations, and the copies of
-  // everything received so far, that growing by doubling costs.
+  // everything received so far, that growing by doubling costs. With a PinnedPool the buffer is
+  // page-locked (ordinary memory when the pool has none to give).
   void ReserveHidden(size_t bytes);
   // Refuses the open micro-batch (requires open()): frees its bytes and hands it back, to be
   // answered with `status` (not OK) now; the rest of its messages are skipped.
@@ -72,6 +80,7 @@ class StepAssembler {
     current_.reset();
     hidden_digest_.reset();
     targets_digest_.reset();
+    checked_ = {};
     skipping_ = false;
   }
 
@@ -79,8 +88,21 @@ class StepAssembler {
   // Hands back the open micro-batch (digests attached) and closes it; with `skip_rest`, the rest
   // of its messages are skipped.
   AssembledMicroBatch Close(bool skip_rest);
+  // Appends a piece of hidden states to the open micro-batch and checks its whole elements.
+  void AppendHidden(std::string& piece);
+
+  // The NaN/Inf check of the open micro-batch's hidden states: its dtype (unset: the header's
+  // dtype is not a float type, and Head::Step refuses it anyway), the bytes checked so far (whole
+  // elements) and whether a non-finite value was found.
+  struct FiniteCheck {
+    std::optional<kernels::DType> dtype;
+    size_t checked = 0;
+    bool nonfinite = false;
+  };
 
   const size_t max_bytes_;
+  const std::shared_ptr<PinnedPool> pinned_;
+  FiniteCheck checked_;
   std::optional<AssembledMicroBatch> current_;
   std::optional<ByteDigest> hidden_digest_;
   std::optional<ByteDigest> targets_digest_;

@@ -43,7 +43,10 @@ bool StepStreams::WaitUntilNone(absl::Time deadline) {
 }
 
 StepReactor::StepReactor(ServiceContext* ctx, grpc::CallbackServerContext* call)
-    : ctx_(ctx), call_(call), start_(absl::Now()), assembler_(ctx->max_microbatch_bytes) {
+    : ctx_(ctx),
+      call_(call),
+      start_(absl::Now()),
+      assembler_(ctx->max_microbatch_bytes, ctx->pinned) {
   // Register before looking at the flag: a concurrent shutdown either sees this stream or this
   // stream sees the flag.
   ctx_->streams.Add(this);
@@ -164,8 +167,7 @@ void StepReactor::ReceiveLocked(v1::StepRequest& request) {
     AssembledMicroBatch& mb = **assembled;
     if (!admitted.ok() && mb.refused.ok()) {
       mb.refused = admitted;
-      std::string().swap(mb.microbatch.hidden);
-      std::string().swap(mb.microbatch.targets);
+      mb.microbatch.ReleaseTensors();
     }
     EnqueueLocked(std::move(mb));
   } else if (assembler_.open()) {
@@ -334,8 +336,7 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     slot->done = true;
     slot->head_known = known_head;
     // The request's tensors are no longer needed; free them before the responses drain.
-    std::string().swap(slot->assembled.microbatch.hidden);
-    std::string().swap(slot->assembled.microbatch.targets);
+    slot->assembled.microbatch.ReleaseTensors();
     ReleaseSlotBytesLocked(*slot);
     computing_ = false;
     StartNextSlotLocked();

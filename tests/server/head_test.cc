@@ -2,6 +2,7 @@
 #include "server/engine/head.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <thread>
@@ -11,6 +12,7 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head_registry.h"
+#include "server/engine/pinned_pool.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
@@ -157,6 +159,39 @@ TEST_F(HeadTest, StepMatchesTheReference) {
   v1::HeadInfo info = head->Info();
   EXPECT_EQ(info.tokens_since_pull(), 4u);
   EXPECT_EQ(info.microbatches_since_pull(), 1u);
+}
+
+// What the receiver hands over: hidden states in page-locked memory, checked for NaN and Inf as
+// they arrived. The outcome is the one of the same bytes in ordinary memory.
+TEST_F(HeadTest, AReceivedMicroBatchInPageLockedMemoryStepsLikeItsBytes) {
+  auto plain = Create("plain");
+  auto pinned = Create("pinned");
+  auto pool = PinnedPool::Create(
+      [](size_t bytes) -> absl::StatusOr<kernels::HostBuffer> {
+        return kernels::HostBuffer(std::malloc(bytes), bytes, &std::free);
+      },
+      size_t{1} << 20);
+  const MicroBatch mb = Batch(7, 21);
+  MicroBatch received = mb;
+  PinnedBytes bytes = pool->Take(mb.hidden.size());
+  ASSERT_TRUE(bytes.Append(mb.hidden));
+  received.pinned_hidden = std::make_shared<PinnedBytes>(std::move(bytes));
+  received.hidden.clear();
+  received.hidden_nonfinite = false;
+  StepStats stats;
+  auto want = plain->Step(mb, &stats);
+  auto got = pinned->Step(received, &stats);
+  ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
+  EXPECT_EQ((*got)->loss_sum, (*want)->loss_sum);
+  EXPECT_EQ((*got)->grad_hidden, (*want)->grad_hidden);
+  EXPECT_EQ(Grad(*pinned), Grad(*plain));
+  // A micro-batch the receiver found non-finite is refused without another pass, and counts
+  // nothing.
+  received.hidden_nonfinite = true;
+  auto refused = pinned->Step(received, &stats);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("NaN or Inf"), std::string::npos);
+  EXPECT_EQ(pinned->Info().microbatches_since_pull(), 1u);
 }
 
 TEST_F(HeadTest, Bf16HiddenOnFp32HeadAndGradDtype) {
