@@ -82,7 +82,9 @@ def main() -> None:
     p.add_argument("--plans", default="4:2048:1024:4:512,1:2048:1024:4:512",
                    help="comma-separated STREAMS:CHUNK:MIN:DEPTH:EDGE (RemoteLMHead's cut)")
     p.add_argument("--trace", help="the server's --step_trace file: print each cut's timeline")
-    p.add_argument("--warmup", type=int, default=3)
+    # Past the first steps of a new client: until its idempotency window is full, the server
+    # allocates fresh result buffers (page faults), later it recycles them.
+    p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()

@@ -113,7 +113,7 @@ class RemoteLMHead(nn.Module):
                  z_loss: Optional[float] = None, logit_softcap: Optional[float] = None,
                  wire_dtype: DTypeLike = torch.bfloat16, grad_hidden_dtype: Optional[DTypeLike] = None,
                  chunk_tokens: int = 2048, streams: int = 2,
-                 min_chunk_tokens: int = 1024, depth: int = 4, edge_tokens: int = 512) -> None:
+                 min_chunk_tokens: int = 1024, depth: int = 4, edge_tokens: int = 256) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
