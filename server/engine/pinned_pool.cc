@@ -1,5 +1,6 @@
 #include "server/engine/pinned_pool.h"
 
+#include <cstddef>
 #include <cstring>
 #include <utility>
 
@@ -50,8 +51,7 @@ PinnedBytes PinnedPool::Take(size_t bytes) {
     }
     if (best < idle_.size()) {
       kernels::HostBuffer buffer = std::move(idle_[best]);
-      idle_[best] = std::move(idle_.back());
-      idle_.pop_back();
+      idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
       idle_bytes_ -= buffer.bytes();
       return PinnedBytes(shared_from_this(), std::move(buffer));
     }
@@ -69,13 +69,23 @@ PinnedBytes PinnedPool::Take(size_t bytes) {
 }
 
 void PinnedPool::Give(kernels::HostBuffer buffer) {
-  absl::MutexLock lock(&mu_);
-  if (idle_bytes_ + buffer.bytes() > max_idle_bytes_) {
-    held_bytes_ -= buffer.bytes();
-    return;  // freed here: keeping it would pass the idle bound
+  std::vector<kernels::HostBuffer> evicted;  // freed after the lock: freeing may be slow
+  {
+    absl::MutexLock lock(&mu_);
+    // Kept as the most recently used; past the idle bound the least recently used go. A buffer
+    // just given back has a size in use now: when the micro-batch size changes (another client,
+    // another cut), the old sizes leave the pool rather than every new buffer being freed.
+    idle_bytes_ += buffer.bytes();
+    idle_.push_back(std::move(buffer));
+    size_t oldest = 0;
+    while (idle_bytes_ > max_idle_bytes_) {
+      idle_bytes_ -= idle_[oldest].bytes();
+      held_bytes_ -= idle_[oldest].bytes();
+      evicted.push_back(std::move(idle_[oldest]));
+      ++oldest;
+    }
+    idle_.erase(idle_.begin(), idle_.begin() + static_cast<std::ptrdiff_t>(oldest));
   }
-  idle_bytes_ += buffer.bytes();
-  idle_.push_back(std::move(buffer));
 }
 
 size_t PinnedPool::idle_bytes() const {

@@ -2,7 +2,8 @@
 // page-locked memory go to the device in one asynchronous copy at the bus rate; assembled in
 // ordinary memory they would first be copied into the I/O slot's page-locked staging, on the path
 // between a micro-batch's arrival and its run. Page-locking is slow (the driver pins every page),
-// so buffers are kept for reuse up to an idle bound. Thread-safe.
+// so buffers are kept for reuse up to an idle bound, the least recently used leaving first.
+// Thread-safe.
 //
 // A backend without page-locked memory (the CPU backend) makes Take return an empty buffer: the
 // receiver then assembles in ordinary memory, as it would when an allocation fails.
@@ -78,7 +79,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   const Allocate allocate_;
   const size_t max_idle_bytes_;
   mutable absl::Mutex mu_;
-  std::vector<kernels::HostBuffer> idle_ ABSL_GUARDED_BY(mu_);
+  std::vector<kernels::HostBuffer> idle_ ABSL_GUARDED_BY(mu_);  // least recently used first
   size_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool unsupported_ ABSL_GUARDED_BY(mu_) = false;  // the backend said UNIMPLEMENTED once

@@ -77,9 +77,9 @@ TEST(PinnedPoolTest, TheSmallestIdleBufferThatFitsIsTakenAndNoneWastesOverHalf) 
   EXPECT_EQ(alloc.calls, 4);
 }
 
-TEST(PinnedPoolTest, BuffersBeyondTheIdleBoundAreFreed) {
+TEST(PinnedPoolTest, BeyondTheIdleBoundTheLeastRecentlyUsedAreFreed) {
   CountingAllocator alloc;
-  auto pool = PinnedPool::Create(alloc.Fn(), 5 * kMiB);
+  auto pool = PinnedPool::Create(alloc.Fn(), 6 * kMiB);
   {
     PinnedBytes a = pool->Take(4 * kMiB);
     PinnedBytes b = pool->Take(4 * kMiB);
@@ -87,6 +87,17 @@ TEST(PinnedPoolTest, BuffersBeyondTheIdleBoundAreFreed) {
   }
   EXPECT_EQ(pool->idle_bytes(), 4 * kMiB);
   EXPECT_EQ(pool->held_bytes(), 4 * kMiB);
+  // The size in use changes: the buffers given back stay, and the old size leaves.
+  for (int i = 0; i < 3; ++i) {
+    PinnedBytes c = pool->Take(kMiB);
+    PinnedBytes d = pool->Take(kMiB);
+    PinnedBytes e = pool->Take(kMiB);
+  }
+  EXPECT_EQ(pool->idle_bytes(), 3 * kMiB);
+  EXPECT_EQ(pool->held_bytes(), 3 * kMiB);
+  EXPECT_EQ(alloc.calls, 5);  // recycled from the second round on
+  EXPECT_EQ(pool->Take(4 * kMiB).capacity(), 4 * kMiB);
+  EXPECT_EQ(alloc.calls, 6);  // the 4 MiB one was freed
 }
 
 TEST(PinnedPoolTest, ABufferOutlivesItsPoolsLastOtherHolder) {
