@@ -44,8 +44,7 @@ PinnedBytes PinnedPool::Take(size_t bytes) {
     size_t best = idle_.size();
     for (size_t i = 0; i < idle_.size(); ++i) {
       const size_t have = idle_[i].bytes();
-      if (have >= bytes && have / 2 <= bytes &&
-          (best == idle_.size() || have < idle_[best].bytes())) {
+      if (have >= bytes && (best == idle_.size() || have < idle_[best].bytes())) {
         best = i;
       }
     }

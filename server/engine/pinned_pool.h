@@ -62,8 +62,10 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   static std::shared_ptr<PinnedPool> Create(Allocate allocate, size_t max_idle_bytes);
 
   // An empty buffer with room for at least `bytes` (rounded up to whole MiB when allocated
-  // afresh): the smallest idle one that fits without wasting more than half of itself, or a new
-  // one. Empty (false) when the backend has no page-locked memory or the allocation fails.
+  // afresh): the smallest idle one that fits, or a new one. A larger buffer is used rather than
+  // a new one allocated: page-locking and freeing are slow (freeing may wait for the device), and
+  // what the pool holds is bounded anyway (idle bound plus the bytes admission lets in). Empty
+  // (false) when the backend has no page-locked memory or the allocation fails.
   PinnedBytes Take(size_t bytes);
 
   size_t idle_bytes() const;
