@@ -2,7 +2,6 @@
 #include "server/engine/head.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <thread>
@@ -166,11 +165,7 @@ TEST_F(HeadTest, StepMatchesTheReference) {
 TEST_F(HeadTest, AReceivedMicroBatchInPageLockedMemoryStepsLikeItsBytes) {
   auto plain = Create("plain");
   auto pinned = Create("pinned");
-  auto pool = PinnedPool::Create(
-      [](size_t bytes) -> absl::StatusOr<kernels::HostBuffer> {
-        return kernels::HostBuffer(std::malloc(bytes), bytes, &std::free);
-      },
-      size_t{1} << 20);
+  auto pool = testing::HeapPinnedPool();
   const MicroBatch mb = Batch(7, 21);
   MicroBatch received = mb;
   PinnedBytes bytes = pool->Take(mb.hidden.size());

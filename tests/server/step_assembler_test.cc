@@ -1,6 +1,5 @@
 #include "server/rpc/step_assembler.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -9,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/pinned_pool.h"
+#include "tests/server/test_util.h"
 
 namespace losshead::server {
 namespace {
@@ -145,14 +145,6 @@ TEST(StepAssemblerTest, KeyedMicroBatchIsDigestedPieceByPiece) {
   EXPECT_FALSE((*got)->microbatch.hidden_digest.has_value());
 }
 
-std::shared_ptr<PinnedPool> HeapPool() {
-  return PinnedPool::Create(
-      [](size_t bytes) -> absl::StatusOr<kernels::HostBuffer> {
-        return kernels::HostBuffer(std::malloc(bytes), bytes, &std::free);
-      },
-      size_t{64} << 20);
-}
-
 // Feeds `hidden` in pieces of `piece` bytes (the first with a bf16 header); ReserveHidden after
 // the first, as the reactor does for a micro-batch of several messages.
 std::optional<AssembledMicroBatch> Assemble(StepAssembler& a, const std::string& hidden,
@@ -184,7 +176,7 @@ std::string RandomBf16(size_t count, uint32_t seed) {
 
 TEST(StepAssemblerTest, SeveralMessagesAreAssembledInPageLockedMemory) {
   const std::string hidden = RandomBf16(3000, 1);
-  StepAssembler a(1 << 20, HeapPool());
+  StepAssembler a(1 << 20, testing::HeapPinnedPool());
   auto got = Assemble(a, hidden, 1001, hidden.size());
   ASSERT_TRUE(got.has_value());
   ASSERT_NE(got->microbatch.pinned_hidden, nullptr);
@@ -193,7 +185,7 @@ TEST(StepAssemblerTest, SeveralMessagesAreAssembledInPageLockedMemory) {
   EXPECT_EQ(got->microbatch.targets, "tt");
   EXPECT_EQ(got->microbatch.hidden_nonfinite, false);
   // More than announced: the rest goes on in ordinary memory, every byte in order.
-  StepAssembler b(4 << 20, HeapPool());
+  StepAssembler b(4 << 20, testing::HeapPinnedPool());
   const std::string more = RandomBf16(700'000, 2);  // 1.4 MB: past the 1 MiB buffer
   auto over = Assemble(b, more, 100'000, 1000);
   ASSERT_TRUE(over.has_value());
@@ -218,7 +210,7 @@ TEST(StepAssemblerTest, NonFiniteValuesAreFoundPieceByPiece) {
       ASSERT_TRUE(kernels::HasNonFinite(kernels::DType::kBF16, hidden.data(), 3000));
       for (size_t piece : {size_t{1}, size_t{333}, hidden.size()}) {
         for (bool pinned : {false, true}) {
-          StepAssembler a(1 << 20, pinned ? HeapPool() : nullptr);
+          StepAssembler a(1 << 20, pinned ? testing::HeapPinnedPool() : nullptr);
           auto got = Assemble(a, hidden, piece, hidden.size());
           ASSERT_TRUE(got.has_value());
           EXPECT_EQ(got->microbatch.hidden_nonfinite, true)

@@ -1,15 +1,28 @@
-// Helpers shared by the server tests: tensors as wire bytes, and a naive fp32 reference.
+// Helpers shared by the server tests: tensors as wire bytes, a naive fp32 reference, and a
+// PinnedPool whose buffers come from the heap (what a receiver hands over, without a device).
 #ifndef LOSSHEAD_TESTS_SERVER_TEST_UTIL_H_
 #define LOSSHEAD_TESTS_SERVER_TEST_UTIL_H_
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "server/engine/pinned_pool.h"
+
 namespace losshead::server::testing {
+
+inline std::shared_ptr<PinnedPool> HeapPinnedPool(size_t max_idle_bytes = size_t{64} << 20) {
+  return PinnedPool::Create(
+      [](size_t bytes) -> absl::StatusOr<kernels::HostBuffer> {
+        return kernels::HostBuffer(std::malloc(bytes), bytes, &std::free);
+      },
+      max_idle_bytes);
+}
 
 template <typename T>
 std::string Bytes(const std::vector<T>& v) {
