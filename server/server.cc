@@ -35,6 +35,9 @@ namespace {
 constexpr char kServiceName[] = "losshead.v1.LossHead";
 // Received micro-batches' page-locked buffers kept for reuse: a few full-size micro-batches.
 constexpr size_t kMaxIdlePinnedBytes = size_t{1} << 30;
+// How long connections left open at shutdown, once no call of ours runs, may stay before they
+// are closed (see Shutdown); never past the caller's deadline.
+constexpr absl::Duration kConnectionGrace = absl::Milliseconds(500);
 
 SecurityOptions SecurityOf(const ServerOptions& options) {
   return SecurityOptions{.tls_cert_file = options.tls_cert_file,
@@ -203,10 +206,13 @@ class ServerImpl final : public Server {
       ctx_.streams.DrainAll();
       ctx_.streams.WaitUntilNone(until);
       live_calls_.WaitUntilNone(until);
-      // Nothing of ours runs any more (or the deadline passed): gRPC refuses new calls, cancels
-      // what still runs (health watches, reflection, calls past the deadline) and closes idle
-      // connections now rather than waiting for their clients to hang up.
-      server_->Shutdown(absl::ToChronoTime(absl::Now()));
+      // Nothing of ours runs any more (or the deadline passed): gRPC refuses new calls and sends
+      // every connection its GOAWAY; gRPC clients hang up at once. After a short grace, it cancels
+      // what still runs (health watches, reflection, calls past the deadline) and closes the
+      // connections that stayed, rather than waiting for their clients to hang up. The grace lets
+      // a finished call's last bytes, still in the socket buffers, reach its client: closing a
+      // socket with unread input resets it, and the peer's kernel drops what it had not read.
+      server_->Shutdown(absl::ToChronoTime(std::min(until, absl::Now() + kConnectionGrace)));
     }
     if (pool_ != nullptr) pool_->Shutdown();
     if (checkpointer_ != nullptr && server_ != nullptr) {
