@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "google/protobuf/message_lite.h"
+#include "losshead/v1/slice_message.h"
 
 namespace losshead::client::raw {
 
@@ -27,21 +27,9 @@ const grpc::internal::RpcMethod& PullGradientMethod();
 const grpc::internal::RpcMethod& DownloadWeightsMethod();
 const grpc::internal::RpcMethod& PushWeightsMethod();
 
-// Where one received message's bytes field lies: pieces of the message's slices, which stay
-// alive as long as `slices` does.
-struct DataPieces {
-  std::vector<grpc::Slice> slices;
-  std::vector<std::pair<const uint8_t*, size_t>> pieces;
-  uint64_t size = 0;
-
-  // Copies the pieces, in order, to `out` (which holds at least `size` bytes).
-  void CopyTo(std::byte* out) const;
-};
-
-// Parses `buffer` into `message`, except for the bytes field `data_field`, which is left in
-// `data` as pieces of the buffer's slices (the last occurrence, as protobuf would keep).
-absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
-                              google::protobuf::MessageLite* message, DataPieces* data);
+// Received messages whose bytes field is read from gRPC's slices in place (wire::ParseWithoutData).
+using v1::wire::DataPieces;
+using v1::wire::ParseWithoutData;
 
 // One message: `fields` (a serialized message without the bytes field), then the bytes field
 // `data_field` holding a copy of `data` (left out when empty), then `trailer` (more serialized

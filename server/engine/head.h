@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,6 +34,7 @@
 #include "losshead/kernels/problem.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/apply_log.h"
+#include "server/engine/compute_queue.h"
 #include "server/engine/head_checkpoint.h"
 #include "server/engine/head_optimizer.h"
 #include "server/engine/idempotency_cache.h"
@@ -132,8 +134,15 @@ class Head {
   // (StepOptions.forward_only) is validated and run the same way under the compute lock (it uses
   // the head's workspace and stream, and must not see W half pushed) but adds nothing to dW,
   // counts nothing and bypasses the idempotency cache.
-  absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(const MicroBatch& microbatch,
-                                                          StepStats* stats);
+  //
+  // Staged micro-batches take the device largest first (ComputeQueue). `on_ordered`, when given,
+  // is called once this micro-batch holds the device, before its run: whatever the caller runs
+  // from then on comes after it in dW. A Step stream starts its next micro-batch there, so that
+  // this one's copy back overlaps the next one's staging and run. It is not called for a
+  // micro-batch that never reaches the device (refused, replayed).
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(
+      const MicroBatch& microbatch, StepStats* stats,
+      const std::function<void()>& on_ordered = nullptr);
 
   // The gradient window (gradient_window.cc).
   // Copies dW out (fp32 or bf16) with the counters it covers; with `reset`, zeroes both in the same
@@ -199,11 +208,10 @@ class Head {
   absl::Status PrepareHeader(const v1::StepHeader& header, Prepared* prepared) const;
   absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
   // Runs a prepared micro-batch; with a client id, completes its idempotency claim, or fails it
-  // when the device fails once the run has begun (see Step).
-  absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(const Prepared& prepared,
-                                                             StepStats* stats,
-                                                             const std::string& client_id,
-                                                             uint64_t sequence);
+  // when the device fails once the run has begun (see Step, also for `on_ordered`).
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(
+      const Prepared& prepared, StepStats* stats, const std::string& client_id, uint64_t sequence,
+      const std::function<void()>& on_ordered);
   void FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
                      std::string grad_hidden, const std::vector<float>& per_token,
                      StepOutcome* outcome) const;
@@ -228,6 +236,8 @@ class Head {
   IdempotencyCache cache_;
 
   // Device memory and stream: used under compute_mu_ only.
+  // Micro-batches wait here, largest first, before they take compute_mu_.
+  ComputeQueue compute_queue_;
   absl::Mutex compute_mu_ ABSL_ACQUIRED_BEFORE(state_mu_);
   kernels::DeviceBuffer weights_;
   kernels::DeviceBuffer grad_;

@@ -194,16 +194,16 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
   return p;
 }
 
-absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& mb,
-                                                              StepStats* stats) {
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
+    const MicroBatch& mb, StepStats* stats, const std::function<void()>& on_ordered) {
   LOSSHEAD_ASSIGN_OR_RETURN(Prepared prepared, Prepare(mb));
   // Forward-only counts nothing, so there is nothing a replay could protect from being counted
   // twice: it bypasses the cache both ways. Answering it from a counted micro-batch's result (or
   // remembering it so that a later counted one with the same key replays it) would hand a
   // training step's outcome to an evaluation, or skip a training step's dW.
-  if (prepared.forward_only) return Compute(prepared, stats, "", 0);
+  if (prepared.forward_only) return Compute(prepared, stats, "", 0, on_ordered);
   const std::string& client_id = mb.header.client_id();
-  if (client_id.empty()) return Compute(prepared, stats, client_id, 0);
+  if (client_id.empty()) return Compute(prepared, stats, client_id, 0, on_ordered);
 
   // The receiver digests the tensors while it assembles them; only a direct caller pays a pass.
   const StepFingerprint fingerprint{
@@ -221,7 +221,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(const MicroBatch& 
   // Compute settles the claim itself once the run has begun (Complete, or Fail after a device
   // failure: the micro-batch may be in dW). A failure before the run touched nothing and is
   // abandoned here so that a retry computes afresh; Abandon ignores a settled claim.
-  auto outcome = Compute(prepared, stats, client_id, mb.header.sequence());
+  auto outcome = Compute(prepared, stats, client_id, mb.header.sequence(), on_ordered);
   if (!outcome.ok()) cache_.Abandon(client_id, mb.header.sequence());
   return outcome;
 }
@@ -317,10 +317,9 @@ absl::Status Head::StageOut(const Prepared& p, IoSlot& slot, std::string* grad_h
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared& p,
-                                                                 StepStats* stats,
-                                                                 const std::string& client_id,
-                                                                 uint64_t sequence) {
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
+    const Prepared& p, StepStats* stats, const std::string& client_id, uint64_t sequence,
+    const std::function<void()>& on_ordered) {
   auto outcome = std::make_shared<StepOutcome>();
   const size_t n = p.problem.n;
   std::string grad_hidden;  // compute dtype
@@ -341,7 +340,9 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(const Prepared&
   stats->stage += absl::Now() - stage_start;
   {
     const absl::Time wait_start = absl::Now();
+    const ComputeQueue::Turn turn = compute_queue_.Wait(static_cast<int64_t>(p.problem.n));
     absl::MutexLock lock(&compute_mu_);
+    if (on_ordered) on_ordered();
     const absl::Time start = absl::Now();
     stats->compute_start = start;
     stats->queue += start - wait_start;

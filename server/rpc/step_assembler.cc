@@ -10,8 +10,33 @@
 
 namespace losshead::server {
 
+namespace {
+
+// How much of a message's hidden states is copied before it is digested and checked: small enough
+// to be still in cache for those passes (each byte then leaves memory once and enters it once).
+constexpr size_t kCacheStepBytes = size_t{256} << 10;
+
+}  // namespace
+
 absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRequest& request,
                                                                       absl::Time now) {
+  StepMessage message;
+  message.request.Swap(&request);
+  // The pieces refer to the request's own bytes, which outlive this call (they are swapped back).
+  const std::string& hidden = *message.request.mutable_hidden();
+  if (!hidden.empty()) {
+    message.hidden.emplace_back(reinterpret_cast<const uint8_t*>(hidden.data()), hidden.size());
+    message.hidden_bytes = hidden.size();
+  }
+  auto added = Add(message, now);
+  message.request.Swap(&request);
+  return added;
+}
+
+absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(StepMessage& message,
+                                                                      absl::Time now,
+                                                                      size_t reserve_bytes) {
+  v1::StepRequest& request = message.request;
   if (request.has_header()) {
     if (current_.has_value()) {
       return absl::InvalidArgumentError(
@@ -32,6 +57,7 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
       hidden_digest_.emplace();
       targets_digest_.emplace();
     }
+    if (reserve_bytes > 0 && !request.last()) ReserveHidden(reserve_bytes);
   } else if (!current_.has_value()) {
     if (skipping_) {
       skipping_ = !request.last();
@@ -42,7 +68,7 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
   }
   AssembledMicroBatch& mb = *current_;
   mb.last_message = now;
-  mb.received_bytes += request.hidden().size() + request.targets().size();
+  mb.received_bytes += message.bytes();
   if (!mb.oversize && mb.received_bytes > max_bytes_) {
     // Refused for good: hand it back now and skip what is left of it.
     mb.oversize = true;
@@ -50,11 +76,14 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(v1::StepRe
     return Close(!request.last());
   }
   if (!mb.oversize && mb.refused.ok()) {
-    if (hidden_digest_.has_value()) {
-      hidden_digest_->Update(request.hidden());
-      targets_digest_->Update(request.targets());
+    if (targets_digest_.has_value()) targets_digest_->Update(request.targets());
+    std::string& hidden = mb.microbatch.hidden;
+    if (mb.microbatch.pinned_hidden == nullptr &&
+        hidden.size() + message.hidden_bytes > hidden.capacity()) {
+      // Once for a micro-batch of one message; by doubling past what ReserveHidden gave.
+      hidden.reserve(std::max<size_t>(hidden.size() + message.hidden_bytes, 2 * hidden.capacity()));
     }
-    AppendHidden(*request.mutable_hidden());
+    AppendHidden(message);
     if (mb.microbatch.targets.empty()) {
       mb.microbatch.targets = std::move(*request.mutable_targets());
     } else {
@@ -85,31 +114,41 @@ AssembledMicroBatch StepAssembler::Close(bool skip_rest) {
   return done;
 }
 
-void StepAssembler::AppendHidden(std::string& piece) {
+void StepAssembler::AppendHidden(const StepMessage& message) {
+  for (const auto& [data, size] : message.hidden) {
+    for (size_t done = 0; done < size;) {
+      const size_t n = std::min(kCacheStepBytes, size - done);
+      const absl::string_view landed =
+          Store(absl::string_view(reinterpret_cast<const char*>(data) + done, n));
+      done += n;
+      if (hidden_digest_.has_value()) hidden_digest_->Update(landed);
+      if (!checked_.dtype.has_value() || checked_.nonfinite) continue;
+      // Whole elements only: a step may end inside one, which the next step completes.
+      const absl::string_view all = current_->microbatch.hidden_bytes();
+      const size_t element = kernels::DTypeSize(*checked_.dtype);
+      const size_t whole = all.size() / element * element;
+      if (whole > checked_.checked) {
+        checked_.nonfinite = kernels::HasNonFinite(
+            *checked_.dtype, all.data() + checked_.checked, (whole - checked_.checked) / element);
+        checked_.checked = whole;
+      }
+    }
+  }
+}
+
+absl::string_view StepAssembler::Store(absl::string_view bytes) {
   MicroBatch& mb = current_->microbatch;
   if (mb.pinned_hidden != nullptr) {
-    if (!mb.pinned_hidden->Append(piece)) {
-      // More than the header announced (Head::Step refuses the size): go on in ordinary memory.
-      const absl::string_view so_far = mb.pinned_hidden->view();
-      mb.hidden.assign(so_far.data(), so_far.size());
-      mb.pinned_hidden.reset();
-      mb.hidden.append(piece);
-    }
-  } else if (mb.hidden.empty()) {
-    // The first piece is moved rather than copied: single-message micro-batches copy nothing.
-    mb.hidden = std::move(piece);
-  } else {
-    mb.hidden.append(piece);
+    const size_t at = mb.pinned_hidden->size();
+    if (mb.pinned_hidden->Append(bytes)) return mb.pinned_hidden->view().substr(at);
+    // More than the header announced (Head::Step refuses the size): go on in ordinary memory.
+    const absl::string_view so_far = mb.pinned_hidden->view();
+    mb.hidden.assign(so_far.data(), so_far.size());
+    mb.pinned_hidden.reset();
   }
-  if (!checked_.dtype.has_value() || checked_.nonfinite) return;
-  const absl::string_view all = mb.hidden_bytes();
-  const size_t element = kernels::DTypeSize(*checked_.dtype);
-  const size_t whole = all.size() / element * element;
-  if (whole > checked_.checked) {
-    checked_.nonfinite = kernels::HasNonFinite(*checked_.dtype, all.data() + checked_.checked,
-                                               (whole - checked_.checked) / element);
-    checked_.checked = whole;
-  }
+  const size_t at = mb.hidden.size();
+  mb.hidden.append(bytes.data(), bytes.size());
+  return absl::string_view(mb.hidden).substr(at);
 }
 
 void StepAssembler::ReserveHidden(size_t bytes) {

@@ -4,6 +4,7 @@
 #define LOSSHEAD_SERVER_RPC_STEP_ASSEMBLER_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,22 @@
 
 namespace losshead::server {
 
+// One received StepRequest: its fields, and its hidden states as pieces of memory the caller keeps
+// alive while the assembler runs (the gRPC slices they arrived in), so that they are copied once,
+// into the micro-batch's buffer, rather than into the message first. `request.hidden()` is empty.
+struct StepMessage {
+  v1::StepRequest request;
+  std::vector<std::pair<const uint8_t*, size_t>> hidden;
+  size_t hidden_bytes = 0;
+
+  size_t bytes() const { return hidden_bytes + request.targets().size(); }
+  void Clear() {
+    request.Clear();
+    hidden.clear();
+    hidden_bytes = 0;
+  }
+};
+
 // A micro-batch as assembled from the stream. `oversize` means its bytes passed the limit and
 // were dropped: it must be answered RESOURCE_EXHAUSTED.
 struct AssembledMicroBatch {
@@ -34,8 +51,8 @@ struct AssembledMicroBatch {
   absl::Time last_message;
 };
 
-// Assembles the messages of a Step stream into micro-batches. While each piece is still in cache,
-// the hidden states are checked for NaN and Inf in the header's dtype
+// Assembles the messages of a Step stream into micro-batches. The hidden states are copied out of
+// the messages in cache-sized steps, and while each step is still in cache they are checked for NaN and Inf in the header's dtype
 // (MicroBatch::hidden_nonfinite), and a micro-batch whose key may be remembered (a client id, not
 // forward-only) has its hidden and target bytes digested (MicroBatch::hidden_digest,
 // targets_digest: its idempotency fingerprint), so that no second pass over a large micro-batch
@@ -54,6 +71,11 @@ class StepAssembler {
   // a header inside one); the caller must end the call. Returns the micro-batch when `last`
   // closes it, or when its bytes pass the limit (oversize; the rest of it is then skipped), and
   // std::nullopt while it is still open or its message was skipped.
+  // `reserve_bytes`, when the message opens a micro-batch that goes on past it: the size its
+  // hidden buffer is given before anything is stored (ReserveHidden).
+  absl::StatusOr<std::optional<AssembledMicroBatch>> Add(StepMessage& message, absl::Time now,
+                                                         size_t reserve_bytes = 0);
+  // The same for a request that carries its hidden states in its own field.
   absl::StatusOr<std::optional<AssembledMicroBatch>> Add(v1::StepRequest& request, absl::Time now);
 
   // True inside a micro-batch (a stream may not end here). A skipped one's rest is not.
@@ -88,8 +110,11 @@ class StepAssembler {
   // Hands back the open micro-batch (digests attached) and closes it; with `skip_rest`, the rest
   // of its messages are skipped.
   AssembledMicroBatch Close(bool skip_rest);
-  // Appends a piece of hidden states to the open micro-batch and checks its whole elements.
-  void AppendHidden(std::string& piece);
+  // Appends a message's hidden states to the open micro-batch, digesting them when its key may be
+  // remembered and checking its whole elements.
+  void AppendHidden(const StepMessage& message);
+  // Appends `bytes` to the open micro-batch's buffer; returns where they landed.
+  absl::string_view Store(absl::string_view bytes);
 
   // The NaN/Inf check of the open micro-batch's hidden states: its dtype (unset: the header's
   // dtype is not a float type, and Head::Step refuses it anyway), the bytes checked so far (whole

@@ -11,6 +11,12 @@
 #include "server/security/auth.h"
 
 namespace losshead::server {
+namespace {
+
+// The `hidden` field of StepRequest (proto/losshead/v1/losshead.proto).
+constexpr uint32_t kRequestHiddenField = 2;
+
+}  // namespace
 
 void StepStreams::Add(StepReactor* reactor) {
   absl::MutexLock lock(&mu_);
@@ -115,14 +121,21 @@ void StepReactor::OnReadDone(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     reading_ = false;
-    // Parsed as gRPC parses a typed request (one copy out of the slices); a message that does not
-    // parse ends the call rather than pass for the end of the stream.
-    if (ok && !grpc::SerializationTraits<v1::StepRequest>::Deserialize(&read_buffer_, &request_)
-                   .ok()) {
-      ok = false;
-      if (!finished_ && !cancelled_) {
-        pending_finish_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                       "malformed Step stream: a message is not a StepRequest");
+    // Parsed but for the hidden states, which stay in the slices until the assembler copies them
+    // to their buffer; a message that does not parse ends the call rather than pass for the end
+    // of the stream.
+    if (ok) {
+      const bool parsed = v1::wire::ParseWithoutData(read_buffer_, kRequestHiddenField,
+                                                     &message_.request, &hidden_slices_)
+                              .ok();
+      message_.hidden.swap(hidden_slices_.pieces);
+      message_.hidden_bytes = hidden_slices_.size;
+      if (!parsed) {
+        ok = false;
+        if (!finished_ && !cancelled_) {
+          pending_finish_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                         "malformed Step stream: a message is not a StepRequest");
+        }
       }
     }
     if (!ok) {
@@ -137,9 +150,8 @@ void StepReactor::OnReadDone(bool ok) {
       assembler_.Clear();
       ReleaseOpenLocked();
     } else if (!finished_ && !cancelled_ && !stalled_.has_value()) {
-      ctx_->metrics->Bytes("Step", "in", request_.hidden().size() + request_.targets().size());
-      ReceiveLocked(request_);
-      request_.Clear();
+      ctx_->metrics->Bytes("Step", "in", message_.bytes());
+      ReceiveLocked(message_);
       const absl::Duration stall =
           ctx_->admission != nullptr ? ctx_->admission->stall_timeout() : absl::InfiniteDuration();
       // One alarm at a time covers every micro-batch of the stream: it re-arms while one is open.
@@ -149,15 +161,20 @@ void StepReactor::OnReadDone(bool ok) {
     }
     // After a stall, whatever still arrives is dropped: the stream ends once its earlier
     // micro-batches are answered.
+    message_.Clear();
+    hidden_slices_ = {};
+    read_buffer_.Clear();
   }
   Pump();
 }
 
-void StepReactor::ReceiveLocked(v1::StepRequest& request) {
-  const bool opens = request.has_header() && !assembler_.open();
+void StepReactor::ReceiveLocked(StepMessage& message) {
+  const bool opens = message.request.has_header() && !assembler_.open();
   // Admitted (and reserved) before anything is buffered.
-  const absl::Status admitted = opens ? AdmitHeaderLocked(request) : AdmitPieceLocked(request);
-  auto assembled = assembler_.Add(request, absl::Now());
+  const absl::Status admitted = opens ? AdmitHeaderLocked(message) : AdmitPieceLocked(message);
+  // A micro-batch of several messages gets its buffer sized from the header, once.
+  const size_t reserve = opens && admitted.ok() ? open_announced_ : 0;
+  auto assembled = assembler_.Add(message, absl::Now(), reserve);
   if (!assembled.ok()) {
     ReleaseOpenLocked();
     pending_finish_ = ToGrpcStatus(assembled.status());
@@ -174,9 +191,6 @@ void StepReactor::ReceiveLocked(v1::StepRequest& request) {
     if (!admitted.ok()) {
       // Answered now, before the rest of it is read (and then skipped).
       EnqueueLocked(assembler_.Refuse(admitted));
-    } else if (opens && open_announced_ > 0) {
-      // A micro-batch of several messages: size its buffer from the header once.
-      assembler_.ReserveHidden(open_announced_);
     }
   }
 }
@@ -266,6 +280,7 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome;
   bool known_head = false;
   bool refused_by_head = false;
+  bool ordered = false;  // it took its place on the device: the next one may be running already
   bool gone;
   {
     absl::MutexLock lock(&mu_);
@@ -295,7 +310,12 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
       outcome = head.status();
     } else {
       known_head = true;
-      outcome = (*head)->Step(mb, &stats);
+      outcome = (*head)->Step(mb, &stats, [this, &ordered] {
+        absl::MutexLock lock(&mu_);
+        ordered = true;
+        computing_ = false;
+        StartNextSlotLocked();
+      });
     }
   }
   Metrics& m = *ctx_->metrics;
@@ -338,7 +358,7 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     // The request's tensors are no longer needed; free them before the responses drain.
     slot->assembled.microbatch.ReleaseTensors();
     ReleaseSlotBytesLocked(*slot);
-    computing_ = false;
+    if (!ordered) computing_ = false;
     StartNextSlotLocked();
   }
   Pump();
@@ -453,9 +473,9 @@ grpc::Status StepReactor::CancelStatus() const {
   return grpc::Status(grpc::StatusCode::CANCELLED, "the Step call was cancelled");
 }
 
-absl::Status StepReactor::AdmitHeaderLocked(const v1::StepRequest& request) {
-  const v1::StepHeader& header = request.header();
-  const size_t piece = request.hidden().size() + request.targets().size();
+absl::Status StepReactor::AdmitHeaderLocked(const StepMessage& message) {
+  const v1::StepHeader& header = message.request.header();
+  const size_t piece = message.bytes();
   open_received_ = piece;
   open_announced_ = 0;
   // What can never be served is refused before any of its data is read, and without a retry
@@ -494,9 +514,9 @@ absl::Status StepReactor::AdmitHeaderLocked(const v1::StepRequest& request) {
   return absl::OkStatus();
 }
 
-absl::Status StepReactor::AdmitPieceLocked(const v1::StepRequest& request) {
+absl::Status StepReactor::AdmitPieceLocked(const StepMessage& message) {
   Admission* admission = ctx_->admission;
-  const size_t piece = request.hidden().size() + request.targets().size();
+  const size_t piece = message.bytes();
   if (!assembler_.open() || !assembler_.buffering()) return absl::OkStatus();
   open_received_ += piece;
   // Past the per-micro-batch limit the assembler stops buffering and refuses it permanently.

@@ -1,5 +1,6 @@
 // The Step bidi stream of one call: assembles micro-batches (reactions), runs them on the worker
-// pool one after another (so one stream's dW contributions keep their order), and writes each
+// pool, each starting once the one before holds the device (so one stream's dW contributions keep
+// their order, and one's copy back overlaps the next one's staging and run), and writes each
 // micro-batch's responses in request order. While micro-batch k computes, k+1.. are received
 // (pipelining) up to ServiceContext::max_inflight_per_stream; then reading pauses.
 //
@@ -28,6 +29,7 @@
 #include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
+#include "losshead/v1/slice_message.h"
 #include "server/rpc/service_context.h"
 #include "server/rpc/step_assembler.h"
 
@@ -76,15 +78,15 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   void RunSlot(std::shared_ptr<Slot> slot);
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One parsed request: admission, assembly, and a slot for each micro-batch to answer.
-  void ReceiveLocked(v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReceiveLocked(StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EnqueueLocked(AssembledMicroBatch assembled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The header of a micro-batch about to open, before anything of it is buffered: what can never
   // be served (unknown head, a field the head refuses, over --max_microbatch_bytes) or finds no
   // room in Admission is the refusal to answer it with at once; OK admits it.
-  absl::Status AdmitHeaderLocked(const v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AdmitHeaderLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Admission bookkeeping of a further message of the open micro-batch, before its bytes are
   // buffered: the refusal to answer it with, or OK.
-  absl::Status AdmitPieceLocked(const v1::StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AdmitPieceLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The stall timer: ArmStallAlarmLocked sets the alarm for `when` (pinning the reactor until it
   // fires or is cancelled); OnStallAlarm abandons the open micro-batch once a read has waited
   // the whole timeout, or re-arms.
@@ -103,11 +105,14 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   grpc::CallbackServerContext* const call_;
   const absl::Time start_;
   grpc::ByteBuffer read_buffer_;  // owned by the outstanding read
-  v1::StepRequest request_;       // the last read, parsed
+  StepMessage message_;           // the last read, parsed
+  v1::wire::DataPieces hidden_slices_;  // what message_.hidden points into
 
   absl::Mutex mu_;
   StepAssembler assembler_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  // A micro-batch of this stream runs and has not yet taken its place on the device: the next
+  // one waits, so that the stream's micro-batches reach dW in order.
   bool computing_ ABSL_GUARDED_BY(mu_) = false;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool read_closed_ ABSL_GUARDED_BY(mu_) = false;  // client half-closed or call broken

@@ -138,6 +138,69 @@ TEST_F(ServiceTest, PipelinedMicroBatchesAreAnsweredInOrderAndChunked) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// A stream's next micro-batch starts while the one before still copies its results back, and
+// staged micro-batches take the device largest first; still, one stream's micro-batches reach dW
+// in the order sent: dW is bit for bit that of sending them one at a time (fp32 sums depend on
+// their order).
+TEST_F(ServiceTest, OneStreamAddsItsMicroBatchesToDwInOrder) {
+  {
+    v1::CreateHeadRequest req;
+    req.mutable_spec()->set_name("one-by-one");
+    req.mutable_spec()->set_vocab_size(kV);
+    req.mutable_spec()->set_hidden_size(kD);
+    req.mutable_spec()->set_weight_dtype(v1::DTYPE_FP32);
+    req.mutable_spec()->mutable_init()->mutable_normal()->set_std(0.1f);
+    grpc::ClientContext ctx;
+    v1::HeadInfo info;
+    ASSERT_TRUE(stub_->CreateHead(&ctx, req, &info).ok());
+  }
+  // Small and large alternate: largest-first would reorder them if a stream's next one could
+  // overtake the one before.
+  const int64_t sizes[] = {1, 60, 2, 50, 3, 40, 4, 30};
+  auto messages = [&](const std::string& head, size_t k) {
+    return MicroBatchMessages(head, sizes[k], 100 + k);
+  };
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Step(&ctx);
+    for (size_t k = 0; k < std::size(sizes); ++k) {
+      for (auto& m : messages("h", k)) ASSERT_TRUE(stream->Write(m));
+    }
+    stream->WritesDone();
+    for (size_t k = 0; k < std::size(sizes); ++k) {
+      Answer a;
+      ASSERT_TRUE(ReadAnswer(stream.get(), &a));
+      ASSERT_TRUE(a.first.has_result()) << a.first.DebugString();
+      EXPECT_EQ(a.first.sequence(), 100 + k);
+    }
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  for (size_t k = 0; k < std::size(sizes); ++k) {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Step(&ctx);
+    for (auto& m : messages("one-by-one", k)) ASSERT_TRUE(stream->Write(m));
+    stream->WritesDone();
+    Answer a;
+    ASSERT_TRUE(ReadAnswer(stream.get(), &a));
+    ASSERT_TRUE(a.first.has_result()) << a.first.DebugString();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  auto pull = [&](const std::string& head) {
+    grpc::ClientContext ctx;
+    v1::PullGradientRequest req;
+    req.set_head(head);
+    auto reader = stub_->PullGradient(&ctx, req);
+    v1::GradientChunk chunk;
+    std::string data;
+    while (reader->Read(&chunk)) data += chunk.data();
+    EXPECT_TRUE(reader->Finish().ok());
+    return data;
+  };
+  const std::string pipelined = pull("h");
+  ASSERT_EQ(pipelined.size(), kV * kD * 4u);
+  EXPECT_TRUE(pipelined == pull("one-by-one"));
+}
+
 TEST_F(ServiceTest, MicroBatchErrorsKeepTheStreamGoing) {
   grpc::ClientContext ctx;
   auto stream = stub_->Step(&ctx);
@@ -346,6 +409,36 @@ TEST_F(ServiceTest, HealthIsServing) {
     std::string body;
     for (const auto& sl : slices) body += std::string(sl.begin(), sl.end());
     EXPECT_EQ(body, std::string("\x08\x01", 2)) << service;
+  }
+}
+
+// Step messages are parsed without copying their hidden states out of gRPC's slices; a message
+// that does not parse (a truncated tag or field) ends the call INVALID_ARGUMENT all the same.
+TEST_F(ServiceTest, UnparsableStepMessageEndsTheCall) {
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                     grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  const std::string truncated_field = std::string("\x12\x64", 2) + std::string(10, 'x');
+  for (const std::string& garbage : {std::string("\xff\xff\xff", 3), truncated_field}) {
+    grpc::CompletionQueue cq;
+    grpc::ClientContext ctx;
+    auto call = stub.PrepareCall(&ctx, "/losshead.v1.LossHead/Step", &cq);
+    void* tag;
+    bool ok;
+    call->StartCall(reinterpret_cast<void*>(1));
+    ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+    grpc::Slice slice(garbage);
+    grpc::ByteBuffer message(&slice, 1);
+    call->Write(message, reinterpret_cast<void*>(2));
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    grpc::Status status;
+    call->Finish(&status, reinterpret_cast<void*>(3));
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(status.error_message(), "malformed Step stream: a message is not a StepRequest");
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
   }
 }
 
