@@ -1,6 +1,9 @@
 // libFuzzer target: random bytes as a sequence of StepRequest messages (see step_fuzz_format.h)
-// through what the server does with a Step stream short of gRPC: admission bookkeeping from the
-// header (AnnouncedBytes), reassembly (StepAssembler, with the skipping of an oversize
+// through what the server does with a Step stream short of gRPC's transport: the parse that leaves
+// the hidden states in the message's slices (wire::ParseWithoutData, the bytes cut into two slices
+// at a point the input picks; it must accept nothing protobuf refuses and agree with protobuf on
+// what it accepts), admission bookkeeping from the header (AnnouncedBytes), reassembly
+// (StepAssembler, with the skipping of an oversize
 // micro-batch's rest and the digests of its key's fingerprint), validation and the step itself on
 // a tiny CPU head (Head::Step: dtype, shape, target and option checks, idempotent replay, refusal
 // of a key reused for other content), and the response chunking (BuildStepResponses). It must
@@ -15,8 +18,11 @@
 
 #include "absl/time/clock.h"
 #include "google/protobuf/stubs/logging.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/v1/losshead.pb.h"
+#include "losshead/v1/slice_message.h"
 #include "server/engine/admission.h"
 #include "server/engine/head.h"
 #include "server/engine/request_fingerprint.h"
@@ -31,6 +37,7 @@ using losshead::server::StepAssembler;
 // Small limits keep each input cheap: a micro-batch beyond 64 KiB is refused as oversize.
 constexpr size_t kMaxMicrobatchBytes = 64 << 10;
 constexpr size_t kChunkBytes = 256;
+constexpr uint32_t kHiddenField = 2;  // StepRequest.hidden
 
 losshead::kernels::Backend& Backend() {
   static auto* backend =
@@ -76,13 +83,32 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const size_t n = data[pos] | (size_t{data[pos + 1]} << 8);
     pos += 2;
     const size_t len = n < size - pos ? n : size - pos;
-    losshead::v1::StepRequest request;
-    const bool parsed = request.ParseFromArray(data + pos, static_cast<int>(len));
+    // The message as gRPC hands it over: in slices, here two, cut where its first byte says.
+    const char* bytes = reinterpret_cast<const char*>(data + pos);
+    const size_t cut = len == 0 ? 0 : data[pos] % (len + 1);
+    grpc::Slice slices[2] = {grpc::Slice(bytes, cut), grpc::Slice(bytes + cut, len - cut)};
+    grpc::ByteBuffer buffer(slices, 2);
+    losshead::server::StepMessage message;
+    losshead::v1::wire::DataPieces hidden;
+    const bool parsed =
+        losshead::v1::wire::ParseWithoutData(buffer, kHiddenField, &message.request, &hidden).ok();
+    losshead::v1::StepRequest typed;
+    const bool typed_parsed = typed.ParseFromArray(bytes, static_cast<int>(len));
     pos += len;
     if (!parsed) {
       assembler = std::make_unique<StepAssembler>(kMaxMicrobatchBytes);  // a new stream
       continue;
     }
+    // Accepted: protobuf accepts it too, with the same fields and the same hidden bytes.
+    FUZZ_CHECK(typed_parsed);
+    std::string joined(hidden.size, '\0');
+    hidden.CopyTo(reinterpret_cast<std::byte*>(joined.data()));
+    FUZZ_CHECK(joined == typed.hidden());
+    typed.clear_hidden();
+    FUZZ_CHECK(typed.SerializeAsString() == message.request.SerializeAsString());
+    message.hidden = hidden.pieces;
+    message.hidden_bytes = hidden.size;
+    const losshead::v1::StepRequest& request = message.request;
     if (request.has_header()) {
       const uint64_t announced =
           losshead::server::AnnouncedBytes(request.header(), (*head)->hidden_size());
@@ -90,7 +116,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       FUZZ_CHECK(announced == 0 ||
                  announced >= static_cast<uint64_t>(request.header().num_tokens()));
     }
-    auto added = assembler->Add(request, absl::Now());
+    auto added = assembler->Add(message, absl::Now());
     if (!added.ok()) {
       FUZZ_CHECK(added.status().code() == absl::StatusCode::kInvalidArgument);
       assembler = std::make_unique<StepAssembler>(kMaxMicrobatchBytes);

@@ -104,6 +104,17 @@ TEST(StepMessageTest, TruncatedOrMalformedMessagesAreRefused) {
     v1::wire::DataPieces hidden;
     EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok()) << keep;
   }
+  // A tag whose varint runs past 64 bits (its lost high bits would leave the hidden field's tag),
+  // which protobuf refuses.
+  {
+    const std::string overlong = std::string("\x92\x80\x80\x80\x80\x80\x80\x80\x80\x02", 10) +
+                                 std::string("\x03", 1) + "abc";
+    grpc::ByteBuffer buffer = Sliced(overlong, {});
+    v1::StepRequest parsed;
+    v1::wire::DataPieces hidden;
+    EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
+    EXPECT_FALSE(parsed.ParseFromString(overlong));
+  }
   // A group (wire type 3) has no place in a StepRequest.
   std::string group;
   v1::wire::AppendTag(group, 9, 3);

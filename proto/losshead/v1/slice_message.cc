@@ -36,6 +36,7 @@ class SliceCursor {
     for (int shift = 0; shift < 64; shift += 7) {
       uint8_t b;
       if (!Byte(&b)) return false;
+      if (shift == 63 && (b & 0x7e) != 0) return false;  // past 64 bits, as protobuf refuses
       value |= uint64_t{b & 0x7fu} << shift;
       if ((b & 0x80) == 0) {
         *out = value;
@@ -95,7 +96,8 @@ absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
   std::string rest;  // every other field, as it came
   while (!in.done()) {
     uint64_t tag;
-    if (!in.Varint(&tag)) return absl::InternalError("truncated message tag");
+    // Tags are 32 bits in protobuf: a longer one must not pass for the data field's.
+    if (!in.Varint(&tag) || tag > UINT32_MAX) return absl::InternalError("malformed message tag");
     const uint32_t wire_type = static_cast<uint32_t>(tag & 7);
     const uint64_t field = tag >> 3;
     bool ok = true;
