@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import threading
 import time
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
 import grpc
 
 from losshead._health import NOT_SERVING, HealthProbe
+from losshead._lanes import LaneThreads
 from losshead.errors import LossheadError
 from losshead.retry import RetryPolicy, is_retryable
 
@@ -43,8 +43,7 @@ class ClientBase:
         self._seq_lock = threading.Lock()
         self._seq = itertools.count(1)
         self._natives = []
-        self._lanes: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._lanes_lock = threading.Lock()
+        self._lanes = LaneThreads("losshead-step")
 
     def get_head(self, name: str) -> Any:  # defined by Client; the transfers read shapes
         raise NotImplementedError
@@ -63,21 +62,6 @@ class ClientBase:
     def native(self) -> bool:
         """Whether steps and transfers go through the native library (`losshead._native`)."""
         return bool(self._natives)
-
-    def _lane_threads(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads that run Step streams beside the caller's (run_microbatches)."""
-        with self._lanes_lock:
-            if self._lanes is None:
-                # Threads are made only when none is idle: as many as streams ever ran at once.
-                self._lanes = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=64, thread_name_prefix="losshead-step")
-            return self._lanes
-
-    def _close_lanes(self) -> None:
-        with self._lanes_lock:
-            lanes, self._lanes = self._lanes, None
-        if lanes is not None:
-            lanes.shutdown(wait=False)
 
     def _count_retry(self) -> None:
         with self._retries_lock:

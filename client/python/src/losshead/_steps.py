@@ -110,12 +110,11 @@ class Steps(ClientBase):
                 failures.append(e)
 
         # Stream 0 carries the first micro-batch: it starts on this thread at once, the others on
-        # threads kept from call to call (starting threads here cost ~0.3 ms each, before the
-        # first micro-batch could leave).
-        others = [self._lane_threads().submit(lane, j) for j in range(1, n_streams)]
+        # threads kept from call to call (losshead._lanes).
+        others = [self._lanes.run(lambda j=j: lane(j)) for j in range(1, n_streams)]
         lane(0)
-        for f in others:
-            f.result()  # lane() keeps what it raises in `failures`
+        for done in others:
+            done.wait()  # lane() keeps what it raises in `failures`
         if failures:
             raise failures[0]
         for o in outcomes:

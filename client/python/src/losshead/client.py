@@ -128,7 +128,7 @@ class Client(Steps, Transfers):
             n.set_token(token)
 
     def close(self) -> None:
-        self._close_lanes()
+        self._lanes.close()
         for n in self._natives:
             n.close()
         for c in self._extra_channels:
