@@ -22,6 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
+#include "prefault.h"
 #include "raw_message.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
@@ -56,6 +57,10 @@ class Reassembler {
     } else if (total_bytes > out_.size()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the server sends ", total_bytes, " bytes; the buffer given holds ", out_.size()));
+    } else {
+      // The caller's buffer may be fresh memory (a new tensor): its pages are mapped in beside
+      // the copies rather than one fault at a time by them.
+      prefault_.Start(out_.data(), total_bytes);
     }
     total_ = total_bytes;
     return absl::OkStatus();
@@ -88,6 +93,7 @@ class Reassembler {
   Bytes* owned_;
   uint64_t total_ = 0;
   uint64_t filled_ = 0;
+  Prefault prefault_;  // last: joined before the rest goes
 };
 
 }  // namespace
