@@ -22,11 +22,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
-#include "prefault.h"
-#include "raw_message.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
 #include "losshead/v1/wire_format.h"
+#include "prefault.h"
+#include "raw_message.h"
 
 namespace losshead::client {
 namespace {

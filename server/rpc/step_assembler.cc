@@ -128,8 +128,8 @@ void StepAssembler::AppendHidden(const StepMessage& message) {
       const size_t element = kernels::DTypeSize(*checked_.dtype);
       const size_t whole = all.size() / element * element;
       if (whole > checked_.checked) {
-        checked_.nonfinite = kernels::HasNonFinite(
-            *checked_.dtype, all.data() + checked_.checked, (whole - checked_.checked) / element);
+        checked_.nonfinite = kernels::HasNonFinite(*checked_.dtype, all.data() + checked_.checked,
+                                                   (whole - checked_.checked) / element);
         checked_.checked = whole;
       }
     }

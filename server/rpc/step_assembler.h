@@ -52,12 +52,12 @@ struct AssembledMicroBatch {
 };
 
 // Assembles the messages of a Step stream into micro-batches. The hidden states are copied out of
-// the messages in cache-sized steps, and while each step is still in cache they are checked for NaN and Inf in the header's dtype
-// (MicroBatch::hidden_nonfinite), and a micro-batch whose key may be remembered (a client id, not
-// forward-only) has its hidden and target bytes digested (MicroBatch::hidden_digest,
-// targets_digest: its idempotency fingerprint), so that no second pass over a large micro-batch
-// is needed before its run. A micro-batch of several messages is assembled in page-locked memory
-// from a PinnedPool where there is one (ReserveHidden).
+// the messages once, in cache-sized steps; while each step is still in cache it is checked for
+// NaN and Inf in the header's dtype (MicroBatch::hidden_nonfinite) and, for a micro-batch whose
+// key may be remembered (a client id, not forward-only), digested with the targets
+// (MicroBatch::hidden_digest, targets_digest: its idempotency fingerprint), so that no second
+// pass over a large micro-batch is needed before its run. A micro-batch of several messages is
+// assembled in page-locked memory from a PinnedPool where there is one (ReserveHidden).
 //
 // A micro-batch refused before its last message (Refuse, or oversize) is handed back at once to
 // be answered; the rest of its messages are skipped: they may follow as usual, or the client may

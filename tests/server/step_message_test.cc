@@ -38,7 +38,8 @@ grpc::ByteBuffer Sliced(const std::string& bytes, const std::vector<size_t>& cut
 
 std::vector<size_t> RandomCuts(size_t size, int count, std::mt19937& rng) {
   std::vector<size_t> cuts;
-  for (int i = 0; i < count; ++i) cuts.push_back(std::uniform_int_distribution<size_t>(0, size)(rng));
+  for (int i = 0; i < count; ++i)
+    cuts.push_back(std::uniform_int_distribution<size_t>(0, size)(rng));
   std::sort(cuts.begin(), cuts.end());
   return cuts;
 }
@@ -144,9 +145,9 @@ TEST(StepMessageTest, MicroBatchesAreAssembledFromTheSlices) {
   const std::string clean = RandomBf16(count, rng);
   const std::string targets = RandomBytes(4096, rng);
   const uint16_t nan = 0x7fc0;
-  for (std::optional<size_t> bad : {std::optional<size_t>(), std::optional<size_t>(0),
-                                    std::optional<size_t>((size_t{256} << 10) / 2),
-                                    std::optional<size_t>(count - 1)}) {
+  for (std::optional<size_t> bad :
+       {std::optional<size_t>(), std::optional<size_t>(0),
+        std::optional<size_t>((size_t{256} << 10) / 2), std::optional<size_t>(count - 1)}) {
     std::string hidden = clean;
     if (bad.has_value()) std::memcpy(hidden.data() + 2 * *bad, &nan, 2);
     for (bool pinned : {false, true}) {

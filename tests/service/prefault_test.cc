@@ -107,8 +107,9 @@ TEST(PrefaultTest, PullIntoFreshMemoryMatchesPullIntoUsedMemory) {
   ASSERT_TRUE(client->PullGradientInto("big", v1::DTYPE_FP32, false, used).ok());
   FreshMapping fresh(bytes);
   ASSERT_TRUE(fresh.ok());
-  ASSERT_TRUE(client->PullGradientInto("big", v1::DTYPE_FP32, false,
-                                       std::span<std::byte>(fresh.data(), bytes))
+  ASSERT_TRUE(client
+                  ->PullGradientInto("big", v1::DTYPE_FP32, false,
+                                     std::span<std::byte>(fresh.data(), bytes))
                   .ok());
   EXPECT_EQ(std::memcmp(used.data(), fresh.data(), bytes), 0);
   // Not all zeros: the step's dW is in it.
