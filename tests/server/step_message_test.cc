@@ -116,6 +116,17 @@ TEST(StepMessageTest, TruncatedOrMalformedMessagesAreRefused) {
     EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
     EXPECT_FALSE(parsed.ParseFromString(overlong));
   }
+  // A tag in more than 5 bytes (here 7, the value small), and the hidden field's length in more
+  // than 5 (here 6, the value 4): protobuf refuses both, so nothing may pass for hidden states.
+  for (const std::string& overlong :
+       {std::string("\x81\x81\x81\x81\x81\x80\x00", 7) + std::string(8, 'x'),
+        std::string("\x12\x84\x80\x80\x80\x80\x00", 7) + "abcd"}) {
+    grpc::ByteBuffer buffer = Sliced(overlong, {3});
+    v1::StepRequest parsed;
+    v1::wire::DataPieces hidden;
+    EXPECT_FALSE(parsed.ParseFromString(overlong));
+    EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
+  }
   // A group (wire type 3) has no place in a StepRequest.
   std::string group;
   v1::wire::AppendTag(group, 9, 3);

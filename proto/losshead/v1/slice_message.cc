@@ -18,6 +18,10 @@ void DataPieces::CopyTo(std::byte* out) const {
 
 namespace {
 
+// protobuf's own bounds (google/protobuf/parse_context.h: ReadTag, ReadSize).
+constexpr int kMaxTagOrLengthBytes = 5;
+constexpr uint64_t kMaxLength = INT32_MAX - 16;
+
 // Reads a serialized message held in gRPC slices without joining them.
 class SliceCursor {
  public:
@@ -31,12 +35,14 @@ class SliceCursor {
     Advance(1);
     return true;
   }
-  bool Varint(uint64_t* out) {
+  // A varint of at most `max_bytes` bytes; false past 64 bits.
+  bool Varint(uint64_t* out, int max_bytes = 10) {
     uint64_t value = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
+    for (int i = 0; i < max_bytes; ++i) {
       uint8_t b;
       if (!Byte(&b)) return false;
-      if (shift == 63 && (b & 0x7e) != 0) return false;  // past 64 bits, as protobuf refuses
+      const int shift = 7 * i;
+      if (shift == 63 && (b & 0x7e) != 0) return false;
       value |= uint64_t{b & 0x7fu} << shift;
       if ((b & 0x80) == 0) {
         *out = value;
@@ -96,14 +102,17 @@ absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
   std::string rest;  // every other field, as it came
   while (!in.done()) {
     uint64_t tag;
-    // Tags are 32 bits in protobuf: a longer one must not pass for the data field's.
-    if (!in.Varint(&tag) || tag > UINT32_MAX) return absl::InternalError("malformed message tag");
+    // What protobuf refuses is refused here too, lest it pass for the data field: a tag or a
+    // length takes at most 5 bytes, a tag fits in 32 bits and a length stays under 2 GiB.
+    if (!in.Varint(&tag, kMaxTagOrLengthBytes) || tag > UINT32_MAX) {
+      return absl::InternalError("malformed message tag");
+    }
     const uint32_t wire_type = static_cast<uint32_t>(tag & 7);
     const uint64_t field = tag >> 3;
     bool ok = true;
     if (wire_type == kLengthDelimited) {
       uint64_t n;
-      ok = in.Varint(&n);
+      ok = in.Varint(&n, kMaxTagOrLengthBytes) && n <= kMaxLength;
       if (ok && field == data_field) {
         data->pieces.clear();
         data->size = n;
