@@ -49,8 +49,13 @@ class ServiceTest : public ::testing::Test {
     auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
                                        grpc::InsecureChannelCredentials());
     stub_ = v1::LossHead::NewStub(channel);
+    CreateHead("h");
+  }
+
+  // A kV x kD fp32 head with normal(0, 0.1) weights from the default seed.
+  void CreateHead(const std::string& name) {
     v1::CreateHeadRequest req;
-    req.mutable_spec()->set_name("h");
+    req.mutable_spec()->set_name(name);
     req.mutable_spec()->set_vocab_size(kV);
     req.mutable_spec()->set_hidden_size(kD);
     req.mutable_spec()->set_weight_dtype(v1::DTYPE_FP32);
@@ -143,17 +148,7 @@ TEST_F(ServiceTest, PipelinedMicroBatchesAreAnsweredInOrderAndChunked) {
 // in the order sent: dW is bit for bit that of sending them one at a time (fp32 sums depend on
 // their order).
 TEST_F(ServiceTest, OneStreamAddsItsMicroBatchesToDwInOrder) {
-  {
-    v1::CreateHeadRequest req;
-    req.mutable_spec()->set_name("one-by-one");
-    req.mutable_spec()->set_vocab_size(kV);
-    req.mutable_spec()->set_hidden_size(kD);
-    req.mutable_spec()->set_weight_dtype(v1::DTYPE_FP32);
-    req.mutable_spec()->mutable_init()->mutable_normal()->set_std(0.1f);
-    grpc::ClientContext ctx;
-    v1::HeadInfo info;
-    ASSERT_TRUE(stub_->CreateHead(&ctx, req, &info).ok());
-  }
+  CreateHead("one-by-one");
   // Small and large alternate: largest-first would reorder them if a stream's next one could
   // overtake the one before.
   const int64_t sizes[] = {1, 60, 2, 50, 3, 40, 4, 30};

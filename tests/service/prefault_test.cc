@@ -9,11 +9,11 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/service/host_tensors.h"
 #include "tests/service/test_server.h"
 
 namespace losshead::client {
@@ -86,20 +86,8 @@ TEST(PrefaultTest, PullIntoFreshMemoryMatchesPullIntoUsedMemory) {
   spec.set_weight_dtype(v1::DTYPE_FP32);
   spec.mutable_init()->mutable_normal()->set_std(0.02f);
   ASSERT_TRUE(client->CreateHead(spec).ok());
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal;
-  std::vector<float> hidden(kN * kD);
-  for (float& x : hidden) x = normal(rng);
-  std::vector<int32_t> targets(kN);
-  for (int32_t& t : targets) t = static_cast<int32_t>(rng() % kV);
-  Microbatch mb;
-  mb.head = "big";
-  mb.client_id = "prefault";
-  mb.sequence = 1;
-  mb.num_tokens = kN;
-  mb.hidden_dtype = v1::DTYPE_FP32;
-  mb.hidden = std::as_bytes(std::span(hidden));
-  mb.targets = std::as_bytes(std::span(targets));
+  const testing::HostBatch batch = testing::MakeBatch(kN, kD, kV, v1::DTYPE_FP32, 5);
+  const Microbatch mb = testing::ToMicrobatch("big", "prefault", 1, batch);
   ASSERT_TRUE(client->Step(mb).ok());
 
   const size_t bytes = kV * kD * sizeof(float);
