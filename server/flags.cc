@@ -5,7 +5,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
@@ -13,7 +15,9 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus /metrics address (host:port; empty disables it)");
 ABSL_FLAG(std::string, backend, "auto", "Kernel backend: cpu, cuda or auto (cuda if available)");
-ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(std::string, devices, "all",
+          "Devices heads go on: CUDA ordinals separated by commas, or 'all' (every visible GPU; "
+          "one device with --backend=cpu, where k ordinals give k CPU devices)");
 ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{4} << 20,
           "Largest gRPC message either way; tensors are chunked below it");
 ABSL_FLAG(uint64_t, max_microbatch_bytes, uint64_t{1} << 30,
@@ -83,7 +87,18 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend must be cpu, cuda or auto, got '", backend, "'"));
   }
-  o.device = absl::GetFlag(FLAGS_device);
+  const std::string devices = absl::GetFlag(FLAGS_devices);
+  if (devices != "all") {
+    for (absl::string_view part : absl::StrSplit(devices, ',')) {
+      int ordinal = -1;
+      if (!absl::SimpleAtoi(part, &ordinal) || ordinal < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--devices must be 'all' or device ordinals separated by commas, got '", devices,
+            "'"));
+      }
+      o.devices.push_back(ordinal);
+    }
+  }
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_microbatch_bytes = absl::GetFlag(FLAGS_max_microbatch_bytes);
   o.worker_threads = absl::GetFlag(FLAGS_worker_threads);

@@ -61,10 +61,13 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGHUP, OnReload);
-  const losshead::kernels::Backend& backend = (*server)->backend();
-  std::fprintf(stderr, "losshead-server: serving gRPC on %s:%d, backend %s (%s)\n",
+  std::string devices;
+  for (const losshead::kernels::Backend* backend : (*server)->devices()) {
+    absl::StrAppend(&devices, devices.empty() ? "" : ", ", backend->device_description());
+  }
+  std::fprintf(stderr, "losshead-server: serving gRPC on %s:%d, backend %s on %s\n",
                HostOf(options->listen_address).c_str(), (*server)->port(),
-               std::string(backend.name()).c_str(), backend.device_description().c_str());
+               std::string((*server)->devices().front()->name()).c_str(), devices.c_str());
   if ((*server)->metrics_port() != 0) {
     std::fprintf(stderr, "losshead-server: metrics on http://%s:%d/metrics\n",
                  HostOf(options->metrics_address).c_str(), (*server)->metrics_port());

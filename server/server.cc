@@ -70,27 +70,30 @@ class ServerImpl final : public Server {
       step_trace_ = std::move(*trace);
       ctx_.step_trace = step_trace_.get();
     }
-    auto backend = kernels::CreateBackend(options_.backend, options_.device);
-    if (!backend.ok()) return backend.status();
-    backend_ = std::move(*backend);
+    auto backends = kernels::CreateBackends(options_.backend, options_.devices);
+    if (!backends.ok()) return backends.status();
+    backends_ = std::move(*backends);
+    std::vector<kernels::Backend*> devices;
+    for (const auto& backend : backends_) devices.push_back(backend.get());
     pool_ = std::make_unique<ThreadPool>(options_.worker_threads);
     registry_ = std::make_unique<HeadRegistry>(
-        *backend_,
+        devices,
         HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
                     .idempotency_window = options_.idempotency_window,
                     .idempotency_max_bytes_per_client = options_.idempotency_max_bytes},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     if (!options_.checkpoint_dir.empty()) {
       checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get());
-      absl::Status restored = checkpointer_->RestoreAll(*backend_, registry_->head_options());
+      absl::Status restored = checkpointer_->RestoreAll();
       if (!restored.ok()) return restored;
       ctx_.checkpointer = checkpointer_.get();
     }
-    ctx_.backend = backend_.get();
+    ctx_.devices = devices;
     {
-      // Page-locked memory for micro-batches being received. What is idle beyond the bound is
-      // freed (the bytes in use are bounded by admission, --max_inflight_bytes).
-      kernels::Backend* backend_ptr = backend_.get();
+      // Page-locked memory for micro-batches being received (portable: any device copies from
+      // it at the bus rate). What is idle beyond the bound is freed (the bytes in use are bounded
+      // by admission, --max_inflight_bytes).
+      kernels::Backend* backend_ptr = backends_.front().get();
       ctx_.pinned = PinnedPool::Create(
           [backend_ptr](size_t bytes) { return backend_ptr->AllocateHost(bytes); },
           std::min<size_t>(options_.max_inflight_bytes, kMaxIdlePinnedBytes));
@@ -167,7 +170,9 @@ class ServerImpl final : public Server {
 
   int port() const override { return port_; }
   int metrics_port() const override { return metrics_port_; }
-  const kernels::Backend& backend() const override { return *backend_; }
+  std::vector<const kernels::Backend*> devices() const override {
+    return {ctx_.devices.begin(), ctx_.devices.end()};
+  }
 
   absl::Status ReloadTokens() override {
     if (security_.tokens == nullptr) {
@@ -233,7 +238,7 @@ class ServerImpl final : public Server {
  private:
   const ServerOptions options_;
   ServerSecurity security_;
-  std::unique_ptr<kernels::Backend> backend_;
+  std::vector<std::unique_ptr<kernels::Backend>> backends_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<HeadRegistry> registry_;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -20,7 +21,9 @@ struct ServerOptions {
   // host:port of the Prometheus /metrics endpoint; empty disables it; port 0 picks a free one.
   std::string metrics_address = "0.0.0.0:9464";
   kernels::BackendKind backend = kernels::BackendKind::kAuto;
-  int device = 0;
+  // The devices heads go on (CUDA ordinals); empty: every visible GPU, or one CPU device. A CPU
+  // backend given k ordinals has k CPU devices (placements without a GPU).
+  std::vector<int> devices;
   // Largest gRPC message either way; tensors are chunked below it.
   size_t max_message_bytes = size_t{4} << 20;
   // Threads that run micro-batches (0: one per hardware thread, at least 2).
@@ -81,7 +84,7 @@ class Server {
  public:
   virtual ~Server() = default;
 
-  // Builds the backend, binds both ports and starts serving. Errors: the backend's status
+  // Builds the backends, binds both ports and starts serving. Errors: the backend's status
   // (UNAVAILABLE for CUDA without a device), UNAVAILABLE when a port cannot be bound,
   // LoadServerSecurity's error for a bad TLS, token or basic-auth file, or the error opening
   // step_trace_file (nothing is started then).
@@ -89,7 +92,8 @@ class Server {
 
   virtual int port() const = 0;          // the bound gRPC port
   virtual int metrics_port() const = 0;  // the bound metrics port, 0 when disabled
-  virtual const kernels::Backend& backend() const = 0;
+  // The server's devices, in --devices order (at least one).
+  virtual std::vector<const kernels::Backend*> devices() const = 0;
 
   // Re-reads auth_tokens_file: calls that start afterwards are checked against the new tokens.
   // On error (NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT with the line number) the tokens in

@@ -1,9 +1,11 @@
 // Small administrative subcommands: create, list, delete, stats, health.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_join.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 
@@ -19,7 +21,7 @@ void PrintHead(const v1::HeadInfo& h) {
   std::printf(
       "%-24s V=%-8lld D=%-6lld %-5s version=%llu tokens_since_pull=%llu "
       "microbatches_since_pull=%llu tokens_total=%llu weights=%llu B gradient=%llu B "
-      "workspace=%llu B device=%s\n",
+      "workspace=%llu B devices=%s\n",
       h.spec().name().c_str(), static_cast<long long>(h.spec().vocab_size()),
       static_cast<long long>(h.spec().hidden_size()),
       v1::DType_Name(h.spec().weight_dtype()).substr(6).c_str(),
@@ -29,10 +31,21 @@ void PrintHead(const v1::HeadInfo& h) {
       static_cast<unsigned long long>(h.tokens_total()),
       static_cast<unsigned long long>(h.memory().weights_bytes()),
       static_cast<unsigned long long>(h.memory().gradient_bytes()),
-      static_cast<unsigned long long>(h.memory().workspace_bytes()), h.device().c_str());
+      static_cast<unsigned long long>(h.memory().workspace_bytes()),
+      absl::StrJoin(h.devices(), ", ").c_str());
 }
 
 }  // namespace
+
+v1::Placement PlacementFromFlags() {
+  v1::Placement placement;
+  const int replicas = absl::GetFlag(FLAGS_replicas);
+  if (replicas != 1) {
+    placement.set_kind(v1::PLACEMENT_REPLICATED);
+    placement.set_devices(static_cast<uint32_t>(std::max(replicas, 0)));
+  }
+  return placement;
+}
 
 int RunCreate() {
   auto client = ConnectFromFlags();
@@ -46,6 +59,7 @@ int RunCreate() {
     return Fail(absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32"));
   }
   spec.set_weight_dtype(dtype);
+  *spec.mutable_placement() = PlacementFromFlags();
   if (absl::GetFlag(FLAGS_init_std) > 0) {
     spec.mutable_init()->mutable_normal()->set_std(
         static_cast<float>(absl::GetFlag(FLAGS_init_std)));

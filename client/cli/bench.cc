@@ -20,6 +20,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 #include "client/cli/host_math.h"
@@ -179,6 +180,7 @@ int RunBench() {
     spec.set_vocab_size(v);
     spec.set_hidden_size(d);
     spec.set_weight_dtype(v1::DTYPE_BF16);
+    *spec.mutable_placement() = PlacementFromFlags();
     if (absl::GetFlag(FLAGS_zero_head)) {
       spec.mutable_init()->set_zeros(true);
     } else {
@@ -191,7 +193,8 @@ int RunBench() {
     auto created = admin.CreateHead(spec);
     if (!created.ok()) return Fail("create head", created.status());
     std::printf("bench: head %s V=%lld D=%lld bf16 on %s\n", head.c_str(),
-                static_cast<long long>(v), static_cast<long long>(d), created->device().c_str());
+                static_cast<long long>(v), static_cast<long long>(d),
+                absl::StrJoin(created->devices(), ", ").c_str());
   }
 
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));

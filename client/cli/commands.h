@@ -6,11 +6,15 @@
 
 #include "absl/status/statusor.h"
 #include "losshead/client/client.h"
+#include "losshead/v1/losshead.pb.h"
 
 namespace losshead::cli {
 
 // A client for --server with --max_message_bytes and --deadline_s.
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection = false);
+
+// The placement --replicas asks for: one device for 1, replicated otherwise.
+v1::Placement PlacementFromFlags();
 
 int RunDemo();
 int RunBench();

@@ -33,6 +33,9 @@ ABSL_FLAG(int, print_every, 5, "demo: print the loss every this many steps");
 
 ABSL_FLAG(std::string, dtype, "bf16", "create: weight dtype bf16 | fp16 | fp32");
 ABSL_FLAG(double, init_std, 0, "create: normal init std; 0 means zeros");
+ABSL_FLAG(int, replicas, 1,
+          "create, bench: devices the head is replicated over (1: one device; 0: every device "
+          "of the server)");
 
 ABSL_FLAG(int64_t, n, 1024, "bench: tokens per micro-batch");
 ABSL_FLAG(int64_t, d, 512, "bench: hidden size");

@@ -33,6 +33,7 @@ ABSL_DECLARE_FLAG(int, print_every);
 // create
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(double, init_std);
+ABSL_DECLARE_FLAG(int, replicas);
 // bench
 ABSL_DECLARE_FLAG(int64_t, n);
 ABSL_DECLARE_FLAG(int64_t, d);

@@ -25,7 +25,7 @@ std::string Checkpointer::PathOf(const std::string& head) const {
   return absl::StrCat(dir_, "/", head, kCheckpointSuffix);
 }
 
-absl::Status Checkpointer::RestoreAll(kernels::Backend& backend, const HeadOptions& options) {
+absl::Status Checkpointer::RestoreAll() {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(dir_, ec);
@@ -58,7 +58,11 @@ absl::Status Checkpointer::RestoreAll(kernels::Backend& backend, const HeadOptio
                                               "', which belongs in ", data->spec.name(),
                                               kCheckpointSuffix));
     }
-    absl::StatusOr<std::shared_ptr<Head>> head = Head::Restore(backend, *data, options);
+    absl::StatusOr<std::vector<kernels::Backend*>> devices =
+        registry_->Place(data->spec.placement(), /*at_most=*/true);
+    absl::StatusOr<std::shared_ptr<Head>> head =
+        devices.ok() ? Head::Restore(*devices, *data, registry_->head_options())
+                     : devices.status();
     if (!head.ok()) {
       return absl::Status(head.status().code(),
                           absl::StrCat(path, ": cannot restore: ", head.status().message()));

@@ -30,7 +30,9 @@ class Checkpointer {
   // write that a crash interrupted, and restores every <head>.lhck into the registry. Any file
   // that cannot be restored fails the whole restore with an error naming it (DATA_LOSS for a
   // corrupt or torn file): a server must not start with part of its state silently missing.
-  absl::Status RestoreAll(kernels::Backend& backend, const HeadOptions& options);
+  // Each head goes on the devices the registry places its saved placement on (all of them where
+  // it asks for more than the server now has: the file fits any placement).
+  absl::Status RestoreAll();
 
   // Writes `head`'s checkpoint, or every head's when empty (NOT_FOUND for an unknown head). A
   // head deleted meanwhile is skipped, never resurrected on disk.

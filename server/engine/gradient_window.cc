@@ -24,6 +24,8 @@ namespace losshead::server {
 
 using head_internal::Convert;
 using head_internal::kConvertBlock;
+using head_internal::RowByteOffset;
+using head_internal::RowBytes;
 
 namespace {
 
@@ -46,15 +48,26 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
         absl::StrCat("pull dtype must be DTYPE_FP32 or DTYPE_BF16, got ", static_cast<int>(dtype)));
   }
   GradientSnapshot snap;
-  // Every byte is overwritten by the copy below; the reactor gives the buffer back once sent.
-  snap.data = TakeTransferBuffer(grad_.bytes());
+  // Every byte is overwritten by the copies below; the reactor gives the buffer back once sent.
+  snap.data = TakeTransferBuffer(static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float));
   v1::GradientSummary& s = snap.summary;
   {
-    absl::MutexLock lock(&compute_mu_);
-    LOSSHEAD_RETURN_IF_ERROR(
-        backend_.CopyToHost(snap.data.data(), grad_.data(), grad_.bytes(), *stream_));
-    if (reset) LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(grad_.data(), 0, grad_.bytes(), *stream_));
-    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    ReplicaGroup::Cut cut(*group_);
+    // Each replica copies its rows of the reduced dW (one copy per device, side by side) and,
+    // with reset, zeroes them: its other rows are zero once reduced.
+    LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
+    for (const auto& r : group_->replicas()) {
+      const size_t offset = RowByteOffset(*group_, *r, sizeof(float));
+      const size_t bytes = RowBytes(*group_, *r, sizeof(float));
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(snap.data.data() + offset,
+                                                     r->grad.as<char>() + offset, bytes,
+                                                     *r->stream));
+      if (reset) {
+        LOSSHEAD_RETURN_IF_ERROR(
+            r->backend.Memset(r->grad.as<char>() + offset, 0, bytes, *r->stream));
+      }
+    }
+    LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
     absl::MutexLock state(&state_mu_);
     s.set_token_count(tokens_since_pull_);
     s.set_microbatch_count(microbatches_since_pull_);
@@ -109,7 +122,10 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
           absl::StrCat("pushed weights overflow the head's dtype ", kernels::DTypeName(dtype_)));
     }
   }
-  absl::MutexLock lock(&compute_mu_);
+  // W is replaced on replica 0 and copied from there to the others, so that replicas never
+  // differ, by rounding or otherwise.
+  ReplicaGroup::Cut cut(*group_);
+  Replica& first = (*group_)[0];
   {
     absl::MutexLock state(&state_mu_);
     if (expected_version.has_value() && *expected_version != version_) {
@@ -121,8 +137,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   if (mode == v1::PUSH_MODE_ADD) {
     staged = TakeTransferBuffer(count * esize);  // overwritten whole by the copy below
     LOSSHEAD_RETURN_IF_ERROR(
-        backend_.CopyToHost(staged.data(), weights_.data(), staged.size(), *stream_));
-    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+        first.backend.CopyToHost(staged.data(), first.weights.data(), staged.size(), *first.stream));
+    LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
     std::vector<float> w(std::min(count, kConvertBlock));
     std::vector<float> delta(w.size());
     for (size_t i = 0; i < count; i += kConvertBlock) {
@@ -138,8 +154,9 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   }
   const std::string& source = in_place ? data : staged;
   LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToDevice(weights_.data(), source.data(), source.size(), *stream_));
-  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+      first.backend.CopyToDevice(first.weights.data(), source.data(), source.size(), *first.stream));
+  LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
+  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
   absl::MutexLock state(&state_mu_);
   return ++version_;
 }
@@ -151,12 +168,14 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
   }
   WeightsSnapshot snap;
   snap.dtype = ToProto(to);
-  snap.data = TakeTransferBuffer(weights_.bytes());
+  Replica& first = (*group_)[0];  // every replica holds the same W
+  snap.data = TakeTransferBuffer(first.weights.bytes());
   {
-    absl::MutexLock lock(&compute_mu_);
-    LOSSHEAD_RETURN_IF_ERROR(
-        backend_.CopyToHost(snap.data.data(), weights_.data(), weights_.bytes(), *stream_));
-    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+    // Only a cut (a push, an optimizer apply) writes W: replica 0's lock keeps them out.
+    absl::MutexLock lock(&first.compute_mu);
+    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToHost(snap.data.data(), first.weights.data(),
+                                                      first.weights.bytes(), *first.stream));
+    LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
     absl::MutexLock state(&state_mu_);
     snap.version = version_;
   }

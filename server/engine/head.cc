@@ -97,33 +97,61 @@ absl::Status Head::ValidateSpec(const v1::HeadSpec& spec) {
     }
   }
   LOSSHEAD_RETURN_IF_ERROR(ValidateOptimizerSpec(spec.optimizer()));
+  LOSSHEAD_RETURN_IF_ERROR(ValidatePlacement(spec.placement()));
   return ValidateLossOptions(spec.default_options());
 }
 
-Head::Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
+absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
+  switch (placement.kind()) {
+    case v1::PLACEMENT_UNSPECIFIED:
+    case v1::PLACEMENT_SINGLE:
+      if (placement.devices() > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "placement.devices must be 0 or 1 for a one-device head, got ", placement.devices(),
+            " (PLACEMENT_REPLICATED spreads a head over several)"));
+      }
+      return absl::OkStatus();
+    case v1::PLACEMENT_REPLICATED:
+      return absl::OkStatus();
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement.kind must be PLACEMENT_SINGLE or PLACEMENT_REPLICATED, got ",
+                       static_cast<int>(placement.kind())));
+  }
+}
+
+int Head::PlacementDevices(const v1::Placement& placement, int available) {
+  if (placement.kind() != v1::PLACEMENT_REPLICATED) return 1;
+  return placement.devices() == 0 ? available : static_cast<int>(placement.devices());
+}
+
+Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernels::DType dtype,
            const HeadOptions& options)
-    : backend_(backend),
+    : group_(std::move(group)),
       spec_(spec),
       dtype_(dtype),
       options_(options),
       results_(std::make_shared<ResultPool>(kIdleResultBytes)),
       cache_(options.idempotency_window, options.idempotency_max_bytes_per_client),
       applies_(options.apply_window) {
-  {
-    absl::MutexLock lock(&slots_mu_);
-    for (size_t i = 0; i < kIoSlots; ++i) free_slots_.push_back(std::make_unique<IoSlot>());
-  }
   absl::MutexLock lock(&state_mu_);
   defaults_ = spec.default_options();
 }
 
-Head::~Head() {
-  // Work still queued on the stream must finish before the buffers it uses are freed (the slots'
-  // streams wait for their own work when they are destroyed).
-  if (stream_ != nullptr) stream_->Synchronize().IgnoreError();
+Head::~Head() = default;  // each replica waits for its stream's work before freeing its buffers
+
+absl::StatusOr<std::unique_ptr<ReplicaGroup>> Head::PlaceOn(
+    std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype) {
+  const int k = static_cast<int>(devices.size());
+  const int wanted = PlacementDevices(spec.placement(), k);
+  if (wanted != k) {
+    return absl::InvalidArgumentError(absl::StrCat("the head's placement asks for ", wanted,
+                                                   " devices but ", k, " were given"));
+  }
+  return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype);
 }
 
-absl::StatusOr<std::shared_ptr<Head>> Head::Create(kernels::Backend& backend,
+absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* const> devices,
                                                    const v1::HeadSpec& spec,
                                                    const HeadOptions& options) {
   LOSSHEAD_RETURN_IF_ERROR(ValidateSpec(spec));
@@ -135,65 +163,76 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(kernels::Backend& backend,
     return absl::ResourceExhaustedError(
         absl::StrCat("a ", v, " x ", d, " head is too large to allocate"));
   }
+  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group, PlaceOn(devices, spec, dtype));
   // Admission: refuse a head whose tensors cannot all fit before allocating any of them (an
-  // optimizer's state is several times W). A backend that cannot tell (total 0) is not checked.
-  const OptimizerFootprint optimizer = OptimizerBytes(spec.optimizer(), dtype, v * d);
-  const uint64_t needed = v * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
-  const kernels::MemoryInfo memory = backend.memory_info();
-  if (memory.total_bytes > 0 && needed > memory.free_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "a ", v, " x ", d, " head needs ", needed, " bytes (W, dW and the optimizer's ",
-        optimizer.total(), ") but the device has ", memory.free_bytes, " free"));
+  // optimizer's state is several times W). Each device holds W, its dW and the optimizer's state
+  // of its rows. A backend that cannot tell (total 0) is not checked.
+  for (const auto& replica : group->replicas()) {
+    const uint64_t rows = replica->rows.size();
+    const OptimizerFootprint optimizer = OptimizerBytes(spec.optimizer(), dtype, rows * d);
+    const uint64_t needed =
+        v * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
+    const kernels::MemoryInfo memory = replica->backend.memory_info();
+    if (memory.total_bytes > 0 && needed > memory.free_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a ", v, " x ", d, " head needs ", needed, " bytes on ",
+          replica->backend.device_description(), " (W, dW and the optimizer's ",
+          optimizer.total(), ") but the device has ", memory.free_bytes, " free"));
+    }
   }
-  std::shared_ptr<Head> head(new Head(backend, spec, dtype, options));
+  std::shared_ptr<Head> head(new Head(std::move(group), spec, dtype, options));
   LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, true));
   if (HasOptimizer(spec.optimizer())) {
-    LOSSHEAD_ASSIGN_OR_RETURN(OptimizerBuffers buffers,
-                              AllocateOptimizer(backend, spec.optimizer(), dtype, v * d));
-    absl::MutexLock lock(&head->compute_mu_);
+    LOSSHEAD_ASSIGN_OR_RETURN(std::vector<OptimizerBuffers> buffers,
+                              head->AllocateOptimizers(spec.optimizer()));
+    ReplicaGroup::Cut cut(*head->group_);
     LOSSHEAD_RETURN_IF_ERROR(head->InstallOptimizer(std::move(buffers)));
   }
   return head;
 }
 
 absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
-  absl::MutexLock lock(&compute_mu_);
+  ReplicaGroup::Cut cut(*group_);
   const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
   const size_t esize = kernels::DTypeSize(dtype_);
-  {
-    auto w = backend_.Allocate(count * esize);
+  for (const auto& r : group_->replicas()) {
+    auto w = r->backend.Allocate(count * esize);
     if (!w.ok()) return AsResourceExhausted(w.status(), "weights");
-    weights_ = std::move(*w);
-    auto g = backend_.Allocate(count * sizeof(float));
+    r->weights = std::move(*w);
+    auto g = r->backend.Allocate(count * sizeof(float));
     if (!g.ok()) return AsResourceExhausted(g.status(), "the gradient accumulator");
-    grad_ = std::move(*g);
+    r->grad = std::move(*g);
+    LOSSHEAD_ASSIGN_OR_RETURN(r->stream, r->backend.CreateStream());
+    // The workspace itself is allocated on first use, sized for the micro-batch; here we only
+    // make sure some chunk size fits the budget so that a head that could never step is refused
+    // now.
+    kernels::Problem probe{.n = 1, .d = hidden_size(), .v = vocab_size(), .dtype = dtype_};
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.WorkspaceBytes(probe, workspace_budget).status());
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(r->grad.data(), 0, r->grad.bytes(), *r->stream));
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(stream_, backend_.CreateStream());
-  // The workspace itself is allocated on first use, sized for the micro-batch; here we only make
-  // sure some chunk size fits the budget so that a head that could never step is refused now.
-  kernels::Problem probe{.n = 1, .d = hidden_size(), .v = vocab_size(), .dtype = dtype_};
-  LOSSHEAD_RETURN_IF_ERROR(backend_.WorkspaceBytes(probe, workspace_budget).status());
-
-  LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(grad_.data(), 0, grad_.bytes(), *stream_));
-  if (!init_weights) return stream_->Synchronize();  // a restore overwrites W
+  if (!init_weights) return group_->Synchronize();  // a restore overwrites W
+  Replica& first = (*group_)[0];
   if (!spec_.init().has_normal()) {
-    LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(weights_.data(), 0, weights_.bytes(), *stream_));
-    return stream_->Synchronize();
+    LOSSHEAD_RETURN_IF_ERROR(
+        first.backend.Memset(first.weights.data(), 0, first.weights.bytes(), *first.stream));
+  } else {
+    std::mt19937_64 rng(spec_.init().normal().seed());
+    std::normal_distribution<float> normal(0.0f, spec_.init().normal().std());
+    std::vector<float> block(std::min(count, kConvertBlock));
+    std::string converted(block.size() * esize, '\0');
+    for (size_t i = 0; i < count; i += kConvertBlock) {
+      const size_t n = std::min(kConvertBlock, count - i);
+      for (size_t j = 0; j < n; ++j) block[j] = normal(rng);
+      kernels::FromFloat(dtype_, block.data(), converted.data(), n);
+      LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.weights.as<char>() + i * esize,
+                                                          converted.data(), n * esize,
+                                                          *first.stream));
+      // The host block is reused for the next piece: the copy must have landed.
+      LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
+    }
   }
-  std::mt19937_64 rng(spec_.init().normal().seed());
-  std::normal_distribution<float> normal(0.0f, spec_.init().normal().std());
-  std::vector<float> block(std::min(count, kConvertBlock));
-  std::string converted(block.size() * esize, '\0');
-  for (size_t i = 0; i < count; i += kConvertBlock) {
-    const size_t n = std::min(kConvertBlock, count - i);
-    for (size_t j = 0; j < n; ++j) block[j] = normal(rng);
-    kernels::FromFloat(dtype_, block.data(), converted.data(), n);
-    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToDevice(weights_.as<char>() + i * esize,
-                                                   converted.data(), n * esize, *stream_));
-    // The host block is reused for the next piece: the copy must have landed.
-    LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
-  }
-  return absl::OkStatus();
+  LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
+  return group_->Synchronize();
 }
 
 absl::Status Head::SetDefaultOptions(const v1::LossOptions& options) {
@@ -203,14 +242,27 @@ absl::Status Head::SetDefaultOptions(const v1::LossOptions& options) {
   return absl::OkStatus();
 }
 
+size_t Head::weights_bytes() const {
+  size_t bytes = 0;
+  for (const auto& r : group_->replicas()) bytes += r->weights.bytes();
+  return bytes;
+}
+
+size_t Head::gradient_bytes() const {
+  size_t bytes = 0;
+  for (const auto& r : group_->replicas()) bytes += r->grad.bytes();
+  return bytes;
+}
+
 size_t Head::workspace_bytes() const {
-  absl::MutexLock state(&state_mu_);
-  return device_scratch_bytes_;
+  size_t bytes = 0;
+  for (const auto& r : group_->replicas()) bytes += r->scratch_bytes.load();
+  return bytes;
 }
 
 OptimizerFootprint Head::optimizer_bytes() const {
   absl::MutexLock state(&state_mu_);
-  return optimizer_footprint_;
+  return optimizer_footprint_;  // over every replica: each holds the state of its rows
 }
 
 uint64_t Head::weights_version() const {
@@ -224,18 +276,34 @@ v1::HeadInfo Head::Info() const {
   absl::MutexLock state(&state_mu_);
   *info.mutable_spec()->mutable_default_options() = defaults_;
   *info.mutable_spec()->mutable_optimizer() = optimizer_spec_;
+  if (spec_.placement().kind() == v1::PLACEMENT_REPLICATED) {
+    // The placement as held (spec_ keeps the one asked for: 0 devices means all, and a restore
+    // onto a smaller server holds fewer).
+    info.mutable_spec()->mutable_placement()->set_devices(group_->size());
+  }
   info.set_optimizer_step(optimizer_step_);
   info.set_weights_version(version_);
   info.set_tokens_since_pull(tokens_since_pull_);
   info.set_microbatches_since_pull(microbatches_since_pull_);
   info.set_tokens_total(tokens_total_);
   info.set_microbatches_total(microbatches_total_);
-  info.mutable_memory()->set_weights_bytes(weights_.bytes());
-  info.mutable_memory()->set_gradient_bytes(grad_.bytes());
-  info.mutable_memory()->set_workspace_bytes(device_scratch_bytes_);
+  info.mutable_memory()->set_weights_bytes(weights_bytes());
+  info.mutable_memory()->set_gradient_bytes(gradient_bytes());
+  info.mutable_memory()->set_workspace_bytes(workspace_bytes());
   info.mutable_memory()->set_master_weights_bytes(optimizer_footprint_.master);
   info.mutable_memory()->set_optimizer_state_bytes(optimizer_footprint_.state);
-  info.set_device(backend_.device_description());
+  for (const auto& r : group_->replicas()) {
+    info.add_devices(r->backend.device_description());
+    const OptimizerFootprint own = OptimizerBytes(optimizer_spec_, dtype_,
+                                                  static_cast<uint64_t>(group_->RowElements(*r)));
+    v1::HeadMemory& memory = *info.add_device_memory();
+    memory.set_weights_bytes(r->weights.bytes());
+    memory.set_gradient_bytes(r->grad.bytes());
+    memory.set_workspace_bytes(r->scratch_bytes.load());
+    memory.set_master_weights_bytes(own.master);
+    memory.set_optimizer_state_bytes(own.state);
+  }
+  info.set_device(info.devices(0));
   return info;
 }
 

@@ -1,11 +1,13 @@
-// A head: W (V x D) on the backend's device, its fp32 dW accumulator, a weights version, counters
-// and default loss options. Thread-safe.
+// A head: W (V x D) on one device or replicated over several (see ReplicaGroup), its fp32 dW
+// accumulators, a weights version, counters and default loss options. Thread-safe.
 //
-// One mutex (compute) serialises everything that touches W or dW on the device: micro-batches,
-// pulls and pushes. A micro-batch's dW update and its counter update happen under it together,
-// so a pull with reset sees every micro-batch either entirely before its cut or entirely after.
-// Only the run itself holds it: a micro-batch's copies in (host -> device) and out (dH back to the
-// host) use buffers of their own (an I/O slot) and overlap the run of another micro-batch.
+// Each replica's compute lock serialises what touches its W or dW on its device: a micro-batch
+// runs whole on one replica, under that replica's lock. Pulls, pushes, optimizer applies and
+// checkpoints take every replica's lock (ReplicaGroup::Cut). A micro-batch's dW update and its
+// counter update happen under its replica's lock together, so a pull with reset sees every
+// micro-batch either entirely before its cut or entirely after. Only the run itself holds it: a
+// micro-batch's copies in (host -> device) and out (dH back to the host) use buffers of their own
+// (an I/O slot of its replica) and overlap the run of another micro-batch.
 // Another, short mutex guards the counters and options so that Info() never waits for compute.
 // Callers hold heads by shared_ptr: deleting a head from the registry while work runs on it is
 // safe; the memory goes when the last holder lets go.
@@ -22,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -39,6 +42,7 @@
 #include "server/engine/head_optimizer.h"
 #include "server/engine/idempotency_cache.h"
 #include "server/engine/pinned_pool.h"
+#include "server/engine/replica_group.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/step_outcome.h"
 
@@ -109,14 +113,28 @@ class Head {
  public:
   // Validates `spec` (INVALID_ARGUMENT), allocates W, dW and checks the workspace budget
   // (RESOURCE_EXHAUSTED), initialises W (zeros, or normal(0, std) drawn on the host from
-  // std::mt19937_64(seed) in row-major order) and zeroes dW.
-  static absl::StatusOr<std::shared_ptr<Head>> Create(kernels::Backend& backend,
+  // std::mt19937_64(seed) in row-major order) and zeroes dW. The head holds one replica per
+  // device of `devices` (rank order); their number must be the one the spec's placement asks
+  // for (INVALID_ARGUMENT otherwise; a placement of 0 devices takes them all).
+  static absl::StatusOr<std::shared_ptr<Head>> Create(std::span<kernels::Backend* const> devices,
                                                       const v1::HeadSpec& spec,
                                                       const HeadOptions& options);
+  // On one device.
+  static absl::StatusOr<std::shared_ptr<Head>> Create(kernels::Backend& backend,
+                                                      const v1::HeadSpec& spec,
+                                                      const HeadOptions& options) {
+    kernels::Backend* const devices[] = {&backend};
+    return Create(devices, spec, options);
+  }
   ~Head();
 
   // Checks only the spec's fields (name syntax excepted); no allocation.
   static absl::Status ValidateSpec(const v1::HeadSpec& spec);
+  // The placement's kind and device count (INVALID_ARGUMENT), without the server's devices.
+  static absl::Status ValidatePlacement(const v1::Placement& placement);
+  // How many devices a head of a valid `placement` takes where `available` are there: 1 for
+  // one device, the number asked for a replicated head (0: all of them).
+  static int PlacementDevices(const v1::Placement& placement, int available);
 
   // Replaces the default loss options (validated: INVALID_ARGUMENT).
   absl::Status SetDefaultOptions(const v1::LossOptions& options);
@@ -135,10 +153,12 @@ class Head {
   // the head's workspace and stream, and must not see W half pushed) but adds nothing to dW,
   // counts nothing and bypasses the idempotency cache.
   //
-  // Staged micro-batches take the device largest first (ComputeQueue). `on_ordered`, when given,
-  // is called once this micro-batch holds the device, before its run: whatever the caller runs
-  // from then on comes after it in dW. A Step stream starts its next micro-batch there, so that
-  // this one's copy back overlaps the next one's staging and run. It is not called for a
+  // The micro-batch runs on the replica with the least work queued (ReplicaGroup::Choose); staged
+  // micro-batches take a replica's device largest first (ComputeQueue). `on_ordered`, when given,
+  // is called once this micro-batch holds its device, before its run: on one device, whatever the
+  // caller runs from then on comes after it in dW. A Step stream starts its next micro-batch
+  // there, so that this one's copy back overlaps the next one's staging and run (on a replicated
+  // head the next one may run beside it, on another replica). It is not called for a
   // micro-batch that never reaches the device (refused, replayed).
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(
       const MicroBatch& microbatch, StepStats* stats,
@@ -171,10 +191,18 @@ class Head {
   // The checkpoint cut (head_checkpoint.cc). A consistent cut taken under the compute lock: W, dW,
   // counters, defaults and idempotency state; every micro-batch is wholly in it or wholly out.
   absl::StatusOr<HeadCheckpointData> Snapshot();
-  // A head holding exactly `data` (validated: DATA_LOSS when sizes or the spec do not fit).
-  static absl::StatusOr<std::shared_ptr<Head>> Restore(kernels::Backend& backend,
+  // A head holding exactly `data` (validated: DATA_LOSS when sizes or the spec do not fit), on
+  // `devices` whatever placement it was saved with: the file is the same for every placement.
+  // The restored spec's placement names the devices it got.
+  static absl::StatusOr<std::shared_ptr<Head>> Restore(std::span<kernels::Backend* const> devices,
                                                        const HeadCheckpointData& data,
                                                        const HeadOptions& options);
+  static absl::StatusOr<std::shared_ptr<Head>> Restore(kernels::Backend& backend,
+                                                       const HeadCheckpointData& data,
+                                                       const HeadOptions& options) {
+    kernels::Backend* const devices[] = {&backend};
+    return Restore(devices, data, options);
+  }
   // After `data` (a Snapshot of this head) is durable: its applied sequences become persisted.
   void MarkPersisted(const HeadCheckpointData& data);
   // Highest applied sequence of `client_id` now, and as of the last durable checkpoint.
@@ -185,24 +213,34 @@ class Head {
   int64_t vocab_size() const { return spec_.vocab_size(); }
   int64_t hidden_size() const { return spec_.hidden_size(); }
   kernels::DType dtype() const { return dtype_; }
-  size_t weights_bytes() const { return weights_.bytes(); }
-  size_t gradient_bytes() const { return grad_.bytes(); }
+  // Devices holding the head (its replicas).
+  int device_count() const { return group_->size(); }
+  // Device bytes over every replica.
+  size_t weights_bytes() const;
+  size_t gradient_bytes() const;
   size_t workspace_bytes() const;
   OptimizerFootprint optimizer_bytes() const;
   uint64_t weights_version() const;
 
  private:
   struct Prepared;
-  struct IoSlot;
   class SlotLease;
 
-  Head(kernels::Backend& backend, const v1::HeadSpec& spec, kernels::DType dtype,
+  Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernels::DType dtype,
        const HeadOptions& options);
+  // The replicas of a head of `spec` on `devices` (INVALID_ARGUMENT when their number is not the
+  // placement's).
+  static absl::StatusOr<std::unique_ptr<ReplicaGroup>> PlaceOn(
+      std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype);
   absl::Status Initialize(size_t workspace_budget, bool init_weights);
-  // Makes `buffers` (fresh, of this head) the optimizer: zeroed state, master from W. Under
-  // compute_mu_.
-  absl::Status InstallOptimizer(OptimizerBuffers buffers);
-  // Takes master from W when a push has changed W since (see master_version). Under compute_mu_.
+  // Each replica's optimizer buffers for its rows (contents undefined); RESOURCE_EXHAUSTED names
+  // the one that did not fit.
+  absl::StatusOr<std::vector<OptimizerBuffers>> AllocateOptimizers(
+      const v1::OptimizerSpec& spec) const;
+  // Makes `buffers` (fresh, one per replica) the optimizer: zeroed state, master from W. Under
+  // the cut.
+  absl::Status InstallOptimizer(std::vector<OptimizerBuffers> buffers);
+  // Takes master from W when a push has changed W since (see master_version). Under the cut.
   absl::Status SyncMaster();
   // The header's part of Prepare (CheckHeader's checks); the payload's part follows in Prepare.
   absl::Status PrepareHeader(const v1::StepHeader& header, Prepared* prepared) const;
@@ -215,17 +253,18 @@ class Head {
   void FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
                      std::string grad_hidden, const std::vector<float>& per_token,
                      StepOutcome* outcome) const;
-  // Grows `buffer` (which the caller owns exclusively: under compute_mu_ or in its I/O slot).
-  absl::Status EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes);
+  // Grows `buffer` on `replica` (which the caller owns exclusively: under its compute lock or in
+  // its I/O slot).
+  absl::Status EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes);
   // Grows `slot`'s staging buffer; false where the backend needs none (copy directly).
-  absl::StatusOr<bool> EnsureStaging(kernels::HostBuffer& buffer, size_t bytes);
+  absl::StatusOr<bool> EnsureStaging(Replica& replica, kernels::HostBuffer& buffer, size_t bytes);
   // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised).
-  absl::Status StageIn(const Prepared& p, IoSlot& slot);
+  absl::Status StageIn(const Prepared& p, Replica& replica, IoSlot& slot);
   // Copies dH and per-token losses of a finished run out of `slot` into `outcome`.
-  absl::Status StageOut(const Prepared& p, IoSlot& slot, std::string* grad_hidden,
-                        std::vector<float>* per_token);
+  absl::Status StageOut(const Prepared& p, Replica& replica, IoSlot& slot,
+                        std::string* grad_hidden, std::vector<float>* per_token);
 
-  kernels::Backend& backend_;
+  const std::unique_ptr<ReplicaGroup> group_;
   const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_
   const kernels::DType dtype_;
   const HeadOptions options_;
@@ -235,22 +274,9 @@ class Head {
   const std::shared_ptr<ResultPool> results_;
   IdempotencyCache cache_;
 
-  // Device memory and stream: used under compute_mu_ only.
-  // Micro-batches wait here, largest first, before they take compute_mu_.
-  ComputeQueue compute_queue_;
-  absl::Mutex compute_mu_ ABSL_ACQUIRED_BEFORE(state_mu_);
-  kernels::DeviceBuffer weights_;
-  kernels::DeviceBuffer grad_;
-  std::unique_ptr<kernels::Stream> stream_;
-  kernels::DeviceBuffer workspace_ ABSL_GUARDED_BY(compute_mu_);
-  OptimizerBuffers optimizer_ ABSL_GUARDED_BY(compute_mu_);
-  ApplyLog applies_ ABSL_GUARDED_BY(compute_mu_);
-
-  // I/O slots: a micro-batch takes one for its copies in, its run and its copies out. Three let
-  // one run while the next is copied in and the previous is copied out.
-  static constexpr size_t kIoSlots = 3;
-  absl::Mutex slots_mu_;
-  std::vector<std::unique_ptr<IoSlot>> free_slots_ ABSL_GUARDED_BY(slots_mu_);
+  // Optimizer responses remembered per client: under the cut. (The device state, the compute
+  // locks and the I/O slots are the replicas'; every compute lock is taken before state_mu_.)
+  ApplyLog applies_;
 
   // Counters and options; written under both mutexes when tied to device state, read under this.
   mutable absl::Mutex state_mu_;
@@ -262,13 +288,12 @@ class Head {
   uint64_t max_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
-  size_t device_scratch_bytes_ ABSL_GUARDED_BY(state_mu_) = 0;  // workspace + I/O buffers
-  // What Info reports of the optimizer (its buffers are under compute_mu_).
+  // What Info reports of the optimizer (its buffers are the replicas', under the cut).
   v1::OptimizerSpec optimizer_spec_ ABSL_GUARDED_BY(state_mu_);
   uint64_t optimizer_step_ ABSL_GUARDED_BY(state_mu_) = 0;
   OptimizerFootprint optimizer_footprint_ ABSL_GUARDED_BY(state_mu_);
   // Micro-batches counted in dW whose outcome is not yet remembered for replay (their dH is being
-  // copied out). A snapshot waits for none under compute_mu_: see Snapshot.
+  // copied out). A snapshot waits for none under the cut: see Snapshot.
   int pending_outcomes_ ABSL_GUARDED_BY(state_mu_) = 0;
 
   // Per client id: the highest applied sequence in the last durable checkpoint.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -12,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "server/engine/head.h"
+#include "server/engine/head_internal.h"
+#include "server/engine/replica_group.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/status_macros.h"
 
@@ -20,39 +23,56 @@ namespace losshead::server {
 absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
   HeadCheckpointData d;
   d.spec = spec_;
-  d.weights.resize(weights_.bytes());
-  d.gradient.resize(grad_.bytes());
-  // Micro-batches add to dW and bump the counters under compute_mu_; pulls and pushes hold it too.
-  // Holding it here makes the snapshot one cut. A micro-batch completes its idempotency claim just
-  // after (once its dH is on the host): waiting for those still pending, while no new one can
-  // start, puts every micro-batch counted in dW among the remembered ones too.
-  absl::MutexLock lock(&compute_mu_);
+  const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
+  const size_t esize = kernels::DTypeSize(dtype_);
+  d.weights.resize(count * esize);
+  d.gradient.resize(count * sizeof(float));
+  // Micro-batches add to dW and bump the counters under their replica's compute lock; pulls and
+  // pushes hold every one. Holding them all here makes the snapshot one cut. A micro-batch
+  // completes its idempotency claim just after (once its dH is on the host): waiting for those
+  // still pending, while no new one can start, puts every micro-batch counted in dW among the
+  // remembered ones too.
+  ReplicaGroup::Cut cut(*group_);
   {
     absl::MutexLock state(&state_mu_);
     state_mu_.Await(absl::Condition(
         +[](int* pending) { return *pending == 0; }, &pending_outcomes_));
   }
+  Replica& first = (*group_)[0];
   LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToHost(d.weights.data(), weights_.data(), weights_.bytes(), *stream_));
-  LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToHost(d.gradient.data(), grad_.data(), grad_.bytes(), *stream_));
-  // The optimizer: its master copy (even when a push has made it stale: master_version says so
-  // and the restored head re-syncs it exactly as this one would) and its state.
-  d.master.resize(optimizer_.master.bytes());
-  LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToHost(d.master.data(), optimizer_.master.data(), d.master.size(), *stream_));
-  d.optimizer_state.resize(optimizer_.state.size());
-  for (size_t i = 0; i < optimizer_.state.size(); ++i) {
-    d.optimizer_state[i].resize(optimizer_.state[i].bytes());
-    LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToHost(d.optimizer_state[i].data(),
-                                                 optimizer_.state[i].data(),
-                                                 d.optimizer_state[i].size(), *stream_));
+      first.backend.CopyToHost(d.weights.data(), first.weights.data(), d.weights.size(),
+                               *first.stream));
+  // dW reduced to the owners of its rows, each copying its rows; and the optimizer: each
+  // replica's rows of its master copy (even when a push has made it stale: master_version says
+  // so and the restored head re-syncs it exactly as this one would) and of its state. The file
+  // is the one-device head's whatever the placement.
+  LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
+  const OptimizerBuffers& optimizer = first.optimizer;
+  const bool has_master = optimizer.master.data() != nullptr;
+  d.master.resize(has_master ? count * sizeof(float) : 0);
+  d.optimizer_state.resize(optimizer.state.size());
+  for (std::string& state : d.optimizer_state) state.resize(count * sizeof(float));
+  for (const auto& r : group_->replicas()) {
+    const size_t offset = head_internal::RowByteOffset(*group_, *r, sizeof(float));
+    const size_t bytes = head_internal::RowBytes(*group_, *r, sizeof(float));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
+        d.gradient.data() + offset, r->grad.as<char>() + offset, bytes, *r->stream));
+    if (has_master) {
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(d.master.data() + offset,
+                                                     r->optimizer.master.data(), bytes,
+                                                     *r->stream));
+    }
+    for (size_t i = 0; i < r->optimizer.state.size(); ++i) {
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(d.optimizer_state[i].data() + offset,
+                                                     r->optimizer.state[i].data(), bytes,
+                                                     *r->stream));
+    }
   }
-  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
-  *d.spec.mutable_optimizer() = optimizer_.spec;
-  d.optimizer_step = optimizer_.step;
-  d.momentum_started = optimizer_.momentum_started;
-  d.master_version = optimizer_.master_version;
+  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+  *d.spec.mutable_optimizer() = optimizer.spec;
+  d.optimizer_step = optimizer.step;
+  d.momentum_started = optimizer.momentum_started;
+  d.master_version = optimizer.master_version;
   d.applies = applies_.Export();
   {
     absl::MutexLock state(&state_mu_);
@@ -69,7 +89,7 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
   return d;
 }
 
-absl::StatusOr<std::shared_ptr<Head>> Head::Restore(kernels::Backend& backend,
+absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* const> devices,
                                                     const HeadCheckpointData& data,
                                                     const HeadOptions& options) {
   if (absl::Status s = ValidateSpec(data.spec); !s.ok()) {
@@ -103,29 +123,50 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(kernels::Backend& backend,
                      " master weight bytes and ", data.optimizer_state.size(),
                      " optimizer state buffers that do not fit its optimizer"));
   }
-  std::shared_ptr<Head> head(new Head(backend, data.spec, dtype, options));
+  // The file is the same for every placement: the head goes on `devices` (the registry's
+  // answer to the saved placement, on this server) and keeps the placement it was asked for.
+  v1::HeadSpec placed = data.spec;
+  if (devices.size() > 1 || placed.placement().kind() == v1::PLACEMENT_REPLICATED) {
+    placed.mutable_placement()->set_kind(v1::PLACEMENT_REPLICATED);
+    placed.mutable_placement()->set_devices(static_cast<uint32_t>(devices.size()));
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group,
+                            PlaceOn(devices, placed, dtype));
+  std::shared_ptr<Head> head(new Head(std::move(group), data.spec, dtype, options));
   LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, false));
-  LOSSHEAD_ASSIGN_OR_RETURN(OptimizerBuffers optimizer,
-                            AllocateOptimizer(backend, data.spec.optimizer(), dtype, count));
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<OptimizerBuffers> optimizers,
+                            head->AllocateOptimizers(data.spec.optimizer()));
   {
-    absl::MutexLock lock(&head->compute_mu_);
-    LOSSHEAD_RETURN_IF_ERROR(backend.CopyToDevice(optimizer.master.data(), data.master.data(),
-                                                  data.master.size(), *head->stream_));
-    for (size_t i = 0; i < buffers; ++i) {
-      LOSSHEAD_RETURN_IF_ERROR(
-          backend.CopyToDevice(optimizer.state[i].data(), data.optimizer_state[i].data(),
-                               data.optimizer_state[i].size(), *head->stream_));
+    ReplicaGroup& group = *head->group_;
+    ReplicaGroup::Cut cut(group);
+    // W to replica 0 and from there to the others; the whole dW to replica 0 (the others' are
+    // zero, so the sum is the saved window); each replica's rows of the optimizer.
+    Replica& first = group[0];
+    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.weights.data(), data.weights.data(),
+                                                        data.weights.size(), *first.stream));
+    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.grad.data(), data.gradient.data(),
+                                                        data.gradient.size(), *first.stream));
+    LOSSHEAD_RETURN_IF_ERROR(group.BroadcastWeights());
+    for (const auto& r : group.replicas()) {
+      OptimizerBuffers& optimizer = optimizers[r->rank];
+      const size_t offset = head_internal::RowByteOffset(group, *r, sizeof(float));
+      const size_t bytes = head_internal::RowBytes(group, *r, sizeof(float));
+      if (!data.master.empty()) {
+        LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(
+            optimizer.master.data(), data.master.data() + offset, bytes, *r->stream));
+      }
+      for (size_t i = 0; i < buffers; ++i) {
+        LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(
+            optimizer.state[i].data(), data.optimizer_state[i].data() + offset, bytes,
+            *r->stream));
+      }
+      optimizer.step = data.optimizer_step;
+      optimizer.momentum_started = data.momentum_started;
+      optimizer.master_version = data.master_version;
+      r->optimizer = std::move(optimizer);
     }
-    optimizer.step = data.optimizer_step;
-    optimizer.momentum_started = data.momentum_started;
-    optimizer.master_version = data.master_version;
-    head->optimizer_ = std::move(optimizer);
     head->applies_.Import(data.applies);
-    LOSSHEAD_RETURN_IF_ERROR(backend.CopyToDevice(head->weights_.data(), data.weights.data(),
-                                                  data.weights.size(), *head->stream_));
-    LOSSHEAD_RETURN_IF_ERROR(backend.CopyToDevice(head->grad_.data(), data.gradient.data(),
-                                                  data.gradient.size(), *head->stream_));
-    LOSSHEAD_RETURN_IF_ERROR(head->stream_->Synchronize());
+    LOSSHEAD_RETURN_IF_ERROR(group.Synchronize());
     absl::MutexLock state(&head->state_mu_);
     head->version_ = data.weights_version;
     head->tokens_since_pull_ = data.tokens_since_pull;

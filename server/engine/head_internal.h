@@ -1,6 +1,6 @@
 // What the files of Head's implementation share (head.cc, step_pipeline.cc, gradient_window.cc,
-// head_checkpoint.cc): the I/O slot, host tensor conversion and the allocation error. Only those
-// files include it.
+// optimizer_apply.cc, head_checkpoint.cc): host tensor conversion, the allocation error and the
+// byte offsets of a replica's rows. Only those files include it.
 #ifndef LOSSHEAD_SERVER_ENGINE_HEAD_INTERNAL_H_
 #define LOSSHEAD_SERVER_ENGINE_HEAD_INTERNAL_H_
 
@@ -13,20 +13,9 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/problem.h"
 #include "server/engine/head.h"
+#include "server/engine/replica_group.h"
 
 namespace losshead::server {
-
-// One micro-batch's device buffers, its staging host memory (empty where the backend needs none)
-// and a stream of its own for the copies, so that they run beside another micro-batch's Run.
-struct Head::IoSlot {
-  std::unique_ptr<kernels::Stream> copies;
-  kernels::DeviceBuffer hidden;
-  kernels::DeviceBuffer targets;
-  kernels::DeviceBuffer grad_hidden;
-  kernels::DeviceBuffer per_token;
-  kernels::DeviceBuffer scalars;
-  kernels::HostBuffer staging;  // hidden + targets in, then dH + per-token losses out
-};
 
 namespace head_internal {
 
@@ -38,6 +27,16 @@ std::string Convert(kernels::DType from, absl::string_view src, kernels::DType t
 
 // An allocation failure as RESOURCE_EXHAUSTED naming `what`; OK stays OK.
 absl::Status AsResourceExhausted(const absl::Status& status, absl::string_view what);
+
+// `replica`'s rows in a V x D tensor whose elements take `element_bytes`: where they start and
+// how many bytes they take.
+inline size_t RowByteOffset(const ReplicaGroup& group, const Replica& replica,
+                            size_t element_bytes) {
+  return static_cast<size_t>(group.RowOffset(replica)) * element_bytes;
+}
+inline size_t RowBytes(const ReplicaGroup& group, const Replica& replica, size_t element_bytes) {
+  return static_cast<size_t>(group.RowElements(replica)) * element_bytes;
+}
 
 }  // namespace head_internal
 }  // namespace losshead::server

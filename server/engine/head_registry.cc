@@ -37,6 +37,34 @@ absl::Status HeadRegistry::CheckHeadBytes(const v1::HeadSpec& spec) const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<kernels::Backend*>> HeadRegistry::Place(const v1::Placement& placement,
+                                                                   bool at_most) const {
+  LOSSHEAD_RETURN_IF_ERROR(Head::ValidatePlacement(placement));
+  const int available = static_cast<int>(devices_.size());
+  int k = Head::PlacementDevices(placement, available);
+  if (k > available) {
+    if (!at_most) {
+      return absl::InvalidArgumentError(absl::StrCat("placement asks for ", k,
+                                                     " devices but the server has ", available,
+                                                     " (--devices)"));
+    }
+    k = available;
+  }
+  // The k devices with the most free memory, kept in the server's order (rank order).
+  std::vector<int> order(available);
+  std::vector<uint64_t> free(available);
+  for (int i = 0; i < available; ++i) {
+    order[i] = i;
+    free[i] = devices_[i]->memory_info().free_bytes;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return free[a] > free[b]; });
+  order.resize(k);
+  std::sort(order.begin(), order.end());
+  std::vector<kernels::Backend*> chosen;
+  for (int i : order) chosen.push_back(devices_[i]);
+  return chosen;
+}
+
 absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& spec) {
   LOSSHEAD_RETURN_IF_ERROR(Head::ValidateSpec(spec));
   LOSSHEAD_RETURN_IF_ERROR(CheckHeadBytes(spec));
@@ -52,7 +80,9 @@ absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& s
     }
     creating_.insert(spec.name());
   }
-  absl::StatusOr<std::shared_ptr<Head>> head = Head::Create(backend_, spec, options_);
+  absl::StatusOr<std::vector<kernels::Backend*>> devices = Place(spec.placement());
+  absl::StatusOr<std::shared_ptr<Head>> head =
+      devices.ok() ? Head::Create(*devices, spec, options_) : devices.status();
   absl::MutexLock lock(&mu_);
   creating_.erase(spec.name());
   if (head.ok()) heads_.emplace(spec.name(), *head);

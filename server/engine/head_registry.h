@@ -7,6 +7,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -34,13 +35,16 @@ struct HeadLimits {
 
 class HeadRegistry {
  public:
+  // Heads go on `devices` (the server's, in its order; at least one), which outlive the registry.
+  HeadRegistry(std::vector<kernels::Backend*> devices, HeadOptions options, HeadLimits limits = {})
+      : devices_(std::move(devices)), options_(options), limits_(limits) {}
   HeadRegistry(kernels::Backend& backend, HeadOptions options, HeadLimits limits = {})
-      : backend_(backend), options_(options), limits_(limits) {}
+      : HeadRegistry(std::vector<kernels::Backend*>{&backend}, options, limits) {}
 
-  // INVALID_ARGUMENT for a bad spec or one above limits.max_head_bytes, ALREADY_EXISTS for a taken
-  // name (also while another create of the same name is allocating), RESOURCE_EXHAUSTED when
-  // limits.max_heads are there or the device memory does not suffice. Limits are checked before
-  // anything is allocated.
+  // INVALID_ARGUMENT for a bad spec, one above limits.max_head_bytes or a placement on more
+  // devices than the server has, ALREADY_EXISTS for a taken name (also while another create of
+  // the same name is allocating), RESOURCE_EXHAUSTED when limits.max_heads are there or the
+  // device memory does not suffice. Limits are checked before anything is allocated.
   // Allocation and initialisation run in the caller's thread, outside the registry's lock.
   absl::StatusOr<std::shared_ptr<Head>> Create(const v1::HeadSpec& spec);
   // Head::SetOptimizer on `name` after the same max_head_bytes check as Create (INVALID_ARGUMENT);
@@ -57,12 +61,19 @@ class HeadRegistry {
   absl::Status Delete(const std::string& name);
   size_t size() const;
   const HeadOptions& head_options() const { return options_; }
+  const std::vector<kernels::Backend*>& devices() const { return devices_; }
+
+  // The devices a head of `placement` goes on: the ones with the most free memory (the first
+  // among equals), in the server's order. INVALID_ARGUMENT for more devices than the server has,
+  // unless `at_most` (a restore: the file fits any placement), which takes them all instead.
+  absl::StatusOr<std::vector<kernels::Backend*>> Place(const v1::Placement& placement,
+                                                       bool at_most = false) const;
 
  private:
   // INVALID_ARGUMENT when a head of `spec` would exceed limits_.max_head_bytes.
   absl::Status CheckHeadBytes(const v1::HeadSpec& spec) const;
 
-  kernels::Backend& backend_;
+  const std::vector<kernels::Backend*> devices_;
   const HeadOptions options_;
   const HeadLimits limits_;
   mutable absl::Mutex mu_;

@@ -43,33 +43,53 @@ absl::Status ValidateApplyRequest(const v1::ApplyOptimizerRequest& r) {
 
 }  // namespace
 
+absl::StatusOr<std::vector<OptimizerBuffers>> Head::AllocateOptimizers(
+    const v1::OptimizerSpec& spec) const {
+  std::vector<OptimizerBuffers> buffers;
+  for (const auto& r : group_->replicas()) {
+    LOSSHEAD_ASSIGN_OR_RETURN(
+        OptimizerBuffers own,
+        AllocateOptimizer(r->backend, spec, dtype_,
+                          static_cast<uint64_t>(group_->RowElements(*r))));
+    buffers.push_back(std::move(own));
+  }
+  return buffers;
+}
+
 absl::Status Head::SetOptimizer(const v1::OptimizerSpec& spec) {
   LOSSHEAD_RETURN_IF_ERROR(ValidateOptimizerSpec(spec));
   // Allocated before the lock, so that steps go on meanwhile and a failure changes nothing.
-  LOSSHEAD_ASSIGN_OR_RETURN(
-      OptimizerBuffers buffers,
-      AllocateOptimizer(backend_, spec, dtype_,
-                        static_cast<uint64_t>(weights_.bytes()) / kernels::DTypeSize(dtype_)));
-  absl::MutexLock lock(&compute_mu_);
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<OptimizerBuffers> buffers, AllocateOptimizers(spec));
+  ReplicaGroup::Cut cut(*group_);
   return InstallOptimizer(std::move(buffers));
 }
 
-absl::Status Head::InstallOptimizer(OptimizerBuffers buffers) {
-  for (kernels::DeviceBuffer& state : buffers.state) {
-    LOSSHEAD_RETURN_IF_ERROR(backend_.Memset(state.data(), 0, state.bytes(), *stream_));
+absl::Status Head::InstallOptimizer(std::vector<OptimizerBuffers> buffers) {
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    Replica& r = (*group_)[static_cast<int>(i)];
+    for (kernels::DeviceBuffer& state : buffers[i].state) {
+      LOSSHEAD_RETURN_IF_ERROR(r.backend.Memset(state.data(), 0, state.bytes(), *r.stream));
+    }
+    buffers[i].master_version = 0;  // not yet taken from W: SyncMaster does it
   }
-  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
-  buffers.master_version = 0;  // not yet taken from W: SyncMaster does it
-  std::swap(optimizer_, buffers);
+  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+  auto swap_all = [&] {
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      std::swap((*group_)[static_cast<int>(i)].optimizer, buffers[i]);
+    }
+  };
+  swap_all();
   absl::Status synced = SyncMaster();
   if (!synced.ok()) {
-    std::swap(optimizer_, buffers);  // the old optimizer stays
+    swap_all();  // the old optimizer stays
     return synced;
   }
+  const v1::OptimizerSpec& spec = (*group_)[0].optimizer.spec;
   absl::MutexLock state(&state_mu_);
-  optimizer_spec_ = optimizer_.spec;
+  optimizer_spec_ = spec;
   optimizer_step_ = 0;
-  optimizer_footprint_ = OptimizerBytes(optimizer_.spec, dtype_, grad_.bytes() / sizeof(float));
+  optimizer_footprint_ = OptimizerBytes(
+      spec, dtype_, static_cast<uint64_t>(vocab_size()) * static_cast<uint64_t>(hidden_size()));
   return absl::OkStatus();
 }
 
@@ -79,26 +99,32 @@ absl::Status Head::SyncMaster() {
     absl::MutexLock state(&state_mu_);
     version = version_;
   }
-  if (optimizer_.master_version == version) return absl::OkStatus();
-  if (optimizer_.master.data() != nullptr) {
-    // W -> fp32 through the host in blocks: only a push or a new optimizer gets here.
-    using head_internal::kConvertBlock;
-    const size_t count = optimizer_.master.bytes() / sizeof(float);
-    const size_t esize = kernels::DTypeSize(dtype_);
-    std::string w(std::min(count, kConvertBlock) * esize, '\0');
-    std::vector<float> block(std::min(count, kConvertBlock));
-    for (size_t i = 0; i < count; i += kConvertBlock) {
-      const size_t n = std::min(kConvertBlock, count - i);
-      LOSSHEAD_RETURN_IF_ERROR(
-          backend_.CopyToHost(w.data(), weights_.as<char>() + i * esize, n * esize, *stream_));
-      LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
-      kernels::ToFloat(dtype_, w.data(), block.data(), n);
-      LOSSHEAD_RETURN_IF_ERROR(backend_.CopyToDevice(optimizer_.master.as<float>() + i,
-                                                     block.data(), n * sizeof(float), *stream_));
-      LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());  // the host block is reused
+  for (const auto& r : group_->replicas()) {
+    OptimizerBuffers& optimizer = r->optimizer;
+    if (optimizer.master_version == version) continue;
+    if (optimizer.master.data() != nullptr) {
+      // This replica's rows of W -> fp32 through the host in blocks: only a push or a new
+      // optimizer gets here.
+      using head_internal::kConvertBlock;
+      const size_t count = optimizer.master.bytes() / sizeof(float);
+      const size_t esize = kernels::DTypeSize(dtype_);
+      const char* rows =
+          r->weights.as<char>() + head_internal::RowByteOffset(*group_, *r, esize);
+      std::string w(std::min(count, kConvertBlock) * esize, '\0');
+      std::vector<float> block(std::min(count, kConvertBlock));
+      for (size_t i = 0; i < count; i += kConvertBlock) {
+        const size_t n = std::min(kConvertBlock, count - i);
+        LOSSHEAD_RETURN_IF_ERROR(
+            r->backend.CopyToHost(w.data(), rows + i * esize, n * esize, *r->stream));
+        LOSSHEAD_RETURN_IF_ERROR(r->stream->Synchronize());
+        kernels::ToFloat(dtype_, w.data(), block.data(), n);
+        LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(
+            optimizer.master.as<float>() + i, block.data(), n * sizeof(float), *r->stream));
+        LOSSHEAD_RETURN_IF_ERROR(r->stream->Synchronize());  // the host block is reused
+      }
     }
+    optimizer.master_version = version;
   }
-  optimizer_.master_version = version;
   return absl::OkStatus();
 }
 
@@ -106,17 +132,19 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     const v1::ApplyOptimizerRequest& request) {
   LOSSHEAD_RETURN_IF_ERROR(ValidateApplyRequest(request));
   std::string fingerprint = ApplyFingerprint(request);
-  absl::MutexLock lock(&compute_mu_);
+  ReplicaGroup::Cut cut(*group_);
   LOSSHEAD_ASSIGN_OR_RETURN(std::optional<v1::ApplyOptimizerResponse> replay,
                             applies_.Find(request.client_id(), request.step_key(), fingerprint));
   if (replay.has_value()) return *std::move(replay);
+  // Every replica's optimizer has the same spec, step and momentum state; each has its rows.
+  const OptimizerBuffers& first = (*group_)[0].optimizer;
   LOSSHEAD_ASSIGN_OR_RETURN(kernels::OptimizerOptions options,
-                            KernelOptions(optimizer_, request.params()));
-  const int64_t count = static_cast<int64_t>(grad_.bytes() / sizeof(float));
+                            KernelOptions(first, request.params()));
+  const int64_t count = vocab_size() * hidden_size();
   kernels::OptimizerProblem problem{.count = count,
                                     .dtype = dtype_,
                                     .options = options,
-                                    .step = static_cast<int64_t>(optimizer_.step + 1)};
+                                    .step = static_cast<int64_t>(first.step + 1)};
   LOSSHEAD_RETURN_IF_ERROR(kernels::ValidateOptimizerProblem(problem));
 
   v1::ApplyOptimizerResponse response;
@@ -140,12 +168,20 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   const double divisor = request.has_grad_divisor() ? request.grad_divisor()
                                                     : static_cast<double>(window.token_count());
 
-  LOSSHEAD_RETURN_IF_ERROR(
-      backend_.SquaredNorm(grad_.as<float>(), count, optimizer_.norm.as<double>(), *stream_));
+  // ZeRO-1: dW reduced to the replicas that own its rows; each takes the squared norm of its
+  // rows, added here in rank order (the same bits on every run).
+  LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
+  std::vector<double> partial(group_->size(), 0.0);
+  for (const auto& r : group_->replicas()) {
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.SquaredNorm(r->grad.as<float>() + group_->RowOffset(*r),
+                                                    group_->RowElements(*r),
+                                                    r->optimizer.norm.as<double>(), *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(&partial[r->rank], r->optimizer.norm.data(),
+                                                   sizeof(double), *r->stream));
+  }
+  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
   double squared = 0;
-  LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToHost(&squared, optimizer_.norm.data(), sizeof(double), *stream_));
-  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
+  for (double p : partial) squared += p;
   if (!std::isfinite(squared)) {
     return absl::FailedPreconditionError(
         "the gradient window holds NaN or Inf (or overflows); nothing was stepped: pull it to "
@@ -168,19 +204,33 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
         "to drop the window"));
   }
   LOSSHEAD_RETURN_IF_ERROR(SyncMaster());
-  LOSSHEAD_RETURN_IF_ERROR(backend_.OptimizerStep(
-      problem, KernelTensors(optimizer_, weights_.data(), grad_.as<float>()), *stream_));
-  LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
-
-  optimizer_.step += 1;
-  if (const auto* sgd = std::get_if<kernels::SgdOptions>(&problem.options);
-      sgd != nullptr && sgd->momentum != 0.0f) {
-    optimizer_.momentum_started = true;
+  // Each replica steps its own rows (zeroing them in dW; its other rows are zero once reduced),
+  // then every replica takes the others' new rows of W.
+  const size_t esize = kernels::DTypeSize(dtype_);
+  for (const auto& r : group_->replicas()) {
+    kernels::OptimizerProblem own = problem;
+    own.count = group_->RowElements(*r);
+    char* weights = r->weights.as<char>() + head_internal::RowByteOffset(*group_, *r, esize);
+    float* grad = r->grad.as<float>() + group_->RowOffset(*r);
+    LOSSHEAD_RETURN_IF_ERROR(
+        r->backend.OptimizerStep(own, KernelTensors(r->optimizer, weights, grad), *r->stream));
   }
+  LOSSHEAD_RETURN_IF_ERROR(group_->GatherWeights());
+  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+
+  const bool momentum_started = [&] {
+    const auto* sgd = std::get_if<kernels::SgdOptions>(&problem.options);
+    return sgd != nullptr && sgd->momentum != 0.0f;
+  }();
   {
     absl::MutexLock state(&state_mu_);
-    optimizer_.master_version = ++version_;
-    optimizer_step_ = optimizer_.step;
+    ++version_;
+    for (const auto& r : group_->replicas()) {
+      r->optimizer.step += 1;
+      if (momentum_started) r->optimizer.momentum_started = true;
+      r->optimizer.master_version = version_;
+    }
+    optimizer_step_ = first.step;
     tokens_since_pull_ = 0;
     microbatches_since_pull_ = 0;
     min_version_since_pull_ = max_version_since_pull_ = 0;
@@ -192,7 +242,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   response.set_head_grad_norm(head_norm);
   response.set_total_grad_norm(total_norm);
   response.set_clip_coefficient(coefficient);
-  response.set_optimizer_step(optimizer_.step);
+  response.set_optimizer_step(first.step);
   applies_.Record(request.client_id(), request.step_key(), std::move(fingerprint), response);
   return response;
 }

@@ -58,27 +58,27 @@ struct Head::Prepared {
   int64_t ignore_index = 0;  // as resolved; problem.options has its int32 image
 };
 
-// Takes a free I/O slot (waiting for one) and gives it back on destruction.
+// Takes a free I/O slot of a replica (waiting for one) and gives it back on destruction.
 class Head::SlotLease {
  public:
-  explicit SlotLease(Head& head) : head_(head) {
-    absl::MutexLock lock(&head_.slots_mu_);
-    head_.slots_mu_.Await(absl::Condition(
+  explicit SlotLease(Replica& replica) : replica_(replica) {
+    absl::MutexLock lock(&replica_.slots_mu);
+    replica_.slots_mu.Await(absl::Condition(
         +[](std::vector<std::unique_ptr<IoSlot>>* free) { return !free->empty(); },
-        &head_.free_slots_));
-    slot_ = std::move(head_.free_slots_.back());
-    head_.free_slots_.pop_back();
+        &replica_.free_slots));
+    slot_ = std::move(replica_.free_slots.back());
+    replica_.free_slots.pop_back();
   }
   ~SlotLease() {
-    absl::MutexLock lock(&head_.slots_mu_);
-    head_.free_slots_.push_back(std::move(slot_));
+    absl::MutexLock lock(&replica_.slots_mu);
+    replica_.free_slots.push_back(std::move(slot_));
   }
   SlotLease(const SlotLease&) = delete;
   SlotLease& operator=(const SlotLease&) = delete;
   IoSlot& operator*() const { return *slot_; }
 
  private:
-  Head& head_;
+  Replica& replica_;
   std::unique_ptr<IoSlot> slot_;
 };
 
@@ -124,7 +124,8 @@ absl::Status Head::PrepareHeader(const v1::StepHeader& h, Prepared* prepared) co
       ignore_fits ? static_cast<int32_t>(p.ignore_index) : std::numeric_limits<int32_t>::min();
   p.problem = kernels::Problem{
       .n = h.num_tokens(), .d = hidden_size(), .v = vocab_size(), .dtype = dtype_, .options = loss};
-  LOSSHEAD_RETURN_IF_ERROR(backend_.CanImplement(p.problem));
+  // Every replica's backend is of one kind and answers the same.
+  LOSSHEAD_RETURN_IF_ERROR((*group_)[0].backend.CanImplement(p.problem));
   if (h.options().has_expected_weights_version()) {
     p.expected_version = h.options().expected_weights_version();
   }
@@ -226,50 +227,54 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
   return outcome;
 }
 
-absl::Status Head::EnsureBuffer(kernels::DeviceBuffer& buffer, size_t bytes) {
+absl::Status Head::EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes) {
   if (buffer.bytes() >= bytes) return absl::OkStatus();
   const size_t old = buffer.bytes();
   buffer.Reset();  // free first: the old and new buffer need not fit together
-  auto fresh = backend_.Allocate(bytes);
+  auto fresh = replica.backend.Allocate(bytes);
   if (!fresh.ok()) {
-    absl::MutexLock lock(&state_mu_);
-    device_scratch_bytes_ -= old;
+    replica.scratch_bytes -= old;
     return AsResourceExhausted(fresh.status(), "micro-batch buffers");
   }
   buffer = std::move(*fresh);
-  absl::MutexLock lock(&state_mu_);
-  device_scratch_bytes_ += bytes - old;
+  replica.scratch_bytes += bytes - old;
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> Head::EnsureStaging(kernels::HostBuffer& buffer, size_t bytes) {
+absl::StatusOr<bool> Head::EnsureStaging(Replica& replica, kernels::HostBuffer& buffer,
+                                         size_t bytes) {
   if (buffer.bytes() >= bytes) return true;
   buffer.Reset();
-  absl::StatusOr<kernels::HostBuffer> fresh = backend_.AllocateHost(bytes);
+  absl::StatusOr<kernels::HostBuffer> fresh = replica.backend.AllocateHost(bytes);
   if (absl::IsUnimplemented(fresh.status())) return false;
   if (!fresh.ok()) return AsResourceExhausted(fresh.status(), "micro-batch staging memory");
   buffer = std::move(*fresh);
   return true;
 }
 
-absl::Status Head::StageIn(const Prepared& p, IoSlot& slot) {
+absl::Status Head::StageIn(const Prepared& p, Replica& replica, IoSlot& slot) {
+  kernels::Backend& backend = replica.backend;
   const size_t n = p.problem.n;
   const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
   const size_t targets_bytes = n * sizeof(int32_t);
   if (slot.copies == nullptr) {
-    LOSSHEAD_ASSIGN_OR_RETURN(slot.copies, backend_.CreateStream());
+    LOSSHEAD_ASSIGN_OR_RETURN(slot.copies, backend.CreateStream());
   }
-  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.hidden, hidden_bytes));
-  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.targets, targets_bytes));
-  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.scalars, 16));
-  if (p.want_grad_hidden) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.grad_hidden, hidden_bytes));
-  if (p.want_per_token) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(slot.per_token, n * sizeof(float)));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.hidden, hidden_bytes));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.targets, targets_bytes));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.scalars, 16));
+  if (p.want_grad_hidden) {
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.grad_hidden, hidden_bytes));
+  }
+  if (p.want_per_token) {
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.per_token, n * sizeof(float)));
+  }
   // The larger of the two directions: the buffer serves the copies in, then the copies out.
   const size_t out_bytes =
       (p.want_grad_hidden ? hidden_bytes : 0) + (p.want_per_token ? n * sizeof(float) : 0);
   LOSSHEAD_ASSIGN_OR_RETURN(
       const bool staged,
-      EnsureStaging(slot.staging, std::max(hidden_bytes + targets_bytes, out_bytes)));
+      EnsureStaging(replica, slot.staging, std::max(hidden_bytes + targets_bytes, out_bytes)));
   const char* hidden = p.hidden().data();
   const char* targets = reinterpret_cast<const char*>(p.targets.data());
   if (staged) {
@@ -284,14 +289,15 @@ absl::Status Head::StageIn(const Prepared& p, IoSlot& slot) {
     targets = slot.staging.data() + hidden_bytes;
   }
   LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
+      backend.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
   LOSSHEAD_RETURN_IF_ERROR(
-      backend_.CopyToDevice(slot.targets.data(), targets, targets_bytes, *slot.copies));
+      backend.CopyToDevice(slot.targets.data(), targets, targets_bytes, *slot.copies));
   return slot.copies->Synchronize();
 }
 
-absl::Status Head::StageOut(const Prepared& p, IoSlot& slot, std::string* grad_hidden,
-                            std::vector<float>* per_token) {
+absl::Status Head::StageOut(const Prepared& p, Replica& replica, IoSlot& slot,
+                            std::string* grad_hidden, std::vector<float>* per_token) {
+  kernels::Backend& backend = replica.backend;
   const size_t n = p.problem.n;
   const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
   const bool staged = slot.staging.bytes() > 0;
@@ -303,11 +309,11 @@ absl::Status Head::StageOut(const Prepared& p, IoSlot& slot, std::string* grad_h
                     : reinterpret_cast<char*>(per_token->data());
   if (p.want_grad_hidden) {
     LOSSHEAD_RETURN_IF_ERROR(
-        backend_.CopyToHost(dh, slot.grad_hidden.data(), hidden_bytes, *slot.copies));
+        backend.CopyToHost(dh, slot.grad_hidden.data(), hidden_bytes, *slot.copies));
   }
   if (p.want_per_token) {
     LOSSHEAD_RETURN_IF_ERROR(
-        backend_.CopyToHost(pt, slot.per_token.data(), n * sizeof(float), *slot.copies));
+        backend.CopyToHost(pt, slot.per_token.data(), n * sizeof(float), *slot.copies));
   }
   LOSSHEAD_RETURN_IF_ERROR(slot.copies->Synchronize());
   if (staged) {
@@ -330,18 +336,22 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
   const bool keyed = !client_id.empty();
 
   const absl::Time slot_wait = absl::Now();
-  SlotLease lease(*this);
+  const int64_t tokens = static_cast<int64_t>(n);
+  // Counted as queued on its replica until its run is over (or it fails before).
+  ReplicaGroup::Assignment assignment = group_->Choose(tokens);
+  Replica& replica = assignment.replica();
+  SlotLease lease(replica);
   IoSlot& slot = *lease;
   const absl::Time stage_start = absl::Now();
   stats->stage_start = stage_start;
   stats->queue += stage_start - slot_wait;
-  // Copies in run outside compute_mu_, beside the run of the micro-batch ahead of this one.
-  LOSSHEAD_RETURN_IF_ERROR(StageIn(p, slot));
+  // Copies in run outside the compute lock, beside the run of the micro-batch ahead of this one.
+  LOSSHEAD_RETURN_IF_ERROR(StageIn(p, replica, slot));
   stats->stage += absl::Now() - stage_start;
   {
     const absl::Time wait_start = absl::Now();
-    const ComputeQueue::Turn turn = compute_queue_.Wait(static_cast<int64_t>(p.problem.n));
-    absl::MutexLock lock(&compute_mu_);
+    const ComputeQueue::Turn turn = replica.compute_queue.Wait(tokens);
+    absl::MutexLock lock(&replica.compute_mu);
     if (on_ordered) on_ordered();
     const absl::Time start = absl::Now();
     stats->compute_start = start;
@@ -357,29 +367,32 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
                        " but the head's weights are at version ", version));
     }
     LOSSHEAD_ASSIGN_OR_RETURN(const size_t ws_bytes,
-                              backend_.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(workspace_, ws_bytes));
+                              replica.backend.WorkspaceBytes(p.problem,
+                                                             options_.workspace_budget_bytes));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, replica.workspace, ws_bytes));
 
     kernels::Arguments args;
     args.hidden = slot.hidden.data();
-    args.weight = weights_.data();
+    args.weight = replica.weights.data();
     args.targets = slot.targets.as<int32_t>();
     args.grad_hidden = p.want_grad_hidden ? slot.grad_hidden.data() : nullptr;
     // Forward-only: without dW the backend skips the dW GEMM; the loss and dH are computed the same
     // way, so they match a counted step's bit for bit.
-    args.grad_weight = p.forward_only ? nullptr : grad_.as<float>();
+    args.grad_weight = p.forward_only ? nullptr : replica.grad.as<float>();
     // token_count first: it needs 8-byte alignment.
     args.token_count = slot.scalars.as<int64_t>();
     args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
     args.per_token_loss = p.want_per_token ? slot.per_token.as<float>() : nullptr;
-    args.workspace = workspace_.data();
+    args.workspace = replica.workspace.data();
     args.workspace_bytes = ws_bytes;
     // Only the 16 bytes of scalars come back under the lock; dH follows on the slot's stream
     // once the lock is free for the next micro-batch's run.
     char scalars[16];
-    absl::Status ran = backend_.Run(p.problem, args, *stream_);
-    if (ran.ok()) ran = backend_.CopyToHost(scalars, slot.scalars.data(), 16, *stream_);
-    if (ran.ok()) ran = stream_->Synchronize();
+    absl::Status ran = replica.backend.Run(p.problem, args, *replica.stream);
+    if (ran.ok()) {
+      ran = replica.backend.CopyToHost(scalars, slot.scalars.data(), 16, *replica.stream);
+    }
+    if (ran.ok()) ran = replica.stream->Synchronize();
     if (!ran.ok()) {
       if (p.forward_only) return ran;  // dW was not an argument: nothing can be in it
       // The run may have added some of its chunks to dW before it failed, and there is no exact
@@ -414,9 +427,10 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
     outcome->forward_only = p.forward_only;
     stats->compute_end = absl::Now();
     stats->compute += stats->compute_end - start;
+    assignment.Release();
   }
   const absl::Time finish_start = absl::Now();
-  absl::Status out = StageOut(p, slot, &grad_hidden, &per_token);
+  absl::Status out = StageOut(p, replica, slot, &grad_hidden, &per_token);
   if (out.ok()) {
     FinishOutcome(p, loss_sum, token_count, std::move(grad_hidden), per_token, outcome.get());
     if (keyed) cache_.Complete(client_id, sequence, outcome);

@@ -68,8 +68,12 @@ Metrics::Metrics()
                     .Register(*registry_)),
       head_memory_(prometheus::BuildGauge()
                        .Name("losshead_head_memory_bytes")
-                       .Help("Device memory of one head by kind")
+                       .Help("Device memory of one head by kind, over all of its devices")
                        .Register(*registry_)),
+      head_devices_(prometheus::BuildGauge()
+                        .Name("losshead_head_devices")
+                        .Help("Devices holding one head: 1, or its replicas")
+                        .Register(*registry_)),
       device_memory_(prometheus::BuildGauge()
                          .Name("losshead_device_memory_bytes")
                          .Help("Device memory by kind: weights, gradient, workspace, "
@@ -173,6 +177,10 @@ void Metrics::HeadMemory(const std::string& head, const DeviceMemory& m) {
   }
 }
 
+void Metrics::HeadDevices(const std::string& head, size_t count) {
+  head_devices_.Add({{"head", head}}).Set(static_cast<double>(count));
+}
+
 void Metrics::DeviceMemoryBytes(const DeviceMemory& m) {
   device_memory_.Add({{"kind", "weights"}}).Set(static_cast<double>(m.weights));
   device_memory_.Add({{"kind", "gradient"}}).Set(static_cast<double>(m.gradient));
@@ -213,6 +221,7 @@ void Metrics::RemoveHead(const std::string& head) {
     drop(optimizer_applies_, {{"outcome", outcome}});
   if (optimizer_apply_duration_.Has({{"head", head}}))
     optimizer_apply_duration_.Remove(&optimizer_apply_duration_.Add({{"head", head}}, Buckets()));
+  drop(head_devices_, {});
   drop(tokens_, {});
   drop(pulls_, {});
   drop(pushes_, {});

@@ -56,6 +56,8 @@ class Metrics {
   void Push(const std::string& head);
   // Device memory of one head by kind (DeviceMemory's fields; free and total unused).
   void HeadMemory(const std::string& head, const DeviceMemory& memory);
+  // Devices holding one head (1, or its replicas).
+  void HeadDevices(const std::string& head, size_t count);
   void DeviceMemoryBytes(const DeviceMemory& memory);
   void Heads(size_t count);
   // Bearer tokens in force, and one token-file reload (result "ok" or "error").
@@ -75,6 +77,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& inflight_family_;
   prometheus::Family<prometheus::Counter>& failures_;
   prometheus::Family<prometheus::Gauge>& head_memory_;
+  prometheus::Family<prometheus::Gauge>& head_devices_;
   prometheus::Family<prometheus::Gauge>& device_memory_;
   prometheus::Family<prometheus::Counter>& pulls_;
   prometheus::Family<prometheus::Counter>& pushes_;

@@ -119,12 +119,15 @@ grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext*
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "GetStats", start)) return reactor;
-  const kernels::MemoryInfo memory = ctx_->backend->memory_info();
-  v1::DeviceStats* device = response->mutable_device();
-  device->set_backend(std::string(ctx_->backend->name()));
-  device->set_name(ctx_->backend->device_description());
-  device->set_memory_total_bytes(memory.total_bytes);
-  device->set_memory_free_bytes(memory.free_bytes);
+  for (const kernels::Backend* backend : ctx_->devices) {
+    const kernels::MemoryInfo memory = backend->memory_info();
+    v1::DeviceStats* device = response->add_devices();
+    device->set_backend(std::string(backend->name()));
+    device->set_name(backend->device_description());
+    device->set_memory_total_bytes(memory.total_bytes);
+    device->set_memory_free_bytes(memory.free_bytes);
+  }
+  *response->mutable_device() = response->devices(0);
   for (const auto& head : ctx_->registry->List()) *response->add_heads() = head->Info();
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - ctx_->start_time));
   response->set_inflight_microbatches(std::max<int64_t>(0, ctx_->metrics->inflight()));
@@ -149,6 +152,7 @@ void LossHeadService::RefreshMemoryMetrics() const {
                               .master_weights = optimizer.master,
                               .optimizer_state = optimizer.state};
     ctx_->metrics->HeadMemory(head->name(), memory);
+    ctx_->metrics->HeadDevices(head->name(), head->device_count());
     total.weights += memory.weights;
     total.gradient += memory.gradient;
     total.workspace += memory.workspace;
@@ -156,9 +160,11 @@ void LossHeadService::RefreshMemoryMetrics() const {
     total.optimizer_state += memory.optimizer_state;
     ++count;
   }
-  const kernels::MemoryInfo memory = ctx_->backend->memory_info();
-  total.free = memory.free_bytes;
-  total.total = memory.total_bytes;
+  for (const kernels::Backend* backend : ctx_->devices) {
+    const kernels::MemoryInfo memory = backend->memory_info();
+    total.free += memory.free_bytes;
+    total.total += memory.total_bytes;
+  }
   ctx_->metrics->DeviceMemoryBytes(total);
   ctx_->metrics->Heads(count);
 }

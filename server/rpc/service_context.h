@@ -1,4 +1,4 @@
-// What the RPC handlers share: the backend, heads, workers, metrics and limits of one server.
+// What the RPC handlers share: the devices, heads, workers, metrics and limits of one server.
 #ifndef LOSSHEAD_SERVER_RPC_SERVICE_CONTEXT_H_
 #define LOSSHEAD_SERVER_RPC_SERVICE_CONTEXT_H_
 
@@ -41,7 +41,7 @@ class StepStreams {
 };
 
 struct ServiceContext {
-  kernels::Backend* backend = nullptr;
+  std::vector<kernels::Backend*> devices;  // the server's, in --devices order
   HeadRegistry* registry = nullptr;
   ThreadPool* pool = nullptr;
   Metrics* metrics = nullptr;

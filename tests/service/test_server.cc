@@ -50,13 +50,14 @@ std::unique_ptr<client::Client> TestServer::NewClient(size_t max_message_bytes) 
 
 absl::StatusOr<KnownHead> CreateKnownHead(client::Client& client, const std::string& name,
                                           int64_t v, int64_t d, v1::DType dtype, uint64_t seed,
-                                          double std) {
+                                          double std, const v1::Placement& placement) {
   KnownHead head{.name = name, .v = v, .d = d, .dtype = dtype};
   v1::HeadSpec spec;
   spec.set_name(name);
   spec.set_vocab_size(v);
   spec.set_hidden_size(d);
   spec.set_weight_dtype(dtype);
+  *spec.mutable_placement() = placement;
   auto info = client.CreateHead(spec);
   if (!info.ok()) return info.status();
   head.weight = RandomValues(static_cast<size_t>(v * d), std, dtype, seed);

@@ -75,7 +75,8 @@ struct KnownHead {
 };
 absl::StatusOr<KnownHead> CreateKnownHead(client::Client& client, const std::string& name,
                                           int64_t v, int64_t d, v1::DType dtype, uint64_t seed,
-                                          double std = 0.5);
+                                          double std = 0.5,
+                                          const v1::Placement& placement = v1::Placement());
 
 }  // namespace losshead::testing
 

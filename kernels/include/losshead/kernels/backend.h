@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -146,6 +147,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind, int dev
 
 // True when this build includes the CUDA backend and at least one CUDA device is visible.
 bool CudaAvailable();
+// Visible CUDA devices (0 in a build without the CUDA backend).
+int CudaDevices();
+
+// One backend per entry of `devices` (CUDA ordinals, distinct), as CreateBackend makes them; an
+// empty list means every visible CUDA device, or one CPU device. CPU backends take the ordinals
+// as names only: a list of k gives k CPU devices, for trying placements without a GPU.
+// INVALID_ARGUMENT for a negative or repeated ordinal; CreateBackend's errors otherwise.
+absl::StatusOr<std::vector<std::unique_ptr<Backend>>> CreateBackends(BackendKind kind,
+                                                                     const std::vector<int>& devices);
 
 }  // namespace losshead::kernels
 

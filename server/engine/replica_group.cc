@@ -1,0 +1,123 @@
+#include "server/engine/replica_group.h"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/engine/status_macros.h"
+
+namespace losshead::server {
+
+Replica::~Replica() {
+  // Work still queued on the stream must finish before the buffers it uses are freed (the slots'
+  // streams wait for their own work when they are destroyed).
+  if (stream != nullptr) stream->Synchronize().IgnoreError();
+}
+
+absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
+    std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
+    kernels::DType dtype) {
+  const int k = static_cast<int>(devices.size());
+  if (k < 1) return absl::InvalidArgumentError("a head needs at least one device");
+  if (vocab_size < k) {
+    return absl::InvalidArgumentError(absl::StrCat("a head of ", vocab_size,
+                                                   " rows cannot be replicated over ", k,
+                                                   " devices: each owns at least one row"));
+  }
+  std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype));
+  for (int r = 0; r < k; ++r) {
+    if (devices[r] == nullptr) return absl::InvalidArgumentError("null device");
+    auto replica =
+        std::make_unique<Replica>(*devices[r], r, kernels::ShardRange(vocab_size, k, r));
+    absl::MutexLock lock(&replica->slots_mu);
+    for (size_t i = 0; i < Replica::kIoSlots; ++i) {
+      replica->free_slots.push_back(std::make_unique<IoSlot>());
+    }
+    group->replicas_.push_back(std::move(replica));
+  }
+  if (k > 1) {
+    LOSSHEAD_ASSIGN_OR_RETURN(group->collective_, kernels::CreateCollective(devices));
+  }
+  return group;
+}
+
+ReplicaGroup::Assignment ReplicaGroup::Choose(int64_t tokens) {
+  const int k = size();
+  const int start = static_cast<int>(next_tie_.fetch_add(1, std::memory_order_relaxed) % k);
+  Replica* best = replicas_[start].get();
+  for (int i = 1; i < k; ++i) {
+    Replica* r = replicas_[(start + i) % k].get();
+    if (r->queued_tokens.load() < best->queued_tokens.load()) best = r;
+  }
+  return Assignment(*best, tokens);
+}
+
+ReplicaGroup::Cut::Cut(const ReplicaGroup& group) : group_(group) {
+  for (const auto& replica : group_.replicas_) replica->compute_mu.Lock();
+}
+
+ReplicaGroup::Cut::~Cut() {
+  for (auto it = group_.replicas_.rbegin(); it != group_.replicas_.rend(); ++it) {
+    (*it)->compute_mu.Unlock();
+  }
+}
+
+std::vector<void*> ReplicaGroup::Buffers(kernels::DeviceBuffer Replica::* tensor) const {
+  std::vector<void*> buffers;
+  for (const auto& replica : replicas_) buffers.push_back(((*replica).*tensor).data());
+  return buffers;
+}
+
+std::vector<kernels::Stream*> ReplicaGroup::Streams() const {
+  std::vector<kernels::Stream*> streams;
+  for (const auto& replica : replicas_) streams.push_back(replica->stream.get());
+  return streams;
+}
+
+absl::Status ReplicaGroup::ReduceGradientToOwners() {
+  if (collective_ == nullptr) return absl::OkStatus();
+  const std::vector<int64_t> counts = kernels::ShardCounts(vocab_size_, size(), hidden_size_);
+  LOSSHEAD_RETURN_IF_ERROR(collective_->ReduceScatter(Buffers(&Replica::grad), counts,
+                                                      kernels::DType::kFP32, Streams()));
+  // The rows a replica does not own still hold its own contributions, now counted in their
+  // owner's sum.
+  for (const auto& r : replicas_) {
+    float* grad = r->grad.as<float>();
+    const int64_t begin = RowOffset(*r);
+    const int64_t end = begin + RowElements(*r);
+    const int64_t total = vocab_size_ * hidden_size_;
+    if (begin > 0) {
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(grad, 0, begin * sizeof(float), *r->stream));
+    }
+    if (end < total) {
+      LOSSHEAD_RETURN_IF_ERROR(
+          r->backend.Memset(grad + end, 0, (total - end) * sizeof(float), *r->stream));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReplicaGroup::BroadcastWeights() {
+  if (collective_ == nullptr) return absl::OkStatus();
+  return collective_->Broadcast(Buffers(&Replica::weights), vocab_size_ * hidden_size_, dtype_,
+                                /*root=*/0, Streams());
+}
+
+absl::Status ReplicaGroup::GatherWeights() {
+  if (collective_ == nullptr) return absl::OkStatus();
+  return collective_->AllGather(Buffers(&Replica::weights),
+                                kernels::ShardCounts(vocab_size_, size(), hidden_size_), dtype_,
+                                Streams());
+}
+
+absl::Status ReplicaGroup::Synchronize() {
+  absl::Status first;
+  for (const auto& replica : replicas_) first.Update(replica->stream->Synchronize());
+  return first;
+}
+
+}  // namespace losshead::server
