@@ -33,6 +33,17 @@ void PrintHead(const v1::HeadInfo& h) {
       static_cast<unsigned long long>(h.memory().gradient_bytes()),
       static_cast<unsigned long long>(h.memory().workspace_bytes()),
       absl::StrJoin(h.devices(), ", ").c_str());
+  if (h.devices_size() < 2) return;
+  for (int i = 0; i < h.device_memory_size() && i < h.devices_size(); ++i) {
+    const v1::HeadMemory& m = h.device_memory(i);
+    std::printf("  replica %d on %s: weights=%llu B gradient=%llu B workspace=%llu B "
+                "master_weights=%llu B optimizer_state=%llu B\n",
+                i, h.devices(i).c_str(), static_cast<unsigned long long>(m.weights_bytes()),
+                static_cast<unsigned long long>(m.gradient_bytes()),
+                static_cast<unsigned long long>(m.workspace_bytes()),
+                static_cast<unsigned long long>(m.master_weights_bytes()),
+                static_cast<unsigned long long>(m.optimizer_state_bytes()));
+  }
 }
 
 }  // namespace

@@ -63,6 +63,8 @@ using head_internal::kConvertBlock;
 // its I/O slots finish while the cache gives older ones back.
 constexpr size_t kIdleResultBytes = size_t{256} << 20;
 
+constexpr uint32_t kMaxPlacementDevices = 1 << 16;
+
 bool ValidName(const std::string& name) {
   if (name.empty() || name.size() > 128) return false;
   for (char c : name) {
@@ -112,6 +114,12 @@ absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
       }
       return absl::OkStatus();
     case v1::PLACEMENT_REPLICATED:
+      // Far beyond any server's devices, and within int: PlacementDevices counts in int.
+      if (placement.devices() > kMaxPlacementDevices) {
+        return absl::InvalidArgumentError(absl::StrCat("placement.devices must be at most ",
+                                                       kMaxPlacementDevices, ", got ",
+                                                       placement.devices()));
+      }
       return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# A head on one GPU and replicated over every GPU of the host, in one run: one losshead-server
+# with --devices=all, the C++ `losshead bench` (random head, V = 128256, D = 4096, 8192-token
+# micro-batches) on 1, 2, 4, ... replicas with 8 streams per replica, and each placement's
+# device memory per GPU (HeadInfo, and nvidia-smi while the benchmark runs).
+#
+#   scripts/run-multi-gpu-bench.sh BUNDLE_DIR [OUT_DIR]
+#
+# BUNDLE_DIR holds bin/losshead-server, bin/losshead and lib/ (see scripts/run-gpu-e2e-bench.sh);
+# libnccl.so.2 must be on LD_LIBRARY_PATH. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bundle=$(cd "$1" && pwd)
+out=${2:-$(mktemp -d)}
+mkdir -p "$out"
+port=${LOSSHEAD_PORT:-50061}
+seconds=${BENCH_SECONDS:-15}
+streams_per_replica=${STREAMS_PER_REPLICA:-8}
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH="$bundle/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader \
+  | tee "$out/gpu.txt"
+gpus=$(wc -l < "$out/gpu.txt")
+
+"$bundle/bin/losshead-server" --listen="127.0.0.1:$port" --metrics_listen= --backend=cuda \
+  --devices=all > "$out/server.log" 2>&1 &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do
+  "$bundle/bin/losshead" health --server="127.0.0.1:$port" >/dev/null 2>&1 && break
+  kill -0 $server 2>/dev/null || { cat "$out/server.log"; exit 1; }
+  sleep 0.2
+done
+head -3 "$out/server.log"
+
+replicas=1
+while [ "$replicas" -le "$gpus" ]; do
+  streams=$((streams_per_replica * replicas))
+  log="$out/bench-r$replicas.log"
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader -lms 1000 \
+    > "$out/smi-r$replicas.csv" &
+  smi=$!
+  "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
+    --replicas="$replicas" --streams="$streams" --seconds="$seconds" > "$log" 2>&1 \
+    || { kill $smi; cat "$log"; exit 1; }
+  kill $smi
+  peak=$(sort -t, -k1,1n -k2,2n "$out/smi-r$replicas.csv" \
+    | awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}')
+  echo "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak"
+  replicas=$((replicas * 2))
+done | tee "$out/summary.txt"
+
+# What each device holds for a replicated head (W, dW; workspace once it has stepped).
+"$bundle/bin/losshead" create --server="127.0.0.1:$port" --head=memory --vocab=128256 \
+  --hidden=4096 --dtype=bf16 --replicas=0 --init_std=0.02 | tee -a "$out/summary.txt"
+"$bundle/bin/losshead" delete --server="127.0.0.1:$port" --head=memory > /dev/null
