@@ -339,3 +339,27 @@ def test_chunks_over_several_connections(server_address: str, make_head) -> None
     assert r.token_count == ref.token_count
     assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
     assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+
+
+def test_replicated_head_matches_the_reference(servers) -> None:
+    """A head replicated over the three (CPU) devices of a server: chunks run on every replica
+    from several streams, and the reduced window is the float64 sum."""
+    server = servers.start("--devices=0,1,2")
+    n, d, v = 600, 24, 61  # 61 rows: replicas own 20, 20 and 21
+    hidden, weight, targets = random_problem(n, d, v, seed=8, ignore_fraction=0.1)
+    with Client(server.address, client_id="replicated") as c:
+        info = c.create_head("rep", v, d, weight_dtype=torch.float32, replicas=0)
+        assert len(info.devices) == 3 and info.spec.placement.devices == 3
+        c.upload_weights("rep", weight)
+        r = c.step_chunked("rep", hidden, targets, chunk_tokens=64, streams=3)
+        ref = reference(hidden, weight, targets, reduction="sum")
+        assert r.token_count == ref.token_count
+        assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+        assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+        pulled = c.pull_gradient("rep", reset=True)
+        assert pulled.summary.microbatch_count == 10
+        assert_close(pulled.grad, ref.grad_weight, FP32_REL, "dW")
+        assert all(m.workspace_bytes > 0 for m in c.get_head("rep").device_memory)
+        with pytest.raises(LossheadError) as refused:
+            c.create_head("four", v, d, replicas=4)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT

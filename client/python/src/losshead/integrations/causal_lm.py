@@ -380,14 +380,16 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                       chunk_tokens: int = 2048, streams: int = 2,
                       wire_dtype: DTypeLike = torch.bfloat16, ignore_index: int = IGNORE_INDEX,
                       label_smoothing: float = 0.0, z_loss: float = 0.0,
-                      output_type: Callable[..., Any] = CausalLMOutput) -> OffloadedHead:
+                      output_type: Callable[..., Any] = CausalLMOutput,
+                      replicas: int = 1) -> OffloadedHead:
     """Moves `model.lm_head` to the head `head` of a losshead server; returns its handle.
 
     `create` (default) creates the head with the model's V, D and `head_dtype` (default: the
     weight's dtype) and uploads lm_head.weight; ALREADY_EXISTS when it exists. `create=False`
     attaches to an existing head of the same V x D (ValueError otherwise) and uploads nothing
     (a data-parallel rank other than the one that created it, or a server that holds the trained
-    head already); `upload` overrides either default. The upload replaces W in one PushWeights
+    head already); `upload` overrides either default. `replicas` spreads a created head over
+    that many of the server's devices (0: all; see Client.create_head). The upload replaces W in one PushWeights
     stream of pieces, checked against the version the head had (FAILED_PRECONDITION if someone
     pushed in between). The model is checked before anything is sent; a failed upload deletes
     the head it had created, and the model is left as it was.
@@ -412,7 +414,8 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     softcap = logit_softcap(getattr(model, "config", None))
     created = False
     if create:
-        info = client.create_head(head, vocab_size, hidden_size, weight_dtype=dtype)
+        info = client.create_head(head, vocab_size, hidden_size, weight_dtype=dtype,
+                                  replicas=replicas)
         created = True
     else:
         info = client.get_head(head)
