@@ -31,13 +31,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per window fill")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--mirror", action="store_true", help="also time the mirror path once")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="server devices the head is replicated over (0: all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     device = torch.device(args.device)
     client = Client(args.server)
     head_name = f"optimizer-bench-{int(time.time())}"
     client.create_head(head_name, args.vocab, args.hidden, weight_dtype=torch.bfloat16,
-                       init_std=0.02, seed=1)
+                       init_std=0.02, seed=1, replicas=args.replicas)
     try:
         head = RemoteLMHead(client, head_name)
         opt = RemoteAdamW(client, head_name, lr=1e-4, weight_decay=0.1)
@@ -74,6 +76,14 @@ def main() -> None:
               f"(forward/backward buffers included): {held:.0f} MiB")
         for label, ms, note in rows:
             print(f"{label:34s} {ms:9.1f} ms   {note}")
+        info = client.get_head(head_name)
+        for device, m in zip(info.devices, info.device_memory):
+            total = (m.weights_bytes + m.gradient_bytes + m.workspace_bytes
+                     + m.master_weights_bytes + m.optimizer_state_bytes)
+            print(f"  {device}: W {m.weights_bytes / 2 ** 30:.2f} GiB, dW "
+                  f"{m.gradient_bytes / 2 ** 30:.2f}, master {m.master_weights_bytes / 2 ** 30:.2f}, "
+                  f"state {m.optimizer_state_bytes / 2 ** 30:.2f}, workspace "
+                  f"{m.workspace_bytes / 2 ** 30:.2f}: {total / 2 ** 30:.2f} GiB")
 
         if args.mirror:
             client.set_optimizer(head_name, "none")
