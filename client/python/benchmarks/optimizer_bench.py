@@ -77,10 +77,10 @@ def main() -> None:
         for label, ms, note in rows:
             print(f"{label:34s} {ms:9.1f} ms   {note}")
         info = client.get_head(head_name)
-        for device, m in zip(info.devices, info.device_memory):
+        for name, m in zip(info.devices, info.device_memory):
             total = (m.weights_bytes + m.gradient_bytes + m.workspace_bytes
                      + m.master_weights_bytes + m.optimizer_state_bytes)
-            print(f"  {device}: W {m.weights_bytes / 2 ** 30:.2f} GiB, dW "
+            print(f"  {name}: W {m.weights_bytes / 2 ** 30:.2f} GiB, dW "
                   f"{m.gradient_bytes / 2 ** 30:.2f}, master {m.master_weights_bytes / 2 ** 30:.2f}, "
                   f"state {m.optimizer_state_bytes / 2 ** 30:.2f}, workspace "
                   f"{m.workspace_bytes / 2 ** 30:.2f}: {total / 2 ** 30:.2f} GiB")
