@@ -45,6 +45,8 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
   return group;
 }
 
+ReplicaGroup::~ReplicaGroup() { Synchronize().IgnoreError(); }
+
 ReplicaGroup::Assignment ReplicaGroup::Choose(int64_t tokens) {
   const int k = size();
   const int start = static_cast<int>(next_tie_.fetch_add(1, std::memory_order_relaxed) % k);
@@ -116,7 +118,9 @@ absl::Status ReplicaGroup::GatherWeights() {
 
 absl::Status ReplicaGroup::Synchronize() {
   absl::Status first;
-  for (const auto& replica : replicas_) first.Update(replica->stream->Synchronize());
+  for (const auto& replica : replicas_) {
+    if (replica->stream != nullptr) first.Update(replica->stream->Synchronize());
+  }
   return first;
 }
 

@@ -88,6 +88,9 @@ class ReplicaGroup {
       std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
       kernels::DType dtype);
 
+  // Waits for every replica's work before the collective and the replicas' buffers go.
+  ~ReplicaGroup();
+
   int size() const { return static_cast<int>(replicas_.size()); }
   Replica& operator[](int rank) const { return *replicas_[rank]; }
   std::span<const std::unique_ptr<Replica>> replicas() const { return replicas_; }
