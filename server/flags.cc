@@ -93,8 +93,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
       int ordinal = -1;
       if (!absl::SimpleAtoi(part, &ordinal) || ordinal < 0) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "--devices must be 'all' or device ordinals separated by commas, got '", devices,
-            "'"));
+            "--devices must be 'all' or device ordinals separated by commas, got '", devices, "'"));
       }
       o.devices.push_back(ordinal);
     }

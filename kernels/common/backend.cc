@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-
 #include "kernels/cpu/cpu_backend.h"
 #ifdef LOSSHEAD_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"

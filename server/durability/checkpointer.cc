@@ -61,8 +61,7 @@ absl::Status Checkpointer::RestoreAll() {
     absl::StatusOr<std::vector<kernels::Backend*>> devices =
         registry_->Place(data->spec.placement(), /*at_most=*/true);
     absl::StatusOr<std::shared_ptr<Head>> head =
-        devices.ok() ? Head::Restore(*devices, *data, registry_->head_options())
-                     : devices.status();
+        devices.ok() ? Head::Restore(*devices, *data, registry_->head_options()) : devices.status();
     if (!head.ok()) {
       return absl::Status(head.status().code(),
                           absl::StrCat(path, ": cannot restore: ", head.status().message()));

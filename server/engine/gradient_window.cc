@@ -59,9 +59,8 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     for (const auto& r : group_->replicas()) {
       const size_t offset = RowByteOffset(*group_, *r, sizeof(float));
       const size_t bytes = RowBytes(*group_, *r, sizeof(float));
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(snap.data.data() + offset,
-                                                     r->grad.as<char>() + offset, bytes,
-                                                     *r->stream));
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
+          snap.data.data() + offset, r->grad.as<char>() + offset, bytes, *r->stream));
       if (reset) {
         LOSSHEAD_RETURN_IF_ERROR(
             r->backend.Memset(r->grad.as<char>() + offset, 0, bytes, *r->stream));
@@ -136,8 +135,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   }
   if (mode == v1::PUSH_MODE_ADD) {
     staged = TakeTransferBuffer(count * esize);  // overwritten whole by the copy below
-    LOSSHEAD_RETURN_IF_ERROR(
-        first.backend.CopyToHost(staged.data(), first.weights.data(), staged.size(), *first.stream));
+    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToHost(staged.data(), first.weights.data(),
+                                                      staged.size(), *first.stream));
     LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
     std::vector<float> w(std::min(count, kConvertBlock));
     std::vector<float> delta(w.size());
@@ -153,8 +152,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
     }
   }
   const std::string& source = in_place ? data : staged;
-  LOSSHEAD_RETURN_IF_ERROR(
-      first.backend.CopyToDevice(first.weights.data(), source.data(), source.size(), *first.stream));
+  LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.weights.data(), source.data(),
+                                                      source.size(), *first.stream));
   LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
   LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
   absl::MutexLock state(&state_mu_);

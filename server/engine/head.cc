@@ -153,8 +153,8 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> Head::PlaceOn(
   const int k = static_cast<int>(devices.size());
   const int wanted = PlacementDevices(spec.placement(), k);
   if (wanted != k) {
-    return absl::InvalidArgumentError(absl::StrCat("the head's placement asks for ", wanted,
-                                                   " devices but ", k, " were given"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the head's placement asks for ", wanted, " devices but ", k, " were given"));
   }
   return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype);
 }
@@ -178,14 +178,13 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* c
   for (const auto& replica : group->replicas()) {
     const uint64_t rows = replica->rows.size();
     const OptimizerFootprint optimizer = OptimizerBytes(spec.optimizer(), dtype, rows * d);
-    const uint64_t needed =
-        v * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
+    const uint64_t needed = v * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
     const kernels::MemoryInfo memory = replica->backend.memory_info();
     if (memory.total_bytes > 0 && needed > memory.free_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "a ", v, " x ", d, " head needs ", needed, " bytes on ",
-          replica->backend.device_description(), " (W, dW and the optimizer's ",
-          optimizer.total(), ") but the device has ", memory.free_bytes, " free"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("a ", v, " x ", d, " head needs ", needed, " bytes on ",
+                       replica->backend.device_description(), " (W, dW and the optimizer's ",
+                       optimizer.total(), ") but the device has ", memory.free_bytes, " free"));
     }
   }
   std::shared_ptr<Head> head(new Head(std::move(group), spec, dtype, options));
@@ -232,9 +231,8 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
       const size_t n = std::min(kConvertBlock, count - i);
       for (size_t j = 0; j < n; ++j) block[j] = normal(rng);
       kernels::FromFloat(dtype_, block.data(), converted.data(), n);
-      LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.weights.as<char>() + i * esize,
-                                                          converted.data(), n * esize,
-                                                          *first.stream));
+      LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(
+          first.weights.as<char>() + i * esize, converted.data(), n * esize, *first.stream));
       // The host block is reused for the next piece: the copy must have landed.
       LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
     }
@@ -302,8 +300,8 @@ v1::HeadInfo Head::Info() const {
   info.mutable_memory()->set_optimizer_state_bytes(optimizer_footprint_.state);
   for (const auto& r : group_->replicas()) {
     info.add_devices(r->backend.device_description());
-    const OptimizerFootprint own = OptimizerBytes(optimizer_spec_, dtype_,
-                                                  static_cast<uint64_t>(group_->RowElements(*r)));
+    const OptimizerFootprint own =
+        OptimizerBytes(optimizer_spec_, dtype_, static_cast<uint64_t>(group_->RowElements(*r)));
     v1::HeadMemory& memory = *info.add_device_memory();
     memory.set_weights_bytes(r->weights.bytes());
     memory.set_gradient_bytes(r->grad.bytes());

@@ -261,8 +261,8 @@ class Head {
   // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised).
   absl::Status StageIn(const Prepared& p, Replica& replica, IoSlot& slot);
   // Copies dH and per-token losses of a finished run out of `slot` into `outcome`.
-  absl::Status StageOut(const Prepared& p, Replica& replica, IoSlot& slot,
-                        std::string* grad_hidden, std::vector<float>* per_token);
+  absl::Status StageOut(const Prepared& p, Replica& replica, IoSlot& slot, std::string* grad_hidden,
+                        std::vector<float>* per_token);
 
   const std::unique_ptr<ReplicaGroup> group_;
   const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_

@@ -14,8 +14,8 @@
 #include "absl/synchronization/mutex.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
-#include "server/engine/replica_group.h"
 #include "server/engine/proto_convert.h"
+#include "server/engine/replica_group.h"
 #include "server/engine/status_macros.h"
 
 namespace losshead::server {
@@ -39,9 +39,8 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
         +[](int* pending) { return *pending == 0; }, &pending_outcomes_));
   }
   Replica& first = (*group_)[0];
-  LOSSHEAD_RETURN_IF_ERROR(
-      first.backend.CopyToHost(d.weights.data(), first.weights.data(), d.weights.size(),
-                               *first.stream));
+  LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToHost(d.weights.data(), first.weights.data(),
+                                                    d.weights.size(), *first.stream));
   // dW reduced to the owners of its rows, each copying its rows; and the optimizer: each
   // replica's rows of its master copy (even when a push has made it stale: master_version says
   // so and the restored head re-syncs it exactly as this one would) and of its state. The file
@@ -55,17 +54,15 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
   for (const auto& r : group_->replicas()) {
     const size_t offset = head_internal::RowByteOffset(*group_, *r, sizeof(float));
     const size_t bytes = head_internal::RowBytes(*group_, *r, sizeof(float));
-    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
-        d.gradient.data() + offset, r->grad.as<char>() + offset, bytes, *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(d.gradient.data() + offset,
+                                                   r->grad.as<char>() + offset, bytes, *r->stream));
     if (has_master) {
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(d.master.data() + offset,
-                                                     r->optimizer.master.data(), bytes,
-                                                     *r->stream));
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
+          d.master.data() + offset, r->optimizer.master.data(), bytes, *r->stream));
     }
     for (size_t i = 0; i < r->optimizer.state.size(); ++i) {
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(d.optimizer_state[i].data() + offset,
-                                                     r->optimizer.state[i].data(), bytes,
-                                                     *r->stream));
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
+          d.optimizer_state[i].data() + offset, r->optimizer.state[i].data(), bytes, *r->stream));
     }
   }
   LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
@@ -130,8 +127,7 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     placed.mutable_placement()->set_kind(v1::PLACEMENT_REPLICATED);
     placed.mutable_placement()->set_devices(static_cast<uint32_t>(devices.size()));
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group,
-                            PlaceOn(devices, placed, dtype));
+  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group, PlaceOn(devices, placed, dtype));
   std::shared_ptr<Head> head(new Head(std::move(group), data.spec, dtype, options));
   LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, false));
   LOSSHEAD_ASSIGN_OR_RETURN(std::vector<OptimizerBuffers> optimizers,
@@ -157,8 +153,7 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
       }
       for (size_t i = 0; i < buffers; ++i) {
         LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(
-            optimizer.state[i].data(), data.optimizer_state[i].data() + offset, bytes,
-            *r->stream));
+            optimizer.state[i].data(), data.optimizer_state[i].data() + offset, bytes, *r->stream));
       }
       optimizer.step = data.optimizer_step;
       optimizer.momentum_started = data.momentum_started;

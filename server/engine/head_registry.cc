@@ -44,9 +44,8 @@ absl::StatusOr<std::vector<kernels::Backend*>> HeadRegistry::Place(const v1::Pla
   int k = Head::PlacementDevices(placement, available);
   if (k > available) {
     if (!at_most) {
-      return absl::InvalidArgumentError(absl::StrCat("placement asks for ", k,
-                                                     " devices but the server has ", available,
-                                                     " (--devices)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "placement asks for ", k, " devices but the server has ", available, " (--devices)"));
     }
     k = available;
   }

@@ -47,10 +47,9 @@ absl::StatusOr<std::vector<OptimizerBuffers>> Head::AllocateOptimizers(
     const v1::OptimizerSpec& spec) const {
   std::vector<OptimizerBuffers> buffers;
   for (const auto& r : group_->replicas()) {
-    LOSSHEAD_ASSIGN_OR_RETURN(
-        OptimizerBuffers own,
-        AllocateOptimizer(r->backend, spec, dtype_,
-                          static_cast<uint64_t>(group_->RowElements(*r))));
+    LOSSHEAD_ASSIGN_OR_RETURN(OptimizerBuffers own,
+                              AllocateOptimizer(r->backend, spec, dtype_,
+                                                static_cast<uint64_t>(group_->RowElements(*r))));
     buffers.push_back(std::move(own));
   }
   return buffers;
@@ -108,8 +107,7 @@ absl::Status Head::SyncMaster() {
       using head_internal::kConvertBlock;
       const size_t count = optimizer.master.bytes() / sizeof(float);
       const size_t esize = kernels::DTypeSize(dtype_);
-      const char* rows =
-          r->weights.as<char>() + head_internal::RowByteOffset(*group_, *r, esize);
+      const char* rows = r->weights.as<char>() + head_internal::RowByteOffset(*group_, *r, esize);
       std::string w(std::min(count, kConvertBlock) * esize, '\0');
       std::vector<float> block(std::min(count, kConvertBlock));
       for (size_t i = 0; i < count; i += kConvertBlock) {

@@ -31,8 +31,7 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
   std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype));
   for (int r = 0; r < k; ++r) {
     if (devices[r] == nullptr) return absl::InvalidArgumentError("null device");
-    auto replica =
-        std::make_unique<Replica>(*devices[r], r, kernels::ShardRange(vocab_size, k, r));
+    auto replica = std::make_unique<Replica>(*devices[r], r, kernels::ShardRange(vocab_size, k, r));
     absl::MutexLock lock(&replica->slots_mu);
     for (size_t i = 0; i < Replica::kIoSlots; ++i) {
       replica->free_slots.push_back(std::make_unique<IoSlot>());
@@ -68,7 +67,7 @@ ReplicaGroup::Cut::~Cut() {
   }
 }
 
-std::vector<void*> ReplicaGroup::Buffers(kernels::DeviceBuffer Replica::* tensor) const {
+std::vector<void*> ReplicaGroup::Buffers(kernels::DeviceBuffer Replica::*tensor) const {
   std::vector<void*> buffers;
   for (const auto& replica : replicas_) buffers.push_back(((*replica).*tensor).data());
   return buffers;

@@ -151,7 +151,7 @@ class ReplicaGroup {
  private:
   ReplicaGroup(int64_t vocab_size, int64_t hidden_size, kernels::DType dtype)
       : vocab_size_(vocab_size), hidden_size_(hidden_size), dtype_(dtype) {}
-  std::vector<void*> Buffers(kernels::DeviceBuffer Replica::* tensor) const;
+  std::vector<void*> Buffers(kernels::DeviceBuffer Replica::*tensor) const;
   std::vector<kernels::Stream*> Streams() const;
 
   const int64_t vocab_size_;

@@ -366,9 +366,9 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
           absl::StrCat("expected_weights_version is ", *p.expected_version,
                        " but the head's weights are at version ", version));
     }
-    LOSSHEAD_ASSIGN_OR_RETURN(const size_t ws_bytes,
-                              replica.backend.WorkspaceBytes(p.problem,
-                                                             options_.workspace_budget_bytes));
+    LOSSHEAD_ASSIGN_OR_RETURN(
+        const size_t ws_bytes,
+        replica.backend.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
     LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, replica.workspace, ws_bytes));
 
     kernels::Arguments args;

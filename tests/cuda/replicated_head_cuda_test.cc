@@ -138,8 +138,7 @@ class ReplicatedCudaTest : public ::testing::TestWithParam<int> {};
 TEST_P(ReplicatedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   const int k = GetParam();
   if (kernels::CudaDeviceCount() < k) {
-    GTEST_SKIP() << "needs " << k << " CUDA devices, " << kernels::CudaDeviceCount()
-                 << " visible";
+    GTEST_SKIP() << "needs " << k << " CUDA devices, " << kernels::CudaDeviceCount() << " visible";
   }
   std::vector<std::unique_ptr<kernels::Backend>> gpus;
   std::vector<kernels::Backend*> devices;
@@ -189,9 +188,9 @@ TEST_P(ReplicatedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
                           Floats(cpu_run.last_dw, kernels::DType::kFP32)),
             2e-2);
   // The replicated window is the one-GPU window up to the order of its fp32 sums.
-  EXPECT_LT(RelativeError(Floats(first.dw, kernels::DType::kFP32),
-                          Floats(one.dw, kernels::DType::kFP32)),
-            1e-5);
+  EXPECT_LT(
+      RelativeError(Floats(first.dw, kernels::DType::kFP32), Floats(one.dw, kernels::DType::kFP32)),
+      1e-5);
 
   // A rerun: the same bits everywhere.
   EXPECT_EQ(first.losses, second.losses);

@@ -227,8 +227,8 @@ TEST(ReplicatedServiceTest, CheckpointRestoresOntoTheDevicesTheNextServerHas) {
     EXPECT_EQ(w->data, saved_w.data);
     EXPECT_EQ(w->weights_version, saved_w.weights_version);
     // A repeated key still replays rather than counting again.
-    auto replay = client->Step(
-        ToMicrobatch("kept", "c", 4, MakeBatch(n, d, v, v1::DTYPE_BF16, 73, 3)));
+    auto replay =
+        client->Step(ToMicrobatch("kept", "c", 4, MakeBatch(n, d, v, v1::DTYPE_BF16, 73, 3)));
     ASSERT_TRUE(replay.ok()) << replay.status();
     EXPECT_EQ(client->GetHead("kept")->microbatches_since_pull(), 4u);
   }

@@ -154,8 +154,8 @@ int CudaDevices();
 // empty list means every visible CUDA device, or one CPU device. CPU backends take the ordinals
 // as names only: a list of k gives k CPU devices, for trying placements without a GPU.
 // INVALID_ARGUMENT for a negative or repeated ordinal; CreateBackend's errors otherwise.
-absl::StatusOr<std::vector<std::unique_ptr<Backend>>> CreateBackends(BackendKind kind,
-                                                                     const std::vector<int>& devices);
+absl::StatusOr<std::vector<std::unique_ptr<Backend>>> CreateBackends(
+    BackendKind kind, const std::vector<int>& devices);
 
 }  // namespace losshead::kernels
 
