@@ -46,18 +46,32 @@ class Waiters {
     }
     waiters_.push_back(std::move(w));
   }
-  // Waits for whoever holds the turn and lets it go.
+  // Waits for whoever holds the turn, lets it go, and waits until the next waiter (if any) holds
+  // it: an Add that follows then counts a queue that stands still (while the turn passes, the
+  // count falls by one and rises again with the new waiter, and Add could miss both).
   void ReleaseHolder() {
     for (;;) {
       for (auto& w : waiters_) {
         if (w->granted.HasBeenNotified() && !w->release.HasBeenNotified()) {
           w->release.Notify();
           w->thread.join();
+          while (Ungranted() > 0 && !AnyHolder()) absl::SleepFor(absl::Milliseconds(1));
           return;
         }
       }
       absl::SleepFor(absl::Milliseconds(1));
     }
+  }
+  size_t Ungranted() const {
+    size_t count = 0;
+    for (const auto& w : waiters_) count += !w->granted.HasBeenNotified();
+    return count;
+  }
+  bool AnyHolder() const {
+    for (const auto& w : waiters_) {
+      if (w->granted.HasBeenNotified() && !w->release.HasBeenNotified()) return true;
+    }
+    return false;
   }
   std::vector<int64_t> order() {
     absl::MutexLock lock(&mu_);
