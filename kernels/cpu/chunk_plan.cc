@@ -79,4 +79,54 @@ absl::StatusOr<ChunkPlan> PlanChunks(const Problem& problem, size_t budget_bytes
       " workspace bytes for v=", problem.v, " d=", problem.d, ", budget is ", budget_bytes));
 }
 
+ShardChunkPlan LayoutShard(const ShardProblem& shard, int64_t chunk_rows) {
+  const size_t c = static_cast<size_t>(chunk_rows);
+  const size_t d = static_cast<size_t>(shard.problem.d);
+  ShardChunkPlan layout;
+  layout.converts_inputs = shard.problem.dtype != DType::kFP32;
+  size_t offset = 0;
+  layout.scalars_offset = offset;
+  offset += AlignUp(4 * sizeof(double));
+  layout.logits_offset = offset;
+  offset += AlignUp(c * static_cast<size_t>(shard.rows) * sizeof(float));
+  layout.row_stats_offset = offset;
+  offset += AlignUp(c * 2 * sizeof(double));
+  if (layout.converts_inputs) {
+    layout.hidden_offset = offset;
+    offset += AlignUp(c * d * sizeof(float));
+    layout.weight_offset = offset;
+    offset += AlignUp(static_cast<size_t>(shard.rows) * d * sizeof(float));
+  }
+  layout.plan.chunk_rows = chunk_rows;
+  layout.plan.workspace_bytes = offset + kCpuWorkspaceAlignment;
+  layout.plan.stats_floats = static_cast<int64_t>(shard.shards) * kShardStats * chunk_rows;
+  layout.plan.partial_floats = chunk_rows * shard.problem.d;
+  return layout;
+}
+
+absl::StatusOr<ShardChunkPlan> PlanShardChunks(const ShardProblem& shard, size_t budget_bytes) {
+  auto total = [&](int64_t rows) {
+    const ShardPlan plan = LayoutShard(shard, rows).plan;
+    return plan.workspace_bytes +
+           static_cast<size_t>(plan.stats_floats + plan.partial_floats) * sizeof(float);
+  };
+  int64_t lo = 0;
+  int64_t hi = std::min(shard.problem.n, kCpuMaxChunkRows);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (total(mid) <= budget_bytes) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  if (lo == 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cpu backend needs at least ", total(1), " bytes for a shard of ", shard.rows,
+        " rows with d=", shard.problem.d, " (workspace, statistics and dH partials), budget is ",
+        budget_bytes));
+  }
+  return LayoutShard(shard, lo);
+}
+
 }  // namespace losshead::kernels

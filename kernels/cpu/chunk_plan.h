@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "losshead/kernels/problem.h"
+#include "losshead/kernels/shard_problem.h"
 
 namespace losshead::kernels {
 
@@ -40,6 +41,30 @@ struct ChunkPlan {
 // returned `bytes` as the budget gives the same plan. RESOURCE_EXHAUSTED if even one token and one
 // weight row do not fit. `problem` must already be valid.
 absl::StatusOr<ChunkPlan> PlanChunks(const Problem& problem, size_t budget_bytes);
+
+// The workspace of a vocabulary shard (see shard_problem.h), offsets as ChunkPlan's:
+//   scalars      the micro-batch's fp64 loss accumulator, grad scale and token count
+//   logits       chunk_rows x rows fp32: z from ShardForward, then G in ShardBackward
+//   row_stats    chunk_rows x 2 double (per-token loss and lse)
+//   hidden       chunk_rows x d fp32 copy of the H chunk (bf16/fp16 only)
+//   weight       rows x d fp32 copy of the shard's W, made by each call (bf16/fp16 only)
+// `plan` is what PlanShard answers: bytes above as workspace_bytes, with the caller's statistics
+// and dH partial buffers counted against the budget too.
+struct ShardChunkPlan {
+  ShardPlan plan;
+  bool converts_inputs = false;
+  size_t scalars_offset = 0;
+  size_t logits_offset = 0;
+  size_t row_stats_offset = 0;
+  size_t hidden_offset = 0;
+  size_t weight_offset = 0;
+};
+
+// The layout for chunks of `chunk_rows` tokens.
+ShardChunkPlan LayoutShard(const ShardProblem& shard, int64_t chunk_rows);
+// The largest chunk (at most min(n, kCpuMaxChunkRows)) whose workspace, statistics and partials
+// fit `budget_bytes`; RESOURCE_EXHAUSTED when one token does not. `shard` must already be valid.
+absl::StatusOr<ShardChunkPlan> PlanShardChunks(const ShardProblem& shard, size_t budget_bytes);
 
 }  // namespace losshead::kernels
 

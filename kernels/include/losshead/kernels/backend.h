@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "losshead/kernels/optimizer.h"
 #include "losshead/kernels/problem.h"
+#include "losshead/kernels/shard_problem.h"
 
 namespace losshead::kernels {
 
@@ -120,6 +121,25 @@ class Backend {
   // give the same bits too (every fp32 operation rounded separately, in the same order).
   virtual absl::Status OptimizerStep(const OptimizerProblem& problem,
                                      const OptimizerTensors& tensors, Stream& stream) = 0;
+
+  // A vocabulary shard's halves of Run (see shard_problem.h for the sequence and the exchange
+  // between them). Each validates first (ValidateShardProblem, null pointers, a chunk outside
+  // [0, n) or larger than the plan's, a workspace smaller than the plan's) and launches nothing
+  // on error. RESOURCE_EXHAUSTED from PlanShard when no chunk fits the budget. A backend that
+  // cannot run shards (a test double) answers UNIMPLEMENTED, the default.
+  virtual absl::StatusOr<ShardPlan> PlanShard(const ShardProblem& shard,
+                                              size_t budget_bytes) const;
+  virtual absl::Status ShardBegin(const ShardProblem& shard, const ShardArguments& args,
+                                  Stream& stream);
+  virtual absl::Status ShardForward(const ShardProblem& shard, const ShardArguments& args,
+                                    ShardChunk chunk, Stream& stream);
+  virtual absl::Status ShardBackward(const ShardProblem& shard, const ShardArguments& args,
+                                     ShardChunk chunk, Stream& stream);
+  // grad_hidden rows [chunk.begin, chunk.begin + chunk.size) (N x D, problem.dtype) = `partial`
+  // (chunk.size x D fp32, the dH partials summed over the shards) rounded to the dtype.
+  virtual absl::Status ShardStoreGradHidden(const ShardProblem& shard, const float* partial,
+                                            ShardChunk chunk, void* grad_hidden,
+                                            Stream& stream);
 
   // Memory management.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;

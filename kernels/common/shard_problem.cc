@@ -1,0 +1,85 @@
+// What every backend checks of a vocabulary shard, and the default of a backend without shards.
+#include "losshead/kernels/shard_problem.h"
+
+#include "absl/strings/str_cat.h"
+#include "losshead/kernels/backend.h"
+
+namespace losshead::kernels {
+
+absl::Status ValidateShardProblem(const ShardProblem& shard) {
+  if (absl::Status status = ValidateProblem(shard.problem); !status.ok()) return status;
+  if (shard.rows < 1 || shard.row_begin < 0 || shard.row_begin > shard.problem.v - shard.rows) {
+    return absl::InvalidArgumentError(absl::StrCat("shard rows [", shard.row_begin, ", ",
+                                                   shard.row_begin + shard.rows,
+                                                   ") must be a non-empty part of [0, ",
+                                                   shard.problem.v, ")"));
+  }
+  if (shard.shards < 1 || shard.rank < 0 || shard.rank >= shard.shards) {
+    return absl::InvalidArgumentError(absl::StrCat("shard rank ", shard.rank, " of ", shard.shards,
+                                                   " shards is outside [0, ", shard.shards, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArguments& args) {
+  if (absl::Status status = ValidateShardProblem(shard); !status.ok()) return status;
+  if (args.hidden == nullptr || args.weight == nullptr || args.targets == nullptr ||
+      args.stats == nullptr) {
+    return absl::InvalidArgumentError("shard call: hidden, weight, targets and stats must not be null");
+  }
+  if (args.stats_chunk_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard call: stats_chunk_rows must be >= 1, got ", args.stats_chunk_rows));
+  }
+  if (args.workspace == nullptr && args.workspace_bytes > 0) {
+    return absl::InvalidArgumentError("shard call: workspace is null but workspace_bytes > 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments& args,
+                                ShardChunk chunk) {
+  if (absl::Status status = ValidateShardArguments(shard, args); !status.ok()) return status;
+  if (chunk.size < 1 || chunk.begin < 0 || chunk.begin > shard.problem.n - chunk.size) {
+    return absl::InvalidArgumentError(absl::StrCat("shard chunk [", chunk.begin, ", ",
+                                                   chunk.begin + chunk.size,
+                                                   ") must be a non-empty part of [0, ",
+                                                   shard.problem.n, ")"));
+  }
+  if (chunk.size > args.stats_chunk_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("shard chunk of ", chunk.size,
+                                                   " tokens is larger than stats_chunk_rows (",
+                                                   args.stats_chunk_rows, ")"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status NoShards(const Backend& backend) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", backend.name(), " backend cannot run a vocabulary shard"));
+}
+
+}  // namespace
+
+absl::StatusOr<ShardPlan> Backend::PlanShard(const ShardProblem&, size_t) const {
+  return NoShards(*this);
+}
+absl::Status Backend::ShardBegin(const ShardProblem&, const ShardArguments&, Stream&) {
+  return NoShards(*this);
+}
+absl::Status Backend::ShardForward(const ShardProblem&, const ShardArguments&, ShardChunk,
+                                   Stream&) {
+  return NoShards(*this);
+}
+absl::Status Backend::ShardBackward(const ShardProblem&, const ShardArguments&, ShardChunk,
+                                    Stream&) {
+  return NoShards(*this);
+}
+absl::Status Backend::ShardStoreGradHidden(const ShardProblem&, const float*, ShardChunk, void*,
+                                           Stream&) {
+  return NoShards(*this);
+}
+
+}  // namespace losshead::kernels

@@ -1,0 +1,40 @@
+// The per-token halves of a vocabulary shard (see shard_problem.h): a row's statistics over the
+// shard's columns, their combination over the shards, and the row's gradient from the global lse.
+#ifndef LOSSHEAD_KERNELS_CPU_SHARD_ROWS_H_
+#define LOSSHEAD_KERNELS_CPU_SHARD_ROWS_H_
+
+#include <cstdint>
+
+#include "losshead/kernels/problem.h"
+#include "losshead/kernels/shard_problem.h"
+
+namespace losshead::kernels {
+
+// Soft-caps the `rows` logits of one token in place (they then hold z) and returns its statistics
+// over them: max, sum of exp(z - max), sum of z (the last two summed in double), and z at
+// `local_target` (0 when it is outside [0, rows): another shard's row, or an ignored token).
+struct ShardRowStats {
+  float stats[kShardStats];
+};
+ShardRowStats ComputeShardRowStats(float* logits, int64_t rows, int64_t local_target,
+                                   float softcap);
+
+// One token's lse and loss from every shard's statistics (`stats` as ShardArguments lays them
+// out, token q), combined in rank order in double. `v` is the whole vocabulary. The loss of an
+// ignored token is 0; its lse is still computed.
+struct ShardTokenLoss {
+  double lse = 0.0;
+  double loss = 0.0;
+};
+ShardTokenLoss CombineShardStats(const float* stats, int64_t stride, int shards, int64_t q,
+                                 bool ignored, const LossOptions& options, int64_t v);
+
+// Overwrites one token's z row (`rows` columns) with grad_scale * dloss/dx_j for its columns:
+// LossOptions' g_j from the global `lse`, the one-hot at `local_target` (none outside [0, rows)),
+// eps / v with the whole vocabulary's v, chained through the soft-cap. Zeros for an ignored token.
+void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool ignored,
+                             double lse, const LossOptions& options, int64_t v, float grad_scale);
+
+}  // namespace losshead::kernels
+
+#endif  // LOSSHEAD_KERNELS_CPU_SHARD_ROWS_H_

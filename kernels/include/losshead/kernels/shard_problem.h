@@ -1,0 +1,100 @@
+// One device's part of a vocabulary-sharded problem: the fused linear + cross-entropy over k
+// devices, device i holding rows [row_begin, row_begin + rows) of W (ShardRange(V, k, i)).
+//
+// The softmax of a token spans every shard, so each token chunk runs in two halves around an
+// exchange of per-token statistics, which the caller drives over all shards (with a Collective):
+//
+//   ShardBegin        once per micro-batch: token count, gradient scale, loss accumulator
+//   per chunk of tokens [t0, t0 + c):
+//     ShardForward    logits of the shard's rows (soft-capped); per token its row max m, sum of
+//                     exp(z - m), sum of z, and z of the target where the target is one of its
+//                     rows (0 elsewhere): four fp32 statistics, into its slice of `stats`
+//     AllGather       of the statistics, so that every shard holds every shard's slice
+//     ShardBackward   combines the slices in rank order into each token's lse and loss (the same
+//                     bits on every shard); writes the loss outputs where given; G for its columns
+//                     (global lse, its own one-hot and label-smoothing terms); its part of the
+//                     chunk's dH, G . W_rows, in fp32 into `grad_hidden_partial`; dW_rows += G^T H
+//     AllReduce(kSum) of the dH partials
+//     ShardStoreGradHidden  the summed fp32 dH rounded to the problem's dtype into grad_hidden
+//
+// The logits of a chunk stay in the workspace from ShardForward to ShardBackward: the two calls
+// of a chunk use one workspace, on one stream, with no other Run or shard call between them.
+#ifndef LOSSHEAD_KERNELS_SHARD_PROBLEM_H_
+#define LOSSHEAD_KERNELS_SHARD_PROBLEM_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "losshead/kernels/problem.h"
+
+namespace losshead::kernels {
+
+// Statistics per token and shard (see the file comment), in this order.
+inline constexpr int kShardStats = 4;
+
+struct ShardProblem {
+  Problem problem;  // the whole problem: n tokens of the micro-batch, v the whole vocabulary
+  int64_t row_begin = 0;
+  int64_t rows = 0;
+  int shards = 1;  // k
+  int rank = 0;    // this shard's slice of the statistics
+};
+
+// INVALID_ARGUMENT for an invalid problem, rows outside [0, v) or empty, k < 1 or a rank outside
+// [0, k).
+absl::Status ValidateShardProblem(const ShardProblem& shard);
+
+// How a backend splits a shard's micro-batch: chunks of at most `chunk_rows` tokens.
+//   workspace_bytes    the backend's own scratch (Arguments::workspace's counterpart)
+//   stats_floats       k * kShardStats * chunk_rows: the `stats` buffer every shard holds
+//   partial_floats     chunk_rows * d: the `grad_hidden_partial` buffer
+// workspace + stats + partial fit the budget the plan was made for. The chunk size depends on the
+// problem (not on rank or row_begin) and the budget, so shards of one head with the same budget
+// and sizes within one row get plans whose smallest chunk_rows serves them all.
+struct ShardPlan {
+  int64_t chunk_rows = 0;
+  size_t workspace_bytes = 0;
+  int64_t stats_floats = 0;
+  int64_t partial_floats = 0;
+};
+
+// Pointers for one shard's calls; every buffer in that backend's memory.
+struct ShardArguments {
+  const void* hidden = nullptr;       // N x D, problem.dtype: the whole micro-batch
+  const void* weight = nullptr;       // rows x D, problem.dtype: this shard's rows
+  const int32_t* targets = nullptr;   // N, in [0, V) or ignore_index
+  float* grad_weight = nullptr;       // rows x D fp32, accumulated into (+=); optional
+  // chunk_rows x D fp32, this shard's part of the chunk's dH; null: no dH (forward only or
+  // skip_grad_hidden).
+  float* grad_hidden_partial = nullptr;
+  // kShardStats x chunk_rows fp32 per shard, k slices in rank order, each statistic a row of
+  // chunk_rows floats: ShardForward writes slice `rank`, ShardBackward reads all k.
+  float* stats = nullptr;
+  int64_t stats_chunk_rows = 0;  // the plan's chunk_rows, the stride of `stats`
+  // Outputs of the whole micro-batch, optional (one shard writes them): loss_sum (over the chunks
+  // so far, fp64 accumulated), token_count (ShardBegin), per-token loss and lse (N each).
+  float* loss_sum = nullptr;
+  int64_t* token_count = nullptr;
+  float* per_token_loss = nullptr;
+  float* per_token_lse = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Tokens [begin, begin + size) of the micro-batch; size <= the plan's chunk_rows.
+struct ShardChunk {
+  int64_t begin = 0;
+  int64_t size = 0;
+};
+
+// What every backend checks of a call's pointers (INVALID_ARGUMENT naming the field): hidden,
+// weight, targets and stats not null, stats_chunk_rows >= 1, a workspace when workspace_bytes > 0.
+absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArguments& args);
+// And of a chunk: non-empty, inside [0, n), at most stats_chunk_rows tokens.
+absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments& args,
+                                ShardChunk chunk);
+
+}  // namespace losshead::kernels
+
+#endif  // LOSSHEAD_KERNELS_SHARD_PROBLEM_H_

@@ -1,0 +1,26 @@
+// One micro-batch through the vocabulary-shard entry points of k backends, the sequence that
+// shard_problem.h describes, with every output brought back to the host: the sharded counterpart
+// of RunOnBackend, for comparing a sharded run against an unsharded one.
+#ifndef LOSSHEAD_TESTS_KERNELS_SHARD_RUNNER_H_
+#define LOSSHEAD_TESTS_KERNELS_SHARD_RUNNER_H_
+
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/collective.h"
+#include "tests/kernels/backend_runner.h"
+
+namespace losshead::kernels::testing {
+
+// Shard r runs on shards[r] with rows ShardRange(V, k, r). The statistics and the dH partials are
+// exchanged with `collective` (AllGather, AllReduce) when given, else through the host: copied
+// out, gathered or summed in rank order in double, copied back (so that shards on one device, or
+// backends without a collective, can run too). The chunk size is the smallest of the shards'
+// plans for options.workspace_budget. dW is the shards' rows, concatenated (V x D).
+absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective* collective,
+                                   const Inputs& inputs, const RunOptions& options = {});
+
+}  // namespace losshead::kernels::testing
+
+#endif  // LOSSHEAD_TESTS_KERNELS_SHARD_RUNNER_H_
