@@ -24,6 +24,7 @@ namespace losshead::server {
 
 using head_internal::Convert;
 using head_internal::kConvertBlock;
+using head_internal::DeviceRowByteOffset;
 using head_internal::RowByteOffset;
 using head_internal::RowBytes;
 
@@ -57,14 +58,11 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     // with reset, zeroes them: its other rows are zero once reduced.
     LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
     for (const auto& r : group_->replicas()) {
-      const size_t offset = RowByteOffset(*group_, *r, sizeof(float));
       const size_t bytes = RowBytes(*group_, *r, sizeof(float));
+      char* rows = r->grad.as<char>() + DeviceRowByteOffset(*group_, *r, sizeof(float));
       LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
-          snap.data.data() + offset, r->grad.as<char>() + offset, bytes, *r->stream));
-      if (reset) {
-        LOSSHEAD_RETURN_IF_ERROR(
-            r->backend.Memset(r->grad.as<char>() + offset, 0, bytes, *r->stream));
-      }
+          snap.data.data() + RowByteOffset(*group_, *r, sizeof(float)), rows, bytes, *r->stream));
+      if (reset) LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(rows, 0, bytes, *r->stream));
     }
     LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
     absl::MutexLock state(&state_mu_);
@@ -122,9 +120,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
     }
   }
   // W is replaced on replica 0 and copied from there to the others, so that replicas never
-  // differ, by rounding or otherwise.
+  // differ, by rounding or otherwise; each shard takes its rows.
   ReplicaGroup::Cut cut(*group_);
-  Replica& first = (*group_)[0];
   {
     absl::MutexLock state(&state_mu_);
     if (expected_version.has_value() && *expected_version != version_) {
@@ -135,9 +132,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   }
   if (mode == v1::PUSH_MODE_ADD) {
     staged = TakeTransferBuffer(count * esize);  // overwritten whole by the copy below
-    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToHost(staged.data(), first.weights.data(),
-                                                      staged.size(), *first.stream));
-    LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
+    LOSSHEAD_RETURN_IF_ERROR(group_->CopyWeightsOut(staged.data()));
+    LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
     std::vector<float> w(std::min(count, kConvertBlock));
     std::vector<float> delta(w.size());
     for (size_t i = 0; i < count; i += kConvertBlock) {
@@ -152,8 +148,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
     }
   }
   const std::string& source = in_place ? data : staged;
-  LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.weights.data(), source.data(),
-                                                      source.size(), *first.stream));
+  LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, source.data(), 0,
+                                          static_cast<int64_t>(count)));
   LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
   LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
   absl::MutexLock state(&state_mu_);
@@ -167,14 +163,22 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
   }
   WeightsSnapshot snap;
   snap.dtype = ToProto(to);
-  Replica& first = (*group_)[0];  // every replica holds the same W
-  snap.data = TakeTransferBuffer(first.weights.bytes());
+  snap.data = TakeTransferBuffer(static_cast<size_t>(vocab_size()) * hidden_size() *
+                                 kernels::DTypeSize(dtype_));
   {
-    // Only a cut (a push, an optimizer apply) writes W: replica 0's lock keeps them out.
-    absl::MutexLock lock(&first.compute_mu);
-    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToHost(snap.data.data(), first.weights.data(),
-                                                      first.weights.bytes(), *first.stream));
-    LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
+    // Only a cut (a push, an optimizer apply) writes W. Every replica holds the same W, and
+    // replica 0's lock keeps the cuts out; shards each hold theirs, under the cut.
+    std::optional<absl::MutexLock> first;
+    std::optional<ReplicaGroup::Cut> cut;
+    if (group_->sharded()) {
+      cut.emplace(*group_);
+    } else {
+      first.emplace(&(*group_)[0].compute_mu);
+    }
+    LOSSHEAD_RETURN_IF_ERROR(group_->CopyWeightsOut(snap.data.data()));
+    // Replica 0's stream alone: the other replicas may be running micro-batches.
+    LOSSHEAD_RETURN_IF_ERROR(group_->sharded() ? group_->Synchronize()
+                                               : (*group_)[0].stream->Synchronize());
     absl::MutexLock state(&state_mu_);
     snap.version = version_;
   }

@@ -110,10 +110,11 @@ absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
       if (placement.devices() > 1) {
         return absl::InvalidArgumentError(absl::StrCat(
             "placement.devices must be 0 or 1 for a one-device head, got ", placement.devices(),
-            " (PLACEMENT_REPLICATED spreads a head over several)"));
+            " (PLACEMENT_REPLICATED or PLACEMENT_SHARDED spread a head over several)"));
       }
       return absl::OkStatus();
     case v1::PLACEMENT_REPLICATED:
+    case v1::PLACEMENT_SHARDED:
       // Far beyond any server's devices, and within int: PlacementDevices counts in int.
       if (placement.devices() > kMaxPlacementDevices) {
         return absl::InvalidArgumentError(absl::StrCat("placement.devices must be at most ",
@@ -123,13 +124,18 @@ absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
       return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("placement.kind must be PLACEMENT_SINGLE or PLACEMENT_REPLICATED, got ",
+          absl::StrCat("placement.kind must be PLACEMENT_SINGLE, PLACEMENT_REPLICATED or "
+                       "PLACEMENT_SHARDED, got ",
                        static_cast<int>(placement.kind())));
   }
 }
 
+bool Head::SpreadPlacement(const v1::Placement& placement) {
+  return placement.kind() == v1::PLACEMENT_REPLICATED || placement.kind() == v1::PLACEMENT_SHARDED;
+}
+
 int Head::PlacementDevices(const v1::Placement& placement, int available) {
-  if (placement.kind() != v1::PLACEMENT_REPLICATED) return 1;
+  if (!SpreadPlacement(placement)) return 1;
   return placement.devices() == 0 ? available : static_cast<int>(placement.devices());
 }
 
@@ -156,7 +162,9 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> Head::PlaceOn(
     return absl::InvalidArgumentError(
         absl::StrCat("the head's placement asks for ", wanted, " devices but ", k, " were given"));
   }
-  return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype);
+  const Layout layout =
+      spec.placement().kind() == v1::PLACEMENT_SHARDED ? Layout::kSharded : Layout::kReplicated;
+  return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype, layout);
 }
 
 absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* const> devices,
@@ -173,12 +181,15 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* c
   }
   LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group, PlaceOn(devices, spec, dtype));
   // Admission: refuse a head whose tensors cannot all fit before allocating any of them (an
-  // optimizer's state is several times W). Each device holds W, its dW and the optimizer's state
-  // of its rows. A backend that cannot tell (total 0) is not checked.
+  // optimizer's state is several times W). Each device holds W and its dW (a shard: its rows of
+  // them) and the optimizer's state of its rows. A backend that cannot tell (total 0) is not
+  // checked.
   for (const auto& replica : group->replicas()) {
     const uint64_t rows = replica->rows.size();
     const OptimizerFootprint optimizer = OptimizerBytes(spec.optimizer(), dtype, rows * d);
-    const uint64_t needed = v * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
+    const uint64_t held = static_cast<uint64_t>(group->DeviceRows(*replica));
+    const uint64_t needed =
+        held * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
     const kernels::MemoryInfo memory = replica->backend.memory_info();
     if (memory.total_bytes > 0 && needed > memory.free_bytes) {
       return absl::ResourceExhaustedError(
@@ -203,10 +214,11 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
   const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
   const size_t esize = kernels::DTypeSize(dtype_);
   for (const auto& r : group_->replicas()) {
-    auto w = r->backend.Allocate(count * esize);
+    const size_t held = static_cast<size_t>(group_->DeviceRows(*r)) * hidden_size();
+    auto w = r->backend.Allocate(held * esize);
     if (!w.ok()) return AsResourceExhausted(w.status(), "weights");
     r->weights = std::move(*w);
-    auto g = r->backend.Allocate(count * sizeof(float));
+    auto g = r->backend.Allocate(held * sizeof(float));
     if (!g.ok()) return AsResourceExhausted(g.status(), "the gradient accumulator");
     r->grad = std::move(*g);
     LOSSHEAD_ASSIGN_OR_RETURN(r->stream, r->backend.CreateStream());
@@ -214,14 +226,25 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
     // make sure some chunk size fits the budget so that a head that could never step is refused
     // now.
     kernels::Problem probe{.n = 1, .d = hidden_size(), .v = vocab_size(), .dtype = dtype_};
-    LOSSHEAD_RETURN_IF_ERROR(r->backend.WorkspaceBytes(probe, workspace_budget).status());
+    if (group_->sharded()) {
+      const kernels::ShardProblem shard{.problem = probe,
+                                        .row_begin = r->rows.begin,
+                                        .rows = r->rows.size(),
+                                        .shards = group_->size(),
+                                        .rank = r->rank};
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.PlanShard(shard, workspace_budget).status());
+    } else {
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.WorkspaceBytes(probe, workspace_budget).status());
+    }
     LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(r->grad.data(), 0, r->grad.bytes(), *r->stream));
   }
   if (!init_weights) return group_->Synchronize();  // a restore overwrites W
-  Replica& first = (*group_)[0];
   if (!spec_.init().has_normal()) {
-    LOSSHEAD_RETURN_IF_ERROR(
-        first.backend.Memset(first.weights.data(), 0, first.weights.bytes(), *first.stream));
+    for (const auto& r : group_->replicas()) {
+      LOSSHEAD_RETURN_IF_ERROR(
+          r->backend.Memset(r->weights.data(), 0, r->weights.bytes(), *r->stream));
+    }
+    return group_->Synchronize();
   } else {
     std::mt19937_64 rng(spec_.init().normal().seed());
     std::normal_distribution<float> normal(0.0f, spec_.init().normal().std());
@@ -231,10 +254,10 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
       const size_t n = std::min(kConvertBlock, count - i);
       for (size_t j = 0; j < n; ++j) block[j] = normal(rng);
       kernels::FromFloat(dtype_, block.data(), converted.data(), n);
-      LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(
-          first.weights.as<char>() + i * esize, converted.data(), n * esize, *first.stream));
+      LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, converted.data(),
+                                              static_cast<int64_t>(i), static_cast<int64_t>(n)));
       // The host block is reused for the next piece: the copy must have landed.
-      LOSSHEAD_RETURN_IF_ERROR(first.stream->Synchronize());
+      LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
     }
   }
   LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
@@ -282,7 +305,7 @@ v1::HeadInfo Head::Info() const {
   absl::MutexLock state(&state_mu_);
   *info.mutable_spec()->mutable_default_options() = defaults_;
   *info.mutable_spec()->mutable_optimizer() = optimizer_spec_;
-  if (spec_.placement().kind() == v1::PLACEMENT_REPLICATED) {
+  if (SpreadPlacement(spec_.placement())) {
     // The placement as held (spec_ keeps the one asked for: 0 devices means all, and a restore
     // onto a smaller server holds fewer).
     info.mutable_spec()->mutable_placement()->set_devices(group_->size());

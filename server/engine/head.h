@@ -132,8 +132,10 @@ class Head {
   static absl::Status ValidateSpec(const v1::HeadSpec& spec);
   // The placement's kind and device count (INVALID_ARGUMENT), without the server's devices.
   static absl::Status ValidatePlacement(const v1::Placement& placement);
+  // Whether `placement` spreads a head over several devices (replicated or sharded).
+  static bool SpreadPlacement(const v1::Placement& placement);
   // How many devices a head of a valid `placement` takes where `available` are there: 1 for
-  // one device, the number asked for a replicated head (0: all of them).
+  // one device, the number asked for a replicated or sharded head (0: all of them).
   static int PlacementDevices(const v1::Placement& placement, int available);
 
   // Replaces the default loss options (validated: INVALID_ARGUMENT).
@@ -258,8 +260,27 @@ class Head {
   absl::Status EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes);
   // Grows `slot`'s staging buffer; false where the backend needs none (copy directly).
   absl::StatusOr<bool> EnsureStaging(Replica& replica, kernels::HostBuffer& buffer, size_t bytes);
-  // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised).
-  absl::Status StageIn(const Prepared& p, Replica& replica, IoSlot& slot);
+  // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised), with room
+  // for its results when `outputs` (a shard other than 0 returns none).
+  absl::Status StageIn(const Prepared& p, Replica& replica, IoSlot& slot, bool outputs);
+  // A sharded head's micro-batch (shard_step.cc): the problem and which results it wants, each
+  // shard's part and workspace bytes, and the token chunk they share.
+  struct ShardRun {
+    kernels::Problem problem;
+    bool grad_weight = true;  // false: forward only
+    bool grad_hidden = true;
+    bool per_token = false;
+    std::vector<kernels::ShardProblem> shards;
+    std::vector<size_t> workspace_bytes;
+    int64_t chunk_rows = 0;
+  };
+  // Under the cut: plans every shard's part of `run` (problem and wants given) and grows its
+  // buffers for it (RESOURCE_EXHAUSTED, INVALID_ARGUMENT); nothing runs.
+  absl::Status PrepareShards(ShardRun& run);
+  // Under the cut: runs a prepared `run` on every shard, `slots` in rank order holding its staged
+  // inputs; slot 0 receives the loss, token count, dH and per-token losses (see
+  // losshead/kernels/shard_problem.h).
+  absl::Status RunShards(const ShardRun& run, std::span<IoSlot* const> slots);
   // Copies dH and per-token losses of a finished run out of `slot` into `outcome`.
   absl::Status StageOut(const Prepared& p, Replica& replica, IoSlot& slot, std::string* grad_hidden,
                         std::vector<float>* per_token);

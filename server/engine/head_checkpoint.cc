@@ -39,8 +39,7 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
         +[](int* pending) { return *pending == 0; }, &pending_outcomes_));
   }
   Replica& first = (*group_)[0];
-  LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToHost(d.weights.data(), first.weights.data(),
-                                                    d.weights.size(), *first.stream));
+  LOSSHEAD_RETURN_IF_ERROR(group_->CopyWeightsOut(d.weights.data()));
   // dW reduced to the owners of its rows, each copying its rows; and the optimizer: each
   // replica's rows of its master copy (even when a push has made it stale: master_version says
   // so and the restored head re-syncs it exactly as this one would) and of its state. The file
@@ -54,8 +53,10 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
   for (const auto& r : group_->replicas()) {
     const size_t offset = head_internal::RowByteOffset(*group_, *r, sizeof(float));
     const size_t bytes = head_internal::RowBytes(*group_, *r, sizeof(float));
-    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(d.gradient.data() + offset,
-                                                   r->grad.as<char>() + offset, bytes, *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
+        d.gradient.data() + offset,
+        r->grad.as<char>() + head_internal::DeviceRowByteOffset(*group_, *r, sizeof(float)), bytes,
+        *r->stream));
     if (has_master) {
       LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
           d.master.data() + offset, r->optimizer.master.data(), bytes, *r->stream));
@@ -123,8 +124,10 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
   // The file is the same for every placement: the head goes on `devices` (the registry's
   // answer to the saved placement, on this server) and keeps the placement it was asked for.
   v1::HeadSpec placed = data.spec;
-  if (devices.size() > 1 || placed.placement().kind() == v1::PLACEMENT_REPLICATED) {
-    placed.mutable_placement()->set_kind(v1::PLACEMENT_REPLICATED);
+  if (devices.size() > 1 || SpreadPlacement(placed.placement())) {
+    if (placed.placement().kind() != v1::PLACEMENT_SHARDED) {
+      placed.mutable_placement()->set_kind(v1::PLACEMENT_REPLICATED);
+    }
     placed.mutable_placement()->set_devices(static_cast<uint32_t>(devices.size()));
   }
   LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group, PlaceOn(devices, placed, dtype));
@@ -136,12 +139,13 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     ReplicaGroup& group = *head->group_;
     ReplicaGroup::Cut cut(group);
     // W to replica 0 and from there to the others; the whole dW to replica 0 (the others' are
-    // zero, so the sum is the saved window); each replica's rows of the optimizer.
-    Replica& first = group[0];
-    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.weights.data(), data.weights.data(),
-                                                        data.weights.size(), *first.stream));
-    LOSSHEAD_RETURN_IF_ERROR(first.backend.CopyToDevice(first.grad.data(), data.gradient.data(),
-                                                        data.gradient.size(), *first.stream));
+    // zero, so the sum is the saved window); each replica's rows of the optimizer. A shard takes
+    // its rows of each.
+    const int64_t count = static_cast<int64_t>(v * d);
+    LOSSHEAD_RETURN_IF_ERROR(group.CopyIn(&Replica::weights, kernels::DTypeSize(dtype),
+                                          data.weights.data(), 0, count));
+    LOSSHEAD_RETURN_IF_ERROR(
+        group.CopyIn(&Replica::grad, sizeof(float), data.gradient.data(), 0, count));
     LOSSHEAD_RETURN_IF_ERROR(group.BroadcastWeights());
     for (const auto& r : group.replicas()) {
       OptimizerBuffers& optimizer = optimizers[r->rank];

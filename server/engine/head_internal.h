@@ -34,6 +34,11 @@ inline size_t RowByteOffset(const ReplicaGroup& group, const Replica& replica,
                             size_t element_bytes) {
   return static_cast<size_t>(group.RowOffset(replica)) * element_bytes;
 }
+// Where they start in the replica's own W or dW (0 for a shard, which holds only its rows).
+inline size_t DeviceRowByteOffset(const ReplicaGroup& group, const Replica& replica,
+                                  size_t element_bytes) {
+  return static_cast<size_t>(group.DeviceRowOffset(replica)) * element_bytes;
+}
 inline size_t RowBytes(const ReplicaGroup& group, const Replica& replica, size_t element_bytes) {
   return static_cast<size_t>(group.RowElements(replica)) * element_bytes;
 }

@@ -107,7 +107,8 @@ absl::Status Head::SyncMaster() {
       using head_internal::kConvertBlock;
       const size_t count = optimizer.master.bytes() / sizeof(float);
       const size_t esize = kernels::DTypeSize(dtype_);
-      const char* rows = r->weights.as<char>() + head_internal::RowByteOffset(*group_, *r, esize);
+      const char* rows =
+          r->weights.as<char>() + head_internal::DeviceRowByteOffset(*group_, *r, esize);
       std::string w(std::min(count, kConvertBlock) * esize, '\0');
       std::vector<float> block(std::min(count, kConvertBlock));
       for (size_t i = 0; i < count; i += kConvertBlock) {
@@ -171,7 +172,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
   std::vector<double> partial(group_->size(), 0.0);
   for (const auto& r : group_->replicas()) {
-    LOSSHEAD_RETURN_IF_ERROR(r->backend.SquaredNorm(r->grad.as<float>() + group_->RowOffset(*r),
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.SquaredNorm(r->grad.as<float>() + group_->DeviceRowOffset(*r),
                                                     group_->RowElements(*r),
                                                     r->optimizer.norm.as<double>(), *r->stream));
     LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(&partial[r->rank], r->optimizer.norm.data(),
@@ -208,8 +209,8 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   for (const auto& r : group_->replicas()) {
     kernels::OptimizerProblem own = problem;
     own.count = group_->RowElements(*r);
-    char* weights = r->weights.as<char>() + head_internal::RowByteOffset(*group_, *r, esize);
-    float* grad = r->grad.as<float>() + group_->RowOffset(*r);
+    char* weights = r->weights.as<char>() + head_internal::DeviceRowByteOffset(*group_, *r, esize);
+    float* grad = r->grad.as<float>() + group_->DeviceRowOffset(*r);
     LOSSHEAD_RETURN_IF_ERROR(
         r->backend.OptimizerStep(own, KernelTensors(r->optimizer, weights, grad), *r->stream));
   }

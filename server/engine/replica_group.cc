@@ -1,5 +1,6 @@
 #include "server/engine/replica_group.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -20,15 +21,16 @@ Replica::~Replica() {
 
 absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
     std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
-    kernels::DType dtype) {
+    kernels::DType dtype, Layout layout) {
   const int k = static_cast<int>(devices.size());
   if (k < 1) return absl::InvalidArgumentError("a head needs at least one device");
   if (vocab_size < k) {
-    return absl::InvalidArgumentError(absl::StrCat("a head of ", vocab_size,
-                                                   " rows cannot be replicated over ", k,
-                                                   " devices: each owns at least one row"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a head of ", vocab_size, " rows cannot be ",
+        layout == Layout::kSharded ? "sharded" : "replicated", " over ", k,
+        " devices: each owns at least one row"));
   }
-  std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype));
+  std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype, layout));
   for (int r = 0; r < k; ++r) {
     if (devices[r] == nullptr) return absl::InvalidArgumentError("null device");
     auto replica = std::make_unique<Replica>(*devices[r], r, kernels::ShardRange(vocab_size, k, r));
@@ -46,7 +48,7 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
 
 ReplicaGroup::~ReplicaGroup() { Synchronize().IgnoreError(); }
 
-ReplicaGroup::Assignment ReplicaGroup::Choose(int64_t tokens) {
+Replica& ReplicaGroup::Next() {
   const int k = size();
   const int start = static_cast<int>(next_tie_.fetch_add(1, std::memory_order_relaxed) % k);
   Replica* best = replicas_[start].get();
@@ -54,7 +56,7 @@ ReplicaGroup::Assignment ReplicaGroup::Choose(int64_t tokens) {
     Replica* r = replicas_[(start + i) % k].get();
     if (r->queued_tokens.load() < best->queued_tokens.load()) best = r;
   }
-  return Assignment(*best, tokens);
+  return *best;
 }
 
 ReplicaGroup::Cut::Cut(const ReplicaGroup& group) : group_(group) {
@@ -80,7 +82,7 @@ std::vector<kernels::Stream*> ReplicaGroup::Streams() const {
 }
 
 absl::Status ReplicaGroup::ReduceGradientToOwners() {
-  if (collective_ == nullptr) return absl::OkStatus();
+  if (collective_ == nullptr || sharded()) return absl::OkStatus();
   const std::vector<int64_t> counts = kernels::ShardCounts(vocab_size_, size(), hidden_size_);
   LOSSHEAD_RETURN_IF_ERROR(collective_->ReduceScatter(Buffers(&Replica::grad), counts,
                                                       kernels::DType::kFP32, Streams()));
@@ -103,16 +105,59 @@ absl::Status ReplicaGroup::ReduceGradientToOwners() {
 }
 
 absl::Status ReplicaGroup::BroadcastWeights() {
-  if (collective_ == nullptr) return absl::OkStatus();
+  if (collective_ == nullptr || sharded()) return absl::OkStatus();
   return collective_->Broadcast(Buffers(&Replica::weights), vocab_size_ * hidden_size_, dtype_,
                                 /*root=*/0, Streams());
 }
 
 absl::Status ReplicaGroup::GatherWeights() {
-  if (collective_ == nullptr) return absl::OkStatus();
+  if (collective_ == nullptr || sharded()) return absl::OkStatus();
   return collective_->AllGather(Buffers(&Replica::weights),
                                 kernels::ShardCounts(vocab_size_, size(), hidden_size_), dtype_,
                                 Streams());
+}
+
+absl::Status ReplicaGroup::CopyIn(kernels::DeviceBuffer Replica::*tensor, size_t element_bytes,
+                                  const char* host, int64_t first, int64_t count) {
+  for (const auto& r : replicas_) {
+    // The elements this device holds, as [lo, hi) of the V x D tensor, and where they start on it.
+    const int64_t held_begin = sharded() ? RowOffset(*r) : 0;
+    const int64_t held_end = sharded() ? held_begin + RowElements(*r) : vocab_size_ * hidden_size_;
+    const int64_t lo = std::max(first, held_begin);
+    const int64_t hi = std::min(first + count, held_end);
+    if (lo < hi) {
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(
+          ((*r).*tensor).as<char>() + (lo - held_begin) * element_bytes,
+          host + (lo - first) * element_bytes, (hi - lo) * element_bytes, *r->stream));
+    }
+    if (!sharded()) break;  // replica 0 only: BroadcastWeights does the rest
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReplicaGroup::CopyWeightsOut(char* host) {
+  const size_t esize = kernels::DTypeSize(dtype_);
+  for (const auto& r : replicas_) {
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(host + RowOffset(*r) * esize,
+                                                   r->weights.as<char>() + DeviceRowOffset(*r) * esize,
+                                                   (sharded() ? RowElements(*r) : vocab_size_ * hidden_size_) * esize,
+                                                   *r->stream));
+    if (!sharded()) break;  // every replica holds the same W
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReplicaGroup::GatherShardStats(int64_t chunk_rows) {
+  if (collective_ == nullptr) return absl::OkStatus();
+  const std::vector<int64_t> counts(size(), kernels::kShardStats * chunk_rows);
+  return collective_->AllGather(Buffers(&Replica::shard_stats), counts, kernels::DType::kFP32,
+                                Streams());
+}
+
+absl::Status ReplicaGroup::SumShardPartials(int64_t floats) {
+  if (collective_ == nullptr) return absl::OkStatus();
+  return collective_->AllReduce(Buffers(&Replica::shard_partial), floats, kernels::DType::kFP32,
+                                kernels::ReduceOp::kSum, Streams());
 }
 
 absl::Status ReplicaGroup::Synchronize() {

@@ -1,7 +1,9 @@
-// The devices of one head: a replica per device, each with all of W, a dW accumulator of its own,
-// a stream, a workspace, I/O slots and the optimizer state of its rows, and the collective that
-// joins them. A one-device head is a group of one (no collective; every call below is then a
-// no-op or the obvious single-device step).
+// The devices of one head and the collective that joins them. Replicated, each device holds all
+// of W, a dW accumulator of its own, a stream, a workspace, I/O slots and the optimizer state of
+// its rows. Vocabulary-sharded, each holds only its rows ShardRange(V, k, r) of W and dW (and of
+// the optimizer), and every micro-batch runs on all of them together (see shard_step.cc). A
+// one-device head is a replicated group of one (no collective; every call below is then a no-op
+// or the obvious single-device step).
 //
 // Micro-batches run whole on one replica (Choose); everything that reads or writes the head as a
 // whole (a pull, a push, an optimizer apply, a checkpoint) holds the Cut: every replica's compute
@@ -61,11 +63,17 @@ struct Replica {
   // Micro-batches wait here, largest first, before they take compute_mu.
   ComputeQueue compute_queue;
   absl::Mutex compute_mu;
-  kernels::DeviceBuffer weights;  // V x D in the head's dtype, the same on every replica
-  kernels::DeviceBuffer grad;     // V x D fp32: this replica's micro-batches since the last cut
+  // V x D in the head's dtype, the same on every replica; a shard's rows x D.
+  kernels::DeviceBuffer weights;
+  // V x D fp32: this replica's micro-batches since the last cut; a shard's rows x D, its rows of
+  // every micro-batch since the last cut.
+  kernels::DeviceBuffer grad;
   std::unique_ptr<kernels::Stream> stream;
   kernels::DeviceBuffer workspace ABSL_GUARDED_BY(compute_mu);
   OptimizerBuffers optimizer ABSL_GUARDED_BY(compute_mu);  // for `rows` only
+  // A shard's statistics and dH partials of one token chunk (kernels::ShardArguments).
+  kernels::DeviceBuffer shard_stats ABSL_GUARDED_BY(compute_mu);
+  kernels::DeviceBuffer shard_partial ABSL_GUARDED_BY(compute_mu);
 
   // I/O slots: a micro-batch takes one for its copies in, its run and its copies out. Three let
   // one run while the next is copied in and the previous is copied out.
@@ -79,6 +87,11 @@ struct Replica {
   std::atomic<size_t> scratch_bytes{0};
 };
 
+enum class Layout {
+  kReplicated,  // every device holds all of W; a micro-batch runs on one of them
+  kSharded,     // device r holds rows ShardRange(V, k, r); a micro-batch runs on all of them
+};
+
 class ReplicaGroup {
  public:
   // One replica per backend, rank r on devices[r], owning rows ShardRange(vocab_size, k, r).
@@ -86,12 +99,13 @@ class ReplicaGroup {
   // CreateCollective for devices it cannot join).
   static absl::StatusOr<std::unique_ptr<ReplicaGroup>> Create(
       std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
-      kernels::DType dtype);
+      kernels::DType dtype, Layout layout = Layout::kReplicated);
 
   // Waits for every replica's work before the collective and the replicas' buffers go.
   ~ReplicaGroup();
 
   int size() const { return static_cast<int>(replicas_.size()); }
+  bool sharded() const { return layout_ == Layout::kSharded; }
   Replica& operator[](int rank) const { return *replicas_[rank]; }
   std::span<const std::unique_ptr<Replica>> replicas() const { return replicas_; }
 
@@ -118,7 +132,9 @@ class ReplicaGroup {
   // The replica a micro-batch of `tokens` runs on: the one with the fewest tokens queued, ties
   // going round the ranks in turn (so that micro-batches sent one at a time alternate, the same
   // way on every run).
-  Assignment Choose(int64_t tokens);
+  Assignment Choose(int64_t tokens) { return Assignment(Next(), tokens); }
+  // The replica Choose picks, for a caller that holds its Assignment in place.
+  Replica& Next();
 
   // Every replica's compute lock, in rank order, for as long as it lives.
   class Cut {
@@ -134,29 +150,54 @@ class ReplicaGroup {
 
   // Under the Cut. dW reduced to its owners (see the file comment): afterwards replica r's
   // accumulator holds the sum over replicas of its rows and zeros elsewhere. Enqueued on the
-  // replicas' streams; nothing to do for one replica.
+  // replicas' streams; nothing to do for one replica, or for shards (each holds only its rows).
   absl::Status ReduceGradientToOwners();
-  // Under the Cut. Replica 0's W copied to every other replica (after a push or a restore).
+  // Under the Cut. Replica 0's W copied to every other replica (after CopyIn of W). Nothing to do
+  // for shards.
   absl::Status BroadcastWeights();
   // Under the Cut. Each replica's own rows of W copied to every other replica (after each stepped
-  // its rows).
+  // its rows). Nothing to do for shards.
   absl::Status GatherWeights();
+  // Under the Cut. Elements [first, first + count) of a V x D tensor (`tensor`: weights or grad,
+  // `element_bytes` each) from `host` to the devices that hold them: replica 0 of a replicated
+  // head (BroadcastWeights then copies W to the others), each shard its part of them. Enqueued:
+  // `host` must stay valid until Synchronize.
+  absl::Status CopyIn(kernels::DeviceBuffer Replica::*tensor, size_t element_bytes,
+                      const char* host, int64_t first, int64_t count);
+  // Under the Cut, or replica 0's lock for a replicated head. The whole of W (V x D) to `host`:
+  // replica 0's, or each shard's rows. Enqueued.
+  absl::Status CopyWeightsOut(char* host);
+  // Under the Cut, during a sharded run: each shard's statistics slice of a chunk of up to
+  // `chunk_rows` tokens to every shard (AllGather); the dH partials of `floats` elements summed
+  // on every shard (AllReduce). Nothing to do for one shard.
+  absl::Status GatherShardStats(int64_t chunk_rows);
+  absl::Status SumShardPartials(int64_t floats);
   // Waits for every replica's stream; the first error.
   absl::Status Synchronize();
 
   // Offsets of a replica's rows in elements of a V x D tensor.
   int64_t RowOffset(const Replica& replica) const { return replica.rows.begin * hidden_size_; }
   int64_t RowElements(const Replica& replica) const { return replica.rows.size() * hidden_size_; }
+  // Where those rows start in the replica's own W and dW: RowOffset for a replica (it holds all
+  // rows), 0 for a shard (it holds only its own).
+  int64_t DeviceRowOffset(const Replica& replica) const {
+    return sharded() ? 0 : RowOffset(replica);
+  }
+  // Rows of W and dW a device holds: V, or a shard's rows.
+  int64_t DeviceRows(const Replica& replica) const {
+    return sharded() ? replica.rows.size() : vocab_size_;
+  }
 
  private:
-  ReplicaGroup(int64_t vocab_size, int64_t hidden_size, kernels::DType dtype)
-      : vocab_size_(vocab_size), hidden_size_(hidden_size), dtype_(dtype) {}
+  ReplicaGroup(int64_t vocab_size, int64_t hidden_size, kernels::DType dtype, Layout layout)
+      : vocab_size_(vocab_size), hidden_size_(hidden_size), dtype_(dtype), layout_(layout) {}
   std::vector<void*> Buffers(kernels::DeviceBuffer Replica::*tensor) const;
   std::vector<kernels::Stream*> Streams() const;
 
   const int64_t vocab_size_;
   const int64_t hidden_size_;
   const kernels::DType dtype_;
+  const Layout layout_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<kernels::Collective> collective_;  // null for one replica
   std::atomic<uint64_t> next_tie_{0};

@@ -20,6 +20,7 @@
 #include "losshead/v1/wire_dtype.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
+#include "server/engine/replica_group.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/request_fingerprint.h"
 #include "server/engine/status_macros.h"
@@ -252,7 +253,7 @@ absl::StatusOr<bool> Head::EnsureStaging(Replica& replica, kernels::HostBuffer& 
   return true;
 }
 
-absl::Status Head::StageIn(const Prepared& p, Replica& replica, IoSlot& slot) {
+absl::Status Head::StageIn(const Prepared& p, Replica& replica, IoSlot& slot, bool outputs) {
   kernels::Backend& backend = replica.backend;
   const size_t n = p.problem.n;
   const size_t hidden_bytes = n * hidden_size() * kernels::DTypeSize(dtype_);
@@ -263,15 +264,15 @@ absl::Status Head::StageIn(const Prepared& p, Replica& replica, IoSlot& slot) {
   LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.hidden, hidden_bytes));
   LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.targets, targets_bytes));
   LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.scalars, 16));
-  if (p.want_grad_hidden) {
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.grad_hidden, hidden_bytes));
-  }
-  if (p.want_per_token) {
+  const bool grad_hidden = outputs && p.want_grad_hidden;
+  const bool per_token = outputs && p.want_per_token;
+  if (grad_hidden) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.grad_hidden, hidden_bytes));
+  if (per_token) {
     LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.per_token, n * sizeof(float)));
   }
   // The larger of the two directions: the buffer serves the copies in, then the copies out.
   const size_t out_bytes =
-      (p.want_grad_hidden ? hidden_bytes : 0) + (p.want_per_token ? n * sizeof(float) : 0);
+      (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0);
   LOSSHEAD_ASSIGN_OR_RETURN(
       const bool staged,
       EnsureStaging(replica, slot.staging, std::max(hidden_bytes + targets_bytes, out_bytes)));
@@ -337,21 +338,44 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
 
   const absl::Time slot_wait = absl::Now();
   const int64_t tokens = static_cast<int64_t>(n);
-  // Counted as queued on its replica until its run is over (or it fails before).
-  ReplicaGroup::Assignment assignment = group_->Choose(tokens);
-  Replica& replica = assignment.replica();
-  SlotLease lease(replica);
-  IoSlot& slot = *lease;
+  // The devices it runs on: one replica (counted as queued there until its run is over, or it
+  // fails before), or every shard of a sharded head, shard 0 returning the results. Slots are
+  // taken in rank order, so that two micro-batches waiting for them never deadlock.
+  std::optional<ReplicaGroup::Assignment> assignment;
+  std::vector<Replica*> devices;
+  if (group_->sharded()) {
+    for (const auto& r : group_->replicas()) devices.push_back(r.get());
+  } else {
+    assignment.emplace(group_->Next(), tokens);
+    devices.push_back(&assignment->replica());
+  }
+  Replica& replica = *devices[0];
+  std::vector<std::unique_ptr<SlotLease>> leases;
+  std::vector<IoSlot*> slots;
+  for (Replica* device : devices) {
+    leases.push_back(std::make_unique<SlotLease>(*device));
+    slots.push_back(&**leases.back());
+  }
+  IoSlot& slot = *slots[0];
   const absl::Time stage_start = absl::Now();
   stats->stage_start = stage_start;
   stats->queue += stage_start - slot_wait;
   // Copies in run outside the compute lock, beside the run of the micro-batch ahead of this one.
-  LOSSHEAD_RETURN_IF_ERROR(StageIn(p, replica, slot));
+  for (size_t i = 0; i < devices.size(); ++i) {
+    LOSSHEAD_RETURN_IF_ERROR(StageIn(p, *devices[i], *slots[i], /*outputs=*/i == 0));
+  }
   stats->stage += absl::Now() - stage_start;
   {
     const absl::Time wait_start = absl::Now();
     const ComputeQueue::Turn turn = replica.compute_queue.Wait(tokens);
-    absl::MutexLock lock(&replica.compute_mu);
+    // Its replica's lock, or every shard's (the cut: in rank order, as every cut takes them).
+    std::optional<absl::MutexLock> lock;
+    std::optional<ReplicaGroup::Cut> cut;
+    if (group_->sharded()) {
+      cut.emplace(*group_);
+    } else {
+      lock.emplace(&replica.compute_mu);
+    }
     if (on_ordered) on_ordered();
     const absl::Time start = absl::Now();
     stats->compute_start = start;
@@ -366,33 +390,47 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
           absl::StrCat("expected_weights_version is ", *p.expected_version,
                        " but the head's weights are at version ", version));
     }
-    LOSSHEAD_ASSIGN_OR_RETURN(
-        const size_t ws_bytes,
-        replica.backend.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, replica.workspace, ws_bytes));
-
-    kernels::Arguments args;
-    args.hidden = slot.hidden.data();
-    args.weight = replica.weights.data();
-    args.targets = slot.targets.as<int32_t>();
-    args.grad_hidden = p.want_grad_hidden ? slot.grad_hidden.data() : nullptr;
-    // Forward-only: without dW the backend skips the dW GEMM; the loss and dH are computed the same
-    // way, so they match a counted step's bit for bit.
-    args.grad_weight = p.forward_only ? nullptr : replica.grad.as<float>();
-    // token_count first: it needs 8-byte alignment.
-    args.token_count = slot.scalars.as<int64_t>();
-    args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
-    args.per_token_loss = p.want_per_token ? slot.per_token.as<float>() : nullptr;
-    args.workspace = replica.workspace.data();
-    args.workspace_bytes = ws_bytes;
     // Only the 16 bytes of scalars come back under the lock; dH follows on the slot's stream
     // once the lock is free for the next micro-batch's run.
     char scalars[16];
-    absl::Status ran = replica.backend.Run(p.problem, args, *replica.stream);
-    if (ran.ok()) {
-      ran = replica.backend.CopyToHost(scalars, slot.scalars.data(), 16, *replica.stream);
+    absl::Status ran;
+    if (group_->sharded()) {
+      ShardRun shard_run{.problem = p.problem,
+                         .grad_weight = !p.forward_only,
+                         .grad_hidden = p.want_grad_hidden,
+                         .per_token = p.want_per_token};
+      LOSSHEAD_RETURN_IF_ERROR(PrepareShards(shard_run));
+      ran = RunShards(shard_run, slots);
+      if (ran.ok()) {
+        ran = replica.backend.CopyToHost(scalars, slot.scalars.data(), 16, *replica.stream);
+      }
+      if (ran.ok()) ran = group_->Synchronize();
+    } else {
+      LOSSHEAD_ASSIGN_OR_RETURN(
+          const size_t ws_bytes,
+          replica.backend.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
+      LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, replica.workspace, ws_bytes));
+
+      kernels::Arguments args;
+      args.hidden = slot.hidden.data();
+      args.weight = replica.weights.data();
+      args.targets = slot.targets.as<int32_t>();
+      args.grad_hidden = p.want_grad_hidden ? slot.grad_hidden.data() : nullptr;
+      // Forward-only: without dW the backend skips the dW GEMM; the loss and dH are computed the
+      // same way, so they match a counted step's bit for bit.
+      args.grad_weight = p.forward_only ? nullptr : replica.grad.as<float>();
+      // token_count first: it needs 8-byte alignment.
+      args.token_count = slot.scalars.as<int64_t>();
+      args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
+      args.per_token_loss = p.want_per_token ? slot.per_token.as<float>() : nullptr;
+      args.workspace = replica.workspace.data();
+      args.workspace_bytes = ws_bytes;
+      ran = replica.backend.Run(p.problem, args, *replica.stream);
+      if (ran.ok()) {
+        ran = replica.backend.CopyToHost(scalars, slot.scalars.data(), 16, *replica.stream);
+      }
+      if (ran.ok()) ran = replica.stream->Synchronize();
     }
-    if (ran.ok()) ran = replica.stream->Synchronize();
     if (!ran.ok()) {
       if (p.forward_only) return ran;  // dW was not an argument: nothing can be in it
       // The run may have added some of its chunks to dW before it failed, and there is no exact
@@ -427,7 +465,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
     outcome->forward_only = p.forward_only;
     stats->compute_end = absl::Now();
     stats->compute += stats->compute_end - start;
-    assignment.Release();
+    if (assignment.has_value()) assignment->Release();
   }
   const absl::Time finish_start = absl::Now();
   absl::Status out = StageOut(p, replica, slot, &grad_hidden, &per_token);

@@ -1,0 +1,56 @@
+// The row kernels of a vocabulary shard (shard_problem.h): per-token statistics over the shard's
+// columns, their combination over every shard into the token's lse, loss and logit gradient, and
+// the rounding of the summed dH partials to the input dtype.
+#ifndef LOSSHEAD_KERNELS_CUDA_SHARD_SOFTMAX_CUH_
+#define LOSSHEAD_KERNELS_CUDA_SHARD_SOFTMAX_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace losshead::kernels::cuda {
+
+struct ShardRowParams {
+  int64_t v = 0;          // the whole vocabulary (label smoothing's eps / V, valid targets)
+  int64_t row_begin = 0;  // the shard's first row: local column j is class row_begin + j
+  int64_t rows = 0;       // the shard's columns per token
+  int64_t ignore_index = -100;
+  float label_smoothing = 0.0f;
+  float z_loss = 0.0f;
+  float softcap = 0.0f;  // 0 = off
+};
+
+// For each of `tokens` rows q (row q of `logits` starts at q * ldl floats; ldl a multiple of 4,
+// `logits` 16-byte aligned) holding the shard's x_j = h . w_j, j in [0, p.rows):
+// soft-caps the row in place (it then holds z) and writes the shard's statistics of token q to
+// `stats` (this shard's slice: statistic s at stats[s * stride + q]): max z, sum exp(z - max),
+// sum z, and z of the target when the target (targets[q]) is one of the shard's rows and not
+// ignore_index, else 0. Block reductions in a fixed order: a rerun gives the same bits.
+absl::Status LaunchShardStats(float* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
+                              const ShardRowParams& p, float* stats, int64_t stride,
+                              cudaStream_t stream);
+
+// For each of `tokens` rows q: combines the `shards` slices of `stats` (slice r at
+// stats + r * 4 * stride, laid out as above) in rank order into the token's lse and loss, and
+// writes lse to per_token_lse[q] (optional, every row), the loss to row_loss[q] and
+// per_token_loss[q] (optional; 0 for ignored rows). When `grad` is not null, overwrites the row's
+// z with the UNSCALED gradient dloss/dx_j for the shard's columns (0 for ignored rows) at
+// grad[q * ldg + j]; `grad` aliases `logits` row for row (ldg * sizeof(TG) == ldl * 4), narrowing
+// the row in place when TG is 16-bit. A target outside [0, v) that is not ignore_index is treated
+// as ignored. TG: float, __nv_bfloat16 or __half.
+template <typename TG>
+absl::Status LaunchShardGrad(const float* logits, int64_t ldl, int64_t tokens,
+                             const int32_t* targets, const ShardRowParams& p, const float* stats,
+                             int64_t stride, int shards, TG* grad, int64_t ldg, float* row_loss,
+                             float* per_token_loss, float* per_token_lse, cudaStream_t stream);
+
+// dst[i] = src[i] rounded to T (round to nearest even) for i in [0, count). T: __nv_bfloat16 or
+// __half (an fp32 store is a plain copy).
+template <typename T>
+absl::Status LaunchRoundToDType(const float* src, T* dst, int64_t count, cudaStream_t stream);
+
+}  // namespace losshead::kernels::cuda
+
+#endif  // LOSSHEAD_KERNELS_CUDA_SHARD_SOFTMAX_CUH_
