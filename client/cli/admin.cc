@@ -49,10 +49,17 @@ void PrintHead(const v1::HeadInfo& h) {
 
 }  // namespace
 
-v1::Placement PlacementFromFlags() {
+absl::StatusOr<v1::Placement> PlacementFromFlags() {
   v1::Placement placement;
   const int replicas = absl::GetFlag(FLAGS_replicas);
-  if (replicas != 1) {
+  const int shards = absl::GetFlag(FLAGS_shards);
+  if (shards != 0) {
+    if (replicas != 1) {
+      return absl::InvalidArgumentError("--shards and --replicas cannot both be given");
+    }
+    placement.set_kind(v1::PLACEMENT_SHARDED);
+    placement.set_devices(static_cast<uint32_t>(std::max(shards, 0)));
+  } else if (replicas != 1) {
     placement.set_kind(v1::PLACEMENT_REPLICATED);
     placement.set_devices(static_cast<uint32_t>(std::max(replicas, 0)));
   }
@@ -71,7 +78,9 @@ int RunCreate() {
     return Fail(absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32"));
   }
   spec.set_weight_dtype(dtype);
-  *spec.mutable_placement() = PlacementFromFlags();
+  absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
+  if (!placement.ok()) return Fail(placement.status());
+  *spec.mutable_placement() = *placement;
   if (absl::GetFlag(FLAGS_init_std) > 0) {
     spec.mutable_init()->mutable_normal()->set_std(
         static_cast<float>(absl::GetFlag(FLAGS_init_std)));

@@ -180,7 +180,9 @@ int RunBench() {
     spec.set_vocab_size(v);
     spec.set_hidden_size(d);
     spec.set_weight_dtype(v1::DTYPE_BF16);
-    *spec.mutable_placement() = PlacementFromFlags();
+    absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
+    if (!placement.ok()) return Fail("flags", placement.status());
+    *spec.mutable_placement() = *placement;
     if (absl::GetFlag(FLAGS_zero_head)) {
       spec.mutable_init()->set_zeros(true);
     } else {

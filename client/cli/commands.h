@@ -13,8 +13,9 @@ namespace losshead::cli {
 // A client for --server with --max_message_bytes and --deadline_s.
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection = false);
 
-// The placement --replicas asks for: one device for 1, replicated otherwise.
-v1::Placement PlacementFromFlags();
+// The placement --replicas and --shards ask for: one device for --replicas=1 without --shards,
+// replicated or sharded otherwise. INVALID_ARGUMENT for both at once.
+absl::StatusOr<v1::Placement> PlacementFromFlags();
 
 int RunDemo();
 int RunBench();

@@ -36,6 +36,10 @@ ABSL_FLAG(double, init_std, 0, "create: normal init std; 0 means zeros");
 ABSL_FLAG(int, replicas, 1,
           "create, bench: devices the head is replicated over (1: one device; 0: every device "
           "of the server)");
+ABSL_FLAG(int, shards, 0,
+          "create, bench: devices the head is sharded over by vocabulary rows, each holding "
+          "V / shards of them (0: not sharded; -1: every device of the server); not with "
+          "--replicas");
 
 ABSL_FLAG(int64_t, n, 1024, "bench: tokens per micro-batch");
 ABSL_FLAG(int64_t, d, 512, "bench: hidden size");

@@ -34,6 +34,7 @@ ABSL_DECLARE_FLAG(int, print_every);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(double, init_std);
 ABSL_DECLARE_FLAG(int, replicas);
+ABSL_DECLARE_FLAG(int, shards);
 // bench
 ABSL_DECLARE_FLAG(int64_t, n);
 ABSL_DECLARE_FLAG(int64_t, d);

@@ -1,9 +1,11 @@
-// A head replicated over 2 and 4 GPUs (each size skips where fewer are visible) against the same
-// head on the CPU backend and on one GPU: every micro-batch's loss and dH bit for bit those of the
-// one-GPU head (each runs whole on a replica holding the same W), dW after pulls and W after
-// AdamW steps within bf16 rounding of the CPU backend's, and a rerun of the same sequence
-// bit-identical (micro-batches sent one at a time go round the replicas in the same order, and
-// NCCL gives the same bits for the same call).
+// A head replicated over 2 and 4 GPUs, and sharded by vocabulary rows over 1, 2 and 4 (each size
+// skips where fewer are visible), against the same head on the CPU backend and on one GPU. A
+// replicated head's micro-batches give the one-GPU head's loss and dH bit for bit (each runs
+// whole on a replica holding the same W); a sharded head's agree up to summation order (the
+// shards combine their softmax statistics and dH parts). dW after pulls and W after AdamW steps
+// are within bf16 rounding of the CPU backend's, and a rerun of the same sequence is
+// bit-identical (micro-batches sent one at a time go round the replicas in the same order, the
+// shards' kernels are deterministic, and NCCL gives the same bits for the same call).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,7 +15,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "losshead/kernels/collective.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
@@ -25,7 +29,7 @@ namespace {
 constexpr int64_t kV = 1031, kD = 256;  // 1031 rows: uneven row shards on 2 and 4 devices
 constexpr int kMicrobatches = 8;
 
-v1::HeadSpec Spec(int replicas) {
+v1::HeadSpec Spec(int devices, v1::PlacementKind kind = v1::PLACEMENT_SINGLE) {
   v1::HeadSpec spec;
   spec.set_name("h");
   spec.set_vocab_size(kV);
@@ -34,10 +38,8 @@ v1::HeadSpec Spec(int replicas) {
   spec.mutable_init()->mutable_normal()->set_std(0.05f);
   spec.mutable_init()->mutable_normal()->set_seed(11);
   spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
-  if (replicas > 1) {
-    spec.mutable_placement()->set_kind(v1::PLACEMENT_REPLICATED);
-    spec.mutable_placement()->set_devices(replicas);
-  }
+  spec.mutable_placement()->set_kind(kind);
+  spec.mutable_placement()->set_devices(devices);
   return spec;
 }
 
@@ -133,10 +135,16 @@ double RelativeError(const std::vector<float>& got, const std::vector<float>& wa
   return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
-class ReplicatedCudaTest : public ::testing::TestWithParam<int> {};
+struct Placed {
+  v1::PlacementKind kind;
+  int k;
+};
 
-TEST_P(ReplicatedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
-  const int k = GetParam();
+class PlacedCudaTest : public ::testing::TestWithParam<Placed> {};
+
+TEST_P(PlacedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
+  const int k = GetParam().k;
+  const bool sharded = GetParam().kind == v1::PLACEMENT_SHARDED;
   if (kernels::CudaDeviceCount() < k) {
     GTEST_SKIP() << "needs " << k << " CUDA devices, " << kernels::CudaDeviceCount() << " visible";
   }
@@ -153,8 +161,8 @@ TEST_P(ReplicatedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
 
   auto on_cpu = Head::Create(**cpu, Spec(1), HeadOptions{});
   auto on_one = Head::Create(*devices[0], Spec(1), HeadOptions{});
-  auto replicated = Head::Create(devices, Spec(k), HeadOptions{});
-  auto again = Head::Create(devices, Spec(k), HeadOptions{});
+  auto replicated = Head::Create(devices, Spec(k, GetParam().kind), HeadOptions{});
+  auto again = Head::Create(devices, Spec(k, GetParam().kind), HeadOptions{});
   ASSERT_TRUE(on_cpu.ok() && on_one.ok() && replicated.ok() && again.ok())
       << on_cpu.status() << on_one.status() << replicated.status() << again.status();
   ASSERT_EQ((*replicated)->Info().devices_size(), k);
@@ -165,10 +173,22 @@ TEST_P(ReplicatedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   const SequenceResult second = RunSequence(**again);
   ASSERT_EQ(first.dh.size(), one.dh.size());
 
-  // The first window's micro-batches all ran on one W: each bit for bit the one-GPU head's.
+  // The first window's micro-batches all ran on one W: each bit for bit the one-GPU head's when
+  // replicated, up to the order of the sums when sharded.
   for (int i = 0; i < kMicrobatches; ++i) {
-    EXPECT_EQ(first.losses[i], one.losses[i]) << "micro-batch " << i;
-    EXPECT_EQ(first.dh[i], one.dh[i]) << "micro-batch " << i;
+    if (sharded) {
+      // The one-GPU call rounds its logits to bf16 (CudaBackendOptions::bf16_logits); the shards
+      // keep them in fp32 for their statistics.
+      EXPECT_NEAR(first.losses[i], one.losses[i], 1e-3 * std::abs(one.losses[i]))
+          << "micro-batch " << i;
+      EXPECT_LT(RelativeError(Floats(first.dh[i], kernels::DType::kBF16),
+                              Floats(one.dh[i], kernels::DType::kBF16)),
+                1e-2)
+          << "micro-batch " << i;
+    } else {
+      EXPECT_EQ(first.losses[i], one.losses[i]) << "micro-batch " << i;
+      EXPECT_EQ(first.dh[i], one.dh[i]) << "micro-batch " << i;
+    }
   }
   // Against the CPU backend: bf16 inputs and outputs, fp32 accumulation in another order.
   for (size_t i = 0; i < first.dh.size(); ++i) {
@@ -187,10 +207,11 @@ TEST_P(ReplicatedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   EXPECT_LT(RelativeError(Floats(first.last_dw, kernels::DType::kFP32),
                           Floats(cpu_run.last_dw, kernels::DType::kFP32)),
             2e-2);
-  // The replicated window is the one-GPU window up to the order of its fp32 sums.
+  // The window is the one-GPU window up to the order of its fp32 sums (and, sharded, to the
+  // rounding of the gradient operand, which the shards compute from their own statistics).
   EXPECT_LT(
       RelativeError(Floats(first.dw, kernels::DType::kFP32), Floats(one.dw, kernels::DType::kFP32)),
-      1e-5);
+      sharded ? 1e-2 : 1e-5);
 
   // A rerun: the same bits everywhere.
   EXPECT_EQ(first.losses, second.losses);
@@ -199,19 +220,30 @@ TEST_P(ReplicatedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   EXPECT_TRUE(first.w == second.w);
   EXPECT_TRUE(first.last_dw == second.last_dw);
 
-  // Each device holds W, its dW and a k-th of the optimizer state.
+  // Each device holds W (a shard: its rows of it), its dW and a k-th of the optimizer state.
   const v1::HeadInfo info = (*replicated)->Info();
+  EXPECT_EQ(info.spec().placement().kind(), GetParam().kind);
   uint64_t state = 0;
-  for (const v1::HeadMemory& memory : info.device_memory()) {
-    EXPECT_EQ(memory.weights_bytes(), static_cast<uint64_t>(kV * kD * 2));
+  for (int r = 0; r < info.device_memory_size(); ++r) {
+    const v1::HeadMemory& memory = info.device_memory(r);
+    const uint64_t rows = sharded ? kernels::ShardRange(kV, k, r).size() : kV;
+    EXPECT_EQ(memory.weights_bytes(), rows * kD * 2);
+    EXPECT_EQ(memory.gradient_bytes(), rows * kD * 4);
     EXPECT_LT(memory.optimizer_state_bytes(), static_cast<uint64_t>(kV * kD * 8) / k + kD * 8);
     state += memory.optimizer_state_bytes();
   }
   EXPECT_EQ(state, static_cast<uint64_t>(kV * kD * 8));
 }
 
-INSTANTIATE_TEST_SUITE_P(Gpus, ReplicatedCudaTest, ::testing::Values(2, 4),
-                         [](const auto& info) { return std::to_string(info.param) + "gpus"; });
+INSTANTIATE_TEST_SUITE_P(
+    Gpus, PlacedCudaTest,
+    ::testing::Values(Placed{v1::PLACEMENT_REPLICATED, 2}, Placed{v1::PLACEMENT_REPLICATED, 4},
+                      Placed{v1::PLACEMENT_SHARDED, 1}, Placed{v1::PLACEMENT_SHARDED, 2},
+                      Placed{v1::PLACEMENT_SHARDED, 4}),
+    [](const auto& info) {
+      return absl::StrCat(info.param.kind == v1::PLACEMENT_SHARDED ? "sharded_" : "replicated_",
+                          info.param.k, "gpus");
+    });
 
 }  // namespace
 }  // namespace losshead::server

@@ -1,0 +1,281 @@
+// Benchmark of a vocabulary-sharded micro-batch (bf16, mean reduction): the shard sequence of
+// losshead/kernels/shard_problem.h over k GPUs joined by NCCL (per token chunk: logits and
+// statistics on every shard, AllGather, gradient and dH parts, AllReduce of dH, rounding on shard
+// 0), against the unsharded fused Run on GPU 0, in one process on the same random data.
+//
+//   losshead_shard_bench [--n=8192] [--v=128256] [--d=4096] [--shards=1,2,4] [--runs=10]
+//                        [--budget_mib=4096]
+//
+// Per k: the median wall time of the whole micro-batch (all shards' streams synchronised), its
+// ratio to the unsharded call, and the device memory per GPU (W and dW rows, workspace, buffers).
+// k larger than the visible GPUs is skipped. With --one_gpu, the k shards' sequences run one after
+// another on GPU 0 with no exchange (statistics and partials are then one shard's, so the results
+// are not the head's): the per-shard compute time a k-GPU run cannot beat, for hosts with one GPU.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/bench/bench_util.h"
+#include "kernels/bench/random_fill.cuh"
+#include "kernels/cuda/cuda_backend.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/collective.h"
+
+namespace losshead {
+namespace {
+
+using bench::Unwrap;
+using kernels::Backend;
+using kernels::DeviceBuffer;
+
+// One shard's buffers and calls.
+struct ShardState {
+  Backend* backend = nullptr;
+  std::unique_ptr<kernels::Stream> stream;
+  kernels::ShardProblem problem;
+  kernels::ShardArguments args;
+  DeviceBuffer hidden, weight, targets, grad, stats, partial, workspace, grad_hidden, scalars;
+  size_t bytes = 0;  // what it holds
+};
+
+DeviceBuffer Alloc(Backend& backend, size_t bytes, size_t* total) {
+  *total += bytes;
+  return Unwrap(backend.Allocate(std::max<size_t>(bytes, 1)), "allocate");
+}
+
+cudaStream_t Native(kernels::Stream& stream) { return static_cast<cudaStream_t>(stream.native()); }
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// k shards (on GPUs 0..k-1, or all on GPU 0 with `one_gpu`), filled with the same random data
+// (the counter-based fill gives every device the same H, targets, and its rows of one W).
+std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, int k,
+                                   const kernels::Problem& p, size_t budget, bool one_gpu) {
+  std::vector<ShardState> s(k);
+  int64_t chunk = p.n;
+  for (int r = 0; r < k; ++r) {
+    const kernels::Shard rows = kernels::ShardRange(p.v, k, r);
+    s[r].backend = gpus[one_gpu ? 0 : r].get();
+    s[r].problem = {.problem = p,
+                    .row_begin = rows.begin,
+                    .rows = rows.size(),
+                    .shards = one_gpu ? 1 : k,
+                    .rank = one_gpu ? 0 : r};
+    chunk = std::min(chunk, Unwrap(s[r].backend->PlanShard(s[r].problem, budget), "plan").chunk_rows);
+  }
+  for (int r = 0; r < k; ++r) {
+    ShardState& st = s[r];
+    Backend& b = *st.backend;
+    const int64_t rows = st.problem.rows;
+    const kernels::ShardPlan plan = Unwrap(b.PlanShard(st.problem, budget), "plan");
+    st.stream = Unwrap(b.CreateStream(), "stream");
+    BENCH_CUDA(cudaSetDevice(b.device_ordinal()));
+    st.hidden = Alloc(b, p.n * p.d * 2, &st.bytes);
+    st.weight = Alloc(b, rows * p.d * 2, &st.bytes);
+    st.targets = Alloc(b, p.n * 4, &st.bytes);
+    st.grad = Alloc(b, rows * p.d * 4, &st.bytes);
+    st.stats = Alloc(b, st.problem.shards * kernels::kShardStats * chunk * 4, &st.bytes);
+    st.partial = Alloc(b, chunk * p.d * 4, &st.bytes);
+    st.workspace = Alloc(b, plan.workspace_bytes, &st.bytes);
+    st.scalars = Alloc(b, 16, &st.bytes);
+    // Shard 0 rounds dH; with one_gpu every shard runs alone, as its own shard 0.
+    if (r == 0 || one_gpu) st.grad_hidden = Alloc(b, p.n * p.d * 2, &st.bytes);
+    const cudaStream_t cs = Native(*st.stream);
+    BENCH_CUDA(bench::FillUniformBf16(st.hidden.as<__nv_bfloat16>(), p.n * p.d, 1.0f, 1, cs));
+    // Random rows of W, seeded by where they start.
+    BENCH_CUDA(bench::FillUniformBf16(st.weight.as<__nv_bfloat16>(), rows * p.d, 0.02f,
+                                      1000 + st.problem.row_begin, cs));
+    BENCH_CUDA(bench::FillTargets(st.targets.as<int32_t>(), p.n, p.v, 7, cs));
+    BENCH_CUDA(cudaMemsetAsync(st.grad.data(), 0, st.grad.bytes(), cs));
+    kernels::ShardArguments& a = st.args;
+    a.hidden = st.hidden.data();
+    a.weight = st.weight.data();
+    a.targets = st.targets.as<int32_t>();
+    a.grad_weight = st.grad.as<float>();
+    a.grad_hidden_partial = st.partial.as<float>();
+    a.stats = st.stats.as<float>();
+    a.stats_chunk_rows = chunk;
+    a.workspace = st.workspace.data();
+    a.workspace_bytes = plan.workspace_bytes;
+    if (r == 0 || one_gpu) {
+      a.token_count = st.scalars.as<int64_t>();
+      a.loss_sum = reinterpret_cast<float*>(st.scalars.as<char>() + 8);
+    }
+    BENCH_OK(st.stream->Synchronize());
+  }
+  return s;
+}
+
+// One micro-batch over the shards, as the server's engine drives it (shard_step.cc).
+void RunSharded(std::vector<ShardState>& s, kernels::Collective* collective, int64_t n,
+                int64_t d) {
+  const int64_t chunk_rows = s[0].args.stats_chunk_rows;
+  std::vector<void*> stats, partials;
+  std::vector<kernels::Stream*> streams;
+  for (ShardState& st : s) {
+    stats.push_back(st.stats.data());
+    partials.push_back(st.partial.data());
+    streams.push_back(st.stream.get());
+    BENCH_OK(st.backend->ShardBegin(st.problem, st.args, *st.stream));
+  }
+  const std::vector<int64_t> slices(s.size(), kernels::kShardStats * chunk_rows);
+  for (int64_t t0 = 0; t0 < n; t0 += chunk_rows) {
+    const kernels::ShardChunk chunk{.begin = t0, .size = std::min(chunk_rows, n - t0)};
+    for (ShardState& st : s) {
+      BENCH_OK(st.backend->ShardForward(st.problem, st.args, chunk, *st.stream));
+    }
+    if (collective != nullptr) {
+      BENCH_OK(collective->AllGather(stats, slices, kernels::DType::kFP32, streams));
+    }
+    for (ShardState& st : s) {
+      BENCH_OK(st.backend->ShardBackward(st.problem, st.args, chunk, *st.stream));
+    }
+    if (collective != nullptr) {
+      BENCH_OK(collective->AllReduce(partials, chunk.size * d, kernels::DType::kFP32,
+                                     kernels::ReduceOp::kSum, streams));
+    }
+    BENCH_OK(s[0].backend->ShardStoreGradHidden(s[0].problem, s[0].partial.as<float>(), chunk,
+                                                s[0].grad_hidden.data(), *s[0].stream));
+  }
+  for (ShardState& st : s) BENCH_OK(st.stream->Synchronize());
+}
+
+template <typename Fn>
+double MedianWallMs(int runs, Fn fn) {
+  for (int i = 0; i < 2; ++i) fn();  // warm-up: plans, handles, NCCL channels
+  std::vector<double> ms;
+  for (int i = 0; i < runs; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                     .count());
+  }
+  return Median(ms);
+}
+
+int Main(int argc, char** argv) {
+  int64_t n = 8192, v = 128256, d = 4096;
+  int runs = 10;
+  size_t budget = size_t{4096} << 20;
+  bool one_gpu = false;
+  std::vector<int> shard_counts = {1, 2, 4};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--n=", 0) == 0) n = std::atoll(a.c_str() + 4);
+    if (a.rfind("--v=", 0) == 0) v = std::atoll(a.c_str() + 4);
+    if (a.rfind("--d=", 0) == 0) d = std::atoll(a.c_str() + 4);
+    if (a.rfind("--runs=", 0) == 0) runs = std::max(1, std::atoi(a.c_str() + 7));
+    if (a.rfind("--budget_mib=", 0) == 0) budget = size_t(std::atoll(a.c_str() + 13)) << 20;
+    if (a == "--one_gpu") one_gpu = true;
+    if (a.rfind("--shards=", 0) == 0) {
+      shard_counts.clear();
+      for (absl::string_view part : absl::StrSplit(a.substr(9), ',')) {
+        int k = 0;
+        if (!absl::SimpleAtoi(part, &k) || k < 1) {
+          std::fprintf(stderr, "bad --shards\n");
+          return 2;
+        }
+        shard_counts.push_back(k);
+      }
+    }
+  }
+  const int gpus_visible = kernels::CudaDeviceCount();
+  if (gpus_visible < 1) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  std::vector<std::unique_ptr<Backend>> gpus;
+  for (int i = 0; i < gpus_visible; ++i) {
+    gpus.push_back(Unwrap(kernels::CreateBackend(kernels::BackendKind::kCuda, i), "backend"));
+  }
+  const kernels::Problem p{.n = n, .d = d, .v = v, .dtype = kernels::DType::kBF16};
+  std::printf("shard_bench: N=%lld V=%lld D=%lld bf16 mean, budget %zu MiB, %d GPU(s): %s%s\n",
+              static_cast<long long>(n), static_cast<long long>(v), static_cast<long long>(d),
+              budget >> 20, gpus_visible, gpus[0]->device_description().c_str(),
+              one_gpu ? ", shards one after another on GPU 0 (no exchange)" : "");
+
+  // The unsharded fused call on GPU 0 (the one-device head's Run).
+  double whole_ms = 0;
+  {
+    Backend& b = *gpus[0];
+    size_t bytes = 0;
+    auto stream = Unwrap(b.CreateStream(), "stream");
+    const cudaStream_t cs = Native(*stream);
+    DeviceBuffer hidden = Alloc(b, n * d * 2, &bytes), weight = Alloc(b, v * d * 2, &bytes),
+                 targets = Alloc(b, n * 4, &bytes), grad = Alloc(b, v * d * 4, &bytes),
+                 grad_hidden = Alloc(b, n * d * 2, &bytes), scalars = Alloc(b, 16, &bytes);
+    const size_t ws_bytes = Unwrap(b.WorkspaceBytes(p, budget), "workspace");
+    DeviceBuffer workspace = Alloc(b, ws_bytes, &bytes);
+    BENCH_CUDA(bench::FillUniformBf16(hidden.as<__nv_bfloat16>(), n * d, 1.0f, 1, cs));
+    BENCH_CUDA(bench::FillUniformBf16(weight.as<__nv_bfloat16>(), v * d, 0.02f, 1000, cs));
+    BENCH_CUDA(bench::FillTargets(targets.as<int32_t>(), n, v, 7, cs));
+    BENCH_CUDA(cudaMemsetAsync(grad.data(), 0, grad.bytes(), cs));
+    kernels::Arguments args;
+    args.hidden = hidden.data();
+    args.weight = weight.data();
+    args.targets = targets.as<int32_t>();
+    args.grad_hidden = grad_hidden.data();
+    args.grad_weight = grad.as<float>();
+    args.token_count = scalars.as<int64_t>();
+    args.loss_sum = reinterpret_cast<float*>(scalars.as<char>() + 8);
+    args.workspace = workspace.data();
+    args.workspace_bytes = ws_bytes;
+    whole_ms = MedianWallMs(runs, [&] {
+      BENCH_OK(b.Run(p, args, *stream));
+      BENCH_OK(stream->Synchronize());
+    });
+    std::printf("unsharded Run on GPU 0: %.2f ms, %.0f tokens/s, device memory %.2f GiB\n",
+                whole_ms, n / whole_ms * 1e3, bytes / double(1 << 30));
+  }
+
+  for (int k : shard_counts) {
+    if (!one_gpu && k > gpus_visible) {
+      std::printf("k=%d: skipped, %d GPU(s) visible\n", k, gpus_visible);
+      continue;
+    }
+    std::vector<ShardState> shards = MakeShards(gpus, k, p, budget, one_gpu);
+    std::unique_ptr<kernels::Collective> collective;
+    if (!one_gpu && k > 1) {
+      std::vector<Backend*> devices;
+      for (int r = 0; r < k; ++r) devices.push_back(gpus[r].get());
+      collective = Unwrap(kernels::CreateCollective(devices), "collective");
+    }
+    double ms = 0;
+    if (one_gpu) {
+      // Each shard's sequence alone; the slowest is what k GPUs would wait for.
+      for (ShardState& st : shards) {
+        std::vector<ShardState> one;
+        one.push_back(std::move(st));
+        ms = std::max(ms, MedianWallMs(runs, [&] { RunSharded(one, nullptr, n, d); }));
+        st = std::move(one[0]);
+      }
+    } else {
+      ms = MedianWallMs(runs, [&] { RunSharded(shards, collective.get(), n, d); });
+    }
+    size_t most = 0;
+    for (const ShardState& st : shards) most = std::max(most, st.bytes);
+    std::printf(
+        "k=%d: %.2f ms per micro-batch (%.3f of unsharded; target <= %.3f), %.0f tokens/s, chunk "
+        "%lld tokens, device memory per GPU %.2f GiB (largest shard)\n",
+        k, ms, ms / whole_ms, 1.25 / k, n / ms * 1e3,
+        static_cast<long long>(shards[0].args.stats_chunk_rows), most / double(1 << 30));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace losshead
+
+int main(int argc, char** argv) { return losshead::Main(argc, argv); }
