@@ -1,7 +1,7 @@
 // A server of several devices (three CPU devices here) end to end: a replicated head spreads over
-// them and says so, its gradient window is exactly the float64 sum of every micro-batch sent while
-// pulls with reset cut it from another client, and its checkpoint restores onto however many
-// devices the next server has.
+// them and says so, its gradient window (and a vocabulary-sharded head's) is the float64 sum of
+// every micro-batch sent while pulls with reset cut it from another client, and its checkpoint
+// restores onto however many devices the next server has.
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +26,12 @@ v1::Placement Replicated(uint32_t devices) {
   v1::Placement placement;
   placement.set_kind(v1::PLACEMENT_REPLICATED);
   placement.set_devices(devices);
+  return placement;
+}
+
+v1::Placement Sharded(uint32_t devices) {
+  v1::Placement placement = Replicated(devices);
+  placement.set_kind(v1::PLACEMENT_SHARDED);
   return placement;
 }
 
@@ -82,13 +88,15 @@ TEST(ReplicatedServiceTest, HeadsArePlacedOnTheDevicesTheyAskFor) {
   EXPECT_EQ(client->GetHead("four").status().code(), absl::StatusCode::kNotFound);
 }
 
-TEST(ReplicatedServiceTest, PullsWithResetWhileStreamsStepLoseNothingAndCountNothingTwice) {
+// Three streams with three micro-batches in flight each, while another client pulls with reset:
+// the pulls add up to the float64 sum of every micro-batch, each counted once.
+void PullsWithResetLoseNothing(const v1::Placement& placement) {
   auto server = StartOn({0, 1, 2});
   ASSERT_NE(server, nullptr);
   auto admin = server->NewClient();
   constexpr int kSteppers = 3, kPerStepper = 8;
-  constexpr int64_t n = 24, d = 16, v = 53;  // 53 rows: replicas own 17, 18 and 18
-  auto head = CreateKnownHead(*admin, "racing", v, d, v1::DTYPE_FP32, 4, 0.5, Replicated(3));
+  constexpr int64_t n = 24, d = 16, v = 53;  // 53 rows: the devices own 17, 18 and 18
+  auto head = CreateKnownHead(*admin, "racing", v, d, v1::DTYPE_FP32, 4, 0.5, placement);
   ASSERT_TRUE(head.ok()) << head.status();
 
   std::vector<double> want_dw(v * d, 0.0);
@@ -177,9 +185,19 @@ TEST(ReplicatedServiceTest, PullsWithResetWhileStreamsStepLoseNothingAndCountNot
   // Every replica ran micro-batches (each sized its workspace).
   auto info = admin->GetHead(head->name);
   ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->spec().placement().kind(), placement.kind());
+  ASSERT_EQ(info->device_memory_size(), 3);
   for (const v1::HeadMemory& memory : info->device_memory()) {
     EXPECT_GT(memory.workspace_bytes(), 0u);
   }
+}
+
+TEST(ReplicatedServiceTest, PullsWithResetWhileStreamsStepLoseNothingAndCountNothingTwice) {
+  PullsWithResetLoseNothing(Replicated(3));
+}
+
+TEST(ShardedServiceTest, PullsWithResetWhileStreamsStepLoseNothingAndCountNothingTwice) {
+  PullsWithResetLoseNothing(Sharded(3));
 }
 
 TEST(ReplicatedServiceTest, CheckpointRestoresOntoTheDevicesTheNextServerHas) {

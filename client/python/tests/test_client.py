@@ -341,6 +341,31 @@ def test_chunks_over_several_connections(server_address: str, make_head) -> None
     assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
 
 
+def test_sharded_head_matches_the_reference(servers) -> None:
+    """A head sharded by vocabulary rows over the three (CPU) devices of a server: every chunk
+    runs on all shards, which combine their softmax statistics; loss, dH and dW are the float64
+    reference's, and W comes back whole."""
+    server = servers.start("--devices=0,1,2")
+    n, d, v = 500, 24, 61  # 61 rows: shards hold 20, 20 and 21
+    hidden, weight, targets = random_problem(n, d, v, seed=9, ignore_fraction=0.1)
+    with Client(server.address, client_id="sharded") as c:
+        info = c.create_head("shard", v, d, weight_dtype=torch.float32, shards=0)
+        assert info.spec.placement.kind == pb.PLACEMENT_SHARDED
+        assert [m.weights_bytes for m in info.device_memory] == [20 * d * 4, 20 * d * 4, 21 * d * 4]
+        c.upload_weights("shard", weight)
+        assert torch.equal(c.download_weights("shard").weights, weight)
+        r = c.step_chunked("shard", hidden, targets, chunk_tokens=64, streams=3)
+        ref = reference(hidden, weight, targets, reduction="sum")
+        assert r.token_count == ref.token_count
+        assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+        assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+        pulled = c.pull_gradient("shard", reset=True)
+        assert pulled.summary.microbatch_count == 8
+        assert_close(pulled.grad, ref.grad_weight, FP32_REL, "dW")
+        with pytest.raises(ValueError):
+            c.create_head("both", v, d, replicas=2, shards=2)
+
+
 def test_replicated_head_matches_the_reference(servers) -> None:
     """A head replicated over the three (CPU) devices of a server: chunks run on every replica
     from several streams, and the reduced window is the float64 sum."""

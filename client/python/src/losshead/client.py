@@ -182,17 +182,25 @@ class Client(Steps, Transfers):
     def create_head(self, name: str, vocab_size: int, hidden_size: int, *,
                     weight_dtype: DTypeLike = torch.bfloat16, init_std: Optional[float] = None,
                     seed: int = 0, default_options: Optional[LossOptions] = None,
-                    replicas: int = 1) -> pb.HeadInfo:
+                    replicas: int = 1, shards: Optional[int] = None) -> pb.HeadInfo:
         """Creates a head with W = 0, or W ~ N(0, init_std^2) seeded by `seed`.
 
         `replicas`: the server devices holding it (1: one device; k > 1: replicated over k, each
         micro-batch running whole on one of them, the gradient window reduced across them; 0:
-        every device of the server). The answer's `devices` names them."""
+        every device of the server). `shards` instead: sharded by vocabulary rows over that many
+        devices (0: every device), each holding V / shards rows of W, dW and the optimizer, every
+        micro-batch running on all of them. The answer's `devices` names them."""
         if replicas < 0:
             raise ValueError(f"losshead: replicas must be >= 0, got {replicas}")
+        if shards is not None and (shards < 0 or replicas != 1):
+            raise ValueError(f"losshead: shards must be >= 0 and not given with replicas, got "
+                             f"shards={shards}, replicas={replicas}")
         spec = pb.HeadSpec(name=name, vocab_size=int(vocab_size), hidden_size=int(hidden_size),
                            weight_dtype=_wire.to_wire_dtype(weight_dtype))
-        if replicas != 1:
+        if shards is not None:
+            spec.placement.kind = pb.PLACEMENT_SHARDED
+            spec.placement.devices = int(shards)
+        elif replicas != 1:
             spec.placement.kind = pb.PLACEMENT_REPLICATED
             spec.placement.devices = int(replicas)
         if init_std is None:

@@ -381,7 +381,7 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                       wire_dtype: DTypeLike = torch.bfloat16, ignore_index: int = IGNORE_INDEX,
                       label_smoothing: float = 0.0, z_loss: float = 0.0,
                       output_type: Callable[..., Any] = CausalLMOutput,
-                      replicas: int = 1) -> OffloadedHead:
+                      replicas: int = 1, shards: Optional[int] = None) -> OffloadedHead:
     """Moves `model.lm_head` to the head `head` of a losshead server; returns its handle.
 
     `create` (default) creates the head with the model's V, D and `head_dtype` (default: the
@@ -389,7 +389,8 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     attaches to an existing head of the same V x D (ValueError otherwise) and uploads nothing
     (a data-parallel rank other than the one that created it, or a server that holds the trained
     head already); `upload` overrides either default. `replicas` spreads a created head over
-    that many of the server's devices (0: all; see Client.create_head). The upload replaces W in one PushWeights
+    that many of the server's devices (0: all), `shards` shards it by vocabulary rows over that
+    many (see Client.create_head). The upload replaces W in one PushWeights
     stream of pieces, checked against the version the head had (FAILED_PRECONDITION if someone
     pushed in between). The model is checked before anything is sent; a failed upload deletes
     the head it had created, and the model is left as it was.
@@ -415,7 +416,7 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     created = False
     if create:
         info = client.create_head(head, vocab_size, hidden_size, weight_dtype=dtype,
-                                  replicas=replicas)
+                                  replicas=replicas, shards=shards)
         created = True
     else:
         info = client.get_head(head)
