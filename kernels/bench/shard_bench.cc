@@ -73,7 +73,8 @@ std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, 
                     .rows = rows.size(),
                     .shards = one_gpu ? 1 : k,
                     .rank = one_gpu ? 0 : r};
-    chunk = std::min(chunk, Unwrap(s[r].backend->PlanShard(s[r].problem, budget), "plan").chunk_rows);
+    chunk =
+        std::min(chunk, Unwrap(s[r].backend->PlanShard(s[r].problem, budget), "plan").chunk_rows);
   }
   for (int r = 0; r < k; ++r) {
     ShardState& st = s[r];
@@ -119,8 +120,7 @@ std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, 
 }
 
 // One micro-batch over the shards, as the server's engine drives it (shard_step.cc).
-void RunSharded(std::vector<ShardState>& s, kernels::Collective* collective, int64_t n,
-                int64_t d) {
+void RunSharded(std::vector<ShardState>& s, kernels::Collective* collective, int64_t n, int64_t d) {
   const int64_t chunk_rows = s[0].args.stats_chunk_rows;
   std::vector<void*> stats, partials;
   std::vector<kernels::Stream*> streams;

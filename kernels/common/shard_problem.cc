@@ -9,10 +9,9 @@ namespace losshead::kernels {
 absl::Status ValidateShardProblem(const ShardProblem& shard) {
   if (absl::Status status = ValidateProblem(shard.problem); !status.ok()) return status;
   if (shard.rows < 1 || shard.row_begin < 0 || shard.row_begin > shard.problem.v - shard.rows) {
-    return absl::InvalidArgumentError(absl::StrCat("shard rows [", shard.row_begin, ", ",
-                                                   shard.row_begin + shard.rows,
-                                                   ") must be a non-empty part of [0, ",
-                                                   shard.problem.v, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard rows [", shard.row_begin, ", ", shard.row_begin + shard.rows,
+                     ") must be a non-empty part of [0, ", shard.problem.v, ")"));
   }
   if (shard.shards < 1 || shard.rank < 0 || shard.rank >= shard.shards) {
     return absl::InvalidArgumentError(absl::StrCat("shard rank ", shard.rank, " of ", shard.shards,
@@ -25,7 +24,8 @@ absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArgume
   if (absl::Status status = ValidateShardProblem(shard); !status.ok()) return status;
   if (args.hidden == nullptr || args.weight == nullptr || args.targets == nullptr ||
       args.stats == nullptr) {
-    return absl::InvalidArgumentError("shard call: hidden, weight, targets and stats must not be null");
+    return absl::InvalidArgumentError(
+        "shard call: hidden, weight, targets and stats must not be null");
   }
   if (args.stats_chunk_rows < 1) {
     return absl::InvalidArgumentError(
@@ -41,10 +41,9 @@ absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments&
                                 ShardChunk chunk) {
   if (absl::Status status = ValidateShardArguments(shard, args); !status.ok()) return status;
   if (chunk.size < 1 || chunk.begin < 0 || chunk.begin > shard.problem.n - chunk.size) {
-    return absl::InvalidArgumentError(absl::StrCat("shard chunk [", chunk.begin, ", ",
-                                                   chunk.begin + chunk.size,
-                                                   ") must be a non-empty part of [0, ",
-                                                   shard.problem.n, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard chunk [", chunk.begin, ", ", chunk.begin + chunk.size,
+                     ") must be a non-empty part of [0, ", shard.problem.n, ")"));
   }
   if (chunk.size > args.stats_chunk_rows) {
     return absl::InvalidArgumentError(absl::StrCat("shard chunk of ", chunk.size,

@@ -121,10 +121,10 @@ absl::StatusOr<ShardChunkPlan> PlanShardChunks(const ShardProblem& shard, size_t
     }
   }
   if (lo == 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cpu backend needs at least ", total(1), " bytes for a shard of ", shard.rows,
-        " rows with d=", shard.problem.d, " (workspace, statistics and dH partials), budget is ",
-        budget_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend needs at least ", total(1), " bytes for a shard of ", shard.rows,
+                     " rows with d=", shard.problem.d,
+                     " (workspace, statistics and dH partials), budget is ", budget_bytes));
   }
   return LayoutShard(shard, lo);
 }

@@ -432,8 +432,8 @@ absl::Status CpuBackend::ShardForward(const ShardProblem& shard, const ShardArgu
     for (int64_t q = begin; q < end; ++q) {
       const int32_t y = args.targets[chunk.begin + q];
       const int64_t local = y == ignore ? -1 : y - shard.row_begin;
-      const ShardRowStats row = ComputeShardRowStats(logits + q * rows, rows, local,
-                                                     shard.problem.options.softcap);
+      const ShardRowStats row =
+          ComputeShardRowStats(logits + q * rows, rows, local, shard.problem.options.softcap);
       for (int s = 0; s < kShardStats; ++s) slice[s * stride + q] = row.stats[s];
     }
   });
@@ -457,9 +457,8 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
     for (int64_t q = begin; q < end; ++q) {
       const int32_t y = args.targets[chunk.begin + q];
       const bool ignored = y == options.ignore_index;
-      const ShardTokenLoss token = CombineShardStats(args.stats, args.stats_chunk_rows,
-                                                     shard.shards, q, ignored, options,
-                                                     shard.problem.v);
+      const ShardTokenLoss token = CombineShardStats(
+          args.stats, args.stats_chunk_rows, shard.shards, q, ignored, options, shard.problem.v);
       row_stats[2 * q] = token.loss;
       row_stats[2 * q + 1] = token.lse;
       if (want_grad) {
@@ -488,8 +487,7 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
     // dH partial (chunk x d) = G . W_rows
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(chunk.size),
                 static_cast<int>(d), static_cast<int>(rows), 1.0f, logits, static_cast<int>(rows),
-                weight, static_cast<int>(d), 0.0f, args.grad_hidden_partial,
-                static_cast<int>(d));
+                weight, static_cast<int>(d), 0.0f, args.grad_hidden_partial, static_cast<int>(d));
   }
   if (args.grad_weight != nullptr) {
     // dW_rows (rows x d) += G^T . H_chunk
@@ -506,13 +504,13 @@ absl::Status CpuBackend::ShardStoreGradHidden(const ShardProblem& shard, const f
                                               Stream& /*stream*/) {
   if (absl::Status status = CanImplementShard(shard); !status.ok()) return status;
   if (partial == nullptr || grad_hidden == nullptr) {
-    return absl::InvalidArgumentError("ShardStoreGradHidden: partial and grad_hidden must not be null");
+    return absl::InvalidArgumentError(
+        "ShardStoreGradHidden: partial and grad_hidden must not be null");
   }
   if (chunk.size < 1 || chunk.begin < 0 || chunk.begin > shard.problem.n - chunk.size) {
-    return absl::InvalidArgumentError(absl::StrCat("shard chunk [", chunk.begin, ", ",
-                                                   chunk.begin + chunk.size,
-                                                   ") must be a non-empty part of [0, ",
-                                                   shard.problem.n, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard chunk [", chunk.begin, ", ", chunk.begin + chunk.size,
+                     ") must be a non-empty part of [0, ", shard.problem.n, ")"));
   }
   const int64_t d = shard.problem.d;
   const DType dtype = shard.problem.dtype;

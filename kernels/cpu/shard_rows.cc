@@ -48,8 +48,8 @@ ShardTokenLoss CombineShardStats(const float* stats, int64_t stride, int shards,
   return result;
 }
 
-void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool ignored,
-                             double lse, const LossOptions& options, int64_t v, float grad_scale) {
+void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool ignored, double lse,
+                             const LossOptions& options, int64_t v, float grad_scale) {
   if (ignored) {
     std::memset(z, 0, static_cast<size_t>(rows) * sizeof(float));
     return;

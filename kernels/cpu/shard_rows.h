@@ -32,8 +32,8 @@ ShardTokenLoss CombineShardStats(const float* stats, int64_t stride, int shards,
 // Overwrites one token's z row (`rows` columns) with grad_scale * dloss/dx_j for its columns:
 // LossOptions' g_j from the global `lse`, the one-hot at `local_target` (none outside [0, rows)),
 // eps / v with the whole vocabulary's v, chained through the soft-cap. Zeros for an ignored token.
-void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool ignored,
-                             double lse, const LossOptions& options, int64_t v, float grad_scale);
+void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool ignored, double lse,
+                             const LossOptions& options, int64_t v, float grad_scale);
 
 }  // namespace losshead::kernels
 

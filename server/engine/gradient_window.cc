@@ -23,8 +23,8 @@
 namespace losshead::server {
 
 using head_internal::Convert;
-using head_internal::kConvertBlock;
 using head_internal::DeviceRowByteOffset;
+using head_internal::kConvertBlock;
 using head_internal::RowByteOffset;
 using head_internal::RowBytes;
 
@@ -148,8 +148,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
     }
   }
   const std::string& source = in_place ? data : staged;
-  LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, source.data(), 0,
-                                          static_cast<int64_t>(count)));
+  LOSSHEAD_RETURN_IF_ERROR(
+      group_->CopyIn(&Replica::weights, esize, source.data(), 0, static_cast<int64_t>(count)));
   LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
   LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
   absl::MutexLock state(&state_mu_);

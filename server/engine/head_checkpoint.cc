@@ -142,8 +142,8 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     // zero, so the sum is the saved window); each replica's rows of the optimizer. A shard takes
     // its rows of each.
     const int64_t count = static_cast<int64_t>(v * d);
-    LOSSHEAD_RETURN_IF_ERROR(group.CopyIn(&Replica::weights, kernels::DTypeSize(dtype),
-                                          data.weights.data(), 0, count));
+    LOSSHEAD_RETURN_IF_ERROR(
+        group.CopyIn(&Replica::weights, kernels::DTypeSize(dtype), data.weights.data(), 0, count));
     LOSSHEAD_RETURN_IF_ERROR(
         group.CopyIn(&Replica::grad, sizeof(float), data.gradient.data(), 0, count));
     LOSSHEAD_RETURN_IF_ERROR(group.BroadcastWeights());

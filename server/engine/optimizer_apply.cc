@@ -172,9 +172,9 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
   std::vector<double> partial(group_->size(), 0.0);
   for (const auto& r : group_->replicas()) {
-    LOSSHEAD_RETURN_IF_ERROR(r->backend.SquaredNorm(r->grad.as<float>() + group_->DeviceRowOffset(*r),
-                                                    group_->RowElements(*r),
-                                                    r->optimizer.norm.as<double>(), *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.SquaredNorm(
+        r->grad.as<float>() + group_->DeviceRowOffset(*r), group_->RowElements(*r),
+        r->optimizer.norm.as<double>(), *r->stream));
     LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(&partial[r->rank], r->optimizer.norm.data(),
                                                    sizeof(double), *r->stream));
   }

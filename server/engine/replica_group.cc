@@ -25,10 +25,10 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
   const int k = static_cast<int>(devices.size());
   if (k < 1) return absl::InvalidArgumentError("a head needs at least one device");
   if (vocab_size < k) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a head of ", vocab_size, " rows cannot be ",
-        layout == Layout::kSharded ? "sharded" : "replicated", " over ", k,
-        " devices: each owns at least one row"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a head of ", vocab_size, " rows cannot be ",
+                     layout == Layout::kSharded ? "sharded" : "replicated", " over ", k,
+                     " devices: each owns at least one row"));
   }
   std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype, layout));
   for (int r = 0; r < k; ++r) {
@@ -138,10 +138,9 @@ absl::Status ReplicaGroup::CopyIn(kernels::DeviceBuffer Replica::*tensor, size_t
 absl::Status ReplicaGroup::CopyWeightsOut(char* host) {
   const size_t esize = kernels::DTypeSize(dtype_);
   for (const auto& r : replicas_) {
-    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(host + RowOffset(*r) * esize,
-                                                   r->weights.as<char>() + DeviceRowOffset(*r) * esize,
-                                                   (sharded() ? RowElements(*r) : vocab_size_ * hidden_size_) * esize,
-                                                   *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
+        host + RowOffset(*r) * esize, r->weights.as<char>() + DeviceRowOffset(*r) * esize,
+        (sharded() ? RowElements(*r) : vocab_size_ * hidden_size_) * esize, *r->stream));
     if (!sharded()) break;  // every replica holds the same W
   }
   return absl::OkStatus();

@@ -81,9 +81,9 @@ absl::Status Head::RunShards(const ShardRun& run, std::span<IoSlot* const> slots
     }
     if (!run.grad_hidden) continue;
     LOSSHEAD_RETURN_IF_ERROR(group_->SumShardPartials(chunk.size * hidden_size()));
-    LOSSHEAD_RETURN_IF_ERROR(first.backend.ShardStoreGradHidden(
-        run.shards[0], first.shard_partial.as<float>(), chunk, slots[0]->grad_hidden.data(),
-        *first.stream));
+    LOSSHEAD_RETURN_IF_ERROR(
+        first.backend.ShardStoreGradHidden(run.shards[0], first.shard_partial.as<float>(), chunk,
+                                           slots[0]->grad_hidden.data(), *first.stream));
   }
   return absl::OkStatus();
 }

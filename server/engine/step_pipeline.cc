@@ -20,8 +20,8 @@
 #include "losshead/v1/wire_dtype.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
-#include "server/engine/replica_group.h"
 #include "server/engine/proto_convert.h"
+#include "server/engine/replica_group.h"
 #include "server/engine/request_fingerprint.h"
 #include "server/engine/status_macros.h"
 
@@ -271,8 +271,7 @@ absl::Status Head::StageIn(const Prepared& p, Replica& replica, IoSlot& slot, bo
     LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.per_token, n * sizeof(float)));
   }
   // The larger of the two directions: the buffer serves the copies in, then the copies out.
-  const size_t out_bytes =
-      (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0);
+  const size_t out_bytes = (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0);
   LOSSHEAD_ASSIGN_OR_RETURN(
       const bool staged,
       EnsureStaging(replica, slot.staging, std::max(hidden_bytes + targets_bytes, out_bytes)));

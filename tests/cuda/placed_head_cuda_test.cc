@@ -17,9 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "losshead/kernels/collective.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
+#include "losshead/kernels/collective.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 

@@ -70,15 +70,15 @@ void ExpectMatchesReference(const Problem& p, const Outputs& out, const Referenc
   for (int64_t t = 0; t < p.n; ++t) {
     if (ref.per_token_loss[t] == 0.0) EXPECT_EQ(out.per_token_loss[t], 0.0f) << "token " << t;
   }
-  EXPECT_LE(WorstToleranceRatio(out.grad_hidden, ref.grad_hidden, dh_rel,
-                                1e-6 * MaxAbs(ref.grad_hidden)),
-            1.0)
+  EXPECT_LE(
+      WorstToleranceRatio(out.grad_hidden, ref.grad_hidden, dh_rel, 1e-6 * MaxAbs(ref.grad_hidden)),
+      1.0)
       << "grad_hidden";
   std::vector<double> expected_dw = ref.grad_weight;
   for (size_t i = 0; i < grad_weight_before.size(); ++i) expected_dw[i] += grad_weight_before[i];
-  EXPECT_LE(WorstToleranceRatio(ToDouble(out.grad_weight), expected_dw, 1e-5,
-                                1e-6 * MaxAbs(expected_dw)),
-            1.0)
+  EXPECT_LE(
+      WorstToleranceRatio(ToDouble(out.grad_weight), expected_dw, 1e-5, 1e-6 * MaxAbs(expected_dw)),
+      1.0)
       << "grad_weight";
 }
 
@@ -92,17 +92,16 @@ TEST_P(CpuShardTest, MatchesTheReferenceAndTheUnshardedRun) {
   p.options.z_loss = c.z_loss;
   p.options.softcap = c.softcap;
   p.options.grad_scale = 0.75f;
-  const Inputs in = MakeRandomInputs(p, 1000 + c.shards * 10 + static_cast<int>(c.dtype),
-                                     InputSpec{.hidden_scale = 1.5,
-                                               .weight_scale = 0.8,
-                                               .ignore_fraction = c.ignore_fraction});
+  const Inputs in = MakeRandomInputs(
+      p, 1000 + c.shards * 10 + static_cast<int>(c.dtype),
+      InputSpec{.hidden_scale = 1.5, .weight_scale = 0.8, .ignore_fraction = c.ignore_fraction});
   const ReferenceResult ref = ReferenceLoss(p, in.hidden, in.weight, in.targets);
   RunOptions options;
   options.workspace_budget = 6000;  // a few tokens per chunk
   const Shard first = ShardRange(p.v, c.shards, 0);
-  absl::StatusOr<ShardPlan> plan = shards_[0]->PlanShard(
-      ShardProblem{.problem = p, .rows = first.size(), .shards = c.shards},
-      options.workspace_budget);
+  absl::StatusOr<ShardPlan> plan =
+      shards_[0]->PlanShard(ShardProblem{.problem = p, .rows = first.size(), .shards = c.shards},
+                            options.workspace_budget);
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_LT(plan->chunk_rows, p.n / 2) << "the budget should split the micro-batch";
   options.initial_grad_weight.resize(p.v * p.d);
@@ -136,13 +135,22 @@ TEST_P(CpuShardTest, MatchesTheReferenceAndTheUnshardedRun) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, CpuShardTest,
     ::testing::Values(Case{.shards = 2, .dtype = DType::kFP32, .reduction = Reduction::kMean},
-                      Case{.shards = 3, .dtype = DType::kBF16, .reduction = Reduction::kMean,
+                      Case{.shards = 3,
+                           .dtype = DType::kBF16,
+                           .reduction = Reduction::kMean,
                            .ignore_fraction = 0.3},
-                      Case{.shards = 3, .dtype = DType::kFP32, .reduction = Reduction::kSum,
-                           .label_smoothing = 0.1f, .z_loss = 1e-3f, .softcap = 4.0f,
+                      Case{.shards = 3,
+                           .dtype = DType::kFP32,
+                           .reduction = Reduction::kSum,
+                           .label_smoothing = 0.1f,
+                           .z_loss = 1e-3f,
+                           .softcap = 4.0f,
                            .ignore_fraction = 0.2},
-                      Case{.shards = 2, .dtype = DType::kBF16, .reduction = Reduction::kNone,
-                           .label_smoothing = 0.05f, .softcap = 6.0f}));
+                      Case{.shards = 2,
+                           .dtype = DType::kBF16,
+                           .reduction = Reduction::kNone,
+                           .label_smoothing = 0.05f,
+                           .softcap = 6.0f}));
 
 TEST(CpuShardSingleTest, OneShardIsTheWholeHead) {
   std::unique_ptr<Backend> cpu = CreateCpuBackend(2);

@@ -60,15 +60,15 @@ absl::Status SumThroughHost(std::vector<ShardState>& s, int64_t floats) {
   std::vector<double> sum(floats, 0.0);
   std::vector<float> part(floats);
   for (ShardState& shard : s) {
-    LH_RETURN_IF_ERROR(
-        shard.backend->CopyToHost(part.data(), shard.partial, floats * sizeof(float), *shard.stream));
+    LH_RETURN_IF_ERROR(shard.backend->CopyToHost(part.data(), shard.partial, floats * sizeof(float),
+                                                 *shard.stream));
     LH_RETURN_IF_ERROR(shard.stream->Synchronize());
     for (int64_t i = 0; i < floats; ++i) sum[i] += part[i];
   }
   for (int64_t i = 0; i < floats; ++i) part[i] = static_cast<float>(sum[i]);
   for (ShardState& shard : s) {
-    LH_RETURN_IF_ERROR(
-        shard.backend->CopyToDevice(shard.partial, part.data(), floats * sizeof(float), *shard.stream));
+    LH_RETURN_IF_ERROR(shard.backend->CopyToDevice(shard.partial, part.data(),
+                                                   floats * sizeof(float), *shard.stream));
     LH_RETURN_IF_ERROR(shard.stream->Synchronize());
   }
   return absl::OkStatus();
@@ -112,11 +112,13 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
     for (const auto* buffer : {&hidden, &weight, &targets, &stats, &partial, &workspace}) {
       if (!buffer->ok()) return buffer->status();
     }
-    LH_RETURN_IF_ERROR(b.CopyToDevice(*hidden, in.hidden_bytes.data(), n * d * element, *st.stream));
+    LH_RETURN_IF_ERROR(
+        b.CopyToDevice(*hidden, in.hidden_bytes.data(), n * d * element, *st.stream));
     LH_RETURN_IF_ERROR(b.CopyToDevice(*weight,
                                       in.weight_bytes.data() + st.problem.row_begin * d * element,
                                       rows * d * element, *st.stream));
-    LH_RETURN_IF_ERROR(b.CopyToDevice(*targets, in.targets.data(), n * sizeof(int32_t), *st.stream));
+    LH_RETURN_IF_ERROR(
+        b.CopyToDevice(*targets, in.targets.data(), n * sizeof(int32_t), *st.stream));
     a.hidden = *hidden;
     a.weight = *weight;
     a.targets = static_cast<const int32_t*>(*targets);
@@ -132,9 +134,9 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
       if (options.initial_grad_weight.empty()) {
         LH_RETURN_IF_ERROR(b.Memset(*grad, 0, rows * d * sizeof(float), *st.stream));
       } else {
-        LH_RETURN_IF_ERROR(b.CopyToDevice(
-            *grad, options.initial_grad_weight.data() + st.problem.row_begin * d,
-            rows * d * sizeof(float), *st.stream));
+        LH_RETURN_IF_ERROR(
+            b.CopyToDevice(*grad, options.initial_grad_weight.data() + st.problem.row_begin * d,
+                           rows * d * sizeof(float), *st.stream));
       }
       a.grad_weight = static_cast<float*>(*grad);
     }
@@ -200,12 +202,13 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
   ShardState& first = s[0];
   Backend& b0 = *first.backend;
   std::vector<uint8_t> grad_hidden_bytes(n * d * element);
-  LH_RETURN_IF_ERROR(b0.CopyToHost(&out.loss_sum, first.args.loss_sum, sizeof(float), *first.stream));
+  LH_RETURN_IF_ERROR(
+      b0.CopyToHost(&out.loss_sum, first.args.loss_sum, sizeof(float), *first.stream));
   LH_RETURN_IF_ERROR(
       b0.CopyToHost(&out.token_count, first.args.token_count, sizeof(int64_t), *first.stream));
   if (options.grad_hidden) {
-    LH_RETURN_IF_ERROR(b0.CopyToHost(grad_hidden_bytes.data(), first.grad_hidden, n * d * element,
-                                     *first.stream));
+    LH_RETURN_IF_ERROR(
+        b0.CopyToHost(grad_hidden_bytes.data(), first.grad_hidden, n * d * element, *first.stream));
   }
   if (options.per_token) {
     out.per_token_loss.resize(n);

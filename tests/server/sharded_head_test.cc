@@ -208,8 +208,8 @@ TEST_P(ShardedHeadTest, ConcurrentStreamsMatchTheOneDeviceHead) {
   std::vector<std::vector<Sample>> streams(4);
   for (int t = 0; t < 4; ++t) {
     for (int i = 0; i < 5; ++i) {
-      streams[t].push_back(MakeSample(1 + (t * 11 + i * 7) % 29, c.v, c.dtype,
-                                      2000 + 100 * t + i, absl::StrCat("c", t), i + 1));
+      streams[t].push_back(MakeSample(1 + (t * 11 + i * 7) % 29, c.v, c.dtype, 2000 + 100 * t + i,
+                                      absl::StrCat("c", t), i + 1));
     }
   }
   std::vector<std::vector<std::shared_ptr<const StepOutcome>>> got(4), want(4);
@@ -311,11 +311,12 @@ TEST_P(ShardedHeadTest, PushesAndForwardOnlyStepsReachEveryShard) {
 
 INSTANTIATE_TEST_SUITE_P(ShardedOver, ShardedHeadTest,
                          ::testing::Values(Case{2, 37, v1::DTYPE_BF16}, Case{3, 41, v1::DTYPE_FP32},
-                                           Case{3, 37, v1::DTYPE_BF16}, Case{2, 41, v1::DTYPE_FP32}),
+                                           Case{3, 37, v1::DTYPE_BF16},
+                                           Case{2, 41, v1::DTYPE_FP32}),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           return absl::StrCat("k", info.param.k, "_v", info.param.v,
-                                               info.param.dtype == v1::DTYPE_BF16 ? "_bf16"
-                                                                                  : "_fp32");
+                           return absl::StrCat(
+                               "k", info.param.k, "_v", info.param.v,
+                               info.param.dtype == v1::DTYPE_BF16 ? "_bf16" : "_fp32");
                          });
 
 // AdamW on a bf16 head sharded three ways: each shard steps its rows with its own state; norms
@@ -402,7 +403,8 @@ TEST(ShardedHeadCheckpointTest, RestoresOnAnyPlacement) {
   const Pulled window = Pull(original, false);
 
   std::vector<std::unique_ptr<kernels::Backend>> backends;
-  for (int i = 0; i < 3; ++i) backends.push_back(*kernels::CreateBackend(kernels::BackendKind::kCpu));
+  for (int i = 0; i < 3; ++i)
+    backends.push_back(*kernels::CreateBackend(kernels::BackendKind::kCpu));
   kernels::Backend* const two[] = {backends[0].get(), backends[1].get()};
   auto on_two = Head::Restore(two, *snap, HeadOptions{});
   ASSERT_TRUE(on_two.ok()) << on_two.status();

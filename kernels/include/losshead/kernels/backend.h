@@ -127,8 +127,7 @@ class Backend {
   // [0, n) or larger than the plan's, a workspace smaller than the plan's) and launches nothing
   // on error. RESOURCE_EXHAUSTED from PlanShard when no chunk fits the budget. A backend that
   // cannot run shards (a test double) answers UNIMPLEMENTED, the default.
-  virtual absl::StatusOr<ShardPlan> PlanShard(const ShardProblem& shard,
-                                              size_t budget_bytes) const;
+  virtual absl::StatusOr<ShardPlan> PlanShard(const ShardProblem& shard, size_t budget_bytes) const;
   virtual absl::Status ShardBegin(const ShardProblem& shard, const ShardArguments& args,
                                   Stream& stream);
   virtual absl::Status ShardForward(const ShardProblem& shard, const ShardArguments& args,
@@ -138,8 +137,7 @@ class Backend {
   // grad_hidden rows [chunk.begin, chunk.begin + chunk.size) (N x D, problem.dtype) = `partial`
   // (chunk.size x D fp32, the dH partials summed over the shards) rounded to the dtype.
   virtual absl::Status ShardStoreGradHidden(const ShardProblem& shard, const float* partial,
-                                            ShardChunk chunk, void* grad_hidden,
-                                            Stream& stream);
+                                            ShardChunk chunk, void* grad_hidden, Stream& stream);
 
   // Memory management.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;

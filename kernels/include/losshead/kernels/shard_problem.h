@@ -61,10 +61,10 @@ struct ShardPlan {
 
 // Pointers for one shard's calls; every buffer in that backend's memory.
 struct ShardArguments {
-  const void* hidden = nullptr;       // N x D, problem.dtype: the whole micro-batch
-  const void* weight = nullptr;       // rows x D, problem.dtype: this shard's rows
-  const int32_t* targets = nullptr;   // N, in [0, V) or ignore_index
-  float* grad_weight = nullptr;       // rows x D fp32, accumulated into (+=); optional
+  const void* hidden = nullptr;      // N x D, problem.dtype: the whole micro-batch
+  const void* weight = nullptr;      // rows x D, problem.dtype: this shard's rows
+  const int32_t* targets = nullptr;  // N, in [0, V) or ignore_index
+  float* grad_weight = nullptr;      // rows x D fp32, accumulated into (+=); optional
   // chunk_rows x D fp32, this shard's part of the chunk's dH; null: no dH (forward only or
   // skip_grad_hidden).
   float* grad_hidden_partial = nullptr;
