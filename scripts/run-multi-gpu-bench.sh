@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# A head on one GPU and replicated over every GPU of the host, in one run: one losshead-server
-# with --devices=all, the C++ `losshead bench` (random head, V = 128256, D = 4096, 8192-token
-# micro-batches) on 1, 2, 4, ... replicas with 8 streams per replica, and each placement's
-# device memory per GPU (HeadInfo, and nvidia-smi while the benchmark runs).
+# A head on one GPU, replicated and sharded over the GPUs of the host, in one run: one
+# losshead-server with --devices=all, the C++ `losshead bench` (random head, V = 128256,
+# D = 4096, 8192-token micro-batches) on 1, 2, 4, ... replicas with 8 streams per replica, and
+# each placement's device memory per GPU (HeadInfo, and nvidia-smi while the benchmark runs);
+# then `losshead_shard_bench` (the sharded micro-batch's latency on 1, 2, 4, ... GPUs against the
+# unsharded call), and a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and
+# dW) refused on one and served sharded over every GPU.
 #
 #   scripts/run-multi-gpu-bench.sh BUNDLE_DIR [OUT_DIR]
 #
-# BUNDLE_DIR holds bin/losshead-server, bin/losshead and lib/ (see scripts/run-gpu-e2e-bench.sh);
+# BUNDLE_DIR holds bin/losshead-server, bin/losshead, bin/losshead_shard_bench and lib/ (see scripts/run-gpu-e2e-bench.sh);
 # libnccl.so.2 must be on LD_LIBRARY_PATH. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,3 +57,26 @@ done | tee "$out/summary.txt"
 "$bundle/bin/losshead" create --server="127.0.0.1:$port" --head=memory --vocab=128256 \
   --hidden=4096 --dtype=bf16 --replicas=0 --init_std=0.02 | tee -a "$out/summary.txt"
 "$bundle/bin/losshead" delete --server="127.0.0.1:$port" --head=memory > /dev/null
+
+# Sharded: one micro-batch's latency over 1, 2, 4, ... GPUs against the unsharded call.
+counts=1
+k=2
+while [ "$k" -le "$gpus" ]; do counts="$counts,$k"; k=$((k * 2)); done
+"$bundle/bin/losshead_shard_bench" --shards="$counts" --runs=10 | tee -a "$out/summary.txt"
+
+# A head whose W and dW (2,000,000 x 16384: 61 GiB bf16 + 122 GiB fp32) fit no single GPU:
+# refused on one device, then created sharded over all of them and stepped. A check of the
+# placement, not a timing: its W is zeros (a random init of 33e9 weights on the host would take
+# minutes), so its figures do not go into BENCHMARKS.md as speed.
+wide() { "$bundle/bin/losshead" "$@" --server="127.0.0.1:$port" --head=wide; }
+if wide create --vocab=2000000 --hidden=16384 --dtype=bf16 > "$out/wide-single.log" 2>&1; then
+  echo "a 2,000,000 x 16384 head fit one GPU" | tee -a "$out/summary.txt"
+  wide delete > /dev/null
+else
+  echo "one GPU: $(tail -1 "$out/wide-single.log")" | tee -a "$out/summary.txt"
+fi
+wide create --vocab=2000000 --hidden=16384 --dtype=bf16 --shards=-1 | tee -a "$out/summary.txt"
+wide bench --d=16384 --v=2000000 --n=4096 --streams=2 --seconds="$seconds" 2>&1 \
+  | tee "$out/bench-wide.log" | grep -E 'tokens/s|p50|check' | sed 's/^/sharded, zero W: /' \
+  | tee -a "$out/summary.txt"
+wide delete > /dev/null
