@@ -34,12 +34,13 @@ void PrintHead(const v1::HeadInfo& h) {
       static_cast<unsigned long long>(h.memory().workspace_bytes()),
       absl::StrJoin(h.devices(), ", ").c_str());
   if (h.devices_size() < 2) return;
+  const char* part = h.spec().placement().kind() == v1::PLACEMENT_SHARDED ? "shard" : "replica";
   for (int i = 0; i < h.device_memory_size() && i < h.devices_size(); ++i) {
     const v1::HeadMemory& m = h.device_memory(i);
     std::printf(
-        "  replica %d on %s: weights=%llu B gradient=%llu B workspace=%llu B "
+        "  %s %d on %s: weights=%llu B gradient=%llu B workspace=%llu B "
         "master_weights=%llu B optimizer_state=%llu B\n",
-        i, h.devices(i).c_str(), static_cast<unsigned long long>(m.weights_bytes()),
+        part, i, h.devices(i).c_str(), static_cast<unsigned long long>(m.weights_bytes()),
         static_cast<unsigned long long>(m.gradient_bytes()),
         static_cast<unsigned long long>(m.workspace_bytes()),
         static_cast<unsigned long long>(m.master_weights_bytes()),

@@ -54,6 +54,35 @@ class FaultyBackend : public kernels::Backend {
     }
     return status;
   }
+  // A shard's halves: `fail_run` strikes after its backward half has added to dW.
+  absl::StatusOr<kernels::ShardPlan> PlanShard(const kernels::ShardProblem& shard,
+                                               size_t budget) const override {
+    return inner_->PlanShard(shard, budget);
+  }
+  absl::Status ShardBegin(const kernels::ShardProblem& shard, const kernels::ShardArguments& args,
+                          kernels::Stream& stream) override {
+    ++runs;
+    return inner_->ShardBegin(shard, args, stream);
+  }
+  absl::Status ShardForward(const kernels::ShardProblem& shard,
+                            const kernels::ShardArguments& args, kernels::ShardChunk chunk,
+                            kernels::Stream& stream) override {
+    return inner_->ShardForward(shard, args, chunk, stream);
+  }
+  absl::Status ShardBackward(const kernels::ShardProblem& shard,
+                             const kernels::ShardArguments& args, kernels::ShardChunk chunk,
+                             kernels::Stream& stream) override {
+    absl::Status status = inner_->ShardBackward(shard, args, chunk, stream);
+    if (status.ok() && fail_run.exchange(false)) {
+      return absl::InternalError("injected: the device failed during the run");
+    }
+    return status;
+  }
+  absl::Status ShardStoreGradHidden(const kernels::ShardProblem& shard, const float* partial,
+                                    kernels::ShardChunk chunk, void* grad_hidden,
+                                    kernels::Stream& stream) override {
+    return inner_->ShardStoreGradHidden(shard, partial, chunk, grad_hidden, stream);
+  }
   absl::Status SquaredNorm(const float* data, int64_t count, double* result,
                            kernels::Stream& stream) override {
     return inner_->SquaredNorm(data, count, result, stream);
@@ -118,6 +147,8 @@ class DeviceFaultTest : public ::testing::Test {
     weights_ = FromBytes<float>(w->data);
   }
 
+ public:
+  // A sum-reduced fp32 micro-batch of kN tokens (also for the sharded test below).
   static MicroBatch Batch(uint64_t seed, const std::string& client, uint64_t sequence) {
     MicroBatch mb;
     mb.header.set_head("h");
@@ -134,6 +165,7 @@ class DeviceFaultTest : public ::testing::Test {
     return mb;
   }
 
+ protected:
   // dW must be exactly `count` times the float64 reference's sum-reduced gradient of `mb`.
   void ExpectGradientHolds(const MicroBatch& mb, int count) {
     const auto y = FromBytes<int32_t>(mb.targets);
@@ -273,6 +305,52 @@ TEST_F(DeviceFaultTest, ForwardOnlyFailureCountsNothingAndIsNotRemembered) {
   EXPECT_TRUE(head_->Step(mb, &stats).ok());
   EXPECT_FALSE(stats.replayed);
   ExpectGradientHolds(mb, 1);
+}
+
+// A head sharded over two such devices: a shard failing after it has added to its rows of dW
+// spends the key (DATA_LOSS, never computed again), as on one device; a failure before any shard
+// ran is forgotten and the retry counts once.
+TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) {
+  std::vector<std::unique_ptr<FaultyBackend>> owned;
+  std::vector<kernels::Backend*> devices;
+  for (int r = 0; r < 2; ++r) {
+    owned.push_back(std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
+    devices.push_back(owned.back().get());
+  }
+  v1::HeadSpec spec;
+  spec.set_name("h");
+  spec.set_vocab_size(kV);
+  spec.set_hidden_size(kD);
+  spec.set_weight_dtype(v1::DTYPE_FP32);
+  spec.mutable_init()->mutable_normal()->set_std(0.5f);
+  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
+  spec.mutable_placement()->set_devices(2);
+  auto head = Head::Create(devices, spec, HeadOptions{});
+  ASSERT_TRUE(head.ok()) << head.status();
+  StepStats stats;
+
+  const MicroBatch first = DeviceFaultTest::Batch(3, "c", 1);
+  owned[1]->fail_run = true;
+  auto failed = (*head)->Step(first, &stats);
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_EQ((*head)->Info().microbatches_total(), 0u);
+  auto retry = (*head)->Step(first, &stats);
+  EXPECT_EQ(retry.status(), failed.status());
+  EXPECT_EQ(owned[0]->runs.load(), 1);  // never run again
+
+  const MicroBatch second = DeviceFaultTest::Batch(4, "c", 2);
+  owned[1]->fail_copy_in = true;
+  failed = (*head)->Step(second, &stats);
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+  EXPECT_EQ(owned[0]->runs.load(), 1);
+  auto ok = (*head)->Step(second, &stats);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_FALSE(stats.replayed);
+  EXPECT_EQ((*head)->Info().microbatches_total(), 1u);
+  auto replay = (*head)->Step(second, &stats);
+  ASSERT_TRUE(replay.ok());
+  EXPECT_TRUE(stats.replayed);
+  EXPECT_EQ((*head)->Info().microbatches_total(), 1u);
 }
 
 }  // namespace
