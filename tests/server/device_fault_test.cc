@@ -64,9 +64,8 @@ class FaultyBackend : public kernels::Backend {
     ++runs;
     return inner_->ShardBegin(shard, args, stream);
   }
-  absl::Status ShardForward(const kernels::ShardProblem& shard,
-                            const kernels::ShardArguments& args, kernels::ShardChunk chunk,
-                            kernels::Stream& stream) override {
+  absl::Status ShardForward(const kernels::ShardProblem& shard, const kernels::ShardArguments& args,
+                            kernels::ShardChunk chunk, kernels::Stream& stream) override {
     return inner_->ShardForward(shard, args, chunk, stream);
   }
   absl::Status ShardBackward(const kernels::ShardProblem& shard,
@@ -314,7 +313,8 @@ TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) 
   std::vector<std::unique_ptr<FaultyBackend>> owned;
   std::vector<kernels::Backend*> devices;
   for (int r = 0; r < 2; ++r) {
-    owned.push_back(std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
+    owned.push_back(
+        std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
     devices.push_back(owned.back().get());
   }
   v1::HeadSpec spec;
