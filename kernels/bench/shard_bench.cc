@@ -76,6 +76,7 @@ std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, 
     chunk =
         std::min(chunk, Unwrap(s[r].backend->PlanShard(s[r].problem, budget), "plan").chunk_rows);
   }
+  chunk = kernels::BalancedChunkRows(p.n, chunk);  // as the server's engine runs them
   for (int r = 0; r < k; ++r) {
     ShardState& st = s[r];
     Backend& b = *st.backend;

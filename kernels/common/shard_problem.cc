@@ -1,6 +1,8 @@
 // What every backend checks of a vocabulary shard, and the default of a backend without shards.
 #include "losshead/kernels/shard_problem.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/backend.h"
 
@@ -51,6 +53,14 @@ absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments&
                                                    args.stats_chunk_rows, ")"));
   }
   return absl::OkStatus();
+}
+
+int64_t BalancedChunkRows(int64_t n, int64_t max_rows) {
+  if (max_rows < 1 || n <= max_rows) return std::max<int64_t>(std::min(n, max_rows), 1);
+  const int64_t chunks = (n + max_rows - 1) / max_rows;
+  const int64_t even = (n + chunks - 1) / chunks;
+  const int64_t rounded = (even + 127) / 128 * 128;
+  return rounded <= max_rows ? rounded : even;
 }
 
 namespace {

@@ -32,6 +32,7 @@ absl::Status Head::PrepareShards(ShardRun& run) {
     // Shards differ by at most one row: the smallest chunk fits every shard's plan.
     run.chunk_rows = std::min(run.chunk_rows, plan.chunk_rows);
   }
+  run.chunk_rows = kernels::BalancedChunkRows(run.problem.n, run.chunk_rows);
   const int64_t stats_floats = int64_t{k} * kernels::kShardStats * run.chunk_rows;
   const int64_t partial_floats = run.grad_hidden ? run.chunk_rows * hidden_size() : 0;
   for (const auto& r : group_->replicas()) {

@@ -178,6 +178,16 @@ TEST(CpuShardSingleTest, ForwardOnlyGivesTheSameLoss) {
   EXPECT_EQ(trained->token_count, evaluated->token_count);
 }
 
+TEST(BalancedChunkRowsTest, FewestEqualChunksInWholeTilesWhereTheyFit) {
+  EXPECT_EQ(BalancedChunkRows(8192, 7936), 4096);  // not 7936 + 256
+  EXPECT_EQ(BalancedChunkRows(1000, 300), 256);    // 4 chunks of 250, rounded to 256
+  EXPECT_EQ(BalancedChunkRows(1000, 255), 250);    // 256 would not fit
+  EXPECT_EQ(BalancedChunkRows(100, 100), 100);
+  EXPECT_EQ(BalancedChunkRows(47, 500), 47);
+  EXPECT_EQ(BalancedChunkRows(47, 16), 16);
+  EXPECT_EQ(BalancedChunkRows(5, 0), 1);
+}
+
 // Every call refuses what is wrong with INVALID_ARGUMENT and writes nothing.
 TEST(CpuShardErrorsTest, RefusesBadCalls) {
   std::unique_ptr<Backend> cpu = CreateCpuBackend(1);

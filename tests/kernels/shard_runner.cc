@@ -93,6 +93,7 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
     if (!plan.ok()) return plan.status();
     chunk_rows = std::min(chunk_rows, plan->chunk_rows);
   }
+  chunk_rows = BalancedChunkRows(p.n, chunk_rows);
   const int64_t stats_floats = static_cast<int64_t>(k) * kShardStats * chunk_rows;
   for (int r = 0; r < k; ++r) {
     ShardState& st = s[r];

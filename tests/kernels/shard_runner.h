@@ -17,7 +17,8 @@ namespace losshead::kernels::testing {
 // exchanged with `collective` (AllGather, AllReduce) when given, else through the host: copied
 // out, gathered or summed in rank order in double, copied back (so that shards on one device, or
 // backends without a collective, can run too). The chunk size is the smallest of the shards'
-// plans for options.workspace_budget. dW is the shards' rows, concatenated (V x D).
+// plans for options.workspace_budget, balanced (BalancedChunkRows) as the server runs it. dW is the
+// shards' rows, concatenated (V x D).
 absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective* collective,
                                    const Inputs& inputs, const RunOptions& options = {});
 

@@ -59,6 +59,12 @@ struct ShardPlan {
   int64_t partial_floats = 0;
 };
 
+// The chunk size a caller should run n tokens in when a plan allows up to `max_rows`: the fewest
+// chunks, all of one size (rounded up to a multiple of 128 tokens where that still fits), so that
+// no short tail chunk pays a whole pass over the shard's fp32 dW for a few tokens. At most
+// max_rows; n when it fits whole.
+int64_t BalancedChunkRows(int64_t n, int64_t max_rows);
+
 // Pointers for one shard's calls; every buffer in that backend's memory.
 struct ShardArguments {
   const void* hidden = nullptr;      // N x D, problem.dtype: the whole micro-batch
