@@ -26,34 +26,26 @@
 #include "server/engine/head.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/replica_group.h"
+#include "tests/server/placed_head_util.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
 namespace {
 
 using testing::Bytes;
+using testing::Decode;
+using testing::Encode;
+using testing::ExpectClose;
 using testing::FromBytes;
+using testing::kD;
+using testing::KernelDType;
+using testing::MakeSample;
+using testing::Pull;
+using testing::Pulled;
 using testing::RandomFloats;
 using testing::ReferenceMean;
-
-constexpr int64_t kD = 24;
-constexpr int32_t kIgnore = -100;
-
-kernels::DType KernelDType(v1::DType dtype) {
-  return dtype == v1::DTYPE_BF16 ? kernels::DType::kBF16 : kernels::DType::kFP32;
-}
-
-std::string Encode(const std::vector<float>& values, v1::DType dtype) {
-  std::string out(values.size() * kernels::DTypeSize(KernelDType(dtype)), '\0');
-  kernels::FromFloat(KernelDType(dtype), values.data(), out.data(), values.size());
-  return out;
-}
-
-std::vector<float> Decode(absl::string_view bytes, v1::DType dtype) {
-  std::vector<float> out(bytes.size() / kernels::DTypeSize(KernelDType(dtype)));
-  kernels::ToFloat(KernelDType(dtype), bytes.data(), out.data(), out.size());
-  return out;
-}
+using testing::Sample;
+using testing::Weights;
 
 // k CPU devices: k backends, or one backend passed k times.
 struct Devices {
@@ -92,34 +84,6 @@ v1::HeadSpec Spec(int64_t v, v1::DType dtype, int replicas,
   return spec;
 }
 
-// A micro-batch in the head's dtype, and the values the head sees (for the fp64 reference).
-struct Sample {
-  MicroBatch mb;
-  std::vector<float> hidden;
-  std::vector<int32_t> targets;
-  int64_t tokens = 0;  // targets other than ignore_index
-};
-
-Sample MakeSample(int64_t n, int64_t v, v1::DType dtype, uint64_t seed, const std::string& client,
-                  uint64_t sequence, bool all_ignored = false) {
-  Sample s;
-  s.mb.header.set_head("h");
-  s.mb.header.set_client_id(client);
-  s.mb.header.set_sequence(sequence);
-  s.mb.header.set_num_tokens(n);
-  s.mb.header.set_hidden_dtype(dtype);
-  s.mb.header.set_target_dtype(v1::DTYPE_INT32);
-  s.mb.hidden = Encode(RandomFloats(static_cast<size_t>(n * kD), seed), dtype);
-  s.hidden = Decode(s.mb.hidden, dtype);
-  std::mt19937_64 rng(seed * 7 + 3);
-  s.targets.resize(n);
-  for (int32_t& y : s.targets) {
-    y = all_ignored || rng() % 5 == 0 ? kIgnore : static_cast<int32_t>(rng() % v);
-    s.tokens += y != kIgnore;
-  }
-  s.mb.targets = Bytes(s.targets);
-  return s;
-}
 
 // The fp64 window of `samples` against W (what the one-device kernel approximates in fp32).
 std::vector<double> ReferenceWindow(const std::vector<const Sample*>& samples,
@@ -132,19 +96,6 @@ std::vector<double> ReferenceWindow(const std::vector<const Sample*>& samples,
   return window;
 }
 
-// |got - want| <= tol * max(floor, |want|) elementwise; the first mismatches are reported.
-template <typename T>
-void ExpectClose(const std::vector<float>& got, const std::vector<T>& want, double tol,
-                 const std::string& what, double floor = 1.0) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  int reported = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double b = static_cast<double>(want[i]);
-    if (std::abs(got[i] - b) <= tol * std::max(floor, std::abs(b))) continue;
-    ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", want " << b;
-    if (++reported == 5) return;
-  }
-}
 
 // Equal as values (a reduction may turn -0 into +0, which is no change of the window).
 void ExpectSameValues(const std::vector<float>& got, const std::vector<float>& want,
@@ -210,17 +161,6 @@ void ExpectSameOutcome(const std::shared_ptr<const StepOutcome>& got,
   EXPECT_TRUE(got->grad_hidden == want->grad_hidden) << what << ": dH differs";
 }
 
-struct Pulled {
-  v1::GradientSummary summary;
-  std::vector<float> values;
-};
-
-Pulled Pull(Head& head, bool reset) {
-  auto g = head.PullGradient(v1::DTYPE_FP32, reset);
-  EXPECT_TRUE(g.ok()) << g.status();
-  if (!g.ok()) return {};
-  return Pulled{g->summary, FromBytes<float>(g->data)};
-}
 
 void ExpectSameCounters(const v1::GradientSummary& got, const v1::GradientSummary& want,
                         const std::string& what) {
@@ -230,11 +170,6 @@ void ExpectSameCounters(const v1::GradientSummary& got, const v1::GradientSummar
   EXPECT_EQ(got.max_weights_version(), want.max_weights_version()) << what;
 }
 
-std::string Weights(Head& head, v1::DType dtype = v1::DTYPE_UNSPECIFIED) {
-  auto w = head.DownloadWeights(dtype);
-  EXPECT_TRUE(w.ok()) << w.status();
-  return w.ok() ? w->data : std::string();
-}
 
 std::vector<float> WeightsFp32(Head& head) {
   return FromBytes<float>(Weights(head, v1::DTYPE_FP32));

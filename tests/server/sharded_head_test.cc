@@ -21,34 +21,26 @@
 #include "losshead/kernels/collective.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
+#include "tests/server/placed_head_util.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
 namespace {
 
 using testing::Bytes;
+using testing::Decode;
+using testing::Encode;
+using testing::ExpectClose;
 using testing::FromBytes;
+using testing::kD;
+using testing::KernelDType;
+using testing::MakeSample;
+using testing::Pull;
+using testing::Pulled;
 using testing::RandomFloats;
 using testing::ReferenceMean;
-
-constexpr int64_t kD = 24;
-constexpr int32_t kIgnore = -100;
-
-kernels::DType KernelDType(v1::DType dtype) {
-  return dtype == v1::DTYPE_BF16 ? kernels::DType::kBF16 : kernels::DType::kFP32;
-}
-
-std::string Encode(const std::vector<float>& values, v1::DType dtype) {
-  std::string out(values.size() * kernels::DTypeSize(KernelDType(dtype)), '\0');
-  kernels::FromFloat(KernelDType(dtype), values.data(), out.data(), values.size());
-  return out;
-}
-
-std::vector<float> Decode(absl::string_view bytes, v1::DType dtype) {
-  std::vector<float> out(bytes.size() / kernels::DTypeSize(KernelDType(dtype)));
-  kernels::ToFloat(KernelDType(dtype), bytes.data(), out.data(), out.size());
-  return out;
-}
+using testing::Sample;
+using testing::Weights;
 
 v1::HeadSpec Spec(int64_t v, v1::DType dtype, int shards,
                   v1::OptimizerKind optimizer = v1::OPTIMIZER_NONE) {
@@ -67,47 +59,7 @@ v1::HeadSpec Spec(int64_t v, v1::DType dtype, int shards,
   return spec;
 }
 
-struct Sample {
-  MicroBatch mb;
-  std::vector<float> hidden;
-  std::vector<int32_t> targets;
-  int64_t tokens = 0;
-};
 
-Sample MakeSample(int64_t n, int64_t v, v1::DType dtype, uint64_t seed, const std::string& client,
-                  uint64_t sequence) {
-  Sample s;
-  s.mb.header.set_head("h");
-  s.mb.header.set_client_id(client);
-  s.mb.header.set_sequence(sequence);
-  s.mb.header.set_num_tokens(n);
-  s.mb.header.set_hidden_dtype(dtype);
-  s.mb.header.set_target_dtype(v1::DTYPE_INT32);
-  s.mb.hidden = Encode(RandomFloats(static_cast<size_t>(n * kD), seed), dtype);
-  s.hidden = Decode(s.mb.hidden, dtype);
-  std::mt19937_64 rng(seed * 7 + 3);
-  s.targets.resize(n);
-  for (int32_t& y : s.targets) {
-    y = rng() % 5 == 0 ? kIgnore : static_cast<int32_t>(rng() % v);
-    s.tokens += y != kIgnore;
-  }
-  s.mb.targets = Bytes(s.targets);
-  return s;
-}
-
-// |got - want| <= tol * max(floor, |want|) elementwise; the first mismatches are reported.
-template <typename T>
-void ExpectClose(const std::vector<float>& got, const std::vector<T>& want, double tol,
-                 const std::string& what, double floor = 1.0) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  int reported = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double b = static_cast<double>(want[i]);
-    if (std::abs(got[i] - b) <= tol * std::max(floor, std::abs(b))) continue;
-    ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", want " << b;
-    if (++reported == 5) return;
-  }
-}
 
 std::shared_ptr<const StepOutcome> StepOk(Head& head, const MicroBatch& mb) {
   StepStats stats;
@@ -139,23 +91,7 @@ void ExpectCloseOutcome(const std::shared_ptr<const StepOutcome>& got,
   }
 }
 
-struct Pulled {
-  v1::GradientSummary summary;
-  std::vector<float> values;
-};
 
-Pulled Pull(Head& head, bool reset) {
-  auto g = head.PullGradient(v1::DTYPE_FP32, reset);
-  EXPECT_TRUE(g.ok()) << g.status();
-  if (!g.ok()) return {};
-  return Pulled{g->summary, FromBytes<float>(g->data)};
-}
-
-std::string Weights(Head& head) {
-  auto w = head.DownloadWeights(v1::DTYPE_UNSPECIFIED);
-  EXPECT_TRUE(w.ok()) << w.status();
-  return w.ok() ? w->data : std::string();
-}
 
 // A sharded head beside a one-device head of the same spec, k CPU devices for the shards.
 struct Pair {
