@@ -4,13 +4,15 @@
 // 0), against the unsharded fused Run on GPU 0, in one process on the same random data.
 //
 //   losshead_shard_bench [--n=8192] [--v=128256] [--d=4096] [--shards=1,2,4] [--runs=10]
-//                        [--budget_mib=4096]
+//                        [--budget_mib=4096] [--one_gpu] [--fp32_logits]
 //
 // Per k: the median wall time of the whole micro-batch (all shards' streams synchronised), its
 // ratio to the unsharded call, and the device memory per GPU (W and dW rows, workspace, buffers).
 // k larger than the visible GPUs is skipped. With --one_gpu, the k shards' sequences run one after
 // another on GPU 0 with no exchange (statistics and partials are then one shard's, so the results
 // are not the head's): the per-shard compute time a k-GPU run cannot beat, for hosts with one GPU.
+// --fp32_logits runs both the unsharded call and the shards with CudaBackendOptions::bf16_logits
+// off (the logits chunk in fp32).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -171,6 +173,7 @@ int Main(int argc, char** argv) {
   int runs = 10;
   size_t budget = size_t{4096} << 20;
   bool one_gpu = false;
+  kernels::CudaBackendOptions options;
   std::vector<int> shard_counts = {1, 2, 4};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -180,6 +183,7 @@ int Main(int argc, char** argv) {
     if (a.rfind("--runs=", 0) == 0) runs = std::max(1, std::atoi(a.c_str() + 7));
     if (a.rfind("--budget_mib=", 0) == 0) budget = size_t(std::atoll(a.c_str() + 13)) << 20;
     if (a == "--one_gpu") one_gpu = true;
+    if (a == "--fp32_logits") options.bf16_logits = false;
     if (a.rfind("--shards=", 0) == 0) {
       shard_counts.clear();
       for (absl::string_view part : absl::StrSplit(a.substr(9), ',')) {
@@ -199,12 +203,14 @@ int Main(int argc, char** argv) {
   }
   std::vector<std::unique_ptr<Backend>> gpus;
   for (int i = 0; i < gpus_visible; ++i) {
-    gpus.push_back(Unwrap(kernels::CreateBackend(kernels::BackendKind::kCuda, i), "backend"));
+    gpus.push_back(Unwrap(kernels::CreateCudaBackend(i, options), "backend"));
   }
   const kernels::Problem p{.n = n, .d = d, .v = v, .dtype = kernels::DType::kBF16};
-  std::printf("shard_bench: N=%lld V=%lld D=%lld bf16 mean, budget %zu MiB, %d GPU(s): %s%s\n",
+  std::printf("shard_bench: N=%lld V=%lld D=%lld bf16 mean, %s logits, budget %zu MiB, %d GPU(s): "
+              "%s%s\n",
               static_cast<long long>(n), static_cast<long long>(v), static_cast<long long>(d),
-              budget >> 20, gpus_visible, gpus[0]->device_description().c_str(),
+              options.bf16_logits ? "bf16" : "fp32", budget >> 20, gpus_visible,
+              gpus[0]->device_description().c_str(),
               one_gpu ? ", shards one after another on GPU 0 (no exchange)" : "");
 
   // The unsharded fused call on GPU 0 (the one-device head's Run).

@@ -12,10 +12,10 @@
 // The optimizer step and the gradient norm are single memory-bound passes (optimizer_step.cu,
 // squared_norm.cu) that share their per-element math with the CPU backend.
 // A vocabulary shard (shard_problem.h) splits the row kernel around the statistics exchange:
-//   ShardForward    logits (C x rows) = H_c . W_rows^T, then per token the shard's statistics
-//                   (shard_softmax.cu), z kept in fp32 in the workspace
-//   ShardBackward   combine the gathered statistics; G over the shard's columns (narrowed in place
-//                   as in Run); partial_c (C x D, fp32) = alpha . G . W_rows;
+//   ShardForward    logits (C x rows) = H_c . W_rows^T (bf16 or fp32 as in Run, kept in the
+//                   workspace), then per token the shard's statistics (shard_softmax.cu)
+//   ShardBackward   combine the gathered statistics; G over the shard's columns (written over the
+//                   logits as in Run); partial_c (C x D, fp32) = alpha . G . W_rows;
 //                   dW_rows += alpha . G^T . H_c
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -315,11 +315,14 @@ class CudaBackend final : public Backend {
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
     switch (shard.problem.dtype) {
       case DType::kFP32:
-        return ShardForwardTyped<float>(shard, args, chunk, layout, *cs);
+        return ShardForwardTyped<float, float>(shard, args, chunk, layout, *cs);
       case DType::kFP16:
-        return ShardForwardTyped<__half>(shard, args, chunk, layout, *cs);
+        return ShardForwardTyped<__half, float>(shard, args, chunk, layout, *cs);
       case DType::kBF16:
-        return ShardForwardTyped<__nv_bfloat16>(shard, args, chunk, layout, *cs);
+        if (UseBf16Logits(shard.problem)) {
+          return ShardForwardTyped<__nv_bfloat16, __nv_bfloat16>(shard, args, chunk, layout, *cs);
+        }
+        return ShardForwardTyped<__nv_bfloat16, float>(shard, args, chunk, layout, *cs);
     }
     return absl::InvalidArgumentError("unknown dtype");
   }
@@ -333,11 +336,14 @@ class CudaBackend final : public Backend {
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
     switch (shard.problem.dtype) {
       case DType::kFP32:
-        return ShardBackwardTyped<float>(shard, args, chunk, layout, *cs);
+        return ShardBackwardTyped<float, float>(shard, args, chunk, layout, *cs);
       case DType::kFP16:
-        return ShardBackwardTyped<__half>(shard, args, chunk, layout, *cs);
+        return ShardBackwardTyped<__half, float>(shard, args, chunk, layout, *cs);
       case DType::kBF16:
-        return ShardBackwardTyped<__nv_bfloat16>(shard, args, chunk, layout, *cs);
+        if (UseBf16Logits(shard.problem)) {
+          return ShardBackwardTyped<__nv_bfloat16, __nv_bfloat16>(shard, args, chunk, layout, *cs);
+        }
+        return ShardBackwardTyped<__nv_bfloat16, float>(shard, args, chunk, layout, *cs);
     }
     return absl::InvalidArgumentError("unknown dtype");
   }
@@ -686,13 +692,14 @@ class CudaBackend final : public Backend {
   }
 
   // The workspace of a shard's chunk: Run's layout with the shard's rows as the logits' width,
-  // always fp32 (z must survive from ShardForward to ShardBackward unrounded). The scalars sit at
-  // offset 0 whatever the chunk, so ShardBegin's count and the loss accumulator carry over.
+  // in bf16 or fp32 as for Run (the logits stay there from ShardForward to ShardBackward). The
+  // scalars sit at offset 0 whatever the chunk, so ShardBegin's count and the loss accumulator
+  // carry over.
   Layout ShardLayoutForChunk(const ShardProblem& shard, int64_t chunk) const {
     Layout l;
     l.chunk = chunk;
     l.ldl = LogitsStride(shard.rows);
-    l.logits_elem = sizeof(float);
+    l.logits_elem = UseBf16Logits(shard.problem) ? 2 : 4;
     l.scalars_off = 0;
     l.row_loss_off = AlignUp(sizeof(RunScalars));
     l.cublas_off = l.row_loss_off + AlignUp(static_cast<size_t>(chunk) * sizeof(float));
@@ -719,8 +726,8 @@ class CudaBackend final : public Backend {
     // Logits row, row loss, stats and partial: alignment padding makes the estimate below off by
     // a row or two either way.
     const size_t per_row =
-        sizeof(float) * (static_cast<size_t>(LogitsStride(shard.rows)) + 1 +
-                         static_cast<size_t>(shard.shards) * kShardStats + shard.problem.d);
+        static_cast<size_t>(LogitsStride(shard.rows)) * ShardLayoutForChunk(shard, 1).logits_elem +
+        sizeof(float) * (1 + static_cast<size_t>(shard.shards) * kShardStats + shard.problem.d);
     // Estimate, then settle on the exact largest chunk.
     int64_t chunk =
         static_cast<int64_t>(std::min<size_t>((bytes - fixed) / per_row, static_cast<size_t>(n)));
@@ -748,13 +755,13 @@ class CudaBackend final : public Backend {
     return p;
   }
 
-  // TIn: H, W and the gradient operand G.
-  template <typename TIn>
+  // TIn: H, W and the gradient operand G; TL: the logits chunk as the first GEMM writes it.
+  template <typename TIn, typename TL>
   absl::Status ShardForwardTyped(const ShardProblem& shard, const ShardArguments& args,
                                  ShardChunk chunk, const Layout& layout, CudaStream& cs) {
     const cudaStream_t stream = cs.stream();
     char* ws = static_cast<char*>(args.workspace);
-    auto* logits = reinterpret_cast<float*>(ws + layout.logits_off);
+    auto* logits = reinterpret_cast<TL*>(ws + layout.logits_off);
     const auto* hidden = static_cast<const TIn*>(args.hidden);
     const int64_t d = shard.problem.d;
     static constexpr float kOne = 1.0f, kZero = 0.0f;
@@ -766,7 +773,7 @@ class CudaBackend final : public Backend {
     g.n = static_cast<int>(chunk.size);
     g.k = static_cast<int>(d);
     g.type_a = g.type_b = CudaType<TIn>();
-    g.type_c = CUDA_R_32F;
+    g.type_c = CudaType<TL>();
     g.lda = static_cast<int>(d);
     g.ldb = static_cast<int>(d);
     g.ldc = static_cast<int>(layout.ldl);
@@ -779,7 +786,7 @@ class CudaBackend final : public Backend {
                                   ShardRowParamsOf(shard), slice, args.stats_chunk_rows, stream);
   }
 
-  template <typename TIn>
+  template <typename TIn, typename TL>
   absl::Status ShardBackwardTyped(const ShardProblem& shard, const ShardArguments& args,
                                   ShardChunk chunk, const Layout& layout, CudaStream& cs) {
     const cudaStream_t stream = cs.stream();
@@ -787,10 +794,10 @@ class CudaBackend final : public Backend {
     char* ws = static_cast<char*>(args.workspace);
     RunScalars* scalars = ShardScalars(args);
     auto* row_loss = reinterpret_cast<float*>(ws + layout.row_loss_off);
-    auto* logits = reinterpret_cast<float*>(ws + layout.logits_off);
-    auto* grad = reinterpret_cast<TIn*>(logits);  // G overwrites z in place, as in Run
+    auto* logits = reinterpret_cast<TL*>(ws + layout.logits_off);
+    auto* grad = reinterpret_cast<TIn*>(logits);  // G overwrites the logits in place, as in Run
     const int64_t ldl = layout.ldl;
-    const int64_t ldg = ldl * static_cast<int64_t>(sizeof(float) / sizeof(TIn));
+    const int64_t ldg = ldl * static_cast<int64_t>(sizeof(TL) / sizeof(TIn));
     const int64_t t0 = chunk.begin;
     const int c = static_cast<int>(chunk.size);
     const int d = static_cast<int>(shard.problem.d);
@@ -800,11 +807,11 @@ class CudaBackend final : public Backend {
     const size_t gemm_ws_bytes = layout.cublas_bytes;
     constexpr cudaDataType_t kIn = CudaType<TIn>();
 
-    LOSSHEAD_RETURN_IF_ERROR(cuda::LaunchShardGrad<TIn>(
+    LOSSHEAD_RETURN_IF_ERROR((cuda::LaunchShardGrad<TL, TIn>(
         logits, ldl, c, args.targets + t0, ShardRowParamsOf(shard), args.stats,
         args.stats_chunk_rows, shard.shards, need_grad ? grad : nullptr, ldg, row_loss,
         args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
-        args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream));
+        args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream)));
     // One block over the chunk, after the previous chunks: the same bits on every rerun.
     LOSSHEAD_RETURN_IF_ERROR(cuda::LaunchLossReduce(row_loss, c, scalars, args.loss_sum, stream));
 

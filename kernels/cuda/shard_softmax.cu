@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/row_vec.cuh"
 #include "kernels/cuda/shard_softmax.cuh"
 #include "losshead/kernels/shard_problem.h"
 
@@ -13,41 +14,9 @@ namespace {
 
 // One block per token. A shard's row is V / k columns, often a few thousand: 256 threads with
 // kUnroll 16-byte loads each in flight (16 KiB per block) and several blocks per SM keep HBM busy.
+// A chunk's logits are far larger than L2 and each pass reads them once: streaming loads.
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
-constexpr int kVec = 4;  // floats per 16-byte vector
-
-template <typename T>
-__device__ __forceinline__ T FromF(float x);
-template <>
-__device__ __forceinline__ float FromF<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half FromF<__half>(float x) {
-  return __float2half_rn(x);
-}
-
-__device__ __forceinline__ float Lane(const float4& v, int k) {
-  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-}
-
-// kVec values of TG, stored with one instruction (8 or 16 bytes).
-template <typename TG>
-struct alignas(sizeof(TG) * kVec) OutVec {
-  TG v[kVec];
-};
-
-struct Cap {
-  float cap, inv_cap;
-  __device__ __forceinline__ float operator()(float x) const {
-    return cap > 0.0f ? cap * tanhf(x * inv_cap) : x;
-  }
-};
 
 struct RowStats {
   float m;   // running max of z
@@ -64,30 +33,31 @@ __device__ __forceinline__ RowStats Combine(RowStats a, RowStats b) {
   return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m), a.sz + b.sz, a.zt + b.zt};
 }
 
+template <typename TL>
 __global__ void __launch_bounds__(kThreads)
-    ShardStatsKernel(float* logits, int64_t ldl, const int32_t* __restrict__ targets,
+    ShardStatsKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                      ShardRowParams p, float* __restrict__ stats, int64_t stride) {
+  constexpr int kVec = Vec<TL>::kSize;
   __shared__ RowStats warp_states[kThreads / 32];
   const int64_t q = blockIdx.x;
   const int tid = threadIdx.x;
-  float* x = logits + q * ldl;
+  const TL* x = logits + q * ldl;
   const int64_t t = targets[q];
   // The target's local column, or -1 when it is another shard's row or the token is ignored
   // (ignore_index may be a real class id).
   const int64_t local =
       t != p.ignore_index && t >= p.row_begin && t < p.row_begin + p.rows ? t - p.row_begin : -1;
-  const bool capped = p.softcap > 0.0f;
-  const Cap cap{p.softcap, capped ? 1.0f / p.softcap : 0.0f};
+  const Cap cap{p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
   const int64_t nvec = p.rows / kVec;
-  float4* xv = reinterpret_cast<float4*>(x);
+  const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
 
   RowStats st{-INFINITY, 0.0f, 0.0f, 0.0f};
   for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
-    float4 in[kUnroll];
+    Vec<TL> in[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * kThreads;
-      if (i < nvec) in[u] = xv[i];
+      if (i < nvec) in[u].raw = __ldcs(&xv[i].raw);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -97,12 +67,10 @@ __global__ void __launch_bounds__(kThreads)
         float vmax = -INFINITY;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
-          z[k] = cap(Lane(in[u], k));
+          z[k] = cap(ToF(in[u].v[k]));
           vmax = fmaxf(vmax, z[k]);
           if (i * kVec + k == local) st.zt = z[k];
         }
-        // ShardBackward reads z, not x: keep the soft-capped values.
-        if (capped) xv[i] = make_float4(z[0], z[1], z[2], z[3]);
         if (vmax > st.m) {
           st.s *= __expf(st.m - vmax);
           st.m = vmax;
@@ -116,8 +84,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   for (int64_t j = nvec * kVec + tid; j < p.rows; j += kThreads) {
-    const float z = cap(x[j]);
-    if (capped) x[j] = z;
+    const float z = cap(ToF(x[j]));
     if (j == local) st.zt = z;
     if (z > st.m) {
       st.s *= __expf(st.m - z);
@@ -146,9 +113,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename TG>
+template <typename TL, typename TG>
 __global__ void __launch_bounds__(kThreads)
-    ShardGradKernel(const float* logits, int64_t ldl, const int32_t* __restrict__ targets,
+    ShardGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                     ShardRowParams p, const float* __restrict__ stats, int64_t stride, int shards,
                     TG* grad, int64_t ldg, float* __restrict__ row_loss,
                     float* __restrict__ per_token_loss, float* __restrict__ per_token_lse) {
@@ -187,65 +154,74 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const float lse = shared_lse;
 
-  const float* x = logits + q * ldl;
-  const float4* xv = reinterpret_cast<const float4*>(x);
+  constexpr int kVec = Vec<TL>::kSize;
+  const TL* x = logits + q * ldl;
+  const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
   TG* g = grad + q * ldg;
-  using Out = OutVec<TG>;
+  using Out = OutVec<TG, kVec>;
   Out* gv = reinterpret_cast<Out*>(g);
-  const bool capped = p.softcap > 0.0f;
-  const float inv_cap = capped ? 1.0f / p.softcap : 0.0f;
+  const Cap cap{p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
   const int64_t local =
       valid && t >= p.row_begin && t < p.row_begin + p.rows ? t - p.row_begin : -1;
   // g_j = p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == y], times dz/dx = 1 - (z/cap)^2,
-  // with the whole vocabulary's lse and V.
+  // with the whole vocabulary's lse and V. z is recomputed from x exactly as the statistics
+  // pass computed it.
   const float coef = 1.0f + 2.0f * p.z_loss * lse;
   const float eps_v = p.label_smoothing / static_cast<float>(p.v);
   const float hit = 1.0f - p.label_smoothing;
-  auto grad_of = [&](float z, int64_t j) -> float {
+  auto grad_of = [&](float xval, int64_t j) -> float {
+    const float z = cap(xval);
     float gj = __expf(z - lse) * coef - eps_v - (j == local ? hit : 0.0f);
-    if (capped) {
-      const float r = z * inv_cap;
+    if (cap.cap > 0.0f) {
+      const float r = z * cap.inv_cap;
       gj *= 1.0f - r * r;
     }
     return gj;
   };
 
-  // Narrowing in place: the gradient of element j lands on bytes of an element <= j that another
-  // thread may not have read yet in this tile: read the tile, barrier, then write; tiles go
-  // forwards, so no write reaches a later tile. fp32 overwrites exactly what each thread read.
-  constexpr bool kNarrowing = sizeof(TG) < sizeof(float);
+  // Narrowing in place (TG smaller than TL): the gradient of element j lands on bytes of an
+  // element <= j that another thread may not have read yet in this tile: read the tile, barrier,
+  // then write; tiles go forwards, so no write reaches a later tile. Without narrowing each
+  // thread overwrites exactly what it read.
+  constexpr bool kNarrowing = sizeof(TG) < sizeof(TL);
   constexpr int64_t kTile = static_cast<int64_t>(kThreads) * kUnroll;
   const int64_t nvec = p.rows / kVec;
   const int64_t ntiles = (nvec + kTile - 1) / kTile;
   for (int64_t k = 0; k < ntiles; ++k) {
     const int64_t base = k * kTile;
-    float4 in[kUnroll];
+    Vec<TL> in[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
-      in[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (i < nvec && valid) in[u] = xv[i];
+      in[u].raw = make_uint4(0, 0, 0, 0);
+      if (i < nvec && valid) in[u].raw = __ldcs(&xv[i].raw);
     }
-    Out out[kUnroll];
+    // A tile's gradients: all of them before the barrier when narrowing, else each vector as
+    // soon as it is computed.
+    Out out[kNarrowing ? kUnroll : 1];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
+      Out& o = out[kNarrowing ? u : 0];
 #pragma unroll
       for (int c = 0; c < kVec; ++c) {
-        out[u].v[c] = FromF<TG>(valid ? grad_of(Lane(in[u], c), i * kVec + c) : 0.0f);
+        o.v[c] = FromF<TG>(valid ? grad_of(ToF(in[u].v[c]), i * kVec + c) : 0.0f);
       }
+      if (!kNarrowing && i < nvec) StoreStreaming(&gv[i], o);
     }
-    if constexpr (kNarrowing) __syncthreads();
+    if constexpr (kNarrowing) {
+      __syncthreads();
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
-      if (i < nvec) gv[i] = out[u];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
+        if (i < nvec) StoreStreaming(&gv[i], out[u]);
+      }
     }
   }
   // Tail (rows % kVec < kThreads elements): same read-barrier-write discipline.
   const int64_t j = nvec * kVec + tid;
   float gt = 0.0f;
-  if (j < p.rows && valid) gt = grad_of(x[j], j);
+  if (j < p.rows && valid) gt = grad_of(ToF(x[j]), j);
   if constexpr (kNarrowing) __syncthreads();
   if (j < p.rows) g[j] = FromF<TG>(gt);
 }
@@ -262,23 +238,24 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-absl::Status LaunchShardStats(float* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
-                              const ShardRowParams& p, float* stats, int64_t stride,
-                              cudaStream_t stream) {
+template <typename TL>
+absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens,
+                              const int32_t* targets, const ShardRowParams& p, float* stats,
+                              int64_t stride, cudaStream_t stream) {
   if (tokens <= 0) return absl::OkStatus();
-  ShardStatsKernel<<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(logits, ldl, targets, p,
-                                                                           stats, stride);
+  ShardStatsKernel<TL><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(
+      logits, ldl, targets, p, stats, stride);
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
 }
 
-template <typename TG>
-absl::Status LaunchShardGrad(const float* logits, int64_t ldl, int64_t tokens,
+template <typename TL, typename TG>
+absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens,
                              const int32_t* targets, const ShardRowParams& p, const float* stats,
                              int64_t stride, int shards, TG* grad, int64_t ldg, float* row_loss,
                              float* per_token_loss, float* per_token_lse, cudaStream_t stream) {
   if (tokens <= 0) return absl::OkStatus();
-  ShardGradKernel<TG><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(
+  ShardGradKernel<TL, TG><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(
       logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
       per_token_lse);
   LOSSHEAD_CUDA_CHECK_LAUNCH();
@@ -295,13 +272,21 @@ absl::Status LaunchRoundToDType(const float* src, T* dst, int64_t count, cudaStr
   return absl::OkStatus();
 }
 
-#define LOSSHEAD_INSTANTIATE_GRAD(TG)                                                          \
-  template absl::Status LaunchShardGrad<TG>(const float*, int64_t, int64_t, const int32_t*,    \
-                                            const ShardRowParams&, const float*, int64_t, int, \
-                                            TG*, int64_t, float*, float*, float*, cudaStream_t);
-LOSSHEAD_INSTANTIATE_GRAD(float)
-LOSSHEAD_INSTANTIATE_GRAD(__nv_bfloat16)
-LOSSHEAD_INSTANTIATE_GRAD(__half)
+template absl::Status LaunchShardStats<float>(const float*, int64_t, int64_t, const int32_t*,
+                                              const ShardRowParams&, float*, int64_t,
+                                              cudaStream_t);
+template absl::Status LaunchShardStats<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t,
+                                                      const int32_t*, const ShardRowParams&,
+                                                      float*, int64_t, cudaStream_t);
+
+#define LOSSHEAD_INSTANTIATE_GRAD(TL, TG)                                                       \
+  template absl::Status LaunchShardGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*,    \
+                                                const ShardRowParams&, const float*, int64_t, int, \
+                                                TG*, int64_t, float*, float*, float*, cudaStream_t);
+LOSSHEAD_INSTANTIATE_GRAD(float, float)
+LOSSHEAD_INSTANTIATE_GRAD(float, __nv_bfloat16)
+LOSSHEAD_INSTANTIATE_GRAD(float, __half)
+LOSSHEAD_INSTANTIATE_GRAD(__nv_bfloat16, __nv_bfloat16)
 #undef LOSSHEAD_INSTANTIATE_GRAD
 
 template absl::Status LaunchRoundToDType<__nv_bfloat16>(const float*, __nv_bfloat16*, int64_t,

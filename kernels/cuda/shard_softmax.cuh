@@ -22,26 +22,30 @@ struct ShardRowParams {
   float softcap = 0.0f;  // 0 = off
 };
 
-// For each of `tokens` rows q (row q of `logits` starts at q * ldl floats; ldl a multiple of 4,
-// `logits` 16-byte aligned) holding the shard's x_j = h . w_j, j in [0, p.rows):
-// soft-caps the row in place (it then holds z) and writes the shard's statistics of token q to
-// `stats` (this shard's slice: statistic s at stats[s * stride + q]): max z, sum exp(z - max),
-// sum z, and z of the target when the target (targets[q]) is one of the shard's rows and not
-// ignore_index, else 0. Block reductions in a fixed order: a rerun gives the same bits.
-absl::Status LaunchShardStats(float* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
-                              const ShardRowParams& p, float* stats, int64_t stride,
-                              cudaStream_t stream);
+// For each of `tokens` rows q (row q of `logits` starts at q * ldl elements; ldl a multiple of 16,
+// `logits` 16-byte aligned) holding the shard's x_j = h . w_j, j in [0, p.rows), rounded to TL:
+// writes the shard's statistics of token q over z_j = softcap(x_j) to `stats` (this shard's
+// slice: statistic s at stats[s * stride + q]): max z, sum exp(z - max), sum z, and z of the
+// target when the target (targets[q]) is one of the shard's rows and not ignore_index, else 0.
+// Reads the logits only. Block reductions in a fixed order: a rerun gives the same bits.
+// TL: float or __nv_bfloat16.
+template <typename TL>
+absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens,
+                              const int32_t* targets, const ShardRowParams& p, float* stats,
+                              int64_t stride, cudaStream_t stream);
 
 // For each of `tokens` rows q: combines the `shards` slices of `stats` (slice r at
 // stats + r * 4 * stride, laid out as above) in rank order into the token's lse and loss, and
 // writes lse to per_token_lse[q] (optional, every row), the loss to row_loss[q] and
 // per_token_loss[q] (optional; 0 for ignored rows). When `grad` is not null, overwrites the row's
-// z with the UNSCALED gradient dloss/dx_j for the shard's columns (0 for ignored rows) at
-// grad[q * ldg + j]; `grad` aliases `logits` row for row (ldg * sizeof(TG) == ldl * 4), narrowing
-// the row in place when TG is 16-bit. A target outside [0, v) that is not ignore_index is treated
-// as ignored. TG: float, __nv_bfloat16 or __half.
-template <typename TG>
-absl::Status LaunchShardGrad(const float* logits, int64_t ldl, int64_t tokens,
+// logits with the UNSCALED gradient dloss/dx_j for the shard's columns (0 for ignored rows) at
+// grad[q * ldg + j], z_j recomputed from x_j as LaunchShardStats computed it; `grad` aliases
+// `logits` row for row (ldg * sizeof(TG) == ldl * sizeof(TL)), narrowing the row in place when
+// TG is smaller than TL. A target outside [0, v) that is not ignore_index is treated as ignored.
+// (TL, TG): (float, float), (float, __nv_bfloat16), (float, __half) or
+// (__nv_bfloat16, __nv_bfloat16).
+template <typename TL, typename TG>
+absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens,
                              const int32_t* targets, const ShardRowParams& p, const float* stats,
                              int64_t stride, int shards, TG* grad, int64_t ldg, float* row_loss,
                              float* per_token_loss, float* per_token_lse, cudaStream_t stream);

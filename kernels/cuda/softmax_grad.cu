@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/row_vec.cuh"
 #include "kernels/cuda/softmax_grad.cuh"
 
 namespace losshead::kernels::cuda {
@@ -14,53 +15,6 @@ namespace {
 // One block per row, kThreads x kUnroll 16-byte loads in flight per block (32 KiB): enough to
 // saturate HBM with a few blocks per SM. A row's second read (pass 2) hits L2 only when few rows
 // are live at once, hence the 1024-thread variant (about one row per SM).
-
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T FromF(float x);
-template <>
-__device__ __forceinline__ float FromF<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half FromF<__half>(float x) {
-  return __float2half_rn(x);
-}
-
-// A 16-byte vector of TL values.
-template <typename TL>
-struct Vec {
-  static constexpr int kSize = 16 / sizeof(TL);
-  union {
-    uint4 raw;
-    TL v[kSize];
-  };
-};
-
-// kSize values of TG, stored with one instruction (8 or 16 bytes).
-template <typename TG, int kSize>
-struct alignas(sizeof(TG) * kSize) OutVec {
-  TG v[kSize];
-};
-
-// G is read next by the gradient GEMMs, long after this kernel: store it evict-first so that it
-// does not push out of L2 the logits rows that other blocks are about to read a second time.
-template <typename Out>
-__device__ __forceinline__ void StoreStreaming(Out* p, const Out& v) {
-  if constexpr (sizeof(Out) == 16) {
-    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
-  } else if constexpr (sizeof(Out) == 8) {
-    __stcs(reinterpret_cast<uint2*>(p), *reinterpret_cast<const uint2*>(&v));
-  } else {
-    *p = v;
-  }
-}
 
 struct SoftmaxState {
   float m;   // running max of z
@@ -75,13 +29,6 @@ __device__ __forceinline__ SoftmaxState Combine(SoftmaxState a, SoftmaxState b) 
   const float m = fmaxf(a.m, b.m);
   return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m), a.sz + b.sz};
 }
-
-struct Cap {
-  float cap, inv_cap;
-  __device__ __forceinline__ float operator()(float x) const {
-    return cap > 0.0f ? cap * tanhf(x * inv_cap) : x;
-  }
-};
 
 template <typename TL, typename TG, int kThreads>
 __global__ void __launch_bounds__(kThreads)

@@ -3,7 +3,8 @@
 // collectives: the AllGather of the statistics as device copies between the shards' buffers, the
 // AllReduce of the dH partials on the host in rank order. Tolerances as in cuda_backend_test.cc
 // (relative norms): fp32 GEMMs on both sides differ only in summation order; bf16 / fp16 round
-// the logit gradient to the input dtype before the GEMMs and dH once at the end.
+// the logit gradient to the input dtype before the GEMMs and dH once at the end; bf16 problems
+// also round the logits to bf16 unless the case turns CudaBackendOptions::bf16_logits off.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -65,14 +66,15 @@ struct Tolerance {
   double loss, dh, dw;
 };
 
-Tolerance ToleranceFor(DType dtype) {
+Tolerance ToleranceFor(DType dtype, bool bf16_logits) {
   switch (dtype) {
     case DType::kFP32:
       return {1e-5, 1e-4, 1e-4};
     case DType::kFP16:
       return {1e-4, 4e-3, 4e-3};
     case DType::kBF16:
-      return {1e-4, 1.2e-2, 1.2e-2};  // fp32 logits, G rounded to bf16
+      // bf16 logits round each logit by up to 2^-9 of its size before the softmax.
+      return bf16_logits ? Tolerance{4e-3, 3e-2, 3e-2} : Tolerance{1e-4, 1.2e-2, 1.2e-2};
   }
   return {0, 0, 0};
 }
@@ -87,7 +89,17 @@ struct ShardCase {
   int64_t budget_rows = 0;     // 0: 1 GiB, one chunk for every token; else a budget for ~this many
   bool ignored_chunk = false;  // every target of the second chunk is ignore_index
   bool forward_only = false;   // no dW, no dH partials
+  bool bf16_logits = true;     // the backend's default; applies to bf16 problems only
 };
+
+// Whether the case's logits are stored in bf16.
+bool NarrowLogits(const ShardCase& c) { return c.bf16_logits && c.dtype == DType::kBF16; }
+
+CudaBackendOptions OptionsFor(const ShardCase& c) {
+  CudaBackendOptions o;
+  o.bf16_logits = c.bf16_logits;
+  return o;
+}
 
 Problem ProblemFor(const ShardCase& c) {
   Problem p;
@@ -111,17 +123,18 @@ ShardProblem ShardOf(const Problem& problem, int k, int rank) {
 }
 
 // A budget that gives chunks of about `rows` tokens (before PlanShard rounds to 256) on the
-// widest shard: the logits row in fp32, its row loss, the statistics and the dH partial.
+// widest shard: the logits row, its row loss, the statistics and the dH partial.
 size_t BudgetFor(const ShardCase& c) {
   if (c.budget_rows == 0) return kGiB;
   const int64_t widest = (c.v + c.k - 1) / c.k;
-  const size_t per_row = 4 * ((widest + 15) / 16 * 16 + 1 + 4 * c.k + c.d);
+  const size_t logits_elem = NarrowLogits(c) ? 2 : 4;
+  const size_t per_row = logits_elem * ((widest + 15) / 16 * 16) + 4 * (1 + 4 * c.k + c.d);
   const CudaBackendOptions o;
   return o.cublas_workspace_bytes + o.handle_reserve_bytes + 4096 + c.budget_rows * per_row;
 }
 
-std::unique_ptr<Backend> MakeCuda() {
-  absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(BackendKind::kCuda, 0);
+std::unique_ptr<Backend> MakeCuda(const CudaBackendOptions& options = {}) {
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(0, options);
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? std::move(*b) : nullptr;
 }
@@ -160,14 +173,15 @@ struct ShardState {
 // Runs the whole shard sequence of shard_problem.h for `in` over k shards, each with its own
 // backend on device 0. dW starts at `dw_init` (V x D).
 absl::StatusOr<ShardOutputs> RunShards(const testing::Inputs& in, int k, size_t budget,
-                                       const std::vector<float>& dw_init, bool forward_only) {
+                                       const std::vector<float>& dw_init, bool forward_only,
+                                       const CudaBackendOptions& options = {}) {
   const Problem& p = in.problem;
   const size_t el = DTypeSize(p.dtype);
   const int64_t n = p.n, d = p.d;
   std::vector<ShardState> s(k);
   int64_t chunk_rows = std::numeric_limits<int64_t>::max();
   for (int r = 0; r < k; ++r) {
-    absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(BackendKind::kCuda, 0);
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(0, options);
     if (!b.ok()) return b.status();
     s[r].backend = std::move(*b);
     absl::StatusOr<std::unique_ptr<Stream>> st = s[r].backend->CreateStream();
@@ -353,7 +367,7 @@ TEST_P(ShardCudaVsCpuTest, MatchesCpuFusedRun) {
   const ShardCase& c = GetParam();
   const Problem problem = ProblemFor(c);
   const size_t budget = BudgetFor(c);
-  std::unique_ptr<Backend> cuda = MakeCuda();
+  std::unique_ptr<Backend> cuda = MakeCuda(OptionsFor(c));
   ASSERT_NE(cuda, nullptr);
   absl::StatusOr<int64_t> chunk_rows = CommonChunkRows(*cuda, problem, c.k, budget);
   ASSERT_TRUE(chunk_rows.ok()) << chunk_rows.status();
@@ -373,7 +387,8 @@ TEST_P(ShardCudaVsCpuTest, MatchesCpuFusedRun) {
   }
   const std::vector<float> dw_init = RandomGradWeight(problem, 99);
 
-  absl::StatusOr<ShardOutputs> got = RunShards(in, c.k, budget, dw_init, c.forward_only);
+  absl::StatusOr<ShardOutputs> got =
+      RunShards(in, c.k, budget, dw_init, c.forward_only, OptionsFor(c));
   ASSERT_TRUE(got.ok()) << got.status();
   absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend(BackendKind::kCpu);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
@@ -384,7 +399,7 @@ TEST_P(ShardCudaVsCpuTest, MatchesCpuFusedRun) {
   absl::StatusOr<testing::Outputs> want = testing::RunOnBackend(**cpu, in, ro);
   ASSERT_TRUE(want.ok()) << want.status();
 
-  const Tolerance tol = ToleranceFor(c.dtype);
+  const Tolerance tol = ToleranceFor(c.dtype, NarrowLogits(c));
   for (int r = 0; r < c.k; ++r) {
     SCOPED_TRACE(absl::StrCat("shard ", r));
     EXPECT_EQ(got->token_count[r], want->token_count);
@@ -464,6 +479,20 @@ std::vector<ShardCase> Cases() {
         c.ignored_chunk = true;
         c.ignore_fraction = 0.25;
       });
+  // bf16 problems with the logits kept in fp32 (CudaBackendOptions::bf16_logits off).
+  add("fp32_logits_mean_chunked", DType::kBF16, 3, 700, 4099, 256, Reduction::kMean,
+      [](ShardCase& c) {
+        c.budget_rows = 300;
+        c.bf16_logits = false;
+      });
+  add("fp32_logits_all_options", DType::kBF16, 2, 600, 1000, 64, Reduction::kSum,
+      [](ShardCase& c) {
+        c.budget_rows = 300;
+        c.bf16_logits = false;
+        c.options.label_smoothing = 0.1f;
+        c.options.z_loss = 1e-3f;
+        c.options.softcap = 15.0f;
+      });
   add("all_ignored", DType::kBF16, 2, 300, 1000, 64, Reduction::kMean,
       [](ShardCase& c) { c.ignore_fraction = 1.0; });
   add("forward_only", DType::kBF16, 3, 700, 4099, 64, Reduction::kMean, [](ShardCase& c) {
@@ -484,9 +513,11 @@ INSTANTIATE_TEST_SUITE_P(Shards, ShardCudaVsCpuTest, ::testing::ValuesIn(Cases()
 
 TEST(ShardCudaTest, RerunIsBitIdentical) {
   SKIP_WITHOUT_GPU();
-  for (DType dtype : {DType::kBF16, DType::kFP32}) {
+  for (auto [dtype, bf16_logits] :
+       {std::pair{DType::kBF16, true}, {DType::kBF16, false}, {DType::kFP32, true}}) {
     ShardCase c;
     c.dtype = dtype;
+    c.bf16_logits = bf16_logits;
     c.k = 3;
     c.n = 700;
     c.v = 4099;
@@ -497,12 +528,14 @@ TEST(ShardCudaTest, RerunIsBitIdentical) {
     c.options.softcap = 30.0f;
     const testing::Inputs in = MakeInputs(c, 4242);
     const std::vector<float> dw_init = RandomGradWeight(in.problem, 7);
-    absl::StatusOr<ShardOutputs> a = RunShards(in, c.k, BudgetFor(c), dw_init, false);
-    absl::StatusOr<ShardOutputs> b = RunShards(in, c.k, BudgetFor(c), dw_init, false);
+    absl::StatusOr<ShardOutputs> a =
+        RunShards(in, c.k, BudgetFor(c), dw_init, false, OptionsFor(c));
+    absl::StatusOr<ShardOutputs> b =
+        RunShards(in, c.k, BudgetFor(c), dw_init, false, OptionsFor(c));
     ASSERT_TRUE(a.ok()) << a.status();
     ASSERT_TRUE(b.ok()) << b.status();
     ASSERT_LT(a->chunk_rows, c.n);
-    SCOPED_TRACE(DTypeName(dtype));
+    SCOPED_TRACE(absl::StrCat(DTypeName(dtype), bf16_logits ? "" : ", fp32 logits"));
     EXPECT_EQ(std::memcmp(a->loss_sum.data(), b->loss_sum.data(), c.k * 4), 0);
     EXPECT_EQ(std::memcmp(a->per_token_loss[0].data(), b->per_token_loss[0].data(), c.n * 4), 0);
     EXPECT_EQ(std::memcmp(a->per_token_lse[0].data(), b->per_token_lse[0].data(), c.n * 4), 0);
@@ -578,6 +611,17 @@ TEST(ShardCudaTest, PlanFitsTheBudgetAndIgnoresRank) {
   // Ranks 0 and 1 have the same rows at different places: the same plan.
   EXPECT_EQ(plans[0].chunk_rows, plans[1].chunk_rows);
   EXPECT_EQ(plans[0].workspace_bytes, plans[1].workspace_bytes);
+  // bf16 logits (the default) take half the bytes per logit: more tokens per chunk than fp32.
+  CudaBackendOptions fp32_logits;
+  fp32_logits.bf16_logits = false;
+  std::unique_ptr<Backend> wide = MakeCuda(fp32_logits);
+  ASSERT_NE(wide, nullptr);
+  absl::StatusOr<ShardPlan> wide_plan = wide->PlanShard(ShardOf(p, 3, 0), budget);
+  ASSERT_TRUE(wide_plan.ok()) << wide_plan.status();
+  EXPECT_GT(plans[0].chunk_rows, wide_plan->chunk_rows);
+  EXPECT_LE(wide_plan->workspace_bytes + 4 * (wide_plan->stats_floats + wide_plan->partial_floats) +
+                CudaBackendOptions().handle_reserve_bytes,
+            budget);
   // With room for every token, shards one row apart agree on one chunk of n.
   p.n = 512;
   for (int r = 0; r < 3; ++r) {
