@@ -5,7 +5,8 @@
 # each placement's device memory per GPU (HeadInfo, and nvidia-smi while the benchmark runs);
 # then `losshead_shard_bench` (the sharded micro-batch's latency on 1, 2, 4, ... GPUs against the
 # unsharded call), and a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and
-# dW) refused on one and served sharded over every GPU.
+# dW) refused on one and served sharded over every GPU, and its sharded micro-batch timed with
+# random weights.
 #
 #   scripts/run-multi-gpu-bench.sh BUNDLE_DIR [OUT_DIR]
 #
@@ -80,3 +81,8 @@ wide bench --d=16384 --v=2000000 --n=4096 --streams=2 --seconds="$seconds" 2>&1 
   | tee "$out/bench-wide.log" | grep -E 'tokens/s|p50|check' | sed 's/^/sharded, zero W: /' \
   | tee -a "$out/summary.txt"
 wide delete > /dev/null
+
+# The same shape's sharded micro-batch over every GPU with random W and H (the kernel sequence the
+# server runs, without gRPC): the figure for BENCHMARKS.md. No unsharded reference: it fits no GPU.
+"$bundle/bin/losshead_shard_bench" --v=2000000 --d=16384 --n=4096 --shards="$gpus" --runs=3 \
+  --no_unsharded | tee -a "$out/summary.txt"

@@ -4,7 +4,7 @@
 // 0), against the unsharded fused Run on GPU 0, in one process on the same random data.
 //
 //   losshead_shard_bench [--n=8192] [--v=128256] [--d=4096] [--shards=1,2,4] [--runs=10]
-//                        [--budget_mib=4096] [--one_gpu] [--fp32_logits]
+//                        [--budget_mib=4096] [--one_gpu] [--fp32_logits] [--no_unsharded]
 //
 // Per k: the median wall time of the whole micro-batch (all shards' streams synchronised), its
 // ratio to the unsharded call, and the device memory per GPU (W and dW rows, workspace, buffers).
@@ -12,7 +12,8 @@
 // another on GPU 0 with no exchange (statistics and partials are then one shard's, so the results
 // are not the head's): the per-shard compute time a k-GPU run cannot beat, for hosts with one GPU.
 // --fp32_logits runs both the unsharded call and the shards with CudaBackendOptions::bf16_logits
-// off (the logits chunk in fp32).
+// off (the logits chunk in fp32). --no_unsharded skips the unsharded call, for a head too large
+// for one GPU (no ratios then).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/bench/bench_util.h"
 #include "kernels/bench/random_fill.cuh"
@@ -174,6 +176,7 @@ int Main(int argc, char** argv) {
   size_t budget = size_t{4096} << 20;
   bool one_gpu = false;
   kernels::CudaBackendOptions options;
+  bool unsharded = true;
   std::vector<int> shard_counts = {1, 2, 4};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -184,6 +187,7 @@ int Main(int argc, char** argv) {
     if (a.rfind("--budget_mib=", 0) == 0) budget = size_t(std::atoll(a.c_str() + 13)) << 20;
     if (a == "--one_gpu") one_gpu = true;
     if (a == "--fp32_logits") options.bf16_logits = false;
+    if (a == "--no_unsharded") unsharded = false;
     if (a.rfind("--shards=", 0) == 0) {
       shard_counts.clear();
       for (absl::string_view part : absl::StrSplit(a.substr(9), ',')) {
@@ -215,7 +219,7 @@ int Main(int argc, char** argv) {
 
   // The unsharded fused call on GPU 0 (the one-device head's Run).
   double whole_ms = 0;
-  {
+  if (unsharded) {
     Backend& b = *gpus[0];
     size_t bytes = 0;
     auto stream = Unwrap(b.CreateStream(), "stream");
@@ -273,10 +277,13 @@ int Main(int argc, char** argv) {
     }
     size_t most = 0;
     for (const ShardState& st : shards) most = std::max(most, st.bytes);
+    const std::string ratio =
+        unsharded ? absl::StrFormat(" (%.3f of unsharded; target <= %.3f)", ms / whole_ms, 1.25 / k)
+                  : "";
     std::printf(
-        "k=%d: %.2f ms per micro-batch (%.3f of unsharded; target <= %.3f), %.0f tokens/s, chunk "
-        "%lld tokens, device memory per GPU %.2f GiB (largest shard)\n",
-        k, ms, ms / whole_ms, 1.25 / k, n / ms * 1e3,
+        "k=%d: %.2f ms per micro-batch%s, %.0f tokens/s, chunk %lld tokens, device memory per "
+        "GPU %.2f GiB (largest shard)\n",
+        k, ms, ratio.c_str(), n / ms * 1e3,
         static_cast<long long>(shards[0].args.stats_chunk_rows), most / double(1 << 30));
   }
   return 0;
