@@ -8,6 +8,8 @@
 //
 // Per k: the median wall time of the whole micro-batch (all shards' streams synchronised), its
 // ratio to the unsharded call, and the device memory per GPU (W and dW rows, workspace, buffers).
+// Every configuration is set up first and then timed in rounds of one call each, so that a GPU's
+// clocks drifting over the run do not favour whichever is timed first.
 // k larger than the visible GPUs is skipped. With --one_gpu, the k shards' sequences run one after
 // another on GPU 0 with no exchange (statistics and partials are then one shard's, so the results
 // are not the head's): the per-shard compute time a k-GPU run cannot beat, for hosts with one GPU.
@@ -21,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -157,17 +160,68 @@ void RunSharded(std::vector<ShardState>& s, kernels::Collective* collective, int
   for (ShardState& st : s) BENCH_OK(st.stream->Synchronize());
 }
 
-template <typename Fn>
-double MedianWallMs(int runs, Fn fn) {
-  for (int i = 0; i < 2; ++i) fn();  // warm-up: plans, handles, NCCL channels
+// The unsharded fused call's buffers on one GPU (the one-device head's Run).
+struct WholeState {
+  std::unique_ptr<kernels::Stream> stream;
+  DeviceBuffer hidden, weight, targets, grad, grad_hidden, scalars, workspace;
+  kernels::Arguments args;
+  size_t bytes = 0;
+};
+
+WholeState MakeWhole(Backend& b, const kernels::Problem& p, size_t budget) {
+  WholeState w;
+  const int64_t n = p.n, d = p.d, v = p.v;
+  w.stream = Unwrap(b.CreateStream(), "stream");
+  const cudaStream_t cs = Native(*w.stream);
+  BENCH_CUDA(cudaSetDevice(b.device_ordinal()));
+  w.hidden = Alloc(b, n * d * 2, &w.bytes);
+  w.weight = Alloc(b, v * d * 2, &w.bytes);
+  w.targets = Alloc(b, n * 4, &w.bytes);
+  w.grad = Alloc(b, v * d * 4, &w.bytes);
+  w.grad_hidden = Alloc(b, n * d * 2, &w.bytes);
+  w.scalars = Alloc(b, 16, &w.bytes);
+  const size_t ws_bytes = Unwrap(b.WorkspaceBytes(p, budget), "workspace");
+  w.workspace = Alloc(b, ws_bytes, &w.bytes);
+  BENCH_CUDA(bench::FillUniformBf16(w.hidden.as<__nv_bfloat16>(), n * d, 1.0f, 1, cs));
+  BENCH_CUDA(bench::FillUniformBf16(w.weight.as<__nv_bfloat16>(), v * d, 0.02f, 1000, cs));
+  BENCH_CUDA(bench::FillTargets(w.targets.as<int32_t>(), n, v, 7, cs));
+  BENCH_CUDA(cudaMemsetAsync(w.grad.data(), 0, w.grad.bytes(), cs));
+  kernels::Arguments& a = w.args;
+  a.hidden = w.hidden.data();
+  a.weight = w.weight.data();
+  a.targets = w.targets.as<int32_t>();
+  a.grad_hidden = w.grad_hidden.data();
+  a.grad_weight = w.grad.as<float>();
+  a.token_count = w.scalars.as<int64_t>();
+  a.loss_sum = reinterpret_cast<float*>(w.scalars.as<char>() + 8);
+  a.workspace = w.workspace.data();
+  a.workspace_bytes = ws_bytes;
+  BENCH_OK(w.stream->Synchronize());
+  return w;
+}
+
+// One timed call (a whole micro-batch, every stream it uses synchronised) and its wall times.
+struct Timed {
+  std::function<void()> call;
   std::vector<double> ms;
-  for (int i = 0; i < runs; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-                     .count());
+  double Median() const { return losshead::Median(ms); }
+};
+
+// Two warm-up rounds (plans, handles, NCCL channels), then `runs` rounds of every call once each,
+// so that clock and temperature drift over the run weighs on all of them alike.
+void TimeInterleaved(std::vector<Timed>& timed, int runs) {
+  for (int round = 0; round < 2; ++round) {
+    for (Timed& t : timed) t.call();
   }
-  return Median(ms);
+  for (int round = 0; round < runs; ++round) {
+    for (Timed& t : timed) {
+      const auto start = std::chrono::steady_clock::now();
+      t.call();
+      t.ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count());
+    }
+  }
 }
 
 int Main(int argc, char** argv) {
@@ -210,81 +264,82 @@ int Main(int argc, char** argv) {
     gpus.push_back(Unwrap(kernels::CreateCudaBackend(i, options), "backend"));
   }
   const kernels::Problem p{.n = n, .d = d, .v = v, .dtype = kernels::DType::kBF16};
-  std::printf("shard_bench: N=%lld V=%lld D=%lld bf16 mean, %s logits, budget %zu MiB, %d GPU(s): "
-              "%s%s\n",
-              static_cast<long long>(n), static_cast<long long>(v), static_cast<long long>(d),
-              options.bf16_logits ? "bf16" : "fp32", budget >> 20, gpus_visible,
-              gpus[0]->device_description().c_str(),
-              one_gpu ? ", shards one after another on GPU 0 (no exchange)" : "");
+  std::printf(
+      "shard_bench: N=%lld V=%lld D=%lld bf16 mean, %s logits, budget %zu MiB, %d GPU(s): "
+      "%s%s\n",
+      static_cast<long long>(n), static_cast<long long>(v), static_cast<long long>(d),
+      options.bf16_logits ? "bf16" : "fp32", budget >> 20, gpus_visible,
+      gpus[0]->device_description().c_str(),
+      one_gpu ? ", shards one after another on GPU 0 (no exchange)" : "");
 
-  // The unsharded fused call on GPU 0 (the one-device head's Run).
-  double whole_ms = 0;
+  // Every configuration is set up first, then timed round by round (TimeInterleaved): the
+  // unsharded fused call on GPU 0 (the one-device head's Run), then each k.
+  std::vector<Timed> timed;
+  WholeState whole;
   if (unsharded) {
-    Backend& b = *gpus[0];
-    size_t bytes = 0;
-    auto stream = Unwrap(b.CreateStream(), "stream");
-    const cudaStream_t cs = Native(*stream);
-    DeviceBuffer hidden = Alloc(b, n * d * 2, &bytes), weight = Alloc(b, v * d * 2, &bytes),
-                 targets = Alloc(b, n * 4, &bytes), grad = Alloc(b, v * d * 4, &bytes),
-                 grad_hidden = Alloc(b, n * d * 2, &bytes), scalars = Alloc(b, 16, &bytes);
-    const size_t ws_bytes = Unwrap(b.WorkspaceBytes(p, budget), "workspace");
-    DeviceBuffer workspace = Alloc(b, ws_bytes, &bytes);
-    BENCH_CUDA(bench::FillUniformBf16(hidden.as<__nv_bfloat16>(), n * d, 1.0f, 1, cs));
-    BENCH_CUDA(bench::FillUniformBf16(weight.as<__nv_bfloat16>(), v * d, 0.02f, 1000, cs));
-    BENCH_CUDA(bench::FillTargets(targets.as<int32_t>(), n, v, 7, cs));
-    BENCH_CUDA(cudaMemsetAsync(grad.data(), 0, grad.bytes(), cs));
-    kernels::Arguments args;
-    args.hidden = hidden.data();
-    args.weight = weight.data();
-    args.targets = targets.as<int32_t>();
-    args.grad_hidden = grad_hidden.data();
-    args.grad_weight = grad.as<float>();
-    args.token_count = scalars.as<int64_t>();
-    args.loss_sum = reinterpret_cast<float*>(scalars.as<char>() + 8);
-    args.workspace = workspace.data();
-    args.workspace_bytes = ws_bytes;
-    whole_ms = MedianWallMs(runs, [&] {
-      BENCH_OK(b.Run(p, args, *stream));
-      BENCH_OK(stream->Synchronize());
-    });
-    std::printf("unsharded Run on GPU 0: %.2f ms, %.0f tokens/s, device memory %.2f GiB\n",
-                whole_ms, n / whole_ms * 1e3, bytes / double(1 << 30));
+    whole = MakeWhole(*gpus[0], p, budget);
+    timed.push_back({[&] {
+      BENCH_OK(gpus[0]->Run(p, whole.args, *whole.stream));
+      BENCH_OK(whole.stream->Synchronize());
+    }});
   }
-
+  struct Placement {
+    int k;
+    std::vector<ShardState> shards;
+    std::unique_ptr<kernels::Collective> collective;
+    size_t first_timed = 0;  // its calls in `timed`: one, or with --one_gpu one per shard
+  };
+  std::vector<Placement> placements;
+  placements.reserve(shard_counts.size());  // the calls below hold pointers into them
   for (int k : shard_counts) {
     if (!one_gpu && k > gpus_visible) {
       std::printf("k=%d: skipped, %d GPU(s) visible\n", k, gpus_visible);
       continue;
     }
-    std::vector<ShardState> shards = MakeShards(gpus, k, p, budget, one_gpu);
-    std::unique_ptr<kernels::Collective> collective;
+    Placement& pl = placements.emplace_back();
+    pl.k = k;
+    pl.shards = MakeShards(gpus, k, p, budget, one_gpu);
     if (!one_gpu && k > 1) {
       std::vector<Backend*> devices;
       for (int r = 0; r < k; ++r) devices.push_back(gpus[r].get());
-      collective = Unwrap(kernels::CreateCollective(devices), "collective");
+      pl.collective = Unwrap(kernels::CreateCollective(devices), "collective");
     }
-    double ms = 0;
+    pl.first_timed = timed.size();
     if (one_gpu) {
       // Each shard's sequence alone; the slowest is what k GPUs would wait for.
-      for (ShardState& st : shards) {
-        std::vector<ShardState> one;
-        one.push_back(std::move(st));
-        ms = std::max(ms, MedianWallMs(runs, [&] { RunSharded(one, nullptr, n, d); }));
-        st = std::move(one[0]);
+      for (ShardState& st : pl.shards) {
+        timed.push_back({[&st, n, d] {
+          std::vector<ShardState> one;
+          one.push_back(std::move(st));
+          RunSharded(one, nullptr, n, d);
+          st = std::move(one[0]);
+        }});
       }
     } else {
-      ms = MedianWallMs(runs, [&] { RunSharded(shards, collective.get(), n, d); });
+      timed.push_back({[&pl, n, d] { RunSharded(pl.shards, pl.collective.get(), n, d); }});
     }
+  }
+  TimeInterleaved(timed, runs);
+
+  const double whole_ms = unsharded ? timed[0].Median() : 0;
+  if (unsharded) {
+    std::printf("unsharded Run on GPU 0: %.2f ms, %.0f tokens/s, device memory %.2f GiB\n",
+                whole_ms, n / whole_ms * 1e3, whole.bytes / double(1 << 30));
+  }
+  for (const Placement& pl : placements) {
+    const size_t calls = one_gpu ? pl.shards.size() : 1;
+    double ms = 0;
+    for (size_t i = 0; i < calls; ++i) ms = std::max(ms, timed[pl.first_timed + i].Median());
     size_t most = 0;
-    for (const ShardState& st : shards) most = std::max(most, st.bytes);
-    const std::string ratio =
-        unsharded ? absl::StrFormat(" (%.3f of unsharded; target <= %.3f)", ms / whole_ms, 1.25 / k)
-                  : "";
+    for (const ShardState& st : pl.shards) most = std::max(most, st.bytes);
+    const std::string ratio = unsharded ? absl::StrFormat(" (%.3f of unsharded; target <= %.3f)",
+                                                          ms / whole_ms, 1.25 / pl.k)
+                                        : "";
     std::printf(
         "k=%d: %.2f ms per micro-batch%s, %.0f tokens/s, chunk %lld tokens, device memory per "
         "GPU %.2f GiB (largest shard)\n",
-        k, ms, ratio.c_str(), n / ms * 1e3,
-        static_cast<long long>(shards[0].args.stats_chunk_rows), most / double(1 << 30));
+        pl.k, ms, ratio.c_str(), n / ms * 1e3,
+        static_cast<long long>(pl.shards[0].args.stats_chunk_rows), most / double(1 << 30));
   }
   return 0;
 }

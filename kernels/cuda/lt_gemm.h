@@ -5,6 +5,8 @@
 #define LOSSHEAD_KERNELS_CUDA_LT_GEMM_H_
 
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -16,6 +18,22 @@
 #include "absl/status/status.h"
 
 namespace losshead::kernels::cuda {
+
+// The cudaDataType_t of an element type: float, __nv_bfloat16 or __half.
+template <typename T>
+constexpr cudaDataType_t CudaType();
+template <>
+constexpr cudaDataType_t CudaType<float>() {
+  return CUDA_R_32F;
+}
+template <>
+constexpr cudaDataType_t CudaType<__nv_bfloat16>() {
+  return CUDA_R_16BF;
+}
+template <>
+constexpr cudaDataType_t CudaType<__half>() {
+  return CUDA_R_16F;
+}
 
 // D = alpha * op(A) * op(B) + beta * C with C = D, column-major as in cuBLAS; fp32 compute.
 // alpha and beta point to floats in host or device memory (`device_scalars`).
