@@ -239,20 +239,20 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 template <typename TL>
-absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens,
-                              const int32_t* targets, const ShardRowParams& p, float* stats,
-                              int64_t stride, cudaStream_t stream) {
+absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
+                              const ShardRowParams& p, float* stats, int64_t stride,
+                              cudaStream_t stream) {
   if (tokens <= 0) return absl::OkStatus();
-  ShardStatsKernel<TL><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(
-      logits, ldl, targets, p, stats, stride);
+  ShardStatsKernel<TL><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(logits, ldl, targets,
+                                                                               p, stats, stride);
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
 }
 
 template <typename TL, typename TG>
-absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens,
-                             const int32_t* targets, const ShardRowParams& p, const float* stats,
-                             int64_t stride, int shards, TG* grad, int64_t ldg, float* row_loss,
+absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
+                             const ShardRowParams& p, const float* stats, int64_t stride,
+                             int shards, TG* grad, int64_t ldg, float* row_loss,
                              float* per_token_loss, float* per_token_lse, cudaStream_t stream) {
   if (tokens <= 0) return absl::OkStatus();
   ShardGradKernel<TL, TG><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(
@@ -273,16 +273,15 @@ absl::Status LaunchRoundToDType(const float* src, T* dst, int64_t count, cudaStr
 }
 
 template absl::Status LaunchShardStats<float>(const float*, int64_t, int64_t, const int32_t*,
-                                              const ShardRowParams&, float*, int64_t,
-                                              cudaStream_t);
+                                              const ShardRowParams&, float*, int64_t, cudaStream_t);
 template absl::Status LaunchShardStats<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t,
-                                                      const int32_t*, const ShardRowParams&,
-                                                      float*, int64_t, cudaStream_t);
+                                                      const int32_t*, const ShardRowParams&, float*,
+                                                      int64_t, cudaStream_t);
 
-#define LOSSHEAD_INSTANTIATE_GRAD(TL, TG)                                                       \
-  template absl::Status LaunchShardGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*,    \
-                                                const ShardRowParams&, const float*, int64_t, int, \
-                                                TG*, int64_t, float*, float*, float*, cudaStream_t);
+#define LOSSHEAD_INSTANTIATE_GRAD(TL, TG)                                                        \
+  template absl::Status LaunchShardGrad<TL, TG>(                                                 \
+      const TL*, int64_t, int64_t, const int32_t*, const ShardRowParams&, const float*, int64_t, \
+      int, TG*, int64_t, float*, float*, float*, cudaStream_t);
 LOSSHEAD_INSTANTIATE_GRAD(float, float)
 LOSSHEAD_INSTANTIATE_GRAD(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE_GRAD(float, __half)

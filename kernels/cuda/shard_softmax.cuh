@@ -30,9 +30,9 @@ struct ShardRowParams {
 // Reads the logits only. Block reductions in a fixed order: a rerun gives the same bits.
 // TL: float or __nv_bfloat16.
 template <typename TL>
-absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens,
-                              const int32_t* targets, const ShardRowParams& p, float* stats,
-                              int64_t stride, cudaStream_t stream);
+absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
+                              const ShardRowParams& p, float* stats, int64_t stride,
+                              cudaStream_t stream);
 
 // For each of `tokens` rows q: combines the `shards` slices of `stats` (slice r at
 // stats + r * 4 * stride, laid out as above) in rank order into the token's lse and loss, and
@@ -45,9 +45,9 @@ absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens,
 // (TL, TG): (float, float), (float, __nv_bfloat16), (float, __half) or
 // (__nv_bfloat16, __nv_bfloat16).
 template <typename TL, typename TG>
-absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens,
-                             const int32_t* targets, const ShardRowParams& p, const float* stats,
-                             int64_t stride, int shards, TG* grad, int64_t ldg, float* row_loss,
+absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
+                             const ShardRowParams& p, const float* stats, int64_t stride,
+                             int shards, TG* grad, int64_t ldg, float* row_loss,
                              float* per_token_loss, float* per_token_lse, cudaStream_t stream);
 
 // dst[i] = src[i] rounded to T (round to nearest even) for i in [0, count). T: __nv_bfloat16 or

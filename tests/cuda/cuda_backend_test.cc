@@ -23,6 +23,7 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "losshead/kernels/problem.h"
+#include "tests/cuda/tolerance.h"
 
 namespace losshead::kernels {
 namespace {
@@ -38,23 +39,6 @@ constexpr size_t kGiB = size_t{1} << 30;
     const absl::Status s_ = (expr);              \
     ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
   } while (0)
-
-struct Tolerance {
-  double loss, dh, dw;
-};
-
-Tolerance ToleranceFor(DType dtype, bool bf16_logits) {
-  switch (dtype) {
-    case DType::kFP32:
-      return {1e-5, 1e-4, 1e-4};
-    case DType::kFP16:
-      return {1e-4, 4e-3, 4e-3};
-    case DType::kBF16:
-      // bf16 logits round each logit by up to 2^-9 of its size before the softmax.
-      return bf16_logits ? Tolerance{4e-3, 3e-2, 3e-2} : Tolerance{1e-4, 1.2e-2, 1.2e-2};
-  }
-  return {0, 0, 0};
-}
 
 // Host copies of one problem's inputs and outputs.
 struct Inputs {

@@ -1,10 +1,9 @@
 // The CUDA backend's vocabulary-shard calls (shard_problem.h) against the CPU backend's fused Run.
 // k shards of one head run on one GPU, each with its own backend and stream; the test plays the
 // collectives: the AllGather of the statistics as device copies between the shards' buffers, the
-// AllReduce of the dH partials on the host in rank order. Tolerances as in cuda_backend_test.cc
-// (relative norms): fp32 GEMMs on both sides differ only in summation order; bf16 / fp16 round
-// the logit gradient to the input dtype before the GEMMs and dH once at the end; bf16 problems
-// also round the logits to bf16 unless the case turns CudaBackendOptions::bf16_logits off.
+// AllReduce of the dH partials on the host in rank order. Tolerances as for the fused call
+// (tests/cuda/tolerance.h); bf16 problems round the logits to bf16 unless the case turns
+// CudaBackendOptions::bf16_logits off.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,6 +28,7 @@
 #include "losshead/kernels/dtype_convert.h"
 #include "losshead/kernels/problem.h"
 #include "losshead/kernels/shard_problem.h"
+#include "tests/cuda/tolerance.h"
 #include "tests/kernels/backend_runner.h"
 #include "tests/kernels/shard_runner.h"
 
@@ -61,23 +61,6 @@ constexpr int kPoison = 0xff;  // NaN in every dtype: an output a call forgets s
       return absl::InternalError(absl::StrCat(#expr, ": ", cudaGetErrorString(e_))); \
     }                                                                                \
   } while (0)
-
-struct Tolerance {
-  double loss, dh, dw;
-};
-
-Tolerance ToleranceFor(DType dtype, bool bf16_logits) {
-  switch (dtype) {
-    case DType::kFP32:
-      return {1e-5, 1e-4, 1e-4};
-    case DType::kFP16:
-      return {1e-4, 4e-3, 4e-3};
-    case DType::kBF16:
-      // bf16 logits round each logit by up to 2^-9 of its size before the softmax.
-      return bf16_logits ? Tolerance{4e-3, 3e-2, 3e-2} : Tolerance{1e-4, 1.2e-2, 1.2e-2};
-  }
-  return {0, 0, 0};
-}
 
 struct ShardCase {
   std::string name;
@@ -485,14 +468,13 @@ std::vector<ShardCase> Cases() {
         c.budget_rows = 300;
         c.bf16_logits = false;
       });
-  add("fp32_logits_all_options", DType::kBF16, 2, 600, 1000, 64, Reduction::kSum,
-      [](ShardCase& c) {
-        c.budget_rows = 300;
-        c.bf16_logits = false;
-        c.options.label_smoothing = 0.1f;
-        c.options.z_loss = 1e-3f;
-        c.options.softcap = 15.0f;
-      });
+  add("fp32_logits_all_options", DType::kBF16, 2, 600, 1000, 64, Reduction::kSum, [](ShardCase& c) {
+    c.budget_rows = 300;
+    c.bf16_logits = false;
+    c.options.label_smoothing = 0.1f;
+    c.options.z_loss = 1e-3f;
+    c.options.softcap = 15.0f;
+  });
   add("all_ignored", DType::kBF16, 2, 300, 1000, 64, Reduction::kMean,
       [](ShardCase& c) { c.ignore_fraction = 1.0; });
   add("forward_only", DType::kBF16, 3, 700, 4099, 64, Reduction::kMean, [](ShardCase& c) {

@@ -8,7 +8,8 @@
 //   per chunk of tokens [t0, t0 + c):
 //     ShardForward    logits of the shard's rows; per token, over the soft-capped z, its row
 //                     max m, sum of exp(z - m), sum of z, and z of the target where the target is
-//                     one of its rows (0 elsewhere): four fp32 statistics, into its slice of `stats`
+//                     one of its rows (0 elsewhere): four fp32 statistics, into its slice of
+//                     `stats`
 //     AllGather       of the statistics, so that every shard holds every shard's slice
 //     ShardBackward   combines the slices in rank order into each token's lse and loss (the same
 //                     bits on every shard); writes the loss outputs where given; G for its columns
