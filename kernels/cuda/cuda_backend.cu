@@ -28,6 +28,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_stream.h"
+#include "kernels/cuda/head_gemms.h"
 #include "kernels/cuda/loss_reduce.cuh"
 #include "kernels/cuda/lt_gemm.h"
 #include "kernels/cuda/optimizer_step.cuh"
@@ -350,54 +351,21 @@ class CudaBackend final : public Backend {
     void* const gemm_ws = ws + layout.cublas_off;
     const size_t gemm_ws_bytes = layout.cublas_bytes;
     auto logits_gemm = [&](int t0, int rows, int q0) -> absl::Status {
-      // Column-major view: logits^T (V x rows, ld ldl) = W^T_cm(V x D) . H_cm (D x rows).
-      // Host alpha/beta here: with a device beta cublasLt cannot know it is 0 and reads the whole
-      // logits chunk back in its epilogue. Only the gradient GEMMs need the device alpha.
-      cuda::GemmShape g;
-      g.trans_a = CUBLAS_OP_T;
-      g.m = v;
-      g.n = rows;
-      g.k = d;
-      g.type_a = g.type_b = kIn;
-      g.type_c = kLogits;
-      g.lda = d;
-      g.ldb = d;
-      g.ldc = static_cast<int>(ldl);
-      return gemm.Run(g, &kOne, weight, hidden + static_cast<int64_t>(t0) * d, &kZero,
+      return gemm.Run(cuda::LogitsGemm(v, rows, d, kIn, kLogits, ldl), &kOne, weight,
+                      hidden + static_cast<int64_t>(t0) * d, &kZero,
                       logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes, stream);
     };
     auto dh_gemm = [&](int t0, int rows, int q0) -> absl::Status {
       if (grad_hidden == nullptr) return absl::OkStatus();
-      // dH_cm (D x rows) = W_cm (D x V) . G_cm (V x rows, ld ldg).
-      cuda::GemmShape g;
-      g.m = d;
-      g.n = rows;
-      g.k = v;
-      g.type_a = g.type_b = g.type_c = kIn;
-      g.lda = d;
-      g.ldb = static_cast<int>(ldg);
-      g.ldc = d;
-      g.device_scalars = true;
-      return gemm.Run(g, &scalars->grad_alpha, weight, grad + static_cast<int64_t>(q0) * ldg,
-                      &scalars->zero, grad_hidden + static_cast<int64_t>(t0) * d, gemm_ws,
-                      gemm_ws_bytes, stream);
+      return gemm.Run(cuda::GradHiddenGemm(v, rows, d, kIn, kIn, ldg), &scalars->grad_alpha, weight,
+                      grad + static_cast<int64_t>(q0) * ldg, &scalars->zero,
+                      grad_hidden + static_cast<int64_t>(t0) * d, gemm_ws, gemm_ws_bytes, stream);
     };
     auto dw_gemm = [&](int t0, int rows) -> absl::Status {
       if (args.grad_weight == nullptr) return absl::OkStatus();
-      // dW_cm (D x V) += H_cm (D x rows) . G_cm^T (rows x V).
-      cuda::GemmShape g;
-      g.trans_b = CUBLAS_OP_T;
-      g.m = d;
-      g.n = v;
-      g.k = rows;
-      g.type_a = g.type_b = kIn;
-      g.type_c = CUDA_R_32F;
-      g.lda = d;
-      g.ldb = static_cast<int>(ldg);
-      g.ldc = d;
-      g.device_scalars = true;
-      return gemm.Run(g, &scalars->grad_alpha, hidden + static_cast<int64_t>(t0) * d, grad,
-                      &scalars->one, args.grad_weight, gemm_ws, gemm_ws_bytes, stream);
+      return gemm.Run(cuda::GradWeightGemm(v, rows, d, kIn, ldg), &scalars->grad_alpha,
+                      hidden + static_cast<int64_t>(t0) * d, grad, &scalars->one, args.grad_weight,
+                      gemm_ws, gemm_ws_bytes, stream);
     };
 
     for (int r0 = 0; r0 < n; r0 += chunk) {

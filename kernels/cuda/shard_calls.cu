@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/count_targets.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/head_gemms.h"
 #include "kernels/cuda/loss_reduce.cuh"
 #include "kernels/cuda/lt_gemm.h"
 #include "kernels/cuda/scalars.h"
@@ -247,21 +248,11 @@ absl::Status ShardCalls::ForwardTyped(const ShardProblem& shard, const ShardArgu
   const auto* hidden = static_cast<const TIn*>(args.hidden);
   const int64_t d = shard.problem.d;
   static constexpr float kOne = 1.0f, kZero = 0.0f;
-  // Column-major view: logits^T (rows x c, ld ldl) = W_rows^T_cm (rows x D) . H_cm (D x c).
   // Host alpha/beta: nothing here depends on the token count.
-  GemmShape g;
-  g.trans_a = CUBLAS_OP_T;
-  g.m = static_cast<int>(shard.rows);
-  g.n = static_cast<int>(chunk.size);
-  g.k = static_cast<int>(d);
-  g.type_a = g.type_b = CudaType<TIn>();
-  g.type_c = CudaType<TL>();
-  g.lda = static_cast<int>(d);
-  g.ldb = static_cast<int>(d);
-  g.ldc = static_cast<int>(layout.ldl);
-  LOSSHEAD_RETURN_IF_ERROR(cs.gemm().Run(g, &kOne, args.weight, hidden + chunk.begin * d, &kZero,
-                                         logits, ws + layout.cublas_off, layout.cublas_bytes,
-                                         stream));
+  LOSSHEAD_RETURN_IF_ERROR(cs.gemm().Run(
+      LogitsGemm(shard.rows, chunk.size, d, CudaType<TIn>(), CudaType<TL>(), layout.ldl), &kOne,
+      args.weight, hidden + chunk.begin * d, &kZero, logits, ws + layout.cublas_off,
+      layout.cublas_bytes, stream));
   float* slice =
       args.stats + static_cast<int64_t>(shard.rank) * kShardStats * args.stats_chunk_rows;
   return LaunchShardStats(logits, layout.ldl, chunk.size, args.targets + chunk.begin,
@@ -301,35 +292,16 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
   if (args.grad_hidden_partial != nullptr) {
     // partial_cm (D x c) = W_rows_cm (D x rows) . G_cm (rows x c, ld ldg), fp32 out: the shards'
     // partials are summed before anything rounds them.
-    GemmShape g;
-    g.m = d;
-    g.n = c;
-    g.k = rows;
-    g.type_a = g.type_b = kIn;
-    g.type_c = CUDA_R_32F;
-    g.lda = d;
-    g.ldb = static_cast<int>(ldg);
-    g.ldc = d;
-    g.device_scalars = true;
-    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(g, &scalars->grad_alpha, args.weight, grad, &scalars->zero,
+    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradHiddenGemm(rows, c, d, kIn, CUDA_R_32F, ldg),
+                                      &scalars->grad_alpha, args.weight, grad, &scalars->zero,
                                       args.grad_hidden_partial, gemm_ws, gemm_ws_bytes, stream));
   }
   if (args.grad_weight != nullptr) {
     // dW_rows_cm (D x rows) += H_cm (D x c) . G_cm^T (c x rows).
-    GemmShape g;
-    g.trans_b = CUBLAS_OP_T;
-    g.m = d;
-    g.n = rows;
-    g.k = c;
-    g.type_a = g.type_b = kIn;
-    g.type_c = CUDA_R_32F;
-    g.lda = d;
-    g.ldb = static_cast<int>(ldg);
-    g.ldc = d;
-    g.device_scalars = true;
-    LOSSHEAD_RETURN_IF_ERROR(
-        gemm.Run(g, &scalars->grad_alpha, static_cast<const TIn*>(args.hidden) + t0 * d, grad,
-                 &scalars->one, args.grad_weight, gemm_ws, gemm_ws_bytes, stream));
+    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradWeightGemm(rows, c, d, kIn, ldg), &scalars->grad_alpha,
+                                      static_cast<const TIn*>(args.hidden) + t0 * d, grad,
+                                      &scalars->one, args.grad_weight, gemm_ws, gemm_ws_bytes,
+                                      stream));
   }
   return absl::OkStatus();
 }
