@@ -187,8 +187,8 @@ int RunBench() {
       spec.mutable_init()->set_zeros(true);
     } else {
       spec.mutable_init()->mutable_normal()->set_std(0.02f);
-      // Not --seed itself: the hidden states are drawn from it with the same generator, and W
-      // drawn from the same sequence would align row t with token t (logits near 0.02·D).
+      // Not --seed itself, which draws the hidden states: W stays unrelated to them whatever
+      // generator the server's init uses.
       spec.mutable_init()->mutable_normal()->set_seed(absl::GetFlag(FLAGS_seed) ^
                                                       0x9e3779b97f4a7c15ull);
     }

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "server/engine/head_internal.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/status_macros.h"
+#include "server/engine/weight_init.h"
 
 namespace losshead::server {
 namespace head_internal {
@@ -246,17 +246,17 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
     }
     return group_->Synchronize();
   } else {
-    std::mt19937_64 rng(spec_.init().normal().seed());
-    std::normal_distribution<float> normal(0.0f, spec_.init().normal().std());
-    std::vector<float> block(std::min(count, kConvertBlock));
-    std::string converted(block.size() * esize, '\0');
-    for (size_t i = 0; i < count; i += kConvertBlock) {
-      const size_t n = std::min(kConvertBlock, count - i);
-      for (size_t j = 0; j < n; ++j) block[j] = normal(rng);
-      kernels::FromFloat(dtype_, block.data(), converted.data(), n);
-      LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, converted.data(),
+    // Whole init blocks, a few per thread, drawn together and then copied in.
+    const int threads = NormalInitThreads();
+    const size_t piece = static_cast<size_t>(kNormalInitBlock) * 2 * threads;
+    std::string drawn(std::min(count, piece) * esize, '\0');
+    for (size_t i = 0; i < count; i += piece) {
+      const size_t n = std::min(piece, count - i);
+      DrawNormalInit(spec_.init().normal(), dtype_, static_cast<int64_t>(i),
+                     static_cast<int64_t>(n), threads, drawn.data());
+      LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, drawn.data(),
                                               static_cast<int64_t>(i), static_cast<int64_t>(n)));
-      // The host block is reused for the next piece: the copy must have landed.
+      // The host piece is reused for the next one: the copy must have landed.
       LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
     }
   }

@@ -112,10 +112,10 @@ struct WeightsSnapshot {
 class Head {
  public:
   // Validates `spec` (INVALID_ARGUMENT), allocates W, dW and checks the workspace budget
-  // (RESOURCE_EXHAUSTED), initialises W (zeros, or normal(0, std) drawn on the host from
-  // std::mt19937_64(seed) in row-major order) and zeroes dW. The head holds one replica per
-  // device of `devices` (rank order); their number must be the one the spec's placement asks
-  // for (INVALID_ARGUMENT otherwise; a placement of 0 devices takes them all).
+  // (RESOURCE_EXHAUSTED), initialises W (zeros, or normal(0, std) drawn on the host as
+  // weight_init.h says) and zeroes dW. The head holds one replica per device of `devices` (rank
+  // order); their number must be the one the spec's placement asks for (INVALID_ARGUMENT
+  // otherwise; a placement of 0 devices takes them all).
   static absl::StatusOr<std::shared_ptr<Head>> Create(std::span<kernels::Backend* const> devices,
                                                       const v1::HeadSpec& spec,
                                                       const HeadOptions& options);
