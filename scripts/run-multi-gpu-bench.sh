@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A head on one GPU, replicated and sharded over the GPUs of the host, in one run: one
 # losshead-server with --devices=all, the C++ `losshead bench` (random head, V = 128256,
-# D = 4096, 8192-token micro-batches) on 1, 2, 4, ... replicas with 8 streams per replica, and
+# D = 4096, 8192-token micro-batches) on 1, 2, 4, ... replicas with 4 and 8 streams per replica
+# (on one H100 host the server's throughput is flat from 4 to 8 streams and falls beyond: 32
+# streams gave about 0.8 of 8's, client and server on the same host; BENCHMARKS.md), and
 # each placement's device memory per GPU (HeadInfo, and nvidia-smi while the benchmark runs);
 # then `losshead_shard_bench` (the sharded micro-batch's latency on 1, 2, 4, ... GPUs against the
 # unsharded call), and a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and
@@ -19,7 +21,7 @@ out=${2:-$(mktemp -d)}
 mkdir -p "$out"
 port=${LOSSHEAD_PORT:-50061}
 seconds=${BENCH_SECONDS:-15}
-streams_per_replica=${STREAMS_PER_REPLICA:-8}
+streams_per_replica=${STREAMS_PER_REPLICA:-4 8}
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="$bundle/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader \
@@ -39,18 +41,20 @@ head -3 "$out/server.log"
 
 replicas=1
 while [ "$replicas" -le "$gpus" ]; do
-  streams=$((streams_per_replica * replicas))
-  log="$out/bench-r$replicas.log"
-  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader -lms 1000 \
-    > "$out/smi-r$replicas.csv" &
-  smi=$!
-  "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
-    --replicas="$replicas" --streams="$streams" --seconds="$seconds" > "$log" 2>&1 \
-    || { kill $smi; cat "$log"; exit 1; }
-  kill $smi
-  peak=$(sort -t, -k1,1n -k2,2n "$out/smi-r$replicas.csv" \
-    | awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}')
-  echo "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak"
+  for per in $streams_per_replica; do
+    streams=$((per * replicas))
+    log="$out/bench-r$replicas-s$streams.log"
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader -lms 1000 \
+      > "$out/smi-r$replicas-s$streams.csv" &
+    smi=$!
+    "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
+      --replicas="$replicas" --streams="$streams" --seconds="$seconds" > "$log" 2>&1 \
+      || { kill $smi; cat "$log"; exit 1; }
+    kill $smi
+    peak=$(sort -t, -k1,1n -k2,2n "$out/smi-r$replicas-s$streams.csv" \
+      | awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}')
+    echo "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak"
+  done
   replicas=$((replicas * 2))
 done | tee "$out/summary.txt"
 
