@@ -4,7 +4,8 @@
 // order from std::normal_distribution<float>(0, std) over a std::mt19937_64 seeded with the
 // std::seed_seq of (seed, b). So any whole run of blocks can be drawn on its own, by any number of
 // threads, and W depends on the spec alone: never on the head's placement or the machine's cores.
-// (One generator for all of W took 15-25 s for a 128256 x 4096 head, and minutes for larger ones.)
+// (One generator for all of W took 16-19 s for a 128256 x 4096 head and 75 s for 256000 x 8192;
+// drawn this way on 16 cores, 1.6 s and 5.7 s: BENCHMARKS.md.)
 #ifndef LOSSHEAD_SERVER_ENGINE_WEIGHT_INIT_H_
 #define LOSSHEAD_SERVER_ENGINE_WEIGHT_INIT_H_
 
