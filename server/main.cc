@@ -1,7 +1,5 @@
 // losshead-server: serves losshead.v1.LossHead until SIGTERM or SIGINT, then drains and exits.
 // SIGHUP re-reads --auth_tokens_file (token rotation without a restart).
-#include <malloc.h>
-
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -13,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/grpc.h"
+#include "losshead/v1/heap_tuning.h"
 #include "server/flags.h"
 #include "server/server.h"
 
@@ -36,14 +35,8 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "losshead-server: the fused LM-head (linear + cross-entropy) gRPC service");
   absl::ParseCommandLine(argc, argv);
-#if defined(__GLIBC__)
-  // gRPC receives every tensor message (up to --max_message_bytes, 4 MiB) into a fresh buffer.
-  // With glibc's defaults such buffers are mmapped and unmapped one by one, and every message
-  // faults its pages in again: a push ran at 0.3 GB/s that way and at 1.6 with the buffers kept
-  // in the heap. Same settings as the client library's.
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest accepted value
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-#endif
+  // gRPC's message buffers stay mapped between messages (see heap_tuning.h).
+  losshead::v1::KeepTransferBuffersMapped();
   // Held for the life of the process and never released: gRPC's library teardown, which the last
   // release would start, waits for its internal threads (9 s on a 16-core GPU host after a busy
   // run) and frees nothing the exit does not.

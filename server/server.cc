@@ -19,6 +19,7 @@
 #include "server/durability/checkpointer.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/pinned_pool.h"
+#include "server/engine/result_pool.h"
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/metrics_endpoint.h"
@@ -33,8 +34,6 @@ namespace losshead::server {
 namespace {
 
 constexpr char kServiceName[] = "losshead.v1.LossHead";
-// Received micro-batches' page-locked buffers kept for reuse: a few full-size micro-batches.
-constexpr size_t kMaxIdlePinnedBytes = size_t{1} << 30;
 // How long connections left open at shutdown, once no call of ours runs, may stay before they
 // are closed (see Shutdown); never past the caller's deadline.
 constexpr absl::Duration kConnectionGrace = absl::Milliseconds(500);
@@ -76,11 +75,17 @@ class ServerImpl final : public Server {
     std::vector<kernels::Backend*> devices;
     for (const auto& backend : backends_) devices.push_back(backend.get());
     pool_ = std::make_unique<ThreadPool>(options_.worker_threads);
+    // Host buffers for every head's dH, kept for reuse while up to --max_inflight_bytes of them
+    // are idle: the dH of as many micro-batches as admission lets in at once. A result allocated
+    // afresh (64 MiB for 8192 x 4096 bf16) costs 16,384 page faults; with 256 MiB kept per head,
+    // half of the results of 32 streams were allocated afresh (BENCHMARKS.md).
+    auto results = std::make_shared<ResultPool>(options_.max_inflight_bytes);
     registry_ = std::make_unique<HeadRegistry>(
         devices,
         HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
                     .idempotency_window = options_.idempotency_window,
-                    .idempotency_max_bytes_per_client = options_.idempotency_max_bytes},
+                    .idempotency_max_bytes_per_client = options_.idempotency_max_bytes,
+                    .results = results},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     if (!options_.checkpoint_dir.empty()) {
       checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get());
@@ -91,12 +96,15 @@ class ServerImpl final : public Server {
     ctx_.devices = devices;
     {
       // Page-locked memory for micro-batches being received (portable: any device copies from
-      // it at the bus rate). What is idle beyond the bound is freed (the bytes in use are bounded
-      // by admission, --max_inflight_bytes).
+      // it at the bus rate). Admission bounds the bytes in use (--max_inflight_bytes); idle
+      // buffers are kept up to the same bound, so that the pool ends up holding what the busiest
+      // moment needed and stops allocating. Page-locking a 64 MiB buffer and freeing it again
+      // costs more than the micro-batch's copy: with 1 GiB kept, a quarter of the micro-batches
+      // of 32 streams allocated one (BENCHMARKS.md).
       kernels::Backend* backend_ptr = backends_.front().get();
       ctx_.pinned = PinnedPool::Create(
           [backend_ptr](size_t bytes) { return backend_ptr->AllocateHost(bytes); },
-          std::min<size_t>(options_.max_inflight_bytes, kMaxIdlePinnedBytes));
+          options_.max_inflight_bytes);
     }
     ctx_.registry = registry_.get();
     ctx_.pool = pool_.get();

@@ -49,6 +49,10 @@ ABSL_FLAG(double, seconds, 5, "bench: run time when --iterations is 0");
 ABSL_FLAG(int64_t, iterations, 0, "bench: micro-batches per stream; 0 runs for --seconds");
 ABSL_FLAG(int, pipeline, 2, "bench: micro-batches in flight per stream");
 ABSL_FLAG(bool, dedicated_connections, true, "bench: one TCP connection per stream");
+ABSL_FLAG(bool, fresh_results, false,
+          "bench: receive each dH into fresh memory (StepResult::grad_hidden) instead of into "
+          "buffers each stream keeps, one per micro-batch in flight, as a trainer's own dH "
+          "tensors would be");
 ABSL_FLAG(bool, zero_head, false,
           "bench: create a zero head instead of one drawn from N(0, 0.02) (GEMMs on zeros run "
           "faster than on real weights: for comparisons only)");

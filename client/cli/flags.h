@@ -44,6 +44,7 @@ ABSL_DECLARE_FLAG(double, seconds);
 ABSL_DECLARE_FLAG(int64_t, iterations);
 ABSL_DECLARE_FLAG(int, pipeline);
 ABSL_DECLARE_FLAG(bool, dedicated_connections);
+ABSL_DECLARE_FLAG(bool, fresh_results);
 ABSL_DECLARE_FLAG(bool, zero_head);
 
 #endif  // LOSSHEAD_CLIENT_CLI_FLAGS_H_

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
+#include "losshead/v1/heap_tuning.h"
 
 namespace {
 
@@ -67,6 +68,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = args[1];
+  // Like a trainer through the C API: gRPC's message buffers stay mapped between messages.
+  losshead::v1::KeepTransferBuffersMapped();
   if (command == "demo") return losshead::cli::RunDemo();
   if (command == "bench") return losshead::cli::RunBench();
   if (command == "create") return losshead::cli::RunCreate();

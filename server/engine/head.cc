@@ -59,8 +59,8 @@ namespace {
 using head_internal::AsResourceExhausted;
 using head_internal::kConvertBlock;
 
-// Idle dH buffers a head keeps for reuse: a few full-size (8192 x 4096 bf16) results, about what
-// its I/O slots finish while the cache gives older ones back.
+// Idle dH buffers a head given no shared pool keeps for reuse: a few full-size (8192 x 4096 bf16)
+// results.
 constexpr size_t kIdleResultBytes = size_t{256} << 20;
 
 constexpr uint32_t kMaxPlacementDevices = 1 << 16;
@@ -145,7 +145,8 @@ Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernel
       spec_(spec),
       dtype_(dtype),
       options_(options),
-      results_(std::make_shared<ResultPool>(kIdleResultBytes)),
+      results_(options.results != nullptr ? options.results
+                                           : std::make_shared<ResultPool>(kIdleResultBytes)),
       cache_(options.idempotency_window, options.idempotency_max_bytes_per_client),
       applies_(options.apply_window) {
   absl::MutexLock lock(&state_mu_);

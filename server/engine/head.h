@@ -53,6 +53,9 @@ struct HeadOptions {
   size_t idempotency_window = 64;
   size_t idempotency_max_bytes_per_client = size_t{256} << 20;
   size_t apply_window = 16;  // optimizer responses remembered per client id (ApplyLog)
+  // Host buffers for dH, shared by every head of a server; null: the head keeps a small pool of
+  // its own.
+  std::shared_ptr<ResultPool> results;
 };
 
 // One micro-batch as it came off the wire.

@@ -12,6 +12,7 @@
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/pinned_pool.h"
+#include "server/engine/result_pool.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
@@ -187,6 +188,38 @@ TEST_F(HeadTest, AReceivedMicroBatchInPageLockedMemoryStepsLikeItsBytes) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("NaN or Inf"), std::string::npos);
   EXPECT_EQ(pinned->Info().microbatches_since_pull(), 1u);
+}
+
+// The server hands every head one pool of dH buffers: a buffer one head's outcome gave back is
+// the next result of another head, overwritten whole (its bytes are those of a head with a pool of
+// its own).
+TEST_F(HeadTest, HeadsShareTheServersDHBuffers) {
+  auto results = std::make_shared<ResultPool>(size_t{8} << 20, /*min_bytes=*/1024);
+  HeadRegistry shared(*backend_, HeadOptions{.results = results});
+  auto a = shared.Create(Spec("a"));
+  auto b = shared.Create(Spec("b"));
+  auto own = Create("own");
+  ASSERT_TRUE(a.ok() && b.ok() && own != nullptr);
+  const MicroBatch first = Batch(64, 5);  // 64 x 6 fp32: 1,536 bytes of dH, over min_bytes
+  const MicroBatch second = Batch(64, 9);
+  StepStats stats;
+  const void* buffer = nullptr;
+  {
+    auto out = (*a)->Step(first, &stats);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ((*out)->pool, results);
+    buffer = (*out)->grad_hidden.data();
+    EXPECT_EQ(results->idle_bytes(), 0u);
+  }
+  EXPECT_GE(results->idle_bytes(), first.hidden.size());
+  auto got = (*b)->Step(second, &stats);
+  auto want = own->Step(second, &stats);
+  ASSERT_TRUE(got.ok() && want.ok()) << got.status() << want.status();
+  EXPECT_EQ((*got)->grad_hidden.data(), buffer);
+  EXPECT_EQ(results->idle_bytes(), 0u);
+  EXPECT_NE((*want)->pool, results);
+  EXPECT_EQ((*got)->grad_hidden, (*want)->grad_hidden);
+  EXPECT_EQ((*got)->loss_sum, (*want)->loss_sum);
 }
 
 TEST_F(HeadTest, Bf16HiddenOnFp32HeadAndGradDtype) {

@@ -1,9 +1,7 @@
 // The client handle: options from the C struct, connect, token, retry count, status reports.
 #include <grpcpp/grpcpp.h>
-#include <malloc.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -13,6 +11,7 @@
 #include "internal.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/step_stream.h"
+#include "losshead/v1/heap_tuning.h"
 
 namespace losshead::capi {
 namespace {
@@ -57,21 +56,12 @@ absl::StatusOr<client::ClientOptions> ToClientOptions(const lh_client_options* i
   return out;
 }
 
-// gRPC receives each multi-megabyte message into freshly allocated buffers and frees them once
-// the message is consumed. With glibc's defaults that memory goes back to the kernel (the heap
-// top is trimmed) and the next message faults it in again page by page: measured on a pull of
-// 512 MB into a reused tensor, 0.4 GB/s with the defaults and 2.1-2.4 GB/s with the heap kept.
-// So the library keeps freed heap memory (up to 1 GiB) and serves allocations below 32 MiB from
-// the heap; a process that tunes its allocator itself sets LOSSHEAD_TUNE_MALLOC=0.
+// gRPC's message buffers stay mapped between messages (losshead/v1/heap_tuning.h), once per
+// process; a process that tunes its allocator itself sets LOSSHEAD_TUNE_MALLOC=0.
 void KeepReceiveBuffersMapped() {
   static std::once_flag once;
   std::call_once(once, [] {
-    const char* tune = std::getenv("LOSSHEAD_TUNE_MALLOC");
-    if (tune != nullptr && std::strcmp(tune, "0") == 0) return;
-#if defined(__GLIBC__)
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest accepted value
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
-#endif
+    v1::KeepTransferBuffersMapped();
   });
 }
 
