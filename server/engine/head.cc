@@ -146,7 +146,7 @@ Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernel
       dtype_(dtype),
       options_(options),
       results_(options.results != nullptr ? options.results
-                                           : std::make_shared<ResultPool>(kIdleResultBytes)),
+                                          : std::make_shared<ResultPool>(kIdleResultBytes)),
       cache_(options.idempotency_window, options.idempotency_max_bytes_per_client),
       applies_(options.apply_window) {
   absl::MutexLock lock(&state_mu_);

@@ -60,9 +60,7 @@ absl::StatusOr<client::ClientOptions> ToClientOptions(const lh_client_options* i
 // process; a process that tunes its allocator itself sets LOSSHEAD_TUNE_MALLOC=0.
 void KeepReceiveBuffersMapped() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    v1::KeepTransferBuffersMapped();
-  });
+  std::call_once(once, [] { v1::KeepTransferBuffersMapped(); });
 }
 
 }  // namespace
