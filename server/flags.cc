@@ -35,7 +35,8 @@ ABSL_FLAG(uint64_t, max_inflight_microbatches, 1024,
           "is answered RESOURCE_EXHAUSTED with a retry hint");
 ABSL_FLAG(uint64_t, max_inflight_bytes, uint64_t{4} << 30,
           "Server-wide bound on buffered micro-batch request bytes (reserved from the header); "
-          "must be >= --max_microbatch_bytes");
+          "must be >= --max_microbatch_bytes. Also the most each host buffer pool (page-locked "
+          "receive buffers, dH results) keeps idle for reuse");
 ABSL_FLAG(absl::Duration, retry_after, absl::Milliseconds(50),
           "Retry hint sent with a micro-batch refused under backpressure");
 ABSL_FLAG(absl::Duration, step_stall_timeout, absl::Seconds(15),
