@@ -32,6 +32,7 @@
 #include "kernels/cuda/loss_reduce.cuh"
 #include "kernels/cuda/lt_gemm.h"
 #include "kernels/cuda/optimizer_step.cuh"
+#include "kernels/cuda/run_types.cuh"
 #include "kernels/cuda/scalars.h"
 #include "kernels/cuda/shard_calls.h"
 #include "kernels/cuda/softmax_grad.cuh"
@@ -124,18 +125,10 @@ class CudaBackend final : public Backend {
 
     std::lock_guard<std::mutex> lock(cs->mutex());
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
-    switch (problem.dtype) {
-      case DType::kFP32:
-        return RunTyped<float, float>(problem, args, layout, *cs);
-      case DType::kFP16:
-        return RunTyped<__half, float>(problem, args, layout, *cs);
-      case DType::kBF16:
-        if (UseBf16Logits(problem)) {
-          return RunTyped<__nv_bfloat16, __nv_bfloat16>(problem, args, layout, *cs);
-        }
-        return RunTyped<__nv_bfloat16, float>(problem, args, layout, *cs);
-    }
-    return absl::InvalidArgumentError("unknown dtype");
+    return cuda::WithRunTypes(problem, options_, [&](auto in, auto logits) {
+      return this->template RunTyped<typename decltype(in)::type, typename decltype(logits)::type>(
+          problem, args, layout, *cs);
+    });
   }
 
   absl::Status SquaredNorm(const float* data, int64_t count, double* result,

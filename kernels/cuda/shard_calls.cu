@@ -13,6 +13,7 @@
 #include "kernels/cuda/head_gemms.h"
 #include "kernels/cuda/loss_reduce.cuh"
 #include "kernels/cuda/lt_gemm.h"
+#include "kernels/cuda/run_types.cuh"
 #include "kernels/cuda/scalars.h"
 #include "kernels/cuda/shard_calls.h"
 #include "kernels/cuda/shard_softmax.cuh"
@@ -112,18 +113,11 @@ absl::Status ShardCalls::Forward(const ShardProblem& shard, const ShardArguments
   const Layout layout = LayoutFor(shard, chunk.size);
   std::lock_guard<std::mutex> lock(cs->mutex());
   LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
-  switch (shard.problem.dtype) {
-    case DType::kFP32:
-      return ForwardTyped<float, float>(shard, args, chunk, layout, *cs);
-    case DType::kFP16:
-      return ForwardTyped<__half, float>(shard, args, chunk, layout, *cs);
-    case DType::kBF16:
-      if (Bf16Logits(shard.problem, options_)) {
-        return ForwardTyped<__nv_bfloat16, __nv_bfloat16>(shard, args, chunk, layout, *cs);
-      }
-      return ForwardTyped<__nv_bfloat16, float>(shard, args, chunk, layout, *cs);
-  }
-  return absl::InvalidArgumentError("unknown dtype");
+  return WithRunTypes(shard.problem, options_, [&](auto in, auto logits) {
+    return this
+        ->template ForwardTyped<typename decltype(in)::type, typename decltype(logits)::type>(
+            shard, args, chunk, layout, *cs);
+  });
 }
 
 absl::Status ShardCalls::Backward(const ShardProblem& shard, const ShardArguments& args,
@@ -132,18 +126,11 @@ absl::Status ShardCalls::Backward(const ShardProblem& shard, const ShardArgument
   const Layout layout = LayoutFor(shard, chunk.size);
   std::lock_guard<std::mutex> lock(cs->mutex());
   LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
-  switch (shard.problem.dtype) {
-    case DType::kFP32:
-      return BackwardTyped<float, float>(shard, args, chunk, layout, *cs);
-    case DType::kFP16:
-      return BackwardTyped<__half, float>(shard, args, chunk, layout, *cs);
-    case DType::kBF16:
-      if (Bf16Logits(shard.problem, options_)) {
-        return BackwardTyped<__nv_bfloat16, __nv_bfloat16>(shard, args, chunk, layout, *cs);
-      }
-      return BackwardTyped<__nv_bfloat16, float>(shard, args, chunk, layout, *cs);
-  }
-  return absl::InvalidArgumentError("unknown dtype");
+  return WithRunTypes(shard.problem, options_, [&](auto in, auto logits) {
+    return this
+        ->template BackwardTyped<typename decltype(in)::type, typename decltype(logits)::type>(
+            shard, args, chunk, layout, *cs);
+  });
 }
 
 absl::Status ShardCalls::StoreGradHidden(const ShardProblem& shard, const float* partial,
