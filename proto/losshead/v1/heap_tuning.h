@@ -9,8 +9,8 @@
 // memory: allocations below 32 MiB come from the heap (glibc's largest accepted threshold), and
 // freed memory stays mapped until 1 GiB of it is free at the heap's top.
 //
-// Measured (BENCHMARKS.md): a push of 512 MB ran at 0.3 GB/s with the defaults and 1.6 GB/s with
-// the settings; a pull into a reused tensor at 0.4 and 2.1-2.4 GB/s.
+// Measured (BENCHMARKS.md): a push into the server ran at 0.3 GB/s with the defaults and 1.6 GB/s
+// with the settings; a pull of 512 MB into a reused tensor at 0.4 and 2.1-2.4 GB/s.
 #ifndef LOSSHEAD_V1_HEAP_TUNING_H_
 #define LOSSHEAD_V1_HEAP_TUNING_H_
 
