@@ -80,6 +80,7 @@ class ServerImpl final : public Server {
     // afresh (64 MiB for 8192 x 4096 bf16) costs 16,384 page faults; with 256 MiB kept per head,
     // half of the results of 32 streams were allocated afresh (BENCHMARKS.md).
     auto results = std::make_shared<ResultPool>(options_.max_inflight_bytes);
+    ctx_.results = results;
     registry_ = std::make_unique<HeadRegistry>(
         devices,
         HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,

@@ -79,6 +79,13 @@ Metrics::Metrics()
                          .Help("Device memory by kind: weights, gradient, workspace, "
                                "master_weights, optimizer_state, free, total")
                          .Register(*registry_)),
+      host_buffers_(prometheus::BuildGauge()
+                        .Name("losshead_host_buffer_bytes")
+                        .Help("Host memory of the server's buffer pools: page_locked receive "
+                              "buffers (held: in use or idle; idle: kept for reuse), dh results "
+                              "kept idle for reuse; each pool keeps at most --max_inflight_bytes "
+                              "idle")
+                        .Register(*registry_)),
       pulls_(prometheus::BuildCounter()
                  .Name("losshead_pulls_total")
                  .Help("Gradient pulls")
@@ -189,6 +196,14 @@ void Metrics::DeviceMemoryBytes(const DeviceMemory& m) {
   device_memory_.Add({{"kind", "optimizer_state"}}).Set(static_cast<double>(m.optimizer_state));
   device_memory_.Add({{"kind", "free"}}).Set(static_cast<double>(m.free));
   device_memory_.Add({{"kind", "total"}}).Set(static_cast<double>(m.total));
+}
+
+void Metrics::HostBufferBytes(size_t page_locked_held, size_t page_locked_idle, size_t dh_idle) {
+  host_buffers_.Add({{"pool", "page_locked"}, {"state", "held"}})
+      .Set(static_cast<double>(page_locked_held));
+  host_buffers_.Add({{"pool", "page_locked"}, {"state", "idle"}})
+      .Set(static_cast<double>(page_locked_idle));
+  host_buffers_.Add({{"pool", "dh"}, {"state", "idle"}}).Set(static_cast<double>(dh_idle));
 }
 
 void Metrics::Heads(size_t count) { heads_.Set(static_cast<double>(count)); }

@@ -59,6 +59,9 @@ class Metrics {
   // Devices holding one head (1, or its replicas).
   void HeadDevices(const std::string& head, size_t count);
   void DeviceMemoryBytes(const DeviceMemory& memory);
+  // Host memory of the buffer pools: page-locked receive buffers held (in use or idle) and idle,
+  // and dH buffers kept idle for reuse.
+  void HostBufferBytes(size_t page_locked_held, size_t page_locked_idle, size_t dh_idle);
   void Heads(size_t count);
   // Bearer tokens in force, and one token-file reload (result "ok" or "error").
   void AuthTokens(size_t count);
@@ -79,6 +82,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& head_memory_;
   prometheus::Family<prometheus::Gauge>& head_devices_;
   prometheus::Family<prometheus::Gauge>& device_memory_;
+  prometheus::Family<prometheus::Gauge>& host_buffers_;
   prometheus::Family<prometheus::Counter>& pulls_;
   prometheus::Family<prometheus::Counter>& pushes_;
   prometheus::Family<prometheus::Counter>& optimizer_applies_;

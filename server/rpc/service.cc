@@ -166,6 +166,9 @@ void LossHeadService::RefreshMemoryMetrics() const {
     total.total += memory.total_bytes;
   }
   ctx_->metrics->DeviceMemoryBytes(total);
+  ctx_->metrics->HostBufferBytes(ctx_->pinned != nullptr ? ctx_->pinned->held_bytes() : 0,
+                                 ctx_->pinned != nullptr ? ctx_->pinned->idle_bytes() : 0,
+                                 ctx_->results != nullptr ? ctx_->results->idle_bytes() : 0);
   ctx_->metrics->Heads(count);
 }
 

@@ -73,7 +73,8 @@ class LossHeadService final : public LossHeadServiceBase {
                                               const v1::GetClientProgressRequest* request,
                                               v1::ClientProgress* response) override;
 
-  // Sets the per-head and device memory gauges and the head count (run on every scrape).
+  // Sets the per-head, device and host-buffer memory gauges and the head count (run on every
+  // scrape).
   void RefreshMemoryMetrics() const;
 
  private:

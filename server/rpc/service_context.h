@@ -15,6 +15,7 @@
 #include "server/engine/admission.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/pinned_pool.h"
+#include "server/engine/result_pool.h"
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/step_trace.h"
@@ -54,6 +55,8 @@ struct ServiceContext {
   Admission* admission = nullptr;
   // Page-locked buffers that micro-batches are received into; null: ordinary memory.
   std::shared_ptr<PinnedPool> pinned;
+  // Every head's dH buffers (HeadOptions::results); null when heads keep their own.
+  std::shared_ptr<ResultPool> results;
   // Null unless --step_trace names a file.
   StepTrace* step_trace = nullptr;
   size_t max_message_bytes = size_t{4} << 20;

@@ -41,7 +41,7 @@ class ServiceTest : public ::testing::Test {
     o.backend = kernels::BackendKind::kCpu;
     o.worker_threads = 2;
     o.max_message_bytes = kMaxMessage;
-    o.max_microbatch_bytes = 64 * 1024;
+    o.max_microbatch_bytes = MaxMicrobatchBytes();
     o.drain_timeout = absl::Seconds(5);
     auto server = Server::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -66,6 +66,7 @@ class ServiceTest : public ::testing::Test {
   }
 
   virtual bool WithMetrics() const { return false; }
+  virtual size_t MaxMicrobatchBytes() const { return 64 * 1024; }
 
   void TearDown() override {
     if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
@@ -440,6 +441,7 @@ TEST_F(ServiceTest, UnparsableStepMessageEndsTheCall) {
 class MetricsTest : public ServiceTest {
  protected:
   bool WithMetrics() const override { return true; }
+  size_t MaxMicrobatchBytes() const override { return size_t{2} << 20; }
 };
 
 TEST_F(MetricsTest, MetricsAreExported) {
@@ -459,11 +461,11 @@ TEST_F(MetricsTest, MetricsAreExported) {
       "losshead_step_phase_duration_seconds_count{head=\"h\",phase=\"compute\"} 1",
       "losshead_microbatches_total{head=\"h\",outcome=\"ok\"} 1",
       "losshead_tokens_total{head=\"h\"} 8",
-      "losshead_bytes_total{direction=\"in\",method=\"Step\"}",
-      "losshead_inflight_microbatches 0",
+      "losshead_bytes_total{direction=\"in\",method=\"Step\"}", "losshead_inflight_microbatches 0",
       "losshead_head_memory_bytes{head=\"h\",kind=\"weights\"} 8192",
       "losshead_device_memory_bytes{kind=\"gradient\"} 8192",
-      "losshead_heads 1"};
+      // The CPU backend has no page-locked memory.
+      "losshead_host_buffer_bytes{pool=\"page_locked\",state=\"held\"} 0", "losshead_heads 1"};
   // The server records a call's duration and its last phases when it finishes the call, which
   // may be just after the client has read the answer: scrape until everything is there (bounded).
   std::string body;
@@ -487,6 +489,50 @@ TEST_F(MetricsTest, MetricsAreExported) {
   body = HttpGet(server_->metrics_port(), "/metrics");
   EXPECT_NE(body.find("losshead_heads 0"), std::string::npos) << body;
   EXPECT_EQ(body.find("head=\"h\""), std::string::npos) << body;
+}
+
+// A micro-batch without a client id is not remembered: once answered, its dH buffer goes back to
+// the server's pool, which the gauge shows (the pool keeps buffers of 1 MiB and more).
+TEST_F(MetricsTest, IdleDHBuffersAreExported) {
+  constexpr int64_t kTokens = (int64_t{1} << 20) / (kD * 4);  // 1 MiB of fp32 dH
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Step(&ctx);
+    v1::StepRequest header = Header("h", kTokens, 1);
+    header.mutable_header()->clear_client_id();
+    stream->Write(header);
+    // In pieces under the server's message limit (kMaxMessage).
+    const std::string hidden = Bytes(RandomFloats(kTokens * kD, 3));
+    std::vector<int32_t> y(kTokens);
+    for (int64_t i = 0; i < kTokens; ++i) y[i] = static_cast<int32_t>((i * 5 + 1) % kV);
+    const std::string targets = Bytes(y);
+    constexpr size_t kPiece = 4096;
+    for (size_t at = 0; at < hidden.size(); at += kPiece) {
+      v1::StepRequest m;
+      m.set_hidden(hidden.substr(at, kPiece));
+      stream->Write(m);
+    }
+    for (size_t at = 0; at < targets.size(); at += kPiece) {
+      v1::StepRequest m;
+      m.set_targets(targets.substr(at, kPiece));
+      m.set_last(at + kPiece >= targets.size());
+      stream->Write(m);
+    }
+    stream->WritesDone();
+    Answer a;
+    ASSERT_TRUE(ReadAnswer(stream.get(), &a));
+    ASSERT_EQ(a.grad_hidden.size(), size_t{1} << 20) << a.first.DebugString();
+    ASSERT_TRUE(stream->Finish().ok());
+  }
+  // The server lets go of the outcome once gRPC has sent its last piece: scrape until then.
+  const std::string want = "losshead_host_buffer_bytes{pool=\"dh\",state=\"idle\"} 1048576";
+  std::string body;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    body = HttpGet(server_->metrics_port(), "/metrics");
+    if (body.find(want) != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_NE(body.find(want), std::string::npos) << body;
 }
 
 TEST_F(ServiceTest, ShutdownEndsIdleStreamsPromptly) {
