@@ -59,10 +59,16 @@ client::Microbatch MakeMicrobatch(const std::string& head, const std::string& cl
   return mb;
 }
 
+// One answer: when it arrived and the tokens it counted.
+struct Answered {
+  Clock::time_point at;
+  int64_t tokens = 0;
+};
+
 // One stream's loop: keeps `depth` micro-batches in flight until `done` says stop.
 absl::Status RunStream(client::Client& client, const std::string& head, int index, int64_t n,
                        const Batch& batch, int depth, int64_t iterations, Clock::time_point stop,
-                       std::vector<double>* latencies, int64_t* tokens) {
+                       std::vector<double>* latencies, std::vector<Answered>* answers) {
   auto stream = client.OpenStepStream();
   if (!stream.ok()) return stream.status();
   const std::string client_id = absl::StrCat("bench-", getpid(), "-", index);
@@ -90,9 +96,10 @@ absl::Status RunStream(client::Client& client, const std::string& head, int inde
       status = result.status();
       break;
     }
-    latencies->push_back(std::chrono::duration<double>(Clock::now() - started.front()).count());
+    const Clock::time_point now = Clock::now();
+    latencies->push_back(std::chrono::duration<double>(now - started.front()).count());
     started.pop_front();
-    *tokens += result->token_count;
+    answers->push_back({now, result->token_count});
   }
   absl::Status finished = (*stream)->Finish();
   return status.ok() ? finished : status;
@@ -242,7 +249,7 @@ int RunBench() {
 
   if (exit_code == 0) {
     std::vector<std::vector<double>> latencies(streams);
-    std::vector<int64_t> tokens(streams, 0);
+    std::vector<std::vector<Answered>> answers(streams);
     std::vector<absl::Status> statuses(streams);
     const Clock::time_point start = Clock::now();
     const Clock::time_point stop =
@@ -252,7 +259,7 @@ int RunBench() {
     for (int i = 0; i < streams; ++i) {
       threads.emplace_back([&, i] {
         statuses[i] = RunStream(*clients[dedicated ? i : 0], head, i, n, batch, depth, iterations,
-                                stop, &latencies[i], &tokens[i]);
+                                stop, &latencies[i], &answers[i]);
       });
     }
     for (std::thread& t : threads) t.join();
@@ -262,10 +269,27 @@ int RunBench() {
     }
     std::vector<double> all;
     int64_t total_tokens = 0;
+    // Steady state: from the moment every stream has had an answer back (the pipelines are full)
+    // to the end of sending (after which they drain). The whole-run figure counts the filling and
+    // the draining too, about one step latency of each.
+    Clock::time_point steady_from = start;
+    bool every_stream_answered = true;
     for (int i = 0; i < streams; ++i) {
       all.insert(all.end(), latencies[i].begin(), latencies[i].end());
-      total_tokens += tokens[i];
+      for (const Answered& a : answers[i]) total_tokens += a.tokens;
+      if (answers[i].empty()) {
+        every_stream_answered = false;
+      } else {
+        steady_from = std::max(steady_from, answers[i].front().at);
+      }
     }
+    int64_t steady_tokens = 0;
+    for (const std::vector<Answered>& stream_answers : answers) {
+      for (const Answered& a : stream_answers) {
+        if (a.at > steady_from && a.at <= stop) steady_tokens += a.tokens;
+      }
+    }
+    const double steady_seconds = std::chrono::duration<double>(stop - steady_from).count();
     std::sort(all.begin(), all.end());
     const double flops =
         6.0 * static_cast<double>(total_tokens) * static_cast<double>(v) * static_cast<double>(d);
@@ -277,6 +301,13 @@ int RunBench() {
     std::printf("bench: %.0f tokens/s, %.2f GFLOP/s, %.1f MB/s on the wire (hidden up + dH down)\n",
                 static_cast<double>(total_tokens) / elapsed, flops / elapsed * 1e-9,
                 4.0 * static_cast<double>(total_tokens) * static_cast<double>(d) / elapsed * 1e-6);
+    // Without --iterations, and only when the window is long enough to mean something.
+    if (iterations == 0 && every_stream_answered && steady_seconds >= 1.0) {
+      std::printf(
+          "bench: steady state %.0f tokens/s (answers from every stream's first to the end of "
+          "sending, %.2f s)\n",
+          static_cast<double>(steady_tokens) / steady_seconds, steady_seconds);
+    }
     std::printf("bench: step latency p50 %.2f ms, p95 %.2f ms, p99 %.2f ms\n",
                 Percentile(all, 0.50) * 1e3, Percentile(all, 0.95) * 1e3,
                 Percentile(all, 0.99) * 1e3);
