@@ -269,18 +269,19 @@ int RunBench() {
     }
     std::vector<double> all;
     int64_t total_tokens = 0;
-    // Steady state: from the moment every stream has had an answer back (the pipelines are full)
-    // to the end of sending (after which they drain). The whole-run figure counts the filling and
-    // the draining too, about one step latency of each.
+    // Steady state: from the moment every stream has had its first `depth + 1` answers back (its
+    // pipeline has filled and turned over once; answers computed while the streams were still
+    // filling have been delivered) to the end of sending (after which they drain). The whole-run
+    // figure counts the filling and the draining too, about one step latency of each.
     Clock::time_point steady_from = start;
-    bool every_stream_answered = true;
+    bool every_stream_steady = true;
     for (int i = 0; i < streams; ++i) {
       all.insert(all.end(), latencies[i].begin(), latencies[i].end());
       for (const Answered& a : answers[i]) total_tokens += a.tokens;
-      if (answers[i].empty()) {
-        every_stream_answered = false;
+      if (answers[i].size() <= static_cast<size_t>(depth)) {
+        every_stream_steady = false;
       } else {
-        steady_from = std::max(steady_from, answers[i].front().at);
+        steady_from = std::max(steady_from, answers[i][depth].at);
       }
     }
     int64_t steady_tokens = 0;
@@ -302,11 +303,19 @@ int RunBench() {
                 static_cast<double>(total_tokens) / elapsed, flops / elapsed * 1e-9,
                 4.0 * static_cast<double>(total_tokens) * static_cast<double>(d) / elapsed * 1e-6);
     // Without --iterations, and only when the window is long enough to mean something.
-    if (iterations == 0 && every_stream_answered && steady_seconds >= 1.0) {
+    if (iterations == 0 && every_stream_steady && steady_seconds >= 1.0) {
       std::printf(
-          "bench: steady state %.0f tokens/s (answers from every stream's first to the end of "
-          "sending, %.2f s)\n",
+          "bench: steady state %.0f tokens/s (answers from every stream's turned-over pipeline to "
+          "the end of sending, %.2f s)\n",
           static_cast<double>(steady_tokens) / steady_seconds, steady_seconds);
+    } else if (iterations == 0) {
+      std::printf("bench: no steady-state figure: %s\n",
+                  every_stream_steady
+                      ? absl::StrCat("the last pipeline turned over ",
+                                     std::chrono::duration<double>(steady_from - start).count(),
+                                     " s into the run, under 1 s before its end")
+                            .c_str()
+                      : "a stream had no more answers than micro-batches in flight");
     }
     std::printf("bench: step latency p50 %.2f ms, p95 %.2f ms, p99 %.2f ms\n",
                 Percentile(all, 0.50) * 1e3, Percentile(all, 0.95) * 1e3,
