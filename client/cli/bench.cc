@@ -184,6 +184,15 @@ int RunBench() {
     if (!c.ok()) return Fail("connect", c.status());
     clients.push_back(std::move(*c));
   }
+  // Every connection up before anything is timed: a stream opened on a channel whose attempt
+  // failed would fail at once rather than wait for the next one (the timed streams do not retry).
+  for (const auto& c : clients) {
+    if (!c->channel()->WaitForConnected(std::chrono::system_clock::now() +
+                                        std::chrono::seconds(30))) {
+      return Fail("connect", absl::UnavailableError(absl::StrCat(
+                                 "no connection to ", absl::GetFlag(FLAGS_server), " in 30 s")));
+    }
+  }
   client::Client& admin = *clients[0];
 
   std::string head = absl::GetFlag(FLAGS_head);
