@@ -14,6 +14,12 @@
 
 namespace losshead::client {
 
+namespace {
+
+constexpr int kInitialReconnectBackoffMs = 100;
+
+}  // namespace
+
 size_t PieceBytes(size_t max_message_bytes, size_t overhead) {
   // Each bytes field costs a tag and a length varint, each scalar a few bytes: 64 covers them.
   constexpr size_t kSlack = 64;
@@ -38,6 +44,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxReceiveMessageSize(static_cast<int>(receive_bytes));
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // After a failed connection attempt the channel tries again only after its reconnect backoff,
+  // and until then every call fails at once with UNAVAILABLE. gRPC's first backoff (1 s) is longer
+  // than the retry policy's waits together (50 + 100 + 200 + 400 ms by default), so one failed
+  // attempt failed calls that the retries should have carried: a server still starting, or a
+  // spurious failure of gRPC 1.51's connect, which reports an errno clobbered after connect()
+  // (ENOENT; seen in up to a third of `losshead bench` runs opening 8-32 connections at once on
+  // loopback). With 100 ms the retries find the channel connected again.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   // Plaintext only: see transport_args.h for why not with TLS.
   if (options.credentials == nullptr && !internal::WantsTls(options)) {

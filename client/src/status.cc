@@ -2,10 +2,17 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
+
 namespace losshead::client {
 
-absl::Status FromGrpcStatus(const grpc::Status& status) {
+absl::Status FromGrpcStatus(const grpc::Status& status, bool cancelled_here) {
   if (status.ok()) return absl::OkStatus();
+  if (status.error_code() == grpc::StatusCode::CANCELLED && !cancelled_here) {
+    return absl::UnavailableError(
+        absl::StrCat("the server ended the call without answering (it may be shutting down): ",
+                     "CANCELLED: ", status.error_message()));
+  }
   return FromCodeAndMessage(static_cast<int>(status.error_code()), status.error_message());
 }
 

@@ -49,11 +49,16 @@ StepStream::~StepStream() {
     std::lock_guard<std::mutex> lock(mu_);
     ended = ended_;
   }
-  if (!ended) context_->TryCancel();
+  if (!ended) CancelCall();
   if (reader_.joinable()) reader_.join();
 }
 
-void StepStream::Cancel() { context_->TryCancel(); }
+void StepStream::Cancel() { CancelCall(); }
+
+void StepStream::CancelCall() {
+  cancelled_here_.store(true);
+  context_->TryCancel();
+}
 
 void StepStream::Close(absl::Duration grace) {
   {
@@ -65,7 +70,7 @@ void StepStream::Close(absl::Duration grace) {
   }
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, absl::ToChronoNanoseconds(grace), [this] { return ended_; })) {
-    context_->TryCancel();
+    CancelCall();
   }
 }
 
@@ -203,7 +208,7 @@ void StepStream::ReadLoop() {
   };
   auto fail = [&](absl::Status status) {
     protocol = std::move(status);
-    context_->TryCancel();
+    CancelCall();
   };
 
   while (stream_->Read(&buffer)) {
@@ -324,7 +329,7 @@ void StepStream::ReadLoop() {
     std::lock_guard<std::mutex> write_lock(write_mu_);
     status = stream_->Finish();
   }
-  absl::Status call = protocol.ok() ? FromGrpcStatus(status) : protocol;
+  absl::Status call = protocol.ok() ? FromGrpcStatus(status, cancelled_here_.load()) : protocol;
   if (protocol.ok() && call.ok() && current.has_value()) {
     call = absl::InternalError("step call ended inside an answer");
   }

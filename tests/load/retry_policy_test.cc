@@ -2,6 +2,7 @@
 // with a chosen status and counts the calls it received.
 #include <atomic>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -23,7 +24,14 @@ class FailingService final : public v1::LossHead::Service {
     ++stats;
     return grpc::Status(code_, "stand-in failure");
   }
-  std::atomic<int> pulls{0}, stats{0};
+  // Ends each Step call without reading it; CANCELLED as a server cancels it (RST_STREAM).
+  grpc::Status Step(grpc::ServerContext* context,
+                    grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>*) override {
+    ++steps;
+    if (code_ == grpc::StatusCode::CANCELLED) context->TryCancel();
+    return grpc::Status(code_, "stand-in failure");
+  }
+  std::atomic<int> pulls{0}, stats{0}, steps{0};
 
  private:
   const grpc::StatusCode code_;
@@ -60,6 +68,23 @@ TEST(RetryPolicyTest, PullWithResetIsNeverResentOnceSent) {
   EXPECT_EQ(client->PullGradient("h", v1::DTYPE_FP32, /*reset=*/true).status().code(),
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(s.service.pulls.load(), 1);
+}
+
+// gRPC's server cancels the calls that reach it while it shuts down, and the client sees
+// CANCELLED although it cancelled nothing: the server going away, so UNAVAILABLE, and retried.
+TEST(RetryPolicyTest, CallsTheServerCancelledAreUnavailableAndRetried) {
+  StandIn s(grpc::StatusCode::CANCELLED);
+  auto client = Connect(s.port, FastRetries(5));
+  ASSERT_NE(client, nullptr);
+  const absl::Status stats = client->GetStats().status();
+  EXPECT_EQ(stats.code(), absl::StatusCode::kUnavailable) << stats;
+  EXPECT_TRUE(absl::StrContains(stats.message(), "CANCELLED")) << stats;
+  EXPECT_EQ(s.service.stats.load(), 5);
+  const HostBatch batch = MakeBatch(4, 8, 16, v1::DTYPE_BF16, 1);
+  const absl::Status step = client->Step(ToMicrobatch("h", "s", 1, batch)).status();
+  EXPECT_EQ(step.code(), absl::StatusCode::kUnavailable) << step;
+  EXPECT_EQ(s.service.steps.load(), 5);
+  EXPECT_EQ(client->retries(), 8u);
 }
 
 TEST(RetryPolicyTest, PermanentErrorsAreNotRetried) {

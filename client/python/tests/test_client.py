@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from _reference import assert_close, random_problem, reference
-from losshead import Client, LossheadError, LossOptions, StepStream
+from losshead import Client, LossheadError, LossOptions, RetryPolicy, StepStream
+from losshead import native_available, native_library
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._proto.losshead.v1 import losshead_pb2_grpc as pb_grpc
 
@@ -248,6 +249,49 @@ def test_forward_only_on_a_server_without_it_raises() -> None:
                 c.step("old", hidden, targets, forward_only=True)
             assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
             assert "forward_only" in e.value.message
+    finally:
+        server.stop(None)
+
+
+class _CancellingServer(pb_grpc.LossHeadServicer):
+    """Cancels every call it receives, as gRPC's server does with calls that reach it while it
+    shuts down."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def GetStats(self, request, context):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        context.cancel()
+        return pb.Stats()
+
+    def Step(self, requests, context):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        context.cancel()
+        return iter(())
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not native_available(), reason=f"no native library: {native_library()}"))])
+def test_calls_the_server_cancelled_are_unavailable_and_retried(native: bool) -> None:
+    servicer = _CancellingServer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_LossHeadServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    retry = RetryPolicy(max_attempts=3, initial_backoff=0.001, jitter=0)
+    try:
+        with Client(f"127.0.0.1:{port}", retry=retry, native=native) as c:
+            with pytest.raises(LossheadError) as e:
+                c.stats()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+            assert "CANCELLED" in e.value.message
+            assert servicer.calls == 3
+            hidden, targets = torch.randn(2, 4), torch.randint(0, 8, (2,))
+            with pytest.raises(LossheadError) as e:
+                c.step("h", hidden, targets)
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+            assert servicer.calls == 6
     finally:
         server.stop(None)
 

@@ -4,6 +4,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -121,10 +122,13 @@ class StepStream {
 
  private:
   void ReadLoop();
+  // Every cancellation goes through here, so that the call's CANCELLED is known to be ours.
+  void CancelCall();
   // Fails every expected answer still missing with `status`; called once the call has ended.
   void EndCall(const absl::Status& status);
 
   std::unique_ptr<grpc::ClientContext> context_;
+  std::atomic<bool> cancelled_here_{false};
   // Byte buffers rather than typed messages: see raw_message.h.
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
   const size_t max_message_bytes_;

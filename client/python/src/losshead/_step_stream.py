@@ -85,6 +85,7 @@ class StepStream:
         self._responses = iter(self._call)
         self._broken: Optional[LossheadError] = None
         self._closed = False
+        self._cancelled_here = False  # a CANCELLED end is then ours, not the server's
 
     def _requests(self) -> Iterator[pb.StepRequest]:
         while True:
@@ -113,7 +114,7 @@ class StepStream:
                 grpc.StatusCode.INTERNAL,
                 f"Step stream ended with {len(self._pending)} micro-batch(es) unanswered")
         except grpc.RpcError as e:
-            self._broken = LossheadError.from_rpc_error(e)
+            self._broken = LossheadError.from_rpc_error(e, cancelled_here=self._cancelled_here)
         raise self._broken
 
     def receive(self) -> StepResult:
@@ -193,6 +194,7 @@ class StepStream:
         self._closed = True
         self._queue.put(None)
         if self._pending or self._broken is not None:
+            self._cancelled_here = True
             self._call.cancel()
             return
         try:

@@ -34,7 +34,18 @@ class LossheadError(Exception):
         self.retry_after_ms = int(retry_after_ms)
 
     @classmethod
-    def from_rpc_error(cls, error: grpc.RpcError) -> "LossheadError":
+    def from_rpc_error(cls, error: grpc.RpcError, *,
+                       cancelled_here: bool = False) -> "LossheadError":
+        """The error for a failed call. CANCELLED on a call this client did not cancel
+        (`cancelled_here` False) becomes UNAVAILABLE: gRPC's server cancels the calls it will
+        not run while it shuts down (those that reach it after its shutdown began, and those
+        still running at the shutdown deadline), a code that promises the caller cancelled
+        (grpc/grpc issue 41785). To the caller that is the server going away, which is what
+        UNAVAILABLE says and what the retry policy acts on; the message keeps the original."""
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        details = error.details() if hasattr(error, "details") else str(error)
-        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+        details = (error.details() if hasattr(error, "details") else str(error)) or ""
+        if code == grpc.StatusCode.CANCELLED and not cancelled_here:
+            return cls(grpc.StatusCode.UNAVAILABLE,
+                       "the server ended the call without answering (it may be shutting down): "
+                       f"CANCELLED: {details}")
+        return cls(code or grpc.StatusCode.UNKNOWN, details)
