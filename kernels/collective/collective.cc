@@ -2,6 +2,7 @@
 // makes before an implementation sees it, and the factory that picks the implementation.
 #include "losshead/kernels/collective.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -14,6 +15,7 @@
 #include "kernels/collective/host_collective.h"
 #ifdef LOSSHEAD_HAVE_NCCL
 #include "kernels/collective/nccl_collective.h"
+#include "kernels/collective/staged_collective.h"
 #endif
 
 namespace losshead::kernels {
@@ -219,7 +221,6 @@ absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(std::span<Backend* 
   if (cpu == k) return CreateHostCollective(k);
 
   std::vector<int> devices(k);
-  std::set<int> seen;
   for (int r = 0; r < k; ++r) {
     devices[r] = backends[r]->device_ordinal();
     if (devices[r] < 0) {
@@ -227,10 +228,18 @@ absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(std::span<Backend* 
                                                      " (", backends[r]->device_description(),
                                                      ") names no device ordinal"));
     }
+  }
+  // Every rank on one device: NCCL refuses that, the host can stage it (slowly).
+  if (k > 1 && std::count(devices.begin(), devices.end(), devices[0]) == k) {
+    return CreateStagedCollective(backends);
+  }
+  std::set<int> seen;
+  for (int r = 0; r < k; ++r) {
     if (!seen.insert(devices[r]).second) {
-      return absl::InvalidArgumentError(absl::StrCat("CreateCollective: device ", devices[r],
-                                                     " appears twice (rank ", r,
-                                                     "): NCCL takes one rank per device"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("CreateCollective: device ", devices[r], " appears twice (rank ", r,
+                       "): NCCL takes one rank per device, and ranks share a device only when "
+                       "all of them do"));
     }
   }
 #ifdef LOSSHEAD_HAVE_NCCL

@@ -405,9 +405,10 @@ TEST(NcclCollectiveErrorsTest, OtherDevicesStreamsAndMemoryHostMemoryAndCpuStrea
   ASSERT_TRUE(all_reduce(pointers, gpus.streams()).ok());
   gpus.Synchronize();
 
-  // One device twice is refused before NCCL sees it.
-  std::vector<Backend*> twice = {&gpus.backend(0), &gpus.backend(0)};
-  ExpectInvalid(CreateCollective(twice).status(), "device 0 appears twice (rank 1)");
+  // One device twice among others is refused before NCCL sees it (all ranks on one device get
+  // the staged collective instead).
+  std::vector<Backend*> twice = {&gpus.backend(0), &gpus.backend(1), &gpus.backend(0)};
+  ExpectInvalid(CreateCollective(twice).status(), "device 0 appears twice (rank 2)");
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 // shards combine their softmax statistics and dH parts). dW after pulls and W after AdamW steps
 // are within bf16 rounding of the CPU backend's, and a rerun of the same sequence is
 // bit-identical (micro-batches sent one at a time go round the replicas in the same order, the
-// shards' kernels are deterministic, and NCCL gives the same bits for the same call).
+// shards' kernels are deterministic, and NCCL gives the same bits for the same call). The same
+// placements over 2 and 3 ranks of device 0 (the staged collective instead of NCCL) run wherever
+// one GPU is visible.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -138,6 +140,9 @@ double RelativeError(const std::vector<float>& got, const std::vector<float>& wa
 struct Placed {
   v1::PlacementKind kind;
   int k;
+  // k backends on device 0, joined by the staged collective rather than NCCL: the placement's
+  // own logic (row shards, statistics, replicas, reductions) on a machine with one GPU.
+  bool one_gpu = false;
 };
 
 class PlacedCudaTest : public ::testing::TestWithParam<Placed> {};
@@ -145,13 +150,16 @@ class PlacedCudaTest : public ::testing::TestWithParam<Placed> {};
 TEST_P(PlacedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   const int k = GetParam().k;
   const bool sharded = GetParam().kind == v1::PLACEMENT_SHARDED;
-  if (kernels::CudaDeviceCount() < k) {
-    GTEST_SKIP() << "needs " << k << " CUDA devices, " << kernels::CudaDeviceCount() << " visible";
+  const bool one_gpu = GetParam().one_gpu;
+  const int needed = one_gpu ? 1 : k;
+  if (kernels::CudaDeviceCount() < needed) {
+    GTEST_SKIP() << "needs " << needed << " CUDA devices, " << kernels::CudaDeviceCount()
+                 << " visible";
   }
   std::vector<std::unique_ptr<kernels::Backend>> gpus;
   std::vector<kernels::Backend*> devices;
   for (int i = 0; i < k; ++i) {
-    auto backend = kernels::CreateBackend(kernels::BackendKind::kCuda, i);
+    auto backend = kernels::CreateBackend(kernels::BackendKind::kCuda, one_gpu ? 0 : i);
     ASSERT_TRUE(backend.ok()) << backend.status();
     devices.push_back(backend->get());
     gpus.push_back(std::move(*backend));
@@ -239,10 +247,13 @@ INSTANTIATE_TEST_SUITE_P(
     Gpus, PlacedCudaTest,
     ::testing::Values(Placed{v1::PLACEMENT_REPLICATED, 2}, Placed{v1::PLACEMENT_REPLICATED, 4},
                       Placed{v1::PLACEMENT_SHARDED, 1}, Placed{v1::PLACEMENT_SHARDED, 2},
-                      Placed{v1::PLACEMENT_SHARDED, 4}),
+                      Placed{v1::PLACEMENT_SHARDED, 4}, Placed{v1::PLACEMENT_REPLICATED, 2, true},
+                      Placed{v1::PLACEMENT_REPLICATED, 3, true},
+                      Placed{v1::PLACEMENT_SHARDED, 2, true},
+                      Placed{v1::PLACEMENT_SHARDED, 3, true}),
     [](const auto& info) {
       return absl::StrCat(info.param.kind == v1::PLACEMENT_SHARDED ? "sharded_" : "replicated_",
-                          info.param.k, "gpus");
+                          info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus");
     });
 
 }  // namespace

@@ -1,4 +1,5 @@
-// The host collectives on 2 and 3 CPU ranks: every op on random fp32 data with uneven
+// The host collectives on 2 and 3 CPU ranks, called directly and through the staged collective's
+// copies (its path for CUDA backends that share a device): every op on random fp32 data with uneven
 // slices, bit for bit against an fp64 sum in rank order; the copies in every dtype; the shard
 // arithmetic; the factory's choices; and every refusal with its exact status code, leaving every
 // buffer untouched.
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/collective/staged_collective.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "losshead/kernels/backend.h"
 #include "tests/kernels/slices.h"
@@ -71,16 +73,21 @@ std::vector<void*> Pointers(std::vector<std::vector<T>>& ranks) {
   return pointers;
 }
 
-// k CPU backends with one stream each, and the collective over them.
+// k CPU backends with one stream each, and the collective over them: the one CreateCollective
+// gives (the host's), or the staged one, which must give the same bits through its copies.
 class CpuRanks {
  public:
-  explicit CpuRanks(int k) {
+  explicit CpuRanks(int k, bool staged = false) {
     std::vector<Backend*> backends;
     for (int r = 0; r < k; ++r) {
       backends_.push_back(CreateCpuBackend(1));
       backends.push_back(backends_.back().get());
       owned_streams_.push_back(*backends_.back()->CreateStream());
       streams_.push_back(owned_streams_.back().get());
+    }
+    if (staged) {
+      collective_ = CreateStagedCollective(backends);
+      return;
     }
     absl::StatusOr<std::unique_ptr<Collective>> collective = CreateCollective(backends);
     EXPECT_TRUE(collective.ok()) << collective.status();
@@ -124,9 +131,14 @@ TEST(ShardRangeTest, ShardCountsAreRowsTimesRowElements) {
   EXPECT_EQ(ShardCounts(2, 3), (std::vector<int64_t>{0, 1, 1}));
 }
 
-class HostCollectiveTest : public ::testing::TestWithParam<int> {
+struct RankSetup {
+  int k;
+  bool staged;  // through CreateStagedCollective's copies
+};
+
+class HostCollectiveTest : public ::testing::TestWithParam<RankSetup> {
  protected:
-  int k() const { return GetParam(); }
+  int k() const { return GetParam().k; }
 
   std::vector<std::vector<float>> RandomRanks(int64_t count) {
     std::vector<std::vector<float>> ranks;
@@ -144,8 +156,8 @@ class HostCollectiveTest : public ::testing::TestWithParam<int> {
     return layouts;
   }
 
-  std::mt19937_64 rng_{0x5eed0000u + static_cast<uint64_t>(GetParam())};
-  CpuRanks ranks_{GetParam()};
+  std::mt19937_64 rng_{0x5eed0000u + static_cast<uint64_t>(GetParam().k)};
+  CpuRanks ranks_{GetParam().k, GetParam().staged};
 };
 
 TEST_P(HostCollectiveTest, AllReduceSumIsTheFp64SumInRankOrder) {
@@ -254,9 +266,12 @@ TEST_P(HostCollectiveTest, NothingToMoveIsOkWithNullBuffers) {
   EXPECT_TRUE(c.Broadcast(null, 0, DType::kFP16, 0, ranks_.streams()).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, HostCollectiveTest, ::testing::Values(2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return absl::StrCat(info.param, "Ranks");
+INSTANTIATE_TEST_SUITE_P(Ranks, HostCollectiveTest,
+                         ::testing::Values(RankSetup{2, false}, RankSetup{3, false},
+                                           RankSetup{2, true}, RankSetup{3, true}),
+                         [](const ::testing::TestParamInfo<RankSetup>& info) {
+                           return absl::StrCat(info.param.k, "Ranks",
+                                               info.param.staged ? "Staged" : "");
                          });
 
 TEST(HostCollectiveSumTest, AccumulatesInFp64BeforeRoundingOnce) {
@@ -472,6 +487,15 @@ TEST(CreateCollectiveTest, RefusesWhatItCannotSpan) {
                absl::StatusCode::kInvalidArgument, "rank 1 (cuda:-1) names no device ordinal");
   ExpectStatus(CreateCollective(Backends{&cuda0, &cuda1, &other_cuda0}).status(),
                absl::StatusCode::kInvalidArgument, "device 0 appears twice (rank 2)");
+}
+
+TEST(CreateCollectiveTest, CudaBackendsAllOnOneDeviceGetTheStagedCollective) {
+  // NCCL takes one rank per device; k ranks of one GPU are staged through the host instead.
+  NamedBackend cuda0("cuda", 0), other_cuda0("cuda", 0), third_cuda0("cuda", 0);
+  absl::StatusOr<std::unique_ptr<Collective>> collective =
+      CreateCollective(std::vector<Backend*>{&cuda0, &other_cuda0, &third_cuda0});
+  ASSERT_TRUE(collective.ok()) << collective.status();
+  EXPECT_EQ((*collective)->size(), 3);
 }
 
 TEST(CreateCollectiveTest, CudaBackendsNeedNcclAndVisibleDevices) {

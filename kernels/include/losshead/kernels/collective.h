@@ -117,9 +117,12 @@ class Collective {
 // The collective over `backends`, rank r being backends[r]: the host implementation when every
 // backend is a CPU backend (the same one may appear more than once), NCCL when every one is a
 // CUDA backend on a distinct device (one communicator per device, created here; NVLink multicast
-// stays off). INVALID_ARGUMENT for no backends, a null one, a mix of kinds, a CUDA backend whose
-// device is repeated, missing (device_ordinal() < 0) or not visible; UNIMPLEMENTED for CUDA
-// backends in a build without NCCL; INTERNAL when NCCL fails to create the communicators.
+// stays off), and the staged one (staged_collective.h: synchronous, through host memory; the
+// sums are the host's) when k >= 2 CUDA backends all sit on one device, which runs a head placed
+// over k ranks on one GPU. INVALID_ARGUMENT for no backends, a null one, a mix of kinds, a CUDA
+// device repeated among distinct ones, missing (device_ordinal() < 0) or not visible;
+// UNIMPLEMENTED for CUDA backends on distinct devices in a build without NCCL; INTERNAL when NCCL
+// fails to create the communicators.
 absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(std::span<Backend* const> backends);
 
 }  // namespace losshead::kernels
