@@ -1,6 +1,7 @@
 // Retries with exponential backoff for the C++ client.
 //
-// What is retried: UNAVAILABLE (server restarting, draining, unreachable, connection dropped), and
+// What is retried: UNAVAILABLE (server restarting, draining, unreachable, connection dropped, or a
+// call the server cancelled while shutting down: see FromGrpcStatus in status.h), and
 // RESOURCE_EXHAUSTED that the server marked as transient with a retry hint (a micro-batch refused
 // under backpressure, StepResponse.error.retry_after_ms > 0; the hint is honoured as the least
 // wait). RESOURCE_EXHAUSTED without a hint (a size limit) is permanent and returned at once.

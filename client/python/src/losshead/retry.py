@@ -1,6 +1,7 @@
 """Retries with exponential backoff, the same policy as the C++ client (losshead/client/retry.h).
 
-What is retried: UNAVAILABLE (server restarting, draining, unreachable, connection dropped), and
+What is retried: UNAVAILABLE (server restarting, draining, unreachable, connection dropped, or a
+call the server cancelled while shutting down: see ``LossheadError.from_rpc_error``), and
 RESOURCE_EXHAUSTED that the server marked as transient with a retry hint (a micro-batch refused
 under backpressure, ``MicrobatchError.retry_after_ms > 0``; the hint is honoured as the least
 wait). RESOURCE_EXHAUSTED without a hint (a size limit) is permanent and raised at once.
