@@ -13,9 +13,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/collective/host_collective.h"
+#include "kernels/collective/staged_collective.h"
 #ifdef LOSSHEAD_HAVE_NCCL
 #include "kernels/collective/nccl_collective.h"
-#include "kernels/collective/staged_collective.h"
 #endif
 
 namespace losshead::kernels {
