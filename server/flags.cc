@@ -11,7 +11,7 @@
 #include "absl/time/time.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
-          "gRPC listen address (host:port; port 0 picks one)");
+          "gRPC listen address (host:port, port 0 picks one; or unix:PATH, a Unix socket)");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus /metrics address (host:port; empty disables it)");
 ABSL_FLAG(std::string, backend, "auto", "Kernel backend: cpu, cuda or auto (cuda if available)");

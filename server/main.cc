@@ -6,6 +6,7 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -58,8 +59,12 @@ int main(int argc, char** argv) {
   for (const losshead::kernels::Backend* backend : (*server)->devices()) {
     absl::StrAppend(&devices, devices.empty() ? "" : ", ", backend->device_description());
   }
-  std::fprintf(stderr, "losshead-server: serving gRPC on %s:%d, backend %s on %s\n",
-               HostOf(options->listen_address).c_str(), (*server)->port(),
+  // A Unix socket (unix:PATH) has no port: its address is printed as given.
+  const std::string serving =
+      absl::StartsWith(options->listen_address, "unix:")
+          ? options->listen_address
+          : absl::StrCat(HostOf(options->listen_address), ":", (*server)->port());
+  std::fprintf(stderr, "losshead-server: serving gRPC on %s, backend %s on %s\n", serving.c_str(),
                std::string((*server)->devices().front()->name()).c_str(), devices.c_str());
   if ((*server)->metrics_port() != 0) {
     std::fprintf(stderr, "losshead-server: metrics on http://%s:%d/metrics\n",

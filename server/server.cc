@@ -95,6 +95,9 @@ class ServerImpl final : public Server {
       ctx_.checkpointer = checkpointer_.get();
     }
     ctx_.devices = devices;
+    for (size_t i = 0; i < devices.size(); ++i) {
+      metrics_->DeviceBusy(DeviceLabel(*devices[i], i), absl::ZeroDuration());  // present from 0
+    }
     {
       // Page-locked memory for micro-batches being received (portable: any device copies from
       // it at the bus rate). Admission bounds the bytes in use (--max_inflight_bytes); idle

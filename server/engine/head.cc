@@ -322,19 +322,33 @@ v1::HeadInfo Head::Info() const {
   info.mutable_memory()->set_workspace_bytes(workspace_bytes());
   info.mutable_memory()->set_master_weights_bytes(optimizer_footprint_.master);
   info.mutable_memory()->set_optimizer_state_bytes(optimizer_footprint_.state);
-  for (const auto& r : group_->replicas()) {
-    info.add_devices(r->backend.device_description());
-    const OptimizerFootprint own =
-        OptimizerBytes(optimizer_spec_, dtype_, static_cast<uint64_t>(group_->RowElements(*r)));
-    v1::HeadMemory& memory = *info.add_device_memory();
-    memory.set_weights_bytes(r->weights.bytes());
-    memory.set_gradient_bytes(r->grad.bytes());
-    memory.set_workspace_bytes(r->scratch_bytes.load());
-    memory.set_master_weights_bytes(own.master);
-    memory.set_optimizer_state_bytes(own.state);
+  for (DeviceShare& share : MemoryByDeviceLocked()) {
+    info.add_devices(share.device->device_description());
+    *info.add_device_memory() = std::move(share.memory);
   }
   info.set_device(info.devices(0));
   return info;
+}
+
+std::vector<Head::DeviceShare> Head::MemoryByDevice() const {
+  absl::MutexLock state(&state_mu_);
+  return MemoryByDeviceLocked();
+}
+
+std::vector<Head::DeviceShare> Head::MemoryByDeviceLocked() const {
+  std::vector<DeviceShare> shares;
+  for (const auto& r : group_->replicas()) {
+    const OptimizerFootprint own =
+        OptimizerBytes(optimizer_spec_, dtype_, static_cast<uint64_t>(group_->RowElements(*r)));
+    DeviceShare& share = shares.emplace_back();
+    share.device = &r->backend;
+    share.memory.set_weights_bytes(r->weights.bytes());
+    share.memory.set_gradient_bytes(r->grad.bytes());
+    share.memory.set_workspace_bytes(r->scratch_bytes.load());
+    share.memory.set_master_weights_bytes(own.master);
+    share.memory.set_optimizer_state_bytes(own.state);
+  }
+  return shares;
 }
 
 }  // namespace losshead::server

@@ -93,6 +93,9 @@ struct StepStats {
   absl::Duration stage;    // copies in (host -> device), before the compute mutex
   absl::Duration compute;  // Run under the compute mutex, synchronised
   absl::Duration finish;   // copies out (dH -> host), after the compute mutex
+  // The devices the run took: its replica, or every shard of a sharded head (empty if it never
+  // reached one).
+  std::vector<const kernels::Backend*> devices;
   // When each phase began or ended (for --step_trace); UnixEpoch when it was not reached.
   absl::Time stage_start = absl::UnixEpoch();
   absl::Time compute_start = absl::UnixEpoch();
@@ -226,10 +229,18 @@ class Head {
   size_t workspace_bytes() const;
   OptimizerFootprint optimizer_bytes() const;
   uint64_t weights_version() const;
+  // What the head holds on each of its devices, in rank order (HeadInfo.device_memory).
+  struct DeviceShare {
+    const kernels::Backend* device = nullptr;
+    v1::HeadMemory memory;
+  };
+  std::vector<DeviceShare> MemoryByDevice() const;
 
  private:
   struct Prepared;
   class SlotLease;
+
+  std::vector<DeviceShare> MemoryByDeviceLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
   Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernels::DType dtype,
        const HeadOptions& options);

@@ -349,6 +349,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
     devices.push_back(&assignment->replica());
   }
   Replica& replica = *devices[0];
+  for (const Replica* device : devices) stats->devices.push_back(&device->backend);
   std::vector<std::unique_ptr<SlotLease>> leases;
   std::vector<IoSlot*> slots;
   for (Replica* device : devices) {

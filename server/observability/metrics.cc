@@ -76,9 +76,13 @@ Metrics::Metrics()
                         .Register(*registry_)),
       device_memory_(prometheus::BuildGauge()
                          .Name("losshead_device_memory_bytes")
-                         .Help("Device memory by kind: weights, gradient, workspace, "
+                         .Help("Memory of each device by kind: weights, gradient, workspace, "
                                "master_weights, optimizer_state, free, total")
                          .Register(*registry_)),
+      device_busy_(prometheus::BuildCounter()
+                       .Name("losshead_device_busy_seconds_total")
+                       .Help("Time each device spent running micro-batches (compute phase)")
+                       .Register(*registry_)),
       host_buffers_(prometheus::BuildGauge()
                         .Name("losshead_host_buffer_bytes")
                         .Help("Host memory of the server's buffer pools: page_locked receive "
@@ -188,14 +192,21 @@ void Metrics::HeadDevices(const std::string& head, size_t count) {
   head_devices_.Add({{"head", head}}).Set(static_cast<double>(count));
 }
 
-void Metrics::DeviceMemoryBytes(const DeviceMemory& m) {
-  device_memory_.Add({{"kind", "weights"}}).Set(static_cast<double>(m.weights));
-  device_memory_.Add({{"kind", "gradient"}}).Set(static_cast<double>(m.gradient));
-  device_memory_.Add({{"kind", "workspace"}}).Set(static_cast<double>(m.workspace));
-  device_memory_.Add({{"kind", "master_weights"}}).Set(static_cast<double>(m.master_weights));
-  device_memory_.Add({{"kind", "optimizer_state"}}).Set(static_cast<double>(m.optimizer_state));
-  device_memory_.Add({{"kind", "free"}}).Set(static_cast<double>(m.free));
-  device_memory_.Add({{"kind", "total"}}).Set(static_cast<double>(m.total));
+void Metrics::DeviceMemoryBytes(const std::string& device, const DeviceMemory& m) {
+  const std::pair<const char*, uint64_t> kinds[] = {{"weights", m.weights},
+                                                    {"gradient", m.gradient},
+                                                    {"workspace", m.workspace},
+                                                    {"master_weights", m.master_weights},
+                                                    {"optimizer_state", m.optimizer_state},
+                                                    {"free", m.free},
+                                                    {"total", m.total}};
+  for (const auto& [kind, bytes] : kinds) {
+    device_memory_.Add({{"device", device}, {"kind", kind}}).Set(static_cast<double>(bytes));
+  }
+}
+
+void Metrics::DeviceBusy(const std::string& device, absl::Duration duration) {
+  device_busy_.Add({{"device", device}}).Increment(Seconds(duration));
 }
 
 void Metrics::HostBufferBytes(size_t page_locked_held, size_t page_locked_idle, size_t dh_idle) {

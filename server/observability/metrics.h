@@ -58,7 +58,11 @@ class Metrics {
   void HeadMemory(const std::string& head, const DeviceMemory& memory);
   // Devices holding one head (1, or its replicas).
   void HeadDevices(const std::string& head, size_t count);
-  void DeviceMemoryBytes(const DeviceMemory& memory);
+  // Memory of one device of the server, labelled `device` ("cuda:0", "cpu:1": DeviceLabel).
+  void DeviceMemoryBytes(const std::string& device, const DeviceMemory& memory);
+  // Time `device` spent running micro-batches (the compute phase): a sharded micro-batch counts
+  // on every shard's device, a replicated one on the replica that ran it.
+  void DeviceBusy(const std::string& device, absl::Duration duration);
   // Host memory of the buffer pools: page-locked receive buffers held (in use or idle) and idle,
   // and dH buffers kept idle for reuse.
   void HostBufferBytes(size_t page_locked_held, size_t page_locked_idle, size_t dh_idle);
@@ -82,6 +86,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& head_memory_;
   prometheus::Family<prometheus::Gauge>& head_devices_;
   prometheus::Family<prometheus::Gauge>& device_memory_;
+  prometheus::Family<prometheus::Counter>& device_busy_;
   prometheus::Family<prometheus::Gauge>& host_buffers_;
   prometheus::Family<prometheus::Counter>& pulls_;
   prometheus::Family<prometheus::Counter>& pushes_;

@@ -1,8 +1,10 @@
 #include "server/rpc/service.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -142,7 +144,7 @@ grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext*
 }
 
 void LossHeadService::RefreshMemoryMetrics() const {
-  DeviceMemory total;
+  std::vector<DeviceMemory> per_device(ctx_->devices.size());
   size_t count = 0;
   for (const auto& head : ctx_->registry->List()) {
     const OptimizerFootprint optimizer = head->optimizer_bytes();
@@ -153,19 +155,24 @@ void LossHeadService::RefreshMemoryMetrics() const {
                               .optimizer_state = optimizer.state};
     ctx_->metrics->HeadMemory(head->name(), memory);
     ctx_->metrics->HeadDevices(head->name(), head->device_count());
-    total.weights += memory.weights;
-    total.gradient += memory.gradient;
-    total.workspace += memory.workspace;
-    total.master_weights += memory.master_weights;
-    total.optimizer_state += memory.optimizer_state;
+    for (const Head::DeviceShare& share : head->MemoryByDevice()) {
+      const auto at = std::find(ctx_->devices.begin(), ctx_->devices.end(), share.device);
+      if (at == ctx_->devices.end()) continue;  // heads are only ever placed on these
+      DeviceMemory& device = per_device[at - ctx_->devices.begin()];
+      device.weights += share.memory.weights_bytes();
+      device.gradient += share.memory.gradient_bytes();
+      device.workspace += share.memory.workspace_bytes();
+      device.master_weights += share.memory.master_weights_bytes();
+      device.optimizer_state += share.memory.optimizer_state_bytes();
+    }
     ++count;
   }
-  for (const kernels::Backend* backend : ctx_->devices) {
-    const kernels::MemoryInfo memory = backend->memory_info();
-    total.free += memory.free_bytes;
-    total.total += memory.total_bytes;
+  for (size_t i = 0; i < ctx_->devices.size(); ++i) {
+    const kernels::MemoryInfo memory = ctx_->devices[i]->memory_info();
+    per_device[i].free = memory.free_bytes;
+    per_device[i].total = memory.total_bytes;
+    ctx_->metrics->DeviceMemoryBytes(DeviceLabel(*ctx_->devices[i], i), per_device[i]);
   }
-  ctx_->metrics->DeviceMemoryBytes(total);
   ctx_->metrics->HostBufferBytes(ctx_->pinned != nullptr ? ctx_->pinned->held_bytes() : 0,
                                  ctx_->pinned != nullptr ? ctx_->pinned->idle_bytes() : 0,
                                  ctx_->results != nullptr ? ctx_->results->idle_bytes() : 0);

@@ -5,10 +5,12 @@
 #include <atomic>
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "losshead/kernels/backend.h"
@@ -41,8 +43,24 @@ class StepStreams {
   absl::flat_hash_set<StepReactor*> live_ ABSL_GUARDED_BY(mu_);
 };
 
+// A device's name in metric labels: "cuda:<ordinal>" (the CUDA ordinal, as --devices names it),
+// or "<backend>:<position in --devices>" for a device without one (the CPU backend's).
+inline std::string DeviceLabel(const kernels::Backend& device, size_t position) {
+  const int ordinal = device.device_ordinal();
+  return absl::StrCat(device.name(), ":", ordinal >= 0 ? static_cast<size_t>(ordinal) : position);
+}
+
 struct ServiceContext {
   std::vector<kernels::Backend*> devices;  // the server's, in --devices order
+
+  // DeviceLabel of one of `devices`; "" for a backend that is none of them.
+  std::string LabelOf(const kernels::Backend* device) const {
+    for (size_t i = 0; i < devices.size(); ++i) {
+      if (devices[i] == device) return DeviceLabel(*device, i);
+    }
+    return "";
+  }
+
   HeadRegistry* registry = nullptr;
   ThreadPool* pool = nullptr;
   Metrics* metrics = nullptr;

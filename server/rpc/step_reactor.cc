@@ -326,6 +326,10 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     if (outcome.ok() && !stats.replayed) {
       m.StepPhase(head_name, "stage", stats.stage);
       m.StepPhase(head_name, "compute", stats.compute);
+      for (const kernels::Backend* device : stats.devices) {
+        const std::string label = ctx_->LabelOf(device);
+        if (!label.empty()) m.DeviceBusy(label, stats.compute);
+      }
       m.StepPhase(head_name, "finish", stats.finish);
     }
     if (!outcome.ok()) {

@@ -48,7 +48,8 @@ RATE_WINDOW = "30s"  # stands in for Grafana's $__rate_interval: several 1 s scr
 MUST_HAVE_DATA = ("losshead_tokens_total", "losshead_failures_total", "losshead_pulls_total",
                   "losshead_pushes_total", "losshead_step_phase_duration_seconds_bucket",
                   "losshead_bytes_total", "losshead_device_memory_bytes", "losshead_head_memory_bytes",
-                  "losshead_inflight_microbatches", "losshead_heads", "up{")
+                  "losshead_device_busy_seconds_total", "losshead_inflight_microbatches",
+                  "losshead_heads", "up{")
 
 
 def log(msg):

@@ -463,7 +463,7 @@ TEST_F(MetricsTest, MetricsAreExported) {
       "losshead_tokens_total{head=\"h\"} 8",
       "losshead_bytes_total{direction=\"in\",method=\"Step\"}", "losshead_inflight_microbatches 0",
       "losshead_head_memory_bytes{head=\"h\",kind=\"weights\"} 8192",
-      "losshead_device_memory_bytes{kind=\"gradient\"} 8192",
+      "losshead_device_memory_bytes{device=\"cpu:0\",kind=\"gradient\"} 8192",
       // The CPU backend has no page-locked memory.
       "losshead_host_buffer_bytes{pool=\"page_locked\",state=\"held\"} 0", "losshead_heads 1"};
   // The server records a call's duration and its last phases when it finishes the call, which
