@@ -1,5 +1,7 @@
 #include "server/observability/metrics.h"
 
+#include <array>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +13,15 @@
 
 namespace losshead::server {
 namespace {
+
+// The kinds of memory heads hold, by label value: the series of head_memory and device_memory.
+std::array<std::pair<const char*, uint64_t>, 5> HeldKinds(const DeviceMemory& m) {
+  return {{{"weights", m.weights},
+           {"gradient", m.gradient},
+           {"workspace", m.workspace},
+           {"master_weights", m.master_weights},
+           {"optimizer_state", m.optimizer_state}}};
+}
 
 // Seconds, from 0.1 ms (a tiny micro-batch's queue wait) to 60 s (a 2 GiB pull on a slow link).
 const prometheus::Histogram::BucketBoundaries& Buckets() {
@@ -178,12 +189,7 @@ void Metrics::OptimizerApply(const std::string& head, absl::string_view outcome,
 }
 
 void Metrics::HeadMemory(const std::string& head, const DeviceMemory& m) {
-  const std::pair<const char*, uint64_t> kinds[] = {{"weights", m.weights},
-                                                    {"gradient", m.gradient},
-                                                    {"workspace", m.workspace},
-                                                    {"master_weights", m.master_weights},
-                                                    {"optimizer_state", m.optimizer_state}};
-  for (const auto& [kind, bytes] : kinds) {
+  for (const auto& [kind, bytes] : HeldKinds(m)) {
     head_memory_.Add({{"head", head}, {"kind", kind}}).Set(static_cast<double>(bytes));
   }
 }
@@ -193,16 +199,12 @@ void Metrics::HeadDevices(const std::string& head, size_t count) {
 }
 
 void Metrics::DeviceMemoryBytes(const std::string& device, const DeviceMemory& m) {
-  const std::pair<const char*, uint64_t> kinds[] = {{"weights", m.weights},
-                                                    {"gradient", m.gradient},
-                                                    {"workspace", m.workspace},
-                                                    {"master_weights", m.master_weights},
-                                                    {"optimizer_state", m.optimizer_state},
-                                                    {"free", m.free},
-                                                    {"total", m.total}};
-  for (const auto& [kind, bytes] : kinds) {
+  auto set = [&](const char* kind, uint64_t bytes) {
     device_memory_.Add({{"device", device}, {"kind", kind}}).Set(static_cast<double>(bytes));
-  }
+  };
+  for (const auto& [kind, bytes] : HeldKinds(m)) set(kind, bytes);
+  set("free", m.free);
+  set("total", m.total);
 }
 
 void Metrics::DeviceBusy(const std::string& device, absl::Duration duration) {
@@ -241,8 +243,7 @@ void Metrics::RemoveHead(const std::string& head) {
   }
   for (const char* outcome : {"ok", "forward", "replayed", "error"})
     drop(microbatches_, {{"outcome", outcome}});
-  for (const char* kind : {"weights", "gradient", "workspace", "master_weights", "optimizer_state"})
-    drop(head_memory_, {{"kind", kind}});
+  for (const auto& [kind, bytes] : HeldKinds(DeviceMemory{})) drop(head_memory_, {{"kind", kind}});
   for (const char* outcome : {"ok", "replayed", "error"})
     drop(optimizer_applies_, {{"outcome", outcome}});
   if (optimizer_apply_duration_.Has({{"head", head}}))
