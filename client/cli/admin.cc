@@ -127,6 +127,15 @@ int RunStats() {
       static_cast<unsigned long long>(s.device().memory_total_bytes()), s.uptime_seconds(),
       static_cast<unsigned long long>(s.inflight_microbatches()),
       static_cast<unsigned long long>(s.max_message_bytes()));
+  // The line above shows the first device; a server of several lists each.
+  if (s.devices_size() > 1) {
+    for (int i = 0; i < s.devices_size(); ++i) {
+      const v1::DeviceStats& d = s.devices(i);
+      std::printf("  device %d: %s, memory free %llu / %llu B\n", i, d.name().c_str(),
+                  static_cast<unsigned long long>(d.memory_free_bytes()),
+                  static_cast<unsigned long long>(d.memory_total_bytes()));
+    }
+  }
   for (const v1::HeadInfo& h : s.heads()) PrintHead(h);
   return 0;
 }
