@@ -8,18 +8,23 @@
 # then `losshead_shard_bench` (the sharded micro-batch's latency on 1, 2, 4, ... GPUs against the
 # unsharded call), and a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and
 # dW) refused on one and served sharded over every GPU, and its sharded micro-batch timed with
-# random weights.
+# random weights. Each replicated row also gives each GPU's busy share (the server's
+# losshead_device_busy_seconds_total over the bench), and the sharded head is timed through the
+# server too (one stream, 8192-token micro-batches, k = 1, 2, 4, ... shards against one GPU).
+# A part that fails is reported in the summary and the rest still runs: one lease of a multi-GPU
+# machine should give every figure it can.
 #
 #   scripts/run-multi-gpu-bench.sh BUNDLE_DIR [OUT_DIR]
 #
 # BUNDLE_DIR holds bin/losshead-server, bin/losshead, bin/losshead_shard_bench and lib/ (see scripts/run-gpu-e2e-bench.sh);
 # libnccl.so.2 must be on LD_LIBRARY_PATH. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
-bundle=$(cd "$1" && pwd)
+bundle=$(cd "$1" && pwd) || exit 1
 out=${2:-$(mktemp -d)}
 mkdir -p "$out"
 port=${LOSSHEAD_PORT:-50061}
+metrics_port=${LOSSHEAD_METRICS_PORT:-9561}
 seconds=${BENCH_SECONDS:-15}
 streams_per_replica=${STREAMS_PER_REPLICA:-4 8}
 export NCCL_NVLS_ENABLE=0
@@ -28,8 +33,10 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
   | tee "$out/gpu.txt"
 gpus=$(wc -l < "$out/gpu.txt")
 
-"$bundle/bin/losshead-server" --listen="127.0.0.1:$port" --metrics_listen= --backend=cuda \
-  --devices=all > "$out/server.log" 2>&1 &
+# --max_head_bytes: the wide head below (183 GiB of W and dW) must meet the devices' memory, not
+# the server's default 16 GiB limit per head.
+"$bundle/bin/losshead-server" --listen="127.0.0.1:$port" --metrics_listen="127.0.0.1:$metrics_port" --backend=cuda \
+  --max_head_bytes=$((1 << 40)) --devices=all > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do
@@ -38,6 +45,28 @@ for _ in $(seq 1 300); do
   sleep 0.2
 done
 head -3 "$out/server.log"
+summary="$out/summary.txt"
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+# Each device's busy seconds so far, as "cuda:0=1.23 cuda:1=0.98" (the server's metrics).
+busy() {
+  python3 - "$metrics_port" <<'PY'
+import re, sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+print(" ".join(f"{d}={float(v):.3f}" for d, v in
+               re.findall(r'^losshead_device_busy_seconds_total\{device="([^"]+)"\} (\S+)$', text, re.M)))
+PY
+}
+# Busy share of each device between two busy() readings taken `secs` apart.
+busy_share() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import sys
+before = dict(kv.split("=") for kv in sys.argv[1].split())
+after = dict(kv.split("=") for kv in sys.argv[2].split())
+secs = float(sys.argv[3])
+print(" ".join(f"{d} {(float(after[d]) - float(before.get(d, 0))) / secs:.2f}" for d in sorted(after)))
+PY
+}
 
 replicas=1
 while [ "$replicas" -le "$gpus" ]; do
@@ -47,49 +76,71 @@ while [ "$replicas" -le "$gpus" ]; do
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader -lms 1000 \
       > "$out/smi-r$replicas-s$streams.csv" &
     smi=$!
-    "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
-      --replicas="$replicas" --streams="$streams" --seconds="$seconds" > "$log" 2>&1 \
-      || { kill $smi; cat "$log"; exit 1; }
+    before=$(busy); started=$(date +%s%N)
+    if ! "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
+      --replicas="$replicas" --streams="$streams" --seconds="$seconds" > "$log" 2>&1; then
+      kill $smi
+      note "replicas $replicas, $streams streams: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
+      continue
+    fi
+    elapsed=$(( ($(date +%s%N) - started) / 1000000 ))
     kill $smi
     peak=$(sort -t, -k1,1n -k2,2n "$out/smi-r$replicas-s$streams.csv" \
       | awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}')
-    echo "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak"
+    note "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak busy share over the bench's $elapsed ms (head creation included): $(busy_share "$before" "$(busy)" "$(awk "BEGIN {print $elapsed / 1000}")")"
   done
   replicas=$((replicas * 2))
-done | tee "$out/summary.txt"
+done
 
 # What each device holds for a replicated head (W, dW; workspace once it has stepped).
 "$bundle/bin/losshead" create --server="127.0.0.1:$port" --head=memory --vocab=128256 \
-  --hidden=4096 --dtype=bf16 --replicas=0 --init_std=0.02 | tee -a "$out/summary.txt"
-"$bundle/bin/losshead" delete --server="127.0.0.1:$port" --head=memory > /dev/null
+  --hidden=4096 --dtype=bf16 --replicas=0 --init_std=0.02 2>&1 | tee -a "$summary"
+"$bundle/bin/losshead" delete --server="127.0.0.1:$port" --head=memory > /dev/null 2>&1
+
+# Sharded through the server: one stream, so that the p50 is one micro-batch's latency with its
+# transfers; k = 1 runs the shard sequence on one GPU, "single" is the unsharded placement.
+for shards in single $(k=1; while [ "$k" -le "$gpus" ]; do echo $k; k=$((k * 2)); done); do
+  flag=""; [ "$shards" = single ] || flag="--shards=$shards"
+  log="$out/bench-sharded-$shards.log"
+  if "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
+    --streams=1 --seconds="$seconds" $flag > "$log" 2>&1; then
+    note "sharded $shards, 1 stream: $(grep -E 'tokens/s,|p50' "$log" | tr '\n' ' ')"
+  else
+    note "sharded $shards, 1 stream: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
+  fi
+done
 
 # Sharded: one micro-batch's latency over 1, 2, 4, ... GPUs against the unsharded call.
 counts=1
 k=2
 while [ "$k" -le "$gpus" ]; do counts="$counts,$k"; k=$((k * 2)); done
-"$bundle/bin/losshead_shard_bench" --shards="$counts" --runs=10 | tee -a "$out/summary.txt"
+"$bundle/bin/losshead_shard_bench" --shards="$counts" --runs=10 2>&1 | tee -a "$summary" \
+  || note "losshead_shard_bench --shards=$counts FAILED"
 
 # A head whose W and dW (2,000,000 x 16384: 61 GiB bf16 + 122 GiB fp32) fit no single GPU:
 # refused on one device, then created sharded over all of them with a random W (its creation
 # timed: 33e9 weights drawn on every host core and copied in) and stepped through the server.
 wide() { "$bundle/bin/losshead" "$@" --server="127.0.0.1:$port" --head=wide --deadline_s=900; }
 if wide create --vocab=2000000 --hidden=16384 --dtype=bf16 > "$out/wide-single.log" 2>&1; then
-  echo "a 2,000,000 x 16384 head fit one GPU" | tee -a "$out/summary.txt"
+  note "a 2,000,000 x 16384 head fit one GPU"
   wide delete > /dev/null
 else
-  echo "one GPU: $(tail -1 "$out/wide-single.log")" | tee -a "$out/summary.txt"
+  note "one GPU: $(tail -1 "$out/wide-single.log")"
 fi
 created=$(date +%s%N)
-wide create --vocab=2000000 --hidden=16384 --dtype=bf16 --shards=-1 --init_std=0.02 \
-  | tee -a "$out/summary.txt"
-echo "sharded create with normal init: $(( ($(date +%s%N) - created) / 1000000 )) ms" \
-  | tee -a "$out/summary.txt"
-wide bench --d=16384 --v=2000000 --n=4096 --streams=2 --seconds="$seconds" 2>&1 \
-  | tee "$out/bench-wide.log" | grep -E 'tokens/s|p50|check' | sed 's/^/sharded, random W: /' \
-  | tee -a "$out/summary.txt"
-wide delete > /dev/null
+if wide create --vocab=2000000 --hidden=16384 --dtype=bf16 --shards=-1 --init_std=0.02 \
+  > "$out/wide-sharded.log" 2>&1; then
+  note "$(cat "$out/wide-sharded.log")"
+  note "sharded create with normal init: $(( ($(date +%s%N) - created) / 1000000 )) ms"
+  wide bench --d=16384 --v=2000000 --n=4096 --streams=2 --seconds="$seconds" > "$out/bench-wide.log" 2>&1 \
+    || note "sharded bench of the wide head FAILED: $(tail -3 "$out/bench-wide.log" | tr '\n' ' ')"
+  grep -E 'tokens/s|p50|check' "$out/bench-wide.log" | sed 's/^/sharded, random W: /' | tee -a "$summary"
+  wide delete > /dev/null 2>&1
+else
+  note "sharded create of the wide head FAILED: $(tail -3 "$out/wide-sharded.log" | tr '\n' ' ')"
+fi
 
 # The same shape's sharded micro-batch over every GPU with random W and H (the kernel sequence the
 # server runs, without gRPC): the figure for BENCHMARKS.md. No unsharded reference: it fits no GPU.
 "$bundle/bin/losshead_shard_bench" --v=2000000 --d=16384 --n=4096 --shards="$gpus" --runs=3 \
-  --no_unsharded | tee -a "$out/summary.txt"
+  --no_unsharded 2>&1 | tee -a "$summary" || note "losshead_shard_bench of the wide head FAILED"
