@@ -8,8 +8,8 @@
 # then `losshead_shard_bench` (the sharded micro-batch's latency on 1, 2, 4, ... GPUs against the
 # unsharded call), and a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and
 # dW) refused on one and served sharded over every GPU, and its sharded micro-batch timed with
-# random weights. Each replicated row also gives each GPU's busy share (the server's
-# losshead_device_busy_seconds_total over the bench), and the sharded head is timed through the
+# random weights. Each replicated row also gives each GPU's busy seconds (the server's
+# losshead_device_busy_seconds_total over the bench: replicas should be about equally busy), and the sharded head is timed through the
 # server too (one stream, 8192-token micro-batches, k = 1, 2, 4, ... shards against one GPU).
 # A part that fails is reported in the summary and the rest still runs: one lease of a multi-GPU
 # machine should give every figure it can.
@@ -57,14 +57,13 @@ print(" ".join(f"{d}={float(v):.3f}" for d, v in
                re.findall(r'^losshead_device_busy_seconds_total\{device="([^"]+)"\} (\S+)$', text, re.M)))
 PY
 }
-# Busy share of each device between two busy() readings taken `secs` apart.
-busy_share() {
-  python3 - "$1" "$2" "$3" <<'PY'
+# Seconds each device was busy between two busy() readings.
+busy_between() {
+  python3 - "$1" "$2" <<'PY'
 import sys
 before = dict(kv.split("=") for kv in sys.argv[1].split())
 after = dict(kv.split("=") for kv in sys.argv[2].split())
-secs = float(sys.argv[3])
-print(" ".join(f"{d} {(float(after[d]) - float(before.get(d, 0))) / secs:.2f}" for d in sorted(after)))
+print(" ".join(f"{d} {float(after[d]) - float(before.get(d, 0)):.2f} s" for d in sorted(after)))
 PY
 }
 
@@ -76,18 +75,17 @@ while [ "$replicas" -le "$gpus" ]; do
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader -lms 1000 \
       > "$out/smi-r$replicas-s$streams.csv" &
     smi=$!
-    before=$(busy); started=$(date +%s%N)
+    before=$(busy)
     if ! "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
       --replicas="$replicas" --streams="$streams" --seconds="$seconds" > "$log" 2>&1; then
       kill $smi
       note "replicas $replicas, $streams streams: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
       continue
     fi
-    elapsed=$(( ($(date +%s%N) - started) / 1000000 ))
     kill $smi
-    peak=$(sort -t, -k1,1n -k2,2n "$out/smi-r$replicas-s$streams.csv" \
-      | awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}')
-    note "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak busy share over the bench's $elapsed ms (head creation included): $(busy_share "$before" "$(busy)" "$(awk "BEGIN {print $elapsed / 1000}")")"
+    peak=$(cat "$out/smi-r$replicas-s$streams.csv" \
+      | awk -F', ' '{v = $2 + 0; if (v > m[$1]) m[$1] = v} END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}')
+    note "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak device busy over the bench (its check, ${seconds} s timed, the drain): $(busy_between "$before" "$(busy)")"
   done
   replicas=$((replicas * 2))
 done
