@@ -191,7 +191,7 @@ class NcclCollective final : public Collective {
       if (!stream.ok()) return stream.status();
       native[r] = *stream;
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(IssueMutex());
     absl::Status status = [&]() -> absl::Status {
       LOSSHEAD_NCCL_CHECK(ncclGroupStart());
       absl::Status issued;
@@ -239,9 +239,13 @@ class NcclCollective final : public Collective {
 
   const std::vector<int> devices_;
   const std::vector<ncclComm_t> comms_;
-  // Calls from several threads go into NCCL one whole group at a time: a communicator takes one
-  // thread at a time, and every communicator must see the collectives in the same order.
-  std::mutex mu_;
+  // Calls go into NCCL one whole group at a time, those of every collective in the process (every
+  // placed head has its own): a communicator takes one thread at a time, and NCCL asks that the
+  // operations of communicators sharing devices reach every device in the same order.
+  static std::mutex& IssueMutex() {
+    static std::mutex* const mu = new std::mutex;
+    return *mu;
+  }
 };
 
 }  // namespace
