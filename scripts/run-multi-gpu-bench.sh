@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # A head on one GPU, replicated and sharded over the GPUs of the host, in one run: one
-# losshead-server with --devices=all, the C++ `losshead bench` (random head, V = 128256,
-# D = 4096, 8192-token micro-batches) on 1, 2, 4, ... replicas with 4 and 8 streams per replica
-# (on one H100 host the server's throughput is flat from 4 to 8 streams and falls beyond: 32
-# streams gave about 0.8 of 8's, client and server on the same host; BENCHMARKS.md), and
-# each placement's device memory per GPU (HeadInfo, and nvidia-smi while the benchmark runs);
-# then `losshead_shard_bench` (the sharded micro-batch's latency on 1, 2, 4, ... GPUs against the
-# unsharded call), and a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and
-# dW) refused on one and served sharded over every GPU, and its sharded micro-batch timed with
-# random weights. Each replicated row also gives each GPU's busy seconds (the server's
-# losshead_device_busy_seconds_total over the bench: replicas should be about equally busy), and the sharded head is timed through the
-# server too (one stream, 8192-token micro-batches, k = 1, 2, 4, ... shards against one GPU).
+# losshead-server with --devices=all, and the C++ `losshead bench` (random head, V = 128256,
+# D = 4096, 8192-token micro-batches). It runs:
+# - 1, 2, 4, ... replicas with 4 and 8 streams per replica (on one H100 host the server's steady
+#   state holds from 4 to 32 streams; a short bench's whole-run figure falls past 8 with the
+#   pipelines' fill and drain: BENCHMARKS.md), with each GPU's peak memory (nvidia-smi) and busy
+#   seconds (the server's losshead_device_busy_seconds_total: replicas should be about equally
+#   busy), and each placement's device memory per GPU (HeadInfo);
+# - the sharded head through the server (one stream, k = 1, 2, 4, ... shards against one GPU) and
+#   `losshead_shard_bench` (the sharded micro-batch's latency against the unsharded call);
+# - a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and dW), refused on one
+#   and served sharded over every GPU, its sharded micro-batch timed with random weights.
 # A part that fails is reported in the summary and the rest still runs: one lease of a multi-GPU
 # machine should give every figure it can.
 #
 #   scripts/run-multi-gpu-bench.sh BUNDLE_DIR [OUT_DIR]
 #
-# BUNDLE_DIR holds bin/losshead-server, bin/losshead, bin/losshead_shard_bench and lib/ (see scripts/run-gpu-e2e-bench.sh);
-# libnccl.so.2 must be on LD_LIBRARY_PATH. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+# BUNDLE_DIR holds bin/losshead-server, bin/losshead, bin/losshead_shard_bench and lib/ (see
+# scripts/run-gpu-e2e-bench.sh); libnccl.so.2 must be on LD_LIBRARY_PATH. NVLink multicast stays
+# off (NCCL_NVLS_ENABLE=0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=$(cd "$1" && pwd) || exit 1
@@ -35,8 +36,9 @@ gpus=$(wc -l < "$out/gpu.txt")
 
 # --max_head_bytes: the wide head below (183 GiB of W and dW) must meet the devices' memory, not
 # the server's default 16 GiB limit per head.
-"$bundle/bin/losshead-server" --listen="127.0.0.1:$port" --metrics_listen="127.0.0.1:$metrics_port" --backend=cuda \
-  --max_head_bytes=$((1 << 40)) --devices=all > "$out/server.log" 2>&1 &
+"$bundle/bin/losshead-server" --listen="127.0.0.1:$port" \
+  --metrics_listen="127.0.0.1:$metrics_port" --backend=cuda --max_head_bytes=$((1 << 40)) \
+  --devices=all > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do
@@ -83,9 +85,13 @@ while [ "$replicas" -le "$gpus" ]; do
       continue
     fi
     kill $smi
-    peak=$(cat "$out/smi-r$replicas-s$streams.csv" \
-      | awk -F', ' '{v = $2 + 0; if (v > m[$1]) m[$1] = v} END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}')
-    note "replicas $replicas, $streams streams: $(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ') peak used: $peak device busy over the bench (its check, ${seconds} s timed, the drain): $(busy_between "$before" "$(busy)")"
+    peak=$(awk -F', ' '{v = $2 + 0; if (v > m[$1]) m[$1] = v}
+                       END {for (g in m) printf "gpu%s %s MiB; ", g, m[g]}' \
+      "$out/smi-r$replicas-s$streams.csv")
+    busy_seconds=$(busy_between "$before" "$(busy)")
+    figures=$(grep -E 'tokens/s|p50|head bench' "$log" | tr '\n' ' ')
+    note "replicas $replicas, $streams streams: $figures peak used: $peak" \
+      "device busy over the bench (its check, ${seconds} s timed, the drain): $busy_seconds"
   done
   replicas=$((replicas * 2))
 done
@@ -130,9 +136,11 @@ if wide create --vocab=2000000 --hidden=16384 --dtype=bf16 --shards=-1 --init_st
   > "$out/wide-sharded.log" 2>&1; then
   note "$(cat "$out/wide-sharded.log")"
   note "sharded create with normal init: $(( ($(date +%s%N) - created) / 1000000 )) ms"
-  wide bench --d=16384 --v=2000000 --n=4096 --streams=2 --seconds="$seconds" > "$out/bench-wide.log" 2>&1 \
+  wide bench --d=16384 --v=2000000 --n=4096 --streams=2 --seconds="$seconds" \
+    > "$out/bench-wide.log" 2>&1 \
     || note "sharded bench of the wide head FAILED: $(tail -3 "$out/bench-wide.log" | tr '\n' ' ')"
-  grep -E 'tokens/s|p50|check' "$out/bench-wide.log" | sed 's/^/sharded, random W: /' | tee -a "$summary"
+  grep -E 'tokens/s|p50|check' "$out/bench-wide.log" | sed 's/^/sharded, random W: /' \
+    | tee -a "$summary"
   wide delete > /dev/null 2>&1
 else
   note "sharded create of the wide head FAILED: $(tail -3 "$out/wide-sharded.log" | tr '\n' ' ')"
