@@ -24,6 +24,7 @@
 #include "losshead/kernels/collective.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
+#include "tests/cuda/placed_devices.h"
 
 namespace losshead::server {
 namespace {
@@ -151,19 +152,10 @@ TEST_P(PlacedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   const int k = GetParam().k;
   const bool sharded = GetParam().kind == v1::PLACEMENT_SHARDED;
   const bool one_gpu = GetParam().one_gpu;
-  const int needed = one_gpu ? 1 : k;
-  if (kernels::CudaDeviceCount() < needed) {
-    GTEST_SKIP() << "needs " << needed << " CUDA devices, " << kernels::CudaDeviceCount()
-                 << " visible";
-  }
-  std::vector<std::unique_ptr<kernels::Backend>> gpus;
-  std::vector<kernels::Backend*> devices;
-  for (int i = 0; i < k; ++i) {
-    auto backend = kernels::CreateBackend(kernels::BackendKind::kCuda, one_gpu ? 0 : i);
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    devices.push_back(backend->get());
-    gpus.push_back(std::move(*backend));
-  }
+  if (const std::string why = testing::TooFewGpus(k, one_gpu); !why.empty()) GTEST_SKIP() << why;
+  auto gpus = testing::PlacedBackends(k, one_gpu);
+  ASSERT_TRUE(gpus.ok()) << gpus.status();
+  const std::vector<kernels::Backend*> devices = testing::Pointers(*gpus);
   auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
 

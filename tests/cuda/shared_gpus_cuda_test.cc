@@ -1,13 +1,13 @@
 // Several placed heads on the same GPUs at once (tests/server/shared_devices_scenario.h): on 2
 // and 4 GPUs through NCCL, where each head's communicators run beside the others', and on 2 ranks
 // of one GPU through the staged collective wherever one GPU is visible.
-#include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
+#include "tests/cuda/placed_devices.h"
 #include "tests/server/shared_devices_scenario.h"
 
 namespace losshead::server {
@@ -23,19 +23,10 @@ class SharedGpusCudaTest : public ::testing::TestWithParam<Shared> {};
 TEST_P(SharedGpusCudaTest, HeadsOnTheSameGpusRunAtOnceAndCountEverythingOnce) {
   const int k = GetParam().k;
   const bool one_gpu = GetParam().one_gpu;
-  const int needed = one_gpu ? 1 : k;
-  if (kernels::CudaDeviceCount() < needed) {
-    GTEST_SKIP() << "needs " << needed << " CUDA devices, " << kernels::CudaDeviceCount()
-                 << " visible";
-  }
-  std::vector<std::unique_ptr<kernels::Backend>> gpus;
-  std::vector<kernels::Backend*> devices;
-  for (int i = 0; i < k; ++i) {
-    auto backend = kernels::CreateBackend(kernels::BackendKind::kCuda, one_gpu ? 0 : i);
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    devices.push_back(backend->get());
-    gpus.push_back(std::move(*backend));
-  }
+  if (const std::string why = testing::TooFewGpus(k, one_gpu); !why.empty()) GTEST_SKIP() << why;
+  auto gpus = testing::PlacedBackends(k, one_gpu);
+  ASSERT_TRUE(gpus.ok()) << gpus.status();
+  const std::vector<kernels::Backend*> devices = testing::Pointers(*gpus);
   shared_devices::RunHeadsSharingDevices(devices, *devices[0]);
 }
 
