@@ -117,8 +117,8 @@ inline void RunHeadsSharingDevices(std::span<kernels::Backend* const> devices,
   Head& replicated = *heads[2];
 
   // Everything at once: kThreadsPerHead stepping threads per head, and one thread that pulls the
-  // replicated head's window with reset three times. Then, with W fixed no longer needed, an
-  // optimizer step on the replicated head beside steps on the sharded ones.
+  // replicated head's window with reset three times. W stays fixed meanwhile, so the windows can
+  // be checked against one device; the optimizer step comes after.
   std::vector<int64_t> sent_tokens(heads.size(), 0);
   std::vector<std::string> windows;  // the replicated head's, pulled with reset
   std::atomic<int> failures{0};
