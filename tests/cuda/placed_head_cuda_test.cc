@@ -25,6 +25,7 @@
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "tests/cuda/placed_devices.h"
+#include "tests/server/bf16_microbatch.h"
 
 namespace losshead::server {
 namespace {
@@ -55,17 +56,7 @@ MicroBatch Batch(int i) {
   std::vector<int32_t> y(n);
   std::uniform_int_distribution<int32_t> pick(0, kV - 1);
   for (int64_t t = 0; t < n; ++t) y[t] = t % 7 == 3 ? -100 : pick(rng);
-  MicroBatch mb;
-  mb.header.set_head("h");
-  mb.header.set_client_id("c");
-  mb.header.set_sequence(i + 1);
-  mb.header.set_num_tokens(n);
-  mb.header.set_hidden_dtype(v1::DTYPE_BF16);
-  mb.header.set_target_dtype(v1::DTYPE_INT32);
-  mb.hidden.resize(n * kD * 2);
-  kernels::FromFloat(kernels::DType::kBF16, h.data(), mb.hidden.data(), n * kD);
-  mb.targets.assign(reinterpret_cast<const char*>(y.data()), n * sizeof(int32_t));
-  return mb;
+  return Bf16MicroBatch("h", "c", i + 1, h, y);
 }
 
 // What one run of the sequence gives back: per micro-batch loss and dH, the window pulled

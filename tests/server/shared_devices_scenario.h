@@ -32,6 +32,7 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
+#include "tests/server/bf16_microbatch.h"
 
 namespace losshead::server::shared_devices {
 
@@ -68,17 +69,7 @@ inline MicroBatch Batch(const std::string& head, int thread, int i, int64_t* cou
     y[t] = t % 5 == 2 ? -100 : pick(rng);
     if (y[t] != -100) ++*counted;
   }
-  MicroBatch mb;
-  mb.header.set_head(head);
-  mb.header.set_client_id(absl::StrCat(head, "-", thread));
-  mb.header.set_sequence(i + 1);
-  mb.header.set_num_tokens(n);
-  mb.header.set_hidden_dtype(v1::DTYPE_BF16);
-  mb.header.set_target_dtype(v1::DTYPE_INT32);
-  mb.hidden.resize(n * kD * 2);
-  kernels::FromFloat(kernels::DType::kBF16, h.data(), mb.hidden.data(), n * kD);
-  mb.targets.assign(reinterpret_cast<const char*>(y.data()), n * sizeof(int32_t));
-  return mb;
+  return Bf16MicroBatch(head, absl::StrCat(head, "-", thread), i + 1, h, y);
 }
 
 inline std::vector<double> Floats(const std::string& fp32) {
