@@ -24,6 +24,15 @@ ABSL_FLAG(uint64_t, max_microbatch_bytes, uint64_t{1} << 30,
           "Largest micro-batch (hidden + target bytes); larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, worker_threads, 0, "Worker threads for micro-batches and transfers (0: per core)");
 ABSL_FLAG(uint64_t, workspace_bytes, uint64_t{1} << 30, "Per-head kernel workspace budget");
+ABSL_FLAG(uint64_t, grad_stash_bytes, uint64_t{4} << 30,
+          "Deferred dW: device memory per head and device where counted micro-batches leave their "
+          "part of dW, answered without the dW GEMM and added to dW together later (when the "
+          "stash is full, the device idle, or a pull, optimizer step or checkpoint reads dW). "
+          "Allocated at the first micro-batch; 0 or a device without the memory: each micro-batch "
+          "adds to dW as it runs. Replicated heads only");
+ABSL_FLAG(absl::Duration, grad_stash_idle, absl::Milliseconds(2),
+          "A device with nothing queued for this long adds its stash to dW; 'inf': only when the "
+          "stash is full or dW is read (dW then has the same bits on every rerun of one stream)");
 ABSL_FLAG(uint64_t, idempotency_window, 64,
           "Completed micro-batch results remembered per (head, client id) for replay");
 ABSL_FLAG(uint64_t, idempotency_max_bytes, uint64_t{256} << 20,
@@ -103,6 +112,11 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_microbatch_bytes = absl::GetFlag(FLAGS_max_microbatch_bytes);
   o.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   o.workspace_bytes = absl::GetFlag(FLAGS_workspace_bytes);
+  o.grad_stash_bytes = absl::GetFlag(FLAGS_grad_stash_bytes);
+  o.grad_stash_idle = absl::GetFlag(FLAGS_grad_stash_idle);
+  if (o.grad_stash_idle <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--grad_stash_idle must be > 0 ('inf' for never)");
+  }
   o.idempotency_window = absl::GetFlag(FLAGS_idempotency_window);
   o.idempotency_max_bytes = absl::GetFlag(FLAGS_idempotency_max_bytes);
   o.max_inflight_per_stream = absl::GetFlag(FLAGS_max_inflight_per_stream);

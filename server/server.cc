@@ -86,6 +86,8 @@ class ServerImpl final : public Server {
         HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
                     .idempotency_window = options_.idempotency_window,
                     .idempotency_max_bytes_per_client = options_.idempotency_max_bytes,
+                    .grad_stash_bytes = options_.grad_stash_bytes,
+                    .grad_stash_idle = options_.grad_stash_idle,
                     .results = results},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     if (!options_.checkpoint_dir.empty()) {

@@ -30,6 +30,10 @@ struct ServerOptions {
   int worker_threads = 0;
   // Per-head workspace budget handed to Backend::WorkspaceBytes.
   size_t workspace_bytes = size_t{1} << 30;
+  // Deferred dW: each device's gradient stash per head (0: off), and how long a device must be
+  // idle before its stash is added to dW (see HeadOptions; infinite: only when full and at cuts).
+  size_t grad_stash_bytes = size_t{4} << 30;
+  absl::Duration grad_stash_idle = absl::Milliseconds(2);
   // Results remembered per (head, client id) for idempotent replay.
   size_t idempotency_window = 64;
   // ... and at most this many bytes of them (dH + per-token losses) per (head, client id); the

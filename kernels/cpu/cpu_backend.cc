@@ -106,6 +106,18 @@ class CpuBackend final : public Backend {
 
   absl::Status Run(const Problem& problem, const Arguments& args, Stream& stream) override;
 
+  absl::StatusOr<size_t> GradStashBytes(const Problem& problem, int64_t capacity) const override {
+    if (absl::Status status = CanImplement(problem); !status.ok()) return status;
+    if (capacity < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grad stash capacity must be >= 1, got ", capacity));
+    }
+    return StashHiddenOffset(problem, capacity) +
+           static_cast<size_t>(capacity) * problem.d * sizeof(float);
+  }
+  absl::Status FlushGradStash(const Problem& problem, const GradStash& stash, float* grad_weight,
+                              void* workspace, size_t workspace_bytes, Stream& stream) override;
+
   absl::StatusOr<ShardPlan> PlanShard(const ShardProblem& shard,
                                       size_t budget_bytes) const override {
     if (absl::Status status = CanImplementShard(shard); !status.ok()) return status;
@@ -238,6 +250,13 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // The stash holds G (capacity x v) and then H (capacity x d), both fp32: the CPU backend's G
+  // is never rounded to the input dtype, and H is the fp32 image Run computes with.
+  static size_t StashHiddenOffset(const Problem& problem, int64_t capacity) {
+    const size_t g = static_cast<size_t>(capacity) * problem.v * sizeof(float);
+    return (g + kCpuWorkspaceAlignment - 1) / kCpuWorkspaceAlignment * kCpuWorkspaceAlignment;
+  }
+
   const int threads_;
   ThreadPool pool_;
 };
@@ -251,6 +270,15 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   }
   if (args.workspace == nullptr && args.workspace_bytes > 0) {
     return absl::InvalidArgumentError("workspace is null but workspace_bytes > 0");
+  }
+  const bool stashed = args.grad_stash.data != nullptr;
+  if (stashed) {
+    if (args.grad_weight != nullptr) {
+      return absl::InvalidArgumentError("grad_weight must be null when grad_stash is given");
+    }
+    if (absl::Status status = ValidateGradStash(args.grad_stash, problem.n); !status.ok()) {
+      return status;
+    }
   }
   absl::StatusOr<ChunkPlan> plan_or = PlanChunks(problem, args.workspace_bytes);
   if (!plan_or.ok()) {
@@ -275,7 +303,16 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
                                                       static_cast<double>(token_count))
                                  : 0.0f;
   }
-  const bool want_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr;
+  const bool want_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed;
+  float* stash_grad = nullptr;
+  float* stash_hidden = nullptr;
+  if (stashed) {
+    char* stash = static_cast<char*>(args.grad_stash.data);
+    stash_grad = reinterpret_cast<float*>(stash) + args.grad_stash.tokens * v;
+    stash_hidden =
+        reinterpret_cast<float*>(stash + StashHiddenOffset(problem, args.grad_stash.capacity)) +
+        args.grad_stash.tokens * d;
+  }
 
   const size_t misalignment = reinterpret_cast<uintptr_t>(args.workspace) % kCpuWorkspaceAlignment;
   char* base = static_cast<char*>(args.workspace) +
@@ -345,6 +382,11 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
       }
     }
 
+    if (stashed) {
+      // G is already scaled (ComputeRowLoss applies grad_scale), and zero for ignored rows.
+      std::memcpy(stash_grad + c0 * v, logits, static_cast<size_t>(rows * v) * sizeof(float));
+      std::memcpy(stash_hidden + c0 * d, hidden, static_cast<size_t>(rows * d) * sizeof(float));
+    }
     char* grad_hidden_out = args.grad_hidden == nullptr
                                 ? nullptr
                                 : static_cast<char*>(args.grad_hidden) + c0 * d * element;
@@ -381,6 +423,26 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
 
   *args.loss_sum = static_cast<float>(loss_sum);
   *args.token_count = token_count;
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::FlushGradStash(const Problem& problem, const GradStash& stash,
+                                        float* grad_weight, void* /*workspace*/,
+                                        size_t /*workspace_bytes*/, Stream& /*stream*/) {
+  if (absl::Status status = CanImplement(problem); !status.ok()) return status;
+  if (absl::Status status = ValidateGradStash(stash, 0); !status.ok()) return status;
+  if (grad_weight == nullptr) return absl::InvalidArgumentError("grad_weight must not be null");
+  if (stash.tokens == 0) return absl::OkStatus();
+  const auto* grad = static_cast<const float*>(stash.data);
+  const auto* hidden = reinterpret_cast<const float*>(static_cast<const char*>(stash.data) +
+                                                      StashHiddenOffset(problem, stash.capacity));
+  std::lock_guard<std::mutex> blas_lock(BlasMutex());
+  openblas_set_num_threads(threads_);
+  // dW (v x d) += G^T . H over every stashed token.
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(problem.v),
+              static_cast<int>(problem.d), static_cast<int>(stash.tokens), 1.0f, grad,
+              static_cast<int>(problem.v), hidden, static_cast<int>(problem.d), 1.0f, grad_weight,
+              static_cast<int>(problem.d));
   return absl::OkStatus();
 }
 

@@ -52,6 +52,22 @@ inline Layout ChunkLayout(int64_t chunk, int64_t width, size_t logits_elem, size
   return l;
 }
 
+// A gradient stash of `capacity` tokens (grad_stash.h): G's rows (LogitsStride(v) elements of
+// the head's dtype, `elem` bytes each), then H's rows (d elements).
+struct StashLayout {
+  int64_t ldg = 0;
+  size_t hidden_off = 0;
+  size_t total = 0;
+};
+
+inline StashLayout GradStashLayout(int64_t capacity, int64_t v, int64_t d, size_t elem) {
+  StashLayout l;
+  l.ldg = LogitsStride(v);
+  l.hidden_off = AlignUp(static_cast<size_t>(capacity) * l.ldg * elem);
+  l.total = l.hidden_off + static_cast<size_t>(capacity) * d * elem;
+  return l;
+}
+
 }  // namespace losshead::kernels::cuda
 
 #endif  // LOSSHEAD_KERNELS_CUDA_CHUNK_LAYOUT_H_

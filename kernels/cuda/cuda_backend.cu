@@ -116,6 +116,18 @@ class CudaBackend final : public Backend {
     if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
       return absl::InvalidArgumentError("workspace must be a 256-byte aligned device pointer");
     }
+    if (args.grad_stash.data != nullptr) {
+      if (args.grad_weight != nullptr) {
+        return absl::InvalidArgumentError("grad_weight must be null when grad_stash is given");
+      }
+      LOSSHEAD_RETURN_IF_ERROR(ValidateGradStash(args.grad_stash, problem.n));
+      if (problem.dtype == DType::kFP16) {
+        return absl::UnimplementedError("the CUDA backend stashes no fp16 gradient");
+      }
+      if (reinterpret_cast<uintptr_t>(args.grad_stash.data) % kAlign != 0) {
+        return absl::InvalidArgumentError("grad_stash must be a 256-byte aligned device pointer");
+      }
+    }
     const Layout layout = MakeLayout(problem, args.workspace_bytes);
     if (layout.chunk < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -129,6 +141,63 @@ class CudaBackend final : public Backend {
       return this->template RunTyped<typename decltype(in)::type, typename decltype(logits)::type>(
           problem, args, layout, *cs);
     });
+  }
+
+  absl::StatusOr<size_t> GradStashBytes(const Problem& problem, int64_t capacity) const override {
+    if (absl::Status s = CanImplement(problem); !s.ok()) return s;
+    if (capacity < 1 || capacity > 2147483647) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grad stash capacity must be in [1, 2^31), got ", capacity));
+    }
+    // The stash keeps G scaled in the head's dtype: fp16's range would flush a mean's small
+    // gradients (p_j / N) to zero, where bf16 and fp32 keep them.
+    if (problem.dtype == DType::kFP16) {
+      return absl::UnimplementedError("the CUDA backend stashes no fp16 gradient");
+    }
+    return cuda::GradStashLayout(capacity, problem.v, problem.d, DTypeSize(problem.dtype)).total;
+  }
+
+  absl::Status FlushGradStash(const Problem& problem, const GradStash& stash, float* grad_weight,
+                              void* workspace, size_t workspace_bytes, Stream& stream) override {
+    if (absl::Status s = CanImplement(problem); !s.ok()) return s;
+    LOSSHEAD_RETURN_IF_ERROR(ValidateGradStash(stash, 0));
+    if (problem.dtype == DType::kFP16) {
+      return absl::UnimplementedError("the CUDA backend stashes no fp16 gradient");
+    }
+    if (grad_weight == nullptr) return absl::InvalidArgumentError("grad_weight must not be null");
+    CudaStream* cs = AsCudaStream(stream, device_);
+    if (cs == nullptr) return cuda::ForeignStreamError();
+    if (stash.tokens == 0) return absl::OkStatus();
+    // cublasLt's scratch: the front of the caller's memory, as much as a Run's GEMMs use.
+    if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % kAlign != 0) {
+      workspace_bytes = 0;
+    }
+    workspace_bytes = std::min(workspace_bytes, options_.cublas_workspace_bytes);
+    const cuda::StashLayout layout =
+        cuda::GradStashLayout(stash.capacity, problem.v, problem.d, DTypeSize(problem.dtype));
+    cudaDataType_t type = CUDA_R_32F;
+    switch (problem.dtype) {
+      case DType::kFP32:
+        type = CUDA_R_32F;
+        break;
+      case DType::kBF16:
+        type = CUDA_R_16BF;
+        break;
+      case DType::kFP16:
+        type = CUDA_R_16F;
+        break;
+    }
+    // dW_cm += H_cm . G_cm^T over every stashed token: G is already scaled, so alpha = beta = 1,
+    // both on the host.
+    cuda::GemmShape shape =
+        cuda::GradWeightGemm(problem.v, stash.tokens, problem.d, type, layout.ldg);
+    shape.device_scalars = false;
+    static constexpr float kOne = 1.0f;
+    const char* base = static_cast<const char*>(stash.data);
+    std::lock_guard<std::mutex> lock(cs->mutex());
+    LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
+    return cs->gemm().Run(shape, &kOne, base + layout.hidden_off, base, &kOne, grad_weight,
+                          workspace_bytes > 0 ? workspace : nullptr, workspace_bytes, cs->stream());
   }
 
   absl::Status SquaredNorm(const float* data, int64_t count, double* result,
@@ -306,7 +375,15 @@ class CudaBackend final : public Backend {
     const auto* hidden = static_cast<const TIn*>(args.hidden);
     const auto* weight = static_cast<const TIn*>(args.weight);
     auto* grad_hidden = static_cast<TIn*>(args.grad_hidden);
-    const bool need_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr;
+    // Deferred dW: G goes, scaled, to the stash's rows (from which dH is then computed), and H
+    // beside it; dW is left to FlushGradStash.
+    const GradStash& stash = args.grad_stash;
+    const bool stashed = stash.data != nullptr;
+    const cuda::StashLayout stash_layout =
+        stashed ? cuda::GradStashLayout(stash.capacity, v, d, sizeof(TIn)) : cuda::StashLayout{};
+    TIn* const stash_grad =
+        stashed ? static_cast<TIn*>(stash.data) + stash.tokens * stash_layout.ldg : nullptr;
+    const bool need_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed;
     constexpr cudaDataType_t kIn = CudaType<TIn>();
     constexpr cudaDataType_t kLogits = CudaType<TL>();
     static constexpr float kOne = 1.0f, kZero = 0.0f;
@@ -321,6 +398,7 @@ class CudaBackend final : public Backend {
     params.label_smoothing = o.label_smoothing;
     params.z_loss = o.z_loss;
     params.softcap = o.softcap;
+    if (stashed) params.grad_scale = &scalars->grad_alpha;
 
     const int chunk = ChunkRows(n, static_cast<int>(layout.chunk));
     const cuda::RowLaunch row_launch{options_.row_threads, options_.row_blocks_per_sm,
@@ -329,9 +407,15 @@ class CudaBackend final : public Backend {
     // chunk that starts at token r0, on stream `s`.
     auto rows_step = [&](int r0, int q0, int rows, bool reduce, cudaStream_t s) -> absl::Status {
       const int64_t t0 = static_cast<int64_t>(r0) + q0;
+      TIn* g = nullptr;
+      if (stashed) {
+        g = stash_grad + t0 * stash_layout.ldg;
+      } else if (need_grad) {
+        g = grad + static_cast<int64_t>(q0) * ldg;
+      }
       LOSSHEAD_RETURN_IF_ERROR((cuda::LaunchSoftmaxGrad<TL, TIn>(
-          logits + static_cast<int64_t>(q0) * ldl, ldl, rows, args.targets + t0, params,
-          need_grad ? grad + static_cast<int64_t>(q0) * ldg : nullptr, ldg, row_loss + q0,
+          logits + static_cast<int64_t>(q0) * ldl, ldl, rows, args.targets + t0, params, g,
+          stashed ? stash_layout.ldg : ldg, row_loss + q0,
           args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
           args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, row_launch, s)));
       if (reduce) {
@@ -350,6 +434,11 @@ class CudaBackend final : public Backend {
     };
     auto dh_gemm = [&](int t0, int rows, int q0) -> absl::Status {
       if (grad_hidden == nullptr) return absl::OkStatus();
+      if (stashed) {
+        return gemm.Run(cuda::GradHiddenGemm(v, rows, d, kIn, kIn, stash_layout.ldg), &scalars->one,
+                        weight, stash_grad + t0 * stash_layout.ldg, &scalars->zero,
+                        grad_hidden + static_cast<int64_t>(t0) * d, gemm_ws, gemm_ws_bytes, stream);
+      }
       return gemm.Run(cuda::GradHiddenGemm(v, rows, d, kIn, kIn, ldg), &scalars->grad_alpha, weight,
                       grad + static_cast<int64_t>(q0) * ldg, &scalars->zero,
                       grad_hidden + static_cast<int64_t>(t0) * d, gemm_ws, gemm_ws_bytes, stream);
@@ -361,6 +450,12 @@ class CudaBackend final : public Backend {
                       gemm_ws, gemm_ws_bytes, stream);
     };
 
+    if (stashed) {
+      char* stash_hidden = static_cast<char*>(stash.data) + stash_layout.hidden_off;
+      LOSSHEAD_CUDA_CHECK(cudaMemcpyAsync(
+          stash_hidden + static_cast<size_t>(stash.tokens) * d * sizeof(TIn), hidden,
+          static_cast<size_t>(n) * d * sizeof(TIn), cudaMemcpyDeviceToDevice, stream));
+    }
     for (int r0 = 0; r0 < n; r0 += chunk) {
       const int c = std::min(chunk, n - r0);
       // Halves of at least 256 rows keep the GEMMs' token dimension in whole tiles.

@@ -135,6 +135,7 @@ __global__ void __launch_bounds__(kThreads)
   const float coef = 1.0f + 2.0f * p.z_loss * lse;
   const float eps_v = p.label_smoothing / static_cast<float>(p.v);
   const float hit = 1.0f - p.label_smoothing;
+  const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
     if (!valid) return 0.0f;
     const float z = cap(xval);
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
       const float r = z * cap.inv_cap;
       gj *= 1.0f - r * r;
     }
-    return gj;
+    return gj * scale;
   };
   // When TG is narrower than TL the gradient of element j lands on bytes of an element <= j that
   // another thread may not have read yet in this tile: read the tile, barrier, then write.

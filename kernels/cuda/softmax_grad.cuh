@@ -18,6 +18,9 @@ struct SoftmaxGradParams {
   float label_smoothing = 0.0f;
   float z_loss = 0.0f;
   float softcap = 0.0f;  // 0 = off
+  // Device pointer to a factor the gradient is multiplied by before it is rounded to TG (the
+  // gradient stash keeps G scaled); null: the gradient is written unscaled.
+  const float* grad_scale = nullptr;
 };
 
 // How the row kernel is launched: `threads` per row (512 or 1024); when blocks_per_sm > 0, at
@@ -33,10 +36,11 @@ struct RowLaunch {
 // `logits` 16-byte aligned), with target y = targets[r]:
 //   writes lse to per_token_lse[r] (optional, every row), the loss to row_loss[r] and
 //   per_token_loss[r] (optional; 0 for ignored rows), and, when `grad` is not null, the
-//   UNSCALED gradient dloss/dx_j (LossOptions' g_j chained through the soft-cap; 0 for ignored
-//   rows) to grad[r * ldg + j]. `grad` must alias `logits` row for row (ldg * sizeof(TG) ==
-//   ldl * sizeof(TL)): the gradient overwrites the logits in place, narrowing them when TG is
-//   smaller than TL. The reduction's scale is applied later, as the GEMMs' alpha.
+//   gradient dloss/dx_j (LossOptions' g_j chained through the soft-cap, times *params.grad_scale
+//   when set; 0 for ignored rows) to grad[r * ldg + j]. `grad` either aliases `logits` row for
+//   row (ldg * sizeof(TG) == ldl * sizeof(TL)): the gradient overwrites the logits in place,
+//   narrowing them when TG is smaller than TL; or lies wholly outside them (ldg a multiple of 16,
+//   16-byte aligned rows). Unscaled, the reduction's scale is applied later, as the GEMMs' alpha.
 // A target outside [0, v) that is not ignore_index is treated as ignored (no out-of-bounds access;
 // the caller is expected to have rejected it already).
 // TL, TG: float, __nv_bfloat16 or __half (see the instantiations in the .cu). launch.threads: 512

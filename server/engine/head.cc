@@ -151,6 +151,9 @@ Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernel
       applies_(options.apply_window) {
   absl::MutexLock lock(&state_mu_);
   defaults_ = spec.default_options();
+  if (options_.grad_stash_bytes > 0 && options_.grad_stash_idle != absl::InfiniteDuration()) {
+    group_->StartIdleFlush(options_.grad_stash_idle);
+  }
 }
 
 Head::~Head() = default;  // each replica waits for its stream's work before freeing its buffers

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/engine/status_macros.h"
 
 namespace losshead::server {
@@ -46,7 +47,53 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
   return group;
 }
 
-ReplicaGroup::~ReplicaGroup() { Synchronize().IgnoreError(); }
+ReplicaGroup::~ReplicaGroup() {
+  if (idle_flush_.joinable()) {
+    stop_idle_flush_.Notify();
+    idle_flush_.join();
+  }
+  Synchronize().IgnoreError();
+}
+
+void ReplicaGroup::StartIdleFlush(absl::Duration idle) {
+  if (sharded() || idle_flush_.joinable()) return;
+  const int64_t idle_ns = absl::ToInt64Nanoseconds(idle);
+  // Looks twice per idle period, at most every 0.25 ms: a few wake-ups per millisecond per head.
+  const absl::Duration poll = std::max(idle / 2, absl::Microseconds(250));
+  idle_flush_ = std::thread([this, idle_ns, poll] {
+    while (!stop_idle_flush_.WaitForNotificationWithTimeout(poll)) {
+      for (const auto& r : replicas_) {
+        if (r->stashed_tokens.load() == 0 || r->queued_tokens.load() != 0) continue;
+        if (absl::GetCurrentTimeNanos() - r->last_run_end_ns.load() < idle_ns) continue;
+        // A micro-batch or a cut holding the lock has work of its own: look again later.
+        if (!r->compute_mu.TryLock()) continue;
+        // A failure is kept in stash_fault for the next cut to answer.
+        if (r->queued_tokens.load() == 0) FlushStash(*r).IgnoreError();
+        r->compute_mu.Unlock();
+      }
+    }
+  });
+}
+
+absl::Status ReplicaGroup::FlushStash(Replica& r) {
+  if (r.stash_tokens == 0) return absl::OkStatus();
+  const kernels::Problem shape{.n = 1, .d = hidden_size_, .v = vocab_size_, .dtype = dtype_};
+  const kernels::GradStash stash{
+      .data = r.stash.data(), .capacity = r.stash_capacity, .tokens = r.stash_tokens};
+  const int64_t tokens = r.stash_tokens;
+  r.stash_tokens = 0;
+  r.stashed_tokens = 0;
+  absl::Status flushed = r.backend.FlushGradStash(
+      shape, stash, r.grad.as<float>(), r.workspace.data(), r.workspace.bytes(), *r.stream);
+  if (flushed.ok()) flushed = r.stream->Synchronize();
+  if (flushed.ok()) return flushed;
+  r.stash_fault = absl::DataLossError(absl::StrCat(
+      "the device failed while adding ", tokens, " tokens of counted micro-batches to dW on ",
+      r.backend.device_description(), ": ", flushed.message(),
+      "; the gradient window's counters count them but dW lacks them, wholly or in part: pull "
+      "with reset to drop the window before the next optimizer step"));
+  return r.stash_fault;
+}
 
 Replica& ReplicaGroup::Next() {
   const int k = size();
@@ -82,6 +129,17 @@ std::vector<kernels::Stream*> ReplicaGroup::Streams() const {
 }
 
 absl::Status ReplicaGroup::ReduceGradientToOwners() {
+  absl::Status fault;
+  for (const auto& r : replicas_) {
+    // A fault from an earlier flush first: this cut is the one that answers it.
+    fault.Update(std::exchange(r->stash_fault, absl::OkStatus()));
+    const absl::Status flushed = FlushStash(*r);
+    if (!flushed.ok()) {
+      r->stash_fault = absl::OkStatus();  // answered now
+      fault.Update(flushed);
+    }
+  }
+  LOSSHEAD_RETURN_IF_ERROR(fault);
   if (collective_ == nullptr || sharded()) return absl::OkStatus();
   const std::vector<int64_t> counts = kernels::ShardCounts(vocab_size_, size(), hidden_size_);
   LOSSHEAD_RETURN_IF_ERROR(collective_->ReduceScatter(Buffers(&Replica::grad), counts,

@@ -19,12 +19,15 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/collective.h"
 #include "losshead/kernels/problem.h"
@@ -75,6 +78,21 @@ struct Replica {
   kernels::DeviceBuffer shard_stats ABSL_GUARDED_BY(compute_mu);
   kernels::DeviceBuffer shard_partial ABSL_GUARDED_BY(compute_mu);
 
+  // Deferred dW (kernels/grad_stash.h): counted micro-batches whose G and H wait here to be added
+  // to `grad` (ReplicaGroup::FlushStash). stash_capacity is 0 until the first micro-batch sizes
+  // the stash, and -1 where this device has none (not enabled, no such backend call, or no
+  // memory for it): micro-batches then add to dW as they run.
+  kernels::DeviceBuffer stash ABSL_GUARDED_BY(compute_mu);
+  int64_t stash_capacity ABSL_GUARDED_BY(compute_mu) = 0;
+  int64_t stash_tokens ABSL_GUARDED_BY(compute_mu) = 0;
+  // A flush that failed since the last cut: its tokens are counted but not in dW. The next cut
+  // answers it (DATA_LOSS) and clears it.
+  absl::Status stash_fault ABSL_GUARDED_BY(compute_mu);
+  // stash_tokens, and when the last run ended (absl::GetCurrentTimeNanos), for the idle flush's
+  // look without the lock.
+  std::atomic<int64_t> stashed_tokens{0};
+  std::atomic<int64_t> last_run_end_ns{0};
+
   // I/O slots: a micro-batch takes one for its copies in, its run and its copies out. Three let
   // one run while the next is copied in and the previous is copied out.
   static constexpr size_t kIoSlots = 3;
@@ -101,8 +119,20 @@ class ReplicaGroup {
       std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
       kernels::DType dtype, Layout layout = Layout::kReplicated);
 
-  // Waits for every replica's work before the collective and the replicas' buffers go.
+  // Stops the idle flush, then waits for every replica's work before the collective and the
+  // replicas' buffers go.
   ~ReplicaGroup();
+
+  // Starts a thread that flushes a replica's stash once it has had no micro-batch queued or
+  // running for `idle` (so that the dW GEMM runs while the trainers compute, not ahead of the
+  // next answer). Once, before the first micro-batch; not at all for bit-identical dW whatever
+  // the timing (the stash then empties when full and at cuts only).
+  void StartIdleFlush(absl::Duration idle);
+
+  // Under the replica's compute lock. Its stashed micro-batches added to its dW in one GEMM and
+  // the stash emptied; waits for the GEMM. DATA_LOSS (and stash_fault set) when the device
+  // fails: the stashed tokens are counted in the window but missing from dW.
+  absl::Status FlushStash(Replica& replica);
 
   int size() const { return static_cast<int>(replicas_.size()); }
   bool sharded() const { return layout_ == Layout::kSharded; }
@@ -148,9 +178,11 @@ class ReplicaGroup {
     const ReplicaGroup& group_;
   };
 
-  // Under the Cut. dW reduced to its owners (see the file comment): afterwards replica r's
-  // accumulator holds the sum over replicas of its rows and zeros elsewhere. Enqueued on the
-  // replicas' streams; nothing to do for one replica, or for shards (each holds only its rows).
+  // Under the Cut. Every replica's stash flushed into its dW, then dW reduced to its owners (see
+  // the file comment): afterwards replica r's accumulator holds the sum over replicas of its rows
+  // and zeros elsewhere. Enqueued on the replicas' streams; no reduction for one replica, or for
+  // shards (each holds only its rows). Every cut that reads dW goes through here. DATA_LOSS when
+  // a flush fails now or failed since the last cut (each replica's stash is flushed even so).
   absl::Status ReduceGradientToOwners();
   // Under the Cut. Replica 0's W copied to every other replica (after CopyIn of W). Nothing to do
   // for shards.
@@ -201,6 +233,8 @@ class ReplicaGroup {
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<kernels::Collective> collective_;  // null for one replica
   std::atomic<uint64_t> next_tie_{0};
+  absl::Notification stop_idle_flush_;
+  std::thread idle_flush_;
 };
 
 }  // namespace losshead::server

@@ -242,6 +242,38 @@ absl::Status Head::EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer,
   return absl::OkStatus();
 }
 
+absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
+                                                  const kernels::Problem& problem) {
+  if (replica.stash_capacity == 0) {
+    // First use on this device: the most tokens the budget holds, or none.
+    replica.stash_capacity = -1;
+    kernels::Backend& backend = replica.backend;
+    const size_t budget = options_.grad_stash_bytes;
+    absl::StatusOr<size_t> one = budget > 0 && !group_->sharded()
+                                     ? backend.GradStashBytes(problem, 1)
+                                     : absl::UnimplementedError("off");
+    absl::StatusOr<size_t> two = one.ok() ? backend.GradStashBytes(problem, 2) : one;
+    if (two.ok() && *one <= budget) {
+      int64_t capacity = static_cast<int64_t>((budget - *one) / (*two - *one)) + 1;
+      while (capacity > 1 && *backend.GradStashBytes(problem, capacity) > budget) --capacity;
+      // A device short of memory runs without a stash, as before one existed.
+      absl::StatusOr<kernels::DeviceBuffer> stash = backend.Allocate(budget);
+      if (stash.ok()) {
+        replica.stash = std::move(*stash);
+        replica.stash_capacity = capacity;
+        replica.scratch_bytes += budget;
+      }
+    }
+  }
+  if (problem.n > replica.stash_capacity) return kernels::GradStash{};
+  if (replica.stash_tokens + problem.n > replica.stash_capacity) {
+    LOSSHEAD_RETURN_IF_ERROR(group_->FlushStash(replica));
+  }
+  return kernels::GradStash{.data = replica.stash.data(),
+                            .capacity = replica.stash_capacity,
+                            .tokens = replica.stash_tokens};
+}
+
 absl::StatusOr<bool> Head::EnsureStaging(Replica& replica, kernels::HostBuffer& buffer,
                                          size_t bytes) {
   if (buffer.bytes() >= bytes) return true;
@@ -417,8 +449,11 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
       args.targets = slot.targets.as<int32_t>();
       args.grad_hidden = p.want_grad_hidden ? slot.grad_hidden.data() : nullptr;
       // Forward-only: without dW the backend skips the dW GEMM; the loss and dH are computed the
-      // same way, so they match a counted step's bit for bit.
-      args.grad_weight = p.forward_only ? nullptr : replica.grad.as<float>();
+      // same way, so they match an undeferred counted step's bit for bit.
+      if (!p.forward_only) {
+        LOSSHEAD_ASSIGN_OR_RETURN(args.grad_stash, StashFor(replica, p.problem));
+        if (args.grad_stash.data == nullptr) args.grad_weight = replica.grad.as<float>();
+      }
       // token_count first: it needs 8-byte alignment.
       args.token_count = slot.scalars.as<int64_t>();
       args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
@@ -430,6 +465,12 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
         ran = replica.backend.CopyToHost(scalars, slot.scalars.data(), 16, *replica.stream);
       }
       if (ran.ok()) ran = replica.stream->Synchronize();
+      // Stashed rows count once the run is through; a failed run's rows are left out of dW.
+      if (ran.ok() && args.grad_stash.data != nullptr) {
+        replica.stash_tokens += p.problem.n;
+        replica.stashed_tokens = replica.stash_tokens;
+      }
+      replica.last_run_end_ns = absl::GetCurrentTimeNanos();
     }
     if (!ran.ok()) {
       if (p.forward_only) return ran;  // dW was not an argument: nothing can be in it

@@ -13,117 +13,18 @@
 #include "losshead/kernels/backend.h"
 #include "server/durability/checkpoint.h"
 #include "server/engine/head.h"
+#include "tests/server/faulty_backend.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
 namespace {
 
 using testing::Bytes;
+using testing::FaultyBackend;
 using testing::FromBytes;
 using testing::RandomFloats;
 
 constexpr int64_t kV = 17, kD = 8, kN = 6;
-
-// The CPU backend, with faults to order: the next copy of results to the host (anything larger
-// than the 16 bytes of scalars read under the compute lock), the next run (after it has added to
-// dW, as a device that fails midway would), or the next copy to the device.
-class FaultyBackend : public kernels::Backend {
- public:
-  explicit FaultyBackend(std::unique_ptr<kernels::Backend> inner) : inner_(std::move(inner)) {}
-
-  std::atomic<bool> fail_copy_out{false};
-  std::atomic<bool> fail_run{false};
-  std::atomic<bool> fail_copy_in{false};
-  std::atomic<int> runs{0};
-
-  absl::string_view name() const override { return inner_->name(); }
-  std::string device_description() const override { return inner_->device_description(); }
-  kernels::MemoryInfo memory_info() const override { return inner_->memory_info(); }
-  absl::Status CanImplement(const kernels::Problem& p) const override {
-    return inner_->CanImplement(p);
-  }
-  absl::StatusOr<size_t> WorkspaceBytes(const kernels::Problem& p, size_t budget) const override {
-    return inner_->WorkspaceBytes(p, budget);
-  }
-  absl::Status Run(const kernels::Problem& p, const kernels::Arguments& args,
-                   kernels::Stream& stream) override {
-    ++runs;
-    absl::Status status = inner_->Run(p, args, stream);
-    if (status.ok() && fail_run.exchange(false)) {
-      return absl::InternalError("injected: the device failed during the run");
-    }
-    return status;
-  }
-  // A shard's halves: `fail_run` strikes after its backward half has added to dW.
-  absl::StatusOr<kernels::ShardPlan> PlanShard(const kernels::ShardProblem& shard,
-                                               size_t budget) const override {
-    return inner_->PlanShard(shard, budget);
-  }
-  absl::Status ShardBegin(const kernels::ShardProblem& shard, const kernels::ShardArguments& args,
-                          kernels::Stream& stream) override {
-    ++runs;
-    return inner_->ShardBegin(shard, args, stream);
-  }
-  absl::Status ShardForward(const kernels::ShardProblem& shard, const kernels::ShardArguments& args,
-                            kernels::ShardChunk chunk, kernels::Stream& stream) override {
-    return inner_->ShardForward(shard, args, chunk, stream);
-  }
-  absl::Status ShardBackward(const kernels::ShardProblem& shard,
-                             const kernels::ShardArguments& args, kernels::ShardChunk chunk,
-                             kernels::Stream& stream) override {
-    absl::Status status = inner_->ShardBackward(shard, args, chunk, stream);
-    if (status.ok() && fail_run.exchange(false)) {
-      return absl::InternalError("injected: the device failed during the run");
-    }
-    return status;
-  }
-  absl::Status ShardStoreGradHidden(const kernels::ShardProblem& shard, const float* partial,
-                                    kernels::ShardChunk chunk, void* grad_hidden,
-                                    kernels::Stream& stream) override {
-    return inner_->ShardStoreGradHidden(shard, partial, chunk, grad_hidden, stream);
-  }
-  absl::Status SquaredNorm(const float* data, int64_t count, double* result,
-                           kernels::Stream& stream) override {
-    return inner_->SquaredNorm(data, count, result, stream);
-  }
-  absl::Status OptimizerStep(const kernels::OptimizerProblem& problem,
-                             const kernels::OptimizerTensors& tensors,
-                             kernels::Stream& stream) override {
-    return inner_->OptimizerStep(problem, tensors, stream);
-  }
-  absl::StatusOr<kernels::DeviceBuffer> Allocate(size_t bytes) override {
-    return inner_->Allocate(bytes);  // owned (and freed) by the inner backend
-  }
-  absl::StatusOr<std::unique_ptr<kernels::Stream>> CreateStream() override {
-    return inner_->CreateStream();
-  }
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes,
-                            kernels::Stream& stream) override {
-    if (fail_copy_in.exchange(false)) {
-      return absl::InternalError("injected: the copy to the device failed");
-    }
-    return inner_->CopyToDevice(dst, src, bytes, stream);
-  }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes,
-                          kernels::Stream& stream) override {
-    if (bytes > 16 && fail_copy_out.exchange(false)) {
-      return absl::InternalError("injected: the copy of results to the host failed");
-    }
-    return inner_->CopyToHost(dst, src, bytes, stream);
-  }
-  absl::Status Memset(void* dst, int value, size_t bytes, kernels::Stream& stream) override {
-    return inner_->Memset(dst, value, bytes, stream);
-  }
-  absl::StatusOr<kernels::HostBuffer> AllocateHost(size_t bytes) override {
-    return inner_->AllocateHost(bytes);
-  }
-
- protected:
-  void Free(void*) override {}  // every buffer belongs to the inner backend
-
- private:
-  std::unique_ptr<kernels::Backend> inner_;
-};
 
 class DeviceFaultTest : public ::testing::Test {
  protected:
@@ -309,6 +210,64 @@ TEST_F(DeviceFaultTest, ForwardOnlyFailureCountsNothingAndIsNotRemembered) {
 // A head sharded over two such devices: a shard failing after it has added to its rows of dW
 // spends the key (DATA_LOSS, never computed again), as on one device; a failure before any shard
 // ran is forgotten and the retry counts once.
+// With deferred dW: a head whose stash holds one micro-batch (kN tokens), flushed only when full
+// or at a cut.
+class DeferredFaultTest : public DeviceFaultTest {
+ protected:
+  void SetUp() override {
+    DeviceFaultTest::SetUp();
+    const kernels::Problem shape{.n = kN, .d = kD, .v = kV, .dtype = kernels::DType::kFP32};
+    auto bytes = backend_->GradStashBytes(shape, kN);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    v1::HeadSpec spec;
+    spec.set_name("h");
+    spec.set_vocab_size(kV);
+    spec.set_hidden_size(kD);
+    spec.set_weight_dtype(v1::DTYPE_FP32);
+    spec.mutable_init()->mutable_normal()->set_std(0.5f);
+    spec.mutable_init()->mutable_normal()->set_seed(11);
+    auto head = Head::Create(*backend_, spec, HeadOptions{.grad_stash_bytes = *bytes});
+    ASSERT_TRUE(head.ok()) << head.status();
+    head_ = *head;  // the same W as the fixture's head (same init)
+  }
+};
+
+TEST_F(DeferredFaultTest, AFailedFlushIsAnsweredByTheNextCutAndDroppedWithTheWindow) {
+  const MicroBatch first = Batch(11, "c", 1);
+  const MicroBatch second = Batch(12, "c", 2);
+  StepStats stats;
+  ASSERT_TRUE(head_->Step(first, &stats).ok());
+  EXPECT_EQ(backend_->flushes.load(), 0);  // stashed, not yet in dW
+  // The second does not fit beside the first: the first is flushed, and the device fails.
+  backend_->fail_flush = true;
+  auto failed = head_->Step(second, &stats);
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_NE(failed.status().message().find("dW lacks them"), absl::string_view::npos)
+      << failed.status();
+  // The second never ran: its retry computes it, once.
+  auto retry = head_->Step(second, &stats);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_FALSE(stats.replayed);
+  EXPECT_EQ(backend_->runs.load(), 2);
+  // The next cut that reads dW answers the lost micro-batch, and changes nothing.
+  auto pull = head_->PullGradient(v1::DTYPE_FP32, /*reset=*/true);
+  ASSERT_EQ(pull.status().code(), absl::StatusCode::kDataLoss) << pull.status();
+  // The one after holds both micro-batches' counts and only the second's dW; its reset drops the
+  // window.
+  auto dropped = head_->PullGradient(v1::DTYPE_FP32, /*reset=*/true);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->summary.microbatch_count(), 2u);
+  const auto y = FromBytes<int32_t>(second.targets);
+  const auto ref = testing::ReferenceMean(FromBytes<float>(second.hidden), weights_, y, kN, kD, kV);
+  const auto dw = FromBytes<float>(dropped->data);
+  for (size_t i = 0; i < dw.size(); ++i) {
+    ASSERT_NEAR(dw[i], ref.grad_weight[i] * ref.tokens, 1e-4) << i;
+  }
+  const MicroBatch third = Batch(13, "c", 3);
+  ASSERT_TRUE(head_->Step(third, &stats).ok());
+  ExpectGradientHolds(third, 1);
+}
+
 TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) {
   std::vector<std::unique_ptr<FaultyBackend>> owned;
   std::vector<kernels::Backend*> devices;

@@ -31,12 +31,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
-                    iters: int) -> float:
+                    iters: int, gap: float = 0.0) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         _sync(device)
+        time.sleep(gap)  # the trainer's own work between two head steps (not timed)
         start = time.perf_counter()
         fn()
         _sync(device)
@@ -85,6 +86,9 @@ def main() -> None:
     # as its idempotency window fills, about four steps of 8192 x 4096 bf16): not the steady state.
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="untimed pause before each timed step, standing for the trunk's forward "
+                        "and backward between two head steps")
     p.add_argument("--no-local", action="store_true", help="skip the local-head rows")
     p.add_argument("--no-transfers", action="store_true", help="skip pull / push / download")
     p.add_argument("--no-steps", action="store_true",
@@ -164,7 +168,7 @@ def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
         assert err <= 2e-2, f"dH differs from the local head's by {err:.3g} (relative norm)"
         del h
         run = _fwd_bwd(lambda h: module(h, targets), hidden)
-        seconds = _median_seconds(run, device, args.warmup, args.iters)
+        seconds = _median_seconds(run, device, args.warmup, args.iters, args.gap_ms / 1e3)
         mib = _extra_memory_mib(run, device)
     sizes = module._chunks_for(n)
     return (f"RemoteLMHead {path}, {streams} stream(s)", seconds * 1e3, n / seconds, mib,
@@ -185,7 +189,7 @@ def _local_rows(args: argparse.Namespace, hidden: torch.Tensor, targets: torch.T
         variants.append(("local head, torch.compile", torch.compile(loss_fn)))
     for name, fn in variants:
         run = _fwd_bwd(fn, hidden)
-        seconds = _median_seconds(run, device, args.warmup, args.iters)
+        seconds = _median_seconds(run, device, args.warmup, args.iters, args.gap_ms / 1e3)
         w.grad = None
         mib = _extra_memory_mib(run, device)
         rows.append((name, seconds * 1e3, n / seconds, mib, "+ W and dW resident"))

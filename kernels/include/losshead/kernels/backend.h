@@ -105,6 +105,18 @@ class Backend {
   // Forward and backward in one call: see Arguments. Validates first and launches nothing on error.
   virtual absl::Status Run(const Problem& problem, const Arguments& args, Stream& stream) = 0;
 
+  // Deferred dW (grad_stash.h). Bytes of a stash of `capacity` tokens for `problem`'s shape (its
+  // n is not used). INVALID_ARGUMENT for capacity < 1 or a problem CanImplement refuses;
+  // UNIMPLEMENTED (the default) where the backend has no stash: Run then adds to dW at once.
+  virtual absl::StatusOr<size_t> GradStashBytes(const Problem& problem, int64_t capacity) const;
+  // dW (V x D fp32) += G^T H over the stash's rows [0, stash.tokens), in one GEMM; nothing for
+  // tokens = 0. `workspace` (optional) is scratch for the GEMM, the memory a Run used will do.
+  // Validates first (ValidateGradStash, problem's shape, null grad_weight) and launches nothing on
+  // error. The stash is unchanged: the caller starts it again at tokens = 0.
+  virtual absl::Status FlushGradStash(const Problem& problem, const GradStash& stash,
+                                      float* grad_weight, void* workspace, size_t workspace_bytes,
+                                      Stream& stream);
+
   // Sum of squares of `count` fp32 values at `data`, accumulated in fp64 over a partition of the
   // elements fixed by `count` alone, written to `*result` (one double in this backend's memory).
   // A rerun gives the same bits whatever the thread count or device; the CPU and CUDA backends

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "losshead/kernels/grad_stash.h"
 
 namespace losshead::kernels {
 
@@ -60,6 +61,9 @@ struct Arguments {
   const int32_t* targets = nullptr;  // N, in [0, V) or ignore_index
   void* grad_hidden = nullptr;    // N x D, problem.dtype, overwritten; optional
   float* grad_weight = nullptr;   // V x D fp32, accumulated into (+=); optional
+  // Deferred dW (grad_stash.h): when its data is set, G and H go to the stash's rows
+  // [tokens, tokens + N) instead of into grad_weight, which must then be null.
+  GradStash grad_stash;
   // Outputs: [0] = sum of per-token losses over non-ignored tokens, overwritten.
   float* loss_sum = nullptr;
   // [0] = number of non-ignored tokens, overwritten.

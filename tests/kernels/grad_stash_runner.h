@@ -1,0 +1,30 @@
+// Test helper for deferred dW (losshead/kernels/grad_stash.h): a sequence of micro-batches run
+// through one gradient stash on a backend, flushed into dW whenever the next one would not fit
+// and at the end, with every output brought back to the host.
+#ifndef LOSSHEAD_TESTS_KERNELS_GRAD_STASH_RUNNER_H_
+#define LOSSHEAD_TESTS_KERNELS_GRAD_STASH_RUNNER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "losshead/kernels/backend.h"
+#include "tests/kernels/backend_runner.h"
+
+namespace losshead::kernels::testing {
+
+struct StashedRun {
+  std::vector<Outputs> microbatches;  // each one's loss, token count and dH (no grad_weight)
+  std::vector<float> grad_weight;     // dW (from zeros) after the last flush
+  int flushes = 0;                    // FlushGradStash calls that had tokens to add
+};
+
+// Runs `batches` (one shape, one W: batches[0]'s) in order on one stream into a stash of
+// `capacity` tokens (every batch at most that large).
+absl::StatusOr<StashedRun> RunStashed(Backend& backend, const std::vector<Inputs>& batches,
+                                      int64_t capacity, size_t workspace_budget = size_t{64} << 20);
+
+}  // namespace losshead::kernels::testing
+
+#endif  // LOSSHEAD_TESTS_KERNELS_GRAD_STASH_RUNNER_H_
