@@ -256,12 +256,13 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
     if (two.ok() && *one <= budget) {
       int64_t capacity = static_cast<int64_t>((budget - *one) / (*two - *one)) + 1;
       while (capacity > 1 && *backend.GradStashBytes(problem, capacity) > budget) --capacity;
+      const size_t bytes = *backend.GradStashBytes(problem, capacity);
       // A device short of memory runs without a stash, as before one existed.
-      absl::StatusOr<kernels::DeviceBuffer> stash = backend.Allocate(budget);
+      absl::StatusOr<kernels::DeviceBuffer> stash = backend.Allocate(bytes);
       if (stash.ok()) {
         replica.stash = std::move(*stash);
         replica.stash_capacity = capacity;
-        replica.scratch_bytes += budget;
+        replica.scratch_bytes += bytes;
       }
     }
   }

@@ -42,7 +42,8 @@ const Reference& ReferenceFor(const TrainConfig& config) {
   Reference ref;
   {
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
-                                        {"--backend=cpu", "--worker_threads=2"}, dir + "/ref.log");
+                                        {"--backend=cpu", "--worker_threads=2", kBitExactFlag},
+                                        dir + "/ref.log");
     EXPECT_TRUE(process.ok()) << process.status();
     if (process.ok()) {
       auto c = ConnectToServer(**process);
@@ -73,7 +74,7 @@ class KillRestartTest : public ::testing::TestWithParam<v1::DType> {
   }
 
   std::vector<std::string> Flags() const {
-    std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2",
+    std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2", kBitExactFlag,
                                       "--checkpoint_dir=" + dir_ + "/ckpt"};
     flags.insert(flags.end(), extra_flags_.begin(), extra_flags_.end());
     return flags;
@@ -331,8 +332,8 @@ TEST(CorruptCheckpointTest, ServerRefusesToStart) {
   const std::string dir = RecoveryTempDir();
   const std::string ckpt = dir + "/ckpt";
   const std::string log = dir + "/server.log";
-  const std::vector<std::string> flags = {"--backend=cpu", "--checkpoint_dir=" + ckpt,
-                                          "--checkpoint_interval=0"};
+  const std::vector<std::string> flags = {"--backend=cpu", kBitExactFlag,
+                                          "--checkpoint_dir=" + ckpt, "--checkpoint_interval=0"};
   {
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags, log);
     ASSERT_TRUE(process.ok()) << process.status();

@@ -45,8 +45,9 @@ const Reference& TheReference() {
     auto* r = new Reference();
     const std::string dir = RecoveryTempDir();
     {
-      auto process = ServerProcess::Start(
-          LOSSHEAD_SERVER_BINARY, {"--backend=cpu", "--worker_threads=2"}, dir + "/ref.log");
+      auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
+                                          {"--backend=cpu", "--worker_threads=2", kBitExactFlag},
+                                          dir + "/ref.log");
       EXPECT_TRUE(process.ok()) << process.status();
       if (!process.ok()) return r;
       auto c = ConnectToServer(**process);
@@ -80,7 +81,7 @@ class OptimizerKillRestartTest : public ::testing::Test {
   }
 
   void StartServer() {
-    std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2",
+    std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2", kBitExactFlag,
                                       "--checkpoint_dir=" + dir_ + "/ckpt", checkpoint_interval_};
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags, dir_ + "/server.log");
     ASSERT_TRUE(process.ok()) << process.status();

@@ -15,6 +15,12 @@
 
 namespace losshead::testing {
 
+// Added to every kill test's server flags. Deferred dW groups dW's fp32 additions by when the
+// stash fills, idles and is cut (a checkpoint, a restart), so a run cut by kills would equal the
+// fault-free one only up to summation order. Without the stash it equals it bit for bit, which is
+// what these tests compare. (Exactly-once with the stash: tests/server/deferred_grad_test.cc.)
+inline constexpr char kBitExactFlag[] = "--grad_stash_bytes=0";
+
 // A new directory under the system's temporary directory ("" when none can be made).
 std::string RecoveryTempDir();
 // A client of `process` (unary calls 30 s, streams 120 s); null when it cannot connect.
