@@ -43,6 +43,9 @@ class ServiceTest : public ::testing::Test {
     o.max_message_bytes = kMaxMessage;
     o.max_microbatch_bytes = MaxMicrobatchBytes();
     o.drain_timeout = absl::Seconds(5);
+    // The stash reaches dW only when full or read, never on a timer: dW's bits then depend only on
+    // what was sent, in which order (OneStreamAddsItsMicroBatchesToDwInOrder compares them).
+    o.grad_stash_idle = absl::InfiniteDuration();
     auto server = Server::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
