@@ -32,14 +32,7 @@ class DeviceFaultTest : public ::testing::Test {
     auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     backend_ = std::make_unique<FaultyBackend>(std::move(*cpu));
-    v1::HeadSpec spec;
-    spec.set_name("h");
-    spec.set_vocab_size(kV);
-    spec.set_hidden_size(kD);
-    spec.set_weight_dtype(v1::DTYPE_FP32);
-    spec.mutable_init()->mutable_normal()->set_std(0.5f);
-    spec.mutable_init()->mutable_normal()->set_seed(11);
-    auto head = Head::Create(*backend_, spec, HeadOptions{});
+    auto head = Head::Create(*backend_, Spec(), HeadOptions{});
     ASSERT_TRUE(head.ok()) << head.status();
     head_ = *head;
     auto w = head_->DownloadWeights(v1::DTYPE_FP32);
@@ -48,6 +41,17 @@ class DeviceFaultTest : public ::testing::Test {
   }
 
  public:
+  // An fp32 head of kV x kD, the same W whatever its options.
+  static v1::HeadSpec Spec() {
+    v1::HeadSpec spec;
+    spec.set_name("h");
+    spec.set_vocab_size(kV);
+    spec.set_hidden_size(kD);
+    spec.set_weight_dtype(v1::DTYPE_FP32);
+    spec.mutable_init()->mutable_normal()->set_std(0.5f);
+    spec.mutable_init()->mutable_normal()->set_seed(11);
+    return spec;
+  }
   // A sum-reduced fp32 micro-batch of kN tokens (also for the sharded test below).
   static MicroBatch Batch(uint64_t seed, const std::string& client, uint64_t sequence) {
     MicroBatch mb;
@@ -207,9 +211,6 @@ TEST_F(DeviceFaultTest, ForwardOnlyFailureCountsNothingAndIsNotRemembered) {
   ExpectGradientHolds(mb, 1);
 }
 
-// A head sharded over two such devices: a shard failing after it has added to its rows of dW
-// spends the key (DATA_LOSS, never computed again), as on one device; a failure before any shard
-// ran is forgotten and the retry counts once.
 // With deferred dW: a head whose stash holds one micro-batch (kN tokens), flushed only when full
 // or at a cut.
 class DeferredFaultTest : public DeviceFaultTest {
@@ -219,14 +220,7 @@ class DeferredFaultTest : public DeviceFaultTest {
     const kernels::Problem shape{.n = kN, .d = kD, .v = kV, .dtype = kernels::DType::kFP32};
     auto bytes = backend_->GradStashBytes(shape, kN);
     ASSERT_TRUE(bytes.ok()) << bytes.status();
-    v1::HeadSpec spec;
-    spec.set_name("h");
-    spec.set_vocab_size(kV);
-    spec.set_hidden_size(kD);
-    spec.set_weight_dtype(v1::DTYPE_FP32);
-    spec.mutable_init()->mutable_normal()->set_std(0.5f);
-    spec.mutable_init()->mutable_normal()->set_seed(11);
-    auto head = Head::Create(*backend_, spec, HeadOptions{.grad_stash_bytes = *bytes});
+    auto head = Head::Create(*backend_, Spec(), HeadOptions{.grad_stash_bytes = *bytes});
     ASSERT_TRUE(head.ok()) << head.status();
     head_ = *head;  // the same W as the fixture's head (same init)
   }
@@ -268,6 +262,9 @@ TEST_F(DeferredFaultTest, AFailedFlushIsAnsweredByTheNextCutAndDroppedWithTheWin
   ExpectGradientHolds(third, 1);
 }
 
+// A head sharded over two such devices: a shard failing after it has added to its rows of dW
+// spends the key (DATA_LOSS, never computed again), as on one device; a failure before any shard
+// ran is forgotten and the retry counts once.
 TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) {
   std::vector<std::unique_ptr<FaultyBackend>> owned;
   std::vector<kernels::Backend*> devices;
