@@ -273,12 +273,7 @@ TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) 
         std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
     devices.push_back(owned.back().get());
   }
-  v1::HeadSpec spec;
-  spec.set_name("h");
-  spec.set_vocab_size(kV);
-  spec.set_hidden_size(kD);
-  spec.set_weight_dtype(v1::DTYPE_FP32);
-  spec.mutable_init()->mutable_normal()->set_std(0.5f);
+  v1::HeadSpec spec = DeviceFaultTest::Spec();
   spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
   spec.mutable_placement()->set_devices(2);
   auto head = Head::Create(devices, spec, HeadOptions{});
