@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
 namespace losshead::testing {
@@ -13,6 +14,15 @@ std::string RecoveryTempDir() {
   std::string pattern = (std::filesystem::temp_directory_path() / "losshead-recovery-XXXXXX");
   char* dir = mkdtemp(pattern.data());
   return dir == nullptr ? "" : std::string(dir);
+}
+
+std::vector<std::string> AccumulationFlags(DwAccumulation mode, uint64_t stash_bytes) {
+  if (mode == DwAccumulation::kDirect) return {kBitExactFlag};
+  return {absl::StrCat("--grad_stash_bytes=", stash_bytes), "--grad_stash_idle=2ms"};
+}
+
+const char* AccumulationName(DwAccumulation mode) {
+  return mode == DwAccumulation::kDirect ? "Direct" : "Deferred";
 }
 
 std::unique_ptr<client::Client> ConnectToServer(const ServerProcess& process) {

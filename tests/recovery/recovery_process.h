@@ -15,10 +15,21 @@
 
 namespace losshead::testing {
 
-// Added to every kill test's server flags. Deferred dW groups dW's fp32 additions by when the
-// stash fills, idles and is cut (a checkpoint, a restart), so a run cut by kills would equal the
-// fault-free one only up to summation order. Without the stash it equals it bit for bit, which is
-// what these tests compare. (Exactly-once with the stash: tests/server/deferred_grad_test.cc.)
+// How the server under test adds each micro-batch to dW.
+enum class DwAccumulation {
+  // --grad_stash_bytes=0: each micro-batch straight into dW, in sequence order, so a run cut by
+  // kills equals the fault-free one bit for bit.
+  kDirect,
+  // The server's default path, deferred dW, with a stash of a few micro-batches that fills, idles
+  // and is cut (a pull, a checkpoint, a kill) in mid-step. dW's fp32 additions are grouped by when
+  // that happens, so a run cut by kills equals the fault-free one up to summation order.
+  kDeferred,
+};
+// The server flags for `mode`; `stash_bytes` sizes a deferred stash.
+std::vector<std::string> AccumulationFlags(DwAccumulation mode, uint64_t stash_bytes);
+const char* AccumulationName(DwAccumulation mode);
+
+// The direct accumulation's flag, for the tests that compare with one fault-free run.
 inline constexpr char kBitExactFlag[] = "--grad_stash_bytes=0";
 
 // A new directory under the system's temporary directory ("" when none can be made).

@@ -41,9 +41,12 @@ absl::Status MicrobatchSender::SendFrom(client::Client& client, int step, uint64
     if (r->sequence != seq) return absl::InternalError("answers out of order");
     if (r->replayed) ++replays_;
     auto [it, first] = answers_.emplace(seq, *r);
-    if (!first && (it->second.loss_sum != r->loss_sum || it->second.loss != r->loss ||
-                   it->second.grad_hidden != r->grad_hidden)) {
-      ++mismatched_;
+    if (!first) {
+      if (it->second.loss_sum != r->loss_sum || it->second.loss != r->loss ||
+          it->second.grad_hidden != r->grad_hidden) {
+        ++mismatched_;
+      }
+      later_answers_.emplace_back(seq, *r);
     }
     max_answered_ = std::max(max_answered_, seq);
     if (absl::Status s = hook({TrainEvent::kAnswered, step, k, seq}); !s.ok()) {

@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -86,13 +87,19 @@ class MicrobatchSender {
   int first_sends() const { return first_sends_; }
   int resends() const { return resends_; }
   int replays() const { return replays_; }
-  // Sequences whose recomputed answer differed from the first one (must stay 0).
+  // Sequences whose recomputed answer differed from the first one (must stay 0 where dW is
+  // accumulated directly; see DwAccumulation).
   int mismatched_answers() const { return mismatched_; }
+  // Every answer after a sequence's first (replays and recomputations), in arrival order.
+  const std::vector<std::pair<uint64_t, client::StepResult>>& later_answers() const {
+    return later_answers_;
+  }
 
  private:
   const int per_step_;
   std::map<uint64_t, HostBatch> batches_;
   std::map<uint64_t, client::StepResult> answers_;
+  std::vector<std::pair<uint64_t, client::StepResult>> later_answers_;
   std::map<uint64_t, int> sent_;
   uint64_t max_answered_ = 0;
   int first_sends_ = 0;
@@ -118,6 +125,9 @@ class Trainer {
   int resends() const { return sender_.resends(); }
   int replays() const { return sender_.replays(); }
   int mismatched_answers() const { return sender_.mismatched_answers(); }
+  const std::vector<std::pair<uint64_t, client::StepResult>>& later_answers() const {
+    return sender_.later_answers();
+  }
 
  private:
   absl::Status EnsureHead(client::Client& client, v1::HeadInfo* info);
