@@ -5,8 +5,6 @@
 // and checkpoints cut at other moments than in the fault-free run.
 #include <sys/stat.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -23,6 +21,7 @@
 #include "losshead/client/client.h"
 #include "tests/common/server_process.h"
 #include "tests/recovery/recovery_process.h"
+#include "tests/recovery/run_comparison.h"
 #include "tests/recovery/trainer.h"
 
 #ifndef LOSSHEAD_SERVER_BINARY
@@ -39,29 +38,6 @@ struct Reference {
   std::map<int, client::Bytes> pulled;
   std::map<uint64_t, client::StepResult> answers;
 };
-
-// The head's workspace bytes (kernel workspace, micro-batch buffers and any stash).
-uint64_t WorkspaceBytes(client::Client& client) {
-  absl::StatusOr<v1::HeadInfo> info = client.GetHead(kTrainHead);
-  EXPECT_TRUE(info.ok()) << info.status();
-  if (!info.ok() || info->device_memory_size() != 1) return 0;
-  return info->device_memory(0).workspace_bytes();
-}
-
-// max |got - want| over the elements as a fraction of max |want|: 0 when equal, infinite when the
-// sizes differ.
-double RelativeDeviation(const client::Bytes& got, const client::Bytes& want, v1::DType dtype) {
-  const std::vector<float> g = Decode(got, dtype);
-  const std::vector<float> w = Decode(want, dtype);
-  if (g.size() != w.size()) return INFINITY;
-  double scale = 0, worst = 0;
-  for (size_t i = 0; i < w.size(); ++i) {
-    scale = std::max(scale, std::fabs(static_cast<double>(w[i])));
-    worst = std::max(worst, std::fabs(static_cast<double>(g[i]) - w[i]));
-  }
-  if (worst == 0) return 0;
-  return scale == 0 ? INFINITY : worst / scale;
-}
 
 const Reference& ReferenceFor(const TrainConfig& config) {
   static auto* cache = new std::map<int, Reference>();
@@ -82,7 +58,7 @@ const Reference& ReferenceFor(const TrainConfig& config) {
       auto final = trainer.Final(*c);
       EXPECT_TRUE(final.ok()) << final.status();
       if (final.ok()) ref.final = std::move(*final);
-      ref.workspace_bytes = WorkspaceBytes(*c);
+      ref.workspace_bytes = HeadWorkspaceBytes(*c, kTrainHead);
       ref.pulled = trainer.pulled();
       ref.answers = trainer.answers();
     }
@@ -106,17 +82,12 @@ class KillRestartTest : public ::testing::TestWithParam<KillRestartParam> {
     std::filesystem::remove_all(dir_);
   }
 
-  // A deferred stash of two and a half micro-batches: it fills and is flushed twice per step,
-  // besides the idle flushes and the cuts.
-  uint64_t StashBytes() const {
-    return static_cast<uint64_t>((config_.vocab + config_.hidden) * sizeof(float) * config_.tokens *
-                                 5 / 2);
-  }
   std::vector<std::string> Flags() const {
     std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2",
                                       "--checkpoint_dir=" + dir_ + "/ckpt"};
     for (const std::vector<std::string>& more :
-         {AccumulationFlags(accumulation_, StashBytes()), extra_flags_}) {
+         {AccumulationFlags(accumulation_, config_.vocab, config_.hidden, config_.tokens),
+          extra_flags_}) {
       flags.insert(flags.end(), more.begin(), more.end());
     }
     return flags;
@@ -167,39 +138,13 @@ class KillRestartTest : public ::testing::TestWithParam<KillRestartParam> {
     }
   }
 
-  // Bit for bit with direct accumulation; with deferred dW, within summation order: fp32's
-  // rounding, and for a bf16 head the W elements it tips to the neighbouring bf16 value. A
-  // micro-batch lost or counted twice moves a step's dW by a sixth, far beyond that bound, and
-  // the counters, compared exactly, catch it as well.
-  void Expect(const client::Bytes& got, const client::Bytes& want, v1::DType dtype,
-              const std::string& what) {
-    const bool exact = accumulation_ == DwAccumulation::kDirect;
-    const double deviation = exact && got == want ? 0 : RelativeDeviation(got, want, dtype);
-    worst_deviation_ = std::max(worst_deviation_, deviation);
-    if (exact) {
-      EXPECT_TRUE(got == want) << what << " differs (by " << deviation << " of its largest value)";
-    } else {
-      EXPECT_LE(deviation, ToleranceFor(dtype).grad) << what;
-    }
-  }
-  void Expect(const client::StepResult& got, const client::StepResult& want,
-              const std::string& what) {
-    if (accumulation_ == DwAccumulation::kDirect) {
-      EXPECT_EQ(got.loss_sum, want.loss_sum) << what;
-    } else {
-      EXPECT_NEAR(got.loss_sum, want.loss_sum,
-                  ToleranceFor(config_.dtype).loss_rel * std::fabs(want.loss_sum))
-          << what;
-    }
-    Expect(got.grad_hidden, want.grad_hidden, config_.dtype, what + ": dH");
-  }
-
   void ExpectEqualsReference(const Trainer& trainer, const std::string& scenario) {
     const Reference& ref = ReferenceFor(config_);
+    RunComparison compare(accumulation_);
     auto final = trainer.Final(*client_);
     ASSERT_TRUE(final.ok()) << final.status();
-    Expect(final->weights, ref.final.weights, config_.dtype, "final W");
-    Expect(final->gradient, ref.final.gradient, v1::DTYPE_FP32, "final dW");
+    compare.Tensor(final->weights, ref.final.weights, config_.dtype, "final W");
+    compare.Tensor(final->gradient, ref.final.gradient, v1::DTYPE_FP32, "final dW");
     EXPECT_EQ(final->weights_version, ref.final.weights_version);
     // Counted exactly once each: totals equal the fault-free run's.
     EXPECT_EQ(final->microbatches_total, ref.final.microbatches_total);
@@ -207,34 +152,35 @@ class KillRestartTest : public ::testing::TestWithParam<KillRestartParam> {
     EXPECT_EQ(final->tokens_since_pull, ref.final.tokens_since_pull);
     ASSERT_EQ(trainer.pulled().size(), ref.pulled.size());
     for (const auto& [step, dw] : ref.pulled) {
-      Expect(trainer.pulled().at(step), dw, v1::DTYPE_FP32, absl::StrCat("step ", step, "'s dW"));
+      compare.Tensor(trainer.pulled().at(step), dw, v1::DTYPE_FP32,
+                     absl::StrCat("step ", step, "'s dW"));
     }
     for (const auto& [seq, answer] : ref.answers) {
       auto it = trainer.answers().find(seq);
       ASSERT_NE(it, trainer.answers().end()) << "sequence " << seq << " never answered";
-      Expect(it->second, answer, absl::StrCat("sequence ", seq));
+      compare.Answer(it->second, answer, config_.dtype, absl::StrCat("sequence ", seq));
     }
-    // Replays and recomputations answer what the first answer said.
+    // Replays and recomputations answer what the fault-free run did.
     for (const auto& [seq, answer] : trainer.later_answers()) {
-      Expect(answer, ref.answers.at(seq), absl::StrCat("sequence ", seq, ", answered again"));
+      compare.Answer(answer, ref.answers.at(seq), config_.dtype,
+                     absl::StrCat("sequence ", seq, ", answered again"));
     }
-    if (accumulation_ == DwAccumulation::kDeferred) {
+    if (!compare.exact()) {
       // The stash was there: the head's workspace holds it on top of the direct run's buffers.
-      EXPECT_GT(WorkspaceBytes(*client_), ref.workspace_bytes);
+      EXPECT_GT(HeadWorkspaceBytes(*client_, kTrainHead), ref.workspace_bytes);
     }
     std::printf(
         "[figures] %s dtype=%s dW=%s: micro-batches %zu, first sends %d, resent %d (replayed "
         "%d), acknowledged then lost in a crash %llu, kills %d, restarts %d, largest deviation "
-        "from the fault-free run %.3g of a tensor's largest value, within bounds: %s\n",
+        "from the fault-free run %.3g, within bounds: %s\n",
         scenario.c_str(), v1::DType_Name(config_.dtype).c_str(), AccumulationName(accumulation_),
         ref.answers.size(), trainer.first_sends(), trainer.resends(), trainer.replays(),
-        static_cast<unsigned long long>(lost_acknowledged_), kills_, starts_ - 1, worst_deviation_,
+        static_cast<unsigned long long>(lost_acknowledged_), kills_, starts_ - 1, compare.worst(),
         ::testing::Test::HasFailure() ? "no" : "yes");
   }
 
   TrainConfig config_;
   DwAccumulation accumulation_ = DwAccumulation::kDirect;
-  double worst_deviation_ = 0;
   std::string dir_;
   std::vector<std::string> extra_flags_ = {"--checkpoint_interval=0"};
   std::unique_ptr<ServerProcess> process_;

@@ -1,28 +1,32 @@
 // kill -9 of a real losshead-server process in a training run with the server-side AdamW (bf16 W,
-// fp32 master weights), restart from its checkpoint directory, resume: the final W, dW and
-// optimizer step count must equal those of a fault-free run bit for bit, and every apply must
-// step exactly once: none lost, none twice, whether the crash came before its send, while it was
-// in flight, after it landed but before its answer arrived, or after its answer but before a
-// checkpoint held it.
+// fp32 master weights), restart from its checkpoint directory, resume: every apply must step
+// exactly once: none lost, none twice, whether the crash came before its send, while it was in
+// flight, after it landed but before its answer arrived, or after its answer but before a
+// checkpoint held it. The final W, dW and step count must equal those of a fault-free run: bit for
+// bit where dW is accumulated directly, within summation order with deferred dW (the server's
+// default).
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "losshead/client/client.h"
 #include "tests/common/server_process.h"
-#include "tests/recovery/recovery_process.h"
 #include "tests/recovery/optimizer_trainer.h"
+#include "tests/recovery/recovery_process.h"
+#include "tests/recovery/run_comparison.h"
 
 #ifndef LOSSHEAD_SERVER_BINARY
 #error "LOSSHEAD_SERVER_BINARY must name the losshead-server executable"
@@ -33,9 +37,10 @@ namespace {
 
 const OptimizerTrainConfig kConfig;
 
-// The fault-free run, once.
+// The fault-free run, once, with dW accumulated directly.
 struct Reference {
   FinalState final;
+  uint64_t workspace_bytes = 0;  // the head's, at the end
   std::map<uint64_t, v1::ApplyOptimizerResponse> applies;
   std::map<uint64_t, client::StepResult> answers;
 };
@@ -57,6 +62,7 @@ const Reference& TheReference() {
       auto final = trainer.Final(*c);
       EXPECT_TRUE(final.ok()) << final.status();
       if (final.ok()) r->final = std::move(*final);
+      r->workspace_bytes = HeadWorkspaceBytes(*c, kTrainHead);
       r->applies = trainer.applies();
       r->answers = trainer.microbatches().answers();
       EXPECT_EQ(trainer.apply_sends(), kConfig.run.steps);
@@ -68,8 +74,11 @@ const Reference& TheReference() {
   return *ref;
 }
 
-class OptimizerKillRestartTest : public ::testing::Test {
+// The scenarios below run once with each DwAccumulation.
+class OptimizerKillRestartBase : public ::testing::Test {
  protected:
+  explicit OptimizerKillRestartBase(DwAccumulation accumulation) : accumulation_(accumulation) {}
+
   void SetUp() override {
     dir_ = RecoveryTempDir();
     ASSERT_FALSE(dir_.empty());
@@ -81,8 +90,12 @@ class OptimizerKillRestartTest : public ::testing::Test {
   }
 
   void StartServer() {
-    std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2", kBitExactFlag,
+    std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2",
                                       "--checkpoint_dir=" + dir_ + "/ckpt", checkpoint_interval_};
+    for (const std::string& flag : AccumulationFlags(accumulation_, kConfig.run.vocab,
+                                                     kConfig.run.hidden, kConfig.run.tokens)) {
+      flags.push_back(flag);
+    }
     auto process = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags, dir_ + "/server.log");
     ASSERT_TRUE(process.ok()) << process.status();
     process_ = std::move(*process);
@@ -123,54 +136,69 @@ class OptimizerKillRestartTest : public ::testing::Test {
 
   void ExpectEqualsReference(const OptimizerTrainer& trainer, const std::string& scenario) {
     const Reference& ref = TheReference();
+    RunComparison compare(accumulation_);
     auto final = trainer.Final(*client_);
     ASSERT_TRUE(final.ok()) << final.status();
-    ASSERT_EQ(final->weights.size(), ref.final.weights.size());
-    ASSERT_EQ(final->gradient.size(), ref.final.gradient.size());
-    EXPECT_EQ(
-        0, std::memcmp(final->weights.data(), ref.final.weights.data(), ref.final.weights.size()))
-        << "final W differs";
-    EXPECT_EQ(0, std::memcmp(final->gradient.data(), ref.final.gradient.data(),
-                             ref.final.gradient.size()))
-        << "final dW differs";
+    compare.Tensor(final->weights, ref.final.weights, kConfig.run.dtype, "final W");
+    compare.Tensor(final->gradient, ref.final.gradient, v1::DTYPE_FP32, "final dW");
     EXPECT_EQ(final->optimizer_step, static_cast<uint64_t>(kConfig.run.steps));
     EXPECT_EQ(final->optimizer_step, ref.final.optimizer_step);
     EXPECT_EQ(final->weights_version, ref.final.weights_version);
     EXPECT_EQ(final->microbatches_total, ref.final.microbatches_total);
     EXPECT_EQ(final->tokens_total, ref.final.tokens_total);
     EXPECT_EQ(final->tokens_since_pull, ref.final.tokens_since_pull);
-    // Every apply answered what the fault-free run's did: the same window, norms, clipping
-    // coefficient, version and step count.
+    // Every apply, and every answer again to its key, answered what the fault-free run's did: the
+    // same window, norms, clipping coefficient, version and step count.
     ASSERT_EQ(trainer.applies().size(), ref.applies.size());
+    auto expect_apply = [&](uint64_t key, const v1::ApplyOptimizerResponse& got) {
+      const v1::ApplyOptimizerResponse& want = ref.applies.at(key);
+      const std::string what = absl::StrCat("apply ", key);
+      EXPECT_EQ(got.window().SerializeAsString(), want.window().SerializeAsString()) << what;
+      EXPECT_EQ(got.weights_version(), want.weights_version()) << what;
+      EXPECT_EQ(got.optimizer_step(), want.optimizer_step()) << what;
+      compare.Sum(got.head_grad_norm(), want.head_grad_norm(), v1::DTYPE_FP32,
+                  what + ": head norm");
+      compare.Sum(got.total_grad_norm(), want.total_grad_norm(), v1::DTYPE_FP32,
+                  what + ": total norm");
+      compare.Sum(got.clip_coefficient(), want.clip_coefficient(), v1::DTYPE_FP32,
+                  what + ": clip coefficient");
+    };
     for (const auto& [key, answer] : ref.applies) {
       auto it = trainer.applies().find(key);
       ASSERT_NE(it, trainer.applies().end()) << "apply " << key << " never answered";
-      EXPECT_EQ(it->second.SerializeAsString(), answer.SerializeAsString())
-          << key << ": " << it->second.ShortDebugString() << " vs " << answer.ShortDebugString();
+      expect_apply(key, it->second);
     }
-    EXPECT_EQ(trainer.mismatched_applies(), 0);
+    for (const auto& [key, answer] : trainer.later_applies()) expect_apply(key, answer);
     const MicrobatchSender& sent = trainer.microbatches();
     for (const auto& [seq, answer] : ref.answers) {
       auto it = sent.answers().find(seq);
       ASSERT_NE(it, sent.answers().end()) << "sequence " << seq << " never answered";
-      EXPECT_EQ(it->second.loss_sum, answer.loss_sum) << seq;
-      EXPECT_EQ(it->second.grad_hidden, answer.grad_hidden) << seq;
+      compare.Answer(it->second, answer, kConfig.run.dtype, absl::StrCat("sequence ", seq));
     }
-    EXPECT_EQ(sent.mismatched_answers(), 0);
+    for (const auto& [seq, answer] : sent.later_answers()) {
+      compare.Answer(answer, ref.answers.at(seq), kConfig.run.dtype,
+                     absl::StrCat("sequence ", seq, ", answered again"));
+    }
+    if (!compare.exact()) {
+      // The stash was there: the head's workspace holds it on top of the direct run's buffers.
+      EXPECT_GT(HeadWorkspaceBytes(*client_, kTrainHead), ref.workspace_bytes);
+    }
     double min_coefficient = 1;
     for (const auto& [key, answer] : ref.applies) {
       min_coefficient = std::min(min_coefficient, answer.clip_coefficient());
     }
     std::printf(
-        "[figures] %s: applies %zu (smallest clip coefficient %.3f), apply sends %d, resent %d "
-        "(replayed %d), answered then lost in a crash %d; micro-batches %zu, resent %d "
-        "(replayed %d); kills %d, restarts %d; final W, dW and step count bit-identical: %s\n",
-        scenario.c_str(), ref.applies.size(), min_coefficient, trainer.apply_sends(),
-        trainer.apply_resends(), trainer.apply_replays(), trainer.lost_applies(),
-        ref.answers.size(), sent.resends(), sent.replays(), kills_, starts_ - 1,
-        ::testing::Test::HasFailure() ? "no" : "yes");
+        "[figures] %s, dW=%s: applies %zu (smallest clip coefficient %.3f), apply sends %d, "
+        "resent %d (replayed %d), answered then lost in a crash %d; micro-batches %zu, resent %d "
+        "(replayed %d); kills %d, restarts %d; largest deviation from the fault-free run %.3g, "
+        "within bounds: %s\n",
+        scenario.c_str(), AccumulationName(accumulation_), ref.applies.size(), min_coefficient,
+        trainer.apply_sends(), trainer.apply_resends(), trainer.apply_replays(),
+        trainer.lost_applies(), ref.answers.size(), sent.resends(), sent.replays(), kills_,
+        starts_ - 1, compare.worst(), ::testing::Test::HasFailure() ? "no" : "yes");
   }
 
+  const DwAccumulation accumulation_;
   std::string dir_;
   std::string checkpoint_interval_ = "--checkpoint_interval=0";
   std::unique_ptr<ServerProcess> process_;
@@ -180,10 +208,16 @@ class OptimizerKillRestartTest : public ::testing::Test {
   int kills_ = 0;
 };
 
+class OptimizerKillRestartTest : public OptimizerKillRestartBase,
+                                 public ::testing::WithParamInterface<DwAccumulation> {
+ protected:
+  OptimizerKillRestartTest() : OptimizerKillRestartBase(GetParam()) {}
+};
+
 bool Is(const Event& e, TrainEvent kind, int step) { return e.kind == kind && e.step == step; }
 
 // The reference clips some applies and not others, so the trunk's norm takes part in the result.
-TEST_F(OptimizerKillRestartTest, ReferenceClipsSomeApplies) {
+TEST(OptimizerReferenceTest, ClipsSomeApplies) {
   const Reference& ref = TheReference();
   ASSERT_EQ(ref.applies.size(), static_cast<size_t>(kConfig.run.steps));
   int clipped = 0;
@@ -199,7 +233,7 @@ TEST_F(OptimizerKillRestartTest, ReferenceClipsSomeApplies) {
 // another checkpoint. The restarted server is back at one apply with step 1's window whole: the
 // trainer sees that the apply it was answered is gone and applies it again with the same key,
 // which the restored record of applies does not hold. The answer equals the first.
-TEST_F(OptimizerKillRestartTest, AnsweredApplyLostBeforeCheckpoint) {
+TEST_P(OptimizerKillRestartTest, AnsweredApplyLostBeforeCheckpoint) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
   OptimizerTrainer trainer(kConfig);
   bool killed = false;
@@ -229,7 +263,7 @@ TEST_F(OptimizerKillRestartTest, AnsweredApplyLostBeforeCheckpoint) {
 // Apply 3 lands and a checkpoint holds it, but its answer never reaches the trainer. After the
 // restart the step count says it landed: the retry with its key is answered from the restored
 // record (replayed) with the original answer, and steps nothing.
-TEST_F(OptimizerKillRestartTest, AnswerLostAfterCheckpointedApply) {
+TEST_P(OptimizerKillRestartTest, AnswerLostAfterCheckpointedApply) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
   OptimizerTrainer trainer(kConfig);
   bool killed = false;
@@ -254,7 +288,7 @@ TEST_F(OptimizerKillRestartTest, AnswerLostAfterCheckpointedApply) {
 // Apply 3 lands but neither its answer nor a checkpoint of it survives (the last checkpoint was
 // taken as it was sent): the restarted server holds step 2's whole window and two applies; the
 // retry with the same key steps for the first time.
-TEST_F(OptimizerKillRestartTest, AnswerAndApplyLostTogether) {
+TEST_P(OptimizerKillRestartTest, AnswerAndApplyLostTogether) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
   OptimizerTrainer trainer(kConfig);
   bool killed = false;
@@ -280,7 +314,7 @@ TEST_F(OptimizerKillRestartTest, AnswerAndApplyLostTogether) {
 
 // The server is frozen (SIGSTOP) as apply 4 is sent, and killed 100 ms later: the request sits in
 // its socket, sent and never answered. The retry after the restart steps for the first time.
-TEST_F(OptimizerKillRestartTest, KillWithApplyInFlight) {
+TEST_P(OptimizerKillRestartTest, KillWithApplyInFlight) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
   OptimizerTrainer trainer(kConfig);
   bool killed = false;
@@ -314,18 +348,27 @@ TEST_F(OptimizerKillRestartTest, KillWithApplyInFlight) {
   ExpectEqualsReference(trainer, "kill with an apply in flight");
 }
 
+INSTANTIATE_TEST_SUITE_P(Accumulations, OptimizerKillRestartTest,
+                         ::testing::Values(DwAccumulation::kDirect, DwAccumulation::kDeferred),
+                         [](const auto& info) { return AccumulationName(info.param); });
+
 // Periodic checkpoints every 5 ms and three kills at seeded random moments (a random event, then
 // a random delay of up to 2 ms while the trainer goes on), so that they land anywhere: inside a
 // step, an apply or a checkpoint write. Whatever the cut, the result is exact.
-class OptimizerRandomKillTest : public OptimizerKillRestartTest,
-                                public ::testing::WithParamInterface<int> {};
+class OptimizerRandomKillTest
+    : public OptimizerKillRestartBase,
+      public ::testing::WithParamInterface<std::tuple<int, DwAccumulation>> {
+ protected:
+  OptimizerRandomKillTest() : OptimizerKillRestartBase(std::get<1>(GetParam())) {}
+};
 
 TEST_P(OptimizerRandomKillTest, ResultIsExact) {
   checkpoint_interval_ = "--checkpoint_interval=5ms";
   ASSERT_NO_FATAL_FAILURE(StartServer());
   OptimizerTrainer trainer(kConfig);
+  const int seed = std::get<0>(GetParam());
   // The run has 5 x (4 answers + 3 apply events) + 4 answers = 39 events.
-  RandomKills kills(static_cast<uint32_t>(GetParam()), /*window=*/12, /*max_delay_us=*/2000);
+  RandomKills kills(static_cast<uint32_t>(seed), /*window=*/12, /*max_delay_us=*/2000);
   Hook hook = [&](const Event&) -> absl::Status {
     if (kills.MaybeKill(process_.get(), killer_)) ++kills_;
     return absl::OkStatus();
@@ -333,10 +376,17 @@ TEST_P(OptimizerRandomKillTest, ResultIsExact) {
   ASSERT_NO_FATAL_FAILURE(RunToEnd(trainer, hook));
   EXPECT_GE(kills_, 1);
   ExpectEqualsReference(trainer,
-                        "random kills, checkpoints every 5 ms, seed " + std::to_string(GetParam()));
+                        "random kills, checkpoints every 5 ms, seed " + std::to_string(seed));
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, OptimizerRandomKillTest, ::testing::Values(11, 12, 13));
+INSTANTIATE_TEST_SUITE_P(Seeds, OptimizerRandomKillTest,
+                         ::testing::Combine(::testing::Values(11, 12, 13),
+                                            ::testing::Values(DwAccumulation::kDirect,
+                                                              DwAccumulation::kDeferred)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, DwAccumulation>>& info) {
+                           return absl::StrCat(std::get<0>(info.param), "_",
+                                               AccumulationName(std::get<1>(info.param)));
+                         });
 
 }  // namespace
 }  // namespace losshead::testing

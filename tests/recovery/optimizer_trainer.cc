@@ -73,7 +73,10 @@ absl::Status OptimizerTrainer::Apply(client::Client& client, int step, const Hoo
   if (r->replayed()) ++apply_replays_;
   r->set_replayed(false);
   auto [it, first] = applies_.emplace(key, *r);
-  if (!first && it->second.SerializeAsString() != r->SerializeAsString()) ++mismatched_applies_;
+  if (!first) {
+    if (it->second.SerializeAsString() != r->SerializeAsString()) ++mismatched_applies_;
+    later_applies_.emplace_back(key, *r);
+  }
   last_answered_key_ = key;
   // Each apply steps exactly once, over exactly its step's micro-batches.
   if (r->optimizer_step() != key || r->weights_version() != key + 2 ||

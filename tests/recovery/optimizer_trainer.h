@@ -21,6 +21,8 @@
 
 #include <cstdint>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -72,8 +74,13 @@ class OptimizerTrainer {
   // Applies answered to the trainer that a restarted server turned out not to hold (the crash
   // came before a checkpoint did), counted once per crash that lost them.
   int lost_applies() const { return lost_applies_; }
-  // Answers that differed from the first answer of their key (must stay 0).
+  // Answers that differed from the first answer of their key (must stay 0 where dW is
+  // accumulated directly; see DwAccumulation).
   int mismatched_applies() const { return mismatched_applies_; }
+  // Every answer after a key's first, replayed cleared, in arrival order.
+  const std::vector<std::pair<uint64_t, v1::ApplyOptimizerResponse>>& later_applies() const {
+    return later_applies_;
+  }
 
  private:
   absl::Status EnsureHead(client::Client& client, v1::HeadInfo* info);
@@ -82,6 +89,7 @@ class OptimizerTrainer {
   const OptimizerTrainConfig config_;
   MicrobatchSender sender_;
   std::map<uint64_t, v1::ApplyOptimizerResponse> applies_;
+  std::vector<std::pair<uint64_t, v1::ApplyOptimizerResponse>> later_applies_;
   std::map<uint64_t, int> apply_sent_;
   uint64_t last_answered_key_ = 0;  // of the last answer, whichever key that was
   int apply_sends_ = 0;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "gtest/gtest.h"
 
 namespace losshead::testing {
 
@@ -16,8 +17,11 @@ std::string RecoveryTempDir() {
   return dir == nullptr ? "" : std::string(dir);
 }
 
-std::vector<std::string> AccumulationFlags(DwAccumulation mode, uint64_t stash_bytes) {
+std::vector<std::string> AccumulationFlags(DwAccumulation mode, int64_t vocab, int64_t hidden,
+                                           int64_t tokens) {
   if (mode == DwAccumulation::kDirect) return {kBitExactFlag};
+  const int64_t stash_bytes =
+      (vocab + hidden) * static_cast<int64_t>(sizeof(float)) * tokens * 5 / 2;
   return {absl::StrCat("--grad_stash_bytes=", stash_bytes), "--grad_stash_idle=2ms"};
 }
 
@@ -31,6 +35,14 @@ std::unique_ptr<client::Client> ConnectToServer(const ServerProcess& process) {
   options.stream_deadline = absl::Seconds(120);
   auto c = client::Client::Connect(process.target(), options);
   return c.ok() ? std::move(*c) : nullptr;
+}
+
+uint64_t HeadWorkspaceBytes(client::Client& client, const std::string& head) {
+  absl::StatusOr<v1::HeadInfo> info = client.GetHead(head);
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return 0;
+  EXPECT_EQ(info->device_memory_size(), 1);
+  return info->device_memory_size() == 1 ? info->device_memory(0).workspace_bytes() : 0;
 }
 
 RandomKills::RandomKills(uint32_t seed, int window, int max_delay_us)

@@ -25,8 +25,11 @@ enum class DwAccumulation {
   // that happens, so a run cut by kills equals the fault-free one up to summation order.
   kDeferred,
 };
-// The server flags for `mode`; `stash_bytes` sizes a deferred stash.
-std::vector<std::string> AccumulationFlags(DwAccumulation mode, uint64_t stash_bytes);
+// The server flags for `mode`, for a V x D head stepped with micro-batches of `tokens` tokens. A
+// deferred stash holds two and a half of them (the CPU backend's fp32 G and H), so that it fills
+// and is flushed twice per step of six, besides the idle flushes and the cuts.
+std::vector<std::string> AccumulationFlags(DwAccumulation mode, int64_t vocab, int64_t hidden,
+                                           int64_t tokens);
 const char* AccumulationName(DwAccumulation mode);
 
 // The direct accumulation's flag, for the tests that compare with one fault-free run.
@@ -36,6 +39,10 @@ inline constexpr char kBitExactFlag[] = "--grad_stash_bytes=0";
 std::string RecoveryTempDir();
 // A client of `process` (unary calls 30 s, streams 120 s); null when it cannot connect.
 std::unique_ptr<client::Client> ConnectToServer(const ServerProcess& process);
+
+// The workspace bytes of `head`, on one device (kernel workspace, micro-batch buffers and any
+// stash); 0 and a test failure when they cannot be read.
+uint64_t HeadWorkspaceBytes(client::Client& client, const std::string& head);
 
 // Three kills at seeded random moments: after a random event in each of three consecutive windows
 // of `window` events, and then after a random delay of up to `max_delay_us` while the run goes
