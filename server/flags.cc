@@ -28,8 +28,9 @@ ABSL_FLAG(uint64_t, grad_stash_bytes, uint64_t{4} << 30,
           "Deferred dW: device memory per head and device where counted micro-batches leave their "
           "part of dW, answered without the dW GEMM and added to dW together later (when the "
           "stash is full, the device idle, or a pull, optimizer step or checkpoint reads dW). "
-          "Allocated at the first micro-batch; 0 or a device without the memory: each micro-batch "
-          "adds to dW as it runs. Replicated heads only");
+          "Allocated at the first micro-batch, and given back (added to dW first) when a new head, "
+          "an optimizer or a micro-batch needs its memory; 0 or a device without the "
+          "memory: each micro-batch adds to dW as it runs. Replicated heads only");
 ABSL_FLAG(absl::Duration, grad_stash_idle, absl::Milliseconds(2),
           "A device with nothing queued for this long adds its stash to dW; 'inf': only when the "
           "stash is full or dW is read (dW then has the same bits on every rerun of one stream)");

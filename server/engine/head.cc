@@ -171,6 +171,22 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> Head::PlaceOn(
   return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype, layout);
 }
 
+std::vector<Head::DeviceFootprint> Head::Footprint(const v1::HeadSpec& spec, int k) {
+  const kernels::DType dtype = *FloatDType(spec.weight_dtype(), "weight_dtype");
+  const uint64_t v = spec.vocab_size();
+  const uint64_t d = spec.hidden_size();
+  const bool sharded = spec.placement().kind() == v1::PLACEMENT_SHARDED;
+  std::vector<DeviceFootprint> out;
+  for (int r = 0; r < k; ++r) {
+    // Each device owns its rows of the optimizer (ZeRO-1); a replica holds all of W and dW.
+    const uint64_t rows = kernels::ShardRange(static_cast<int64_t>(v), k, r).size();
+    const uint64_t held = sharded ? rows : v;
+    out.push_back({.tensors = held * d * (kernels::DTypeSize(dtype) + sizeof(float)),
+                   .optimizer = OptimizerBytes(spec.optimizer(), dtype, rows * d).total()});
+  }
+  return out;
+}
+
 absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* const> devices,
                                                    const v1::HeadSpec& spec,
                                                    const HeadOptions& options) {
@@ -185,21 +201,16 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* c
   }
   LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group, PlaceOn(devices, spec, dtype));
   // Admission: refuse a head whose tensors cannot all fit before allocating any of them (an
-  // optimizer's state is several times W). Each device holds W and its dW (a shard: its rows of
-  // them) and the optimizer's state of its rows. A backend that cannot tell (total 0) is not
-  // checked.
+  // optimizer's state is several times W). A backend that cannot tell (total 0) is not checked.
+  const std::vector<DeviceFootprint> footprint = Footprint(spec, group->size());
   for (const auto& replica : group->replicas()) {
-    const uint64_t rows = replica->rows.size();
-    const OptimizerFootprint optimizer = OptimizerBytes(spec.optimizer(), dtype, rows * d);
-    const uint64_t held = static_cast<uint64_t>(group->DeviceRows(*replica));
-    const uint64_t needed =
-        held * d * (kernels::DTypeSize(dtype) + sizeof(float)) + optimizer.total();
+    const DeviceFootprint& needed = footprint[replica->rank];
     const kernels::MemoryInfo memory = replica->backend.memory_info();
-    if (memory.total_bytes > 0 && needed > memory.free_bytes) {
+    if (memory.total_bytes > 0 && needed.total() > memory.free_bytes) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("a ", v, " x ", d, " head needs ", needed, " bytes on ",
+          absl::StrCat("a ", v, " x ", d, " head needs ", needed.total(), " bytes on ",
                        replica->backend.device_description(), " (W, dW and the optimizer's ",
-                       optimizer.total(), ") but the device has ", memory.free_bytes, " free"));
+                       needed.optimizer, ") but the device has ", memory.free_bytes, " free"));
     }
   }
   std::shared_ptr<Head> head(new Head(std::move(group), spec, dtype, options));

@@ -151,6 +151,17 @@ class Head {
   // one device, the number asked for a replicated or sharded head (0: all of them).
   static int PlacementDevices(const v1::Placement& placement, int available);
 
+  // What a head of `spec` (valid, and not too large to allocate: Create's first checks) holds on
+  // each of k devices, in rank order: W and dW (a shard: its rows of them), and the optimizer's
+  // master weights and state of the rows the device owns. Create refuses a head that does not
+  // fit the devices' free memory.
+  struct DeviceFootprint {
+    uint64_t tensors = 0;
+    uint64_t optimizer = 0;
+    uint64_t total() const { return tensors + optimizer; }
+  };
+  static std::vector<DeviceFootprint> Footprint(const v1::HeadSpec& spec, int k);
+
   // Replaces the default loss options (validated: INVALID_ARGUMENT).
   absl::Status SetDefaultOptions(const v1::LossOptions& options);
 
@@ -230,12 +241,27 @@ class Head {
   kernels::DType dtype() const { return dtype_; }
   // Devices holding the head (its replicas).
   int device_count() const { return group_->size(); }
+  // Those devices, in rank order.
+  std::vector<kernels::Backend*> devices() const {
+    std::vector<kernels::Backend*> out;
+    for (const auto& r : group_->replicas()) out.push_back(&r->backend);
+    return out;
+  }
   // Device bytes over every replica.
   size_t weights_bytes() const;
   size_t gradient_bytes() const;
   size_t workspace_bytes() const;
   OptimizerFootprint optimizer_bytes() const;
   uint64_t weights_version() const;
+  // Device bytes of this head's deferred-dW stashes on `device`.
+  size_t StashBytes(const kernels::Backend* device) const;
+  // Gives those stashes' memory back, so that a buffer that only speeds micro-batches up never
+  // stands in the way of memory that something needs: a new head, an optimizer's state, a
+  // micro-batch's buffers. Each stash is added to dW first (nothing counted is lost), and the
+  // head adds to dW directly on that device from then on. Both take the compute locks of the
+  // replicas on `device`, one at a time. Returns the bytes given back.
+  size_t ReleaseStashes(const kernels::Backend* device);
+
   // What the head holds on each of its devices, in rank order (HeadInfo.device_memory).
   struct DeviceShare {
     const kernels::Backend* device = nullptr;
@@ -281,9 +307,12 @@ class Head {
   // use), or no stash (the run adds to dW itself) when deferral is off for this head or device,
   // or the micro-batch is larger than the stash.
   absl::StatusOr<kernels::GradStash> StashFor(Replica& replica, const kernels::Problem& problem);
-  // Grows `buffer` on `replica` (which the caller owns exclusively: under its compute lock or in
-  // its I/O slot).
-  absl::Status EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes);
+  // Grows `buffer` on `replica` (which the caller owns exclusively: under its compute lock, as
+  // `compute_locked` says, or in its I/O slot). When the device is full and the replica's stash
+  // holds enough to make room, the stash gives way (ReleaseStash) and the allocation is tried
+  // once more.
+  absl::Status EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes,
+                            bool compute_locked);
   // Grows `slot`'s staging buffer; false where the backend needs none (copy directly).
   absl::StatusOr<bool> EnsureStaging(Replica& replica, kernels::HostBuffer& buffer, size_t bytes);
   // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised), with room

@@ -80,6 +80,13 @@ absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& s
     creating_.insert(spec.name());
   }
   absl::StatusOr<std::vector<kernels::Backend*>> devices = Place(spec.placement());
+  if (devices.ok()) {
+    std::vector<uint64_t> needed;
+    for (const Head::DeviceFootprint& f : Head::Footprint(spec, devices->size())) {
+      needed.push_back(f.total());
+    }
+    MakeRoom(*devices, needed);
+  }
   absl::StatusOr<std::shared_ptr<Head>> head =
       devices.ok() ? Head::Create(*devices, spec, options_) : devices.status();
   absl::MutexLock lock(&mu_);
@@ -95,8 +102,29 @@ absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::SetOptimizer(
   v1::HeadSpec spec = head->Info().spec();
   *spec.mutable_optimizer() = optimizer;
   LOSSHEAD_RETURN_IF_ERROR(CheckHeadBytes(spec));
+  // The new optimizer's buffers are allocated while the old one's still stand.
+  const std::vector<kernels::Backend*> devices = head->devices();
+  std::vector<uint64_t> needed;
+  for (const Head::DeviceFootprint& f : Head::Footprint(spec, devices.size())) {
+    needed.push_back(f.optimizer);
+  }
+  MakeRoom(devices, needed);
   LOSSHEAD_RETURN_IF_ERROR(head->SetOptimizer(optimizer));
   return head;
+}
+
+void HeadRegistry::MakeRoom(std::span<kernels::Backend* const> devices,
+                            const std::vector<uint64_t>& needed) const {
+  const std::vector<std::shared_ptr<Head>> heads = List();
+  for (size_t r = 0; r < devices.size(); ++r) {
+    const kernels::MemoryInfo memory = devices[r]->memory_info();
+    if (memory.total_bytes == 0 || needed[r] <= memory.free_bytes) continue;
+    uint64_t stashed = 0;
+    for (const std::shared_ptr<Head>& head : heads) stashed += head->StashBytes(devices[r]);
+    // Only where that makes room: a request that would not fit even so leaves the stashes be.
+    if (stashed == 0 || needed[r] > memory.free_bytes + stashed) continue;
+    for (const std::shared_ptr<Head>& head : heads) head->ReleaseStashes(devices[r]);
+  }
 }
 
 absl::Status HeadRegistry::Adopt(std::shared_ptr<Head> head) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,11 +45,13 @@ class HeadRegistry {
   // INVALID_ARGUMENT for a bad spec, one above limits.max_head_bytes or a placement on more
   // devices than the server has, ALREADY_EXISTS for a taken name (also while another create of
   // the same name is allocating), RESOURCE_EXHAUSTED when limits.max_heads are there or the
-  // device memory does not suffice. Limits are checked before anything is allocated.
-  // Allocation and initialisation run in the caller's thread, outside the registry's lock.
+  // device memory does not suffice, counting the heads' deferred-dW stashes there as free
+  // (MakeRoom). Limits are checked before anything is allocated. Allocation and initialisation
+  // run in the caller's thread, outside the registry's lock.
   absl::StatusOr<std::shared_ptr<Head>> Create(const v1::HeadSpec& spec);
   // Head::SetOptimizer on `name` after the same max_head_bytes check as Create (INVALID_ARGUMENT);
-  // NOT_FOUND for an unknown name. Returns the head.
+  // NOT_FOUND for an unknown name. The stashes on the head's devices make room for the
+  // optimizer's buffers as for Create. Returns the head.
   absl::StatusOr<std::shared_ptr<Head>> SetOptimizer(const std::string& name,
                                                      const v1::OptimizerSpec& optimizer);
   // Registers a head built elsewhere (a restored checkpoint); ALREADY_EXISTS for a taken name.
@@ -70,6 +73,11 @@ class HeadRegistry {
                                                        bool at_most = false) const;
 
  private:
+  // Deferred-dW stashes only speed micro-batches up: on each device r of `devices` where
+  // needed[r] bytes are not free but would be without the heads' stashes there, those stashes
+  // are given back (Head::ReleaseStashes).
+  void MakeRoom(std::span<kernels::Backend* const> devices,
+                const std::vector<uint64_t>& needed) const;
   // INVALID_ARGUMENT when a head of `spec` would exceed limits_.max_head_bytes.
   absl::Status CheckHeadBytes(const v1::HeadSpec& spec) const;
 

@@ -128,6 +128,15 @@ std::vector<kernels::Stream*> ReplicaGroup::Streams() const {
   return streams;
 }
 
+size_t ReplicaGroup::ReleaseStash(Replica& r) {
+  FlushStash(r).IgnoreError();  // kept in stash_fault: the next cut answers it
+  r.stash_capacity = -1;
+  const size_t bytes = r.stash.bytes();
+  r.stash.Reset();
+  r.scratch_bytes -= bytes;
+  return bytes;
+}
+
 absl::Status ReplicaGroup::ReduceGradientToOwners() {
   absl::Status fault;
   for (const auto& r : replicas_) {

@@ -80,8 +80,9 @@ struct Replica {
 
   // Deferred dW (kernels/grad_stash.h): counted micro-batches whose G and H wait here to be added
   // to `grad` (ReplicaGroup::FlushStash). stash_capacity is 0 until the first micro-batch sizes
-  // the stash, and -1 where this device has none (not enabled, no such backend call, or no
-  // memory for it): micro-batches then add to dW as they run.
+  // the stash, and -1 where this device has none (not enabled, no such backend call, no memory
+  // for it, or given back to memory that something else needed: ReleaseStash): micro-batches
+  // then add to dW as they run.
   kernels::DeviceBuffer stash ABSL_GUARDED_BY(compute_mu);
   int64_t stash_capacity ABSL_GUARDED_BY(compute_mu) = 0;
   int64_t stash_tokens ABSL_GUARDED_BY(compute_mu) = 0;
@@ -133,6 +134,11 @@ class ReplicaGroup {
   // the stash emptied; waits for the GEMM. DATA_LOSS (and stash_fault set) when the device
   // fails: the stashed tokens are counted in the window but missing from dW.
   absl::Status FlushStash(Replica& replica);
+
+  // Under the replica's compute lock. Its stash flushed (FlushStash: a failure is kept as
+  // stash_fault for the next cut) and freed for good: micro-batches on this replica add to dW as
+  // they run from then on. Returns the bytes freed (0 where it had none).
+  size_t ReleaseStash(Replica& replica);
 
   int size() const { return static_cast<int>(replicas_.size()); }
   bool sharded() const { return layout_ == Layout::kSharded; }

@@ -36,9 +36,10 @@ absl::Status Head::PrepareShards(ShardRun& run) {
   const int64_t stats_floats = int64_t{k} * kernels::kShardStats * run.chunk_rows;
   const int64_t partial_floats = run.grad_hidden ? run.chunk_rows * hidden_size() : 0;
   for (const auto& r : group_->replicas()) {
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(*r, r->workspace, run.workspace_bytes[r->rank]));
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(*r, r->shard_stats, stats_floats * sizeof(float)));
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(*r, r->shard_partial, partial_floats * sizeof(float)));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(*r, r->workspace, run.workspace_bytes[r->rank], true));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(*r, r->shard_stats, stats_floats * sizeof(float), true));
+    LOSSHEAD_RETURN_IF_ERROR(
+        EnsureBuffer(*r, r->shard_partial, partial_floats * sizeof(float), true));
   }
   return absl::OkStatus();
 }

@@ -3,6 +3,7 @@
 // counters together), is staged out, and completes its idempotency claim (or fails it when the
 // device fails once the run has begun, or abandons it when nothing was touched).
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -31,6 +32,14 @@ using head_internal::AsResourceExhausted;
 using head_internal::Convert;
 
 namespace {
+
+void ReportReleasedStash(const std::string& head, size_t bytes) {
+  std::fprintf(stderr,
+               "losshead-server: head '%s' gave its deferred-dW stash (%zu bytes) back for memory "
+               "that something else needed; its micro-batches add to dW directly from now on (a "
+               "smaller --grad_stash_bytes keeps a stash)\n",
+               head.c_str(), bytes);
+}
 
 // A micro-batch as errors name it.
 std::string KeyOf(const std::string& client_id, uint64_t sequence) {
@@ -228,11 +237,23 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
   return outcome;
 }
 
-absl::Status Head::EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes) {
+absl::Status Head::EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes,
+                                bool compute_locked) {
   if (buffer.bytes() >= bytes) return absl::OkStatus();
   const size_t old = buffer.bytes();
   buffer.Reset();  // free first: the old and new buffer need not fit together
   auto fresh = replica.backend.Allocate(bytes);
+  if (absl::IsResourceExhausted(fresh.status())) {
+    std::optional<absl::MutexLock> lock;
+    if (!compute_locked) lock.emplace(&replica.compute_mu);
+    const size_t stashed = replica.stash.bytes();
+    const kernels::MemoryInfo memory = replica.backend.memory_info();
+    // Only where that makes room: a buffer that would not fit even so leaves the stash be.
+    if (stashed > 0 && (memory.total_bytes == 0 || bytes <= memory.free_bytes + stashed)) {
+      ReportReleasedStash(name(), group_->ReleaseStash(replica));
+      fresh = replica.backend.Allocate(bytes);
+    }
+  }
   if (!fresh.ok()) {
     replica.scratch_bytes -= old;
     return AsResourceExhausted(fresh.status(), "micro-batch buffers");
@@ -254,7 +275,10 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
                                      : absl::UnimplementedError("off");
     absl::StatusOr<size_t> two = one.ok() ? backend.GradStashBytes(problem, 2) : one;
     if (two.ok() && *one <= budget) {
+      // Estimated from the first token's cost, then settled exactly (alignment padding makes
+      // the estimate a little off either way).
       int64_t capacity = static_cast<int64_t>((budget - *one) / (*two - *one)) + 1;
+      while (*backend.GradStashBytes(problem, capacity + 1) <= budget) ++capacity;
       while (capacity > 1 && *backend.GradStashBytes(problem, capacity) > budget) --capacity;
       const size_t bytes = *backend.GradStashBytes(problem, capacity);
       // A device short of memory runs without a stash, as before one existed.
@@ -273,6 +297,27 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
   return kernels::GradStash{.data = replica.stash.data(),
                             .capacity = replica.stash_capacity,
                             .tokens = replica.stash_tokens};
+}
+
+size_t Head::StashBytes(const kernels::Backend* device) const {
+  size_t bytes = 0;
+  for (const auto& r : group_->replicas()) {
+    if (&r->backend != device) continue;
+    absl::MutexLock lock(&r->compute_mu);
+    bytes += r->stash.bytes();
+  }
+  return bytes;
+}
+
+size_t Head::ReleaseStashes(const kernels::Backend* device) {
+  size_t released = 0;
+  for (const auto& r : group_->replicas()) {
+    if (&r->backend != device) continue;
+    absl::MutexLock lock(&r->compute_mu);
+    released += group_->ReleaseStash(*r);
+  }
+  if (released > 0) ReportReleasedStash(name(), released);
+  return released;
 }
 
 absl::StatusOr<bool> Head::EnsureStaging(Replica& replica, kernels::HostBuffer& buffer,
@@ -294,14 +339,16 @@ absl::Status Head::StageIn(const Prepared& p, Replica& replica, IoSlot& slot, bo
   if (slot.copies == nullptr) {
     LOSSHEAD_ASSIGN_OR_RETURN(slot.copies, backend.CreateStream());
   }
-  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.hidden, hidden_bytes));
-  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.targets, targets_bytes));
-  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.scalars, 16));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.hidden, hidden_bytes, false));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.targets, targets_bytes, false));
+  LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.scalars, 16, false));
   const bool grad_hidden = outputs && p.want_grad_hidden;
   const bool per_token = outputs && p.want_per_token;
-  if (grad_hidden) LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.grad_hidden, hidden_bytes));
+  if (grad_hidden) {
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.grad_hidden, hidden_bytes, false));
+  }
   if (per_token) {
-    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.per_token, n * sizeof(float)));
+    LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, slot.per_token, n * sizeof(float), false));
   }
   // The larger of the two directions: the buffer serves the copies in, then the copies out.
   const size_t out_bytes = (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0);
@@ -442,7 +489,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
       LOSSHEAD_ASSIGN_OR_RETURN(
           const size_t ws_bytes,
           replica.backend.WorkspaceBytes(p.problem, options_.workspace_budget_bytes));
-      LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, replica.workspace, ws_bytes));
+      LOSSHEAD_RETURN_IF_ERROR(EnsureBuffer(replica, replica.workspace, ws_bytes, true));
 
       kernels::Arguments args;
       args.hidden = slot.hidden.data();

@@ -9,8 +9,12 @@
 #include <string>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "losshead/kernels/backend.h"
 
 namespace losshead::server::testing {
@@ -19,7 +23,8 @@ namespace losshead::server::testing {
 // than the 16 bytes of scalars read under the compute lock), the next run (after it has added to
 // dW, as a device that fails midway would), the next copy to the device, or the next flush of a
 // gradient stash (before it adds anything, so that dW's content is known). It counts runs and the
-// flushes that add tokens.
+// flushes that add tokens. With a memory limit it is a device of that size: allocations beyond it
+// fail (RESOURCE_EXHAUSTED) and memory_info reports what is left.
 class FaultyBackend : public kernels::Backend {
  public:
   explicit FaultyBackend(std::unique_ptr<kernels::Backend> inner) : inner_(std::move(inner)) {}
@@ -31,9 +36,24 @@ class FaultyBackend : public kernels::Backend {
   std::atomic<int> runs{0};
   std::atomic<int> flushes{0};
 
+  // Device memory of `bytes` from now on; buffers allocated before do not count.
+  void LimitMemory(size_t bytes) {
+    absl::MutexLock lock(&memory_mu_);
+    limit_ = bytes;
+  }
+  // Bytes allocated under the limit and not yet freed.
+  size_t allocated() const {
+    absl::MutexLock lock(&memory_mu_);
+    return allocated_;
+  }
+
   absl::string_view name() const override { return inner_->name(); }
   std::string device_description() const override { return inner_->device_description(); }
-  kernels::MemoryInfo memory_info() const override { return inner_->memory_info(); }
+  kernels::MemoryInfo memory_info() const override {
+    absl::MutexLock lock(&memory_mu_);
+    if (limit_ == 0) return inner_->memory_info();
+    return {.total_bytes = limit_, .free_bytes = limit_ - allocated_};
+  }
   absl::Status CanImplement(const kernels::Problem& p) const override {
     return inner_->CanImplement(p);
   }
@@ -100,7 +120,20 @@ class FaultyBackend : public kernels::Backend {
     return inner_->OptimizerStep(problem, tensors, stream);
   }
   absl::StatusOr<kernels::DeviceBuffer> Allocate(size_t bytes) override {
-    return inner_->Allocate(bytes);  // owned (and freed) by the inner backend
+    absl::MutexLock lock(&memory_mu_);
+    // Without a limit the inner backend owns (and frees) the buffer.
+    if (limit_ == 0 || bytes == 0) return inner_->Allocate(bytes);
+    if (bytes > limit_ - allocated_) {
+      return absl::ResourceExhaustedError(absl::StrCat("injected: ", bytes,
+                                                       " bytes do not fit: ", limit_ - allocated_,
+                                                       " of ", limit_, " are free"));
+    }
+    absl::StatusOr<kernels::DeviceBuffer> inner = inner_->Allocate(bytes);
+    if (!inner.ok()) return inner.status();
+    void* data = inner->data();
+    allocated_ += bytes;
+    held_.emplace(data, std::move(*inner));
+    return kernels::DeviceBuffer(this, data, bytes);
   }
   absl::StatusOr<std::unique_ptr<kernels::Stream>> CreateStream() override {
     return inner_->CreateStream();
@@ -127,10 +160,21 @@ class FaultyBackend : public kernels::Backend {
   }
 
  protected:
-  void Free(void*) override {}  // every buffer belongs to the inner backend
+  // Buffers allocated under a limit: the inner one goes with it.
+  void Free(void* data) override {
+    absl::MutexLock lock(&memory_mu_);
+    auto it = held_.find(data);
+    if (it == held_.end()) return;
+    allocated_ -= it->second.bytes();
+    held_.erase(it);
+  }
 
  private:
   std::unique_ptr<kernels::Backend> inner_;
+  mutable absl::Mutex memory_mu_;
+  size_t limit_ ABSL_GUARDED_BY(memory_mu_) = 0;
+  size_t allocated_ ABSL_GUARDED_BY(memory_mu_) = 0;
+  absl::flat_hash_map<void*, kernels::DeviceBuffer> held_ ABSL_GUARDED_BY(memory_mu_);
 };
 
 }  // namespace losshead::server::testing
