@@ -258,9 +258,12 @@ class Head {
   // Gives those stashes' memory back, so that a buffer that only speeds micro-batches up never
   // stands in the way of memory that something needs: a new head, an optimizer's state, a
   // micro-batch's buffers. Each stash is added to dW first (nothing counted is lost), and the
-  // head adds to dW directly on that device from then on. Both take the compute locks of the
+  // head adds to dW directly on that device until RetryStashes. Both take the compute locks of the
   // replicas on `device`, one at a time. Returns the bytes given back.
   size_t ReleaseStashes(const kernels::Backend* device);
+  // After memory on `device` was freed: the stashes there that are off for want of memory
+  // (given back, or never fitted) are tried again at their next micro-batch.
+  void RetryStashes(const kernels::Backend* device);
 
   // What the head holds on each of its devices, in rank order (HeadInfo.device_memory).
   struct DeviceShare {

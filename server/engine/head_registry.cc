@@ -165,6 +165,12 @@ absl::Status HeadRegistry::Delete(const std::string& name) {
     doomed = std::move(it->second);
     heads_.erase(it);
   }
+  // Its memory is free now, unless work still holds it: stashes that gave way try again.
+  const std::vector<kernels::Backend*> freed = doomed->devices();
+  doomed.reset();
+  for (const std::shared_ptr<Head>& head : List()) {
+    for (const kernels::Backend* device : freed) head->RetryStashes(device);
+  }
   return absl::OkStatus();
 }
 

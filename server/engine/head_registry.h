@@ -61,6 +61,7 @@ class HeadRegistry {
   // Sorted by name.
   std::vector<std::shared_ptr<Head>> List() const;
   // Removes the name at once; the head's memory is freed when the work still holding it ends.
+  // The other heads' stashes that gave way on its devices are tried again (Head::RetryStashes).
   absl::Status Delete(const std::string& name);
   size_t size() const;
   const HeadOptions& head_options() const { return options_; }

@@ -130,6 +130,7 @@ std::vector<kernels::Stream*> ReplicaGroup::Streams() const {
 
 size_t ReplicaGroup::ReleaseStash(Replica& r) {
   FlushStash(r).IgnoreError();  // kept in stash_fault: the next cut answers it
+  r.stash_wanted = r.stash_wanted || r.stash_capacity != -1;
   r.stash_capacity = -1;
   const size_t bytes = r.stash.bytes();
   r.stash.Reset();

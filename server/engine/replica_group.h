@@ -85,6 +85,9 @@ struct Replica {
   // then add to dW as they run.
   kernels::DeviceBuffer stash ABSL_GUARDED_BY(compute_mu);
   int64_t stash_capacity ABSL_GUARDED_BY(compute_mu) = 0;
+  // -1 for want of memory only (the stash did not fit, or gave way): sized again at the next
+  // micro-batch once a deleted head has freed memory on this device (Head::RetryStashes).
+  bool stash_wanted ABSL_GUARDED_BY(compute_mu) = false;
   int64_t stash_tokens ABSL_GUARDED_BY(compute_mu) = 0;
   // A flush that failed since the last cut: its tokens are counted but not in dW. The next cut
   // answers it (DATA_LOSS) and clears it.
@@ -136,8 +139,8 @@ class ReplicaGroup {
   absl::Status FlushStash(Replica& replica);
 
   // Under the replica's compute lock. Its stash flushed (FlushStash: a failure is kept as
-  // stash_fault for the next cut) and freed for good: micro-batches on this replica add to dW as
-  // they run from then on. Returns the bytes freed (0 where it had none).
+  // stash_fault for the next cut) and freed: micro-batches on this replica add to dW as they run
+  // until memory frees (stash_wanted). Returns the bytes freed (0 where it had none).
   size_t ReleaseStash(Replica& replica);
 
   int size() const { return static_cast<int>(replicas_.size()); }

@@ -36,8 +36,8 @@ namespace {
 void ReportReleasedStash(const std::string& head, size_t bytes) {
   std::fprintf(stderr,
                "losshead-server: head '%s' gave its deferred-dW stash (%zu bytes) back for memory "
-               "that something else needed; its micro-batches add to dW directly from now on (a "
-               "smaller --grad_stash_bytes keeps a stash)\n",
+               "that something else needed; its micro-batches add to dW directly until a deleted "
+               "head frees memory there (a smaller --grad_stash_bytes keeps a stash)\n",
                head.c_str(), bytes);
 }
 
@@ -287,6 +287,8 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
         replica.stash = std::move(*stash);
         replica.stash_capacity = capacity;
         replica.scratch_bytes += bytes;
+      } else {
+        replica.stash_wanted = true;
       }
     }
   }
@@ -307,6 +309,15 @@ size_t Head::StashBytes(const kernels::Backend* device) const {
     bytes += r->stash.bytes();
   }
   return bytes;
+}
+
+void Head::RetryStashes(const kernels::Backend* device) {
+  for (const auto& r : group_->replicas()) {
+    if (&r->backend != device) continue;
+    absl::MutexLock lock(&r->compute_mu);
+    if (!std::exchange(r->stash_wanted, false)) continue;
+    r->stash_capacity = 0;  // sized at the next micro-batch
+  }
 }
 
 size_t Head::ReleaseStashes(const kernels::Backend* device) {

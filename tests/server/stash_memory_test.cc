@@ -1,8 +1,8 @@
 // The deferred-dW stash only speeds micro-batches up, so it never stands in the way of memory
 // something needs: a new head, an optimizer's state, a larger micro-batch's buffers. On a device
 // that is full, the stash is added to dW and freed, nothing counted is lost, and the head adds to
-// dW directly from then on; what does not fit even so is refused and changes nothing. A CPU
-// backend with a memory limit stands in for the device.
+// dW directly until a deleted head frees memory there; what does not fit even so is refused and
+// changes nothing. A CPU backend with a memory limit stands in for the device.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -146,7 +146,16 @@ TEST(StashMemoryTest, ANewHeadThatNeedsTheMemoryGetsTheOtherHeadsStash) {
   EXPECT_EQ((*a)->workspace_bytes(), workspace - stash);
   ExpectWindow(**a, w, samples, "a's dW after more micro-batches");
 
-  EXPECT_EQ(registry.size(), 2u);
+  // Once b is deleted, a takes a stash again at its next micro-batch.
+  b->reset();
+  ASSERT_TRUE(registry.Delete("b").ok());
+  EXPECT_EQ((*a)->workspace_bytes(), workspace - stash);
+  samples.push_back(Micro("a", 5, 5));
+  ASSERT_TRUE(StepOnce(**a, samples.back()).ok());
+  EXPECT_EQ((*a)->workspace_bytes(), workspace);
+  EXPECT_EQ(device->flushes.load(), 1);
+  ExpectWindow(**a, w, samples, "a's dW with its stash back");  // the pull flushes it
+  EXPECT_EQ(device->flushes.load(), 2);
 }
 
 TEST(StashMemoryTest, AnOptimizerThatNeedsTheMemoryGetsTheStash) {
