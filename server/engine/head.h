@@ -30,6 +30,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -310,6 +311,8 @@ class Head {
   // use), or no stash (the run adds to dW itself) when deferral is off for this head or device,
   // or the micro-batch is larger than the stash.
   absl::StatusOr<kernels::GradStash> StashFor(Replica& replica, const kernels::Problem& problem);
+  // fn on each of this head's replicas on `device`, under that replica's compute lock.
+  void ForEachReplicaOn(const kernels::Backend* device, absl::FunctionRef<void(Replica&)> fn) const;
   // Grows `buffer` on `replica` (which the caller owns exclusively: under its compute lock, as
   // `compute_locked` says, or in its I/O slot). When the device is full and the replica's stash
   // holds enough to make room, the stash gives way (ReleaseStash) and the allocation is tried

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -39,6 +40,30 @@ void ReportReleasedStash(const std::string& head, size_t bytes) {
                "that something else needed; its micro-batches add to dW directly until a deleted "
                "head frees memory there (a smaller --grad_stash_bytes keeps a stash)\n",
                head.c_str(), bytes);
+}
+
+// The most tokens a gradient stash of at most `budget` bytes holds on `backend` (0: none, or the
+// backend has no stash). Its bytes grow with its capacity, alignment padding included, so a
+// bisection finds the exact largest.
+int64_t StashCapacity(const kernels::Backend& backend, const kernels::Problem& problem,
+                      size_t budget) {
+  auto fits = [&](int64_t capacity) {
+    absl::StatusOr<size_t> bytes = backend.GradStashBytes(problem, capacity);
+    return bytes.ok() && *bytes <= budget;
+  };
+  if (!fits(1)) return 0;
+  // A token stashes its v gradients and d hidden values, at least a byte each.
+  int64_t lo = 1;
+  int64_t hi = static_cast<int64_t>(budget / static_cast<size_t>(problem.v + problem.d));
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
 }
 
 // A micro-batch as errors name it.
@@ -269,17 +294,9 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
     // First use on this device: the most tokens the budget holds, or none.
     replica.stash_capacity = -1;
     kernels::Backend& backend = replica.backend;
-    const size_t budget = options_.grad_stash_bytes;
-    absl::StatusOr<size_t> one = budget > 0 && !group_->sharded()
-                                     ? backend.GradStashBytes(problem, 1)
-                                     : absl::UnimplementedError("off");
-    absl::StatusOr<size_t> two = one.ok() ? backend.GradStashBytes(problem, 2) : one;
-    if (two.ok() && *one <= budget) {
-      // Estimated from the first token's cost, then settled exactly (alignment padding makes
-      // the estimate a little off either way).
-      int64_t capacity = static_cast<int64_t>((budget - *one) / (*two - *one)) + 1;
-      while (*backend.GradStashBytes(problem, capacity + 1) <= budget) ++capacity;
-      while (capacity > 1 && *backend.GradStashBytes(problem, capacity) > budget) --capacity;
+    const int64_t capacity =
+        group_->sharded() ? 0 : StashCapacity(backend, problem, options_.grad_stash_bytes);
+    if (capacity > 0) {
       const size_t bytes = *backend.GradStashBytes(problem, capacity);
       // A device short of memory runs without a stash, as before one existed.
       absl::StatusOr<kernels::DeviceBuffer> stash = backend.Allocate(bytes);
@@ -301,32 +318,31 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
                             .tokens = replica.stash_tokens};
 }
 
-size_t Head::StashBytes(const kernels::Backend* device) const {
-  size_t bytes = 0;
+void Head::ForEachReplicaOn(const kernels::Backend* device,
+                            absl::FunctionRef<void(Replica&)> fn) const {
   for (const auto& r : group_->replicas()) {
     if (&r->backend != device) continue;
     absl::MutexLock lock(&r->compute_mu);
-    bytes += r->stash.bytes();
+    fn(*r);
   }
+}
+
+size_t Head::StashBytes(const kernels::Backend* device) const {
+  size_t bytes = 0;
+  ForEachReplicaOn(device, [&](Replica& r) { bytes += r.stash.bytes(); });
   return bytes;
 }
 
 void Head::RetryStashes(const kernels::Backend* device) {
-  for (const auto& r : group_->replicas()) {
-    if (&r->backend != device) continue;
-    absl::MutexLock lock(&r->compute_mu);
-    if (!std::exchange(r->stash_wanted, false)) continue;
-    r->stash_capacity = 0;  // sized at the next micro-batch
-  }
+  ForEachReplicaOn(device, [](Replica& r) {
+    if (std::exchange(r.stash_wanted, false))
+      r.stash_capacity = 0;  // sized at the next micro-batch
+  });
 }
 
 size_t Head::ReleaseStashes(const kernels::Backend* device) {
   size_t released = 0;
-  for (const auto& r : group_->replicas()) {
-    if (&r->backend != device) continue;
-    absl::MutexLock lock(&r->compute_mu);
-    released += group_->ReleaseStash(*r);
-  }
+  ForEachReplicaOn(device, [&](Replica& r) { released += group_->ReleaseStash(r); });
   if (released > 0) ReportReleasedStash(name(), released);
   return released;
 }
