@@ -30,7 +30,8 @@ ABSL_FLAG(uint64_t, grad_stash_bytes, uint64_t{4} << 30,
           "stash is full, the device idle, or a pull, optimizer step or checkpoint reads dW). "
           "Allocated at the first micro-batch, and given back (added to dW first) when a new head, "
           "an optimizer or a micro-batch needs its memory; 0 or a device without the "
-          "memory: each micro-batch adds to dW as it runs. Replicated heads only");
+          "memory: each micro-batch adds to dW as it runs. On every device of a replicated or "
+          "sharded head");
 ABSL_FLAG(absl::Duration, grad_stash_idle, absl::Milliseconds(2),
           "A device with nothing queued for this long adds its stash to dW; 'inf': only when the "
           "stash is full or dW is read (dW then has the same bits on every rerun of one stream)");

@@ -5,6 +5,7 @@
 //
 //   losshead_shard_bench [--n=8192] [--v=128256] [--d=4096] [--shards=1,2,4] [--runs=10]
 //                        [--budget_mib=4096] [--one_gpu] [--fp32_logits] [--no_unsharded]
+//                        [--stash=M]
 //
 // Per k: the median wall time of the whole micro-batch (all shards' streams synchronised), its
 // ratio to the unsharded call, and the device memory per GPU (W and dW rows, workspace, buffers).
@@ -15,7 +16,10 @@
 // are not the head's): the per-shard compute time a k-GPU run cannot beat, for hosts with one GPU.
 // --fp32_logits runs both the unsharded call and the shards with CudaBackendOptions::bf16_logits
 // off (the logits chunk in fp32). --no_unsharded skips the unsharded call, for a head too large
-// for one GPU (no ratios then).
+// for one GPU (no ratios then). --stash=M times M micro-batches per call, reported per
+// micro-batch, and each k twice: adding to dW as they run, and with deferred dW (each shard's
+// G and H into a stash of M micro-batches, then one flush per shard;
+// losshead/kernels/grad_stash.h).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -26,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -51,7 +56,8 @@ struct ShardState {
   kernels::ShardProblem problem;
   kernels::ShardArguments args;
   DeviceBuffer hidden, weight, targets, grad, stats, partial, workspace, grad_hidden, scalars;
-  size_t bytes = 0;  // what it holds
+  DeviceBuffer stash;  // deferred dW only
+  size_t bytes = 0;    // what it holds
 };
 
 DeviceBuffer Alloc(Backend& backend, size_t bytes, size_t* total) {
@@ -67,9 +73,11 @@ double Median(std::vector<double> v) {
 }
 
 // k shards (on GPUs 0..k-1, or all on GPU 0 with `one_gpu`), filled with the same random data
-// (the counter-based fill gives every device the same H, targets, and its rows of one W).
+// (the counter-based fill gives every device the same H, targets, and its rows of one W). With
+// stash_tokens > 0, each shard defers dW into a stash of that many tokens.
 std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, int k,
-                                   const kernels::Problem& p, size_t budget, bool one_gpu) {
+                                   const kernels::Problem& p, size_t budget, bool one_gpu,
+                                   int64_t stash_tokens) {
   std::vector<ShardState> s(k);
   int64_t chunk = p.n;
   for (int r = 0; r < k; ++r) {
@@ -112,7 +120,13 @@ std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, 
     a.hidden = st.hidden.data();
     a.weight = st.weight.data();
     a.targets = st.targets.as<int32_t>();
-    a.grad_weight = st.grad.as<float>();
+    if (stash_tokens > 0) {
+      const kernels::Problem shape = kernels::ShardStashShape(st.problem);
+      st.stash = Alloc(b, Unwrap(b.GradStashBytes(shape, stash_tokens), "stash"), &st.bytes);
+      a.grad_stash = {.data = st.stash.data(), .capacity = stash_tokens};
+    } else {
+      a.grad_weight = st.grad.as<float>();
+    }
     a.grad_hidden_partial = st.partial.as<float>();
     a.stats = st.stats.as<float>();
     a.stats_chunk_rows = chunk;
@@ -158,6 +172,25 @@ void RunSharded(std::vector<ShardState>& s, kernels::Collective* collective, int
                                                 s[0].grad_hidden.data(), *s[0].stream));
   }
   for (ShardState& st : s) BENCH_OK(st.stream->Synchronize());
+}
+
+// `m` micro-batches one after another; with stashes, each into the next rows, then one flush per
+// shard adds them all to its dW.
+void RunMicroBatches(std::vector<ShardState>& s, kernels::Collective* collective, int64_t n,
+                     int64_t d, int m) {
+  for (int i = 0; i < m; ++i) {
+    for (ShardState& st : s) st.args.grad_stash.tokens = i * n;
+    RunSharded(s, collective, n, d);
+  }
+  for (ShardState& st : s) {
+    if (st.stash.data() == nullptr) continue;
+    const kernels::GradStash all{
+        .data = st.stash.data(), .capacity = st.args.grad_stash.capacity, .tokens = m * n};
+    BENCH_OK(st.backend->FlushGradStash(kernels::ShardStashShape(st.problem), all,
+                                        st.grad.as<float>(), st.workspace.data(),
+                                        st.workspace.bytes(), *st.stream));
+    BENCH_OK(st.stream->Synchronize());
+  }
 }
 
 // The unsharded fused call's buffers on one GPU (the one-device head's Run).
@@ -231,6 +264,7 @@ int Main(int argc, char** argv) {
   bool one_gpu = false;
   kernels::CudaBackendOptions options;
   bool unsharded = true;
+  int stash = 0;  // micro-batches per timed call with deferred dW; 0: one, no deferral
   std::vector<int> shard_counts = {1, 2, 4};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -242,6 +276,7 @@ int Main(int argc, char** argv) {
     if (a == "--one_gpu") one_gpu = true;
     if (a == "--fp32_logits") options.bf16_logits = false;
     if (a == "--no_unsharded") unsharded = false;
+    if (a.rfind("--stash=", 0) == 0) stash = std::max(0, std::atoi(a.c_str() + 8));
     if (a.rfind("--shards=", 0) == 0) {
       shard_counts.clear();
       for (absl::string_view part : absl::StrSplit(a.substr(9), ',')) {
@@ -279,26 +314,36 @@ int Main(int argc, char** argv) {
   if (unsharded) {
     whole = MakeWhole(*gpus[0], p, budget);
     timed.push_back({[&] {
-      BENCH_OK(gpus[0]->Run(p, whole.args, *whole.stream));
-      BENCH_OK(whole.stream->Synchronize());
+      for (int i = 0; i < std::max(stash, 1); ++i) {
+        BENCH_OK(gpus[0]->Run(p, whole.args, *whole.stream));
+        BENCH_OK(whole.stream->Synchronize());
+      }
     }});
   }
+  const int per_call = std::max(stash, 1);
   struct Placement {
     int k;
+    bool deferred = false;
     std::vector<ShardState> shards;
     std::unique_ptr<kernels::Collective> collective;
     size_t first_timed = 0;  // its calls in `timed`: one, or with --one_gpu one per shard
   };
   std::vector<Placement> placements;
-  placements.reserve(shard_counts.size());  // the calls below hold pointers into them
+  std::vector<std::pair<int, bool>> configurations;
   for (int k : shard_counts) {
+    configurations.emplace_back(k, false);
+    if (stash > 0) configurations.emplace_back(k, true);
+  }
+  placements.reserve(configurations.size());  // the calls below hold pointers into them
+  for (const auto& [k, deferred] : configurations) {
     if (!one_gpu && k > gpus_visible) {
-      std::printf("k=%d: skipped, %d GPU(s) visible\n", k, gpus_visible);
+      if (!deferred) std::printf("k=%d: skipped, %d GPU(s) visible\n", k, gpus_visible);
       continue;
     }
     Placement& pl = placements.emplace_back();
     pl.k = k;
-    pl.shards = MakeShards(gpus, k, p, budget, one_gpu);
+    pl.deferred = deferred;
+    pl.shards = MakeShards(gpus, k, p, budget, one_gpu, deferred ? stash * n : 0);
     if (!one_gpu && k > 1) {
       std::vector<Backend*> devices;
       for (int r = 0; r < k; ++r) devices.push_back(gpus[r].get());
@@ -308,20 +353,22 @@ int Main(int argc, char** argv) {
     if (one_gpu) {
       // Each shard's sequence alone; the slowest is what k GPUs would wait for.
       for (ShardState& st : pl.shards) {
-        timed.push_back({[&st, n, d] {
+        timed.push_back({[&st, n, d, per_call] {
           std::vector<ShardState> one;
           one.push_back(std::move(st));
-          RunSharded(one, nullptr, n, d);
+          RunMicroBatches(one, nullptr, n, d, per_call);
           st = std::move(one[0]);
         }});
       }
     } else {
-      timed.push_back({[&pl, n, d] { RunSharded(pl.shards, pl.collective.get(), n, d); }});
+      timed.push_back({[&pl, n, d, per_call] {
+        RunMicroBatches(pl.shards, pl.collective.get(), n, d, per_call);
+      }});
     }
   }
   TimeInterleaved(timed, runs);
 
-  const double whole_ms = unsharded ? timed[0].Median() : 0;
+  const double whole_ms = unsharded ? timed[0].Median() / per_call : 0;
   if (unsharded) {
     std::printf("unsharded Run on GPU 0: %.2f ms, %.0f tokens/s, device memory %.2f GiB\n",
                 whole_ms, n / whole_ms * 1e3, whole.bytes / double(1 << 30));
@@ -330,15 +377,21 @@ int Main(int argc, char** argv) {
     const size_t calls = one_gpu ? pl.shards.size() : 1;
     double ms = 0;
     for (size_t i = 0; i < calls; ++i) ms = std::max(ms, timed[pl.first_timed + i].Median());
+    ms /= per_call;
     size_t most = 0;
     for (const ShardState& st : pl.shards) most = std::max(most, st.bytes);
     const std::string ratio = unsharded ? absl::StrFormat(" (%.3f of unsharded; target <= %.3f)",
                                                           ms / whole_ms, 1.25 / pl.k)
                                         : "";
+    const std::string mode =
+        stash == 0 ? ""
+                   : absl::StrFormat(pl.deferred ? ", deferred dW (%d into a stash, one flush)"
+                                                 : ", dW as they run (%d in a row)",
+                                     stash);
     std::printf(
-        "k=%d: %.2f ms per micro-batch%s, %.0f tokens/s, chunk %lld tokens, device memory per "
+        "k=%d%s: %.2f ms per micro-batch%s, %.0f tokens/s, chunk %lld tokens, device memory per "
         "GPU %.2f GiB (largest shard)\n",
-        pl.k, ms, ratio.c_str(), n / ms * 1e3,
+        pl.k, mode.c_str(), ms, ratio.c_str(), n / ms * 1e3,
         static_cast<long long>(pl.shards[0].args.stats_chunk_rows), most / double(1 << 30));
   }
   return 0;

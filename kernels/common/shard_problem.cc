@@ -36,6 +36,13 @@ absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArgume
   if (args.workspace == nullptr && args.workspace_bytes > 0) {
     return absl::InvalidArgumentError("shard call: workspace is null but workspace_bytes > 0");
   }
+  if (args.grad_stash.data != nullptr) {
+    if (args.grad_weight != nullptr) {
+      return absl::InvalidArgumentError(
+          "shard call: grad_weight must be null when grad_stash is given");
+    }
+    return ValidateGradStash(args.grad_stash, shard.problem.n);
+  }
   return absl::OkStatus();
 }
 

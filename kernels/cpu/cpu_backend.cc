@@ -512,7 +512,9 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
   const int64_t rows = shard.rows;
   const LossOptions& options = shard.problem.options;
   const float grad_scale = *ws->grad_scale();
-  const bool want_grad = args.grad_hidden_partial != nullptr || args.grad_weight != nullptr;
+  const bool stashed = args.grad_stash.data != nullptr;
+  const bool want_grad =
+      args.grad_hidden_partial != nullptr || args.grad_weight != nullptr || stashed;
   float* logits = ws->logits();
   double* row_stats = ws->row_stats();
   pool_.ParallelFor(chunk.size, [&](int64_t begin, int64_t end) {
@@ -545,6 +547,19 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
   std::lock_guard<std::mutex> blas_lock(BlasMutex());
   openblas_set_num_threads(threads_);
   const auto [hidden, weight] = ShardInputs(shard, args, chunk, *ws);
+  if (stashed) {
+    // G is already scaled (ComputeShardRowGradient applies grad_scale); laid out as Run's stash
+    // of a head of `rows` classes.
+    const GradStash& stash = args.grad_stash;
+    const int64_t row = stash.tokens + chunk.begin;
+    char* base = static_cast<char*>(stash.data);
+    std::memcpy(reinterpret_cast<float*>(base) + row * rows, logits,
+                static_cast<size_t>(chunk.size * rows) * sizeof(float));
+    std::memcpy(
+        reinterpret_cast<float*>(base + StashHiddenOffset(ShardStashShape(shard), stash.capacity)) +
+            row * d,
+        hidden, static_cast<size_t>(chunk.size * d) * sizeof(float));
+  }
   if (args.grad_hidden_partial != nullptr) {
     // dH partial (chunk x d) = G . W_rows
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(chunk.size),

@@ -176,6 +176,15 @@ absl::Status ShardCalls::Validate(const ShardProblem& shard, const ShardArgument
   if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
     return absl::InvalidArgumentError("workspace must be a 256-byte aligned device pointer");
   }
+  if (args.grad_stash.data != nullptr) {
+    // As for Run: fp16 would flush a mean's small scaled gradients to zero.
+    if (shard.problem.dtype == DType::kFP16) {
+      return absl::UnimplementedError("the CUDA backend stashes no fp16 gradient");
+    }
+    if (reinterpret_cast<uintptr_t>(args.grad_stash.data) % kAlign != 0) {
+      return absl::InvalidArgumentError("grad_stash must be a 256-byte aligned device pointer");
+    }
+  }
   const size_t needed = LayoutFor(shard, chunk != nullptr ? chunk->size : 1).total;
   if (args.workspace_bytes < needed) {
     return absl::InvalidArgumentError(
@@ -263,25 +272,46 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
   const int c = static_cast<int>(chunk.size);
   const int d = static_cast<int>(shard.problem.d);
   const int rows = static_cast<int>(shard.rows);
-  const bool need_grad = args.grad_hidden_partial != nullptr || args.grad_weight != nullptr;
   void* const gemm_ws = ws + layout.cublas_off;
   const size_t gemm_ws_bytes = layout.cublas_bytes;
   constexpr cudaDataType_t kIn = CudaType<TIn>();
+  // Deferred dW: G goes, scaled, to the stash's rows (dH's GEMM then reads it there with
+  // alpha = 1), and the chunk's H beside it; dW is left to FlushGradStash.
+  const GradStash& stash = args.grad_stash;
+  const bool stashed = stash.data != nullptr;
+  const bool need_grad =
+      args.grad_hidden_partial != nullptr || args.grad_weight != nullptr || stashed;
+  ShardRowParams params = ShardRowParamsOf(shard);
+  const float* grad_alpha = &scalars->grad_alpha;
+  int64_t g_ld = ldg;
+  if (stashed) {
+    const StashLayout stash_layout = GradStashLayout(stash.capacity, rows, d, sizeof(TIn));
+    const int64_t row = stash.tokens + t0;
+    char* base = static_cast<char*>(stash.data);
+    grad = reinterpret_cast<TIn*>(base) + row * stash_layout.ldg;
+    g_ld = stash_layout.ldg;
+    params.grad_scale = &scalars->grad_alpha;
+    grad_alpha = &scalars->one;
+    LOSSHEAD_CUDA_CHECK(cudaMemcpyAsync(
+        base + stash_layout.hidden_off + static_cast<size_t>(row) * d * sizeof(TIn),
+        static_cast<const TIn*>(args.hidden) + t0 * d, static_cast<size_t>(c) * d * sizeof(TIn),
+        cudaMemcpyDeviceToDevice, stream));
+  }
 
   LOSSHEAD_RETURN_IF_ERROR((LaunchShardGrad<TL, TIn>(
-      logits, ldl, c, args.targets + t0, ShardRowParamsOf(shard), args.stats, args.stats_chunk_rows,
-      shard.shards, need_grad ? grad : nullptr, ldg, row_loss,
+      logits, ldl, c, args.targets + t0, params, args.stats, args.stats_chunk_rows, shard.shards,
+      need_grad ? grad : nullptr, g_ld, row_loss,
       args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
       args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream)));
   // One block over the chunk, after the previous chunks: the same bits on every rerun.
   LOSSHEAD_RETURN_IF_ERROR(LaunchLossReduce(row_loss, c, scalars, args.loss_sum, stream));
 
   if (args.grad_hidden_partial != nullptr) {
-    // partial_cm (D x c) = W_rows_cm (D x rows) . G_cm (rows x c, ld ldg), fp32 out: the shards'
+    // partial_cm (D x c) = W_rows_cm (D x rows) . G_cm (rows x c, ld g_ld), fp32 out: the shards'
     // partials are summed before anything rounds them.
-    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradHiddenGemm(rows, c, d, kIn, CUDA_R_32F, ldg),
-                                      &scalars->grad_alpha, args.weight, grad, &scalars->zero,
-                                      args.grad_hidden_partial, gemm_ws, gemm_ws_bytes, stream));
+    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradHiddenGemm(rows, c, d, kIn, CUDA_R_32F, g_ld), grad_alpha,
+                                      args.weight, grad, &scalars->zero, args.grad_hidden_partial,
+                                      gemm_ws, gemm_ws_bytes, stream));
   }
   if (args.grad_weight != nullptr) {
     // dW_rows_cm (D x rows) += H_cm (D x c) . G_cm^T (c x rows).

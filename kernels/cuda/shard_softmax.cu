@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(kThreads)
   const float coef = 1.0f + 2.0f * p.z_loss * lse;
   const float eps_v = p.label_smoothing / static_cast<float>(p.v);
   const float hit = 1.0f - p.label_smoothing;
+  const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
     const float z = cap(xval);
     float gj = __expf(z - lse) * coef - eps_v - (j == local ? hit : 0.0f);
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
       const float r = z * cap.inv_cap;
       gj *= 1.0f - r * r;
     }
-    return gj;
+    return gj * scale;
   };
 
   // Narrowing in place (TG smaller than TL): the gradient of element j lands on bytes of an

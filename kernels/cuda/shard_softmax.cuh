@@ -20,6 +20,9 @@ struct ShardRowParams {
   float label_smoothing = 0.0f;
   float z_loss = 0.0f;
   float softcap = 0.0f;  // 0 = off
+  // Device pointer to a factor LaunchShardGrad multiplies the gradient by before it rounds it to
+  // TG (a gradient stash keeps G scaled); null: the gradient is written unscaled.
+  const float* grad_scale = nullptr;
 };
 
 // For each of `tokens` rows q (row q of `logits` starts at q * ldl elements; ldl a multiple of 16,
@@ -38,10 +41,12 @@ absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, con
 // stats + r * 4 * stride, laid out as above) in rank order into the token's lse and loss, and
 // writes lse to per_token_lse[q] (optional, every row), the loss to row_loss[q] and
 // per_token_loss[q] (optional; 0 for ignored rows). When `grad` is not null, overwrites the row's
-// logits with the UNSCALED gradient dloss/dx_j for the shard's columns (0 for ignored rows) at
-// grad[q * ldg + j], z_j recomputed from x_j as LaunchShardStats computed it; `grad` aliases
-// `logits` row for row (ldg * sizeof(TG) == ldl * sizeof(TL)), narrowing the row in place when
-// TG is smaller than TL. A target outside [0, v) that is not ignore_index is treated as ignored.
+// logits with the gradient dloss/dx_j for the shard's columns (0 for ignored rows), times
+// *p.grad_scale where given, at grad[q * ldg + j], z_j recomputed from x_j as LaunchShardStats
+// computed it. `grad` either aliases `logits` row for row (ldg * sizeof(TG) == ldl * sizeof(TL)),
+// narrowing the row in place when TG is smaller than TL, or is memory of its own (a gradient
+// stash's rows; ldg a multiple of 16, `grad` 16-byte aligned). A target outside [0, v) that is not
+// ignore_index is treated as ignored.
 // (TL, TG): (float, float), (float, __nv_bfloat16), (float, __half) or
 // (__nv_bfloat16, __nv_bfloat16).
 template <typename TL, typename TG>

@@ -54,11 +54,12 @@ struct HeadOptions {
   size_t idempotency_window = 64;
   size_t idempotency_max_bytes_per_client = size_t{256} << 20;
   size_t apply_window = 16;  // optimizer responses remembered per client id (ApplyLog)
-  // Deferred dW (docs/deferred-dw.md): bytes of the gradient stash on each device of a replicated
-  // head; 0 = off. Counted micro-batches that fit leave G and H there and are answered without
-  // the dW GEMM. The stash is added to dW when the next micro-batch does not fit, before every
-  // cut that reads dW (pull, optimizer apply, checkpoint), and once its device has been idle for
-  // grad_stash_idle (never when infinite: dW is then the same bits on every rerun of one stream).
+  // Deferred dW (docs/deferred-dw.md): bytes of the gradient stash on each device of a head (a
+  // shard's stash holds its columns of G); 0 = off. Counted micro-batches that fit leave G and H
+  // there and are answered without the dW GEMM. The stash is added to dW when the next micro-batch
+  // does not fit, before every cut that reads dW (pull, optimizer apply, checkpoint), and once its
+  // device has been idle for grad_stash_idle (never when infinite: dW is then the same bits on
+  // every rerun of one stream).
   size_t grad_stash_bytes = 0;
   absl::Duration grad_stash_idle = absl::InfiniteDuration();
   // Host buffers for dH, shared by every head of a server; null: the head keeps a small pool of
@@ -306,10 +307,10 @@ class Head {
   void FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
                      std::string grad_hidden, const std::vector<float>& per_token,
                      StepOutcome* outcome) const;
-  // Under the replica's compute lock: where a counted micro-batch of `problem` leaves its part
-  // of dW. The stash's next rows (flushed first when they would not fit; the stash made on first
-  // use), or no stash (the run adds to dW itself) when deferral is off for this head or device,
-  // or the micro-batch is larger than the stash.
+  // Under the replica's compute lock: where a counted micro-batch of `problem` (a shard's: its
+  // ShardStashShape) leaves its part of dW. The stash's next rows (flushed first when they would
+  // not fit; the stash made on first use), or no stash (the run adds to dW itself) when deferral is
+  // off for this head or device, or the micro-batch is larger than the stash.
   absl::StatusOr<kernels::GradStash> StashFor(Replica& replica, const kernels::Problem& problem);
   // fn on each of this head's replicas on `device`, under that replica's compute lock.
   void ForEachReplicaOn(const kernels::Backend* device, absl::FunctionRef<void(Replica&)> fn) const;
@@ -334,6 +335,8 @@ class Head {
     std::vector<kernels::ShardProblem> shards;
     std::vector<size_t> workspace_bytes;
     int64_t chunk_rows = 0;
+    // Per shard, where its part of dW goes: its stash's next rows, or (no stash) dW itself.
+    std::vector<kernels::GradStash> stashes;
   };
   // Under the cut: plans every shard's part of `run` (problem and wants given) and grows its
   // buffers for it (RESOURCE_EXHAUSTED, INVALID_ARGUMENT); nothing runs.

@@ -56,7 +56,7 @@ ReplicaGroup::~ReplicaGroup() {
 }
 
 void ReplicaGroup::StartIdleFlush(absl::Duration idle) {
-  if (sharded() || idle_flush_.joinable()) return;
+  if (idle_flush_.joinable()) return;
   const int64_t idle_ns = absl::ToInt64Nanoseconds(idle);
   // Looks twice per idle period, at most every 0.25 ms: a few wake-ups per millisecond per head.
   const absl::Duration poll = std::max(idle / 2, absl::Microseconds(250));
@@ -77,7 +77,9 @@ void ReplicaGroup::StartIdleFlush(absl::Duration idle) {
 
 absl::Status ReplicaGroup::FlushStash(Replica& r) {
   if (r.stash_tokens == 0) return absl::OkStatus();
-  const kernels::Problem shape{.n = 1, .d = hidden_size_, .v = vocab_size_, .dtype = dtype_};
+  // A shard's stash holds its columns of G: it adds to its rows of dW as a head of that many rows.
+  const kernels::Problem shape{
+      .n = 1, .d = hidden_size_, .v = sharded() ? r.rows.size() : vocab_size_, .dtype = dtype_};
   const kernels::GradStash stash{
       .data = r.stash.data(), .capacity = r.stash_capacity, .tokens = r.stash_tokens};
   const int64_t tokens = r.stash_tokens;

@@ -1,8 +1,9 @@
 // A vocabulary-sharded head's micro-batch: every shard computes its rows' logits of each token
 // chunk, the shards exchange their softmax statistics (AllGather), each writes its columns of the
-// gradient and its part of dH and dW, and the dH parts are summed (AllReduce) and rounded on
-// shard 0, which returns the results. The sequence and its math are the backend's (see
-// losshead/kernels/shard_problem.h); this file drives it over the shards' streams under the cut.
+// gradient and its part of dH and dW (or of its stash: deferred dW), and the dH parts are summed
+// (AllReduce) and rounded on shard 0, which returns the results. The sequence and its math are the
+// backend's (see losshead/kernels/shard_problem.h); this file drives it over the shards' streams
+// under the cut.
 #include <algorithm>
 #include <span>
 #include <vector>
@@ -41,6 +42,14 @@ absl::Status Head::PrepareShards(ShardRun& run) {
     LOSSHEAD_RETURN_IF_ERROR(
         EnsureBuffer(*r, r->shard_partial, partial_floats * sizeof(float), true));
   }
+  // Deferred dW, after the buffers (which may have taken a stash's memory back): each shard's
+  // columns of G wait in a stash of its own, laid out as for a head of the shard's rows.
+  run.stashes.assign(k, kernels::GradStash{});
+  if (!run.grad_weight) return absl::OkStatus();
+  for (const auto& r : group_->replicas()) {
+    LOSSHEAD_ASSIGN_OR_RETURN(run.stashes[r->rank],
+                              StashFor(*r, kernels::ShardStashShape(run.shards[r->rank])));
+  }
   return absl::OkStatus();
 }
 
@@ -54,7 +63,8 @@ absl::Status Head::RunShards(const ShardRun& run, std::span<IoSlot* const> slots
     a.weight = r->weights.data();
     a.targets = slot.targets.as<int32_t>();
     // Forward-only: no dW, as on one device; dH is still computed when asked for.
-    a.grad_weight = !run.grad_weight ? nullptr : r->grad.as<float>();
+    a.grad_stash = run.stashes[r->rank];
+    a.grad_weight = run.grad_weight && a.grad_stash.data == nullptr ? r->grad.as<float>() : nullptr;
     a.grad_hidden_partial = run.grad_hidden ? r->shard_partial.as<float>() : nullptr;
     a.stats = r->shard_stats.as<float>();
     a.stats_chunk_rows = run.chunk_rows;

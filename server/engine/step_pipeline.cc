@@ -42,6 +42,17 @@ void ReportReleasedStash(const std::string& head, size_t bytes) {
                head.c_str(), bytes);
 }
 
+// Under the replica's compute lock, after a run of `tokens` on it: rows it stashed count once the
+// run is through (a failed run's are left out of dW), and the idle flush's clock starts again.
+void EndRun(Replica& replica, const kernels::GradStash& stash, int64_t tokens, bool ran)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(replica.compute_mu) {
+  if (ran && stash.data != nullptr) {
+    replica.stash_tokens += tokens;
+    replica.stashed_tokens = replica.stash_tokens;
+  }
+  replica.last_run_end_ns = absl::GetCurrentTimeNanos();
+}
+
 // The most tokens a gradient stash of at most `budget` bytes holds on `backend` (0: none, or the
 // backend has no stash). Its bytes grow with its capacity, alignment padding included, so a
 // bisection finds the exact largest.
@@ -294,8 +305,7 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
     // First use on this device: the most tokens the budget holds, or none.
     replica.stash_capacity = -1;
     kernels::Backend& backend = replica.backend;
-    const int64_t capacity =
-        group_->sharded() ? 0 : StashCapacity(backend, problem, options_.grad_stash_bytes);
+    const int64_t capacity = StashCapacity(backend, problem, options_.grad_stash_bytes);
     if (capacity > 0) {
       const size_t bytes = *backend.GradStashBytes(problem, capacity);
       // A device short of memory runs without a stash, as before one existed.
@@ -444,17 +454,20 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
 
   const absl::Time slot_wait = absl::Now();
   const int64_t tokens = static_cast<int64_t>(n);
-  // The devices it runs on: one replica (counted as queued there until its run is over, or it
-  // fails before), or every shard of a sharded head, shard 0 returning the results. Slots are
-  // taken in rank order, so that two micro-batches waiting for them never deadlock.
-  std::optional<ReplicaGroup::Assignment> assignment;
-  std::vector<Replica*> devices;
+  // The devices it runs on: one replica, or every shard of a sharded head, shard 0 returning the
+  // results; its tokens count as queued on each until its run is over (or it fails before), which
+  // keeps their stashes' idle flush away. Slots are taken in rank order, so that two micro-batches
+  // waiting for them never deadlock.
+  std::vector<std::unique_ptr<ReplicaGroup::Assignment>> assignments;
   if (group_->sharded()) {
-    for (const auto& r : group_->replicas()) devices.push_back(r.get());
+    for (const auto& r : group_->replicas()) {
+      assignments.push_back(std::make_unique<ReplicaGroup::Assignment>(*r, tokens));
+    }
   } else {
-    assignment.emplace(group_->Next(), tokens);
-    devices.push_back(&assignment->replica());
+    assignments.push_back(std::make_unique<ReplicaGroup::Assignment>(group_->Next(), tokens));
   }
+  std::vector<Replica*> devices;
+  for (const auto& a : assignments) devices.push_back(&a->replica());
   Replica& replica = *devices[0];
   for (const Replica* device : devices) stats->devices.push_back(&device->backend);
   std::vector<std::unique_ptr<SlotLease>> leases;
@@ -512,6 +525,9 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
         ran = replica.backend.CopyToHost(scalars, slot.scalars.data(), 16, *replica.stream);
       }
       if (ran.ok()) ran = group_->Synchronize();
+      for (Replica* shard : devices) {
+        EndRun(*shard, shard_run.stashes[shard->rank], p.problem.n, ran.ok());
+      }
     } else {
       LOSSHEAD_ASSIGN_OR_RETURN(
           const size_t ws_bytes,
@@ -540,12 +556,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
         ran = replica.backend.CopyToHost(scalars, slot.scalars.data(), 16, *replica.stream);
       }
       if (ran.ok()) ran = replica.stream->Synchronize();
-      // Stashed rows count once the run is through; a failed run's rows are left out of dW.
-      if (ran.ok() && args.grad_stash.data != nullptr) {
-        replica.stash_tokens += p.problem.n;
-        replica.stashed_tokens = replica.stash_tokens;
-      }
-      replica.last_run_end_ns = absl::GetCurrentTimeNanos();
+      EndRun(replica, args.grad_stash, p.problem.n, ran.ok());
     }
     if (!ran.ok()) {
       if (p.forward_only) return ran;  // dW was not an argument: nothing can be in it
@@ -581,7 +592,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
     outcome->forward_only = p.forward_only;
     stats->compute_end = absl::Now();
     stats->compute += stats->compute_end - start;
-    if (assignment.has_value()) assignment->Release();
+    for (const auto& a : assignments) a->Release();
   }
   const absl::Time finish_start = absl::Now();
   absl::Status out = StageOut(p, replica, slot, &grad_hidden, &per_token);

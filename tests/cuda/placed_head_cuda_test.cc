@@ -135,6 +135,10 @@ struct Placed {
   // k backends on device 0, joined by the staged collective rather than NCCL: the placement's
   // own logic (row shards, statistics, replicas, reductions) on a machine with one GPU.
   bool one_gpu = false;
+  // Deferred dW on every GPU head of the case (the CPU head adds as it runs): a 1 MiB stash per
+  // device, a few hundred tokens, so that it fills and flushes within a window and the largest
+  // micro-batches add to dW directly; no idle flush, so that reruns keep their bits.
+  bool deferred = false;
 };
 
 class PlacedCudaTest : public ::testing::TestWithParam<Placed> {};
@@ -150,10 +154,11 @@ TEST_P(PlacedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
 
+  const HeadOptions options{.grad_stash_bytes = GetParam().deferred ? size_t{1} << 20 : 0};
   auto on_cpu = Head::Create(**cpu, Spec(1), HeadOptions{});
-  auto on_one = Head::Create(*devices[0], Spec(1), HeadOptions{});
-  auto replicated = Head::Create(devices, Spec(k, GetParam().kind), HeadOptions{});
-  auto again = Head::Create(devices, Spec(k, GetParam().kind), HeadOptions{});
+  auto on_one = Head::Create(*devices[0], Spec(1), options);
+  auto replicated = Head::Create(devices, Spec(k, GetParam().kind), options);
+  auto again = Head::Create(devices, Spec(k, GetParam().kind), options);
   ASSERT_TRUE(on_cpu.ok() && on_one.ok() && replicated.ok() && again.ok())
       << on_cpu.status() << on_one.status() << replicated.status() << again.status();
   ASSERT_EQ((*replicated)->Info().devices_size(), k);
@@ -233,10 +238,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Placed{v1::PLACEMENT_SHARDED, 4}, Placed{v1::PLACEMENT_REPLICATED, 2, true},
                       Placed{v1::PLACEMENT_REPLICATED, 3, true},
                       Placed{v1::PLACEMENT_SHARDED, 2, true},
-                      Placed{v1::PLACEMENT_SHARDED, 3, true}),
+                      Placed{v1::PLACEMENT_SHARDED, 3, true},
+                      Placed{v1::PLACEMENT_SHARDED, 2, false, true},
+                      Placed{v1::PLACEMENT_REPLICATED, 2, true, true},
+                      Placed{v1::PLACEMENT_SHARDED, 3, true, true}),
     [](const auto& info) {
       return absl::StrCat(info.param.kind == v1::PLACEMENT_SHARDED ? "sharded_" : "replicated_",
-                          info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus");
+                          info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus",
+                          info.param.deferred ? "_deferred" : "");
     });
 
 }  // namespace

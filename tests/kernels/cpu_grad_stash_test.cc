@@ -1,31 +1,61 @@
 // Deferred dW on the CPU backend: micro-batches run into a gradient stash and flushed in groups
 // add up to the float64 dW of them all; each one's loss and dH are the undeferred run's bit for
-// bit (the CPU backend's G is the same fp32 values either way). Bad arguments launch nothing.
+// bit (the CPU backend's G is the same fp32 values either way); the same over 2 and 3 vocabulary
+// shards with a stash each. Bad arguments launch nothing.
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/kernels/backend_runner.h"
 #include "tests/kernels/grad_stash_cases.h"
 #include "tests/kernels/grad_stash_runner.h"
+#include "tests/kernels/shard_runner.h"
 
 namespace losshead::kernels {
 namespace {
 
+using testing::Inputs;
 using testing::MakeStashBatches;
 using testing::MaxAbs;
 using testing::ReferenceGradWeight;
 using testing::RunOnBackend;
 using testing::RunOptions;
+using testing::RunSharded;
+using testing::RunShardedStashed;
 using testing::RunStashed;
 using testing::StashCase;
 using testing::StashCases;
+using testing::StashedRun;
 using testing::ToDouble;
 using testing::WorstToleranceRatio;
+
+// A stashed run of `batches`: it flushed as often as the case wants, its dW is their float64 dW,
+// and each answer is the same micro-batch's run `undeferred`, bit for bit.
+void ExpectStashedRunMatches(
+    const StashCase& c, const std::vector<Inputs>& batches, const StashedRun& run,
+    absl::FunctionRef<absl::StatusOr<testing::Outputs>(const Inputs&)> undeferred) {
+  EXPECT_GE(run.flushes, c.min_flushes);
+  const std::vector<double> expected = ReferenceGradWeight(batches);
+  ASSERT_GT(MaxAbs(expected), 0.0);
+  EXPECT_LE(WorstToleranceRatio(ToDouble(run.grad_weight), expected, 1e-5, 1e-6 * MaxAbs(expected)),
+            1.0);
+  for (size_t i = 0; i < batches.size(); ++i) {
+    auto want = undeferred(batches[i]);
+    ASSERT_TRUE(want.ok()) << want.status();
+    const testing::Outputs& got = run.microbatches[i];
+    EXPECT_EQ(got.token_count, want->token_count) << i;
+    EXPECT_EQ(got.loss_sum, want->loss_sum) << i;
+    EXPECT_EQ(got.grad_hidden, want->grad_hidden) << i;
+  }
+}
 
 class CpuGradStashTest : public ::testing::TestWithParam<StashCase> {};
 
@@ -35,21 +65,9 @@ TEST_P(CpuGradStashTest, FlushedStashAddsUpToEveryMicroBatchAndAnswersAreUnchang
   const auto batches = MakeStashBatches(c, 20261124);
   auto run = RunStashed(*backend, batches, c.capacity);
   ASSERT_TRUE(run.ok()) << run.status();
-  EXPECT_GE(run->flushes, c.min_flushes);
-
-  const std::vector<double> expected = ReferenceGradWeight(batches);
-  ASSERT_GT(MaxAbs(expected), 0.0);
-  EXPECT_LE(
-      WorstToleranceRatio(ToDouble(run->grad_weight), expected, 1e-5, 1e-6 * MaxAbs(expected)),
-      1.0);
-  for (size_t i = 0; i < batches.size(); ++i) {
-    auto undeferred = RunOnBackend(*backend, batches[i], RunOptions{.per_token = false});
-    ASSERT_TRUE(undeferred.ok()) << undeferred.status();
-    const testing::Outputs& got = run->microbatches[i];
-    EXPECT_EQ(got.token_count, undeferred->token_count) << i;
-    EXPECT_EQ(got.loss_sum, undeferred->loss_sum) << i;
-    EXPECT_EQ(got.grad_hidden, undeferred->grad_hidden) << i;
-  }
+  ExpectStashedRunMatches(c, batches, *run, [&](const Inputs& in) {
+    return RunOnBackend(*backend, in, RunOptions{.per_token = false});
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CpuGradStashTest, ::testing::ValuesIn([] {
@@ -58,6 +76,40 @@ INSTANTIATE_TEST_SUITE_P(Cases, CpuGradStashTest, ::testing::ValuesIn([] {
                            return cases;
                          }()),
                          [](const auto& info) { return info.param.name; });
+
+// The same through k vocabulary shards, each with a stash of its own: dW against float64, each
+// answer against the shards' undeferred run, bit for bit.
+class CpuShardGradStashTest : public ::testing::TestWithParam<std::tuple<StashCase, int>> {};
+
+TEST_P(CpuShardGradStashTest, FlushedStashesAddUpToEveryMicroBatchAndAnswersAreUnchanged) {
+  const auto& [c, k] = GetParam();
+  std::vector<std::unique_ptr<Backend>> owned;
+  std::vector<Backend*> shards;
+  for (int r = 0; r < k; ++r) {
+    owned.push_back(CreateCpuBackend(2));
+    shards.push_back(owned.back().get());
+  }
+  const auto batches = MakeStashBatches(c, 20261125 + k);
+  auto run = RunShardedStashed(shards, batches, c.capacity);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ExpectStashedRunMatches(c, batches, *run, [&](const Inputs& in) {
+    return RunSharded(shards, nullptr, in, RunOptions{.per_token = false});
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CpuShardGradStashTest,
+                         ::testing::Combine(::testing::ValuesIn([] {
+                                              auto cases = StashCases(DType::kFP32);
+                                              for (auto& c : StashCases(DType::kBF16)) {
+                                                cases.push_back(c);
+                                              }
+                                              return cases;
+                                            }()),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param).name + "_k" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // A stash of 4 tokens with one micro-batch of 3 in it, for the error cases.
 class CpuGradStashErrorsTest : public ::testing::Test {

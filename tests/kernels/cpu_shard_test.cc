@@ -236,6 +236,19 @@ TEST(CpuShardErrorsTest, RefusesBadCalls) {
   ShardArguments tight = args;
   tight.workspace_bytes = 64;
   expect_invalid(cpu->ShardBackward(shard, tight, {0, 8}, *stream), "workspace too small");
+  // Deferred dW: a stash beside a dW, and a micro-batch past the stash's rows.
+  const absl::StatusOr<size_t> stash_bytes = cpu->GradStashBytes(ShardStashShape(shard), 10);
+  ASSERT_TRUE(stash_bytes.ok()) << stash_bytes.status();
+  std::vector<char> stash(*stash_bytes, 7);
+  const std::vector<char> stash_before = stash;
+  ShardArguments stashed = args;
+  stashed.grad_stash = GradStash{.data = stash.data(), .capacity = 10, .tokens = 0};
+  expect_invalid(cpu->ShardBackward(shard, stashed, {0, 8}, *stream), "stash beside dW");
+  stashed.grad_weight = nullptr;
+  stashed.grad_stash.tokens = 3;  // rows [3, 11) of 10
+  expect_invalid(cpu->ShardBegin(shard, stashed, *stream), "rows past the stash");
+  expect_invalid(cpu->ShardBackward(shard, stashed, {0, 8}, *stream), "rows past the stash");
+  EXPECT_EQ(stash, stash_before);
   targets[3] = 10;  // outside [0, v)
   expect_invalid(cpu->ShardBegin(shard, args, *stream), "target outside v");
   EXPECT_EQ(cpu->ShardStoreGradHidden(shard, nullptr, {0, 8}, hidden.data(), *stream).code(),

@@ -6,6 +6,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "losshead/kernels/shard_problem.h"
+#include "tests/kernels/shard_runner.h"
 
 namespace losshead::kernels::testing {
 namespace {
@@ -107,6 +109,68 @@ absl::StatusOr<StashedRun> RunStashed(Backend& backend, const std::vector<Inputs
   LH_RETURN_IF_ERROR(backend.CopyToHost(run.grad_weight.data(), grad_weight->data(),
                                         v * d * sizeof(float), stream));
   LH_RETURN_IF_ERROR(stream.Synchronize());
+  return run;
+}
+
+absl::StatusOr<StashedRun> RunShardedStashed(std::span<Backend* const> shards,
+                                             const std::vector<Inputs>& batches, int64_t capacity,
+                                             size_t workspace_budget) {
+  if (batches.empty()) return absl::InvalidArgumentError("no micro-batches");
+  const Problem& problem = batches[0].problem;
+  const int k = static_cast<int>(shards.size());
+  const size_t d = problem.d;
+  ShardStashes stashes{.capacity = capacity};
+  std::vector<ShardProblem> shapes;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int r = 0; r < k; ++r) {
+    Backend& backend = *shards[r];
+    const Shard rows = ShardRange(problem.v, k, r);
+    shapes.push_back(ShardProblem{
+        .problem = problem, .row_begin = rows.begin, .rows = rows.size(), .shards = k, .rank = r});
+    absl::StatusOr<std::unique_ptr<Stream>> stream = backend.CreateStream();
+    if (!stream.ok()) return stream.status();
+    streams.push_back(*std::move(stream));
+    absl::StatusOr<size_t> bytes = backend.GradStashBytes(ShardStashShape(shapes[r]), capacity);
+    if (!bytes.ok()) return bytes.status();
+    absl::StatusOr<DeviceBuffer> stash = Zeroed(backend, *bytes, *streams[r]);
+    absl::StatusOr<DeviceBuffer> grad =
+        Zeroed(backend, rows.size() * d * sizeof(float), *streams[r]);
+    if (!stash.ok()) return stash.status();
+    if (!grad.ok()) return grad.status();
+    LH_RETURN_IF_ERROR(streams[r]->Synchronize());
+    stashes.stash.push_back(*std::move(stash));
+    stashes.grad_weight.push_back(*std::move(grad));
+  }
+
+  StashedRun run;
+  auto flush = [&]() -> absl::Status {
+    if (stashes.tokens > 0) ++run.flushes;
+    for (int r = 0; r < k; ++r) {
+      const GradStash at{
+          .data = stashes.stash[r].data(), .capacity = capacity, .tokens = stashes.tokens};
+      LH_RETURN_IF_ERROR(shards[r]->FlushGradStash(ShardStashShape(shapes[r]), at,
+                                                   stashes.grad_weight[r].as<float>(), nullptr, 0,
+                                                   *streams[r]));
+      LH_RETURN_IF_ERROR(streams[r]->Synchronize());
+    }
+    stashes.tokens = 0;
+    return absl::OkStatus();
+  };
+  const RunOptions options{.workspace_budget = workspace_budget, .per_token = false};
+  for (const Inputs& in : batches) {
+    if (stashes.tokens + in.problem.n > capacity) LH_RETURN_IF_ERROR(flush());
+    absl::StatusOr<Outputs> out = RunSharded(shards, nullptr, in, options, &stashes);
+    if (!out.ok()) return out.status();
+    run.microbatches.push_back(*std::move(out));
+  }
+  LH_RETURN_IF_ERROR(flush());
+  run.grad_weight.resize(problem.v * d);
+  for (int r = 0; r < k; ++r) {
+    LH_RETURN_IF_ERROR(shards[r]->CopyToHost(run.grad_weight.data() + shapes[r].row_begin * d,
+                                             stashes.grad_weight[r].data(),
+                                             shapes[r].rows * d * sizeof(float), *streams[r]));
+    LH_RETURN_IF_ERROR(streams[r]->Synchronize());
+  }
   return run;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -24,6 +25,14 @@ struct StashedRun {
 // `capacity` tokens (every batch at most that large).
 absl::StatusOr<StashedRun> RunStashed(Backend& backend, const std::vector<Inputs>& batches,
                                       int64_t capacity, size_t workspace_budget = size_t{64} << 20);
+
+// The same through the vocabulary shards of one head (RunSharded with ShardStashes, the
+// statistics and dH partials exchanged through the host): every shard stashes into a stash of
+// `capacity` tokens of its own, flushed into its rows of dW whenever the next micro-batch would
+// not fit and at the end. dW is the shards' rows, concatenated (V x D).
+absl::StatusOr<StashedRun> RunShardedStashed(std::span<Backend* const> shards,
+                                             const std::vector<Inputs>& batches, int64_t capacity,
+                                             size_t workspace_budget = size_t{64} << 20);
 
 }  // namespace losshead::kernels::testing
 

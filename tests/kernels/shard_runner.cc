@@ -77,7 +77,8 @@ absl::Status SumThroughHost(std::vector<ShardState>& s, int64_t floats) {
 }  // namespace
 
 absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective* collective,
-                                   const Inputs& in, const RunOptions& options) {
+                                   const Inputs& in, const RunOptions& options,
+                                   ShardStashes* stashes) {
   const Problem& p = in.problem;
   const int k = static_cast<int>(shards.size());
   const size_t element = DTypeSize(p.dtype);
@@ -129,7 +130,11 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
     a.workspace_bytes = plan->workspace_bytes;
     st.partial = static_cast<float*>(*partial);
     if (options.grad_hidden) a.grad_hidden_partial = st.partial;
-    if (options.grad_weight) {
+    if (stashes != nullptr) {
+      a.grad_stash = GradStash{.data = stashes->stash[r].data(),
+                               .capacity = stashes->capacity,
+                               .tokens = stashes->tokens};
+    } else if (options.grad_weight) {
       absl::StatusOr<void*> grad = alloc(rows * d * sizeof(float));
       if (!grad.ok()) return grad.status();
       if (options.initial_grad_weight.empty()) {
@@ -219,15 +224,17 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
     LH_RETURN_IF_ERROR(b0.CopyToHost(out.per_token_lse.data(), first.args.per_token_lse,
                                      n * sizeof(float), *first.stream));
   }
-  if (options.grad_weight) out.grad_weight.resize(p.v * d);
+  const bool grad_weight = options.grad_weight && stashes == nullptr;
+  if (grad_weight) out.grad_weight.resize(p.v * d);
   for (ShardState& st : s) {
-    if (options.grad_weight) {
+    if (grad_weight) {
       LH_RETURN_IF_ERROR(st.backend->CopyToHost(out.grad_weight.data() + st.problem.row_begin * d,
                                                 st.args.grad_weight,
                                                 st.problem.rows * d * sizeof(float), *st.stream));
     }
     LH_RETURN_IF_ERROR(st.stream->Synchronize());
   }
+  if (stashes != nullptr) stashes->tokens += p.n;
   if (options.grad_hidden) {
     std::vector<float> f(n * d);
     ToFloat(p.dtype, grad_hidden_bytes.data(), f.data(), n * d);

@@ -1,9 +1,9 @@
 // Deferred dW in a head: counted micro-batches leave their part of dW in each device's stash and
 // are answered at once; the stash reaches dW when full, at every cut that reads dW, and when the
-// device is idle. Under concurrent streams and pulls with reset, on one device and replicated on
-// two, the pulled windows add up to the float64 dW of every micro-batch, each counted once; an
-// optimizer apply and a checkpoint see the stashed micro-batches too. CPU backends stand in for
-// the devices.
+// device is idle. Under concurrent streams and pulls with reset, on one device, replicated on two
+// and vocabulary-sharded over two and three (a stash per shard), the pulled windows add up to the
+// float64 dW of every micro-batch, each counted once; an optimizer apply and a checkpoint see the
+// stashed micro-batches too. CPU backends stand in for the devices.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -44,14 +44,15 @@ constexpr int64_t kStashTokens = 20;  // two or three micro-batches of 4-12 toke
 struct Placement {
   int devices;
   v1::DType dtype;
+  bool sharded = false;  // over `devices` vocabulary shards, else replicated on them
 };
 
 void PrintTo(const Placement& p, std::ostream* os) {
-  *os << p.devices << " device(s), " << v1::DType_Name(p.dtype);
+  *os << p.devices << " device(s)" << (p.sharded ? " sharded, " : ", ") << v1::DType_Name(p.dtype);
 }
 
 std::string Name(const ::testing::TestParamInfo<Placement>& info) {
-  return absl::StrCat(info.param.devices, "dev_",
+  return absl::StrCat(info.param.devices, "dev_", info.param.sharded ? "sharded_" : "",
                       info.param.dtype == v1::DTYPE_BF16 ? "bf16" : "fp32");
 }
 
@@ -64,7 +65,8 @@ v1::HeadSpec Spec(const Placement& p) {
   spec.mutable_init()->mutable_normal()->set_std(0.5f);
   spec.mutable_init()->mutable_normal()->set_seed(5);
   if (p.devices > 1) {
-    spec.mutable_placement()->set_kind(v1::PLACEMENT_REPLICATED);
+    spec.mutable_placement()->set_kind(p.sharded ? v1::PLACEMENT_SHARDED
+                                                 : v1::PLACEMENT_REPLICATED);
     spec.mutable_placement()->set_devices(p.devices);
   }
   return spec;
@@ -82,7 +84,10 @@ class DeferredGradTest : public ::testing::TestWithParam<Placement> {
       devices_.push_back(std::make_unique<FaultyBackend>(std::move(*cpu)));
       list.push_back(devices_.back().get());
     }
-    const kernels::Problem shape{.n = 1, .d = kD, .v = kV, .dtype = testing::KernelDType(p.dtype)};
+    // A shard's stash holds its columns of G: sized on shard 0's rows, it holds as many tokens.
+    const int64_t columns = p.sharded ? kernels::ShardRange(kV, p.devices, 0).size() : kV;
+    const kernels::Problem shape{
+        .n = 1, .d = kD, .v = columns, .dtype = testing::KernelDType(p.dtype)};
     auto bytes = devices_[0]->GradStashBytes(shape, kStashTokens);
     ASSERT_TRUE(bytes.ok()) << bytes.status();
     v1::HeadSpec spec = Spec(p);
@@ -178,8 +183,10 @@ TEST_P(DeferredGradTest, AnIdleDeviceAddsItsStashToDw) {
     ASSERT_TRUE(head_->Step(samples.back().mb, &stats).ok());
   }
   // Nothing reads dW and the stash is far from full: only the idle flush can add it. Sent one at
-  // a time, the micro-batches went round the replicas: each device flushes its own.
-  const int devices_used = std::min(GetParam().devices, 2);
+  // a time, the micro-batches went round the replicas: each device flushes its own. Every shard
+  // holds a part of both.
+  const Placement& p = GetParam();
+  const int devices_used = p.sharded ? p.devices : std::min(p.devices, 2);
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   while (Flushes() < devices_used && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   EXPECT_EQ(Flushes(), devices_used);
@@ -232,12 +239,13 @@ TEST_P(DeferredGradTest, AnOptimizerStepAndACheckpointSeeTheStashedMicroBatches)
   ExpectClose(stepped, expected, dtype == v1::DTYPE_BF16 ? 1e-2 : 1e-4, "W after the step");
 }
 
-INSTANTIATE_TEST_SUITE_P(Placements, DeferredGradTest,
-                         ::testing::Values(Placement{1, v1::DTYPE_FP32},
-                                           Placement{1, v1::DTYPE_BF16},
-                                           Placement{2, v1::DTYPE_FP32},
-                                           Placement{2, v1::DTYPE_BF16}),
-                         Name);
+INSTANTIATE_TEST_SUITE_P(
+    Placements, DeferredGradTest,
+    ::testing::Values(Placement{1, v1::DTYPE_FP32}, Placement{1, v1::DTYPE_BF16},
+                      Placement{2, v1::DTYPE_FP32}, Placement{2, v1::DTYPE_BF16},
+                      Placement{2, v1::DTYPE_FP32, true}, Placement{2, v1::DTYPE_BF16, true},
+                      Placement{3, v1::DTYPE_FP32, true}),
+    Name);
 
 }  // namespace
 }  // namespace losshead::server

@@ -14,7 +14,8 @@
 //     ShardBackward   combines the slices in rank order into each token's lse and loss (the same
 //                     bits on every shard); writes the loss outputs where given; G for its columns
 //                     (global lse, its own one-hot and label-smoothing terms); its part of the
-//                     chunk's dH, G . W_rows, in fp32 into `grad_hidden_partial`; dW_rows += G^T H
+//                     chunk's dH, G . W_rows, in fp32 into `grad_hidden_partial`; dW_rows += G^T H,
+//                     or with a gradient stash, G (scaled) and H into the stash's next rows
 //     AllReduce(kSum) of the dH partials
 //     ShardStoreGradHidden  the summed fp32 dH rounded to the problem's dtype into grad_hidden
 //
@@ -27,6 +28,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "losshead/kernels/grad_stash.h"
 #include "losshead/kernels/problem.h"
 
 namespace losshead::kernels {
@@ -45,6 +47,15 @@ struct ShardProblem {
 // INVALID_ARGUMENT for an invalid problem, rows outside [0, v) or empty, k < 1 or a rank outside
 // [0, k).
 absl::Status ValidateShardProblem(const ShardProblem& shard);
+
+// The shape of a shard's gradient stash: the problem with the shard's rows as its vocabulary. A
+// shard's stash is sized (Backend::GradStashBytes) and flushed into its rows of dW
+// (Backend::FlushGradStash) with it, as an unsharded head of that many rows would be.
+inline Problem ShardStashShape(const ShardProblem& shard) {
+  Problem shape = shard.problem;
+  shape.v = shard.rows;
+  return shape;
+}
 
 // How a backend splits a shard's micro-batch: chunks of at most `chunk_rows` tokens.
 //   workspace_bytes    the backend's own scratch (Arguments::workspace's counterpart)
@@ -72,6 +83,10 @@ struct ShardArguments {
   const void* weight = nullptr;      // rows x D, problem.dtype: this shard's rows
   const int32_t* targets = nullptr;  // N, in [0, V) or ignore_index
   float* grad_weight = nullptr;      // rows x D fp32, accumulated into (+=); optional
+  // Deferred dW (grad_stash.h), instead of grad_weight: ShardBackward leaves the chunk's G, scaled,
+  // and its H in the stash's rows [tokens + chunk.begin, tokens + chunk.begin + chunk.size), the
+  // stash laid out for ShardStashShape(shard) and holding the whole micro-batch.
+  GradStash grad_stash;
   // chunk_rows x D fp32, this shard's part of the chunk's dH; null: no dH (forward only or
   // skip_grad_hidden).
   float* grad_hidden_partial = nullptr;
