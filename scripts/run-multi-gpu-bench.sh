@@ -8,7 +8,8 @@
 #   seconds (the server's losshead_device_busy_seconds_total: replicas should be about equally
 #   busy), and each placement's device memory per GPU (HeadInfo);
 # - the sharded head through the server (one stream, k = 1, 2, 4, ... shards against one GPU) and
-#   `losshead_shard_bench` (the sharded micro-batch's latency against the unsharded call);
+#   `losshead_shard_bench` (the sharded micro-batch's latency against the unsharded call, and
+#   1280-token micro-batches with and without deferred dW on the shards);
 # - a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and dW), refused on one
 #   and served sharded over every GPU, its sharded micro-batch timed with random weights.
 # A part that fails is reported in the summary and the rest still runs: one lease of a multi-GPU
@@ -120,6 +121,10 @@ k=2
 while [ "$k" -le "$gpus" ]; do counts="$counts,$k"; k=$((k * 2)); done
 "$bundle/bin/losshead_shard_bench" --shards="$counts" --runs=10 2>&1 | tee -a "$summary" \
   || note "losshead_shard_bench --shards=$counts FAILED"
+# The micro-batches a four-stream RemoteLMHead step sends (1280 tokens), 8 at a time: each shard
+# adding to its dW as they run against deferred dW (a stash per shard, one flush per 8).
+"$bundle/bin/losshead_shard_bench" --shards="$counts" --n=1280 --stash=8 --runs=8 2>&1 \
+  | tee -a "$summary" || note "losshead_shard_bench --stash=8 FAILED"
 
 # A head whose W and dW (2,000,000 x 16384: 61 GiB bf16 + 122 GiB fp32) fit no single GPU:
 # refused on one device, then created sharded over all of them with a random W (its creation
