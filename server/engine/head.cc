@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head_internal.h"
+#include "server/engine/head_registry.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/status_macros.h"
 #include "server/engine/weight_init.h"
@@ -156,7 +157,11 @@ Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernel
   }
 }
 
-Head::~Head() = default;  // each replica waits for its stream's work before freeing its buffers
+Head::~Head() {
+  const std::vector<kernels::Backend*> freed = devices();
+  group_.reset();  // each replica waits for its stream's work before freeing its buffers
+  if (options_.stash_lenders != nullptr) options_.stash_lenders->Freed(freed);
+}
 
 absl::StatusOr<std::unique_ptr<ReplicaGroup>> Head::PlaceOn(
     std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype) {

@@ -49,6 +49,8 @@
 
 namespace losshead::server {
 
+class StashLenders;
+
 struct HeadOptions {
   size_t workspace_budget_bytes = size_t{1} << 30;  // handed to Backend::WorkspaceBytes
   size_t idempotency_window = 64;
@@ -65,6 +67,9 @@ struct HeadOptions {
   // Host buffers for dH, shared by every head of a server; null: the head keeps a small pool of
   // its own.
   std::shared_ptr<ResultPool> results;
+  // The heads of a server whose idle stashes a micro-batch short of device memory for its buffers
+  // may take back (HeadRegistry sets it); null: it takes back only its own head's stash.
+  std::shared_ptr<StashLenders> stash_lenders;
 };
 
 // One micro-batch as it came off the wire.
@@ -141,6 +146,9 @@ class Head {
     kernels::Backend* const devices[] = {&backend};
     return Create(devices, spec, options);
   }
+  // Frees the head's device memory (each replica waits for its stream's work first), then the
+  // other heads' stashes that are off for want of memory on those devices try again
+  // (StashLenders::Freed).
   ~Head();
 
   // Checks only the spec's fields (name syntax excepted); no allocation.
@@ -255,17 +263,21 @@ class Head {
   size_t workspace_bytes() const;
   OptimizerFootprint optimizer_bytes() const;
   uint64_t weights_version() const;
-  // Device bytes of this head's deferred-dW stashes on `device`.
+  // Device bytes of this head's deferred-dW stashes on `device`, read without locks.
   size_t StashBytes(const kernels::Backend* device) const;
   // Gives those stashes' memory back, so that a buffer that only speeds micro-batches up never
   // stands in the way of memory that something needs: a new head, an optimizer's state, a
   // micro-batch's buffers. Each stash is added to dW first (nothing counted is lost), and the
-  // head adds to dW directly on that device until RetryStashes. Both take the compute locks of the
+  // head adds to dW directly on that device until RetryStashes. Takes the compute locks of the
   // replicas on `device`, one at a time. Returns the bytes given back.
   size_t ReleaseStashes(const kernels::Backend* device);
   // After memory on `device` was freed: the stashes there that are off for want of memory
-  // (given back, or never fitted) are tried again at their next micro-batch.
+  // (given back, or never fitted) are tried again at their next micro-batch. Takes no lock.
   void RetryStashes(const kernels::Backend* device);
+  // ReleaseStashes for another head's micro-batch (StashLenders), which holds compute locks of
+  // its own: only the replicas on `device` whose compute lock is free at once give their stash
+  // back (one at work keeps it).
+  size_t TryReleaseStashes(const kernels::Backend* device);
 
   // What the head holds on each of its devices, in rank order (HeadInfo.device_memory).
   struct DeviceShare {
@@ -317,7 +329,8 @@ class Head {
   // Grows `buffer` on `replica` (which the caller owns exclusively: under its compute lock, as
   // `compute_locked` says, or in its I/O slot). When the device is full and the replica's stash
   // holds enough to make room, the stash gives way (ReleaseStash) and the allocation is tried
-  // once more.
+  // once more; then, where the other heads' idle stashes on the device would make room, those
+  // (options_.stash_lenders).
   absl::Status EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes,
                             bool compute_locked);
   // Grows `slot`'s staging buffer; false where the backend needs none (copy directly).
@@ -349,7 +362,7 @@ class Head {
   absl::Status StageOut(const Prepared& p, Replica& replica, IoSlot& slot, std::string* grad_hidden,
                         std::vector<float>* per_token);
 
-  const std::unique_ptr<ReplicaGroup> group_;
+  std::unique_ptr<ReplicaGroup> group_;  // reset first in ~Head
   const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_
   const kernels::DType dtype_;
   const HeadOptions options_;

@@ -1,7 +1,9 @@
 #include "server/engine/head_registry.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -13,7 +15,58 @@ namespace {
 // Bytes per element of a validated weight dtype.
 uint64_t WeightDTypeBytes(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 : 2; }
 
+HeadOptions WithLenders(HeadOptions options) {
+  if (options.stash_lenders == nullptr) options.stash_lenders = std::make_shared<StashLenders>();
+  return options;
+}
+
 }  // namespace
+
+void StashLenders::Add(const std::shared_ptr<Head>& head) {
+  absl::MutexLock lock(&mu_);
+  std::erase_if(heads_, [](const std::weak_ptr<Head>& h) { return h.expired(); });
+  heads_.push_back(head);
+}
+
+void StashLenders::Freed(std::span<kernels::Backend* const> devices) {
+  std::vector<std::shared_ptr<Head>> heads;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::weak_ptr<Head>& weak : heads_) {
+      if (std::shared_ptr<Head> head = weak.lock(); head != nullptr) heads.push_back(head);
+    }
+  }
+  for (const std::shared_ptr<Head>& head : heads) {
+    for (const kernels::Backend* device : devices) head->RetryStashes(device);
+  }
+}
+
+size_t StashLenders::TakeBack(kernels::Backend& device, const Head* asking, size_t bytes) {
+  std::vector<std::shared_ptr<Head>> others;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::weak_ptr<Head>& weak : heads_) {
+      std::shared_ptr<Head> head = weak.lock();
+      if (head != nullptr && head.get() != asking) others.push_back(std::move(head));
+    }
+  }
+  const kernels::MemoryInfo memory = device.memory_info();
+  if (memory.total_bytes == 0 || bytes <= memory.free_bytes) return 0;
+  size_t held = 0;
+  for (const std::shared_ptr<Head>& head : others) held += head->StashBytes(&device);
+  // Only where that makes room: a buffer that would not fit even so leaves the stashes be.
+  if (held == 0 || bytes > memory.free_bytes + held) return 0;
+  size_t released = 0;
+  for (const std::shared_ptr<Head>& head : others) {
+    released += head->TryReleaseStashes(&device);
+    if (bytes <= memory.free_bytes + released) break;
+  }
+  return released;
+}
+
+HeadRegistry::HeadRegistry(std::vector<kernels::Backend*> devices, HeadOptions options,
+                           HeadLimits limits)
+    : devices_(std::move(devices)), options_(WithLenders(std::move(options))), limits_(limits) {}
 
 absl::Status HeadRegistry::CheckHeadBytes(const v1::HeadSpec& spec) const {
   // V < 2^31 and D < 2^63 after validation; the product is checked in 128 bits. Each optimizer
@@ -91,7 +144,10 @@ absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Create(const v1::HeadSpec& s
       devices.ok() ? Head::Create(*devices, spec, options_) : devices.status();
   absl::MutexLock lock(&mu_);
   creating_.erase(spec.name());
-  if (head.ok()) heads_.emplace(spec.name(), *head);
+  if (head.ok()) {
+    options_.stash_lenders->Add(*head);
+    heads_.emplace(spec.name(), *head);
+  }
   return head;
 }
 
@@ -133,6 +189,7 @@ absl::Status HeadRegistry::Adopt(std::shared_ptr<Head> head) {
   if (heads_.contains(name) || creating_.contains(name)) {
     return absl::AlreadyExistsError(absl::StrCat("head '", name, "' already exists"));
   }
+  options_.stash_lenders->Add(head);
   heads_.emplace(name, std::move(head));
   return absl::OkStatus();
 }
@@ -165,12 +222,9 @@ absl::Status HeadRegistry::Delete(const std::string& name) {
     doomed = std::move(it->second);
     heads_.erase(it);
   }
-  // Its memory is free now, unless work still holds it: stashes that gave way try again.
-  const std::vector<kernels::Backend*> freed = doomed->devices();
+  // Its memory is freed now, or when the work still holding it ends: either way ~Head then has
+  // the stashes that gave way try again.
   doomed.reset();
-  for (const std::shared_ptr<Head>& head : List()) {
-    for (const kernels::Backend* device : freed) head->RetryStashes(device);
-  }
   return absl::OkStatus();
 }
 

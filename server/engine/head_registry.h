@@ -34,11 +34,30 @@ struct HeadLimits {
   uint64_t max_head_bytes = std::numeric_limits<uint64_t>::max();
 };
 
+// The heads of a server, as lenders of their deferred-dW stashes to a micro-batch of another head
+// whose buffers do not fit its device (Head::EnsureBuffer). That micro-batch holds compute locks of
+// its own, so nothing here waits for a lock: a head at work on the device keeps its stash.
+class StashLenders {
+ public:
+  void Add(const std::shared_ptr<Head>& head);
+  // A head's memory on `devices` was freed: every other head's stash there that is off for want of
+  // memory tries again at its next micro-batch (Head::RetryStashes; takes no lock).
+  void Freed(std::span<kernels::Backend* const> devices);
+  // Where `bytes` are not free on `device` but would be with the other heads' stashes there, gives
+  // those back (Head::TryReleaseStashes), head by head until the bytes are free. Returns the bytes
+  // given back (0 where that would not make room: the stashes are left be).
+  size_t TakeBack(kernels::Backend& device, const Head* asking, size_t bytes);
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::weak_ptr<Head>> heads_ ABSL_GUARDED_BY(mu_);  // a deleted head's expire
+};
+
 class HeadRegistry {
  public:
   // Heads go on `devices` (the server's, in its order; at least one), which outlive the registry.
-  HeadRegistry(std::vector<kernels::Backend*> devices, HeadOptions options, HeadLimits limits = {})
-      : devices_(std::move(devices)), options_(options), limits_(limits) {}
+  // Its heads lend their stashes to each other (StashLenders), unless `options` names lenders.
+  HeadRegistry(std::vector<kernels::Backend*> devices, HeadOptions options, HeadLimits limits = {});
   HeadRegistry(kernels::Backend& backend, HeadOptions options, HeadLimits limits = {})
       : HeadRegistry(std::vector<kernels::Backend*>{&backend}, options, limits) {}
 
@@ -60,8 +79,8 @@ class HeadRegistry {
   absl::StatusOr<std::shared_ptr<Head>> Get(const std::string& name) const;
   // Sorted by name.
   std::vector<std::shared_ptr<Head>> List() const;
-  // Removes the name at once; the head's memory is freed when the work still holding it ends.
-  // The other heads' stashes that gave way on its devices are tried again (Head::RetryStashes).
+  // Removes the name at once; the head's memory is freed when the work still holding it ends,
+  // and the other heads' stashes that gave way on its devices are tried again then (~Head).
   absl::Status Delete(const std::string& name);
   size_t size() const;
   const HeadOptions& head_options() const { return options_; }

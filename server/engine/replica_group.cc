@@ -136,6 +136,7 @@ size_t ReplicaGroup::ReleaseStash(Replica& r) {
   r.stash_capacity = -1;
   const size_t bytes = r.stash.bytes();
   r.stash.Reset();
+  r.stash_held = 0;
   r.scratch_bytes -= bytes;
   return bytes;
 }

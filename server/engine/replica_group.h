@@ -86,8 +86,11 @@ struct Replica {
   kernels::DeviceBuffer stash ABSL_GUARDED_BY(compute_mu);
   int64_t stash_capacity ABSL_GUARDED_BY(compute_mu) = 0;
   // -1 for want of memory only (the stash did not fit, or gave way): sized again at the next
-  // micro-batch once a deleted head has freed memory on this device (Head::RetryStashes).
+  // micro-batch once a head has freed its memory on this device (stash_retry).
   bool stash_wanted ABSL_GUARDED_BY(compute_mu) = false;
+  // Set without the lock when memory on this device was freed (Head::RetryStashes), taken by the
+  // next micro-batch.
+  std::atomic<bool> stash_retry{false};
   int64_t stash_tokens ABSL_GUARDED_BY(compute_mu) = 0;
   // A flush that failed since the last cut: its tokens are counted but not in dW. The next cut
   // answers it (DATA_LOSS) and clears it.
@@ -96,6 +99,8 @@ struct Replica {
   // look without the lock.
   std::atomic<int64_t> stashed_tokens{0};
   std::atomic<int64_t> last_run_end_ns{0};
+  // stash.bytes(), for a look without the lock (Head::StashBytes).
+  std::atomic<size_t> stash_held{0};
 
   // I/O slots: a micro-batch takes one for its copies in, its run and its copies out. Three let
   // one run while the next is copied in and the previous is copied out.

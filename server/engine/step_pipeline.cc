@@ -22,6 +22,7 @@
 #include "losshead/v1/wire_dtype.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
+#include "server/engine/head_registry.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/replica_group.h"
 #include "server/engine/request_fingerprint.h"
@@ -290,6 +291,11 @@ absl::Status Head::EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer,
       fresh = replica.backend.Allocate(bytes);
     }
   }
+  // Then the other heads' stashes on the device, those that are idle.
+  if (absl::IsResourceExhausted(fresh.status()) && options_.stash_lenders != nullptr &&
+      options_.stash_lenders->TakeBack(replica.backend, this, bytes) > 0) {
+    fresh = replica.backend.Allocate(bytes);
+  }
   if (!fresh.ok()) {
     replica.scratch_bytes -= old;
     return AsResourceExhausted(fresh.status(), "micro-batch buffers");
@@ -301,6 +307,11 @@ absl::Status Head::EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer,
 
 absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
                                                   const kernels::Problem& problem) {
+  // Memory was freed on this device since the stash gave way or did not fit: try again.
+  if (replica.stash_capacity == -1 && replica.stash_retry.exchange(false) &&
+      std::exchange(replica.stash_wanted, false)) {
+    replica.stash_capacity = 0;
+  }
   if (replica.stash_capacity == 0) {
     // First use on this device: the most tokens the budget holds, or none.
     replica.stash_capacity = -1;
@@ -313,6 +324,7 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
       if (stash.ok()) {
         replica.stash = std::move(*stash);
         replica.stash_capacity = capacity;
+        replica.stash_held = bytes;
         replica.scratch_bytes += bytes;
       } else {
         replica.stash_wanted = true;
@@ -337,17 +349,31 @@ void Head::ForEachReplicaOn(const kernels::Backend* device,
   }
 }
 
+void Head::RetryStashes(const kernels::Backend* device) {
+  for (const auto& r : group_->replicas()) {
+    if (&r->backend == device) r->stash_retry = true;  // taken by the next micro-batch (StashFor)
+  }
+}
+
 size_t Head::StashBytes(const kernels::Backend* device) const {
   size_t bytes = 0;
-  ForEachReplicaOn(device, [&](Replica& r) { bytes += r.stash.bytes(); });
+  for (const auto& r : group_->replicas()) {
+    if (&r->backend == device) bytes += r->stash_held.load();
+  }
   return bytes;
 }
 
-void Head::RetryStashes(const kernels::Backend* device) {
-  ForEachReplicaOn(device, [](Replica& r) {
-    if (std::exchange(r.stash_wanted, false))
-      r.stash_capacity = 0;  // sized at the next micro-batch
-  });
+size_t Head::TryReleaseStashes(const kernels::Backend* device) {
+  size_t released = 0;
+  for (const auto& r : group_->replicas()) {
+    // A replica at work keeps its stash: the caller holds compute locks of its own, so waiting
+    // here for this one could deadlock.
+    if (&r->backend != device || !r->compute_mu.TryLock()) continue;
+    released += group_->ReleaseStash(*r);
+    r->compute_mu.Unlock();
+  }
+  if (released > 0) ReportReleasedStash(name(), released);
+  return released;
 }
 
 size_t Head::ReleaseStashes(const kernels::Backend* device) {

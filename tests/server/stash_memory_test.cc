@@ -2,7 +2,10 @@
 // something needs: a new head, an optimizer's state, a larger micro-batch's buffers. On a device
 // that is full, the stash is added to dW and freed, nothing counted is lost, and the head adds to
 // dW directly until a deleted head frees memory there; what does not fit even so is refused and
-// changes nothing. A CPU backend with a memory limit stands in for the device.
+// changes nothing. A micro-batch short of memory takes back its own head's stash first, then
+// those of other heads at rest on the device. A stash that gave way is tried again once a head's
+// memory on its device is freed (when the last work holding a deleted head ends). A CPU backend
+// with a memory limit stands in for the device.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -146,11 +149,15 @@ TEST(StashMemoryTest, ANewHeadThatNeedsTheMemoryGetsTheOtherHeadsStash) {
   EXPECT_EQ((*a)->workspace_bytes(), workspace - stash);
   ExpectWindow(**a, w, samples, "a's dW after more micro-batches");
 
-  // Once b is deleted, a takes a stash again at its next micro-batch.
-  b->reset();
+  // b is deleted while something (here the test) still holds it: its memory stays, and a goes on
+  // without a stash.
   ASSERT_TRUE(registry.Delete("b").ok());
-  EXPECT_EQ((*a)->workspace_bytes(), workspace - stash);
   samples.push_back(Micro("a", 5, 5));
+  ASSERT_TRUE(StepOnce(**a, samples.back()).ok());
+  EXPECT_EQ((*a)->workspace_bytes(), workspace - stash);
+  // Once b's memory is freed, a takes a stash again at its next micro-batch.
+  b->reset();
+  samples.push_back(Micro("a", 5, 6));
   ASSERT_TRUE(StepOnce(**a, samples.back()).ok());
   EXPECT_EQ((*a)->workspace_bytes(), workspace);
   EXPECT_EQ(device->flushes.load(), 1);
@@ -199,6 +206,44 @@ TEST(StashMemoryTest, ALargerMicroBatchThatNeedsTheMemoryGetsItsHeadsStash) {
   EXPECT_EQ(device->allocated(), f.after_small + f.big_adds);
   EXPECT_EQ(device->flushes.load(), 1);
   ExpectWindow(**head, w, samples, "dW of both micro-batches");
+}
+
+TEST(StashMemoryTest, ALargerMicroBatchThatNeedsTheMemoryGetsAnotherHeadsStash) {
+  const Footprint f = MeasureFootprint();
+  std::unique_ptr<FaultyBackend> probe = LimitedDevice(kRoomy);
+  const size_t stash = StashBytes(*probe);
+  ASSERT_LT(stash / 2, f.big_adds);
+  std::unique_ptr<FaultyBackend> device = LimitedDevice(kRoomy);
+  HeadRegistry registry(*device, WithStash(stash));
+  auto a = registry.Create(Spec("a", kV));
+  auto b = registry.Create(Spec("b", kV));
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  const std::vector<float> w = testing::Decode(testing::Weights(**a), v1::DTYPE_FP32);
+  ASSERT_EQ(testing::Decode(testing::Weights(**b), v1::DTYPE_FP32), w);  // the same init
+  std::vector<Sample> at_a = {Micro("a", 6, 1), Micro("a", 7, 2)};
+  for (const Sample& s : at_a) ASSERT_TRUE(StepOnce(**a, s).ok());
+  const size_t workspace = (*a)->workspace_bytes();
+  ASSERT_GE(workspace, stash);
+
+  // b's first micro-batch finds room for its buffers but not for a stash of its own...
+  const size_t small_buffers = f.after_small - kV * kD * 2 * sizeof(float);  // less W and dW
+  device->LimitMemory(device->allocated() + small_buffers + stash - 1);
+  std::vector<Sample> at_b = {Micro("b", 2, 1)};
+  ASSERT_TRUE(StepOnce(**b, at_b[0]).ok());
+  ASSERT_EQ((*b)->workspace_bytes() + kV * kD * 2 * sizeof(float), f.after_small);
+  // ...and its larger one half a stash too little: a's idle stash makes up the difference.
+  device->LimitMemory(device->allocated() + f.big_adds - stash / 2);
+  at_b.push_back(Micro("b", 64, 2));
+  ASSERT_TRUE(StepOnce(**b, at_b[1]).ok());
+  EXPECT_EQ((*a)->workspace_bytes(), workspace - stash);
+  EXPECT_EQ(device->flushes.load(), 1);
+
+  // Nothing a counted is lost, and it goes on adding to dW directly.
+  at_a.push_back(Micro("a", 5, 3));
+  ASSERT_TRUE(StepOnce(**a, at_a.back()).ok());
+  EXPECT_EQ(device->flushes.load(), 1);
+  ExpectWindow(**a, w, at_a, "a's dW once b took its stash");
+  ExpectWindow(**b, w, at_b, "b's dW");
 }
 
 TEST(StashMemoryTest, AMicroBatchThatDoesNotFitEvenWithoutTheStashChangesNothing) {
