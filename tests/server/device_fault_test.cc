@@ -304,5 +304,78 @@ TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) 
   EXPECT_EQ((*head)->Info().microbatches_total(), 1u);
 }
 
+// The same head sharded over two such devices with deferred dW, each shard's stash holding one
+// micro-batch: a flush that fails on one shard loses that shard's columns only. The micro-batch
+// that needed the flush is not run (its retry counts once), the next cut answers DATA_LOSS, and
+// the one after holds both micro-batches' counts, the first one's dW on the shard whose flush went
+// through and not on the other.
+TEST(ShardedDeviceFaultTest, AFailedFlushOnOneShardIsAnsweredByTheNextCut) {
+  std::vector<std::unique_ptr<FaultyBackend>> owned;
+  std::vector<kernels::Backend*> devices;
+  for (int r = 0; r < 2; ++r) {
+    owned.push_back(
+        std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
+    devices.push_back(owned.back().get());
+  }
+  v1::HeadSpec spec = DeviceFaultTest::Spec();
+  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
+  spec.mutable_placement()->set_devices(2);
+  // Sized for the wider shard's columns: each shard's stash holds one micro-batch, not two.
+  const kernels::Shard s0 = kernels::ShardRange(kV, 2, 0), s1 = kernels::ShardRange(kV, 2, 1);
+  const kernels::Shard wide = s0.size() >= s1.size() ? s0 : s1;
+  const kernels::ShardProblem shape{
+      .problem = {.n = kN, .d = kD, .v = kV, .dtype = kernels::DType::kFP32},
+      .row_begin = wide.begin,
+      .rows = wide.size(),
+      .shards = 2};
+  auto bytes = owned[0]->GradStashBytes(kernels::ShardStashShape(shape), kN);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto head = Head::Create(devices, spec, HeadOptions{.grad_stash_bytes = *bytes});
+  ASSERT_TRUE(head.ok()) << head.status();
+  auto w = (*head)->DownloadWeights(v1::DTYPE_FP32);
+  ASSERT_TRUE(w.ok()) << w.status();
+  const std::vector<float> weights = FromBytes<float>(w->data);
+  StepStats stats;
+
+  const MicroBatch first = DeviceFaultTest::Batch(11, "c", 1);
+  const MicroBatch second = DeviceFaultTest::Batch(12, "c", 2);
+  ASSERT_TRUE((*head)->Step(first, &stats).ok());
+  EXPECT_EQ(owned[0]->flushes.load() + owned[1]->flushes.load(), 0);  // stashed on both shards
+  owned[1]->fail_flush = true;
+  auto failed = (*head)->Step(second, &stats);
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_NE(failed.status().message().find("dW lacks them"), absl::string_view::npos)
+      << failed.status();
+  EXPECT_EQ(owned[0]->flushes.load(), 1);
+  EXPECT_EQ(owned[1]->flushes.load(), 1);
+  auto retry = (*head)->Step(second, &stats);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_FALSE(stats.replayed);
+  EXPECT_EQ(owned[0]->runs.load(), 2);
+
+  auto pull = (*head)->PullGradient(v1::DTYPE_FP32, /*reset=*/true);
+  ASSERT_EQ(pull.status().code(), absl::StatusCode::kDataLoss) << pull.status();
+  auto dropped = (*head)->PullGradient(v1::DTYPE_FP32, /*reset=*/true);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->summary.microbatch_count(), 2u);
+  // Sum-reduced micro-batches: each one's dW is the mean reference's times its tokens.
+  auto sum_dw = [&](const MicroBatch& mb) {
+    const auto ref = testing::ReferenceMean(FromBytes<float>(mb.hidden), weights,
+                                            FromBytes<int32_t>(mb.targets), kN, kD, kV);
+    std::vector<double> dw(ref.grad_weight.size());
+    for (size_t i = 0; i < dw.size(); ++i) dw[i] = ref.grad_weight[i] * ref.tokens;
+    return dw;
+  };
+  const std::vector<double> dw_first = sum_dw(first), dw_second = sum_dw(second);
+  const std::vector<float> dw = FromBytes<float>(dropped->data);
+  ASSERT_EQ(dw.size(), dw_first.size());
+  const kernels::Shard lost = kernels::ShardRange(kV, 2, 1);
+  for (size_t i = 0; i < dw.size(); ++i) {
+    const int64_t row = static_cast<int64_t>(i) / kD;
+    const bool kept = row < lost.begin || row >= lost.end;
+    ASSERT_NEAR(dw[i], dw_second[i] + (kept ? dw_first[i] : 0.0), 1e-4) << "row " << row;
+  }
+}
+
 }  // namespace
 }  // namespace losshead::server
