@@ -31,7 +31,7 @@
 namespace losshead::testing {
 namespace {
 
-// The fault-free run, once per dtype, with dW accumulated directly.
+// The fault-free run, once per dtype, on one device with dW accumulated directly.
 struct Reference {
   FinalState final;
   uint64_t workspace_bytes = 0;  // the head's, at the end
@@ -39,10 +39,11 @@ struct Reference {
   std::map<uint64_t, client::StepResult> answers;
 };
 
-const Reference& ReferenceFor(const TrainConfig& config) {
+const Reference& ReferenceFor(TrainConfig config) {
   static auto* cache = new std::map<int, Reference>();
   auto it = cache->find(config.dtype);
   if (it != cache->end()) return it->second;
+  config.placement.Clear();  // on one device, whatever the faulted run's placement
   const std::string dir = RecoveryTempDir();
   Reference ref;
   {
@@ -67,16 +68,34 @@ const Reference& ReferenceFor(const TrainConfig& config) {
   return cache->emplace(config.dtype, std::move(ref)).first->second;
 }
 
-using KillRestartParam = std::tuple<v1::DType, DwAccumulation>;
+struct KillRestartParam {
+  v1::DType dtype;
+  DwAccumulation accumulation;
+  // The head on 2 CPU devices, replicated or vocabulary-sharded; unspecified: one device.
+  v1::PlacementKind placement = v1::PLACEMENT_UNSPECIFIED;
+};
+
+std::string ParamName(const ::testing::TestParamInfo<KillRestartParam>& info) {
+  const KillRestartParam& p = info.param;
+  std::string name = absl::StrCat(v1::DType_Name(p.dtype), "_", AccumulationName(p.accumulation));
+  if (p.placement == v1::PLACEMENT_REPLICATED) absl::StrAppend(&name, "_replicated2");
+  if (p.placement == v1::PLACEMENT_SHARDED) absl::StrAppend(&name, "_sharded2");
+  return name;
+}
 
 class KillRestartTest : public ::testing::TestWithParam<KillRestartParam> {
  protected:
   void SetUp() override {
     dir_ = RecoveryTempDir();
     ASSERT_FALSE(dir_.empty());
-    config_.dtype = std::get<0>(GetParam());
-    accumulation_ = std::get<1>(GetParam());
+    config_.dtype = GetParam().dtype;
+    accumulation_ = GetParam().accumulation;
+    if (GetParam().placement != v1::PLACEMENT_UNSPECIFIED) {
+      config_.placement.set_kind(GetParam().placement);
+      config_.placement.set_devices(2);
+    }
   }
+  bool OneDevice() const { return GetParam().placement == v1::PLACEMENT_UNSPECIFIED; }
   void TearDown() override {
     process_.reset();
     std::filesystem::remove_all(dir_);
@@ -85,6 +104,7 @@ class KillRestartTest : public ::testing::TestWithParam<KillRestartParam> {
   std::vector<std::string> Flags() const {
     std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2",
                                       "--checkpoint_dir=" + dir_ + "/ckpt"};
+    if (!OneDevice()) flags.push_back("--devices=0,1");  // two CPU devices
     for (const std::vector<std::string>& more :
          {AccumulationFlags(accumulation_, config_.vocab, config_.hidden, config_.tokens),
           extra_flags_}) {
@@ -140,9 +160,17 @@ class KillRestartTest : public ::testing::TestWithParam<KillRestartParam> {
 
   void ExpectEqualsReference(const Trainer& trainer, const std::string& scenario) {
     const Reference& ref = ReferenceFor(config_);
-    RunComparison compare(accumulation_);
+    // Against the one-device fault-free run, whatever this run's placement.
+    RunComparison compare(accumulation_, OneDevice());
     auto final = trainer.Final(*client_);
     ASSERT_TRUE(final.ok()) << final.status();
+    if (!OneDevice()) {
+      // Restored whole, on both devices.
+      auto info = client_->GetHead(kTrainHead);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->spec().placement().kind(), GetParam().placement);
+      EXPECT_EQ(info->devices_size(), 2);
+    }
     compare.Tensor(final->weights, ref.final.weights, config_.dtype, "final W");
     compare.Tensor(final->gradient, ref.final.gradient, v1::DTYPE_FP32, "final dW");
     EXPECT_EQ(final->weights_version, ref.final.weights_version);
@@ -165,15 +193,18 @@ class KillRestartTest : public ::testing::TestWithParam<KillRestartParam> {
       compare.Answer(answer, ref.answers.at(seq), config_.dtype,
                      absl::StrCat("sequence ", seq, ", answered again"));
     }
-    if (!compare.exact()) {
+    if (accumulation_ == DwAccumulation::kDeferred && OneDevice()) {
       // The stash was there: the head's workspace holds it on top of the direct run's buffers.
       EXPECT_GT(HeadWorkspaceBytes(*client_, kTrainHead), ref.workspace_bytes);
     }
     std::printf(
-        "[figures] %s dtype=%s dW=%s: micro-batches %zu, first sends %d, resent %d (replayed "
+        "[figures] %s dtype=%s dW=%s%s: micro-batches %zu, first sends %d, resent %d (replayed "
         "%d), acknowledged then lost in a crash %llu, kills %d, restarts %d, largest deviation "
         "from the fault-free run %.3g, within bounds: %s\n",
         scenario.c_str(), v1::DType_Name(config_.dtype).c_str(), AccumulationName(accumulation_),
+        OneDevice() ? ""
+                    : (GetParam().placement == v1::PLACEMENT_SHARDED ? ", sharded over 2"
+                                                                     : ", replicated on 2"),
         ref.answers.size(), trainer.first_sends(), trainer.resends(), trainer.replays(),
         static_cast<unsigned long long>(lost_acknowledged_), kills_, starts_ - 1, compare.worst(),
         ::testing::Test::HasFailure() ? "no" : "yes");
@@ -343,14 +374,21 @@ TEST_P(KillRestartTest, RandomKillsWithPeriodicCheckpoints) {
   ExpectEqualsReference(trainer, "random kills, checkpoints every 20 ms");
 }
 
-INSTANTIATE_TEST_SUITE_P(Runs, KillRestartTest,
-                         ::testing::Combine(::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16),
-                                            ::testing::Values(DwAccumulation::kDirect,
-                                                              DwAccumulation::kDeferred)),
-                         [](const ::testing::TestParamInfo<KillRestartParam>& info) {
-                           return absl::StrCat(v1::DType_Name(std::get<0>(info.param)), "_",
-                                               AccumulationName(std::get<1>(info.param)));
-                         });
+// Every scenario on one device with both accumulations, and with the server's default (deferred)
+// on a head replicated on or sharded over two CPU devices: restored whole from its checkpoint,
+// its runs equal the one-device fault-free run up to summation order.
+INSTANTIATE_TEST_SUITE_P(
+    Runs, KillRestartTest,
+    ::testing::Values(
+        KillRestartParam{v1::DTYPE_FP32, DwAccumulation::kDirect},
+        KillRestartParam{v1::DTYPE_FP32, DwAccumulation::kDeferred},
+        KillRestartParam{v1::DTYPE_BF16, DwAccumulation::kDirect},
+        KillRestartParam{v1::DTYPE_BF16, DwAccumulation::kDeferred},
+        KillRestartParam{v1::DTYPE_FP32, DwAccumulation::kDeferred, v1::PLACEMENT_REPLICATED},
+        KillRestartParam{v1::DTYPE_BF16, DwAccumulation::kDeferred, v1::PLACEMENT_REPLICATED},
+        KillRestartParam{v1::DTYPE_FP32, DwAccumulation::kDeferred, v1::PLACEMENT_SHARDED},
+        KillRestartParam{v1::DTYPE_BF16, DwAccumulation::kDeferred, v1::PLACEMENT_SHARDED}),
+    ParamName);
 
 // A corrupt or torn checkpoint: the server refuses to start, naming the file.
 TEST(CorruptCheckpointTest, ServerRefusesToStart) {

@@ -74,10 +74,19 @@ const Reference& TheReference() {
   return *ref;
 }
 
-// The scenarios below run once with each DwAccumulation.
+// The scenarios below run once with each DwAccumulation; the random kills also with the head
+// replicated on, or sharded over, two CPU devices (ZeRO-1 AdamW: each device steps its rows).
 class OptimizerKillRestartBase : public ::testing::Test {
  protected:
-  explicit OptimizerKillRestartBase(DwAccumulation accumulation) : accumulation_(accumulation) {}
+  explicit OptimizerKillRestartBase(DwAccumulation accumulation,
+                                    v1::PlacementKind placement = v1::PLACEMENT_UNSPECIFIED)
+      : accumulation_(accumulation), placement_(placement) {
+    if (!OneDevice()) {
+      config_.run.placement.set_kind(placement);
+      config_.run.placement.set_devices(2);
+    }
+  }
+  bool OneDevice() const { return placement_ == v1::PLACEMENT_UNSPECIFIED; }
 
   void SetUp() override {
     dir_ = RecoveryTempDir();
@@ -92,6 +101,7 @@ class OptimizerKillRestartBase : public ::testing::Test {
   void StartServer() {
     std::vector<std::string> flags = {"--backend=cpu", "--worker_threads=2",
                                       "--checkpoint_dir=" + dir_ + "/ckpt", checkpoint_interval_};
+    if (!OneDevice()) flags.push_back("--devices=0,1");  // two CPU devices
     for (const std::string& flag : AccumulationFlags(accumulation_, kConfig.run.vocab,
                                                      kConfig.run.hidden, kConfig.run.tokens)) {
       flags.push_back(flag);
@@ -136,9 +146,16 @@ class OptimizerKillRestartBase : public ::testing::Test {
 
   void ExpectEqualsReference(const OptimizerTrainer& trainer, const std::string& scenario) {
     const Reference& ref = TheReference();
-    RunComparison compare(accumulation_);
+    // Against the one-device fault-free run, whatever this run's placement.
+    RunComparison compare(accumulation_, OneDevice());
     auto final = trainer.Final(*client_);
     ASSERT_TRUE(final.ok()) << final.status();
+    if (!OneDevice()) {
+      // Restored whole, on both devices.
+      const v1::HeadInfo info = Head();
+      EXPECT_EQ(info.spec().placement().kind(), placement_);
+      EXPECT_EQ(info.devices_size(), 2);
+    }
     compare.Tensor(final->weights, ref.final.weights, kConfig.run.dtype, "final W");
     compare.Tensor(final->gradient, ref.final.gradient, v1::DTYPE_FP32, "final dW");
     EXPECT_EQ(final->optimizer_step, static_cast<uint64_t>(kConfig.run.steps));
@@ -179,7 +196,7 @@ class OptimizerKillRestartBase : public ::testing::Test {
       compare.Answer(answer, ref.answers.at(seq), kConfig.run.dtype,
                      absl::StrCat("sequence ", seq, ", answered again"));
     }
-    if (!compare.exact()) {
+    if (accumulation_ == DwAccumulation::kDeferred && OneDevice()) {
       // The stash was there: the head's workspace holds it on top of the direct run's buffers.
       EXPECT_GT(HeadWorkspaceBytes(*client_, kTrainHead), ref.workspace_bytes);
     }
@@ -188,17 +205,23 @@ class OptimizerKillRestartBase : public ::testing::Test {
       min_coefficient = std::min(min_coefficient, answer.clip_coefficient());
     }
     std::printf(
-        "[figures] %s, dW=%s: applies %zu (smallest clip coefficient %.3f), apply sends %d, "
+        "[figures] %s, dW=%s%s: applies %zu (smallest clip coefficient %.3f), apply sends %d, "
         "resent %d (replayed %d), answered then lost in a crash %d; micro-batches %zu, resent %d "
         "(replayed %d); kills %d, restarts %d; largest deviation from the fault-free run %.3g, "
         "within bounds: %s\n",
-        scenario.c_str(), AccumulationName(accumulation_), ref.applies.size(), min_coefficient,
-        trainer.apply_sends(), trainer.apply_resends(), trainer.apply_replays(),
-        trainer.lost_applies(), ref.answers.size(), sent.resends(), sent.replays(), kills_,
-        starts_ - 1, compare.worst(), ::testing::Test::HasFailure() ? "no" : "yes");
+        scenario.c_str(), AccumulationName(accumulation_),
+        OneDevice()
+            ? ""
+            : (placement_ == v1::PLACEMENT_SHARDED ? ", sharded over 2" : ", replicated on 2"),
+        ref.applies.size(), min_coefficient, trainer.apply_sends(), trainer.apply_resends(),
+        trainer.apply_replays(), trainer.lost_applies(), ref.answers.size(), sent.resends(),
+        sent.replays(), kills_, starts_ - 1, compare.worst(),
+        ::testing::Test::HasFailure() ? "no" : "yes");
   }
 
   const DwAccumulation accumulation_;
+  const v1::PlacementKind placement_;
+  OptimizerTrainConfig config_ = kConfig;  // with the placement
   std::string dir_;
   std::string checkpoint_interval_ = "--checkpoint_interval=0";
   std::unique_ptr<ServerProcess> process_;
@@ -235,7 +258,7 @@ TEST(OptimizerReferenceTest, ClipsSomeApplies) {
 // which the restored record of applies does not hold. The answer equals the first.
 TEST_P(OptimizerKillRestartTest, AnsweredApplyLostBeforeCheckpoint) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
-  OptimizerTrainer trainer(kConfig);
+  OptimizerTrainer trainer(config_);
   bool killed = false;
   Hook hook = [&](const Event& e) -> absl::Status {
     if (killed) return absl::OkStatus();
@@ -265,7 +288,7 @@ TEST_P(OptimizerKillRestartTest, AnsweredApplyLostBeforeCheckpoint) {
 // record (replayed) with the original answer, and steps nothing.
 TEST_P(OptimizerKillRestartTest, AnswerLostAfterCheckpointedApply) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
-  OptimizerTrainer trainer(kConfig);
+  OptimizerTrainer trainer(config_);
   bool killed = false;
   Hook hook = [&](const Event& e) -> absl::Status {
     if (killed || !Is(e, TrainEvent::kApplyAnswered, 2)) return absl::OkStatus();
@@ -290,7 +313,7 @@ TEST_P(OptimizerKillRestartTest, AnswerLostAfterCheckpointedApply) {
 // retry with the same key steps for the first time.
 TEST_P(OptimizerKillRestartTest, AnswerAndApplyLostTogether) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
-  OptimizerTrainer trainer(kConfig);
+  OptimizerTrainer trainer(config_);
   bool killed = false;
   Hook hook = [&](const Event& e) -> absl::Status {
     if (killed) return absl::OkStatus();
@@ -316,7 +339,7 @@ TEST_P(OptimizerKillRestartTest, AnswerAndApplyLostTogether) {
 // its socket, sent and never answered. The retry after the restart steps for the first time.
 TEST_P(OptimizerKillRestartTest, KillWithApplyInFlight) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
-  OptimizerTrainer trainer(kConfig);
+  OptimizerTrainer trainer(config_);
   bool killed = false;
   Hook hook = [&](const Event& e) -> absl::Status {
     if (killed || !Is(e, TrainEvent::kApplying, 3)) return absl::OkStatus();
@@ -355,17 +378,19 @@ INSTANTIATE_TEST_SUITE_P(Accumulations, OptimizerKillRestartTest,
 // Periodic checkpoints every 5 ms and three kills at seeded random moments (a random event, then
 // a random delay of up to 2 ms while the trainer goes on), so that they land anywhere: inside a
 // step, an apply or a checkpoint write. Whatever the cut, the result is exact.
-class OptimizerRandomKillTest
-    : public OptimizerKillRestartBase,
-      public ::testing::WithParamInterface<std::tuple<int, DwAccumulation>> {
+using RandomKillParam = std::tuple<int, DwAccumulation, v1::PlacementKind>;
+
+class OptimizerRandomKillTest : public OptimizerKillRestartBase,
+                                public ::testing::WithParamInterface<RandomKillParam> {
  protected:
-  OptimizerRandomKillTest() : OptimizerKillRestartBase(std::get<1>(GetParam())) {}
+  OptimizerRandomKillTest()
+      : OptimizerKillRestartBase(std::get<1>(GetParam()), std::get<2>(GetParam())) {}
 };
 
 TEST_P(OptimizerRandomKillTest, ResultIsExact) {
   checkpoint_interval_ = "--checkpoint_interval=5ms";
   ASSERT_NO_FATAL_FAILURE(StartServer());
-  OptimizerTrainer trainer(kConfig);
+  OptimizerTrainer trainer(config_);
   const int seed = std::get<0>(GetParam());
   // The run has 5 x (4 answers + 3 apply events) + 4 answers = 39 events.
   RandomKills kills(static_cast<uint32_t>(seed), /*window=*/12, /*max_delay_us=*/2000);
@@ -379,14 +404,25 @@ TEST_P(OptimizerRandomKillTest, ResultIsExact) {
                         "random kills, checkpoints every 5 ms, seed " + std::to_string(seed));
 }
 
+std::string RandomKillName(const ::testing::TestParamInfo<RandomKillParam>& info) {
+  const auto& [seed, accumulation, placement] = info.param;
+  std::string name = absl::StrCat(seed, "_", AccumulationName(accumulation));
+  if (placement == v1::PLACEMENT_REPLICATED) absl::StrAppend(&name, "_replicated2");
+  if (placement == v1::PLACEMENT_SHARDED) absl::StrAppend(&name, "_sharded2");
+  return name;
+}
+
 INSTANTIATE_TEST_SUITE_P(Seeds, OptimizerRandomKillTest,
                          ::testing::Combine(::testing::Values(11, 12, 13),
                                             ::testing::Values(DwAccumulation::kDirect,
-                                                              DwAccumulation::kDeferred)),
-                         [](const ::testing::TestParamInfo<std::tuple<int, DwAccumulation>>& info) {
-                           return absl::StrCat(std::get<0>(info.param), "_",
-                                               AccumulationName(std::get<1>(info.param)));
-                         });
+                                                              DwAccumulation::kDeferred),
+                                            ::testing::Values(v1::PLACEMENT_UNSPECIFIED)),
+                         RandomKillName);
+INSTANTIATE_TEST_SUITE_P(
+    Placed, OptimizerRandomKillTest,
+    ::testing::Combine(::testing::Values(11, 12), ::testing::Values(DwAccumulation::kDeferred),
+                       ::testing::Values(v1::PLACEMENT_REPLICATED, v1::PLACEMENT_SHARDED)),
+    RandomKillName);
 
 }  // namespace
 }  // namespace losshead::testing

@@ -54,6 +54,7 @@ absl::Status OptimizerTrainer::EnsureHead(client::Client& client, v1::HeadInfo* 
     spec.set_vocab_size(config_.run.vocab);
     spec.set_hidden_size(config_.run.hidden);
     spec.set_weight_dtype(config_.run.dtype);
+    *spec.mutable_placement() = config_.run.placement;
     spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
     got = client.CreateHead(spec);
   }

@@ -1,5 +1,6 @@
-// A faulted run against the fault-free one: bit for bit where dW is accumulated directly, within
-// summation order with deferred dW (see DwAccumulation).
+// A faulted run against the fault-free one: bit for bit where dW is accumulated directly on one
+// device, within summation order with deferred dW (see DwAccumulation) or over several devices
+// (a replicated head sums its replicas' dW, a sharded one combines its shards' statistics).
 #ifndef LOSSHEAD_TESTS_RECOVERY_RUN_COMPARISON_H_
 #define LOSSHEAD_TESTS_RECOVERY_RUN_COMPARISON_H_
 
@@ -18,15 +19,15 @@ double RelativeDeviation(const client::Bytes& got, const client::Bytes& want, v1
 // Each call adds a gtest failure when `got` is not close enough to `want`, and keeps the largest
 // deviation seen for the test's figures.
 //
-// Deferred dW's bound: each tensor within ToleranceFor(dtype) of its largest magnitude (fp32:
+// The bound where not exact: each tensor within ToleranceFor(dtype) of its largest magnitude (fp32:
 // 1e-4, bf16: 1e-2), which covers fp32 rounding and, for a bf16 head, W elements tipped to the
 // neighbouring bf16 value; losses and norms within the dtype's relative loss tolerance. A
 // micro-batch lost or counted twice moves a step's dW by a share of its micro-batches, far beyond
 // that, and the counters, which every caller compares exactly, catch it as well.
 class RunComparison {
  public:
-  explicit RunComparison(DwAccumulation accumulation)
-      : exact_(accumulation == DwAccumulation::kDirect) {}
+  explicit RunComparison(DwAccumulation accumulation, bool one_device = true)
+      : exact_(accumulation == DwAccumulation::kDirect && one_device) {}
 
   void Tensor(const client::Bytes& got, const client::Bytes& want, v1::DType dtype,
               const std::string& what);

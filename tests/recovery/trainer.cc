@@ -91,6 +91,7 @@ absl::Status Trainer::EnsureHead(client::Client& client, v1::HeadInfo* info) {
     spec.set_vocab_size(config_.vocab);
     spec.set_hidden_size(config_.hidden);
     spec.set_weight_dtype(config_.dtype);
+    *spec.mutable_placement() = config_.placement;
     got = client.CreateHead(spec);
   }
   if (!got.ok()) return got.status();

@@ -38,6 +38,9 @@ struct TrainConfig {
   int steps = 4;
   int per_step = 6;  // K
   float lr = 0.5f;
+  // The head's placement (HeadSpec.placement; unset: one device), on a server started with at
+  // least its devices.
+  v1::Placement placement;
 };
 
 // kApplying, kApplyAnswered and kApplied are OptimizerTrainer's (optimizer_trainer.h).
