@@ -12,6 +12,10 @@
 namespace losshead::kernels::cuda {
 
 inline absl::Status CudaError(cudaError_t err, const char* expr, const char* file, int line) {
+  // The failure is reported here, so the thread's last-error slot must not keep it: a failed
+  // cudaMalloc would otherwise fail the next kernel launch's check (LOSSHEAD_CUDA_CHECK_LAUNCH)
+  // of a run that is fine. Sticky errors (a broken context) are not cleared by this.
+  cudaGetLastError();
   // Out-of-memory is the caller's budget problem, not a broken device: keep the distinction.
   const std::string msg = absl::StrCat(file, ":", line, ": ", expr, " failed: ",
                                        cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
@@ -20,6 +24,7 @@ inline absl::Status CudaError(cudaError_t err, const char* expr, const char* fil
 }
 
 inline absl::Status CublasError(cublasStatus_t err, const char* expr, const char* file, int line) {
+  cudaGetLastError();  // as in CudaError: an allocation cuBLAS failed must not fail the next launch
   const std::string msg = absl::StrCat(file, ":", line, ": ", expr,
                                        " failed: ", cublasGetStatusName(err), " (",
                                        cublasGetStatusString(err), ")");

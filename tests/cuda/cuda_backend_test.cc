@@ -409,6 +409,24 @@ TEST(CudaBackendTest, OverlappedRunsAreBitIdenticalToSerial) {
   EXPECT_LE(RelErr(b.grad_hidden, a.grad_hidden), 1e-2);
 }
 
+// An allocation the device cannot hold is RESOURCE_EXHAUSTED, and nothing of it lingers: the next
+// run on the same thread, whose launch checks read the thread's last CUDA error, goes through and
+// gives the same bits as the run before it.
+TEST(CudaBackendTest, AFailedAllocationDoesNotFailTheNextRun) {
+  SKIP_WITHOUT_GPU();
+  const Case c = SmallCase();
+  const Inputs in = MakeInputs(c, 44);
+  std::unique_ptr<Backend> cuda = MakeCuda();
+  ASSERT_NE(cuda, nullptr);
+  Outputs before, after;
+  ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &before));
+  auto huge = cuda->Allocate(2 * cuda->memory_info().total_bytes);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &after));
+  EXPECT_EQ(std::memcmp(&before.loss_sum, &after.loss_sum, 4), 0);
+  EXPECT_EQ(before.grad_hidden_raw, after.grad_hidden_raw);
+}
+
 TEST(CudaBackendTest, GradWeightAccumulatesAcrossCalls) {
   SKIP_WITHOUT_GPU();
   const Case c = SmallCase();
