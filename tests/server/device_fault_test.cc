@@ -262,20 +262,28 @@ TEST_F(DeferredFaultTest, AFailedFlushIsAnsweredByTheNextCutAndDroppedWithTheWin
   ExpectGradientHolds(third, 1);
 }
 
-// A head sharded over two such devices: a shard failing after it has added to its rows of dW
-// spends the key (DATA_LOSS, never computed again), as on one device; a failure before any shard
-// ran is forgotten and the retry counts once.
-TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) {
+// The fixture's head sharded over two such devices.
+class ShardedDeviceFaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int r = 0; r < 2; ++r) {
+      owned.push_back(
+          std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
+      devices.push_back(owned.back().get());
+    }
+    spec = DeviceFaultTest::Spec();
+    spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
+    spec.mutable_placement()->set_devices(2);
+  }
+
   std::vector<std::unique_ptr<FaultyBackend>> owned;
   std::vector<kernels::Backend*> devices;
-  for (int r = 0; r < 2; ++r) {
-    owned.push_back(
-        std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
-    devices.push_back(owned.back().get());
-  }
-  v1::HeadSpec spec = DeviceFaultTest::Spec();
-  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
-  spec.mutable_placement()->set_devices(2);
+  v1::HeadSpec spec;
+};
+
+// A shard failing after it has added to its rows of dW spends the key (DATA_LOSS, never computed
+// again), as on one device; a failure before any shard ran is forgotten and the retry counts once.
+TEST_F(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) {
   auto head = Head::Create(devices, spec, HeadOptions{});
   ASSERT_TRUE(head.ok()) << head.status();
   StepStats stats;
@@ -304,22 +312,11 @@ TEST(ShardedDeviceFaultTest, RunFailureSpendsTheKeyAndCopyInFailureIsForgotten) 
   EXPECT_EQ((*head)->Info().microbatches_total(), 1u);
 }
 
-// The same head sharded over two such devices with deferred dW, each shard's stash holding one
-// micro-batch: a flush that fails on one shard loses that shard's columns only. The micro-batch
-// that needed the flush is not run (its retry counts once), the next cut answers DATA_LOSS, and
-// the one after holds both micro-batches' counts, the first one's dW on the shard whose flush went
-// through and not on the other.
-TEST(ShardedDeviceFaultTest, AFailedFlushOnOneShardIsAnsweredByTheNextCut) {
-  std::vector<std::unique_ptr<FaultyBackend>> owned;
-  std::vector<kernels::Backend*> devices;
-  for (int r = 0; r < 2; ++r) {
-    owned.push_back(
-        std::make_unique<FaultyBackend>(*kernels::CreateBackend(kernels::BackendKind::kCpu)));
-    devices.push_back(owned.back().get());
-  }
-  v1::HeadSpec spec = DeviceFaultTest::Spec();
-  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
-  spec.mutable_placement()->set_devices(2);
+// With deferred dW, each shard's stash holding one micro-batch: a flush that fails on one shard
+// loses that shard's columns only. The micro-batch that needed the flush is not run (its retry
+// counts once), the next cut answers DATA_LOSS, and the one after holds both micro-batches' counts,
+// the first one's dW on the shard whose flush went through and not on the other.
+TEST_F(ShardedDeviceFaultTest, AFailedFlushOnOneShardIsAnsweredByTheNextCut) {
   // Sized for the wider shard's columns: each shard's stash holds one micro-batch, not two.
   const kernels::Shard s0 = kernels::ShardRange(kV, 2, 0), s1 = kernels::ShardRange(kV, 2, 1);
   const kernels::Shard wide = s0.size() >= s1.size() ? s0 : s1;
