@@ -1,10 +1,11 @@
 // Small administrative subcommands: create, list, delete, stats, health.
-#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
@@ -54,20 +55,34 @@ absl::StatusOr<v1::Placement> PlacementFromFlags() {
   v1::Placement placement;
   const int replicas = absl::GetFlag(FLAGS_replicas);
   const int shards = absl::GetFlag(FLAGS_shards);
+  if (replicas < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replicas must be >= 0 (0: every device), got ", replicas));
+  }
+  if (shards < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shards must be >= -1 (0: not sharded; -1: every device), got ", shards));
+  }
   if (shards != 0) {
     if (replicas != 1) {
       return absl::InvalidArgumentError("--shards and --replicas cannot both be given");
     }
     placement.set_kind(v1::PLACEMENT_SHARDED);
-    placement.set_devices(static_cast<uint32_t>(std::max(shards, 0)));
+    placement.set_devices(shards == -1 ? 0 : static_cast<uint32_t>(shards));  // 0: every device
   } else if (replicas != 1) {
     placement.set_kind(v1::PLACEMENT_REPLICATED);
-    placement.set_devices(static_cast<uint32_t>(std::max(replicas, 0)));
+    placement.set_devices(static_cast<uint32_t>(replicas));
   }
   return placement;
 }
 
 int RunCreate() {
+  // 0 means zeros, so a negative or NaN std must not quietly become a zero head.
+  const double init_std = absl::GetFlag(FLAGS_init_std);
+  if (!(init_std >= 0) || !std::isfinite(init_std)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--init_std must be finite and >= 0 (0: zeros), got ", init_std)));
+  }
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(client.status());
   v1::HeadSpec spec;
@@ -82,9 +97,8 @@ int RunCreate() {
   absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
   if (!placement.ok()) return Fail(placement.status());
   *spec.mutable_placement() = *placement;
-  if (absl::GetFlag(FLAGS_init_std) > 0) {
-    spec.mutable_init()->mutable_normal()->set_std(
-        static_cast<float>(absl::GetFlag(FLAGS_init_std)));
+  if (init_std > 0) {
+    spec.mutable_init()->mutable_normal()->set_std(static_cast<float>(init_std));
     spec.mutable_init()->mutable_normal()->set_seed(absl::GetFlag(FLAGS_seed));
   } else {
     spec.mutable_init()->set_zeros(true);

@@ -177,6 +177,17 @@ int RunBench() {
     return Fail("flags",
                 absl::InvalidArgumentError("--n --d --v --streams --pipeline must be >= 1"));
   }
+  const double seconds = absl::GetFlag(FLAGS_seconds);
+  if (iterations < 0 || (iterations == 0 && !(seconds > 0 && std::isfinite(seconds)))) {
+    return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
+                             "--iterations must be >= 0 and, when it is 0, --seconds finite and "
+                             "> 0; got ",
+                             iterations, " and ", seconds)));
+  }
+  // The placement flags are checked before anything connects (they apply to the bench's own head).
+  if (absl::StatusOr<v1::Placement> placement = PlacementFromFlags(); !placement.ok()) {
+    return Fail("flags", placement.status());
+  }
   const bool dedicated = absl::GetFlag(FLAGS_dedicated_connections);
   std::vector<std::unique_ptr<client::Client>> clients;
   for (int i = 0; i < (dedicated ? streams : 1); ++i) {
@@ -262,8 +273,7 @@ int RunBench() {
     std::vector<absl::Status> statuses(streams);
     const Clock::time_point start = Clock::now();
     const Clock::time_point stop =
-        start + std::chrono::duration_cast<Clock::duration>(
-                    std::chrono::duration<double>(absl::GetFlag(FLAGS_seconds)));
+        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
     std::vector<std::thread> threads;
     for (int i = 0; i < streams; ++i) {
       threads.emplace_back([&, i] {
