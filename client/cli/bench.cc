@@ -184,10 +184,9 @@ int RunBench() {
                              "> 0; got ",
                              iterations, " and ", seconds)));
   }
-  // The placement flags are checked before anything connects (they apply to the bench's own head).
-  if (absl::StatusOr<v1::Placement> placement = PlacementFromFlags(); !placement.ok()) {
-    return Fail("flags", placement.status());
-  }
+  // Checked before anything connects; it applies to the bench's own head.
+  const absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
+  if (!placement.ok()) return Fail("flags", placement.status());
   const bool dedicated = absl::GetFlag(FLAGS_dedicated_connections);
   std::vector<std::unique_ptr<client::Client>> clients;
   for (int i = 0; i < (dedicated ? streams : 1); ++i) {
@@ -215,8 +214,6 @@ int RunBench() {
     spec.set_vocab_size(v);
     spec.set_hidden_size(d);
     spec.set_weight_dtype(v1::DTYPE_BF16);
-    absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
-    if (!placement.ok()) return Fail("flags", placement.status());
     *spec.mutable_placement() = *placement;
     if (absl::GetFlag(FLAGS_zero_head)) {
       spec.mutable_init()->set_zeros(true);
