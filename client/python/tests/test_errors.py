@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from losshead import Client, LossheadError, LossOptions
+from losshead import Client, LossheadError, LossOptions, RemoteLMHead
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 
 C = grpc.StatusCode
@@ -112,6 +112,50 @@ def test_step_invalid_argument(client: Client, make_head, case: str) -> None:
     e = _raises(C.INVALID_ARGUMENT, lambda: client.step(name, hidden, targets, **kw))
     assert e.sequence is not None  # a micro-batch error, reported in its response
     _assert_untouched(client, name)
+
+
+# What encoding would lose (a tensor's dtype, how targets pair with hidden states) is refused by
+# the client before anything is sent: through step, step_chunked and the torch bridge alike.
+_LOCAL_CASES = {
+    "targets_float": (lambda h, t: (h, t.float()), "targets must be an integer tensor"),
+    "targets_bool": (lambda h, t: (h, t > 3), "targets must be an integer tensor"),
+    "hidden_int": (lambda h, t: (h.long(), t), "hidden must be a floating-point tensor"),
+    "shapes_transposed": (lambda h, t: (h.view(2, 3, -1), t.view(3, 2)), "do not pair"),
+    "targets_short": (lambda h, t: (h, t[:-1]), "do not pair"),
+}
+
+
+@pytest.mark.parametrize("entry", ["step", "step_chunked", "bridge", "bridge_eval"])
+@pytest.mark.parametrize("case", sorted(_LOCAL_CASES))
+def test_inputs_that_encoding_would_lose(client: Client, make_head, case: str,
+                                         entry: str) -> None:
+    v, d, n = 11, 8, 6
+    name = make_head(v, d, init_std=0.1)
+    make, reason = _LOCAL_CASES[case]
+    hidden, targets = make(torch.randn(n, d), torch.randint(0, v, (n,)))
+    if entry == "step" and case in ("shapes_transposed", "targets_short"):
+        pytest.skip("step sends one micro-batch as given: the server judges its token count")
+    head = RemoteLMHead(client, name, wire_dtype=torch.float32)
+    call = {
+        "step": lambda: client.step(name, hidden, targets),
+        "step_chunked": lambda: client.step_chunked(name, hidden, targets, chunk_tokens=4),
+        "bridge": lambda: head(hidden, targets),
+        "bridge_eval": lambda: head.evaluate(hidden, targets),
+    }[entry]
+    e = _raises(C.INVALID_ARGUMENT, call)
+    assert reason in e.message and e.sequence is None  # refused locally, before any micro-batch
+    _assert_untouched(client, name)
+
+
+def test_flattened_targets_pair_with_shaped_hidden(client: Client, make_head) -> None:
+    v, d = 11, 8
+    name = make_head(v, d, init_std=0.1)
+    head = RemoteLMHead(client, name, reduction="none", wire_dtype=torch.float32)
+    hidden, targets = torch.randn(2, 3, d), torch.randint(0, v, (2, 3))
+    shaped = head.evaluate(hidden, targets)
+    assert shaped.shape == (2, 3)
+    assert torch.equal(head.evaluate(hidden, targets.reshape(-1)), shaped.reshape(-1))
+    assert torch.equal(head.evaluate(hidden.reshape(-1, d), targets), shaped)
 
 
 def test_step_wrong_weights_version(client: Client, make_head) -> None:

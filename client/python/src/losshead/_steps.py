@@ -46,11 +46,11 @@ class Steps(ClientBase):
                    sequence: Optional[int] = None, forward_only: bool = False) -> _Microbatch:
         """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
 
-        Nothing is validated here beyond what encoding needs: the server is the judge and
-        answers bad input with INVALID_ARGUMENT and friends.
+        Nothing is validated here beyond what encoding needs, or would lose (the tensors'
+        dtypes: see `check_tensors`): the server is the judge and answers bad input with
+        INVALID_ARGUMENT and friends.
         """
-        if hidden.dim() == 0:
-            raise LossheadError(grpc.StatusCode.INVALID_ARGUMENT, "hidden must have a last dim D")
+        check_tensors(hidden, targets)
         d = hidden.shape[-1]
         h2 = hidden.reshape(-1, d)
         wire_h = hidden_dtype if hidden_dtype is not None else _default_wire(hidden)
@@ -185,6 +185,8 @@ class Steps(ClientBase):
         a CUDA device gets each stream's rows as soon as that stream is done, so that the copies
         overlap the streams still running (ordered on the caller's current CUDA stream).
         """
+        check_tensors(hidden, targets)
+        check_pairing(hidden, targets)
         red = to_reduction(reduction)
         if red not in (pb.REDUCTION_SUM, pb.REDUCTION_NONE):
             raise ValueError("step_chunked: reduction must be 'sum' or 'none'; the server's mean "
@@ -227,6 +229,43 @@ class Steps(ClientBase):
         else:
             combined.grad_hidden = grad
         return combined
+
+
+def _invalid(message: str) -> LossheadError:
+    return LossheadError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def check_tensors(hidden: torch.Tensor, targets: torch.Tensor) -> None:
+    """What encoding would lose, refused before anything is sent (INVALID_ARGUMENT).
+
+    Encoding converts hidden states to the wire dtype and targets to integer class ids, so an
+    integer `hidden` or a floating-point or boolean `targets` would reach the server as valid
+    data it could not tell from what was meant.
+    """
+    if hidden.dim() == 0:
+        raise _invalid("hidden must have a last dim D")
+    if not hidden.is_floating_point():
+        raise _invalid(f"hidden must be a floating-point tensor, got {hidden.dtype}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise _invalid(f"targets must be an integer tensor of class ids, got {targets.dtype}")
+
+
+def check_pairing(hidden: torch.Tensor, targets: torch.Tensor) -> None:
+    """Targets (...) pair with hidden (..., D) token for token: the same leading shape, or
+    either side flattened with as many tokens (INVALID_ARGUMENT otherwise, before anything is
+    sent). (2, 4) targets against (4, 2, D) hidden states have as many tokens but no pairing.
+    """
+    lead = tuple(hidden.shape[:-1])
+    if tuple(targets.shape) == lead:
+        return
+    tokens = 1
+    for size in lead:
+        tokens *= size
+    if targets.numel() == tokens and (targets.dim() == 1 or hidden.dim() == 2):
+        return
+    raise _invalid(f"targets of shape {tuple(targets.shape)} do not pair with hidden states of "
+                   f"shape {tuple(hidden.shape)}: targets take hidden's shape without its last "
+                   f"dim, {lead}, or {tokens} tokens flattened")
 
 
 def _default_wire(hidden: torch.Tensor) -> torch.dtype:

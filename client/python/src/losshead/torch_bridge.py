@@ -90,11 +90,14 @@ class _RemoteLinearCrossEntropy(torch.autograd.Function):
 class RemoteLMHead(nn.Module):
     """The LM head + cross-entropy of a model, computed by a losshead server.
 
-    forward(hidden (..., D), targets (...)) returns the loss: a scalar for reduction "mean"
-    (over non-ignored tokens; NaN when there are none) or "sum", per-token losses of targets'
-    shape for "none" (0 at ignored tokens). backward returns dH from that same step, times the
-    upstream gradient; no second round trip. W lives on the server; dW accumulates there (see
-    the module docstring for its normalisation) until `RemoteHeadOptimizer` pulls it.
+    forward(hidden (..., D), targets (...)) takes floating-point hidden states and integer class
+    ids of hidden's shape without D (or either side flattened); anything else raises
+    LossheadError (INVALID_ARGUMENT) before anything is sent. It returns the loss: a scalar for
+    reduction "mean" (over non-ignored tokens; NaN when there are none) or "sum", per-token
+    losses of targets' shape for "none" (0 at ignored tokens). backward returns dH from that
+    same step, times the upstream gradient; no second round trip. W lives on the server; dW
+    accumulates there (see the module docstring for its normalisation) until
+    `RemoteHeadOptimizer` pulls it.
 
     Loss options left as None inherit the head's defaults. Hidden states travel as
     `wire_dtype` (bf16). A batch is cut into micro-batches pipelined over `streams` Step
