@@ -79,6 +79,9 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="RemoteLMHead's chunk_tokens (default: its own)")
     p.add_argument("--streams", default="1,4", help="comma-separated stream counts")
+    p.add_argument("--connections", type=int, default=None,
+                   help="cap on the Client's connections for the RemoteLMHead rows (default: "
+                        "none, one per stream)")
     p.add_argument("--paths", default="native",
                    help="comma-separated: native (C++ client), grpc (Python only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -140,20 +143,20 @@ def main() -> None:
         finally:
             admin.delete_head(head)
 
-    print(f"\n{'path':<34} {'ms/step':>9} {'tokens/s':>10} {'extra MiB':>10}  note")
+    print(f"\n{'path':<44} {'ms/step':>9} {'tokens/s':>10} {'extra MiB':>10}  note")
     for name, ms, tps, mib, note in rows:
         mem = f"{mib:10.0f}" if mib is not None else f"{'-':>10}"
-        print(f"{name:<34} {ms:9.1f} {tps:10,.0f} {mem}  {note}")
+        print(f"{name:<44} {ms:9.1f} {tps:10,.0f} {mem}  {note}")
     for t in transfers:
         for name, gbps, note in t:
-            print(f"{name:<34} {gbps:9.2f} GB/s  {note}")
+            print(f"{name:<44} {gbps:9.2f} GB/s  {note}")
 
 
 def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
                 hidden: torch.Tensor, targets: torch.Tensor, device: torch.device,
                 ref: Tuple[float, torch.Tensor], n: int, **cut: int) -> Row:
     with Client(args.server, token=args.token, native=path == "native",
-                connections=streams) as c:
+                connections=args.connections) as c:
         if args.chunk_tokens is not None:
             cut.setdefault("chunk_tokens", args.chunk_tokens)
         module = RemoteLMHead(c, head, streams=streams, **cut)
@@ -171,7 +174,9 @@ def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
         seconds = _median_seconds(run, device, args.warmup, args.iters, args.gap_ms / 1e3)
         mib = _extra_memory_mib(run, device)
     sizes = module._chunks_for(n)
-    return (f"RemoteLMHead {path}, {streams} stream(s)", seconds * 1e3, n / seconds, mib,
+    connections = min(streams, args.connections or streams)
+    return (f"RemoteLMHead {path}, {streams} stream(s), {connections} conn.", seconds * 1e3,
+            n / seconds, mib,
             f"loss {loss:.4f} (local {local_loss:.4f}), dH rel. err {err:.1e}; "
             f"micro-batches {sizes}")
 

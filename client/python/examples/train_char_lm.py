@@ -167,7 +167,7 @@ def train(batches: Sequence[Sequence[torch.Tensor]], args: argparse.Namespace,
 
 
 def train_remote(batches, args: argparse.Namespace) -> Tuple[List[float], Memory]:
-    client = Client(args.server, connections=args.connections)
+    client = Client(args.server, connections=args.connections or None)
     client.wait_until_serving(timeout=30)
     name = args.head_name or f"charlm-{os.getpid()}"
     try:
@@ -244,8 +244,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="dtype of hidden states and dH on the wire")
     p.add_argument("--chunk-tokens", type=int, default=4096,
                    help="tokens per micro-batch sent to the server (larger batches are chunked)")
-    p.add_argument("--streams", type=int, default=2, help="Step streams for the chunks")
-    p.add_argument("--connections", type=int, default=1, help="TCP connections for the streams")
+    p.add_argument("--streams", type=int, default=4, help="Step streams for the chunks")
+    p.add_argument("--connections", type=int, default=0,
+                   help="TCP connections for the streams (0: one per stream)")
     p.add_argument("--text", help="training text (default: an installed licence text)")
     p.add_argument("--head-name", help="name of the remote head (default: charlm-<pid>)")
     p.add_argument("--keep-head", action="store_true", help="do not delete the head at the end")

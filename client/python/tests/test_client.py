@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -432,3 +434,83 @@ def test_replicated_head_matches_the_reference(servers) -> None:
         with pytest.raises(LossheadError) as refused:
             c.create_head("four", v, d, replicas=4)
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _connections_to(port: int) -> int:
+    """This machine's established TCP connections to `port` (client ends only); gRPC's sockets
+    are IPv6 ones with IPv4-mapped loopback addresses, so both tables count."""
+    count = 0
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as table:
+            next(table)
+            for row in table:
+                fields = row.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                    count += 1
+    return count
+
+
+def _settled_connections(port: int, expected: int, timeout: float = 5.0) -> int:
+    """The count once it equals `expected`, or whatever it is after `timeout` (connections
+    open and close asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while (got := _connections_to(port)) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp6").exists(), reason="needs Linux's /proc/net/tcp*")
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not native_available(), reason=f"no native library: {native_library()}"))])
+def test_each_step_stream_gets_a_connection_of_its_own(servers, native: bool) -> None:
+    """By default a Client opens one TCP connection per Step stream, as a call first needs them,
+    and keeps them for the next call; `connections=k` caps them at k. The results are the
+    reference's either way."""
+    server = servers.start()
+    n, d, v = 700, 16, 50
+    hidden, weight, targets = random_problem(n, d, v, seed=31, ignore_fraction=0.1)
+    ref = reference(hidden, weight, targets, reduction="sum")
+
+    def step(c: Client, streams: int) -> None:
+        r = c.step_chunked("h", hidden, targets, chunk_tokens=100, streams=streams)
+        assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+        assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+
+    # The control calls' channel, plus, on the native path, the first stream's own client.
+    base = 2 if native else 1
+    assert _settled_connections(server.port, 0) == 0  # the start-up probe's has closed
+    with Client(server.address, native=native) as c:
+        c.create_head("h", v, d, weight_dtype=torch.float32)
+        c.upload_weights("h", weight)
+        step(c, 1)
+        assert _connections_to(server.port) == base
+        step(c, 3)
+        assert _settled_connections(server.port, base + 2) == base + 2
+        step(c, 3)
+        step(c, 2)
+        assert _settled_connections(server.port, base + 2) == base + 2, "kept, not reopened"
+    assert _settled_connections(server.port, 0) == 0, "close() closes every connection"
+    # A closed client refuses work, whichever path it would take, and opens nothing for it.
+    calls = {"step": lambda: c.step("h", hidden[:5], targets[:5]),
+             "step_chunked": lambda: step(c, 4),
+             "open_step_stream": c.open_step_stream,
+             "step_stream": lambda: list(c.step_stream("h", [(hidden[:5], targets[:5])])),
+             "get_head": lambda: c.get_head("h"), "health": c.health,
+             "download_weights": lambda: c.download_weights("h"),
+             "push_weights": lambda: c.push_weights("h", weight),
+             "pull_gradient": lambda: c.pull_gradient("h"),
+             "pull_gradient(reset)": lambda: c.pull_gradient("h", reset=True)}
+    for name, call in calls.items():
+        with pytest.raises(LossheadError) as e:
+            call()
+        assert (e.value.code, str(e.value)) == (
+            grpc.StatusCode.FAILED_PRECONDITION, "FAILED_PRECONDITION: the client is closed"), name
+    assert _settled_connections(server.port, 0) == 0
+
+    with Client(server.address, native=native, connections=2) as c:
+        step(c, 1)  # no control call yet: gRPC connects a channel on its first call
+        assert _connections_to(server.port) == 1
+        step(c, 3)
+        assert _settled_connections(server.port, 2) == 2, "capped at 2"
+    with pytest.raises(ValueError):
+        Client(server.address, connections=0)

@@ -36,6 +36,7 @@ class ClientBase:
     _metadata: Optional[Tuple[Tuple[str, str], ...]]
     # The native data path, one C++ client per connection; empty: everything speaks grpcio.
     _natives: List["NativeClient"]
+    _closed: bool
 
     def __init__(self) -> None:
         self._retries = 0
@@ -46,6 +47,9 @@ class ClientBase:
         self._lanes = LaneThreads("losshead-step")
 
     def get_head(self, name: str) -> Any:  # defined by Client; the transfers read shapes
+        raise NotImplementedError
+
+    def _open_step_connections(self, streams: int) -> None:  # defined by Client
         raise NotImplementedError
 
     def next_sequence(self) -> int:
@@ -63,12 +67,18 @@ class ClientBase:
         """Whether steps and transfers go through the native library (`losshead._native`)."""
         return bool(self._natives)
 
+    def _check_open(self) -> None:
+        """A closed client refuses every call alike, whichever path the call would take."""
+        if self._closed:
+            raise LossheadError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
+
     def _count_retry(self) -> None:
         with self._retries_lock:
             self._retries += 1
 
     def _with_retry(self, attempt: Callable[[], _T]) -> _T:
         """Runs `attempt` until it succeeds, fails permanently or the policy is spent."""
+        self._check_open()
         policy = self.retry
         for i in itertools.count(1):
             try:
@@ -85,6 +95,7 @@ class ClientBase:
         gives up quietly when the policy is spent (the single attempt that follows reports the
         error). Each wait is a health probe that waits for a connection (wait_for_ready) for
         that long: unlike the channel's state, an answer proves the connection is alive."""
+        self._check_open()
         policy = self.retry
         for i in range(1, policy.attempts):
             wait = policy.delay(i)

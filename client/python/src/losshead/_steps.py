@@ -34,6 +34,7 @@ class Steps(ClientBase):
 
     def open_step_stream(self) -> StepStream:
         """A raw Step stream, for callers that schedule micro-batches themselves."""
+        self._check_open()
         return StepStream(self)
 
     def microbatch(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
@@ -94,7 +95,9 @@ class Steps(ClientBase):
         on stream j's thread once its micro-batches are settled without raising (step_chunked
         copies that stream's dH to the device there).
         """
+        self._check_open()
         n_streams = max(1, min(streams, len(mbs)))
+        self._open_step_connections(n_streams)
         outcomes: List[Optional[_Outcome]] = [None] * len(mbs)
         failures: List[BaseException] = []
         run_lane = self._native_lane if self._natives else self._grpc_lane
@@ -160,6 +163,7 @@ class Steps(ClientBase):
         stream when the call ended. A failed micro-batch raises its LossheadError (or is
         yielded, with `return_errors`) and the others go on.
         """
+        self._check_open()
         source = ((k, self.microbatch(head, h, t, **options))  # type: ignore[arg-type]
                   for k, (h, t) in enumerate(batches))
         for _, outcome in _StepPipeline(self, depth=max_inflight).run(source):

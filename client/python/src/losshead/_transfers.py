@@ -38,6 +38,7 @@ class Transfers(ClientBase):
         wire = dtype if dtype is not None else (
             data.dtype if data.dtype in (torch.bfloat16, torch.float16, torch.float32)
             else torch.float32)
+        self._check_open()
         host = _wire.host_tensor(data, wire)
         if self._natives:
             return self._natives[0].push(head, host, _wire.to_wire_dtype(wire), add,
@@ -114,6 +115,7 @@ class Transfers(ClientBase):
         policy's backoff, for a connection before the single attempt, and raises a later error
         unchanged; `get_head(head).tokens_since_pull` then tells whether the reset happened.
         """
+        self._check_open()
         if self._natives:
             return self._pull_gradient_native(head, reset, dtype, out)
         if not reset:

@@ -9,6 +9,7 @@ arguments), `_base` (identity, retries, unary calls), `_health`, `_steps` with `
 
 from __future__ import annotations
 
+import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
 import grpc
@@ -43,9 +44,11 @@ class Client(Steps, Transfers):
     the idempotency key of each micro-batch; a retry resends the same key, so the server
     replays it instead of adding it to dW again. `piece_bytes` bounds the tensor bytes per
     message (below the server's 4 MiB default limit). `timeout` applies to each attempt of a
-    unary call or weight/gradient transfer; Step streams have none. `connections` > 1 opens
-    that many TCP connections for Step streams (gRPC otherwise multiplexes every stream over
-    one), which carries more bytes when chunks are spread over several streams.
+    unary call or weight/gradient transfer; Step streams have none. Each Step stream gets a TCP
+    connection of its own, opened the first time a call runs that many streams and kept for the
+    next (one HTTP/2 connection carries about 2 GB/s: four streams over one run a Llama-sized
+    step 1.2-1.7x slower, BENCHMARKS.md). `connections=k` caps them at k, the streams beyond
+    sharing them in turn; a caller's `channel` carries every stream.
 
     `retry` (a `RetryPolicy`; default 5 attempts, 50 ms doubling to 2 s, +-20 % jitter) governs
     every method; see `losshead.retry` for what is retried and why nothing is counted twice.
@@ -71,13 +74,18 @@ class Client(Steps, Transfers):
     def __init__(self, target: str, *, client_id: Optional[str] = None,
                  channel: Optional[grpc.Channel] = None, timeout: Optional[float] = 300.0,
                  piece_bytes: int = 4 * MiB - 64 * 1024, retry: Optional[RetryPolicy] = None,
-                 metadata: Sequence[Tuple[str, str]] = (), connections: int = 1,
+                 metadata: Sequence[Tuple[str, str]] = (), connections: Optional[int] = None,
                  token: Optional[str] = None, tls: bool = False, tls_root_ca: PemLike = None,
                  tls_cert: PemLike = None, tls_key: PemLike = None,
                  tls_server_name: Optional[str] = None,
                  channel_options: Sequence[Tuple[str, Any]] = (),
                  native: Optional[bool] = None) -> None:
         super().__init__()
+        if connections is not None and connections < 1:
+            raise ValueError(f"losshead: connections must be >= 1 (None: one per Step stream), "
+                             f"got {connections}")
+        self._connections_lock = threading.Lock()
+        self._closed = False
         self.target = target
         self.client_id = client_id or default_client_id()
         self.timeout = timeout
@@ -102,17 +110,40 @@ class Client(Steps, Transfers):
         self._stub = pb_grpc.LossHeadStub(self._channel)
         self._health = HealthProbe(self._channel)
         use_native = native if native is not None else (channel is None and native_available())
-        # A local subchannel pool keeps a channel from sharing its connection with the others.
-        self._extra_channels = [] if channel is not None or use_native else [
-            make_channel([("grpc.use_local_subchannel_pool", 1)])
-            for _ in range(max(1, connections) - 1)]
-        self._step_stubs = [self._stub] + [pb_grpc.LossHeadStub(c) for c in self._extra_channels]
-        if use_native:
-            self._natives = [NativeClient(
-                target, retry=self.retry, timeout=timeout,
-                max_message_bytes=self.piece_bytes + 64 * 1024, tls=tls_files,
-                tls_server_name=tls_server_name, token=token, metadata=self._base_metadata,
-                channel_args=options, dedicated=j > 0) for j in range(max(1, connections))]
+        self._extra_channels: List[grpc.Channel] = []
+        self._step_stubs = [self._stub]
+        self._use_native = use_native
+        self._max_connections = 1 if channel is not None else connections
+
+        def open_connection(index: int) -> None:
+            # Index 0 is the main channel (gRPC path) or a native client on the default
+            # subchannel pool; a local subchannel pool keeps each later one on a connection of
+            # its own.
+            if use_native:
+                self._natives.append(NativeClient(
+                    target, retry=self.retry, timeout=timeout,
+                    max_message_bytes=self.piece_bytes + 64 * 1024, tls=tls_files,
+                    tls_server_name=tls_server_name, token=self._token,
+                    metadata=self._base_metadata, channel_args=options, dedicated=index > 0))
+            elif index > 0:
+                extra = make_channel([("grpc.use_local_subchannel_pool", 1)])
+                self._extra_channels.append(extra)
+                self._step_stubs.append(pb_grpc.LossHeadStub(extra))
+
+        self._open_connection = open_connection
+        self._open_step_connections(connections or 1)
+
+    def _open_step_connections(self, streams: int) -> None:
+        """Opens connections until `streams` Step streams have one each, or the cap
+        (`connections`) is reached; the streams of a call do this before they start."""
+        with self._connections_lock:
+            wanted = streams if self._max_connections is None else min(
+                streams, self._max_connections)
+            if self._closed:
+                return  # its calls are refused; nothing new is opened for them
+            have = len(self._natives) if self._use_native else len(self._step_stubs)
+            for index in range(have, wanted):
+                self._open_connection(index)
 
     def set_token(self, token: Optional[str]) -> None:
         """Sends `token` (None or "": none) on calls that start from now on; streams already open
@@ -124,11 +155,15 @@ class Client(Steps, Transfers):
             # TLS, and a token on a plaintext loopback or proxied connection is supported.
             md.append(("authorization", f"Bearer {token}"))
         self._metadata = tuple(md) or None
-        for n in self._natives:
-            n.set_token(token)
+        with self._connections_lock:
+            self._token = token  # for the connections opened from now on
+            for n in self._natives:
+                n.set_token(token)
 
     def close(self) -> None:
         self._lanes.close()
+        with self._connections_lock:
+            self._closed = True
         for n in self._natives:
             n.close()
         for c in self._extra_channels:
@@ -144,6 +179,7 @@ class Client(Steps, Transfers):
     # -- health and stats -------------------------------------------------------------------
     def health(self, service: str = "", timeout: Optional[float] = 5.0) -> str:
         """grpc.health.v1 status: "SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN"."""
+        self._check_open()
         try:
             return self._health.check(service, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -151,6 +187,7 @@ class Client(Steps, Transfers):
 
     def wait_until_serving(self, timeout: float = 30.0) -> None:
         """Polls health until SERVING; raises LossheadError(DEADLINE_EXCEEDED) after `timeout`."""
+        self._check_open()
         self._health.wait_until_serving(self.target, timeout, self._metadata)
 
     def stats(self) -> pb.Stats:

@@ -101,21 +101,22 @@ class RemoteLMHead(nn.Module):
 
     Loss options left as None inherit the head's defaults. Hidden states travel as
     `wire_dtype` (bf16). A batch is cut into micro-batches pipelined over `streams` Step
-    streams (losshead._chunk_plan): at most `chunk_tokens` each, `depth` per stream where that
-    keeps them at `min_chunk_tokens` or more (the upload of one overlaps the computation and
-    download of the previous), and, with `edge_tokens`, a small first and last one so that the
-    server starts early and the last answer comes back fast. The loss, dH and dW do not depend
-    on the cut (each chunk is summed on the server and the sums are added up). With grad mode
-    off (`torch.no_grad()`, or `evaluate`) the server runs forward-only steps: the loss without
-    dH, nothing added to dW or counted. `last_result` holds the combined StepResult of the last
-    call, training or evaluation.
+    streams, each on a connection of its own unless the client caps them (losshead._chunk_plan):
+    at most `chunk_tokens` each, `depth` per stream where that keeps them at `min_chunk_tokens`
+    or more (the upload of one overlaps the computation and download of the previous), and,
+    with `edge_tokens`, a small first and last one so that the server starts early and the last
+    answer comes back fast. Four streams run a Llama-sized step about 5 % faster than two
+    (BENCHMARKS.md). The loss, dH and dW do not depend on the cut (each chunk is summed on the
+    server and the sums are added up). With grad mode off (`torch.no_grad()`, or `evaluate`)
+    the server runs forward-only steps: the loss without dH, nothing added to dW or counted.
+    `last_result` holds the combined StepResult of the last call, training or evaluation.
     """
 
     def __init__(self, client: Client, head: str, *, reduction: str = "mean",
                  ignore_index: Optional[int] = None, label_smoothing: Optional[float] = None,
                  z_loss: Optional[float] = None, logit_softcap: Optional[float] = None,
                  wire_dtype: DTypeLike = torch.bfloat16, grad_hidden_dtype: Optional[DTypeLike] = None,
-                 chunk_tokens: int = 2048, streams: int = 2,
+                 chunk_tokens: int = 2048, streams: int = 4,
                  min_chunk_tokens: int = 1024, depth: int = 4, edge_tokens: int = 256) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:

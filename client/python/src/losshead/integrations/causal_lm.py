@@ -377,7 +377,7 @@ def _offloaded_forward(offloaded: OffloadedHead) -> Callable[..., Any]:
 
 def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bool = True,
                       upload: Optional[bool] = None, head_dtype: Optional[DTypeLike] = None,
-                      chunk_tokens: int = 2048, streams: int = 2,
+                      chunk_tokens: int = 2048, streams: int = 4,
                       wire_dtype: DTypeLike = torch.bfloat16, ignore_index: int = IGNORE_INDEX,
                       label_smoothing: float = 0.0, z_loss: float = 0.0,
                       output_type: Callable[..., Any] = CausalLMOutput,

@@ -54,7 +54,7 @@ def _causal_lm_output_type() -> Callable[..., Any]:
 def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
                     create: bool = True, upload: Optional[bool] = None,
                     head_dtype: Optional[DTypeLike] = None, chunk_tokens: int = 2048,
-                    streams: int = 2, wire_dtype: DTypeLike = torch.bfloat16,
+                    streams: int = 4, wire_dtype: DTypeLike = torch.bfloat16,
                     ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
                     z_loss: float = 0.0) -> OffloadedHead:
     """Offloads a transformers causal LM's `lm_head` to the losshead head `head`.
