@@ -47,9 +47,9 @@ absl::Status ValidateProblem(const Problem& problem) {
   if (!(o.z_loss >= 0.0f) || !std::isfinite(o.z_loss)) {
     return absl::InvalidArgumentError(absl::StrCat("z_loss must be finite and >= 0, got ", o.z_loss));
   }
-  if (!(o.softcap >= 0.0f) || !std::isfinite(o.softcap)) {
+  if (!ValidSoftcap(o.softcap)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("softcap must be finite and >= 0 (0 = off), got ", o.softcap));
+        absl::StrCat("softcap must be ", kSoftcapRange, ", got ", o.softcap));
   }
   return absl::OkStatus();
 }

@@ -74,8 +74,8 @@ absl::Status Checkpointer::RestoreAll() {
 absl::StatusOr<v1::HeadCheckpoint> Checkpointer::WriteLocked(const std::shared_ptr<Head>& head) {
   const absl::Time start = absl::Now();
   LOSSHEAD_ASSIGN_OR_RETURN(HeadCheckpointData data, head->Snapshot());
-  // A head deleted after it was listed must not come back at the next start. Removal takes mu_
-  // after the registry dropped the head, so either we see it gone here or Remove runs after us.
+  // A head deleted after it was listed must not come back at the next start. DeleteHead drops it
+  // from the registry under mu_, so either we see it gone here or its file goes after us.
   absl::StatusOr<std::shared_ptr<Head>> current = registry_->Get(head->name());
   if (!current.ok() || *current != head) {
     return absl::NotFoundError(absl::StrCat("head '", head->name(), "' was deleted"));
@@ -118,8 +118,9 @@ absl::StatusOr<v1::CheckpointResponse> Checkpointer::Write(const std::string& he
   return response;
 }
 
-absl::Status Checkpointer::Remove(const std::string& head) {
+absl::Status Checkpointer::DeleteHead(const std::string& head) {
   absl::MutexLock lock(&mu_);
+  LOSSHEAD_RETURN_IF_ERROR(registry_->Delete(head));
   const std::string path = PathOf(head);
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     return absl::InternalError(absl::StrCat("cannot delete ", path, ": ", std::strerror(errno)));

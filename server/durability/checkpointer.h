@@ -38,8 +38,10 @@ class Checkpointer {
   // head deleted meanwhile is skipped, never resurrected on disk.
   absl::StatusOr<v1::CheckpointResponse> Write(const std::string& head);
 
-  // Deletes `head`'s checkpoint file (after the head left the registry).
-  absl::Status Remove(const std::string& head);
+  // Deletes `head` from the registry, then its checkpoint file, with no write in between: a head
+  // of the same name created meanwhile cannot be checkpointed before the old file is gone, so the
+  // file removed is never the new head's.
+  absl::Status DeleteHead(const std::string& head);
 
   // Writes every head each `interval` on a thread of its own until StopPeriodic; errors are
   // logged and retried at the next tick.

@@ -272,8 +272,13 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
     std::string drawn(std::min(count, piece) * esize, '\0');
     for (size_t i = 0; i < count; i += piece) {
       const size_t n = std::min(piece, count - i);
-      DrawNormalInit(spec_.init().normal(), dtype_, static_cast<int64_t>(i),
-                     static_cast<int64_t>(n), threads, drawn.data());
+      if (!DrawNormalInit(spec_.init().normal(), dtype_, static_cast<int64_t>(i),
+                          static_cast<int64_t>(n), threads, drawn.data())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("init.normal.std ", spec_.init().normal().std(),
+                         " draws values that overflow the head's dtype ",
+                         kernels::DTypeName(dtype_), "; give a smaller std"));
+      }
       LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, drawn.data(),
                                               static_cast<int64_t>(i), static_cast<int64_t>(n)));
       // The host piece is reused for the next one: the copy must have landed.

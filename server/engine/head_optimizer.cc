@@ -83,12 +83,6 @@ absl::StatusOr<kernels::OptimizerOptions> KernelOptions(const OptimizerBuffers& 
                                    .eps = f(p.eps()),
                                    .weight_decay = f(p.weight_decay())};
     case v1::OPTIMIZER_SGD:
-      // Only an exact 0 skips the buffer: NaN and negative momenta are the kernels' to refuse.
-      if (p.momentum() != 0.0 && buffers.state.empty()) {
-        return absl::FailedPreconditionError(
-            "params.momentum needs the SGD momentum buffer: SetOptimizer with "
-            "optimizer.momentum_buffer = true");
-      }
       return kernels::SgdOptions{.lr = f(p.lr()),
                                  .momentum = f(p.momentum()),
                                  .dampening = f(p.dampening()),
@@ -104,6 +98,19 @@ absl::StatusOr<kernels::OptimizerOptions> KernelOptions(const OptimizerBuffers& 
       return absl::FailedPreconditionError(
           "the head has no optimizer: create it with spec.optimizer or call SetOptimizer");
   }
+}
+
+absl::Status CheckOptimizerBuffers(const OptimizerBuffers& buffers,
+                                   const kernels::OptimizerOptions& options) {
+  // Only an exact 0 skips the buffer; NaN and negative momenta were refused before this, as
+  // INVALID_ARGUMENT whatever the buffers.
+  const auto* sgd = std::get_if<kernels::SgdOptions>(&options);
+  if (sgd != nullptr && sgd->momentum != 0.0f && buffers.state.empty()) {
+    return absl::FailedPreconditionError(
+        "params.momentum needs the SGD momentum buffer: SetOptimizer with "
+        "optimizer.momentum_buffer = true");
+  }
+  return absl::OkStatus();
 }
 
 kernels::OptimizerTensors KernelTensors(const OptimizerBuffers& buffers, void* weights,

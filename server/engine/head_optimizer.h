@@ -57,10 +57,15 @@ absl::StatusOr<OptimizerBuffers> AllocateOptimizer(kernels::Backend& backend,
                                                    kernels::DType dtype, uint64_t count);
 
 // The kernel options of one apply under `buffers` (kind, momentum state) from the request's
-// hyper-parameters; FAILED_PRECONDITION for an SGD momentum without its buffer. Values are not
-// checked here: kernels::ValidateOptimizerProblem does that.
+// hyper-parameters; FAILED_PRECONDITION when the head has no optimizer. Values are not checked
+// here: kernels::ValidateOptimizerProblem does that, before CheckOptimizerBuffers.
 absl::StatusOr<kernels::OptimizerOptions> KernelOptions(const OptimizerBuffers& buffers,
                                                         const v1::OptimizerHyperParams& params);
+
+// FAILED_PRECONDITION when `options` (valid ones) need a buffer the head was set up without: an
+// SGD momentum other than 0 without the momentum buffer.
+absl::Status CheckOptimizerBuffers(const OptimizerBuffers& buffers,
+                                   const kernels::OptimizerOptions& options);
 
 // The kernel tensors of one step over `weights` (of `dtype`), `grad` and `buffers`.
 kernels::OptimizerTensors KernelTensors(const OptimizerBuffers& buffers, void* weights,

@@ -145,6 +145,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
                                     .options = options,
                                     .step = static_cast<int64_t>(first.step + 1)};
   LOSSHEAD_RETURN_IF_ERROR(kernels::ValidateOptimizerProblem(problem));
+  LOSSHEAD_RETURN_IF_ERROR(CheckOptimizerBuffers(first, options));
 
   v1::ApplyOptimizerResponse response;
   v1::GradientSummary& window = *response.mutable_window();

@@ -65,9 +65,9 @@ absl::Status ValidateLossOptions(const v1::LossOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("z_loss must be finite and >= 0, got ", o.z_loss()));
   }
-  if (o.has_logit_softcap() && !(o.logit_softcap() >= 0.0f && std::isfinite(o.logit_softcap()))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("logit_softcap must be finite and >= 0 (0 = off), got ", o.logit_softcap()));
+  if (o.has_logit_softcap() && !kernels::ValidSoftcap(o.logit_softcap())) {
+    return absl::InvalidArgumentError(absl::StrCat("logit_softcap must be ", kernels::kSoftcapRange,
+                                                   ", got ", o.logit_softcap()));
   }
   return absl::OkStatus();
 }

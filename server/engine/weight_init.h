@@ -20,8 +20,9 @@ inline constexpr int64_t kNormalInitBlock = int64_t{1} << 20;
 
 // Writes elements [first, first + count) of W as `dtype` into `out` (count * DTypeSize(dtype)
 // bytes). `first` must be a multiple of kNormalInitBlock. The blocks are spread over up to
-// `threads` threads, the calling one included.
-void DrawNormalInit(const v1::NormalInit& init, kernels::DType dtype, int64_t first, int64_t count,
+// `threads` threads, the calling one included. Returns false when a drawn value is not finite in
+// `dtype` (a std too large for fp16's range, or for fp32's), true otherwise.
+bool DrawNormalInit(const v1::NormalInit& init, kernels::DType dtype, int64_t first, int64_t count,
                     int threads, char* out);
 
 // The threads a head's init draws on: one per hardware thread.

@@ -67,11 +67,10 @@ grpc::ServerUnaryReactor* LossHeadService::DeleteHead(grpc::CallbackServerContex
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "DeleteHead", start)) return reactor;
-  absl::Status status = ctx_->registry->Delete(request->name());
-  // Otherwise the head would come back at the next start.
-  if (status.ok() && ctx_->checkpointer != nullptr) {
-    status = ctx_->checkpointer->Remove(request->name());
-  }
+  // With checkpoints, its file goes too: otherwise the head would come back at the next start.
+  absl::Status status = ctx_->checkpointer != nullptr
+                            ? ctx_->checkpointer->DeleteHead(request->name())
+                            : ctx_->registry->Delete(request->name());
   if (status.ok()) {
     ctx_->metrics->RemoveHead(request->name());
     ctx_->metrics->Heads(ctx_->registry->size());

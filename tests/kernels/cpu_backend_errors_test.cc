@@ -114,7 +114,11 @@ TEST_F(CpuBackendErrorsTest, BadOptionsAreInvalidArgument) {
   std::vector<LossOptions> bad_options;
   for (float eps : {1.0f, -0.1f, 1.5f, nan}) bad_options.push_back({.label_smoothing = eps});
   for (float z : {-1e-3f, inf, nan}) bad_options.push_back({.z_loss = z});
-  for (float cap : {-1.0f, inf, nan}) bad_options.push_back({.softcap = cap});
+  // A subnormal cap's reciprocal is Inf: the kernels would write NaN into every gradient.
+  const float subnormal = std::numeric_limits<float>::denorm_min();
+  for (float cap : {-1.0f, inf, nan, subnormal, 1e-40f, -1e-30f}) {
+    bad_options.push_back({.softcap = cap});
+  }
   for (float scale : {inf, nan}) bad_options.push_back({.grad_scale = scale});
   for (const LossOptions& options : bad_options) {
     Problem bad = problem_;

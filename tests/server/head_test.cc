@@ -109,11 +109,29 @@ TEST_F(HeadTest, CreateValidatesTheSpec) {
   s = Spec("ls");
   s.mutable_default_options()->set_label_smoothing(1.0f);
   EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("cap");
+  s.mutable_default_options()->set_logit_softcap(1e-40f);  // subnormal: 1 / cap is Inf
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  // A std whose draws overflow fp16 (largest finite 65504) would make a head of Inf weights.
+  s = Spec("fp16_overflow", v1::DTYPE_FP16);
+  s.mutable_init()->mutable_normal()->set_std(1e5f);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
   s = Spec("huge");
   s.set_vocab_size(1 << 30);
   s.set_hidden_size(int64_t{1} << 40);
   EXPECT_EQ(code(s), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(registry_->size(), 0u);
+
+  // The same std is fine in fp32, a large one in fp16, and the smallest normal soft-cap.
+  s = Spec("fp32_wide");
+  s.mutable_init()->mutable_normal()->set_std(1e5f);
+  EXPECT_TRUE(registry_->Create(s).ok());
+  s = Spec("fp16_wide", v1::DTYPE_FP16);
+  s.mutable_init()->mutable_normal()->set_std(1000.0f);
+  s.mutable_default_options()->set_logit_softcap(std::numeric_limits<float>::min());
+  EXPECT_TRUE(registry_->Create(s).ok());
+  EXPECT_TRUE(registry_->Delete("fp32_wide").ok());
+  EXPECT_TRUE(registry_->Delete("fp16_wide").ok());
 
   ASSERT_NE(Create("a.b-c_1"), nullptr);
   EXPECT_EQ(code(Spec("a.b-c_1")), absl::StatusCode::kAlreadyExists);

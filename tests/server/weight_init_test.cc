@@ -32,8 +32,8 @@ v1::NormalInit Init(uint64_t seed, float std) {
 
 std::vector<float> Draw(const v1::NormalInit& init, int64_t first, int64_t count, int threads) {
   std::vector<float> out(static_cast<size_t>(count));
-  DrawNormalInit(init, kernels::DType::kFP32, first, count, threads,
-                 reinterpret_cast<char*>(out.data()));
+  EXPECT_TRUE(DrawNormalInit(init, kernels::DType::kFP32, first, count, threads,
+                             reinterpret_cast<char*>(out.data())));
   return out;
 }
 
@@ -108,10 +108,22 @@ TEST(WeightInitTest, HalfPrecisionIsTheRoundedFp32Draw) {
   const std::vector<float> fp32 = Draw(init, 0, count, 2);
   for (kernels::DType dtype : {kernels::DType::kBF16, kernels::DType::kFP16}) {
     std::string got(count * 2, '\0'), want(count * 2, '\0');
-    DrawNormalInit(init, dtype, 0, count, 3, got.data());
+    EXPECT_TRUE(DrawNormalInit(init, dtype, 0, count, 3, got.data()));
     kernels::FromFloat(dtype, fp32.data(), want.data(), fp32.size());
     EXPECT_TRUE(got == want) << static_cast<int>(dtype);
   }
+}
+
+// fp16's largest finite value is 65504: 65 std of N(0, 1000^2), but only 3.3 std of N(0, 20000^2),
+// which a few thousand of 3 * 2^20 values exceed. The draw reports them, whichever thread drew
+// the block; bf16 and fp32 hold such values.
+TEST(WeightInitTest, ADrawBeyondTheDtypeIsReported) {
+  const int64_t count = 3 * kBlock;
+  std::string out(count * 4, '\0');
+  EXPECT_TRUE(DrawNormalInit(Init(5, 1e3f), kernels::DType::kFP16, 0, count, 3, out.data()));
+  EXPECT_FALSE(DrawNormalInit(Init(5, 2e4f), kernels::DType::kFP16, 0, count, 3, out.data()));
+  EXPECT_TRUE(DrawNormalInit(Init(5, 2e4f), kernels::DType::kBF16, 0, count, 3, out.data()));
+  EXPECT_TRUE(DrawNormalInit(Init(5, 2e4f), kernels::DType::kFP32, 0, count, 3, out.data()));
 }
 
 // A head of several blocks whose shard rows do not start on block boundaries: every placement

@@ -167,9 +167,12 @@ TEST_F(OptimizerSemanticsTest, OptimizerKindsAndTheirPreconditions) {
   v1::OptimizerSpec sgd;
   sgd.set_kind(v1::OPTIMIZER_SGD);
   ASSERT_TRUE(client_->SetOptimizer(head_, sgd).ok());
-  // Momentum needs the buffer; nesterov needs momentum (torch's rule).
+  // Momentum needs the buffer; nesterov needs momentum (torch's rule). A momentum no buffer
+  // would make valid is INVALID_ARGUMENT, as it is on a head with the buffer.
   EXPECT_EQ(apply(1, SgdParams(0.1, 0.9, 0, false, 0)), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(apply(1, SgdParams(0.1, 0, 0, true, 0)), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(apply(1, SgdParams(0.1, kNaN, 0, false, 0)), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(apply(1, SgdParams(0.1, -0.5, 0, false, 0)), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(Now() == before);
   v1::HeadSpec create;
   create.set_name("bad-kind");

@@ -147,6 +147,45 @@ def test_inputs_that_encoding_would_lose(client: Client, make_head, case: str,
     _assert_untouched(client, name)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("entry", ["step_chunked", "bridge"])
+@pytest.mark.parametrize("case", ["nan", "inf", "overflows_fp16_wire"])
+def test_nonfinite_hidden_of_a_chunked_batch_is_refused_before_sending(
+        client: Client, make_head, case: str, entry: str, device: str) -> None:
+    """The server would refuse only the chunk holding it, after counting the others."""
+    v, d, n = 11, 8, 40
+    name = make_head(v, d, init_std=0.1)
+    hidden, targets = torch.randn(n, d), torch.randint(0, v, (n,))
+    hidden[33, 5] = {"nan": float("nan"), "inf": float("-inf"), "overflows_fp16_wire": 7e4}[case]
+    hidden, targets = hidden.to(device), targets.to(device)
+    wire = torch.float16 if case == "overflows_fp16_wire" else torch.float32
+    head = RemoteLMHead(client, name, wire_dtype=wire, chunk_tokens=8, min_chunk_tokens=8,
+                        edge_tokens=0, streams=2)
+    call = {"step_chunked": lambda: client.step_chunked(name, hidden, targets, chunk_tokens=8,
+                                                        hidden_dtype=wire),
+            "bridge": lambda: head(hidden.requires_grad_(), targets)}[entry]
+    e = _raises(C.INVALID_ARGUMENT, call)
+    assert "hidden contains NaN or Inf" in e.message and e.sequence is None
+    _assert_untouched(client, name)
+    # One micro-batch is the server's to judge, with the same outcome: nothing counted.
+    e = _raises(C.INVALID_ARGUMENT, lambda: client.step_chunked(
+        name, hidden.detach(), targets, chunk_tokens=n, hidden_dtype=wire))
+    assert e.sequence is not None
+    _assert_untouched(client, name)
+
+
+@pytest.mark.parametrize("chunks", [[4, 0, 4], [0, 8], [9, -1], [4, 3], [4, 5]])
+def test_chunks_that_do_not_cut_the_batch_are_refused_before_sending(
+        client: Client, make_head, chunks: list) -> None:
+    """An empty chunk would be refused by the server after the others were counted."""
+    name = make_head(11, 8, init_std=0.1)
+    hidden, targets = torch.randn(8, 8), torch.randint(0, 11, (8,))
+    with pytest.raises(ValueError, match="must be sizes >= 1 adding up to the batch's 8 tokens"):
+        client.step_chunked(name, hidden, targets, chunks=chunks, streams=1)
+    _assert_untouched(client, name)
+
+
 def test_flattened_targets_pair_with_shaped_hidden(client: Client, make_head) -> None:
     v, d = 11, 8
     name = make_head(v, d, init_std=0.1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -179,9 +180,14 @@ class Steps(ClientBase):
                      **options: object) -> StepResult:
         """One large batch as several micro-batches of <= `chunk_tokens` tokens, pipelined.
 
-        `chunks` gives the micro-batches' sizes instead (in order; they must add up to the
-        batch's tokens). Each chunk is its own micro-batch (own sequence number), so the
-        reduction must not depend on the chunking: "sum" (default) or "none". For the mean, step
+        `chunks` gives the micro-batches' sizes instead (in order, each >= 1; they must add up to
+        the batch's tokens). Each chunk is its own micro-batch (own sequence number), counted or
+        refused on its own. What the client can judge is refused before anything is sent (tensor
+        dtypes, shapes, chunk sizes, and NaN or Inf in the hidden states, checked whole when
+        there are several chunks); a chunk the server refuses for what only it knows (a target
+        outside the vocabulary, hidden states beyond an fp16 head's range) raises its
+        LossheadError, naming its `sequence`, after the other chunks were counted. The reduction
+        must not depend on the chunking: "sum" (default) or "none". For the mean, step
         with "sum" and divide by `token_count`. The combined result carries summed loss and token
         count, the concatenated dH and per-token losses, and the lowest weights version seen.
 
@@ -203,7 +209,9 @@ class Steps(ClientBase):
         n = flat.shape[0]
         bounds = _bounds(n, chunk_tokens, chunks)
         n_streams = max(1, min(streams, len(bounds)))
-        h2, lane_ready = _staged(flat, wire, bounds, n_streams)
+        # The server refuses a micro-batch with NaN or Inf after the others were counted; so a
+        # batch of several is checked whole first (one reduction, on the batch's device).
+        h2, lane_ready = _staged(flat, wire, bounds, n_streams, check_finite=len(bounds) > 1)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
                                hidden_dtype=wire, **options) for a, b in bounds]
         grad = None
@@ -283,8 +291,10 @@ def _bounds(n: int, chunk_tokens: int, chunks: Optional[Sequence[int]]) -> List[
         step = max(1, chunk_tokens)
         return [(a, min(n, a + step)) for a in range(0, max(n, 1), step)]
     sizes = [int(c) for c in chunks]
-    if not sizes or sum(sizes) != n or any(c < 0 for c in sizes):
-        raise ValueError(f"step_chunked: chunks {sizes} must be sizes >= 0 adding up to the "
+    # An empty micro-batch is refused by the server after the others were counted: refused here,
+    # before anything is sent.
+    if not sizes or sum(sizes) != n or any(c < 1 for c in sizes):
+        raise ValueError(f"step_chunked: chunks {sizes} must be sizes >= 1 adding up to the "
                          f"batch's {n} tokens")
     ends = list(itertools.accumulate(sizes))
     return [(end - size, end) for size, end in zip(sizes, ends)]
@@ -312,23 +322,37 @@ def _lane_copies(grad: torch.Tensor, device: torch.device, bounds: Sequence[Tupl
     return out, copy
 
 
+def _check_finite(hidden: torch.Tensor) -> None:
+    # The largest magnitude is NaN or Inf when any value is: one reduction, a quarter of the
+    # time of isfinite().all() (0.06 ms for 8192 x 4096 bf16 on an H100).
+    if not math.isfinite(float(torch.linalg.vector_norm(hidden, float("inf")))):
+        raise _invalid(f"hidden contains NaN or Inf (as {hidden.dtype}, the wire dtype); nothing "
+                       f"was sent")
+
+
 def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int, int]],
-            streams: int) -> Tuple[torch.Tensor, LaneReady]:
+            streams: int, *, check_finite: bool) -> Tuple[torch.Tensor, LaneReady]:
     """`hidden` as a contiguous CPU tensor of `dtype`, and what a stream's sender waits for.
 
     A CPU tensor is read in place when it already is one (nothing to wait for). A CUDA tensor
     is copied into pinned host memory (torch's caching host allocator reuses it) stream by
     stream, micro-batch k going to stream k % streams: the first stream's micro-batches come
     first, and each stream starts sending once its own rows are on the host instead of after
-    the whole batch.
+    the whole batch. With `check_finite`, LossheadError (INVALID_ARGUMENT) when a value is NaN or
+    Inf in `dtype`, before anything is sent.
     """
     if not hidden.is_cuda:
-        return _wire.host_tensor(hidden, dtype), None
+        host = _wire.host_tensor(hidden, dtype)
+        if check_finite:
+            _check_finite(host)
+        return host, None
     staged = torch.empty(hidden.shape, dtype=dtype, pin_memory=True)
     copied = []
     # On the tensor's own device: the events must follow the stream the copies are queued on.
     with torch.cuda.device(hidden.device):
         source = hidden.to(dtype)
+        if check_finite:
+            _check_finite(source)  # waits for the conversion and one reduction, not the copies
         for lane in range(streams):
             for a, b in bounds[lane::streams]:
                 staged[a:b].copy_(source[a:b], non_blocking=True)

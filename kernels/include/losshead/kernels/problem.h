@@ -2,8 +2,10 @@
 #ifndef LOSSHEAD_KERNELS_PROBLEM_H_
 #define LOSSHEAD_KERNELS_PROBLEM_H_
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -39,6 +41,14 @@ struct LossOptions {
   float z_loss = 0.0f;
   float softcap = 0.0f;
 };
+
+// A soft-cap is 0 (off) or a normal fp32 number: the kernels multiply by 1 / softcap, which a
+// subnormal one overflows to Inf (and 0 * Inf to NaN in every gradient).
+inline constexpr absl::string_view kSoftcapRange = "0 (off) or finite and >= 1.17549435e-38";
+inline bool ValidSoftcap(float softcap) {
+  return softcap == 0.0f ||
+         (softcap >= std::numeric_limits<float>::min() && std::isfinite(softcap));
+}
 
 // Shapes and types: H is N x D, W is V x D (both row-major, `dtype`), targets are N int32.
 struct Problem {
