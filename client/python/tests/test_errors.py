@@ -147,32 +147,93 @@ def test_inputs_that_encoding_would_lose(client: Client, make_head, case: str,
     _assert_untouched(client, name)
 
 
+# What the server would refuse in one micro-batch of a batch cut into several, after counting the
+# others: the client checks the whole batch first (losshead._batch_check).
+_CUT_BATCH_CASES = {
+    # case: (value at hidden[33, 5] or None, targets[33] or None, wire, head dtype, reason)
+    "nan": (float("nan"), None, torch.float32, torch.float32, "hidden contains NaN or Inf"),
+    "inf": (float("-inf"), None, torch.float32, torch.float32, "hidden contains NaN or Inf"),
+    "overflows_fp16_wire": (7e4, None, torch.float16, torch.float32,
+                            "hidden contains NaN or Inf"),
+    "overflows_fp16_head": (7e4, None, torch.float32, torch.float16,
+                            "hidden overflows the head's dtype fp16 (largest magnitude 70000)"),
+    "target_high": (None, 11, torch.float32, torch.float32,
+                    "targets[33] = 11 is outside [0, 11) and is not ignore_index -100"),
+    "target_negative": (None, -1, torch.float32, torch.float32,
+                        "targets[33] = -1 is outside [0, 11) and is not ignore_index -100"),
+}
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))])
 @pytest.mark.parametrize("entry", ["step_chunked", "bridge"])
-@pytest.mark.parametrize("case", ["nan", "inf", "overflows_fp16_wire"])
-def test_nonfinite_hidden_of_a_chunked_batch_is_refused_before_sending(
+@pytest.mark.parametrize("case", sorted(_CUT_BATCH_CASES))
+def test_a_cut_batch_the_server_would_refuse_in_part_is_refused_before_sending(
         client: Client, make_head, case: str, entry: str, device: str) -> None:
-    """The server would refuse only the chunk holding it, after counting the others."""
     v, d, n = 11, 8, 40
-    name = make_head(v, d, init_std=0.1)
+    value, target, wire, head_dtype, reason = _CUT_BATCH_CASES[case]
+    name = make_head(v, d, dtype=head_dtype, init_std=0.1)
     hidden, targets = torch.randn(n, d), torch.randint(0, v, (n,))
-    hidden[33, 5] = {"nan": float("nan"), "inf": float("-inf"), "overflows_fp16_wire": 7e4}[case]
+    if value is not None:
+        hidden[33, 5] = value
+    if target is not None:
+        targets[33] = target
     hidden, targets = hidden.to(device), targets.to(device)
-    wire = torch.float16 if case == "overflows_fp16_wire" else torch.float32
     head = RemoteLMHead(client, name, wire_dtype=wire, chunk_tokens=8, min_chunk_tokens=8,
                         edge_tokens=0, streams=2)
     call = {"step_chunked": lambda: client.step_chunked(name, hidden, targets, chunk_tokens=8,
                                                         hidden_dtype=wire),
             "bridge": lambda: head(hidden.requires_grad_(), targets)}[entry]
     e = _raises(C.INVALID_ARGUMENT, call)
-    assert "hidden contains NaN or Inf" in e.message and e.sequence is None
+    assert e.message == f"{reason}; nothing of the batch was sent" and e.sequence is None
     _assert_untouched(client, name)
     # One micro-batch is the server's to judge, with the same outcome: nothing counted.
     e = _raises(C.INVALID_ARGUMENT, lambda: client.step_chunked(
         name, hidden.detach(), targets, chunk_tokens=n, hidden_dtype=wire))
     assert e.sequence is not None
     _assert_untouched(client, name)
+
+
+@pytest.mark.parametrize("value,refused", [(65519.0, False), (65520.0, True), (-65520.0, True)])
+def test_a_cut_batch_is_refused_where_the_server_would_round_to_inf(
+        client: Client, make_head, value: float, refused: bool) -> None:
+    """fp16 rounds up to Inf from 65520 (its largest value, 65504, plus half a step): the
+    client's limit is the server's, judged here on one micro-batch of the same values."""
+    v, d, n = 11, 8, 40
+    name = make_head(v, d, dtype=torch.float16, init_std=0.1)
+    hidden, targets = torch.randn(n, d), torch.randint(0, v, (n,))
+    hidden[21, 2] = value
+    whole = lambda: client.step_chunked(name, hidden, targets, chunk_tokens=n,  # noqa: E731
+                                        hidden_dtype=torch.float32, forward_only=True)
+    cut = lambda: client.step_chunked(name, hidden, targets, chunk_tokens=8,  # noqa: E731
+                                      hidden_dtype=torch.float32, forward_only=True)
+    if refused:
+        assert _raises(C.INVALID_ARGUMENT, whole).sequence is not None  # the server's verdict
+        assert _raises(C.INVALID_ARGUMENT, cut).sequence is None  # the client's, before sending
+    else:
+        assert whole().token_count == cut().token_count == n
+
+
+def test_a_cut_batch_is_checked_against_the_ignore_index_the_server_uses(
+        client: Client, make_head) -> None:
+    v, d, n = 11, 8, 40
+    name = make_head(v, d, init_std=0.1)
+    hidden, targets = torch.randn(n, d), torch.randint(0, v, (n,))
+    targets[3] = -7
+
+    def step(**kw: object) -> int:
+        return client.step_chunked(name, hidden, targets, chunk_tokens=8, **kw).token_count
+
+    assert step(loss_options=LossOptions(ignore_index=-7)) == n - 1  # the step's own
+    _raises(C.INVALID_ARGUMENT, step)  # the built-in -100
+    client.set_loss_options(name, LossOptions(ignore_index=-7))
+    assert step() == n - 1  # the head's default, changed after the client had looked
+    client.set_loss_options(name, LossOptions())
+    e = _raises(C.INVALID_ARGUMENT, step)
+    assert e.message == ("targets[3] = -7 is outside [0, 11) and is not ignore_index -100; "
+                         "nothing of the batch was sent")
+    info = client.get_head(name)
+    assert (info.tokens_since_pull, info.microbatches_since_pull) == (2 * (n - 1), 10)
 
 
 @pytest.mark.parametrize("chunks", [[4, 0, 4], [0, 8], [9, -1], [4, 3], [4, 5]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import grpc
 
@@ -15,6 +15,7 @@ from losshead.errors import LossheadError
 from losshead.retry import RetryPolicy, is_retryable
 
 if TYPE_CHECKING:
+    from losshead._batch_check import HeadFacts
     from losshead._native import NativeClient
     from losshead._proto.losshead.v1 import losshead_pb2_grpc as pb_grpc
 
@@ -37,6 +38,8 @@ class ClientBase:
     # The native data path, one C++ client per connection; empty: everything speaks grpcio.
     _natives: List["NativeClient"]
     _closed: bool
+    # Per head, what a cut batch is checked against before it is sent (losshead._batch_check).
+    _head_facts: Dict[str, "HeadFacts"]
 
     def __init__(self) -> None:
         self._retries = 0
@@ -44,6 +47,7 @@ class ClientBase:
         self._seq_lock = threading.Lock()
         self._seq = itertools.count(1)
         self._natives = []
+        self._head_facts = {}
         self._lanes = LaneThreads("losshead-step")
 
     def get_head(self, name: str) -> Any:  # defined by Client; the transfers read shapes

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -20,6 +19,7 @@ import torch
 
 from losshead import _wire
 from losshead._base import ClientBase
+from losshead._batch_check import HeadFacts, largest_magnitude, refusal
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._step_stream import StepStream, _Microbatch, _Outcome, _StepPipeline
 from losshead._types import (LossOptions, ReductionLike, StepResult, combine_results,
@@ -32,6 +32,19 @@ _WIRE_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 class Steps(ClientBase):
     """The step methods of `losshead.Client`."""
+
+    def _check_cut_batch(self, head: str, largest: float, targets: torch.Tensor,
+                         ignore_index: Optional[int]) -> None:
+        """LossheadError (INVALID_ARGUMENT) when the server would refuse some micro-batch of a
+        cut batch (losshead._batch_check): `largest` magnitude of the hidden states as sent,
+        `targets` on the host."""
+        facts = self._head_facts.get(head)
+        why = None if facts is None else refusal(facts, largest, targets, ignore_index)
+        if facts is None or why is not None:  # not known yet, or perhaps out of date
+            facts = self._head_facts[head] = HeadFacts.of(self.get_head(head))
+            why = refusal(facts, largest, targets, ignore_index)
+        if why is not None:
+            raise _invalid(f"{why}; nothing of the batch was sent")
 
     def open_step_stream(self) -> StepStream:
         """A raw Step stream, for callers that schedule micro-batches themselves."""
@@ -182,12 +195,14 @@ class Steps(ClientBase):
 
         `chunks` gives the micro-batches' sizes instead (in order, each >= 1; they must add up to
         the batch's tokens). Each chunk is its own micro-batch (own sequence number), counted or
-        refused on its own. What the client can judge is refused before anything is sent (tensor
-        dtypes, shapes, chunk sizes, and NaN or Inf in the hidden states, checked whole when
-        there are several chunks); a chunk the server refuses for what only it knows (a target
-        outside the vocabulary, hidden states beyond an fp16 head's range) raises its
-        LossheadError, naming its `sequence`, after the other chunks were counted. The reduction
-        must not depend on the chunking: "sum" (default) or "none". For the mean, step
+        refused on its own by the server, so a batch of several is checked whole before anything
+        is sent (losshead._batch_check): tensor dtypes, shapes and chunk sizes; NaN or Inf in the
+        hidden states, or values beyond the head's dtype; targets outside the vocabulary that
+        are not the ignore_index in force. Any of them raises LossheadError (INVALID_ARGUMENT,
+        no `sequence`) with nothing counted. The head's V, dtype and default ignore_index come
+        from one GetHead per head and client, looked up again after this client's own
+        create_head, delete_head or set_loss_options and before a refusal. The reduction must
+        not depend on the chunking: "sum" (default) or "none". For the mean, step
         with "sum" and divide by `token_count`. The combined result carries summed loss and token
         count, the concatenated dH and per-token losses, and the lowest weights version seen.
 
@@ -209,9 +224,8 @@ class Steps(ClientBase):
         n = flat.shape[0]
         bounds = _bounds(n, chunk_tokens, chunks)
         n_streams = max(1, min(streams, len(bounds)))
-        # The server refuses a micro-batch with NaN or Inf after the others were counted; so a
-        # batch of several is checked whole first (one reduction, on the batch's device).
-        h2, lane_ready = _staged(flat, wire, bounds, n_streams, check_finite=len(bounds) > 1)
+        cut = len(bounds) > 1  # one micro-batch is the server's to refuse whole
+        h2, lane_ready, largest = _staged(flat, wire, bounds, n_streams, measure=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
                                hidden_dtype=wire, **options) for a, b in bounds]
         grad = None
@@ -226,6 +240,9 @@ class Steps(ClientBase):
         on_device, lane_done = None, None
         if grad is not None and target is not None and target.type == "cuda":
             on_device, lane_done = _lane_copies(grad, target, bounds, n_streams)
+        if largest is not None:  # the last thing before sending: the reduction had time to run
+            ignore = getattr(options.get("loss_options"), "ignore_index", None)
+            self._check_cut_batch(head, largest(), t1, ignore)
         parts = self.run_microbatches(mbs, streams=n_streams, lane_ready=lane_ready,
                                       lane_done=lane_done)
         if grad is None or any(p.grad_hidden is None for p in parts):
@@ -322,37 +339,34 @@ def _lane_copies(grad: torch.Tensor, device: torch.device, bounds: Sequence[Tupl
     return out, copy
 
 
-def _check_finite(hidden: torch.Tensor) -> None:
-    # The largest magnitude is NaN or Inf when any value is: one reduction, a quarter of the
-    # time of isfinite().all() (0.06 ms for 8192 x 4096 bf16 on an H100).
-    if not math.isfinite(float(torch.linalg.vector_norm(hidden, float("inf")))):
-        raise _invalid(f"hidden contains NaN or Inf (as {hidden.dtype}, the wire dtype); nothing "
-                       f"was sent")
-
-
 def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int, int]],
-            streams: int, *, check_finite: bool) -> Tuple[torch.Tensor, LaneReady]:
+            streams: int, *, measure: bool
+            ) -> Tuple[torch.Tensor, LaneReady, Optional[Callable[[], float]]]:
     """`hidden` as a contiguous CPU tensor of `dtype`, and what a stream's sender waits for.
 
     A CPU tensor is read in place when it already is one (nothing to wait for). A CUDA tensor
     is copied into pinned host memory (torch's caching host allocator reuses it) stream by
     stream, micro-batch k going to stream k % streams: the first stream's micro-batches come
     first, and each stream starts sending once its own rows are on the host instead of after
-    the whole batch. With `check_finite`, LossheadError (INVALID_ARGUMENT) when a value is NaN or
-    Inf in `dtype`, before anything is sent.
+    the whole batch. With `measure`, the third value gives the hidden states' largest magnitude
+    in `dtype` (losshead._batch_check): for a CUDA tensor, one reduction queued ahead of the
+    copies, whose value is read only when asked for, so that the caller's work meanwhile
+    overlaps it.
     """
     if not hidden.is_cuda:
         host = _wire.host_tensor(hidden, dtype)
-        if check_finite:
-            _check_finite(host)
-        return host, None
+        return host, None, (lambda: largest_magnitude(host)) if measure else None
     staged = torch.empty(hidden.shape, dtype=dtype, pin_memory=True)
     copied = []
     # On the tensor's own device: the events must follow the stream the copies are queued on.
     with torch.cuda.device(hidden.device):
         source = hidden.to(dtype)
-        if check_finite:
-            _check_finite(source)  # waits for the conversion and one reduction, not the copies
+        largest = None
+        if measure:
+            largest = torch.empty((), dtype=source.dtype, pin_memory=True)
+            largest.copy_(torch.linalg.vector_norm(source, float("inf")), non_blocking=True)
+            measured = torch.cuda.Event()
+            measured.record()
         for lane in range(streams):
             for a, b in bounds[lane::streams]:
                 staged[a:b].copy_(source[a:b], non_blocking=True)
@@ -361,4 +375,9 @@ def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int
             copied.append(event)
     # Freeing a converted `source` now is safe: the copies were queued on the current stream
     # before anything that could reuse its memory.
-    return staged, lambda lane: copied[lane].synchronize()
+
+    def read_largest() -> float:
+        measured.synchronize()  # the reduction only, not the copies behind it
+        return float(largest)
+    return (staged, lambda lane: copied[lane].synchronize(),
+            read_largest if largest is not None else None)

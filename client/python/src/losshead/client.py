@@ -247,7 +247,10 @@ class Client(Steps, Transfers):
             spec.init.normal.seed = int(seed)
         if default_options is not None:
             spec.default_options.CopyFrom(default_options.to_proto())
-        return self._unary(self._stub.CreateHead, pb.CreateHeadRequest(spec=spec))
+        try:
+            return self._unary(self._stub.CreateHead, pb.CreateHeadRequest(spec=spec))
+        finally:
+            self._head_facts.pop(name, None)  # what cut batches are checked against: stale now
 
     def get_head(self, name: str) -> pb.HeadInfo:
         return self._unary(self._stub.GetHead, pb.GetHeadRequest(name=name))
@@ -256,10 +259,16 @@ class Client(Steps, Transfers):
         return list(self._unary(self._stub.ListHeads, pb.ListHeadsRequest()).heads)
 
     def delete_head(self, name: str) -> None:
-        self._unary(self._stub.DeleteHead, pb.DeleteHeadRequest(name=name))
+        try:
+            self._unary(self._stub.DeleteHead, pb.DeleteHeadRequest(name=name))
+        finally:
+            self._head_facts.pop(name, None)
 
     def set_loss_options(self, name: str, options: LossOptions) -> pb.HeadInfo:
         """Replaces the head's default loss options."""
-        return self._unary(self._stub.SetLossOptions, pb.SetLossOptionsRequest(
-            name=name, default_options=options.to_proto()))
+        try:
+            return self._unary(self._stub.SetLossOptions, pb.SetLossOptionsRequest(
+                name=name, default_options=options.to_proto()))
+        finally:
+            self._head_facts.pop(name, None)
 
