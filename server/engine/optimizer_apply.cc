@@ -144,7 +144,13 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
                                     .dtype = dtype_,
                                     .options = options,
                                     .step = static_cast<int64_t>(first.step + 1)};
-  LOSSHEAD_RETURN_IF_ERROR(kernels::ValidateOptimizerProblem(problem));
+  if (absl::Status s = kernels::ValidateOptimizerProblem(problem); !s.ok()) {
+    // The kernels judge the fp32 values: a double that rounds to 0, 1 or Inf reads as that, so
+    // the values as sent go with the verdict.
+    return absl::InvalidArgumentError(
+        absl::StrCat(s.message(), " (the step computes in fp32; ",
+                     "params as sent: ", request.params().ShortDebugString(), ")"));
+  }
   LOSSHEAD_RETURN_IF_ERROR(CheckOptimizerBuffers(first, options));
 
   v1::ApplyOptimizerResponse response;

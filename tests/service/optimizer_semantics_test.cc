@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "tests/service/host_tensors.h"
 #include "tests/service/optimizer_testing.h"
@@ -136,6 +137,14 @@ TEST_F(OptimizerSemanticsTest, EveryErrorHasItsCodeAndChangesNothing) {
   EXPECT_EQ(
       client_->ApplyOptimizer(ApplyRequest(head_, "e", 0, AdamWParams(0.1, 0))).status().code(),
       absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Now() == before);
+  // A double that fp32 rounds to 0 is refused as 0, with the value as sent beside it.
+  v1::ApplyOptimizerRequest tiny = ApplyRequest(head_, "e", key++, AdamWParams(0.1, 0));
+  tiny.mutable_params()->set_eps(1e-50);
+  const absl::Status refused = client_->ApplyOptimizer(tiny).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "got 0")) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "eps: 1e-50")) << refused;
   EXPECT_TRUE(Now() == before);
   // Failed keys are not remembered: the same key applies once the request is right.
   auto ok = client_->ApplyOptimizer(ApplyRequest(head_, "e", 1, AdamWParams(0.1, 0)));
