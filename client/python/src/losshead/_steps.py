@@ -361,12 +361,17 @@ def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int
     # On the tensor's own device: the events must follow the stream the copies are queued on.
     with torch.cuda.device(hidden.device):
         source = hidden.to(dtype)
-        largest = None
+        read_largest: Optional[Callable[[], float]] = None
         if measure:
             largest = torch.empty((), dtype=source.dtype, pin_memory=True)
             largest.copy_(torch.linalg.vector_norm(source, float("inf")), non_blocking=True)
             measured = torch.cuda.Event()
             measured.record()
+
+            def read() -> float:
+                measured.synchronize()  # the reduction only, not the copies behind it
+                return float(largest)
+            read_largest = read
         for lane in range(streams):
             for a, b in bounds[lane::streams]:
                 staged[a:b].copy_(source[a:b], non_blocking=True)
@@ -375,9 +380,4 @@ def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int
             copied.append(event)
     # Freeing a converted `source` now is safe: the copies were queued on the current stream
     # before anything that could reuse its memory.
-
-    def read_largest() -> float:
-        measured.synchronize()  # the reduction only, not the copies behind it
-        return float(largest)
-    return (staged, lambda lane: copied[lane].synchronize(),
-            read_largest if largest is not None else None)
+    return staged, lambda lane: copied[lane].synchronize(), read_largest
