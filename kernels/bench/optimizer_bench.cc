@@ -110,6 +110,13 @@ double BytesPerElement(const OptimizerProblem& p) {
   return 4 + 4 + 8 + 8.0 * states + weights;
 }
 
+// Bytes the step's check (Backend::CheckOptimizerStep) reads per element: dW, the fp32
+// parameters and the state, each once; it writes nothing but its result.
+double CheckBytesPerElement(const OptimizerProblem& p) {
+  const int states = kernels::KindOf(p.options) == OptimizerKind::kAdamW ? 2 : 1;
+  return 4 + 4 + 4.0 * states;
+}
+
 // One step of `p` on a window [begin, begin + n) of the device buffers against the CPU backend
 // on copies of the same window: true when every output bit agrees.
 bool CheckWindow(Backend& cuda, kernels::Stream& stream, HeadBuffers& b, OptimizerProblem p,
@@ -248,9 +255,13 @@ int Main(int argc, char** argv) {
   add("sgd momentum bf16 W", DType::kBF16, kernels::SgdOptions{.lr = 1e-2f, .momentum = 0.9f});
   add("lion bf16 W", DType::kBF16, kernels::LionOptions{});
 
+  // The check that an apply runs where the bound of the head's magnitudes cannot rule out an
+  // overflow: timed beside each step, as a share of it.
+  DeviceBuffer check = Unwrap(cuda->Allocate(sizeof(kernels::OptimizerCheck)), "alloc");
   std::printf(
-      "\n| step | ms | GB/s | of copy | torch fused AdamW ms | ratio to torch | check |\n"
-      "|---|---|---|---|---|---|---|\n");
+      "\n| step | ms | GB/s | of copy | torch fused AdamW ms | ratio to torch | check | "
+      "range check ms | its GB/s | of the step |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n");
   uint64_t seed = 100;
   for (const Row& row : rows) {
     b.Fill();
@@ -263,8 +274,14 @@ int Main(int argc, char** argv) {
         cs, 3, f.runs, [&] { BENCH_OK(cuda->OptimizerStep(row.problem, t, *stream)); },
         [&] { BENCH_CUDA(bench::FillUniformF32(t.grad, count, 30.0f, ++seed, cs)); });
     const double gbs = BytesPerElement(row.problem) * count / ms / 1e6;
-    std::printf("| %s | %.3f | %.0f | %.2f | %.3f | %.3f | %s |\n", row.name.c_str(), ms, gbs,
-                gbs / copy_gbs, torch_ms, ms / torch_ms, ok ? "ok" : "FAIL");
+    const float check_ms = MedianMs(cs, 3, f.runs, [&] {
+      BENCH_OK(
+          cuda->CheckOptimizerStep(row.problem, t, check.as<kernels::OptimizerCheck>(), *stream));
+    });
+    std::printf("| %s | %.3f | %.0f | %.2f | %.3f | %.3f | %s | %.3f | %.0f | %.2f |\n",
+                row.name.c_str(), ms, gbs, gbs / copy_gbs, torch_ms, ms / torch_ms,
+                ok ? "ok" : "FAIL", check_ms,
+                CheckBytesPerElement(row.problem) * count / check_ms / 1e6, check_ms / ms);
     std::fflush(stdout);
   }
   return all_ok ? 0 : 2;

@@ -147,6 +147,14 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::Status CheckOptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,
+                                  OptimizerCheck* result, Stream&) override {
+    if (absl::Status status = ValidateOptimizerStep(problem, tensors); !status.ok()) return status;
+    if (result == nullptr) return absl::InvalidArgumentError("result must not be null");
+    *result = CpuCheckOptimizerStep(problem, tensors, pool_);
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer(this, nullptr, 0);
     const size_t rounded =

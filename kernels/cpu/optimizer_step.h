@@ -1,4 +1,4 @@
-// The CPU optimizer step: one pass over the elements, split over the pool.
+// The CPU optimizer step, and its read-only check: one pass over the elements, split over the pool.
 #ifndef LOSSHEAD_KERNELS_CPU_OPTIMIZER_STEP_H_
 #define LOSSHEAD_KERNELS_CPU_OPTIMIZER_STEP_H_
 
@@ -11,6 +11,11 @@ namespace losshead::kernels {
 // ValidateOptimizerStep.
 void CpuOptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,
                       ThreadPool& pool);
+
+// What CpuOptimizerStep would write, without writing it (Backend::CheckOptimizerStep). Same
+// preconditions.
+OptimizerCheck CpuCheckOptimizerStep(const OptimizerProblem& problem,
+                                     const OptimizerTensors& tensors, ThreadPool& pool);
 
 }  // namespace losshead::kernels
 

@@ -241,6 +241,39 @@ class CudaBackend final : public Backend {
     return absl::InvalidArgumentError("unknown dtype");
   }
 
+  absl::Status CheckOptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,
+                                  OptimizerCheck* result, Stream& stream) override {
+    if (absl::Status s = ValidateOptimizerStep(problem, tensors); !s.ok()) return s;
+    if (result == nullptr) return absl::InvalidArgumentError("result must not be null");
+    CudaStream* cs = AsCudaStream(stream, device_);
+    if (cs == nullptr) return cuda::ForeignStreamError();
+    const OptimizerKind kind = KindOf(problem.options);
+    const optim::StepScalars scalars = optim::MakeStepScalars(problem);
+    // The buffers OptimizerStep would read, chosen the same way.
+    const float* state_a = tensors.exp_avg;
+    if (kind == OptimizerKind::kSgd) {
+      state_a = scalars.sgd_momentum ? tensors.momentum_buffer : nullptr;
+    }
+    const float* state_b = kind == OptimizerKind::kAdamW ? tensors.exp_avg_sq : nullptr;
+    const float* param =
+        problem.dtype == DType::kFP32 ? static_cast<const float*>(tensors.weight) : tensors.master;
+    std::lock_guard<std::mutex> lock(cs->mutex());
+    LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
+    switch (problem.dtype) {
+      case DType::kFP32:
+        return cuda::LaunchOptimizerCheck<float>(kind, scalars, param, tensors.grad, state_a,
+                                                 state_b, problem.count, result, cs->stream());
+      case DType::kBF16:
+        return cuda::LaunchOptimizerCheck<__nv_bfloat16>(kind, scalars, param, tensors.grad,
+                                                         state_a, state_b, problem.count, result,
+                                                         cs->stream());
+      case DType::kFP16:
+        return cuda::LaunchOptimizerCheck<__half>(kind, scalars, param, tensors.grad, state_a,
+                                                  state_b, problem.count, result, cs->stream());
+    }
+    return absl::InvalidArgumentError("unknown dtype");
+  }
+
   absl::StatusOr<ShardPlan> PlanShard(const ShardProblem& shard,
                                       size_t budget_bytes) const override {
     return shards_.Plan(shard, budget_bytes);

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
@@ -92,6 +93,80 @@ __global__ void __launch_bounds__(kThreads)
   grad[i] = 0.0f;
 }
 
+__device__ __forceinline__ bool RoundsFinite(__nv_bfloat16 w) { return !__hisinf(w); }
+__device__ __forceinline__ bool RoundsFinite(__half w) { return !__hisinf(w); }
+
+// What StepKernel computes for one element, judged instead of stored.
+template <typename TW>
+__device__ __forceinline__ void Judge(float p, float a, float b, uint32_t& nonfinite,
+                                      OptimizerCheck& largest) {
+  bool finite = isfinite(p) && isfinite(a) && isfinite(b);
+  if constexpr (!std::is_same_v<TW, float>) finite = finite && RoundsFinite(Round<TW>(p));
+  nonfinite += finite ? 0 : 1;
+  largest.weight = fmaxf(largest.weight, fabsf(p));
+  largest.state_a = fmaxf(largest.state_a, fabsf(a));
+  largest.state_b = fmaxf(largest.state_b, fabsf(b));
+}
+
+// Non-negative floats (and +Inf) order as their bits do, so an unsigned atomicMax keeps the
+// largest; NaN never reaches here (fmaxf left it out).
+__device__ __forceinline__ void AtomicMaxMagnitude(float* target, float value) {
+  atomicMax(reinterpret_cast<unsigned int*>(target), __float_as_uint(value));
+}
+
+// The step's dry run: each thread walks work units as StepKernel numbers them, grid-strided (a
+// fixed grid: one set of atomics per block), computing every new value with the same Rule and
+// writing only the block's count and maxima into *result (zeroed beforehand).
+template <typename Rule, typename TW>
+__global__ void __launch_bounds__(kThreads)
+    CheckKernel(StepScalars s, const float* __restrict__ param, const float* __restrict__ grad,
+                const float* __restrict__ state_a, const float* __restrict__ state_b,
+                int64_t vec_units, int64_t count, OptimizerCheck* __restrict__ result) {
+  const bool has_a = Rule::kStates >= 1 && state_a != nullptr;
+  const bool has_b = Rule::kStates >= 2 && state_b != nullptr;
+  const int64_t units = vec_units + (count - vec_units * kVec);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  uint32_t nonfinite = 0;
+  OptimizerCheck largest;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; u < units;
+       u += stride) {
+    if (u < vec_units) {
+      float g[kVec], p[kVec], a[kVec] = {}, b[kVec] = {};
+      Load4(grad, u, g);
+      Load4(param, u, p);
+      if (has_a) Load4(state_a, u, a);
+      if (has_b) Load4(state_b, u, b);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        Rule::Apply(s, g[k], p[k], a[k], b[k]);
+        Judge<TW>(p[k], a[k], b[k], nonfinite, largest);
+      }
+    } else {
+      const int64_t i = vec_units * kVec + (u - vec_units);
+      float p = param[i];
+      float a = has_a ? state_a[i] : 0.0f;
+      float b = has_b ? state_b[i] : 0.0f;
+      Rule::Apply(s, grad[i], p, a, b);
+      Judge<TW>(p, a, b, nonfinite, largest);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    nonfinite += __shfl_down_sync(0xffffffffu, nonfinite, offset);
+    largest.weight = fmaxf(largest.weight, __shfl_down_sync(0xffffffffu, largest.weight, offset));
+    largest.state_a =
+        fmaxf(largest.state_a, __shfl_down_sync(0xffffffffu, largest.state_a, offset));
+    largest.state_b =
+        fmaxf(largest.state_b, __shfl_down_sync(0xffffffffu, largest.state_b, offset));
+  }
+  if (threadIdx.x % 32 == 0) {
+    if (nonfinite > 0) atomicAdd(&result->nonfinite, nonfinite);
+    AtomicMaxMagnitude(&result->weight, largest.weight);
+    AtomicMaxMagnitude(&result->state_a, largest.state_a);
+    AtomicMaxMagnitude(&result->state_b, largest.state_b);
+  }
+}
+
 bool Aligned(const void* ptr, size_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
@@ -113,7 +188,60 @@ absl::Status Launch(const StepScalars& s, float* param, TW* rounded, float* grad
   return absl::OkStatus();
 }
 
+template <typename Rule, typename TW>
+absl::Status LaunchCheck(const StepScalars& s, const float* param, const float* grad,
+                         const float* state_a, const float* state_b, int64_t count,
+                         OptimizerCheck* result, cudaStream_t stream) {
+  // The same split into float4 and single units as the step (the bits do not depend on it).
+  const bool vectorised =
+      Aligned(param, 16) && Aligned(grad, 16) && Aligned(state_a, 16) && Aligned(state_b, 16);
+  const int64_t vec_units = vectorised ? count / kVec : 0;
+  const int64_t units = vec_units + (count - vec_units * kVec);
+  int device = 0, sms = 0;
+  LOSSHEAD_CUDA_CHECK(cudaGetDevice(&device));
+  LOSSHEAD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Enough blocks to fill every SM several times over; each walks many units.
+  const int64_t wanted = (units + kThreads - 1) / kThreads;
+  const unsigned blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(sms) * 8)));
+  LOSSHEAD_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(OptimizerCheck), stream));
+  CheckKernel<Rule, TW>
+      <<<blocks, kThreads, 0, stream>>>(s, param, grad, state_a, state_b, vec_units, count, result);
+  LOSSHEAD_CUDA_CHECK_LAUNCH();
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+template <typename TW>
+absl::Status LaunchOptimizerCheck(OptimizerKind kind, const StepScalars& scalars,
+                                  const float* param, const float* grad, const float* state_a,
+                                  const float* state_b, int64_t count, OptimizerCheck* result,
+                                  cudaStream_t stream) {
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+      return LaunchCheck<optim::AdamWRule, TW>(scalars, param, grad, state_a, state_b, count,
+                                               result, stream);
+    case OptimizerKind::kSgd:
+      return LaunchCheck<optim::SgdRule, TW>(scalars, param, grad, state_a, nullptr, count, result,
+                                             stream);
+    case OptimizerKind::kLion:
+      return LaunchCheck<optim::LionRule, TW>(scalars, param, grad, state_a, nullptr, count, result,
+                                              stream);
+  }
+  return absl::InvalidArgumentError("unknown optimizer kind");
+}
+
+template absl::Status LaunchOptimizerCheck<float>(OptimizerKind, const StepScalars&, const float*,
+                                                  const float*, const float*, const float*, int64_t,
+                                                  OptimizerCheck*, cudaStream_t);
+template absl::Status LaunchOptimizerCheck<__nv_bfloat16>(OptimizerKind, const StepScalars&,
+                                                          const float*, const float*, const float*,
+                                                          const float*, int64_t, OptimizerCheck*,
+                                                          cudaStream_t);
+template absl::Status LaunchOptimizerCheck<__half>(OptimizerKind, const StepScalars&, const float*,
+                                                   const float*, const float*, const float*,
+                                                   int64_t, OptimizerCheck*, cudaStream_t);
 
 template <typename TW>
 absl::Status LaunchOptimizerStep(OptimizerKind kind, const StepScalars& scalars, float* param,

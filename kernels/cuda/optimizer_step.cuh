@@ -1,5 +1,6 @@
 // The fused optimizer step: one pass that reads the gradient, the fp32 parameters and the state,
-// and writes the parameters, the state, the rounded weights and a zeroed gradient.
+// and writes the parameters, the state, the rounded weights and a zeroed gradient; and its
+// read-only dry run.
 #ifndef LOSSHEAD_KERNELS_CUDA_OPTIMIZER_STEP_CUH_
 #define LOSSHEAD_KERNELS_CUDA_OPTIMIZER_STEP_CUH_
 
@@ -23,6 +24,16 @@ template <typename TW>
 absl::Status LaunchOptimizerStep(OptimizerKind kind, const optim::StepScalars& scalars,
                                  float* param, TW* rounded, float* grad, float* state_a,
                                  float* state_b, int64_t count, cudaStream_t stream);
+
+// The step's dry run (Backend::CheckOptimizerStep): the same units and Rule as
+// LaunchOptimizerStep<TW>, reading the same buffers and writing only *result (device memory,
+// zeroed here first): the elements whose new parameter, state or TW rounding would not be finite,
+// and the largest new magnitudes.
+template <typename TW>
+absl::Status LaunchOptimizerCheck(OptimizerKind kind, const optim::StepScalars& scalars,
+                                  const float* param, const float* grad, const float* state_a,
+                                  const float* state_b, int64_t count, OptimizerCheck* result,
+                                  cudaStream_t stream);
 
 }  // namespace losshead::kernels::cuda
 

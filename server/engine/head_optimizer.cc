@@ -69,6 +69,10 @@ absl::StatusOr<OptimizerBuffers> AllocateOptimizer(kernels::Backend& backend,
     }
   }
   if (absl::Status s = allocate(sizeof(double), b.norm, "the gradient norm"); !s.ok()) return s;
+  if (absl::Status s = allocate(sizeof(kernels::OptimizerCheck), b.check, "the step's check");
+      !s.ok()) {
+    return s;
+  }
   return b;
 }
 

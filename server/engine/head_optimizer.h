@@ -5,6 +5,7 @@
 #define LOSSHEAD_SERVER_ENGINE_HEAD_OPTIMIZER_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,6 +42,7 @@ struct OptimizerBuffers {
   kernels::DeviceBuffer master;              // fp32 copy of W (BF16 and FP16 heads)
   std::vector<kernels::DeviceBuffer> state;  // StateBufferCount(spec), in its order
   kernels::DeviceBuffer norm;                // one double: Backend::SquaredNorm's result
+  kernels::DeviceBuffer check;               // one kernels::OptimizerCheck
   uint64_t step = 0;                         // applies since the optimizer was set
   // SGD: the momentum buffer holds torch's momentum_buffer (false: torch's None, so the next
   // step with momentum initialises it).
@@ -48,6 +50,11 @@ struct OptimizerBuffers {
   // The weights version at which master equals W. A push bumps the version without touching
   // master: the next apply sees the difference and takes master from W again.
   uint64_t master_version = 0;
+  // Bounds on the magnitudes of master and state over this replica's rows, where known: set by
+  // an apply (its check's exact maxima, or the bound that let it skip the check), dropped
+  // whenever master or state is written another way (a push, a restore, a new optimizer). An
+  // apply whose bound stays in range needs no check (kernels::StepMagnitudeBound).
+  std::optional<kernels::OptimizerMagnitudes> magnitudes;
 };
 
 // Allocates the buffers of `spec` for `count` weights of `dtype` (contents undefined);

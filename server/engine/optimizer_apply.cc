@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,6 +40,69 @@ absl::Status ValidateApplyRequest(const v1::ApplyOptimizerRequest& r) {
   }
   if (r.has_max_norm()) LOSSHEAD_RETURN_IF_ERROR(FiniteAbove(r.max_norm(), false, "max_norm"));
   return FiniteAbove(r.trunk_grad_sq_norm(), true, "trunk_grad_sq_norm");
+}
+
+// Refuses a step that would carry a weight past its dtype's range, or a master or state value
+// past fp32's (FAILED_PRECONDITION, nothing changed), and says how large each replica's rows may
+// be after it. Where a replica's rows have known bounds that kernels::StepMagnitudeBound keeps in
+// range, its step cannot overflow and nothing runs; elsewhere CheckOptimizerStep reads the rows
+// once (about half the bytes of the step itself). `grad_sq[rank]`: the squared norm of that
+// replica's rows of dW, which bounds each of its elements.
+absl::StatusOr<std::vector<kernels::OptimizerMagnitudes>> CheckStepStaysInRange(
+    ReplicaGroup& group, const kernels::OptimizerProblem& problem,
+    const std::vector<double>& grad_sq) {
+  const size_t esize = kernels::DTypeSize(problem.dtype);
+  std::vector<kernels::OptimizerMagnitudes> after(group.size());
+  std::vector<kernels::OptimizerCheck> checks(group.size());
+  std::vector<bool> checked(group.size(), false);
+  for (const auto& r : group.replicas()) {
+    kernels::OptimizerProblem own = problem;
+    own.count = group.RowElements(*r);
+    if (r->optimizer.magnitudes.has_value()) {
+      after[r->rank] =
+          kernels::StepMagnitudeBound(own, *r->optimizer.magnitudes, std::sqrt(grad_sq[r->rank]));
+      if (kernels::StepStaysInRange(problem.dtype, after[r->rank])) continue;
+    }
+    checked[r->rank] = true;
+    char* weights = r->weights.as<char>() + head_internal::DeviceRowByteOffset(group, *r, esize);
+    float* grad = r->grad.as<float>() + group.DeviceRowOffset(*r);
+    auto* result = r->optimizer.check.as<kernels::OptimizerCheck>();
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CheckOptimizerStep(
+        own, KernelTensors(r->optimizer, weights, grad), result, *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(&checks[r->rank], result,
+                                                   sizeof(kernels::OptimizerCheck), *r->stream));
+  }
+  if (std::find(checked.begin(), checked.end(), true) == checked.end()) return after;
+  LOSSHEAD_RETURN_IF_ERROR(group.Synchronize());
+  // SGD without momentum neither reads nor writes its momentum buffer: the check saw none of it,
+  // and what it holds stays as large as it was; unknown, it keeps later applies checking until
+  // one with momentum has read it.
+  const auto* sgd = std::get_if<kernels::SgdOptions>(&problem.options);
+  const bool keeps_state_a = sgd != nullptr && sgd->momentum == 0.0f;
+  uint64_t nonfinite = 0;
+  for (const auto& r : group.replicas()) {
+    const int i = r->rank;
+    if (!checked[i]) continue;
+    nonfinite += checks[i].nonfinite;
+    after[i] = {
+        .weight = checks[i].weight, .state_a = checks[i].state_a, .state_b = checks[i].state_b};
+    if (keeps_state_a) {
+      after[i].state_a = r->optimizer.magnitudes.has_value()
+                             ? r->optimizer.magnitudes->state_a
+                             : std::numeric_limits<double>::infinity();
+    }
+  }
+  if (nonfinite > 0) {
+    const char* largest = problem.dtype == kernels::DType::kFP16   ? "65504"
+                          : problem.dtype == kernels::DType::kBF16 ? "3.39e38"
+                                                                   : "3.40e38";
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this optimizer step would overflow ", nonfinite, " element(s) (a ",
+        kernels::DTypeName(problem.dtype), " weight beyond ", largest,
+        ", or an fp32 master or state value beyond 3.40e38); nothing was stepped: give a smaller ",
+        "lr or weight_decay, or pull with reset to drop the window"));
+  }
+  return after;
 }
 
 }  // namespace
@@ -101,6 +165,7 @@ absl::Status Head::SyncMaster() {
   for (const auto& r : group_->replicas()) {
     OptimizerBuffers& optimizer = r->optimizer;
     if (optimizer.master_version == version) continue;
+    optimizer.magnitudes.reset();  // master is taken anew (or, for fp32, W was pushed)
     if (optimizer.master.data() != nullptr) {
       // This replica's rows of W -> fp32 through the host in blocks: only a push or a new
       // optimizer gets here.
@@ -210,6 +275,8 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
         "to drop the window"));
   }
   LOSSHEAD_RETURN_IF_ERROR(SyncMaster());
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<kernels::OptimizerMagnitudes> after,
+                            CheckStepStaysInRange(*group_, problem, partial));
   // Each replica steps its own rows (zeroing them in dW; its other rows are zero once reduced),
   // then every replica takes the others' new rows of W.
   const size_t esize = kernels::DTypeSize(dtype_);
@@ -235,6 +302,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
       r->optimizer.step += 1;
       if (momentum_started) r->optimizer.momentum_started = true;
       r->optimizer.master_version = version_;
+      r->optimizer.magnitudes = after[r->rank];
     }
     optimizer_step_ = first.step;
     tokens_since_pull_ = 0;

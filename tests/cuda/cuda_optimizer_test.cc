@@ -9,12 +9,15 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <random>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
+#include "tests/kernels/optimizer_check_runner.h"
 #include "tests/kernels/optimizer_runner.h"
 
 namespace losshead::kernels {
@@ -108,6 +111,46 @@ double NormOn(Backend& backend, const std::vector<float>& g, int64_t offset = 0)
   EXPECT_TRUE(norm.ok()) << norm.status();
   return norm.value_or(-1.0);
 }
+
+// The step's check on the GPU, in both scenarios of MakeCheckScenario, on the vector and the
+// scalar path: it writes nothing, finds exactly what the GPU's step then does, and gives the
+// CPU backend's result bit for bit.
+class CudaOptimizerCheckTest : public ::testing::TestWithParam<std::tuple<OptimizerCase, bool>> {};
+
+void ExpectSameCheck(const OptimizerCheck& got, const OptimizerCheck& want) {
+  EXPECT_EQ(got.nonfinite, want.nonfinite);
+  EXPECT_EQ(got.weight, want.weight);
+  EXPECT_EQ(got.state_a, want.state_a);
+  EXPECT_EQ(got.state_b, want.state_b);
+}
+
+TEST_P(CudaOptimizerCheckTest, MatchesCpuAndTheStepItJudges) {
+  SKIP_WITHOUT_GPU();
+  const auto& [c, overflow] = GetParam();
+  std::mt19937_64 rng(std::random_device{}());
+  const testing::CheckScenario scenario = testing::MakeCheckScenario(c, overflow, rng);
+  std::unique_ptr<Backend> cuda = MakeCuda();
+  ASSERT_NE(cuda, nullptr);
+  auto want = testing::CheckThenStep(*CreateCpuBackend(), scenario.problem, scenario.start);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(want->check.nonfinite > 0, overflow) << testing::Describe(want->check);
+  for (int64_t offset : {0, 1}) {
+    auto got = testing::CheckThenStep(*cuda, scenario.problem, scenario.start, offset);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(testing::SameBits(got->after_check, got->before)) << "the check wrote";
+    ExpectSameCheck(got->check, testing::CheckFromStep(c.dtype, got->after_step));
+    ExpectSameCheck(got->check, want->check);
+    // NaN's bits may differ between the devices; where nothing overflows, every bit is equal.
+    if (!overflow) EXPECT_TRUE(testing::SameBits(got->after_step, want->after_step));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, CudaOptimizerCheckTest,
+                         ::testing::Combine(::testing::ValuesIn(Cases()), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::get<0>(info.param).name +
+                                  (std::get<1>(info.param) ? "_overflow" : "_tame");
+                         });
 
 TEST(CudaSquaredNormTest, Fp32_Sizes_MatchCpuAndRerunAndAlignmentKeepTheBits) {
   SKIP_WITHOUT_GPU();

@@ -445,6 +445,10 @@ class NamedBackend final : public Backend {
   absl::Status OptimizerStep(const OptimizerProblem&, const OptimizerTensors&, Stream&) override {
     return Unused();
   }
+  absl::Status CheckOptimizerStep(const OptimizerProblem&, const OptimizerTensors&, OptimizerCheck*,
+                                  Stream&) override {
+    return Unused();
+  }
   absl::StatusOr<DeviceBuffer> Allocate(size_t) override { return Unused(); }
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override { return Unused(); }
   absl::Status CopyToDevice(void*, const void*, size_t, Stream&) override { return Unused(); }

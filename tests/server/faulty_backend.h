@@ -22,9 +22,9 @@ namespace losshead::server::testing {
 // The CPU backend, with faults to order: the next copy of results to the host (anything larger
 // than the 16 bytes of scalars read under the compute lock), the next run (after it has added to
 // dW, as a device that fails midway would), the next copy to the device, or the next flush of a
-// gradient stash (before it adds anything, so that dW's content is known). It counts runs and the
-// flushes that add tokens. With a memory limit it is a device of that size: allocations beyond it
-// fail (RESOURCE_EXHAUSTED) and memory_info reports what is left.
+// gradient stash (before it adds anything, so that dW's content is known). It counts runs, the
+// flushes that add tokens and the optimizer steps' checks. With a memory limit it is a device of
+// that size: allocations beyond it fail (RESOURCE_EXHAUSTED) and memory_info reports what is left.
 class FaultyBackend : public kernels::Backend {
  public:
   explicit FaultyBackend(std::unique_ptr<kernels::Backend> inner) : inner_(std::move(inner)) {}
@@ -35,6 +35,7 @@ class FaultyBackend : public kernels::Backend {
   std::atomic<bool> fail_flush{false};
   std::atomic<int> runs{0};
   std::atomic<int> flushes{0};
+  std::atomic<int> optimizer_checks{0};
 
   // Device memory of `bytes` from now on; buffers allocated before do not count.
   void LimitMemory(size_t bytes) {
@@ -118,6 +119,13 @@ class FaultyBackend : public kernels::Backend {
                              const kernels::OptimizerTensors& tensors,
                              kernels::Stream& stream) override {
     return inner_->OptimizerStep(problem, tensors, stream);
+  }
+  absl::Status CheckOptimizerStep(const kernels::OptimizerProblem& problem,
+                                  const kernels::OptimizerTensors& tensors,
+                                  kernels::OptimizerCheck* result,
+                                  kernels::Stream& stream) override {
+    ++optimizer_checks;
+    return inner_->CheckOptimizerStep(problem, tensors, result, stream);
   }
   absl::StatusOr<kernels::DeviceBuffer> Allocate(size_t bytes) override {
     absl::MutexLock lock(&memory_mu_);

@@ -122,6 +122,12 @@ TEST_F(OptimizerSemanticsTest, EveryErrorHasItsCodeAndChangesNothing) {
       {absl::StatusCode::kInvalidArgument, [](auto& r) { r.set_trunk_grad_sq_norm(kNaN); }},
       {absl::StatusCode::kInvalidArgument, [](auto& r) { r.set_trunk_grad_sq_norm(-2); }},
       {absl::StatusCode::kFailedPrecondition, [](auto& r) { r.set_expected_weights_version(99); }},
+      // Valid values whose step would carry W past fp32 (1 - lr * weight_decay overflows).
+      {absl::StatusCode::kFailedPrecondition,
+       [](auto& r) {
+         r.mutable_params()->set_lr(1e38);
+         r.mutable_params()->set_weight_decay(100);
+       }},
       {absl::StatusCode::kNotFound, [](auto& r) { r.set_head("no-such-head"); }},
   };
   uint64_t key = 1;

@@ -133,6 +133,15 @@ class Backend {
   // give the same bits too (every fp32 operation rounded separately, in the same order).
   virtual absl::Status OptimizerStep(const OptimizerProblem& problem,
                                      const OptimizerTensors& tensors, Stream& stream) = 0;
+  // What OptimizerStep(problem, tensors) would write, without writing it: reads the same
+  // buffers, computes every element's new values the same way, and writes only `*result` (one
+  // OptimizerCheck in this backend's memory): how many elements would not be finite, and the
+  // largest new magnitudes. An apply that would carry a weight past its dtype's range is refused
+  // on this before anything changes. Validates first (ValidateOptimizerStep, a null result) and
+  // launches nothing on error.
+  virtual absl::Status CheckOptimizerStep(const OptimizerProblem& problem,
+                                          const OptimizerTensors& tensors, OptimizerCheck* result,
+                                          Stream& stream) = 0;
 
   // A vocabulary shard's halves of Run (see shard_problem.h for the sequence and the exchange
   // between them). Each validates first (ValidateShardProblem, null pointers, a chunk outside

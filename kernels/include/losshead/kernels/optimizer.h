@@ -104,6 +104,36 @@ struct OptimizerTensors {
   float* momentum_buffer = nullptr;  // SGD when momentum != 0
 };
 
+// Upper bounds of the magnitudes in one step's buffers over the elements it covers: |master|
+// (the weights themselves when fp32), |state a| (exp_avg or momentum_buffer) and |exp_avg_sq|.
+struct OptimizerMagnitudes {
+  double weight = 0;
+  double state_a = 0;
+  double state_b = 0;
+};
+
+// An upper bound of the magnitudes after one step of `problem` (valid: ValidateOptimizerProblem)
+// from buffers within `before`, when every raw gradient element (before grad_scale) is within
+// `grad_abs`. It allows for the fp32 rounding of every operation; +Inf where an fp32
+// intermediate of the rule could overflow. It needs no memory: the caller decides from it whether
+// CheckOptimizerStep must run (see StepStaysInRange).
+OptimizerMagnitudes StepMagnitudeBound(const OptimizerProblem& problem,
+                                       const OptimizerMagnitudes& before, double grad_abs);
+
+// True when every value within `after` is finite in fp32 and the weights round to finite values
+// of `dtype` (fp16: |w| <= 65504; bf16: <= 3.3895314e38).
+bool StepStaysInRange(DType dtype, const OptimizerMagnitudes& after);
+
+// What Backend::CheckOptimizerStep finds, written to the backend's memory.
+struct OptimizerCheck {
+  // Elements whose new master, rounded weight or state would not be finite.
+  uint32_t nonfinite = 0;
+  // The largest magnitudes of the new values (NaN left out): exact bounds when nonfinite is 0.
+  float weight = 0;
+  float state_a = 0;
+  float state_b = 0;
+};
+
 // Checks the problem without touching memory: INVALID_ARGUMENT naming the offending field when
 // count < 1, step < 1, grad_scale is not finite, lr is negative or not finite, a beta is outside
 // [0, 1) (Lion: [0, 1]), eps is not positive and finite, weight_decay is negative or not finite,
