@@ -10,8 +10,9 @@
 # - the sharded head through the server (one stream, k = 1, 2, 4, ... shards against one GPU) and
 #   `losshead_shard_bench` (the sharded micro-batch's latency against the unsharded call, and
 #   1280-token micro-batches with and without deferred dW on the shards);
-# - a head too large for one GPU (V = 2,000,000, D = 16384: 183 GiB of W and dW), refused on one
-#   and served sharded over every GPU, its sharded micro-batch timed with random weights.
+# - a head too large for one GPU (D = 16384, V = 2,000,000 where the GPUs hold it: 183 GiB of W
+#   and dW; fewer rows where they do not, still past one GPU), refused on one and served sharded
+#   over every GPU, its sharded micro-batch timed with random weights.
 # A part that fails is reported in the summary and the rest still runs: one lease of a multi-GPU
 # machine should give every figure it can.
 #
@@ -35,8 +36,8 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
   | tee "$out/gpu.txt"
 gpus=$(wc -l < "$out/gpu.txt")
 
-# --max_head_bytes: the wide head below (183 GiB of W and dW) must meet the devices' memory, not
-# the server's default 16 GiB limit per head.
+# --max_head_bytes: the wide head below (up to 183 GiB of W and dW) must meet the devices' memory,
+# not the server's default 16 GiB limit per head.
 "$bundle/bin/losshead-server" --listen="127.0.0.1:$port" \
   --metrics_listen="127.0.0.1:$metrics_port" --backend=cuda --max_head_bytes=$((1 << 40)) \
   --devices=all > "$out/server.log" 2>&1 &
@@ -126,22 +127,27 @@ while [ "$k" -le "$gpus" ]; do counts="$counts,$k"; k=$((k * 2)); done
 "$bundle/bin/losshead_shard_bench" --shards="$counts" --n=1280 --stash=8 --runs=8 2>&1 \
   | tee -a "$summary" || note "losshead_shard_bench --stash=8 FAILED"
 
-# A head whose W and dW (2,000,000 x 16384: 61 GiB bf16 + 122 GiB fp32) fit no single GPU:
-# refused on one device, then created sharded over all of them with a random W (its creation
-# timed: 33e9 weights drawn on every host core and copied in) and stepped through the server.
+# A head whose W and dW (V x 16384, bf16 + fp32: 6 bytes a weight) fit no single GPU: refused on
+# one device, then created sharded over all of them with a random W (its creation timed: up to
+# 33e9 weights drawn on every host core and copied in) and stepped through the server. V is
+# 2,000,000 (183 GiB) where the GPUs hold 80 % of that, else the rows that fill 80 % of them.
+smallest_mib=$(awk -F', ' '{m = $4 + 0; if (min == "" || m < min) min = m} END {print min}' \
+  "$out/gpu.txt")
+wide_v=$(( smallest_mib * 1048576 / 10 * 8 * gpus / (16384 * 6) ))
+[ "$wide_v" -gt 2000000 ] && wide_v=2000000
 wide() { "$bundle/bin/losshead" "$@" --server="127.0.0.1:$port" --head=wide --deadline_s=900; }
-if wide create --vocab=2000000 --hidden=16384 --dtype=bf16 > "$out/wide-single.log" 2>&1; then
-  note "a 2,000,000 x 16384 head fit one GPU"
+if wide create --vocab="$wide_v" --hidden=16384 --dtype=bf16 > "$out/wide-single.log" 2>&1; then
+  note "a $wide_v x 16384 head fit one GPU"
   wide delete > /dev/null
 else
   note "one GPU: $(tail -1 "$out/wide-single.log")"
 fi
 created=$(date +%s%N)
-if wide create --vocab=2000000 --hidden=16384 --dtype=bf16 --shards=-1 --init_std=0.02 \
+if wide create --vocab="$wide_v" --hidden=16384 --dtype=bf16 --shards=-1 --init_std=0.02 \
   > "$out/wide-sharded.log" 2>&1; then
   note "$(cat "$out/wide-sharded.log")"
   note "sharded create with normal init: $(( ($(date +%s%N) - created) / 1000000 )) ms"
-  wide bench --d=16384 --v=2000000 --n=4096 --streams=2 --seconds="$seconds" \
+  wide bench --d=16384 --v="$wide_v" --n=4096 --streams=2 --seconds="$seconds" \
     > "$out/bench-wide.log" 2>&1 \
     || note "sharded bench of the wide head FAILED: $(tail -3 "$out/bench-wide.log" | tr '\n' ' ')"
   grep -E 'tokens/s|p50|check' "$out/bench-wide.log" | sed 's/^/sharded, random W: /' \
@@ -153,5 +159,5 @@ fi
 
 # The same shape's sharded micro-batch over every GPU with random W and H (the kernel sequence the
 # server runs, without gRPC): the figure for BENCHMARKS.md. No unsharded reference: it fits no GPU.
-"$bundle/bin/losshead_shard_bench" --v=2000000 --d=16384 --n=4096 --shards="$gpus" --runs=3 \
+"$bundle/bin/losshead_shard_bench" --v="$wide_v" --d=16384 --n=4096 --shards="$gpus" --runs=3 \
   --no_unsharded 2>&1 | tee -a "$summary" || note "losshead_shard_bench of the wide head FAILED"

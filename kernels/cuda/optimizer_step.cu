@@ -51,6 +51,20 @@ __device__ __forceinline__ void Store4(float* dst, int64_t v, const float (&src)
   __stcs(reinterpret_cast<float4*>(dst) + v, make_float4(src[0], src[1], src[2], src[3]));
 }
 
+// One vectorised unit's values: a float4 of each buffer (zero state where the rule keeps none).
+struct Unit4 {
+  float g[kVec], p[kVec], a[kVec] = {}, b[kVec] = {};
+};
+
+__device__ __forceinline__ void LoadUnit4(const float* grad, const float* param,
+                                          const float* state_a, const float* state_b, bool has_a,
+                                          bool has_b, int64_t u, Unit4& x) {
+  Load4(grad, u, x.g);
+  Load4(param, u, x.p);
+  if (has_a) Load4(state_a, u, x.a);
+  if (has_b) Load4(state_b, u, x.b);
+}
+
 // Thread u of the grid handles one work unit: unit u < vec_units is the float4 at element 4u;
 // the units after it are single elements from 4 * vec_units on (the tail, or everything on the
 // scalar path). Every buffer is streamed once: the loads and stores bypass cache residency
@@ -65,17 +79,14 @@ __global__ void __launch_bounds__(kThreads)
   const bool has_a = Rule::kStates >= 1 && state_a != nullptr;
   const bool has_b = Rule::kStates >= 2 && state_b != nullptr;
   if (u < vec_units) {
-    float g[kVec], p[kVec], a[kVec] = {}, b[kVec] = {};
-    Load4(grad, u, g);
-    Load4(param, u, p);
-    if (has_a) Load4(state_a, u, a);
-    if (has_b) Load4(state_b, u, b);
+    Unit4 x;
+    LoadUnit4(grad, param, state_a, state_b, has_a, has_b, u, x);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) Rule::Apply(s, g[k], p[k], a[k], b[k]);
-    Store4(param, u, p);
-    if (has_a) Store4(state_a, u, a);
-    if (has_b) Store4(state_b, u, b);
-    if constexpr (kRound) StoreRounded4(rounded, u, p);
+    for (int k = 0; k < kVec; ++k) Rule::Apply(s, x.g[k], x.p[k], x.a[k], x.b[k]);
+    Store4(param, u, x.p);
+    if (has_a) Store4(state_a, u, x.a);
+    if (has_b) Store4(state_b, u, x.b);
+    if constexpr (kRound) StoreRounded4(rounded, u, x.p);
     const float zero[kVec] = {};
     Store4(grad, u, zero);
     return;
@@ -131,15 +142,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; u < units;
        u += stride) {
     if (u < vec_units) {
-      float g[kVec], p[kVec], a[kVec] = {}, b[kVec] = {};
-      Load4(grad, u, g);
-      Load4(param, u, p);
-      if (has_a) Load4(state_a, u, a);
-      if (has_b) Load4(state_b, u, b);
+      Unit4 x;
+      LoadUnit4(grad, param, state_a, state_b, has_a, has_b, u, x);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        Rule::Apply(s, g[k], p[k], a[k], b[k]);
-        Judge<TW>(p[k], a[k], b[k], nonfinite, largest);
+        Rule::Apply(s, x.g[k], x.p[k], x.a[k], x.b[k]);
+        Judge<TW>(x.p[k], x.a[k], x.b[k], nonfinite, largest);
       }
     } else {
       const int64_t i = vec_units * kVec + (u - vec_units);

@@ -114,6 +114,15 @@ struct Devices {
   std::vector<kernels::Backend*> devices;
 };
 
+// One micro-batch (its sequence and seed the request's step key), then the apply.
+void StepThenApply(Head& head, const v1::ApplyOptimizerRequest& request) {
+  StepStats stats;
+  const uint64_t key = request.step_key();
+  ASSERT_TRUE(head.Step(Batch(key, key), &stats).ok());
+  auto applied = head.ApplyOptimizer(request);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+}
+
 class OptimizerRangeTest : public ::testing::TestWithParam<RangeCase> {};
 
 TEST_P(OptimizerRangeTest, AStepPastTheRangeIsRefusedAndChangesNothing) {
@@ -184,17 +193,11 @@ TEST(OptimizerRangeCheckTest, RunsOnlyWhereTheBoundCannotRuleOutAnOverflow) {
   Devices devices(2);
   auto head = Head::Create(devices.devices, Spec(c, 7), HeadOptions{});
   ASSERT_TRUE(head.ok()) << head.status();
-  StepStats stats;
-  uint64_t sequence = 0;
-  auto step_and_apply = [&](uint64_t key) {
-    ++sequence;
-    ASSERT_TRUE((*head)->Step(Batch(sequence, sequence), &stats).ok());
-    auto applied = (*head)->ApplyOptimizer(Apply(c, key, false));
-    ASSERT_TRUE(applied.ok()) << applied.status();
-  };
-  ASSERT_NO_FATAL_FAILURE(step_and_apply(1));
+  ASSERT_NO_FATAL_FAILURE(StepThenApply(**head, Apply(c, 1, false)));
   EXPECT_EQ(devices.checks(), 2) << "magnitudes unknown at first: each replica checks its rows";
-  for (uint64_t key = 2; key <= 5; ++key) ASSERT_NO_FATAL_FAILURE(step_and_apply(key));
+  for (uint64_t key = 2; key <= 5; ++key) {
+    ASSERT_NO_FATAL_FAILURE(StepThenApply(**head, Apply(c, key, false)));
+  }
   EXPECT_EQ(devices.checks(), 2) << "bf16 weights of size 1 with lr 1e-3 are far from overflowing";
 
   // A push makes the master unknown again.
@@ -202,20 +205,17 @@ TEST(OptimizerRangeCheckTest, RunsOnlyWhereTheBoundCannotRuleOutAnOverflow) {
   ASSERT_TRUE((*head)
                   ->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_REPLACE, Bytes(pushed), std::nullopt)
                   .ok());
-  ASSERT_NO_FATAL_FAILURE(step_and_apply(6));
+  ASSERT_NO_FATAL_FAILURE(StepThenApply(**head, Apply(c, 6, false)));
   EXPECT_EQ(devices.checks(), 4);
-  ASSERT_NO_FATAL_FAILURE(step_and_apply(7));
+  ASSERT_NO_FATAL_FAILURE(StepThenApply(**head, Apply(c, 7, false)));
   EXPECT_EQ(devices.checks(), 4);
 
   // An lr whose bound reaches bf16's range is checked (and, the moves being far smaller than
   // the bound, allowed): AdamW's bound divides the first moment by eps.
-  ++sequence;
-  ASSERT_TRUE((*head)->Step(Batch(sequence, sequence), &stats).ok());
   v1::ApplyOptimizerRequest large = Apply(c, 8, false);
   large.mutable_params()->set_lr(1e34);
   large.mutable_params()->set_weight_decay(0.0);
-  auto applied = (*head)->ApplyOptimizer(large);
-  ASSERT_TRUE(applied.ok()) << applied.status();
+  ASSERT_NO_FATAL_FAILURE(StepThenApply(**head, large));
   EXPECT_EQ(devices.checks(), 6);
 }
 
@@ -226,15 +226,10 @@ TEST(OptimizerRangeCheckTest, AMomentumBufferNoCheckReadIsCheckedBeforeItIsUsed)
   Devices devices(1);
   auto head = Head::Create(devices.devices, Spec(c, 5), HeadOptions{});
   ASSERT_TRUE(head.ok()) << head.status();
-  StepStats stats;
-  uint64_t sequence = 0;
   auto step_and_apply = [&](uint64_t key, double momentum) {
-    ++sequence;
-    ASSERT_TRUE((*head)->Step(Batch(sequence, sequence), &stats).ok());
     v1::ApplyOptimizerRequest r = Apply(c, key, false);
     r.mutable_params()->set_momentum(momentum);
-    auto applied = (*head)->ApplyOptimizer(r);
-    ASSERT_TRUE(applied.ok()) << applied.status();
+    StepThenApply(**head, r);
   };
   ASSERT_NO_FATAL_FAILURE(step_and_apply(1, 0.9));
   ASSERT_NO_FATAL_FAILURE(step_and_apply(2, 0.9));
