@@ -97,10 +97,10 @@ absl::StatusOr<std::vector<kernels::OptimizerMagnitudes>> CheckStepStaysInRange(
                           : problem.dtype == kernels::DType::kBF16 ? "3.39e38"
                                                                    : "3.40e38";
     return absl::FailedPreconditionError(absl::StrCat(
-        "this optimizer step would overflow ", nonfinite, " element(s) (a ",
-        kernels::DTypeName(problem.dtype), " weight beyond ", largest,
-        ", or an fp32 master or state value beyond 3.40e38); nothing was stepped: give a smaller ",
-        "lr or weight_decay, or pull with reset to drop the window"));
+        "this optimizer step would overflow ", nonfinite,
+        " element(s): ", kernels::DTypeName(problem.dtype), " weights hold up to ", largest,
+        ", their fp32 master and the optimizer state up to 3.40e38; nothing was stepped: give a ",
+        "smaller lr or weight_decay, or pull with reset to drop the window"));
   }
   return after;
 }

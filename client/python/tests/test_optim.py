@@ -3,10 +3,12 @@ against torch.nn.utils.clip_grad_norm_."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
 from losshead import Client, RemoteAdamW, RemoteSGD, step_with_clipping
+from losshead.errors import LossheadError
 
 V, D, TOKENS = 37, 16, 24
 REL = 1e-6
@@ -104,3 +106,35 @@ def test_state_dict_keeps_the_step_key(client: Client, make_head) -> None:
     _window(client, head, 2)
     again.step()
     assert not again.last_result.replayed and again.last_result.optimizer_step == 2
+
+
+def test_a_step_past_the_weights_range_is_refused_and_changes_nothing(client: Client,
+                                                                        make_head) -> None:
+    """An fp16 head at lr 1e7: the step would carry W past 65504. FAILED_PRECONDITION, and W,
+    the window and the step count stay as they were; the same step at a sane lr then matches
+    torch.optim.SGD on that window."""
+    w0 = (torch.randn(V, D, generator=torch.Generator().manual_seed(6)) * 0.3).half().float()
+    head = make_head(V, D, weights=w0, dtype=torch.float16)
+    remote = RemoteSGD(client, head, lr=1e7)
+    raw = _window(client, head, 7)
+    before = client.get_head(head)
+    with pytest.raises(LossheadError) as refused:
+        remote.step()
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "would overflow" in refused.value.message and "65504" in refused.value.message
+    assert torch.equal(client.download_weights(head).weights.float(), w0)
+    after = client.get_head(head)
+    assert after.tokens_since_pull == before.tokens_since_pull == 2 * TOKENS
+    assert after.optimizer_step == 0 and after.weights_version == before.weights_version
+    assert torch.equal(client.pull_gradient(head, reset=False).grad, raw)
+
+    remote.param_groups[0]["lr"] = 0.5
+    remote.step()
+    assert remote.last_result.optimizer_step == 1 and remote.last_result.token_count == 2 * TOKENS
+    local = torch.nn.Parameter(w0.clone())
+    local.grad = raw / (2 * TOKENS)
+    torch.optim.SGD([local], lr=0.5, foreach=False).step()
+    # W is the fp32 master rounded to fp16; the server scales dW by 1 / tokens in fp32 where
+    # torch divides, so an element may round to the neighbouring fp16 value.
+    got = client.download_weights(head).weights.float()
+    assert torch.allclose(got, local.detach(), rtol=2**-10, atol=2**-24)
