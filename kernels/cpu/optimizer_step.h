@@ -1,4 +1,4 @@
-// The CPU optimizer step, and its read-only check: one pass over the elements, split over the pool.
+// The CPU optimizer step and its read-only check: one pass over the elements, split over the pool.
 #ifndef LOSSHEAD_KERNELS_CPU_OPTIMIZER_STEP_H_
 #define LOSSHEAD_KERNELS_CPU_OPTIMIZER_STEP_H_
 
