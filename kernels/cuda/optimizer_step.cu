@@ -126,8 +126,8 @@ __device__ __forceinline__ void AtomicMaxMagnitude(float* target, float value) {
 }
 
 // The step's dry run: each thread walks work units as StepKernel numbers them, grid-strided (a
-// fixed grid: one set of atomics per block), computing every new value with the same Rule and
-// writing only the block's count and maxima into *result (zeroed beforehand).
+// fixed grid, so that few atomics are issued: one set per warp), computing every new value with
+// the same Rule and adding only the warp's count and maxima into *result (zeroed beforehand).
 template <typename Rule, typename TW>
 __global__ void __launch_bounds__(kThreads)
     CheckKernel(StepScalars s, const float* __restrict__ param, const float* __restrict__ grad,

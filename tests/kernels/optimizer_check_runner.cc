@@ -87,61 +87,24 @@ CheckScenario MakeCheckScenario(const OptimizerCase& c, bool overflow, std::mt19
 
 absl::StatusOr<CheckedStep> CheckThenStep(Backend& backend, const OptimizerProblem& problem,
                                           const StepStart& start, int64_t offset) {
-  const int64_t n = problem.count;
-  const DType dtype = problem.dtype;
-  const size_t el = DTypeSize(dtype);
-  const bool fp32 = dtype == DType::kFP32;
-  absl::StatusOr<std::unique_ptr<Stream>> stream_or = backend.CreateStream();
-  if (!stream_or.ok()) return stream_or.status();
-  Stream& stream = **stream_or;
-  auto weight = backend.Allocate((n + offset) * el), master = backend.Allocate((n + offset) * 4),
-       grad = backend.Allocate((n + offset) * 4), state_a = backend.Allocate((n + offset) * 4),
-       state_b = backend.Allocate((n + offset) * 4),
-       result = backend.Allocate(sizeof(OptimizerCheck));
-  for (auto* b : {&weight, &master, &grad, &state_a, &state_b, &result}) {
-    if (!b->ok()) return b->status();
-  }
-  OptimizerTensors t;
-  t.weight = static_cast<char*>(weight->data()) + offset * el;
-  t.master = fp32 ? nullptr : master->as<float>() + offset;
-  t.grad = grad->as<float>() + offset;
-  float* a = state_a->as<float>() + offset;
-  float* b = state_b->as<float>() + offset;
-  const OptimizerKind kind = KindOf(problem.options);
-  (kind == OptimizerKind::kSgd ? t.momentum_buffer : t.exp_avg) = a;
-  if (kind == OptimizerKind::kAdamW) t.exp_avg_sq = b;
-
-  absl::Status s;
-  auto chk = [&](absl::Status st) {
-    if (s.ok()) s = st;
-  };
-  std::vector<uint8_t> weight_bytes(n * el);
-  FromFloat(dtype, start.param.data(), weight_bytes.data(), n);
-  chk(backend.CopyToDevice(t.weight, weight_bytes.data(), n * el, stream));
-  if (!fp32) chk(backend.CopyToDevice(t.master, start.param.data(), n * 4, stream));
-  chk(backend.CopyToDevice(t.grad, start.grad.data(), n * 4, stream));
-  chk(backend.CopyToDevice(a, start.state_a.data(), n * 4, stream));
-  chk(backend.CopyToDevice(b, start.state_b.data(), n * 4, stream));
-  auto download = [&](OptimizerOutputs& out) {
-    out.param.resize(n);
-    out.weight.resize(n * el);
-    out.grad.resize(n);
-    out.state_a.resize(n);
-    out.state_b.resize(n);
-    chk(backend.CopyToHost(out.param.data(), fp32 ? t.weight : t.master, n * 4, stream));
-    chk(backend.CopyToHost(out.weight.data(), t.weight, n * el, stream));
-    chk(backend.CopyToHost(out.grad.data(), t.grad, n * 4, stream));
-    chk(backend.CopyToHost(out.state_a.data(), a, n * 4, stream));
-    chk(backend.CopyToHost(out.state_b.data(), b, n * 4, stream));
-    chk(stream.Synchronize());
-  };
+  absl::StatusOr<std::unique_ptr<Stream>> stream = backend.CreateStream();
+  if (!stream.ok()) return stream.status();
+  absl::StatusOr<StepBuffersOn> buffers = StepBuffersOn::Allocate(
+      backend, KindOf(problem.options), problem.dtype, problem.count, offset);
+  if (!buffers.ok()) return buffers.status();
+  absl::StatusOr<DeviceBuffer> result = backend.Allocate(sizeof(OptimizerCheck));
+  if (!result.ok()) return result.status();
   CheckedStep out;
-  download(out.before);
-  chk(backend.CheckOptimizerStep(problem, t, result->as<OptimizerCheck>(), stream));
-  chk(backend.CopyToHost(&out.check, result->data(), sizeof(OptimizerCheck), stream));
-  download(out.after_check);
-  chk(backend.OptimizerStep(problem, t, stream));
-  download(out.after_step);
+  absl::Status s = buffers->Upload(start.param, start.grad, start.state_a, start.state_b, **stream);
+  if (s.ok()) s = buffers->Download(&out.before, **stream);
+  if (s.ok()) {
+    s = backend.CheckOptimizerStep(problem, buffers->tensors, result->as<OptimizerCheck>(),
+                                   **stream);
+  }
+  if (s.ok()) s = backend.CopyToHost(&out.check, result->data(), sizeof(OptimizerCheck), **stream);
+  if (s.ok()) s = buffers->Download(&out.after_check, **stream);
+  if (s.ok()) s = backend.OptimizerStep(problem, buffers->tensors, **stream);
+  if (s.ok()) s = buffers->Download(&out.after_step, **stream);
   if (!s.ok()) return s;
   return out;
 }

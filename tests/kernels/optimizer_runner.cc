@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/dtype_convert.h"
@@ -26,44 +27,79 @@ OptimizerInputs MakeOptimizerInputs(const OptimizerCase& c, uint64_t seed) {
   return in;
 }
 
+absl::StatusOr<StepBuffersOn> StepBuffersOn::Allocate(Backend& backend, OptimizerKind kind,
+                                                      DType dtype, int64_t count, int64_t offset) {
+  StepBuffersOn b(backend, dtype, count);
+  const size_t el = DTypeSize(dtype);
+  const size_t n = static_cast<size_t>(count + offset);
+  for (auto [buffer, bytes] :
+       {std::pair{&b.weight_, n * el}, std::pair{&b.master_, n * 4}, std::pair{&b.grad_, n * 4},
+        std::pair{&b.a_, n * 4}, std::pair{&b.b_, n * 4}}) {
+    absl::StatusOr<DeviceBuffer> allocated = backend.Allocate(bytes);
+    if (!allocated.ok()) return allocated.status();
+    *buffer = std::move(*allocated);
+  }
+  OptimizerTensors& t = b.tensors;
+  t.weight = static_cast<char*>(b.weight_.data()) + offset * el;
+  t.master = dtype == DType::kFP32 ? nullptr : b.master_.as<float>() + offset;
+  t.grad = b.grad_.as<float>() + offset;
+  b.state_a = b.a_.as<float>() + offset;
+  b.state_b = b.b_.as<float>() + offset;
+  (kind == OptimizerKind::kSgd ? t.momentum_buffer : t.exp_avg) = b.state_a;
+  if (kind == OptimizerKind::kAdamW) t.exp_avg_sq = b.state_b;
+  return b;
+}
+
+absl::Status StepBuffersOn::Upload(const std::vector<float>& param, const std::vector<float>& grad,
+                                   const std::vector<float>& a, const std::vector<float>& b,
+                                   Stream& stream) {
+  const size_t n = static_cast<size_t>(count_);
+  const size_t el = DTypeSize(dtype_);
+  std::vector<uint8_t> weight_bytes(n * el);
+  FromFloat(dtype_, param.data(), weight_bytes.data(), n);
+  absl::Status s = backend_->CopyToDevice(tensors.weight, weight_bytes.data(), n * el, stream);
+  if (s.ok() && tensors.master != nullptr) {
+    s = backend_->CopyToDevice(tensors.master, param.data(), n * 4, stream);
+  }
+  for (auto [dst, src] :
+       {std::pair{tensors.grad, &grad}, std::pair{state_a, &a}, std::pair{state_b, &b}}) {
+    if (!s.ok()) break;
+    s = src->empty() ? backend_->Memset(dst, 0, n * 4, stream)
+                     : backend_->CopyToDevice(dst, src->data(), n * 4, stream);
+  }
+  // The host vectors must outlive the copies.
+  return s.ok() ? stream.Synchronize() : s;
+}
+
+absl::Status StepBuffersOn::Download(OptimizerOutputs* out, Stream& stream) {
+  const size_t n = static_cast<size_t>(count_);
+  const size_t el = DTypeSize(dtype_);
+  out->param.resize(n);
+  out->weight.resize(n * el);
+  out->grad.resize(n);
+  out->state_a.resize(n);
+  out->state_b.resize(n);
+  const void* param = tensors.master != nullptr ? tensors.master : tensors.weight;
+  absl::Status s = backend_->CopyToHost(out->param.data(), param, n * 4, stream);
+  if (s.ok()) s = backend_->CopyToHost(out->weight.data(), tensors.weight, n * el, stream);
+  if (s.ok()) s = backend_->CopyToHost(out->grad.data(), tensors.grad, n * 4, stream);
+  if (s.ok()) s = backend_->CopyToHost(out->state_a.data(), state_a, n * 4, stream);
+  if (s.ok()) s = backend_->CopyToHost(out->state_b.data(), state_b, n * 4, stream);
+  return s.ok() ? stream.Synchronize() : s;
+}
+
 absl::Status RunOptimizerSteps(Backend& backend, const OptimizerCase& c,
                                const OptimizerInputs& inputs, OptimizerOutputs* out,
                                int64_t offset) {
-  const int64_t n = c.count();
-  const size_t el = DTypeSize(c.dtype);
-  const bool fp32 = c.dtype == DType::kFP32;
-  absl::StatusOr<std::unique_ptr<Stream>> stream_or = backend.CreateStream();
-  if (!stream_or.ok()) return stream_or.status();
-  Stream& stream = **stream_or;
-  auto weight = backend.Allocate((n + offset) * el), master = backend.Allocate((n + offset) * 4),
-       grad = backend.Allocate((n + offset) * 4), state_a = backend.Allocate((n + offset) * 4),
-       state_b = backend.Allocate((n + offset) * 4);
-  for (auto* b : {&weight, &master, &grad, &state_a, &state_b}) {
-    if (!b->ok()) return b->status();
-  }
-  OptimizerTensors t;
-  t.weight = static_cast<char*>(weight->data()) + offset * el;
-  t.master = fp32 ? nullptr : master->as<float>() + offset;
-  t.grad = grad->as<float>() + offset;
-  const OptimizerKind kind = KindOf(c.options);
-  float* a = state_a->as<float>() + offset;
-  float* b = state_b->as<float>() + offset;
-  (kind == OptimizerKind::kSgd ? t.momentum_buffer : t.exp_avg) = a;
-  if (kind == OptimizerKind::kAdamW) t.exp_avg_sq = b;
-
-  std::vector<uint8_t> weight_bytes(n * el);
-  FromFloat(c.dtype, inputs.param.data(), weight_bytes.data(), n);
-  absl::Status s;
-  auto chk = [&](absl::Status st) {
-    if (s.ok()) s = st;
-  };
-  chk(backend.CopyToDevice(t.weight, weight_bytes.data(), n * el, stream));
-  if (!fp32) chk(backend.CopyToDevice(t.master, inputs.param.data(), n * 4, stream));
-  chk(backend.Memset(a, 0, n * 4, stream));
-  chk(backend.Memset(b, 0, n * 4, stream));
+  absl::StatusOr<std::unique_ptr<Stream>> stream = backend.CreateStream();
+  if (!stream.ok()) return stream.status();
+  absl::StatusOr<StepBuffersOn> buffers =
+      StepBuffersOn::Allocate(backend, KindOf(c.options), c.dtype, c.count(), offset);
+  if (!buffers.ok()) return buffers.status();
+  absl::Status s = buffers->Upload(inputs.param, {}, {}, {}, **stream);
   for (int step = 1; step <= c.steps && s.ok(); ++step) {
     OptimizerProblem problem;
-    problem.count = n;
+    problem.count = c.count();
     problem.dtype = c.dtype;
     problem.options = c.options;
     if (auto* sgd = std::get_if<SgdOptions>(&problem.options)) {
@@ -71,22 +107,11 @@ absl::Status RunOptimizerSteps(Backend& backend, const OptimizerCase& c,
     }
     problem.grad_scale = c.grad_scale;
     problem.step = step;
-    chk(backend.CopyToDevice(t.grad, inputs.grads[step - 1].data(), n * 4, stream));
-    chk(backend.OptimizerStep(problem, t, stream));
+    s = backend.CopyToDevice(buffers->tensors.grad, inputs.grads[step - 1].data(), c.count() * 4,
+                             **stream);
+    if (s.ok()) s = backend.OptimizerStep(problem, buffers->tensors, **stream);
   }
-  out->param.resize(n);
-  out->weight.resize(n * el);
-  out->grad.resize(n);
-  out->state_a.resize(n);
-  out->state_b.resize(n);
-  const void* param = fp32 ? t.weight : t.master;
-  chk(backend.CopyToHost(out->param.data(), param, n * 4, stream));
-  chk(backend.CopyToHost(out->weight.data(), t.weight, n * el, stream));
-  chk(backend.CopyToHost(out->grad.data(), t.grad, n * 4, stream));
-  chk(backend.CopyToHost(out->state_a.data(), a, n * 4, stream));
-  chk(backend.CopyToHost(out->state_b.data(), b, n * 4, stream));
-  chk(stream.Synchronize());
-  return s;
+  return s.ok() ? buffers->Download(out, **stream) : s;
 }
 
 std::vector<OptimizerCase> StandardOptimizerCases() {

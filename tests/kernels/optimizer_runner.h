@@ -48,6 +48,33 @@ struct OptimizerOutputs {
   std::vector<float> state_b;   // exp_avg_sq
 };
 
+// One step's buffers in a backend's memory, each `offset` elements into its allocation (an
+// offset of 1 misaligns them for vector loads), wired into `tensors` for an optimizer of `kind`
+// over `count` weights of `dtype` (SGD's momentum buffer is state a, AdamW's exp_avg_sq state b).
+class StepBuffersOn {
+ public:
+  static absl::StatusOr<StepBuffersOn> Allocate(Backend& backend, OptimizerKind kind, DType dtype,
+                                                int64_t count, int64_t offset = 0);
+  // The weights as `param` rounded to the dtype, the master (16-bit weights) as `param`, dW as
+  // `grad` and the state as `a` and `b`; an empty vector leaves that buffer zero.
+  absl::Status Upload(const std::vector<float>& param, const std::vector<float>& grad,
+                      const std::vector<float>& a, const std::vector<float>& b, Stream& stream);
+  // Every buffer to the host, then a synchronize.
+  absl::Status Download(OptimizerOutputs* out, Stream& stream);
+
+  OptimizerTensors tensors;
+  float* state_a = nullptr;
+  float* state_b = nullptr;
+
+ private:
+  StepBuffersOn(Backend& backend, DType dtype, int64_t count)
+      : backend_(&backend), dtype_(dtype), count_(count) {}
+  Backend* backend_;
+  DType dtype_;
+  int64_t count_;
+  DeviceBuffer weight_, master_, grad_, a_, b_;
+};
+
 // Runs the case's steps on `backend`: the weights start as the parameters rounded to the dtype,
 // the state at zero, and dW is overwritten with the step's gradient before each step. SGD sets
 // init_momentum_buffer on step 1. Every buffer starts `offset` elements into its allocation (an
