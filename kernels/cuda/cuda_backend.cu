@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,7 @@
 #include "kernels/cuda/run_types.cuh"
 #include "kernels/cuda/scalars.h"
 #include "kernels/cuda/shard_calls.h"
+#include "kernels/cuda/shard_softmax.cuh"
 #include "kernels/cuda/softmax_grad.cuh"
 #include "kernels/cuda/squared_norm.cuh"
 
@@ -189,15 +191,14 @@ class CudaBackend final : public Backend {
     }
     // dW_cm += H_cm . G_cm^T over every stashed token: G is already scaled, so alpha = beta = 1,
     // both on the host.
-    cuda::GemmShape shape =
-        cuda::GradWeightGemm(problem.v, stash.tokens, problem.d, type, layout.ldg);
-    shape.device_scalars = false;
     static constexpr float kOne = 1.0f;
     const char* base = static_cast<const char*>(stash.data);
     std::lock_guard<std::mutex> lock(cs->mutex());
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
-    return cs->gemm().Run(shape, &kOne, base + layout.hidden_off, base, &kOne, grad_weight,
-                          workspace_bytes > 0 ? workspace : nullptr, workspace_bytes, cs->stream());
+    return cuda::RunGradWeightGemm(cs->gemm(), problem.v, stash.tokens, problem.d, type,
+                                   layout.ldg, &kOne, base + layout.hidden_off, base, &kOne,
+                                   grad_weight, workspace_bytes > 0 ? workspace : nullptr,
+                                   workspace_bytes, cs->stream(), /*host_scalars=*/true);
   }
 
   absl::Status SquaredNorm(const float* data, int64_t count, double* result,
@@ -361,9 +362,15 @@ class CudaBackend final : public Backend {
 
   bool UseBf16Logits(const Problem& problem) const { return cuda::Bf16Logits(problem, options_); }
 
+  // A 16-bit dH over a width that splits (head_gemms.h) adds its parts in fp32 scratch.
+  static bool GradHiddenScratch(const Problem& problem) {
+    return problem.dtype != DType::kFP32 && cuda::WidthSplits(problem.v);
+  }
+
   Layout MakeLayoutForChunk(const Problem& problem, int64_t chunk) const {
     return cuda::ChunkLayout(chunk, problem.v, UseBf16Logits(problem) ? 2 : 4,
-                             options_.cublas_workspace_bytes);
+                             options_.cublas_workspace_bytes,
+                             GradHiddenScratch(problem) ? problem.d : 0);
   }
 
   // The largest chunk that fits `bytes`, at most n; rounded down to a multiple of 256 rows when
@@ -371,7 +378,8 @@ class CudaBackend final : public Backend {
   Layout MakeLayout(const Problem& problem, size_t bytes) const {
     const Layout one = MakeLayoutForChunk(problem, 1);
     if (bytes < one.total) return Layout{};
-    const size_t per_row = static_cast<size_t>(one.ldl) * one.logits_elem + sizeof(float);
+    const size_t per_row = static_cast<size_t>(one.ldl) * one.logits_elem +
+                           sizeof(float) * (1 + static_cast<size_t>(one.scratch_row_floats));
     // Estimate, then settle on the exact largest chunk (alignment padding makes the estimate off
     // by a row or two either way).
     int64_t chunk = std::clamp<int64_t>((bytes - one.logits_off) / per_row, 1, problem.n);
@@ -419,7 +427,6 @@ class CudaBackend final : public Backend {
     const bool need_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed;
     constexpr cudaDataType_t kIn = CudaType<TIn>();
     constexpr cudaDataType_t kLogits = CudaType<TL>();
-    static constexpr float kOne = 1.0f, kZero = 0.0f;
 
     LOSSHEAD_RETURN_IF_ERROR(cuda::LaunchCountTargets(
         args.targets, problem.n, problem.v, o.ignore_index, o.reduction == Reduction::kMean,
@@ -461,26 +468,40 @@ class CudaBackend final : public Backend {
     void* const gemm_ws = ws + layout.cublas_off;
     const size_t gemm_ws_bytes = layout.cublas_bytes;
     auto logits_gemm = [&](int t0, int rows, int q0) -> absl::Status {
-      return gemm.Run(cuda::LogitsGemm(v, rows, d, kIn, kLogits, ldl), &kOne, weight,
-                      hidden + static_cast<int64_t>(t0) * d, &kZero,
-                      logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes, stream);
+      return cuda::RunLogitsGemm(gemm, v, rows, d, kIn, kLogits, ldl, weight,
+                                 hidden + static_cast<int64_t>(t0) * d,
+                                 logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes,
+                                 stream);
     };
+    // Where the width splits, a 16-bit dH is summed in the layout's fp32 scratch (rows of the
+    // chunk from q0) and then rounded into place.
+    float* const dh_scratch =
+        layout.scratch_row_floats > 0 ? reinterpret_cast<float*>(ws + layout.scratch_off) : nullptr;
     auto dh_gemm = [&](int t0, int rows, int q0) -> absl::Status {
       if (grad_hidden == nullptr) return absl::OkStatus();
-      if (stashed) {
-        return gemm.Run(cuda::GradHiddenGemm(v, rows, d, kIn, kIn, stash_layout.ldg), &scalars->one,
-                        weight, stash_grad + t0 * stash_layout.ldg, &scalars->zero,
-                        grad_hidden + static_cast<int64_t>(t0) * d, gemm_ws, gemm_ws_bytes, stream);
+      TIn* const out = grad_hidden + static_cast<int64_t>(t0) * d;
+      float* const scratch =
+          dh_scratch != nullptr ? dh_scratch + static_cast<int64_t>(q0) * d : nullptr;
+      const float* alpha = stashed ? &scalars->one : &scalars->grad_alpha;
+      const TIn* g = stashed ? stash_grad + t0 * stash_layout.ldg
+                             : grad + static_cast<int64_t>(q0) * ldg;
+      LOSSHEAD_RETURN_IF_ERROR(cuda::RunGradHiddenGemm(
+          gemm, v, rows, d, kIn, scratch != nullptr ? CUDA_R_32F : kIn,
+          stashed ? stash_layout.ldg : ldg, alpha, weight, g, &scalars->zero, &scalars->one,
+          scratch != nullptr ? static_cast<void*>(scratch) : static_cast<void*>(out), gemm_ws,
+          gemm_ws_bytes, stream));
+      if constexpr (!std::is_same_v<TIn, float>) {
+        if (scratch != nullptr) {
+          return cuda::LaunchRoundToDType(scratch, out, static_cast<int64_t>(rows) * d, stream);
+        }
       }
-      return gemm.Run(cuda::GradHiddenGemm(v, rows, d, kIn, kIn, ldg), &scalars->grad_alpha, weight,
-                      grad + static_cast<int64_t>(q0) * ldg, &scalars->zero,
-                      grad_hidden + static_cast<int64_t>(t0) * d, gemm_ws, gemm_ws_bytes, stream);
+      return absl::OkStatus();
     };
     auto dw_gemm = [&](int t0, int rows) -> absl::Status {
       if (args.grad_weight == nullptr) return absl::OkStatus();
-      return gemm.Run(cuda::GradWeightGemm(v, rows, d, kIn, ldg), &scalars->grad_alpha,
-                      hidden + static_cast<int64_t>(t0) * d, grad, &scalars->one, args.grad_weight,
-                      gemm_ws, gemm_ws_bytes, stream);
+      return cuda::RunGradWeightGemm(gemm, v, rows, d, kIn, ldg, &scalars->grad_alpha,
+                                     hidden + static_cast<int64_t>(t0) * d, grad, &scalars->one,
+                                     args.grad_weight, gemm_ws, gemm_ws_bytes, stream);
     };
 
     if (stashed) {

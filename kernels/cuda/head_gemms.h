@@ -1,12 +1,17 @@
-// The three GEMM shapes of a token chunk, shared by Run and a vocabulary shard's calls (whose
-// `width` is the shard's rows instead of V). Column-major views, as cuBLAS sees the row-major
-// buffers: W (width x D) is W_cm (D x width), H_c (tokens x D) is H_cm (D x tokens), and the
-// logits / G chunk (tokens x width, row stride ld) is G_cm (width x tokens, ld).
+// The three GEMMs of a token chunk, shared by Run, FlushGradStash and a vocabulary shard's calls
+// (whose `width` is the shard's rows instead of V): their shapes, and the calls that run them
+// over the width in aligned parts. Column-major views, as cuBLAS sees the row-major buffers:
+// W (width x D) is W_cm (D x width), H_c (tokens x D) is H_cm (D x tokens), and the logits / G
+// chunk (tokens x width, row stride ld) is G_cm (width x tokens, ld).
 #ifndef LOSSHEAD_KERNELS_CUDA_HEAD_GEMMS_H_
 #define LOSSHEAD_KERNELS_CUDA_HEAD_GEMMS_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
+#include "absl/status/status.h"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/lt_gemm.h"
 
 namespace losshead::kernels::cuda {
@@ -58,6 +63,105 @@ inline GemmShape GradWeightGemm(int64_t width, int64_t tokens, int64_t d, cudaDa
   g.ldb = static_cast<int>(ldg);
   g.device_scalars = true;
   return g;
+}
+
+// cuBLASLt runs its Hopper kernels only where a matrix's contiguous extent is a whole number of
+// 16-byte vectors, and the width is such an extent in all three GEMMs (the logits' rows, G's
+// rows, dW's columns). A width that is not a multiple of 8 rows (V = 50257, or a shard of 695,970
+// rows) fell back to sm75 and sm80 kernels and ran 3-5x slower on an H100, torch's matmuls as
+// much as ours (BENCHMARKS.md, "Widths that are not a multiple of 8"). So every GEMM over the
+// width runs on its aligned bulk and, apart, on the tail of fewer than kWidthAlign rows: the bulk
+// gets the fast kernels and the tail's GEMM is tiny. 8 rows are 16 bytes of a 16-bit operand
+// (and 32 of fp32), the most a width needs: V = 50264 or 128264 runs as fast as 128256 whole.
+inline constexpr int64_t kWidthAlign = 8;
+
+struct WidthPart {
+  int64_t begin = 0;
+  int64_t size = 0;
+};
+
+// The non-empty parts of [0, width): the bulk [0, width rounded down to kWidthAlign) and the
+// tail, in that order.
+struct WidthParts {
+  WidthPart part[2];
+  int count = 0;
+  const WidthPart* begin() const { return part; }
+  const WidthPart* end() const { return part + count; }
+};
+
+inline WidthParts SplitWidth(int64_t width) {
+  WidthParts parts;
+  const int64_t bulk = width / kWidthAlign * kWidthAlign;
+  if (bulk > 0) parts.part[parts.count++] = {0, bulk};
+  if (bulk < width) parts.part[parts.count++] = {bulk, width - bulk};
+  return parts;
+}
+
+// Whether a dH GEMM over `width` adds partial sums in its output: a 16-bit dH must then go
+// through fp32 (RunGradHiddenGemm).
+inline bool WidthSplits(int64_t width) { return SplitWidth(width).count > 1; }
+
+inline size_t ElementBytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
+
+template <typename T>
+T* Advance(T* p, int64_t elements, cudaDataType_t type) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(p) +
+                              static_cast<ptrdiff_t>(elements) * ElementBytes(type));
+}
+
+// logits (tokens x width, row stride ldl, type `out`) = H_c . W^T; host scalars (LogitsGemm).
+inline absl::Status RunLogitsGemm(LtGemm& gemm, int64_t width, int64_t tokens, int64_t d,
+                                  cudaDataType_t in, cudaDataType_t out, int64_t ldl,
+                                  const void* weight, const void* hidden, void* logits,
+                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  static constexpr float kOne = 1.0f, kZero = 0.0f;
+  for (const WidthPart& part : SplitWidth(width)) {
+    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(LogitsGemm(part.size, tokens, d, in, out, ldl), &kOne,
+                                      Advance(weight, part.begin * d, in), hidden, &kZero,
+                                      Advance(logits, part.begin, out), workspace,
+                                      workspace_bytes, stream));
+  }
+  return absl::OkStatus();
+}
+
+// dH_cm (D x tokens, type `out`) = alpha . W_cm . G_cm (G's row stride ldg) + beta . dH_cm, the
+// scalars on the device; `one` points to 1.0f there. The parts add up in dH, so where the width
+// splits `out` must be fp32 (INTERNAL otherwise, nothing launched): a 16-bit dH then goes through
+// fp32 scratch.
+inline absl::Status RunGradHiddenGemm(LtGemm& gemm, int64_t width, int64_t tokens, int64_t d,
+                                      cudaDataType_t in, cudaDataType_t out, int64_t ldg,
+                                      const float* alpha, const void* weight, const void* grad,
+                                      const float* beta, const float* one, void* grad_hidden,
+                                      void* workspace, size_t workspace_bytes,
+                                      cudaStream_t stream) {
+  if (WidthSplits(width) && out != CUDA_R_32F) {
+    return absl::InternalError("a dH GEMM over a split width must add its parts in fp32");
+  }
+  for (const WidthPart& part : SplitWidth(width)) {
+    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradHiddenGemm(part.size, tokens, d, in, out, ldg), alpha,
+                                      Advance(weight, part.begin * d, in),
+                                      Advance(grad, part.begin, in), part.begin == 0 ? beta : one,
+                                      grad_hidden, workspace, workspace_bytes, stream));
+  }
+  return absl::OkStatus();
+}
+
+// dW_cm (D x width, fp32) = alpha . H_cm . G_cm^T + beta . dW_cm; scalars on the device, or on
+// the host where `host_scalars`.
+inline absl::Status RunGradWeightGemm(LtGemm& gemm, int64_t width, int64_t tokens, int64_t d,
+                                      cudaDataType_t in, int64_t ldg, const float* alpha,
+                                      const void* hidden, const void* grad, const float* beta,
+                                      float* grad_weight, void* workspace, size_t workspace_bytes,
+                                      cudaStream_t stream, bool host_scalars = false) {
+  for (const WidthPart& part : SplitWidth(width)) {
+    GemmShape shape = GradWeightGemm(part.size, tokens, d, in, ldg);
+    shape.device_scalars = !host_scalars;
+    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(shape, alpha, hidden, Advance(grad, part.begin, in), beta,
+                                      grad_weight + part.begin * d, workspace, workspace_bytes,
+                                      stream));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace losshead::kernels::cuda

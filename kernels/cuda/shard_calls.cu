@@ -243,12 +243,11 @@ absl::Status ShardCalls::ForwardTyped(const ShardProblem& shard, const ShardArgu
   auto* logits = reinterpret_cast<TL*>(ws + layout.logits_off);
   const auto* hidden = static_cast<const TIn*>(args.hidden);
   const int64_t d = shard.problem.d;
-  static constexpr float kOne = 1.0f, kZero = 0.0f;
   // Host alpha/beta: nothing here depends on the token count.
-  LOSSHEAD_RETURN_IF_ERROR(cs.gemm().Run(
-      LogitsGemm(shard.rows, chunk.size, d, CudaType<TIn>(), CudaType<TL>(), layout.ldl), &kOne,
-      args.weight, hidden + chunk.begin * d, &kZero, logits, ws + layout.cublas_off,
-      layout.cublas_bytes, stream));
+  LOSSHEAD_RETURN_IF_ERROR(RunLogitsGemm(cs.gemm(), shard.rows, chunk.size, d, CudaType<TIn>(),
+                                         CudaType<TL>(), layout.ldl, args.weight,
+                                         hidden + chunk.begin * d, logits, ws + layout.cublas_off,
+                                         layout.cublas_bytes, stream));
   float* slice =
       args.stats + static_cast<int64_t>(shard.rank) * kShardStats * args.stats_chunk_rows;
   return LaunchShardStats(logits, layout.ldl, chunk.size, args.targets + chunk.begin,
@@ -309,16 +308,17 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
   if (args.grad_hidden_partial != nullptr) {
     // partial_cm (D x c) = W_rows_cm (D x rows) . G_cm (rows x c, ld g_ld), fp32 out: the shards'
     // partials are summed before anything rounds them.
-    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradHiddenGemm(rows, c, d, kIn, CUDA_R_32F, g_ld), grad_alpha,
-                                      args.weight, grad, &scalars->zero, args.grad_hidden_partial,
-                                      gemm_ws, gemm_ws_bytes, stream));
+    LOSSHEAD_RETURN_IF_ERROR(RunGradHiddenGemm(gemm, rows, c, d, kIn, CUDA_R_32F, g_ld, grad_alpha,
+                                               args.weight, grad, &scalars->zero, &scalars->one,
+                                               args.grad_hidden_partial, gemm_ws, gemm_ws_bytes,
+                                               stream));
   }
   if (args.grad_weight != nullptr) {
     // dW_rows_cm (D x rows) += H_cm (D x c) . G_cm^T (c x rows).
-    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradWeightGemm(rows, c, d, kIn, ldg), &scalars->grad_alpha,
-                                      static_cast<const TIn*>(args.hidden) + t0 * d, grad,
-                                      &scalars->one, args.grad_weight, gemm_ws, gemm_ws_bytes,
-                                      stream));
+    LOSSHEAD_RETURN_IF_ERROR(RunGradWeightGemm(gemm, rows, c, d, kIn, ldg, &scalars->grad_alpha,
+                                               static_cast<const TIn*>(args.hidden) + t0 * d, grad,
+                                               &scalars->one, args.grad_weight, gemm_ws,
+                                               gemm_ws_bytes, stream));
   }
   return absl::OkStatus();
 }

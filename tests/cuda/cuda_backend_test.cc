@@ -304,6 +304,16 @@ std::vector<Case> Cases() {
     c.options.softcap = 20.0f;
     c.options.label_smoothing = 0.1f;
   });
+  // Widths against the GEMMs' split (head_gemms.h): a tail alone (V < 8), an aligned width with
+  // no tail, and bulk plus tail with the 16-bit dH summed in fp32 scratch, in halves.
+  for (DType dt : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    add(dt, 300, 7, 256, Reduction::kMean, "_tailonly", none);
+    add(dt, 300, 1024, 256, Reduction::kSum, "_aligned", none);
+  }
+  add(DType::kBF16, 1500, 4093, 512, Reduction::kMean, "_overlap_tail_chunk1024", [](Case& c) {
+    c.overlap = true;
+    c.chunk_rows = 1024;
+  });
   // The overlapped schedule (row kernel of one half beside the other half's GEMMs), balanced
   // chunks of 2500 / 3 rows, and the per-SM row cap, in every combination the defaults lack.
   add(DType::kBF16, 2500, 32003, 768, Reduction::kMean, "_overlap_chunk1024", [](Case& c) {

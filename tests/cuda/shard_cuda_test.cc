@@ -438,6 +438,9 @@ std::vector<ShardCase> Cases() {
   add("mean_whole", DType::kBF16, 3, 300, 4099, 256, Reduction::kMean, whole);
   add("mean_whole", DType::kFP32, 2, 500, 1000, 64, Reduction::kMean, whole);
   add("sum_whole", DType::kFP16, 2, 400, 4099, 64, Reduction::kSum, whole);
+  // Shards of 6 and 7 rows: the GEMMs' tail alone (head_gemms.h); and of 2048 rows: no tail.
+  add("mean_tailonly", DType::kBF16, 2, 700, 13, 256, Reduction::kMean, chunked);
+  add("sum_aligned", DType::kBF16, 2, 700, 4096, 256, Reduction::kSum, chunked);
   add("gradscale_sum_chunked", DType::kBF16, 2, 650, 1000, 64, Reduction::kSum, [](ShardCase& c) {
     c.budget_rows = 300;
     c.options.grad_scale = 0.37f;
