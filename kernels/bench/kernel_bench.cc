@@ -426,12 +426,14 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const std::string first_variant = variants.substr(0, variants.find(','));
+  // --profile_n and --memprobe_n take V and D from the first shape (128256 x 4096 by default).
+  const Shape& first = shapes.front();
   if (profile_n > 0) {
-    ProfileOne(first_variant, {profile_n, 128256, 4096}, budget);
+    ProfileOne(first_variant, {profile_n, first.v, first.d}, budget);
     return 0;
   }
   if (memprobe_n > 0) {
-    MemProbe(first_variant, {memprobe_n, 128256, 4096}, budget);
+    MemProbe(first_variant, {memprobe_n, first.v, first.d}, budget);
     return 0;
   }
   cudaDeviceProp prop;

@@ -195,10 +195,10 @@ class CudaBackend final : public Backend {
     const char* base = static_cast<const char*>(stash.data);
     std::lock_guard<std::mutex> lock(cs->mutex());
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
-    return cuda::RunGradWeightGemm(cs->gemm(), problem.v, stash.tokens, problem.d, type,
-                                   layout.ldg, &kOne, base + layout.hidden_off, base, &kOne,
-                                   grad_weight, workspace_bytes > 0 ? workspace : nullptr,
-                                   workspace_bytes, cs->stream(), /*host_scalars=*/true);
+    return cuda::RunGradWeightGemm(cs->gemm(), problem.v, stash.tokens, problem.d, type, layout.ldg,
+                                   &kOne, base + layout.hidden_off, base, &kOne, grad_weight,
+                                   workspace_bytes > 0 ? workspace : nullptr, workspace_bytes,
+                                   cs->stream(), /*host_scalars=*/true);
   }
 
   absl::Status SquaredNorm(const float* data, int64_t count, double* result,
@@ -468,10 +468,9 @@ class CudaBackend final : public Backend {
     void* const gemm_ws = ws + layout.cublas_off;
     const size_t gemm_ws_bytes = layout.cublas_bytes;
     auto logits_gemm = [&](int t0, int rows, int q0) -> absl::Status {
-      return cuda::RunLogitsGemm(gemm, v, rows, d, kIn, kLogits, ldl, weight,
-                                 hidden + static_cast<int64_t>(t0) * d,
-                                 logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes,
-                                 stream);
+      return cuda::RunLogitsGemm(
+          gemm, v, rows, d, kIn, kLogits, ldl, weight, hidden + static_cast<int64_t>(t0) * d,
+          logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes, stream);
     };
     // Where the width splits, a 16-bit dH is summed in the layout's fp32 scratch (rows of the
     // chunk from q0) and then rounded into place.
@@ -483,8 +482,8 @@ class CudaBackend final : public Backend {
       float* const scratch =
           dh_scratch != nullptr ? dh_scratch + static_cast<int64_t>(q0) * d : nullptr;
       const float* alpha = stashed ? &scalars->one : &scalars->grad_alpha;
-      const TIn* g = stashed ? stash_grad + t0 * stash_layout.ldg
-                             : grad + static_cast<int64_t>(q0) * ldg;
+      const TIn* g =
+          stashed ? stash_grad + t0 * stash_layout.ldg : grad + static_cast<int64_t>(q0) * ldg;
       LOSSHEAD_RETURN_IF_ERROR(cuda::RunGradHiddenGemm(
           gemm, v, rows, d, kIn, scratch != nullptr ? CUDA_R_32F : kIn,
           stashed ? stash_layout.ldg : ldg, alpha, weight, g, &scalars->zero, &scalars->one,

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/logits_tail.cuh"
 #include "kernels/cuda/lt_gemm.h"
 
 namespace losshead::kernels::cuda {
@@ -71,9 +72,10 @@ inline GemmShape GradWeightGemm(int64_t width, int64_t tokens, int64_t d, cudaDa
 // rows) fell back to sm75 and sm80 kernels and ran 3-5x slower on an H100, torch's matmuls as
 // much as ours (BENCHMARKS.md, "Widths that are not a multiple of 8"). So every GEMM over the
 // width runs on its aligned bulk and, apart, on the tail of fewer than kWidthAlign rows: the bulk
-// gets the fast kernels and the tail's GEMM is tiny. 8 rows are 16 bytes of a 16-bit operand
-// (and 32 of fp32), the most a width needs: V = 50264 or 128264 runs as fast as 128256 whole.
-inline constexpr int64_t kWidthAlign = 8;
+// gets the fast kernels, the tail's dH and dW GEMMs are tiny, and its logits have a kernel of
+// their own (logits_tail.cuh). 8 rows are 16 bytes of a 16-bit operand (and 32 of fp32), the
+// most a width needs: V = 50264 or 128264 runs as fast as 128256 whole.
+inline constexpr int64_t kWidthAlign = kMaxTailRows + 1;
 
 struct WidthPart {
   int64_t begin = 0;
@@ -110,17 +112,24 @@ T* Advance(T* p, int64_t elements, cudaDataType_t type) {
                               static_cast<ptrdiff_t>(elements) * ElementBytes(type));
 }
 
-// logits (tokens x width, row stride ldl, type `out`) = H_c . W^T; host scalars (LogitsGemm).
+// logits (tokens x width, row stride ldl, type `out`) = H_c . W^T: the bulk by cuBLASLt (host
+// scalars, LogitsGemm), the tail's few columns by LaunchLogitsTail.
 inline absl::Status RunLogitsGemm(LtGemm& gemm, int64_t width, int64_t tokens, int64_t d,
                                   cudaDataType_t in, cudaDataType_t out, int64_t ldl,
                                   const void* weight, const void* hidden, void* logits,
                                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   static constexpr float kOne = 1.0f, kZero = 0.0f;
   for (const WidthPart& part : SplitWidth(width)) {
-    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(LogitsGemm(part.size, tokens, d, in, out, ldl), &kOne,
-                                      Advance(weight, part.begin * d, in), hidden, &kZero,
-                                      Advance(logits, part.begin, out), workspace,
-                                      workspace_bytes, stream));
+    const void* rows = Advance(weight, part.begin * d, in);
+    void* columns = Advance(logits, part.begin, out);
+    if (part.size < kWidthAlign) {
+      LOSSHEAD_RETURN_IF_ERROR(LaunchLogitsTail(in, out, rows, hidden, d, tokens,
+                                                static_cast<int>(part.size), columns, ldl, stream));
+    } else {
+      LOSSHEAD_RETURN_IF_ERROR(gemm.Run(LogitsGemm(part.size, tokens, d, in, out, ldl), &kOne, rows,
+                                        hidden, &kZero, columns, workspace, workspace_bytes,
+                                        stream));
+    }
   }
   return absl::OkStatus();
 }

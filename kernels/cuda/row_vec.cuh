@@ -12,6 +12,7 @@ namespace losshead::kernels::cuda {
 
 __device__ __forceinline__ float ToF(float x) { return x; }
 __device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
 
 template <typename T>
 __device__ __forceinline__ T FromF(float x);

@@ -308,10 +308,9 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
   if (args.grad_hidden_partial != nullptr) {
     // partial_cm (D x c) = W_rows_cm (D x rows) . G_cm (rows x c, ld g_ld), fp32 out: the shards'
     // partials are summed before anything rounds them.
-    LOSSHEAD_RETURN_IF_ERROR(RunGradHiddenGemm(gemm, rows, c, d, kIn, CUDA_R_32F, g_ld, grad_alpha,
-                                               args.weight, grad, &scalars->zero, &scalars->one,
-                                               args.grad_hidden_partial, gemm_ws, gemm_ws_bytes,
-                                               stream));
+    LOSSHEAD_RETURN_IF_ERROR(RunGradHiddenGemm(
+        gemm, rows, c, d, kIn, CUDA_R_32F, g_ld, grad_alpha, args.weight, grad, &scalars->zero,
+        &scalars->one, args.grad_hidden_partial, gemm_ws, gemm_ws_bytes, stream));
   }
   if (args.grad_weight != nullptr) {
     // dW_rows_cm (D x rows) += H_cm (D x c) . G_cm^T (c x rows).
