@@ -16,16 +16,16 @@ sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-san
 # synccheck: every schedule of the fused run (plain, overlapped, row-thread and blocks-per-SM
 # variants, chunking), all targets ignored, N = 1, the backend-level tests (determinism, streams,
 # errors); the shard calls, the gradient stash (one device and shards), the optimizer step on its
-# vector and scalar paths, and the squared norm.
+# vector and scalar paths, the squared norm, and the logits of a width's tail (its warp shuffles).
 subset='Shapes/*N1000_V32003*:Shapes/*overlap*:Shapes/*N1_V1001*:Shapes/*allignored*:CudaBackend*'
-subset+=':Shards/*:Cases/*:ShardCuda*:CudaGradStash*:CudaSquaredNorm*'
+subset+=':Shards/*:Cases/*:ShardCuda*:CudaGradStash*:CudaSquaredNorm*:Pairs/*:LogitsTail*'
 subset+=':Optimizers/*.MatchesCpuBitForBit/*1031x1001:Optimizers/*.Misaligned*/*_64x128'
 # initcheck does not see what cuBLAS's Hopper GEMMs write (their TMA stores): in a fresh process
 # every logits element that the row kernels read is reported uninitialized, although the results
 # match the CPU backend. So it checks only the kernels whose inputs no GEMM wrote: the optimizer
-# step and the squared norm, and the calls rejected before any launch.
+# step, the squared norm and the logits tail, and the calls rejected before any launch.
 init_subset='Optimizers/*.MatchesCpuBitForBit/*1031x1001:Optimizers/*.Misaligned*/*_64x128'
-init_subset+=':CudaSquaredNorm*:*Error*'
+init_subset+=':CudaSquaredNorm*:*Error*:Pairs/*:LogitsTail*'
 small='Shapes/*N1_V1001*:Shapes/*N300_V1001*:Shards/*N300*:Shards/*N400*'
 small+=':Cases/CudaGradStashTest.*/fp32_mean:Cases/CudaShardGradStashTest.*/fp32_mean_k2'
 small+=':Optimizers/*.MatchesCpuBitForBit/*_fp32_64x128'
