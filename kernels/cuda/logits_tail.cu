@@ -35,8 +35,8 @@ __device__ __forceinline__ float Dot(const T (&x)[kVec], const T (&w)[kVec]) {
 }
 
 // One warp per token: its lanes stride over D (kVec elements a load, 16 bytes where D and the
-// pointers allow), each keeping `rows` partial sums, then a butterfly sum across the warp. The
-// tail's weight rows are a few KiB and stay in L1/L2; each token's H row is read once.
+// pointers allow), each keeping `rows` partial sums, then a butterfly sum across the warp. Every
+// warp reads the same few weight rows, which stay in L2; each token's H row is read once.
 template <typename TIn, typename TL, int kVec>
 __global__ void __launch_bounds__(kThreads)
     LogitsTailKernel(const TIn* __restrict__ weight, const TIn* __restrict__ hidden, int64_t d,
