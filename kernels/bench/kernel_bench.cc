@@ -399,11 +399,10 @@ int Main(int argc, char** argv) {
     if (a.rfind("--memprobe_n=", 0) == 0) memprobe_n = std::atoll(a.c_str() + 13);
     if (a == "--quick") quick = true;
   }
-  std::vector<Shape> shapes = {{4096, 128256, 4096},
-                               {8192, 128256, 4096},
-                               {16384, 128256, 4096},
-                               {8192, 256000, 2304},
-                               {8192, 128256, 8192}};
+  // The last: a vocabulary that is not a multiple of 8 (GPT-2's), where plain cuBLAS falls off its
+  // Hopper kernels and the fused call must not (head_gemms.h).
+  std::vector<Shape> shapes = {{4096, 128256, 4096}, {8192, 128256, 4096}, {16384, 128256, 4096},
+                               {8192, 256000, 2304}, {8192, 128256, 8192}, {8192, 50257, 4096}};
   if (quick) shapes = {{4096, 128256, 4096}};
   if (!shapes_arg.empty()) {
     shapes.clear();
