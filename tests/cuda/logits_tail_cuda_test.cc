@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +14,8 @@
 #include "kernels/cuda/logits_tail.cuh"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "losshead/kernels/problem.h"
+#include "tests/kernels/backend_runner.h"
 
 namespace losshead::kernels {
 namespace {
@@ -43,28 +44,21 @@ class LogitsTail {
     ldl_ = c.rows + 5;
   }
 
-  void Fill(uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    w_.resize(c_.rows * c_.d);
-    h_.resize(c_.tokens * c_.d);
-    for (float& x : w_) x = normal(rng) * 0.05f;
-    for (float& x : h_) x = normal(rng);
-    // What the device sees: the values rounded to the input type.
-    const DType in = DTypeOf(c_.in);
-    RoundTrip(in, &w_);
-    RoundTrip(in, &h_);
+  // W's rows and H from the suites' generator: bytes in the input dtype and the same values in
+  // float64 for the reference.
+  void Fill(uint64_t seed) {
+    const Problem shape{.n = c_.tokens, .d = c_.d, .v = c_.rows, .dtype = DTypeOf(c_.in)};
+    inputs_ = testing::MakeRandomInputs(shape, seed, {.weight_scale = 0.05});
   }
 
   absl::Status Launch(int rows, cudaDataType_t in, cudaDataType_t out) {
     const size_t esize = DTypeSize(DTypeOf(c_.in));
     const size_t osize = DTypeSize(DTypeOf(c_.out));
-    weight_ = *backend_->Allocate(w_.size() * esize);
-    hidden_ = *backend_->Allocate((h_.size() + c_.offset) * esize);
+    const std::vector<uint8_t>& w = inputs_.weight_bytes;
+    const std::vector<uint8_t>& h = inputs_.hidden_bytes;
+    weight_ = *backend_->Allocate(w.size());
+    hidden_ = *backend_->Allocate(h.size() + c_.offset * esize);
     logits_ = *backend_->Allocate(c_.tokens * ldl_ * osize);
-    std::vector<char> w(w_.size() * esize), h(h_.size() * esize);
-    FromFloat(DTypeOf(c_.in), w_.data(), w.data(), w_.size());
-    FromFloat(DTypeOf(c_.in), h_.data(), h.data(), h_.size());
     char* hidden = static_cast<char*>(hidden_.data()) + c_.offset * esize;
     EXPECT_TRUE(backend_->CopyToDevice(weight_.data(), w.data(), w.size(), *stream_).ok());
     EXPECT_TRUE(backend_->CopyToDevice(hidden, h.data(), h.size(), *stream_).ok());
@@ -77,9 +71,8 @@ class LogitsTail {
     EXPECT_TRUE(stream_->Synchronize().ok());
     got_.resize(c_.tokens * ldl_);
     ToFloat(DTypeOf(c_.out), raw.data(), got_.data(), got_.size());
-    sentinel_.resize(1);
     const std::vector<char> fill(osize, 0x7f);
-    ToFloat(DTypeOf(c_.out), fill.data(), sentinel_.data(), 1);
+    ToFloat(DTypeOf(c_.out), fill.data(), &sentinel_, 1);
     return s;
   }
 
@@ -87,7 +80,7 @@ class LogitsTail {
   void ExpectUntouchedBeyond(int columns) const {
     for (int64_t t = 0; t < c_.tokens; ++t) {
       for (int64_t j = columns; j < ldl_; ++j) {
-        ASSERT_EQ(got_[t * ldl_ + j], sentinel_[0]) << "token " << t << " column " << j;
+        ASSERT_EQ(got_[t * ldl_ + j], sentinel_) << "token " << t << " column " << j;
       }
     }
   }
@@ -98,7 +91,7 @@ class LogitsTail {
       for (int j = 0; j < c_.rows; ++j) {
         double want = 0, magnitude = 0;
         for (int64_t k = 0; k < c_.d; ++k) {
-          const double p = double{h_[t * c_.d + k]} * w_[j * c_.d + k];
+          const double p = inputs_.hidden[t * c_.d + k] * inputs_.weight[j * c_.d + k];
           want += p;
           magnitude += std::fabs(p);
         }
@@ -110,18 +103,14 @@ class LogitsTail {
   }
 
  private:
-  static void RoundTrip(DType dtype, std::vector<float>* v) {
-    std::vector<char> raw(v->size() * DTypeSize(dtype));
-    FromFloat(dtype, v->data(), raw.data(), v->size());
-    ToFloat(dtype, raw.data(), v->data(), v->size());
-  }
-
   TailCase c_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Stream> stream_;
   int64_t ldl_ = 0;
+  testing::Inputs inputs_;
   DeviceBuffer weight_, hidden_, logits_;
-  std::vector<float> w_, h_, got_, sentinel_;
+  std::vector<float> got_;
+  float sentinel_ = 0.0f;
 };
 
 class LogitsTailTest : public ::testing::TestWithParam<TailCase> {};
@@ -130,7 +119,7 @@ TEST_P(LogitsTailTest, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
   const TailCase& c = GetParam();
   LogitsTail tail(c);
-  tail.Fill(0x7a11u + static_cast<uint32_t>(c.rows * 131 + c.d + c.in * 7 + c.out));
+  tail.Fill(0x7a11u + static_cast<uint64_t>(c.rows * 131 + c.d + c.in * 7 + c.out));
   ASSERT_TRUE(tail.Launch(c.rows, c.in, c.out).ok());
   tail.ExpectUntouchedBeyond(c.rows);
   tail.ExpectMatchesReference();
