@@ -195,8 +195,9 @@ class CudaBackend final : public Backend {
     const char* base = static_cast<const char*>(stash.data);
     std::lock_guard<std::mutex> lock(cs->mutex());
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));
-    return cuda::RunGradWeightGemm(cs->gemm(), problem.v, stash.tokens, problem.d, type, layout.ldg,
-                                   &kOne, base + layout.hidden_off, base, &kOne, grad_weight,
+    return cuda::RunGradWeightGemm(cs->gemm(), problem.v, stash.tokens, problem.d, type,
+                                   cuda::GemmCompute(problem), layout.ldg, &kOne,
+                                   base + layout.hidden_off, base, &kOne, grad_weight,
                                    workspace_bytes > 0 ? workspace : nullptr, workspace_bytes,
                                    cs->stream(), /*host_scalars=*/true);
   }
@@ -426,6 +427,7 @@ class CudaBackend final : public Backend {
         stashed ? static_cast<TIn*>(stash.data) + stash.tokens * stash_layout.ldg : nullptr;
     const bool need_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed;
     constexpr cudaDataType_t kIn = CudaType<TIn>();
+    const cublasComputeType_t compute = cuda::GemmCompute(problem);
     constexpr cudaDataType_t kLogits = CudaType<TL>();
 
     LOSSHEAD_RETURN_IF_ERROR(cuda::LaunchCountTargets(
@@ -468,9 +470,10 @@ class CudaBackend final : public Backend {
     void* const gemm_ws = ws + layout.cublas_off;
     const size_t gemm_ws_bytes = layout.cublas_bytes;
     auto logits_gemm = [&](int t0, int rows, int q0) -> absl::Status {
-      return cuda::RunLogitsGemm(
-          gemm, v, rows, d, kIn, kLogits, ldl, weight, hidden + static_cast<int64_t>(t0) * d,
-          logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes, stream);
+      return cuda::RunLogitsGemm(gemm, v, rows, d, kIn, compute, kLogits, ldl, weight,
+                                 hidden + static_cast<int64_t>(t0) * d,
+                                 logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes,
+                                 stream);
     };
     // Where the width splits, a 16-bit dH is summed in the layout's fp32 scratch (rows of the
     // chunk from q0) and then rounded into place.
@@ -485,7 +488,7 @@ class CudaBackend final : public Backend {
       const TIn* g =
           stashed ? stash_grad + t0 * stash_layout.ldg : grad + static_cast<int64_t>(q0) * ldg;
       LOSSHEAD_RETURN_IF_ERROR(cuda::RunGradHiddenGemm(
-          gemm, v, rows, d, kIn, scratch != nullptr ? CUDA_R_32F : kIn,
+          gemm, v, rows, d, kIn, compute, scratch != nullptr ? CUDA_R_32F : kIn,
           stashed ? stash_layout.ldg : ldg, alpha, weight, g, &scalars->zero, &scalars->one,
           scratch != nullptr ? static_cast<void*>(scratch) : static_cast<void*>(out), gemm_ws,
           gemm_ws_bytes, stream));
@@ -498,7 +501,7 @@ class CudaBackend final : public Backend {
     };
     auto dw_gemm = [&](int t0, int rows) -> absl::Status {
       if (args.grad_weight == nullptr) return absl::OkStatus();
-      return cuda::RunGradWeightGemm(gemm, v, rows, d, kIn, ldg, &scalars->grad_alpha,
+      return cuda::RunGradWeightGemm(gemm, v, rows, d, kIn, compute, ldg, &scalars->grad_alpha,
                                      hidden + static_cast<int64_t>(t0) * d, grad, &scalars->one,
                                      args.grad_weight, gemm_ws, gemm_ws_bytes, stream);
     };

@@ -14,14 +14,31 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/logits_tail.cuh"
 #include "kernels/cuda/lt_gemm.h"
+#include "losshead/kernels/problem.h"
 
 namespace losshead::kernels::cuda {
+
+// How a problem's GEMMs compute: fp32 sums always; an fp32 problem's inputs on the TF32 or bf16
+// tensor cores where its precision allows (problem.h), IEEE fp32 products otherwise.
+inline cublasComputeType_t GemmCompute(const Problem& problem) {
+  if (problem.dtype != DType::kFP32) return CUBLAS_COMPUTE_32F;
+  switch (problem.precision) {
+    case MatmulPrecision::kHigh:
+      return CUBLAS_COMPUTE_32F_FAST_TF32;
+    case MatmulPrecision::kMedium:
+      return CUBLAS_COMPUTE_32F_FAST_16BF;
+    case MatmulPrecision::kHighest:
+      break;
+  }
+  return CUBLAS_COMPUTE_32F;
+}
 
 // logits^T (width x tokens, ld ldl) = W^T_cm (width x D) . H_cm (D x tokens). Host scalars: with
 // a device beta cublasLt cannot know it is 0 and reads the whole output back in its epilogue.
 inline GemmShape LogitsGemm(int64_t width, int64_t tokens, int64_t d, cudaDataType_t in,
-                            cudaDataType_t logits, int64_t ldl) {
+                            cublasComputeType_t compute, cudaDataType_t logits, int64_t ldl) {
   GemmShape g;
+  g.compute = compute;
   g.trans_a = CUBLAS_OP_T;
   g.m = static_cast<int>(width);
   g.n = static_cast<int>(tokens);
@@ -36,8 +53,9 @@ inline GemmShape LogitsGemm(int64_t width, int64_t tokens, int64_t d, cudaDataTy
 // dH_cm (D x tokens) = alpha . W_cm (D x width) . G_cm (width x tokens, ld ldg); alpha on the
 // device (the mean's 1 / token count is known only there).
 inline GemmShape GradHiddenGemm(int64_t width, int64_t tokens, int64_t d, cudaDataType_t in,
-                                cudaDataType_t out, int64_t ldg) {
+                                cublasComputeType_t compute, cudaDataType_t out, int64_t ldg) {
   GemmShape g;
+  g.compute = compute;
   g.m = static_cast<int>(d);
   g.n = static_cast<int>(tokens);
   g.k = static_cast<int>(width);
@@ -52,8 +70,9 @@ inline GemmShape GradHiddenGemm(int64_t width, int64_t tokens, int64_t d, cudaDa
 // dW_cm (D x width) += alpha . H_cm (D x tokens) . G_cm^T (tokens x width), into the fp32
 // accumulator (beta = 1); alpha on the device.
 inline GemmShape GradWeightGemm(int64_t width, int64_t tokens, int64_t d, cudaDataType_t in,
-                                int64_t ldg) {
+                                cublasComputeType_t compute, int64_t ldg) {
   GemmShape g;
+  g.compute = compute;
   g.trans_b = CUBLAS_OP_T;
   g.m = static_cast<int>(d);
   g.n = static_cast<int>(width);
@@ -113,11 +132,13 @@ T* Advance(T* p, int64_t elements, cudaDataType_t type) {
 }
 
 // logits (tokens x width, row stride ldl, type `out`) = H_c . W^T: the bulk by cuBLASLt (host
-// scalars, LogitsGemm), the tail's few columns by LaunchLogitsTail.
+// scalars, LogitsGemm), the tail's few columns by LaunchLogitsTail (in IEEE fp32 whatever
+// `compute` allows: a few columns gain nothing from rounding).
 inline absl::Status RunLogitsGemm(LtGemm& gemm, int64_t width, int64_t tokens, int64_t d,
-                                  cudaDataType_t in, cudaDataType_t out, int64_t ldl,
-                                  const void* weight, const void* hidden, void* logits,
-                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                                  cudaDataType_t in, cublasComputeType_t compute,
+                                  cudaDataType_t out, int64_t ldl, const void* weight,
+                                  const void* hidden, void* logits, void* workspace,
+                                  size_t workspace_bytes, cudaStream_t stream) {
   static constexpr float kOne = 1.0f, kZero = 0.0f;
   for (const WidthPart& part : SplitWidth(width)) {
     const void* rows = Advance(weight, part.begin * d, in);
@@ -126,9 +147,9 @@ inline absl::Status RunLogitsGemm(LtGemm& gemm, int64_t width, int64_t tokens, i
       LOSSHEAD_RETURN_IF_ERROR(LaunchLogitsTail(in, out, rows, hidden, d, tokens,
                                                 static_cast<int>(part.size), columns, ldl, stream));
     } else {
-      LOSSHEAD_RETURN_IF_ERROR(gemm.Run(LogitsGemm(part.size, tokens, d, in, out, ldl), &kOne, rows,
-                                        hidden, &kZero, columns, workspace, workspace_bytes,
-                                        stream));
+      LOSSHEAD_RETURN_IF_ERROR(gemm.Run(LogitsGemm(part.size, tokens, d, in, compute, out, ldl),
+                                        &kOne, rows, hidden, &kZero, columns, workspace,
+                                        workspace_bytes, stream));
     }
   }
   return absl::OkStatus();
@@ -139,17 +160,17 @@ inline absl::Status RunLogitsGemm(LtGemm& gemm, int64_t width, int64_t tokens, i
 // splits `out` must be fp32 (INTERNAL otherwise, nothing launched): a 16-bit dH then goes through
 // fp32 scratch.
 inline absl::Status RunGradHiddenGemm(LtGemm& gemm, int64_t width, int64_t tokens, int64_t d,
-                                      cudaDataType_t in, cudaDataType_t out, int64_t ldg,
-                                      const float* alpha, const void* weight, const void* grad,
-                                      const float* beta, const float* one, void* grad_hidden,
-                                      void* workspace, size_t workspace_bytes,
-                                      cudaStream_t stream) {
+                                      cudaDataType_t in, cublasComputeType_t compute,
+                                      cudaDataType_t out, int64_t ldg, const float* alpha,
+                                      const void* weight, const void* grad, const float* beta,
+                                      const float* one, void* grad_hidden, void* workspace,
+                                      size_t workspace_bytes, cudaStream_t stream) {
   if (WidthSplits(width) && out != CUDA_R_32F) {
     return absl::InternalError("a dH GEMM over a split width must add its parts in fp32");
   }
   for (const WidthPart& part : SplitWidth(width)) {
-    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradHiddenGemm(part.size, tokens, d, in, out, ldg), alpha,
-                                      Advance(weight, part.begin * d, in),
+    LOSSHEAD_RETURN_IF_ERROR(gemm.Run(GradHiddenGemm(part.size, tokens, d, in, compute, out, ldg),
+                                      alpha, Advance(weight, part.begin * d, in),
                                       Advance(grad, part.begin, in), part.begin == 0 ? beta : one,
                                       grad_hidden, workspace, workspace_bytes, stream));
   }
@@ -159,12 +180,13 @@ inline absl::Status RunGradHiddenGemm(LtGemm& gemm, int64_t width, int64_t token
 // dW_cm (D x width, fp32) = alpha . H_cm . G_cm^T + beta . dW_cm; scalars on the device, or on
 // the host where `host_scalars`.
 inline absl::Status RunGradWeightGemm(LtGemm& gemm, int64_t width, int64_t tokens, int64_t d,
-                                      cudaDataType_t in, int64_t ldg, const float* alpha,
-                                      const void* hidden, const void* grad, const float* beta,
-                                      float* grad_weight, void* workspace, size_t workspace_bytes,
-                                      cudaStream_t stream, bool host_scalars = false) {
+                                      cudaDataType_t in, cublasComputeType_t compute, int64_t ldg,
+                                      const float* alpha, const void* hidden, const void* grad,
+                                      const float* beta, float* grad_weight, void* workspace,
+                                      size_t workspace_bytes, cudaStream_t stream,
+                                      bool host_scalars = false) {
   for (const WidthPart& part : SplitWidth(width)) {
-    GemmShape shape = GradWeightGemm(part.size, tokens, d, in, ldg);
+    GemmShape shape = GradWeightGemm(part.size, tokens, d, in, compute, ldg);
     shape.device_scalars = !host_scalars;
     LOSSHEAD_RETURN_IF_ERROR(gemm.Run(shape, alpha, hidden, Advance(grad, part.begin, in), beta,
                                       grad_weight + part.begin * d, workspace, workspace_bytes,

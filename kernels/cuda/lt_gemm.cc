@@ -48,7 +48,7 @@ LtGemm::~LtGemm() {
 
 absl::Status LtGemm::MakePlan(const GemmShape& s, int align_a, int align_b, int align_c,
                               size_t workspace_bytes, Plan* plan) {
-  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, s.compute, CUDA_R_32F));
   const int32_t ta = s.trans_a, tb = s.trans_b;
   LOSSHEAD_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
@@ -117,6 +117,7 @@ absl::Status LtGemm::Run(const GemmShape& s, const void* alpha, const void* a, c
                 s.ldb,
                 s.ldc,
                 s.device_scalars ? 1 : 0,
+                static_cast<int>(s.compute),
                 align_a,
                 align_b * 512 + align_c,
                 workspace_bytes};

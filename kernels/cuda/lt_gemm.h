@@ -35,14 +35,17 @@ constexpr cudaDataType_t CudaType<__half>() {
   return CUDA_R_16F;
 }
 
-// D = alpha * op(A) * op(B) + beta * C with C = D, column-major as in cuBLAS; fp32 compute.
-// alpha and beta point to floats in host or device memory (`device_scalars`).
+// D = alpha * op(A) * op(B) + beta * C with C = D, column-major as in cuBLAS; fp32 sums, and
+// fp32 inputs rounded to TF32 or bf16 on the tensor cores where `compute` allows it
+// (CUBLAS_COMPUTE_32F_FAST_TF32, _FAST_16BF). alpha and beta point to floats in host or device
+// memory (`device_scalars`).
 struct GemmShape {
   cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
   int m = 0, n = 0, k = 0;
   cudaDataType_t type_a = CUDA_R_16BF, type_b = CUDA_R_16BF, type_c = CUDA_R_16BF;
   int lda = 0, ldb = 0, ldc = 0;
   bool device_scalars = false;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
 };
 
 // One stream's cublasLt handle plus, per shape, the descriptors and the algorithm the heuristic
@@ -60,7 +63,7 @@ class LtGemm {
  private:
   struct Plan;
   using Key =
-      std::tuple<int, int, int, int, int, int, int, int, int, int, int, int, int, int, size_t>;
+      std::tuple<int, int, int, int, int, int, int, int, int, int, int, int, int, int, int, size_t>;
   explicit LtGemm(cublasLtHandle_t handle);
   absl::Status MakePlan(const GemmShape& shape, int align_a, int align_b, int align_c,
                         size_t workspace_bytes, Plan* plan);

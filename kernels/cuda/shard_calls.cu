@@ -245,9 +245,9 @@ absl::Status ShardCalls::ForwardTyped(const ShardProblem& shard, const ShardArgu
   const int64_t d = shard.problem.d;
   // Host alpha/beta: nothing here depends on the token count.
   LOSSHEAD_RETURN_IF_ERROR(RunLogitsGemm(cs.gemm(), shard.rows, chunk.size, d, CudaType<TIn>(),
-                                         CudaType<TL>(), layout.ldl, args.weight,
-                                         hidden + chunk.begin * d, logits, ws + layout.cublas_off,
-                                         layout.cublas_bytes, stream));
+                                         GemmCompute(shard.problem), CudaType<TL>(), layout.ldl,
+                                         args.weight, hidden + chunk.begin * d, logits,
+                                         ws + layout.cublas_off, layout.cublas_bytes, stream));
   float* slice =
       args.stats + static_cast<int64_t>(shard.rank) * kShardStats * args.stats_chunk_rows;
   return LaunchShardStats(logits, layout.ldl, chunk.size, args.targets + chunk.begin,
@@ -274,6 +274,7 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
   void* const gemm_ws = ws + layout.cublas_off;
   const size_t gemm_ws_bytes = layout.cublas_bytes;
   constexpr cudaDataType_t kIn = CudaType<TIn>();
+  const cublasComputeType_t compute = GemmCompute(shard.problem);
   // Deferred dW: G goes, scaled, to the stash's rows (dH's GEMM then reads it there with
   // alpha = 1), and the chunk's H beside it; dW is left to FlushGradStash.
   const GradStash& stash = args.grad_stash;
@@ -309,15 +310,15 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
     // partial_cm (D x c) = W_rows_cm (D x rows) . G_cm (rows x c, ld g_ld), fp32 out: the shards'
     // partials are summed before anything rounds them.
     LOSSHEAD_RETURN_IF_ERROR(RunGradHiddenGemm(
-        gemm, rows, c, d, kIn, CUDA_R_32F, g_ld, grad_alpha, args.weight, grad, &scalars->zero,
-        &scalars->one, args.grad_hidden_partial, gemm_ws, gemm_ws_bytes, stream));
+        gemm, rows, c, d, kIn, compute, CUDA_R_32F, g_ld, grad_alpha, args.weight, grad,
+        &scalars->zero, &scalars->one, args.grad_hidden_partial, gemm_ws, gemm_ws_bytes, stream));
   }
   if (args.grad_weight != nullptr) {
     // dW_rows_cm (D x rows) += H_cm (D x c) . G_cm^T (c x rows).
-    LOSSHEAD_RETURN_IF_ERROR(RunGradWeightGemm(gemm, rows, c, d, kIn, ldg, &scalars->grad_alpha,
-                                               static_cast<const TIn*>(args.hidden) + t0 * d, grad,
-                                               &scalars->one, args.grad_weight, gemm_ws,
-                                               gemm_ws_bytes, stream));
+    LOSSHEAD_RETURN_IF_ERROR(
+        RunGradWeightGemm(gemm, rows, c, d, kIn, compute, ldg, &scalars->grad_alpha,
+                          static_cast<const TIn*>(args.hidden) + t0 * d, grad, &scalars->one,
+                          args.grad_weight, gemm_ws, gemm_ws_bytes, stream));
   }
   return absl::OkStatus();
 }

@@ -91,7 +91,9 @@ absl::Status Head::ValidateSpec(const v1::HeadSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden_size must be >= 1, got ", spec.hidden_size()));
   }
-  if (absl::Status s = FloatDType(spec.weight_dtype(), "weight_dtype").status(); !s.ok()) return s;
+  const absl::StatusOr<kernels::DType> dtype = FloatDType(spec.weight_dtype(), "weight_dtype");
+  if (!dtype.ok()) return dtype.status();
+  if (absl::Status s = ToKernel(spec.matmul_precision(), *dtype).status(); !s.ok()) return s;
   if (spec.init().has_normal()) {
     const float std = spec.init().normal().std();
     if (!(std > 0.0f) || !std::isfinite(std)) {
@@ -173,7 +175,10 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> Head::PlaceOn(
   }
   const Layout layout =
       spec.placement().kind() == v1::PLACEMENT_SHARDED ? Layout::kSharded : Layout::kReplicated;
-  return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype, layout);
+  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::MatmulPrecision precision,
+                            ToKernel(spec.matmul_precision(), dtype));
+  return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype, layout,
+                              precision);
 }
 
 std::vector<Head::DeviceFootprint> Head::Footprint(const v1::HeadSpec& spec, int k) {
@@ -245,7 +250,11 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
     // The workspace itself is allocated on first use, sized for the micro-batch; here we only
     // make sure some chunk size fits the budget so that a head that could never step is refused
     // now.
-    kernels::Problem probe{.n = 1, .d = hidden_size(), .v = vocab_size(), .dtype = dtype_};
+    kernels::Problem probe{.n = 1,
+                           .d = hidden_size(),
+                           .v = vocab_size(),
+                           .dtype = dtype_,
+                           .precision = group_->precision()};
     if (group_->sharded()) {
       const kernels::ShardProblem shard{.problem = probe,
                                         .row_begin = r->rows.begin,
@@ -330,6 +339,7 @@ v1::HeadInfo Head::Info() const {
   absl::MutexLock state(&state_mu_);
   *info.mutable_spec()->mutable_default_options() = defaults_;
   *info.mutable_spec()->mutable_optimizer() = optimizer_spec_;
+  info.mutable_spec()->set_matmul_precision(ToProto(group_->precision()));
   if (SpreadPlacement(spec_.placement())) {
     // The placement as held (spec_ keeps the one asked for: 0 devices means all, and a restore
     // onto a smaller server holds fewer).

@@ -34,6 +34,45 @@ v1::DType ToProto(kernels::DType dtype) {
   return v1::DTYPE_UNSPECIFIED;
 }
 
+absl::StatusOr<kernels::MatmulPrecision> ToKernel(v1::MatmulPrecision precision,
+                                                  kernels::DType dtype) {
+  kernels::MatmulPrecision out = kernels::MatmulPrecision::kHighest;
+  switch (precision) {
+    case v1::MATMUL_PRECISION_UNSPECIFIED:
+    case v1::MATMUL_PRECISION_HIGHEST:
+      return out;
+    case v1::MATMUL_PRECISION_HIGH:
+      out = kernels::MatmulPrecision::kHigh;
+      break;
+    case v1::MATMUL_PRECISION_MEDIUM:
+      out = kernels::MatmulPrecision::kMedium;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("matmul_precision must be MATMUL_PRECISION_HIGHEST, _HIGH or _MEDIUM, got ",
+                       static_cast<int>(precision)));
+  }
+  if (dtype != kernels::DType::kFP32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("matmul_precision ", v1::MatmulPrecision_Name(precision),
+                     " applies to DTYPE_FP32 heads only: a ", kernels::DTypeName(dtype),
+                     " head's products are exact in fp32 already (leave it unset or HIGHEST)"));
+  }
+  return out;
+}
+
+v1::MatmulPrecision ToProto(kernels::MatmulPrecision precision) {
+  switch (precision) {
+    case kernels::MatmulPrecision::kHighest:
+      return v1::MATMUL_PRECISION_HIGHEST;
+    case kernels::MatmulPrecision::kHigh:
+      return v1::MATMUL_PRECISION_HIGH;
+    case kernels::MatmulPrecision::kMedium:
+      return v1::MATMUL_PRECISION_MEDIUM;
+  }
+  return v1::MATMUL_PRECISION_UNSPECIFIED;
+}
+
 namespace {
 
 absl::StatusOr<kernels::Reduction> ToKernel(v1::Reduction reduction, absl::string_view field) {

@@ -16,6 +16,12 @@ namespace losshead::server {
 absl::StatusOr<kernels::DType> FloatDType(v1::DType dtype, absl::string_view field);
 v1::DType ToProto(kernels::DType dtype);
 
+// A head's matmul_precision for its weight dtype (UNSPECIFIED: highest): INVALID_ARGUMENT for a
+// value out of the enum, or HIGH or MEDIUM on a 16-bit head.
+absl::StatusOr<kernels::MatmulPrecision> ToKernel(v1::MatmulPrecision precision,
+                                                  kernels::DType dtype);
+v1::MatmulPrecision ToProto(kernels::MatmulPrecision precision);
+
 // Checks the fields that are set: INVALID_ARGUMENT names the offending one.
 absl::Status ValidateLossOptions(const v1::LossOptions& options);
 

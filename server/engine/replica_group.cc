@@ -22,7 +22,7 @@ Replica::~Replica() {
 
 absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
     std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
-    kernels::DType dtype, Layout layout) {
+    kernels::DType dtype, Layout layout, kernels::MatmulPrecision precision) {
   const int k = static_cast<int>(devices.size());
   if (k < 1) return absl::InvalidArgumentError("a head needs at least one device");
   if (vocab_size < k) {
@@ -31,7 +31,8 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
                      layout == Layout::kSharded ? "sharded" : "replicated", " over ", k,
                      " devices: each owns at least one row"));
   }
-  std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype, layout));
+  std::unique_ptr<ReplicaGroup> group(
+      new ReplicaGroup(vocab_size, hidden_size, dtype, layout, precision));
   for (int r = 0; r < k; ++r) {
     if (devices[r] == nullptr) return absl::InvalidArgumentError("null device");
     auto replica = std::make_unique<Replica>(*devices[r], r, kernels::ShardRange(vocab_size, k, r));
@@ -78,8 +79,11 @@ void ReplicaGroup::StartIdleFlush(absl::Duration idle) {
 absl::Status ReplicaGroup::FlushStash(Replica& r) {
   if (r.stash_tokens == 0) return absl::OkStatus();
   // A shard's stash holds its columns of G: it adds to its rows of dW as a head of that many rows.
-  const kernels::Problem shape{
-      .n = 1, .d = hidden_size_, .v = sharded() ? r.rows.size() : vocab_size_, .dtype = dtype_};
+  const kernels::Problem shape{.n = 1,
+                               .d = hidden_size_,
+                               .v = sharded() ? r.rows.size() : vocab_size_,
+                               .dtype = dtype_,
+                               .precision = precision_};
   const kernels::GradStash stash{
       .data = r.stash.data(), .capacity = r.stash_capacity, .tokens = r.stash_tokens};
   const int64_t tokens = r.stash_tokens;

@@ -126,7 +126,8 @@ class ReplicaGroup {
   // CreateCollective for devices it cannot join).
   static absl::StatusOr<std::unique_ptr<ReplicaGroup>> Create(
       std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
-      kernels::DType dtype, Layout layout = Layout::kReplicated);
+      kernels::DType dtype, Layout layout = Layout::kReplicated,
+      kernels::MatmulPrecision precision = kernels::MatmulPrecision::kHighest);
 
   // Stops the idle flush, then waits for every replica's work before the collective and the
   // replicas' buffers go.
@@ -150,6 +151,8 @@ class ReplicaGroup {
 
   int size() const { return static_cast<int>(replicas_.size()); }
   bool sharded() const { return layout_ == Layout::kSharded; }
+  // The head's GEMM precision (problem.h), for every kernels::Problem run on its devices.
+  kernels::MatmulPrecision precision() const { return precision_; }
   Replica& operator[](int rank) const { return *replicas_[rank]; }
   std::span<const std::unique_ptr<Replica>> replicas() const { return replicas_; }
 
@@ -235,14 +238,20 @@ class ReplicaGroup {
   }
 
  private:
-  ReplicaGroup(int64_t vocab_size, int64_t hidden_size, kernels::DType dtype, Layout layout)
-      : vocab_size_(vocab_size), hidden_size_(hidden_size), dtype_(dtype), layout_(layout) {}
+  ReplicaGroup(int64_t vocab_size, int64_t hidden_size, kernels::DType dtype, Layout layout,
+               kernels::MatmulPrecision precision)
+      : vocab_size_(vocab_size),
+        hidden_size_(hidden_size),
+        dtype_(dtype),
+        precision_(precision),
+        layout_(layout) {}
   std::vector<void*> Buffers(kernels::DeviceBuffer Replica::*tensor) const;
   std::vector<kernels::Stream*> Streams() const;
 
   const int64_t vocab_size_;
   const int64_t hidden_size_;
   const kernels::DType dtype_;
+  const kernels::MatmulPrecision precision_;
   const Layout layout_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<kernels::Collective> collective_;  // null for one replica

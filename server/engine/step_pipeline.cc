@@ -169,8 +169,12 @@ absl::Status Head::PrepareHeader(const v1::StepHeader& h, Prepared* prepared) co
                            p.ignore_index <= std::numeric_limits<int32_t>::max();
   loss.ignore_index =
       ignore_fits ? static_cast<int32_t>(p.ignore_index) : std::numeric_limits<int32_t>::min();
-  p.problem = kernels::Problem{
-      .n = h.num_tokens(), .d = hidden_size(), .v = vocab_size(), .dtype = dtype_, .options = loss};
+  p.problem = kernels::Problem{.n = h.num_tokens(),
+                               .d = hidden_size(),
+                               .v = vocab_size(),
+                               .dtype = dtype_,
+                               .options = loss,
+                               .precision = group_->precision()};
   // Every replica's backend is of one kind and answers the same.
   LOSSHEAD_RETURN_IF_ERROR((*group_)[0].backend.CanImplement(p.problem));
   if (h.options().has_expected_weights_version()) {
@@ -255,8 +259,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
 
   // The receiver digests the tensors while it assembles them; only a direct caller pays a pass.
   const StepFingerprint fingerprint{
-      .hidden = mb.hidden_digest.has_value() ? *mb.hidden_digest
-                                              : ByteDigest::Of(mb.hidden_bytes()),
+      .hidden =
+          mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden_bytes()),
       .targets = mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
       .shape = StepShape(mb.header)};
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,

@@ -70,6 +70,7 @@ struct Case {
   bool overlap = false;
   bool balance_chunks = true;
   bool extreme_logits = false;  // bf16 logits at |logit| ~ 1e4: looser gradient bound
+  MatmulPrecision precision = MatmulPrecision::kHighest;
 };
 
 Inputs MakeInputs(const Case& c, uint64_t seed) {
@@ -104,6 +105,7 @@ Problem ProblemFor(const Case& c) {
   p.d = c.d;
   p.dtype = c.dtype;
   p.options = c.options;
+  p.precision = c.precision;
   return p;
 }
 
@@ -224,7 +226,7 @@ void CompareWithCpu(const Case& c, uint64_t seed) {
   Outputs got, want;
   ASSERT_OK(RunOn(*cuda, problem, in, BudgetForRows(c), &got));
   ASSERT_OK(RunOn(*cpu, problem, in, 2 * kGiB, &want));
-  Tolerance tol = ToleranceFor(c.dtype, c.bf16_logits && c.dtype == DType::kBF16);
+  Tolerance tol = ToleranceFor(c.dtype, c.bf16_logits && c.dtype == DType::kBF16, c.precision);
   if (c.extreme_logits && c.bf16_logits && c.dtype == DType::kBF16) tol.dh = tol.dw = 0.15;
   EXPECT_EQ(got.token_count, want.token_count);
   const double loss_err = std::abs(static_cast<double>(got.loss_sum) - want.loss_sum) /
@@ -360,6 +362,27 @@ std::vector<Case> Cases() {
     c.options.softcap = 30.0f;
     c.options.label_smoothing = 0.1f;
   });
+  // fp32 problems on the tensor cores (MatmulPrecision): one chunk and several, a width with a
+  // tail, the overlapped schedule, every loss option.
+  for (MatmulPrecision precision : {MatmulPrecision::kHigh, MatmulPrecision::kMedium}) {
+    const std::string p = absl::StrCat("_", MatmulPrecisionName(precision));
+    const auto with = [precision](Case& c) { c.precision = precision; };
+    add(DType::kFP32, 257, 32003, 768, Reduction::kMean, p, with);
+    add(DType::kFP32, 1000, 4093, 256, Reduction::kSum, p + "_tail_chunk256", [=](Case& c) {
+      with(c);
+      c.chunk_rows = 256;
+    });
+    add(DType::kFP32, 1200, 32003, 256, Reduction::kMean, p + "_overlap", [=](Case& c) {
+      with(c);
+      c.overlap = true;
+    });
+    add(DType::kFP32, 500, 1001, 768, Reduction::kNone, p + "_all_options", [=](Case& c) {
+      with(c);
+      c.options.softcap = 30.0f;
+      c.options.z_loss = 1e-3f;
+      c.options.label_smoothing = 0.05f;
+    });
+  }
   return cases;
 }
 
@@ -393,6 +416,39 @@ TEST(CudaBackendTest, TwoRunsAreBitIdentical) {
         << DTypeName(dt);
     EXPECT_EQ(std::memcmp(a.per_token_loss.data(), b.per_token_loss.data(), c.n * 4), 0);
   }
+}
+
+// high and medium reach cuBLAS: their results move away from highest's by about their inputs'
+// rounding (TF32 keeps 10 mantissa bits, bf16 7), far beyond the few ulps of a changed summation
+// order, and are still the same bits on every rerun.
+TEST(CudaBackendTest, FasterPrecisionsRoundTheGemmInputsAndRerunBitIdentically) {
+  SKIP_WITHOUT_GPU();
+  Case c = SmallCase(DType::kFP32);
+  const Inputs in = MakeInputs(c, 7);
+  std::unique_ptr<Backend> cuda = MakeCuda();
+  ASSERT_NE(cuda, nullptr);
+  Outputs highest;
+  ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &highest));
+  double dh_err[3] = {0, 0, 0}, dw_err[3] = {0, 0, 0};
+  for (MatmulPrecision precision : {MatmulPrecision::kHigh, MatmulPrecision::kMedium}) {
+    SCOPED_TRACE(MatmulPrecisionName(precision));
+    c.precision = precision;
+    Outputs a, b;
+    ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &a));
+    ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &b));
+    EXPECT_EQ(a.grad_hidden_raw, b.grad_hidden_raw);
+    EXPECT_EQ(std::memcmp(a.grad_weight.data(), b.grad_weight.data(), a.grad_weight.size() * 4), 0);
+    EXPECT_EQ(std::memcmp(&a.loss_sum, &b.loss_sum, 4), 0);
+    const int i = static_cast<int>(precision);
+    dh_err[i] = RelErr(a.grad_hidden, highest.grad_hidden);
+    dw_err[i] = RelErr(a.grad_weight, highest.grad_weight, &in.grad_weight_init);
+  }
+  const int high = static_cast<int>(MatmulPrecision::kHigh);
+  const int medium = static_cast<int>(MatmulPrecision::kMedium);
+  EXPECT_GT(dh_err[high], 1e-5);
+  EXPECT_GT(dw_err[high], 1e-5);
+  EXPECT_GT(dh_err[medium], 2 * dh_err[high]);
+  EXPECT_GT(dw_err[medium], 2 * dw_err[high]);
 }
 
 TEST(CudaBackendTest, OverlappedRunsAreBitIdenticalToSerial) {
@@ -594,7 +650,14 @@ TEST_F(CudaBackendErrorTest, BadShapesAreInvalidArgument) {
            [](Problem& p) { p.options.softcap = -1.0f; },
            [](Problem& p) { p.options.z_loss = NAN; },
            [](Problem& p) { p.options.grad_scale = INFINITY; },
-           [](Problem& p) { p.v = int64_t{1} << 31; }}) {
+           [](Problem& p) { p.v = int64_t{1} << 31; },
+           // A bf16 problem takes no faster precision; no problem takes one out of the enum.
+           [](Problem& p) { p.precision = MatmulPrecision::kHigh; },
+           [](Problem& p) { p.precision = MatmulPrecision::kMedium; },
+           [](Problem& p) {
+             p.dtype = DType::kFP32;
+             p.precision = static_cast<MatmulPrecision>(7);
+           }}) {
     Problem p = problem_;
     mutate(p);
     EXPECT_EQ(cuda_->CanImplement(p).code(), absl::StatusCode::kInvalidArgument);

@@ -73,6 +73,7 @@ struct ShardCase {
   bool ignored_chunk = false;  // every target of the second chunk is ignore_index
   bool forward_only = false;   // no dW, no dH partials
   bool bf16_logits = true;     // the backend's default; applies to bf16 problems only
+  MatmulPrecision precision = MatmulPrecision::kHighest;
 };
 
 // Whether the case's logits are stored in bf16.
@@ -91,6 +92,7 @@ Problem ProblemFor(const ShardCase& c) {
   p.d = c.d;
   p.dtype = c.dtype;
   p.options = c.options;
+  p.precision = c.precision;
   return p;
 }
 
@@ -382,7 +384,7 @@ TEST_P(ShardCudaVsCpuTest, MatchesCpuFusedRun) {
   absl::StatusOr<testing::Outputs> want = testing::RunOnBackend(**cpu, in, ro);
   ASSERT_TRUE(want.ok()) << want.status();
 
-  const Tolerance tol = ToleranceFor(c.dtype, NarrowLogits(c));
+  const Tolerance tol = ToleranceFor(c.dtype, NarrowLogits(c), c.precision);
   for (int r = 0; r < c.k; ++r) {
     SCOPED_TRACE(absl::StrCat("shard ", r));
     EXPECT_EQ(got->token_count[r], want->token_count);
@@ -490,6 +492,13 @@ std::vector<ShardCase> Cases() {
     c.options.softcap = 20.0f;
     c.options.z_loss = 1e-3f;
   });
+  // fp32 shards on the tensor cores (MatmulPrecision), with a tail in every shard's width.
+  add("high_mean_chunked", DType::kFP32, 3, 700, 4099, 256, Reduction::kMean, [](ShardCase& c) {
+    c.budget_rows = 300;
+    c.precision = MatmulPrecision::kHigh;
+  });
+  add("medium_sum", DType::kFP32, 2, 500, 1003, 64, Reduction::kSum,
+      [](ShardCase& c) { c.precision = MatmulPrecision::kMedium; });
   return cases;
 }
 

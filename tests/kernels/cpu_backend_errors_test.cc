@@ -129,6 +129,47 @@ TEST_F(CpuBackendErrorsTest, BadOptionsAreInvalidArgument) {
   ExpectOutputsUntouched();
 }
 
+// A 16-bit problem's products are exact in fp32: only fp32 takes a faster precision.
+TEST_F(CpuBackendErrorsTest, FasterPrecisionOutsideFp32OrOutOfRangeIsInvalidArgument) {
+  std::vector<Problem> bad;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (MatmulPrecision precision : {MatmulPrecision::kHigh, MatmulPrecision::kMedium}) {
+      Problem p = problem_;
+      p.dtype = dtype;
+      p.precision = precision;
+      bad.push_back(p);
+    }
+  }
+  Problem out_of_range = problem_;
+  out_of_range.precision = static_cast<MatmulPrecision>(7);
+  bad.push_back(out_of_range);
+  for (const Problem& p : bad) {
+    SCOPED_TRACE(::testing::Message()
+                 << DTypeName(p.dtype) << " " << static_cast<int>(p.precision));
+    EXPECT_EQ(backend_->CanImplement(p).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(backend_->WorkspaceBytes(p, size_t{1} << 20).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(RunCode(p), absl::StatusCode::kInvalidArgument);
+  }
+  ExpectOutputsUntouched();
+}
+
+// The precision permits rounding; the CPU backend has no faster units and computes every one as
+// highest, bit for bit.
+TEST_F(CpuBackendErrorsTest, CpuComputesEveryPrecisionAsHighest) {
+  ASSERT_EQ(RunCode(problem_), absl::StatusCode::kOk);
+  const std::vector<float> highest_dh = grad_hidden_;
+  const float highest_loss = loss_sum_;
+  for (MatmulPrecision precision : {MatmulPrecision::kHigh, MatmulPrecision::kMedium}) {
+    Problem p = problem_;
+    p.precision = precision;
+    grad_hidden_.assign(grad_hidden_.size(), kPoison);
+    ASSERT_EQ(RunCode(p), absl::StatusCode::kOk);
+    EXPECT_EQ(grad_hidden_, highest_dh) << MatmulPrecisionName(precision);
+    EXPECT_EQ(loss_sum_, highest_loss) << MatmulPrecisionName(precision);
+  }
+}
+
 TEST_F(CpuBackendErrorsTest, TargetOutsideVocabIsInvalidArgumentAndWritesNothing) {
   for (int32_t bad_target : {16, -1, 1 << 30, -101}) {
     SCOPED_TRACE(bad_target);

@@ -24,6 +24,7 @@ struct StashCase {
   std::vector<int64_t> sizes;  // tokens of each micro-batch, in order
   int64_t capacity = 16;       // stash tokens: smaller than the sum, so that it fills and flushes
   int min_flushes = 2;
+  MatmulPrecision precision = MatmulPrecision::kHighest;
 };
 
 inline std::ostream& operator<<(std::ostream& os, const StashCase& c) { return os << c.name; }
@@ -61,7 +62,12 @@ inline std::vector<StashCase> StashCases(DType dtype) {
 inline std::vector<Inputs> MakeStashBatches(const StashCase& c, uint64_t seed) {
   std::vector<Inputs> batches;
   for (size_t i = 0; i < c.sizes.size(); ++i) {
-    const Problem p{.n = c.sizes[i], .d = c.d, .v = c.v, .dtype = c.dtype, .options = c.options};
+    const Problem p{.n = c.sizes[i],
+                    .d = c.d,
+                    .v = c.v,
+                    .dtype = c.dtype,
+                    .options = c.options,
+                    .precision = c.precision};
     InputSpec spec{.hidden_scale = 1.0, .weight_scale = 0.5, .ignore_fraction = c.ignore_fraction};
     // A case whose every token is ignored but the middle one's: dW is that micro-batch's alone.
     if (c.ignore_fraction == 1.0 && i == 1) spec.ignore_fraction = 0.0;

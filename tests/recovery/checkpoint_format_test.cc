@@ -73,6 +73,7 @@ class CheckpointFormatTest : public ::testing::TestWithParam<v1::DType> {
     spec.set_weight_dtype(GetParam());
     spec.mutable_init()->mutable_normal()->set_std(0.5f);
     spec.mutable_init()->mutable_normal()->set_seed(3);
+    if (GetParam() == v1::DTYPE_FP32) spec.set_matmul_precision(v1::MATMUL_PRECISION_HIGH);
     auto head = Head::Create(*backend_, spec, options);
     EXPECT_TRUE(head.ok()) << head.status();
     StepStats stats;
@@ -80,9 +81,10 @@ class CheckpointFormatTest : public ::testing::TestWithParam<v1::DType> {
       EXPECT_TRUE((*head)->Step(Batch(N, D, V, GetParam(), "a", seq), &stats).ok());
     }
     EXPECT_TRUE((*head)->PullGradient(v1::DTYPE_FP32, true).ok());
-    EXPECT_TRUE((*head)->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_ADD,
-                                     Floats(std::vector<float>(V * D, 0.25f), v1::DTYPE_FP32),
-                                     std::nullopt)
+    EXPECT_TRUE((*head)
+                    ->PushWeights(v1::DTYPE_FP32, v1::PUSH_MODE_ADD,
+                                  Floats(std::vector<float>(V * D, 0.25f), v1::DTYPE_FP32),
+                                  std::nullopt)
                     .ok());
     for (uint64_t seq = 5; seq <= 7; ++seq) {
       EXPECT_TRUE((*head)->Step(Batch(N, D, V, GetParam(), "a", seq), &stats).ok());
@@ -123,6 +125,9 @@ TEST_P(CheckpointFormatTest, RestoreReproducesTheHeadExactly) {
   a.clear_device_memory();
   b.clear_device_memory();
   EXPECT_EQ(a.SerializeAsString(), b.SerializeAsString());
+  EXPECT_EQ(b.spec().matmul_precision(), GetParam() == v1::DTYPE_FP32
+                                             ? v1::MATMUL_PRECISION_HIGH
+                                             : v1::MATMUL_PRECISION_HIGHEST);
   EXPECT_EQ((*restored)->Progress("a").persisted_sequence(), 7u);
   EXPECT_EQ((*restored)->Progress("a").acknowledged_sequence(), 7u);
   EXPECT_FALSE((*restored)->Progress("nobody").has_acknowledged_sequence());

@@ -120,6 +120,16 @@ TEST_F(HeadTest, CreateValidatesTheSpec) {
   s.set_vocab_size(1 << 30);
   s.set_hidden_size(int64_t{1} << 40);
   EXPECT_EQ(code(s), absl::StatusCode::kResourceExhausted);
+  // A faster matmul precision is for fp32 heads; no head takes a value outside the enum.
+  s = Spec("tf32_bf16", v1::DTYPE_BF16);
+  s.set_matmul_precision(v1::MATMUL_PRECISION_HIGH);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("bf16x_fp16", v1::DTYPE_FP16);
+  s.set_matmul_precision(v1::MATMUL_PRECISION_MEDIUM);
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
+  s = Spec("precision9");
+  s.set_matmul_precision(static_cast<v1::MatmulPrecision>(9));
+  EXPECT_EQ(code(s), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(registry_->size(), 0u);
 
   // The same std is fine in fp32, a large one in fp16, and the smallest normal soft-cap.
@@ -151,6 +161,34 @@ TEST_F(HeadTest, NormalInitIsDeterministicAndInfoIsFresh) {
   EXPECT_EQ(info.memory().gradient_bytes(), kV * kD * 4u);
   EXPECT_EQ(info.tokens_since_pull(), 0u);
   for (float g : Grad(*a)) EXPECT_EQ(g, 0.0f);
+}
+
+// HeadInfo names the precision a head computes at (HIGHEST where none was asked); on the CPU
+// backend, which has no faster units, an fp32 head at HIGH or MEDIUM steps as HIGHEST, bit for bit.
+TEST_F(HeadTest, MatmulPrecisionIsReportedAndCpuStepsAsHighest) {
+  auto highest = Create("h");
+  EXPECT_EQ(highest->Info().spec().matmul_precision(), v1::MATMUL_PRECISION_HIGHEST);
+  v1::HeadSpec bf16 = Spec("bf16", v1::DTYPE_BF16);
+  bf16.set_matmul_precision(v1::MATMUL_PRECISION_HIGHEST);
+  auto bf16_head = registry_->Create(bf16);
+  ASSERT_TRUE(bf16_head.ok()) << bf16_head.status();
+  EXPECT_EQ((*bf16_head)->Info().spec().matmul_precision(), v1::MATMUL_PRECISION_HIGHEST);
+  StepStats stats;
+  auto want = highest->Step(Batch(5, 11), &stats);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (v1::MatmulPrecision precision : {v1::MATMUL_PRECISION_HIGH, v1::MATMUL_PRECISION_MEDIUM}) {
+    SCOPED_TRACE(v1::MatmulPrecision_Name(precision));
+    v1::HeadSpec spec = Spec(v1::MatmulPrecision_Name(precision));
+    spec.set_matmul_precision(precision);
+    auto head = registry_->Create(spec);
+    ASSERT_TRUE(head.ok()) << head.status();
+    EXPECT_EQ((*head)->Info().spec().matmul_precision(), precision);
+    auto got = (*head)->Step(Batch(5, 11), &stats);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ((*got)->loss_sum, (*want)->loss_sum);
+    EXPECT_EQ((*got)->grad_hidden, (*want)->grad_hidden);
+    EXPECT_EQ(Grad(**head), Grad(*highest));
+  }
 }
 
 TEST_F(HeadTest, StepMatchesTheReference) {

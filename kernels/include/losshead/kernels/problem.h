@@ -19,6 +19,19 @@ enum class DType { kBF16, kFP16, kFP32 };
 size_t DTypeSize(DType dtype);
 absl::string_view DTypeName(DType dtype);
 
+// What an fp32 problem's GEMMs may round their inputs to, as torch.set_float32_matmul_precision
+// ("highest", "high", "medium"): a permission, which a backend without the faster units ignores
+// (the CPU backend computes every one as kHighest). The softmax, the loss, the GEMMs' sums and
+// the dW accumulator are fp32 whichever it is. A 16-bit problem's products are exact in fp32
+// already: it takes kHighest only.
+enum class MatmulPrecision {
+  kHighest,  // IEEE fp32 products (CUDA cores on a GPU)
+  kHigh,     // TF32 tensor cores: inputs rounded to 10 mantissa bits
+  kMedium,   // bf16 tensor cores: inputs rounded to 7 mantissa bits
+};
+
+absl::string_view MatmulPrecisionName(MatmulPrecision precision);
+
 enum class Reduction {
   kMean,  // loss = loss_sum / token_count, every gradient scaled by grad_scale / token_count
   kSum,   // loss = loss_sum, gradients scaled by grad_scale
@@ -28,7 +41,8 @@ enum class Reduction {
 // Loss options, applied per token t with target y and logits x_j = h_t . w_j:
 //   z_j    = softcap > 0 ? softcap * tanh(x_j / softcap) : x_j
 //   lse    = log sum_j exp(z_j)
-//   loss_t = (1 - eps) (lse - z_y) + eps (lse - mean_j z_j) + z_loss * lse^2,  eps = label_smoothing
+//   loss_t = (1 - eps) (lse - z_y) + eps (lse - mean_j z_j) + z_loss * lse^2,  eps =
+//   label_smoothing
 // and its gradient with respect to z_j:
 //   g_j    = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V,  p = softmax(z)
 // chained through the soft-cap by (1 - (z_j / softcap)^2). A token whose target equals
@@ -50,13 +64,15 @@ inline bool ValidSoftcap(float softcap) {
          (softcap >= std::numeric_limits<float>::min() && std::isfinite(softcap));
 }
 
-// Shapes and types: H is N x D, W is V x D (both row-major, `dtype`), targets are N int32.
+// Shapes and types (and the GEMMs' precision): H is N x D, W is V x D (both row-major, `dtype`),
+// targets are N int32.
 struct Problem {
   int64_t n = 0;
   int64_t d = 0;
   int64_t v = 0;
   DType dtype = DType::kBF16;
   LossOptions options;
+  MatmulPrecision precision = MatmulPrecision::kHighest;
 };
 
 // Checks shapes and options without touching memory: INVALID_ARGUMENT names the offending field.
@@ -66,11 +82,11 @@ absl::Status ValidateProblem(const Problem& problem);
 // Pointers for one call. Which memory they live in (host or device) is the backend's: see
 // Backend::Allocate. Optional outputs are skipped when null.
 struct Arguments {
-  const void* hidden = nullptr;   // N x D, problem.dtype
-  const void* weight = nullptr;   // V x D, problem.dtype
+  const void* hidden = nullptr;      // N x D, problem.dtype
+  const void* weight = nullptr;      // V x D, problem.dtype
   const int32_t* targets = nullptr;  // N, in [0, V) or ignore_index
-  void* grad_hidden = nullptr;    // N x D, problem.dtype, overwritten; optional
-  float* grad_weight = nullptr;   // V x D fp32, accumulated into (+=); optional
+  void* grad_hidden = nullptr;       // N x D, problem.dtype, overwritten; optional
+  float* grad_weight = nullptr;      // V x D fp32, accumulated into (+=); optional
   // Deferred dW (grad_stash.h): when its data is set, G and H go to the stash's rows
   // [tokens, tokens + N) instead of into grad_weight, which must then be null.
   GradStash grad_stash;
