@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from concurrent import futures
@@ -112,6 +113,97 @@ def test_step_matches_torch_fp32(client: Client, make_head, reduction: str, opti
     assert pulled.summary.token_count == ref.token_count
     assert pulled.summary.microbatch_count == 1
     assert_close(pulled.grad, ref.grad_weight, FP32_REL, "dW")
+
+
+_PRECISIONS = {None: pb.MATMUL_PRECISION_HIGHEST, "highest": pb.MATMUL_PRECISION_HIGHEST,
+               "high": pb.MATMUL_PRECISION_HIGH, "medium": pb.MATMUL_PRECISION_MEDIUM}
+
+
+@pytest.mark.parametrize("precision", list(_PRECISIONS), ids=str)
+def test_fp32_head_matmul_precision_reported_and_step_matches_torch(client: Client, make_head,
+                                                                    precision) -> None:
+    """An fp32 head keeps the precision it was created with (unset reads HIGHEST); the CPU
+    backend computes as "highest" whatever the head allows, so the results are fp32's."""
+    n, d, v = 80, 40, 75
+    hidden, weight, targets = random_problem(n, d, v, seed=zlib.crc32(str(precision).encode()),
+                                             ignore_fraction=0.1)
+    name = make_head(v, d, weights=weight, matmul_precision=precision)
+    info = client.get_head(name)
+    assert info.spec.matmul_precision == _PRECISIONS[precision]
+    assert [h.spec.matmul_precision for h in client.list_heads() if h.spec.name == name] == [
+        _PRECISIONS[precision]]
+    r = client.step(name, hidden, targets, reduction="sum", return_per_token_loss=True)
+    ref = reference(hidden, weight, targets, reduction="sum")
+    assert r.token_count == ref.token_count
+    assert r.loss == pytest.approx(float(ref.loss), rel=FP32_REL)
+    assert_close(r.per_token_loss, ref.per_token, FP32_REL, "per-token loss")
+    assert_close(r.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+    assert_close(client.pull_gradient(name).grad, ref.grad_weight, FP32_REL, "dW")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_half_head_refuses_reduced_matmul_precision(client: Client, make_head, dtype,
+                                                    precision: str) -> None:
+    name = f"refused-{precision}-{str(dtype).rsplit('.', 1)[1]}"
+    try:
+        with pytest.raises(LossheadError) as e:
+            client.create_head(name, 16, 8, weight_dtype=dtype, matmul_precision=precision)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert e.value.sequence is None
+        with pytest.raises(LossheadError) as missing:
+            client.get_head(name)
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        assert name not in [h.spec.name for h in client.list_heads()]
+    finally:
+        with contextlib.suppress(LossheadError):
+            client.delete_head(name)
+    # What they compute in already: accepted, as is leaving it unset.
+    for asked in ("highest", None):
+        kept = make_head(16, 8, dtype=dtype, matmul_precision=asked)
+        assert client.get_head(kept).spec.matmul_precision == pb.MATMUL_PRECISION_HIGHEST
+
+
+class _CountCalls(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self) -> None:
+        self.methods: list = []
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        self.methods.append(client_call_details.method)
+        return continuation(client_call_details, request)
+
+
+@pytest.mark.parametrize("precision", ["HIGH", "tf32", "", "bf16", pb.MATMUL_PRECISION_HIGH,
+                                       ["high"]], ids=repr)
+def test_unknown_matmul_precision_raises_before_any_call(server_address: str, client: Client,
+                                                         precision) -> None:
+    counter = _CountCalls()
+    channel = grpc.intercept_channel(grpc.insecure_channel(server_address), counter)
+    with Client(server_address, channel=channel) as c:
+        with pytest.raises(ValueError, match="^losshead: matmul_precision must be 'highest', "
+                                             "'high' or 'medium'"):
+            c.create_head("never", 16, 8, weight_dtype=torch.float32,
+                          matmul_precision=precision)
+    assert counter.methods == []
+    with pytest.raises(LossheadError) as e:
+        client.get_head("never")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_matmul_precision_survives_a_restart_from_checkpoints(servers, tmp_path) -> None:
+    flags = [f"--checkpoint_dir={tmp_path / 'ckpt'}", "--checkpoint_interval=0"]
+    (tmp_path / "ckpt").mkdir()
+    first = servers.start(*flags)
+    asked = {"unset": None, "high": "high", "medium": "medium"}
+    with Client(first.address, client_id="precise") as c:
+        for name, precision in asked.items():
+            c.create_head(name, 12, 8, weight_dtype=torch.float32, matmul_precision=precision)
+        assert sorted(h.head for h in c.checkpoint()) == sorted(asked)
+    first.stop()
+    second = servers.start(*flags)
+    with Client(second.address, client_id="precise") as c:
+        for name, precision in asked.items():
+            assert c.get_head(name).spec.matmul_precision == _PRECISIONS[precision], name
 
 
 def test_step_bf16_wire_and_grad_scale(client: Client, make_head) -> None:

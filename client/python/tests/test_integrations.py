@@ -26,6 +26,7 @@ from torch import nn
 
 from _reference import assert_close
 from losshead import Client, LossheadError, RemoteAdamW
+from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead.integrations.causal_lm import (TIED_EMBEDDINGS_ERROR, CausalLMOutput,
                                              OffloadedLMHead, causal_targets, offload_causal_lm,
                                              reduce_loss)
@@ -525,3 +526,97 @@ def test_transformers_generate_raises_and_checkpoint_round_trip(client: Client, 
         generated = model.generate(input_ids[:, :4], attention_mask=mask[:, :4],
                                    max_new_tokens=2, do_sample=False)
     assert generated.shape[0] == B and 4 < generated.shape[1] <= 6  # may stop at an EOS
+
+
+# -- the precision of the head's GEMMs -----------------------------------------------------------
+@pytest.fixture
+def global_matmul_precision() -> Iterator[Callable[[str], None]]:
+    """set(p) sets torch's float32 matmul precision for the test; the previous one comes back."""
+    previous = torch.get_float32_matmul_precision()
+    try:
+        yield torch.set_float32_matmul_precision
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _offload_entry(kind: str):
+    """The tiny model and the offload call of each entry point."""
+    if kind == "causal_lm":
+        return TinyCausalLM(seed=14), offload_causal_lm
+    model = _tiny_llama()
+    from losshead.integrations.transformers import offload_lm_head
+    return model, offload_lm_head
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "transformers"])
+def test_offloaded_fp32_head_takes_torchs_matmul_precision(client: Client, head_name,
+                                                           global_matmul_precision,
+                                                           kind: str) -> None:
+    """An fp32 head computes as the model's own head would under the process's setting; a
+    bf16 one is left at what it computes in anyway; an explicit value wins."""
+    global_matmul_precision("high")
+    fp32, offload = _offload_entry(kind)
+    name = head_name()
+    offload(fp32, client, name)
+    assert client.get_head(name).spec.matmul_precision == pb.MATMUL_PRECISION_HIGH
+    bf16, _ = _offload_entry(kind)
+    name = head_name()
+    offload(bf16.to(torch.bfloat16), client, name)
+    info = client.get_head(name)
+    assert info.spec.weight_dtype == pb.DTYPE_BF16
+    assert info.spec.matmul_precision == pb.MATMUL_PRECISION_HIGHEST
+    as_bf16, _ = _offload_entry(kind)
+    name = head_name()
+    offload(as_bf16, client, name, head_dtype=torch.bfloat16)  # fp32 model, bf16 head
+    assert client.get_head(name).spec.matmul_precision == pb.MATMUL_PRECISION_HIGHEST
+    explicit, _ = _offload_entry(kind)
+    name = head_name()
+    offload(explicit, client, name, matmul_precision="medium")
+    assert client.get_head(name).spec.matmul_precision == pb.MATMUL_PRECISION_MEDIUM
+    global_matmul_precision("highest")  # torch's default: nothing asked of the server's GEMMs
+    default, _ = _offload_entry(kind)
+    name = head_name()
+    offload(default, client, name)
+    assert client.get_head(name).spec.matmul_precision == pb.MATMUL_PRECISION_HIGHEST
+
+
+def test_offloaded_head_under_high_precision_matches_own_head(client: Client, head_name,
+                                                              global_matmul_precision) -> None:
+    """The CPU backend computes as "highest" whatever the head allows: the loss and the trunk's
+    gradients are still the float64 reference's at fp32 tolerance."""
+    global_matmul_precision("high")
+    model = TinyCausalLM(seed=15)
+    reference = copy.deepcopy(model).double()
+    name = head_name()
+    offload_causal_lm(model, client, name, wire_dtype=torch.float32)
+    assert client.get_head(name).spec.matmul_precision == pb.MATMUL_PRECISION_HIGH
+    input_ids, mask, labels = _batch(16)
+    out = model(input_ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    want = reference(input_ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    assert_close(out.loss, want.loss, FP32_REL, "loss")
+    for got, ref in zip(_trunk_grads(model), _trunk_grads(reference)):
+        assert_close(got, ref, FP32_REL, "trunk gradient")
+
+
+def test_offload_refusals_of_matmul_precision_leave_model_and_server(client: Client,
+                                                                     head_name) -> None:
+    """An unknown value is refused before anything is sent; "high" on a bf16 head is refused by
+    the server; either way no head exists and the model keeps its own head."""
+    model = TinyCausalLM(seed=17)
+    weight = model.lm_head.weight.detach().clone()
+    name = head_name()
+    with pytest.raises(ValueError, match="^losshead: matmul_precision must be"):
+        offload_causal_lm(model, client, name, matmul_precision="tf32")
+    _assert_untouched(model, weight)
+    _assert_no_head(client, name)
+    with pytest.raises(ValueError, match="^losshead: matmul_precision must be"):
+        offload_causal_lm(model, client, name, create=False, matmul_precision="fast")
+    _assert_untouched(model, weight)
+    with pytest.raises(LossheadError) as e:
+        offload_causal_lm(model, client, name, head_dtype=torch.bfloat16,
+                          matmul_precision="high")
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    _assert_untouched(model, weight)
+    _assert_no_head(client, name)

@@ -27,6 +27,24 @@ def to_reduction(reduction: ReductionLike) -> int:
         raise ValueError(f"losshead: unknown reduction {reduction!r}") from None
 
 
+# The names of torch.set_float32_matmul_precision, so that torch.get_float32_matmul_precision()
+# can be handed over as it is.
+_MATMUL_PRECISIONS = {
+    "highest": pb.MATMUL_PRECISION_HIGHEST, "high": pb.MATMUL_PRECISION_HIGH,
+    "medium": pb.MATMUL_PRECISION_MEDIUM,
+}
+
+
+def to_matmul_precision(precision: str) -> int:
+    """The proto MatmulPrecision for "highest" | "high" | "medium"."""
+    try:
+        return _MATMUL_PRECISIONS[precision]
+    except (KeyError, TypeError):
+        raise ValueError(f"losshead: matmul_precision must be 'highest', 'high' or 'medium' "
+                         f"(as torch.set_float32_matmul_precision) or None, got "
+                         f"{precision!r}") from None
+
+
 @dataclass
 class LossOptions:
     """Loss options; None inherits (request -> head default -> built-in default).

@@ -27,7 +27,7 @@ from losshead._steps import Steps
 from losshead._transfers import Transfers
 from losshead._types import (ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
                              LossOptions, ReductionLike, StepResult, Weights, combine_results,
-                             to_reduction)
+                             to_matmul_precision, to_reduction)
 from losshead._wire import DTypeLike
 from losshead.errors import LossheadError
 from losshead.retry import RetryPolicy
@@ -219,14 +219,25 @@ class Client(Steps, Transfers):
     def create_head(self, name: str, vocab_size: int, hidden_size: int, *,
                     weight_dtype: DTypeLike = torch.bfloat16, init_std: Optional[float] = None,
                     seed: int = 0, default_options: Optional[LossOptions] = None,
-                    replicas: int = 1, shards: Optional[int] = None) -> pb.HeadInfo:
+                    replicas: int = 1, shards: Optional[int] = None,
+                    matmul_precision: Optional[str] = None) -> pb.HeadInfo:
         """Creates a head with W = 0, or W ~ N(0, init_std^2) seeded by `seed`.
 
         `replicas`: the server devices holding it (1: one device; k > 1: replicated over k, each
         micro-batch running whole on one of them, the gradient window reduced across them; 0:
         every device of the server). `shards` instead: sharded by vocabulary rows over that many
         devices (0: every device), each holding V / shards rows of W, dW and the optimizer, every
-        micro-batch running on all of them. The answer's `devices` names them."""
+        micro-batch running on all of them. The answer's `devices` names them.
+
+        `matmul_precision` ("highest", "high" or "medium", as torch.set_float32_matmul_precision;
+        None: unset, which is "highest") is what an fp32 head's three GEMMs may round their
+        inputs to on the server's GPU: "high" to TF32, "medium" to bf16, the products summed in
+        fp32 either way; softmax, loss, dW and the optimizer stay fp32. It is a permission (the
+        CPU backend computes everything as "highest"), fixed for the head's life and kept by its
+        checkpoints; HeadInfo's `spec.matmul_precision` reports it (MATMUL_PRECISION_HIGHEST
+        when unset). bf16 and fp16 heads take "highest" only: INVALID_ARGUMENT for the others.
+        Any other value raises ValueError before anything is sent."""
+        precision = None if matmul_precision is None else to_matmul_precision(matmul_precision)
         if replicas < 0:
             raise ValueError(f"losshead: replicas must be >= 0, got {replicas}")
         if shards is not None and (shards < 0 or replicas != 1):
@@ -247,6 +258,8 @@ class Client(Steps, Transfers):
             spec.init.normal.seed = int(seed)
         if default_options is not None:
             spec.default_options.CopyFrom(default_options.to_proto())
+        if precision is not None:
+            spec.matmul_precision = precision
         try:
             return self._unary(self._stub.CreateHead, pb.CreateHeadRequest(spec=spec))
         finally:

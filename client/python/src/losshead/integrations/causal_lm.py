@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from losshead import _wire
+from losshead._types import to_matmul_precision
 from losshead._wire import DTypeLike
 from losshead.client import Client
 from losshead.errors import LossheadError
@@ -381,7 +382,8 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                       wire_dtype: DTypeLike = torch.bfloat16, ignore_index: int = IGNORE_INDEX,
                       label_smoothing: float = 0.0, z_loss: float = 0.0,
                       output_type: Callable[..., Any] = CausalLMOutput,
-                      replicas: int = 1, shards: Optional[int] = None) -> OffloadedHead:
+                      replicas: int = 1, shards: Optional[int] = None,
+                      matmul_precision: Optional[str] = None) -> OffloadedHead:
     """Moves `model.lm_head` to the head `head` of a losshead server; returns its handle.
 
     `create` (default) creates the head with the model's V, D and `head_dtype` (default: the
@@ -390,10 +392,15 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     (a data-parallel rank other than the one that created it, or a server that holds the trained
     head already); `upload` overrides either default. `replicas` spreads a created head over
     that many of the server's devices (0: all), `shards` shards it by vocabulary rows over that
-    many (see Client.create_head). The upload replaces W in one PushWeights
-    stream of pieces, checked against the version the head had (FAILED_PRECONDITION if someone
-    pushed in between). The model is checked before anything is sent; a failed upload deletes
-    the head it had created, and the model is left as it was.
+    many (see Client.create_head). `matmul_precision` ("highest", "high", "medium") is what a
+    created fp32 head's GEMMs may round their inputs to on the server's GPU (Client.create_head);
+    None gives an fp32 head `torch.get_float32_matmul_precision()`, so that it computes as the
+    model's own head would under the same global setting, and leaves a bf16 or fp16 head's unset
+    (those take "highest" only: INVALID_ARGUMENT for another). An attached head keeps its own.
+    The upload replaces W in one PushWeights stream of pieces, checked against the version the
+    head had (FAILED_PRECONDITION if someone pushed in between). The model is checked before
+    anything is sent; a failed upload deletes the head it had created, and the model is left as
+    it was.
 
     Then lm_head.weight is emptied (its parameter kept, with no V x D memory: optimizers built
     on model.parameters() afterwards do not see it, so offload before building them and before
@@ -412,11 +419,16 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     dtype = _wire.to_torch_dtype(head_dtype if head_dtype is not None else lm_head.weight.dtype)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"losshead: a head's weights are bf16, fp16 or fp32, not {dtype}")
+    if matmul_precision is not None:
+        to_matmul_precision(matmul_precision)  # refused here, before anything is sent
+    elif dtype == torch.float32:
+        matmul_precision = torch.get_float32_matmul_precision()
     softcap = logit_softcap(getattr(model, "config", None))
     created = False
     if create:
         info = client.create_head(head, vocab_size, hidden_size, weight_dtype=dtype,
-                                  replicas=replicas, shards=shards)
+                                  replicas=replicas, shards=shards,
+                                  matmul_precision=matmul_precision)
         created = True
     else:
         info = client.get_head(head)
