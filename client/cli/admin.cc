@@ -7,6 +7,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 
@@ -18,14 +20,25 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
+// "high" for MATMUL_PRECISION_HIGH; unset reads as what it means, highest.
+std::string PrecisionName(v1::MatmulPrecision precision) {
+  if (precision == v1::MATMUL_PRECISION_UNSPECIFIED) precision = v1::MATMUL_PRECISION_HIGHEST;
+  constexpr absl::string_view kPrefix = "MATMUL_PRECISION_";
+  return absl::AsciiStrToLower(absl::StripPrefix(v1::MatmulPrecision_Name(precision), kPrefix));
+}
+
 void PrintHead(const v1::HeadInfo& h) {
+  // Only an fp32 head has a precision to choose: the others' lines stay as they were.
+  std::string dtype = v1::DType_Name(h.spec().weight_dtype()).substr(6);
+  if (h.spec().weight_dtype() == v1::DTYPE_FP32) {
+    absl::StrAppend(&dtype, " matmul_precision=", PrecisionName(h.spec().matmul_precision()));
+  }
   std::printf(
       "%-24s V=%-8lld D=%-6lld %-5s version=%llu tokens_since_pull=%llu "
       "microbatches_since_pull=%llu tokens_total=%llu weights=%llu B gradient=%llu B "
       "workspace=%llu B devices=%s\n",
       h.spec().name().c_str(), static_cast<long long>(h.spec().vocab_size()),
-      static_cast<long long>(h.spec().hidden_size()),
-      v1::DType_Name(h.spec().weight_dtype()).substr(6).c_str(),
+      static_cast<long long>(h.spec().hidden_size()), dtype.c_str(),
       static_cast<unsigned long long>(h.weights_version()),
       static_cast<unsigned long long>(h.tokens_since_pull()),
       static_cast<unsigned long long>(h.microbatches_since_pull()),
@@ -50,6 +63,30 @@ void PrintHead(const v1::HeadInfo& h) {
 }
 
 }  // namespace
+
+absl::StatusOr<v1::DType> WeightDTypeFromFlags() {
+  const std::string name = absl::GetFlag(FLAGS_dtype);
+  if (name == "bf16") return v1::DTYPE_BF16;
+  if (name == "fp16") return v1::DTYPE_FP16;
+  if (name == "fp32") return v1::DTYPE_FP32;
+  return absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32");
+}
+
+absl::StatusOr<v1::MatmulPrecision> MatmulPrecisionFromFlags() {
+  const std::string name = absl::GetFlag(FLAGS_matmul_precision);
+  if (name.empty()) return v1::MATMUL_PRECISION_UNSPECIFIED;
+  if (name == "highest") return v1::MATMUL_PRECISION_HIGHEST;
+  if (name == "high") return v1::MATMUL_PRECISION_HIGH;
+  if (name == "medium") return v1::MATMUL_PRECISION_MEDIUM;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--matmul_precision must be highest, high or medium (or empty: unset), got '", name, "'"));
+}
+
+std::string DescribeNumerics(const v1::HeadSpec& spec) {
+  std::string dtype = absl::AsciiStrToLower(v1::DType_Name(spec.weight_dtype()).substr(6));
+  if (spec.weight_dtype() != v1::DTYPE_FP32) return dtype;
+  return absl::StrCat(dtype, " (matmul precision ", PrecisionName(spec.matmul_precision()), ")");
+}
 
 absl::StatusOr<v1::Placement> PlacementFromFlags() {
   v1::Placement placement;
@@ -83,19 +120,20 @@ int RunCreate() {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--init_std must be finite and >= 0 (0: zeros), got ", init_std)));
   }
+  absl::StatusOr<v1::DType> dtype = WeightDTypeFromFlags();
+  if (!dtype.ok()) return Fail(dtype.status());
+  absl::StatusOr<v1::MatmulPrecision> precision = MatmulPrecisionFromFlags();
+  if (!precision.ok()) return Fail(precision.status());
+  absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
+  if (!placement.ok()) return Fail(placement.status());
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(client.status());
   v1::HeadSpec spec;
   spec.set_name(absl::GetFlag(FLAGS_head));
   spec.set_vocab_size(absl::GetFlag(FLAGS_vocab));
   spec.set_hidden_size(absl::GetFlag(FLAGS_hidden));
-  v1::DType dtype;
-  if (!v1::DType_Parse("DTYPE_" + absl::AsciiStrToUpper(absl::GetFlag(FLAGS_dtype)), &dtype)) {
-    return Fail(absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32"));
-  }
-  spec.set_weight_dtype(dtype);
-  absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
-  if (!placement.ok()) return Fail(placement.status());
+  spec.set_weight_dtype(*dtype);
+  spec.set_matmul_precision(*precision);
   *spec.mutable_placement() = *placement;
   if (init_std > 0) {
     spec.mutable_init()->mutable_normal()->set_std(static_cast<float>(init_std));

@@ -1,9 +1,10 @@
-// `losshead bench`: synthetic bf16 micro-batches over several concurrent Step streams; reports
-// tokens/s and the latency of each micro-batch from its first byte sent to its answer received.
-// The head it creates is drawn from N(0, 0.02) (GEMMs on zeros run ~15 % faster than on real
-// weights; --zero_head keeps the old zero head for comparison). The result is checked before
-// anything is timed: the first tokens' losses and dH rows against a float64 computation on the
-// host from the downloaded W.
+// `losshead bench`: synthetic micro-batches over several concurrent Step streams; reports tokens/s
+// and the latency of each micro-batch from its first byte sent to its answer received. The head it
+// creates has --dtype weights (and --matmul_precision) drawn from N(0, 0.02) (GEMMs on zeros run
+// ~15 % faster than on real weights; --zero_head keeps the old zero head for comparison). The
+// hidden states go up and dH comes back in bf16 whatever the head's dtype: the server converts, as
+// it would for a bf16 trainer. The result is checked before anything is timed: the first tokens'
+// losses and dH rows against a float64 computation on the host from the downloaded W.
 #include <unistd.h>
 
 #include <algorithm>
@@ -105,13 +106,42 @@ absl::Status RunStream(client::Client& client, const std::string& head, int inde
   return status.ok() ? finished : status;
 }
 
+// The kernels' name of a weight dtype; INTERNAL for one that no head has.
+absl::StatusOr<kernels::DType> KernelDType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return kernels::DType::kBF16;
+    case v1::DTYPE_FP16:
+      return kernels::DType::kFP16;
+    case v1::DTYPE_FP32:
+      return kernels::DType::kFP32;
+    default:
+      return absl::InternalError(
+          absl::StrCat("weights downloaded as ", v1::DType_Name(dtype), ", not a weight dtype"));
+  }
+}
+
 // Compares the first tokens of `result` (a sum-reduced step with per-token losses) with the same
 // tokens computed in float64 from W as the server holds it.
-absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, int64_t d,
-                              int64_t v, const Batch& batch, const client::StepResult& result) {
-  auto w = admin.DownloadWeights(head, v1::DTYPE_BF16);
+absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, int64_t d, int64_t v,
+                              const Batch& batch, const client::StepResult& result) {
+  // In the head's own dtype: a bf16 copy of an fp32 head would differ from what the server
+  // multiplies by about as much as the check tolerates.
+  auto w = admin.DownloadWeights(head);
   if (!w.ok()) return w.status();
-  const auto* weights = reinterpret_cast<const uint16_t*>(w->data.data());
+  const absl::StatusOr<kernels::DType> w_dtype = KernelDType(w->dtype);
+  if (!w_dtype.ok()) return w_dtype.status();
+  const size_t row_bytes = static_cast<size_t>(d) * kernels::DTypeSize(*w_dtype);
+  if (w->data.size() != static_cast<size_t>(v) * row_bytes) {
+    return absl::InternalError(absl::StrCat("downloaded W holds ", w->data.size(),
+                                            " bytes, not V x D of ", v1::DType_Name(w->dtype)));
+  }
+  // Row j of W in fp32 (exact from any weight dtype), converted where it is used.
+  std::vector<float> row(d);
+  auto weight_row = [&](int64_t j) {
+    kernels::ToFloat(*w_dtype, w->data.data() + j * row_bytes, row.data(), d);
+    return row.data();
+  };
   const auto* grad = reinterpret_cast<const uint16_t*>(result.grad_hidden.data());
   const int64_t checked = std::min<int64_t>(kCheckedTokens, result.token_count);
   if (static_cast<int64_t>(result.per_token_loss.size()) < checked ||
@@ -124,10 +154,9 @@ absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, in
     const uint16_t* h = batch.hidden.data() + t * d;
     double max_logit = -INFINITY;
     for (int64_t j = 0; j < v; ++j) {
+      const float* wj = weight_row(j);
       double dot = 0;
-      for (int64_t k = 0; k < d; ++k) {
-        dot += double{kernels::Bf16ToFloat(weights[j * d + k])} * kernels::Bf16ToFloat(h[k]);
-      }
+      for (int64_t k = 0; k < d; ++k) dot += double{wj[k]} * kernels::Bf16ToFloat(h[k]);
       logits[j] = dot;
       max_logit = std::max(max_logit, dot);
     }
@@ -139,10 +168,12 @@ absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, in
     double dh_scale = 0;
     for (int64_t j = 0; j < v; ++j) {
       const double g = std::exp(logits[j] - max_logit) / z - (j == target ? 1.0 : 0.0);
-      for (int64_t k = 0; k < d; ++k) dh[k] += g * kernels::Bf16ToFloat(weights[j * d + k]);
+      const float* wj = weight_row(j);
+      for (int64_t k = 0; k < d; ++k) dh[k] += g * wj[k];
     }
     for (double x : dh) dh_scale = std::max(dh_scale, std::fabs(x));
-    // fp32 accumulation over D and V on the device, dH rounded to bf16 (2^-8 relative).
+    // fp32 accumulation over D and V on the device, dH rounded to bf16 (2^-8 relative); an fp32
+    // head's TF32 (high) or bf16 (medium) GEMM inputs err by no more than that.
     if (std::fabs(result.per_token_loss[t] - loss) > 1e-3 * std::max(1.0, loss)) {
       return absl::InternalError(absl::StrCat("token ", t, ": loss ", result.per_token_loss[t],
                                               ", float64 reference ", loss));
@@ -150,8 +181,8 @@ absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, in
     for (int64_t k = 0; k < d; ++k) {
       const double got = kernels::Bf16ToFloat(grad[t * d + k]);
       if (std::fabs(got - dh[k]) > 1e-2 * dh_scale + 1e-6) {
-        return absl::InternalError(absl::StrCat("token ", t, ": dH[", k, "] ", got,
-                                                ", float64 reference ", dh[k]));
+        return absl::InternalError(
+            absl::StrCat("token ", t, ": dH[", k, "] ", got, ", float64 reference ", dh[k]));
       }
     }
   }
@@ -184,9 +215,13 @@ int RunBench() {
                              "> 0; got ",
                              iterations, " and ", seconds)));
   }
-  // Checked before anything connects; it applies to the bench's own head.
+  // Checked before anything connects; they apply to the bench's own head.
   const absl::StatusOr<v1::Placement> placement = PlacementFromFlags();
   if (!placement.ok()) return Fail("flags", placement.status());
+  const absl::StatusOr<v1::DType> dtype = WeightDTypeFromFlags();
+  if (!dtype.ok()) return Fail("flags", dtype.status());
+  const absl::StatusOr<v1::MatmulPrecision> precision = MatmulPrecisionFromFlags();
+  if (!precision.ok()) return Fail("flags", precision.status());
   const bool dedicated = absl::GetFlag(FLAGS_dedicated_connections);
   std::vector<std::unique_ptr<client::Client>> clients;
   for (int i = 0; i < (dedicated ? streams : 1); ++i) {
@@ -207,13 +242,15 @@ int RunBench() {
 
   std::string head = absl::GetFlag(FLAGS_head);
   const bool own_head = head.empty();
+  v1::HeadInfo info;  // as the server reports it: the dtype and precision the steps run with
   if (own_head) {
     head = absl::StrCat("bench-", getpid());
     v1::HeadSpec spec;
     spec.set_name(head);
     spec.set_vocab_size(v);
     spec.set_hidden_size(d);
-    spec.set_weight_dtype(v1::DTYPE_BF16);
+    spec.set_weight_dtype(*dtype);
+    spec.set_matmul_precision(*precision);
     *spec.mutable_placement() = *placement;
     if (absl::GetFlag(FLAGS_zero_head)) {
       spec.mutable_init()->set_zeros(true);
@@ -226,10 +263,18 @@ int RunBench() {
     }
     auto created = admin.CreateHead(spec);
     if (!created.ok()) return Fail("create head", created.status());
-    std::printf("bench: head %s V=%lld D=%lld bf16 on %s\n", head.c_str(),
-                static_cast<long long>(v), static_cast<long long>(d),
-                absl::StrJoin(created->devices(), ", ").c_str());
+    info = *std::move(created);
+  } else {
+    auto got = admin.GetHead(head);
+    if (!got.ok()) return Fail("get head", got.status());
+    info = *std::move(got);
   }
+  const std::string numerics = DescribeNumerics(info.spec());
+  std::printf("bench: %s head %s V=%lld D=%lld %s on %s; hidden bf16 on the wire\n",
+              own_head ? "created" : "given", head.c_str(),
+              static_cast<long long>(info.spec().vocab_size()),
+              static_cast<long long>(info.spec().hidden_size()), numerics.c_str(),
+              absl::StrJoin(info.devices(), ", ").c_str());
 
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
   Batch batch;
@@ -311,10 +356,11 @@ int RunBench() {
     const double flops =
         6.0 * static_cast<double>(total_tokens) * static_cast<double>(v) * static_cast<double>(d);
     std::printf(
-        "bench: N=%lld D=%lld V=%lld bf16, %d streams x %d in flight: %zu micro-batches, "
-        "%lld tokens in %.2f s\n",
-        static_cast<long long>(n), static_cast<long long>(d), static_cast<long long>(v), streams,
-        depth, all.size(), static_cast<long long>(total_tokens), elapsed);
+        "bench: N=%lld D=%lld V=%lld, head %s, hidden bf16 on the wire, %d streams x %d in "
+        "flight: %zu micro-batches, %lld tokens in %.2f s\n",
+        static_cast<long long>(n), static_cast<long long>(d), static_cast<long long>(v),
+        numerics.c_str(), streams, depth, all.size(), static_cast<long long>(total_tokens),
+        elapsed);
     std::printf("bench: %.0f tokens/s, %.2f GFLOP/s, %.1f MB/s on the wire (hidden up + dH down)\n",
                 static_cast<double>(total_tokens) / elapsed, flops / elapsed * 1e-9,
                 4.0 * static_cast<double>(total_tokens) * static_cast<double>(d) / elapsed * 1e-6);

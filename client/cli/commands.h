@@ -3,12 +3,24 @@
 #define LOSSHEAD_CLIENT_CLI_COMMANDS_H_
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "losshead/client/client.h"
 #include "losshead/v1/losshead.pb.h"
 
 namespace losshead::cli {
+
+// --dtype as a head's weight dtype; INVALID_ARGUMENT unless bf16, fp16 or fp32.
+absl::StatusOr<v1::DType> WeightDTypeFromFlags();
+
+// --matmul_precision: UNSPECIFIED when empty; INVALID_ARGUMENT unless highest, high or medium.
+// Whether the head's dtype allows it is the server's to say.
+absl::StatusOr<v1::MatmulPrecision> MatmulPrecisionFromFlags();
+
+// A head's weight dtype, and for an fp32 head its matmul precision: "bf16", "fp32 (matmul
+// precision high)".
+std::string DescribeNumerics(const v1::HeadSpec& spec);
 
 // A client for --server with --max_message_bytes and --deadline_s.
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection = false);

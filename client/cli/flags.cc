@@ -31,7 +31,13 @@ ABSL_FLAG(double, teacher_gain, 2.5,
           "demo: teacher weights ~ N(0, (gain / sqrt(D))^2); larger means lower entropy");
 ABSL_FLAG(int, print_every, 5, "demo: print the loss every this many steps");
 
-ABSL_FLAG(std::string, dtype, "bf16", "create: weight dtype bf16 | fp16 | fp32");
+ABSL_FLAG(std::string, dtype, "bf16",
+          "create, bench: weight dtype bf16 | fp16 | fp32 (bench: of the head it creates; the "
+          "hidden states it sends are bf16 whatever the head's dtype, converted by the server)");
+ABSL_FLAG(std::string, matmul_precision, "",
+          "create, bench: what an fp32 head's GEMMs may round their inputs to, as "
+          "torch.set_float32_matmul_precision: highest (IEEE fp32) | high (TF32) | medium "
+          "(bf16); empty leaves it unset (highest). bf16 and fp16 heads take highest only");
 ABSL_FLAG(double, init_std, 0, "create: normal init std; 0 means zeros");
 ABSL_FLAG(int, replicas, 1,
           "create, bench: devices the head is replicated over (1: one device; 0: every device "

@@ -30,8 +30,10 @@ ABSL_DECLARE_FLAG(std::string, optimizer);
 ABSL_DECLARE_FLAG(bool, client_optimizer);
 ABSL_DECLARE_FLAG(double, teacher_gain);
 ABSL_DECLARE_FLAG(int, print_every);
-// create
+// create, bench
 ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(std::string, matmul_precision);
+// create
 ABSL_DECLARE_FLAG(double, init_std);
 ABSL_DECLARE_FLAG(int, replicas);
 ABSL_DECLARE_FLAG(int, shards);
