@@ -70,6 +70,13 @@ def main(server_bin, cli_bin):
                 "--shards and --replicas cannot both be given")
         refused(head + ["--dtype=int8"], "--dtype must be bf16, fp16 or fp32")
         refused(head + ["--replicas=3"], "placement asks for 3 devices but the server has 2")
+        refused(head + ["--dtype=fp32", "--matmul_precision=tf32"],
+                "--matmul_precision must be highest, high or medium (or empty: unset), got 'tf32'")
+        # The server's refusal: a bf16 head's products are exact in fp32 already.
+        refused(head + ["--dtype=bf16", "--matmul_precision=high"],
+                "matmul_precision MATMUL_PRECISION_HIGH applies to DTYPE_FP32 heads only")
+        refused(head + ["--dtype=fp16", "--matmul_precision=medium"],
+                "matmul_precision MATMUL_PRECISION_MEDIUM applies to DTYPE_FP32 heads only")
 
         bench = ["bench", "--v=64", "--d=16", "--n=32"]
         range_reason = "--iterations must be >= 0 and, when it is 0, --seconds finite and > 0; got"
@@ -89,7 +96,9 @@ def main(server_bin, cli_bin):
                 lambda out: "shard 0 on" in out and "shard 1 on" in out)
         created(["--replicas=0"], "replicated_all",
                 lambda out: "replica 0 on" in out and "replica 1 on" in out)
-        if heads() != ["normal", "replicated_all", "sharded_all", "zeros"]:
+        created(["--dtype=fp32", "--matmul_precision=high"], "tf32",
+                lambda out: out.startswith("tf32 ") and "FP32 matmul_precision=high" in out)
+        if heads() != ["normal", "replicated_all", "sharded_all", "tf32", "zeros"]:
             failures.append(f"heads after the valid creates: {heads()}")
     finally:
         server.terminate()
