@@ -419,8 +419,9 @@ TEST(CudaBackendTest, TwoRunsAreBitIdentical) {
 }
 
 // high and medium reach cuBLAS: their results move away from highest's by about their inputs'
-// rounding (TF32 keeps 10 mantissa bits, bf16 7), far beyond the few ulps of a changed summation
-// order, and are still the same bits on every rerun.
+// rounding (TF32 keeps 10 mantissa bits; medium permits bf16's 7, though cuBLAS on an H100 picks
+// its TF32 kernels for it), far beyond the few ulps of a changed summation order, and are still
+// the same bits on every rerun.
 TEST(CudaBackendTest, FasterPrecisionsRoundTheGemmInputsAndRerunBitIdentically) {
   SKIP_WITHOUT_GPU();
   Case c = SmallCase(DType::kFP32);
@@ -445,10 +446,10 @@ TEST(CudaBackendTest, FasterPrecisionsRoundTheGemmInputsAndRerunBitIdentically) 
   }
   const int high = static_cast<int>(MatmulPrecision::kHigh);
   const int medium = static_cast<int>(MatmulPrecision::kMedium);
-  EXPECT_GT(dh_err[high], 1e-5);
-  EXPECT_GT(dw_err[high], 1e-5);
-  EXPECT_GT(dh_err[medium], 2 * dh_err[high]);
-  EXPECT_GT(dw_err[medium], 2 * dw_err[high]);
+  for (int i : {high, medium}) {
+    EXPECT_GT(dh_err[i], 1e-5) << i;
+    EXPECT_GT(dw_err[i], 1e-5) << i;
+  }
 }
 
 TEST(CudaBackendTest, OverlappedRunsAreBitIdenticalToSerial) {

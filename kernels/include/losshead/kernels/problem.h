@@ -27,7 +27,8 @@ absl::string_view DTypeName(DType dtype);
 enum class MatmulPrecision {
   kHighest,  // IEEE fp32 products (CUDA cores on a GPU)
   kHigh,     // TF32 tensor cores: inputs rounded to 10 mantissa bits
-  kMedium,   // bf16 tensor cores: inputs rounded to 7 mantissa bits
+  kMedium,   // bf16 tensor cores allowed too: inputs rounded to 7 mantissa bits (cuBLAS on an
+             // H100 runs it with its TF32 kernels: high's speed and rounding)
 };
 
 absl::string_view MatmulPrecisionName(MatmulPrecision precision);
