@@ -42,8 +42,8 @@ enum class Reduction {
 // Loss options, applied per token t with target y and logits x_j = h_t . w_j:
 //   z_j    = softcap > 0 ? softcap * tanh(x_j / softcap) : x_j
 //   lse    = log sum_j exp(z_j)
-//   loss_t = (1 - eps) (lse - z_y) + eps (lse - mean_j z_j) + z_loss * lse^2,  eps =
-//   label_smoothing
+//   loss_t = (1 - eps) (lse - z_y) + eps (lse - mean_j z_j) + z_loss * lse^2
+// with eps = label_smoothing,
 // and its gradient with respect to z_j:
 //   g_j    = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V,  p = softmax(z)
 // chained through the soft-cap by (1 - (z_j / softcap)^2). A token whose target equals
