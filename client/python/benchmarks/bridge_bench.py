@@ -8,6 +8,15 @@ torch.compile) on the same hidden states and weights, and pull / push / download
 from Python. The head is created with W ~ N(0, 0.02^2) and the local head copies it; hidden
 states are N(0, 1). Each remote result is checked against the local head before it is timed.
 
+`--dtype` (bfloat16 by default, or float32) is the dtype of the server's head, of the local head
+(W and hidden states) and of the hidden states the trainer holds; they travel in it both ways
+(RemoteLMHead's wire_dtype: hidden states up, dH down), so bf16 as before, and fp32 for an fp32
+head: in bf16 the trainer's fp32 hidden states would lose 16 mantissa bits before the server's
+GEMMs, and dH as many on its way back, and the two heads would not compute the same thing.
+`--fp32-precision` (float32 only) is the head's matmul_precision on the server and
+torch.set_float32_matmul_precision for the local rows, so that both compute at it; the reference
+that the remote rows are checked against is computed at "highest".
+
     python3 client/python/benchmarks/bridge_bench.py --server 127.0.0.1:50051
 """
 
@@ -23,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from losshead import Client, RemoteLMHead, native_available, native_library
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_SHORT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _sync(device: torch.device) -> None:
@@ -60,6 +72,34 @@ def _extra_memory_mib(fn: Callable[[], object], device: torch.device) -> Optiona
 Row = Tuple[str, float, float, Optional[float], str]
 
 
+def _set_fp32_matmul_precision(precision: str) -> None:
+    # allow_tf32 first: setting it moves the precision to "high", which would undo "medium".
+    torch.backends.cuda.matmul.allow_tf32 = precision != "highest"
+    torch.set_float32_matmul_precision(precision)
+
+
+def _tolerance(dtype: str, precision: str) -> float:
+    """The relative error of loss and dH (norm) a remote row may show against the reference."""
+    if dtype == "bfloat16":
+        return 2e-2
+    if precision == "highest":
+        # IEEE fp32 products on both sides: only the order of the fp32 sums differs, which moves
+        # loss and dH by about 1e-7 to 1e-6 (sqrt(D) roundings of 2^-24 each).
+        return 1e-4
+    if precision == "high":
+        # TF32 keeps 10 of fp32's 23 mantissa bits: each GEMM input is off by at most 2^-10 of
+        # itself (truncated; 2^-11 rounded to nearest), each product by 2 x 2^-10, and sums of
+        # such products over random-signed data stay within that relative to their size. The
+        # loss (log V plus a few) moves far less; dH is mostly W's target row, off by < 2^-10.
+        # Emulated at V=128256, D=4096 against float64: dH 3.1e-4 rounded, 6.3e-4 truncated,
+        # loss below 1e-4. Four times 2^-10 (3.9e-3) leaves room for both.
+        return 4 * 2 ** -10
+    # "medium" may round the GEMM inputs to bf16 (7 mantissa bits), as a bf16 head's inputs
+    # are (emulated as above: dH 2.6e-3 rounded, 6.9e-3 truncated); its logits stay fp32, so a
+    # bf16 head's bound holds.
+    return 2e-2
+
+
 def _fwd_bwd(loss_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor
              ) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
@@ -85,6 +125,12 @@ def main() -> None:
     p.add_argument("--paths", default="native",
                    help="comma-separated: native (C++ client), grpc (Python only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="the head's weight dtype on the server and the local head's (W and hidden "
+                        "states); also the wire dtype of hidden states and dH")
+    p.add_argument("--fp32-precision", choices=["highest", "high", "medium"], default="highest",
+                   help="float32 only: the server head's matmul_precision and "
+                        "torch.set_float32_matmul_precision for the local rows")
     # A new client's first steps find no recycled result buffers on the server (they come back
     # as its idempotency window fills, about four steps of 8192 x 4096 bf16): not the steady state.
     p.add_argument("--warmup", type=int, default=6)
@@ -102,19 +148,29 @@ def main() -> None:
                         "edge_tokens)")
     p.add_argument("--token", default=os.environ.get("LOSSHEAD_TOKEN"))
     args = p.parse_args()
+    fp32 = args.dtype == "float32"
+    if not fp32 and args.fp32_precision != "highest":
+        p.error("--fp32-precision applies to --dtype float32 only, as the server's "
+                "matmul_precision does")
+    if fp32:
+        _set_fp32_matmul_precision("highest")  # for the reference; the local rows set their own
 
     device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
     v, d, n = args.vocab, args.hidden, args.tokens
     g = torch.Generator(device="cpu").manual_seed(0)
-    hidden = torch.randn(n, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(n, d, generator=g).to(device=device, dtype=dtype)
     targets = torch.randint(0, v, (n,), generator=g).to(device)
     head = f"bridge-bench-{os.getpid()}"
+    # A bf16 head has no precision to choose: its line reads as it always has.
+    precision = f" matmul_precision={args.fp32_precision}" if fp32 else ""
     print(f"native library: {native_library() if native_available() else 'absent'}")
-    print(f"V={v} D={d} tokens/step={n} bf16 device={device}")
+    print(f"V={v} D={d} tokens/step={n} {_SHORT[dtype]}{precision} device={device}")
 
     rows: List[Row] = []
     with Client(args.server, token=args.token, native=False) as admin:
-        admin.create_head(head, v, d, weight_dtype=torch.bfloat16, init_std=0.02, seed=1)
+        admin.create_head(head, v, d, weight_dtype=dtype, init_std=0.02, seed=1,
+                          matmul_precision=args.fp32_precision if fp32 else None)
         try:
             if not args.no_steps:
                 weight = admin.download_weights(head).weights.to(device)
@@ -137,6 +193,8 @@ def main() -> None:
                                             edge_tokens=edge))
                     admin.pull_gradient(head, reset=True)
                 if not args.no_local:
+                    if fp32:
+                        _set_fp32_matmul_precision(args.fp32_precision)
                     rows += _local_rows(args, hidden, targets, weight, device, n)
             transfers = [] if args.no_transfers else [
                 _transfer_rows(args, path, head, v, d) for path in args.paths.split(",")]
@@ -159,16 +217,17 @@ def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
                 connections=args.connections) as c:
         if args.chunk_tokens is not None:
             cut.setdefault("chunk_tokens", args.chunk_tokens)
-        module = RemoteLMHead(c, head, streams=streams, **cut)
+        module = RemoteLMHead(c, head, streams=streams, wire_dtype=hidden.dtype, **cut)
         local_loss, local_grad = ref
         h = hidden.detach().requires_grad_()
         out = module(h, targets)
         out.backward()
         loss = float(out)
         # The remote head must compute what the local one does before it is timed.
-        assert abs(loss - local_loss) <= 2e-2 * abs(local_loss), (loss, local_loss)
+        tol = _tolerance(args.dtype, args.fp32_precision)
+        assert abs(loss - local_loss) <= tol * abs(local_loss), (loss, local_loss, tol)
         err = float((h.grad.float() - local_grad.float()).norm() / local_grad.float().norm())
-        assert err <= 2e-2, f"dH differs from the local head's by {err:.3g} (relative norm)"
+        assert err <= tol, f"dH differs from the local head's by {err:.3g} (relative norm)"
         del h
         run = _fwd_bwd(lambda h: module(h, targets), hidden)
         seconds = _median_seconds(run, device, args.warmup, args.iters, args.gap_ms / 1e3)
@@ -216,15 +275,16 @@ def _transfer_rows(args: argparse.Namespace, path: str, head: str, v: int, d: in
         down = _median_seconds(lambda: c.download_weights(head), cpu, 1, args.iters)
         w2 = torch.empty_like(w)
         down_into = _median_seconds(lambda: c.download_weights(head, out=w2), cpu, 1, args.iters)
-    bf16 = w.numel() * w.element_size()
+    # W travels in the head's dtype (download_weights' and push_weights' default).
+    size, wt = w.numel() * w.element_size(), _SHORT[w.dtype]
     return [(f"pull dW fp32 ({path})", fp32 / pull / 1e9, f"{fp32 / 2**20:.0f} MiB, fresh tensor"),
             (f"pull dW fp32 ({path})", fp32 / pull_into / 1e9,
              f"{fp32 / 2**20:.0f} MiB, into a reused tensor"),
-            (f"push W bf16 ({path})", bf16 / push / 1e9, f"{bf16 / 2**20:.0f} MiB"),
-            (f"download W bf16 ({path})", bf16 / down / 1e9,
-             f"{bf16 / 2**20:.0f} MiB, fresh tensor"),
-            (f"download W bf16 ({path})", bf16 / down_into / 1e9,
-             f"{bf16 / 2**20:.0f} MiB, into a reused tensor")]
+            (f"push W {wt} ({path})", size / push / 1e9, f"{size / 2**20:.0f} MiB"),
+            (f"download W {wt} ({path})", size / down / 1e9,
+             f"{size / 2**20:.0f} MiB, fresh tensor"),
+            (f"download W {wt} ({path})", size / down_into / 1e9,
+             f"{size / 2**20:.0f} MiB, into a reused tensor")]
 
 
 if __name__ == "__main__":
