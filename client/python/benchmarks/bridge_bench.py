@@ -222,7 +222,7 @@ def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
         h = hidden.detach().requires_grad_()
         out = module(h, targets)
         out.backward()
-        loss = float(out)
+        loss = float(out.detach())
         # The remote head must compute what the local one does before it is timed.
         tol = _tolerance(args.dtype, args.fp32_precision)
         assert abs(loss - local_loss) <= tol * abs(local_loss), (loss, local_loss, tol)
