@@ -248,5 +248,78 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.deferred ? "_deferred" : "");
     });
 
+// An fp32 head at MATMUL_PRECISION_HIGH, placed: every GEMM (a replica's, a shard's, a stash's
+// flush) runs on the TF32 tensor cores. Its losses, dH, dW and W after AdamW stay within the
+// bounds the bf16 head meets against the CPU backend (which computes as HIGHEST), its dW moves away
+// from the same head's at HIGHEST by TF32's rounding, and a rerun gives the same bits.
+class PlacedFp32HighCudaTest : public ::testing::TestWithParam<Placed> {};
+
+TEST_P(PlacedFp32HighCudaTest, RunsOnTf32AndMatchesTheCpuBackend) {
+  const int k = GetParam().k;
+  const bool one_gpu = GetParam().one_gpu;
+  if (const std::string why = testing::TooFewGpus(k, one_gpu); !why.empty()) GTEST_SKIP() << why;
+  auto gpus = testing::PlacedBackends(k, one_gpu);
+  ASSERT_TRUE(gpus.ok()) << gpus.status();
+  const std::vector<kernels::Backend*> devices = testing::Pointers(*gpus);
+  auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto spec = [&](int devices, v1::PlacementKind kind, v1::MatmulPrecision precision) {
+    v1::HeadSpec s = Spec(devices, kind);
+    s.set_weight_dtype(v1::DTYPE_FP32);
+    s.set_matmul_precision(precision);
+    return s;
+  };
+  const HeadOptions options{.grad_stash_bytes = GetParam().deferred ? size_t{1} << 20 : 0};
+  auto on_cpu =
+      Head::Create(**cpu, spec(1, v1::PLACEMENT_SINGLE, v1::MATMUL_PRECISION_HIGH), HeadOptions{});
+  auto high = Head::Create(devices, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGH), options);
+  auto again = Head::Create(devices, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGH), options);
+  auto highest =
+      Head::Create(devices, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGHEST), options);
+  ASSERT_TRUE(on_cpu.ok() && high.ok() && again.ok() && highest.ok())
+      << on_cpu.status() << high.status() << again.status() << highest.status();
+  EXPECT_EQ((*high)->Info().spec().matmul_precision(), v1::MATMUL_PRECISION_HIGH);
+
+  const SequenceResult cpu_run = RunSequence(**on_cpu);
+  const SequenceResult first = RunSequence(**high);
+  const SequenceResult second = RunSequence(**again);
+  const SequenceResult ieee = RunSequence(**highest);
+  ASSERT_EQ(first.dh.size(), cpu_run.dh.size());
+  for (size_t i = 0; i < first.dh.size(); ++i) {
+    EXPECT_NEAR(first.losses[i], cpu_run.losses[i], 2e-3 * std::abs(cpu_run.losses[i]));
+    EXPECT_LT(RelativeError(Floats(first.dh[i], kernels::DType::kBF16),
+                            Floats(cpu_run.dh[i], kernels::DType::kBF16)),
+              2e-2)
+        << "micro-batch " << i;
+  }
+  const auto fp32 = [](const std::string& bytes) { return Floats(bytes, kernels::DType::kFP32); };
+  EXPECT_LT(RelativeError(fp32(first.dw), fp32(cpu_run.dw)), 1e-2);
+  EXPECT_LT(RelativeError(Floats(first.w, kernels::DType::kBF16),
+                          Floats(cpu_run.w, kernels::DType::kBF16)),
+            1e-2);
+  EXPECT_LT(RelativeError(fp32(first.last_dw), fp32(cpu_run.last_dw)), 2e-2);
+  // IEEE fp32 on the same devices differs from TF32 by far more than its own summation order.
+  EXPECT_GT(RelativeError(fp32(first.dw), fp32(ieee.dw)), 1e-5);
+  EXPECT_LT(RelativeError(fp32(ieee.dw), fp32(cpu_run.dw)), 1e-4);
+
+  EXPECT_EQ(first.losses, second.losses);
+  EXPECT_TRUE(first.dh == second.dh);
+  EXPECT_TRUE(first.dw == second.dw);
+  EXPECT_TRUE(first.w == second.w);
+  EXPECT_TRUE(first.last_dw == second.last_dw);
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpus, PlacedFp32HighCudaTest,
+                         ::testing::Values(Placed{v1::PLACEMENT_REPLICATED, 2, false, true},
+                                           Placed{v1::PLACEMENT_SHARDED, 2, false, true},
+                                           Placed{v1::PLACEMENT_REPLICATED, 2, true, true},
+                                           Placed{v1::PLACEMENT_SHARDED, 3, true, true}),
+                         [](const auto& info) {
+                           return absl::StrCat(
+                               info.param.kind == v1::PLACEMENT_SHARDED ? "sharded_"
+                                                                        : "replicated_",
+                               info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus");
+                         });
+
 }  // namespace
 }  // namespace losshead::server
