@@ -106,42 +106,19 @@ absl::Status RunStream(client::Client& client, const std::string& head, int inde
   return status.ok() ? finished : status;
 }
 
-// The kernels' name of a weight dtype; INTERNAL for one that no head has.
-absl::StatusOr<kernels::DType> KernelDType(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_BF16:
-      return kernels::DType::kBF16;
-    case v1::DTYPE_FP16:
-      return kernels::DType::kFP16;
-    case v1::DTYPE_FP32:
-      return kernels::DType::kFP32;
-    default:
-      return absl::InternalError(
-          absl::StrCat("weights downloaded as ", v1::DType_Name(dtype), ", not a weight dtype"));
-  }
-}
-
 // Compares the first tokens of `result` (a sum-reduced step with per-token losses) with the same
 // tokens computed in float64 from W as the server holds it.
 absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, int64_t d, int64_t v,
                               const Batch& batch, const client::StepResult& result) {
-  // In the head's own dtype: a bf16 copy of an fp32 head would differ from what the server
-  // multiplies by about as much as the check tolerates.
-  auto w = admin.DownloadWeights(head);
+  // In fp32, which holds every weight dtype exactly: a bf16 copy of an fp32 head would differ
+  // from what the server multiplies by about as much as the check tolerates.
+  auto w = admin.DownloadWeights(head, v1::DTYPE_FP32);
   if (!w.ok()) return w.status();
-  const absl::StatusOr<kernels::DType> w_dtype = KernelDType(w->dtype);
-  if (!w_dtype.ok()) return w_dtype.status();
-  const size_t row_bytes = static_cast<size_t>(d) * kernels::DTypeSize(*w_dtype);
-  if (w->data.size() != static_cast<size_t>(v) * row_bytes) {
-    return absl::InternalError(absl::StrCat("downloaded W holds ", w->data.size(),
-                                            " bytes, not V x D of ", v1::DType_Name(w->dtype)));
+  if (w->data.size() != static_cast<size_t>(v) * d * sizeof(float)) {
+    return absl::InternalError(
+        absl::StrCat("downloaded W holds ", w->data.size(), " bytes, not V x D in fp32"));
   }
-  // Row j of W in fp32 (exact from any weight dtype), converted where it is used.
-  std::vector<float> row(d);
-  auto weight_row = [&](int64_t j) {
-    kernels::ToFloat(*w_dtype, w->data.data() + j * row_bytes, row.data(), d);
-    return row.data();
-  };
+  const auto* weights = reinterpret_cast<const float*>(w->data.data());
   const auto* grad = reinterpret_cast<const uint16_t*>(result.grad_hidden.data());
   const int64_t checked = std::min<int64_t>(kCheckedTokens, result.token_count);
   if (static_cast<int64_t>(result.per_token_loss.size()) < checked ||
@@ -154,7 +131,7 @@ absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, in
     const uint16_t* h = batch.hidden.data() + t * d;
     double max_logit = -INFINITY;
     for (int64_t j = 0; j < v; ++j) {
-      const float* wj = weight_row(j);
+      const float* wj = weights + j * d;
       double dot = 0;
       for (int64_t k = 0; k < d; ++k) dot += double{wj[k]} * kernels::Bf16ToFloat(h[k]);
       logits[j] = dot;
@@ -168,7 +145,7 @@ absl::Status CheckAgainstHost(client::Client& admin, const std::string& head, in
     double dh_scale = 0;
     for (int64_t j = 0; j < v; ++j) {
       const double g = std::exp(logits[j] - max_logit) / z - (j == target ? 1.0 : 0.0);
-      const float* wj = weight_row(j);
+      const float* wj = weights + j * d;
       for (int64_t k = 0; k < d; ++k) dh[k] += g * wj[k];
     }
     for (double x : dh) dh_scale = std::max(dh_scale, std::fabs(x));

@@ -33,12 +33,15 @@ namespace {
 constexpr int64_t kV = 1031, kD = 256;  // 1031 rows: uneven row shards on 2 and 4 devices
 constexpr int kMicrobatches = 8;
 
-v1::HeadSpec Spec(int devices, v1::PlacementKind kind = v1::PLACEMENT_SINGLE) {
+v1::HeadSpec Spec(int devices, v1::PlacementKind kind = v1::PLACEMENT_SINGLE,
+                  v1::DType dtype = v1::DTYPE_BF16,
+                  v1::MatmulPrecision precision = v1::MATMUL_PRECISION_UNSPECIFIED) {
   v1::HeadSpec spec;
   spec.set_name("h");
   spec.set_vocab_size(kV);
   spec.set_hidden_size(kD);
-  spec.set_weight_dtype(v1::DTYPE_BF16);
+  spec.set_weight_dtype(dtype);
+  spec.set_matmul_precision(precision);
   spec.mutable_init()->mutable_normal()->set_std(0.05f);
   spec.mutable_init()->mutable_normal()->set_seed(11);
   spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
@@ -141,21 +144,39 @@ struct Placed {
   bool deferred = false;
 };
 
-class PlacedCudaTest : public ::testing::TestWithParam<Placed> {};
+// The case's devices (skipped where too few GPUs are visible), a CPU backend for the reference
+// head, and the GPU heads' options.
+class PlacedHeadsTest : public ::testing::TestWithParam<Placed> {
+ protected:
+  void SetUp() override {
+    const int k = GetParam().k;
+    if (const std::string why = testing::TooFewGpus(k, GetParam().one_gpu); !why.empty()) {
+      GTEST_SKIP() << why;
+    }
+    auto gpus = testing::PlacedBackends(k, GetParam().one_gpu);
+    ASSERT_TRUE(gpus.ok()) << gpus.status();
+    gpus_ = *std::move(gpus);
+    devices_ = testing::Pointers(gpus_);
+    auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    cpu_ = *std::move(cpu);
+    options_.grad_stash_bytes = GetParam().deferred ? size_t{1} << 20 : 0;
+  }
+
+  std::vector<std::unique_ptr<kernels::Backend>> gpus_;
+  std::vector<kernels::Backend*> devices_;
+  std::unique_ptr<kernels::Backend> cpu_;
+  HeadOptions options_;
+};
+
+class PlacedCudaTest : public PlacedHeadsTest {};
 
 TEST_P(PlacedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
   const int k = GetParam().k;
   const bool sharded = GetParam().kind == v1::PLACEMENT_SHARDED;
-  const bool one_gpu = GetParam().one_gpu;
-  if (const std::string why = testing::TooFewGpus(k, one_gpu); !why.empty()) GTEST_SKIP() << why;
-  auto gpus = testing::PlacedBackends(k, one_gpu);
-  ASSERT_TRUE(gpus.ok()) << gpus.status();
-  const std::vector<kernels::Backend*> devices = testing::Pointers(*gpus);
-  auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
-
-  const HeadOptions options{.grad_stash_bytes = GetParam().deferred ? size_t{1} << 20 : 0};
-  auto on_cpu = Head::Create(**cpu, Spec(1), HeadOptions{});
+  const std::vector<kernels::Backend*>& devices = devices_;
+  const HeadOptions& options = options_;
+  auto on_cpu = Head::Create(*cpu_, Spec(1), HeadOptions{});
   auto on_one = Head::Create(*devices[0], Spec(1), options);
   auto replicated = Head::Create(devices, Spec(k, GetParam().kind), options);
   auto again = Head::Create(devices, Spec(k, GetParam().kind), options);
@@ -252,30 +273,20 @@ INSTANTIATE_TEST_SUITE_P(
 // flush) runs on the TF32 tensor cores. Its losses, dH, dW and W after AdamW stay within the
 // bounds the bf16 head meets against the CPU backend (which computes as HIGHEST), its dW moves away
 // from the same head's at HIGHEST by TF32's rounding, and a rerun gives the same bits.
-class PlacedFp32HighCudaTest : public ::testing::TestWithParam<Placed> {};
+class PlacedFp32HighCudaTest : public PlacedHeadsTest {};
 
 TEST_P(PlacedFp32HighCudaTest, RunsOnTf32AndMatchesTheCpuBackend) {
   const int k = GetParam().k;
-  const bool one_gpu = GetParam().one_gpu;
-  if (const std::string why = testing::TooFewGpus(k, one_gpu); !why.empty()) GTEST_SKIP() << why;
-  auto gpus = testing::PlacedBackends(k, one_gpu);
-  ASSERT_TRUE(gpus.ok()) << gpus.status();
-  const std::vector<kernels::Backend*> devices = testing::Pointers(*gpus);
-  auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
-  auto spec = [&](int devices, v1::PlacementKind kind, v1::MatmulPrecision precision) {
-    v1::HeadSpec s = Spec(devices, kind);
-    s.set_weight_dtype(v1::DTYPE_FP32);
-    s.set_matmul_precision(precision);
-    return s;
+  const auto spec = [&](int devices, v1::PlacementKind kind, v1::MatmulPrecision precision) {
+    return Spec(devices, kind, v1::DTYPE_FP32, precision);
   };
-  const HeadOptions options{.grad_stash_bytes = GetParam().deferred ? size_t{1} << 20 : 0};
   auto on_cpu =
-      Head::Create(**cpu, spec(1, v1::PLACEMENT_SINGLE, v1::MATMUL_PRECISION_HIGH), HeadOptions{});
-  auto high = Head::Create(devices, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGH), options);
-  auto again = Head::Create(devices, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGH), options);
+      Head::Create(*cpu_, spec(1, v1::PLACEMENT_SINGLE, v1::MATMUL_PRECISION_HIGH), HeadOptions{});
+  auto high = Head::Create(devices_, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGH), options_);
+  auto again =
+      Head::Create(devices_, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGH), options_);
   auto highest =
-      Head::Create(devices, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGHEST), options);
+      Head::Create(devices_, spec(k, GetParam().kind, v1::MATMUL_PRECISION_HIGHEST), options_);
   ASSERT_TRUE(on_cpu.ok() && high.ok() && again.ok() && highest.ok())
       << on_cpu.status() << high.status() << again.status() << highest.status();
   EXPECT_EQ((*high)->Info().spec().matmul_precision(), v1::MATMUL_PRECISION_HIGH);
