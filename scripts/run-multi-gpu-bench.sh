@@ -7,7 +7,8 @@
 #   pipelines' fill and drain: BENCHMARKS.md), with each GPU's peak memory (nvidia-smi) and busy
 #   seconds (the server's losshead_device_busy_seconds_total: replicas should be about equally
 #   busy), and each placement's device memory per GPU (HeadInfo);
-# - the sharded head through the server (one stream, k = 1, 2, 4, ... shards against one GPU) and
+# - the sharded head through the server (one stream, k = 1, 2, 4, ... shards against one GPU; then
+#   8 streams for each k) and
 #   `losshead_shard_bench` (the sharded micro-batch's latency against the unsharded call, and
 #   1280-token micro-batches with and without deferred dW on the shards);
 # - a head too large for one GPU (D = 16384, V = 2,000,000 where the GPUs hold it: 183 GiB of W
@@ -114,6 +115,21 @@ for shards in single $(k=1; while [ "$k" -le "$gpus" ]; do echo $k; k=$((k * 2))
   else
     note "sharded $shards, 1 stream: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
   fi
+done
+
+# Sharded through the server with 8 streams: the throughput of k shards, whose micro-batches run
+# one at a time over every shard while the others' copies and wire transfers overlap them, and
+# whose stashes fill and flush together.
+k=1
+while [ "$k" -le "$gpus" ]; do
+  log="$out/bench-sharded-$k-s8.log"
+  if "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
+    --streams=8 --seconds="$seconds" --shards="$k" > "$log" 2>&1; then
+    note "sharded $k, 8 streams: $(grep -E 'tokens/s|p50' "$log" | tr '\n' ' ')"
+  else
+    note "sharded $k, 8 streams: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
+  fi
+  k=$((k * 2))
 done
 
 # Sharded: one micro-batch's latency over 1, 2, 4, ... GPUs against the unsharded call.

@@ -182,6 +182,7 @@ void RunMicroBatches(std::vector<ShardState>& s, kernels::Collective* collective
     for (ShardState& st : s) st.args.grad_stash.tokens = i * n;
     RunSharded(s, collective, n, d);
   }
+  // Every shard's flush launched before any is waited for, as the server flushes them.
   for (ShardState& st : s) {
     if (st.stash.data() == nullptr) continue;
     const kernels::GradStash all{
@@ -189,8 +190,8 @@ void RunMicroBatches(std::vector<ShardState>& s, kernels::Collective* collective
     BENCH_OK(st.backend->FlushGradStash(kernels::ShardStashShape(st.problem), all,
                                         st.grad.as<float>(), st.workspace.data(),
                                         st.workspace.bytes(), *st.stream));
-    BENCH_OK(st.stream->Synchronize());
   }
+  for (ShardState& st : s) BENCH_OK(st.stream->Synchronize());
 }
 
 // The unsharded fused call's buffers on one GPU (the one-device head's Run).

@@ -62,43 +62,69 @@ void ReplicaGroup::StartIdleFlush(absl::Duration idle) {
   // Looks twice per idle period, at most every 0.25 ms: a few wake-ups per millisecond per head.
   const absl::Duration poll = std::max(idle / 2, absl::Microseconds(250));
   idle_flush_ = std::thread([this, idle_ns, poll] {
+    std::vector<Replica*> idle;
     while (!stop_idle_flush_.WaitForNotificationWithTimeout(poll)) {
+      idle.clear();
       for (const auto& r : replicas_) {
         if (r->stashed_tokens.load() == 0 || r->queued_tokens.load() != 0) continue;
         if (absl::GetCurrentTimeNanos() - r->last_run_end_ns.load() < idle_ns) continue;
         // A micro-batch or a cut holding the lock has work of its own: look again later.
         if (!r->compute_mu.TryLock()) continue;
-        // A failure is kept in stash_fault for the next cut to answer.
-        if (r->queued_tokens.load() == 0) FlushStash(*r).IgnoreError();
-        r->compute_mu.Unlock();
+        if (r->queued_tokens.load() == 0) {
+          idle.push_back(r.get());
+        } else {
+          r->compute_mu.Unlock();
+        }
       }
+      // Together: a sharded head's shards go idle at once. A failure is kept in stash_fault for
+      // the next cut to answer.
+      FlushStashes(idle).IgnoreError();
+      for (Replica* r : idle) r->compute_mu.Unlock();
     }
   });
 }
 
 absl::Status ReplicaGroup::FlushStash(Replica& r) {
-  if (r.stash_tokens == 0) return absl::OkStatus();
-  // A shard's stash holds its columns of G: it adds to its rows of dW as a head of that many rows.
-  const kernels::Problem shape{.n = 1,
-                               .d = hidden_size_,
-                               .v = sharded() ? r.rows.size() : vocab_size_,
-                               .dtype = dtype_,
-                               .precision = precision_};
-  const kernels::GradStash stash{
-      .data = r.stash.data(), .capacity = r.stash_capacity, .tokens = r.stash_tokens};
-  const int64_t tokens = r.stash_tokens;
-  r.stash_tokens = 0;
-  r.stashed_tokens = 0;
-  absl::Status flushed = r.backend.FlushGradStash(
-      shape, stash, r.grad.as<float>(), r.workspace.data(), r.workspace.bytes(), *r.stream);
-  if (flushed.ok()) flushed = r.stream->Synchronize();
-  if (flushed.ok()) return flushed;
-  r.stash_fault = absl::DataLossError(absl::StrCat(
-      "the device failed while adding ", tokens, " tokens of counted micro-batches to dW on ",
-      r.backend.device_description(), ": ", flushed.message(),
-      "; the gradient window's counters count them but dW lacks them, wholly or in part: pull "
-      "with reset to drop the window before the next optimizer step"));
-  return r.stash_fault;
+  Replica* const one[] = {&r};
+  return FlushStashes(one);
+}
+
+absl::Status ReplicaGroup::FlushStashes(std::span<Replica* const> replicas) {
+  // The stashed tokens of each flush launched (0 where a replica had none), and its launch.
+  std::vector<int64_t> tokens(replicas.size(), 0);
+  std::vector<absl::Status> flushed(replicas.size());
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    Replica& r = *replicas[i];
+    if (r.stash_tokens == 0) continue;
+    // A shard's stash holds its columns of G: it adds to its rows of dW as a head of that many
+    // rows.
+    const kernels::Problem shape{.n = 1,
+                                 .d = hidden_size_,
+                                 .v = sharded() ? r.rows.size() : vocab_size_,
+                                 .dtype = dtype_,
+                                 .precision = precision_};
+    const kernels::GradStash stash{
+        .data = r.stash.data(), .capacity = r.stash_capacity, .tokens = r.stash_tokens};
+    tokens[i] = r.stash_tokens;
+    r.stash_tokens = 0;
+    r.stashed_tokens = 0;
+    flushed[i] = r.backend.FlushGradStash(shape, stash, r.grad.as<float>(), r.workspace.data(),
+                                          r.workspace.bytes(), *r.stream);
+  }
+  absl::Status result;
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    if (tokens[i] == 0) continue;
+    Replica& r = *replicas[i];
+    if (flushed[i].ok()) flushed[i] = r.stream->Synchronize();
+    if (flushed[i].ok()) continue;
+    r.stash_fault = absl::DataLossError(absl::StrCat(
+        "the device failed while adding ", tokens[i], " tokens of counted micro-batches to dW on ",
+        r.backend.device_description(), ": ", flushed[i].message(),
+        "; the gradient window's counters count them but dW lacks them, wholly or in part: pull "
+        "with reset to drop the window before the next optimizer step"));
+    result.Update(r.stash_fault);
+  }
+  return result;
 }
 
 Replica& ReplicaGroup::Next() {
@@ -147,15 +173,14 @@ size_t ReplicaGroup::ReleaseStash(Replica& r) {
 
 absl::Status ReplicaGroup::ReduceGradientToOwners() {
   absl::Status fault;
+  std::vector<Replica*> all;
   for (const auto& r : replicas_) {
     // A fault from an earlier flush first: this cut is the one that answers it.
     fault.Update(std::exchange(r->stash_fault, absl::OkStatus()));
-    const absl::Status flushed = FlushStash(*r);
-    if (!flushed.ok()) {
-      r->stash_fault = absl::OkStatus();  // answered now
-      fault.Update(flushed);
-    }
+    all.push_back(r.get());
   }
+  fault.Update(FlushStashes(all));
+  for (const auto& r : replicas_) r->stash_fault = absl::OkStatus();  // answered now
   LOSSHEAD_RETURN_IF_ERROR(fault);
   if (collective_ == nullptr || sharded()) return absl::OkStatus();
   const std::vector<int64_t> counts = kernels::ShardCounts(vocab_size_, size(), hidden_size_);

@@ -92,6 +92,11 @@ struct Replica {
   // next micro-batch.
   std::atomic<bool> stash_retry{false};
   int64_t stash_tokens ABSL_GUARDED_BY(compute_mu) = 0;
+  // Whether a micro-batch of `tokens` fits the stash only once the stash is flushed (one larger
+  // than the whole stash bypasses it and adds to dW as it runs).
+  bool StashFullFor(int64_t tokens) const {
+    return stash_capacity > 0 && tokens <= stash_capacity && stash_tokens + tokens > stash_capacity;
+  }
   // A flush that failed since the last cut: its tokens are counted but not in dW. The next cut
   // answers it (DATA_LOSS) and clears it.
   absl::Status stash_fault ABSL_GUARDED_BY(compute_mu);
@@ -143,6 +148,11 @@ class ReplicaGroup {
   // the stash emptied; waits for the GEMM. DATA_LOSS (and stash_fault set) when the device
   // fails: the stashed tokens are counted in the window but missing from dW.
   absl::Status FlushStash(Replica& replica);
+  // Under each replica's compute lock. FlushStash for each, with every GEMM launched before any
+  // is waited for: a sharded head's shards fill their stashes in step, and flushing them one
+  // after another would leave k - 1 devices idle through each flush. The first failure, with
+  // every failed replica's stash_fault set.
+  absl::Status FlushStashes(std::span<Replica* const> replicas);
 
   // Under the replica's compute lock. Its stash flushed (FlushStash: a failure is kept as
   // stash_fault for the next cut) and freed: micro-batches on this replica add to dW as they run

@@ -46,6 +46,13 @@ absl::Status Head::PrepareShards(ShardRun& run) {
   // columns of G wait in a stash of its own, laid out as for a head of the shard's rows.
   run.stashes.assign(k, kernels::GradStash{});
   if (!run.grad_weight) return absl::OkStatus();
+  // The shards' stashes fill in step: those this micro-batch overflows flush together, on every
+  // device at once, rather than one by one in StashFor.
+  std::vector<Replica*> full;
+  for (const auto& r : group_->replicas()) {
+    if (r->StashFullFor(run.problem.n)) full.push_back(r.get());
+  }
+  LOSSHEAD_RETURN_IF_ERROR(group_->FlushStashes(full));
   for (const auto& r : group_->replicas()) {
     LOSSHEAD_ASSIGN_OR_RETURN(run.stashes[r->rank],
                               StashFor(*r, kernels::ShardStashShape(run.shards[r->rank])));

@@ -336,9 +336,7 @@ absl::StatusOr<kernels::GradStash> Head::StashFor(Replica& replica,
     }
   }
   if (problem.n > replica.stash_capacity) return kernels::GradStash{};
-  if (replica.stash_tokens + problem.n > replica.stash_capacity) {
-    LOSSHEAD_RETURN_IF_ERROR(group_->FlushStash(replica));
-  }
+  if (replica.StashFullFor(problem.n)) LOSSHEAD_RETURN_IF_ERROR(group_->FlushStash(replica));
   return kernels::GradStash{.data = replica.stash.data(),
                             .capacity = replica.stash_capacity,
                             .tokens = replica.stash_tokens};
