@@ -261,6 +261,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Placed{v1::PLACEMENT_SHARDED, 2, true},
                       Placed{v1::PLACEMENT_SHARDED, 3, true},
                       Placed{v1::PLACEMENT_SHARDED, 2, false, true},
+                      Placed{v1::PLACEMENT_SHARDED, 4, false, true},
+                      Placed{v1::PLACEMENT_REPLICATED, 4, false, true},
                       Placed{v1::PLACEMENT_REPLICATED, 2, true, true},
                       Placed{v1::PLACEMENT_SHARDED, 3, true, true}),
     [](const auto& info) {

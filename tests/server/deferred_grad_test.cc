@@ -3,7 +3,8 @@
 // device is idle. Under concurrent streams and pulls with reset, on one device, replicated on two
 // and vocabulary-sharded over two and three (a stash per shard), the pulled windows add up to the
 // float64 dW of every micro-batch, each counted once; an optimizer apply and a checkpoint see the
-// stashed micro-batches too. CPU backends stand in for the devices.
+// stashed micro-batches too; the devices' flushes are launched together. CPU backends stand in for
+// the devices.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -82,6 +84,8 @@ class DeferredGradTest : public ::testing::TestWithParam<Placement> {
       auto cpu = kernels::CreateBackend(kernels::BackendKind::kCpu);
       ASSERT_TRUE(cpu.ok()) << cpu.status();
       devices_.push_back(std::make_unique<FaultyBackend>(std::move(*cpu)));
+      devices_.back()->call_log = &calls_;
+      devices_.back()->tag = absl::StrCat(r);
       list.push_back(devices_.back().get());
     }
     // A shard's stash holds its columns of G: sized on shard 0's rows, it holds as many tokens.
@@ -115,6 +119,7 @@ class DeferredGradTest : public ::testing::TestWithParam<Placement> {
     return window;
   }
 
+  testing::CallLog calls_;  // outlives the devices that log to it
   std::vector<std::unique_ptr<FaultyBackend>> devices_;
   std::shared_ptr<Head> head_;
   std::vector<float> w_;
@@ -237,6 +242,53 @@ TEST_P(DeferredGradTest, AnOptimizerStepAndACheckpointSeeTheStashedMicroBatches)
   for (size_t i = 0; i < w_.size(); ++i) expected[i] = w_[i] - window[i];
   // bf16 W rounds the result to 2^-8 of its size.
   ExpectClose(stepped, expected, dtype == v1::DTYPE_BF16 ? 1e-2 : 1e-4, "W after the step");
+}
+
+// `calls` holds `flushes` flushes, one per device, with no wait for a stream between the first
+// and the last: every device's flush was launched before any was waited for.
+void ExpectFlushesTogether(const std::vector<std::string>& calls, int flushes,
+                           const std::string& when) {
+  std::vector<size_t> at;
+  std::vector<std::string> flushed;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (calls[i].starts_with("flush ")) {
+      at.push_back(i);
+      flushed.push_back(calls[i]);
+    }
+  }
+  ASSERT_EQ(static_cast<int>(at.size()), flushes) << when << ": " << absl::StrJoin(calls, ", ");
+  if (at.empty()) return;
+  EXPECT_EQ(at.back() - at.front() + 1, at.size())
+      << when << ", a wait between two flushes: " << absl::StrJoin(calls, ", ");
+  std::sort(flushed.begin(), flushed.end());
+  EXPECT_EQ(std::unique(flushed.begin(), flushed.end()), flushed.end())
+      << when << ": " << absl::StrJoin(calls, ", ");
+}
+
+// The devices' flushes run at once: a micro-batch that fills every shard's stash launches each
+// shard's flush before it waits for any, and so does a pull that adds every replica's stash to
+// dW. Serial flushes would leave k - 1 devices idle through each.
+TEST_P(DeferredGradTest, TheDevicesFlushTogether) {
+  MakeHead(absl::InfiniteDuration());
+  const Placement& p = GetParam();
+  std::vector<Sample> samples;
+  calls_.Take();
+  // 12 tokens each: the second overflows a stash of kStashTokens that holds the first. Sent one
+  // at a time, replicas take one each (no stash fills); every shard holds a part of both.
+  for (uint64_t i = 1; i <= 2; ++i) {
+    samples.push_back(MakeSample(12, kV, p.dtype, 110 + i, "c", i));
+    StepStats stats;
+    ASSERT_TRUE(head_->Step(samples.back().mb, &stats).ok());
+  }
+  const int filled = p.sharded ? p.devices : (p.devices == 1 ? 1 : 0);
+  ExpectFlushesTogether(calls_.Take(), filled, "the micro-batch that filled the stashes");
+  const Pulled pulled = testing::Pull(*head_, /*reset=*/false);
+  ExpectFlushesTogether(calls_.Take(), p.sharded ? p.devices : std::min(p.devices, 2), "the pull");
+  EXPECT_EQ(pulled.summary.microbatch_count(), 2u);
+  const std::vector<double> want = ReferenceWindow(samples);
+  double scale = 0;
+  for (double x : want) scale = std::max(scale, std::abs(x));
+  ExpectClose(pulled.values, want, 1e-4 * scale, "dW after both flushes");
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -19,11 +20,48 @@
 
 namespace losshead::server::testing {
 
+// The order of calls across several devices, as "flush <tag>" (a flush that adds tokens) and
+// "sync <tag>" (a wait for one of the device's streams).
+class CallLog {
+ public:
+  void Add(std::string call) {
+    absl::MutexLock lock(&mu_);
+    calls_.push_back(std::move(call));
+  }
+  // The calls so far, and a fresh log.
+  std::vector<std::string> Take() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(calls_, {});
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+// A stream whose waits are logged.
+class LoggedStream : public kernels::Stream {
+ public:
+  LoggedStream(std::unique_ptr<kernels::Stream> inner, CallLog* log, std::string tag)
+      : inner_(std::move(inner)), log_(log), tag_(std::move(tag)) {}
+  absl::Status Synchronize() override {
+    log_->Add("sync " + tag_);
+    return inner_->Synchronize();
+  }
+  void* native() const override { return inner_->native(); }
+
+ private:
+  std::unique_ptr<kernels::Stream> inner_;
+  CallLog* log_;
+  std::string tag_;
+};
+
 // The CPU backend, with faults to order: the next copy of results to the host (anything larger
 // than the 16 bytes of scalars read under the compute lock), the next run (after it has added to
 // dW, as a device that fails midway would), the next copy to the device, or the next flush of a
 // gradient stash (before it adds anything, so that dW's content is known). It counts runs, the
-// flushes that add tokens and the optimizer steps' checks. With a memory limit it is a device of
+// flushes that add tokens and the optimizer steps' checks, and can log its flushes and stream
+// waits (CallLog). With a memory limit it is a device of
 // that size: allocations beyond it fail (RESOURCE_EXHAUSTED) and memory_info reports what is left.
 class FaultyBackend : public kernels::Backend {
  public:
@@ -36,6 +74,10 @@ class FaultyBackend : public kernels::Backend {
   std::atomic<int> runs{0};
   std::atomic<int> flushes{0};
   std::atomic<int> optimizer_checks{0};
+  // Where set (before the head that uses it is created), flushes and the waits for this device's
+  // streams are logged, tagged `tag`.
+  CallLog* call_log = nullptr;
+  std::string tag;
 
   // Device memory of `bytes` from now on; buffers allocated before do not count.
   void LimitMemory(size_t bytes) {
@@ -77,7 +119,10 @@ class FaultyBackend : public kernels::Backend {
   absl::Status FlushGradStash(const kernels::Problem& p, const kernels::GradStash& stash,
                               float* grad_weight, void* workspace, size_t workspace_bytes,
                               kernels::Stream& stream) override {
-    if (stash.tokens > 0) ++flushes;
+    if (stash.tokens > 0) {
+      ++flushes;
+      if (call_log != nullptr) call_log->Add("flush " + tag);
+    }
     if (fail_flush.exchange(false)) {
       return absl::InternalError("injected: the device failed before adding the stash to dW");
     }
@@ -144,7 +189,9 @@ class FaultyBackend : public kernels::Backend {
     return kernels::DeviceBuffer(this, data, bytes);
   }
   absl::StatusOr<std::unique_ptr<kernels::Stream>> CreateStream() override {
-    return inner_->CreateStream();
+    absl::StatusOr<std::unique_ptr<kernels::Stream>> stream = inner_->CreateStream();
+    if (!stream.ok() || call_log == nullptr) return stream;
+    return std::make_unique<LoggedStream>(*std::move(stream), call_log, tag);
   }
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes,
                             kernels::Stream& stream) override {
