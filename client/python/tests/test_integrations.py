@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import itertools
 import re
 import zlib
@@ -620,3 +621,51 @@ def test_offload_refusals_of_matmul_precision_leave_model_and_server(client: Cli
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     _assert_untouched(model, weight)
     _assert_no_head(client, name)
+
+
+# -- a head placed over several of the server's devices ------------------------------------------
+def test_transformers_entry_point_offers_every_option() -> None:
+    """offload_lm_head takes every option of offload_causal_lm (bar the output type, which is
+    transformers' own) with the same defaults: an option missing from the one-line entry point
+    would leave Hugging Face users with its default, silently."""
+    from losshead.integrations.transformers import offload_lm_head
+    full = inspect.signature(offload_causal_lm).parameters
+    one_line = inspect.signature(offload_lm_head).parameters
+    assert [n for n in full if n not in one_line and n != "output_type"] == []
+    for name, parameter in one_line.items():
+        if full[name].default is not inspect.Parameter.empty:
+            assert parameter.default == full[name].default, name
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "transformers"])
+@pytest.mark.parametrize("placement", ["replicas", "shards"])
+def test_offloaded_head_placed_over_every_device(servers, kind: str, placement: str) -> None:
+    """`replicas=0` or `shards=0` places the created head over every device of the server (three
+    CPU devices here), W uploaded whole; the loss, the trunk's gradients and the head's dW are
+    still the model's own."""
+    server = servers.start("--devices=0,1,2")
+    model, offload = _offload_entry(kind)
+    reference = copy.deepcopy(model)
+    rel = HF_REL
+    if kind == "causal_lm":
+        reference, rel = reference.double(), FP32_REL
+    with Client(server.address, client_id="placed") as client:
+        offload(model, client, "placed", wire_dtype=torch.float32, **{placement: 0})
+        info = client.get_head("placed")
+        assert info.spec.placement.kind == (pb.PLACEMENT_SHARDED if placement == "shards"
+                                            else pb.PLACEMENT_REPLICATED)
+        assert len(info.devices) == 3
+        assert torch.equal(client.download_weights("placed").weights,
+                           reference.lm_head.weight.detach().float())
+        input_ids, mask, labels = _batch(_seed("placed", kind, placement))
+        out = model(input_ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        want = reference(input_ids, attention_mask=mask, labels=labels)
+        want.loss.backward()
+        assert_close(out.loss, want.loss, rel, "loss")
+        for got, ref in zip(_trunk_grads(model), _trunk_grads(reference)):
+            assert_close(got, ref, rel, "trunk gradient")
+        # The server's window is the token sum; the model's loss is the mean over its tokens.
+        pulled = client.pull_gradient("placed", reset=True)
+        tokens = int((labels[..., 1:] != -100).sum())
+        assert_close(pulled.grad / tokens, reference.lm_head.weight.grad, rel, "dW")

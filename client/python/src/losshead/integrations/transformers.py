@@ -56,14 +56,16 @@ def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
                     head_dtype: Optional[DTypeLike] = None, chunk_tokens: int = 2048,
                     streams: int = 4, wire_dtype: DTypeLike = torch.bfloat16,
                     ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
-                    z_loss: float = 0.0, matmul_precision: Optional[str] = None
-                    ) -> OffloadedHead:
+                    z_loss: float = 0.0, replicas: int = 1, shards: Optional[int] = None,
+                    matmul_precision: Optional[str] = None) -> OffloadedHead:
     """Offloads a transformers causal LM's `lm_head` to the losshead head `head`.
 
     `create` (default) creates the head with the model's V x D and dtype (`head_dtype` to
     choose another, e.g. bf16 under fp32 master weights) and uploads lm_head.weight with the
     version check; `create=False` attaches to an existing head of the same shape and uploads
     nothing unless `upload=True` (the other ranks of a data-parallel job, or a resumed run).
+    A created head sits on one of the server's GPUs, or is replicated over `replicas` of them or
+    sharded by vocabulary rows over `shards` (0: every GPU of the server).
     A created fp32 head's GEMMs run under `matmul_precision`, by default the process's
     `torch.get_float32_matmul_precision()`, as the model's own head would. The returned
     `OffloadedHead` exports W back (`export_state_dict`, `restore`, `local_head`);
@@ -74,4 +76,5 @@ def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
                              head_dtype=head_dtype, chunk_tokens=chunk_tokens, streams=streams,
                              wire_dtype=wire_dtype, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss,
-                             output_type=output_type, matmul_precision=matmul_precision)
+                             output_type=output_type, replicas=replicas, shards=shards,
+                             matmul_precision=matmul_precision)
