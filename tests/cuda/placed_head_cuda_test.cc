@@ -132,6 +132,20 @@ double RelativeError(const std::vector<float>& got, const std::vector<float>& wa
   return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
+// Each micro-batch's loss and dH of `got` against the CPU backend's run: bf16 inputs and outputs,
+// fp32 accumulation in another order.
+void ExpectMicroBatchesNearCpu(const SequenceResult& got, const SequenceResult& cpu_run) {
+  ASSERT_EQ(got.dh.size(), cpu_run.dh.size());
+  for (size_t i = 0; i < got.dh.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], cpu_run.losses[i], 2e-3 * std::abs(cpu_run.losses[i]))
+        << "micro-batch " << i;
+    EXPECT_LT(RelativeError(Floats(got.dh[i], kernels::DType::kBF16),
+                            Floats(cpu_run.dh[i], kernels::DType::kBF16)),
+              2e-2)
+        << "micro-batch " << i;
+  }
+}
+
 struct Placed {
   v1::PlacementKind kind;
   int k;
@@ -207,14 +221,7 @@ TEST_P(PlacedCudaTest, MatchesOneGpuAndTheCpuBackendAndRerunsBitForBit) {
       EXPECT_EQ(first.dh[i], one.dh[i]) << "micro-batch " << i;
     }
   }
-  // Against the CPU backend: bf16 inputs and outputs, fp32 accumulation in another order.
-  for (size_t i = 0; i < first.dh.size(); ++i) {
-    EXPECT_NEAR(first.losses[i], cpu_run.losses[i], 2e-3 * std::abs(cpu_run.losses[i]));
-    EXPECT_LT(RelativeError(Floats(first.dh[i], kernels::DType::kBF16),
-                            Floats(cpu_run.dh[i], kernels::DType::kBF16)),
-              2e-2)
-        << "micro-batch " << i;
-  }
+  ExpectMicroBatchesNearCpu(first, cpu_run);
   EXPECT_LT(RelativeError(Floats(first.dw, kernels::DType::kFP32),
                           Floats(cpu_run.dw, kernels::DType::kFP32)),
             1e-2);
@@ -297,14 +304,7 @@ TEST_P(PlacedFp32HighCudaTest, RunsOnTf32AndMatchesTheCpuBackend) {
   const SequenceResult first = RunSequence(**high);
   const SequenceResult second = RunSequence(**again);
   const SequenceResult ieee = RunSequence(**highest);
-  ASSERT_EQ(first.dh.size(), cpu_run.dh.size());
-  for (size_t i = 0; i < first.dh.size(); ++i) {
-    EXPECT_NEAR(first.losses[i], cpu_run.losses[i], 2e-3 * std::abs(cpu_run.losses[i]));
-    EXPECT_LT(RelativeError(Floats(first.dh[i], kernels::DType::kBF16),
-                            Floats(cpu_run.dh[i], kernels::DType::kBF16)),
-              2e-2)
-        << "micro-batch " << i;
-  }
+  ExpectMicroBatchesNearCpu(first, cpu_run);
   const auto fp32 = [](const std::string& bytes) { return Floats(bytes, kernels::DType::kFP32); };
   EXPECT_LT(RelativeError(fp32(first.dw), fp32(cpu_run.dw)), 1e-2);
   EXPECT_LT(RelativeError(Floats(first.w, kernels::DType::kBF16),

@@ -113,8 +113,20 @@ def _batch(seed: int, vocab: int = V, ignore_fraction: float = 0.2):
     return input_ids, mask, labels
 
 
-def _trunk_grads(model: nn.Module) -> List[torch.Tensor]:
-    return [p.grad.detach().clone() for _, p in sorted(model.model.named_parameters())]
+def _step_both(model: nn.Module, reference: nn.Module, batch, rel: float, **extra: object):
+    """One forward and backward of the offloaded model and of its reference on `batch`
+    (input_ids, mask, labels): their losses and every trunk gradient agree within `rel`.
+    Returns both outputs."""
+    input_ids, mask, labels = batch
+    out = model(input_ids, attention_mask=mask, labels=labels, **extra)
+    out.loss.backward()
+    want = reference(input_ids, attention_mask=mask, labels=labels, **extra)
+    want.loss.backward()
+    assert_close(out.loss, want.loss, rel, "loss")
+    for (n, p), (_, q) in zip(sorted(model.model.named_parameters()),
+                              sorted(reference.model.named_parameters())):
+        assert_close(p.grad, q.grad, rel, f"trunk gradient {n}")
+    return out, want
 
 
 _names = itertools.count()
@@ -203,16 +215,9 @@ def test_remote_loss_and_trunk_gradients_match_own_head(client: Client, head_nam
     offload_causal_lm(model, client, name, head_dtype=wire, wire_dtype=wire, chunk_tokens=8,
                       streams=2)
 
-    out = model(input_ids, attention_mask=mask, labels=labels, **extra)
-    out.loss.backward()
-    want = reference(input_ids, attention_mask=mask, labels=labels, **extra)
-    want.loss.backward()
-
+    out, want = _step_both(model, reference, (input_ids, mask, labels), rel, **extra)
     assert isinstance(out, CausalLMOutput) and out.logits is None
     assert out.loss.dtype == torch.float32
-    assert_close(out.loss, want.loss, rel, "loss")
-    for got, ref in zip(_trunk_grads(model), _trunk_grads(reference)):
-        assert_close(got, ref, rel, "trunk gradient")
     # The trunk saw the caller's arguments and nothing of the loss's.
     assert set(model.model.last_kwargs) == {"attention_mask"}
     # dW on the server is the gradient of the token sum: the reference's times its divisor.
@@ -466,15 +471,8 @@ def test_transformers_model_matches_its_own_loss(client: Client, head_name, fami
     extra = {} if num_items is None else {"num_items_in_batch": num_items}
     name = head_name()
     offload_lm_head(model, client, name, wire_dtype=torch.float32)
-    out = model(input_ids, attention_mask=mask, labels=labels, **extra)
-    out.loss.backward()
-    want = reference(input_ids, attention_mask=mask, labels=labels, **extra)
-    want.loss.backward()
+    out, want = _step_both(model, reference, (input_ids, mask, labels), HF_REL, **extra)
     assert isinstance(out, CausalLMOutputWithPast) and out.logits is None
-    assert_close(out.loss, want.loss, HF_REL, "loss")
-    for (n, p), (_, q) in zip(sorted(model.model.named_parameters()),
-                              sorted(reference.model.named_parameters())):
-        assert_close(p.grad, q.grad, HF_REL, f"trunk gradient {n}")
     if family == "gemma2":
         assert model.lm_head is not None and reference.config.final_logit_softcapping == 2.0
         uncapped = copy.deepcopy(reference)
@@ -591,14 +589,7 @@ def test_offloaded_head_under_high_precision_matches_own_head(client: Client, he
     name = head_name()
     offload_causal_lm(model, client, name, wire_dtype=torch.float32)
     assert client.get_head(name).spec.matmul_precision == pb.MATMUL_PRECISION_HIGH
-    input_ids, mask, labels = _batch(16)
-    out = model(input_ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    want = reference(input_ids, attention_mask=mask, labels=labels)
-    want.loss.backward()
-    assert_close(out.loss, want.loss, FP32_REL, "loss")
-    for got, ref in zip(_trunk_grads(model), _trunk_grads(reference)):
-        assert_close(got, ref, FP32_REL, "trunk gradient")
+    _step_both(model, reference, _batch(16), FP32_REL)
 
 
 def test_offload_refusals_of_matmul_precision_leave_model_and_server(client: Client,
@@ -657,15 +648,9 @@ def test_offloaded_head_placed_over_every_device(servers, kind: str, placement: 
         assert len(info.devices) == 3
         assert torch.equal(client.download_weights("placed").weights,
                            reference.lm_head.weight.detach().float())
-        input_ids, mask, labels = _batch(_seed("placed", kind, placement))
-        out = model(input_ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        want = reference(input_ids, attention_mask=mask, labels=labels)
-        want.loss.backward()
-        assert_close(out.loss, want.loss, rel, "loss")
-        for got, ref in zip(_trunk_grads(model), _trunk_grads(reference)):
-            assert_close(got, ref, rel, "trunk gradient")
+        batch = _batch(_seed("placed", kind, placement))
+        _step_both(model, reference, batch, rel)
         # The server's window is the token sum; the model's loss is the mean over its tokens.
         pulled = client.pull_gradient("placed", reset=True)
-        tokens = int((labels[..., 1:] != -100).sum())
+        tokens = int((batch[2][..., 1:] != -100).sum())
         assert_close(pulled.grad / tokens, reference.lm_head.weight.grad, rel, "dW")
