@@ -1,6 +1,8 @@
 #include "losshead/kernels/dtype_convert.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace losshead::kernels {
 
@@ -107,7 +109,43 @@ bool AnyExponentAllOnes(const T* s, size_t count, T mask) {
   return hit != 0;
 }
 
+// The largest of the magnitude bits (sign masked off) of `count` elements. With the sign bit
+// clear the values are non-negative in the signed type, whose maximum SSE2 has for 16 bits; and
+// for IEEE numbers the order of the magnitude bits is the order of the magnitudes, Inf and NaN
+// above every finite one.
+template <typename S, typename U>
+U MaxMagnitudeBits(const U* s, size_t count, U mask) {
+  S best = 0;
+  for (size_t i = 0; i < count; ++i) best = std::max(best, static_cast<S>(s[i] & mask));
+  return static_cast<U>(best);
+}
+
 }  // namespace
+
+float MaxAbs(DType dtype, const void* src, size_t count) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  switch (dtype) {
+    case DType::kFP32: {
+      const uint32_t bits =
+          MaxMagnitudeBits<int32_t>(static_cast<const uint32_t*>(src), count, 0x7fffffffu);
+      if (bits >= 0x7f800000u) return kInf;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      return f;
+    }
+    case DType::kBF16: {
+      const uint16_t bits =
+          MaxMagnitudeBits<int16_t>(static_cast<const uint16_t*>(src), count, uint16_t{0x7fff});
+      return bits >= 0x7f80u ? kInf : Bf16ToFloat(bits);
+    }
+    case DType::kFP16: {
+      const uint16_t bits =
+          MaxMagnitudeBits<int16_t>(static_cast<const uint16_t*>(src), count, uint16_t{0x7fff});
+      return bits >= 0x7c00u ? kInf : Fp16ToFloat(bits);
+    }
+  }
+  return kInf;
+}
 
 bool HasNonFinite(DType dtype, const void* src, size_t count) {
   switch (dtype) {

@@ -74,6 +74,7 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
       tokens_since_pull_ = 0;
       microbatches_since_pull_ = 0;
       min_version_since_pull_ = max_version_since_pull_ = 0;
+      window_grad_abs_ = 0;
     }
   }
   if (dtype == v1::DTYPE_BF16) {
@@ -148,11 +149,15 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
     }
   }
   const std::string& source = in_place ? data : staged;
+  // The new W's magnitude bounds the micro-batches that run against it (ReserveStepBounds).
+  const float pushed_abs = kernels::MaxAbs(dtype_, source.data(), count);
   LOSSHEAD_RETURN_IF_ERROR(
       group_->CopyIn(&Replica::weights, esize, source.data(), 0, static_cast<int64_t>(count)));
   LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
   LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
   absl::MutexLock state(&state_mu_);
+  weight_abs_ = pushed_abs;
+  weight_abs_exact_ = true;
   return ++version_;
 }
 

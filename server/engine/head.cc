@@ -279,6 +279,7 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
     const int threads = NormalInitThreads();
     const size_t piece = static_cast<size_t>(kNormalInitBlock) * 2 * threads;
     std::string drawn(std::min(count, piece) * esize, '\0');
+    float drawn_abs = 0;  // bounds the micro-batches (ReserveStepBounds); a zero W is 0
     for (size_t i = 0; i < count; i += piece) {
       const size_t n = std::min(piece, count - i);
       if (!DrawNormalInit(spec_.init().normal(), dtype_, static_cast<int64_t>(i),
@@ -288,11 +289,14 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
                          " draws values that overflow the head's dtype ",
                          kernels::DTypeName(dtype_), "; give a smaller std"));
       }
+      drawn_abs = std::max(drawn_abs, kernels::MaxAbs(dtype_, drawn.data(), n));
       LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, drawn.data(),
                                               static_cast<int64_t>(i), static_cast<int64_t>(n)));
       // The host piece is reused for the next one: the copy must have landed.
       LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
     }
+    absl::MutexLock state(&state_mu_);
+    weight_abs_ = drawn_abs;
   }
   LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
   return group_->Synchronize();

@@ -85,9 +85,9 @@ struct MicroBatch {
   // StepAssembler); Head::Step computes a missing one when the micro-batch needs a fingerprint.
   std::optional<uint64_t> hidden_digest;
   std::optional<uint64_t> targets_digest;
-  // Whether hidden holds a NaN or Inf in its header's dtype, when the receiver checked as the
-  // pieces arrived; Head::Step checks itself when unset.
-  std::optional<bool> hidden_nonfinite;
+  // The largest |x| of hidden in its header's dtype (kernels::MaxAbs: +Inf when it holds a NaN or
+  // Inf), when the receiver took it as the pieces arrived; Head::Step takes it itself when unset.
+  std::optional<float> hidden_max_abs;
 
   absl::string_view hidden_bytes() const {
     return pinned_hidden != nullptr ? pinned_hidden->view() : absl::string_view(hidden);
@@ -308,6 +308,14 @@ class Head {
   absl::Status InstallOptimizer(std::vector<OptimizerBuffers> buffers);
   // Takes master from W when a push has changed W since (see master_version). Under the cut.
   absl::Status SyncMaster();
+  // Under the micro-batch's compute lock and state_mu_: OUT_OF_RANGE when its loss, dH or part
+  // of dW could overflow, or the gradient window with it (kernels::CheckStepBounds); otherwise
+  // reserves its part of the window's bound. Nothing changes on a refusal.
+  absl::Status ReserveStepBounds(const Prepared& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // The largest |w| of W, read from `held` (replicas whose compute lock the caller holds and
+  // which together hold every row: one replica, or every shard) through the host. For the rare
+  // micro-batch that the optimizer's bound of W (which may lie far above W) would refuse.
+  absl::StatusOr<float> MeasureWeights(std::span<Replica* const> held);
   // The header's part of Prepare (CheckHeader's checks); the payload's part follows in Prepare.
   absl::Status PrepareHeader(const v1::StepHeader& header, Prepared* prepared) const;
   absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
@@ -393,6 +401,14 @@ class Head {
   // Micro-batches counted in dW whose outcome is not yet remembered for replay (their dH is being
   // copied out). A snapshot waits for none under the cut: see Snapshot.
   int pending_outcomes_ ABSL_GUARDED_BY(state_mu_) = 0;
+  // Overflow guards (kernels/step_bound.h), written under the cut (or a replica's compute lock
+  // for the window) and this mutex. weight_abs_ bounds |W| (exact after an init, a push or a
+  // restore; the optimizer's magnitude bound after an apply); window_grad_abs_ bounds every
+  // element of the summed dW windows: the sum of the bounds of the micro-batches counted since
+  // the last cut (reserved before each run), so that a window can never reach Inf.
+  double weight_abs_ ABSL_GUARDED_BY(state_mu_) = 0;
+  bool weight_abs_exact_ ABSL_GUARDED_BY(state_mu_) = true;  // false after an apply
+  double window_grad_abs_ ABSL_GUARDED_BY(state_mu_) = 0;
 
   // Per client id: the highest applied sequence in the last durable checkpoint.
   mutable absl::Mutex persisted_mu_;

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/proto_convert.h"
@@ -168,6 +169,8 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     LOSSHEAD_RETURN_IF_ERROR(group.Synchronize());
     absl::MutexLock state(&head->state_mu_);
     head->version_ = data.weights_version;
+    head->weight_abs_ = kernels::MaxAbs(dtype, data.weights.data(), count);
+    head->window_grad_abs_ = kernels::MaxAbs(kernels::DType::kFP32, data.gradient.data(), count);
     head->tokens_since_pull_ = data.tokens_since_pull;
     head->microbatches_since_pull_ = data.microbatches_since_pull;
     head->min_version_since_pull_ = data.min_version_since_pull;

@@ -308,6 +308,14 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     tokens_since_pull_ = 0;
     microbatches_since_pull_ = 0;
     min_version_since_pull_ = max_version_since_pull_ = 0;
+    window_grad_abs_ = 0;
+    // The magnitude bounds of the new master weights bound W too, once rounded up to its dtype
+    // (by less than 2^-8 of a value).
+    weight_abs_ = 0;
+    for (const kernels::OptimizerMagnitudes& m : after) {
+      weight_abs_ = std::max(weight_abs_, m.weight * (1.0 + 1.0 / 128));
+    }
+    weight_abs_exact_ = false;
     response.set_weights_version(version_);
   }
   window.set_vocab_size(vocab_size());

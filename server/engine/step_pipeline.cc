@@ -3,6 +3,7 @@
 // counters together), is staged out, and completes its idempotency claim (or fails it when the
 // device fails once the run has begun, or abandons it when nothing was touched).
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -19,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "losshead/kernels/step_bound.h"
 #include "losshead/v1/wire_dtype.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
@@ -27,6 +30,7 @@
 #include "server/engine/replica_group.h"
 #include "server/engine/request_fingerprint.h"
 #include "server/engine/status_macros.h"
+#include "server/engine/transfer_buffers.h"
 
 namespace losshead::server {
 
@@ -102,6 +106,8 @@ struct Head::Prepared {
   std::optional<uint64_t> expected_version;
   bool forward_only = false;  // no dW, no counters, no idempotency (evaluation)
   kernels::DType hidden_dtype = kernels::DType::kFP32;  // as sent
+  double hidden_abs = 0;       // the largest |h| in the head's dtype (finite)
+  int64_t counted_tokens = 0;  // targets that are not ignore_index
   int64_t ignore_index = 0;  // as resolved; problem.options has its int32 image
 };
 
@@ -218,30 +224,36 @@ absl::StatusOr<Head::Prepared> Head::Prepare(const MicroBatch& mb) const {
     }
     if (t == ignore) {
       p.targets[i] = ignore32;
-    } else if (t < 0 || t >= v) {
+      continue;
+    }
+    if (t < 0 || t >= v) {
       return absl::InvalidArgumentError(absl::StrCat("targets[", i, "] = ", t, " is outside [0, ",
                                                      v, ") and is not ignore_index ", ignore));
-    } else {
-      p.targets[i] = static_cast<int32_t>(t);
     }
+    p.targets[i] = static_cast<int32_t>(t);
+    ++p.counted_tokens;
   }
 
   // NaN policy: non-finite hidden states are rejected, never computed: they would poison dW for
   // every micro-batch accumulated with them until the next pull. The receiver checks as the
   // pieces arrive, while they are in cache; a direct caller's micro-batch is checked here.
-  const bool nonfinite = mb.hidden_nonfinite.has_value()
-                             ? *mb.hidden_nonfinite
-                             : kernels::HasNonFinite(p.hidden_dtype, hidden.data(), n * d);
-  if (nonfinite) return absl::InvalidArgumentError("hidden contains NaN or Inf");
+  // Its magnitude, taken in the same pass, bounds what the run computes (ReserveStepBounds).
+  const float max_abs = mb.hidden_max_abs.has_value()
+                            ? *mb.hidden_max_abs
+                            : kernels::MaxAbs(p.hidden_dtype, hidden.data(), n * d);
+  if (!std::isfinite(max_abs)) return absl::InvalidArgumentError("hidden contains NaN or Inf");
+  p.hidden_abs = max_abs;
   if (p.hidden_dtype == dtype_) {
     p.request_hidden = hidden;
     p.request_pinned = mb.pinned_hidden != nullptr;
   } else {
     p.converted = Convert(p.hidden_dtype, hidden, dtype_);
-    if (kernels::HasNonFinite(dtype_, p.converted.data(), n * d)) {
+    const float converted_abs = kernels::MaxAbs(dtype_, p.converted.data(), n * d);
+    if (!std::isfinite(converted_abs)) {
       return absl::InvalidArgumentError(
           absl::StrCat("hidden overflows the head's dtype ", kernels::DTypeName(dtype_)));
     }
+    p.hidden_abs = converted_abs;
   }
   return p;
 }
@@ -529,15 +541,30 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
     stats->compute_start = start;
     stats->queue += start - wait_start;
     uint64_t version;
+    absl::Status bounded;
+    bool bound_exact;
     {
+      // W and the window stay as they are read here until the run is over: a push, an apply
+      // or a pull takes this micro-batch's compute lock too.
       absl::MutexLock state(&state_mu_);
       version = version_;
+      if (p.expected_version.has_value() && *p.expected_version != version) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("expected_weights_version is ", *p.expected_version,
+                         " but the head's weights are at version ", version));
+      }
+      bounded = ReserveStepBounds(p);
+      bound_exact = weight_abs_exact_;
     }
-    if (p.expected_version.has_value() && *p.expected_version != version) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("expected_weights_version is ", *p.expected_version,
-                       " but the head's weights are at version ", version));
+    if (absl::IsOutOfRange(bounded) && !bound_exact) {
+      // Refused on the optimizer's bound of W: W itself decides.
+      LOSSHEAD_ASSIGN_OR_RETURN(const float measured, MeasureWeights(devices));
+      absl::MutexLock state(&state_mu_);
+      weight_abs_ = measured;
+      weight_abs_exact_ = true;
+      bounded = ReserveStepBounds(p);
     }
+    LOSSHEAD_RETURN_IF_ERROR(bounded);
     // Only the 16 bytes of scalars come back under the lock; dH follows on the slot's stream
     // once the lock is free for the next micro-batch's run.
     char scalars[16];
@@ -645,6 +672,39 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
   stats->finish += stats->finish_end - finish_start;
   if (!out.ok()) return out;
   return outcome;
+}
+
+absl::Status Head::ReserveStepBounds(const Prepared& p) {
+  const kernels::StepBounds bounds =
+      kernels::BoundStep(p.problem, p.hidden_abs, weight_abs_, p.counted_tokens);
+  LOSSHEAD_RETURN_IF_ERROR(kernels::CheckStepBounds(p.problem, bounds, p.hidden_abs, weight_abs_,
+                                                    p.grad_hidden_dtype, !p.forward_only));
+  if (p.forward_only) return absl::OkStatus();
+  const double window = window_grad_abs_ + bounds.grad_weight;
+  if (!kernels::WithinRange(window, kernels::DType::kFP32)) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "the gradient window could overflow: its dW elements are bounded by ", window_grad_abs_,
+        " and this micro-batch would add up to ", bounds.grad_weight,
+        ", past fp32's 3.4e38; nothing was computed or counted: apply the optimizer or pull with "
+        "reset to start a new window"));
+  }
+  window_grad_abs_ = window;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float> Head::MeasureWeights(std::span<Replica* const> held) {
+  const size_t esize = kernels::DTypeSize(dtype_);
+  float largest = 0;
+  for (Replica* r : held) {
+    const size_t count = static_cast<size_t>(group_->DeviceRows(*r)) * hidden_size();
+    std::string host = TakeTransferBuffer(count * esize);  // overwritten whole by the copy
+    absl::Cleanup recycle = [&host] { GiveTransferBuffer(std::move(host)); };
+    LOSSHEAD_RETURN_IF_ERROR(
+        r->backend.CopyToHost(host.data(), r->weights.data(), count * esize, *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->stream->Synchronize());
+    largest = std::max(largest, kernels::MaxAbs(dtype_, host.data(), count));
+  }
+  return largest;
 }
 
 void Head::FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,

@@ -1,6 +1,7 @@
 #include "server/rpc/step_assembler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -105,7 +106,7 @@ AssembledMicroBatch StepAssembler::Close(bool skip_rest) {
   // partial element means a size Head::Step refuses anyway).
   if (checked_.dtype.has_value() && !done.oversize && done.refused.ok() &&
       (checked_.nonfinite || checked_.checked == done.microbatch.hidden_bytes().size())) {
-    done.microbatch.hidden_nonfinite = checked_.nonfinite;
+    done.microbatch.hidden_max_abs = checked_.max_abs;
   }
   checked_ = {};
   hidden_digest_.reset();
@@ -128,8 +129,10 @@ void StepAssembler::AppendHidden(const StepMessage& message) {
       const size_t element = kernels::DTypeSize(*checked_.dtype);
       const size_t whole = all.size() / element * element;
       if (whole > checked_.checked) {
-        checked_.nonfinite = kernels::HasNonFinite(*checked_.dtype, all.data() + checked_.checked,
-                                                   (whole - checked_.checked) / element);
+        const float max_abs = kernels::MaxAbs(*checked_.dtype, all.data() + checked_.checked,
+                                              (whole - checked_.checked) / element);
+        checked_.max_abs = std::max(checked_.max_abs, max_abs);
+        checked_.nonfinite = !std::isfinite(max_abs);
         checked_.checked = whole;
       }
     }

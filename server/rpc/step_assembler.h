@@ -53,7 +53,8 @@ struct AssembledMicroBatch {
 
 // Assembles the messages of a Step stream into micro-batches. The hidden states are copied out of
 // the messages once, in cache-sized steps; while each step is still in cache it is checked for
-// NaN and Inf in the header's dtype (MicroBatch::hidden_nonfinite) and, for a micro-batch whose
+// NaN and Inf in the header's dtype and its largest magnitude taken (MicroBatch::hidden_max_abs,
+// which also bounds what the micro-batch computes) and, for a micro-batch whose
 // key may be remembered (a client id, not forward-only), digested with the targets
 // (MicroBatch::hidden_digest, targets_digest: its idempotency fingerprint), so that no second
 // pass over a large micro-batch is needed before its run. A micro-batch of several messages is
@@ -118,11 +119,12 @@ class StepAssembler {
 
   // The NaN/Inf check of the open micro-batch's hidden states: its dtype (unset: the header's
   // dtype is not a float type, and Head::Step refuses it anyway), the bytes checked so far (whole
-  // elements) and whether a non-finite value was found.
+  // elements), whether a non-finite value was found and the largest magnitude (MaxAbs).
   struct FiniteCheck {
     std::optional<kernels::DType> dtype;
     size_t checked = 0;
     bool nonfinite = false;
+    float max_abs = 0;  // of the elements checked (+Inf once nonfinite)
   };
 
   const size_t max_bytes_;

@@ -334,5 +334,72 @@ INSTANTIATE_TEST_SUITE_P(Gpus, PlacedFp32HighCudaTest,
                                info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus");
                          });
 
+// A micro-batch that could overflow is refused (OUT_OF_RANGE) before it runs on the GPUs, whatever
+// the placement and with deferred dW on: the window holds the honest micro-batches alone (against
+// the CPU backend's head given the same ones) and the optimizer steps over it.
+class PlacedOverflowCudaTest : public PlacedHeadsTest {};
+
+TEST_P(PlacedOverflowCudaTest, InputsThatWouldOverflowAreRefusedAndTheWindowStaysExact) {
+  auto gpu = Head::Create(devices_, Spec(GetParam().k, GetParam().kind), options_);
+  auto cpu = Head::Create(*cpu_, Spec(1), HeadOptions{});
+  ASSERT_TRUE(gpu.ok() && cpu.ok()) << gpu.status() << cpu.status();
+  auto step = [](Head& head, const MicroBatch& mb) {
+    StepStats stats;
+    return head.Step(mb, &stats).status();
+  };
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(step(**gpu, Batch(i)).ok());
+    ASSERT_TRUE(step(**cpu, Batch(i)).ok());
+  }
+  MicroBatch huge = Batch(10);
+  std::vector<float> h(huge.header.num_tokens() * kD);
+  kernels::ToFloat(kernels::DType::kBF16, huge.hidden.data(), h.data(), h.size());
+  for (int64_t k = 0; k < kD; ++k) h[5 * kD + k] = 3e38f;
+  kernels::FromFloat(kernels::DType::kBF16, h.data(), huge.hidden.data(), h.size());
+  EXPECT_EQ(step(**gpu, huge).code(), absl::StatusCode::kOutOfRange);
+  MicroBatch zloss = Batch(11);
+  zloss.header.mutable_loss_options()->set_z_loss(3e37f);
+  EXPECT_EQ(step(**gpu, zloss).code(), absl::StatusCode::kOutOfRange);
+  MicroBatch scaled = Batch(12);
+  scaled.header.mutable_options()->set_grad_scale(3e38f);
+  scaled.header.mutable_options()->set_reduction(v1::REDUCTION_SUM);
+  EXPECT_EQ(step(**gpu, scaled).code(), absl::StatusCode::kOutOfRange);
+
+  auto got = (*gpu)->PullGradient(v1::DTYPE_FP32, /*reset=*/false);
+  auto want = (*cpu)->PullGradient(v1::DTYPE_FP32, /*reset=*/false);
+  ASSERT_TRUE(got.ok() && want.ok()) << got.status() << want.status();
+  EXPECT_EQ(got->summary.microbatch_count(), 3u);
+  EXPECT_EQ(got->summary.token_count(), want->summary.token_count());
+  EXPECT_LT(RelativeError(Floats(got->data, kernels::DType::kFP32),
+                          Floats(want->data, kernels::DType::kFP32)),
+            1e-2);
+  v1::ApplyOptimizerRequest apply;
+  apply.set_client_id("c");
+  apply.set_step_key(1);
+  apply.mutable_params()->set_lr(1e-2);
+  apply.mutable_params()->set_beta1(0.9);
+  apply.mutable_params()->set_beta2(0.95);
+  apply.mutable_params()->set_eps(1e-8);
+  auto applied = (*gpu)->ApplyOptimizer(apply);
+  EXPECT_TRUE(applied.ok()) << applied.status();
+  // After the apply W's bound is the optimizer's: an honest micro-batch still counts.
+  EXPECT_TRUE(step(**gpu, Batch(13)).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpus, PlacedOverflowCudaTest,
+                         ::testing::Values(Placed{v1::PLACEMENT_REPLICATED, 2, false, true},
+                                           Placed{v1::PLACEMENT_SHARDED, 2, false, true},
+                                           Placed{v1::PLACEMENT_REPLICATED, 2, true, false},
+                                           Placed{v1::PLACEMENT_SHARDED, 3, true, true},
+                                           Placed{v1::PLACEMENT_SINGLE, 1, false, true}),
+                         [](const auto& info) {
+                           return absl::StrCat(
+                               info.param.kind == v1::PLACEMENT_SHARDED      ? "sharded_"
+                               : info.param.kind == v1::PLACEMENT_REPLICATED ? "replicated_"
+                                                                             : "single_",
+                               info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus",
+                               info.param.deferred ? "_deferred" : "");
+                         });
+
 }  // namespace
 }  // namespace losshead::server

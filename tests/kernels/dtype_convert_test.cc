@@ -2,9 +2,11 @@
 // non-finite detection.
 #include "losshead/kernels/dtype_convert.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -146,6 +148,38 @@ TEST(DTypeConvertTest, AllDTypes_HasNonFiniteFindsABadValueAtAnyPosition) {
       FromFloat(dtype, with_bad.data(), packed.data(), kCount);
       EXPECT_TRUE(HasNonFinite(dtype, packed.data(), kCount)) << at;
     }
+  }
+}
+
+// MaxAbs against the largest |x| taken in fp64 of the decoded values, for random magnitudes over
+// each dtype's range, negative maxima and subnormals included; Inf or NaN anywhere reads +Inf.
+TEST(DTypeConvertTest, AllDTypes_MaxAbsIsTheLargestMagnitude) {
+  std::mt19937_64 rng(17);
+  for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const int max_exp = dtype == DType::kFP16 ? 15 : 127;
+    std::uniform_int_distribution<int> exponent(-max_exp - 8, max_exp);
+    std::uniform_real_distribution<float> mantissa(-2.0f, 2.0f);
+    for (size_t count : {size_t{1}, size_t{7}, size_t{4096}, size_t{3 * 4096 + 17}}) {
+      std::vector<float> values(count);
+      for (float& x : values) x = std::ldexp(mantissa(rng), exponent(rng)) / 2;
+      std::vector<uint8_t> packed(count * DTypeSize(dtype));
+      FromFloat(dtype, values.data(), packed.data(), count);
+      std::vector<float> decoded(count);
+      ToFloat(dtype, packed.data(), decoded.data(), count);
+      double want = 0;
+      for (float x : decoded) want = std::max(want, std::fabs(static_cast<double>(x)));
+      EXPECT_EQ(static_cast<double>(MaxAbs(dtype, packed.data(), count)), want) << count;
+      for (float bad : {std::numeric_limits<float>::infinity(),
+                        -std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN()}) {
+        std::vector<float> with_bad = values;
+        with_bad[count / 2] = bad;
+        FromFloat(dtype, with_bad.data(), packed.data(), count);
+        EXPECT_EQ(MaxAbs(dtype, packed.data(), count), std::numeric_limits<float>::infinity());
+      }
+    }
+    EXPECT_EQ(MaxAbs(dtype, nullptr, 0), 0.0f);
   }
 }
 

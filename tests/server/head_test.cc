@@ -229,7 +229,8 @@ TEST_F(HeadTest, AReceivedMicroBatchInPageLockedMemoryStepsLikeItsBytes) {
   ASSERT_TRUE(bytes.Append(mb.hidden));
   received.pinned_hidden = std::make_shared<PinnedBytes>(std::move(bytes));
   received.hidden.clear();
-  received.hidden_nonfinite = false;
+  received.hidden_max_abs = kernels::MaxAbs(kernels::DType::kFP32, mb.hidden.data(),
+                                            mb.hidden.size() / sizeof(float));
   StepStats stats;
   auto want = plain->Step(mb, &stats);
   auto got = pinned->Step(received, &stats);
@@ -239,7 +240,7 @@ TEST_F(HeadTest, AReceivedMicroBatchInPageLockedMemoryStepsLikeItsBytes) {
   EXPECT_EQ(Grad(*pinned), Grad(*plain));
   // A micro-batch the receiver found non-finite is refused without another pass, and counts
   // nothing.
-  received.hidden_nonfinite = true;
+  received.hidden_max_abs = std::numeric_limits<float>::infinity();
   auto refused = pinned->Step(received, &stats);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("NaN or Inf"), std::string::npos);

@@ -1,6 +1,7 @@
 #include "server/rpc/step_assembler.h"
 
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -183,7 +184,8 @@ TEST(StepAssemblerTest, SeveralMessagesAreAssembledInPageLockedMemory) {
   EXPECT_TRUE(got->microbatch.hidden.empty());
   EXPECT_EQ(got->microbatch.hidden_bytes(), hidden);
   EXPECT_EQ(got->microbatch.targets, "tt");
-  EXPECT_EQ(got->microbatch.hidden_nonfinite, false);
+  EXPECT_EQ(got->microbatch.hidden_max_abs,
+            kernels::MaxAbs(kernels::DType::kBF16, hidden.data(), hidden.size() / 2));
   // More than announced: the rest goes on in ordinary memory, every byte in order.
   StepAssembler b(4 << 20, testing::HeapPinnedPool());
   const std::string more = RandomBf16(700'000, 2);  // 1.4 MB: past the 1 MiB buffer
@@ -191,7 +193,8 @@ TEST(StepAssemblerTest, SeveralMessagesAreAssembledInPageLockedMemory) {
   ASSERT_TRUE(over.has_value());
   EXPECT_EQ(over->microbatch.pinned_hidden, nullptr);
   EXPECT_EQ(over->microbatch.hidden, more);
-  EXPECT_EQ(over->microbatch.hidden_nonfinite, false);
+  EXPECT_EQ(over->microbatch.hidden_max_abs,
+            kernels::MaxAbs(kernels::DType::kBF16, more.data(), more.size() / 2));
   // Without a pool, as before: ordinary memory.
   StepAssembler c(1 << 20);
   auto plain = Assemble(c, hidden, 1001, hidden.size());
@@ -213,7 +216,7 @@ TEST(StepAssemblerTest, NonFiniteValuesAreFoundPieceByPiece) {
           StepAssembler a(1 << 20, pinned ? testing::HeapPinnedPool() : nullptr);
           auto got = Assemble(a, hidden, piece, hidden.size());
           ASSERT_TRUE(got.has_value());
-          EXPECT_EQ(got->microbatch.hidden_nonfinite, true)
+          EXPECT_EQ(got->microbatch.hidden_max_abs, std::numeric_limits<float>::infinity())
               << "element " << at << ", pieces of " << piece << ", pinned " << pinned;
         }
       }
@@ -224,12 +227,12 @@ TEST(StepAssemblerTest, NonFiniteValuesAreFoundPieceByPiece) {
   StepAssembler a(1 << 20);
   auto odd = Assemble(a, RandomBf16(10, 4) + "x", 7, 21);
   ASSERT_TRUE(odd.has_value());
-  EXPECT_FALSE(odd->microbatch.hidden_nonfinite.has_value());
+  EXPECT_FALSE(odd->microbatch.hidden_max_abs.has_value());
   auto r = Request(true, RandomBf16(10, 5), "tt", true);
   r.mutable_header()->set_hidden_dtype(v1::DTYPE_INT32);
   auto got = a.Add(r, absl::Now());
   ASSERT_TRUE(got.ok() && got->has_value());
-  EXPECT_FALSE((*got)->microbatch.hidden_nonfinite.has_value());
+  EXPECT_FALSE((*got)->microbatch.hidden_max_abs.has_value());
 }
 
 TEST(StepResponsesTest, ErrorIsOneLastMessage) {

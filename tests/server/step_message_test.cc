@@ -1,6 +1,7 @@
 // Step requests read out of gRPC's slices (wire::ParseWithoutData) and assembled from there: the
 // same message and bytes as a typed parse, whatever the slices' boundaries.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -195,10 +196,10 @@ TEST(StepMessageTest, MicroBatchesAreAssembledFromTheSlices) {
       EXPECT_EQ(got->received_bytes, hidden.size() + targets.size());
       EXPECT_EQ(got->microbatch.hidden_digest, ByteDigest::Of(hidden));
       EXPECT_EQ(got->microbatch.targets_digest, ByteDigest::Of(targets));
-      EXPECT_EQ(got->microbatch.hidden_nonfinite,
-                kernels::HasNonFinite(kernels::DType::kBF16, hidden.data(), count))
+      EXPECT_EQ(got->microbatch.hidden_max_abs,
+                kernels::MaxAbs(kernels::DType::kBF16, hidden.data(), count))
           << "pinned " << pinned;
-      EXPECT_EQ(*got->microbatch.hidden_nonfinite, bad.has_value());
+      EXPECT_EQ(std::isinf(*got->microbatch.hidden_max_abs), bad.has_value());
     }
   }
 }

@@ -35,6 +35,11 @@ void ToFloat(DType dtype, const void* src, float* dst, size_t count);
 void FromFloat(DType dtype, const float* src, void* dst, size_t count);
 // True if any of `count` elements of `dtype` at `src` is NaN or infinite.
 bool HasNonFinite(DType dtype, const void* src, size_t count);
+// The largest |x| of `count` elements of `dtype` at `src` (0 for none), as fp32; +Inf when one is
+// NaN or infinite. One pass at memory speed (integer maxima of the magnitude bits): the receiver
+// takes it of every micro-batch's hidden states, which bound what the micro-batch computes
+// (step_bound.h).
+float MaxAbs(DType dtype, const void* src, size_t count);
 
 }  // namespace losshead::kernels
 
