@@ -6,11 +6,13 @@
 # One line per phase ("run-demo [k/4] ...") says what it does and, when done, how long it took; the
 # line that starts the server says which backend it runs and why.
 #
-# The build directory is the test command's (the objects built here are reused there). One that
-# does not exist yet is configured without the test suites (no GoogleTest to install) and with the
-# CUDA backend only where a GPU is present and nvcc can build it: without a GPU the backend could
-# not run, and its kernels are the slowest part of the build. scripts/build.sh (run by
-# scripts/run-tests.sh) configures both back on. One that exists keeps its configuration.
+# The build directory is the test command's. One that does not exist yet is configured for the
+# two targets alone: no test suites (no GoogleTest to install), the CUDA backend only where a GPU is
+# present and nvcc can build it (without a GPU it could not run, and its kernels are the slowest
+# part of the build), and a unity build (CMAKE_UNITY_BUILD: a few files per compiler run, which
+# parses the gRPC and protobuf headers a quarter as often; on two cores the build takes a third of
+# the time). scripts/build.sh, which scripts/run-tests.sh runs, configures all three back: tests
+# on, CUDA wherever nvcc is, every file on its own. One that exists keeps its configuration.
 #
 # Environment: BUILD_DIR (default build), LOSSHEAD_CUDA (ON, OFF or AUTO: the CUDA backend in spite
 # of the above), LOSSHEAD_PORT (50051), LOSSHEAD_METRICS_PORT (9464), JOBS.
@@ -46,13 +48,15 @@ cache="$build_dir/CMakeCache.txt"
 if [ -f "$cache" ]; then
   tests=$(sed -n 's/^LOSSHEAD_BUILD_TESTS:[A-Z]*=//p' "$cache")
   cuda=$(sed -n 's/^LOSSHEAD_CUDA:[A-Z]*=//p' "$cache")
+  unity=$(sed -n 's/^CMAKE_UNITY_BUILD:[A-Z]*=//p' "$cache")
   how="$build_dir/ exists and keeps its configuration: test suites ${tests:-ON},"
-  how+=" LOSSHEAD_CUDA=${cuda:-AUTO}"
+  how+=" LOSSHEAD_CUDA=${cuda:-AUTO}, unity build ${unity:-OFF}"
 else
   tests=OFF
   cuda=OFF
   [ -n "$gpu" ] && [ -n "$nvcc" ] && cuda=ON
-  how="CUDA backend $cuda, no test suites (scripts/run-tests.sh builds those)"
+  unity=ON
+  how="CUDA backend $cuda, unity build, no test suites (scripts/run-tests.sh builds those)"
 fi
 if [ -n "${LOSSHEAD_CUDA:-}" ]; then
   cuda=$LOSSHEAD_CUDA
@@ -62,7 +66,8 @@ fi
 phase 2 "building losshead-server and losshead only ($how)"
 # --log-level=NOTICE: CMake's own status lines; the line above says what matters.
 if ! scripts/build.sh --target losshead-server --target losshead \
-     -DLOSSHEAD_BUILD_TESTS="${tests:-ON}" -DLOSSHEAD_CUDA="${cuda:-AUTO}" --log-level=NOTICE; then
+     -DLOSSHEAD_BUILD_TESTS="${tests:-ON}" -DLOSSHEAD_CUDA="${cuda:-AUTO}" \
+     -DCMAKE_UNITY_BUILD="${unity:-OFF}" --log-level=NOTICE; then
   [ -n "$gpu" ] && [ "$cuda" != OFF ] && echo "run-demo: the build with the CUDA backend failed;" \
     "LOSSHEAD_CUDA=OFF bash scripts/run-demo.sh runs the demo on the CPU" >&2
   exit 1
