@@ -4,12 +4,12 @@
 # an install step missing from scripts/install-deps.sh fails here instead of on a user's machine,
 # and the demo's time is what a newcomer waits. Run it before every submission that touches install
 # or build files; it takes 30-60 minutes on two cores (every package installed, two builds, every
-# test), the demo alone about 6 (README.md, "Set up").
+# test), the demo alone about 7 (README.md, "Set up").
 #
 #   scripts/check-fresh-machine.sh              both commands, in the order of the README
 #   scripts/check-fresh-machine.sh --demo-only  scripts/run-demo.sh alone
 #
-# Prints each command's seconds on its own line ("check-fresh-machine: run-demo.sh passed in N s").
+# Prints each command's seconds on its own line ("check-fresh-machine: run-demo.sh: passed in N s").
 # The working tree is used as a clean checkout would have it.
 # Environment: BASE_IMAGE (default losshead/debian:12, made if missing), LOG (default
 # build-fresh/fresh-machine.log). Needs a running Docker engine; containers use the host network.
