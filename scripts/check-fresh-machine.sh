@@ -33,8 +33,8 @@ git ls-files -z --cached --others --exclude-standard |
   xargs -0 -I{} sh -c '[ -e "{}" ] && printf "%s\0" "{}"' |
   tar --null -T - -cf "$context"
 
-# Each command's outcome and seconds as a line of its own ("== run-demo.sh: passed in N s"), read back
-# from the log below.
+# Each command's outcome and seconds as a line of its own ("== run-demo.sh: passed in N s"), read
+# back from the log below.
 start=$(date +%s)
 status=0
 docker run --rm -i --network host -e CI=true -e LOSSHEAD_PORT=50951 -e LOSSHEAD_METRICS_PORT=9964 "$image" bash -euo pipefail -c '
@@ -43,7 +43,9 @@ docker run --rm -i --network host -e CI=true -e LOSSHEAD_PORT=50951 -e LOSSHEAD_
     local t0=$(date +%s) rc=0
     echo "== bash scripts/$1"
     bash "scripts/$1" || rc=$?
-    echo "== $1: $([ $rc -eq 0 ] && echo passed || echo "FAILED (exit code $rc)") in $(( $(date +%s) - t0 )) s"
+    local outcome=passed
+    [ $rc -eq 0 ] || outcome="FAILED (exit code $rc)"
+    echo "== $1: $outcome in $(( $(date +%s) - t0 )) s"
     return $rc
   }
   timed run-demo.sh

@@ -4,7 +4,8 @@
 #
 #   scripts/install-deps.sh               everything the README's commands need (build + tests)
 #   scripts/install-deps.sh --build-only  what building and running losshead-server and the
-#                                         losshead CLI need (scripts/run-demo.sh, the image's builder)
+#                                         losshead CLI need (scripts/run-demo.sh, the image's
+#                                         builder)
 #
 # Prints one line saying how many packages it installs and how much it downloads, or that nothing
 # is missing.
@@ -53,7 +54,8 @@ sudo_cmd=""
 $sudo_cmd apt-get update -qq
 # What apt will do, so that the wait is explained: the packages with their dependencies, and the
 # bytes still to download (--print-uris lists only what is not in apt's cache).
-count=$($sudo_cmd apt-get install -s --no-install-recommends "${missing[@]}" | grep -c '^Inst ' || true)
+count=$($sudo_cmd apt-get install -s --no-install-recommends "${missing[@]}" |
+  grep -c '^Inst ' || true)
 megabytes=$($sudo_cmd apt-get install --print-uris -qq --no-install-recommends "${missing[@]}" |
   awk '{bytes += $3} END {printf "%.0f", bytes / 1e6}')
 echo "install-deps: installing ${#missing[@]} packages (${count} with their dependencies," \
