@@ -18,7 +18,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu
 
 run_server() {  # label, bundle
   local label=$1 bundle=$2 server
-  LD_LIBRARY_PATH="$bundle/lib:/usr/local/cuda/lib64" "$bundle/bin/losshead-server" \
+  LD_LIBRARY_PATH="$bundle/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    "$bundle/bin/losshead-server" \
     --listen="127.0.0.1:$port" --metrics_listen= --backend=cuda > "$out/server-$label.log" 2>&1 &
   server=$!
   for _ in $(seq 1 300); do
