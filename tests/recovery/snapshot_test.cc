@@ -274,6 +274,35 @@ TEST_F(SnapshotTest, RestoreRecreatesADeletedHeadWithinMaxHeads) {
   EXPECT_EQ(W(*c, "g"), w);
 }
 
+TEST_F(SnapshotTest, ARestoreKeepsTheSnapshotsPlacement) {
+  server::ServerOptions options = Options(dir_);
+  options.devices = {0, 1, 2};  // three CPU devices
+  auto server = Start(options);
+  auto c = ClientOf(*server);
+  v1::HeadSpec spec = AdamWSpec("h");
+  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
+  spec.mutable_placement()->set_devices(2);
+  ASSERT_TRUE(c->CreateHead(spec).ok());
+  TrainStep(*c, 1);
+  ASSERT_TRUE(c->SnapshotHead("h", "sharded").ok());
+  const client::Bytes w1 = W(*c);
+  const std::vector<double> losses = TrainStep(*c, 2);
+  const client::Bytes w2 = W(*c);
+  // Replaced meanwhile by a one-device head of the same name: the restore brings the placement
+  // back with the rest.
+  ASSERT_TRUE(c->DeleteHead("h").ok());
+  ASSERT_TRUE(c->CreateHead(AdamWSpec("h")).ok());
+  auto restored = c->RestoreHead("h", "sharded");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->spec().placement().kind(), v1::PLACEMENT_SHARDED);
+  EXPECT_EQ(restored->spec().placement().devices(), 2u);
+  EXPECT_EQ(restored->devices_size(), 2);
+  EXPECT_EQ(restored->optimizer_step(), 1u);
+  EXPECT_EQ(W(*c), w1);
+  EXPECT_EQ(TrainStep(*c, 2), losses);
+  EXPECT_EQ(W(*c), w2);
+}
+
 TEST_F(SnapshotTest, ListAndDeletePruneSnapshots) {
   auto server = Start(Options(dir_));
   auto c = ClientOf(*server);
