@@ -14,7 +14,7 @@ the remote W locally so any torch.optim optimizer can step it.
 
 from losshead.client import (Client, ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
                              LossOptions, StepResult, StepStream, Weights, combine_results)
-from losshead._native import native_available, native_library
+from losshead._native import NativeLibraryWarning, native_available, native_library
 from losshead._window import UnsteppedHeadWarning
 from losshead.errors import LossheadError
 from losshead.joint import JointOptimizer
@@ -25,7 +25,8 @@ from losshead.torch_bridge import (RemoteHeadOptimizer, RemoteLMHead, scale_grad
 
 __all__ = [
     "ApplyResult", "Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheckpoint",
-    "JointOptimizer", "LossOptions", "LossheadError", "RemoteAdamW", "RemoteHeadOptimizer",
+    "JointOptimizer", "LossOptions", "LossheadError", "NativeLibraryWarning", "RemoteAdamW",
+    "RemoteHeadOptimizer",
     "RemoteLMHead", "RemoteSGD", "RetryPolicy", "StepResult", "StepStream",
     "UnsteppedHeadWarning", "Weights", "combine_results", "native_available", "native_library",
     "scale_gradients_", "step_with_clipping", "token_losses",

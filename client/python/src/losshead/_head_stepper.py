@@ -86,6 +86,7 @@ class HeadStepper:
 
         self.weights_version, self.optimizer_step, self.run = self.ranks.from_leader(set_up)
         self.generation = 0  # bumped by every change this stepper makes to the head
+        self.loads = 0  # load_reference calls (the Trainer's resume looks whether one came)
         self._changes = self.window.changes  # the pushes from this process known here
         self._snapshot: Optional[Tuple[str, int, int]] = None  # (tag, version, step) written
         self.created_snapshots: list = []  # tags this stepper wrote, oldest first
@@ -186,6 +187,7 @@ class HeadStepper:
                              f"not {self.head!r}")
         tag = ref.get("snapshot")
         step = int(ref.get("optimizer_step") or 0)
+        self.loads += 1
 
         def act() -> Optional[Tuple[int, int, str]]:
             if (ref.get("run") == self.run and ref.get("generation") == self.generation
@@ -196,22 +198,17 @@ class HeadStepper:
                     raise ValueError(
                         f"losshead: this optimizer state of head {self.head!r} names no server "
                         f"snapshot and an optimizer at step {step}: it cannot be restored")
-                # A head whose optimizer never stepped: fresh optimizer state, an empty window;
-                # W comes back with the model's weights.
-                info = self.client.set_optimizer(self.head, self.kind,
-                                                 momentum_buffer=self.momentum_buffer)
-                self.client.discard_gradient(self.head)
-            else:
-                try:
-                    info = self.client.restore_head(self.head, tag)
-                except LossheadError as e:
-                    if e.code != grpc.StatusCode.NOT_FOUND:
-                        raise
-                    raise LossheadError(e.code, (
-                        f"head {self.head!r} on {self.client.target} has no snapshot {tag!r} "
-                        f"(optimizer step {step}): it was deleted, or the server lost its "
-                        "--checkpoint_dir; the head cannot be put back to that step "
-                        f"({e.message})")) from None
+                return self._reset_on_leader()
+            try:
+                info = self.client.restore_head(self.head, tag)
+            except LossheadError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                raise LossheadError(e.code, (
+                    f"head {self.head!r} on {self.client.target} has no snapshot {tag!r} "
+                    f"(optimizer step {step}): it was deleted, or the server lost its "
+                    "--checkpoint_dir; the head cannot be put back to that step "
+                    f"({e.message})")) from None
             return info.weights_version, info.optimizer_step, uuid.uuid4().hex[:12]
 
         outcome = self.ranks.from_leader(act)
@@ -220,6 +217,17 @@ class HeadStepper:
         version, step_now, run = outcome
         self._restarted(run, tag, version, step_now)
         return True
+
+    def reset_state(self) -> None:
+        """The head's optimizer state starts afresh (step 0) and its window is emptied; W stays.
+        What a checkpoint saved without the optimizer's state resumes to. Every rank calls it."""
+        version, step, run = self.ranks.from_leader(self._reset_on_leader)
+        self._restarted(run, None, version, step)
+
+    def _reset_on_leader(self) -> Tuple[int, int, str]:
+        info = self.client.set_optimizer(self.head, self.kind, momentum_buffer=self.momentum_buffer)
+        self.client.discard_gradient(self.head)
+        return info.weights_version, info.optimizer_step, uuid.uuid4().hex[:12]
 
     def _restarted(self, run: str, tag: Optional[str], version: int, step: int) -> None:
         # A fresh run (and client id) after a restore: the server's memory of applied step keys
