@@ -78,6 +78,10 @@ ABSL_FLAG(std::string, metrics_basic_auth_file, "",
 ABSL_FLAG(uint64_t, max_heads, 64, "Most heads on the server; CreateHead beyond is refused");
 ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
           "Largest W + dW bytes of one head; CreateHead beyond is refused");
+ABSL_FLAG(uint64_t, unapplied_window_warn_microbatches, 10000,
+          "Log a warning, once per window, when a head with a server-side optimizer holds more "
+          "than this many micro-batches in its gradient window without an optimizer apply, pull "
+          "with reset or discard (a training loop that never steps the head); 0: never");
 ABSL_FLAG(std::string, step_trace, "",
           "Append one JSON line per answered micro-batch, with the time of each phase, to this "
           "file (empty: none)");
@@ -135,6 +139,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_heads = absl::GetFlag(FLAGS_max_heads);
   o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
   o.step_trace_file = absl::GetFlag(FLAGS_step_trace);
+  o.unapplied_window_warn_microbatches = absl::GetFlag(FLAGS_unapplied_window_warn_microbatches);
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
   if (o.checkpoint_interval < absl::ZeroDuration()) {

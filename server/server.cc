@@ -88,7 +88,8 @@ class ServerImpl final : public Server {
                     .idempotency_max_bytes_per_client = options_.idempotency_max_bytes,
                     .grad_stash_bytes = options_.grad_stash_bytes,
                     .grad_stash_idle = options_.grad_stash_idle,
-                    .results = results},
+                    .results = results,
+                    .window_warn_microbatches = options_.unapplied_window_warn_microbatches},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     if (!options_.checkpoint_dir.empty()) {
       checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get());

@@ -79,6 +79,9 @@ struct ServerOptions {
   // head (INVALID_ARGUMENT beyond), checked before anything is allocated.
   size_t max_heads = 64;
   uint64_t max_head_bytes = uint64_t{16} << 30;
+  // A head with a server-side optimizer whose gradient window passes this many micro-batches
+  // without a cut is logged once per window (HeadOptions); 0: never.
+  uint64_t unapplied_window_warn_microbatches = 10000;
   // A file to append one JSON line per answered micro-batch to, with the time of each of its
   // phases (server/observability/step_trace.h); empty: none.
   std::string step_trace_file;

@@ -305,9 +305,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
       r->optimizer.magnitudes = after[r->rank];
     }
     optimizer_step_ = first.step;
-    tokens_since_pull_ = 0;
-    microbatches_since_pull_ = 0;
-    min_version_since_pull_ = max_version_since_pull_ = 0;
+    ResetWindowLocked();
     response.set_weights_version(version_);
   }
   window.set_vocab_size(vocab_size());

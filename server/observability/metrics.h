@@ -70,6 +70,12 @@ class Metrics {
   // Bearer tokens in force, and one token-file reload (result "ok" or "error").
   void AuthTokens(size_t count);
   void TokenReload(bool ok, size_t tokens_in_force);
+  // One discarded gradient window (PullGradient summary_only with reset) and what it held.
+  void GradientDiscard(const std::string& head, uint64_t microbatches, uint64_t tokens);
+  // The open gradient window of one head: micro-batches and tokens in it, and the time since its
+  // first micro-batch (0 while empty).
+  void HeadWindow(const std::string& head, uint64_t microbatches, uint64_t tokens,
+                  absl::Duration age);
   // Drops every series labelled with `head`.
   void RemoveHead(const std::string& head);
 
@@ -96,6 +102,12 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& auth_tokens_family_;
   prometheus::Family<prometheus::Counter>& token_reloads_;
   prometheus::Family<prometheus::Counter>& stalls_family_;
+  prometheus::Family<prometheus::Counter>& discards_;
+  prometheus::Family<prometheus::Counter>& discarded_microbatches_;
+  prometheus::Family<prometheus::Counter>& discarded_tokens_;
+  prometheus::Family<prometheus::Gauge>& window_microbatches_;
+  prometheus::Family<prometheus::Gauge>& window_tokens_;
+  prometheus::Family<prometheus::Gauge>& window_age_;
   prometheus::Gauge& inflight_;
   prometheus::Gauge& heads_;
   prometheus::Counter& stalls_;

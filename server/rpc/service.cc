@@ -154,6 +154,8 @@ void LossHeadService::RefreshMemoryMetrics() const {
                               .optimizer_state = optimizer.state};
     ctx_->metrics->HeadMemory(head->name(), memory);
     ctx_->metrics->HeadDevices(head->name(), head->device_count());
+    const Head::WindowState window = head->Window();
+    ctx_->metrics->HeadWindow(head->name(), window.microbatches, window.tokens, window.age);
     for (const Head::DeviceShare& share : head->MemoryByDevice()) {
       const auto at = std::find(ctx_->devices.begin(), ctx_->devices.end(), share.device);
       if (at == ctx_->devices.end()) continue;  // heads are only ever placed on these
