@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 
 try:  # setuptools >= 70.1 has its own; before, the wheel package's
     from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
@@ -101,13 +101,16 @@ def copy_native_library() -> None:
         target.unlink()  # a stale copy from an earlier build must not outlive its source
 
 
+class _Distribution(Distribution):
+    """A distribution that carries the native library is a platform one: its files go to the
+    wheel's root (platlib), not under .data/purelib."""
+
+    def has_ext_modules(self) -> bool:
+        return (PACKAGE / NATIVE).is_file()
+
+
 class bdist_wheel(_bdist_wheel):  # noqa: N801 (the command's name)
     """Tags a wheel that carries the native library for its platform, not as pure Python."""
-
-    def finalize_options(self) -> None:
-        super().finalize_options()
-        if (PACKAGE / NATIVE).is_file():
-            self.root_is_pure = False
 
     def get_tag(self) -> tuple:
         python, abi, platform = super().get_tag()
@@ -122,7 +125,7 @@ class bdist_wheel(_bdist_wheel):  # noqa: N801 (the command's name)
 # takes milliseconds.
 generate_stubs()
 copy_native_library()
-setup(cmdclass={"bdist_wheel": bdist_wheel},
+setup(distclass=_Distribution, cmdclass={"bdist_wheel": bdist_wheel},
       packages=["losshead", "losshead.integrations", "losshead._proto",
                 "losshead._proto.losshead", "losshead._proto.losshead.v1", "losshead._proto.grpc",
                 "losshead._proto.grpc.health", "losshead._proto.grpc.health.v1"])

@@ -76,8 +76,8 @@ class Ranks:
         if not self.active:
             return [float(v) for v in values]
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._device())
-        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
-        torch.distributed.all_reduce(t, op=reduce_op, group=self.group)
+        ops = torch.distributed.ReduceOp
+        torch.distributed.all_reduce(t, op=ops.MAX if op == "max" else ops.SUM, group=self.group)
         return [float(v) for v in t.cpu()]
 
     def from_leader(self, call: Callable[[], _T]) -> _T:

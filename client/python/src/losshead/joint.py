@@ -239,7 +239,7 @@ class JointOptimizer(torch.optim.Optimizer):
         groups = list(state_dict["param_groups"])
         if not groups or HEAD_GROUP_KEY not in groups[-1]:
             raise ValueError("losshead: this state dict has no head group: it was not saved by a "
-                             "JointOptimizer (load the trunk's with optimizer.trunk.load_state_dict)")
+                             "JointOptimizer (load a trunk's with optimizer.trunk.load_state_dict)")
         saved_head = groups[-1]
         trunk_state = {k: v for k, v in state_dict.items() if k not in ("param_groups", "losshead")}
         trunk_state["param_groups"] = groups[:-1]

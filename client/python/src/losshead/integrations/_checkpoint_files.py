@@ -80,7 +80,8 @@ def add_tensor(directory: str, name: str, tensor: torch.Tensor) -> str:
     weight_map = index.setdefault("weight_map", {})
     metadata = index.setdefault("metadata", {})
     if name not in weight_map and "total_size" in metadata:
-        metadata["total_size"] = int(metadata["total_size"]) + tensor.numel() * tensor.element_size()
+        added = tensor.numel() * tensor.element_size()
+        metadata["total_size"] = int(metadata["total_size"]) + added
     weight_map[name] = shard
     _replace(path, lambda tmp: _write_json(index, tmp))
     return shard_path

@@ -285,15 +285,27 @@ class OffloadedHead:
         head's `kind` and hyper-parameters, `grad_divisor`, `sharded`, `process_group`)."""
         return JointOptimizer(trunk_optimizer, self.client, self.head, **options)
 
-    def attach(self, trainer: Any, **options: Any) -> Any:
-        """Makes a Hugging Face Trainer's own loop drive this head; returns the trainer.
+    def attach(self, loop: Any, **options: Any) -> Any:
+        """Makes a training loop's own machinery drive this head; returns `loop`.
 
-        See `losshead.integrations.hf_trainer.attach` (its optimizer, schedule, clipping,
-        gradient accumulation, fp16 scaling, checkpoints and resume). `options` are the head's
-        optimizer settings as for `optimizer`."""
-        from losshead.integrations.hf_trainer import attach
+        A Hugging Face Trainer: its optimizer, schedule, clipping, gradient accumulation, fp16
+        scaling, checkpoints and resume (`losshead.integrations.hf_trainer.attach`; `options`
+        are the head's optimizer settings as for `optimizer`). An accelerate Accelerator that
+        prepared `offloaded.optimizer(...)`: its `clip_grad_norm_` clips trunk and head by one
+        global norm (`losshead.integrations.accelerate`)."""
+        if hasattr(loop, "args") and hasattr(loop, "create_optimizer"):
+            from losshead.integrations.hf_trainer import attach
 
-        return attach(self, trainer, **options)
+            return attach(self, loop, **options)
+        if hasattr(loop, "prepare") and hasattr(loop, "clip_grad_norm_"):
+            if options:
+                raise TypeError("losshead: an Accelerator takes no options; give them to "
+                                "offloaded.optimizer(...)")
+            from losshead.integrations.accelerate import attach_accelerator
+
+            return attach_accelerator(loop)
+        raise TypeError(f"losshead: attach takes a transformers Trainer or an accelerate "
+                        f"Accelerator, not {type(loop).__name__}")
 
     def upload_weight(self, weight: torch.Tensor) -> int:
         """Replaces the server's W with `weight` (V x D; in the head's dtype on the wire, checked

@@ -58,6 +58,8 @@ import grpc
 
 from losshead.errors import LossheadError
 from losshead.integrations._checkpoint_files import add_tensor, weights_format
+from losshead.integrations.accelerate import (attach_accelerator, joint_optimizer_of,
+                                              trunk_is_fsdp1)
 from losshead.joint import JointOptimizer
 
 if TYPE_CHECKING:
@@ -69,17 +71,6 @@ LOSSHEAD_JSON = "losshead.json"
 _CHECKPOINT_PREFIX = "checkpoint-"
 
 
-def joint_optimizer_of(optimizer: Any) -> Optional[JointOptimizer]:
-    """The JointOptimizer inside `optimizer` (accelerate wraps it), or None."""
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if isinstance(optimizer, JointOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return None
-
-
 def _unwrapped(model: Any) -> Any:
     while hasattr(model, "module") and not hasattr(model, "_losshead_offloaded_head"):
         model = model.module
@@ -89,8 +80,8 @@ def _unwrapped(model: Any) -> Any:
 def _check(offloaded: "OffloadedHead", trainer: Any) -> None:
     model = _unwrapped(trainer.model)
     if getattr(model, "_losshead_offloaded_head", None) is not offloaded:
-        raise ValueError(f"losshead: the Trainer's model is not the one whose head {offloaded.head!r} "
-                         "is offloaded (attach the Trainer of that model)")
+        raise ValueError(f"losshead: the Trainer's model is not the one whose head "
+                         f"{offloaded.head!r} is offloaded (attach the Trainer of that model)")
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
         raise ValueError("losshead: DeepSpeed owns the optimizer step and clipping; an offloaded "
@@ -148,7 +139,8 @@ class _Attachment:
         if optimizer is None or joint_optimizer_of(optimizer) is not None:
             return optimizer
         return JointOptimizer(optimizer, self.offloaded.client, self.offloaded.head,
-                              sharded=_fsdp1(self.trainer), **self.options)
+                              sharded=trunk_is_fsdp1(self.trainer.accelerator),
+                              **self.options)
 
     # -- files ------------------------------------------------------------------------------
     def add_weight(self, directory: str) -> None:
@@ -218,14 +210,6 @@ class _Attachment:
             "changes": None, "kind": record.get("kind")})
 
 
-def _fsdp1(trainer: Any) -> bool:
-    """Whether the trunk's gradients are FSDP1's per-rank shards (FSDP2's are DTensors)."""
-    if not getattr(trainer, "is_fsdp_enabled", False):
-        return False
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    return getattr(plugin, "fsdp_version", 1) == 1
-
-
 def _callback(attachment: _Attachment) -> Any:
     from transformers import TrainerCallback
 
@@ -281,22 +265,13 @@ def attach(offloaded: "OffloadedHead", trainer: Any, **options: Any) -> Any:
     trainer.create_optimizer = create_optimizer_with_head
 
     # Clipping: one global norm over trunk and head, through the head's apply.
-    accelerator = trainer.accelerator
-    clip_grad_norm = accelerator.clip_grad_norm_
-
-    def clip_grad_norm_with_head(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-        joint = attachment.joint
-        if joint is None:
-            return clip_grad_norm(parameters, max_norm, norm_type=norm_type)
-        accelerator.unscale_gradients()
-        return joint.clip_grad_norm_(max_norm, parameters, norm_type)
-
-    accelerator.clip_grad_norm_ = clip_grad_norm_with_head
+    attach_accelerator(trainer.accelerator, lambda: attachment.joint)
 
     # Saving: lm_head.weight in the saved weights (rank 0, which writes them).
     save_model = trainer.save_model
 
-    def save_model_with_head(output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+    def save_model_with_head(output_dir: Optional[str] = None,
+                             _internal_call: bool = False) -> None:
         save_model(output_dir, _internal_call=_internal_call)
         if trainer.args.should_save:
             attachment.add_weight(output_dir if output_dir is not None else trainer.args.output_dir)
