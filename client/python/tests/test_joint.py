@@ -28,7 +28,7 @@ from losshead import (Client, JointOptimizer, LossheadError, RemoteAdamW, Remote
                       UnsteppedHeadWarning)
 from losshead._window import tracker
 from losshead.integrations.causal_lm import OffloadedHead, offload_causal_lm
-from test_integrations import V, TinyCausalLM, _batch
+from test_integrations import TinyCausalLM, _batch
 
 ADAMW = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 WARMUP, STEPS, ACCUMULATE = 2, 5, 2
