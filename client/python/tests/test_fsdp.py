@@ -70,7 +70,8 @@ def test_the_sharded_norm_is_summed_over_the_ranks(tmp_path: Path) -> None:
              join=True)
     want = float((torch.arange(12, dtype=torch.float64) / 7).pow(2).sum())
     for rank in range(WORLD):
-        assert torch.load(tmp_path / f"norm{rank}.pt") == pytest.approx(want, rel=1e-6)  # fp32 norms
+        # fp32 norms of each tensor, summed in float64
+        assert torch.load(tmp_path / f"norm{rank}.pt") == pytest.approx(want, rel=1e-6)
 
 
 def _fsdp_main(rank: int, address: str, head: str, init_file: str, out_dir: str) -> None:
@@ -85,9 +86,12 @@ def _fsdp_main(rank: int, address: str, head: str, init_file: str, out_dir: str)
             torch.cuda.set_device(device)
         client = Client(address, client_id=f"fsdp-rank{rank}")
         model = TinyCausalLM(seed=21).to(device)
+        if rank != 0:
+            dist.barrier()  # rank 0 creates the head, the others attach to it
         offloaded = offload_causal_lm(model, client, head, create=rank == 0,
                                       head_dtype=torch.float32, wire_dtype=torch.float32)
-        dist.barrier()
+        if rank == 0:
+            dist.barrier()
         fully_shard(model.model, mesh=init_device_mesh(device.type, (WORLD,)))
         joint = offloaded.optimizer(torch.optim.AdamW(model.parameters(), foreach=False,
                                                       **ADAMW))

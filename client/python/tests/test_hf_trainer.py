@@ -213,13 +213,12 @@ def _accelerate_main(rank: int, address: str, port: int, out_dir: str) -> None:
     accelerator = accelerate.Accelerator(cpu=True)
     client = Client(address)
     model = tiny_llama()
-    if rank == 0:
-        offloaded = offload_lm_head(model, client, "hf-accelerate", head_dtype=torch.float32,
-                                    wire_dtype=torch.float32)
-    accelerator.wait_for_everyone()
     if rank != 0:
-        offloaded = offload_lm_head(model, client, "hf-accelerate", create=False,
-                                    wire_dtype=torch.float32)
+        torch.distributed.barrier()  # rank 0 creates the head, the others attach to it
+    offloaded = offload_lm_head(model, client, "hf-accelerate", create=rank == 0,
+                                head_dtype=torch.float32, wire_dtype=torch.float32)
+    if rank == 0:
+        torch.distributed.barrier()
     joint = offloaded.optimizer(torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1))
     # Not prepared: accelerate would step a prepared schedule once per process.
     schedule = torch.optim.lr_scheduler.LambdaLR(joint, lambda s: min(1.0, (s + 1) / 2))
@@ -248,7 +247,11 @@ def _accelerate_main(rank: int, address: str, port: int, out_dir: str) -> None:
     accelerator.end_training()
 
 
-def test_accelerate_two_processes_equal_one_process(server: Any, tmp_path: Path) -> None:
+def test_accelerate_two_processes_equal_one_process(server: Any, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two CPU processes over gloo: accelerate would address a GPU per process where there is
+    # one (its barriers name the local rank's device).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     torch.multiprocessing.spawn(_accelerate_main, args=(server.address, free_port(),
                                                         str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]

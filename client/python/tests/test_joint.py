@@ -232,6 +232,10 @@ def test_zero_grad_discards_the_window(client: Client, head_names) -> None:
     assert _head_state(client, offloaded.head)[2] == 0
     remote.step()  # an empty window: nothing to apply, as a parameter without a gradient
     assert remote.last_result is None and client.get_head(offloaded.head).optimizer_step == 1
+    # A second optimizer of the same client on the same head: its keys are its own.
+    _run_step(model, 3)
+    remote.step()
+    assert remote.last_result.optimizer_step == 2 and not remote.last_result.replayed
 
 
 def test_eval_mode_sends_forward_only_steps(client: Client, head_names) -> None:

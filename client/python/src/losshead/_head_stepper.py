@@ -72,7 +72,6 @@ class HeadStepper:
         self.ranks = Ranks(process_group, enabled=not local)
         self.window = tracker(client.target, head)
         self._base_client_id = client_id or f"{client.client_id}/optimizer"
-        self.client_id = self._base_client_id
         self.step_key = 0
         self.last_result: Optional[ApplyResult] = None
 
@@ -85,6 +84,9 @@ class HeadStepper:
             return info.weights_version, info.optimizer_step, uuid.uuid4().hex[:12]
 
         self.weights_version, self.optimizer_step, self.run = self.ranks.from_leader(set_up)
+        # Step keys start at 1 for every stepper: by default each has a client id of its own, so
+        # that two optimizers of one client on one head never reuse a key.
+        self.client_id = client_id or f"{self._base_client_id}/{self.run}"
         self.generation = 0  # bumped by every change this stepper makes to the head
         self.loads = 0  # load_reference calls (the Trainer's resume looks whether one came)
         self._changes = self.window.changes  # the pushes from this process known here
