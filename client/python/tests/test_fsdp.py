@@ -24,7 +24,7 @@ from losshead import Client
 from losshead._dist import Ranks
 from losshead._grad_norm import trunk_squared_norm
 from losshead.integrations.causal_lm import offload_causal_lm
-from test_integrations import TinyCausalLM, _batch
+from test_integrations import TinyCausalLM, TinyTrunk, _batch
 
 try:
     from torch.distributed.fsdp import fully_shard  # torch >= 2.6
@@ -46,6 +46,15 @@ def _micro_batches(step: int) -> List[Any]:
 def _tokens(step: int) -> int:
     return sum(int((labels[..., 1:] != -100).sum())
                for rank in _micro_batches(step) for _, _, labels in rank)
+
+
+class TupleTrunk(TinyTrunk):
+    """TinyTrunk returning a tuple: FSDP2 finds a forward's output tensors (to hook their
+    backward) by pytree, which knows tuples and Hugging Face's ModelOutput, not a plain
+    dataclass; without them its post-backward cleanup never runs and gradients pile up."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return (super().forward(*args, **kwargs).last_hidden_state,)
 
 
 def _cuda_pair() -> bool:
@@ -86,6 +95,7 @@ def _fsdp_main(rank: int, address: str, head: str, init_file: str, out_dir: str)
             torch.cuda.set_device(device)
         client = Client(address, client_id=f"fsdp-rank{rank}")
         model = TinyCausalLM(seed=21).to(device)
+        model.model.__class__ = TupleTrunk
         if rank != 0:
             dist.barrier()  # rank 0 creates the head, the others attach to it
         offloaded = offload_causal_lm(model, client, head, create=rank == 0,
@@ -95,7 +105,7 @@ def _fsdp_main(rank: int, address: str, head: str, init_file: str, out_dir: str)
         fully_shard(model.model, mesh=init_device_mesh(device.type, (WORLD,)))
         joint = offloaded.optimizer(torch.optim.AdamW(model.parameters(), foreach=False,
                                                       **ADAMW))
-        norms = []
+        norms, heads, trunks = [], [], []
         for step in range(STEPS):
             tokens = _tokens(step)
             for input_ids, mask, labels in _micro_batches(step)[rank]:
@@ -104,12 +114,15 @@ def _fsdp_main(rank: int, address: str, head: str, init_file: str, out_dir: str)
                 loss = model(input_ids.to(device), attention_mask=mask.to(device),
                              labels=labels.to(device), num_items_in_batch=tokens).loss
                 (loss * WORLD).backward()
+            trunks.append(trunk_squared_norm(model.model.parameters(), ranks=Ranks())[0] ** 0.5)
             norms.append(float(joint.clip_grad_norm_(MAX_NORM)))
+            heads.append(joint.last_result.head_grad_norm)
             joint.step()
             joint.zero_grad()
         trunk = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                  for k, v in model.model.state_dict().items()}
-        torch.save({"norms": norms, "trunk": trunk, "w": offloaded.download_weight()},
+        torch.save({"norms": norms, "heads": heads, "trunks": trunks, "trunk": trunk,
+                    "w": offloaded.download_weight()},
                    Path(out_dir) / f"rank{rank}.pt")
         client.close()
     finally:
@@ -131,19 +144,25 @@ def test_fsdp_trunk_and_offloaded_head_equal_one_process(client: Client, server_
 
     reference = TinyCausalLM(seed=21)
     opt = torch.optim.AdamW(reference.parameters(), foreach=False, **ADAMW)
-    norms = []
+    norms, heads, trunks = [], [], []
     for step in range(STEPS):
         tokens = _tokens(step)
         for rank_batches in _micro_batches(step):
             for input_ids, mask, labels in rank_batches:
                 reference(input_ids, attention_mask=mask, labels=labels,
                           num_items_in_batch=tokens).loss.backward()
+        heads.append(float(reference.lm_head.weight.grad.norm()))
+        trunks.append(float(torch.stack([p.grad.norm() for p in reference.model.parameters()]
+                                        ).norm()))
         norms.append(float(torch.nn.utils.clip_grad_norm_(list(reference.parameters()),
                                                           MAX_NORM)))
         opt.step()
         opt.zero_grad()
     assert all(n > MAX_NORM for n in norms), "the clip never engaged"
     for rank in ranks:
+        # The head's and the trunk's parts apart first: which one is off, if one is.
+        assert rank["heads"] == pytest.approx(heads, rel=REL), (rank["heads"], heads)
+        assert rank["trunks"] == pytest.approx(trunks, rel=REL), (rank["trunks"], trunks)
         assert rank["norms"] == pytest.approx(norms, rel=REL)
         w = reference.lm_head.weight.detach()
         assert float((rank["w"] - w).abs().max()) <= REL * float(w.abs().max())
