@@ -102,17 +102,19 @@ class HeadStepper:
               trunk_grad_sq_norm: float = 0.0) -> Optional[ApplyResult]:
         """One step of the head for every rank, or None when the window holds no token."""
         key = self.step_key + 1
+        # The barrier before (every rank's micro-batches of this step are in); whether any rank
+        # knows of tokens in the window spares rank 0 a look at it.
+        (known,) = self.ranks.agree([1.0 if self.window.pending_tokens else 0.0])
 
         def call() -> Optional[ApplyResult]:
-            if not self._window_open(discard_empty=True):
-                return None
+            if not known and not self._window_open(discard_empty=True):
+                return None  # micro-batches sent by other means are found by the look
             return self.client.apply_optimizer(
                 self.head, key, client_id=self.client_id, lr=lr, weight_decay=weight_decay,
                 betas=betas, eps=eps, momentum=momentum, dampening=dampening,
                 nesterov=nesterov, grad_divisor=grad_divisor, max_norm=max_norm,
                 trunk_grad_sq_norm=trunk_grad_sq_norm)
 
-        self.ranks.agree([0.0])  # every rank's micro-batches of this step are in
         result = self.ranks.from_leader(call)
         self.last_result = result
         if result is None:

@@ -46,6 +46,7 @@ class WindowTracker:
         self.changes = 0  # W replaced from this process outside an optimizer (pushes)
         self._lock = threading.Lock()
         self._pending = 0  # training calls made since the last cut by this process
+        self._pending_tokens = 0  # the tokens they counted
         self._version: Optional[int] = None  # the weights version the last one ran against
         self._same_version = 0  # training calls in a row against `_version`
         self._longest = 0  # the longest such run that ended with a new version
@@ -57,11 +58,19 @@ class WindowTracker:
         with self._lock:
             return self._pending
 
-    def note_training(self, calls: int, weights_version: int) -> None:
-        """`calls` training calls were counted in dW, the last against `weights_version`."""
+    @property
+    def pending_tokens(self) -> int:
+        """The tokens of those calls."""
+        with self._lock:
+            return self._pending_tokens
+
+    def note_training(self, calls: int, weights_version: int, tokens: int = 0) -> None:
+        """`calls` training calls (of `tokens` tokens) were counted in dW, the last against
+        `weights_version`."""
         message = None
         with self._lock:
             self._pending += calls
+            self._pending_tokens += tokens
             if weights_version != self._version:
                 if self._version is not None:
                     self._longest = max(self._longest, self._same_version)
@@ -98,6 +107,7 @@ class WindowTracker:
         """The window was cut (applied, discarded or restored); returns what was pending."""
         with self._lock:
             pending, self._pending = self._pending, 0
+            self._pending_tokens = 0
             if weights_version is not None and weights_version != self._version:
                 if self._version is not None and self._same_version:
                     self._longest = max(self._longest, self._same_version)

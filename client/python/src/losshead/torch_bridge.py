@@ -178,7 +178,7 @@ class RemoteLMHead(nn.Module):
             forward_only=forward_only)
         if not forward_only:
             self._tokens += result.token_count
-            self.window.note_training(1, result.weights_version)
+            self.window.note_training(1, result.weights_version, result.token_count)
         self.last_result = result
         return result
 
