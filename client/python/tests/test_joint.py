@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 import signal
 import warnings
 from pathlib import Path
@@ -423,3 +424,37 @@ def test_resume_after_the_server_was_killed(servers: ServerFactory, tmp_path: Pa
         assert client.get_head("resumed").optimizer_step == 2
         _train(fresh, joint, range(2, 4))
         _assert_same(_weights(offloaded, fresh), uninterrupted)
+
+
+def test_attach_refuses_what_it_cannot_drive(client: Client, head_names) -> None:
+    """Checked before anything is hooked, with the reason (no transformers needed: a stand-in
+    with the Trainer's attributes)."""
+    from types import SimpleNamespace
+
+    model = TinyCausalLM(seed=14)
+    offloaded = _offload(client, model, head_names())
+
+    def trainer(**changes: object) -> SimpleNamespace:
+        args = dict(save_strategy="steps", save_only_model=False, weight_decay=0.0,
+                    label_smoothing_factor=0.0, deepspeed=None)
+        args.update(changes.pop("args", {}))
+        fields = dict(model=model, args=SimpleNamespace(**args), is_deepspeed_enabled=False,
+                      compute_loss_func=None, model_init=None, lr_scheduler=None,
+                      optimizer=None, create_optimizer=lambda model=None: None)
+        fields.update(changes)
+        return SimpleNamespace(**fields)
+
+    cases = [
+        (trainer(), "--checkpoint_dir"),  # the session's server keeps no snapshots
+        (trainer(args={"label_smoothing_factor": 0.1}), "label_smoothing"),
+        (trainer(is_deepspeed_enabled=True), "DeepSpeed"),
+        (trainer(model=TinyCausalLM(seed=15)), "not the one"),
+        (trainer(compute_loss_func=lambda *a: None), "compute_loss_func"),
+        (trainer(lr_scheduler=object()), "scheduler"),
+    ]
+    for fake, reason in cases:
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            offloaded.attach(fake)
+        assert fake.optimizer is None  # nothing hooked
+    with pytest.raises(TypeError, match="Trainer or an accelerate"):
+        offloaded.attach(object())

@@ -239,9 +239,14 @@ class OffloadedHead:
     """A model's LM head on a losshead server; what `offload_causal_lm` returns.
 
     `remote` is the RemoteLMHead the model's forward steps through (reduction "sum"; its
-    `take_token_count()` serves data parallelism), `client` and `head` name the server's head
-    (the optimizer is `RemoteAdamW(offloaded.client, offloaded.head, ...)`), `vocab_size` and
-    `hidden_size` its shape, `weights_version` the version uploaded or attached to.
+    `take_token_count()` serves data parallelism), `client` and `head` name the server's head,
+    `vocab_size` and `hidden_size` its shape, `weights_version` the version uploaded or attached
+    to. What steps it: `attach(trainer)` (a Hugging Face Trainer's own loop, or an accelerate
+    Accelerator's clipping), `optimizer(trunk_optimizer)` (the trunk's optimizer with the head
+    in it, for a loop of your own), or `RemoteAdamW(offloaded.client, offloaded.head, ...)`. The
+    model's mode decides what a forward does to the head: in train() mode with grad enabled it
+    adds to the gradient window; in eval() mode (or under no_grad) the server runs forward-only
+    steps. Copying or pickling the model raises, naming the way (`local_head`).
 
     While offloaded, `model.lm_head` is an `OffloadedLMHead` and `model.state_dict()` has no
     `lm_head.weight`: `export_state_dict()` downloads it (a complete checkpoint is
