@@ -11,7 +11,7 @@ summary and discard, named snapshots) and `_native` (the C++ data path).
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -171,6 +171,16 @@ class Client(Steps, Transfers, HeadState):
         for c in self._extra_channels:
             c.close()
         self._channel.close()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Client":
+        # A connection to a server is shared, not copied: a deep copy of a module that speaks to
+        # a head (RemoteLMHead) speaks to the same head through the same client.
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"losshead: a Client (connections to {self.target}) cannot be pickled; build one "
+            "in each process from its target (and credentials)")
 
     def __enter__(self) -> "Client":
         return self
