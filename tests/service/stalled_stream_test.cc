@@ -20,6 +20,7 @@
 #include "server/server.h"
 #include "tests/service/host_tensors.h"
 #include "tests/service/metrics_scrape.h"
+#include "tests/service/raw_step_stream.h"
 #include "tests/service/reference.h"
 #include "tests/service/test_server.h"
 
@@ -31,85 +32,6 @@ constexpr int64_t kD = 8, kV = 19;
 constexpr int64_t kFullTokens = 1024;
 constexpr size_t kFullBytes = kFullTokens * (kD * 4 + 4);
 constexpr absl::Duration kStall = absl::Milliseconds(200);
-
-// A Step stream written message by message with the generated stub, answered on its own thread.
-class RawStream {
- public:
-  explicit RawStream(const std::string& target)
-      : stub_(v1::LossHead::NewStub(
-            grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {
-    context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    stream_ = stub_->Step(&context_);
-  }
-  ~RawStream() {
-    if (reader_.joinable()) reader_.join();
-  }
-
-  bool Write(const v1::StepRequest& r) { return stream_->Write(r); }
-  // Reads every response until the server ends the call, then its status.
-  void ReadInBackground() {
-    reader_ = std::thread([this] {
-      v1::StepResponse r;
-      while (stream_->Read(&r)) {
-        absl::MutexLock lock(&mu_);
-        responses_.push_back(r);
-      }
-      grpc::Status status = stream_->Finish();
-      absl::MutexLock lock(&mu_);
-      status_ = status;
-      ended_ = absl::Now();
-    });
-  }
-  // Waits until a response came or the call ended; true for a response.
-  bool AwaitResponseOrEnd(absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(
-                             +[](RawStream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-                               return !s->responses_.empty() || s->status_.has_value();
-                             },
-                             this),
-                         timeout);
-    return !responses_.empty();
-  }
-  void WritesDone() { stream_->WritesDone(); }
-  // The call's status once it ended (joins the reader).
-  grpc::Status Ended() {
-    if (reader_.joinable()) reader_.join();
-    absl::MutexLock lock(&mu_);
-    return status_.value_or(grpc::Status(grpc::StatusCode::UNKNOWN, "never ended"));
-  }
-  std::vector<v1::StepResponse> responses() {
-    absl::MutexLock lock(&mu_);
-    return responses_;
-  }
-  absl::Time ended_at() {
-    absl::MutexLock lock(&mu_);
-    return ended_;
-  }
-
- private:
-  grpc::ClientContext context_;
-  std::unique_ptr<v1::LossHead::Stub> stub_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
-  std::thread reader_;
-  absl::Mutex mu_;
-  std::vector<v1::StepResponse> responses_ ABSL_GUARDED_BY(mu_);
-  std::optional<grpc::Status> status_ ABSL_GUARDED_BY(mu_);
-  absl::Time ended_ ABSL_GUARDED_BY(mu_);
-};
-
-v1::StepRequest Header(const std::string& head, const std::string& client, uint64_t sequence,
-                       int64_t tokens) {
-  v1::StepRequest r;
-  v1::StepHeader* h = r.mutable_header();
-  h->set_head(head);
-  h->set_client_id(client);
-  h->set_sequence(sequence);
-  h->set_num_tokens(tokens);
-  h->set_hidden_dtype(v1::DTYPE_FP32);
-  h->set_target_dtype(v1::DTYPE_INT32);
-  return r;
-}
 
 class StalledStreamTest : public ::testing::Test {
  protected:
