@@ -123,7 +123,7 @@ class ServerImpl final : public Server {
     ctx_.max_inflight_per_stream = std::max<size_t>(1, options_.max_inflight_per_stream);
     admission_ = std::make_unique<Admission>(
         std::max<size_t>(1, options_.max_inflight_microbatches), options_.max_inflight_bytes,
-        options_.retry_after, options_.step_stall_timeout);
+        options_.retry_after, options_.step_stall_timeout, options_.step_unread_timeout);
     ctx_.admission = admission_.get();
     ctx_.start_time = absl::Now();
     service_ = std::make_unique<LossHeadService>(&ctx_);

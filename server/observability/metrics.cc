@@ -131,8 +131,8 @@ Metrics::Metrics()
                          .Register(*registry_)),
       stalls_family_(prometheus::BuildCounter()
                          .Name("losshead_stalled_microbatches_total")
-                         .Help("Micro-batches abandoned after --step_stall_timeout without a "
-                               "message (reservation released, stream ended ABORTED)")
+                         .Help("Micro-batches abandoned after --step_stall_timeout without "
+                               "progress (reservation released, stream ended ABORTED)")
                          .Register(*registry_)),
       discards_(prometheus::BuildCounter()
                     .Name("losshead_gradient_discards_total")
@@ -159,9 +159,16 @@ Metrics::Metrics()
                       .Help("Seconds since the first micro-batch of the head's open gradient "
                             "window (0 while empty)")
                       .Register(*registry_)),
+      unread_aborts_family_(prometheus::BuildCounter()
+                                .Name("losshead_unread_answer_aborts_total")
+                                .Help("Step streams ended ABORTED because an answer waited "
+                                      "--step_unread_timeout to be written (the client did not "
+                                      "read); their admissions and bytes were released")
+                                .Register(*registry_)),
       inflight_(inflight_family_.Add({})),
       heads_(heads_family_.Add({})),
-      stalls_(stalls_family_.Add({})) {}
+      stalls_(stalls_family_.Add({})),
+      unread_aborts_(unread_aborts_family_.Add({})) {}
 
 std::string Metrics::RenderText() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
@@ -189,6 +196,8 @@ void Metrics::Failure(absl::string_view method, int code) {
 }
 
 void Metrics::StalledMicrobatch() { stalls_.Increment(); }
+
+void Metrics::UnreadAnswerAbort() { unread_aborts_.Increment(); }
 
 void Metrics::Tokens(const std::string& head, uint64_t tokens) {
   tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));

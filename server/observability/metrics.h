@@ -43,8 +43,10 @@ class Metrics {
   void Microbatch(const std::string& head, absl::string_view outcome, int code = 0);
   // failures_total{method, reason} alone (a micro-batch for a head that does not exist).
   void Failure(absl::string_view method, int code);
-  // A micro-batch abandoned because its stream sent nothing for --step_stall_timeout.
+  // A micro-batch abandoned because its stream made no progress for --step_stall_timeout.
   void StalledMicrobatch();
+  // A Step stream ended because an answer waited --step_unread_timeout to be written.
+  void UnreadAnswerAbort();
   void Tokens(const std::string& head, uint64_t tokens);
   void Bytes(absl::string_view method, absl::string_view direction, uint64_t bytes);
   void InflightAdd(int64_t delta);
@@ -108,9 +110,11 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& window_microbatches_;
   prometheus::Family<prometheus::Gauge>& window_tokens_;
   prometheus::Family<prometheus::Gauge>& window_age_;
+  prometheus::Family<prometheus::Counter>& unread_aborts_family_;
   prometheus::Gauge& inflight_;
   prometheus::Gauge& heads_;
   prometheus::Counter& stalls_;
+  prometheus::Counter& unread_aborts_;
   std::atomic<int64_t> inflight_count_{0};
 };
 
