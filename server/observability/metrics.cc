@@ -169,7 +169,15 @@ Metrics::Metrics()
                               .Register(*registry_)),
       inflight_(inflight_family_.Add({})),
       heads_(heads_family_.Add({})),
-      stalls_(stalls_family_.Add({})) {}
+      stalls_(stalls_family_.Add({})) {
+  // Present from the start at 0, so that a rate over them is defined before the first event.
+  connections_open_.Add({});
+  connections_accepted_.Add({});
+  connections_refused_.Add({});
+  for (const char* reason : {"displaced", "first_call_timeout"}) {
+    connections_reaped_.Add({{"reason", reason}});
+  }
+}
 
 std::string Metrics::RenderText() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
