@@ -271,8 +271,8 @@ void Metrics::TokenReload(bool ok, size_t tokens_in_force) {
   AuthTokens(tokens_in_force);
 }
 
-void Metrics::RememberedResults(
-    size_t results, size_t bytes, const std::vector<std::pair<std::string, uint64_t>>& evictions) {
+void Metrics::RememberedResults(size_t results, size_t bytes,
+                                const std::vector<std::pair<std::string, uint64_t>>& evictions) {
   remembered_results_.Add({}).Set(static_cast<double>(results));
   remembered_bytes_.Add({}).Set(static_cast<double>(bytes));
   for (const auto& [cause, count] : evictions) {

@@ -77,10 +77,10 @@ class Metrics {
   // "server_bytes", "age": cumulative counts).
   void RememberedResults(size_t results, size_t bytes,
                          const std::vector<std::pair<std::string, uint64_t>>& evictions);
-  // Client connections on the gRPC TCP port (server/rpc/connection_guard.h): open now; one accepted;
-  // one refused at once (--max_connections reached by connections that all made a call); one
-  // closed for `reason` ("displaced": it had made no call and a new connection needed its place;
-  // "first_call_timeout").
+  // Client connections on the gRPC TCP port (server/rpc/connection_guard.h): open now; one
+  // accepted; one refused at once (--max_connections reached by connections that all made a call);
+  // one closed for `reason` ("displaced": it had made no call and a new connection needed its
+  // place; "first_call_timeout").
   void ConnectionsOpen(size_t count);
   void ConnectionAccepted();
   void ConnectionRefused();

@@ -142,8 +142,9 @@ std::optional<std::string> PeerKeyOfUri(absl::string_view uri) {
   return KeyOfSockaddr(addr);
 }
 
-absl::StatusOr<std::unique_ptr<ConnectionGuard>> ConnectionGuard::Listen(
-    const std::string& address, const Options& options, Metrics* metrics) {
+absl::StatusOr<std::unique_ptr<ConnectionGuard>> ConnectionGuard::Listen(const std::string& address,
+                                                                         const Options& options,
+                                                                         Metrics* metrics) {
   auto unavailable = [&address](absl::string_view why) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address, ": ", why));
   };
@@ -160,48 +161,79 @@ absl::StatusOr<std::unique_ptr<ConnectionGuard>> ConnectionGuard::Listen(
     host = address.substr(0, colon);
     port = address.substr(colon + 1);
   }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const int resolved =
-      getaddrinfo(host.empty() || host == "*" ? nullptr : host.c_str(), port.c_str(), &hints,
-                  &found);
-  if (resolved != 0) return unavailable(gai_strerror(resolved));
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> results(found, &freeaddrinfo);
-  bool has_v4 = false;
-  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) has_v4 |= a->ai_family == AF_INET;
+  int port_number = 0;
+  if (!absl::SimpleAtoi(port, &port_number) || port_number < 0 || port_number > 65535) {
+    return unavailable("bad port");
+  }
+
+  // The addresses to bind, in order. A wildcard host, as gRPC's own listener does it: one IPv6
+  // socket that takes IPv4 too (dual stack), or IPv4 alone where the host has no IPv6.
+  struct Candidate {
+    sockaddr_storage addr{};
+    socklen_t length = 0;
+    bool v6only = false;
+    bool fallback = false;  // only when nothing before it could be bound
+  };
+  std::vector<Candidate> candidates;
+  if (host.empty() || host == "*" || host == "0.0.0.0" || host == "::") {
+    Candidate v6;
+    auto& in6 = reinterpret_cast<sockaddr_in6&>(v6.addr);
+    in6.sin6_family = AF_INET6;
+    in6.sin6_addr = in6addr_any;
+    v6.length = sizeof(sockaddr_in6);
+    candidates.push_back(v6);
+    Candidate v4;
+    auto& in = reinterpret_cast<sockaddr_in&>(v4.addr);
+    in.sin_family = AF_INET;
+    in.sin_addr.s_addr = htonl(INADDR_ANY);
+    v4.length = sizeof(sockaddr_in);
+    v4.fallback = true;
+    candidates.push_back(v4);
+  } else {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    const int resolved = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
+    if (resolved != 0) return unavailable(gai_strerror(resolved));
+    bool has_v4 = false;
+    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      has_v4 |= a->ai_family == AF_INET;
+    }
+    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
+      Candidate c;
+      std::memcpy(&c.addr, a->ai_addr, a->ai_addrlen);
+      c.length = a->ai_addrlen;
+      c.v6only = has_v4;  // the host's IPv4 addresses have sockets of their own
+      candidates.push_back(c);
+    }
+    freeaddrinfo(found);
+  }
 
   std::vector<int> listeners;
-  auto close_all = [&listeners] {
-    for (int fd : listeners) close(fd);
-  };
-  int bound_port = 0;
+  int bound_port = port_number;
   std::string last_error = "no address";
-  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
-    sockaddr_storage addr{};
-    std::memcpy(&addr, a->ai_addr, a->ai_addrlen);
-    if (bound_port != 0) {  // port 0: every address on the port the first one got
-      if (a->ai_family == AF_INET) {
-        reinterpret_cast<sockaddr_in&>(addr).sin_port = htons(static_cast<uint16_t>(bound_port));
-      } else {
-        reinterpret_cast<sockaddr_in6&>(addr).sin6_port =
-            htons(static_cast<uint16_t>(bound_port));
-      }
+  for (Candidate& c : candidates) {
+    if (c.fallback && !listeners.empty()) break;
+    // Port 0: every address on the port the first one got.
+    if (c.addr.ss_family == AF_INET) {
+      reinterpret_cast<sockaddr_in&>(c.addr).sin_port = htons(static_cast<uint16_t>(bound_port));
+    } else {
+      reinterpret_cast<sockaddr_in6&>(c.addr).sin6_port = htons(static_cast<uint16_t>(bound_port));
     }
-    const int fd = socket(a->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    const int fd = socket(c.addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
       last_error = Errno(errno);
       continue;
     }
     // As gRPC's own listener: quick restarts on the port, no SO_REUSEPORT (a second server must
-    // not share the port silently), low latency; "[::]" alone also takes IPv4 (dual stack).
+    // not share the port silently), low latency.
     SetInt(fd, SOL_SOCKET, SO_REUSEADDR, 1);
     SetInt(fd, IPPROTO_TCP, TCP_NODELAY, 1);
-    if (a->ai_family == AF_INET6) SetInt(fd, IPPROTO_IPV6, IPV6_V6ONLY, has_v4 ? 1 : 0);
-    if (bind(fd, reinterpret_cast<const sockaddr*>(&addr), a->ai_addrlen) != 0 ||
+    if (c.addr.ss_family == AF_INET6) SetInt(fd, IPPROTO_IPV6, IPV6_V6ONLY, c.v6only ? 1 : 0);
+    if (bind(fd, reinterpret_cast<const sockaddr*>(&c.addr), c.length) != 0 ||
         listen(fd, SOMAXCONN) != 0) {
       const int error = errno;
       close(fd);
@@ -210,7 +242,7 @@ absl::StatusOr<std::unique_ptr<ConnectionGuard>> ConnectionGuard::Listen(
         last_error = Errno(error);
         continue;
       }
-      close_all();
+      for (int l : listeners) close(l);
       return unavailable(Errno(error));
     }
     if (bound_port == 0) {
@@ -242,12 +274,13 @@ ConnectionGuard::ConnectionGuard(std::vector<int> listeners, int port, const Opt
       epoll_fd_(epoll_create1(EPOLL_CLOEXEC)),
       wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
   if (epoll_fd_ < 0 || wake_fd_ < 0) return;
+  // Listeners and the wake-up descriptor carry id 0 (see Run).
   epoll_event event{};
   event.events = EPOLLIN;
-  event.data.fd = wake_fd_;
+  event.data.u64 = static_cast<uint32_t>(wake_fd_);
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &event);
   for (int fd : listeners_) {
-    event.data.fd = fd;
+    event.data.u64 = static_cast<uint32_t>(fd);
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event);
   }
   absl::MutexLock lock(&mu_);
@@ -356,25 +389,25 @@ void ConnectionGuard::Run() {
         for (int fd : listeners_) {
           epoll_event event{};
           event.events = EPOLLIN;
-          event.data.fd = fd;
+          event.data.u64 = static_cast<uint32_t>(fd);
           epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, fd, &event);
         }
       } else if (!paused && now < accept_paused_until_) {
         paused = true;
         for (int fd : listeners_) {
           epoll_event event{};  // no events: the queue waits in the kernel
-          event.data.fd = fd;
+          event.data.u64 = static_cast<uint32_t>(fd);
           epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, fd, &event);
         }
       }
       if (paused) wait = std::min(wait, accept_paused_until_ - now);
-      timeout_ms = static_cast<int>(
-          std::clamp<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))),
-                              1, 1000));
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(
+          absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))), 1, 1000));
     }
     const int n = epoll_wait(epoll_fd_, events, kEvents, timeout_ms);
     for (int i = 0; i < n; ++i) {
-      const int fd = events[i].data.fd;
+      const int fd = static_cast<int>(events[i].data.u64 & 0xffffffff);
+      const uint64_t id = events[i].data.u64 >> 32;
       if (fd == wake_fd_) {
         uint64_t count;
         [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
@@ -383,10 +416,16 @@ void ConnectionGuard::Run() {
       bool listener;
       {
         absl::MutexLock lock(&mu_);
-        listener = std::find(listeners_.begin(), listeners_.end(), fd) != listeners_.end();
+        listener =
+            id == 0 && std::find(listeners_.begin(), listeners_.end(), fd) != listeners_.end();
         if (!listener) {
-          // The peer hung up, or gRPC shut the socket down as it closed the connection.
-          if (connections_.contains(fd)) DropLocked(fd, /*shut=*/false);
+          // The peer hung up, or gRPC shut the socket down as it closed the connection. (An
+          // event of a watch closed earlier in this batch may name a number reused since: the
+          // id tells.)
+          auto at = connections_.find(fd);
+          if (at != connections_.end() && (at->second.id & 0xffffffff) == id) {
+            DropLocked(fd, /*shut=*/false);
+          }
           continue;
         }
       }
@@ -462,14 +501,16 @@ void ConnectionGuard::Admit(int listener, int fd, std::string key) {
       if (metrics_ != nullptr) metrics_->ConnectionRefused();
       return;
     }
+    const uint64_t id = (++last_id_ & 0xffffffff) == 0 ? ++last_id_ : last_id_;  // never 0
     epoll_event event{};
     event.events = EPOLLRDHUP;  // with EPOLLHUP and EPOLLERR, always reported; never data
-    event.data.fd = watch;
+    event.data.u64 = ((id & 0xffffffff) << 32) | static_cast<uint32_t>(watch);
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, watch, &event);
     // The same address and port again: the connection that had them is gone.
     if (auto old = by_peer_.find(key); old != by_peer_.end()) DropLocked(old->second, true);
     unproven_.push_back(watch);
     Connection& connection = connections_[watch];
+    connection.id = id;
     connection.peer = key;
     connection.grpc_fd = fd;
     connection.inode = st.st_ino;

@@ -68,7 +68,7 @@ std::optional<std::string> PeerKeyOfUri(absl::string_view uri);
 class ConnectionGuard {
  public:
   struct Options {
-    size_t max_connections = 1;       // >= 1
+    size_t max_connections = 1;                             // >= 1
     absl::Duration first_call_timeout = absl::Seconds(10);  // > 0
     // With bearer tokens only calls of losshead.v1.LossHead prove a connection (see above).
     bool tokens_required = false;
@@ -101,9 +101,10 @@ class ConnectionGuard {
 
  private:
   struct Connection {
-    std::string peer;       // PeerKeyOfUri's key
-    int grpc_fd = -1;       // gRPC's descriptor (the guard never acts on it)
-    uint64_t inode = 0;     // the socket's, to tell gRPC's descriptor from a reused number
+    uint64_t id = 0;     // its epoll events carry it: a watch number may be reused
+    std::string peer;    // PeerKeyOfUri's key
+    int grpc_fd = -1;    // gRPC's descriptor (the guard never acts on it)
+    uint64_t inode = 0;  // the socket's, to tell gRPC's descriptor from a reused number
     absl::Time accepted;
     bool proven = false;
     std::list<int>::iterator unproven_at;  // in unproven_, while not proven
@@ -141,6 +142,7 @@ class ConnectionGuard {
   absl::flat_hash_map<std::string, int> by_peer_ ABSL_GUARDED_BY(mu_);
   std::list<int> unproven_ ABSL_GUARDED_BY(mu_);  // watches, oldest accept first
   absl::Time next_sweep_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_id_ ABSL_GUARDED_BY(mu_) = 0;
   // Accepting paused after the process ran out of descriptors, until then.
   absl::Time accept_paused_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };

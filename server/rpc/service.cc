@@ -180,9 +180,8 @@ void LossHeadService::RefreshMemoryMetrics() const {
     const IdempotencyBudget::Usage usage = ctx_->remembered->usage();
     std::vector<std::pair<std::string, uint64_t>> evictions;
     for (size_t c = 0; c < IdempotencyBudget::kCauses; ++c) {
-      evictions.emplace_back(
-          IdempotencyBudget::CauseName(static_cast<IdempotencyBudget::Cause>(c)),
-          usage.evictions[c]);
+      evictions.emplace_back(IdempotencyBudget::CauseName(static_cast<IdempotencyBudget::Cause>(c)),
+                             usage.evictions[c]);
     }
     ctx_->metrics->RememberedResults(usage.results, usage.bytes, evictions);
   }

@@ -3,6 +3,8 @@
 // results over every head, checkpoints hold only those, results older than --idempotency_ttl go
 // even from an idle server, and a repeat of an evicted one is FAILED_PRECONDITION naming the
 // eviction, never computed again. Evictions are counted by cause.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -74,8 +76,10 @@ class RememberedResultsTest : public ::testing::Test {
   std::unique_ptr<client::Client> client_;
 };
 
-TEST_F(RememberedResultsTest, DistinctClientIdsKeepAtMostTheServerBudgetAndEvictedRepeatsCountNothing) {
-  const std::string dir = ::testing::TempDir() + "/remembered_results_checkpoints";
+TEST_F(RememberedResultsTest,
+       DistinctClientIdsKeepAtMostTheServerBudgetAndEvictedRepeatsCountNothing) {
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "/remembered_results_checkpoints.", getpid());
   std::filesystem::remove_all(dir);
   Start([&](server::ServerOptions& o) {
     o.idempotency_total_bytes = kBudget;
@@ -127,9 +131,8 @@ TEST_F(RememberedResultsTest, DistinctClientIdsKeepAtMostTheServerBudgetAndEvict
   EXPECT_TRUE(Now(heads[0].name) == before);
   // The newest one replays.
   const int last = kClients - 1;
-  auto replayed =
-      client_->Step(ToMicrobatch(heads[last % 2].name, absl::StrCat("client-", last), 1,
-                                 batches[last]));
+  auto replayed = client_->Step(
+      ToMicrobatch(heads[last % 2].name, absl::StrCat("client-", last), 1, batches[last]));
   ASSERT_TRUE(replayed.ok()) << replayed.status();
   EXPECT_TRUE(replayed->replayed);
 
@@ -140,6 +143,8 @@ TEST_F(RememberedResultsTest, DistinctClientIdsKeepAtMostTheServerBudgetAndEvict
   for (const v1::HeadCheckpoint& h : checkpoint->heads()) written += h.bytes();
   const size_t tensors = 2 * 2 * kV * kD * sizeof(float);
   EXPECT_LE(written, tensors + kBudget + kResultBytes + (64 << 10)) << written;
+  server_.reset();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(RememberedResultsTest, ResultsOlderThanTheTtlAreEvictedEvenFromAnIdleServer) {
