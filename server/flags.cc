@@ -39,6 +39,12 @@ ABSL_FLAG(uint64_t, idempotency_window, 64,
           "Completed micro-batch results remembered per (head, client id) for replay");
 ABSL_FLAG(uint64_t, idempotency_max_bytes, uint64_t{256} << 20,
           "Byte cap of the remembered results per (head, client id)");
+ABSL_FLAG(uint64_t, idempotency_total_bytes, uint64_t{4} << 30,
+          "Server-wide byte cap of the remembered results, over every head and client id: beyond "
+          "it the oldest are evicted (a repeat of one is FAILED_PRECONDITION, never recomputed)");
+ABSL_FLAG(absl::Duration, idempotency_ttl, absl::Hours(1),
+          "Remembered results older than this are evicted (a repeat of one is "
+          "FAILED_PRECONDITION, never recomputed); 'inf': kept until another bound evicts them");
 ABSL_FLAG(uint64_t, max_inflight_per_stream, 4,
           "Micro-batches a Step stream may have received and not yet had answered");
 ABSL_FLAG(uint64_t, max_inflight_microbatches, 1024,
@@ -65,6 +71,16 @@ ABSL_FLAG(absl::Duration, step_unread_timeout, absl::Seconds(15),
           "is ended ABORTED and everything it holds is released: admissions, reserved bytes and "
           "the answers themselves (what was computed stays counted; a client id and sequence "
           "replay it). 'inf' disables it; > 0");
+ABSL_FLAG(uint64_t, max_connections, 0,
+          "Most client connections open on the TCP port; beyond it a new connection takes the "
+          "place of the oldest one that has made no call, or is closed at once when all have "
+          "(0: from the descriptor limit, (limit - min(1024, limit / 4)) / 2)");
+ABSL_FLAG(absl::Duration, first_call_timeout, absl::Seconds(10),
+          "A connection that has not made a call the server accepted (with --auth_tokens_file: a "
+          "losshead call with a valid token) within this long of its accept is closed; > 0");
+ABSL_FLAG(absl::Duration, max_connection_idle, absl::Minutes(15),
+          "A connection without a call for this long is closed (its client reconnects at its next "
+          "call); 'inf': never");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory of head checkpoints: restored at start, written on demand, periodically and "
           "at shutdown; empty disables checkpoints");
@@ -133,8 +149,22 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   }
   o.idempotency_window = absl::GetFlag(FLAGS_idempotency_window);
   o.idempotency_max_bytes = absl::GetFlag(FLAGS_idempotency_max_bytes);
+  o.idempotency_total_bytes = absl::GetFlag(FLAGS_idempotency_total_bytes);
+  o.idempotency_ttl = absl::GetFlag(FLAGS_idempotency_ttl);
+  if (o.idempotency_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--idempotency_ttl must be > 0 ('inf' for none)");
+  }
   o.max_inflight_per_stream = absl::GetFlag(FLAGS_max_inflight_per_stream);
   o.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  o.max_connections = absl::GetFlag(FLAGS_max_connections);
+  o.first_call_timeout = absl::GetFlag(FLAGS_first_call_timeout);
+  if (o.first_call_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--first_call_timeout must be > 0");
+  }
+  o.max_connection_idle = absl::GetFlag(FLAGS_max_connection_idle);
+  if (o.max_connection_idle <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--max_connection_idle must be > 0 ('inf' for never)");
+  }
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);

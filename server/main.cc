@@ -1,5 +1,7 @@
 // losshead-server: serves losshead.v1.LossHead until SIGTERM or SIGINT, then drains and exits.
 // SIGHUP re-reads --auth_tokens_file (token rotation without a restart).
+#include <sys/resource.h>
+
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -25,6 +27,20 @@ volatile std::sig_atomic_t g_reload_requested = 0;
 void OnSignal(int signal) { g_stop_signal = signal; }
 void OnReload(int /*signal*/) { g_reload_requested = 1; }
 
+// Every client connection takes descriptors (server/rpc/connection_guard.h), and the soft limit
+// is often 1024 where the hard one allows far more: take what the hard limit allows. The default
+// of --max_connections is derived from the result.
+void RaiseDescriptorLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  const rlim_t was = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    std::fprintf(stderr, "losshead-server: cannot raise the descriptor limit from %llu\n",
+                 static_cast<unsigned long long>(was));
+  }
+}
+
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
   return colon == std::string::npos ? address : address.substr(0, colon);
@@ -36,6 +52,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "losshead-server: the fused LM-head (linear + cross-entropy) gRPC service");
   absl::ParseCommandLine(argc, argv);
+  RaiseDescriptorLimit();
   // gRPC's message buffers stay mapped between messages (see heap_tuning.h).
   losshead::v1::KeepTransferBuffersMapped();
   // Held for the life of the process and never released: gRPC's library teardown, which the last

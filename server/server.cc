@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -18,12 +19,14 @@
 #include "losshead/v1/transport_args.h"
 #include "server/durability/checkpointer.h"
 #include "server/engine/head_registry.h"
+#include "server/engine/idempotency_budget.h"
 #include "server/engine/pinned_pool.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/metrics_endpoint.h"
 #include "server/observability/step_trace.h"
+#include "server/rpc/connection_guard.h"
 #include "server/rpc/live_calls.h"
 #include "server/rpc/service.h"
 #include "server/rpc/service_context.h"
@@ -37,6 +40,15 @@ constexpr char kServiceName[] = "losshead.v1.LossHead";
 // How long connections left open at shutdown, once no call of ours runs, may stay before they
 // are closed (see Shutdown); never past the caller's deadline.
 constexpr absl::Duration kConnectionGrace = absl::Milliseconds(500);
+// Keepalive pings without data a client may send (see the channel arguments in Init).
+constexpr absl::Duration kMinPingInterval = absl::Seconds(10);
+constexpr int kMaxStreamsPerConnection = 1000;
+
+// A duration as a channel argument: milliseconds, at most INT_MAX.
+int MillisecondsArg(absl::Duration d) {
+  return static_cast<int>(
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, std::numeric_limits<int>::max()));
+}
 
 SecurityOptions SecurityOf(const ServerOptions& options) {
   return SecurityOptions{.tls_cert_file = options.tls_cert_file,
@@ -81,11 +93,21 @@ class ServerImpl final : public Server {
     // half of the results of 32 streams were allocated afresh (BENCHMARKS.md).
     auto results = std::make_shared<ResultPool>(options_.max_inflight_bytes);
     ctx_.results = results;
+    // Remembered results over every head: bounded in bytes and age. Results past the ttl also leave
+    // an idle server, within a tenth of the ttl (at least every second, at most every minute).
+    auto remembered = std::make_shared<IdempotencyBudget>(IdempotencyBudget::Limits{
+        .total_bytes = options_.idempotency_total_bytes, .ttl = options_.idempotency_ttl});
+    if (options_.idempotency_ttl != absl::InfiniteDuration()) {
+      remembered->StartExpiry(
+          std::clamp(options_.idempotency_ttl / 10, absl::Seconds(1), absl::Minutes(1)));
+    }
+    ctx_.remembered = remembered;
     registry_ = std::make_unique<HeadRegistry>(
         devices,
         HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
                     .idempotency_window = options_.idempotency_window,
                     .idempotency_max_bytes_per_client = options_.idempotency_max_bytes,
+                    .idempotency_budget = remembered,
                     .grad_stash_bytes = options_.grad_stash_bytes,
                     .grad_stash_idle = options_.grad_stash_idle,
                     .results = results,
@@ -148,7 +170,50 @@ class ServerImpl final : public Server {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(options_.listen_address, security_.credentials, &port_);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors;
+    interceptors.push_back(live_calls_.CountingFactory());
+    if (absl::StartsWith(options_.listen_address, "unix:") ||
+        absl::StartsWith(options_.listen_address, "unix-abstract:")) {
+      builder.AddListeningPort(options_.listen_address, security_.credentials, &port_);
+    } else {
+      // TCP: the guard accepts, bounds and reaps the connections (connection_guard.h).
+      const size_t descriptors = DescriptorLimit();
+      const size_t max_connections = options_.max_connections != 0
+                                         ? options_.max_connections
+                                         : DefaultMaxConnections(descriptors);
+      auto guard = ConnectionGuard::Listen(
+          options_.listen_address,
+          ConnectionGuard::Options{.max_connections = max_connections,
+                                   .first_call_timeout = options_.first_call_timeout,
+                                   .tokens_required = security_.tokens != nullptr},
+          metrics_.get());
+      if (!guard.ok()) return guard.status();
+      connection_guard_ = std::move(*guard);
+      port_ = connection_guard_->port();
+      interceptors.push_back(connection_guard_->AddTo(builder, security_.credentials));
+      std::fprintf(stderr,
+                   "losshead-server: at most %zu client connections (descriptor limit %zu)\n",
+                   max_connections, descriptors);
+    }
+    // The rest of the connection limits, gRPC's own: a handshake (TLS, the HTTP/2 preface and
+    // settings) must end within the first-call timeout; a connection without calls is closed
+    // after max_connection_idle (a long Step stream is a call: its connection is never idle);
+    // pings without data are allowed every 10 s (clients that keep connections alive through a
+    // proxy ping every 20-60 s), and a peer pinging faster is told to go away at the second
+    // offence. Streams per connection are bounded; a client needs a handful (one Step stream and
+    // its unary calls per connection in this project's clients). There is no maximum connection
+    // age: it would end long Step streams.
+    builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                               MillisecondsArg(options_.first_call_timeout));
+    if (options_.max_connection_idle != absl::InfiniteDuration()) {
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                                 MillisecondsArg(options_.max_connection_idle));
+    }
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                               MillisecondsArg(kMinPingInterval));
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
     const int max_message = static_cast<int>(
         std::min<size_t>(options_.max_message_bytes, std::numeric_limits<int>::max()));
     builder.SetMaxReceiveMessageSize(max_message);
@@ -161,14 +226,13 @@ class ServerImpl final : public Server {
       }
     }
     builder.RegisterService(service_.get());
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counting;
-    counting.push_back(live_calls_.CountingFactory());
-    builder.experimental().SetInterceptorCreators(std::move(counting));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port_ == 0) {
       server_.reset();
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen_address));
     }
+    if (connection_guard_ != nullptr) connection_guard_->Start();
     if (auto* health = server_->GetHealthCheckService()) {
       health->SetServingStatus(true);
       health->SetServingStatus(kServiceName, true);
@@ -232,6 +296,7 @@ class ServerImpl final : public Server {
       // connections that stayed, rather than waiting for their clients to hang up. The grace lets
       // a finished call's last bytes, still in the socket buffers, reach its client: closing a
       // socket with unread input resets it, and the peer's kernel drops what it had not read.
+      if (connection_guard_ != nullptr) connection_guard_->StopAccepting();
       server_->Shutdown(absl::ToChronoTime(std::min(until, absl::Now() + kConnectionGrace)));
     }
     if (pool_ != nullptr) pool_->Shutdown();
@@ -265,6 +330,8 @@ class ServerImpl final : public Server {
   ServiceContext ctx_;
   std::unique_ptr<LossHeadService> service_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
+  // Before server_: it outlives the calls whose interceptor factory it is.
+  std::unique_ptr<ConnectionGuard> connection_guard_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   int metrics_port_ = 0;

@@ -39,6 +39,10 @@ struct ServerOptions {
   // ... and at most this many bytes of them (dH + per-token losses) per (head, client id); the
   // newest result is always kept. See server/engine/idempotency_cache.h.
   size_t idempotency_max_bytes = size_t{256} << 20;
+  // Server-wide, over every head and client id: at most this many bytes of remembered results
+  // (the oldest leave first), and none older than the ttl (server/engine/idempotency_budget.h).
+  size_t idempotency_total_bytes = size_t{4} << 30;
+  absl::Duration idempotency_ttl = absl::Hours(1);
   // A micro-batch whose hidden + target bytes exceed this is answered RESOURCE_EXHAUSTED.
   size_t max_microbatch_bytes = size_t{1} << 30;
   // Micro-batches one Step stream may have received and not yet had answered (pipelining depth).
@@ -64,6 +68,14 @@ struct ServerOptions {
   // the drain.
   std::string checkpoint_dir;
   absl::Duration checkpoint_interval = absl::Seconds(60);
+  // Client connections on a TCP listen address (server/rpc/connection_guard.h): at most this many
+  // open (0: DefaultMaxConnections of the descriptor limit at Start); one that has not made a
+  // call the server accepted within `first_call_timeout` of its accept is closed, and so is the
+  // oldest such one when a new connection needs its place. Connections with no call for
+  // `max_connection_idle` are closed by gRPC (infinite: never).
+  size_t max_connections = 0;
+  absl::Duration first_call_timeout = absl::Seconds(10);
+  absl::Duration max_connection_idle = absl::Minutes(15);
   // Bound on the wait for in-flight work at shutdown.
   absl::Duration drain_timeout = absl::Seconds(30);
   // Security (server/security/security.h, server/security/auth.h); the files are read at Start,

@@ -155,7 +155,8 @@ Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernel
       options_(options),
       results_(options.results != nullptr ? options.results
                                           : std::make_shared<ResultPool>(kIdleResultBytes)),
-      cache_(options.idempotency_window, options.idempotency_max_bytes_per_client),
+      cache_(options.idempotency_window, options.idempotency_max_bytes_per_client,
+             options.idempotency_budget),
       applies_(options.apply_window) {
   absl::MutexLock lock(&state_mu_);
   defaults_ = spec.default_options();

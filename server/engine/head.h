@@ -41,6 +41,7 @@
 #include "server/engine/compute_queue.h"
 #include "server/engine/head_checkpoint.h"
 #include "server/engine/head_optimizer.h"
+#include "server/engine/idempotency_budget.h"
 #include "server/engine/idempotency_cache.h"
 #include "server/engine/pinned_pool.h"
 #include "server/engine/replica_group.h"
@@ -55,6 +56,9 @@ struct HeadOptions {
   size_t workspace_budget_bytes = size_t{1} << 30;  // handed to Backend::WorkspaceBytes
   size_t idempotency_window = 64;
   size_t idempotency_max_bytes_per_client = size_t{256} << 20;
+  // The server-wide bound (bytes, age) on remembered results, shared by every head of a server;
+  // null: the head's results have none beyond the two above.
+  std::shared_ptr<IdempotencyBudget> idempotency_budget;
   size_t apply_window = 16;  // optimizer responses remembered per client id (ApplyLog)
   // Deferred dW (docs/deferred-dw.md): bytes of the gradient stash on each device of a head (a
   // shard's stash holds its columns of G); 0 = off. Counted micro-batches that fit leave G and H

@@ -165,10 +165,51 @@ Metrics::Metrics()
                                       "--step_unread_timeout to be written (the client did not "
                                       "read); their admissions and bytes were released")
                                 .Register(*registry_)),
+      remembered_results_(prometheus::BuildGauge()
+                              .Name("losshead_idempotency_results")
+                              .Help("Micro-batch results remembered for replay, over every head")
+                              .Register(*registry_)),
+      remembered_bytes_(prometheus::BuildGauge()
+                            .Name("losshead_idempotency_bytes")
+                            .Help("Bytes of the remembered results (bounded by "
+                                  "--idempotency_total_bytes)")
+                            .Register(*registry_)),
+      remembered_evictions_(prometheus::BuildCounter()
+                                .Name("losshead_idempotency_evictions_total")
+                                .Help("Remembered results evicted, by cause: window, "
+                                      "client_bytes, server_bytes, age")
+                                .Register(*registry_)),
+      connections_open_(prometheus::BuildGauge()
+                            .Name("losshead_connections_open")
+                            .Help("Client connections open on the gRPC TCP port")
+                            .Register(*registry_)),
+      connections_accepted_(prometheus::BuildCounter()
+                                .Name("losshead_connections_accepted_total")
+                                .Help("Client connections accepted on the gRPC TCP port")
+                                .Register(*registry_)),
+      connections_refused_(prometheus::BuildCounter()
+                               .Name("losshead_connections_refused_total")
+                               .Help("Connections closed at once: --max_connections were open "
+                                     "and every one had made a call")
+                               .Register(*registry_)),
+      connections_reaped_(prometheus::BuildCounter()
+                              .Name("losshead_connections_reaped_total")
+                              .Help("Connections closed before they made a call, by reason: "
+                                    "displaced (a new one needed the place at "
+                                    "--max_connections), first_call_timeout")
+                              .Register(*registry_)),
       inflight_(inflight_family_.Add({})),
       heads_(heads_family_.Add({})),
       stalls_(stalls_family_.Add({})),
-      unread_aborts_(unread_aborts_family_.Add({})) {}
+      unread_aborts_(unread_aborts_family_.Add({})) {
+  // Present from the start at 0, so that a rate over them is defined before the first event.
+  connections_open_.Add({});
+  connections_accepted_.Add({});
+  connections_refused_.Add({});
+  for (const char* reason : {"displaced", "first_call_timeout"}) {
+    connections_reaped_.Add({{"reason", reason}});
+  }
+}
 
 std::string Metrics::RenderText() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
@@ -280,6 +321,29 @@ void Metrics::HeadWindow(const std::string& head, uint64_t microbatches, uint64_
   for (auto* family : {&discards_, &discarded_microbatches_, &discarded_tokens_}) {
     family->Add({{"head", head}});
   }
+}
+
+void Metrics::RememberedResults(size_t results, size_t bytes,
+                                const std::vector<std::pair<std::string, uint64_t>>& evictions) {
+  remembered_results_.Add({}).Set(static_cast<double>(results));
+  remembered_bytes_.Add({}).Set(static_cast<double>(bytes));
+  for (const auto& [cause, count] : evictions) {
+    prometheus::Counter& counter = remembered_evictions_.Add({{"cause", cause}});
+    const double more = static_cast<double>(count) - counter.Value();
+    if (more > 0) counter.Increment(more);
+  }
+}
+
+void Metrics::ConnectionsOpen(size_t count) {
+  connections_open_.Add({}).Set(static_cast<double>(count));
+}
+
+void Metrics::ConnectionAccepted() { connections_accepted_.Add({}).Increment(); }
+
+void Metrics::ConnectionRefused() { connections_refused_.Add({}).Increment(); }
+
+void Metrics::ConnectionReaped(absl::string_view reason) {
+  connections_reaped_.Add({{"reason", std::string(reason)}}).Increment();
 }
 
 void Metrics::RemoveHead(const std::string& head) {

@@ -7,6 +7,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -78,6 +80,19 @@ class Metrics {
   // first micro-batch (0 while empty).
   void HeadWindow(const std::string& head, uint64_t microbatches, uint64_t tokens,
                   absl::Duration age);
+  // Remembered micro-batch results over every head (server/engine/idempotency_budget.h): how many
+  // and their bytes now, and evictions since the start by cause ("window", "client_bytes",
+  // "server_bytes", "age": cumulative counts).
+  void RememberedResults(size_t results, size_t bytes,
+                         const std::vector<std::pair<std::string, uint64_t>>& evictions);
+  // Client connections on the gRPC TCP port (server/rpc/connection_guard.h): open now; one
+  // accepted; one refused at once (--max_connections reached by connections that all made a call);
+  // one closed for `reason` ("displaced": it had made no call and a new connection needed its
+  // place; "first_call_timeout").
+  void ConnectionsOpen(size_t count);
+  void ConnectionAccepted();
+  void ConnectionRefused();
+  void ConnectionReaped(absl::string_view reason);
   // Drops every series labelled with `head`.
   void RemoveHead(const std::string& head);
 
@@ -111,6 +126,13 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& window_tokens_;
   prometheus::Family<prometheus::Gauge>& window_age_;
   prometheus::Family<prometheus::Counter>& unread_aborts_family_;
+  prometheus::Family<prometheus::Gauge>& remembered_results_;
+  prometheus::Family<prometheus::Gauge>& remembered_bytes_;
+  prometheus::Family<prometheus::Counter>& remembered_evictions_;
+  prometheus::Family<prometheus::Gauge>& connections_open_;
+  prometheus::Family<prometheus::Counter>& connections_accepted_;
+  prometheus::Family<prometheus::Counter>& connections_refused_;
+  prometheus::Family<prometheus::Counter>& connections_reaped_;
   prometheus::Gauge& inflight_;
   prometheus::Gauge& heads_;
   prometheus::Counter& stalls_;

@@ -178,6 +178,15 @@ void LossHeadService::RefreshMemoryMetrics() const {
                                  ctx_->pinned != nullptr ? ctx_->pinned->idle_bytes() : 0,
                                  ctx_->results != nullptr ? ctx_->results->idle_bytes() : 0);
   ctx_->metrics->Heads(count);
+  if (ctx_->remembered != nullptr) {
+    const IdempotencyBudget::Usage usage = ctx_->remembered->usage();
+    std::vector<std::pair<std::string, uint64_t>> evictions;
+    for (size_t c = 0; c < IdempotencyBudget::kCauses; ++c) {
+      evictions.emplace_back(IdempotencyBudget::CauseName(static_cast<IdempotencyBudget::Cause>(c)),
+                             usage.evictions[c]);
+    }
+    ctx_->metrics->RememberedResults(usage.results, usage.bytes, evictions);
+  }
 }
 
 }  // namespace losshead::server

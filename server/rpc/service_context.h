@@ -16,6 +16,7 @@
 #include "losshead/kernels/backend.h"
 #include "server/engine/admission.h"
 #include "server/engine/head_registry.h"
+#include "server/engine/idempotency_budget.h"
 #include "server/engine/pinned_pool.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/thread_pool.h"
@@ -75,6 +76,9 @@ struct ServiceContext {
   std::shared_ptr<PinnedPool> pinned;
   // Every head's dH buffers (HeadOptions::results); null when heads keep their own.
   std::shared_ptr<ResultPool> results;
+  // The server-wide budget of remembered results (HeadOptions::idempotency_budget), for metrics;
+  // null when heads have none.
+  std::shared_ptr<IdempotencyBudget> remembered;
   // Null unless --step_trace names a file.
   StepTrace* step_trace = nullptr;
   size_t max_message_bytes = size_t{4} << 20;

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,13 +23,35 @@ namespace {
 
 constexpr char kServingLine[] = "serving gRPC on ";
 
+// fork + exec with the child's descriptor limit set in between (posix_spawn cannot set one). The
+// child calls only async-signal-safe functions before exec.
+absl::StatusOr<pid_t> ForkWithLimit(const std::string& binary, const std::vector<char*>& argv,
+                                    const std::string& log_path, uint64_t open_files_limit) {
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    const rlimit limit{.rlim_cur = open_files_limit, .rlim_max = open_files_limit};
+    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (setrlimit(RLIMIT_NOFILE, &limit) != 0 || log < 0 || dup2(log, STDOUT_FILENO) < 0 ||
+        dup2(log, STDERR_FILENO) < 0) {
+      _exit(127);
+    }
+    execve(binary.c_str(), argv.data(), environ);
+    _exit(127);
+  }
+  return pid;
+}
+
 absl::StatusOr<pid_t> Spawn(const std::string& binary, const std::vector<std::string>& flags,
-                            const std::string& log_path) {
+                            const std::string& log_path, const SpawnOptions& spawn = {}) {
   std::vector<std::string> args = {binary};
   args.insert(args.end(), flags.begin(), flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  if (spawn.open_files_limit != 0) {
+    return ForkWithLimit(binary, argv, log_path, spawn.open_files_limit);
+  }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
@@ -59,12 +82,13 @@ std::string ReadText(const std::string& path) {
 }
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
-    const std::string& binary, const std::vector<std::string>& flags, const std::string& log_path) {
+    const std::string& binary, const std::vector<std::string>& flags, const std::string& log_path,
+    const SpawnOptions& spawn) {
   // Earlier runs may have logged to the same file: look for the port after its current end.
   const size_t offset = ReadText(log_path).size();
   std::vector<std::string> all = {"--listen=127.0.0.1:0", "--metrics_listen="};
   all.insert(all.end(), flags.begin(), flags.end());
-  absl::StatusOr<pid_t> pid = Spawn(binary, all, log_path);
+  absl::StatusOr<pid_t> pid = Spawn(binary, all, log_path, spawn);
   if (!pid.ok()) return pid.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   while (absl::Now() < deadline) {

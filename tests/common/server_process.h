@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,14 +14,21 @@
 
 namespace losshead::testing {
 
+// How to spawn the process beyond its flags.
+struct SpawnOptions {
+  // When not 0: the child's RLIMIT_NOFILE, soft and hard (so the server cannot raise it).
+  uint64_t open_files_limit = 0;
+};
+
 class ServerProcess {
  public:
-  // Spawns `binary` with `flags` (plus --listen=127.0.0.1:0 and no metrics endpoint), stdout and
-  // stderr appended to `log_path`, and waits until it logs its port. If the process exits first,
-  // FAILED_PRECONDITION carrying its exit code and log.
+  // Spawns `binary` with `flags` (after --listen=127.0.0.1:0 and no metrics endpoint, which flags
+  // may override), stdout and stderr appended to `log_path`, and waits until it logs its port. If
+  // the process exits first, FAILED_PRECONDITION carrying its exit code and log.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(const std::string& binary,
                                                               const std::vector<std::string>& flags,
-                                                              const std::string& log_path);
+                                                              const std::string& log_path,
+                                                              const SpawnOptions& spawn = {});
   // Runs `binary` with `flags` expecting it to exit by itself within `timeout` (a server that
   // refuses to start); returns its exit code (DEADLINE_EXCEEDED, after killing it, otherwise).
   static absl::StatusOr<int> RunToExit(const std::string& binary,

@@ -1,6 +1,12 @@
 #include "tests/load/load_util.h"
 
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -81,6 +87,45 @@ v1::Stats WaitForStats(client::Client& client, const std::function<bool(const v1
     absl::SleepFor(absl::Milliseconds(5));
   }
   return last;
+}
+
+int IdleConnection(int port) {
+  static constexpr char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\4\0\0\0\0\0";
+  constexpr size_t kPrefaceBytes = sizeof(kPreface) - 1;
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      send(fd, kPreface, kPrefaceBytes, MSG_NOSIGNAL) != static_cast<ssize_t>(kPrefaceBytes)) {
+    const int error = errno;
+    close(fd);
+    errno = error;
+    return -1;
+  }
+  return fd;
+}
+
+bool ClosedByServer(int fd) {
+  char buffer[4096];
+  while (true) {
+    const ssize_t got = recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT);
+    if (got == 0) return true;
+    if (got < 0) return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+  }
+}
+
+bool WaitClosedByServer(int fd, absl::Duration limit) {
+  const absl::Time until = absl::Now() + limit;
+  while (!ClosedByServer(fd)) {
+    const absl::Duration left = until - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    pollfd p{fd, POLLIN, 0};
+    poll(&p, 1, static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(left), 1, 100)));
+  }
+  return true;
 }
 
 }  // namespace losshead::testing

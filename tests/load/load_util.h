@@ -34,6 +34,15 @@ std::vector<v1::StepRequest> StepMessages(const client::Microbatch& mb, int piec
 v1::Stats WaitForStats(client::Client& client, const std::function<bool(const v1::Stats&)>& pred,
                        absl::Duration limit = absl::Seconds(30));
 
+// A TCP connection to 127.0.0.1:`port` that sends the HTTP/2 client preface (the magic and an
+// empty SETTINGS frame) and nothing else; -1 on failure (errno set).
+int IdleConnection(int port);
+// Reads what the server sent on `fd` (its SETTINGS, a GOAWAY) without waiting: true once the
+// server has closed the connection, false while it is open.
+bool ClosedByServer(int fd);
+// Waits up to `limit` for the server to close `fd`; true if it did.
+bool WaitClosedByServer(int fd, absl::Duration limit);
+
 }  // namespace losshead::testing
 
 #endif  // LOSSHEAD_TESTS_LOAD_LOAD_UTIL_H_
