@@ -36,6 +36,8 @@ int RunList();
 int RunDelete();
 int RunStats();
 int RunHealth();
+int RunExport();
+int RunImport();
 
 }  // namespace losshead::cli
 

@@ -86,8 +86,8 @@ TEST(MetricsTest, ScrapedCountersMatchTrafficAndEveryDocumentedMetricIsExported)
     ASSERT_TRUE(body.ok()) << body.status();
     e = ParseExposition(*body);
     ASSERT_TRUE(e.ok()) << e.status();
-    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "OK"}}) >= 1 &&
-        e->Sum("losshead_rpcs_total", {{"method", "PullGradient"}, {"code", "OK"}}) >= 1) {
+    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "ok"}}) >= 1 &&
+        e->Sum("losshead_rpcs_total", {{"method", "PullGradient"}, {"code", "ok"}}) >= 1) {
       break;
     }
     ASSERT_LT(absl::Now(), give_up) << "the Step and pull calls were never counted:\n" << *body;
@@ -122,8 +122,8 @@ TEST(MetricsTest, ScrapedCountersMatchTrafficAndEveryDocumentedMetricIsExported)
                    {{"head", "metered"}, {"phase", "compute"}}),
             3);
   // Finished RPCs by code: at least the Step call, the pull and the failed GetHead.
-  EXPECT_GE(e->Sum("losshead_rpcs_total", {{"code", "OK"}}), 3);
-  EXPECT_GE(e->Sum("losshead_rpcs_total", {{"code", "NOT_FOUND"}}), 1);
+  EXPECT_GE(e->Sum("losshead_rpcs_total", {{"code", "ok"}}), 3);
+  EXPECT_GE(e->Sum("losshead_rpcs_total", {{"code", "not_found"}}), 1);
 
   // Histograms: cumulative buckets, +Inf bucket == _count, every series of one family consistent.
   for (const auto& [family, type] : e->types) {
