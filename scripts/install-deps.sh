@@ -21,6 +21,7 @@ test_packages=(
   # installs the package into a venv that sees these system packages; no other index is needed).
   python3 python3-venv python3-pip python3-setuptools python3-wheel
   python3-pytest python3-numpy python3-torch python3-grpcio python3-protobuf
+  python3-yaml  # tests/deploy/manifests_test.py parses the compose file and the manifests
 )
 packages=("${build_packages[@]}")
 case "${1:-}" in
