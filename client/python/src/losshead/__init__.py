@@ -7,12 +7,15 @@ health, checkpoints), with retries (`RetryPolicy`), bearer tokens and TLS; its t
 through the C++ client (liblosshead_capi.so) when `native_available()`, else through grpcio.
 `RemoteLMHead` is an nn.Module whose forward/backward run on the server;
 `RemoteHeadOptimizer` mirrors the remote W locally so any torch.optim optimizer can step it.
+`export_checkpoint` turns a server checkpoint file into safetensors (offline, through the
+`losshead` tool); `import_safetensors` seeds a head from one.
 """
 
 from losshead.client import (Client, ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
                              LossOptions, StepResult, StepStream, Weights, combine_results)
 from losshead._native import native_available, native_library
 from losshead.errors import LossheadError
+from losshead.export import export_checkpoint, import_safetensors, load_safetensors
 from losshead.optim import ApplyResult, RemoteAdamW, RemoteSGD, step_with_clipping
 from losshead.retry import RetryPolicy
 from losshead.torch_bridge import (RemoteHeadOptimizer, RemoteLMHead, scale_gradients_,
@@ -24,5 +27,6 @@ __all__ = [
     "RemoteSGD", "RetryPolicy", "StepResult", "StepStream", "Weights",
     "combine_results", "native_available", "native_library", "scale_gradients_",
     "step_with_clipping", "token_losses",
+    "export_checkpoint", "import_safetensors", "load_safetensors",
 ]
 __version__ = "0.1.0"
