@@ -37,6 +37,7 @@ int RunDelete();
 int RunStats();
 int RunHealth();
 int RunExport();
+int RunProgress();
 int RunImport();
 
 }  // namespace losshead::cli

@@ -194,6 +194,14 @@ int RunExport() {
                                    ", \"bytes\": ", t.data.size(), ", \"sha256\": \"",
                                    Sha256Hex(t.data), "\"}"));
   }
+  // What the checkpoint holds of each client id: after a crash, its micro-batches above
+  // persisted_sequence were lost (GetClientProgress says the same of a restarted server).
+  std::vector<std::string> clients;
+  for (const server::ClientCheckpoint& c : data->clients) {
+    clients.push_back(absl::StrCat(
+        "    {\"client_id\": ", JsonString(c.client_id), ", \"persisted_sequence\": ",
+        c.max_applied.has_value() ? absl::StrCat(*c.max_applied) : "null", "}"));
+  }
   const std::string slash_free = out.substr(out.rfind('/') + 1);
   const std::string manifest = absl::StrCat(
       "{\n  \"format\": \"losshead-export/1\",\n",
@@ -207,6 +215,8 @@ int RunExport() {
       "  \"optimizer_step\": ", data->optimizer_step, ",\n",
       "  \"tokens_total\": ", data->tokens_total, ",\n",
       "  \"tokens_since_pull\": ", data->tokens_since_pull, ",\n",
+      "  \"clients\": [", clients.empty() ? "" : "\n", absl::StrJoin(clients, ",\n"),
+      clients.empty() ? "" : "\n  ", "],\n",
       "  \"tensors\": [\n", absl::StrJoin(entries, ",\n"), "\n  ]\n}\n");
   const std::string manifest_path = ManifestPath(out);
   if (absl::Status s = WriteTextFile(manifest_path, manifest); !s.ok()) return Fail(s);

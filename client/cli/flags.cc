@@ -84,3 +84,6 @@ ABSL_FLAG(std::string, safetensors, "", "import: the safetensors file holding --
 ABSL_FLAG(bool, create, true,
           "import: create --head (V x D and dtype of the tensor, --replicas/--shards, "
           "--matmul_precision) before pushing W; false pushes into an existing head");
+ABSL_FLAG(std::string, client_id, "",
+          "progress: the client id whose acknowledged (applied) and persisted (checkpointed) "
+          "sequences to print; after a crash, micro-batches above persisted were lost");

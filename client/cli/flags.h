@@ -50,6 +50,8 @@ ABSL_DECLARE_FLAG(bool, dedicated_connections);
 ABSL_DECLARE_FLAG(bool, fresh_results);
 ABSL_DECLARE_FLAG(bool, zero_head);
 
+// progress
+ABSL_DECLARE_FLAG(std::string, client_id);
 // export, import
 ABSL_DECLARE_FLAG(std::string, checkpoint);
 ABSL_DECLARE_FLAG(std::string, out);

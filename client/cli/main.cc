@@ -27,6 +27,8 @@ constexpr char kUsage[] =
     "  delete  delete a head (--head)\n"
     "  stats   print the server's stats\n"
     "  health  exit 0 when the server is SERVING\n"
+    "  progress  acknowledged and persisted sequence of --client_id on --head (what a crash\n"
+    "          lost: every sequence above persisted)\n"
     "  export  a server checkpoint file to safetensors + a manifest, offline (--checkpoint,\n"
     "          --head, --out, --tensor, --with_optimizer, --with_gradient, --manifest)\n"
     "  import  create --head from a safetensors tensor and push it as W (--safetensors,\n"
@@ -84,6 +86,7 @@ int main(int argc, char** argv) {
   if (command == "stats") return losshead::cli::RunStats();
   if (command == "health") return losshead::cli::RunHealth();
   if (command == "export") return losshead::cli::RunExport();
+  if (command == "progress") return losshead::cli::RunProgress();
   if (command == "import") return losshead::cli::RunImport();
   std::fprintf(stderr, "unknown command '%s'\n%s\n", command.c_str(), kUsage);
   return 2;

@@ -172,6 +172,10 @@ def main(server_bin, cli_bin):
            f"manifest {manifest}")
     expect({t["name"]: t["sha256"] for t in manifest["tensors"]} ==
            {n: hashlib.sha256(tensors[n]).hexdigest() for n in names}, "manifest digests")
+    # The demo's client id, with every one of its 4 x 3 micro-batches in the checkpoint.
+    clients = manifest.get("clients", [])
+    expect(len(clients) == 1 and clients[0]["client_id"].startswith("demo-") and
+           clients[0]["persisted_sequence"] == 12, f"manifest clients {clients}")
 
     # A bf16 head without optimizer, under another name and manifest path.
     plain = tmp / "plain.safetensors"
@@ -212,6 +216,14 @@ def main(server_bin, cli_bin):
         expect(listed.returncode == 0 and "plain " in listed.stdout and
                "trained " in listed.stdout and "version=5 " in listed.stdout,
                f"SERVING before the heads were restored: {listed.stdout!r}")
+        # What the restarted server holds of the demo's micro-batches: the checkpoint's record.
+        if clients:
+            r = cli("progress", "--head=trained", f"--client_id={clients[0]['client_id']}",
+                    server=server)
+            expect(r.returncode == 0 and "acknowledged=12 persisted=12" in r.stdout,
+                   f"progress: {r.stdout!r} {r.stderr!r}")
+        refused(["progress", "--head=trained"], "INVALID_ARGUMENT", "--client_id",
+                server=server)
     finally:
         server.stop()
 
