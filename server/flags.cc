@@ -45,18 +45,26 @@ ABSL_FLAG(uint64_t, max_inflight_microbatches, 1024,
           "Server-wide bound on micro-batches read and not yet answered; beyond it a micro-batch "
           "is answered RESOURCE_EXHAUSTED with a retry hint");
 ABSL_FLAG(uint64_t, max_inflight_bytes, uint64_t{4} << 30,
-          "Server-wide bound on buffered micro-batch request bytes (reserved from the header); "
-          "must be >= --max_microbatch_bytes. Also the most each host buffer pool (page-locked "
+          "Server-wide bound on the bytes held for micro-batches: requests buffered (reserved from "
+          "the header) and, once computed, their answers until written; must be >= "
+          "--max_microbatch_bytes. Also the most each host buffer pool (page-locked "
           "receive buffers, dH results) keeps idle for reuse");
 ABSL_FLAG(absl::Duration, retry_after, absl::Milliseconds(50),
           "Retry hint sent with a micro-batch refused under backpressure");
 ABSL_FLAG(absl::Duration, step_stall_timeout, absl::Seconds(15),
-          "A micro-batch being received that gets no message for this long (while the server "
-          "waits for one) is abandoned: its admission and reserved bytes are released and its "
-          "stream ends ABORTED. A client sends a micro-batch's messages back to back, so a gap is "
-          "network time: 15s is more than a 4 MiB message needs even at 1 MB/s and far beyond any "
-          "pause of a live client, yet a stalled one holds its reservation (up to "
-          "--max_microbatch_bytes) for no longer than 15s. 'inf' disables it; > 0");
+          "A micro-batch being received must bring one full message's payload (--max_message_bytes "
+          "less 1 KiB), or its end, within each such span of waiting for it, counted from its "
+          "header: messages that bring less (empty ones, small pieces) do not count. One that "
+          "does not is abandoned: its admission and reserved bytes are released and its stream "
+          "ends ABORTED. A client sends a micro-batch's messages back to back: 15s is more than a "
+          "4 MiB message needs even at 1 MB/s, yet a stalled or trickling micro-batch holds its "
+          "reservation for no longer than 15s past its last such step (a micro-batch of B bytes "
+          "for at most 15s x (1 + B / 4 MiB)). 'inf' disables it; > 0");
+ABSL_FLAG(absl::Duration, step_unread_timeout, absl::Seconds(15),
+          "A Step stream whose answer waits this long to be written (its client does not read) "
+          "is ended ABORTED and everything it holds is released: admissions, reserved bytes and "
+          "the answers themselves (what was computed stays counted; a client id and sequence "
+          "replay it). 'inf' disables it; > 0");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory of head checkpoints: restored at start, written on demand, periodically and "
           "at shutdown; empty disables checkpoints");
@@ -78,6 +86,10 @@ ABSL_FLAG(std::string, metrics_basic_auth_file, "",
 ABSL_FLAG(uint64_t, max_heads, 64, "Most heads on the server; CreateHead beyond is refused");
 ABSL_FLAG(uint64_t, max_head_bytes, uint64_t{16} << 30,
           "Largest W + dW bytes of one head; CreateHead beyond is refused");
+ABSL_FLAG(uint64_t, unapplied_window_warn_microbatches, 10000,
+          "Log a warning, once per window, when a head with a server-side optimizer holds more "
+          "than this many micro-batches in its gradient window without an optimizer apply, pull "
+          "with reset or discard (a training loop that never steps the head); 0: never");
 ABSL_FLAG(std::string, step_trace, "",
           "Append one JSON line per answered micro-batch, with the time of each phase, to this "
           "file (empty: none)");
@@ -135,6 +147,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_heads = absl::GetFlag(FLAGS_max_heads);
   o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
   o.step_trace_file = absl::GetFlag(FLAGS_step_trace);
+  o.unapplied_window_warn_microbatches = absl::GetFlag(FLAGS_unapplied_window_warn_microbatches);
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);
   if (o.checkpoint_interval < absl::ZeroDuration()) {
@@ -156,6 +169,10 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.step_stall_timeout = absl::GetFlag(FLAGS_step_stall_timeout);
   if (o.step_stall_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--step_stall_timeout must be > 0 (inf disables it)");
+  }
+  o.step_unread_timeout = absl::GetFlag(FLAGS_step_unread_timeout);
+  if (o.step_unread_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--step_unread_timeout must be > 0 (inf disables it)");
   }
   if (o.max_message_bytes < 4096) {
     return absl::InvalidArgumentError("--max_message_bytes must be >= 4096");

@@ -105,7 +105,8 @@ class ServerImpl final : public Server {
                     .idempotency_max_bytes_per_client = options_.idempotency_max_bytes,
                     .grad_stash_bytes = options_.grad_stash_bytes,
                     .grad_stash_idle = options_.grad_stash_idle,
-                    .results = results},
+                    .results = results,
+                    .window_warn_microbatches = options_.unapplied_window_warn_microbatches},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     metrics_->BuildInfo(LOSSHEAD_VERSION, std::string(backends_.front()->name()),
                         LOSSHEAD_CUDA_VERSION);
@@ -147,7 +148,7 @@ class ServerImpl final : public Server {
     ctx_.max_inflight_per_stream = std::max<size_t>(1, options_.max_inflight_per_stream);
     admission_ = std::make_unique<Admission>(
         std::max<size_t>(1, options_.max_inflight_microbatches), options_.max_inflight_bytes,
-        options_.retry_after, options_.step_stall_timeout);
+        options_.retry_after, options_.step_stall_timeout, options_.step_unread_timeout);
     ctx_.admission = admission_.get();
     ctx_.start_time = absl::Now();
     service_ = std::make_unique<LossHeadService>(&ctx_);

@@ -44,16 +44,21 @@ struct ServerOptions {
   // Micro-batches one Step stream may have received and not yet had answered (pipelining depth).
   size_t max_inflight_per_stream = 4;
   // Server-wide backpressure: micro-batches admitted (header read, not yet answered) and the
-  // request bytes reserved for them. Beyond either bound a micro-batch is answered
-  // RESOURCE_EXHAUSTED with retry_after_ms = `retry_after` and the stream goes on. Bytes are
-  // reserved from the header's announced size before they are buffered.
+  // bytes reserved for them: their requests, then, once computed, their answers until written.
+  // Beyond either bound a micro-batch is answered RESOURCE_EXHAUSTED with retry_after_ms =
+  // `retry_after` and the stream goes on. Bytes are reserved from the header's announced size
+  // before they are buffered.
   size_t max_inflight_microbatches = 1024;
   size_t max_inflight_bytes = size_t{4} << 30;
   absl::Duration retry_after = absl::Milliseconds(50);
-  // A micro-batch being received that gets no message for this long while the server waits for
-  // one is abandoned: its admission and reserved bytes are released and its stream ends ABORTED
+  // A micro-batch being received that makes no progress for this long while the server waits for
+  // it (no message bringing another full message's payload, or its end: server/rpc/step_reactor.h)
+  // is abandoned: its admission and reserved bytes are released and its stream ends ABORTED
   // (after the micro-batches it had fully sent are answered). Infinite: never.
   absl::Duration step_stall_timeout = absl::Seconds(15);
+  // A Step stream whose answer waits this long to be written (its client does not read) is ended
+  // ABORTED and its admissions are released; infinite: never.
+  absl::Duration step_unread_timeout = absl::Seconds(15);
   // Checkpoints (server/durability/checkpointer.h): the directory (empty disables them), restored
   // at start, written every `checkpoint_interval` (0: only on demand and at shutdown) and after
   // the drain.
@@ -79,6 +84,9 @@ struct ServerOptions {
   // head (INVALID_ARGUMENT beyond), checked before anything is allocated.
   size_t max_heads = 64;
   uint64_t max_head_bytes = uint64_t{16} << 30;
+  // A head with a server-side optimizer whose gradient window passes this many micro-batches
+  // without a cut is logged once per window (HeadOptions); 0: never.
+  uint64_t unapplied_window_warn_microbatches = 10000;
   // A file to append one JSON line per answered micro-batch to, with the time of each of its
   // phases (server/observability/step_trace.h); empty: none.
   std::string step_trace_file;

@@ -17,7 +17,9 @@ Native library: ``liblosshead_capi.so`` (the C++ client behind a C ABI, built by
 ``build/client/capi/liblosshead_capi.so``) is copied into the package from
 ``$LOSSHEAD_CAPI_LIB`` when that is set, else from ``../../build/client/capi/`` when it exists.
 Without it the package installs all the same and speaks gRPC from Python alone
-(``losshead.native_available()`` says which).
+(``losshead.native_available()`` says which). A wheel that carries the library is tagged for the
+platform it was built on (``py3-none-linux_x86_64``: any Python 3, since ctypes loads it, but
+only that machine kind); one without it stays ``py3-none-any``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
+
+try:  # setuptools >= 70.1 has its own; before, the wheel package's
+    from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+except ImportError:
+    from wheel.bdist_wheel import bdist_wheel as _bdist_wheel  # type: ignore[no-redef]
 
 HERE = Path(__file__).resolve().parent
 PACKAGE = HERE / "src" / "losshead"
@@ -94,11 +101,31 @@ def copy_native_library() -> None:
         target.unlink()  # a stale copy from an earlier build must not outlive its source
 
 
+class _Distribution(Distribution):
+    """A distribution that carries the native library is a platform one: its files go to the
+    wheel's root (platlib), not under .data/purelib."""
+
+    def has_ext_modules(self) -> bool:
+        return (PACKAGE / NATIVE).is_file()
+
+
+class bdist_wheel(_bdist_wheel):  # noqa: N801 (the command's name)
+    """Tags a wheel that carries the native library for its platform, not as pure Python."""
+
+    def get_tag(self) -> tuple:
+        python, abi, platform = super().get_tag()
+        if self.root_is_pure:
+            return python, abi, platform
+        # The library has no Python ABI (ctypes): any Python 3 on this platform.
+        return "py3", "none", platform
+
+
 # Every setup.py invocation (metadata, wheel, editable) regenerates first: setuptools lists the
 # package directories while preparing metadata, before any build command could run, and protoc
 # takes milliseconds.
 generate_stubs()
 copy_native_library()
-setup(packages=["losshead", "losshead.integrations", "losshead._proto",
+setup(distclass=_Distribution, cmdclass={"bdist_wheel": bdist_wheel},
+      packages=["losshead", "losshead.integrations", "losshead._proto",
                 "losshead._proto.losshead", "losshead._proto.losshead.v1", "losshead._proto.grpc",
                 "losshead._proto.grpc.health", "losshead._proto.grpc.health.v1"])

@@ -455,4 +455,26 @@ absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path) {
   return d;
 }
 
+absl::StatusOr<HeadCheckpointData> ReadCheckpointMeta(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Errno("cannot open", path);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return Errno("cannot stat", path);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  auto in_file = [&path](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+  };
+  if (size < kHeaderBytes) return in_file(Corrupt("shorter than its header"));
+  std::string header(kHeaderBytes, '\0');
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), kHeaderBytes, path));
+  absl::StatusOr<Header> h = DecodeHeader(header, size);
+  if (!h.ok()) return in_file(h.status());
+  std::string meta(h->meta_bytes, '\0');
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), meta.data(), meta.size(), path));
+  HeadCheckpointData d;
+  std::vector<uint64_t> lengths;
+  if (absl::Status s = DecodeMeta(meta, h->version, &d, &lengths); !s.ok()) return in_file(s);
+  return d;
+}
+
 }  // namespace losshead::server

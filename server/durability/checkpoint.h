@@ -55,6 +55,11 @@ absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
                                              const HeadCheckpointData& data);
 // Reads and verifies `path`; errors (NOT_FOUND, DATA_LOSS, ...) name the file.
 absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path);
+// The header and meta section of `path` alone (spec, version, counters, optimizer step: what a
+// listing shows), without its tensors and without verifying the checksum, which covers the whole
+// file: reading gigabytes to list a directory is what this avoids. The tensors of the result are
+// empty. DATA_LOSS when the header or meta does not parse.
+absl::StatusOr<HeadCheckpointData> ReadCheckpointMeta(const std::string& path);
 
 }  // namespace losshead::server
 

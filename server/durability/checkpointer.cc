@@ -49,6 +49,7 @@ absl::Status Checkpointer::RestoreAll() {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot list checkpoint directory ", dir_, ": ", ec.message()));
   }
+  LOSSHEAD_RETURN_IF_ERROR(RemoveSnapshotTemporaries());
   std::sort(files.begin(), files.end());
   for (const std::string& path : files) {
     const absl::Time start = absl::Now();

@@ -2,6 +2,12 @@
 // (format: server/durability/checkpoint.h). Writes happen on demand (the Checkpoint RPC),
 // periodically, and at shutdown; they are serialised, each head's snapshot is consistent on its own
 // (heads are not cut together). Thread-safe.
+//
+// Named snapshots live beside them, snapshots/<tag>/<head>.lhck in the same format: written on
+// demand only, never restored at start, put back into a live head by RestoreSnapshot, and left
+// alone by DeleteHead (they belong to the training run that named them, which prunes them).
+// Every write, restore and removal holds one lock, so a restore's swap and its new <head>.lhck
+// never interleave with a periodic write of the head it replaces.
 #ifndef LOSSHEAD_SERVER_DURABILITY_CHECKPOINTER_H_
 #define LOSSHEAD_SERVER_DURABILITY_CHECKPOINTER_H_
 
@@ -10,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -46,7 +53,8 @@ class Checkpointer {
   ~Checkpointer();  // StopPeriodic()
 
   // At start, before serving: creates the directory if needed, deletes temporary files left by a
-  // write that a crash interrupted, and restores every <head>.lhck into the registry. Any file
+  // write that a crash interrupted (snapshots' too), and restores every <head>.lhck into the
+  // registry (never a snapshot). Any file
   // that cannot be restored fails the whole restore with an error naming it (DATA_LOSS for a
   // corrupt or torn file): a server must not start with part of its state silently missing.
   // Each head goes on the devices the registry places its saved placement on (all of them where
@@ -70,9 +78,36 @@ class Checkpointer {
   std::string PathOf(const std::string& head) const;
   const std::string& dir() const { return dir_; }
 
+  // A snapshot tag's syntax: [A-Za-z0-9._-]{1,128}, not starting with '.' (INVALID_ARGUMENT).
+  static absl::Status ValidateTag(const std::string& tag);
+  std::string SnapshotPath(const std::string& head, const std::string& tag) const;
+
+  // Writes `head`'s consistent cut (Head::Snapshot) to SnapshotPath, atomically, replacing a
+  // snapshot of that tag. Nothing else changes: <head>.lhck and the head's persisted sequences
+  // stay as they were. INVALID_ARGUMENT for a bad tag or head name, NOT_FOUND for an unknown head.
+  absl::StatusOr<v1::SnapshotInfo> WriteSnapshot(const std::string& head, const std::string& tag);
+  // Replaces the head (or adds it) with the state of its snapshot `tag`, through
+  // HeadRegistry::Restore; the commit makes the snapshot the head's <head>.lhck first (a hard link
+  // of the file where the file system has them, else a write), so that a restart comes back to
+  // the restored state, which is then persisted. NOT_FOUND for a missing snapshot, DATA_LOSS for
+  // a corrupt one or one of another head; the registry's errors; on any error nothing changed.
+  absl::StatusOr<std::shared_ptr<Head>> RestoreSnapshot(const std::string& head,
+                                                        const std::string& tag);
+  // Removes the snapshot (and its tag's directory once empty); NOT_FOUND when there is none.
+  absl::Status DeleteSnapshot(const std::string& head, const std::string& tag);
+  // The snapshots of `head` by tag, from their files' headers (ReadCheckpointMeta: unverified);
+  // a file whose header does not parse is listed with version and step 0. The head need not
+  // exist.
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& head);
+
  private:
   absl::StatusOr<v1::HeadCheckpoint> WriteLocked(const std::shared_ptr<Head>& head)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_ (RestoreSnapshot's commit): makes the snapshot file at `snapshot` (holding `data`)
+  // the checkpoint of data's head.
+  absl::Status AdoptSnapshot(const std::string& snapshot, const HeadCheckpointData& data);
+  // At start: deletes the temporary files of snapshot writes that a crash interrupted.
+  absl::Status RemoveSnapshotTemporaries();
   void Report(const CheckpointEvent& event) const {
     if (observer_) observer_(event);
   }

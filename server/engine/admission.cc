@@ -39,6 +39,12 @@ void Admission::Release(size_t microbatches, size_t bytes) {
   bytes_ -= std::min(bytes, bytes_);
 }
 
+void Admission::Replace(size_t from, size_t to) {
+  absl::MutexLock lock(&mu_);
+  bytes_ -= std::min(from, bytes_);
+  bytes_ += to;
+}
+
 size_t Admission::microbatches() const {
   absl::MutexLock lock(&mu_);
   return microbatches_;
@@ -64,6 +70,19 @@ uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size) {
   if (header.num_tokens() <= 0 || hidden_size <= 0 || h == 0 || t == 0) return 0;
   const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
                                   (static_cast<unsigned __int128>(hidden_size) * h + t);
+  return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
+                                                      : static_cast<uint64_t>(total);
+}
+
+uint64_t AnswerBytes(const v1::StepHeader& header, int64_t hidden_size) {
+  const v1::StepOptions& options = header.options();
+  const v1::DType grad = options.grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED
+                             ? options.grad_hidden_dtype()
+                             : header.hidden_dtype();
+  const size_t g = options.skip_grad_hidden() ? 0 : v1::WireDTypeSize(grad);
+  if (header.num_tokens() <= 0 || hidden_size <= 0) return 0;
+  const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
+                                  (static_cast<unsigned __int128>(hidden_size) * g + 4);
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }

@@ -3,6 +3,7 @@
 // critical section; a push replaces or adds to W and bumps the version; a download copies W out.
 // The server-side optimizer step belongs here: it cuts the window like a pull with reset.
 #include <algorithm>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <utility>
@@ -12,9 +13,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
+#include "server/engine/head_optimizer.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/status_macros.h"
@@ -42,12 +45,85 @@ std::string TakeTransferBuffer(size_t bytes) { return TransferPool().Take(bytes)
 
 void GiveTransferBuffer(std::string buffer) { TransferPool().Give(std::move(buffer)); }
 
-absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset) {
-  if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_FP32;
+namespace {
+
+// The dtype a pull answers in (UNSPECIFIED: FP32).
+absl::StatusOr<v1::DType> PullDType(v1::DType dtype) {
+  if (dtype == v1::DTYPE_UNSPECIFIED) return v1::DTYPE_FP32;
   if (dtype != v1::DTYPE_FP32 && dtype != v1::DTYPE_BF16) {
     return absl::InvalidArgumentError(
         absl::StrCat("pull dtype must be DTYPE_FP32 or DTYPE_BF16, got ", static_cast<int>(dtype)));
   }
+  return dtype;
+}
+
+}  // namespace
+
+void Head::ResetWindowLocked() {
+  tokens_since_pull_ = 0;
+  microbatches_since_pull_ = 0;
+  min_version_since_pull_ = max_version_since_pull_ = 0;
+  window_opened_ = absl::InfinitePast();
+  window_warned_ = false;
+  window_grad_abs_ = 0;
+}
+
+void Head::NoteCountedLocked() {
+  if (microbatches_since_pull_ == 1) window_opened_ = absl::Now();
+  const uint64_t limit = options_.window_warn_microbatches;
+  if (limit == 0 || window_warned_ || microbatches_since_pull_ <= limit ||
+      !HasOptimizer(optimizer_spec_)) {
+    return;
+  }
+  window_warned_ = true;
+  std::fprintf(
+      stderr,
+      "losshead-server: head '%s' has a server-side optimizer and %llu micro-batches "
+      "(%llu tokens) in its gradient window, counted over %s with no optimizer apply, "
+      "pull with reset or discard (--unapplied_window_warn_microbatches=%llu): the "
+      "training loop does not step this head or does not discard its window on "
+      "zero_grad; logged once per window\n",
+      name().c_str(), static_cast<unsigned long long>(microbatches_since_pull_),
+      static_cast<unsigned long long>(tokens_since_pull_),
+      absl::FormatDuration(absl::Trunc(absl::Now() - window_opened_, absl::Seconds(1))).c_str(),
+      static_cast<unsigned long long>(limit));
+}
+
+Head::WindowState Head::Window() const {
+  absl::MutexLock state(&state_mu_);
+  WindowState w{.microbatches = microbatches_since_pull_, .tokens = tokens_since_pull_};
+  if (microbatches_since_pull_ > 0) w.age = absl::Now() - window_opened_;
+  return w;
+}
+
+absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool discard) {
+  LOSSHEAD_ASSIGN_OR_RETURN(dtype, PullDType(dtype));
+  v1::GradientSummary s;
+  {
+    // Without a discard the counters alone answer: a micro-batch updates them under state_mu_,
+    // so they are read whole. A discard is a cut: every replica's compute lock.
+    std::optional<ReplicaGroup::Cut> cut;
+    if (discard) {
+      cut.emplace(*group_);
+      LOSSHEAD_RETURN_IF_ERROR(group_->DiscardGradient());
+    }
+    absl::MutexLock state(&state_mu_);
+    s.set_token_count(tokens_since_pull_);
+    s.set_microbatch_count(microbatches_since_pull_);
+    s.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
+    s.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
+    if (discard) ResetWindowLocked();
+  }
+  s.set_vocab_size(vocab_size());
+  s.set_hidden_size(hidden_size());
+  s.set_dtype(dtype);
+  s.set_total_bytes(0);
+  s.set_was_reset(discard);
+  return s;
+}
+
+absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset) {
+  LOSSHEAD_ASSIGN_OR_RETURN(dtype, PullDType(dtype));
   GradientSnapshot snap;
   // Every byte is overwritten by the copies below; the reactor gives the buffer back once sent.
   snap.data = TakeTransferBuffer(static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float));
@@ -70,12 +146,7 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     s.set_microbatch_count(microbatches_since_pull_);
     s.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
     s.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
-    if (reset) {
-      tokens_since_pull_ = 0;
-      microbatches_since_pull_ = 0;
-      min_version_since_pull_ = max_version_since_pull_ = 0;
-      window_grad_abs_ = 0;
-    }
+    if (reset) ResetWindowLocked();
   }
   if (dtype == v1::DTYPE_BF16) {
     std::string fp32 = std::move(snap.data);

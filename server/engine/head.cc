@@ -78,11 +78,16 @@ bool ValidName(const std::string& name) {
 
 }  // namespace
 
-absl::Status Head::ValidateSpec(const v1::HeadSpec& spec) {
-  if (!ValidName(spec.name())) {
+absl::Status Head::ValidateName(const std::string& name) {
+  if (!ValidName(name)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "head name must match [A-Za-z0-9_.-]{1,128}, got '", spec.name().substr(0, 160), "'"));
+        "head name must match [A-Za-z0-9_.-]{1,128}, got '", name.substr(0, 160), "'"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Head::ValidateSpec(const v1::HeadSpec& spec) {
+  LOSSHEAD_RETURN_IF_ERROR(ValidateName(spec.name()));
   if (spec.vocab_size() < 1 || spec.vocab_size() > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(
         absl::StrCat("vocab_size must be in [1, 2^31), got ", spec.vocab_size()));

@@ -70,6 +70,10 @@ struct HeadOptions {
   // The heads of a server whose idle stashes a micro-batch short of device memory for its buffers
   // may take back (HeadRegistry sets it); null: it takes back only its own head's stash.
   std::shared_ptr<StashLenders> stash_lenders;
+  // A head with a server-side optimizer whose window passes this many micro-batches without a
+  // cut (an apply, a pull with reset or a discard) is logged once per window: a training loop
+  // that never steps the head or never discards its window. 0: never.
+  uint64_t window_warn_microbatches = 0;
 };
 
 // One micro-batch as it came off the wire.
@@ -153,6 +157,8 @@ class Head {
 
   // Checks only the spec's fields (name syntax excepted); no allocation.
   static absl::Status ValidateSpec(const v1::HeadSpec& spec);
+  // A head name's syntax, [A-Za-z0-9_.-]{1,128} (INVALID_ARGUMENT), as ValidateSpec checks it.
+  static absl::Status ValidateName(const std::string& name);
   // The placement's kind and device count (INVALID_ARGUMENT), without the server's devices.
   static absl::Status ValidatePlacement(const v1::Placement& placement);
   // Whether `placement` spreads a head over several devices (replicated or sharded).
@@ -204,6 +210,21 @@ class Head {
   // Copies dW out (fp32 or bf16) with the counters it covers; with `reset`, zeroes both in the same
   // critical section as the copy.
   absl::StatusOr<GradientSnapshot> PullGradient(v1::DType dtype, bool reset);
+
+  // A pull's summary without its data (dtype as PullGradient's, no bytes): dW never leaves the
+  // device. With `discard`, the window is dropped in the same cut as a pull with reset (each
+  // micro-batch wholly in it or wholly in the next): dW zeroed, the counters it covers reset and
+  // the deferred-dW stash emptied without reaching dW. The summary is what was dropped.
+  absl::StatusOr<v1::GradientSummary> WindowSummary(v1::DType dtype, bool discard);
+
+  // The open window now: its micro-batches and tokens, and the time since its first micro-batch
+  // was counted (zero when it is empty; for a window a restore brought back, since the restore).
+  struct WindowState {
+    uint64_t microbatches = 0;
+    uint64_t tokens = 0;
+    absl::Duration age;
+  };
+  WindowState Window() const;
 
   // W = data (REPLACE) or W += data (ADD); data is V x D of `dtype`. INVALID_ARGUMENT on a size
   // mismatch or a non-finite value, FAILED_PRECONDITION on a version mismatch; W is unchanged on
@@ -291,6 +312,11 @@ class Head {
   class SlotLease;
 
   std::vector<DeviceShare> MemoryByDeviceLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // After a micro-batch was counted in the window: the window's start, and the warning of
+  // HeadOptions::window_warn_microbatches (gradient_window.cc).
+  void NoteCountedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // The window's counters zeroed at a cut that resets it (pull with reset, discard, apply).
+  void ResetWindowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
   Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernels::DType dtype,
        const HeadOptions& options);
@@ -392,6 +418,10 @@ class Head {
   uint64_t microbatches_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t min_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t max_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
+  // When the window's first micro-batch was counted (InfinitePast while it is empty), and whether
+  // its warning was logged.
+  absl::Time window_opened_ ABSL_GUARDED_BY(state_mu_) = absl::InfinitePast();
+  bool window_warned_ ABSL_GUARDED_BY(state_mu_) = false;
   uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
   // What Info reports of the optimizer (its buffers are the replicas', under the cut).

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "absl/time/clock.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/proto_convert.h"
@@ -175,6 +176,8 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     head->microbatches_since_pull_ = data.microbatches_since_pull;
     head->min_version_since_pull_ = data.min_version_since_pull;
     head->max_version_since_pull_ = data.max_version_since_pull;
+    // The window's age counts from the restore: when it opened is not in the file.
+    if (data.microbatches_since_pull > 0) head->window_opened_ = absl::Now();
     head->tokens_total_ = data.tokens_total;
     head->microbatches_total_ = data.microbatches_total;
     head->optimizer_spec_ = data.spec.optimizer();

@@ -194,6 +194,54 @@ absl::Status HeadRegistry::Adopt(std::shared_ptr<Head> head) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Restore(
+    const HeadCheckpointData& data, absl::FunctionRef<absl::Status()> commit) {
+  const std::string& name = data.spec.name();
+  if (absl::Status s = Head::ValidateSpec(data.spec); !s.ok()) {
+    return absl::DataLossError(absl::StrCat("snapshot holds an invalid spec: ", s.message()));
+  }
+  LOSSHEAD_RETURN_IF_ERROR(CheckHeadBytes(data.spec));
+  {
+    absl::MutexLock lock(&mu_);
+    if (creating_.contains(name)) {
+      return absl::AbortedError(
+          absl::StrCat("head '", name, "' is being created or restored by another call"));
+    }
+    if (!heads_.contains(name) && heads_.size() + creating_.size() >= limits_.max_heads) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the server holds its limit of ", limits_.max_heads,
+                       " heads (--max_heads); delete one first"));
+    }
+    creating_.insert(name);  // a CreateHead of the name meanwhile is ALREADY_EXISTS
+  }
+  absl::StatusOr<std::vector<kernels::Backend*>> devices =
+      Place(data.spec.placement(), /*at_most=*/true);
+  if (devices.ok()) {
+    std::vector<uint64_t> needed;
+    for (const Head::DeviceFootprint& f : Head::Footprint(data.spec, devices->size())) {
+      needed.push_back(f.total());
+    }
+    MakeRoom(*devices, needed);
+  }
+  absl::StatusOr<std::shared_ptr<Head>> head =
+      devices.ok() ? Head::Restore(*devices, data, options_) : devices.status();
+  if (head.ok()) {
+    if (absl::Status committed = commit(); !committed.ok()) head = committed;
+  }
+  std::shared_ptr<Head> replaced;  // released outside the lock: freeing may wait for the device
+  {
+    absl::MutexLock lock(&mu_);
+    creating_.erase(name);
+    if (head.ok()) {
+      options_.stash_lenders->Add(*head);
+      std::shared_ptr<Head>& slot = heads_[name];
+      replaced = std::move(slot);
+      slot = *head;
+    }
+  }
+  return head;
+}
+
 absl::StatusOr<std::shared_ptr<Head>> HeadRegistry::Get(const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = heads_.find(name);

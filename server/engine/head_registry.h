@@ -14,11 +14,13 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/head.h"
+#include "server/engine/head_checkpoint.h"
 
 namespace losshead::server {
 
@@ -75,6 +77,18 @@ class HeadRegistry {
                                                      const v1::OptimizerSpec& optimizer);
   // Registers a head built elsewhere (a restored checkpoint); ALREADY_EXISTS for a taken name.
   absl::Status Adopt(std::shared_ptr<Head> head);
+  // Puts the head named in `data` (a snapshot of it) in the place of the one of that name, or
+  // adds it where there is none. The restored head is built beside the old one, which goes on
+  // serving meanwhile: on the devices the registry gives its saved placement (all of them where it
+  // asks for more), with the heads' stashes there making room as for Create. Then `commit` runs
+  // (making the restore durable); only when it succeeds is the head swapped under the registry's
+  // lock: calls that already hold the old head finish on it, every later one finds the restored
+  // head. INVALID_ARGUMENT above limits.max_head_bytes, RESOURCE_EXHAUSTED for a new name when
+  // limits.max_heads are there or when the devices lack the memory, ABORTED while a head of that
+  // name is being created or restored, DATA_LOSS for data that does not make a head, or
+  // `commit`'s error; on any error nothing changed.
+  absl::StatusOr<std::shared_ptr<Head>> Restore(const HeadCheckpointData& data,
+                                                absl::FunctionRef<absl::Status()> commit);
   // NOT_FOUND for an unknown name.
   absl::StatusOr<std::shared_ptr<Head>> Get(const std::string& name) const;
   // Sorted by name.

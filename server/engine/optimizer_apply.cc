@@ -305,10 +305,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
       r->optimizer.magnitudes = after[r->rank];
     }
     optimizer_step_ = first.step;
-    tokens_since_pull_ = 0;
-    microbatches_since_pull_ = 0;
-    min_version_since_pull_ = max_version_since_pull_ = 0;
-    window_grad_abs_ = 0;
+    ResetWindowLocked();
     // The magnitude bounds of the new master weights bound W too, once rounded up to its dtype
     // (by less than 2^-8 of a value).
     weight_abs_ = 0;

@@ -171,6 +171,21 @@ size_t ReplicaGroup::ReleaseStash(Replica& r) {
   return bytes;
 }
 
+absl::Status ReplicaGroup::DiscardGradient() {
+  for (const auto& r : replicas_) {
+    const size_t bytes = static_cast<size_t>(DeviceRows(*r)) * hidden_size_ * sizeof(float);
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(r->grad.data(), 0, bytes, *r->stream));
+  }
+  LOSSHEAD_RETURN_IF_ERROR(Synchronize());
+  // The stashed rows are simply forgotten: the next micro-batch writes over them.
+  for (const auto& r : replicas_) {
+    r->stash_tokens = 0;
+    r->stashed_tokens = 0;
+    r->stash_fault = absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReplicaGroup::ReduceGradientToOwners() {
   absl::Status fault;
   std::vector<Replica*> all;

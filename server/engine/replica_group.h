@@ -211,6 +211,12 @@ class ReplicaGroup {
   // shards (each holds only its rows). Every cut that reads dW goes through here. DATA_LOSS when
   // a flush fails now or failed since the last cut (each replica's stash is flushed even so).
   absl::Status ReduceGradientToOwners();
+  // Under the Cut. The window dropped without being read: every replica's stash emptied without
+  // adding it to dW (its micro-batches are in the window being dropped), a fault of an earlier
+  // flush forgotten (the tokens it lost are dropped too), and every dW zeroed; waits for the
+  // devices. A device failure leaves dW partly zeroed: the error is returned and the caller
+  // keeps its counters (a later pull or discard cuts again).
+  absl::Status DiscardGradient();
   // Under the Cut. Replica 0's W copied to every other replica (after CopyIn of W). Nothing to do
   // for shards.
   absl::Status BroadcastWeights();

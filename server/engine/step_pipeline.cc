@@ -640,6 +640,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
         min_version_since_pull_ = std::min(min_version_since_pull_, version);
         max_version_since_pull_ = std::max(max_version_since_pull_, version);
       }
+      NoteCountedLocked();
       // Counted in dW, not yet remembered: a snapshot waits for this outcome (see Snapshot).
       ++pending_outcomes_;
     }

@@ -139,9 +139,40 @@ Metrics::Metrics()
                          .Register(*registry_)),
       stalls_family_(prometheus::BuildCounter()
                          .Name("losshead_stalled_microbatches_total")
-                         .Help("Micro-batches abandoned after --step_stall_timeout without a "
-                               "message (reservation released, stream ended ABORTED)")
+                         .Help("Micro-batches abandoned after --step_stall_timeout without "
+                               "progress (reservation released, stream ended ABORTED)")
                          .Register(*registry_)),
+      discards_(prometheus::BuildCounter()
+                    .Name("losshead_gradient_discards_total")
+                    .Help("Gradient windows discarded without being pulled (zero_grad)")
+                    .Register(*registry_)),
+      discarded_microbatches_(prometheus::BuildCounter()
+                                  .Name("losshead_discarded_microbatches_total")
+                                  .Help("Micro-batches in the discarded gradient windows")
+                                  .Register(*registry_)),
+      discarded_tokens_(prometheus::BuildCounter()
+                            .Name("losshead_discarded_tokens_total")
+                            .Help("Tokens in the discarded gradient windows")
+                            .Register(*registry_)),
+      window_microbatches_(prometheus::BuildGauge()
+                               .Name("losshead_window_microbatches")
+                               .Help("Micro-batches in the head's open gradient window")
+                               .Register(*registry_)),
+      window_tokens_(prometheus::BuildGauge()
+                         .Name("losshead_window_tokens")
+                         .Help("Tokens in the head's open gradient window")
+                         .Register(*registry_)),
+      window_age_(prometheus::BuildGauge()
+                      .Name("losshead_window_age_seconds")
+                      .Help("Seconds since the first micro-batch of the head's open gradient "
+                            "window (0 while empty)")
+                      .Register(*registry_)),
+      unread_aborts_family_(prometheus::BuildCounter()
+                                .Name("losshead_unread_answer_aborts_total")
+                                .Help("Step streams ended ABORTED because an answer waited "
+                                      "--step_unread_timeout to be written (the client did not "
+                                      "read); their admissions and bytes were released")
+                                .Register(*registry_)),
       build_info_(prometheus::BuildGauge()
                       .Name("losshead_build_info")
                       .Help("1, labelled with the server's version, backend and the CUDA toolkit it was built with (none: CPU only)")
@@ -198,7 +229,8 @@ Metrics::Metrics()
                             .Register(*registry_)),
       inflight_(inflight_family_.Add({})),
       heads_(heads_family_.Add({})),
-      stalls_(stalls_family_.Add({})) {}
+      stalls_(stalls_family_.Add({})),
+      unread_aborts_(unread_aborts_family_.Add({})) {}
 
 std::string Metrics::RenderText() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
@@ -226,6 +258,8 @@ void Metrics::Failure(absl::string_view method, int code) {
 }
 
 void Metrics::StalledMicrobatch() { stalls_.Increment(); }
+
+void Metrics::UnreadAnswerAbort() { unread_aborts_.Increment(); }
 
 void Metrics::Tokens(const std::string& head, uint64_t tokens) {
   tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));
@@ -292,6 +326,24 @@ void Metrics::TokenReload(bool ok, size_t tokens_in_force) {
   AuthTokens(tokens_in_force);
 }
 
+void Metrics::GradientDiscard(const std::string& head, uint64_t microbatches, uint64_t tokens) {
+  discards_.Add({{"head", head}}).Increment();
+  discarded_microbatches_.Add({{"head", head}}).Increment(static_cast<double>(microbatches));
+  discarded_tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));
+}
+
+void Metrics::HeadWindow(const std::string& head, uint64_t microbatches, uint64_t tokens,
+                         absl::Duration age) {
+  window_microbatches_.Add({{"head", head}}).Set(static_cast<double>(microbatches));
+  window_tokens_.Add({{"head", head}}).Set(static_cast<double>(tokens));
+  window_age_.Add({{"head", head}}).Set(Seconds(age));
+  // The discard counters exist from the head's first refresh on, at 0: a rate over them (and an
+  // alert that compares windows with discards) then sees a value, not a missing series.
+  for (auto* family : {&discards_, &discarded_microbatches_, &discarded_tokens_}) {
+    family->Add({{"head", head}});
+  }
+}
+
 void Metrics::RemoveHead(const std::string& head) {
   auto drop = [&head](auto& family, const prometheus::Labels& extra) {
     prometheus::Labels labels = extra;
@@ -314,6 +366,8 @@ void Metrics::RemoveHead(const std::string& head) {
   drop(tokens_, {});
   drop(pulls_, {});
   drop(pushes_, {});
+  for (auto* family : {&discards_, &discarded_microbatches_, &discarded_tokens_}) drop(*family, {});
+  for (auto* family : {&window_microbatches_, &window_tokens_, &window_age_}) drop(*family, {});
   // Build, checkpoints and training values.
   for (const char* result : {"ok", "error"}) drop(checkpoint_writes_, {{"result", result}});
   if (checkpoint_duration_.Has({{"head", head}}))

@@ -43,8 +43,10 @@ class Metrics {
   void Microbatch(const std::string& head, absl::string_view outcome, int code = 0);
   // failures_total{method, reason} alone (a micro-batch for a head that does not exist).
   void Failure(absl::string_view method, int code);
-  // A micro-batch abandoned because its stream sent nothing for --step_stall_timeout.
+  // A micro-batch abandoned because its stream made no progress for --step_stall_timeout.
   void StalledMicrobatch();
+  // A Step stream ended because an answer waited --step_unread_timeout to be written.
+  void UnreadAnswerAbort();
   void Tokens(const std::string& head, uint64_t tokens);
   void Bytes(absl::string_view method, absl::string_view direction, uint64_t bytes);
   void InflightAdd(int64_t delta);
@@ -70,6 +72,12 @@ class Metrics {
   // Bearer tokens in force, and one token-file reload (result "ok" or "error").
   void AuthTokens(size_t count);
   void TokenReload(bool ok, size_t tokens_in_force);
+  // One discarded gradient window (PullGradient summary_only with reset) and what it held.
+  void GradientDiscard(const std::string& head, uint64_t microbatches, uint64_t tokens);
+  // The open gradient window of one head: micro-batches and tokens in it, and the time since its
+  // first micro-batch (0 while empty).
+  void HeadWindow(const std::string& head, uint64_t microbatches, uint64_t tokens,
+                  absl::Duration age);
   // Drops every series labelled with `head`.
   void RemoveHead(const std::string& head);
 
@@ -119,6 +127,13 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& auth_tokens_family_;
   prometheus::Family<prometheus::Counter>& token_reloads_;
   prometheus::Family<prometheus::Counter>& stalls_family_;
+  prometheus::Family<prometheus::Counter>& discards_;
+  prometheus::Family<prometheus::Counter>& discarded_microbatches_;
+  prometheus::Family<prometheus::Counter>& discarded_tokens_;
+  prometheus::Family<prometheus::Gauge>& window_microbatches_;
+  prometheus::Family<prometheus::Gauge>& window_tokens_;
+  prometheus::Family<prometheus::Gauge>& window_age_;
+  prometheus::Family<prometheus::Counter>& unread_aborts_family_;
   // Build, checkpoints and training values.
   prometheus::Family<prometheus::Gauge>& build_info_;
   prometheus::Family<prometheus::Gauge>& checkpoint_interval_family_;
@@ -135,6 +150,7 @@ class Metrics {
   prometheus::Gauge& inflight_;
   prometheus::Gauge& heads_;
   prometheus::Counter& stalls_;
+  prometheus::Counter& unread_aborts_;
   std::atomic<int64_t> inflight_count_{0};
 };
 

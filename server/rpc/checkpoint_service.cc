@@ -21,16 +21,38 @@ grpc::ServerUnaryReactor* LossHeadService::Checkpoint(grpc::CallbackServerContex
                 absl::UnavailableError("the server is shutting down"));
     return reactor;
   }
+  const bool tagged = !request->tag().empty();
+  if (tagged) {
+    // A named snapshot is of one head (server/rpc/snapshot_service.cc has the rest of them).
+    absl::Status valid =
+        request->head().empty()
+            ? absl::InvalidArgumentError("a snapshot tag needs one head; `head` is empty")
+            : Checkpointer::ValidateTag(request->tag());
+    if (valid.ok()) valid = Head::ValidateName(request->head());
+    if (!valid.ok()) {
+      FinishUnary(ctx_, reactor, "Checkpoint", start, valid);
+      return reactor;
+    }
+  }
   if (ctx_->checkpointer == nullptr) {
     FinishUnary(ctx_, reactor, "Checkpoint", start,
                 absl::FailedPreconditionError("checkpoints are disabled (no --checkpoint_dir)"));
     return reactor;
   }
   // Copies W and dW out and writes files: keep it off the gRPC threads.
-  ctx_->pool->Schedule([this, reactor, request, response, start] {
-    absl::StatusOr<v1::CheckpointResponse> written = ctx_->checkpointer->Write(request->head());
-    if (written.ok()) *response = std::move(*written);
-    FinishUnary(ctx_, reactor, "Checkpoint", start, written.status());
+  ctx_->pool->Schedule([this, reactor, request, response, start, tagged] {
+    absl::Status status;
+    if (tagged) {
+      absl::StatusOr<v1::SnapshotInfo> snapshot =
+          ctx_->checkpointer->WriteSnapshot(request->head(), request->tag());
+      if (snapshot.ok()) *response->mutable_snapshot() = std::move(*snapshot);
+      status = snapshot.status();
+    } else {
+      absl::StatusOr<v1::CheckpointResponse> written = ctx_->checkpointer->Write(request->head());
+      if (written.ok()) *response = std::move(*written);
+      status = written.status();
+    }
+    FinishUnary(ctx_, reactor, "Checkpoint", start, status);
   });
   return reactor;
 }

@@ -154,6 +154,8 @@ void LossHeadService::RefreshMemoryMetrics() const {
                               .optimizer_state = optimizer.state};
     ctx_->metrics->HeadMemory(head->name(), memory);
     ctx_->metrics->HeadDevices(head->name(), head->device_count());
+    const Head::WindowState window = head->Window();
+    ctx_->metrics->HeadWindow(head->name(), window.microbatches, window.tokens, window.age);
     const v1::HeadInfo info = head->Info();  // the state lock only, briefly: never a device wait
     ctx_->metrics->HeadTraining(head->name(), info.weights_version(), info.optimizer_step());
     for (const Head::DeviceShare& share : head->MemoryByDevice()) {

@@ -13,6 +13,10 @@ namespace losshead::server {
 // buffers): their responses reference dH or the tensor's snapshot rather than copy it into
 // messages (server/rpc/step_wire.h, transfer_reactors.h). Every method must be listed: one left
 // out would answer UNIMPLEMENTED.
+// The named-snapshot methods (snapshot_service.cc), innermost.
+using LossHeadSnapshotMethods =
+    v1::LossHead::WithCallbackMethod_RestoreHead<v1::LossHead::WithCallbackMethod_DeleteSnapshot<
+        v1::LossHead::WithCallbackMethod_ListSnapshots<v1::LossHead::Service>>>;
 using LossHeadServiceBase = v1::LossHead::WithCallbackMethod_CreateHead<
     v1::LossHead::WithCallbackMethod_GetHead<v1::LossHead::WithCallbackMethod_ListHeads<
         v1::LossHead::WithCallbackMethod_DeleteHead<v1::LossHead::WithCallbackMethod_SetLossOptions<
@@ -24,7 +28,7 @@ using LossHeadServiceBase = v1::LossHead::WithCallbackMethod_CreateHead<
                                 v1::LossHead::WithCallbackMethod_GetStats<
                                     v1::LossHead::WithCallbackMethod_Checkpoint<
                                         v1::LossHead::WithCallbackMethod_GetClientProgress<
-                                            v1::LossHead::Service>>>>>>>>>>>>>>;
+                                            LossHeadSnapshotMethods>>>>>>>>>>>>>>;
 
 class LossHeadService final : public LossHeadServiceBase {
  public:
@@ -73,8 +77,19 @@ class LossHeadService final : public LossHeadServiceBase {
                                               const v1::GetClientProgressRequest* request,
                                               v1::ClientProgress* response) override;
 
-  // Sets the per-head, device and host-buffer memory gauges and the head count (run on every
-  // scrape).
+  // Named snapshots (server/rpc/snapshot_service.cc; a tagged Checkpoint writes one).
+  grpc::ServerUnaryReactor* RestoreHead(grpc::CallbackServerContext* context,
+                                        const v1::RestoreHeadRequest* request,
+                                        v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* DeleteSnapshot(grpc::CallbackServerContext* context,
+                                           const v1::DeleteSnapshotRequest* request,
+                                           v1::DeleteSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* ListSnapshots(grpc::CallbackServerContext* context,
+                                          const v1::ListSnapshotsRequest* request,
+                                          v1::ListSnapshotsResponse* response) override;
+
+  // Sets the per-head, device and host-buffer memory gauges, the heads' gradient window gauges
+  // and the head count (run on every scrape).
   void RefreshMemoryMetrics() const;
 
  private:

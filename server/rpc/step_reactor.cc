@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_wire.h"
 #include "server/security/auth.h"
@@ -15,6 +16,10 @@ namespace {
 
 // The `hidden` field of StepRequest (proto/losshead/v1/losshead.proto).
 constexpr uint32_t kRequestHiddenField = 2;
+
+// The micro-batches an unread-answer status names at most (a stream holds
+// --max_inflight_per_stream of them).
+constexpr size_t kNamedMicrobatches = 16;
 
 }  // namespace
 
@@ -52,6 +57,7 @@ StepReactor::StepReactor(ServiceContext* ctx, grpc::CallbackServerContext* call)
     : ctx_(ctx),
       call_(call),
       start_(absl::Now()),
+      progress_step_(ChunkPayloadBytes(ctx->max_message_bytes)),
       assembler_(ctx->max_microbatch_bytes, ctx->pinned) {
   // Register before looking at the flag: a concurrent shutdown either sees this stream or this
   // stream sees the flag.
@@ -80,31 +86,39 @@ void StepReactor::Pump() {
   std::optional<grpc::Status> finish;
   {
     absl::MutexLock lock(&mu_);
-    if (finished_) return;
+    // While the call is being cancelled it must not finish (OnDone would free it under the
+    // cancel); the canceller pumps again afterwards.
+    if (finished_ || cancelling_) return;
     if (pending_finish_.has_value()) {
       finish = std::move(pending_finish_);
       pending_finish_.reset();
     } else {
       if (!writing_ && !slots_.empty() && slots_.front()->done) {
         Slot& slot = *slots_.front();
-        if (slot.next == 0) slot.first_send = absl::Now();
+        write_started_ = absl::Now();  // the unread timer's only cost per response message
+        if (slot.next == 0) slot.first_send = write_started_;
         write = &slot.responses[slot.next];
         writing_ = true;
+        const absl::Duration unread = ctx_->admission != nullptr ? ctx_->admission->unread_timeout()
+                                                                 : absl::InfiniteDuration();
+        if (!alarm_pending_[kUnread] && unread != absl::InfiniteDuration()) {
+          ArmAlarmLocked(kUnread, write_started_ + unread);
+        }
       }
-      if (!reading_ && !read_closed_ && !draining_ && !cancelled_ && !stalled_.has_value() &&
+      if (!reading_ && !read_closed_ && !draining_ && !cancelled_ && !end_status_.has_value() &&
           slots_.size() < ctx_->max_inflight_per_stream) {
         reading_ = true;
         read = true;
         read_started_ = absl::Now();  // the stall timer's only cost per message
       }
       if (!writing_ && slots_.empty() &&
-          (read_closed_ || draining_ || cancelled_ || stalled_.has_value())) {
-        finish = cancelled_             ? CancelStatus()
-                 : stalled_.has_value() ? *stalled_
-                 : read_closed_         ? grpc::Status::OK
-                                        : grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                       "the server is shutting down; no further "
-                                                       "micro-batches are read on this stream");
+          (read_closed_ || draining_ || cancelled_ || end_status_.has_value())) {
+        finish = end_status_.has_value() ? *end_status_
+                 : cancelled_            ? CancelStatus()
+                 : read_closed_          ? grpc::Status::OK
+                                         : grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                        "the server is shutting down; no further "
+                                                        "micro-batches are read on this stream");
       }
     }
     if (finish.has_value()) {
@@ -132,35 +146,32 @@ void StepReactor::OnReadDone(bool ok) {
       message_.hidden_bytes = hidden_slices_.size;
       if (!parsed) {
         ok = false;
-        if (!finished_ && !cancelled_) {
-          pending_finish_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                         "malformed Step stream: a message is not a StepRequest");
-        }
+        EndLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               "malformed Step stream: a message is not a StepRequest"));
       }
     }
     if (!ok) {
       read_closed_ = true;
-      if (assembler_.open() && !finished_) {
-        pending_finish_ =
-            cancelled_ ? CancelStatus()
-                       : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                      "malformed Step stream: it ended inside a micro-batch");
+      if (assembler_.open()) {
+        EndLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               "malformed Step stream: it ended inside a micro-batch"));
       }
       // A partial micro-batch can never complete now: free its bytes at once.
       assembler_.Clear();
       ReleaseOpenLocked();
-    } else if (!finished_ && !cancelled_ && !stalled_.has_value()) {
+    } else if (!finished_ && !cancelled_ && !end_status_.has_value()) {
+      const absl::Time now = absl::Now();
       ctx_->metrics->Bytes("Step", "in", message_.bytes());
-      ReceiveLocked(message_);
+      ReceiveLocked(message_, now);
       const absl::Duration stall =
           ctx_->admission != nullptr ? ctx_->admission->stall_timeout() : absl::InfiniteDuration();
       // One alarm at a time covers every micro-batch of the stream: it re-arms while one is open.
-      if (assembler_.open() && !stall_alarm_pending_ && stall != absl::InfiniteDuration()) {
-        ArmStallAlarmLocked(absl::Now() + stall);
+      if (assembler_.open() && !alarm_pending_[kStall] && stall != absl::InfiniteDuration()) {
+        ArmAlarmLocked(kStall, now + (stall - stall_waited_));
       }
     }
-    // After a stall, whatever still arrives is dropped: the stream ends once its earlier
-    // micro-batches are answered.
+    // After a stall or malformed input, whatever still arrives is dropped: the stream ends once
+    // its earlier micro-batches are answered.
     message_.Clear();
     hidden_slices_ = {};
     read_buffer_.Clear();
@@ -168,16 +179,18 @@ void StepReactor::OnReadDone(bool ok) {
   Pump();
 }
 
-void StepReactor::ReceiveLocked(StepMessage& message) {
+void StepReactor::ReceiveLocked(StepMessage& message, absl::Time now) {
   const bool opens = message.request.has_header() && !assembler_.open();
   // Admitted (and reserved) before anything is buffered.
   const absl::Status admitted = opens ? AdmitHeaderLocked(message) : AdmitPieceLocked(message);
   // A micro-batch of several messages gets its buffer sized from the header, once.
   const size_t reserve = opens && admitted.ok() ? open_announced_ : 0;
-  auto assembled = assembler_.Add(message, absl::Now(), reserve);
+  auto assembled = assembler_.Add(message, now, reserve);
   if (!assembled.ok()) {
+    // Malformed: nothing more is read, and the micro-batches before it are still answered.
+    assembler_.Clear();
     ReleaseOpenLocked();
-    pending_finish_ = ToGrpcStatus(assembled.status());
+    EndLocked(ToGrpcStatus(assembled.status()));
     return;
   }
   if (assembled->has_value()) {
@@ -186,19 +199,30 @@ void StepReactor::ReceiveLocked(StepMessage& message) {
       mb.refused = admitted;
       mb.microbatch.ReleaseTensors();
     }
-    EnqueueLocked(std::move(mb));
+    EnqueueLocked(std::move(mb), now);
   } else if (assembler_.open()) {
     if (!admitted.ok()) {
       // Answered now, before the rest of it is read (and then skipped).
-      EnqueueLocked(assembler_.Refuse(admitted));
+      EnqueueLocked(assembler_.Refuse(admitted), now);
+    } else if (opens || open_received_ >= progress_at_) {
+      // Progress (its header, or another step of bytes): the stall clock starts afresh.
+      stall_waited_ = absl::ZeroDuration();
+      progress_at_ = open_received_ + progress_step_;
+    } else {
+      stall_waited_ += now - read_started_;
     }
   }
 }
 
-void StepReactor::EnqueueLocked(AssembledMicroBatch assembled) {
+void StepReactor::EndLocked(grpc::Status status) {
+  if (finished_ || cancelled_ || end_status_.has_value()) return;
+  end_status_ = std::move(status);
+}
+
+void StepReactor::EnqueueLocked(AssembledMicroBatch assembled, absl::Time now) {
   auto slot = std::make_shared<Slot>();
   slot->assembled = std::move(assembled);
-  slot->ready = absl::Now();
+  slot->ready = now;
   if (slot->assembled.oversize || !slot->assembled.refused.ok()) {
     ReleaseOpenLocked();
   } else {
@@ -215,36 +239,44 @@ void StepReactor::EnqueueLocked(AssembledMicroBatch assembled) {
   StartNextSlotLocked();
 }
 
-void StepReactor::ArmStallAlarmLocked(absl::Time when) {
+void StepReactor::ArmAlarmLocked(Timer timer, absl::Time when) {
   ++pins_;  // the alarm's callback uses `this`
-  stall_alarm_pending_ = true;
+  alarm_pending_[timer] = true;
   // A spent alarm (its callback has begun, perhaps this very one) may be destroyed: gRPC keeps
   // what a running callback needs alive until it returns. The callback runs on gRPC's executor
   // threads, never inside Set, so setting it under mu_ is safe.
-  stall_alarm_ = std::make_unique<grpc::Alarm>();
-  stall_alarm_->Set(absl::ToChronoTime(when), [this](bool fired) { OnStallAlarm(fired); });
+  alarms_[timer] = std::make_unique<grpc::Alarm>();
+  if (timer == kStall) {
+    alarms_[timer]->Set(absl::ToChronoTime(when), [this](bool fired) { OnStallAlarm(fired); });
+  } else {
+    alarms_[timer]->Set(absl::ToChronoTime(when), [this](bool fired) { OnUnreadAlarm(fired); });
+  }
 }
 
 void StepReactor::OnStallAlarm(bool fired) {
   bool stalled = false;
   {
     absl::MutexLock lock(&mu_);
-    stall_alarm_pending_ = false;
-    if (fired && !finished_ && !cancelled_ && !stalled_.has_value() && assembler_.open()) {
+    alarm_pending_[kStall] = false;
+    if (fired && !finished_ && !cancelled_ && !end_status_.has_value() && assembler_.open()) {
       const absl::Duration timeout = ctx_->admission->stall_timeout();
       const absl::Time now = absl::Now();
       // Only a read the server is waiting on counts: while reading pauses (the stream's
       // micro-batches ahead are being answered) the client cannot send.
-      if (reading_ && now - read_started_ >= timeout) {
+      const absl::Duration waited =
+          stall_waited_ + (reading_ ? now - read_started_ : absl::ZeroDuration());
+      if (waited >= timeout) {
         const v1::StepHeader& h = assembler_.open_header();
-        stalled_ = grpc::Status(
+        end_status_ = grpc::Status(
             grpc::StatusCode::ABORTED,
-            absl::StrCat("micro-batch (head '", h.head(), "', client '", h.client_id(),
-                         "', sequence ", h.sequence(), ") received nothing for ",
-                         absl::ToDoubleSeconds(now - read_started_),
-                         " s (--step_stall_timeout=", absl::FormatDuration(timeout),
-                         "): it was abandoned and its reservation released, and nothing of it "
-                         "was counted; send it again on a new stream"));
+            absl::StrCat(
+                "micro-batch (head '", h.head(), "', client '", h.client_id(), "', sequence ",
+                h.sequence(), ") made no progress for ", absl::ToDoubleSeconds(waited),
+                " s (--step_stall_timeout=", absl::FormatDuration(timeout), "; ", open_received_,
+                " of ", open_announced_, " bytes received, and each ", progress_step_,
+                " more, or its end, must come within the timeout): it was abandoned and its "
+                "reservation released, and nothing of it was counted; send it again on a new "
+                "stream"));
         assembler_.Clear();
         ReleaseOpenLocked();
         open_received_ = 0;
@@ -252,12 +284,82 @@ void StepReactor::OnStallAlarm(bool fired) {
         ctx_->metrics->StalledMicrobatch();
         stalled = true;
       } else {
-        ArmStallAlarmLocked((reading_ ? read_started_ : now) + timeout);
+        ArmAlarmLocked(kStall, now + (timeout - waited));
       }
     }
   }
   if (stalled) Pump();
   Unpin();
+}
+
+void StepReactor::OnUnreadAlarm(bool fired) {
+  std::optional<grpc::Status> abandoned;
+  {
+    absl::MutexLock lock(&mu_);
+    alarm_pending_[kUnread] = false;
+    if (fired && !finished_ && !cancelled_ && writing_) {
+      const absl::Duration timeout = ctx_->admission->unread_timeout();
+      const absl::Time now = absl::Now();
+      if (now - write_started_ >= timeout) {
+        abandoned = AbandonUnreadLocked(now - write_started_);
+        cancelling_ = call_ != nullptr;
+      } else {
+        ArmAlarmLocked(kUnread, write_started_ + timeout);
+      }
+    }
+  }
+  if (abandoned.has_value()) {
+    if (call_ != nullptr) {
+      // The pending write cannot complete while the client does not read, and neither can a
+      // Finish queued behind it: only a cancel ends the call (and frees the bytes gRPC holds).
+      // With a status, the client is told why (gRPC sends it in place of the queued data).
+      // Outside mu_: the cancel may run reactions of this reactor inline.
+      grpc_call_cancel_with_status(call_->c_call(), GRPC_STATUS_ABORTED,
+                                   abandoned->error_message().c_str(), nullptr);
+      absl::MutexLock lock(&mu_);
+      cancelling_ = false;
+    }
+    Pump();
+  }
+  Unpin();
+}
+
+grpc::Status StepReactor::AbandonUnreadLocked(absl::Duration waited) {
+  // Named before anything is dropped: every micro-batch whose answer the client has not had.
+  std::string computed, started, dropped;
+  size_t named = 0;
+  for (const std::shared_ptr<Slot>& slot : slots_) {
+    const v1::StepHeader& h = slot->assembled.microbatch.header;
+    std::string& list = slot->done ? computed : slot->started ? started : dropped;
+    if (named++ == kNamedMicrobatches) {
+      absl::StrAppend(&list, list.empty() ? "" : ", ", "...");
+      continue;
+    }
+    if (named > kNamedMicrobatches) continue;
+    absl::StrAppend(&list, list.empty() ? "" : ", ", "(client '", h.client_id(), "', sequence ",
+                    h.sequence(), ")");
+  }
+  std::string what;
+  if (!computed.empty()) absl::StrAppend(&what, "; answered, not delivered: ", computed);
+  if (!started.empty()) absl::StrAppend(&what, "; started, its answer dropped: ", started);
+  if (!dropped.empty()) absl::StrAppend(&what, "; not computed: ", dropped);
+  grpc::Status status(
+      grpc::StatusCode::ABORTED,
+      absl::StrCat(
+          "answers on this Step stream were not read for ", absl::ToDoubleSeconds(waited),
+          " s (--step_unread_timeout=", absl::FormatDuration(ctx_->admission->unread_timeout()),
+          "): the call was ended and its admissions released", what,
+          ". A micro-batch that was computed is counted once: sent again with the same client id "
+          "and sequence it is answered as replayed and not counted again (one without a client "
+          "id cannot be)"));
+  end_status_ = status;
+  cancelled_ = true;
+  assembler_.Clear();
+  ReleaseOpenLocked();
+  DropUnstartedLocked();
+  for (const std::shared_ptr<Slot>& slot : slots_) ReleaseSlotLocked(*slot);
+  ctx_->metrics->UnreadAnswerAbort();
+  return status;
 }
 
 void StepReactor::StartNextSlotLocked() {
@@ -363,7 +465,9 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     slot->head_known = known_head;
     // The request's tensors are no longer needed; free them before the responses drain.
     slot->assembled.microbatch.ReleaseTensors();
-    ReleaseSlotBytesLocked(*slot);
+    BookAnswerLocked(*slot, outcome.ok()
+                                ? (*outcome)->grad_hidden.size() + (*outcome)->per_token_loss.size()
+                                : 0);
     if (!ordered) computing_ = false;
     StartNextSlotLocked();
   }
@@ -379,7 +483,8 @@ void StepReactor::OnWriteDone(bool ok) {
     if (!ok) {
       read_closed_ = true;
       if (!finished_) {
-        pending_finish_ = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+        pending_finish_ =
+            end_status_.value_or(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       }
     } else {
       Slot& slot = *slots_.front();
@@ -424,7 +529,7 @@ StepTraceRecord StepReactor::TraceRecord(const Slot& slot) {
 void StepReactor::OnDone() {
   ctx_->streams.Remove(this);
   bool destroy;
-  grpc::Alarm* pending_alarm = nullptr;
+  grpc::Alarm* pending_alarms[kTimers] = {nullptr, nullptr};
   {
     absl::MutexLock lock(&mu_);
     done_ = true;
@@ -433,16 +538,19 @@ void StepReactor::OnDone() {
     inflight_ = 0;
     ReleaseOpenLocked();
     for (const std::shared_ptr<Slot>& slot : slots_) ReleaseSlotLocked(*slot);
-    // The call is finished, so nothing re-arms the alarm now; cancelling it makes its callback
-    // run (and unpin) at once instead of after the timeout. Pinned across the call, outside mu_.
-    if (stall_alarm_pending_) {
-      pending_alarm = stall_alarm_.get();
-      ++pins_;
+    // The call is finished, so nothing re-arms the alarms now; cancelling them makes their
+    // callbacks run (and unpin) at once instead of after the timeout. Pinned across the calls,
+    // outside mu_.
+    for (int timer = 0; timer < kTimers; ++timer) {
+      if (alarm_pending_[timer]) pending_alarms[timer] = alarms_[timer].get();
     }
+    if (pending_alarms[kStall] != nullptr || pending_alarms[kUnread] != nullptr) ++pins_;
     destroy = pins_ == 0;
   }
-  if (pending_alarm != nullptr) {
-    pending_alarm->Cancel();
+  if (pending_alarms[kStall] != nullptr || pending_alarms[kUnread] != nullptr) {
+    for (grpc::Alarm* alarm : pending_alarms) {
+      if (alarm != nullptr) alarm->Cancel();
+    }
     Unpin();
     return;
   }
@@ -455,21 +563,24 @@ void StepReactor::OnCancel() {
     cancelled_ = true;
     assembler_.Clear();
     ReleaseOpenLocked();
-    // Micro-batches not started are dropped now; a computing one finishes (it cannot be
-    // interrupted) and its answer's write fails.
-    for (auto it = slots_.begin(); it != slots_.end();) {
-      Slot& slot = **it;
-      if (slot.started) {
-        ++it;
-        continue;
-      }
-      ReleaseSlotLocked(slot);
-      --inflight_;
-      ctx_->metrics->InflightAdd(-1);
-      it = slots_.erase(it);
-    }
+    DropUnstartedLocked();
   }
   Pump();
+}
+
+void StepReactor::DropUnstartedLocked() {
+  // A computing one finishes (it cannot be interrupted) and its answer's write fails.
+  for (auto it = slots_.begin(); it != slots_.end();) {
+    Slot& slot = **it;
+    if (slot.started) {
+      ++it;
+      continue;
+    }
+    ReleaseSlotLocked(slot);
+    --inflight_;
+    ctx_->metrics->InflightAdd(-1);
+    it = slots_.erase(it);
+  }
 }
 
 grpc::Status StepReactor::CancelStatus() const {
@@ -510,8 +621,13 @@ absl::Status StepReactor::AdmitHeaderLocked(const StepMessage& message) {
   if (piece > ctx_->max_microbatch_bytes) return absl::OkStatus();  // refused as oversize
   // Reserve what the header announces (capped by the per-micro-batch limit, beyond which the
   // micro-batch is refused anyway), so that a large micro-batch is refused at its first
-  // message rather than after much of it has been buffered.
-  const size_t want = std::max(static_cast<size_t>(announced), piece);
+  // message rather than after much of it has been buffered; and room for its answer, which
+  // takes the request's place once computed (more only where dH is asked for in a wider dtype;
+  // never more than the whole bound, so that it can always be admitted).
+  const uint64_t answer =
+      std::min<uint64_t>(AnswerBytes(header, (*head)->hidden_size()), admission->max_bytes());
+  const size_t want =
+      std::max({static_cast<size_t>(announced), static_cast<size_t>(answer), piece});
   if (!admission->TryAdmit(want)) {
     return admission->Refusal(absl::StrCat("no room to admit a micro-batch of ", want, " bytes"));
   }
@@ -556,6 +672,15 @@ void StepReactor::ReleaseSlotLocked(Slot& slot) {
   ReleaseSlotBytesLocked(slot);
   if (ctx_->admission != nullptr && slot.admitted) ctx_->admission->Release(1, 0);
   slot.admitted = false;
+}
+
+void StepReactor::BookAnswerLocked(Slot& slot, size_t bytes) {
+  if (ctx_->admission == nullptr || !slot.admitted || cancelled_ || finished_) {
+    ReleaseSlotBytesLocked(slot);
+    return;
+  }
+  ctx_->admission->Replace(slot.reserved, bytes);
+  slot.reserved = bytes;
 }
 
 void StepReactor::Unpin() {

@@ -9,11 +9,25 @@
 //
 // A header is checked before any of its data is read: an unknown head, a field the head cannot
 // serve, a size over --max_microbatch_bytes or no room in Admission get the micro-batch answered
-// at once, and the rest of its messages are skipped (StepAssembler). A micro-batch being received
-// that gets no message for Admission::stall_timeout() while a read waits for one is abandoned:
-// its reservation is released, the micro-batches before it are answered, and the stream ends
-// ABORTED. The timer is one grpc::Alarm per stream, armed while a micro-batch is open; each read
-// costs only a timestamp.
+// at once, and the rest of its messages are skipped (StepAssembler).
+//
+// What a stream holds is bounded in time by two timers, each one grpc::Alarm per stream:
+// - Stall (Admission::stall_timeout, T): a micro-batch being received must make progress. Its
+//   clock starts at its header and restarts each time it has received another progress step of
+//   bytes since the clock last started (one full message's payload, ChunkPayloadBytes of
+//   --max_message_bytes); it runs only while a read is waiting for the client. Messages that
+//   bring less (empty ones, small pieces) do not restart it. When it reaches T the micro-batch is
+//   abandoned: its reservation is released, the micro-batches before it are answered, and the
+//   stream ends ABORTED. So a micro-batch of B bytes holds its reservation for at most
+//   T x (1 + B / step) of waiting, and one that stops or trickles for at most T past its last
+//   step. Each read costs a timestamp, each message an addition and a comparison.
+// - Unread (Admission::unread_timeout): a response write that has not completed for that long
+//   (the client does not read) ends the call ABORTED at once, naming the micro-batches whose
+//   answers it had not delivered, and gives back everything the stream holds. Each write costs a
+//   timestamp.
+// A malformed stream (a message that does not parse, data outside a micro-batch, a header inside
+// one, an end inside one) stops reading, answers every micro-batch it sent whole before the bad
+// message (they may be counted already), then ends INVALID_ARGUMENT, as a stalled one ends.
 #ifndef LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 #define LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 
@@ -68,7 +82,9 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
     StepStats stats;        // what Head::Step reported (for --step_trace)
     int code = 0;           // the answer's status code
     bool admitted = false;  // holds one server-wide admission (Admission) until answered
-    size_t reserved = 0;    // request bytes reserved in Admission until its tensors are freed
+    // Bytes reserved in Admission: its request's until it is computed, then its answer's until
+    // the last of them is written.
+    size_t reserved = 0;
   };
 
   // Issues whatever gRPC operations the state allows: the next write, the next read, Finish.
@@ -76,10 +92,14 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   void Pump();
   void StartNextSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSlot(std::shared_ptr<Slot> slot);
-  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One parsed request: admission, assembly, and a slot for each micro-batch to answer.
-  void ReceiveLocked(StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EnqueueLocked(AssembledMicroBatch assembled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops reading; the stream ends with `status` once the micro-batches it received whole are
+  // answered (the first such status stands; none after a cancel).
+  void EndLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One parsed request, read at `now`: admission, assembly, the stall clock's progress, and a slot
+  // for each micro-batch to answer.
+  void ReceiveLocked(StepMessage& message, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EnqueueLocked(AssembledMicroBatch assembled, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The header of a micro-batch about to open, before anything of it is buffered: what can never
   // be served (unknown head, a field the head refuses, over --max_microbatch_bytes) or finds no
   // room in Admission is the refusal to answer it with at once; OK admits it.
@@ -87,14 +107,26 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // Admission bookkeeping of a further message of the open micro-batch, before its bytes are
   // buffered: the refusal to answer it with, or OK.
   absl::Status AdmitPieceLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The stall timer: ArmStallAlarmLocked sets the alarm for `when` (pinning the reactor until it
-  // fires or is cancelled); OnStallAlarm abandons the open micro-batch once a read has waited
-  // the whole timeout, or re-arms.
-  void ArmStallAlarmLocked(absl::Time when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The timers (see above). ArmAlarmLocked sets one for `when` (pinning the reactor until it
+  // fires or is cancelled); OnStallAlarm abandons the open micro-batch once its clock reached the
+  // timeout, or re-arms; OnUnreadAlarm ends the call once the pending write is that old, or
+  // re-arms.
+  enum Timer { kStall = 0, kUnread = 1, kTimers = 2 };
+  void ArmAlarmLocked(Timer timer, absl::Time when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnStallAlarm(bool fired);
+  void OnUnreadAlarm(bool fired);
+  // The end of a call whose answers are not read: everything the stream holds is given back, the
+  // micro-batches not started are dropped, and the status names the micro-batches whose answers
+  // were not delivered.
+  grpc::Status AbandonUnreadLocked(absl::Duration waited) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the received micro-batches not yet started (a cancelled or abandoned call).
+  void DropUnstartedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlotBytesLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSlotLocked(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A computed slot's reservation becomes its answer's `bytes`, held until they are written; all
+  // of it is given back when they never will be (the call is cancelled or over).
+  void BookAnswerLocked(Slot& slot, size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status CancelStatus() const;
   // The --step_trace line of a micro-batch whose last answer was just written.
   static StepTraceRecord TraceRecord(const Slot& slot);
@@ -104,6 +136,8 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   ServiceContext* const ctx_;
   grpc::CallbackServerContext* const call_;
   const absl::Time start_;
+  // Bytes a micro-batch being received must bring within each stall timeout (see above).
+  const size_t progress_step_;
   grpc::ByteBuffer read_buffer_;  // owned by the outstanding read
   StepMessage message_;           // the last read, parsed
   v1::wire::DataPieces hidden_slices_;  // what message_.hidden points into
@@ -131,12 +165,22 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   size_t open_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   size_t open_received_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t open_announced_ ABSL_GUARDED_BY(mu_) = 0;  // bytes its header announces
-  // The stall timer (see above): when the outstanding read was started, the alarm, whether it
-  // is set and has not run yet, and the status of a stream whose micro-batch stalled.
+  // The timers (see above): when the outstanding read and write were started; the stall clock of
+  // the open micro-batch (time waited for reads since it last started, not counting the
+  // outstanding read) and the bytes received at which it restarts next; each alarm, and whether
+  // it is set and has not run yet.
   absl::Time read_started_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<grpc::Alarm> stall_alarm_ ABSL_GUARDED_BY(mu_);
-  bool stall_alarm_pending_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> stalled_ ABSL_GUARDED_BY(mu_);
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_);
+  absl::Duration stall_waited_ ABSL_GUARDED_BY(mu_);
+  size_t progress_at_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unique_ptr<grpc::Alarm> alarms_[kTimers] ABSL_GUARDED_BY(mu_);
+  bool alarm_pending_[kTimers] ABSL_GUARDED_BY(mu_) = {false, false};
+  // The status the stream ends with once its micro-batches received whole are answered: a stalled
+  // micro-batch or malformed input (nothing more is read), or unread answers (the call was
+  // cancelled with it).
+  std::optional<grpc::Status> end_status_ ABSL_GUARDED_BY(mu_);
+  // The call is being cancelled for unread answers, outside mu_: Finish waits until it was.
+  bool cancelling_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace losshead::server

@@ -264,6 +264,18 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(ServiceContext* ct
        reset_permission](v1::GradientChunk& first) -> absl::StatusOr<std::string> {
         if (req.reset()) LOSSHEAD_RETURN_IF_ERROR(reset_permission);
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
+        if (req.summary_only()) {
+          // One message, the summary alone (ChunkedWriter writes one for an empty tensor).
+          LOSSHEAD_ASSIGN_OR_RETURN(*first.mutable_summary(),
+                                    head->WindowSummary(req.dtype(), req.reset()));
+          if (req.reset()) {
+            ctx->metrics->GradientDiscard(head->name(), first.summary().microbatch_count(),
+                                          first.summary().token_count());
+          } else {
+            ctx->metrics->Pull(head->name());
+          }
+          return std::string();
+        }
         LOSSHEAD_ASSIGN_OR_RETURN(GradientSnapshot snap,
                                   head->PullGradient(req.dtype(), req.reset()));
         ctx->metrics->Pull(head->name());

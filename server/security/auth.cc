@@ -38,6 +38,7 @@ constexpr MethodRule kLossHeadRules[] = {
     {"/losshead.v1.LossHead/PullGradient", Access::kReader},
     {"/losshead.v1.LossHead/DownloadWeights", Access::kReader},
     {"/losshead.v1.LossHead/GetClientProgress", Access::kReader},
+    {"/losshead.v1.LossHead/ListSnapshots", Access::kReader},
     {"/losshead.v1.LossHead/CreateHead", Access::kWriter},
     {"/losshead.v1.LossHead/DeleteHead", Access::kWriter},
     {"/losshead.v1.LossHead/SetLossOptions", Access::kWriter},
@@ -46,6 +47,8 @@ constexpr MethodRule kLossHeadRules[] = {
     {"/losshead.v1.LossHead/Checkpoint", Access::kWriter},
     {"/losshead.v1.LossHead/SetOptimizer", Access::kWriter},
     {"/losshead.v1.LossHead/ApplyOptimizer", Access::kWriter},
+    {"/losshead.v1.LossHead/RestoreHead", Access::kWriter},
+    {"/losshead.v1.LossHead/DeleteSnapshot", Access::kWriter},
 };
 
 // Services that must answer without a token: probes and tooling discovery.

@@ -71,6 +71,9 @@ TEST(RequiredAccessTest, EveryLossHeadMethodHasARowAndUnknownOnesAreDenied) {
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/PullGradient"), Access::kReader);
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/DownloadWeights"), Access::kReader);
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/GetClientProgress"), Access::kReader);
+  EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/ListSnapshots"), Access::kReader);
+  EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/RestoreHead"), Access::kWriter);
+  EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/DeleteSnapshot"), Access::kWriter);
   EXPECT_EQ(RequiredAccess("/grpc.health.v1.Health/Check"), Access::kOpen);
   EXPECT_EQ(RequiredAccess("/grpc.health.v1.Health/Watch"), Access::kOpen);
   EXPECT_EQ(RequiredAccess("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),

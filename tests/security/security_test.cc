@@ -112,6 +112,8 @@ class TokenTest : public ::testing::Test {
     options.metrics_basic_auth_file = WriteFile(pki_->dir, "metrics-auth", "prom:s3cret-pw\n");
     options.max_heads = kMaxHeads;
     options.max_head_bytes = kV * kD * 8 * 4;  // fp32 W + dW of a head 4x as large as Spec()
+    options.checkpoint_dir = pki_->dir + "/checkpoints";  // for the snapshot calls
+    options.checkpoint_interval = absl::ZeroDuration();
     auto server = server::Server::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -186,6 +188,40 @@ TEST_F(TokenTest, ReaderReadsButCannotChangeAnything) {
   auto heads = writer_->ListHeads();
   ASSERT_TRUE(heads.ok());
   EXPECT_EQ(heads->size(), 1u);
+}
+
+TEST_F(TokenTest, OnlyAWriterDiscardsTheWindowOrWritesRestoresAndDeletesSnapshots) {
+  ASSERT_TRUE(writer_->SnapshotHead("h", "s").ok());
+  // A reader looks: the window's summary and the snapshots.
+  auto summary = reader_->WindowSummary("h");
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->token_count(), 4u);
+  auto listed = reader_->ListSnapshots("h");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  // Everything that changes the head or the snapshots is a writer's.
+  EXPECT_EQ(reader_->DiscardGradient("h").status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reader_->SnapshotHead("h", "r").status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reader_->RestoreHead("h", "s").status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(reader_->DeleteSnapshot("h", "s").code(), StatusCode::kPermissionDenied);
+  for (client::Client* c : {anonymous_.get(), wrong_.get()}) {
+    EXPECT_EQ(c->WindowSummary("h").status().code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->ListSnapshots("h").status().code(), StatusCode::kUnauthenticated);
+  }
+  auto info = writer_->GetHead("h");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tokens_since_pull(), 4u);
+  listed = writer_->ListSnapshots("h");
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->size(), 1u);
+
+  auto discarded = writer_->DiscardGradient("h");
+  ASSERT_TRUE(discarded.ok()) << discarded.status();
+  EXPECT_EQ(discarded->token_count(), 4u);
+  auto restored = writer_->RestoreHead("h", "s");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->tokens_since_pull(), 4u);
+  EXPECT_TRUE(writer_->DeleteSnapshot("h", "s").ok());
 }
 
 TEST_F(TokenTest, WriterDoesEverything) {

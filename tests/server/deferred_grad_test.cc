@@ -244,6 +244,43 @@ TEST_P(DeferredGradTest, AnOptimizerStepAndACheckpointSeeTheStashedMicroBatches)
   ExpectClose(stepped, expected, dtype == v1::DTYPE_BF16 ? 1e-2 : 1e-4, "W after the step");
 }
 
+TEST_P(DeferredGradTest, ADiscardDropsTheStashedMicroBatchesWithTheWindow) {
+  MakeHead(absl::InfiniteDuration());
+  const v1::DType dtype = GetParam().dtype;
+  // 4-12 tokens each, more than the stash holds: some reach dW when the stash fills, the last
+  // ones still wait in it when the window is discarded.
+  std::vector<Sample> dropped;
+  uint64_t dropped_tokens = 0;
+  for (uint64_t i = 1; i <= 5; ++i) {
+    dropped.push_back(MakeSample(4 + static_cast<int64_t>(i * 5 % 9), kV, dtype, 300 + i, "c", i));
+    dropped_tokens += dropped.back().tokens;
+    StepStats stats;
+    ASSERT_TRUE(head_->Step(dropped.back().mb, &stats).ok());
+  }
+  const int flushed = Flushes();
+  EXPECT_GT(flushed, 0);
+  auto discarded = head_->WindowSummary(v1::DTYPE_FP32, /*discard=*/true);
+  ASSERT_TRUE(discarded.ok()) << discarded.status();
+  EXPECT_EQ(discarded->microbatch_count(), 5u);
+  EXPECT_EQ(discarded->token_count(), dropped_tokens);
+  EXPECT_EQ(Flushes(), flushed);  // the stash was dropped, not added to dW
+
+  // The next window holds these alone, in the stash and in dW: nothing of the dropped stash
+  // reaches dW at the pull's flush.
+  std::vector<Sample> kept;
+  for (uint64_t i = 6; i <= 8; ++i) {
+    kept.push_back(MakeSample(3 + static_cast<int64_t>(i % 4), kV, dtype, 300 + i, "c", i));
+    StepStats stats;
+    ASSERT_TRUE(head_->Step(kept.back().mb, &stats).ok());
+  }
+  const Pulled pulled = testing::Pull(*head_, /*reset=*/true);
+  EXPECT_EQ(pulled.summary.microbatch_count(), 3u);
+  const std::vector<double> want = ReferenceWindow(kept);
+  double scale = 0;
+  for (double x : want) scale = std::max(scale, std::abs(x));
+  ExpectClose(pulled.values, want, 1e-4 * scale, "dW of the window after the discard");
+}
+
 // `calls` holds `flushes` flushes, one per device, with no wait for a stream between the first
 // and the last: every device's flush was launched before any was waited for.
 void ExpectFlushesTogether(const std::vector<std::string>& calls, int flushes,

@@ -1,9 +1,14 @@
-// Streams that stop in the middle of a micro-batch let go: after --step_stall_timeout without a
-// message their reservation is released, the stream ends ABORTED naming the micro-batch, the flag
-// and the time, the event is counted, and well-behaved clients refused meanwhile are admitted
-// afterwards with nothing lost or counted twice.
+// Streams that stop in the middle of a micro-batch let go: after --step_stall_timeout without
+// progress (a message of its bytes; empty messages and small pieces are none) their reservation is
+// released, the stream ends ABORTED naming the micro-batch, the flag and the time, the event is
+// counted, and well-behaved clients refused meanwhile are admitted afterwards with nothing lost or
+// counted twice. A micro-batch that arrives slowly but steadily is kept.
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +25,7 @@
 #include "server/server.h"
 #include "tests/service/host_tensors.h"
 #include "tests/service/metrics_scrape.h"
+#include "tests/service/raw_step_stream.h"
 #include "tests/service/reference.h"
 #include "tests/service/test_server.h"
 
@@ -32,87 +38,11 @@ constexpr int64_t kFullTokens = 1024;
 constexpr size_t kFullBytes = kFullTokens * (kD * 4 + 4);
 constexpr absl::Duration kStall = absl::Milliseconds(200);
 
-// A Step stream written message by message with the generated stub, answered on its own thread.
-class RawStream {
- public:
-  explicit RawStream(const std::string& target)
-      : stub_(v1::LossHead::NewStub(
-            grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {
-    context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    stream_ = stub_->Step(&context_);
-  }
-  ~RawStream() {
-    if (reader_.joinable()) reader_.join();
-  }
-
-  bool Write(const v1::StepRequest& r) { return stream_->Write(r); }
-  // Reads every response until the server ends the call, then its status.
-  void ReadInBackground() {
-    reader_ = std::thread([this] {
-      v1::StepResponse r;
-      while (stream_->Read(&r)) {
-        absl::MutexLock lock(&mu_);
-        responses_.push_back(r);
-      }
-      grpc::Status status = stream_->Finish();
-      absl::MutexLock lock(&mu_);
-      status_ = status;
-      ended_ = absl::Now();
-    });
-  }
-  // Waits until a response came or the call ended; true for a response.
-  bool AwaitResponseOrEnd(absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(
-                             +[](RawStream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-                               return !s->responses_.empty() || s->status_.has_value();
-                             },
-                             this),
-                         timeout);
-    return !responses_.empty();
-  }
-  void WritesDone() { stream_->WritesDone(); }
-  // The call's status once it ended (joins the reader).
-  grpc::Status Ended() {
-    if (reader_.joinable()) reader_.join();
-    absl::MutexLock lock(&mu_);
-    return status_.value_or(grpc::Status(grpc::StatusCode::UNKNOWN, "never ended"));
-  }
-  std::vector<v1::StepResponse> responses() {
-    absl::MutexLock lock(&mu_);
-    return responses_;
-  }
-  absl::Time ended_at() {
-    absl::MutexLock lock(&mu_);
-    return ended_;
-  }
-
- private:
-  grpc::ClientContext context_;
-  std::unique_ptr<v1::LossHead::Stub> stub_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
-  std::thread reader_;
-  absl::Mutex mu_;
-  std::vector<v1::StepResponse> responses_ ABSL_GUARDED_BY(mu_);
-  std::optional<grpc::Status> status_ ABSL_GUARDED_BY(mu_);
-  absl::Time ended_ ABSL_GUARDED_BY(mu_);
-};
-
-v1::StepRequest Header(const std::string& head, const std::string& client, uint64_t sequence,
-                       int64_t tokens) {
-  v1::StepRequest r;
-  v1::StepHeader* h = r.mutable_header();
-  h->set_head(head);
-  h->set_client_id(client);
-  h->set_sequence(sequence);
-  h->set_num_tokens(tokens);
-  h->set_hidden_dtype(v1::DTYPE_FP32);
-  h->set_target_dtype(v1::DTYPE_INT32);
-  return r;
-}
-
 class StalledStreamTest : public ::testing::Test {
  protected:
+  // The server's options; a suite derived from this one may change them.
+  virtual void Adjust(server::ServerOptions& options) {}
+
   void SetUp() override {
     server::ServerOptions options;
     options.listen_address = "127.0.0.1:0";
@@ -123,6 +53,7 @@ class StalledStreamTest : public ::testing::Test {
     options.max_microbatch_bytes = kFullBytes;
     options.max_inflight_bytes = 2 * kFullBytes;
     options.step_stall_timeout = kStall;
+    Adjust(options);
     auto server = server::Server::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -312,6 +243,144 @@ TEST_F(StalledStreamTest, EarlierMicrobatchesAreAnsweredBeforeTheStalledStreamEn
   auto again = client_->Step(ToMicrobatch(head_.name, "c", 2, whole));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_FALSE(again->replayed);
+}
+
+// Messages that bring no progress do not keep a micro-batch: two streams that send the header of
+// the largest micro-batch (together they hold the whole byte bound) and then, four times per
+// timeout, an empty message or a 4-byte piece are abandoned all the same, a timeout after their
+// header, while they go on sending; an honest micro-batch refused meanwhile is then admitted, and
+// dW holds it alone.
+TEST_F(StalledStreamTest, KeepAliveMessagesDoNotHoldAMicrobatchPastTheTimeout) {
+  const absl::Duration kEvery = kStall / 4;
+  constexpr absl::Duration kKeepAliveFor = absl::Seconds(3);  // 15 timeouts
+  std::vector<std::unique_ptr<RawStream>> streams;
+  for (int i = 0; i < 2; ++i) streams.push_back(std::make_unique<RawStream>(target_));
+  const absl::Time headers = absl::Now();
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(
+        streams[i]->Write(Header(head_.name, absl::StrCat("keepalive-", i), 1, kFullTokens)));
+    streams[i]->ReadInBackground();
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0};
+  std::vector<std::thread> senders;
+  for (int i = 0; i < 2; ++i) {
+    senders.emplace_back([&, i] {
+      v1::StepRequest empty;
+      v1::StepRequest piece;
+      piece.set_hidden(std::string(4, '\0'));
+      for (int k = 0; !stop.load() && absl::Now() - headers < kKeepAliveFor; ++k) {
+        absl::SleepFor(kEvery);
+        if (!streams[i]->Write(k % 2 == 0 ? empty : piece)) return;  // the server ended the call
+        sent.fetch_add(1);
+      }
+      streams[i]->WritesDone();
+    });
+  }
+
+  const HostBatch honest = MakeBatch(100, kD, kV, v1::DTYPE_FP32, 9);
+  absl::StatusOr<client::StepResult> got;
+  int refused = 0;
+  do {
+    got = client_->Step(ToMicrobatch(head_.name, "honest", 1, honest));
+    if (got.ok() || got.status().code() != absl::StatusCode::kResourceExhausted) break;
+    ++refused;
+  } while (absl::Now() - headers < kKeepAliveFor);
+  const absl::Time answered = absl::Now();
+  stop.store(true);
+  for (std::thread& t : senders) t.join();
+  ASSERT_TRUE(got.ok()) << got.status() << " (" << refused
+                        << " refusals, while keep-alive messages held the byte bound)";
+  EXPECT_LT(answered - headers, kKeepAliveFor);
+  EXPECT_GT(sent.load(), 0);
+
+  for (auto& s : streams) {
+    const grpc::Status status = s->Ended();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << status.error_message();
+    EXPECT_NE(status.error_message().find("--step_stall_timeout=200ms"), std::string::npos)
+        << status.error_message();
+    EXPECT_NE(status.error_message().find("keepalive-"), std::string::npos);
+    EXPECT_TRUE(s->responses().empty());
+    EXPECT_GE(s->ended_at() - headers, kStall);
+    EXPECT_LT(s->ended_at() - headers, kKeepAliveFor);
+  }
+
+  // Only the honest micro-batch is in dW.
+  auto pulled = client_->PullGradient(head_.name, v1::DTYPE_FP32, false);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->summary.microbatch_count(), 1u);
+  const RefResult want =
+      Reference(head_.weight, honest.hidden, honest.targets, honest.n, kD, kV, RefOptions{});
+  EXPECT_EQ(pulled->summary.token_count(), static_cast<uint64_t>(want.token_count));
+  EXPECT_TRUE(AllClose(Decode(pulled->data, v1::DTYPE_FP32), want.grad_weight,
+                       ToleranceFor(v1::DTYPE_FP32).grad));
+  absl::StatusOr<Exposition> e;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);;) {
+    auto body = HttpGet(server_->metrics_port(), "/metrics");
+    ASSERT_TRUE(body.ok()) << body.status();
+    e = ParseExposition(*body);
+    ASSERT_TRUE(e.ok()) << e.status();
+    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "ABORTED"}}) >= 2) break;
+    ASSERT_LT(absl::Now(), give_up) << *body;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(e->Sum("losshead_stalled_microbatches_total"), 2);
+}
+
+// Progress is counted in bytes, not messages: with 4 KiB messages (3 KiB of payload each) and a
+// 2 s timeout, a micro-batch sent in 2 KiB pieces every 150 ms takes 2.7 s in all but brings a
+// message's payload every 300 ms; it is kept, answered and counted.
+class SlowStreamTest : public StalledStreamTest {
+ protected:
+  static constexpr absl::Duration kTimeout = absl::Seconds(2);
+  void Adjust(server::ServerOptions& options) override {
+    options.max_message_bytes = 4 << 10;
+    options.step_stall_timeout = kTimeout;
+  }
+};
+
+TEST_F(SlowStreamTest, AMicrobatchThatArrivesSlowlyButSteadilyIsKept) {
+  constexpr absl::Duration kEvery = absl::Milliseconds(150);
+  constexpr size_t kPiece = 2 << 10;
+  const HostBatch batch = MakeBatch(kFullTokens, kD, kV, v1::DTYPE_FP32, 21);
+  RawStream s(target_);
+  s.ReadInBackground();
+  const absl::Time start = absl::Now();
+  v1::StepRequest message = Header(head_.name, "slow", 1, kFullTokens);
+  const auto* hidden = reinterpret_cast<const char*>(batch.hidden_bytes.data());
+  const auto* targets = reinterpret_cast<const char*>(batch.target_bytes.data());
+  const size_t hidden_bytes = batch.hidden_bytes.size();
+  const size_t total = hidden_bytes + batch.target_bytes.size();
+  for (size_t at = 0; at < total; at += kPiece) {
+    if (at < hidden_bytes) {
+      message.set_hidden(hidden + at, std::min(kPiece, hidden_bytes - at));
+    } else {
+      message.set_targets(targets + (at - hidden_bytes), std::min(kPiece, total - at));
+    }
+    message.set_last(at + kPiece >= total);
+    ASSERT_TRUE(s.Write(message));
+    message.Clear();
+    if (at + kPiece < total) absl::SleepFor(kEvery);
+  }
+  s.WritesDone();
+  const grpc::Status status = s.Ended();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(absl::Now() - start, kTimeout);
+  const std::vector<ReadAnswer> answers = Answers(s.responses());
+  ASSERT_EQ(answers.size(), 1u);
+  ASSERT_TRUE(answers[0].first.has_result()) << answers[0].first.error().message();
+  ASSERT_TRUE(answers[0].complete);
+  const RefResult want =
+      Reference(head_.weight, batch.hidden, batch.targets, batch.n, kD, kV, RefOptions{});
+  EXPECT_NEAR(answers[0].first.result().loss(), want.loss,
+              ToleranceFor(v1::DTYPE_FP32).loss_rel * std::abs(want.loss));
+  client::Bytes grad(answers[0].grad_hidden.size());
+  std::memcpy(grad.data(), answers[0].grad_hidden.data(), grad.size());
+  EXPECT_TRUE(
+      AllClose(Decode(grad, v1::DTYPE_FP32), want.grad_hidden, ToleranceFor(v1::DTYPE_FP32).grad));
+  auto info = client_->GetHead(head_.name);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->microbatches_total(), 1u);
 }
 
 }  // namespace

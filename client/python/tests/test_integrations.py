@@ -58,7 +58,7 @@ class TinyTrunk(nn.Module):
                 inputs_embeds: Optional[torch.Tensor] = None, **kwargs: object) -> TrunkOutput:
         self.last_kwargs = dict(kwargs)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype).reshape(1, -1, 1)
+        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device).reshape(1, -1, 1)
         x = x + torch.tanh(self.mix(x.cumsum(1) / steps))
         return TrunkOutput(self.norm(x))
 

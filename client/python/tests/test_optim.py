@@ -89,23 +89,47 @@ def test_clipping_matches_clip_grad_norm(client: Client, make_head) -> None:
     _assert_close(client.download_weights(head).weights, w0 - want_head)
 
 
-def test_state_dict_keeps_the_step_key(client: Client, make_head) -> None:
+def test_state_dict_round_trips_the_moments_through_a_snapshot(servers, tmp_path) -> None:
+    """state_dict names a server snapshot of the head's whole state, load_state_dict restores
+    it: the steps after it repeat the first run's W (the moments and step came back, not just a
+    step key)."""
+    server = servers.start("--checkpoint_dir", str(tmp_path / "ckpt"))
+    with Client(server.address) as c:
+        w0 = torch.randn(V, D, generator=torch.Generator().manual_seed(8)) * 0.3
+        c.create_head("sd", V, D, weight_dtype=torch.float32)
+        c.upload_weights("sd", w0)
+        remote = RemoteAdamW(c, "sd", lr=0.01)
+        for step in (1, 2):
+            _window(c, "sd", step)
+            remote.step()
+        saved = remote.state_dict()
+        assert saved["losshead"]["snapshot"] and saved["losshead"]["optimizer_step"] == 2
+        for step in (3, 4):
+            _window(c, "sd", step)
+            remote.step()
+        first = c.download_weights("sd").weights
+
+        again = RemoteAdamW(c, "sd", lr=0.01)  # a restarted trainer
+        again.load_state_dict(saved)
+        assert c.get_head("sd").optimizer_step == 2
+        for step in (3, 4):
+            _window(c, "sd", step)
+            again.step()
+            assert not again.last_result.replayed
+        assert again.last_result.optimizer_step == 4
+        _assert_close(c.download_weights("sd").weights, first)
+
+
+def test_state_dict_without_snapshots_is_refused(client: Client, make_head) -> None:
     head = make_head(V, D)
     remote = RemoteAdamW(client, head, lr=0.01)
+    assert remote.state_dict()["losshead"]["snapshot"] is None  # nothing stepped: W is all
     _window(client, head, 1)
     remote.step()
-    saved = remote.state_dict()
-    assert saved["losshead"]["step_key"] == 1
-    # A trainer restarted from its checkpoint: the same key again is the same apply.
-    again = RemoteAdamW(client, head, lr=0.01)
-    again.load_state_dict(saved)
-    again.step_key -= 1
-    again.step()
-    assert again.last_result.replayed
-    assert again.last_result.weights_version == remote.last_result.weights_version
-    _window(client, head, 2)
-    again.step()
-    assert not again.last_result.replayed and again.last_result.optimizer_step == 2
+    with pytest.raises(LossheadError) as refused:
+        remote.state_dict()
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--checkpoint_dir" in refused.value.message
 
 
 def test_a_step_past_the_weights_range_is_refused_and_changes_nothing(client: Client,

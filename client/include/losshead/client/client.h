@@ -143,6 +143,24 @@ class Client {
   absl::StatusOr<v1::ClientProgress> GetClientProgress(const std::string& head,
                                                        const std::string& client_id);
 
+  // The open gradient window's summary without its data (PullGradientRequest.summary_only); a
+  // read, retried like one.
+  absl::StatusOr<v1::GradientSummary> WindowSummary(const std::string& head);
+  // Discards the window without moving dW (summary_only with reset: a trainer's zero_grad) and
+  // returns what it held. Never re-sent once it may have reached the server, as a pull with reset
+  // (a repeat would drop micro-batches sent after the first): only the wait for the server is
+  // retried.
+  absl::StatusOr<v1::GradientSummary> DiscardGradient(const std::string& head);
+
+  // Named snapshots (see the proto): SnapshotHead writes the head's snapshot `tag` (a Checkpoint
+  // with a tag), RestoreHead puts the head back to it, and the two others prune them. All retried
+  // (a repeat writes or restores the same again; a DeleteSnapshot repeat that finds the snapshot
+  // gone after an attempt whose answer was lost is OK).
+  absl::StatusOr<v1::SnapshotInfo> SnapshotHead(const std::string& head, const std::string& tag);
+  absl::StatusOr<v1::HeadInfo> RestoreHead(const std::string& head, const std::string& tag);
+  absl::Status DeleteSnapshot(const std::string& head, const std::string& tag);
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& head);
+
   // The server-side optimizer (see the proto). SetOptimizer replaces the head's optimizer (state
   // afresh) and returns its info. ApplyOptimizer steps it over the gradient window exactly once
   // per (client_id, step_key): retried like any call, as a repeat that reached the server is
@@ -234,6 +252,8 @@ class Client {
                                                             v1::DType dtype, bool reset,
                                                             std::span<std::byte> out, Bytes* owned);
   absl::StatusOr<v1::Stats> GetStatsOnce();
+  // One summary_only pull (WindowSummary, DiscardGradient).
+  absl::StatusOr<v1::GradientSummary> WindowSummaryOnce(const std::string& head, bool reset);
   absl::StatusOr<StepResult> StepOnce(const Microbatch& microbatch);
 
   std::shared_ptr<grpc::Channel> channel_;

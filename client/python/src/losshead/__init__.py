@@ -6,15 +6,20 @@
 health, checkpoints), with retries (`RetryPolicy`), bearer tokens and TLS; its tensors travel
 through the C++ client (liblosshead_capi.so) when `native_available()`, else through grpcio.
 `RemoteLMHead` is an nn.Module whose forward/backward run on the server;
-`RemoteHeadOptimizer` mirrors the remote W locally so any torch.optim optimizer can step it.
+`RemoteAdamW` / `RemoteSGD` step the head on the server (exactly once per step for every rank
+of a data-parallel job), `JointOptimizer` holds a trunk's optimizer and the head as one
+(schedules, global-norm clipping, GradScaler, state dicts), and `RemoteHeadOptimizer` mirrors
+the remote W locally so any torch.optim optimizer can step it.
 `export_checkpoint` turns a server checkpoint file into safetensors (offline, through the
 `losshead` tool); `import_safetensors` seeds a head from one.
 """
 
 from losshead.client import (Client, ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
                              LossOptions, StepResult, StepStream, Weights, combine_results)
-from losshead._native import native_available, native_library
+from losshead._native import NativeLibraryWarning, native_available, native_library
+from losshead._window import UnsteppedHeadWarning
 from losshead.errors import LossheadError
+from losshead.joint import JointOptimizer
 from losshead.export import export_checkpoint, import_safetensors, load_safetensors
 from losshead.optim import ApplyResult, RemoteAdamW, RemoteSGD, step_with_clipping
 from losshead.retry import RetryPolicy
@@ -23,10 +28,11 @@ from losshead.torch_bridge import (RemoteHeadOptimizer, RemoteLMHead, scale_grad
 
 __all__ = [
     "ApplyResult", "Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheckpoint",
-    "LossOptions", "LossheadError", "RemoteAdamW", "RemoteHeadOptimizer", "RemoteLMHead",
-    "RemoteSGD", "RetryPolicy", "StepResult", "StepStream", "Weights",
-    "combine_results", "native_available", "native_library", "scale_gradients_",
-    "step_with_clipping", "token_losses",
+    "JointOptimizer", "LossOptions", "LossheadError", "NativeLibraryWarning", "RemoteAdamW",
+    "RemoteHeadOptimizer",
+    "RemoteLMHead", "RemoteSGD", "RetryPolicy", "StepResult", "StepStream",
+    "UnsteppedHeadWarning", "Weights", "combine_results", "native_available", "native_library",
+    "scale_gradients_", "step_with_clipping", "token_losses",
     "export_checkpoint", "import_safetensors", "load_safetensors",
 ]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -119,8 +120,14 @@ def _candidates() -> List[Path]:
     return [Path(given)] if given else [Path(__file__).resolve().parent / _LIBRARY]
 
 
+class NativeLibraryWarning(RuntimeWarning):
+    """The native library was not found or failed to load: the slower grpcio path is used."""
+
+
 def _load() -> Tuple[Optional[ctypes.CDLL], str]:
-    """(library, where it came from) or (None, why not); loaded once per process."""
+    """(library, where it came from) or (None, why not); loaded once per process. Warns once
+    (NativeLibraryWarning) with the reason and the cost when it is neither loaded nor turned
+    off."""
     global _loaded
     with _lock:
         if _loaded is not None:
@@ -138,16 +145,27 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
             except OSError as e:
                 why = f"cannot load {path}: {e}"
                 continue
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.restype, fn.argtypes = restype, argtypes
+            try:
+                for name, (restype, argtypes) in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = restype, argtypes
+            except AttributeError as e:
+                why = f"{path} lacks a function this package calls: {e}"
+                continue
             if lib.lh_capi_version() != _ABI_VERSION:
                 why = f"{path} speaks ABI {lib.lh_capi_version()}, this package {_ABI_VERSION}"
                 continue
             _loaded = (lib, str(path))
             return _loaded
         _loaded = (None, why)
-        return _loaded
+    # Outside the lock: a warnings filter that raises must not leave it held.
+    warnings.warn(
+        f"losshead: the native data path is off ({why}); steps, pulls and pushes go through "
+        "grpcio from Python instead, about 3 times slower per step (BENCHMARKS.md: 62,700 "
+        "against 186,000 tokens/s for a 128256 x 4096 head). Install the package with "
+        f"{_LIBRARY} (LOSSHEAD_CAPI_LIB when building it), or set LOSSHEAD_NATIVE=0 to choose "
+        "the grpcio path without this warning", NativeLibraryWarning, stacklevel=3)
+    return _loaded
 
 
 def native_available() -> bool:

@@ -4,13 +4,14 @@ Tensors are torch tensors on the caller's side and raw little-endian bytes on th
 failure raises `LossheadError` with the grpc.StatusCode of the call or of the failed micro-batch.
 The client is put together from one module per concern: `_channel` (credentials, channel
 arguments), `_base` (identity, retries, unary calls), `_health`, `_steps` with `_step_stream`
-(the Step path), `_transfers` (weights and gradients) and `_native` (the C++ data path).
+(the Step path), `_transfers` (weights and gradients), `_head_state` (the gradient window's
+summary and discard, named snapshots) and `_native` (the C++ data path).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -18,6 +19,7 @@ import torch
 from losshead import _wire
 from losshead._channel import MiB, PemLike, default_client_id, load_tls
 from losshead._channel import channel_options as _channel_options
+from losshead._head_state import HeadState
 from losshead._health import HealthProbe
 from losshead._native import NativeClient, native_available
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
@@ -37,7 +39,7 @@ __all__ = ["Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheck
            "combine_results", "to_reduction"]
 
 
-class Client(Steps, Transfers):
+class Client(Steps, Transfers, HeadState):
     """A connection to one losshead server.
 
     `client_id` (default: host, pid and a random suffix) and a per-client sequence counter form
@@ -169,6 +171,16 @@ class Client(Steps, Transfers):
         for c in self._extra_channels:
             c.close()
         self._channel.close()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Client":
+        # A connection to a server is shared, not copied: a deep copy of a module that speaks to
+        # a head (RemoteLMHead) speaks to the same head through the same client.
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"losshead: a Client (connections to {self.target}) cannot be pickled; build one "
+            "in each process from its target (and credentials)")
 
     def __enter__(self) -> "Client":
         return self

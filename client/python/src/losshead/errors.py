@@ -33,6 +33,12 @@ class LossheadError(Exception):
         self.sequence = sequence
         self.retry_after_ms = int(retry_after_ms)
 
+    def __reduce__(self) -> tuple:
+        # Pickled whole (data-parallel ranks hand rank 0's error to the others): Exception's own
+        # reduction would rebuild it from the formatted text alone.
+        return (_rebuild, (self.code, self.message, self.client_id, self.sequence,
+                           self.retry_after_ms))
+
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError, *,
                        cancelled_here: bool = False) -> "LossheadError":
@@ -49,3 +55,9 @@ class LossheadError(Exception):
                        "the server ended the call without answering (it may be shutting down): "
                        f"CANCELLED: {details}")
         return cls(code or grpc.StatusCode.UNKNOWN, details)
+
+
+def _rebuild(code: grpc.StatusCode, message: str, client_id: Optional[str],
+             sequence: Optional[int], retry_after_ms: int) -> LossheadError:
+    return LossheadError(code, message, client_id=client_id, sequence=sequence,
+                         retry_after_ms=retry_after_ms)

@@ -32,6 +32,7 @@ from torch import nn
 
 from losshead import _wire
 from losshead._chunk_plan import plan_chunks
+from losshead._window import WindowTracker, tracker
 from losshead._wire import DTypeLike
 from losshead.client import Client, GradientSummary, LossOptions, StepResult
 
@@ -44,7 +45,8 @@ class _RemoteLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
                 module: "RemoteLMHead") -> torch.Tensor:
-        result = module._step(hidden, targets, need_grad_hidden=ctx.needs_input_grad[0])
+        result = module._step(hidden, targets, need_grad_hidden=ctx.needs_input_grad[0],
+                              forward_only=not module.training)
         out_dtype = torch.promote_types(hidden.dtype, torch.float32)
         if module.reduction == "none":
             assert result.per_token_loss is not None
@@ -107,9 +109,17 @@ class RemoteLMHead(nn.Module):
     with `edge_tokens`, a small first and last one so that the server starts early and the last
     answer comes back fast. Four streams run a Llama-sized step about 5 % faster than two
     (BENCHMARKS.md). The loss, dH and dW do not depend on the cut (each chunk is summed on the
-    server and the sums are added up). With grad mode off (`torch.no_grad()`, or `evaluate`)
-    the server runs forward-only steps: the loss without dH, nothing added to dW or counted.
-    `last_result` holds the combined StepResult of the last call, training or evaluation.
+    server and the sums are added up).
+
+    Which steps count: only a forward in training mode (`module.training`, the default) with
+    grad mode on adds to the head's dW. In eval() mode the server runs forward-only steps (the
+    loss on the current W, nothing added to dW or to the window's counts) and still returns dH
+    when grad mode is on, so gradients reach the trunk and the inputs while the head stays
+    out, as a frozen head's would. With grad mode off (`torch.no_grad()`, or `evaluate`) the
+    steps are forward-only and carry no dH. `last_result` holds the combined StepResult of the
+    last call, training or evaluation. A training micro-batch is noted in the head's
+    `window` (losshead._window), which warns (UnsteppedHeadWarning) when many run against
+    the same weights version: nothing steps the head.
     """
 
     def __init__(self, client: Client, head: str, *, reduction: str = "mean",
@@ -155,19 +165,27 @@ class RemoteLMHead(nn.Module):
                            min_chunk_tokens=self.min_chunk_tokens, depth=self.depth,
                            edge_tokens=self.edge_tokens)
 
-    def _step(self, hidden: torch.Tensor, targets: torch.Tensor, *,
-              need_grad_hidden: bool) -> StepResult:
+    def _step(self, hidden: torch.Tensor, targets: torch.Tensor, *, need_grad_hidden: bool,
+              forward_only: bool = False) -> StepResult:
+        chunks = self._chunks_for(targets.numel())
         result = self.client.step_chunked(
-            self.head, hidden.detach(), targets.detach(),
-            chunks=self._chunks_for(targets.numel()),
+            self.head, hidden.detach(), targets.detach(), chunks=chunks,
             streams=self.streams, reduction="sum", grad_scale=1.0,
             loss_options=self.loss_options, hidden_dtype=self.wire_dtype,
             return_per_token_loss=self.reduction == "none",
             skip_grad_hidden=not need_grad_hidden, grad_hidden_dtype=self.grad_hidden_dtype,
-            grad_hidden_device=hidden.device if hidden.is_cuda else None)
-        self._tokens += result.token_count
+            grad_hidden_device=hidden.device if hidden.is_cuda else None,
+            forward_only=forward_only)
+        if not forward_only:
+            self._tokens += result.token_count
+            self.window.note_training(1, result.weights_version, result.token_count)
         self.last_result = result
         return result
+
+    @property
+    def window(self) -> WindowTracker:
+        """What this process put into the head's open window (losshead._window)."""
+        return tracker(self.client.target, self.head)
 
     @torch.no_grad()
     def evaluate(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -256,6 +274,7 @@ class RemoteHeadOptimizer:
         if self._pulled is None:
             self._pulled = torch.empty(self.weight.shape, dtype=torch.float32)
         pulled = self.client.pull_gradient(self.head, reset=True, out=self._pulled)
+        tracker(self.client.target, self.head).note_cut()
         count = pulled.summary.token_count
         g = pulled.grad
         if self.normalize:
@@ -281,6 +300,7 @@ class RemoteHeadOptimizer:
             w = self._staged
         self.version = self.client.push_weights(self.head, w, dtype=self.push_dtype,
                                                 expected_weights_version=self.version)
+        tracker(self.client.target, self.head).note_push()
         return self.version
 
     def step(self, optimizer: torch.optim.Optimizer) -> GradientSummary:

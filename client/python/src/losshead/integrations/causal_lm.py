@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
@@ -27,10 +28,13 @@ import torch
 from torch import nn
 
 from losshead import _wire
+from losshead._dist import Ranks
 from losshead._types import to_matmul_precision
+from losshead._window import UnsteppedHeadWarning, tracker
 from losshead._wire import DTypeLike
 from losshead.client import Client
 from losshead.errors import LossheadError
+from losshead.joint import JointOptimizer
 from losshead.torch_bridge import RemoteLMHead
 
 __all__ = ["CausalLMOutput", "IGNORE_INDEX", "OffloadedHead", "OffloadedLMHead",
@@ -166,7 +170,10 @@ class OffloadedLMHead(nn.Module):
 
     `weight` is an empty (0 x D) tensor on the meta device kept outside the parameters and
     buffers, so that optimizers, state_dict and model.to() never see it. Calling the module
-    raises: the model's forward computes the loss without it.
+    raises: the model's forward computes the loss without it. Loading a state dict that holds
+    `lm_head.weight` (a checkpoint's, `from_pretrained`'s own weights, the Trainer's resume)
+    uploads it to the server's head instead (`OffloadedHead.upload_weight`); without it, a
+    strict load reports the key missing.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, head: str,
@@ -177,6 +184,28 @@ class OffloadedLMHead(nn.Module):
         self.head = head
         self.target = target
         self.weight = torch.empty((0, in_features), dtype=dtype, device="meta")
+        self._owner: Optional["OffloadedHead"] = None
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "weight"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            return
+        weight = state_dict[key]
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(weight.shape)}, the offloaded head is "
+                              f"{self.out_features} x {self.in_features}")
+            return
+        if self._owner is not None:
+            self._owner.upload_weight(weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -210,9 +239,14 @@ class OffloadedHead:
     """A model's LM head on a losshead server; what `offload_causal_lm` returns.
 
     `remote` is the RemoteLMHead the model's forward steps through (reduction "sum"; its
-    `take_token_count()` serves data parallelism), `client` and `head` name the server's head
-    (the optimizer is `RemoteAdamW(offloaded.client, offloaded.head, ...)`), `vocab_size` and
-    `hidden_size` its shape, `weights_version` the version uploaded or attached to.
+    `take_token_count()` serves data parallelism), `client` and `head` name the server's head,
+    `vocab_size` and `hidden_size` its shape, `weights_version` the version uploaded or attached
+    to. What steps it: `attach(trainer)` (a Hugging Face Trainer's own loop, or an accelerate
+    Accelerator's clipping), `optimizer(trunk_optimizer)` (the trunk's optimizer with the head
+    in it, for a loop of your own), or `RemoteAdamW(offloaded.client, offloaded.head, ...)`. The
+    model's mode decides what a forward does to the head: in train() mode with grad enabled it
+    adds to the gradient window; in eval() mode (or under no_grad) the server runs forward-only
+    steps. Copying or pickling the model raises, naming the way (`local_head`).
 
     While offloaded, `model.lm_head` is an `OffloadedLMHead` and `model.state_dict()` has no
     `lm_head.weight`: `export_state_dict()` downloads it (a complete checkpoint is
@@ -223,7 +257,8 @@ class OffloadedHead:
     """
 
     def __init__(self, *, client: Client, head: str, remote: RemoteLMHead, linear: nn.Linear,
-                 output_type: Callable[..., Any], ignore_index: int, weights_version: int) -> None:
+                 output_type: Callable[..., Any], ignore_index: int, weights_version: int,
+                 head_dtype: Optional[torch.dtype] = None) -> None:
         self.client = client
         self.head = head
         self.remote = remote
@@ -234,8 +269,11 @@ class OffloadedHead:
         self._dtype = linear.weight.dtype
         self._device = linear.weight.device
         self._output_type = output_type
+        self.head_dtype = head_dtype if head_dtype is not None else self._dtype
         self._placeholder = OffloadedLMHead(self.hidden_size, self.vocab_size, self._dtype,
                                             head, client.target)
+        self._placeholder._owner = self
+        self._warned_unattached = False
         self._previous_forward: Any = None
         self._had_own_forward = False
         self._installed = False
@@ -243,6 +281,67 @@ class OffloadedHead:
     def __repr__(self) -> str:
         return (f"OffloadedHead(head={self.head!r}, target={self.client.target!r}, "
                 f"{self.vocab_size} x {self.hidden_size}, installed={self._installed})")
+
+    # -- training loops ----------------------------------------------------------------------
+    def optimizer(self, trunk_optimizer: torch.optim.Optimizer, **options: Any) -> JointOptimizer:
+        """The trunk's optimizer and this head as one torch optimizer (`losshead.joint`): build
+        the learning-rate schedule on it, clip with its `clip_grad_norm_`, step and zero it as
+        usual; every rank of a data-parallel job does. `options` go to JointOptimizer (the
+        head's `kind` and hyper-parameters, `grad_divisor`, `sharded`, `process_group`)."""
+        return JointOptimizer(trunk_optimizer, self.client, self.head, **options)
+
+    def attach(self, loop: Any, **options: Any) -> Any:
+        """Makes a training loop's own machinery drive this head; returns `loop`.
+
+        A Hugging Face Trainer: its optimizer, schedule, clipping, gradient accumulation, fp16
+        scaling, checkpoints and resume (`losshead.integrations.hf_trainer.attach`; `options`
+        are the head's optimizer settings as for `optimizer`). An accelerate Accelerator that
+        prepared `offloaded.optimizer(...)`: its `clip_grad_norm_` clips trunk and head by one
+        global norm (`losshead.integrations.accelerate`)."""
+        if hasattr(loop, "args") and hasattr(loop, "create_optimizer"):
+            from losshead.integrations.hf_trainer import attach
+
+            return attach(self, loop, **options)
+        if hasattr(loop, "prepare") and hasattr(loop, "clip_grad_norm_"):
+            if options:
+                raise TypeError("losshead: an Accelerator takes no options; give them to "
+                                "offloaded.optimizer(...)")
+            from losshead.integrations.accelerate import attach_accelerator
+
+            return attach_accelerator(loop)
+        raise TypeError(f"losshead: attach takes a transformers Trainer or an accelerate "
+                        f"Accelerator, not {type(loop).__name__}")
+
+    def upload_weight(self, weight: torch.Tensor) -> int:
+        """Replaces the server's W with `weight` (V x D; in the head's dtype on the wire, checked
+        against the head's version); returns the new version. Under data parallelism rank 0
+        alone uploads and the others return the version they know (loading a state dict runs
+        on every rank)."""
+        if Ranks().is_leader:
+            version = self.client.get_head(self.head).weights_version
+            self.weights_version = self.client.push_weights(
+                self.head, weight.detach(), dtype=self.head_dtype,
+                expected_weights_version=version)
+            tracker(self.client.target, self.head).note_push()
+        return self.weights_version
+
+    # -- copies ------------------------------------------------------------------------------
+    def _no_copy(self) -> TypeError:
+        return TypeError(
+            f"losshead: this model's LM head lives on the losshead server ({self.client.target}, "
+            f"head {self.head!r}), and a copy would share that one head with the original (a "
+            "reference or EMA model would then train or read the original's head). Copy it with "
+            "W local: `with offloaded.local_head(model): twin = copy.deepcopy(model)` (the copy "
+            "has a normal lm_head), then offload the copy to a head of its own if it should "
+            "live on the server too: `offload_lm_head(twin, client, 'another-head')`. To save "
+            "the model, use save_pretrained or the Trainer's checkpoints (lm_head.weight "
+            "included) rather than pickling it")
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "OffloadedHead":
+        raise self._no_copy()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self._no_copy()
 
     # -- export ------------------------------------------------------------------------------
     def download_weight(self) -> torch.Tensor:
@@ -312,6 +411,13 @@ class OffloadedHead:
         delattr(model, _OFFLOAD_ATTR)
         self._installed = False
 
+    def _check_stepped(self) -> None:
+        """A Trainer-style loop with nothing in this process to step the head: said at once."""
+        if not self._warned_unattached and tracker(self.client.target,
+                                                   self.head).steppers == 0:
+            self._warned_unattached = True
+            _warn_unattached(self)
+
     def _run(self, model: nn.Module, *, labels: Optional[torch.Tensor],
                 logits_to_keep: Any, return_dict: Optional[bool],
                 trunk_args: Dict[str, Any], kwargs: Dict[str, Any]) -> Any:
@@ -340,6 +446,11 @@ class OffloadedHead:
             raise ValueError(f"losshead: labels of shape {tuple(targets.shape)} do not match "
                              f"hidden states of shape {tuple(hidden.shape)} (hidden size "
                              f"{self.hidden_size})")
+        # The model's mode decides: in eval() the server runs forward-only steps (nothing added to
+        # dW), whether or not grad mode is on.
+        self.remote.training = model.training
+        if num_items_in_batch is not None and model.training and torch.is_grad_enabled():
+            self._check_stepped()
         loss_sum = self.remote(hidden.reshape(-1, self.hidden_size), targets.reshape(-1))
         assert self.remote.last_result is not None
         loss = reduce_loss(loss_sum, self.remote.last_result.token_count, num_items_in_batch)
@@ -348,6 +459,16 @@ class OffloadedHead:
             hidden_states=getattr(out, "hidden_states", None),
             attentions=getattr(out, "attentions", None))
         return output.to_tuple() if return_dict is False else output
+
+
+def _warn_unattached(offloaded: "OffloadedHead") -> None:
+    warnings.warn(
+        f"losshead: the model is trained by a loop that passes num_items_in_batch (the Hugging "
+        f"Face Trainer), but nothing in this process steps head {offloaded.head!r} on "
+        f"{offloaded.client.target}: its window would grow and W never change. Call "
+        "`offloaded.attach(trainer)` after building the Trainer (or step it with "
+        "`offloaded.optimizer(...)` / RemoteAdamW in a loop of your own)",
+        UnsteppedHeadWarning, stacklevel=4)
 
 
 def _offloaded_forward(offloaded: OffloadedHead) -> Callable[..., Any]:
@@ -451,6 +572,6 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                           wire_dtype=wire_dtype, chunk_tokens=chunk_tokens, streams=streams)
     offloaded = OffloadedHead(client=client, head=head, remote=remote, linear=lm_head,
                               output_type=output_type, ignore_index=ignore_index,
-                              weights_version=version)
+                              weights_version=version, head_dtype=dtype)
     offloaded._install(model)
     return offloaded

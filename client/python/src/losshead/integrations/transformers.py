@@ -1,15 +1,18 @@
 """Hugging Face causal LMs with their LM head on a losshead server, in one call.
 
-    from losshead import Client, RemoteAdamW
+    from losshead import Client
     from losshead.integrations.transformers import offload_lm_head
 
     client = Client("127.0.0.1:50051")
     model = AutoModelForCausalLM.from_pretrained(...)          # or from_config
     offloaded = offload_lm_head(model, client, "llama-head")   # W uploaded, freed locally
-    trunk_opt = torch.optim.AdamW(model.parameters(), lr=3e-4) # the head is not among them
-    head_opt = RemoteAdamW(client, "llama-head", lr=3e-4)      # steps W where it lives
+    trainer = offloaded.attach(Trainer(model=model, args=args, train_dataset=data))
+    trainer.train()                                            # the Trainer steps the head
+
+    # or a loop of your own: the trunk's optimizer and the head as one optimizer
+    opt = offloaded.optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
     loss = model(input_ids, attention_mask=mask, labels=labels).loss
-    loss.backward(); trunk_opt.step(); head_opt.step(); trunk_opt.zero_grad()
+    loss.backward(); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
     offloaded.restore(model); model.save_pretrained(out_dir)   # a normal checkpoint
 
 Any model whose output layer is `lm_head` over `model` works the same: Llama, Mistral,
@@ -19,7 +22,8 @@ and several small Llama / Qwen checkpoints) are refused, with the reason. The fo
 transformers CausalLMOutputWithPast whose loss is the model's own (label shift, ignore index
 -100, and `num_items_in_batch` from the Trainer's gradient accumulation: the sum divided by it)
 and whose logits are None. See `losshead.integrations.causal_lm` for the details, the handle
-it returns, and the rules on logits, generation and checkpoints.
+it returns, and the rules on logits, generation and checkpoints, and
+`losshead.integrations.hf_trainer` for what `attach` makes of the Trainer.
 
 This module imports transformers only when `offload_lm_head` is called, so importing it never
 needs transformers; calling it without transformers raises ImportError.
