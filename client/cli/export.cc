@@ -61,6 +61,7 @@ absl::StatusOr<std::string> CheckpointPath() {
         "--checkpoint is required: a <head>.lhck file, or the server's --checkpoint_dir with "
         "--head");
   }
+  const std::string tag = absl::GetFlag(FLAGS_tag);
   struct stat st;
   if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
     const std::string head = absl::GetFlag(FLAGS_head);
@@ -68,7 +69,15 @@ absl::StatusOr<std::string> CheckpointPath() {
       return absl::InvalidArgumentError(
           absl::StrCat("--checkpoint=", path, " is a directory: name the head with --head"));
     }
-    return absl::StrCat(absl::StripSuffix(path, "/"), "/", head, server::kCheckpointSuffix);
+    // A named snapshot lives beside the checkpoints: snapshots/<tag>/<head>.lhck.
+    const std::string dir = std::string(absl::StripSuffix(path, "/"));
+    return tag.empty()
+               ? absl::StrCat(dir, "/", head, server::kCheckpointSuffix)
+               : absl::StrCat(dir, "/snapshots/", tag, "/", head, server::kCheckpointSuffix);
+  }
+  if (!tag.empty()) {
+    return absl::InvalidArgumentError(
+        "--tag names a snapshot in a checkpoint directory: give --checkpoint the directory");
   }
   return path;
 }

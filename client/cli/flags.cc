@@ -69,6 +69,9 @@ ABSL_FLAG(bool, zero_head, false,
 ABSL_FLAG(std::string, checkpoint, "",
           "export: a server checkpoint file (<head>.lhck), or the server's --checkpoint_dir "
           "with --head; read offline, no server needed");
+ABSL_FLAG(std::string, tag, "",
+          "export: a named snapshot of --head instead of its checkpoint (the file "
+          "<--checkpoint>/snapshots/<tag>/<head>.lhck)");
 ABSL_FLAG(std::string, out, "", "export: the safetensors file to write");
 ABSL_FLAG(std::string, manifest, "",
           "export: the manifest JSON to write (head, versions, shape, dtype, sha256 of each "

@@ -54,6 +54,7 @@ ABSL_DECLARE_FLAG(bool, zero_head);
 ABSL_DECLARE_FLAG(std::string, client_id);
 // export, import
 ABSL_DECLARE_FLAG(std::string, checkpoint);
+ABSL_DECLARE_FLAG(std::string, tag);
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(std::string, manifest);
 ABSL_DECLARE_FLAG(std::string, tensor);

@@ -30,7 +30,7 @@ constexpr char kUsage[] =
     "  progress  acknowledged and persisted sequence of --client_id on --head (what a crash\n"
     "          lost: every sequence above persisted)\n"
     "  export  a server checkpoint file to safetensors + a manifest, offline (--checkpoint,\n"
-    "          --head, --out, --tensor, --with_optimizer, --with_gradient, --manifest)\n"
+    "          --head, --tag, --out, --tensor, --with_optimizer, --with_gradient, --manifest)\n"
     "  import  create --head from a safetensors tensor and push it as W (--safetensors,\n"
     "          --tensor, --create=false: push into an existing head)\n"
     "common flags: --server, --max_message_bytes, --deadline_s, --token_file, --tls_ca,\n"

@@ -63,6 +63,8 @@ def test_export_is_the_download_and_torch_adamw_state(servers, tmp_path, cli) ->
             master.grad = _window(client, "lm", step) / (2 * TOKENS)
             ref.step()
             remote.step()
+        snapshot_w = client.download_weights("lm").weights
+        client.snapshot_head("lm", "after-3")
         _window(client, "lm", 4)  # an open window, not stepped
         downloaded = client.download_weights("lm")
         info = client.get_head("lm")
@@ -91,6 +93,12 @@ def test_export_is_the_download_and_torch_adamw_state(servers, tmp_path, cli) ->
     assert digests["lm_head.weight"] == hashlib.sha256(
         w.view(torch.int16).numpy().tobytes()).hexdigest()
     assert json.loads((tmp_path / "lm_head.manifest.json").read_text()) == manifest
+    # The named snapshot beside the checkpoint: W as it was then, the same step.
+    snap = export_checkpoint(ckpt, tmp_path / "snap.safetensors", head="lm", tag="after-3",
+                             cli=cli)
+    assert snap["optimizer_step"] == 3 and snap["weights_version"] == info.weights_version
+    assert torch.equal(load_safetensors(tmp_path / "snap.safetensors")["lm_head.weight"],
+                       snapshot_w)
     try:  # the reference reader, where the package is installed
         from safetensors.torch import load_file
     except ImportError:

@@ -60,7 +60,7 @@ def _error_of(stderr: str) -> LossheadError:
 
 
 def export_checkpoint(path: PathLike, out: PathLike, *, head: Optional[str] = None,
-                      tensor: str = "lm_head.weight", optimizer: bool = False,
+                      tag: Optional[str] = None, tensor: str = "lm_head.weight", optimizer: bool = False,
                       gradient: bool = False, manifest: Optional[PathLike] = None,
                       cli: Optional[PathLike] = None) -> Dict[str, Any]:
     """Writes the head of a server checkpoint file to the safetensors file `out`; returns the
@@ -68,7 +68,7 @@ def export_checkpoint(path: PathLike, out: PathLike, *, head: Optional[str] = No
     or `manifest`).
 
     `path` is a checkpoint file (``<head>.lhck``), or the server's checkpoint directory with
-    `head`. The file holds W as `tensor` in the head's dtype; with `optimizer` also the server-side
+    `head` (and `tag` for the head's named snapshot of that tag instead of its checkpoint). The file holds W as `tensor` in the head's dtype; with `optimizer` also the server-side
     optimizer's fp32 master weights (bf16/fp16 heads) and state as ``<tensor>.optimizer.<name>``
     (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``: torch.optim's names), with `gradient` the
     open gradient window as ``<tensor>.grad``. Its ``__metadata__`` and the manifest say which
@@ -81,6 +81,8 @@ def export_checkpoint(path: PathLike, out: PathLike, *, head: Optional[str] = No
             f"--with_gradient={str(gradient).lower()}"]
     if head is not None:
         args.append(f"--head={head}")
+    if tag is not None:
+        args.append(f"--tag={tag}")
     if manifest is not None:
         args.append(f"--manifest={os.fspath(manifest)}")
     done = subprocess.run(args, capture_output=True, text=True)
