@@ -214,10 +214,10 @@ int RunProgress() {
   if (!progress.ok()) return Fail(progress.status());
   // "none": nothing of the client id applied (acknowledged) or in the last checkpoint (persisted).
   auto show = [](bool has, uint64_t v) { return has ? absl::StrCat(v) : std::string("none"); };
-  std::printf("head=%s client_id=%s acknowledged=%s persisted=%s\n", head.c_str(),
-              client_id.c_str(),
-              show(progress->has_acknowledged_sequence(), progress->acknowledged_sequence()).c_str(),
-              show(progress->has_persisted_sequence(), progress->persisted_sequence()).c_str());
+  std::printf(
+      "head=%s client_id=%s acknowledged=%s persisted=%s\n", head.c_str(), client_id.c_str(),
+      show(progress->has_acknowledged_sequence(), progress->acknowledged_sequence()).c_str(),
+      show(progress->has_persisted_sequence(), progress->persisted_sequence()).c_str());
   return 0;
 }
 

@@ -124,7 +124,8 @@ int RunExport() {
   if (!path.ok()) return Fail(path.status());
   const std::string out = absl::GetFlag(FLAGS_out);
   const std::string name = absl::GetFlag(FLAGS_tensor);
-  if (out.empty()) return Fail(absl::InvalidArgumentError("--out (the safetensors file) is required"));
+  if (out.empty())
+    return Fail(absl::InvalidArgumentError("--out (the safetensors file) is required"));
   if (name.empty()) return Fail(absl::InvalidArgumentError("--tensor must not be empty"));
   const bool with_optimizer = absl::GetFlag(FLAGS_with_optimizer);
   const bool with_gradient = absl::GetFlag(FLAGS_with_gradient);
@@ -140,9 +141,9 @@ int RunExport() {
   const std::vector<int64_t> shape = {v, d};
   if (v < 1 || d < 1 || SafetensorsDType(dtype).empty() ||
       data->weights.size() != elements * DTypeBytes(dtype)) {
-    return Fail(absl::DataLossError(absl::StrCat(*path, ": W holds ", data->weights.size(),
-                                                 " bytes, not ", v, " x ", d, " of ",
-                                                 v1::DType_Name(dtype))));
+    return Fail(
+        absl::DataLossError(absl::StrCat(*path, ": W holds ", data->weights.size(), " bytes, not ",
+                                         v, " x ", d, " of ", v1::DType_Name(dtype))));
   }
   std::vector<SafetensorsTensor> tensors = {
       {.name = name, .dtype = dtype, .shape = shape, .data = data->weights}};
@@ -150,10 +151,10 @@ int RunExport() {
   const std::string optimizer = Lower(v1::OptimizerKind_Name(kind), "OPTIMIZER_");
   if (with_optimizer) {
     if (kind == v1::OPTIMIZER_NONE) {
-      return Fail(absl::FailedPreconditionError(absl::StrCat(
-          "head '", spec.name(), "' in ", *path,
-          " has no server-side optimizer: there is no optimizer state to export "
-          "(leave out --with_optimizer)")));
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("head '", spec.name(), "' in ", *path,
+                       " has no server-side optimizer: there is no optimizer state to export "
+                       "(leave out --with_optimizer)")));
     }
     const std::vector<std::string> names = StateNames(kind);
     if (data->optimizer_state.size() > names.size()) {
@@ -174,9 +175,10 @@ int RunExport() {
     }
   }
   if (with_gradient) {
-    tensors.push_back(
-        {.name = absl::StrCat(name, ".grad"), .dtype = v1::DTYPE_FP32, .shape = shape,
-         .data = data->gradient});
+    tensors.push_back({.name = absl::StrCat(name, ".grad"),
+                       .dtype = v1::DTYPE_FP32,
+                       .shape = shape,
+                       .data = data->gradient});
   }
   for (const SafetensorsTensor& t : tensors) {
     if (t.data.size() != elements * DTypeBytes(t.dtype)) {
@@ -207,35 +209,33 @@ int RunExport() {
   // persisted_sequence were lost (GetClientProgress says the same of a restarted server).
   std::vector<std::string> clients;
   for (const server::ClientCheckpoint& c : data->clients) {
-    clients.push_back(absl::StrCat(
-        "    {\"client_id\": ", JsonString(c.client_id), ", \"persisted_sequence\": ",
-        c.max_applied.has_value() ? absl::StrCat(*c.max_applied) : "null", "}"));
+    clients.push_back(
+        absl::StrCat("    {\"client_id\": ", JsonString(c.client_id), ", \"persisted_sequence\": ",
+                     c.max_applied.has_value() ? absl::StrCat(*c.max_applied) : "null", "}"));
   }
   const std::string slash_free = out.substr(out.rfind('/') + 1);
   const std::string manifest = absl::StrCat(
-      "{\n  \"format\": \"losshead-export/1\",\n",
-      "  \"safetensors\": ", JsonString(slash_free), ",\n",
-      "  \"checkpoint\": ", JsonString(*path), ",\n",
-      "  \"head\": ", JsonString(spec.name()), ",\n",
-      "  \"vocab_size\": ", v, ",\n  \"hidden_size\": ", d, ",\n",
-      "  \"dtype\": \"", Lower(v1::DType_Name(dtype), "DTYPE_"), "\",\n",
-      "  \"weights_version\": ", data->weights_version, ",\n",
+      "{\n  \"format\": \"losshead-export/1\",\n", "  \"safetensors\": ", JsonString(slash_free),
+      ",\n", "  \"checkpoint\": ", JsonString(*path), ",\n",
+      "  \"head\": ", JsonString(spec.name()), ",\n", "  \"vocab_size\": ", v,
+      ",\n  \"hidden_size\": ", d, ",\n", "  \"dtype\": \"", Lower(v1::DType_Name(dtype), "DTYPE_"),
+      "\",\n", "  \"weights_version\": ", data->weights_version, ",\n",
       "  \"optimizer\": ", JsonString(optimizer), ",\n",
       "  \"optimizer_step\": ", data->optimizer_step, ",\n",
       "  \"tokens_total\": ", data->tokens_total, ",\n",
-      "  \"tokens_since_pull\": ", data->tokens_since_pull, ",\n",
-      "  \"clients\": [", clients.empty() ? "" : "\n", absl::StrJoin(clients, ",\n"),
-      clients.empty() ? "" : "\n  ", "],\n",
-      "  \"tensors\": [\n", absl::StrJoin(entries, ",\n"), "\n  ]\n}\n");
+      "  \"tokens_since_pull\": ", data->tokens_since_pull, ",\n", "  \"clients\": [",
+      clients.empty() ? "" : "\n", absl::StrJoin(clients, ",\n"), clients.empty() ? "" : "\n  ",
+      "],\n", "  \"tensors\": [\n", absl::StrJoin(entries, ",\n"), "\n  ]\n}\n");
   const std::string manifest_path = ManifestPath(out);
   if (absl::Status s = WriteTextFile(manifest_path, manifest); !s.ok()) return Fail(s);
-  std::printf("exported head '%s' (V=%lld D=%lld %s, version %llu, %s step %llu): %zu tensor%s to "
-              "%s, manifest %s\n",
-              spec.name().c_str(), static_cast<long long>(v), static_cast<long long>(d),
-              Lower(v1::DType_Name(dtype), "DTYPE_").c_str(),
-              static_cast<unsigned long long>(data->weights_version), optimizer.c_str(),
-              static_cast<unsigned long long>(data->optimizer_step), tensors.size(),
-              tensors.size() == 1 ? "" : "s", out.c_str(), manifest_path.c_str());
+  std::printf(
+      "exported head '%s' (V=%lld D=%lld %s, version %llu, %s step %llu): %zu tensor%s to "
+      "%s, manifest %s\n",
+      spec.name().c_str(), static_cast<long long>(v), static_cast<long long>(d),
+      Lower(v1::DType_Name(dtype), "DTYPE_").c_str(),
+      static_cast<unsigned long long>(data->weights_version), optimizer.c_str(),
+      static_cast<unsigned long long>(data->optimizer_step), tensors.size(),
+      tensors.size() == 1 ? "" : "s", out.c_str(), manifest_path.c_str());
   return 0;
 }
 
@@ -258,8 +258,8 @@ int RunImport() {
   if (dtype == v1::DTYPE_UNSPECIFIED || entry->second.shape.size() != 2 ||
       entry->second.shape[0] < 1 || entry->second.shape[1] < 1) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
-        path, ": tensor '", name, "' is ", entry->second.dtype, " ",
-        JsonShape(entry->second.shape), "; a head needs a BF16, F16 or F32 matrix [V, D]")));
+        path, ": tensor '", name, "' is ", entry->second.dtype, " ", JsonShape(entry->second.shape),
+        "; a head needs a BF16, F16 or F32 matrix [V, D]")));
   }
   absl::StatusOr<std::string> weights = ReadSafetensorsTensor(path, *index, name);
   if (!weights.ok()) return Fail(weights.status());

@@ -173,9 +173,8 @@ absl::StatusOr<std::string> SafetensorsHeader(const std::vector<SafetensorsTenso
   for (const SafetensorsTensor& t : tensors) {
     const std::string dtype = SafetensorsDType(t.dtype);
     if (dtype.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': dtype ",
-                                                     v1::DType_Name(t.dtype),
-                                                     " is not BF16, FP16 or FP32"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "': dtype ", v1::DType_Name(t.dtype), " is not BF16, FP16 or FP32"));
     }
     if (t.name.empty() || t.name == "__metadata__" || !names.insert(t.name).second) {
       return absl::InvalidArgumentError(
@@ -192,8 +191,8 @@ absl::StatusOr<std::string> SafetensorsHeader(const std::vector<SafetensorsTenso
                                                      absl::StrJoin(t.shape, ", "), "] of ", dtype));
     }
     entries.push_back(absl::StrCat(JsonString(t.name), ":{\"dtype\":\"", dtype, "\",\"shape\":[",
-                                   absl::StrJoin(t.shape, ","), "],\"data_offsets\":[", offset,
-                                   ",", offset + t.data.size(), "]}"));
+                                   absl::StrJoin(t.shape, ","), "],\"data_offsets\":[", offset, ",",
+                                   offset + t.data.size(), "]}"));
     offset += t.data.size();
   }
   std::string json = absl::StrCat("{", absl::StrJoin(entries, ","), "}");
@@ -300,13 +299,13 @@ absl::StatusOr<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
       elements *= n;
     }
     if (!AsCount(offsets->second.list_value().values(0), &entry.begin) ||
-        !AsCount(offsets->second.list_value().values(1), &entry.end) ||
-        entry.end < entry.begin || entry.end > data_bytes) {
+        !AsCount(offsets->second.list_value().values(1), &entry.end) || entry.end < entry.begin ||
+        entry.end > data_bytes) {
       return Bad(path, absl::StrCat(where, "data_offsets outside the data"));
     }
     if (entry.end - entry.begin != elements * element) {
-      return Bad(path, absl::StrCat(where, entry.end - entry.begin,
-                                    " bytes do not hold its shape"));
+      return Bad(path,
+                 absl::StrCat(where, entry.end - entry.begin, " bytes do not hold its shape"));
     }
     spans.emplace_back(entry.begin, entry.end);
     index.tensors[name] = std::move(entry);
@@ -328,8 +327,8 @@ absl::StatusOr<std::string> ReadSafetensorsTensor(const std::string& path,
   if (it == index.tensors.end()) {
     std::vector<std::string> names;
     for (const auto& [n, entry] : index.tensors) names.push_back(n);
-    return absl::NotFoundError(absl::StrCat(path, " has no tensor '", name, "' (it has: ",
-                                            absl::StrJoin(names, ", "), ")"));
+    return absl::NotFoundError(absl::StrCat(path, " has no tensor '", name,
+                                            "' (it has: ", absl::StrJoin(names, ", "), ")"));
   }
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open", path);

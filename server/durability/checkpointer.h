@@ -36,7 +36,7 @@ struct CheckpointEvent {
   enum class Kind { kWritten, kFailed, kRestored };
   Kind kind = Kind::kWritten;
   std::string head;
-  uint64_t bytes = 0;                            // the file's size (kWritten, kRestored)
+  uint64_t bytes = 0;                              // the file's size (kWritten, kRestored)
   absl::Duration duration = absl::ZeroDuration();  // snapshot + write + fsync, or read + restore
   // When the head's state reached the disk: the end of the write, or a restored file's
   // modification time (a restored head is exactly as old as its file).

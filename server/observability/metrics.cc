@@ -175,7 +175,8 @@ Metrics::Metrics()
                                 .Register(*registry_)),
       build_info_(prometheus::BuildGauge()
                       .Name("losshead_build_info")
-                      .Help("1, labelled with the server's version, backend and the CUDA toolkit it was built with (none: CPU only)")
+                      .Help("1, labelled with the server's version, backend and the CUDA toolkit "
+                            "it was built with (none: CPU only)")
                       .Register(*registry_)),
       checkpoint_interval_family_(prometheus::BuildGauge()
                                       .Name("losshead_checkpoint_interval_seconds")
@@ -408,11 +409,10 @@ void Metrics::CheckpointFailed(const std::string& head, absl::Duration duration)
   checkpoint_duration_.Add({{"head", head}}, CheckpointBuckets()).Observe(Seconds(duration));
 }
 
-void Metrics::CheckpointRestored(const std::string& head, uint64_t bytes,
-                                 absl::Time persisted_at) {
+void Metrics::CheckpointRestored(const std::string& head, uint64_t bytes, absl::Time persisted_at) {
   checkpoint_bytes_.Add({{"head", head}}).Set(static_cast<double>(bytes));
-  checkpoint_last_success_.Add({{"head", head}}).Set(absl::ToDoubleSeconds(
-      persisted_at - absl::UnixEpoch()));
+  checkpoint_last_success_.Add({{"head", head}})
+      .Set(absl::ToDoubleSeconds(persisted_at - absl::UnixEpoch()));
 }
 
 void Metrics::HeadTraining(const std::string& head, uint64_t weights_version,

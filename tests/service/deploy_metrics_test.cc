@@ -69,8 +69,8 @@ TEST(DeployMetricsTest, CheckpointWritesFailuresAndRestoreAreExported) {
     EXPECT_EQ(e.Sum("losshead_checkpoint_interval_seconds"), 0);
     EXPECT_EQ(e.Find("losshead_checkpoint_restore_duration_seconds").size(), 1u);
     // A head never written yet has no age to report.
-    EXPECT_TRUE(e.Find("losshead_checkpoint_last_success_timestamp_seconds", {{"head", "ck"}})
-                    .empty());
+    EXPECT_TRUE(
+        e.Find("losshead_checkpoint_last_success_timestamp_seconds", {{"head", "ck"}}).empty());
     EXPECT_EQ(e.Sum("losshead_build_info", {{"version", "0.1.0"}, {"backend", "cpu"}}), 1);
 
     const double before = absl::ToUnixMicros(absl::Now()) / 1e6;
@@ -84,8 +84,7 @@ TEST(DeployMetricsTest, CheckpointWritesFailuresAndRestoreAreExported) {
     EXPECT_EQ(e.Sum("losshead_checkpoint_writes_total", {{"head", "ck"}, {"result", "error"}}), 0);
     EXPECT_EQ(e.Sum("losshead_checkpoint_bytes", {{"head", "ck"}}), static_cast<double>(bytes));
     EXPECT_EQ(e.Sum("losshead_checkpoint_duration_seconds_count", {{"head", "ck"}}), 1);
-    EXPECT_LE(e.Sum("losshead_checkpoint_duration_seconds_sum", {{"head", "ck"}}),
-              after - before);
+    EXPECT_LE(e.Sum("losshead_checkpoint_duration_seconds_sum", {{"head", "ck"}}), after - before);
     written_at = e.Sum("losshead_checkpoint_last_success_timestamp_seconds", {{"head", "ck"}});
     EXPECT_GE(written_at, before);
     EXPECT_LE(written_at, after);
@@ -173,8 +172,7 @@ TEST(DeployMetricsTest, TrainingValuesAreTheServersAnswers) {
                    applied->head_grad_norm());
   EXPECT_DOUBLE_EQ(e.Sum("losshead_optimizer_grad_norm", {{"head", "trained"}, {"scope", "total"}}),
                    applied->total_grad_norm());
-  EXPECT_DOUBLE_EQ(e.Sum("losshead_optimizer_clip_coefficient", head),
-                   applied->clip_coefficient());
+  EXPECT_DOUBLE_EQ(e.Sum("losshead_optimizer_clip_coefficient", head), applied->clip_coefficient());
 
   // A replayed apply steps nothing and leaves the last step's values.
   request.set_max_norm(1e-3);
@@ -182,8 +180,7 @@ TEST(DeployMetricsTest, TrainingValuesAreTheServersAnswers) {
   ASSERT_TRUE(replayed.ok() && replayed->replayed());
   e = Scrape((*server)->metrics_port());
   EXPECT_EQ(e.Sum("losshead_optimizer_step", head), 1);
-  EXPECT_DOUBLE_EQ(e.Sum("losshead_optimizer_clip_coefficient", head),
-                   applied->clip_coefficient());
+  EXPECT_DOUBLE_EQ(e.Sum("losshead_optimizer_clip_coefficient", head), applied->clip_coefficient());
 
   // One spelling of status codes: losshead_rpcs_total{code} as losshead_failures_total{reason}.
   EXPECT_EQ(client->GetHead("missing").status().code(), absl::StatusCode::kNotFound);
