@@ -30,16 +30,18 @@
 
 namespace losshead::server {
 
-// One head's checkpoint file written, failed, or restored at start: what operators watch (the age,
-// duration, size and failures of checkpoints; server.cc turns it into metrics).
+// One head's checkpoint file written, failed, or restored (at start, or from a named snapshot,
+// which becomes its checkpoint): what operators watch (the age, duration, size and failures of
+// checkpoints; server.cc turns it into metrics).
 struct CheckpointEvent {
   enum class Kind { kWritten, kFailed, kRestored };
   Kind kind = Kind::kWritten;
   std::string head;
   uint64_t bytes = 0;                              // the file's size (kWritten, kRestored)
   absl::Duration duration = absl::ZeroDuration();  // snapshot + write + fsync, or read + restore
-  // When the head's state reached the disk: the end of the write, or a restored file's
-  // modification time (a restored head is exactly as old as its file).
+  // When the head's state reached the disk: the end of the write, a file restored at start's
+  // modification time (a restored head is exactly as old as its file), or the moment a snapshot
+  // became the head's checkpoint.
   absl::Time persisted_at = absl::InfinitePast();
   absl::Status error;  // kFailed
 };

@@ -113,8 +113,19 @@ TEST(DeployMetricsTest, CheckpointWritesFailuresAndRestoreAreExported) {
   EXPECT_TRUE(e.Find("losshead_checkpoint_writes_total", {{"head", "ck"}}).empty());
   EXPECT_GE(e.Sum("losshead_checkpoint_restore_duration_seconds"), 0);
 
-  // Deleting the head drops its checkpoint series with the rest.
+  // Put back from a named snapshot, the head's checkpoint is that snapshot: fresh again.
   auto client = server->NewClient();
+  ASSERT_TRUE(client->SnapshotHead("ck", "mark").ok());
+  const double before_restore = absl::ToUnixMicros(absl::Now()) / 1e6;
+  ASSERT_TRUE(client->RestoreHead("ck", "mark").ok());
+  e = Scrape(server->metrics_port());
+  EXPECT_GE(e.Sum("losshead_checkpoint_last_success_timestamp_seconds", {{"head", "ck"}}),
+            before_restore);
+  EXPECT_EQ(e.Sum("losshead_checkpoint_bytes", {{"head", "ck"}}),
+            static_cast<double>(fs::file_size(file)));
+  EXPECT_TRUE(e.Find("losshead_checkpoint_writes_total", {{"head", "ck"}}).empty());
+
+  // Deleting the head drops its checkpoint series with the rest.
   ASSERT_TRUE(client->Checkpoint("ck").ok());
   ASSERT_TRUE(client->DeleteHead("ck").ok());
   e = Scrape(server->metrics_port());
