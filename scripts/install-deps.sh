@@ -32,6 +32,7 @@ test_packages=(
   # installs the package into a venv that sees these system packages; no other index is needed).
   python3 python3-venv python3-pip python3-setuptools python3-wheel
   python3-pytest python3-numpy python3-torch python3-grpcio python3-protobuf
+  python3-yaml  # tests/deploy/manifests_test.py parses the compose file and the manifests
   # A developer's machine: make and dpkg-dev, git, and curl for the README's `curl .../metrics`.
   build-essential git curl ca-certificates
 )

@@ -4,6 +4,9 @@
 # containers on the host network: health, a `losshead bench` and `losshead demo` from the host
 # through the container's ports, the metrics scraped by the containerised Prometheus and every
 # dashboard query answered, the server running as its unprivileged user, and a drain on SIGTERM.
+# Then the restart check (tests/deploy/restart_test.py): the compose file's server with its
+# checkpoint volume is killed mid-training (server-side AdamW) and comes back on the same volume
+# with W, the optimizer state and the version of its last checkpoint.
 #
 #   scripts/run-container-tests.sh        (after scripts/build.sh: the host's `losshead` CLI is used)
 #
@@ -43,3 +46,6 @@ echo "run-container-tests: images $server_image and $prometheus_image built in $
 
 python3 tests/deploy/live_test.py . "$build_dir/server/losshead-server" "$build_dir/client/losshead" \
   --server-image "$server_image" --prometheus-image "$prometheus_image"
+# The compose file's server on its checkpoint volume: killed mid-training, restored, nothing
+# lost but what came after the last checkpoint, and the client told which.
+python3 tests/deploy/restart_test.py . "$build_dir/client/losshead" --server-image "$server_image"

@@ -50,6 +50,23 @@ int MillisecondsArg(absl::Duration d) {
       std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, std::numeric_limits<int>::max()));
 }
 
+// Checkpoint writes and restores as metrics (the age, duration, size and failures of checkpoints).
+CheckpointObserver CheckpointMetrics(Metrics* metrics) {
+  return [metrics](const CheckpointEvent& e) {
+    switch (e.kind) {
+      case CheckpointEvent::Kind::kWritten:
+        metrics->CheckpointWritten(e.head, e.bytes, e.duration, e.persisted_at);
+        break;
+      case CheckpointEvent::Kind::kFailed:
+        metrics->CheckpointFailed(e.head, e.duration);
+        break;
+      case CheckpointEvent::Kind::kRestored:
+        metrics->CheckpointRestored(e.head, e.bytes, e.persisted_at);
+        break;
+    }
+  };
+}
+
 SecurityOptions SecurityOf(const ServerOptions& options) {
   return SecurityOptions{.tls_cert_file = options.tls_cert_file,
                          .tls_key_file = options.tls_key_file,
@@ -113,10 +130,18 @@ class ServerImpl final : public Server {
                     .results = results,
                     .window_warn_microbatches = options_.unapplied_window_warn_microbatches},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
+    metrics_->BuildInfo(LOSSHEAD_VERSION, std::string(backends_.front()->name()),
+                        LOSSHEAD_CUDA_VERSION);
     if (!options_.checkpoint_dir.empty()) {
-      checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get());
+      checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get(),
+                                                     CheckpointMetrics(metrics_.get()));
+      // Every head is back before the port is bound, so health (and a readiness probe) can only
+      // say SERVING for a server that holds all of its checkpointed heads.
+      const absl::Time restore_start = absl::Now();
       absl::Status restored = checkpointer_->RestoreAll();
       if (!restored.ok()) return restored;
+      metrics_->CheckpointRestoreDuration(absl::Now() - restore_start);
+      metrics_->CheckpointInterval(options_.checkpoint_interval);
       ctx_.checkpointer = checkpointer_.get();
     }
     ctx_.devices = devices;

@@ -1,4 +1,4 @@
-// Small administrative subcommands: create, list, delete, stats, health.
+// Small administrative subcommands: create, list, delete, stats, health, progress.
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -200,6 +200,25 @@ int RunHealth() {
   constexpr const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
   std::printf("%s\n", kNames[static_cast<int>(*status)]);
   return *status == client::ServingStatus::kServing ? 0 : 1;
+}
+
+int RunProgress() {
+  const std::string head = absl::GetFlag(FLAGS_head);
+  const std::string client_id = absl::GetFlag(FLAGS_client_id);
+  if (head.empty() || client_id.empty()) {
+    return Fail(absl::InvalidArgumentError("progress needs --head and --client_id"));
+  }
+  auto client = ConnectFromFlags();
+  if (!client.ok()) return Fail(client.status());
+  auto progress = (*client)->GetClientProgress(head, client_id);
+  if (!progress.ok()) return Fail(progress.status());
+  // "none": nothing of the client id applied (acknowledged) or in the last checkpoint (persisted).
+  auto show = [](bool has, uint64_t v) { return has ? absl::StrCat(v) : std::string("none"); };
+  std::printf(
+      "head=%s client_id=%s acknowledged=%s persisted=%s\n", head.c_str(), client_id.c_str(),
+      show(progress->has_acknowledged_sequence(), progress->acknowledged_sequence()).c_str(),
+      show(progress->has_persisted_sequence(), progress->persisted_sequence()).c_str());
+  return 0;
 }
 
 }  // namespace losshead::cli

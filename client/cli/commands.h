@@ -36,6 +36,9 @@ int RunList();
 int RunDelete();
 int RunStats();
 int RunHealth();
+int RunExport();
+int RunProgress();
+int RunImport();
 
 }  // namespace losshead::cli
 

@@ -225,6 +225,7 @@ int RunDemo() {
         first_loss, last_loss, std::log(static_cast<double>(v)), last_entropy,
         static_cast<long long>(server_tokens), static_cast<double>(server_tokens) / server_seconds);
   }
+  if (absl::GetFlag(FLAGS_keep_head)) return exit_code;  // trained for an export or a restart
   if (absl::Status deleted = client.DeleteHead(head); !deleted.ok() && exit_code == 0) {
     exit_code = Fail("delete head", deleted);
   }

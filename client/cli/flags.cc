@@ -30,6 +30,9 @@ ABSL_FLAG(bool, client_optimizer, false,
 ABSL_FLAG(double, teacher_gain, 2.5,
           "demo: teacher weights ~ N(0, (gain / sqrt(D))^2); larger means lower entropy");
 ABSL_FLAG(int, print_every, 5, "demo: print the loss every this many steps");
+ABSL_FLAG(bool, keep_head, false,
+          "demo: leave the trained head on the server (and in its checkpoints) instead of "
+          "deleting it at the end");
 
 ABSL_FLAG(std::string, dtype, "bf16",
           "create, bench: weight dtype bf16 | fp16 | fp32 (bench: of the head it creates; the "
@@ -62,3 +65,28 @@ ABSL_FLAG(bool, fresh_results, false,
 ABSL_FLAG(bool, zero_head, false,
           "bench: create a zero head instead of one drawn from N(0, 0.02) (GEMMs on zeros run "
           "faster than on real weights: for comparisons only)");
+
+ABSL_FLAG(std::string, checkpoint, "",
+          "export: a server checkpoint file (<head>.lhck), or the server's --checkpoint_dir "
+          "with --head; read offline, no server needed");
+ABSL_FLAG(std::string, tag, "",
+          "export: a named snapshot of --head instead of its checkpoint (the file "
+          "<--checkpoint>/snapshots/<tag>/<head>.lhck)");
+ABSL_FLAG(std::string, out, "", "export: the safetensors file to write");
+ABSL_FLAG(std::string, manifest, "",
+          "export: the manifest JSON to write (head, versions, shape, dtype, sha256 of each "
+          "tensor); default: --out with .safetensors replaced by .manifest.json");
+ABSL_FLAG(std::string, tensor, "lm_head.weight",
+          "export, import: the name of W in the safetensors file (optimizer tensors are "
+          "<tensor>.optimizer.*, dW <tensor>.grad)");
+ABSL_FLAG(bool, with_optimizer, false,
+          "export: add the server-side optimizer's fp32 master weights (bf16/fp16 heads) and "
+          "state (exp_avg, exp_avg_sq, momentum_buffer)");
+ABSL_FLAG(bool, with_gradient, false, "export: add the open gradient window dW (fp32)");
+ABSL_FLAG(std::string, safetensors, "", "import: the safetensors file holding --tensor");
+ABSL_FLAG(bool, create, true,
+          "import: create --head (V x D and dtype of the tensor, --replicas/--shards, "
+          "--matmul_precision) before pushing W; false pushes into an existing head");
+ABSL_FLAG(std::string, client_id, "",
+          "progress: the client id whose acknowledged (applied) and persisted (checkpointed) "
+          "sequences to print; after a crash, micro-batches above persisted were lost");

@@ -30,6 +30,7 @@ ABSL_DECLARE_FLAG(std::string, optimizer);
 ABSL_DECLARE_FLAG(bool, client_optimizer);
 ABSL_DECLARE_FLAG(double, teacher_gain);
 ABSL_DECLARE_FLAG(int, print_every);
+ABSL_DECLARE_FLAG(bool, keep_head);
 // create, bench
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, matmul_precision);
@@ -48,5 +49,18 @@ ABSL_DECLARE_FLAG(int, pipeline);
 ABSL_DECLARE_FLAG(bool, dedicated_connections);
 ABSL_DECLARE_FLAG(bool, fresh_results);
 ABSL_DECLARE_FLAG(bool, zero_head);
+
+// progress
+ABSL_DECLARE_FLAG(std::string, client_id);
+// export, import
+ABSL_DECLARE_FLAG(std::string, checkpoint);
+ABSL_DECLARE_FLAG(std::string, tag);
+ABSL_DECLARE_FLAG(std::string, out);
+ABSL_DECLARE_FLAG(std::string, manifest);
+ABSL_DECLARE_FLAG(std::string, tensor);
+ABSL_DECLARE_FLAG(bool, with_optimizer);
+ABSL_DECLARE_FLAG(bool, with_gradient);
+ABSL_DECLARE_FLAG(std::string, safetensors);
+ABSL_DECLARE_FLAG(bool, create);
 
 #endif  // LOSSHEAD_CLIENT_CLI_FLAGS_H_

@@ -27,6 +27,12 @@ constexpr char kUsage[] =
     "  delete  delete a head (--head)\n"
     "  stats   print the server's stats\n"
     "  health  exit 0 when the server is SERVING\n"
+    "  progress  acknowledged and persisted sequence of --client_id on --head (what a crash\n"
+    "          lost: every sequence above persisted)\n"
+    "  export  a server checkpoint file to safetensors + a manifest, offline (--checkpoint,\n"
+    "          --head, --tag, --out, --tensor, --with_optimizer, --with_gradient, --manifest)\n"
+    "  import  create --head from a safetensors tensor and push it as W (--safetensors,\n"
+    "          --tensor, --create=false: push into an existing head)\n"
     "common flags: --server, --max_message_bytes, --deadline_s, --token_file, --tls_ca,\n"
     "  --tls_cert, --tls_key, --tls_server_name";
 
@@ -79,6 +85,9 @@ int main(int argc, char** argv) {
   if (command == "delete") return losshead::cli::RunDelete();
   if (command == "stats") return losshead::cli::RunStats();
   if (command == "health") return losshead::cli::RunHealth();
+  if (command == "export") return losshead::cli::RunExport();
+  if (command == "progress") return losshead::cli::RunProgress();
+  if (command == "import") return losshead::cli::RunImport();
   std::fprintf(stderr, "unknown command '%s'\n%s\n", command.c_str(), kUsage);
   return 2;
 }

@@ -1,5 +1,6 @@
 #include "server/durability/checkpointer.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,6 +52,7 @@ absl::Status Checkpointer::RestoreAll() {
   LOSSHEAD_RETURN_IF_ERROR(RemoveSnapshotTemporaries());
   std::sort(files.begin(), files.end());
   for (const std::string& path : files) {
+    const absl::Time start = absl::Now();
     absl::StatusOr<HeadCheckpointData> data = ReadCheckpointFile(path);
     if (!data.ok()) return data.status();  // names the file
     const std::string expected = fs::path(path).filename().string();
@@ -68,21 +70,48 @@ absl::Status Checkpointer::RestoreAll() {
                           absl::StrCat(path, ": cannot restore: ", head.status().message()));
     }
     LOSSHEAD_RETURN_IF_ERROR(registry_->Adopt(std::move(*head)));
+    CheckpointEvent event{.kind = CheckpointEvent::Kind::kRestored,
+                          .head = data->spec.name(),
+                          .duration = absl::Now() - start};
+    struct stat st;
+    if (::stat(path.c_str(), &st) == 0) {
+      event.bytes = static_cast<uint64_t>(st.st_size);
+      event.persisted_at = absl::TimeFromTimespec(st.st_mtim);
+    } else {
+      event.persisted_at = absl::Now();  // read a moment ago: no older than that
+    }
+    Report(event);
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<v1::HeadCheckpoint> Checkpointer::WriteLocked(const std::shared_ptr<Head>& head) {
   const absl::Time start = absl::Now();
-  LOSSHEAD_ASSIGN_OR_RETURN(HeadCheckpointData data, head->Snapshot());
+  auto failed = [&](const absl::Status& error) {
+    Report({.kind = CheckpointEvent::Kind::kFailed,
+            .head = head->name(),
+            .duration = absl::Now() - start,
+            .error = error});
+    return error;
+  };
+  absl::StatusOr<HeadCheckpointData> snapshot = head->Snapshot();
+  if (!snapshot.ok()) return failed(snapshot.status());
+  HeadCheckpointData& data = *snapshot;
   // A head deleted after it was listed must not come back at the next start. DeleteHead drops it
   // from the registry under mu_, so either we see it gone here or its file goes after us.
   absl::StatusOr<std::shared_ptr<Head>> current = registry_->Get(head->name());
   if (!current.ok() || *current != head) {
     return absl::NotFoundError(absl::StrCat("head '", head->name(), "' was deleted"));
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(const uint64_t bytes, WriteCheckpointFile(PathOf(head->name()), data));
+  absl::StatusOr<uint64_t> written = WriteCheckpointFile(PathOf(head->name()), data);
+  if (!written.ok()) return failed(written.status());
+  const uint64_t bytes = *written;
   head->MarkPersisted(data);
+  Report({.kind = CheckpointEvent::Kind::kWritten,
+          .head = head->name(),
+          .bytes = bytes,
+          .duration = absl::Now() - start,
+          .persisted_at = absl::Now()});
   v1::HeadCheckpoint info;
   info.set_head(head->name());
   info.set_weights_version(data.weights_version);

@@ -11,6 +11,8 @@
 #ifndef LOSSHEAD_SERVER_DURABILITY_CHECKPOINTER_H_
 #define LOSSHEAD_SERVER_DURABILITY_CHECKPOINTER_H_
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -28,9 +30,28 @@
 
 namespace losshead::server {
 
+// One head's checkpoint file written, failed, or restored (at start, or from a named snapshot,
+// which becomes its checkpoint): what operators watch (the age, duration, size and failures of
+// checkpoints; server.cc turns it into metrics).
+struct CheckpointEvent {
+  enum class Kind { kWritten, kFailed, kRestored };
+  Kind kind = Kind::kWritten;
+  std::string head;
+  uint64_t bytes = 0;                              // the file's size (kWritten, kRestored)
+  absl::Duration duration = absl::ZeroDuration();  // snapshot + write + fsync, or read + restore
+  // When the head's state reached the disk: the end of the write, a file restored at start's
+  // modification time (a restored head is exactly as old as its file), or the moment a snapshot
+  // became the head's checkpoint.
+  absl::Time persisted_at = absl::InfinitePast();
+  absl::Status error;  // kFailed
+};
+// Called on the writing thread after each event; must not call back into the Checkpointer.
+using CheckpointObserver = std::function<void(const CheckpointEvent&)>;
+
 class Checkpointer {
  public:
-  Checkpointer(std::string dir, HeadRegistry* registry) : dir_(std::move(dir)), registry_(registry) {}
+  Checkpointer(std::string dir, HeadRegistry* registry, CheckpointObserver observer = nullptr)
+      : dir_(std::move(dir)), registry_(registry), observer_(std::move(observer)) {}
   ~Checkpointer();  // StopPeriodic()
 
   // At start, before serving: creates the directory if needed, deletes temporary files left by a
@@ -89,9 +110,13 @@ class Checkpointer {
   absl::Status AdoptSnapshot(const std::string& snapshot, const HeadCheckpointData& data);
   // At start: deletes the temporary files of snapshot writes that a crash interrupted.
   absl::Status RemoveSnapshotTemporaries();
+  void Report(const CheckpointEvent& event) const {
+    if (observer_) observer_(event);
+  }
 
   const std::string dir_;
   HeadRegistry* const registry_;
+  const CheckpointObserver observer_;
   absl::Mutex mu_;  // one write (or removal) at a time
 
   std::unique_ptr<absl::Notification> stop_;

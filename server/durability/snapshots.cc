@@ -143,6 +143,15 @@ absl::StatusOr<std::shared_ptr<Head>> Checkpointer::RestoreSnapshot(const std::s
     return absl::DataLossError(
         absl::StrCat(path, ": cannot restore: ", restored.status().message()));
   }
+  if (restored.ok()) {
+    // The head's checkpoint now holds exactly its state: as fresh as a write (none counted).
+    struct stat st;
+    const bool sized = ::stat(PathOf(head).c_str(), &st) == 0;
+    Report({.kind = CheckpointEvent::Kind::kRestored,
+            .head = head,
+            .bytes = sized ? static_cast<uint64_t>(st.st_size) : 0,
+            .persisted_at = absl::Now()});
+  }
   return restored;
 }
 

@@ -31,15 +31,23 @@ const prometheus::Histogram::BucketBoundaries& Buckets() {
   return *buckets;
 }
 
+// Seconds, from 10 ms (a small head on a local disk) to 10 minutes (tens of GiB of W, dW and
+// optimizer state fsynced to network storage).
+const prometheus::Histogram::BucketBoundaries& CheckpointBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600};
+  return *buckets;
+}
+
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
-// "INVALID_ARGUMENT", "OK", ... (the label value of losshead_rpcs_total{code}); absl and gRPC share
-// the numeric codes.
+// "ok", "invalid_argument", ...: the value of losshead_rpcs_total{code} and of
+// losshead_failures_total{reason}, one spelling for both so that they join and compare as they
+// are (absl and gRPC share the numeric codes).
 std::string CodeName(int code) {
-  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return absl::AsciiStrToLower(absl::StatusCodeToString(static_cast<absl::StatusCode>(code)));
 }
-// "invalid_argument", ... (the label value of losshead_failures_total{reason}).
-std::string ReasonName(int code) { return absl::AsciiStrToLower(CodeName(code)); }
+std::string ReasonName(int code) { return CodeName(code); }
 
 }  // namespace
 
@@ -198,6 +206,61 @@ Metrics::Metrics()
                                     "displaced (a new one needed the place at "
                                     "--max_connections), first_call_timeout")
                               .Register(*registry_)),
+      build_info_(prometheus::BuildGauge()
+                      .Name("losshead_build_info")
+                      .Help("1, labelled with the server's version, backend and the CUDA toolkit "
+                            "it was built with (none: CPU only)")
+                      .Register(*registry_)),
+      checkpoint_interval_family_(prometheus::BuildGauge()
+                                      .Name("losshead_checkpoint_interval_seconds")
+                                      .Help("--checkpoint_interval (0: on demand and at "
+                                            "shutdown only; absent without --checkpoint_dir)")
+                                      .Register(*registry_)),
+      checkpoint_restore_family_(prometheus::BuildGauge()
+                                     .Name("losshead_checkpoint_restore_duration_seconds")
+                                     .Help("Time the start-up restore of every checkpointed "
+                                           "head took, before the server began serving")
+                                     .Register(*registry_)),
+      checkpoint_writes_(prometheus::BuildCounter()
+                             .Name("losshead_checkpoint_writes_total")
+                             .Help("Checkpoint file writes per head by result: ok, error")
+                             .Register(*registry_)),
+      checkpoint_duration_(prometheus::BuildHistogram()
+                               .Name("losshead_checkpoint_duration_seconds")
+                               .Help("Snapshot + write + fsync + rename of one head's checkpoint")
+                               .Register(*registry_)),
+      checkpoint_bytes_(prometheus::BuildGauge()
+                            .Name("losshead_checkpoint_bytes")
+                            .Help("Size of each head's last checkpoint file")
+                            .Register(*registry_)),
+      checkpoint_last_success_(prometheus::BuildGauge()
+                                   .Name("losshead_checkpoint_last_success_timestamp_seconds")
+                                   .Help("Unix time at which each head's state last reached "
+                                         "its checkpoint file (a restored head: the file's)")
+                                   .Register(*registry_)),
+      weights_version_(prometheus::BuildGauge()
+                           .Name("losshead_head_weights_version")
+                           .Help("Each head's weights version (+1 per push and optimizer step)")
+                           .Register(*registry_)),
+      optimizer_step_(prometheus::BuildGauge()
+                          .Name("losshead_optimizer_step")
+                          .Help("Each head's server-side optimizer step count")
+                          .Register(*registry_)),
+      last_loss_(prometheus::BuildGauge()
+                     .Name("losshead_head_last_loss")
+                     .Help("Mean loss per token of each head's last micro-batch, by outcome: ok "
+                           "(counted in dW), forward (evaluation)")
+                     .Register(*registry_)),
+      grad_norm_(prometheus::BuildGauge()
+                     .Name("losshead_optimizer_grad_norm")
+                     .Help("Gradient norm of each head's last optimizer step: scope head (dW / "
+                           "divisor), total (with the trunk's)")
+                     .Register(*registry_)),
+      clip_coefficient_(prometheus::BuildGauge()
+                            .Name("losshead_optimizer_clip_coefficient")
+                            .Help("Clip coefficient of each head's last optimizer step (1: not "
+                                  "clipped)")
+                            .Register(*registry_)),
       inflight_(inflight_family_.Add({})),
       heads_(heads_family_.Add({})),
       stalls_(stalls_family_.Add({})),
@@ -370,6 +433,70 @@ void Metrics::RemoveHead(const std::string& head) {
   drop(pushes_, {});
   for (auto* family : {&discards_, &discarded_microbatches_, &discarded_tokens_}) drop(*family, {});
   for (auto* family : {&window_microbatches_, &window_tokens_, &window_age_}) drop(*family, {});
+  // Build, checkpoints and training values.
+  for (const char* result : {"ok", "error"}) drop(checkpoint_writes_, {{"result", result}});
+  if (checkpoint_duration_.Has({{"head", head}}))
+    checkpoint_duration_.Remove(&checkpoint_duration_.Add({{"head", head}}, CheckpointBuckets()));
+  drop(checkpoint_bytes_, {});
+  drop(checkpoint_last_success_, {});
+  drop(weights_version_, {});
+  drop(optimizer_step_, {});
+  for (const char* outcome : {"ok", "forward"}) drop(last_loss_, {{"outcome", outcome}});
+  for (const char* scope : {"head", "total"}) drop(grad_norm_, {{"scope", scope}});
+  drop(clip_coefficient_, {});
+}
+
+// --- Build, checkpoints and training values. ---
+
+void Metrics::BuildInfo(const std::string& version, const std::string& backend,
+                        const std::string& cuda) {
+  build_info_.Add({{"version", version}, {"backend", backend}, {"cuda", cuda}}).Set(1);
+}
+
+void Metrics::CheckpointInterval(absl::Duration interval) {
+  checkpoint_interval_family_.Add({}).Set(Seconds(interval));
+}
+
+void Metrics::CheckpointRestoreDuration(absl::Duration duration) {
+  checkpoint_restore_family_.Add({}).Set(Seconds(duration));
+}
+
+void Metrics::CheckpointWritten(const std::string& head, uint64_t bytes, absl::Duration duration,
+                                absl::Time persisted_at) {
+  checkpoint_writes_.Add({{"head", head}, {"result", "ok"}}).Increment();
+  checkpoint_duration_.Add({{"head", head}}, CheckpointBuckets()).Observe(Seconds(duration));
+  CheckpointRestored(head, bytes, persisted_at);
+}
+
+void Metrics::CheckpointFailed(const std::string& head, absl::Duration duration) {
+  checkpoint_writes_.Add({{"head", head}, {"result", "error"}}).Increment();
+  checkpoint_duration_.Add({{"head", head}}, CheckpointBuckets()).Observe(Seconds(duration));
+}
+
+void Metrics::CheckpointRestored(const std::string& head, uint64_t bytes, absl::Time persisted_at) {
+  checkpoint_bytes_.Add({{"head", head}}).Set(static_cast<double>(bytes));
+  checkpoint_last_success_.Add({{"head", head}})
+      .Set(absl::ToDoubleSeconds(persisted_at - absl::UnixEpoch()));
+}
+
+void Metrics::HeadTraining(const std::string& head, uint64_t weights_version,
+                           uint64_t optimizer_step) {
+  weights_version_.Add({{"head", head}}).Set(static_cast<double>(weights_version));
+  optimizer_step_.Add({{"head", head}}).Set(static_cast<double>(optimizer_step));
+}
+
+void Metrics::MicrobatchLoss(const std::string& head, absl::string_view outcome, double loss_sum,
+                             int64_t tokens) {
+  if (tokens <= 0) return;
+  last_loss_.Add({{"head", head}, {"outcome", std::string(outcome)}})
+      .Set(loss_sum / static_cast<double>(tokens));
+}
+
+void Metrics::OptimizerNorms(const std::string& head, double head_norm, double total_norm,
+                             double clip_coefficient) {
+  grad_norm_.Add({{"head", head}, {"scope", "head"}}).Set(head_norm);
+  grad_norm_.Add({{"head", head}, {"scope", "total"}}).Set(total_norm);
+  clip_coefficient_.Add({{"head", head}}).Set(clip_coefficient);
 }
 
 }  // namespace losshead::server

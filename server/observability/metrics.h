@@ -96,6 +96,29 @@ class Metrics {
   // Drops every series labelled with `head`.
   void RemoveHead(const std::string& head);
 
+  // --- Build, checkpoints and training values: what an operator of a deployment watches. ---
+  // losshead_build_info{version, backend, cuda} = 1.
+  void BuildInfo(const std::string& version, const std::string& backend, const std::string& cuda);
+  // --checkpoint_interval (0: only on demand and at shutdown), and the start-up restore's time.
+  void CheckpointInterval(absl::Duration interval);
+  void CheckpointRestoreDuration(absl::Duration duration);
+  // One head's checkpoint file: written (`bytes`, the write's duration, when it reached the disk),
+  // failed, or restored at start (its size and modification time; no write is counted).
+  void CheckpointWritten(const std::string& head, uint64_t bytes, absl::Duration duration,
+                         absl::Time persisted_at);
+  void CheckpointFailed(const std::string& head, absl::Duration duration);
+  void CheckpointRestored(const std::string& head, uint64_t bytes, absl::Time persisted_at);
+  // A head's weights version and optimizer step count, as read at a scrape.
+  void HeadTraining(const std::string& head, uint64_t weights_version, uint64_t optimizer_step);
+  // The mean loss per token of a head's last micro-batch of `outcome` ("ok": counted in dW,
+  // "forward": evaluation); nothing for a micro-batch whose tokens were all ignored.
+  void MicrobatchLoss(const std::string& head, absl::string_view outcome, double loss_sum,
+                      int64_t tokens);
+  // The last optimizer apply of a head that stepped: its gradient norms (the head's, and with the
+  // trunk's) and the clip coefficient it applied.
+  void OptimizerNorms(const std::string& head, double head_norm, double total_norm,
+                      double clip_coefficient);
+
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
@@ -133,6 +156,19 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& connections_accepted_;
   prometheus::Family<prometheus::Counter>& connections_refused_;
   prometheus::Family<prometheus::Counter>& connections_reaped_;
+  // Build, checkpoints and training values.
+  prometheus::Family<prometheus::Gauge>& build_info_;
+  prometheus::Family<prometheus::Gauge>& checkpoint_interval_family_;
+  prometheus::Family<prometheus::Gauge>& checkpoint_restore_family_;
+  prometheus::Family<prometheus::Counter>& checkpoint_writes_;
+  prometheus::Family<prometheus::Histogram>& checkpoint_duration_;
+  prometheus::Family<prometheus::Gauge>& checkpoint_bytes_;
+  prometheus::Family<prometheus::Gauge>& checkpoint_last_success_;
+  prometheus::Family<prometheus::Gauge>& weights_version_;
+  prometheus::Family<prometheus::Gauge>& optimizer_step_;
+  prometheus::Family<prometheus::Gauge>& last_loss_;
+  prometheus::Family<prometheus::Gauge>& grad_norm_;
+  prometheus::Family<prometheus::Gauge>& clip_coefficient_;
   prometheus::Gauge& inflight_;
   prometheus::Gauge& heads_;
   prometheus::Counter& stalls_;

@@ -42,6 +42,10 @@ grpc::ServerUnaryReactor* LossHeadService::ApplyOptimizer(grpc::CallbackServerCo
       status = applied.status();
       const char* outcome = !applied.ok() ? "error" : applied->replayed() ? "replayed" : "ok";
       ctx_->metrics->OptimizerApply(request->head(), outcome, absl::Now() - start);
+      if (applied.ok() && !applied->replayed()) {
+        ctx_->metrics->OptimizerNorms(request->head(), applied->head_grad_norm(),
+                                      applied->total_grad_norm(), applied->clip_coefficient());
+      }
       if (applied.ok()) *response = *std::move(applied);
     }
     FinishUnary(ctx_, reactor, "ApplyOptimizer", start, status);

@@ -156,6 +156,8 @@ void LossHeadService::RefreshMemoryMetrics() const {
     ctx_->metrics->HeadDevices(head->name(), head->device_count());
     const Head::WindowState window = head->Window();
     ctx_->metrics->HeadWindow(head->name(), window.microbatches, window.tokens, window.age);
+    const v1::HeadInfo info = head->Info();  // the state lock only, briefly: never a device wait
+    ctx_->metrics->HeadTraining(head->name(), info.weights_version(), info.optimizer_step());
     for (const Head::DeviceShare& share : head->MemoryByDevice()) {
       const auto at = std::find(ctx_->devices.begin(), ctx_->devices.end(), share.device);
       if (at == ctx_->devices.end()) continue;  // heads are only ever placed on these

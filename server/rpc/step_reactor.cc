@@ -441,6 +441,8 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
     } else {
       // Evaluation apart from training: "ok" stays the rate of micro-batches counted in dW.
       m.Microbatch(head_name, (*outcome)->forward_only ? "forward" : "ok");
+      m.MicrobatchLoss(head_name, (*outcome)->forward_only ? "forward" : "ok", (*outcome)->loss_sum,
+                       (*outcome)->token_count);
       m.Tokens(head_name, (*outcome)->token_count);
     }
   } else if (refused_by_head) {

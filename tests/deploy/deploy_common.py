@@ -52,6 +52,20 @@ def docs_metrics(repo):
     return metrics
 
 
+def undashboarded_metrics(repo):
+    """{name: why} from the "Not on the dashboard" table of docs/metrics.md."""
+    text = (Path(repo) / "docs" / "metrics.md").read_text()
+    section = text.split("## Not on the dashboard", 1)
+    if len(section) < 2:
+        return {}
+    out = {}
+    for line in section[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            out[cells[0].strip("`")] = cells[1]
+    return out
+
+
 def yaml_values(text, key):
     """Values of `key:` in a YAML file, plain or folded/literal block scalars (stdlib only)."""
     lines = text.splitlines()

@@ -87,9 +87,26 @@ def main():
         if word == "RUN" and re.search(r"scripts/build\.sh|install-deps\.sh|apt-get install[^|&;]*(-dev\b|build-essential|cmake)", args):
             errors.append(f"runtime stage installs build tools: {args[:120]}")
     cmd = " ".join(last.get("CMD", []))
-    for flag in ("--listen=", "--metrics_listen=", "--drain_timeout="):
+    for flag in ("--listen=", "--metrics_listen=", "--drain_timeout=",
+                 "--checkpoint_dir=/var/lib/losshead/checkpoints"):
         if flag not in cmd:
             errors.append(f"CMD does not set {flag}")
+    # The checkpoint directory exists, belongs to the server's user (a fresh named volume takes
+    # its owner from it) and is a volume.
+    if not any(w == "RUN" and re.search(r"mkdir -p /var/lib/losshead/checkpoints\b.*chown 10001:10001 "
+                                        r"/var/lib/losshead/checkpoints", a) for w, a in final):
+        errors.append("the runtime stage does not create /var/lib/losshead/checkpoints owned by 10001")
+    if "/var/lib/losshead/checkpoints" not in " ".join(last.get("VOLUME", [])):
+        errors.append("/var/lib/losshead/checkpoints is not a VOLUME")
+    # GPUs: A100 and H100 at least, and the driver CUDA 13 needs, stated and enforced.
+    text = (repo / "deploy" / "Dockerfile").read_text()
+    archs = re.search(r"^ARG CUDA_ARCHITECTURES=(\S+)$", text, re.M)
+    if not archs or not all(re.search(rf"(^|;){a}(-real)?(;|$)", archs.group(1)) for a in ("80", "90")):
+        errors.append(f"CUDA_ARCHITECTURES does not build sm_80 and sm_90: {archs and archs.group(1)}")
+    if not re.search(r'NVIDIA_REQUIRE_CUDA="cuda>=\$\{CUDA_VERSION\}"', " ".join(last.get("ENV", []))):
+        errors.append("the runtime stage does not set NVIDIA_REQUIRE_CUDA from CUDA_VERSION")
+    if not re.search(r"driver.*\b580\b", text):
+        errors.append("the Dockerfile does not state the minimum driver (R580 for CUDA 13)")
 
     ignore_path = repo / ".dockerignore"
     ignore = ignore_path.read_text().split() if ignore_path.exists() else []

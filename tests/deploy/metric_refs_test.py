@@ -3,8 +3,10 @@
 
 Extracts the metric names (and the label names of their matchers) from every PromQL expression in
 deploy/grafana/dashboards/losshead.json and deploy/prometheus/rules.yml, and fails when
-docs/metrics.md does not list one. Also checks the dashboard's structure: valid JSON, unique panel
-ids, a $head variable the per-head panels filter on, the panels operators rely on.
+docs/metrics.md does not list one. Every metric docs/metrics.md lists is on the dashboard, or in
+its "Not on the dashboard" table with the reason (and nothing in that table is on the dashboard).
+Also checks the dashboard's structure: valid JSON, unique panel ids, a $head variable the per-head
+panels filter on, the panels operators rely on.
 The live test checks the same names against a running server's /metrics.
 usage: metric_refs_test.py REPO_ROOT
 """
@@ -13,7 +15,8 @@ import sys
 
 from deploy_common import (NON_LOSSHEAD_METRICS, TARGET_LABELS, base_metric, dashboard_exprs,
                            docs_metrics, fail, iter_panels, load_dashboard, metric_names,
-                           recorded_names, recorded_refs, rules_exprs, selector_labels)
+                           recorded_names, recorded_refs, rules_exprs, selector_labels,
+                           undashboarded_metrics)
 
 
 def check_dashboard_structure(dash):
@@ -50,8 +53,39 @@ def check_dashboard_structure(dash):
         "pull rate": "rate(losshead_pulls_total" in exprs,
         "push rate": "rate(losshead_pushes_total" in exprs,
         "per-head filter": 'head=~"$head"' in exprs,
+        "checkpoint age": "time() - max by (instance, head) "
+                          "(losshead_checkpoint_last_success_timestamp_seconds" in exprs,
+        "optimizer steps by outcome": "rate(losshead_optimizer_applies_total" in exprs,
+        "last loss": "losshead_head_last_loss" in exprs,
+        "gradient norm": "losshead_optimizer_grad_norm" in exprs,
+        "build info": "losshead_build_info" in exprs,
     }
     errors += [f"dashboard lacks: {what}" for what, ok in required.items() if not ok]
+    return errors
+
+
+def check_dashboard_coverage(repo, docs, dash):
+    """Every documented metric is on the dashboard or deliberately not, with a reason."""
+    errors = []
+    on_dashboard = set()
+    for _, expr in dashboard_exprs(dash):
+        for name in metric_names(expr):
+            base = base_metric(name, docs)
+            if base is not None:
+                on_dashboard.add(base)
+    absent = undashboarded_metrics(repo)
+    for name in sorted(docs):
+        if name not in on_dashboard and name not in absent:
+            errors.append(f"{name} (docs/metrics.md) is neither on the dashboard nor in the "
+                          "\"Not on the dashboard\" table of docs/metrics.md")
+    for name, why in sorted(absent.items()):
+        if name not in docs:
+            errors.append(f"\"Not on the dashboard\" names {name}, which docs/metrics.md does not "
+                          "document")
+        elif name in on_dashboard:
+            errors.append(f"\"Not on the dashboard\" names {name}, which the dashboard shows")
+        if not why:
+            errors.append(f"\"Not on the dashboard\" gives no reason for {name}")
     return errors
 
 
@@ -82,6 +116,7 @@ def main():
             allowed = docs[base][1] | TARGET_LABELS | ({"le"} if metric.endswith("_bucket") else set())
             if label not in allowed:
                 errors.append(f"{where}: {metric} has no label '{label}' in docs/metrics.md")
+    errors += check_dashboard_coverage(repo, docs, dash)
     for e in errors:
         print(f"FAIL: {e}", file=sys.stderr)
     if errors:

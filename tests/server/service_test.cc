@@ -460,7 +460,7 @@ TEST_F(MetricsTest, MetricsAreExported) {
   ASSERT_GT(server_->metrics_port(), 0);
   const std::vector<std::string> wanted = {
       "losshead_rpc_duration_seconds_bucket{method=\"Step\"",
-      "losshead_rpcs_total{code=\"OK\",method=\"CreateHead\"}",
+      "losshead_rpcs_total{code=\"ok\",method=\"CreateHead\"}",
       "losshead_step_phase_duration_seconds_count{head=\"h\",phase=\"compute\"} 1",
       "losshead_microbatches_total{head=\"h\",outcome=\"ok\"} 1",
       "losshead_tokens_total{head=\"h\"} 8",

@@ -203,12 +203,12 @@ TEST_F(StalledStreamTest, StalledReservationsAreReleasedAndWellBehavedClientsLos
     e = ParseExposition(*body);
     ASSERT_TRUE(e.ok()) << e.status();
     // A call is counted once the server is done with it, which may follow the client's status.
-    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "ABORTED"}}) >= 2) break;
+    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}) >= 2) break;
     ASSERT_LT(absl::Now(), give_up) << *body;
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(e->Sum("losshead_stalled_microbatches_total"), 2);
-  EXPECT_EQ(e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "ABORTED"}}), 2);
+  EXPECT_EQ(e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}), 2);
 }
 
 TEST_F(StalledStreamTest, EarlierMicrobatchesAreAnsweredBeforeTheStalledStreamEnds) {
@@ -320,7 +320,7 @@ TEST_F(StalledStreamTest, KeepAliveMessagesDoNotHoldAMicrobatchPastTheTimeout) {
     ASSERT_TRUE(body.ok()) << body.status();
     e = ParseExposition(*body);
     ASSERT_TRUE(e.ok()) << e.status();
-    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "ABORTED"}}) >= 2) break;
+    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}) >= 2) break;
     ASSERT_LT(absl::Now(), give_up) << *body;
     absl::SleepFor(absl::Milliseconds(10));
   }

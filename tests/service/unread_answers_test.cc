@@ -231,12 +231,12 @@ TEST_F(UnreadAnswersTest, StreamsThatDoNotReadAreEndedAndReleaseTheirAdmissions)
     ASSERT_TRUE(body.ok()) << body.status();
     e = ParseExposition(*body);
     ASSERT_TRUE(e.ok()) << e.status();
-    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "ABORTED"}}) >= 3) break;
+    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}) >= 3) break;
     ASSERT_LT(absl::Now(), give_up) << *body;
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(e->Sum("losshead_unread_answer_aborts_total"), 3);
-  EXPECT_EQ(e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "ABORTED"}}), 3);
+  EXPECT_EQ(e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}), 3);
 }
 
 // A client that reads its answers slowly but steadily is not ended: with a 2 s timeout, three

@@ -10,6 +10,8 @@ through the C++ client (liblosshead_capi.so) when `native_available()`, else thr
 of a data-parallel job), `JointOptimizer` holds a trunk's optimizer and the head as one
 (schedules, global-norm clipping, GradScaler, state dicts), and `RemoteHeadOptimizer` mirrors
 the remote W locally so any torch.optim optimizer can step it.
+`export_checkpoint` turns a server checkpoint file into safetensors (offline, through the
+`losshead` tool); `import_safetensors` seeds a head from one.
 """
 
 from losshead.client import (Client, ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
@@ -18,6 +20,7 @@ from losshead._native import NativeLibraryWarning, native_available, native_libr
 from losshead._window import UnsteppedHeadWarning
 from losshead.errors import LossheadError
 from losshead.joint import JointOptimizer
+from losshead.export import export_checkpoint, import_safetensors, load_safetensors
 from losshead.optim import ApplyResult, RemoteAdamW, RemoteSGD, step_with_clipping
 from losshead.retry import RetryPolicy
 from losshead.torch_bridge import (RemoteHeadOptimizer, RemoteLMHead, scale_gradients_,
@@ -30,5 +33,6 @@ __all__ = [
     "RemoteLMHead", "RemoteSGD", "RetryPolicy", "StepResult", "StepStream",
     "UnsteppedHeadWarning", "Weights", "combine_results", "native_available", "native_library",
     "scale_gradients_", "step_with_clipping", "token_losses",
+    "export_checkpoint", "import_safetensors", "load_safetensors",
 ]
 __version__ = "0.1.0"
