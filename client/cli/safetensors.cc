@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/posix_file.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/struct.pb.h"
@@ -38,49 +39,12 @@ uint64_t ElementBytes(absl::string_view dtype) {
   return 0;
 }
 
-absl::Status Errno(absl::string_view what, const std::string& path) {
-  const int e = errno;
-  const std::string text = absl::StrCat(what, " ", path, ": ", std::strerror(e));
-  if (e == ENOENT) return absl::NotFoundError(text);
-  return absl::InternalError(text);
-}
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  absl::Status Close(const std::string& path) {
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) return Errno("cannot close", path);
-    return absl::OkStatus();
-  }
-
- private:
-  int fd_;
-};
-
-absl::Status WriteAll(int fd, absl::string_view data, const std::string& path) {
-  while (!data.empty()) {
-    const ssize_t n = ::write(fd, data.data(), data.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Errno("cannot write", path);
-    }
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ReadAt(int fd, uint64_t offset, char* out, uint64_t bytes, const std::string& path) {
   while (bytes > 0) {
     const ssize_t n = ::pread(fd, out, bytes, static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return Errno("cannot read", path);
+      return PosixError("cannot read", path);
     }
     if (n == 0) return absl::InvalidArgumentError(absl::StrCat(path, ": unexpected end of file"));
     out += n;
@@ -210,13 +174,13 @@ absl::Status WriteSafetensors(const std::string& path,
   if (!header.ok()) return header.status();
   const std::string tmp = absl::StrCat(path, ".tmp");
   {
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return Errno("cannot create", tmp);
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return PosixError("cannot create", tmp);
     absl::Status s = WriteAll(fd.get(), *header, tmp);
     for (const SafetensorsTensor& t : tensors) {
       if (s.ok()) s = WriteAll(fd.get(), t.data, tmp);
     }
-    if (s.ok() && ::fsync(fd.get()) != 0) s = Errno("cannot fsync", tmp);
+    if (s.ok() && ::fsync(fd.get()) != 0) s = PosixError("cannot fsync", tmp);
     if (s.ok()) s = fd.Close(tmp);
     if (!s.ok()) {
       ::unlink(tmp.c_str());
@@ -224,7 +188,7 @@ absl::Status WriteSafetensors(const std::string& path,
     }
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    absl::Status s = Errno("cannot rename onto", path);
+    absl::Status s = PosixError("cannot rename onto", path);
     ::unlink(tmp.c_str());
     return s;
   }
@@ -232,10 +196,10 @@ absl::Status WriteSafetensors(const std::string& path,
 }
 
 absl::StatusOr<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return Errno("cannot open", path);
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError("cannot open", path);
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return Errno("cannot stat", path);
+  if (::fstat(fd.get(), &st) != 0) return PosixError("cannot stat", path);
   SafetensorsIndex index;
   index.file_bytes = static_cast<uint64_t>(st.st_size);
   if (index.file_bytes < 8) return Bad(path, "shorter than its 8-byte header length");
@@ -330,8 +294,8 @@ absl::StatusOr<std::string> ReadSafetensorsTensor(const std::string& path,
     return absl::NotFoundError(absl::StrCat(path, " has no tensor '", name,
                                             "' (it has: ", absl::StrJoin(names, ", "), ")"));
   }
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return Errno("cannot open", path);
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError("cannot open", path);
   std::string data(it->second.end - it->second.begin, '\0');
   if (absl::Status s =
           ReadAt(fd.get(), index.data_start + it->second.begin, data.data(), data.size(), path);

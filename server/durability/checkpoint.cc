@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/posix_file.h"
 #include "server/durability/checkpoint_codec.h"
 #include "server/durability/checkpoint_optimizer.h"
 #include "server/engine/status_macros.h"
@@ -265,31 +266,12 @@ absl::StatusOr<Header> DecodeHeader(absl::string_view bytes, uint64_t file_bytes
   return h;
 }
 
-absl::Status Errno(absl::string_view what, const std::string& path) {
-  const int e = errno;
-  const std::string text = absl::StrCat(what, " ", path, ": ", std::strerror(e));
-  if (e == ENOENT) return absl::NotFoundError(text);
-  return absl::InternalError(text);
-}
-
-absl::Status WriteAll(int fd, absl::string_view data, const std::string& path) {
-  while (!data.empty()) {
-    const ssize_t n = ::write(fd, data.data(), data.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Errno("cannot write", path);
-    }
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ReadAll(int fd, char* out, size_t bytes, const std::string& path) {
   while (bytes > 0) {
     const ssize_t n = ::read(fd, out, bytes);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return Errno("cannot read", path);
+      return PosixError("cannot read", path);
     }
     if (n == 0) return absl::DataLossError(absl::StrCat("unexpected end of file in ", path));
     out += n;
@@ -297,25 +279,6 @@ absl::Status ReadAll(int fd, char* out, size_t bytes, const std::string& path) {
   }
   return absl::OkStatus();
 }
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  // close() reports deferred write errors on some file systems: check it.
-  absl::Status Close(const std::string& path) {
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) return Errno("cannot close", path);
-    return absl::OkStatus();
-  }
-
- private:
-  int fd_;
-};
 
 std::string DirOf(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -385,8 +348,8 @@ absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
   const Header h = HeaderFor(meta, data);
   const std::string tmp = absl::StrCat(path, ".tmp");
   {
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return Errno("cannot create", tmp);
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return PosixError("cannot create", tmp);
     absl::Status s = WriteAll(fd.get(), EncodeHeader(h), tmp);
     if (s.ok()) s = WriteAll(fd.get(), meta, tmp);
     if (s.ok()) s = WriteAll(fd.get(), data.weights, tmp);
@@ -395,7 +358,7 @@ absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
       if (s.ok()) s = WriteAll(fd.get(), piece, tmp);
     }
     // The data must be on disk before the rename makes it the checkpoint.
-    if (s.ok() && ::fsync(fd.get()) != 0) s = Errno("cannot fsync", tmp);
+    if (s.ok() && ::fsync(fd.get()) != 0) s = PosixError("cannot fsync", tmp);
     if (s.ok()) s = fd.Close(tmp);
     if (!s.ok()) {
       ::unlink(tmp.c_str());
@@ -403,24 +366,24 @@ absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
     }
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    absl::Status s = Errno("cannot rename onto", path);
+    absl::Status s = PosixError("cannot rename onto", path);
     ::unlink(tmp.c_str());
     return s;
   }
   // The rename itself is durable only once the directory entry is.
   const std::string dir = DirOf(path);
-  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dfd.get() < 0) return Errno("cannot open directory", dir);
-  if (::fsync(dfd.get()) != 0) return Errno("cannot fsync directory", dir);
+  UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.get() < 0) return PosixError("cannot open directory", dir);
+  if (::fsync(dfd.get()) != 0) return PosixError("cannot fsync directory", dir);
   return kHeaderBytes + meta.size() + data.weights.size() + data.gradient.size() +
          h.optimizer_bytes;
 }
 
 absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return Errno("cannot open", path);
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError("cannot open", path);
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return Errno("cannot stat", path);
+  if (::fstat(fd.get(), &st) != 0) return PosixError("cannot stat", path);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   auto in_file = [&path](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
@@ -456,10 +419,10 @@ absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path) {
 }
 
 absl::StatusOr<HeadCheckpointData> ReadCheckpointMeta(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return Errno("cannot open", path);
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError("cannot open", path);
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return Errno("cannot stat", path);
+  if (::fstat(fd.get(), &st) != 0) return PosixError("cannot stat", path);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   auto in_file = [&path](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));

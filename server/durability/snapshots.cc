@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/posix_file.h"
 #include "server/durability/checkpoint.h"
 #include "server/durability/checkpointer.h"
 #include "server/engine/status_macros.h"
@@ -27,19 +28,12 @@ namespace {
 
 constexpr char kSnapshotsDir[] = "snapshots";
 
-absl::Status Errno(absl::string_view what, const std::string& path) {
-  const int e = errno;
-  const std::string text = absl::StrCat(what, " ", path, ": ", std::strerror(e));
-  if (e == ENOENT) return absl::NotFoundError(text);
-  return absl::InternalError(text);
-}
-
 // A directory entry is durable only once its directory is fsynced.
 absl::Status SyncDirectory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Errno("cannot open directory", dir);
+  if (fd < 0) return PosixError("cannot open directory", dir);
   const bool synced = ::fsync(fd) == 0;
-  absl::Status status = synced ? absl::OkStatus() : Errno("cannot fsync directory", dir);
+  absl::Status status = synced ? absl::OkStatus() : PosixError("cannot fsync directory", dir);
   ::close(fd);
   return status;
 }
@@ -94,7 +88,7 @@ absl::StatusOr<v1::SnapshotInfo> Checkpointer::WriteSnapshot(const std::string& 
   const std::string path = SnapshotPath(head, tag);
   LOSSHEAD_ASSIGN_OR_RETURN(const uint64_t bytes, WriteCheckpointFile(path, data));
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) return Errno("cannot stat", path);
+  if (::stat(path.c_str(), &st) != 0) return PosixError("cannot stat", path);
   v1::SnapshotInfo info;
   info.set_tag(tag);
   info.set_head(head);
@@ -117,7 +111,7 @@ absl::Status Checkpointer::AdoptSnapshot(const std::string& snapshot,
     return WriteCheckpointFile(target, data).status();
   }
   if (::rename(tmp.c_str(), target.c_str()) != 0) {
-    absl::Status s = Errno("cannot rename onto", target);
+    absl::Status s = PosixError("cannot rename onto", target);
     ::unlink(tmp.c_str());
     return s;
   }
@@ -162,7 +156,7 @@ absl::Status Checkpointer::DeleteSnapshot(const std::string& head, const std::st
   const std::string path = SnapshotPath(head, tag);
   if (::unlink(path.c_str()) != 0) {
     if (errno == ENOENT) return NoSnapshot(head, tag, path);
-    return Errno("cannot delete", path);
+    return PosixError("cannot delete", path);
   }
   // The tag's directory goes with its last snapshot (it keeps others' of the same tag).
   ::rmdir(absl::StrCat(dir_, "/", kSnapshotsDir, "/", tag).c_str());

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "tests/common/http_exchange.h"
 
 namespace losshead::testing {
@@ -116,6 +117,24 @@ absl::StatusOr<Exposition> ParseExposition(const std::string& text) {
     e.samples.push_back(std::move(*sample));
   }
   return e;
+}
+
+absl::StatusOr<Exposition> ScrapeWhen(int port, const std::string& name,
+                                      const std::map<std::string, std::string>& labels,
+                                      double at_least, absl::Duration timeout) {
+  const absl::Time give_up = absl::Now() + timeout;
+  for (;;) {
+    absl::StatusOr<std::string> body = HttpGet(port, "/metrics");
+    if (!body.ok()) return body.status();
+    absl::StatusOr<Exposition> e = ParseExposition(*body);
+    if (!e.ok() || e->Sum(name, labels) >= at_least) return e;
+    if (absl::Now() >= give_up) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(name, " stayed below ", at_least, " for ", absl::FormatDuration(timeout),
+                       "; the last exposition:\n", *body));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
 }
 
 }  // namespace losshead::testing

@@ -196,17 +196,10 @@ TEST_F(StalledStreamTest, StalledReservationsAreReleasedAndWellBehavedClientsLos
       AllClose(Decode(pulled->data, v1::DTYPE_FP32), want, ToleranceFor(v1::DTYPE_FP32).grad));
 
   // The stalls are counted, and the stalled calls ended ABORTED.
-  absl::StatusOr<Exposition> e;
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);;) {
-    auto body = HttpGet(server_->metrics_port(), "/metrics");
-    ASSERT_TRUE(body.ok()) << body.status();
-    e = ParseExposition(*body);
-    ASSERT_TRUE(e.ok()) << e.status();
-    // A call is counted once the server is done with it, which may follow the client's status.
-    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}) >= 2) break;
-    ASSERT_LT(absl::Now(), give_up) << *body;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  const absl::StatusOr<Exposition> e =
+      ScrapeWhen(server_->metrics_port(), "losshead_rpcs_total",
+                 {{"method", "Step"}, {"code", "aborted"}}, 2);
+  ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->Sum("losshead_stalled_microbatches_total"), 2);
   EXPECT_EQ(e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}), 2);
 }
@@ -314,16 +307,10 @@ TEST_F(StalledStreamTest, KeepAliveMessagesDoNotHoldAMicrobatchPastTheTimeout) {
   EXPECT_EQ(pulled->summary.token_count(), static_cast<uint64_t>(want.token_count));
   EXPECT_TRUE(AllClose(Decode(pulled->data, v1::DTYPE_FP32), want.grad_weight,
                        ToleranceFor(v1::DTYPE_FP32).grad));
-  absl::StatusOr<Exposition> e;
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);;) {
-    auto body = HttpGet(server_->metrics_port(), "/metrics");
-    ASSERT_TRUE(body.ok()) << body.status();
-    e = ParseExposition(*body);
-    ASSERT_TRUE(e.ok()) << e.status();
-    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}) >= 2) break;
-    ASSERT_LT(absl::Now(), give_up) << *body;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  const absl::StatusOr<Exposition> e =
+      ScrapeWhen(server_->metrics_port(), "losshead_rpcs_total",
+                 {{"method", "Step"}, {"code", "aborted"}}, 2);
+  ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->Sum("losshead_stalled_microbatches_total"), 2);
 }
 

@@ -225,16 +225,10 @@ TEST_F(UnreadAnswersTest, StreamsThatDoNotReadAreEndedAndReleaseTheirAdmissions)
   EXPECT_TRUE(
       AllClose(Decode(pulled->data, v1::DTYPE_FP32), want, ToleranceFor(v1::DTYPE_FP32).grad));
 
-  absl::StatusOr<Exposition> e;
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);;) {
-    auto body = HttpGet(server_->metrics_port(), "/metrics");
-    ASSERT_TRUE(body.ok()) << body.status();
-    e = ParseExposition(*body);
-    ASSERT_TRUE(e.ok()) << e.status();
-    if (e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}) >= 3) break;
-    ASSERT_LT(absl::Now(), give_up) << *body;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  const absl::StatusOr<Exposition> e =
+      ScrapeWhen(server_->metrics_port(), "losshead_rpcs_total",
+                 {{"method", "Step"}, {"code", "aborted"}}, 3);
+  ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->Sum("losshead_unread_answer_aborts_total"), 3);
   EXPECT_EQ(e->Sum("losshead_rpcs_total", {{"method", "Step"}, {"code", "aborted"}}), 3);
 }
