@@ -11,21 +11,24 @@
 namespace losshead::kernels {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kRoundingSlack = 2.0;
+constexpr double kUnbounded = std::numeric_limits<double>::infinity();
+// Room for the roundings of the sums behind a bounded value (WithinRange).
+constexpr double kSumRoundingRoom = 2.0;
 
 // A product of bounds; 0 * Inf (NaN in fp32) is Inf.
-double Times(double a, double b) { return (std::isinf(a) || std::isinf(b)) ? kInf : a * b; }
+double BoundProduct(double a, double b) {
+  return (std::isinf(a) || std::isinf(b)) ? kUnbounded : a * b;
+}
 
-std::string Num(double x) { return absl::StrFormat("%.3g", x); }
+std::string Short(double x) { return absl::StrFormat("%.3g", x); }
 
 // The options that scale the bounds, as a refusal names them.
 std::string ScalingOptions(const LossOptions& o) {
   const char* reduction = o.reduction == Reduction::kMean  ? "mean"
                           : o.reduction == Reduction::kSum ? "sum"
                                                            : "none";
-  return absl::StrCat("grad_scale ", Num(o.grad_scale), ", z_loss ", Num(o.z_loss), ", softcap ",
-                      Num(o.softcap), ", reduction ", reduction);
+  return absl::StrCat("grad_scale ", Short(o.grad_scale), ", z_loss ", Short(o.z_loss),
+                      ", softcap ", Short(o.softcap), ", reduction ", reduction);
 }
 
 }  // namespace
@@ -43,39 +46,39 @@ double DTypeMax(DType dtype) {
 }
 
 bool WithinRange(double value, DType dtype) {
-  return value * kRoundingSlack <= DTypeMax(dtype);  // NaN compares false: out of range
+  return value * kSumRoundingRoom <= DTypeMax(dtype);  // NaN compares false: out of range
 }
 
 StepBounds BoundStep(const Problem& problem, double hidden_abs, double weight_abs,
                      int64_t counted_tokens) {
   const LossOptions& o = problem.options;
   StepBounds b;
-  b.logit = Times(Times(static_cast<double>(problem.d), hidden_abs), weight_abs);
+  b.logit = BoundProduct(BoundProduct(static_cast<double>(problem.d), hidden_abs), weight_abs);
   const double z = o.softcap > 0.0f ? std::min(b.logit, static_cast<double>(o.softcap)) : b.logit;
   const double log_v = std::log(static_cast<double>(problem.v));
   const double lse = z + log_v;
   const double z_loss = o.z_loss;
-  const double token_loss = 2.0 * z + log_v + Times(z_loss, Times(lse, lse));
+  const double token_loss = 2.0 * z + log_v + BoundProduct(z_loss, BoundProduct(lse, lse));
   const double counted = static_cast<double>(std::max<int64_t>(counted_tokens, 0));
-  b.loss_sum = Times(counted, token_loss);
-  b.grad = 2.0 + 2.0 * Times(z_loss, lse);
+  b.loss_sum = BoundProduct(counted, token_loss);
+  b.grad = 2.0 + 2.0 * BoundProduct(z_loss, lse);
   const double scale = std::abs(static_cast<double>(o.grad_scale)) /
                        (o.reduction == Reduction::kMean ? std::max(counted, 1.0) : 1.0);
-  b.scaled_grad = Times(scale, b.grad);
-  b.grad_hidden = Times(b.scaled_grad, weight_abs);
-  b.grad_weight = Times(Times(counted, b.scaled_grad), hidden_abs);
+  b.scaled_grad = BoundProduct(scale, b.grad);
+  b.grad_hidden = BoundProduct(b.scaled_grad, weight_abs);
+  b.grad_weight = BoundProduct(BoundProduct(counted, b.scaled_grad), hidden_abs);
   return b;
 }
 
 absl::Status CheckStepBounds(const Problem& problem, const StepBounds& b, double hidden_abs,
                              double weight_abs, DType grad_hidden_dtype, bool grad_weight) {
   const auto refuse = [&](absl::string_view what, double value, DType dtype) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "this micro-batch could overflow: hidden values up to ", Num(hidden_abs),
-        " with weights up to ", Num(weight_abs), " (", problem.d, " columns, ",
-        ScalingOptions(problem.options), ") bound ", what, " by ", Num(value), ", past ",
-        DTypeName(dtype), "'s ", Num(DTypeMax(dtype)),
-        "; it would compute Inf or NaN, so nothing was computed or counted"));
+    return absl::OutOfRangeError(
+        absl::StrCat("this micro-batch could overflow: hidden values up to ", Short(hidden_abs),
+                     " with weights up to ", Short(weight_abs), " (", problem.d, " columns, ",
+                     ScalingOptions(problem.options), ") bound ", what, " by ", Short(value),
+                     ", past ", DTypeName(dtype), "'s ", Short(DTypeMax(dtype)),
+                     "; it would compute Inf or NaN, so nothing was computed or counted"));
   };
   if (!WithinRange(b.logit, DType::kFP32)) return refuse("the logits", b.logit, DType::kFP32);
   if (!WithinRange(b.loss_sum, DType::kFP32)) {

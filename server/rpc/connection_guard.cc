@@ -28,7 +28,7 @@
 namespace losshead::server {
 namespace {
 
-constexpr absl::string_view kServicePrefix = "/losshead.v1.LossHead/";
+constexpr absl::string_view kLossHeadMethodPrefix = "/losshead.v1.LossHead/";
 // How often the table is checked for connections gRPC closed without a shutdown (see the header),
 // besides before a connection would be refused.
 constexpr absl::Duration kSweepPeriod = absl::Seconds(5);
@@ -79,7 +79,9 @@ class ProvingFactory final : public grpc::experimental::ServerInterceptorFactory
       grpc::experimental::ServerRpcInfo* info) override {
     // With tokens, a call of the service reaches this point only once its token was accepted;
     // health and reflection need none.
-    if (tokens_required_ && !absl::StartsWith(info->method(), kServicePrefix)) return nullptr;
+    if (tokens_required_ && !absl::StartsWith(info->method(), kLossHeadMethodPrefix)) {
+      return nullptr;
+    }
     if (info->server_context() != nullptr) guard_->Proven(info->server_context()->peer());
     return nullptr;
   }
