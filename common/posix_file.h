@@ -3,6 +3,7 @@
 #ifndef LOSSHEAD_COMMON_POSIX_FILE_H_
 #define LOSSHEAD_COMMON_POSIX_FILE_H_
 
+#include <span>
 #include <string>
 
 #include "absl/status/status.h"
@@ -32,6 +33,13 @@ class UniqueFd {
 
 // Writes all of `data` to `fd`, through short writes and EINTR.
 absl::Status WriteAll(int fd, absl::string_view data, const std::string& path);
+
+// Writes `pieces` in order to `path` + ".tmp", fsyncs and closes it, then renames it onto
+// `path`: a reader sees the old file or the whole new one, never part of it. On error the
+// temporary file is removed and `path` is as it was. The directory is fsynced last, so that the
+// rename survives a crash too.
+absl::Status WriteFileAtomically(const std::string& path,
+                                 std::span<const absl::string_view> pieces);
 
 }  // namespace losshead
 

@@ -172,27 +172,9 @@ absl::Status WriteSafetensors(const std::string& path,
                               const std::map<std::string, std::string>& metadata) {
   absl::StatusOr<std::string> header = SafetensorsHeader(tensors, metadata);
   if (!header.ok()) return header.status();
-  const std::string tmp = absl::StrCat(path, ".tmp");
-  {
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return PosixError("cannot create", tmp);
-    absl::Status s = WriteAll(fd.get(), *header, tmp);
-    for (const SafetensorsTensor& t : tensors) {
-      if (s.ok()) s = WriteAll(fd.get(), t.data, tmp);
-    }
-    if (s.ok() && ::fsync(fd.get()) != 0) s = PosixError("cannot fsync", tmp);
-    if (s.ok()) s = fd.Close(tmp);
-    if (!s.ok()) {
-      ::unlink(tmp.c_str());
-      return s;
-    }
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    absl::Status s = PosixError("cannot rename onto", path);
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  return absl::OkStatus();
+  std::vector<absl::string_view> pieces = {*header};
+  for (const SafetensorsTensor& t : tensors) pieces.push_back(t.data);
+  return WriteFileAtomically(path, pieces);
 }
 
 absl::StatusOr<SafetensorsIndex> ReadSafetensorsIndex(const std::string& path) {

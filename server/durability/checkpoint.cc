@@ -280,13 +280,6 @@ absl::Status ReadAll(int fd, char* out, size_t bytes, const std::string& path) {
   return absl::OkStatus();
 }
 
-std::string DirOf(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
 }  // namespace
 
 uint64_t Checksum(absl::string_view data, uint64_t seed) {
@@ -346,35 +339,10 @@ absl::StatusOr<uint64_t> WriteCheckpointFile(const std::string& path,
                                              const HeadCheckpointData& data) {
   const std::string meta = EncodeMeta(data);
   const Header h = HeaderFor(meta, data);
-  const std::string tmp = absl::StrCat(path, ".tmp");
-  {
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return PosixError("cannot create", tmp);
-    absl::Status s = WriteAll(fd.get(), EncodeHeader(h), tmp);
-    if (s.ok()) s = WriteAll(fd.get(), meta, tmp);
-    if (s.ok()) s = WriteAll(fd.get(), data.weights, tmp);
-    if (s.ok()) s = WriteAll(fd.get(), data.gradient, tmp);
-    for (absl::string_view piece : OptimizerSection(data)) {
-      if (s.ok()) s = WriteAll(fd.get(), piece, tmp);
-    }
-    // The data must be on disk before the rename makes it the checkpoint.
-    if (s.ok() && ::fsync(fd.get()) != 0) s = PosixError("cannot fsync", tmp);
-    if (s.ok()) s = fd.Close(tmp);
-    if (!s.ok()) {
-      ::unlink(tmp.c_str());
-      return s;
-    }
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    absl::Status s = PosixError("cannot rename onto", path);
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  // The rename itself is durable only once the directory entry is.
-  const std::string dir = DirOf(path);
-  UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dfd.get() < 0) return PosixError("cannot open directory", dir);
-  if (::fsync(dfd.get()) != 0) return PosixError("cannot fsync directory", dir);
+  const std::string header = EncodeHeader(h);
+  std::vector<absl::string_view> pieces = {header, meta, data.weights, data.gradient};
+  for (absl::string_view piece : OptimizerSection(data)) pieces.push_back(piece);
+  LOSSHEAD_RETURN_IF_ERROR(WriteFileAtomically(path, pieces));
   return kHeaderBytes + meta.size() + data.weights.size() + data.gradient.size() +
          h.optimizer_bytes;
 }

@@ -68,6 +68,14 @@ void Head::ResetWindowLocked() {
   window_grad_abs_ = 0;
 }
 
+void Head::CountWindowLocked(v1::GradientSummary* s, bool reset) {
+  s->set_token_count(tokens_since_pull_);
+  s->set_microbatch_count(microbatches_since_pull_);
+  s->set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
+  s->set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
+  if (reset) ResetWindowLocked();
+}
+
 void Head::NoteCountedLocked() {
   if (microbatches_since_pull_ == 1) window_opened_ = absl::Now();
   const uint64_t limit = options_.window_warn_microbatches;
@@ -108,11 +116,7 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
       LOSSHEAD_RETURN_IF_ERROR(group_->DiscardGradient());
     }
     absl::MutexLock state(&state_mu_);
-    s.set_token_count(tokens_since_pull_);
-    s.set_microbatch_count(microbatches_since_pull_);
-    s.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
-    s.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
-    if (discard) ResetWindowLocked();
+    CountWindowLocked(&s, discard);
   }
   s.set_vocab_size(vocab_size());
   s.set_hidden_size(hidden_size());
@@ -142,11 +146,7 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     }
     LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
     absl::MutexLock state(&state_mu_);
-    s.set_token_count(tokens_since_pull_);
-    s.set_microbatch_count(microbatches_since_pull_);
-    s.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
-    s.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
-    if (reset) ResetWindowLocked();
+    CountWindowLocked(&s, reset);
   }
   if (dtype == v1::DTYPE_BF16) {
     std::string fp32 = std::move(snap.data);

@@ -321,6 +321,10 @@ class Head {
   void NoteCountedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // The window's counters zeroed at a cut that resets it (pull with reset, discard, apply).
   void ResetWindowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // The window's counters into `s` (what a pull, a discard or an apply covers); with `reset`,
+  // then zeroed (ResetWindowLocked).
+  void CountWindowLocked(v1::GradientSummary* s, bool reset)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
   Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernels::DType dtype,
        const HeadOptions& options);

@@ -227,10 +227,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
           absl::StrCat("expected_weights_version is ", request.expected_weights_version(),
                        " but the head's weights are at version ", version_));
     }
-    window.set_token_count(tokens_since_pull_);
-    window.set_microbatch_count(microbatches_since_pull_);
-    window.set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
-    window.set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
+    CountWindowLocked(&window, /*reset=*/false);  // reset once the step has run
   }
   if (!request.has_grad_divisor() && window.token_count() == 0) {
     return absl::FailedPreconditionError(
