@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/grpc.h"
-#include "losshead/v1/heap_tuning.h"
+#include "transport/heap_tuning.h"
 #include "server/flags.h"
 #include "server/server.h"
 
@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   RaiseDescriptorLimit();
   // gRPC's message buffers stay mapped between messages (see heap_tuning.h).
-  losshead::v1::KeepTransferBuffersMapped();
+  losshead::transport::KeepTransferBuffersMapped();
   // Held for the life of the process and never released: gRPC's library teardown, which the last
   // release would start, waits for its internal threads (9 s on a 16-core GPU host after a busy
   // run) and frees nothing the exit does not.

@@ -16,7 +16,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "losshead/v1/transport_args.h"
+#include "transport/channel_args.h"
 #include "server/durability/checkpointer.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/idempotency_budget.h"
@@ -246,7 +246,7 @@ class ServerImpl final : public Server {
     // Without this, Linux lets a second server bind the same port and silently share traffic.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     if (!security_.tls) {  // see transport_args.h for why not with TLS
-      for (const auto& [key, value] : v1::kTensorTransportArgs) {
+      for (const auto& [key, value] : transport::kTensorTransportArgs) {
         builder.AddChannelArgument(key, value);
       }
     }

@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
-#include "losshead/v1/heap_tuning.h"
+#include "transport/heap_tuning.h"
 
 namespace {
 
@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   // Like a trainer through the C API: gRPC's message buffers stay mapped between messages.
-  losshead::v1::KeepTransferBuffersMapped();
+  losshead::transport::KeepTransferBuffersMapped();
   if (command == "demo") return losshead::cli::RunDemo();
   if (command == "bench") return losshead::cli::RunBench();
   if (command == "create") return losshead::cli::RunCreate();

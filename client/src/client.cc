@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "channel_security.h"
 #include "losshead/client/status.h"
-#include "losshead/v1/transport_args.h"
+#include "transport/channel_args.h"
 
 namespace losshead::client {
 
@@ -55,7 +55,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   // Plaintext only: see transport_args.h for why not with TLS.
   if (options.credentials == nullptr && !internal::WantsTls(options)) {
-    for (const auto& tuning : v1::kTensorTransportArgs) {
+    for (const auto& tuning : transport::kTensorTransportArgs) {
       const bool overridden =
           std::any_of(options.channel_args.begin(), options.channel_args.end(),
                       [&](const auto& arg) { return arg.first == tuning.first; });

@@ -7,12 +7,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "losshead/v1/losshead.grpc.pb.h"
-#include "losshead/v1/wire_format.h"
+#include "transport/wire_format.h"
 
 namespace losshead::client::raw {
 namespace {
 
-namespace wire = v1::wire;
+namespace wire = transport::wire;
 
 // A LossHead method called without the typed stub (its messages are byte buffers).
 class RawMethod {

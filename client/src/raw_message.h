@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "losshead/v1/slice_message.h"
+#include "transport/slice_message.h"
 
 namespace losshead::client::raw {
 
@@ -28,8 +28,8 @@ const grpc::internal::RpcMethod& DownloadWeightsMethod();
 const grpc::internal::RpcMethod& PushWeightsMethod();
 
 // Received messages whose bytes field is read from gRPC's slices in place (wire::ParseWithoutData).
-using v1::wire::DataPieces;
-using v1::wire::ParseWithoutData;
+using transport::wire::DataPieces;
+using transport::wire::ParseWithoutData;
 
 // One message: `fields` (a serialized message without the bytes field), then the bytes field
 // `data_field` holding a copy of `data` (left out when empty), then `trailer` (more serialized

@@ -14,13 +14,13 @@
 #include "losshead/client/client.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/status.h"
-#include "losshead/v1/wire_format.h"
+#include "transport/wire_format.h"
 #include "raw_message.h"
 
 namespace losshead::client {
 namespace {
 
-namespace wire = v1::wire;
+namespace wire = transport::wire;
 
 // Fields of StepRequest and StepResponse (proto/losshead/v1/losshead.proto).
 constexpr uint32_t kRequestHeaderField = 1;

@@ -24,14 +24,14 @@
 #include "losshead/client/client.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
-#include "losshead/v1/wire_format.h"
+#include "transport/wire_format.h"
 #include "prefault.h"
 #include "raw_message.h"
 
 namespace losshead::client {
 namespace {
 
-namespace wire = v1::wire;
+namespace wire = transport::wire;
 
 // The `data` field of GradientChunk, WeightsChunk and PushWeightsRequest
 // (proto/losshead/v1/losshead.proto).

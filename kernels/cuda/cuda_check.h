@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace losshead::kernels::cuda {
 
@@ -50,12 +51,6 @@ inline absl::Status CublasError(cublasStatus_t err, const char* expr, const char
       return ::losshead::kernels::cuda::CublasError(losshead_cublas_err_, #expr, __FILE__, \
                                                     __LINE__);                            \
     }                                                                                     \
-  } while (0)
-
-#define LOSSHEAD_RETURN_IF_ERROR(expr)                    \
-  do {                                                    \
-    absl::Status losshead_status_ = (expr);               \
-    if (!losshead_status_.ok()) return losshead_status_;  \
   } while (0)
 
 // A kernel launch reports configuration errors only through cudaGetLastError.

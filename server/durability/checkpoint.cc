@@ -14,7 +14,7 @@
 #include "common/posix_file.h"
 #include "server/durability/checkpoint_codec.h"
 #include "server/durability/checkpoint_optimizer.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace losshead::server {
 namespace {

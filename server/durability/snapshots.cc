@@ -21,7 +21,7 @@
 #include "common/posix_file.h"
 #include "server/durability/checkpoint.h"
 #include "server/durability/checkpointer.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace losshead::server {
 namespace {

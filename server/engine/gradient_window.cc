@@ -20,7 +20,7 @@
 #include "server/engine/head_optimizer.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/result_pool.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 #include "server/engine/transfer_buffers.h"
 
 namespace losshead::server {

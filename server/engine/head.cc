@@ -17,7 +17,7 @@
 #include "server/engine/head_internal.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/proto_convert.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 #include "server/engine/weight_init.h"
 
 namespace losshead::server {

@@ -18,7 +18,7 @@
 #include "server/engine/head_internal.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/replica_group.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace losshead::server {
 

@@ -7,7 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace losshead::server {
 namespace {

@@ -17,7 +17,7 @@
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/request_fingerprint.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace losshead::server {
 namespace {

@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "server/engine/head.h"
 #include "server/engine/replica_group.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace losshead::server {
 

@@ -29,7 +29,7 @@
 #include "server/engine/proto_convert.h"
 #include "server/engine/replica_group.h"
 #include "server/engine/request_fingerprint.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 #include "server/engine/transfer_buffers.h"
 
 namespace losshead::server {

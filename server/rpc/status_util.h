@@ -1,5 +1,5 @@
 // The one place where absl::Status becomes grpc::Status: the layers below the edge speak
-// absl::Status only (their macros: server/engine/status_macros.h).
+// absl::Status only (their macros: common/status_macros.h).
 #ifndef LOSSHEAD_SERVER_RPC_STATUS_UTIL_H_
 #define LOSSHEAD_SERVER_RPC_STATUS_UTIL_H_
 

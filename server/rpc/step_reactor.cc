@@ -139,7 +139,7 @@ void StepReactor::OnReadDone(bool ok) {
     // to their buffer; a message that does not parse ends the call rather than pass for the end
     // of the stream.
     if (ok) {
-      const bool parsed = v1::wire::ParseWithoutData(read_buffer_, kRequestHiddenField,
+      const bool parsed = transport::wire::ParseWithoutData(read_buffer_, kRequestHiddenField,
                                                      &message_.request, &hidden_slices_)
                               .ok();
       message_.hidden.swap(hidden_slices_.pieces);

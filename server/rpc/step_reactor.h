@@ -43,7 +43,7 @@
 #include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
-#include "losshead/v1/slice_message.h"
+#include "transport/slice_message.h"
 #include "server/rpc/service_context.h"
 #include "server/rpc/step_assembler.h"
 
@@ -140,7 +140,7 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   const size_t progress_step_;
   grpc::ByteBuffer read_buffer_;  // owned by the outstanding read
   StepMessage message_;           // the last read, parsed
-  v1::wire::DataPieces hidden_slices_;  // what message_.hidden points into
+  transport::wire::DataPieces hidden_slices_;  // what message_.hidden points into
 
   absl::Mutex mu_;
   StepAssembler assembler_ ABSL_GUARDED_BY(mu_);

@@ -5,14 +5,14 @@
 #include <utility>
 
 #include "grpcpp/support/slice.h"
-#include "losshead/v1/wire_format.h"
+#include "transport/wire_format.h"
 #include "server/rpc/shared_slice.h"
 #include "server/rpc/step_assembler.h"
 
 namespace losshead::server {
 namespace {
 
-namespace wire = v1::wire;
+namespace wire = transport::wire;
 
 // StepResponse's payload and end-of-answer fields (proto/losshead/v1/losshead.proto).
 constexpr uint32_t kGradHiddenField = 5;

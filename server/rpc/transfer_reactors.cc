@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/problem.h"
 #include "server/engine/proto_convert.h"
-#include "server/engine/status_macros.h"
+#include "common/status_macros.h"
 #include "server/engine/transfer_buffers.h"
-#include "losshead/v1/wire_format.h"
+#include "transport/wire_format.h"
 #include "server/rpc/shared_slice.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_assembler.h"
@@ -88,8 +88,8 @@ class ChunkedWriter final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     grpc::Slice slices[2];
     size_t count = 1;
     if (n > 0) {
-      v1::wire::AppendTag(frame, kDataField, v1::wire::kLengthDelimited);
-      v1::wire::AppendVarint(frame, n);
+      transport::wire::AppendTag(frame, kDataField, transport::wire::kLengthDelimited);
+      transport::wire::AppendVarint(frame, n);
       slices[1] = SharedSlice(snapshot_, data.data() + offset_, n);
       count = 2;
     }

@@ -22,7 +22,7 @@
 #include "grpcpp/support/slice.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/v1/losshead.pb.h"
-#include "losshead/v1/slice_message.h"
+#include "transport/slice_message.h"
 #include "server/engine/admission.h"
 #include "server/engine/head.h"
 #include "server/engine/request_fingerprint.h"
@@ -89,9 +89,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     grpc::Slice slices[2] = {grpc::Slice(bytes, cut), grpc::Slice(bytes + cut, len - cut)};
     grpc::ByteBuffer buffer(slices, 2);
     losshead::server::StepMessage message;
-    losshead::v1::wire::DataPieces hidden;
+    losshead::transport::wire::DataPieces hidden;
     const bool parsed =
-        losshead::v1::wire::ParseWithoutData(buffer, kHiddenField, &message.request, &hidden).ok();
+        losshead::transport::wire::ParseWithoutData(buffer, kHiddenField, &message.request, &hidden).ok();
     losshead::v1::StepRequest typed;
     const bool typed_parsed = typed.ParseFromArray(bytes, static_cast<int>(len));
     pos += len;

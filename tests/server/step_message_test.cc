@@ -14,8 +14,8 @@
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "gtest/gtest.h"
 #include "losshead/kernels/dtype_convert.h"
-#include "losshead/v1/slice_message.h"
-#include "losshead/v1/wire_format.h"
+#include "transport/slice_message.h"
+#include "transport/wire_format.h"
 #include "server/engine/request_fingerprint.h"
 #include "server/rpc/step_assembler.h"
 #include "tests/server/test_util.h"
@@ -45,7 +45,7 @@ std::vector<size_t> RandomCuts(size_t size, int count, std::mt19937& rng) {
   return cuts;
 }
 
-std::string Joined(const v1::wire::DataPieces& pieces) {
+std::string Joined(const transport::wire::DataPieces& pieces) {
   std::string out(pieces.size, '\0');
   pieces.CopyTo(reinterpret_cast<std::byte*>(out.data()));
   return out;
@@ -83,8 +83,8 @@ TEST(StepMessageTest, ParsesAsATypedRequestWhereverTheSlicesAreCut) {
 
     grpc::ByteBuffer buffer = Sliced(bytes, RandomCuts(bytes.size(), round % 7, rng));
     v1::StepRequest parsed;
-    v1::wire::DataPieces hidden;
-    ASSERT_TRUE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
+    transport::wire::DataPieces hidden;
+    ASSERT_TRUE(transport::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
     EXPECT_EQ(Joined(hidden), typed.hidden()) << round;
     EXPECT_EQ(hidden.size, typed.hidden().size());
     EXPECT_TRUE(parsed.hidden().empty());
@@ -103,8 +103,8 @@ TEST(StepMessageTest, TruncatedOrMalformedMessagesAreRefused) {
   for (size_t keep : {size_t{1}, size_t{4}, bytes.size() - 600, bytes.size() - 1}) {
     grpc::ByteBuffer buffer = Sliced(bytes.substr(0, keep), {keep / 2});
     v1::StepRequest parsed;
-    v1::wire::DataPieces hidden;
-    EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok()) << keep;
+    transport::wire::DataPieces hidden;
+    EXPECT_FALSE(transport::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok()) << keep;
   }
   // A tag whose varint runs past 64 bits (its lost high bits would leave the hidden field's tag),
   // which protobuf refuses.
@@ -113,8 +113,8 @@ TEST(StepMessageTest, TruncatedOrMalformedMessagesAreRefused) {
                                  std::string("\x03", 1) + "abc";
     grpc::ByteBuffer buffer = Sliced(overlong, {});
     v1::StepRequest parsed;
-    v1::wire::DataPieces hidden;
-    EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
+    transport::wire::DataPieces hidden;
+    EXPECT_FALSE(transport::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
     EXPECT_FALSE(parsed.ParseFromString(overlong));
   }
   // A tag in more than 5 bytes (here 7, the value small), and the hidden field's length in more
@@ -124,17 +124,17 @@ TEST(StepMessageTest, TruncatedOrMalformedMessagesAreRefused) {
         std::string("\x12\x84\x80\x80\x80\x80\x00", 7) + "abcd"}) {
     grpc::ByteBuffer buffer = Sliced(overlong, {3});
     v1::StepRequest parsed;
-    v1::wire::DataPieces hidden;
+    transport::wire::DataPieces hidden;
     EXPECT_FALSE(parsed.ParseFromString(overlong));
-    EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
+    EXPECT_FALSE(transport::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
   }
   // A group (wire type 3) has no place in a StepRequest.
   std::string group;
-  v1::wire::AppendTag(group, 9, 3);
+  transport::wire::AppendTag(group, 9, 3);
   grpc::ByteBuffer buffer = Sliced(bytes + group, {});
   v1::StepRequest parsed;
-  v1::wire::DataPieces hidden;
-  EXPECT_FALSE(v1::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
+  transport::wire::DataPieces hidden;
+  EXPECT_FALSE(transport::wire::ParseWithoutData(buffer, kHiddenField, &parsed, &hidden).ok());
 }
 
 std::string RandomBf16(size_t count, std::mt19937& rng) {
@@ -180,9 +180,9 @@ TEST(StepMessageTest, MicroBatchesAreAssembledFromTheSlices) {
         const std::string bytes = r.SerializeAsString();
         grpc::ByteBuffer buffer = Sliced(bytes, RandomCuts(bytes.size(), 5, rng));
         StepMessage message;
-        v1::wire::DataPieces slices;
+        transport::wire::DataPieces slices;
         ASSERT_TRUE(
-            v1::wire::ParseWithoutData(buffer, kHiddenField, &message.request, &slices).ok());
+            transport::wire::ParseWithoutData(buffer, kHiddenField, &message.request, &slices).ok());
         message.hidden = slices.pieces;
         message.hidden_bytes = slices.size;
         auto added = a.Add(message, absl::Now(), at == 0 ? hidden.size() : 0);

@@ -11,7 +11,7 @@
 #include "internal.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/step_stream.h"
-#include "losshead/v1/heap_tuning.h"
+#include "transport/heap_tuning.h"
 
 namespace losshead::capi {
 namespace {
@@ -56,11 +56,11 @@ absl::StatusOr<client::ClientOptions> ToClientOptions(const lh_client_options* i
   return out;
 }
 
-// gRPC's message buffers stay mapped between messages (losshead/v1/heap_tuning.h), once per
+// gRPC's message buffers stay mapped between messages (transport/heap_tuning.h), once per
 // process; a process that tunes its allocator itself sets LOSSHEAD_TUNE_MALLOC=0.
 void KeepReceiveBuffersMapped() {
   static std::once_flag once;
-  std::call_once(once, [] { v1::KeepTransferBuffersMapped(); });
+  std::call_once(once, [] { transport::KeepTransferBuffersMapped(); });
 }
 
 }  // namespace

@@ -57,7 +57,7 @@ struct ClientOptions {
   // Further metadata sent on every call (lower-case keys), after the bearer token.
   std::vector<std::pair<std::string, std::string>> metadata;
   // Further integer channel arguments (e.g. grpc.initial_reconnect_backoff_ms), applied last;
-  // they replace the socket read sizes of losshead/v1/transport_args.h where they name them.
+  // they replace the socket read sizes of transport/channel_args.h where they name them.
   std::vector<std::pair<std::string, int>> channel_args;
   // Retries of transient failures; see losshead/client/retry.h for what is retried and why
   // nothing is counted twice. Applies to every method, and per micro-batch to Step and StepMany.

@@ -1,13 +1,13 @@
 // Messages read out of gRPC slices: see slice_message.h.
-#include "losshead/v1/slice_message.h"
+#include "transport/slice_message.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "losshead/v1/wire_format.h"
+#include "transport/wire_format.h"
 
-namespace losshead::v1::wire {
+namespace losshead::transport::wire {
 
 void DataPieces::CopyTo(std::byte* out) const {
   for (const auto& [p, n] : pieces) {
@@ -139,4 +139,4 @@ absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
   return absl::OkStatus();
 }
 
-}  // namespace losshead::v1::wire
+}  // namespace losshead::transport::wire

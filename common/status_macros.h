@@ -1,8 +1,8 @@
-// The status macros of server/: early return of an error absl::Status or StatusOr. They live in
-// the engine, the lowest layer of server/, so that every layer above may use them; the conversion
-// to grpc::Status belongs to the edge (server/rpc/status_util.h).
-#ifndef LOSSHEAD_SERVER_ENGINE_STATUS_MACROS_H_
-#define LOSSHEAD_SERVER_ENGINE_STATUS_MACROS_H_
+// The project's status macros: early return of an error absl::Status or StatusOr. Header-only and
+// dependent on absl alone, so that kernels/, server/ and client/ share one definition; the
+// conversion to grpc::Status belongs to the server's edge (server/rpc/status_util.h).
+#ifndef LOSSHEAD_COMMON_STATUS_MACROS_H_
+#define LOSSHEAD_COMMON_STATUS_MACROS_H_
 
 #include <utility>
 
@@ -25,4 +25,4 @@
   if (!statusor.ok()) return std::move(statusor).status();   \
   lhs = std::move(statusor).value()
 
-#endif  // LOSSHEAD_SERVER_ENGINE_STATUS_MACROS_H_
+#endif  // LOSSHEAD_COMMON_STATUS_MACROS_H_

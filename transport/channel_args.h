@@ -10,15 +10,15 @@
 // Plaintext connections only: with TLS and reads this large, gRPC 1.51 (Debian 12) leaks the
 // slice array of a connection whose handshake fails (LeakSanitizer in tests/security), which an
 // untrusted peer could repeat at will; TLS connections keep gRPC's own read sizes.
-#ifndef LOSSHEAD_V1_TRANSPORT_ARGS_H_
-#define LOSSHEAD_V1_TRANSPORT_ARGS_H_
+#ifndef LOSSHEAD_TRANSPORT_CHANNEL_ARGS_H_
+#define LOSSHEAD_TRANSPORT_CHANNEL_ARGS_H_
 
 #include <grpc/grpc.h>
 
 #include <array>
 #include <utility>
 
-namespace losshead::v1 {
+namespace losshead::transport {
 
 inline constexpr std::array<std::pair<const char*, int>, 3> kTensorTransportArgs = {{
     {GRPC_ARG_TCP_READ_CHUNK_SIZE, 1 << 20},
@@ -26,6 +26,6 @@ inline constexpr std::array<std::pair<const char*, int>, 3> kTensorTransportArgs
     {GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 8 << 20},
 }};
 
-}  // namespace losshead::v1
+}  // namespace losshead::transport
 
-#endif  // LOSSHEAD_V1_TRANSPORT_ARGS_H_
+#endif  // LOSSHEAD_TRANSPORT_CHANNEL_ARGS_H_

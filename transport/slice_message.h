@@ -2,8 +2,8 @@
 // downloads and Step answers, and the server's Step requests, read the tensor bytes straight out
 // of gRPC's slices into their destination (a typed message would copy them into its bytes field
 // first, and the destination copy would follow).
-#ifndef LOSSHEAD_PROTO_SLICE_MESSAGE_H_
-#define LOSSHEAD_PROTO_SLICE_MESSAGE_H_
+#ifndef LOSSHEAD_TRANSPORT_SLICE_MESSAGE_H_
+#define LOSSHEAD_TRANSPORT_SLICE_MESSAGE_H_
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
@@ -16,7 +16,7 @@
 #include "absl/status/status.h"
 #include "google/protobuf/message_lite.h"
 
-namespace losshead::v1::wire {
+namespace losshead::transport::wire {
 
 // Where one received message's bytes field lies: pieces of the message's slices, which stay
 // alive as long as `slices` does.
@@ -34,6 +34,6 @@ struct DataPieces {
 absl::Status ParseWithoutData(grpc::ByteBuffer& buffer, uint32_t data_field,
                               google::protobuf::MessageLite* message, DataPieces* data);
 
-}  // namespace losshead::v1::wire
+}  // namespace losshead::transport::wire
 
-#endif  // LOSSHEAD_PROTO_SLICE_MESSAGE_H_
+#endif  // LOSSHEAD_TRANSPORT_SLICE_MESSAGE_H_

@@ -11,8 +11,8 @@
 //
 // Measured (BENCHMARKS.md): a push into the server ran at 0.3 GB/s with the defaults and 1.6 GB/s
 // with the settings; a pull of 512 MB into a reused tensor at 0.4 and 2.1-2.4 GB/s.
-#ifndef LOSSHEAD_V1_HEAP_TUNING_H_
-#define LOSSHEAD_V1_HEAP_TUNING_H_
+#ifndef LOSSHEAD_TRANSPORT_HEAP_TUNING_H_
+#define LOSSHEAD_TRANSPORT_HEAP_TUNING_H_
 
 #include <cstdlib>
 #include <cstring>
@@ -21,7 +21,7 @@
 #include <malloc.h>
 #endif
 
-namespace losshead::v1 {
+namespace losshead::transport {
 
 // Applies the settings above; false where the C library is not glibc, refused one of them, or
 // the environment says LOSSHEAD_TUNE_MALLOC=0 (a process that tunes its allocator itself).
@@ -35,6 +35,6 @@ inline bool KeepTransferBuffersMapped() {
 #endif
 }
 
-}  // namespace losshead::v1
+}  // namespace losshead::transport
 
-#endif  // LOSSHEAD_V1_HEAP_TUNING_H_
+#endif  // LOSSHEAD_TRANSPORT_HEAP_TUNING_H_

@@ -1,13 +1,13 @@
 // The protobuf wire format pieces that raw (byte-buffer) methods write by hand: tags and varints.
 // The client's transfers and the server's Step responses frame their payload fields themselves so
 // that tensor bytes are referenced rather than copied into a message.
-#ifndef LOSSHEAD_PROTO_WIRE_FORMAT_H_
-#define LOSSHEAD_PROTO_WIRE_FORMAT_H_
+#ifndef LOSSHEAD_TRANSPORT_WIRE_FORMAT_H_
+#define LOSSHEAD_TRANSPORT_WIRE_FORMAT_H_
 
 #include <cstdint>
 #include <string>
 
-namespace losshead::v1::wire {
+namespace losshead::transport::wire {
 
 inline constexpr uint32_t kVarint = 0;
 inline constexpr uint32_t kFixed64 = 1;
@@ -26,6 +26,6 @@ inline void AppendTag(std::string& out, uint32_t field, uint32_t wire_type) {
   AppendVarint(out, (uint64_t{field} << 3) | wire_type);
 }
 
-}  // namespace losshead::v1::wire
+}  // namespace losshead::transport::wire
 
-#endif  // LOSSHEAD_PROTO_WIRE_FORMAT_H_
+#endif  // LOSSHEAD_TRANSPORT_WIRE_FORMAT_H_
