@@ -68,6 +68,15 @@ One run (what `all` starts for each):
         --server 127.0.0.1:50051 --head trainer-bench --steps 200 --out offloaded.json \\
         [--save-at 100 --output-dir /tmp/tb/save] [--resume /tmp/tb/save/checkpoint-100]
 
+Data parallel: `--ranks N` runs each of the local and offloaded runs as N processes under
+torchrun, one GPU each (DDP; --batch rows per rank, N x --batch per step; the dataset grows to
+match). Rank 0 creates the head and the others attach to it; the Trainer's loop steps it once
+per global step. `--replicas N` replicates the head over N of the server's GPUs. The peak memory reported is the largest rank's; the per-step losses are rank
+0's micro-batches (the same rows in both runs). On a 2-GPU host, the server on both GPUs:
+
+    python3 client/python/benchmarks/trainer_bench.py all --server 127.0.0.1:50051 \\
+        --ranks 2 --replicas 2 --runs local,offloaded --steps 200 --out /tmp/trainer-bench-2ranks
+
 `summary --out DIR` prints the table again from the JSON files in DIR (it needs neither torch nor
 transformers). Needs transformers and accelerate (the Trainer), a CUDA GPU, and the losshead
 package (PYTHONPATH=client/python/src); `--help` works without them.
@@ -77,22 +86,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
-RUNS = ("local", "offloaded", "save", "resumed")
-RUN_TITLES = {"local": "the model's own lm_head",
-              "offloaded": "offloaded to losshead",
-              "save": "offloaded, saving a checkpoint at step {k}",
-              "resumed": "resumed from step {k} in a new process"}
-W_SAMPLE_SEED = 20261127
-TRUNK_SAMPLES = 256
+from _trainer_bench_report import RUNS, _gib, _write_json, summarize
+from _trainer_bench_run import run_one
+
 
 
 # -- arguments --------------------------------------------------------------------------------
@@ -125,12 +128,17 @@ def _model_and_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--w-samples", type=int, default=16384,
                    help="elements of W kept at fixed positions for comparisons")
     g.add_argument("--print-every", type=int, default=20)
+    g.add_argument("--replicas", type=int, default=1,
+                   help="server GPUs the offloaded head is replicated over (default 1)")
+    g.add_argument("--ranks", type=int, default=1,
+                   help="data-parallel ranks, one GPU each (torchrun; `all` starts it); "
+                        "--batch is per rank (default 1)")
 
 
 _SHARED = ("steps", "layers", "vocab", "hidden", "intermediate", "heads", "kv_heads", "batch",
            "seq_len", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "adam_beta2",
            "optim", "attn", "seed", "streams", "chunk_tokens", "timing_warmup", "w_samples",
-           "print_every")
+           "print_every", "ranks", "replicas")
 
 
 def _forward_options(args: argparse.Namespace) -> List[str]:
@@ -181,532 +189,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     summary = sub.add_parser("summary", help="the table from the JSON files in --out")
     summary.add_argument("--out", required=True, help="directory that `all` wrote")
     return p.parse_args(argv)
-
-
-# -- the model and the data (torch and transformers imported by the caller) ----------------------
-def build_model(transformers: Any, torch: Any, args: argparse.Namespace) -> Any:
-    """LlamaForCausalLM from `args`, initialised from args.seed on the GPU, fp32 parameters."""
-    options = dict(vocab_size=args.vocab, hidden_size=args.hidden,
-                   intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                   max_position_embeddings=max(4096, args.seq_len), tie_word_embeddings=False,
-                   use_cache=False)
-    if args.attn:
-        options["attn_implementation"] = args.attn
-    config = transformers.LlamaConfig(**options)
-    torch.manual_seed(args.seed)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config)
-    return model.to(device="cuda", dtype=torch.float32)
-
-
-def make_dataset(torch: Any, args: argparse.Namespace) -> Any:
-    """steps x batch rows: a Zipf-drawn phrase of 16..128 tokens repeated over each row."""
-    rows, seq, vocab = args.steps * args.batch, args.seq_len, args.vocab
-    g = torch.Generator().manual_seed(args.seed + 1)
-    order = torch.randperm(vocab, generator=g)  # which ids are frequent
-    zipf = torch.arange(1, vocab + 1, dtype=torch.float64).reciprocal()
-    lo, hi = min(16, seq), min(128, seq)
-    periods = torch.randint(lo, hi + 1, (rows,), generator=g)
-    drawn = order[torch.multinomial(zipf, rows * hi, replacement=True, generator=g)]
-    ids = torch.empty(rows, seq, dtype=torch.long)
-    for r in range(rows):
-        p = int(periods[r])
-        phrase = drawn[r * hi:r * hi + p]
-        ids[r] = phrase.repeat(seq // p + 1)[:seq]
-
-    class PhraseTokens(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return rows
-
-        def __getitem__(self, i: int) -> Dict[str, Any]:
-            return {"input_ids": ids[i], "labels": ids[i]}
-
-    return PhraseTokens()
-
-
-def training_arguments(transformers: Any, torch: Any, args: argparse.Namespace, output_dir: str,
-                       save_at: Optional[int]) -> Any:
-    optim = args.optim or ("adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch")
-    options = dict(
-        output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=1, learning_rate=args.lr, warmup_steps=args.warmup_steps,
-        lr_scheduler_type="cosine", max_grad_norm=args.max_grad_norm,
-        weight_decay=args.weight_decay, adam_beta1=0.9, adam_beta2=args.adam_beta2, optim=optim,
-        bf16=True, logging_steps=1, report_to="none", seed=args.seed, data_seed=args.seed,
-        dataloader_num_workers=0, disable_tqdm=True,
-        save_strategy="steps" if save_at else "no", save_only_model=False)
-    if save_at:
-        options["save_steps"] = save_at
-    return transformers.TrainingArguments(**options)
-
-
-# -- statistics of tensors ------------------------------------------------------------------------
-def tensor_stats(torch: Any, tensor: Any, samples: int, seed: int) -> Dict[str, Any]:
-    """A norm, a float64 sum and `samples` elements at positions fixed by `seed` (on the CPU)."""
-    flat = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, flat.numel(), (min(samples, flat.numel()),), generator=g)
-    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
-            "norm": float(torch.linalg.vector_norm(flat, dtype=torch.float64)),
-            "sum": float(flat.sum(dtype=torch.float64)), "abs_max": float(flat.abs().max()),
-            "sample_seed": seed, "sample": flat[idx].tolist()}
-
-
-def trunk_stats(torch: Any, model: Any) -> Dict[str, Any]:
-    out = {}
-    for i, (name, param) in enumerate(model.model.named_parameters()):
-        out[name] = tensor_stats(torch, param, TRUNK_SAMPLES, W_SAMPLE_SEED + 1 + i)
-    return out
-
-
-# -- one run --------------------------------------------------------------------------------------
-def _bench_callback(transformers: Any, torch: Any, name: str, save_at: Optional[int],
-                    print_every: int, losses: List[Tuple[int, Any]]) -> Any:
-    class BenchCallback(transformers.TrainerCallback):  # type: ignore[misc, name-defined]
-        """Times every step (after a device sync), keeps the save at `save_at` only, prints."""
-
-        def __init__(self) -> None:
-            self.train_begin: Optional[float] = None
-            self.step_end: List[Tuple[int, float]] = []
-            self.saves: List[Dict[str, float]] = []
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            torch.cuda.synchronize()
-            self.train_begin = time.perf_counter()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            # The Trainer reads the loss (.item()) right after this for logging_steps=1, so the
-            # sync costs nothing that the step would not pay anyway.
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            previous = self.step_end[-1][1] if self.step_end else self.train_begin
-            self.step_end.append((state.global_step, now))
-            if save_at is not None:
-                # DefaultFlowCallback also saves at the last step and every save_steps: one
-                # checkpoint (about 14 GB at the default size) is what the resume needs.
-                control.should_save = state.global_step == save_at
-            if print_every and (state.global_step % print_every == 0 or len(self.step_end) == 1):
-                loss = float(losses[-1][1]) if losses else float("nan")
-                print(f"[{name}] step {state.global_step:5d}/{state.max_steps}  loss {loss:.4f}  "
-                      f"{(now - previous) * 1e3:8.1f} ms", flush=True)
-            return control
-
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            seconds = time.perf_counter() - self.step_end[-1][1]
-            self.saves.append({"step": state.global_step, "seconds": seconds})
-            print(f"[{name}] checkpoint at step {state.global_step}: {seconds:.1f} s", flush=True)
-
-    return BenchCallback()
-
-
-def _record_losses(trainer: Any, torch: Any, losses: List[Tuple[int, Any]]) -> None:
-    """Keeps every training step's loss as the model returned it (the Trainer logs it rounded to
-    4 decimals), as a device tensor read at the end: no extra sync per step."""
-    compute_loss = trainer.compute_loss
-
-    def compute_loss_recorded(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        out = compute_loss(model, inputs, *args, **kwargs)
-        if model.training and torch.is_grad_enabled():
-            loss = out[0] if isinstance(out, tuple) else out
-            losses.append((trainer.state.global_step + 1, loss.detach().float()))
-        return out
-
-    trainer.compute_loss = compute_loss_recorded
-
-
-def _timing(callback: Any, warmup: int) -> Dict[str, Any]:
-    if not callback.step_end:
-        return {"executed_steps": 0}
-    times = [callback.train_begin] + [t for _, t in callback.step_end]
-    durations = [b - a for a, b in zip(times, times[1:])]
-    save_seconds = {s["step"]: s["seconds"] for s in callback.saves}
-    steps = [s for s, _ in callback.step_end]
-    for i, step in enumerate(steps):
-        if step - 1 in save_seconds:  # this step's time includes the previous step's save
-            durations[i] -= save_seconds[step - 1]
-    skip = min(warmup, len(durations) // 2)
-    steady = durations[skip:]
-    ordered = sorted(steady)
-    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (
-        ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
-    return {"executed_steps": len(steps), "first_step": steps[0], "last_step": steps[-1],
-            "timed_steps": len(steady), "skipped_steps": skip,
-            "steps_per_s": len(steady) / sum(steady), "median_step_ms": median * 1e3,
-            "first_step_ms": durations[0] * 1e3, "step_ms": [d * 1e3 for d in durations],
-            "saves": callback.saves}
-
-
-def _versions() -> Dict[str, str]:
-    out = {}
-    for name in ("torch", "transformers", "accelerate"):
-        with contextlib.suppress(Exception):
-            out[name] = __import__(name).__version__
-    return out
-
-
-def _check_run_args(args: argparse.Namespace) -> None:
-    if args.mode == "offloaded" and not args.server:
-        raise SystemExit("trainer_bench: --mode offloaded needs --server host:port")
-    if args.mode == "local" and (args.resume or args.save_at):
-        raise SystemExit("trainer_bench: --save-at and --resume are for offloaded runs (the "
-                         "comparison is between an offloaded run and its own resume)")
-    if args.save_at is not None and not 0 < args.save_at < args.steps:
-        raise SystemExit(f"trainer_bench: --save-at must be in 1..{args.steps - 1}")
-    if args.save_at and not args.output_dir:
-        raise SystemExit("trainer_bench: --save-at needs --output-dir (where the checkpoint goes)")
-    if args.resume:
-        state_file = os.path.join(args.resume, "trainer_state.json")
-        if not os.path.isfile(state_file):
-            raise SystemExit(f"trainer_bench: {args.resume} is not a Trainer checkpoint (no "
-                             "trainer_state.json)")
-        with open(state_file) as f:
-            step = int(json.load(f)["global_step"])
-        if step >= args.steps:
-            raise SystemExit(f"trainer_bench: the checkpoint is at step {step}, not before "
-                             f"--steps {args.steps}")
-
-
-def _import_training_stack() -> Tuple[Any, Any]:
-    try:
-        import torch
-        import transformers
-        import accelerate  # noqa: F401  (the Trainer needs it; say so here, not mid-run)
-    except ImportError as e:
-        raise SystemExit(f"trainer_bench: a run needs torch, transformers and accelerate ({e})")
-    if not torch.cuda.is_available():
-        raise SystemExit("trainer_bench: a run needs a CUDA GPU (bf16 training on cuda)")
-    return torch, transformers
-
-
-def _offload(args: argparse.Namespace, torch: Any, model: Any) -> Tuple[Any, Any, Dict[str, Any]]:
-    """Client, OffloadedHead and what was done: the head created (or, resuming, attached to)."""
-    import grpc
-    from losshead import Client, LossheadError
-    from losshead.integrations.transformers import offload_lm_head
-
-    client = Client(args.server)
-    try:
-        client.wait_until_serving(60)
-    except Exception as e:
-        raise SystemExit(f"trainer_bench: no losshead server serving at {args.server} ({e})")
-    create = not args.resume
-    note = {"created": create}
-    if args.resume:
-        try:
-            client.get_head(args.head)
-        except LossheadError as e:
-            if e.code != grpc.StatusCode.NOT_FOUND:
-                raise
-            # A server that lost the head (restarted without it): create one to attach to; the
-            # checkpoint's weights and snapshot replace it (hf_trainer's resume rule).
-            print(f"[{args.name}] head {args.head!r} is not on {args.server}: creating it; the "
-                  "checkpoint's snapshot replaces it", flush=True)
-            create = True
-            note = {"created": True, "created_for_resume": True}
-    elif args.replace_head:
-        with contextlib.suppress(LossheadError):
-            client.delete_head(args.head)
-    try:
-        offloaded = offload_lm_head(model, client, args.head, create=create,
-                                    head_dtype=torch.bfloat16, wire_dtype=torch.bfloat16,
-                                    chunk_tokens=args.chunk_tokens, streams=args.streams)
-    except LossheadError as e:
-        if e.code == grpc.StatusCode.ALREADY_EXISTS:
-            raise SystemExit(f"trainer_bench: head {args.head!r} exists on {args.server}; pass "
-                             "--replace-head (or another --head)") from None
-        raise
-    return client, offloaded, note
-
-
-def run_one(args: argparse.Namespace) -> Dict[str, Any]:
-    _check_run_args(args)
-    torch, transformers = _import_training_stack()
-    args.name = args.name or args.mode
-    result: Dict[str, Any] = {
-        "name": args.name, "mode": args.mode, "config": vars(args).copy(),
-        "device": torch.cuda.get_device_name(), "versions": _versions(),
-        "tokens_per_step": args.batch * args.seq_len}
-
-    t0 = time.perf_counter()
-    model = build_model(transformers, torch, args)
-    result["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
-    result["parameter_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
-    result["parameters"] = {"trunk": sum(p.numel() for p in model.model.parameters()),
-                            "head": model.lm_head.weight.numel()}
-    client = offloaded = None
-    if args.mode == "offloaded":
-        client, offloaded, result["head_setup"] = _offload(args, torch, model)
-        from losshead import native_available
-        result["native_client"] = native_available()
-    dataset = make_dataset(torch, args)
-    output_dir = args.output_dir
-    temporary = None
-    if output_dir is None:
-        import tempfile
-        temporary = tempfile.mkdtemp(prefix="trainer-bench-")
-        output_dir = temporary
-    losses: List[Tuple[int, Any]] = []
-    callback = _bench_callback(transformers, torch, args.name, args.save_at, args.print_every,
-                               losses)
-    trainer = transformers.Trainer(
-        model=model, args=training_arguments(transformers, torch, args, output_dir, args.save_at),
-        train_dataset=dataset, callbacks=[callback])
-    with contextlib.suppress(Exception):  # one dict per step on stdout otherwise
-        from transformers.trainer_callback import PrinterCallback
-        trainer.remove_callback(PrinterCallback)
-    if offloaded is not None:
-        trainer = offloaded.attach(trainer)
-    _record_losses(trainer, torch, losses)
-    torch.cuda.synchronize()
-    result["setup_s"] = time.perf_counter() - t0
-    result["optim"] = str(getattr(trainer.args.optim, "value", trainer.args.optim))
-    result["resident_before_train_mib"] = torch.cuda.memory_allocated() / 2 ** 20
-
-    print(f"[{args.name}] training: {args.steps} steps of {args.batch} x {args.seq_len} tokens"
-          + (f", resuming from {args.resume}" if args.resume else "")
-          + (f", saving at step {args.save_at}" if args.save_at else ""), flush=True)
-    t_train = time.perf_counter()
-    try:
-        output = trainer.train(resume_from_checkpoint=args.resume)
-    finally:
-        torch.cuda.synchronize()
-        train_wall = time.perf_counter() - t_train
-        result["memory"] = {"peak_allocated_mib": torch.cuda.max_memory_allocated() / 2 ** 20,
-                            "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2 ** 20}
-
-    timing = _timing(callback, args.timing_warmup)
-    timing["train_wall_s"] = train_wall
-    timing["wall_steps_per_s"] = timing["executed_steps"] / train_wall if train_wall else None
-    if callback.train_begin is not None:
-        timing["before_first_step_s"] = callback.train_begin - t_train  # a resume's loading
-    timing["trainer_metrics"] = {k: v for k, v in output.metrics.items()
-                                 if isinstance(v, (int, float))}
-    result["timing"] = timing
-    result["losses"] = [[step, float(loss)] for step, loss in losses]
-    logged = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
-    result["logged"] = [{k: e.get(k) for k in ("step", "loss", "grad_norm", "learning_rate")}
-                        for e in logged]
-    result["global_step"] = trainer.state.global_step
-    if args.resume:
-        with open(os.path.join(args.resume, "trainer_state.json")) as f:
-            result["resumed_from_step"] = int(json.load(f)["global_step"])
-    if args.save_at:
-        result["checkpoint"] = os.path.abspath(
-            os.path.join(output_dir, f"checkpoint-{args.save_at}"))
-        with contextlib.suppress(OSError, ValueError):
-            with open(os.path.join(result["checkpoint"], "losshead.json")) as f:
-                result["checkpoint_losshead"] = json.load(f)
-
-    # W and the trunk as trained (after the peak was read: these copies are not the run's).
-    if offloaded is not None:
-        info = client.get_head(args.head)
-        memory = info.memory
-        result["head"] = {
-            "name": args.head, "device": info.device, "weights_version": info.weights_version,
-            "optimizer_step": info.optimizer_step,
-            "server_memory_mib": {k: getattr(memory, k) / 2 ** 20 for k in (
-                "weights_bytes", "gradient_bytes", "workspace_bytes", "master_weights_bytes",
-                "optimizer_state_bytes")}}
-        w = offloaded.download_weight()
-    else:
-        w = model.lm_head.weight
-    result["w"] = tensor_stats(torch, w, args.w_samples, W_SAMPLE_SEED)
-    del w
-    result["trunk"] = trunk_stats(torch, model)
-    if client is not None:
-        if args.delete_head:
-            with contextlib.suppress(Exception):
-                client.delete_head(args.head)
-        client.close()
-    if temporary is not None:
-        shutil.rmtree(temporary, ignore_errors=True)
-    return result
-
-
-def _write_json(path: str, obj: Any) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-# -- comparisons (plain Python: `summary` needs neither torch nor transformers) -----------------
-def loss_by_step(result: Dict[str, Any]) -> Dict[int, float]:
-    return {int(step): float(loss) for step, loss in result.get("losses", [])}
-
-
-def compare_losses(a: Dict[int, float], b: Dict[int, float], first: int = 1,
-                   tail: int = 10) -> Optional[Dict[str, Any]]:
-    """|a - b| over the steps both ran from `first` on: the largest (and where), the mean, and
-    the mean over the last `tail` of them."""
-    steps = sorted(s for s in set(a) & set(b) if s >= first)
-    if not steps:
-        return None
-    diffs = [abs(a[s] - b[s]) for s in steps]
-    worst = max(range(len(diffs)), key=diffs.__getitem__)
-    last = diffs[-tail:]
-    return {"steps": [steps[0], steps[-1]], "count": len(steps), "max_abs": diffs[worst],
-            "max_at_step": steps[worst], "max_rel": diffs[worst] / abs(b[steps[worst]] or 1.0),
-            "mean_abs": sum(diffs) / len(diffs), "tail": len(last),
-            "tail_mean_abs": sum(last) / len(last), "first_abs": diffs[0]}
-
-
-def compare_tensors(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    """a against b (the reference) from their stats: relative L2 difference and largest
-    difference over the shared sampled positions, and the relative difference of the norms."""
-    if a.get("sample_seed") != b.get("sample_seed") or a.get("shape") != b.get("shape"):
-        return {"comparable": False}
-    xa, xb = a["sample"], b["sample"]
-    n = min(len(xa), len(xb))
-    num = math.sqrt(sum((xa[i] - xb[i]) ** 2 for i in range(n)))
-    den = math.sqrt(sum(xb[i] ** 2 for i in range(n))) or 1.0
-    return {"comparable": True, "samples": n, "rel_l2": num / den,
-            "max_abs": max((abs(xa[i] - xb[i]) for i in range(n)), default=0.0),
-            "equal_samples": sum(1 for i in range(n) if xa[i] == xb[i]),
-            "norm_rel": abs(a["norm"] - b["norm"]) / (b["norm"] or 1.0)}
-
-
-def compare_trunks(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    per = {k: compare_tensors(a[k], b[k]) for k in b if k in a}
-    worst = max(per, key=lambda k: per[k].get("rel_l2", 0.0), default=None)
-    return {"parameters": len(per), "worst": worst,
-            "worst_rel_l2": per[worst]["rel_l2"] if worst else None}
-
-
-def comparisons(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    pairs = [("offloaded_vs_local", "offloaded", "local", 1),
-             ("save_vs_offloaded", "save", "offloaded", 1)]
-    resumed = results.get("resumed")
-    if resumed is not None:
-        k = int(resumed.get("resumed_from_step", 0))
-        pairs.append(("resumed_vs_uninterrupted", "resumed", "save", k + 1))
-    for key, a, b, first in pairs:
-        if a not in results or b not in results:
-            continue
-        ra, rb = results[a], results[b]
-        entry: Dict[str, Any] = {"a": a, "b": b,
-                                 "loss": compare_losses(loss_by_step(ra), loss_by_step(rb), first)}
-        if "w" in ra and "w" in rb:
-            entry["w"] = compare_tensors(ra["w"], rb["w"])
-        if "trunk" in ra and "trunk" in rb:
-            entry["trunk"] = compare_trunks(ra["trunk"], rb["trunk"])
-        if "head" in ra and "head" in rb:
-            entry["optimizer_step"] = [ra["head"]["optimizer_step"], rb["head"]["optimizer_step"]]
-        out[key] = entry
-    return out
-
-
-def _gib(mib: Optional[float]) -> str:
-    return "-" if mib is None else f"{mib / 1024:.2f}"
-
-
-def summary_text(results: Dict[str, Dict[str, Any]], compared: Dict[str, Any]) -> str:
-    any_result = next(iter(results.values()))
-    c = any_result["config"]
-    k = results.get("save", {}).get("config", {}).get("save_at") or (
-        results.get("resumed", {}).get("resumed_from_step"))
-    lines = [
-        f"{any_result.get('device', '?')}; " + ", ".join(
-            f"{n} {v}" for n, v in sorted(any_result.get("versions", {}).items())),
-        f"LlamaForCausalLM V = {c['vocab']}, D = {c['hidden']}, {c['layers']} layers "
-        f"(intermediate {c['intermediate']}, {c['heads']} heads / {c['kv_heads']} KV); "
-        f"{c['batch']} x {c['seq_len']} = {c['batch'] * c['seq_len']} tokens per step, "
-        f"{c['steps']} steps; fp32 weights, bf16 autocast (Trainer bf16=True); attention "
-        f"{any_result.get('attn_implementation')}",
-        "",
-        "| run | steps run | steps/s | median step (ms) | tokens/s | trainer peak allocated "
-        "(GiB) | peak reserved (GiB) | loss: first -> last |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for name in RUNS:
-        r = results.get(name)
-        if r is None:
-            continue
-        t, m = r.get("timing", {}), r.get("memory", {})
-        losses = r.get("losses") or [[0, float("nan")]]
-        title = RUN_TITLES[name].format(k=k)
-        rate = t.get("steps_per_s")
-        if not rate:
-            lines.append(f"| {title} | - | | | | | | |")
-            continue
-        lines.append(
-            f"| {title} | {t['executed_steps']} | {rate:.2f} | {t['median_step_ms']:.1f} | "
-            f"{rate * r['tokens_per_step']:,.0f} | {_gib(m.get('peak_allocated_mib'))} | "
-            f"{_gib(m.get('peak_reserved_mib'))} | step {losses[0][0]} {losses[0][1]:.4f} -> "
-            f"step {losses[-1][0]} {losses[-1][1]:.4f} |")
-    lines.append("")
-    for name in RUNS:
-        r = results.get(name)
-        if r is None:
-            continue
-        t = r.get("timing", {})
-        extra = [f"train() {t.get('train_wall_s', 0):.1f} s "
-                 f"({t.get('wall_steps_per_s') or 0:.2f} steps/s with everything)",
-                 f"first step {t.get('first_step_ms', 0):.0f} ms"]
-        for s in t.get("saves", []):
-            extra.append(f"checkpoint at step {s['step']}: {s['seconds']:.1f} s")
-        if name == "resumed" and "before_first_step_s" in t:
-            extra.append(f"loading the checkpoint: {t['before_first_step_s']:.1f} s")
-        if "head" in r:
-            h = r["head"]
-            server = sum(h["server_memory_mib"].values())
-            extra.append(f"head at weights version {h['weights_version']}, optimizer step "
-                         f"{h['optimizer_step']}; {server / 1024:.2f} GiB on the server "
-                         f"({h['device']})")
-        lines.append(f"- {name}: " + "; ".join(extra))
-    lines.append("")
-    texts = {"offloaded_vs_local": "offloaded vs local",
-             "save_vs_offloaded": "offloaded vs offloaded again (the save run; run-to-run noise)",
-             "resumed_vs_uninterrupted": "resumed vs uninterrupted (the save run)"}
-    for key, text in texts.items():
-        e = compared.get(key)
-        if e is None or e.get("loss") is None:
-            continue
-        lo = e["loss"]
-        line = (f"- {text}, steps {lo['steps'][0]}..{lo['steps'][1]}: max |loss diff| "
-                f"{lo['max_abs']:.3g} at step {lo['max_at_step']} ({lo['max_rel']:.3%} of the "
-                f"loss), mean {lo['mean_abs']:.3g}, mean over the last {lo['tail']} "
-                f"{lo['tail_mean_abs']:.3g}; at step {lo['steps'][0]} {lo['first_abs']:.3g}")
-        w = e.get("w")
-        if w and w.get("comparable"):
-            line += (f". W at the end: relative L2 difference {w['rel_l2']:.3g} over "
-                     f"{w['samples']} sampled elements ({w['equal_samples']} equal), norms "
-                     f"{w['norm_rel']:.3g} apart")
-        trunk = e.get("trunk")
-        if trunk and trunk.get("worst"):
-            line += (f"; trunk: worst parameter {trunk['worst']} at relative L2 "
-                     f"{trunk['worst_rel_l2']:.3g}")
-        if "optimizer_step" in e:
-            line += f"; head optimizer steps {e['optimizer_step'][0]} / {e['optimizer_step'][1]}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def load_results(directory: str) -> Dict[str, Dict[str, Any]]:
-    results = {}
-    for name in RUNS:
-        path = os.path.join(directory, f"{name}.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                results[name] = json.load(f)
-    return results
-
-
-def summarize(directory: str) -> None:
-    results = load_results(directory)
-    if not results:
-        raise SystemExit(f"trainer_bench: no results ({', '.join(RUNS)} .json) in {directory}")
-    compared = comparisons(results)
-    text = summary_text(results, compared)
-    print(text)
-    _write_json(os.path.join(directory, "summary.json"), compared)
-    with open(os.path.join(directory, "summary.md"), "w") as f:
-        f.write(text + "\n")
-    print(f"\nwritten to {os.path.join(directory, 'summary.md')} and summary.json")
 
 
 # -- all runs ----------------------------------------------------------------------------------
@@ -779,6 +261,9 @@ def run_all(args: argparse.Namespace) -> None:
     save_at = args.save_at or args.steps // 2
     if not 0 < save_at < args.steps:
         raise SystemExit(f"trainer_bench: --save-at must be in 1..{args.steps - 1}")
+    if args.ranks > 1 and not set(runs) <= {"local", "offloaded"}:
+        raise SystemExit("trainer_bench: with --ranks > 1 the runs are local and offloaded "
+                         "(--runs local,offloaded)")
     _preflight(args, runs)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work_dir, exist_ok=True)
@@ -787,7 +272,11 @@ def run_all(args: argparse.Namespace) -> None:
     save_head = f"{args.head_prefix}-save"
     save_dir = os.path.join(args.work_dir, "save")
     for name in runs:
-        argv = [sys.executable, script, "run", "--name", name,
+        launcher = [sys.executable]
+        if args.ranks > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone",
+                         f"--nproc_per_node={args.ranks}"]
+        argv = launcher + [script, "run", "--name", name,
                 "--out", os.path.join(args.out, f"{name}.json")] + shared
         if name == "local":
             argv += ["--mode", "local"]
@@ -819,6 +308,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run_all(args)
     else:
         result = run_one(args)
+        if result is None:  # a rank other than 0: rank 0 writes the results
+            return
         _write_json(args.out, result)
         t = result["timing"]
         print(f"[{result['name']}] {t.get('steps_per_s', 0):.2f} steps/s (median step "

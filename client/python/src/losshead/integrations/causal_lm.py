@@ -185,6 +185,9 @@ class OffloadedLMHead(nn.Module):
         self.target = target
         self.weight = torch.empty((0, in_features), dtype=dtype, device="meta")
         self._owner: Optional["OffloadedHead"] = None
+        # Set while loading a checkpoint whose W is beside the model's weights rather than among
+        # them (FSDP's sharded checkpoints: hf_trainer uploads it from its own file).
+        self.weight_elsewhere = False
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
                               strict: bool, missing_keys: List[str], unexpected_keys: List[str],
@@ -195,7 +198,7 @@ class OffloadedLMHead(nn.Module):
         if key in unexpected_keys:
             unexpected_keys.remove(key)
         if key not in state_dict:
-            if strict:
+            if strict and not self.weight_elsewhere:
                 missing_keys.append(key)
             return
         weight = state_dict[key]

@@ -25,7 +25,8 @@
   skipped on overflow) is discarded.
 - Checkpoints: `save_model` (every checkpoint, and your own calls) adds `lm_head.weight` (W as
   trained, in the model's dtype) to the saved weights, so the directory loads with
-  `from_pretrained` anywhere; the optimizer's state (`optimizer.pt`) names a server snapshot of
+  `from_pretrained` anywhere (FSDP's sharded state, which from_pretrained cannot read, gets
+  `lm_head.safetensors` beside it instead, and a resume uploads W from there); the optimizer's state (`optimizer.pt`) names a server snapshot of
   the head's whole state (W, fp32 master, moments, step); `losshead.json` beside it says which
   (head, server, snapshot, weights version, optimizer step, global step). Snapshots of
   checkpoints the Trainer deleted (`save_total_limit`) are deleted on the server too. Saving
@@ -68,6 +69,9 @@ if TYPE_CHECKING:
 __all__ = ["LOSSHEAD_JSON", "attach", "joint_optimizer_of"]
 
 LOSSHEAD_JSON = "losshead.json"
+# W of a checkpoint whose model weights are FSDP's sharded state (pytorch_model_fsdp_*), which
+# neither from_pretrained nor add_tensor can read or extend.
+LM_HEAD_FILE = "lm_head.safetensors"
 _CHECKPOINT_PREFIX = "checkpoint-"
 
 
@@ -86,6 +90,11 @@ def _check(offloaded: "OffloadedHead", trainer: Any) -> None:
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
         raise ValueError("losshead: DeepSpeed owns the optimizer step and clipping; an offloaded "
                          "head is driven through the Trainer's torch optimizer (DDP, FSDP)")
+    if getattr(args, "n_gpu", 1) > 1:
+        raise ValueError(f"losshead: the Trainer would run torch.nn.DataParallel over "
+                         f"{args.n_gpu} GPUs in this one process, and its replicas cannot share "
+                         "the offloaded head; run one process per GPU (torchrun or accelerate "
+                         "launch: DDP or FSDP), or make one GPU visible (CUDA_VISIBLE_DEVICES)")
     if getattr(args, "label_smoothing_factor", 0):
         raise ValueError("losshead: label_smoothing_factor makes the Trainer take the labels away "
                          "from the model, whose offloaded forward needs them; pass "
@@ -144,11 +153,23 @@ class _Attachment:
 
     # -- files ------------------------------------------------------------------------------
     def add_weight(self, directory: str) -> None:
-        if weights_format(directory) is None:
+        # Under FSDP the Trainer resumes from its own model state (pytorch_model_fsdp_*), which
+        # lacks lm_head.weight and cannot be extended: W goes beside it (LM_HEAD_FILE) as well.
+        fsdp = bool(getattr(self.trainer, "is_fsdp_enabled", False))
+        layout = weights_format(directory)
+        if layout is None and not fsdp:
             warnings.warn(f"losshead: {directory} holds no model weights (an adapter-only "
                           "save?): lm_head.weight not added")
             return
-        add_tensor(directory, "lm_head.weight", self.offloaded.download_weight())
+        weight = self.offloaded.download_weight()
+        if layout is not None:
+            add_tensor(directory, "lm_head.weight", weight)
+        if fsdp:
+            from safetensors.torch import save_file
+            path = os.path.join(directory, LM_HEAD_FILE)
+            save_file({"lm_head.weight": weight.contiguous()}, path + ".tmp",
+                      metadata={"format": "pt"})
+            os.replace(path + ".tmp", path)
 
     def write_json(self, directory: str, reference: Optional[Dict[str, Any]],
                    global_step: int) -> None:
@@ -277,6 +298,26 @@ def attach(offloaded: "OffloadedHead", trainer: Any, **options: Any) -> Any:
             attachment.add_weight(output_dir if output_dir is not None else trainer.args.output_dir)
 
     trainer.save_model = save_model_with_head
+
+    # Resuming, the model's weights: W from lm_head.weight among them (the placeholder's load
+    # uploads it), or from LM_HEAD_FILE beside FSDP's sharded state, which lacks it.
+    load_model = getattr(trainer, "_load_from_checkpoint", None)
+    if load_model is not None:
+        def load_model_with_head(checkpoint: Optional[str], *args: Any, **kwargs: Any) -> Any:
+            path = os.path.join(checkpoint, LM_HEAD_FILE) if checkpoint else ""
+            if not os.path.isfile(path):
+                return load_model(checkpoint, *args, **kwargs)
+            placeholder = offloaded._placeholder
+            placeholder.weight_elsewhere = True
+            try:
+                out = load_model(checkpoint, *args, **kwargs)
+            finally:
+                placeholder.weight_elsewhere = False
+            from safetensors.torch import load_file
+            offloaded.upload_weight(load_file(path)["lm_head.weight"])
+            return out
+
+        trainer._load_from_checkpoint = load_model_with_head
 
     # Resuming: the optimizer's state restores the snapshot; where it could not carry the
     # reference (FSDP's sharded optimizer state), losshead.json does.
