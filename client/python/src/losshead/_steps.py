@@ -20,8 +20,9 @@ import torch
 from losshead import _wire
 from losshead._base import ClientBase
 from losshead._batch_check import HeadFacts, largest_magnitude, refusal
+from losshead._microbatch import Microbatch, Outcome
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._step_stream import StepStream, _Microbatch, _Outcome, _StepPipeline
+from losshead._step_stream import StepStream, _StepPipeline
 from losshead._types import (LossOptions, ReductionLike, StepResult, combine_results,
                              to_reduction)
 from losshead._wire import DTypeLike
@@ -58,7 +59,7 @@ class Steps(ClientBase):
                    expected_weights_version: Optional[int] = None,
                    return_per_token_loss: bool = False, skip_grad_hidden: bool = False,
                    grad_hidden_dtype: Optional[DTypeLike] = None,
-                   sequence: Optional[int] = None, forward_only: bool = False) -> _Microbatch:
+                   sequence: Optional[int] = None, forward_only: bool = False) -> Microbatch:
         """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
 
         Nothing is validated here beyond what encoding needs, or would lose (the tensors'
@@ -85,11 +86,11 @@ class Steps(ClientBase):
             target_dtype=_wire.to_wire_dtype(target_dtype), options=opts)
         if loss_options is not None:
             header.loss_options.CopyFrom(loss_options.to_proto())
-        return _Microbatch(header=header, hidden=_wire.host_tensor(h2, wire_h),
+        return Microbatch(header=header, hidden=_wire.host_tensor(h2, wire_h),
                            targets=_wire.host_tensor(targets.reshape(-1), target_dtype),
                            hidden_size=d)
 
-    def run_microbatches(self, mbs: Sequence[_Microbatch], *, streams: int = 1,
+    def run_microbatches(self, mbs: Sequence[Microbatch], *, streams: int = 1,
                          max_inflight: Optional[int] = None,
                          lane_ready: Optional[Callable[[int], None]] = None,
                          lane_done: Optional[Callable[[int], None]] = None) -> List[StepResult]:
@@ -112,7 +113,7 @@ class Steps(ClientBase):
         self._check_open()
         n_streams = max(1, min(streams, len(mbs)))
         self._open_step_connections(n_streams)
-        outcomes: List[Optional[_Outcome]] = [None] * len(mbs)
+        outcomes: List[Optional[Outcome]] = [None] * len(mbs)
         failures: List[BaseException] = []
         run_lane = self._native_lane if self._natives else self._grpc_lane
 
@@ -139,14 +140,14 @@ class Steps(ClientBase):
                 raise o
         return [o for o in outcomes if isinstance(o, StepResult)]
 
-    def _grpc_lane(self, j: int, mbs: Sequence[_Microbatch], indices: range,
-                   max_inflight: Optional[int], outcomes: List[Optional[_Outcome]]) -> None:
+    def _grpc_lane(self, j: int, mbs: Sequence[Microbatch], indices: range,
+                   max_inflight: Optional[int], outcomes: List[Optional[Outcome]]) -> None:
         pipeline = _StepPipeline(self, connection=j, depth=max_inflight)
         for i, outcome in pipeline.run((i, mbs[i]) for i in indices):
             outcomes[i] = outcome
 
-    def _native_lane(self, j: int, mbs: Sequence[_Microbatch], indices: range,
-                     max_inflight: Optional[int], outcomes: List[Optional[_Outcome]]) -> None:
+    def _native_lane(self, j: int, mbs: Sequence[Microbatch], indices: range,
+                     max_inflight: Optional[int], outcomes: List[Optional[Outcome]]) -> None:
         native = self._natives[j % len(self._natives)]
         depth = max_inflight if max_inflight is not None else len(indices)
         for i, outcome in zip(indices, native.step_many([mbs[i] for i in indices], depth)):
