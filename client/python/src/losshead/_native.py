@@ -26,6 +26,7 @@ import torch
 from losshead import _wire
 from losshead._channel import TlsFiles
 from losshead._microbatch import Microbatch, Outcome
+from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._types import StepResult
 from losshead.errors import LossheadError, status_code
@@ -259,8 +260,10 @@ class NativeClient:
         return int(self._lib.lh_client_retries(self._handle))
 
     # -- steps ------------------------------------------------------------------------------
-    def step_many(self, mbs: Sequence[Microbatch], depth: int) -> List[Outcome]:
-        """Client::StepMany over one stream at a time; outcomes in input order."""
+    def step_many(self, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
+        """Client::StepMany over one stream at a time, `plan.lane_depth` micro-batches on the
+        wire; outcomes in input order. The gRPC path's counterpart is
+        `losshead._step_stream.step_many`."""
         n = len(mbs)
         keep: List[Any] = []  # what the C structs point to, alive until the call returns
         outs: List[Tuple[Optional[torch.Tensor], torch.Tensor]] = []
@@ -289,7 +292,7 @@ class NativeClient:
                 c.per_token_loss_out = _c.cast(ptl.data_ptr(), _c.POINTER(_c.c_float))
                 c.per_token_loss_capacity = ptl.numel()
         results, status = (_CStepResult * n)(), _Status()
-        if n and self._lib.lh_step_many(self._live(), cmbs, n, max(1, depth), results,
+        if n and self._lib.lh_step_many(self._live(), cmbs, n, plan.lane_depth(n), results,
                                         _c.byref(status)):
             raise _error(status)
         return [_outcome(mb, r, dh, ptl) for mb, r, (dh, ptl) in zip(mbs, results, outs)]

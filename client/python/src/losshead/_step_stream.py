@@ -10,12 +10,13 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from typing import TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
 from losshead import _wire
 from losshead._microbatch import Microbatch, Outcome
+from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._types import StepResult
 from losshead.errors import LossheadError, status_code
@@ -262,3 +263,15 @@ class _StepPipeline:
         finally:
             if stream is not None:
                 stream.close()
+
+
+def step_many(client: "ClientBase", connection: int, mbs: Sequence[Microbatch],
+              plan: StepPlan) -> List[Outcome]:
+    """One stream's micro-batches over the client's `connection`, `plan.lane_depth` of them on
+    the wire; outcomes in input order. The native path's counterpart is
+    `NativeClient.step_many`, which takes the same plan."""
+    outcomes: List[Optional[Outcome]] = [None] * len(mbs)
+    pipeline = _StepPipeline(client, connection=connection, depth=plan.lane_depth(len(mbs)))
+    for i, outcome in pipeline.run(enumerate(mbs)):
+        outcomes[i] = outcome
+    return outcomes  # type: ignore[return-value] - the pipeline settles every one
