@@ -207,9 +207,9 @@ class Steps(ClientBase):
         instead: it is how RemoteLMHead steps. `chunks`, `hidden_dtype` and `grad_hidden_dtype`
         given as well take precedence over it (`grad_hidden_dtype=None`: the wire dtype);
         `chunk_tokens` and `streams` are its own (TypeError). `chunks` gives the micro-batches'
-        sizes (in order, each >= 1; they must add up to the batch's tokens). Each chunk is its own micro-batch (own sequence number), counted or
-        refused on its own by the server, so a batch of several is checked whole before anything
-        is sent (losshead._batch_check): tensor dtypes, shapes and chunk sizes; NaN or Inf in the
+        sizes (in order, each >= 1; they must add up to the batch's tokens). Each chunk is its
+        own micro-batch (own sequence number), counted or refused on its own by the server, so
+        a batch of several is checked whole before anything is sent (losshead._batch_check): tensor dtypes, shapes and chunk sizes; NaN or Inf in the
         hidden states, or values beyond the head's dtype; targets outside the vocabulary that
         are not the ignore_index in force. Any of them raises LossheadError (INVALID_ARGUMENT,
         no `sequence`) with nothing counted. The head's V, dtype and default ignore_index come
