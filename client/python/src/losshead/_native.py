@@ -197,7 +197,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-
 class NativeClient:
     """One C++ Client (one gRPC channel, or a dedicated connection) behind the C ABI."""
 

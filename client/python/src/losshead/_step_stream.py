@@ -169,7 +169,6 @@ class StepStream:
         self.close()
 
 
-
 class _StepPipeline:
     """Micro-batches over one Step stream at a time, each re-sent under its idempotency key.
 

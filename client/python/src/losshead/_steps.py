@@ -89,8 +89,8 @@ class Steps(ClientBase):
         if loss_options is not None:
             header.loss_options.CopyFrom(loss_options.to_proto())
         return Microbatch(header=header, hidden=_wire.host_tensor(h2, wire_h),
-                           targets=_wire.host_tensor(targets.reshape(-1), target_dtype),
-                           hidden_size=d)
+                          targets=_wire.host_tensor(targets.reshape(-1), target_dtype),
+                          hidden_size=d)
 
     def run_microbatches(self, mbs: Sequence[Microbatch], *, streams: Optional[int] = None,
                          max_inflight: Optional[int] = None,
@@ -209,12 +209,13 @@ class Steps(ClientBase):
         `chunk_tokens` and `streams` are its own (TypeError). `chunks` gives the micro-batches'
         sizes (in order, each >= 1; they must add up to the batch's tokens). Each chunk is its
         own micro-batch (own sequence number), counted or refused on its own by the server, so
-        a batch of several is checked whole before anything is sent (losshead._batch_check): tensor dtypes, shapes and chunk sizes; NaN or Inf in the
-        hidden states, or values beyond the head's dtype; targets outside the vocabulary that
-        are not the ignore_index in force. Any of them raises LossheadError (INVALID_ARGUMENT,
-        no `sequence`) with nothing counted. The head's V, dtype and default ignore_index come
-        from one GetHead per head and client, looked up again after this client's own
-        create_head, delete_head or set_loss_options and before a refusal. The reduction must
+        a batch of several is checked whole before anything is sent (losshead._batch_check):
+        tensor dtypes, shapes and chunk sizes; NaN or Inf in the hidden states, or values
+        beyond the head's dtype; targets outside the vocabulary that are not the ignore_index
+        in force. Any of them raises LossheadError (INVALID_ARGUMENT, no `sequence`) with
+        nothing counted. The head's V, dtype and default ignore_index come from one GetHead per
+        head and client, looked up again after this client's own create_head, delete_head or
+        set_loss_options and before a refusal. The reduction must
         not depend on the chunking: "sum" (default) or "none". For the mean, step
         with "sum" and divide by `token_count`. The combined result carries summed loss and token
         count, the concatenated dH and per-token losses, and the lowest weights version seen.

@@ -8,15 +8,10 @@ while W lives on the server.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 from torch import nn
-
-try:  # typing.Protocol is there from Python 3.8
-    from typing import Protocol
-except ImportError:  # pragma: no cover
-    Protocol = object  # type: ignore[assignment]
 
 
 class _WeightOwner(Protocol):
@@ -37,7 +32,7 @@ TIED_EMBEDDINGS_ERROR = (
 # soft-cap only, so such a model would be trained on another loss than its own.
 _LOGIT_SCALES = ("logit_scale", "logits_scaling")
 
-OFFLOAD_ATTR = "_losshead_offloaded_head"
+OFFLOAD_ATTR = "_losshead_offloaded_head"  # on the model: its OffloadedHead, while offloaded
 
 
 def _configs(config: Any) -> List[Any]:
