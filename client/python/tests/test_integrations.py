@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _reference import assert_close
-from losshead import Client, LossheadError, RemoteAdamW
+from losshead import Client, LossheadError, RemoteAdamW, StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead.integrations.causal_lm import (TIED_EMBEDDINGS_ERROR, CausalLMOutput,
                                              OffloadedLMHead, causal_targets, offload_causal_lm,
@@ -612,6 +612,32 @@ def test_offload_refusals_of_matmul_precision_leave_model_and_server(client: Cli
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     _assert_untouched(model, weight)
     _assert_no_head(client, name)
+
+
+def test_offload_takes_a_plan_and_refuses_a_bad_one_before_sending(client: Client,
+                                                                   head_name) -> None:
+    """The model's batches travel as its plan says (the cut the server counts); the keyword
+    form builds the same plan; a plan refused leaves no head and the model as it was."""
+    model = TinyCausalLM(seed=18)
+    reference = copy.deepcopy(model).double()
+    weight = model.lm_head.weight.detach().clone()
+    bad = head_name()
+    for refused in ({"plan": StepPlan(), "streams": 2}, {"wire_dtype": torch.int64}):
+        with pytest.raises((TypeError, ValueError)):
+            offload_causal_lm(model, client, bad, **refused)  # type: ignore[arg-type]
+        _assert_untouched(model, weight)
+        _assert_no_head(client, bad)
+    plan = StepPlan(streams=2, chunk_tokens=8, min_chunk_tokens=4, depth=2, edge_tokens=0,
+                    wire_dtype=torch.float32)
+    name = head_name()
+    offloaded = offload_causal_lm(model, client, name, plan=plan)
+    assert offloaded.remote.plan is plan
+    _step_both(model, reference, _batch(19), FP32_REL)
+    assert client.get_head(name).microbatches_since_pull == len(plan.chunks(B * T))
+    offloaded.restore(model, delete_head=True)
+    kept = offload_causal_lm(model, client, head_name(), chunk_tokens=8, streams=2,
+                             wire_dtype=torch.float32)
+    assert kept.remote.plan == StepPlan(chunk_tokens=8, streams=2, wire_dtype=torch.float32)
 
 
 # -- a head placed over several of the server's devices ------------------------------------------

@@ -18,15 +18,16 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
 
 from losshead import _wire
 from losshead._channel import TlsFiles
+from losshead._microbatch import Microbatch, Outcome
+from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._step_stream import _Microbatch
 from losshead._types import StepResult
 from losshead.errors import LossheadError, status_code
 from losshead.retry import RetryPolicy
@@ -196,9 +197,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_Outcome = Union[StepResult, LossheadError]
-
-
 class NativeClient:
     """One C++ Client (one gRPC channel, or a dedicated connection) behind the C ABI."""
 
@@ -261,8 +259,10 @@ class NativeClient:
         return int(self._lib.lh_client_retries(self._handle))
 
     # -- steps ------------------------------------------------------------------------------
-    def step_many(self, mbs: Sequence[_Microbatch], depth: int) -> List[_Outcome]:
-        """Client::StepMany over one stream at a time; outcomes in input order."""
+    def step_many(self, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
+        """Client::StepMany over one stream at a time, `plan.lane_depth` micro-batches on the
+        wire; outcomes in input order. The gRPC path's counterpart is
+        `losshead._step_stream.step_many`."""
         n = len(mbs)
         keep: List[Any] = []  # what the C structs point to, alive until the call returns
         outs: List[Tuple[Optional[torch.Tensor], torch.Tensor]] = []
@@ -291,7 +291,7 @@ class NativeClient:
                 c.per_token_loss_out = _c.cast(ptl.data_ptr(), _c.POINTER(_c.c_float))
                 c.per_token_loss_capacity = ptl.numel()
         results, status = (_CStepResult * n)(), _Status()
-        if n and self._lib.lh_step_many(self._live(), cmbs, n, max(1, depth), results,
+        if n and self._lib.lh_step_many(self._live(), cmbs, n, plan.lane_depth(n), results,
                                         _c.byref(status)):
             raise _error(status)
         return [_outcome(mb, r, dh, ptl) for mb, r, (dh, ptl) in zip(mbs, results, outs)]
@@ -329,8 +329,8 @@ def _grad_dtype(header: pb.StepHeader) -> torch.dtype:
     return _wire.to_torch_dtype(wire)
 
 
-def _outcome(mb: _Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
-             ptl: Optional[torch.Tensor]) -> _Outcome:
+def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
+             ptl: Optional[torch.Tensor]) -> Outcome:
     client_id, sequence = mb.key
     if r.status.code:
         return _error(r.status, client_id, sequence)

@@ -10,61 +10,20 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
-import torch
 
 from losshead import _wire
+from losshead._microbatch import Microbatch, Outcome
+from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._types import StepResult
 from losshead.errors import LossheadError, status_code
 from losshead.retry import is_retryable
 
 if TYPE_CHECKING:
-    from losshead.client import Client
-
-
-@dataclass
-class _Microbatch:
-    """One micro-batch, ready to be framed: its header and its tensors as the wire carries them.
-
-    `hidden` (N x D) and `targets` (N) are contiguous CPU tensors of the header's wire dtypes,
-    read in place by whichever path sends them. `grad_hidden_out`, when set, is a contiguous CPU
-    tensor (N x D, the expected dH dtype) that the native path writes dH into.
-    """
-
-    header: pb.StepHeader
-    hidden: torch.Tensor
-    targets: torch.Tensor
-    hidden_size: int
-    grad_hidden_out: Optional[torch.Tensor] = None
-
-    @property
-    def key(self) -> Tuple[str, int]:
-        return self.header.client_id, self.header.sequence
-
-    def messages(self, piece_bytes: int) -> Iterator[pb.StepRequest]:
-        """Header + pieces + last, each message carrying at most `piece_bytes` of tensor data."""
-        hidden, targets = _wire.byte_view(self.hidden), _wire.byte_view(self.targets)
-        h_off = t_off = 0
-        first = True
-        while True:
-            budget = piece_bytes
-            h_piece = hidden[h_off:h_off + budget]
-            h_off += len(h_piece)
-            budget -= len(h_piece)
-            t_piece = targets[t_off:t_off + budget] if budget > 0 else targets[t_off:t_off]
-            t_off += len(t_piece)
-            last = h_off == len(hidden) and t_off == len(targets)
-            msg = pb.StepRequest(hidden=bytes(h_piece), targets=bytes(t_piece), last=last)
-            if first:
-                msg.header.CopyFrom(self.header)
-                first = False
-            yield msg
-            if last:
-                return
+    from losshead._base import ClientBase
 
 
 class StepStream:
@@ -76,10 +35,10 @@ class StepStream:
     LossheadError from `receive` for every micro-batch still unanswered.
     """
 
-    def __init__(self, client: "Client", connection: int = 0) -> None:
+    def __init__(self, client: "ClientBase", connection: int = 0) -> None:
         self._client = client
-        self._queue: "queue.Queue[Optional[_Microbatch]]" = queue.Queue()
-        self._pending: Deque[_Microbatch] = collections.deque()
+        self._queue: "queue.Queue[Optional[Microbatch]]" = queue.Queue()
+        self._pending: Deque[Microbatch] = collections.deque()
         stub = client._step_stubs[connection % len(client._step_stubs)]
         self._call = stub.Step(self._requests(), metadata=client._metadata)
         self._responses = iter(self._call)
@@ -98,7 +57,7 @@ class StepStream:
     def pending(self) -> int:
         return len(self._pending)
 
-    def submit(self, mb: _Microbatch) -> None:
+    def submit(self, mb: Microbatch) -> None:
         if self._closed or self._broken is not None:
             raise LossheadError(grpc.StatusCode.FAILED_PRECONDITION, "step stream is closed")
         self._pending.append(mb)
@@ -184,7 +143,7 @@ class StepStream:
         while not self._next_response().last:
             pass
 
-    def unanswered(self) -> List[_Microbatch]:
+    def unanswered(self) -> List[Microbatch]:
         return list(self._pending)
 
     def close(self) -> None:
@@ -210,9 +169,6 @@ class StepStream:
         self.close()
 
 
-_Outcome = Union[StepResult, LossheadError]
-
-
 class _StepPipeline:
     """Micro-batches over one Step stream at a time, each re-sent under its idempotency key.
 
@@ -225,26 +181,26 @@ class _StepPipeline:
     yielded in input order; at most `depth` micro-batches are unsettled or held for ordering.
     """
 
-    def __init__(self, client: "Client", connection: int = 0,
+    def __init__(self, client: "ClientBase", connection: int = 0,
                  depth: Optional[int] = None) -> None:
         self._client = client
         self._connection = connection
         self._depth = float("inf") if depth is None else max(1, int(depth))
 
-    def run(self, source: Iterator[Tuple[int, _Microbatch]]
-            ) -> Iterator[Tuple[int, _Outcome]]:
+    def run(self, source: Iterator[Tuple[int, Microbatch]]
+            ) -> Iterator[Tuple[int, Outcome]]:
         """(index, micro-batch) pairs in increasing index order -> (index, outcome) pairs."""
         client, policy, depth = self._client, self._client.retry, self._depth
-        unsettled: Dict[int, _Microbatch] = {}
+        unsettled: Dict[int, Microbatch] = {}
         attempts: Dict[int, int] = {}
         order: Deque[int] = collections.deque()  # indices taken from `source`, not yet yielded
-        held: Dict[int, _Outcome] = {}
+        held: Dict[int, Outcome] = {}
         todo: List[Tuple[int, float]] = []  # (index, earliest resend time), in scheduling order
         sent: Deque[int] = collections.deque()  # on `stream`, not yet answered
         stream: Optional[StepStream] = None
         exhausted = False
 
-        def settle(i: int, outcome: _Outcome) -> None:
+        def settle(i: int, outcome: Outcome) -> None:
             if (isinstance(outcome, LossheadError) and is_retryable(outcome)
                     and attempts[i] < policy.attempts):
                 client._count_retry()
@@ -253,7 +209,7 @@ class _StepPipeline:
             del unsettled[i], attempts[i]
             held[i] = outcome
 
-        def ready() -> Iterator[Tuple[int, _Outcome]]:
+        def ready() -> Iterator[Tuple[int, Outcome]]:
             while order and order[0] in held:
                 i = order.popleft()
                 yield i, held.pop(i)
@@ -291,7 +247,7 @@ class _StepPipeline:
                     continue
                 i = sent.popleft()
                 try:
-                    outcome: _Outcome = stream.receive()  # type: ignore[union-attr]
+                    outcome: Outcome = stream.receive()  # type: ignore[union-attr]
                 except LossheadError as e:
                     outcome = e
                 settle(i, outcome)
@@ -306,3 +262,15 @@ class _StepPipeline:
         finally:
             if stream is not None:
                 stream.close()
+
+
+def step_many(client: "ClientBase", connection: int, mbs: Sequence[Microbatch],
+              plan: StepPlan) -> List[Outcome]:
+    """One stream's micro-batches over the client's `connection`, `plan.lane_depth` of them on
+    the wire; outcomes in input order. The native path's counterpart is
+    `NativeClient.step_many`, which takes the same plan."""
+    outcomes: List[Optional[Outcome]] = [None] * len(mbs)
+    pipeline = _StepPipeline(client, connection=connection, depth=plan.lane_depth(len(mbs)))
+    for i, outcome in pipeline.run(enumerate(mbs)):
+        outcomes[i] = outcome
+    return outcomes  # type: ignore[return-value] - the pipeline settles every one

@@ -17,17 +17,20 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 import grpc
 import torch
 
-from losshead import _wire
+from losshead import _step_stream, _wire
 from losshead._base import ClientBase
 from losshead._batch_check import HeadFacts, largest_magnitude, refusal
+from losshead._microbatch import Microbatch, Outcome
+from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._step_stream import StepStream, _Microbatch, _Outcome, _StepPipeline
+from losshead._step_stream import StepStream, _StepPipeline
 from losshead._types import (LossOptions, ReductionLike, StepResult, combine_results,
                              to_reduction)
 from losshead._wire import DTypeLike
 from losshead.errors import LossheadError
 
 _WIRE_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_ONE_STREAM = StepPlan(streams=1)
 
 
 class Steps(ClientBase):
@@ -58,7 +61,7 @@ class Steps(ClientBase):
                    expected_weights_version: Optional[int] = None,
                    return_per_token_loss: bool = False, skip_grad_hidden: bool = False,
                    grad_hidden_dtype: Optional[DTypeLike] = None,
-                   sequence: Optional[int] = None, forward_only: bool = False) -> _Microbatch:
+                   sequence: Optional[int] = None, forward_only: bool = False) -> Microbatch:
         """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
 
         Nothing is validated here beyond what encoding needs, or would lose (the tensors'
@@ -85,20 +88,24 @@ class Steps(ClientBase):
             target_dtype=_wire.to_wire_dtype(target_dtype), options=opts)
         if loss_options is not None:
             header.loss_options.CopyFrom(loss_options.to_proto())
-        return _Microbatch(header=header, hidden=_wire.host_tensor(h2, wire_h),
-                           targets=_wire.host_tensor(targets.reshape(-1), target_dtype),
-                           hidden_size=d)
+        return Microbatch(header=header, hidden=_wire.host_tensor(h2, wire_h),
+                          targets=_wire.host_tensor(targets.reshape(-1), target_dtype),
+                          hidden_size=d)
 
-    def run_microbatches(self, mbs: Sequence[_Microbatch], *, streams: int = 1,
+    def run_microbatches(self, mbs: Sequence[Microbatch], *, streams: Optional[int] = None,
                          max_inflight: Optional[int] = None,
                          lane_ready: Optional[Callable[[int], None]] = None,
-                         lane_done: Optional[Callable[[int], None]] = None) -> List[StepResult]:
+                         lane_done: Optional[Callable[[int], None]] = None,
+                         plan: Optional[StepPlan] = None) -> List[StepResult]:
         """Runs micro-batches pipelined over `streams` Step streams; results in input order.
 
         Micro-batch k goes on stream k % streams; each stream has up to `max_inflight` of them
         on the wire (default: all at once; gRPC sends in the background while answers are
         read), so the upload of micro-batch k+1 overlaps the computation and dH download of
         micro-batch k. With one stream and `max_inflight=1`, dW accumulates in the given order.
+        `plan` (a StepPlan) gives both instead (its `streams` and `max_inflight`; the
+        micro-batches are cut already); the default is one stream. Either path, native or gRPC,
+        runs each stream's micro-batches under that one plan.
 
         Retries follow `self.retry`: a micro-batch refused with a retry hint (backpressure) or
         lost with its call (UNAVAILABLE) is re-sent with its original (client_id, sequence), on
@@ -110,17 +117,25 @@ class Steps(ClientBase):
         copies that stream's dH to the device there).
         """
         self._check_open()
-        n_streams = max(1, min(streams, len(mbs)))
+        if plan is None:
+            plan = _ONE_STREAM if streams in (None, 1) and max_inflight is None else StepPlan(
+                streams=1 if streams is None else streams, max_inflight=max_inflight)
+        elif streams is not None or max_inflight is not None:
+            raise TypeError("run_microbatches: streams and max_inflight are the plan's; give "
+                            "them in the StepPlan")
+        n_streams = max(1, min(plan.streams, len(mbs)))
         self._open_step_connections(n_streams)
-        outcomes: List[Optional[_Outcome]] = [None] * len(mbs)
+        outcomes: List[Optional[Outcome]] = [None] * len(mbs)
         failures: List[BaseException] = []
-        run_lane = self._native_lane if self._natives else self._grpc_lane
 
         def lane(j: int) -> None:
             try:
                 if lane_ready is not None:
                     lane_ready(j)
-                run_lane(j, mbs, range(j, len(mbs), n_streams), max_inflight, outcomes)
+                indices = range(j, len(mbs), n_streams)
+                for i, outcome in zip(indices, self._run_lane(j, [mbs[i] for i in indices],
+                                                              plan)):
+                    outcomes[i] = outcome
                 if lane_done is not None:
                     lane_done(j)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
@@ -139,18 +154,12 @@ class Steps(ClientBase):
                 raise o
         return [o for o in outcomes if isinstance(o, StepResult)]
 
-    def _grpc_lane(self, j: int, mbs: Sequence[_Microbatch], indices: range,
-                   max_inflight: Optional[int], outcomes: List[Optional[_Outcome]]) -> None:
-        pipeline = _StepPipeline(self, connection=j, depth=max_inflight)
-        for i, outcome in pipeline.run((i, mbs[i]) for i in indices):
-            outcomes[i] = outcome
-
-    def _native_lane(self, j: int, mbs: Sequence[_Microbatch], indices: range,
-                     max_inflight: Optional[int], outcomes: List[Optional[_Outcome]]) -> None:
-        native = self._natives[j % len(self._natives)]
-        depth = max_inflight if max_inflight is not None else len(indices)
-        for i, outcome in zip(indices, native.step_many([mbs[i] for i in indices], depth)):
-            outcomes[i] = outcome
+    def _run_lane(self, j: int, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
+        """Stream j's micro-batches, in order, on the native path (the C++ client of connection
+        j) or the gRPC one: the same plan either way."""
+        if self._natives:
+            return self._natives[j % len(self._natives)].step_many(mbs, plan)
+        return _step_stream.step_many(self, j, mbs, plan)
 
     def step(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, **options: object
              ) -> StepResult:
@@ -187,21 +196,26 @@ class Steps(ClientBase):
             yield outcome
 
     def step_chunked(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
-                     chunk_tokens: int = 4096, streams: int = 2, reduction: ReductionLike = "sum",
-                     chunks: Optional[Sequence[int]] = None,
+                     chunk_tokens: Optional[int] = None, streams: Optional[int] = None,
+                     reduction: ReductionLike = "sum", chunks: Optional[Sequence[int]] = None,
                      grad_hidden_device: Optional[Union[str, torch.device]] = None,
-                     **options: object) -> StepResult:
-        """One large batch as several micro-batches of <= `chunk_tokens` tokens, pipelined.
+                     plan: Optional[StepPlan] = None, **options: object) -> StepResult:
+        """One large batch as several micro-batches of <= `chunk_tokens` (4096) tokens,
+        pipelined over `streams` (2) Step streams.
 
-        `chunks` gives the micro-batches' sizes instead (in order, each >= 1; they must add up to
-        the batch's tokens). Each chunk is its own micro-batch (own sequence number), counted or
-        refused on its own by the server, so a batch of several is checked whole before anything
-        is sent (losshead._batch_check): tensor dtypes, shapes and chunk sizes; NaN or Inf in the
-        hidden states, or values beyond the head's dtype; targets outside the vocabulary that
-        are not the ignore_index in force. Any of them raises LossheadError (INVALID_ARGUMENT,
-        no `sequence`) with nothing counted. The head's V, dtype and default ignore_index come
-        from one GetHead per head and client, looked up again after this client's own
-        create_head, delete_head or set_loss_options and before a refusal. The reduction must
+        `plan` (a StepPlan) gives the cut (`plan.chunks(n)`), the streams and the wire dtypes
+        instead: it is how RemoteLMHead steps. `chunks`, `hidden_dtype` and `grad_hidden_dtype`
+        given as well take precedence over it (`grad_hidden_dtype=None`: the wire dtype);
+        `chunk_tokens` and `streams` are its own (TypeError). `chunks` gives the micro-batches'
+        sizes (in order, each >= 1; they must add up to the batch's tokens). Each chunk is its
+        own micro-batch (own sequence number), counted or refused on its own by the server, so
+        a batch of several is checked whole before anything is sent (losshead._batch_check):
+        tensor dtypes, shapes and chunk sizes; NaN or Inf in the hidden states, or values
+        beyond the head's dtype; targets outside the vocabulary that are not the ignore_index
+        in force. Any of them raises LossheadError (INVALID_ARGUMENT, no `sequence`) with
+        nothing counted. The head's V, dtype and default ignore_index come from one GetHead per
+        head and client, looked up again after this client's own create_head, delete_head or
+        set_loss_options and before a refusal. The reduction must
         not depend on the chunking: "sum" (default) or "none". For the mean, step
         with "sum" and divide by `token_count`. The combined result carries summed loss and token
         count, the concatenated dH and per-token losses, and the lowest weights version seen.
@@ -217,13 +231,23 @@ class Steps(ClientBase):
             raise ValueError("step_chunked: reduction must be 'sum' or 'none'; the server's mean "
                              "is per micro-batch")
         d = hidden.shape[-1]
-        wire = _wire.to_torch_dtype(
-            options.pop("hidden_dtype", None) or _default_wire(hidden))  # type: ignore[arg-type]
         flat = hidden.detach().reshape(-1, d)
         t1 = targets.detach().reshape(-1).cpu()
         n = flat.shape[0]
-        bounds = _bounds(n, chunk_tokens, chunks)
-        n_streams = max(1, min(streams, len(bounds)))
+        wire_given = options.pop("hidden_dtype", None)
+        if plan is None:
+            plan = StepPlan(streams=2 if streams is None else streams)
+            wire_given = wire_given or _default_wire(hidden)
+            bounds = _bounds(n, 4096 if chunk_tokens is None else chunk_tokens, chunks)
+        else:
+            if streams is not None or chunk_tokens is not None:
+                raise TypeError("step_chunked: streams and chunk_tokens are the plan's; give "
+                                "them in the StepPlan")
+            wire_given = wire_given or plan.wire_dtype
+            options.setdefault("grad_hidden_dtype", plan.grad_hidden_dtype)
+            bounds = _bounds(n, 0, chunks if chunks is not None else plan.chunks(n))
+        wire = _wire.to_torch_dtype(wire_given)  # type: ignore[arg-type]
+        n_streams = max(1, min(plan.streams, len(bounds)))
         cut = len(bounds) > 1  # one micro-batch is the server's to refuse whole
         h2, lane_ready, largest = _staged(flat, wire, bounds, n_streams, measure=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
@@ -243,7 +267,7 @@ class Steps(ClientBase):
         if largest is not None:  # the last thing before sending: the reduction had time to run
             ignore = getattr(options.get("loss_options"), "ignore_index", None)
             self._check_cut_batch(head, largest(), t1, ignore)
-        parts = self.run_microbatches(mbs, streams=n_streams, lane_ready=lane_ready,
+        parts = self.run_microbatches(mbs, plan=plan, lane_ready=lane_ready,
                                       lane_done=lane_done)
         if grad is None or any(p.grad_hidden is None for p in parts):
             combined = combine_results(parts)

@@ -3,9 +3,11 @@
 Tensors are torch tensors on the caller's side and raw little-endian bytes on the wire. Every
 failure raises `LossheadError` with the grpc.StatusCode of the call or of the failed micro-batch.
 The client is put together from one module per concern: `_channel` (credentials, channel
-arguments), `_base` (identity, retries, unary calls), `_health`, `_steps` with `_step_stream`
-(the Step path), `_transfers` (weights and gradients), `_head_state` (the gradient window's
-summary and discard, named snapshots) and `_native` (the C++ data path).
+arguments), `_base` (identity, retries, unary calls), `_health`, `_steps` (the Step methods)
+over the two Step paths, `_native` (the C++ data path) and `_step_stream` (grpcio), which carry
+the same `_microbatch.Microbatch` under the same `_plan.StepPlan`, `_transfers` (weights and
+gradients) and `_head_state` (the gradient window's summary and discard, named snapshots).
+README.md's "Package layout" orders them in layers.
 """
 
 from __future__ import annotations

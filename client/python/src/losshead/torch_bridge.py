@@ -25,68 +25,31 @@ all-reduce) and must wait for the push before its next step (a barrier, or
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import dataclasses
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
 
 from losshead import _wire
-from losshead._chunk_plan import plan_chunks
+from losshead._plan import StepPlan
 from losshead._window import WindowTracker, tracker
 from losshead._wire import DTypeLike
 from losshead.client import Client, GradientSummary, LossOptions, StepResult
+from losshead.functional import _check_reduction, _evaluate, _loss
 
-_REDUCTIONS = ("mean", "sum", "none")
+_PLAN_FIELDS = ("wire_dtype", "grad_hidden_dtype", "chunk_tokens", "streams", "min_chunk_tokens",
+                "depth", "edge_tokens")
 
 
-class _RemoteLinearCrossEntropy(torch.autograd.Function):
-    """loss = CE(hidden @ W^T, targets) on the server; dH comes back with the loss."""
+def _plan_field(name: str) -> property:
+    """RemoteLMHead.<name>: its plan's field, as the attribute it was before plans."""
+    def get(self: "RemoteLMHead") -> Any:
+        return getattr(self.plan, name)
 
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
-                module: "RemoteLMHead") -> torch.Tensor:
-        result = module._step(hidden, targets, need_grad_hidden=ctx.needs_input_grad[0],
-                              forward_only=not module.training)
-        out_dtype = torch.promote_types(hidden.dtype, torch.float32)
-        if module.reduction == "none":
-            assert result.per_token_loss is not None
-            loss = result.per_token_loss.to(device=hidden.device, dtype=out_dtype)
-            loss = loss.reshape(targets.shape)
-            scale = 1.0
-        elif module.reduction == "sum":
-            loss = torch.tensor(result.loss_sum, dtype=out_dtype, device=hidden.device)
-            scale = 1.0
-        else:
-            # 0/0 is NaN, as in F.cross_entropy when every target is ignored.
-            count = result.token_count
-            loss = torch.tensor(result.loss_sum / count if count else float("nan"),
-                                dtype=out_dtype, device=hidden.device)
-            scale = 1.0 / count if count else 0.0
-        ctx.grad_hidden = result.grad_hidden
-        ctx.scale = scale
-        ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
-        ctx.per_token = module.reduction == "none"
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor  # type: ignore[override]
-                 ) -> Tuple[Optional[torch.Tensor], None, None]:
-        shape, dtype, device = ctx.hidden_meta
-        dh = ctx.grad_hidden
-        ctx.grad_hidden = None  # one backward per forward; free the buffer early
-        if dh is None:
-            return None, None, None
-        # Computed in fp32 at least: dH arrives in bf16 and the upstream gradient may be tiny.
-        work = torch.promote_types(dtype, torch.float32)
-        # dH of a CUDA batch is on its device already (step_chunked copied each stream's part
-        # there as soon as that stream was done); a CPU batch's stays where it is.
-        dh = dh.to(device=device).to(work)
-        g = grad_output.to(work)
-        if ctx.per_token:
-            dh = dh * g.reshape(-1, 1)
-        else:
-            dh = dh * (g * ctx.scale)
-        return dh.to(dtype).reshape(shape), None, None
+    def set_(self: "RemoteLMHead", value: Any) -> None:
+        self.plan = dataclasses.replace(self.plan, **{name: value})
+    return property(get, set_, doc=f"`plan.{name}`; setting it replaces the plan")
 
 
 class RemoteLMHead(nn.Module):
@@ -99,17 +62,20 @@ class RemoteLMHead(nn.Module):
     losses of targets' shape for "none" (0 at ignored tokens). backward returns dH from that
     same step, times the upstream gradient; no second round trip. W lives on the server; dW
     accumulates there (see the module docstring for its normalisation) until
-    `RemoteHeadOptimizer` pulls it.
+    `RemoteHeadOptimizer` pulls it. The module is a thin holder of its settings around
+    `losshead.functional.LinearCrossEntropyFunction`, which `linear_cross_entropy` calls too.
 
-    Loss options left as None inherit the head's defaults. Hidden states travel as
-    `wire_dtype` (bf16). A batch is cut into micro-batches pipelined over `streams` Step
-    streams, each on a connection of its own unless the client caps them (losshead._chunk_plan):
-    at most `chunk_tokens` each, `depth` per stream where that keeps them at `min_chunk_tokens`
-    or more (the upload of one overlaps the computation and download of the previous), and,
-    with `edge_tokens`, a small first and last one so that the server starts early and the last
-    answer comes back fast. Four streams run a Llama-sized step about 5 % faster than two
-    (BENCHMARKS.md). The loss, dH and dW do not depend on the cut (each chunk is summed on the
-    server and the sums are added up).
+    Loss options left as None inherit the head's defaults. How a batch travels is its `plan`
+    (a `losshead.StepPlan`; default StepPlan()): hidden states as `wire_dtype` (bf16), cut
+    into micro-batches pipelined over `streams` (4) Step streams, each on a connection of its
+    own unless the client caps them: at most `chunk_tokens` (2048) each, `depth` (4) per stream
+    where that keeps them at `min_chunk_tokens` (1024) or more (the upload of one overlaps the
+    computation and download of the previous), and a small first and last one (`edge_tokens`,
+    256) so that the server starts early and the last answer comes back fast. Four streams run
+    a Llama-sized step about 5 % faster than two (BENCHMARKS.md). The loss, dH and dW do not
+    depend on the plan (each chunk is summed on the server and the sums are added up). Those
+    settings given as keyword arguments, the form before plans, build the plan (with `plan`
+    too: TypeError); `module.streams` and the others read and replace the plan's.
 
     Which steps count: only a forward in training mode (`module.training`, the default) with
     grad mode on adds to the head's dW. In eval() mode the server runs forward-only steps (the
@@ -125,34 +91,50 @@ class RemoteLMHead(nn.Module):
     def __init__(self, client: Client, head: str, *, reduction: str = "mean",
                  ignore_index: Optional[int] = None, label_smoothing: Optional[float] = None,
                  z_loss: Optional[float] = None, logit_softcap: Optional[float] = None,
-                 wire_dtype: DTypeLike = torch.bfloat16, grad_hidden_dtype: Optional[DTypeLike] = None,
-                 chunk_tokens: int = 2048, streams: int = 4,
-                 min_chunk_tokens: int = 1024, depth: int = 4, edge_tokens: int = 256) -> None:
+                 plan: Optional[StepPlan] = None, wire_dtype: Optional[DTypeLike] = None,
+                 grad_hidden_dtype: Optional[DTypeLike] = None,
+                 chunk_tokens: Optional[int] = None, streams: Optional[int] = None,
+                 min_chunk_tokens: Optional[int] = None, depth: Optional[int] = None,
+                 edge_tokens: Optional[int] = None) -> None:
         super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
+        _check_reduction(reduction)
+        given = {k: v for k, v in (("wire_dtype", wire_dtype),
+                                   ("grad_hidden_dtype", grad_hidden_dtype),
+                                   ("chunk_tokens", chunk_tokens), ("streams", streams),
+                                   ("min_chunk_tokens", min_chunk_tokens), ("depth", depth),
+                                   ("edge_tokens", edge_tokens)) if v is not None}
+        if plan is not None and given:
+            raise TypeError(f"RemoteLMHead: {', '.join(given)} belong to the plan; give them in "
+                            "the StepPlan, not beside it")
         self.client = client
         self.head = head
         self.reduction = reduction
         self.loss_options = LossOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                         z_loss=z_loss, logit_softcap=logit_softcap)
-        self.wire_dtype = wire_dtype
-        self.grad_hidden_dtype = grad_hidden_dtype
-        self.chunk_tokens = int(chunk_tokens)
-        self.streams = int(streams)
-        self.min_chunk_tokens = int(min_chunk_tokens)
-        self.depth = int(depth)
-        self.edge_tokens = int(edge_tokens)
+        self.plan = plan if plan is not None else StepPlan(**given)
         self.last_result: Optional[StepResult] = None
         self._tokens = 0
+
+    wire_dtype = _plan_field("wire_dtype")
+    grad_hidden_dtype = _plan_field("grad_hidden_dtype")
+    chunk_tokens = _plan_field("chunk_tokens")
+    streams = _plan_field("streams")
+    min_chunk_tokens = _plan_field("min_chunk_tokens")
+    depth = _plan_field("depth")
+    edge_tokens = _plan_field("edge_tokens")
 
     def extra_repr(self) -> str:
         return f"head={self.head!r}, target={self.client.target!r}, reduction={self.reduction!r}"
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return self.evaluate(hidden, targets)
-        return _RemoteLinearCrossEntropy.apply(hidden, targets, self)
+        return _loss(self.client, self.head, hidden, targets, reduction=self.reduction,
+                     loss_options=self.loss_options, plan=self.plan, training=self.training,
+                     on_result=self._took)
+
+    def _took(self, result: StepResult) -> None:
+        if not result.forward_only:
+            self._tokens += result.token_count
+        self.last_result = result
 
     def take_token_count(self) -> int:
         """Non-ignored tokens this module stepped since the last call (for data parallelism)."""
@@ -160,62 +142,27 @@ class RemoteLMHead(nn.Module):
         return n
 
     def _chunks_for(self, n: int) -> List[int]:
-        """The micro-batch sizes of a batch of `n` tokens (see losshead._chunk_plan)."""
-        return plan_chunks(n, streams=self.streams, chunk_tokens=self.chunk_tokens,
-                           min_chunk_tokens=self.min_chunk_tokens, depth=self.depth,
-                           edge_tokens=self.edge_tokens)
-
-    def _step(self, hidden: torch.Tensor, targets: torch.Tensor, *, need_grad_hidden: bool,
-              forward_only: bool = False) -> StepResult:
-        chunks = self._chunks_for(targets.numel())
-        result = self.client.step_chunked(
-            self.head, hidden.detach(), targets.detach(), chunks=chunks,
-            streams=self.streams, reduction="sum", grad_scale=1.0,
-            loss_options=self.loss_options, hidden_dtype=self.wire_dtype,
-            return_per_token_loss=self.reduction == "none",
-            skip_grad_hidden=not need_grad_hidden, grad_hidden_dtype=self.grad_hidden_dtype,
-            grad_hidden_device=hidden.device if hidden.is_cuda else None,
-            forward_only=forward_only)
-        if not forward_only:
-            self._tokens += result.token_count
-            self.window.note_training(1, result.weights_version, result.token_count)
-        self.last_result = result
-        return result
+        """The micro-batch sizes of a batch of `n` tokens (`plan.chunks`)."""
+        return self.plan.chunks(n)
 
     @property
     def window(self) -> WindowTracker:
         """What this process put into the head's open window (losshead._window)."""
         return tracker(self.client.target, self.head)
 
-    @torch.no_grad()
     def evaluate(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss on the server from forward-only steps: nothing is added to dW or counted.
 
-        Same chunking, streams, wire dtype and loss options as training, without dH: the
-        micro-batches leave dW, the pull's token and micro-batch counts and `take_token_count`
-        alone, so evaluating between optimizer steps does not disturb the gradient window.
-        Returns what `forward` would (a scalar, or per-token losses for reduction "none"), as a
-        tensor without a graph. A server without forward-only support raises LossheadError
-        (UNIMPLEMENTED) after having counted the micro-batches in dW.
+        Same plan and loss options as training, without dH: the micro-batches leave dW, the
+        pull's token and micro-batch counts and `take_token_count` alone, so evaluating between
+        optimizer steps does not disturb the gradient window. Returns what `forward` would (a
+        scalar, or per-token losses for reduction "none"), as a tensor without a graph. A
+        server without forward-only support raises LossheadError (UNIMPLEMENTED) after having
+        counted the micro-batches in dW.
         """
-        result = self.client.step_chunked(
-            self.head, hidden.detach(), targets.detach(),
-            chunks=self._chunks_for(targets.numel()),
-            streams=self.streams, reduction="sum", loss_options=self.loss_options,
-            hidden_dtype=self.wire_dtype, return_per_token_loss=self.reduction == "none",
-            skip_grad_hidden=True, forward_only=True)
-        self.last_result = result
-        out_dtype = torch.promote_types(hidden.dtype, torch.float32)
-        if self.reduction == "none":
-            assert result.per_token_loss is not None
-            return result.per_token_loss.to(device=hidden.device, dtype=out_dtype).reshape(
-                targets.shape)
-        total = result.loss_sum
-        if self.reduction == "mean":
-            # 0/0 is NaN, as in F.cross_entropy when every target is ignored.
-            count = result.token_count
-            total = total / count if count else float("nan")
-        return torch.tensor(total, dtype=out_dtype, device=hidden.device)
+        return _evaluate(self.client, self.head, hidden, targets, reduction=self.reduction,
+                         loss_options=self.loss_options, plan=self.plan,
+                         on_result=self._took)
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,

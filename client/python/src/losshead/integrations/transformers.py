@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 
+from losshead._plan import StepPlan
 from losshead._wire import DTypeLike
 from losshead.client import Client
 from losshead.integrations.causal_lm import IGNORE_INDEX, OffloadedHead, offload_causal_lm
@@ -57,11 +57,12 @@ def _causal_lm_output_type() -> Callable[..., Any]:
 
 def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
                     create: bool = True, upload: Optional[bool] = None,
-                    head_dtype: Optional[DTypeLike] = None, chunk_tokens: int = 2048,
-                    streams: int = 4, wire_dtype: DTypeLike = torch.bfloat16,
+                    head_dtype: Optional[DTypeLike] = None, chunk_tokens: Optional[int] = None,
+                    streams: Optional[int] = None, wire_dtype: Optional[DTypeLike] = None,
                     ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
                     z_loss: float = 0.0, replicas: int = 1, shards: Optional[int] = None,
-                    matmul_precision: Optional[str] = None) -> OffloadedHead:
+                    matmul_precision: Optional[str] = None,
+                    plan: Optional[StepPlan] = None) -> OffloadedHead:
     """Offloads a transformers causal LM's `lm_head` to the losshead head `head`.
 
     `create` (default) creates the head with the model's V x D and dtype (`head_dtype` to
@@ -71,7 +72,9 @@ def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
     A created head sits on one of the server's GPUs, or is replicated over `replicas` of them or
     sharded by vocabulary rows over `shards` (0: every GPU of the server).
     A created fp32 head's GEMMs run under `matmul_precision`, by default the process's
-    `torch.get_float32_matmul_precision()`, as the model's own head would. The returned
+    `torch.get_float32_matmul_precision()`, as the model's own head would. `plan` (a
+    StepPlan) is how its batches travel (`chunk_tokens`, `streams`, `wire_dtype` build one
+    instead, as RemoteLMHead's do). The returned
     `OffloadedHead` exports W back (`export_state_dict`, `restore`, `local_head`);
     `causal_lm.offload_causal_lm` documents every argument.
     """
@@ -81,4 +84,4 @@ def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
                              wire_dtype=wire_dtype, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss,
                              output_type=output_type, replicas=replicas, shards=shards,
-                             matmul_precision=matmul_precision)
+                             matmul_precision=matmul_precision, plan=plan)

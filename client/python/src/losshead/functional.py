@@ -1,0 +1,174 @@
+"""The LM head + cross-entropy on a losshead server, as a function.
+
+    import losshead.functional as LF
+    loss = LF.linear_cross_entropy(hidden, targets, client=client, head="lm")
+    loss.backward()                       # dH of that same step, times the upstream gradient
+
+The pieces, from the bottom up (as torch.nn.functional splits a module from its function):
+`LinearCrossEntropyFunction` is the autograd Function (forward: one step on the server, which
+returns the loss and dH and adds to dW; backward: dH times the upstream gradient, no second
+round trip); `linear_cross_entropy` is the functional form; `losshead.RemoteLMHead` is the
+nn.Module that holds a client, a head, loss options and a StepPlan and calls the same
+Function; `losshead.integrations` put that module into a model.
+
+Normalisation (how the mean loss stays exact across micro-batches, chunks and ranks): every
+training step reaches the server with reduction=SUM and grad_scale=1, whatever the reduction
+asked for here, so dW always accumulates the token sum and the optimizer divides it by the
+window's token count (`losshead.torch_bridge` says more). The reduction only decides what is
+returned and how dH is scaled on the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from losshead._plan import StepPlan
+from losshead._types import LossOptions, StepResult
+from losshead._window import tracker
+from losshead.client import Client
+
+__all__ = ["LinearCrossEntropyFunction", "StepPlan", "linear_cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+_DEFAULT_PLAN = StepPlan()
+
+OnResult = Optional[Callable[[StepResult], None]]
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """loss = CE(hidden @ W^T, targets) on the server; dH comes back with the loss.
+
+    apply(hidden, targets, client, head, reduction, loss_options, plan, forward_only,
+    on_result): one training step (a forward-only one with `forward_only`: nothing added to
+    dW), cut and sent as `plan` says; `on_result(result)` sees the combined StepResult.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+                client: Client, head: str, reduction: str, loss_options: LossOptions,
+                plan: StepPlan, forward_only: bool, on_result: OnResult) -> torch.Tensor:
+        result = client.step_chunked(
+            head, hidden.detach(), targets.detach(), plan=plan, reduction="sum",
+            grad_scale=1.0, loss_options=loss_options,
+            return_per_token_loss=reduction == "none",
+            skip_grad_hidden=not ctx.needs_input_grad[0],
+            grad_hidden_device=hidden.device if hidden.is_cuda else None,
+            forward_only=forward_only)
+        if on_result is not None:
+            on_result(result)
+        if not forward_only:
+            tracker(client.target, head).note_training(1, result.weights_version,
+                                                       result.token_count)
+        out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        if reduction == "none":
+            assert result.per_token_loss is not None
+            loss = result.per_token_loss.to(device=hidden.device, dtype=out_dtype)
+            loss = loss.reshape(targets.shape)
+            scale = 1.0
+        elif reduction == "sum":
+            loss = torch.tensor(result.loss_sum, dtype=out_dtype, device=hidden.device)
+            scale = 1.0
+        else:
+            # 0/0 is NaN, as in F.cross_entropy when every target is ignored.
+            count = result.token_count
+            loss = torch.tensor(result.loss_sum / count if count else float("nan"),
+                                dtype=out_dtype, device=hidden.device)
+            scale = 1.0 / count if count else 0.0
+        ctx.grad_hidden = result.grad_hidden
+        ctx.scale = scale
+        ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
+        ctx.per_token = reduction == "none"
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor  # type: ignore[override]
+                 ) -> Tuple[Optional[torch.Tensor], ...]:
+        shape, dtype, device = ctx.hidden_meta
+        dh = ctx.grad_hidden
+        ctx.grad_hidden = None  # one backward per forward; free the buffer early
+        if dh is None:
+            return _NO_GRADS
+        # Computed in fp32 at least: dH arrives in bf16 and the upstream gradient may be tiny.
+        work = torch.promote_types(dtype, torch.float32)
+        # dH of a CUDA batch is on its device already (step_chunked copied each stream's part
+        # there as soon as that stream was done); a CPU batch's stays where it is.
+        dh = dh.to(device=device).to(work)
+        g = grad_output.to(work)
+        if ctx.per_token:
+            dh = dh * g.reshape(-1, 1)
+        else:
+            dh = dh * (g * ctx.scale)
+        return (dh.to(dtype).reshape(shape),) + _NO_GRADS[1:]
+
+
+_NO_GRADS: Tuple[None, ...] = (None,) * 9  # one per argument of forward
+
+
+@torch.no_grad()
+def _evaluate(client: Client, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
+             reduction: str, loss_options: LossOptions, plan: StepPlan,
+             on_result: OnResult = None) -> torch.Tensor:
+    """The loss from forward-only steps without dH: nothing added to dW or counted."""
+    result = client.step_chunked(
+        head, hidden.detach(), targets.detach(), plan=plan, reduction="sum",
+        loss_options=loss_options, return_per_token_loss=reduction == "none",
+        skip_grad_hidden=True, forward_only=True,
+        grad_hidden_dtype=None)  # no dH asked for: no dH dtype sent, whatever the plan's
+    if on_result is not None:
+        on_result(result)
+    out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    if reduction == "none":
+        assert result.per_token_loss is not None
+        return result.per_token_loss.to(device=hidden.device, dtype=out_dtype).reshape(
+            targets.shape)
+    total = result.loss_sum
+    if reduction == "mean":
+        # 0/0 is NaN, as in F.cross_entropy when every target is ignored.
+        count = result.token_count
+        total = total / count if count else float("nan")
+    return torch.tensor(total, dtype=out_dtype, device=hidden.device)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client: Client,
+                         head: str, reduction: str = "mean", ignore_index: Optional[int] = None,
+                         label_smoothing: Optional[float] = None, z_loss: Optional[float] = None,
+                         logit_softcap: Optional[float] = None, plan: Optional[StepPlan] = None,
+                         training: bool = True, return_result: bool = False) -> Any:
+    """The loss of hidden (..., D) against targets (...) through the head `head` on `client`'s
+    server: CE(hidden @ W^T, targets) with the given options (None: the head's defaults).
+
+    Returns what RemoteLMHead returns: a scalar for reduction "mean" (over non-ignored tokens;
+    NaN when there are none) or "sum", per-token losses of targets' shape for "none" (0 at
+    ignored tokens); with `return_result`, the pair (loss, StepResult). With grad mode on,
+    backward returns dH from the same step times the upstream gradient, and a `training` step
+    adds to the head's dW (`training=False`: forward-only, the loss on the current W with dH
+    and nothing added, as RemoteLMHead in eval() mode). With grad mode off the steps are
+    forward-only and carry no dH. `plan` (a StepPlan; default StepPlan()) says how the batch
+    is cut and sent. The same autograd Function as RemoteLMHead's: the two agree bit for bit.
+    """
+    _check_reduction(reduction)
+    options = LossOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          z_loss=z_loss, logit_softcap=logit_softcap)
+    results: List[StepResult] = []
+    loss = _loss(client, head, hidden, targets, reduction=reduction, loss_options=options,
+                 plan=_DEFAULT_PLAN if plan is None else plan, training=training,
+                 on_result=results.append)
+    return (loss, results[0]) if return_result else loss
+
+
+def _loss(client: Client, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
+          reduction: str, loss_options: LossOptions, plan: StepPlan, training: bool,
+          on_result: OnResult = None) -> torch.Tensor:
+    """What linear_cross_entropy and RemoteLMHead.forward run, their arguments checked."""
+    if not torch.is_grad_enabled():
+        return _evaluate(client, head, hidden, targets, reduction=reduction,
+                        loss_options=loss_options, plan=plan, on_result=on_result)
+    return LinearCrossEntropyFunction.apply(hidden, targets, client, head, reduction,
+                                            loss_options, plan, not training, on_result)

@@ -1,0 +1,150 @@
+"""What a causal LM must look like for its head to be offloaded, and what stands in for the head.
+
+`check_offloadable` reads the model (its `.model` trunk, its `.lm_head` Linear, its
+configuration) and refuses, before anything is sent, what the server cannot compute as the
+model would: a tied head, a bias, rescaled logits. `OffloadedLMHead` takes `lm_head`'s place
+while W lives on the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Protocol
+
+import torch
+from torch import nn
+
+
+class _WeightOwner(Protocol):
+    """What loading a state dict into the placeholder hands W to (OffloadedHead)."""
+
+    def upload_weight(self, weight: torch.Tensor) -> int: ...
+
+
+TIED_EMBEDDINGS_ERROR = (
+    "losshead: the model ties its LM head to its input embeddings (tie_word_embeddings), so the "
+    "head cannot be offloaded: the trunk's embedding would keep training locally while the same "
+    "matrix trained as the head on the server, and the two copies would diverge. Keep the head "
+    "local, or untie it first if separate input and output matrices are what you want "
+    "(config.tie_word_embeddings = False and lm_head.weight a copy of the embedding).")
+
+# Configuration fields of models that rescale the logits between the head and the loss (Cohere
+# multiplies them, Granite divides them). The server computes plain logits, with an optional
+# soft-cap only, so such a model would be trained on another loss than its own.
+_LOGIT_SCALES = ("logit_scale", "logits_scaling")
+
+OFFLOAD_ATTR = "_losshead_offloaded_head"  # on the model: its OffloadedHead, while offloaded
+
+
+def _configs(config: Any) -> List[Any]:
+    """The model's configuration and, for a multimodal one, its text model's."""
+    if config is None:
+        return []
+    found = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text()
+        if text is not None and text is not config:
+            found.append(text)
+    return found
+
+
+def logit_softcap(config: Any) -> float:
+    """The final-logit soft-cap c of c * tanh(logits / c) (Gemma 2/3's
+    config.final_logit_softcapping); 0 when the model has none."""
+    for c in _configs(config):
+        cap = getattr(c, "final_logit_softcapping", None)
+        if cap:
+            return float(cap)
+    return 0.0
+
+
+def check_offloadable(model: nn.Module) -> nn.Linear:
+    """The model's lm_head when it can be offloaded; a clear error otherwise (nothing changed)."""
+    if getattr(model, OFFLOAD_ATTR, None) is not None or isinstance(
+            getattr(model, "lm_head", None), OffloadedLMHead):
+        raise ValueError("losshead: this model's LM head is offloaded already")
+    trunk = getattr(model, "model", None)
+    lm_head = getattr(model, "lm_head", None)
+    if not isinstance(trunk, nn.Module) or not isinstance(lm_head, nn.Linear):
+        raise TypeError(
+            f"losshead: {type(model).__name__} is not a causal LM of the expected layout: it "
+            "needs `.model` (a module returning hidden states) and `.lm_head` (an nn.Linear over "
+            f"them); found model={type(trunk).__name__}, lm_head={type(lm_head).__name__}")
+    if lm_head.bias is not None:
+        raise ValueError("losshead: lm_head has a bias; a losshead head is a matrix without one")
+    weight = lm_head.weight
+    if weight.device.type == "meta":
+        raise ValueError("losshead: lm_head.weight is on the meta device (not materialised, or "
+                         "dispatched elsewhere): there is nothing to upload")
+    configs = _configs(getattr(model, "config", None))
+    tied_in_config = any(getattr(c, "tie_word_embeddings", False) for c in configs)
+    shared = any(p is weight or (p.numel() and p.data_ptr() == weight.data_ptr())
+                 for p in trunk.parameters())
+    if tied_in_config or shared:
+        raise ValueError(TIED_EMBEDDINGS_ERROR)
+    for c in configs:
+        for name in _LOGIT_SCALES:
+            value = getattr(c, name, None)
+            if value is not None and float(value) != 1.0:
+                raise ValueError(
+                    f"losshead: config.{name} = {value} rescales the logits before the loss; the "
+                    "server computes plain logits (with an optional soft-cap), so this model "
+                    "would train on another loss than its own")
+    return lm_head
+
+
+class OffloadedLMHead(nn.Module):
+    """Stands in for `lm_head` while W lives on the server: no parameters, no V x D memory.
+
+    `weight` is an empty (0 x D) tensor on the meta device kept outside the parameters and
+    buffers, so that optimizers, state_dict and model.to() never see it. Calling the module
+    raises: the model's forward computes the loss without it. Loading a state dict that holds
+    `lm_head.weight` (a checkpoint's, `from_pretrained`'s own weights, the Trainer's resume)
+    uploads it to the server's head instead (`OffloadedHead.upload_weight`); without it, a
+    strict load reports the key missing.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, head: str,
+                 target: str) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.head = head
+        self.target = target
+        self.weight = torch.empty((0, in_features), dtype=dtype, device="meta")
+        self._owner: Optional[_WeightOwner] = None
+        # Set while loading a checkpoint whose W is beside the model's weights rather than among
+        # them (FSDP's sharded checkpoints: hf_trainer uploads it from its own file).
+        self.weight_elsewhere = False
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "weight"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            if strict and not self.weight_elsewhere:
+                missing_keys.append(key)
+            return
+        weight = state_dict[key]
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(weight.shape)}, the offloaded head is "
+                              f"{self.out_features} x {self.in_features}")
+            return
+        if self._owner is not None:
+            self._owner.upload_weight(weight)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"head={self.head!r}, target={self.target!r}")
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError(
+            f"losshead: lm_head lives on the losshead server ({self.target}, head "
+            f"{self.head!r}) and has no local weights. The model's forward computes the loss "
+            "there when given labels; for logits, bring W back with "
+            "`with offloaded.local_head(model): ...` or `offloaded.restore(model)`")
