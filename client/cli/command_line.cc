@@ -34,6 +34,12 @@ bool IsAbslUsageFlag(absl::string_view name) {
   return false;
 }
 
+// absl's flags of the parser itself, registered where absl::ParseCommandLine is linked; each takes
+// a value.
+bool IsAbslParseFlag(absl::string_view name) {
+  return name == "flagfile" || name == "fromenv" || name == "tryfromenv" || name == "undefok";
+}
+
 const DeprecatedFlag* FindDeprecated(absl::string_view old_name) {
   for (const DeprecatedFlag& d : DeprecatedFlags()) {
     if (d.old_name == old_name) return &d;
@@ -300,6 +306,7 @@ absl::StatusOr<Invocation> ScanCommandLine(int argc, char** argv) {
   std::vector<absl::string_view> positional;
   std::vector<std::string> unknown;
   std::vector<std::string> given;  // the tool's flags on the command line, as written
+  bool absl_usage = false;         // --helpfull, --version, ...: absl answers them
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (arg == "--") {
@@ -317,7 +324,14 @@ absl::StatusOr<Invocation> ScanCommandLine(int argc, char** argv) {
       invocation.help = true;
       continue;
     }
-    if (IsAbslUsageFlag(name)) continue;
+    if (IsAbslUsageFlag(name)) {
+      absl_usage = true;
+      continue;
+    }
+    if (IsAbslParseFlag(name)) {
+      if (!has_value) ++i;  // `--flagfile FILE`
+      continue;
+    }
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     bool negated = false;
     if (flag == nullptr && !has_value && absl::ConsumePrefix(&name, "no")) {
@@ -333,7 +347,7 @@ absl::StatusOr<Invocation> ScanCommandLine(int argc, char** argv) {
     if (IsToolFlag(*flag)) given.emplace_back(name);
   }
   if (positional.empty()) {
-    if (invocation.help && unknown.empty()) return invocation;
+    if ((invocation.help || absl_usage) && unknown.empty()) return invocation;
     return absl::InvalidArgumentError(
         absl::StrCat(unknown.empty() ? "" : absl::StrCat("unknown flag ", unknown[0], "; "),
                      "no command given (losshead --help lists them)"));

@@ -58,7 +58,8 @@ std::string HelpText(const Command* command);
 
 // What a command line asks for, read before the flags are parsed.
 struct Invocation {
-  const Command* command = nullptr;  // null with --help alone
+  const Command* command = nullptr;  // null with --help alone, or one of absl's --helpfull,
+                                     // --version...: absl::ParseCommandLine answers those
   bool help = false;                 // --help or --helpshort: print HelpText, run nothing
 };
 

@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   absl::SetProgramUsageMessage("losshead <command> [flags]; losshead --help lists the commands");
-  absl::ParseCommandLine(argc, argv);
+  absl::ParseCommandLine(argc, argv);  // answers --helpfull, --version and the like itself
+  if (invocation->command == nullptr) return 2;
   const losshead::cli::Command& command = *invocation->command;
   if (absl::Status s = losshead::cli::FinishCommandLine(command); !s.ok()) {
     std::fprintf(stderr, "losshead: %s\n", std::string(s.message()).c_str());
