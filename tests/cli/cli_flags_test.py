@@ -3,11 +3,14 @@
 A flag outside its range exits 1 with INVALID_ARGUMENT and the exact reason, and leaves the
 server's heads as they were: in particular no --init_std below 0 or NaN quietly becomes a zero
 head, and no negative --replicas or --shards quietly means every device. The valid edges still
-work: --init_std=0 (zeros), --shards=-1 and --replicas=0 (every device).
+work: --init_std=0 (zeros), --shards=-1 and --replicas=0 (every device). --shards=0 means every
+device too, as in the Python client; the deprecated spellings of renamed flags still work, but not
+together with the new name.
 
     cli_flags_test.py LOSSHEAD_SERVER LOSSHEAD
 """
 
+import re
 import socket
 import subprocess
 import sys
@@ -101,6 +104,22 @@ def main(server_bin, cli_bin):
                 lambda out: out.startswith("tf32 ") and "FP32 matmul_precision=high" in out)
         if heads() != ["normal", "replicated_all", "sharded_all", "tf32", "zeros"]:
             failures.append(f"heads after the valid creates: {heads()}")
+
+        # --shards=0 shards over every device, as Client.create_head(shards=0) does.
+        created(["--shards=0"], "sharded_zero",
+                lambda out: "shard 0 on" in out and "shard 1 on" in out)
+        # The deprecated spellings land on their flags; one with its new name is refused (exit 2)
+        # before anything is created.
+        result = cli("create", "--head=old_names", "--vocab=12", "--hidden=6", "--dtype=fp32")
+        if result.returncode != 0 or not re.match(r"old_names +V=12 +D=6 +FP32 ", result.stdout):
+            failures.append(f"create with deprecated spellings: exit {result.returncode}, "
+                            f"{result.stdout.strip()!r} {result.stderr.strip()!r}")
+        before = heads()
+        result = cli("create", "--head=both", "--vocab=12", "--vocab_size=12", "--hidden_size=6")
+        expected = "--vocab and --vocab_size both given; --vocab is a deprecated spelling of"
+        if result.returncode != 2 or expected not in result.stderr or heads() != before:
+            failures.append(f"create --vocab --vocab_size: exit {result.returncode}, "
+                            f"{result.stderr.strip()!r}, heads {heads()}")
     finally:
         server.terminate()
         server.wait(timeout=30)
