@@ -49,6 +49,12 @@ const std::vector<DeprecatedFlag>& DeprecatedFlags();
 // The names of the flags `command` reads: its own, then the connection flags if it connects.
 std::vector<absl::string_view> FlagsOf(const Command& command);
 
+// Whether `command` reads flag `name`, or the flag `name` is a deprecated spelling of.
+bool ReadsFlag(const Command& command, absl::string_view name);
+
+// The commands that read flag `name`: "demo, bench, create".
+std::string CommandsReading(absl::string_view name);
+
 // An optional size flag's value, or `command`'s default for it (its FlagUse::default_value).
 int64_t SizeFlag(const absl::Flag<std::optional<int64_t>>& flag, absl::string_view command);
 
