@@ -12,6 +12,8 @@ namespace losshead::cli {
 namespace {
 
 constexpr size_t kWidth = 100;
+// A deprecated value rather than a spelling (PlacementFromFlags).
+constexpr absl::string_view kDeprecatedShards = "shards=-1: --shards=0";
 
 // `text` after `first` on its first line, split into lines of at most kWidth columns, each after
 // `indent` spaces but the first.
@@ -84,6 +86,7 @@ std::string ToolHelp() {
   for (const DeprecatedFlag& d : DeprecatedFlags()) {
     absl::StrAppend(&out, "  --", d.old_name, ": --", d.name, "\n");
   }
+  absl::StrAppend(&out, "  --", kDeprecatedShards, "\n");
   return out;
 }
 
@@ -105,14 +108,14 @@ std::string HelpText(const Command* command) {
     absl::StrAppend(&out, "\nconnection flags:\n");
     for (absl::string_view name : ConnectionFlags()) absl::StrAppend(&out, DescribeFlag(name, ""));
   }
-  std::vector<std::string> deprecated;
+  std::string deprecated;
   for (const DeprecatedFlag& d : DeprecatedFlags()) {
     if (ReadsFlag(*command, d.name))
-      deprecated.push_back(absl::StrCat("--", d.old_name, ": --", d.name));
+      absl::StrAppend(&deprecated, "  --", d.old_name, ": --", d.name, "\n");
   }
+  if (ReadsFlag(*command, "shards")) absl::StrAppend(&deprecated, "  --", kDeprecatedShards, "\n");
   if (!deprecated.empty()) {
-    absl::StrAppend(
-        &out, "\ndeprecated spellings (still accepted): ", absl::StrJoin(deprecated, ", "), "\n");
+    absl::StrAppend(&out, "\ndeprecated spellings (still accepted):\n", deprecated);
   }
   return out;
 }
