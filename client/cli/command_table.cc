@@ -113,8 +113,8 @@ const Command* FindCommand(absl::string_view name) {
 
 const std::vector<absl::string_view>& ConnectionFlags() {
   static const auto* const kFlags = new std::vector<absl::string_view>{
-      "server", "max_message_bytes", "deadline_s", "token_file",
-      "tls_ca", "tls_cert",          "tls_key",    "tls_server_name"};
+      "server",      "max_message_bytes", "deadline_s", "token_file",
+      "tls_root_ca", "tls_cert",          "tls_key",    "tls_server_name"};
   return *kFlags;
 }
 
@@ -122,7 +122,7 @@ const std::vector<DeprecatedFlag>& DeprecatedFlags() {
   static const auto* const kFlags = new std::vector<DeprecatedFlag>{
       {"vocab", "vocab_size"}, {"v", "vocab_size"},       {"hidden", "hidden_size"},
       {"d", "hidden_size"},    {"n", "chunk_tokens"},     {"microbatch", "chunk_tokens"},
-      {"pipeline", "depth"},   {"dtype", "weight_dtype"},
+      {"pipeline", "depth"},   {"dtype", "weight_dtype"}, {"tls_ca", "tls_root_ca"},
   };
   return *kFlags;
 }

@@ -31,7 +31,7 @@ absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_
   options.max_message_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_message_bytes));
   options.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
   options.dedicated_connection = dedicated_connection;
-  options.tls_root_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_root_ca_file = absl::GetFlag(FLAGS_tls_root_ca);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);

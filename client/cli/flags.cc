@@ -8,7 +8,7 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{4} << 20,
 ABSL_FLAG(double, deadline_s, 60, "deadline of each unary call, pull and push, in seconds");
 ABSL_FLAG(std::string, token_file, "",
           "file holding the bearer token sent on every call (its first non-comment line)");
-ABSL_FLAG(std::string, tls_ca, "", "PEM root CA of the server's certificate: speak TLS");
+ABSL_FLAG(std::string, tls_root_ca, "", "PEM root CA of the server's certificate: speak TLS");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS, with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_server_name, "",
@@ -82,8 +82,8 @@ ABSL_FLAG(std::string, client_id, "",
           "the client id whose acknowledged and persisted (checkpointed) sequences to print");
 
 // Deprecated spellings, kept because scripts that drive older builds of this tool beside newer
-// ones (scripts/run-bench-ab.sh) pass them. The command line copies each onto its flag
-// (command_line.cc); nothing reads them directly.
+// ones (scripts/run-bench-ab.sh) and health probes of deployed manifests pass them. The command
+// line copies each onto its flag (command_line.cc); nothing reads them directly.
 ABSL_FLAG(std::optional<int64_t>, vocab, std::nullopt, "deprecated: --vocab_size");
 ABSL_FLAG(std::optional<int64_t>, v, std::nullopt, "deprecated: --vocab_size");
 ABSL_FLAG(std::optional<int64_t>, hidden, std::nullopt, "deprecated: --hidden_size");
@@ -92,3 +92,4 @@ ABSL_FLAG(std::optional<int64_t>, n, std::nullopt, "deprecated: --chunk_tokens")
 ABSL_FLAG(std::optional<int64_t>, microbatch, std::nullopt, "deprecated: --chunk_tokens");
 ABSL_FLAG(std::optional<int>, pipeline, std::nullopt, "deprecated: --depth");
 ABSL_FLAG(std::optional<std::string>, dtype, std::nullopt, "deprecated: --weight_dtype");
+ABSL_FLAG(std::optional<std::string>, tls_ca, std::nullopt, "deprecated: --tls_root_ca");

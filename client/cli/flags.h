@@ -14,7 +14,7 @@ ABSL_DECLARE_FLAG(std::string, server);
 ABSL_DECLARE_FLAG(int64_t, max_message_bytes);
 ABSL_DECLARE_FLAG(double, deadline_s);
 ABSL_DECLARE_FLAG(std::string, token_file);
-ABSL_DECLARE_FLAG(std::string, tls_ca);
+ABSL_DECLARE_FLAG(std::string, tls_root_ca);
 ABSL_DECLARE_FLAG(std::string, tls_cert);
 ABSL_DECLARE_FLAG(std::string, tls_key);
 ABSL_DECLARE_FLAG(std::string, tls_server_name);

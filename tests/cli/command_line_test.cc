@@ -179,7 +179,7 @@ TEST(CommandLine, RefusesAFlagOfAnotherCommandNamingItsFlags) {
             "--streams is not a flag of `losshead create` (a flag of bench); `losshead create` "
             "takes --head, --vocab_size, --hidden_size, --weight_dtype, --matmul_precision, "
             "--init_std, --seed, --replicas, --shards, --server, --max_message_bytes, "
-            "--deadline_s, --token_file, --tls_ca, --tls_cert, --tls_key, --tls_server_name "
+            "--deadline_s, --token_file, --tls_root_ca, --tls_cert, --tls_key, --tls_server_name "
             "(losshead create --help)");
   // In every form absl accepts.
   EXPECT_FALSE(Scan({"list", "--head", "x"}).ok());
@@ -194,7 +194,7 @@ TEST(CommandLine, RefusesAnUnknownFlagOrCommand) {
   EXPECT_EQ(i.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(i.status().message(),
             "unknown flag --bogus; `losshead stats` takes --server, --max_message_bytes, "
-            "--deadline_s, --token_file, --tls_ca, --tls_cert, --tls_key, --tls_server_name "
+            "--deadline_s, --token_file, --tls_root_ca, --tls_cert, --tls_key, --tls_server_name "
             "(losshead stats --help)");
   EXPECT_EQ(Scan({"frob"}).status().message(),
             "unknown command 'frob' (losshead --help lists them)");
