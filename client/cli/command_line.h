@@ -3,8 +3,8 @@
 //
 // Invariants: every flag defined in client/cli/flags.cc is read by at least one subcommand or is
 // a deprecated spelling of one that is (tests/cli/command_line_test.cc); a subcommand runs only
-// with flags it reads (ParseCommandLine refuses the others with exit code 2); --help of a
-// subcommand lists exactly the flags it reads.
+// with flags it reads (ScanCommandLine and FinishCommandLine refuse the others; the tool exits
+// 2); --help of a subcommand lists exactly the flags it reads.
 #ifndef LOSSHEAD_CLIENT_CLI_COMMAND_LINE_H_
 #define LOSSHEAD_CLIENT_CLI_COMMAND_LINE_H_
 
