@@ -29,6 +29,8 @@ run_server() {  # label, bundle
     sleep 0.2
   done
   for streams in 1 4 8; do
+    # The old flag spellings (--n, --d, --v): the client is BASE's, which may predate
+    # --chunk_tokens, --hidden_size and --vocab_size; newer clients accept them as deprecated.
     LD_LIBRARY_PATH="$a/lib:/usr/local/cuda/lib64" "$a/bin/losshead" bench \
       --server="127.0.0.1:$port" --n=8192 --d=4096 --v=128256 --streams=$streams \
       --seconds="$seconds" > "$out/bench-$label-s$streams.log" 2>&1 ||

@@ -33,16 +33,17 @@ done
 bench() {  # name, flags...
   local name=$1
   shift
-  "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 \
+  "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --hidden_size=4096 \
+    --vocab_size=128256 \
     --seconds="$seconds" "$@" > "$out/bench-$name.log" 2>&1 || { cat "$out/bench-$name.log"; exit 1; }
   echo "cpp bench $name: $(grep -E 'tokens/s|p50' "$out/bench-$name.log" | tr '\n' ' ')"
 }
 {
-  bench n8192-s1 --n=8192 --streams=1
-  bench n8192-s4 --n=8192 --streams=4
-  bench n8192-s8 --n=8192 --streams=8
-  bench n4096-s4 --n=4096 --streams=4
-  bench n8192-s8-zero-head --n=8192 --streams=8 --zero_head
+  bench n8192-s1 --chunk_tokens=8192 --streams=1
+  bench n8192-s4 --chunk_tokens=8192 --streams=4
+  bench n8192-s8 --chunk_tokens=8192 --streams=8
+  bench n4096-s4 --chunk_tokens=4096 --streams=4
+  bench n8192-s8-zero-head --chunk_tokens=8192 --streams=8 --zero_head
 } | tee "$out/cpp-bench.txt"
 
 export PYTHONPATH="$PWD/client/python/src" LOSSHEAD_CAPI_LIB="$bundle/bin/liblosshead_capi.so"

@@ -81,8 +81,9 @@ while [ "$replicas" -le "$gpus" ]; do
       > "$out/smi-r$replicas-s$streams.csv" &
     smi=$!
     before=$(busy)
-    if ! "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
-      --replicas="$replicas" --streams="$streams" --seconds="$seconds" > "$log" 2>&1; then
+    if ! "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --hidden_size=4096 \
+      --vocab_size=128256 --chunk_tokens=8192 --replicas="$replicas" --streams="$streams" \
+      --seconds="$seconds" > "$log" 2>&1; then
       kill $smi
       note "replicas $replicas, $streams streams: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
       continue
@@ -100,8 +101,9 @@ while [ "$replicas" -le "$gpus" ]; do
 done
 
 # What each device holds for a replicated head (W, dW; workspace once it has stepped).
-"$bundle/bin/losshead" create --server="127.0.0.1:$port" --head=memory --vocab=128256 \
-  --hidden=4096 --dtype=bf16 --replicas=0 --init_std=0.02 2>&1 | tee -a "$summary"
+"$bundle/bin/losshead" create --server="127.0.0.1:$port" --head=memory \
+  --vocab_size=128256 --hidden_size=4096 --weight_dtype=bf16 --replicas=0 --init_std=0.02 2>&1 \
+  | tee -a "$summary"
 "$bundle/bin/losshead" delete --server="127.0.0.1:$port" --head=memory > /dev/null 2>&1
 
 # Sharded through the server: one stream, so that the p50 is one micro-batch's latency with its
@@ -109,8 +111,9 @@ done
 for shards in single $(k=1; while [ "$k" -le "$gpus" ]; do echo $k; k=$((k * 2)); done); do
   flag=""; [ "$shards" = single ] || flag="--shards=$shards"
   log="$out/bench-sharded-$shards.log"
-  if "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
-    --streams=1 --seconds="$seconds" $flag > "$log" 2>&1; then
+  if "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --hidden_size=4096 \
+    --vocab_size=128256 --chunk_tokens=8192 --streams=1 --seconds="$seconds" $flag \
+    > "$log" 2>&1; then
     note "sharded $shards, 1 stream: $(grep -E 'tokens/s,|p50' "$log" | tr '\n' ' ')"
   else
     note "sharded $shards, 1 stream: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
@@ -123,8 +126,9 @@ done
 k=1
 while [ "$k" -le "$gpus" ]; do
   log="$out/bench-sharded-$k-s8.log"
-  if "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --d=4096 --v=128256 --n=8192 \
-    --streams=8 --seconds="$seconds" --shards="$k" > "$log" 2>&1; then
+  if "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --hidden_size=4096 \
+    --vocab_size=128256 --chunk_tokens=8192 --streams=8 --seconds="$seconds" --shards="$k" \
+    > "$log" 2>&1; then
     note "sharded $k, 8 streams: $(grep -E 'tokens/s|p50' "$log" | tr '\n' ' ')"
   else
     note "sharded $k, 8 streams: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
@@ -152,18 +156,20 @@ smallest_mib=$(awk -F', ' '{m = $4 + 0; if (min == "" || m < min) min = m} END {
 wide_v=$(( smallest_mib * 1048576 / 10 * 8 * gpus / (16384 * 6) ))
 [ "$wide_v" -gt 2000000 ] && wide_v=2000000
 wide() { "$bundle/bin/losshead" "$@" --server="127.0.0.1:$port" --head=wide --deadline_s=900; }
-if wide create --vocab="$wide_v" --hidden=16384 --dtype=bf16 > "$out/wide-single.log" 2>&1; then
+if wide create --vocab_size="$wide_v" --hidden_size=16384 --weight_dtype=bf16 \
+  > "$out/wide-single.log" 2>&1; then
   note "a $wide_v x 16384 head fit one GPU"
   wide delete > /dev/null
 else
   note "one GPU: $(tail -1 "$out/wide-single.log")"
 fi
 created=$(date +%s%N)
-if wide create --vocab="$wide_v" --hidden=16384 --dtype=bf16 --shards=-1 --init_std=0.02 \
-  > "$out/wide-sharded.log" 2>&1; then
+if wide create --vocab_size="$wide_v" --hidden_size=16384 --weight_dtype=bf16 --shards=0 \
+  --init_std=0.02 > "$out/wide-sharded.log" 2>&1; then
   note "$(cat "$out/wide-sharded.log")"
   note "sharded create with normal init: $(( ($(date +%s%N) - created) / 1000000 )) ms"
-  wide bench --d=16384 --v="$wide_v" --n=4096 --streams=2 --seconds="$seconds" \
+  wide bench --hidden_size=16384 --vocab_size="$wide_v" --chunk_tokens=4096 --streams=2 \
+    --seconds="$seconds" \
     > "$out/bench-wide.log" 2>&1 \
     || note "sharded bench of the wide head FAILED: $(tail -3 "$out/bench-wide.log" | tr '\n' ' ')"
   grep -E 'tokens/s|p50|check' "$out/bench-wide.log" | sed 's/^/sharded, random W: /' \

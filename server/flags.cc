@@ -4,7 +4,9 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -111,6 +113,28 @@ ABSL_FLAG(std::string, step_trace, "",
           "file (empty: none)");
 
 namespace losshead::server {
+namespace {
+
+// The compiler names this file by the path it was given: "../server/flags.cc" from a build
+// directory, or an absolute one.
+constexpr absl::string_view kFlagsFile = "server/flags.cc";
+
+std::string FromRepositoryRoot(absl::string_view path) {
+  const size_t at = path.rfind(kFlagsFile);
+  return std::string(at == absl::string_view::npos ? path : path.substr(at));
+}
+
+}  // namespace
+
+void ConfigureFlagsUsage() {
+  absl::FlagsUsageConfig config;
+  config.contains_helpshort_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, kFlagsFile);
+  };
+  config.contains_help_flags = config.contains_helpshort_flags;
+  config.normalize_filename = FromRepositoryRoot;
+  absl::SetFlagsUsageConfig(config);
+}
 
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ServerOptions o;

@@ -7,6 +7,11 @@
 
 namespace losshead::server {
 
+// Makes --help and --helpshort list the flags of this file (absl's default matches only flags
+// defined in the file of main()), named by their path from the repository root. Call before
+// absl::ParseCommandLine.
+void ConfigureFlagsUsage();
+
 // ServerOptions from the parsed flags; INVALID_ARGUMENT for a bad --backend or a limit of 0.
 absl::StatusOr<ServerOptions> OptionsFromFlags();
 

@@ -14,9 +14,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/grpc.h"
-#include "transport/heap_tuning.h"
 #include "server/flags.h"
 #include "server/server.h"
+#include "transport/heap_tuning.h"
 
 namespace {
 
@@ -50,7 +50,8 @@ std::string HostOf(const std::string& address) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "losshead-server: the fused LM-head (linear + cross-entropy) gRPC service");
+      "the fused LM-head (linear + cross-entropy) gRPC service\n\nusage: losshead-server [flags]");
+  losshead::server::ConfigureFlagsUsage();
   absl::ParseCommandLine(argc, argv);
   RaiseDescriptorLimit();
   // gRPC's message buffers stay mapped between messages (see heap_tuning.h).

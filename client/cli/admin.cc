@@ -1,6 +1,7 @@
 // Small administrative subcommands: create, list, delete, stats, health, progress.
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -9,8 +10,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "client/cli/command_line.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
+#include "client/cli/human_units.h"
 
 namespace losshead::cli {
 namespace {
@@ -35,41 +38,39 @@ void PrintHead(const v1::HeadInfo& h) {
   }
   std::printf(
       "%-24s V=%-8lld D=%-6lld %-5s version=%llu tokens_since_pull=%llu "
-      "microbatches_since_pull=%llu tokens_total=%llu weights=%llu B gradient=%llu B "
-      "workspace=%llu B devices=%s\n",
+      "microbatches_since_pull=%llu tokens_total=%llu weights %s, gradient %s, workspace %s; "
+      "devices=%s\n",
       h.spec().name().c_str(), static_cast<long long>(h.spec().vocab_size()),
       static_cast<long long>(h.spec().hidden_size()), dtype.c_str(),
       static_cast<unsigned long long>(h.weights_version()),
       static_cast<unsigned long long>(h.tokens_since_pull()),
       static_cast<unsigned long long>(h.microbatches_since_pull()),
       static_cast<unsigned long long>(h.tokens_total()),
-      static_cast<unsigned long long>(h.memory().weights_bytes()),
-      static_cast<unsigned long long>(h.memory().gradient_bytes()),
-      static_cast<unsigned long long>(h.memory().workspace_bytes()),
-      absl::StrJoin(h.devices(), ", ").c_str());
+      ShortBytes(h.memory().weights_bytes()).c_str(),
+      ShortBytes(h.memory().gradient_bytes()).c_str(),
+      ShortBytes(h.memory().workspace_bytes()).c_str(), absl::StrJoin(h.devices(), ", ").c_str());
   if (h.devices_size() < 2) return;
   const char* part = h.spec().placement().kind() == v1::PLACEMENT_SHARDED ? "shard" : "replica";
   for (int i = 0; i < h.device_memory_size() && i < h.devices_size(); ++i) {
     const v1::HeadMemory& m = h.device_memory(i);
     std::printf(
-        "  %s %d on %s: weights=%llu B gradient=%llu B workspace=%llu B "
-        "master_weights=%llu B optimizer_state=%llu B\n",
-        part, i, h.devices(i).c_str(), static_cast<unsigned long long>(m.weights_bytes()),
-        static_cast<unsigned long long>(m.gradient_bytes()),
-        static_cast<unsigned long long>(m.workspace_bytes()),
-        static_cast<unsigned long long>(m.master_weights_bytes()),
-        static_cast<unsigned long long>(m.optimizer_state_bytes()));
+        "  %s %d on %s: weights %s, gradient %s, workspace %s, master weights %s, optimizer "
+        "state %s\n",
+        part, i, h.devices(i).c_str(), ShortBytes(m.weights_bytes()).c_str(),
+        ShortBytes(m.gradient_bytes()).c_str(), ShortBytes(m.workspace_bytes()).c_str(),
+        ShortBytes(m.master_weights_bytes()).c_str(),
+        ShortBytes(m.optimizer_state_bytes()).c_str());
   }
 }
 
 }  // namespace
 
 absl::StatusOr<v1::DType> WeightDTypeFromFlags() {
-  const std::string name = absl::GetFlag(FLAGS_dtype);
+  const std::string name = absl::GetFlag(FLAGS_weight_dtype);
   if (name == "bf16") return v1::DTYPE_BF16;
   if (name == "fp16") return v1::DTYPE_FP16;
   if (name == "fp32") return v1::DTYPE_FP32;
-  return absl::InvalidArgumentError("--dtype must be bf16, fp16 or fp32");
+  return absl::InvalidArgumentError("--weight_dtype must be bf16, fp16 or fp32");
 }
 
 absl::StatusOr<v1::MatmulPrecision> MatmulPrecisionFromFlags() {
@@ -91,21 +92,22 @@ std::string DescribeNumerics(const v1::HeadSpec& spec) {
 absl::StatusOr<v1::Placement> PlacementFromFlags() {
   v1::Placement placement;
   const int replicas = absl::GetFlag(FLAGS_replicas);
-  const int shards = absl::GetFlag(FLAGS_shards);
+  std::optional<int> shards = absl::GetFlag(FLAGS_shards);
   if (replicas < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--replicas must be >= 0 (0: every device), got ", replicas));
   }
-  if (shards < -1) {
+  if (shards == -1) shards = 0;  // the deprecated spelling of every device
+  if (shards.has_value() && *shards < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--shards must be >= -1 (0: not sharded; -1: every device), got ", shards));
+        absl::StrCat("--shards must be >= 0 (0: every device; unset: not sharded), got ", *shards));
   }
-  if (shards != 0) {
+  if (shards.has_value()) {
     if (replicas != 1) {
       return absl::InvalidArgumentError("--shards and --replicas cannot both be given");
     }
     placement.set_kind(v1::PLACEMENT_SHARDED);
-    placement.set_devices(shards == -1 ? 0 : static_cast<uint32_t>(shards));  // 0: every device
+    placement.set_devices(static_cast<uint32_t>(*shards));  // 0: every device
   } else if (replicas != 1) {
     placement.set_kind(v1::PLACEMENT_REPLICATED);
     placement.set_devices(static_cast<uint32_t>(replicas));
@@ -130,8 +132,8 @@ int RunCreate() {
   if (!client.ok()) return Fail(client.status());
   v1::HeadSpec spec;
   spec.set_name(absl::GetFlag(FLAGS_head));
-  spec.set_vocab_size(absl::GetFlag(FLAGS_vocab));
-  spec.set_hidden_size(absl::GetFlag(FLAGS_hidden));
+  spec.set_vocab_size(SizeFlag(FLAGS_vocab_size, "create"));
+  spec.set_hidden_size(SizeFlag(FLAGS_hidden_size, "create"));
   spec.set_weight_dtype(*dtype);
   spec.set_matmul_precision(*precision);
   *spec.mutable_placement() = *placement;
@@ -172,20 +174,20 @@ int RunStats() {
   if (!stats.ok()) return Fail(stats.status());
   const v1::Stats& s = *stats;
   std::printf(
-      "version %s, backend %s (%s), memory free %llu / %llu B, uptime %.1f s, "
-      "in flight %llu, max message %llu B\n",
+      "version %s, backend %s (%s), memory free %s / %s, uptime %.1f s, in flight %llu, max "
+      "message %s\n",
       s.version().c_str(), s.device().backend().c_str(), s.device().name().c_str(),
-      static_cast<unsigned long long>(s.device().memory_free_bytes()),
-      static_cast<unsigned long long>(s.device().memory_total_bytes()), s.uptime_seconds(),
+      ShortBytes(s.device().memory_free_bytes()).c_str(),
+      ShortBytes(s.device().memory_total_bytes()).c_str(), s.uptime_seconds(),
       static_cast<unsigned long long>(s.inflight_microbatches()),
-      static_cast<unsigned long long>(s.max_message_bytes()));
+      ExactBytes(s.max_message_bytes()).c_str());
   // The line above shows the first device; a server of several lists each.
   if (s.devices_size() > 1) {
     for (int i = 0; i < s.devices_size(); ++i) {
       const v1::DeviceStats& d = s.devices(i);
-      std::printf("  device %d: %s, memory free %llu / %llu B\n", i, d.name().c_str(),
-                  static_cast<unsigned long long>(d.memory_free_bytes()),
-                  static_cast<unsigned long long>(d.memory_total_bytes()));
+      std::printf("  device %d: %s, memory free %s / %s\n", i, d.name().c_str(),
+                  ShortBytes(d.memory_free_bytes()).c_str(),
+                  ShortBytes(d.memory_total_bytes()).c_str());
     }
   }
   for (const v1::HeadInfo& h : s.heads()) PrintHead(h);

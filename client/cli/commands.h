@@ -11,7 +11,7 @@
 
 namespace losshead::cli {
 
-// --dtype as a head's weight dtype; INVALID_ARGUMENT unless bf16, fp16 or fp32.
+// --weight_dtype as a head's weight dtype; INVALID_ARGUMENT unless bf16, fp16 or fp32.
 absl::StatusOr<v1::DType> WeightDTypeFromFlags();
 
 // --matmul_precision: UNSPECIFIED when empty; INVALID_ARGUMENT unless highest, high or medium.
@@ -22,11 +22,12 @@ absl::StatusOr<v1::MatmulPrecision> MatmulPrecisionFromFlags();
 // precision high)".
 std::string DescribeNumerics(const v1::HeadSpec& spec);
 
-// A client for --server with --max_message_bytes and --deadline_s.
+// A client for --server with --max_message_bytes, --deadline_s, --token_file and the TLS flags.
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection = false);
 
 // The placement --replicas and --shards ask for: one device for --replicas=1 without --shards,
-// replicated or sharded otherwise. INVALID_ARGUMENT for both at once.
+// replicated or sharded otherwise (--shards=0: over every device, as Client.create_head's
+// shards=0 and the proto's devices=0). INVALID_ARGUMENT for both at once.
 absl::StatusOr<v1::Placement> PlacementFromFlags();
 
 int RunDemo();

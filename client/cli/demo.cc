@@ -17,6 +17,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "client/cli/command_line.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 #include "client/cli/host_math.h"
@@ -87,17 +88,18 @@ absl::StatusOr<uint64_t> ClientStep(client::Client& client, const std::string& h
 }  // namespace
 
 int RunDemo() {
-  const int64_t v = absl::GetFlag(FLAGS_vocab);
-  const int64_t d = absl::GetFlag(FLAGS_hidden);
+  const int64_t v = SizeFlag(FLAGS_vocab_size, "demo");
+  const int64_t d = SizeFlag(FLAGS_hidden_size, "demo");
   const int64_t tokens = absl::GetFlag(FLAGS_tokens_per_step);
-  const int64_t micro = std::min(absl::GetFlag(FLAGS_microbatch), tokens);
+  const int64_t micro = std::min(SizeFlag(FLAGS_chunk_tokens, "demo"), tokens);
   const int steps = absl::GetFlag(FLAGS_steps);
   const std::string optimizer_name = absl::GetFlag(FLAGS_optimizer);
   if (v < 2 || d < 1 || tokens < 1 || micro < 1 || steps < 1 ||
       (optimizer_name != "adam" && optimizer_name != "sgd")) {
-    return Fail("flags", absl::InvalidArgumentError(
-                             "need --vocab >= 2, --hidden, --tokens_per_step, --microbatch, "
-                             "--steps >= 1 and --optimizer adam|sgd"));
+    return Fail("flags",
+                absl::InvalidArgumentError(
+                    "need --vocab_size >= 2, --hidden_size, --tokens_per_step, --chunk_tokens, "
+                    "--steps >= 1 and --optimizer adam|sgd"));
   }
   auto connected = ConnectFromFlags();
   if (!connected.ok()) return Fail("connect", connected.status());

@@ -21,6 +21,7 @@
 #include "absl/strings/strip.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
+#include "client/cli/human_units.h"
 #include "client/cli/safetensors.h"
 #include "server/durability/checkpoint.h"
 
@@ -228,14 +229,17 @@ int RunExport() {
       "],\n", "  \"tensors\": [\n", absl::StrJoin(entries, ",\n"), "\n  ]\n}\n");
   const std::string manifest_path = ManifestPath(out);
   if (absl::Status s = WriteTextFile(manifest_path, manifest); !s.ok()) return Fail(s);
+  uint64_t tensor_bytes = 0;
+  for (const SafetensorsTensor& t : tensors) tensor_bytes += t.data.size();
   std::printf(
-      "exported head '%s' (V=%lld D=%lld %s, version %llu, %s step %llu): %zu tensor%s to "
+      "exported head '%s' (V=%lld D=%lld %s, version %llu, %s step %llu): %zu tensor%s (%s) to "
       "%s, manifest %s\n",
       spec.name().c_str(), static_cast<long long>(v), static_cast<long long>(d),
       Lower(v1::DType_Name(dtype), "DTYPE_").c_str(),
       static_cast<unsigned long long>(data->weights_version), optimizer.c_str(),
       static_cast<unsigned long long>(data->optimizer_step), tensors.size(),
-      tensors.size() == 1 ? "" : "s", out.c_str(), manifest_path.c_str());
+      tensors.size() == 1 ? "" : "s", ShortBytes(tensor_bytes).c_str(), out.c_str(),
+      manifest_path.c_str());
   return 0;
 }
 
@@ -289,11 +293,11 @@ int RunImport() {
     if (absl::GetFlag(FLAGS_create)) (*client)->DeleteHead(head).IgnoreError();
     return Fail(version.status());
   }
-  std::printf("imported '%s' of %s (%s [%lld, %lld]) into head '%s': weights version %llu\n",
+  std::printf("imported '%s' of %s (%s [%lld, %lld], %s) into head '%s': weights version %llu\n",
               name.c_str(), path.c_str(), entry->second.dtype.c_str(),
               static_cast<long long>(entry->second.shape[0]),
-              static_cast<long long>(entry->second.shape[1]), head.c_str(),
-              static_cast<unsigned long long>(*version));
+              static_cast<long long>(entry->second.shape[1]), ShortBytes(weights->size()).c_str(),
+              head.c_str(), static_cast<unsigned long long>(*version));
   return 0;
 }
 

@@ -132,10 +132,11 @@ def main(server_bin, cli_bin):
     server = Server(server_bin, ckpt, log)
     try:
         wait_serving(server)
-        r = cli("demo", "--head=trained", "--keep_head", "--steps=4", "--vocab=96", "--hidden=24",
-                "--tokens_per_step=384", "--microbatch=128", server=server)
+        r = cli("demo", "--head=trained", "--keep_head", "--steps=4", "--vocab_size=96",
+                "--hidden_size=24", "--tokens_per_step=384", "--chunk_tokens=128", server=server)
         assert r.returncode == 0, r.stderr
-        r = cli("create", "--head=plain", "--vocab=50", "--hidden=12", "--dtype=bf16",
+        r = cli("create", "--head=plain", "--vocab_size=50", "--hidden_size=12",
+                "--weight_dtype=bf16",
                 "--init_std=0.3", server=server)
         assert r.returncode == 0, r.stderr
     finally:
@@ -253,7 +254,8 @@ def main(server_bin, cli_bin):
         listed = cli("list", server=server).stdout
         expect("other" not in listed and "copy " in listed, f"heads after refusals: {listed!r}")
         # Into an existing head of the same shape.
-        r = cli("create", "--head=seeded", "--vocab=96", "--hidden=24", "--dtype=fp32",
+        r = cli("create", "--head=seeded", "--vocab_size=96", "--hidden_size=24",
+                "--weight_dtype=fp32",
                 server=server)
         assert r.returncode == 0, r.stderr
         r = cli("import", f"--safetensors={out}", "--head=seeded", "--create=false",

@@ -269,16 +269,17 @@ def main():
         if r.returncode == 0:
             raise AssertionError("losshead delete of a missing head succeeded")
 
-        log(run([client_bin, "create", f"--server={server_addr}", f"--head={HEAD}", f"--vocab={V}",
-                 f"--hidden={D}", "--init_std=0.02"], 30, "losshead create"))
+        log(run([client_bin, "create", f"--server={server_addr}", f"--head={HEAD}",
+                 f"--vocab_size={V}", f"--hidden_size={D}", "--init_std=0.02"], 30, "losshead create"))
         # The client-side optimizer path: it is the one that pulls and pushes.
         demo = stack.start("demo", [client_bin, "demo", f"--server={server_addr}", "--steps=30",
                                     "--print_every=10", "--client_optimizer"])
         # The server-side optimizer (its applies, norms and step count), on a head that stays.
         log(run([client_bin, "demo", f"--server={server_addr}", "--head=deploy-live-adamw",
                  "--steps=10", "--print_every=5", "--keep_head"], 60, "losshead demo (AdamW)"))
-        bench_out = run([client_bin, "bench", f"--server={server_addr}", f"--head={HEAD}", f"--n={N}",
-                         f"--d={D}", f"--v={V}", "--streams=2", f"--seconds={BENCH_S}"],
+        bench_out = run([client_bin, "bench", f"--server={server_addr}", f"--head={HEAD}",
+                         f"--chunk_tokens={N}", f"--hidden_size={D}", f"--vocab_size={V}",
+                         "--streams=2", f"--seconds={BENCH_S}"],
                         BENCH_S + 40, "losshead bench")
         log("bench:\n  " + bench_out.replace("\n", "\n  "))
         if demo.wait(timeout=60) != 0:
@@ -374,7 +375,8 @@ def main():
 
         # 5. SIGTERM drains and exits cleanly within --drain_timeout, with a bench in flight.
         draining = stack.start("drain-bench", [client_bin, "bench", f"--server={server_addr}",
-                                               f"--head={HEAD}", f"--n={N}", f"--d={D}", f"--v={V}",
+                                               f"--head={HEAD}", f"--chunk_tokens={N}",
+                                               f"--hidden_size={D}", f"--vocab_size={V}",
                                                "--streams=2", "--seconds=30"])
         wait_until("the drain bench's first micro-batches",
                    lambda: "check ok" in stack.log_tail("drain-bench"), 30, draining, stack,

@@ -9,7 +9,7 @@ needs:
     default, no default Grafana password, a stop grace period above --drain_timeout, GPU
     reservation, scrape wiring, Grafana provisioning paths;
   Kubernetes: a StatefulSet whose checkpoint directory is a volume claim template, TLS and tokens
-    from Secret volumes, probes that work with TLS on (the image's `losshead health` with --tls_ca:
+    from Secret volumes, probes that work with TLS on (the image's `losshead health` with --tls_root_ca:
     native gRPC probes speak plaintext), a grace period above the drain and the liveness window
     above the drain, a non-root Pod with an fsGroup, a PodDisruptionBudget that lets drains evict,
     a NetworkPolicy that admits only the two ports, a PrometheusRule generated from rules.yml, and
@@ -91,7 +91,7 @@ def check_compose(d, compose, docs):
     remote = (d / "compose" / "docker-compose.remote.yml").read_text()
     for name in ("tls_cert", "tls_key", "auth_tokens_file"):
         check(f"--{name}=/etc/losshead/secrets/" in remote, f"docker-compose.remote.yml: no --{name}")
-    check(re.search(r'healthcheck:\s*\n\s*test:[^\n]*"health"(?:.|\n)*?"--tls_ca=', remote),
+    check(re.search(r'healthcheck:\s*\n\s*test:[^\n]*"health"(?:.|\n)*?"--tls_root_ca=', remote),
           "docker-compose.remote.yml: the health check does not speak TLS")
     check(remote.count("--drain_timeout=") == 1 and
           re.findall(r"--drain_timeout=(\S+?)\"?$", remote, re.M) == drains,
@@ -191,10 +191,10 @@ def check_pod(sts, services):
         cmd = dig(p, "exec.command") or []
         check(cmd[:2] == ["/usr/local/bin/losshead", "health"] and "--server=127.0.0.1:50051" in cmd,
               f"statefulset: {probe} does not run `losshead health --server=127.0.0.1:50051`: {cmd}")
-        check(any(c.startswith("--tls_ca=") for c in cmd) and
+        check(any(c.startswith("--tls_root_ca=") for c in cmd) and
               any(c.startswith("--tls_server_name=") for c in cmd),
-              f"statefulset: {probe} does not verify the server's certificate (--tls_ca, --tls_server_name)")
-        ca = next((c.split("=", 1)[1] for c in cmd if c.startswith("--tls_ca=")), "")
+              f"statefulset: {probe} does not verify the server's certificate (--tls_root_ca, --tls_server_name)")
+        ca = next((c.split("=", 1)[1] for c in cmd if c.startswith("--tls_root_ca=")), "")
         check(mounts.get(os.path.dirname(ca)) in volumes, f"statefulset: {probe}'s CA {ca} is not mounted")
         deadline = next((float(c.split("=", 1)[1]) for c in cmd if c.startswith("--deadline_s=")), None)
         check(deadline is not None and deadline < p.get("timeoutSeconds", 1),

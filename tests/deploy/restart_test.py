@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 HEAD = "restart"
-DEMO = ["--vocab=512", "--hidden=64", "--tokens_per_step=1024", "--microbatch=256",
-        "--steps=100000", "--print_every=1", "--lr=0.01"]
+DEMO = ["--vocab_size=512", "--hidden_size=64", "--tokens_per_step=1024",
+        "--chunk_tokens=256", "--steps=100000", "--print_every=1", "--lr=0.01"]
 
 
 def log(msg):
