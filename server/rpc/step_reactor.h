@@ -28,6 +28,10 @@
 // A malformed stream (a message that does not parse, data outside a micro-batch, a header inside
 // one, an end inside one) stops reading, answers every micro-batch it sent whole before the bad
 // message (they may be counted already), then ends INVALID_ARGUMENT, as a stalled one ends.
+//
+// Its definitions, by job: the gRPC reactions and what is read (step_reactor.cc), the stream's
+// reservations in Admission (step_reactor_admission.cc), running and answering micro-batches
+// (step_reactor_run.cc), and the two timers (step_reactor_timers.cc).
 #ifndef LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 #define LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 
