@@ -216,8 +216,8 @@ void StepReactor::OnWriteDone(bool ok) {
       ++slot.next;
       if (slot.next == slot.responses.size()) {
         if (slot.head_known) {
-          ctx_->metrics->StepPhase(slot.assembled.microbatch.header.head(), "send",
-                                   absl::Now() - slot.first_send);
+          RecordMicrobatchSent(*ctx_->metrics, slot.assembled.microbatch.header.head(),
+                               absl::Now() - slot.first_send);
         }
         if (ctx_->step_trace != nullptr) traced = TraceRecord(slot);
         ReleaseSlotLocked(slot);

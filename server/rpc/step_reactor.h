@@ -42,14 +42,16 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
-#include "transport/slice_message.h"
+#include "server/observability/microbatch_metrics.h"
 #include "server/rpc/service_context.h"
 #include "server/rpc/step_assembler.h"
+#include "transport/slice_message.h"
 
 namespace losshead::server {
 
@@ -95,7 +97,24 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // Must be called without mu_ (gRPC may run reactions inline).
   void Pump();
   void StartNextSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker's run of `slot`: its answer, computed or refused (ComputeSlot), recorded in the
+  // metrics (RecordSlot), encoded, and handed to the stream (CompleteSlotLocked).
   void RunSlot(std::shared_ptr<Slot> slot);
+  struct SlotRun {
+    absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome;
+    StepStats stats;  // what Head::Step reported
+    MicrobatchRecord::Reach reach = MicrobatchRecord::Reach::kNoHead;
+    // It took its place on the device: the next one may be running already.
+    bool ordered = false;
+  };
+  // The answer of `slot`, picked by a worker at `picked`: an error when the call is gone or the
+  // micro-batch was refused before it ran, else its head's Step (which starts the next slot as
+  // soon as this one holds the device).
+  void ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run);
+  void RecordSlot(const Slot& slot, absl::Time picked, const SlotRun& run);
+  // The slot is answered: its responses wait to be written, its reservation becomes its answer's.
+  void CompleteSlotLocked(Slot& slot, std::vector<grpc::ByteBuffer> responses, absl::Time picked,
+                          SlotRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stops reading; the stream ends with `status` once the micro-batches it received whole are
   // answered (the first such status stands; none after a cancel).
   void EndLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -8,10 +8,19 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "server/observability/microbatch_metrics.h"
 #include "server/rpc/step_reactor.h"
 #include "server/rpc/step_wire.h"
 
 namespace losshead::server {
+namespace {
+
+// What an OK answer sends: dH and the per-token losses.
+size_t SentBytes(const StepOutcome& outcome) {
+  return outcome.grad_hidden.size() + outcome.per_token_loss.size();
+}
+
+}  // namespace
 
 void StepReactor::StartNextSlotLocked() {
   if (computing_ || finished_ || cancelled_) return;
@@ -27,13 +36,24 @@ void StepReactor::StartNextSlotLocked() {
 
 void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   const absl::Time picked = absl::Now();
-  const MicroBatch& mb = slot->assembled.microbatch;
-  const std::string& head_name = mb.header.head();
-  StepStats stats;
-  absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome;
-  bool known_head = false;
-  bool refused_by_head = false;
-  bool ordered = false;  // it took its place on the device: the next one may be running already
+  SlotRun run;
+  ComputeSlot(*slot, picked, run);
+  RecordSlot(*slot, picked, run);
+  std::vector<grpc::ByteBuffer> responses =
+      EncodeStepResponses(slot->assembled.microbatch.header, run.outcome, run.stats.replayed,
+                          ChunkPayloadBytes(ctx_->max_message_bytes));
+  {
+    absl::MutexLock lock(&mu_);
+    CompleteSlotLocked(*slot, std::move(responses), picked, run);
+    if (!run.ordered) computing_ = false;
+    StartNextSlotLocked();
+  }
+  Pump();
+  Unpin();
+}
+
+void StepReactor::ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run) {
+  const MicroBatch& mb = slot.assembled.microbatch;
   bool gone;
   {
     absl::MutexLock lock(&mu_);
@@ -42,88 +62,72 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   if (!gone && call_ != nullptr && absl::FromChrono(call_->deadline()) <= picked) gone = true;
   if (gone) {
     // The caller cannot receive the answer: computing would only change dW behind its back.
-    outcome = CancelStatus().error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
-                  ? absl::DeadlineExceededError(
-                        "the Step call's deadline passed before this "
-                        "micro-batch started")
-                  : absl::CancelledError("the Step call was cancelled");
-  } else if (!slot->assembled.refused.ok() || slot->assembled.oversize) {
-    outcome = !slot->assembled.refused.ok()
-                  ? slot->assembled.refused
-                  : absl::ResourceExhaustedError(absl::StrCat(
-                        "micro-batch exceeds the limit of ", ctx_->max_microbatch_bytes,
-                        " bytes (--max_microbatch_bytes): ", slot->assembled.received_bytes,
-                        " bytes received; the rest of it is skipped"));
+    run.outcome = CancelStatus().error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                      ? absl::DeadlineExceededError(
+                            "the Step call's deadline passed before this "
+                            "micro-batch started")
+                      : absl::CancelledError("the Step call was cancelled");
+    return;
+  }
+  if (!slot.assembled.refused.ok() || slot.assembled.oversize) {
+    run.outcome = !slot.assembled.refused.ok()
+                      ? slot.assembled.refused
+                      : absl::ResourceExhaustedError(absl::StrCat(
+                            "micro-batch exceeds the limit of ", ctx_->max_microbatch_bytes,
+                            " bytes (--max_microbatch_bytes): ", slot.assembled.received_bytes,
+                            " bytes received; the rest of it is skipped"));
     // Refused before it ran (at its header, by admission or by size): still an error of its
     // head, when there is one.
-    refused_by_head = ctx_->registry->Get(head_name).ok();
-  } else {
-    absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(head_name);
-    if (!head.ok()) {
-      outcome = head.status();
-    } else {
-      known_head = true;
-      outcome = (*head)->Step(mb, &stats, [this, &ordered] {
-        absl::MutexLock lock(&mu_);
-        ordered = true;
-        computing_ = false;
-        StartNextSlotLocked();
-      });
-    }
+    if (ctx_->registry->Get(mb.header.head()).ok()) run.reach = MicrobatchRecord::Reach::kRefused;
+    return;
   }
-  Metrics& m = *ctx_->metrics;
-  if (known_head) {
-    // Only existing heads get labelled series: a typo must not mint a new time series.
-    m.StepPhase(head_name, "receive", slot->assembled.last_message - slot->assembled.first_message);
-    m.StepPhase(head_name, "queue", (picked - slot->ready) + stats.queue);
-    if (outcome.ok() && !stats.replayed) {
-      m.StepPhase(head_name, "stage", stats.stage);
-      m.StepPhase(head_name, "compute", stats.compute);
-      for (const kernels::Backend* device : stats.devices) {
-        const std::string label = ctx_->LabelOf(device);
-        if (!label.empty()) m.DeviceBusy(label, stats.compute);
-      }
-      m.StepPhase(head_name, "finish", stats.finish);
-    }
-    if (!outcome.ok()) {
-      m.Microbatch(head_name, "error", static_cast<int>(outcome.status().code()));
-    } else if (stats.replayed) {
-      m.Microbatch(head_name, "replayed");
-    } else {
-      // Evaluation apart from training: "ok" stays the rate of micro-batches counted in dW.
-      m.Microbatch(head_name, (*outcome)->forward_only ? "forward" : "ok");
-      m.MicrobatchLoss(head_name, (*outcome)->forward_only ? "forward" : "ok", (*outcome)->loss_sum,
-                       (*outcome)->token_count);
-      m.Tokens(head_name, (*outcome)->token_count);
-    }
-  } else if (refused_by_head) {
-    m.Microbatch(head_name, "error", static_cast<int>(outcome.status().code()));
-  } else {
-    m.Failure("Step", static_cast<int>(outcome.status().code()));
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(mb.header.head());
+  if (!head.ok()) {
+    run.outcome = head.status();
+    return;
   }
-  if (outcome.ok()) {
-    m.Bytes("Step", "out", (*outcome)->grad_hidden.size() + (*outcome)->per_token_loss.size());
-  }
-  std::vector<grpc::ByteBuffer> responses = EncodeStepResponses(
-      mb.header, outcome, stats.replayed, ChunkPayloadBytes(ctx_->max_message_bytes));
-  {
+  run.reach = MicrobatchRecord::Reach::kRan;
+  run.outcome = (*head)->Step(mb, &run.stats, [this, &run] {
     absl::MutexLock lock(&mu_);
-    slot->responses = std::move(responses);
-    slot->picked = picked;
-    slot->stats = stats;
-    slot->code = static_cast<int>(outcome.status().code());
-    slot->done = true;
-    slot->head_known = known_head;
-    // The request's tensors are no longer needed; free them before the responses drain.
-    slot->assembled.microbatch.ReleaseTensors();
-    BookAnswerLocked(*slot, outcome.ok()
-                                ? (*outcome)->grad_hidden.size() + (*outcome)->per_token_loss.size()
-                                : 0);
-    if (!ordered) computing_ = false;
+    run.ordered = true;
+    computing_ = false;
     StartNextSlotLocked();
+  });
+}
+
+void StepReactor::RecordSlot(const Slot& slot, absl::Time picked, const SlotRun& run) {
+  const StepStats& stats = run.stats;
+  MicrobatchRecord record{.reach = run.reach,
+                          .code = static_cast<int>(run.outcome.status().code()),
+                          .replayed = stats.replayed,
+                          .receive = slot.assembled.last_message - slot.assembled.first_message,
+                          .queue = (picked - slot.ready) + stats.queue,
+                          .stage = stats.stage,
+                          .compute = stats.compute,
+                          .finish = stats.finish};
+  if (run.outcome.ok()) {
+    const StepOutcome& outcome = **run.outcome;
+    record.forward_only = outcome.forward_only;
+    record.loss_sum = outcome.loss_sum;
+    record.tokens = outcome.token_count;
+    record.bytes_out = SentBytes(outcome);
   }
-  Pump();
-  Unpin();
+  RecordMicrobatch(*ctx_->metrics, slot.assembled.microbatch.header.head(), record,
+                   stats.devices.size(),
+                   [this, &stats](size_t i) { return ctx_->LabelOf(stats.devices[i]); });
+}
+
+void StepReactor::CompleteSlotLocked(Slot& slot, std::vector<grpc::ByteBuffer> responses,
+                                     absl::Time picked, SlotRun& run) {
+  slot.responses = std::move(responses);
+  slot.picked = picked;
+  slot.stats = std::move(run.stats);
+  slot.code = static_cast<int>(run.outcome.status().code());
+  slot.done = true;
+  slot.head_known = run.reach == MicrobatchRecord::Reach::kRan;
+  // The request's tensors are no longer needed; free them before the responses drain.
+  slot.assembled.microbatch.ReleaseTensors();
+  BookAnswerLocked(slot, run.outcome.ok() ? SentBytes(**run.outcome) : 0);
 }
 
 StepTraceRecord StepReactor::TraceRecord(const Slot& slot) {

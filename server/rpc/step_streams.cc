@@ -1,7 +1,7 @@
-#include "server/rpc/service_context.h"
-
+// StepStreams (service_context.h): the live Step streams, for shutdown.
 #include <vector>
 
+#include "server/rpc/service_context.h"
 #include "server/rpc/step_reactor.h"
 
 namespace losshead::server {
