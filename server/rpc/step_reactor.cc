@@ -54,33 +54,10 @@ void StepReactor::Pump() {
       finish = std::move(pending_finish_);
       pending_finish_.reset();
     } else {
-      if (!writing_ && !slots_.empty() && slots_.front()->done) {
-        Slot& slot = *slots_.front();
-        write_started_ = absl::Now();  // the unread timer's only cost per response message
-        if (slot.next == 0) slot.first_send = write_started_;
-        write = &slot.responses[slot.next];
-        writing_ = true;
-        const absl::Duration unread = ctx_->admission != nullptr ? ctx_->admission->unread_timeout()
-                                                                 : absl::InfiniteDuration();
-        if (!alarm_pending_[kUnread] && unread != absl::InfiniteDuration()) {
-          ArmAlarmLocked(kUnread, write_started_ + unread);
-        }
-      }
-      if (!reading_ && !read_closed_ && !draining_ && !cancelled_ && !end_status_.has_value() &&
-          slots_.size() < ctx_->max_inflight_per_stream) {
-        reading_ = true;
-        read = true;
-        read_started_ = absl::Now();  // the stall timer's only cost per message
-      }
-      if (!writing_ && slots_.empty() &&
-          (read_closed_ || draining_ || cancelled_ || end_status_.has_value())) {
-        finish = end_status_.has_value() ? *end_status_
-                 : cancelled_            ? CancelStatus()
-                 : read_closed_          ? grpc::Status::OK
-                                         : grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                        "the server is shutting down; no further "
-                                                        "micro-batches are read on this stream");
-      }
+      // In this order: a write just started defers the finish.
+      write = NextWriteLocked();
+      read = NextReadLocked();
+      finish = FinishStatusLocked();
     }
     if (finish.has_value()) {
       finished_ = true;
@@ -92,44 +69,51 @@ void StepReactor::Pump() {
   if (finish.has_value()) Finish(*finish);
 }
 
+const grpc::ByteBuffer* StepReactor::NextWriteLocked() {
+  if (writing_ || slots_.empty() || !slots_.front()->done) return nullptr;
+  Slot& slot = *slots_.front();
+  write_started_ = absl::Now();  // the unread timer's only cost per response message
+  if (slot.next == 0) slot.first_send = write_started_;
+  writing_ = true;
+  ArmUnreadLocked();
+  return &slot.responses[slot.next];
+}
+
+bool StepReactor::NextReadLocked() {
+  if (reading_ || read_closed_ || draining_ || cancelled_ || end_status_.has_value() ||
+      slots_.size() >= ctx_->max_inflight_per_stream) {
+    return false;
+  }
+  reading_ = true;
+  read_started_ = absl::Now();  // the stall timer's only cost per message
+  return true;
+}
+
+std::optional<grpc::Status> StepReactor::FinishStatusLocked() const {
+  if (writing_ || !slots_.empty() ||
+      !(read_closed_ || draining_ || cancelled_ || end_status_.has_value())) {
+    return std::nullopt;
+  }
+  return end_status_.has_value() ? *end_status_
+         : cancelled_            ? CancelStatus()
+         : read_closed_          ? grpc::Status::OK
+                                 : grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                "the server is shutting down; no further "
+                                                "micro-batches are read on this stream");
+}
+
 void StepReactor::OnReadDone(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     reading_ = false;
-    // Parsed but for the hidden states, which stay in the slices until the assembler copies them
-    // to their buffer; a message that does not parse ends the call rather than pass for the end
-    // of the stream.
-    if (ok) {
-      const bool parsed = transport::wire::ParseWithoutData(read_buffer_, kRequestHiddenField,
-                                                     &message_.request, &hidden_slices_)
-                              .ok();
-      message_.hidden.swap(hidden_slices_.pieces);
-      message_.hidden_bytes = hidden_slices_.size;
-      if (!parsed) {
-        ok = false;
-        EndLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                               "malformed Step stream: a message is not a StepRequest"));
-      }
-    }
+    if (ok) ok = ParseReadLocked();
     if (!ok) {
-      read_closed_ = true;
-      if (assembler_.open()) {
-        EndLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                               "malformed Step stream: it ended inside a micro-batch"));
-      }
-      // A partial micro-batch can never complete now: free its bytes at once.
-      assembler_.Clear();
-      ReleaseOpenLocked();
+      CloseReadLocked();
     } else if (!finished_ && !cancelled_ && !end_status_.has_value()) {
       const absl::Time now = absl::Now();
       ctx_->metrics->Bytes("Step", "in", message_.bytes());
       ReceiveLocked(message_, now);
-      const absl::Duration stall =
-          ctx_->admission != nullptr ? ctx_->admission->stall_timeout() : absl::InfiniteDuration();
-      // One alarm at a time covers every micro-batch of the stream: it re-arms while one is open.
-      if (assembler_.open() && !alarm_pending_[kStall] && stall != absl::InfiniteDuration()) {
-        ArmAlarmLocked(kStall, now + (stall - stall_waited_));
-      }
+      ArmStallLocked(now);
     }
     // After a stall or malformed input, whatever still arrives is dropped: the stream ends once
     // its earlier micro-batches are answered.
@@ -138,6 +122,30 @@ void StepReactor::OnReadDone(bool ok) {
     read_buffer_.Clear();
   }
   Pump();
+}
+
+bool StepReactor::ParseReadLocked() {
+  const bool parsed = transport::wire::ParseWithoutData(read_buffer_, kRequestHiddenField,
+                                                        &message_.request, &hidden_slices_)
+                          .ok();
+  message_.hidden.swap(hidden_slices_.pieces);
+  message_.hidden_bytes = hidden_slices_.size;
+  if (!parsed) {
+    EndLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                           "malformed Step stream: a message is not a StepRequest"));
+  }
+  return parsed;
+}
+
+void StepReactor::CloseReadLocked() {
+  read_closed_ = true;
+  if (assembler_.open()) {
+    EndLocked(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                           "malformed Step stream: it ended inside a micro-batch"));
+  }
+  // A partial micro-batch can never complete now: free its bytes at once.
+  assembler_.Clear();
+  ReleaseOpenLocked();
 }
 
 void StepReactor::ReceiveLocked(StepMessage& message, absl::Time now) {

@@ -36,9 +36,11 @@
 #define LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -96,6 +98,19 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // Issues whatever gRPC operations the state allows: the next write, the next read, Finish.
   // Must be called without mu_ (gRPC may run reactions inline).
   void Pump();
+  // Pump's steps, in its order: the next response to write (null: none now), whether to read
+  // the next request, and the status to finish with once nothing is left to write (nullopt: not
+  // yet).
+  const grpc::ByteBuffer* NextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool NextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::optional<grpc::Status> FinishStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Parses the read into message_ but for the hidden states, which stay in the slices until the
+  // assembler copies them to their buffer. A message that does not parse ends the call
+  // INVALID_ARGUMENT (false) rather than pass for the end of the stream.
+  bool ParseReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The client half-closed or the call broke: nothing more is read, and a micro-batch left open
+  // is malformed input.
+  void CloseReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartNextSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker's run of `slot`: its answer, computed or refused (ComputeSlot), recorded in the
   // metrics (RecordSlot), encoded, and handed to the stream (CompleteSlotLocked).
@@ -127,6 +142,12 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // be served (unknown head, a field the head refuses, over --max_microbatch_bytes) or finds no
   // room in Admission is the refusal to answer it with at once; OK admits it.
   absl::Status AdmitHeaderLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AdmitHeaderLocked's first step: the head a header names, or why it can never be served (the
+  // stream's token revoked, no such head, `announced` bytes over --max_microbatch_bytes, a field
+  // the head refuses), in that order. `announced`: the bytes the header announces.
+  absl::StatusOr<std::shared_ptr<Head>> ServableHeadLocked(const v1::StepHeader& header,
+                                                           uint64_t& announced)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Admission bookkeeping of a further message of the open micro-batch, before its bytes are
   // buffered: the refusal to answer it with, or OK.
   absl::Status AdmitPieceLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -136,12 +157,23 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // re-arms.
   enum Timer { kStall = 0, kUnread = 1, kTimers = 2 };
   void ArmAlarmLocked(Timer timer, absl::Time when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Arms the stall alarm after a read at `now` while a micro-batch is open, and the unread alarm
+  // as a write starts; each only if a timeout is set and it is not armed already.
+  void ArmStallLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ArmUnreadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnStallAlarm(bool fired);
   void OnUnreadAlarm(bool fired);
   // The end of a call whose answers are not read: everything the stream holds is given back, the
   // micro-batches not started are dropped, and the status names the micro-batches whose answers
   // were not delivered.
   grpc::Status AbandonUnreadLocked(absl::Duration waited) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every micro-batch whose answer the client has not had, as the unread status names them (the
+  // first 16): "; answered, not delivered: ...; started, ...; not computed: ...".
+  std::string UndeliveredLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The open micro-batch made no progress for `waited` (>= `timeout`): it is abandoned, its
+  // reservation released, and the stream ends ABORTED once those before it are answered.
+  void AbandonStalledLocked(absl::Duration waited, absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the received micro-batches not yet started (a cancelled or abandoned call).
   void DropUnstartedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -2,6 +2,8 @@
 // reserved bytes, checked at its header and grown with each message, then each slot's until its
 // answer is written.
 #include <algorithm>
+#include <cstdint>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -15,26 +17,9 @@ absl::Status StepReactor::AdmitHeaderLocked(const StepMessage& message) {
   const size_t piece = message.bytes();
   open_received_ = piece;
   open_announced_ = 0;
-  // What can never be served is refused before any of its data is read, and without a retry
-  // hint even when the server is busy, so that nobody is invited to send it again. First the
-  // stream's token: streams live long (clients keep them between steps) and a reload may have
-  // revoked it since the call was authorised.
-  if (call_ != nullptr) {
-    if (absl::Status auth = AuthorizeOpenCall(ctx_->tokens, "/losshead.v1.LossHead/Step",
-                                              call_->client_metadata());
-        !auth.ok()) {
-      return auth;
-    }
-  }
-  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
+  uint64_t announced = 0;
+  absl::StatusOr<std::shared_ptr<Head>> head = ServableHeadLocked(header, announced);
   if (!head.ok()) return head.status();
-  const uint64_t announced = AnnouncedBytes(header, (*head)->hidden_size());
-  if (announced > ctx_->max_microbatch_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "micro-batch of ", announced, " bytes (as its header announces) exceeds the limit of ",
-        ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
-  }
-  if (absl::Status checked = (*head)->CheckHeader(header); !checked.ok()) return checked;
   open_announced_ = announced;
   Admission* admission = ctx_->admission;
   if (admission == nullptr) return absl::OkStatus();
@@ -54,6 +39,31 @@ absl::Status StepReactor::AdmitHeaderLocked(const StepMessage& message) {
   open_admitted_ = true;
   open_reserved_ = want;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Head>> StepReactor::ServableHeadLocked(const v1::StepHeader& header,
+                                                                      uint64_t& announced) {
+  // What can never be served is refused before any of its data is read, and without a retry
+  // hint even when the server is busy, so that nobody is invited to send it again. First the
+  // stream's token: streams live long (clients keep them between steps) and a reload may have
+  // revoked it since the call was authorised.
+  if (call_ != nullptr) {
+    if (absl::Status auth = AuthorizeOpenCall(ctx_->tokens, "/losshead.v1.LossHead/Step",
+                                              call_->client_metadata());
+        !auth.ok()) {
+      return auth;
+    }
+  }
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
+  if (!head.ok()) return head.status();
+  announced = AnnouncedBytes(header, (*head)->hidden_size());
+  if (announced > ctx_->max_microbatch_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "micro-batch of ", announced, " bytes (as its header announces) exceeds the limit of ",
+        ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
+  }
+  if (absl::Status checked = (*head)->CheckHeader(header); !checked.ok()) return checked;
+  return head;
 }
 
 absl::Status StepReactor::AdmitPieceLocked(const StepMessage& message) {

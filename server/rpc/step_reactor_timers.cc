@@ -17,6 +17,23 @@ constexpr size_t kNamedMicrobatches = 16;
 
 }  // namespace
 
+void StepReactor::ArmStallLocked(absl::Time now) {
+  const absl::Duration stall =
+      ctx_->admission != nullptr ? ctx_->admission->stall_timeout() : absl::InfiniteDuration();
+  // One alarm at a time covers every micro-batch of the stream: it re-arms while one is open.
+  if (assembler_.open() && !alarm_pending_[kStall] && stall != absl::InfiniteDuration()) {
+    ArmAlarmLocked(kStall, now + (stall - stall_waited_));
+  }
+}
+
+void StepReactor::ArmUnreadLocked() {
+  const absl::Duration unread =
+      ctx_->admission != nullptr ? ctx_->admission->unread_timeout() : absl::InfiniteDuration();
+  if (!alarm_pending_[kUnread] && unread != absl::InfiniteDuration()) {
+    ArmAlarmLocked(kUnread, write_started_ + unread);
+  }
+}
+
 void StepReactor::ArmAlarmLocked(Timer timer, absl::Time when) {
   ++pins_;  // the alarm's callback uses `this`
   alarm_pending_[timer] = true;
@@ -44,22 +61,7 @@ void StepReactor::OnStallAlarm(bool fired) {
       const absl::Duration waited =
           stall_waited_ + (reading_ ? now - read_started_ : absl::ZeroDuration());
       if (waited >= timeout) {
-        const v1::StepHeader& h = assembler_.open_header();
-        end_status_ = grpc::Status(
-            grpc::StatusCode::ABORTED,
-            absl::StrCat(
-                "micro-batch (head '", h.head(), "', client '", h.client_id(), "', sequence ",
-                h.sequence(), ") made no progress for ", absl::ToDoubleSeconds(waited),
-                " s (--step_stall_timeout=", absl::FormatDuration(timeout), "; ", open_received_,
-                " of ", open_announced_, " bytes received, and each ", progress_step_,
-                " more, or its end, must come within the timeout): it was abandoned and its "
-                "reservation released, and nothing of it was counted; send it again on a new "
-                "stream"));
-        assembler_.Clear();
-        ReleaseOpenLocked();
-        open_received_ = 0;
-        open_announced_ = 0;
-        ctx_->metrics->StalledMicrobatch();
+        AbandonStalledLocked(waited, timeout);
         stalled = true;
       } else {
         ArmAlarmLocked(kStall, now + (timeout - waited));
@@ -68,6 +70,24 @@ void StepReactor::OnStallAlarm(bool fired) {
   }
   if (stalled) Pump();
   Unpin();
+}
+
+void StepReactor::AbandonStalledLocked(absl::Duration waited, absl::Duration timeout) {
+  const v1::StepHeader& h = assembler_.open_header();
+  end_status_ = grpc::Status(
+      grpc::StatusCode::ABORTED,
+      absl::StrCat("micro-batch (head '", h.head(), "', client '", h.client_id(), "', sequence ",
+                   h.sequence(), ") made no progress for ", absl::ToDoubleSeconds(waited),
+                   " s (--step_stall_timeout=", absl::FormatDuration(timeout), "; ", open_received_,
+                   " of ", open_announced_, " bytes received, and each ", progress_step_,
+                   " more, or its end, must come within the timeout): it was abandoned and its "
+                   "reservation released, and nothing of it was counted; send it again on a new "
+                   "stream"));
+  assembler_.Clear();
+  ReleaseOpenLocked();
+  open_received_ = 0;
+  open_announced_ = 0;
+  ctx_->metrics->StalledMicrobatch();
 }
 
 void StepReactor::OnUnreadAlarm(bool fired) {
@@ -103,24 +123,8 @@ void StepReactor::OnUnreadAlarm(bool fired) {
 }
 
 grpc::Status StepReactor::AbandonUnreadLocked(absl::Duration waited) {
-  // Named before anything is dropped: every micro-batch whose answer the client has not had.
-  std::string computed, started, dropped;
-  size_t named = 0;
-  for (const std::shared_ptr<Slot>& slot : slots_) {
-    const v1::StepHeader& h = slot->assembled.microbatch.header;
-    std::string& list = slot->done ? computed : slot->started ? started : dropped;
-    if (named++ == kNamedMicrobatches) {
-      absl::StrAppend(&list, list.empty() ? "" : ", ", "...");
-      continue;
-    }
-    if (named > kNamedMicrobatches) continue;
-    absl::StrAppend(&list, list.empty() ? "" : ", ", "(client '", h.client_id(), "', sequence ",
-                    h.sequence(), ")");
-  }
-  std::string what;
-  if (!computed.empty()) absl::StrAppend(&what, "; answered, not delivered: ", computed);
-  if (!started.empty()) absl::StrAppend(&what, "; started, its answer dropped: ", started);
-  if (!dropped.empty()) absl::StrAppend(&what, "; not computed: ", dropped);
+  // Named before anything is dropped.
+  const std::string what = UndeliveredLocked();
   grpc::Status status(
       grpc::StatusCode::ABORTED,
       absl::StrCat(
@@ -138,6 +142,27 @@ grpc::Status StepReactor::AbandonUnreadLocked(absl::Duration waited) {
   for (const std::shared_ptr<Slot>& slot : slots_) ReleaseSlotLocked(*slot);
   ctx_->metrics->UnreadAnswerAbort();
   return status;
+}
+
+std::string StepReactor::UndeliveredLocked() const {
+  std::string computed, started, dropped;
+  size_t named = 0;
+  for (const std::shared_ptr<Slot>& slot : slots_) {
+    const v1::StepHeader& h = slot->assembled.microbatch.header;
+    std::string& list = slot->done ? computed : slot->started ? started : dropped;
+    if (named++ == kNamedMicrobatches) {
+      absl::StrAppend(&list, list.empty() ? "" : ", ", "...");
+      continue;
+    }
+    if (named > kNamedMicrobatches) continue;
+    absl::StrAppend(&list, list.empty() ? "" : ", ", "(client '", h.client_id(), "', sequence ",
+                    h.sequence(), ")");
+  }
+  std::string what;
+  if (!computed.empty()) absl::StrAppend(&what, "; answered, not delivered: ", computed);
+  if (!started.empty()) absl::StrAppend(&what, "; started, its answer dropped: ", started);
+  if (!dropped.empty()) absl::StrAppend(&what, "; not computed: ", dropped);
+  return what;
 }
 
 }  // namespace losshead::server
