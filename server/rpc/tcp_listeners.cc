@@ -35,6 +35,27 @@ int SetInt(int fd, int level, int name, int value) {
 
 std::string Errno(int error) { return std::strerror(error); }
 
+// `address` as its host and port ("[host]:port" for an IPv6 literal), and the port's number; an
+// error's message says why it is not one.
+absl::Status SplitHostPort(const std::string& address, std::string& host, std::string& port,
+                           int& port_number) {
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find("]:");
+    if (close == std::string::npos) return absl::InvalidArgumentError("expected [host]:port");
+    host = address.substr(1, close - 1);
+    port = address.substr(close + 2);
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == std::string::npos) return absl::InvalidArgumentError("expected host:port");
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+  }
+  if (!absl::SimpleAtoi(port, &port_number) || port_number < 0 || port_number > 65535) {
+    return absl::InvalidArgumentError("bad port");
+  }
+  return absl::OkStatus();
+}
+
 bool IsWildcard(const std::string& host) {
   return host.empty() || host == "*" || host == "0.0.0.0" || host == "::";
 }
@@ -131,20 +152,9 @@ absl::StatusOr<TcpListeners> ListenTcp(const std::string& address) {
   };
   std::string host;
   std::string port;
-  if (absl::StartsWith(address, "[")) {
-    const size_t close = address.find("]:");
-    if (close == std::string::npos) return unavailable("expected [host]:port");
-    host = address.substr(1, close - 1);
-    port = address.substr(close + 2);
-  } else {
-    const size_t colon = address.rfind(':');
-    if (colon == std::string::npos) return unavailable("expected host:port");
-    host = address.substr(0, colon);
-    port = address.substr(colon + 1);
-  }
   int port_number = 0;
-  if (!absl::SimpleAtoi(port, &port_number) || port_number < 0 || port_number > 65535) {
-    return unavailable("bad port");
+  if (absl::Status split = SplitHostPort(address, host, port, port_number); !split.ok()) {
+    return unavailable(split.message());
   }
   // The addresses to bind, in order.
   std::vector<Candidate> candidates;
