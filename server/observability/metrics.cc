@@ -1,55 +1,17 @@
 #include "server/observability/metrics.h"
 
-#include <array>
-#include <cstdint>
+#include <memory>
 #include <string>
-#include <utility>
-#include <vector>
 
-#include "absl/status/status.h"
-#include "absl/strings/ascii.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
+#include "server/observability/metrics_internal.h"
 
 namespace losshead::server {
-namespace {
 
-// The kinds of memory heads hold, by label value: the series of head_memory and device_memory.
-std::array<std::pair<const char*, uint64_t>, 5> HeldKinds(const DeviceMemory& m) {
-  return {{{"weights", m.weights},
-           {"gradient", m.gradient},
-           {"workspace", m.workspace},
-           {"master_weights", m.master_weights},
-           {"optimizer_state", m.optimizer_state}}};
-}
-
-// Seconds, from 0.1 ms (a tiny micro-batch's queue wait) to 60 s (a 2 GiB pull on a slow link).
-const prometheus::Histogram::BucketBoundaries& Buckets() {
-  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
-      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-      0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
-  return *buckets;
-}
-
-// Seconds, from 10 ms (a small head on a local disk) to 10 minutes (tens of GiB of W, dW and
-// optimizer state fsynced to network storage).
-const prometheus::Histogram::BucketBoundaries& CheckpointBuckets() {
-  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
-      0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600};
-  return *buckets;
-}
-
-double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
-
-// "ok", "invalid_argument", ...: the value of losshead_rpcs_total{code} and of
-// losshead_failures_total{reason}, one spelling for both so that they join and compare as they
-// are (absl and gRPC share the numeric codes).
-std::string CodeName(int code) {
-  return absl::AsciiStrToLower(absl::StatusCodeToString(static_cast<absl::StatusCode>(code)));
-}
-std::string ReasonName(int code) { return CodeName(code); }
-
-}  // namespace
+using metrics_internal::Buckets;
+using metrics_internal::CheckpointBuckets;
+using metrics_internal::HeldKinds;
 
 Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
@@ -278,137 +240,6 @@ std::string Metrics::RenderText() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 
-void Metrics::RpcFinished(absl::string_view method, int code, absl::Duration duration) {
-  const std::string m(method);
-  rpc_duration_.Add({{"method", m}}, Buckets()).Observe(Seconds(duration));
-  rpcs_.Add({{"method", m}, {"code", CodeName(code)}}).Increment();
-  if (code != 0) failures_.Add({{"method", m}, {"reason", ReasonName(code)}}).Increment();
-}
-
-void Metrics::StepPhase(const std::string& head, absl::string_view phase, absl::Duration d) {
-  phase_duration_.Add({{"head", head}, {"phase", std::string(phase)}}, Buckets())
-      .Observe(Seconds(d));
-}
-
-void Metrics::Microbatch(const std::string& head, absl::string_view outcome, int code) {
-  microbatches_.Add({{"head", head}, {"outcome", std::string(outcome)}}).Increment();
-  if (code != 0) failures_.Add({{"method", "Step"}, {"reason", ReasonName(code)}}).Increment();
-}
-
-void Metrics::Failure(absl::string_view method, int code) {
-  failures_.Add({{"method", std::string(method)}, {"reason", ReasonName(code)}}).Increment();
-}
-
-void Metrics::StalledMicrobatch() { stalls_.Increment(); }
-
-void Metrics::UnreadAnswerAbort() { unread_aborts_.Increment(); }
-
-void Metrics::Tokens(const std::string& head, uint64_t tokens) {
-  tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));
-}
-
-void Metrics::Bytes(absl::string_view method, absl::string_view direction, uint64_t bytes) {
-  bytes_.Add({{"method", std::string(method)}, {"direction", std::string(direction)}})
-      .Increment(static_cast<double>(bytes));
-}
-
-void Metrics::InflightAdd(int64_t delta) {
-  inflight_count_ += delta;
-  inflight_.Increment(static_cast<double>(delta));
-}
-
-void Metrics::Pull(const std::string& head) { pulls_.Add({{"head", head}}).Increment(); }
-void Metrics::Push(const std::string& head) { pushes_.Add({{"head", head}}).Increment(); }
-
-void Metrics::OptimizerApply(const std::string& head, absl::string_view outcome,
-                             absl::Duration duration) {
-  optimizer_applies_.Add({{"head", head}, {"outcome", std::string(outcome)}}).Increment();
-  optimizer_apply_duration_.Add({{"head", head}}, Buckets()).Observe(Seconds(duration));
-}
-
-void Metrics::HeadMemory(const std::string& head, const DeviceMemory& m) {
-  for (const auto& [kind, bytes] : HeldKinds(m)) {
-    head_memory_.Add({{"head", head}, {"kind", kind}}).Set(static_cast<double>(bytes));
-  }
-}
-
-void Metrics::HeadDevices(const std::string& head, size_t count) {
-  head_devices_.Add({{"head", head}}).Set(static_cast<double>(count));
-}
-
-void Metrics::DeviceMemoryBytes(const std::string& device, const DeviceMemory& m) {
-  auto set = [&](const char* kind, uint64_t bytes) {
-    device_memory_.Add({{"device", device}, {"kind", kind}}).Set(static_cast<double>(bytes));
-  };
-  for (const auto& [kind, bytes] : HeldKinds(m)) set(kind, bytes);
-  set("free", m.free);
-  set("total", m.total);
-}
-
-void Metrics::DeviceBusy(const std::string& device, absl::Duration duration) {
-  device_busy_.Add({{"device", device}}).Increment(Seconds(duration));
-}
-
-void Metrics::HostBufferBytes(size_t page_locked_held, size_t page_locked_idle, size_t dh_idle) {
-  host_buffers_.Add({{"pool", "page_locked"}, {"state", "held"}})
-      .Set(static_cast<double>(page_locked_held));
-  host_buffers_.Add({{"pool", "page_locked"}, {"state", "idle"}})
-      .Set(static_cast<double>(page_locked_idle));
-  host_buffers_.Add({{"pool", "dh"}, {"state", "idle"}}).Set(static_cast<double>(dh_idle));
-}
-
-void Metrics::Heads(size_t count) { heads_.Set(static_cast<double>(count)); }
-
-void Metrics::AuthTokens(size_t count) {
-  auth_tokens_family_.Add({}).Set(static_cast<double>(count));
-}
-
-void Metrics::TokenReload(bool ok, size_t tokens_in_force) {
-  token_reloads_.Add({{"result", ok ? "ok" : "error"}}).Increment();
-  AuthTokens(tokens_in_force);
-}
-
-void Metrics::GradientDiscard(const std::string& head, uint64_t microbatches, uint64_t tokens) {
-  discards_.Add({{"head", head}}).Increment();
-  discarded_microbatches_.Add({{"head", head}}).Increment(static_cast<double>(microbatches));
-  discarded_tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));
-}
-
-void Metrics::HeadWindow(const std::string& head, uint64_t microbatches, uint64_t tokens,
-                         absl::Duration age) {
-  window_microbatches_.Add({{"head", head}}).Set(static_cast<double>(microbatches));
-  window_tokens_.Add({{"head", head}}).Set(static_cast<double>(tokens));
-  window_age_.Add({{"head", head}}).Set(Seconds(age));
-  // The discard counters exist from the head's first refresh on, at 0: a rate over them (and an
-  // alert that compares windows with discards) then sees a value, not a missing series.
-  for (auto* family : {&discards_, &discarded_microbatches_, &discarded_tokens_}) {
-    family->Add({{"head", head}});
-  }
-}
-
-void Metrics::RememberedResults(size_t results, size_t bytes,
-                                const std::vector<std::pair<std::string, uint64_t>>& evictions) {
-  remembered_results_.Add({}).Set(static_cast<double>(results));
-  remembered_bytes_.Add({}).Set(static_cast<double>(bytes));
-  for (const auto& [cause, count] : evictions) {
-    prometheus::Counter& counter = remembered_evictions_.Add({{"cause", cause}});
-    const double more = static_cast<double>(count) - counter.Value();
-    if (more > 0) counter.Increment(more);
-  }
-}
-
-void Metrics::ConnectionsOpen(size_t count) {
-  connections_open_.Add({}).Set(static_cast<double>(count));
-}
-
-void Metrics::ConnectionAccepted() { connections_accepted_.Add({}).Increment(); }
-
-void Metrics::ConnectionRefused() { connections_refused_.Add({}).Increment(); }
-
-void Metrics::ConnectionReaped(absl::string_view reason) {
-  connections_reaped_.Add({{"reason", std::string(reason)}}).Increment();
-}
-
 void Metrics::RemoveHead(const std::string& head) {
   auto drop = [&head](auto& family, const prometheus::Labels& extra) {
     prometheus::Labels labels = extra;
@@ -444,59 +275,6 @@ void Metrics::RemoveHead(const std::string& head) {
   for (const char* outcome : {"ok", "forward"}) drop(last_loss_, {{"outcome", outcome}});
   for (const char* scope : {"head", "total"}) drop(grad_norm_, {{"scope", scope}});
   drop(clip_coefficient_, {});
-}
-
-// --- Build, checkpoints and training values. ---
-
-void Metrics::BuildInfo(const std::string& version, const std::string& backend,
-                        const std::string& cuda) {
-  build_info_.Add({{"version", version}, {"backend", backend}, {"cuda", cuda}}).Set(1);
-}
-
-void Metrics::CheckpointInterval(absl::Duration interval) {
-  checkpoint_interval_family_.Add({}).Set(Seconds(interval));
-}
-
-void Metrics::CheckpointRestoreDuration(absl::Duration duration) {
-  checkpoint_restore_family_.Add({}).Set(Seconds(duration));
-}
-
-void Metrics::CheckpointWritten(const std::string& head, uint64_t bytes, absl::Duration duration,
-                                absl::Time persisted_at) {
-  checkpoint_writes_.Add({{"head", head}, {"result", "ok"}}).Increment();
-  checkpoint_duration_.Add({{"head", head}}, CheckpointBuckets()).Observe(Seconds(duration));
-  CheckpointRestored(head, bytes, persisted_at);
-}
-
-void Metrics::CheckpointFailed(const std::string& head, absl::Duration duration) {
-  checkpoint_writes_.Add({{"head", head}, {"result", "error"}}).Increment();
-  checkpoint_duration_.Add({{"head", head}}, CheckpointBuckets()).Observe(Seconds(duration));
-}
-
-void Metrics::CheckpointRestored(const std::string& head, uint64_t bytes, absl::Time persisted_at) {
-  checkpoint_bytes_.Add({{"head", head}}).Set(static_cast<double>(bytes));
-  checkpoint_last_success_.Add({{"head", head}})
-      .Set(absl::ToDoubleSeconds(persisted_at - absl::UnixEpoch()));
-}
-
-void Metrics::HeadTraining(const std::string& head, uint64_t weights_version,
-                           uint64_t optimizer_step) {
-  weights_version_.Add({{"head", head}}).Set(static_cast<double>(weights_version));
-  optimizer_step_.Add({{"head", head}}).Set(static_cast<double>(optimizer_step));
-}
-
-void Metrics::MicrobatchLoss(const std::string& head, absl::string_view outcome, double loss_sum,
-                             int64_t tokens) {
-  if (tokens <= 0) return;
-  last_loss_.Add({{"head", head}, {"outcome", std::string(outcome)}})
-      .Set(loss_sum / static_cast<double>(tokens));
-}
-
-void Metrics::OptimizerNorms(const std::string& head, double head_norm, double total_norm,
-                             double clip_coefficient) {
-  grad_norm_.Add({{"head", head}, {"scope", "head"}}).Set(head_norm);
-  grad_norm_.Add({{"head", head}, {"scope", "total"}}).Set(total_norm);
-  clip_coefficient_.Add({{"head", head}}).Set(clip_coefficient);
 }
 
 }  // namespace losshead::server

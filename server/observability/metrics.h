@@ -1,4 +1,8 @@
 // The Prometheus metrics of docs/metrics.md, and nothing else. Thread-safe.
+//
+// Defined in three files: the families with their names and help, and the removal of a head's
+// series (metrics.cc); what is served (metrics_traffic.cc); what is held, the build, checkpoints
+// and training values (metrics_state.cc).
 #ifndef LOSSHEAD_SERVER_OBSERVABILITY_METRICS_H_
 #define LOSSHEAD_SERVER_OBSERVABILITY_METRICS_H_
 

@@ -1,8 +1,6 @@
 #include "server/rpc/connection_guard.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
@@ -20,10 +18,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
-#include "absl/strings/strip.h"
+#include "server/rpc/tcp_listeners.h"
 
 namespace losshead::server {
 namespace {
@@ -37,31 +33,6 @@ constexpr absl::Duration kSweepPeriod = absl::Seconds(5);
 constexpr absl::Duration kAcceptPause = absl::Milliseconds(100);
 // Connections taken per listener wake-up, so that timeouts and hang-ups are served in between.
 constexpr int kAcceptBurst = 256;
-
-// Key layout: family byte, address bytes (4 or 16), port (2 bytes, network order).
-std::string KeyOf(int family, const void* address, size_t size, uint16_t port_network_order) {
-  std::string key(1, static_cast<char>(family));
-  key.append(static_cast<const char*>(address), size);
-  key.append(reinterpret_cast<const char*>(&port_network_order), sizeof(port_network_order));
-  return key;
-}
-
-// The key of an accepted peer; an IPv4 address mapped into IPv6 is keyed as the IPv4 one, as
-// gRPC names it.
-std::optional<std::string> KeyOfSockaddr(const sockaddr_storage& addr) {
-  if (addr.ss_family == AF_INET) {
-    const auto& in = reinterpret_cast<const sockaddr_in&>(addr);
-    return KeyOf(AF_INET, &in.sin_addr, sizeof(in.sin_addr), in.sin_port);
-  }
-  if (addr.ss_family == AF_INET6) {
-    const auto& in6 = reinterpret_cast<const sockaddr_in6&>(addr);
-    if (IN6_IS_ADDR_V4MAPPED(&in6.sin6_addr)) {
-      return KeyOf(AF_INET, &in6.sin6_addr.s6_addr[12], 4, in6.sin6_port);
-    }
-    return KeyOf(AF_INET6, &in6.sin6_addr, sizeof(in6.sin6_addr), in6.sin6_port);
-  }
-  return std::nullopt;
-}
 
 int SetInt(int fd, int level, int name, int value) {
   return setsockopt(fd, level, name, &value, sizeof(value));
@@ -106,163 +77,16 @@ size_t DefaultMaxConnections(size_t descriptors) {
   return std::max<size_t>(1, (descriptors - reserve) / 2);
 }
 
-std::optional<std::string> PeerKeyOfUri(absl::string_view uri) {
-  int family;
-  if (absl::ConsumePrefix(&uri, "ipv4:")) {
-    family = AF_INET;
-  } else if (absl::ConsumePrefix(&uri, "ipv6:")) {
-    family = AF_INET6;
-  } else {
-    return std::nullopt;
-  }
-  // gRPC percent-encodes the brackets (and a scope's %) of an IPv6 address in some versions.
-  std::string text = absl::StrReplaceAll(uri, {{"%5B", "["}, {"%5D", "]"}, {"%25", "%"}});
-  const size_t colon = text.rfind(':');
-  if (colon == std::string::npos) return std::nullopt;
-  int port = 0;
-  if (!absl::SimpleAtoi(absl::string_view(text).substr(colon + 1), &port) || port < 0 ||
-      port > 65535) {
-    return std::nullopt;
-  }
-  std::string host = text.substr(0, colon);
-  if (family == AF_INET6) {
-    if (host.size() < 2 || host.front() != '[' || host.back() != ']') return std::nullopt;
-    host = host.substr(1, host.size() - 2);
-    host = host.substr(0, host.find('%'));  // a scope id: the address alone keys it
-  }
-  sockaddr_storage addr{};
-  addr.ss_family = static_cast<sa_family_t>(family);
-  if (family == AF_INET) {
-    auto& in = reinterpret_cast<sockaddr_in&>(addr);
-    if (inet_pton(AF_INET, host.c_str(), &in.sin_addr) != 1) return std::nullopt;
-    in.sin_port = htons(static_cast<uint16_t>(port));
-  } else {
-    auto& in6 = reinterpret_cast<sockaddr_in6&>(addr);
-    if (inet_pton(AF_INET6, host.c_str(), &in6.sin6_addr) != 1) return std::nullopt;
-    in6.sin6_port = htons(static_cast<uint16_t>(port));
-  }
-  return KeyOfSockaddr(addr);
-}
-
 absl::StatusOr<std::unique_ptr<ConnectionGuard>> ConnectionGuard::Listen(const std::string& address,
                                                                          const Options& options,
                                                                          Metrics* metrics) {
-  auto unavailable = [&address](absl::string_view why) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", address, ": ", why));
-  };
-  std::string host;
-  std::string port;
-  if (absl::StartsWith(address, "[")) {
-    const size_t close = address.find("]:");
-    if (close == std::string::npos) return unavailable("expected [host]:port");
-    host = address.substr(1, close - 1);
-    port = address.substr(close + 2);
-  } else {
-    const size_t colon = address.rfind(':');
-    if (colon == std::string::npos) return unavailable("expected host:port");
-    host = address.substr(0, colon);
-    port = address.substr(colon + 1);
-  }
-  int port_number = 0;
-  if (!absl::SimpleAtoi(port, &port_number) || port_number < 0 || port_number > 65535) {
-    return unavailable("bad port");
-  }
-
-  // The addresses to bind, in order. A wildcard host, as gRPC's own listener does it: one IPv6
-  // socket that takes IPv4 too (dual stack), or IPv4 alone where the host has no IPv6.
-  struct Candidate {
-    sockaddr_storage addr{};
-    socklen_t length = 0;
-    bool v6only = false;
-    bool fallback = false;  // only when nothing before it could be bound
-  };
-  std::vector<Candidate> candidates;
-  if (host.empty() || host == "*" || host == "0.0.0.0" || host == "::") {
-    Candidate v6;
-    auto& in6 = reinterpret_cast<sockaddr_in6&>(v6.addr);
-    in6.sin6_family = AF_INET6;
-    in6.sin6_addr = in6addr_any;
-    v6.length = sizeof(sockaddr_in6);
-    candidates.push_back(v6);
-    Candidate v4;
-    auto& in = reinterpret_cast<sockaddr_in&>(v4.addr);
-    in.sin_family = AF_INET;
-    in.sin_addr.s_addr = htonl(INADDR_ANY);
-    v4.length = sizeof(sockaddr_in);
-    v4.fallback = true;
-    candidates.push_back(v4);
-  } else {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    addrinfo* found = nullptr;
-    const int resolved = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
-    if (resolved != 0) return unavailable(gai_strerror(resolved));
-    bool has_v4 = false;
-    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-      has_v4 |= a->ai_family == AF_INET;
-    }
-    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-      if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
-      Candidate c;
-      std::memcpy(&c.addr, a->ai_addr, a->ai_addrlen);
-      c.length = a->ai_addrlen;
-      c.v6only = has_v4;  // the host's IPv4 addresses have sockets of their own
-      candidates.push_back(c);
-    }
-    freeaddrinfo(found);
-  }
-
-  std::vector<int> listeners;
-  int bound_port = port_number;
-  std::string last_error = "no address";
-  for (Candidate& c : candidates) {
-    if (c.fallback && !listeners.empty()) break;
-    // Port 0: every address on the port the first one got.
-    if (c.addr.ss_family == AF_INET) {
-      reinterpret_cast<sockaddr_in&>(c.addr).sin_port = htons(static_cast<uint16_t>(bound_port));
-    } else {
-      reinterpret_cast<sockaddr_in6&>(c.addr).sin6_port = htons(static_cast<uint16_t>(bound_port));
-    }
-    const int fd = socket(c.addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      last_error = Errno(errno);
-      continue;
-    }
-    // As gRPC's own listener: quick restarts on the port, no SO_REUSEPORT (a second server must
-    // not share the port silently), low latency.
-    SetInt(fd, SOL_SOCKET, SO_REUSEADDR, 1);
-    SetInt(fd, IPPROTO_TCP, TCP_NODELAY, 1);
-    if (c.addr.ss_family == AF_INET6) SetInt(fd, IPPROTO_IPV6, IPV6_V6ONLY, c.v6only ? 1 : 0);
-    if (bind(fd, reinterpret_cast<const sockaddr*>(&c.addr), c.length) != 0 ||
-        listen(fd, SOMAXCONN) != 0) {
-      const int error = errno;
-      close(fd);
-      // An address family the host lacks (IPv6 off) is skipped when another one binds.
-      if (error == EADDRNOTAVAIL || error == EAFNOSUPPORT) {
-        last_error = Errno(error);
-        continue;
-      }
-      for (int l : listeners) close(l);
-      return unavailable(Errno(error));
-    }
-    if (bound_port == 0) {
-      sockaddr_storage local{};
-      socklen_t length = sizeof(local);
-      if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
-        bound_port = ntohs(local.ss_family == AF_INET
-                               ? reinterpret_cast<const sockaddr_in&>(local).sin_port
-                               : reinterpret_cast<const sockaddr_in6&>(local).sin6_port);
-      }
-    }
-    listeners.push_back(fd);
-  }
-  if (listeners.empty()) return unavailable(last_error);
+  absl::StatusOr<TcpListeners> bound = ListenTcp(address);
+  if (!bound.ok()) return bound.status();
   auto guard = std::unique_ptr<ConnectionGuard>(
-      new ConnectionGuard(std::move(listeners), bound_port, options, metrics));
+      new ConnectionGuard(std::move(bound->fds), bound->port, options, metrics));
   if (guard->epoll_fd_ < 0 || guard->wake_fd_ < 0) {
-    return unavailable(absl::StrCat("epoll/eventfd: ", Errno(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", address, ": epoll/eventfd: ", Errno(errno)));
   }
   return guard;
 }
@@ -373,67 +197,71 @@ void ConnectionGuard::Run() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
-      if (!accepting_ && !listeners_.empty()) {
-        for (int fd : listeners_) {
-          epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
-          close(fd);
-        }
-        listeners_.clear();  // StopAccepting returns
-      }
-      const absl::Time now = absl::Now();
-      absl::Duration wait = std::min(ReapLocked(now), absl::Seconds(1));
-      if (now >= next_sweep_) {
-        SweepLocked();
-        next_sweep_ = now + kSweepPeriod;
-      }
-      if (paused && now >= accept_paused_until_) {
-        paused = false;
-        for (int fd : listeners_) {
-          epoll_event event{};
-          event.events = EPOLLIN;
-          event.data.u64 = static_cast<uint32_t>(fd);
-          epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, fd, &event);
-        }
-      } else if (!paused && now < accept_paused_until_) {
-        paused = true;
-        for (int fd : listeners_) {
-          epoll_event event{};  // no events: the queue waits in the kernel
-          event.data.u64 = static_cast<uint32_t>(fd);
-          epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, fd, &event);
-        }
-      }
-      if (paused) wait = std::min(wait, accept_paused_until_ - now);
-      timeout_ms = static_cast<int>(std::clamp<int64_t>(
-          absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))), 1, 1000));
+      timeout_ms = TendLocked(paused);
     }
     const int n = epoll_wait(epoll_fd_, events, kEvents, timeout_ms);
-    for (int i = 0; i < n; ++i) {
-      const int fd = static_cast<int>(events[i].data.u64 & 0xffffffff);
-      const uint64_t id = events[i].data.u64 >> 32;
-      if (fd == wake_fd_) {
-        uint64_t count;
-        [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
-        continue;
+    for (int i = 0; i < n; ++i) OnEvent(events[i].data.u64);
+  }
+}
+
+int ConnectionGuard::TendLocked(bool& paused) {
+  if (!accepting_ && !listeners_.empty()) {
+    for (int fd : listeners_) {
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+      close(fd);
+    }
+    listeners_.clear();  // StopAccepting returns
+  }
+  const absl::Time now = absl::Now();
+  absl::Duration wait = std::min(ReapLocked(now), absl::Seconds(1));
+  if (now >= next_sweep_) {
+    SweepLocked();
+    next_sweep_ = now + kSweepPeriod;
+  }
+  if (paused && now >= accept_paused_until_) {
+    paused = false;
+    WatchListenersLocked(EPOLLIN);
+  } else if (!paused && now < accept_paused_until_) {
+    paused = true;
+    WatchListenersLocked(0);  // no events: the queue waits in the kernel
+  }
+  if (paused) wait = std::min(wait, accept_paused_until_ - now);
+  return static_cast<int>(std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))), 1, 1000));
+}
+
+void ConnectionGuard::WatchListenersLocked(uint32_t events) {
+  for (int fd : listeners_) {
+    epoll_event event{};
+    event.events = events;
+    event.data.u64 = static_cast<uint32_t>(fd);
+    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, fd, &event);
+  }
+}
+
+void ConnectionGuard::OnEvent(uint64_t data) {
+  const int fd = static_cast<int>(data & 0xffffffff);
+  const uint64_t id = data >> 32;
+  if (fd == wake_fd_) {
+    uint64_t count;
+    [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
+    return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    const bool listener =
+        id == 0 && std::find(listeners_.begin(), listeners_.end(), fd) != listeners_.end();
+    if (!listener) {
+      // The peer hung up, or gRPC shut the socket down as it closed the connection. (An event of
+      // a watch closed earlier in this batch may name a number reused since: the id tells.)
+      auto at = connections_.find(fd);
+      if (at != connections_.end() && (at->second.id & 0xffffffff) == id) {
+        DropLocked(fd, /*shut=*/false);
       }
-      bool listener;
-      {
-        absl::MutexLock lock(&mu_);
-        listener =
-            id == 0 && std::find(listeners_.begin(), listeners_.end(), fd) != listeners_.end();
-        if (!listener) {
-          // The peer hung up, or gRPC shut the socket down as it closed the connection. (An
-          // event of a watch closed earlier in this batch may name a number reused since: the
-          // id tells.)
-          auto at = connections_.find(fd);
-          if (at != connections_.end() && (at->second.id & 0xffffffff) == id) {
-            DropLocked(fd, /*shut=*/false);
-          }
-          continue;
-        }
-      }
-      AcceptAll(fd);
+      return;
     }
   }
+  AcceptAll(fd);
 }
 
 void ConnectionGuard::AcceptAll(int listener) {
@@ -465,7 +293,7 @@ void ConnectionGuard::AcceptAll(int listener) {
       std::fprintf(stderr, "losshead-server: accept failed: %s\n", Errno(error).c_str());
       return;
     }
-    std::optional<std::string> key = KeyOfSockaddr(addr);
+    std::optional<std::string> key = PeerKeyOfSockaddr(addr);
     if (!key.has_value()) {
       close(fd);
       continue;
@@ -482,46 +310,10 @@ void ConnectionGuard::Admit(int listener, int fd, std::string key) {
       close(fd);
       return;
     }
-    if (connections_.size() >= options_.max_connections) {
-      SweepLocked();  // connections gRPC let go of without a shutdown do not count
-      next_sweep_ = absl::Now() + kSweepPeriod;
-    }
-    if (connections_.size() >= options_.max_connections) {
-      if (unproven_.empty()) {
-        close(fd);
-        if (metrics_ != nullptr) metrics_->ConnectionRefused();
-        return;
-      }
-      DropLocked(unproven_.front(), /*shut=*/true);
-      if (metrics_ != nullptr) metrics_->ConnectionReaped("displaced");
-    }
-    struct stat st {};
-    const int watch = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (watch < 0 || fstat(fd, &st) != 0) {
-      if (watch >= 0) close(watch);
+    if (!MakeRoomLocked() || !TrackLocked(fd, std::move(key))) {
       close(fd);
       if (metrics_ != nullptr) metrics_->ConnectionRefused();
       return;
-    }
-    const uint64_t id = (++last_id_ & 0xffffffff) == 0 ? ++last_id_ : last_id_;  // never 0
-    epoll_event event{};
-    event.events = EPOLLRDHUP;  // with EPOLLHUP and EPOLLERR, always reported; never data
-    event.data.u64 = ((id & 0xffffffff) << 32) | static_cast<uint32_t>(watch);
-    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, watch, &event);
-    // The same address and port again: the connection that had them is gone.
-    if (auto old = by_peer_.find(key); old != by_peer_.end()) DropLocked(old->second, true);
-    unproven_.push_back(watch);
-    Connection& connection = connections_[watch];
-    connection.id = id;
-    connection.peer = key;
-    connection.grpc_fd = fd;
-    connection.inode = st.st_ino;
-    connection.accepted = absl::Now();
-    connection.unproven_at = std::prev(unproven_.end());
-    by_peer_[key] = watch;
-    if (metrics_ != nullptr) {
-      metrics_->ConnectionAccepted();
-      metrics_->ConnectionsOpen(connections_.size());
     }
   }
   // gRPC owns `fd` from here (it closes it if it is shutting down).
@@ -529,6 +321,48 @@ void ConnectionGuard::Admit(int listener, int fd, std::string key) {
   params.listener_fd = listener;
   params.fd = fd;
   acceptor_->HandleNewConnection(&params);
+}
+
+bool ConnectionGuard::MakeRoomLocked() {
+  if (connections_.size() >= options_.max_connections) {
+    SweepLocked();  // connections gRPC let go of without a shutdown do not count
+    next_sweep_ = absl::Now() + kSweepPeriod;
+  }
+  if (connections_.size() < options_.max_connections) return true;
+  if (unproven_.empty()) return false;
+  DropLocked(unproven_.front(), /*shut=*/true);
+  if (metrics_ != nullptr) metrics_->ConnectionReaped("displaced");
+  return true;
+}
+
+bool ConnectionGuard::TrackLocked(int fd, std::string key) {
+  struct stat st {};
+  const int watch = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (watch < 0 || fstat(fd, &st) != 0) {
+    if (watch >= 0) close(watch);
+    return false;
+  }
+  const uint64_t id = (++last_id_ & 0xffffffff) == 0 ? ++last_id_ : last_id_;  // never 0
+  epoll_event event{};
+  event.events = EPOLLRDHUP;  // with EPOLLHUP and EPOLLERR, always reported; never data
+  event.data.u64 = ((id & 0xffffffff) << 32) | static_cast<uint32_t>(watch);
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, watch, &event);
+  // The same address and port again: the connection that had them is gone.
+  if (auto old = by_peer_.find(key); old != by_peer_.end()) DropLocked(old->second, true);
+  unproven_.push_back(watch);
+  Connection& connection = connections_[watch];
+  connection.id = id;
+  connection.peer = key;
+  connection.grpc_fd = fd;
+  connection.inode = st.st_ino;
+  connection.accepted = absl::Now();
+  connection.unproven_at = std::prev(unproven_.end());
+  by_peer_[key] = watch;
+  if (metrics_ != nullptr) {
+    metrics_->ConnectionAccepted();
+    metrics_->ConnectionsOpen(connections_.size());
+  }
+  return true;
 }
 
 void ConnectionGuard::DropLocked(int watch, bool shut) {

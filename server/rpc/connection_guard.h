@@ -50,6 +50,7 @@
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "server/observability/metrics.h"
+#include "server/rpc/peer_key.h"  // the key connections are known by
 
 namespace losshead::server {
 
@@ -59,11 +60,6 @@ size_t DescriptorLimit();
 // a reserve for everything else the server opens (min(1024, descriptors / 4): files, devices,
 // gRPC's own, the metrics endpoint) is set aside, halved because each connection takes two.
 size_t DefaultMaxConnections(size_t descriptors);
-
-// The key of a TCP peer (address and port) as the guard's accept saw it and as gRPC names it in a
-// call's peer() ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", percent-encoded or not); an IPv4
-// address mapped into IPv6 is keyed as the IPv4 one. nullopt for anything else (unix:...).
-std::optional<std::string> PeerKeyOfUri(absl::string_view uri);
 
 class ConnectionGuard {
  public:
@@ -111,11 +107,27 @@ class ConnectionGuard {
   };
 
   ConnectionGuard(std::vector<int> listeners, int port, const Options& options, Metrics* metrics);
+  // The guard's thread: waits for events, tending the table in between.
   void Run();
+  // Between waits: closes the listeners once StopAccepting asked, reaps, sweeps, and pauses or
+  // resumes accepting (`paused`: whether it is paused now); the wait until the next of these is
+  // due, in milliseconds.
+  int TendLocked(bool& paused) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the listeners' epoll events: EPOLLIN to accept, none to leave the queue in the kernel.
+  void WatchListenersLocked(uint32_t events) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One epoll event (its data: the id and the descriptor): a wake-up, a listener with
+  // connections to accept, or a connection that hung up.
+  void OnEvent(uint64_t data);
   void AcceptAll(int listener);
   // Takes a new accepted socket `fd` from `listener` (peer `key`) into the table and hands it to
-  // gRPC, or refuses it; false when it could not (fd closed).
+  // gRPC, or refuses it (fd closed).
   void Admit(int listener, int fd, std::string key);
+  // Room for one more connection under max_connections, displacing the oldest one not proven if
+  // need be; false when every open connection is proven.
+  bool MakeRoomLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Watches `fd` (peer `key`) through a duplicate and enters it into the table, unproven; false
+  // when it could not be duplicated or inspected (nothing of it kept).
+  bool TrackLocked(int fd, std::string key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Closes the connection watched by `watch`: shuts the socket down (gRPC sees the hang-up) when
   // `shut`, then forgets it.
   void DropLocked(int watch, bool shut) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

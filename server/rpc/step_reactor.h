@@ -28,24 +28,32 @@
 // A malformed stream (a message that does not parse, data outside a micro-batch, a header inside
 // one, an end inside one) stops reading, answers every micro-batch it sent whole before the bad
 // message (they may be counted already), then ends INVALID_ARGUMENT, as a stalled one ends.
+//
+// Its definitions, by job: the gRPC reactions and what is read (step_reactor.cc), the stream's
+// reservations in Admission (step_reactor_admission.cc), running and answering micro-batches
+// (step_reactor_run.cc), and the two timers (step_reactor_timers.cc).
 #ifndef LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 #define LOSSHEAD_SERVER_RPC_STEP_REACTOR_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
-#include "transport/slice_message.h"
+#include "server/observability/microbatch_metrics.h"
 #include "server/rpc/service_context.h"
 #include "server/rpc/step_assembler.h"
+#include "transport/slice_message.h"
 
 namespace losshead::server {
 
@@ -90,8 +98,38 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // Issues whatever gRPC operations the state allows: the next write, the next read, Finish.
   // Must be called without mu_ (gRPC may run reactions inline).
   void Pump();
+  // Pump's steps, in its order: the next response to write (null: none now), whether to read
+  // the next request, and the status to finish with once nothing is left to write (nullopt: not
+  // yet).
+  const grpc::ByteBuffer* NextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool NextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::optional<grpc::Status> FinishStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Parses the read into message_ but for the hidden states, which stay in the slices until the
+  // assembler copies them to their buffer. A message that does not parse ends the call
+  // INVALID_ARGUMENT (false) rather than pass for the end of the stream.
+  bool ParseReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The client half-closed or the call broke: nothing more is read, and a micro-batch left open
+  // is malformed input.
+  void CloseReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartNextSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker's run of `slot`: its answer, computed or refused (ComputeSlot), recorded in the
+  // metrics (RecordSlot), encoded, and handed to the stream (CompleteSlotLocked).
   void RunSlot(std::shared_ptr<Slot> slot);
+  struct SlotRun {
+    absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome;
+    StepStats stats;  // what Head::Step reported
+    MicrobatchRecord::Reach reach = MicrobatchRecord::Reach::kNoHead;
+    // It took its place on the device: the next one may be running already.
+    bool ordered = false;
+  };
+  // The answer of `slot`, picked by a worker at `picked`: an error when the call is gone or the
+  // micro-batch was refused before it ran, else its head's Step (which starts the next slot as
+  // soon as this one holds the device).
+  void ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run);
+  void RecordSlot(const Slot& slot, absl::Time picked, const SlotRun& run);
+  // The slot is answered: its responses wait to be written, its reservation becomes its answer's.
+  void CompleteSlotLocked(Slot& slot, std::vector<grpc::ByteBuffer> responses, absl::Time picked,
+                          SlotRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stops reading; the stream ends with `status` once the micro-batches it received whole are
   // answered (the first such status stands; none after a cancel).
   void EndLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -104,6 +142,12 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // be served (unknown head, a field the head refuses, over --max_microbatch_bytes) or finds no
   // room in Admission is the refusal to answer it with at once; OK admits it.
   absl::Status AdmitHeaderLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AdmitHeaderLocked's first step: the head a header names, or why it can never be served (the
+  // stream's token revoked, no such head, `announced` bytes over --max_microbatch_bytes, a field
+  // the head refuses), in that order. `announced`: the bytes the header announces.
+  absl::StatusOr<std::shared_ptr<Head>> ServableHeadLocked(const v1::StepHeader& header,
+                                                           uint64_t& announced)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Admission bookkeeping of a further message of the open micro-batch, before its bytes are
   // buffered: the refusal to answer it with, or OK.
   absl::Status AdmitPieceLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -113,12 +157,23 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // re-arms.
   enum Timer { kStall = 0, kUnread = 1, kTimers = 2 };
   void ArmAlarmLocked(Timer timer, absl::Time when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Arms the stall alarm after a read at `now` while a micro-batch is open, and the unread alarm
+  // as a write starts; each only if a timeout is set and it is not armed already.
+  void ArmStallLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ArmUnreadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnStallAlarm(bool fired);
   void OnUnreadAlarm(bool fired);
   // The end of a call whose answers are not read: everything the stream holds is given back, the
   // micro-batches not started are dropped, and the status names the micro-batches whose answers
   // were not delivered.
   grpc::Status AbandonUnreadLocked(absl::Duration waited) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every micro-batch whose answer the client has not had, as the unread status names them (the
+  // first 16): "; answered, not delivered: ...; started, ...; not computed: ...".
+  std::string UndeliveredLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The open micro-batch made no progress for `waited` (>= `timeout`): it is abandoned, its
+  // reservation released, and the stream ends ABORTED once those before it are answered.
+  void AbandonStalledLocked(absl::Duration waited, absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the received micro-batches not yet started (a cancelled or abandoned call).
   void DropUnstartedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

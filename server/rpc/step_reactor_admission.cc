@@ -1,0 +1,116 @@
+// What a Step stream holds in Admission (step_reactor.h): the open micro-batch's admission and
+// reserved bytes, checked at its header and grown with each message, then each slot's until its
+// answer is written.
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/rpc/step_reactor.h"
+#include "server/security/auth.h"
+
+namespace losshead::server {
+
+absl::Status StepReactor::AdmitHeaderLocked(const StepMessage& message) {
+  const v1::StepHeader& header = message.request.header();
+  const size_t piece = message.bytes();
+  open_received_ = piece;
+  open_announced_ = 0;
+  uint64_t announced = 0;
+  absl::StatusOr<std::shared_ptr<Head>> head = ServableHeadLocked(header, announced);
+  if (!head.ok()) return head.status();
+  open_announced_ = announced;
+  Admission* admission = ctx_->admission;
+  if (admission == nullptr) return absl::OkStatus();
+  if (piece > ctx_->max_microbatch_bytes) return absl::OkStatus();  // refused as oversize
+  // Reserve what the header announces (capped by the per-micro-batch limit, beyond which the
+  // micro-batch is refused anyway), so that a large micro-batch is refused at its first
+  // message rather than after much of it has been buffered; and room for its answer, which
+  // takes the request's place once computed (more only where dH is asked for in a wider dtype;
+  // never more than the whole bound, so that it can always be admitted).
+  const uint64_t answer =
+      std::min<uint64_t>(AnswerBytes(header, (*head)->hidden_size()), admission->max_bytes());
+  const size_t want =
+      std::max({static_cast<size_t>(announced), static_cast<size_t>(answer), piece});
+  if (!admission->TryAdmit(want)) {
+    return admission->Refusal(absl::StrCat("no room to admit a micro-batch of ", want, " bytes"));
+  }
+  open_admitted_ = true;
+  open_reserved_ = want;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Head>> StepReactor::ServableHeadLocked(const v1::StepHeader& header,
+                                                                      uint64_t& announced) {
+  // What can never be served is refused before any of its data is read, and without a retry
+  // hint even when the server is busy, so that nobody is invited to send it again. First the
+  // stream's token: streams live long (clients keep them between steps) and a reload may have
+  // revoked it since the call was authorised.
+  if (call_ != nullptr) {
+    if (absl::Status auth = AuthorizeOpenCall(ctx_->tokens, "/losshead.v1.LossHead/Step",
+                                              call_->client_metadata());
+        !auth.ok()) {
+      return auth;
+    }
+  }
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
+  if (!head.ok()) return head.status();
+  announced = AnnouncedBytes(header, (*head)->hidden_size());
+  if (announced > ctx_->max_microbatch_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "micro-batch of ", announced, " bytes (as its header announces) exceeds the limit of ",
+        ctx_->max_microbatch_bytes, " bytes (--max_microbatch_bytes)"));
+  }
+  if (absl::Status checked = (*head)->CheckHeader(header); !checked.ok()) return checked;
+  return head;
+}
+
+absl::Status StepReactor::AdmitPieceLocked(const StepMessage& message) {
+  Admission* admission = ctx_->admission;
+  const size_t piece = message.bytes();
+  if (!assembler_.open() || !assembler_.buffering()) return absl::OkStatus();
+  open_received_ += piece;
+  // Past the per-micro-batch limit the assembler stops buffering and refuses it permanently.
+  if (open_received_ > ctx_->max_microbatch_bytes) return absl::OkStatus();
+  if (admission == nullptr || !open_admitted_ || open_received_ <= open_reserved_) {
+    return absl::OkStatus();
+  }
+  const size_t more = open_received_ - open_reserved_;
+  if (!admission->TryReserve(more)) {
+    ReleaseOpenLocked();
+    return admission->Refusal(absl::StrCat("no room to buffer ", more, " more bytes"));
+  }
+  open_reserved_ += more;
+  return absl::OkStatus();
+}
+
+void StepReactor::ReleaseOpenLocked() {
+  if (ctx_->admission != nullptr && (open_admitted_ || open_reserved_ > 0)) {
+    ctx_->admission->Release(open_admitted_ ? 1 : 0, open_reserved_);
+  }
+  open_admitted_ = false;
+  open_reserved_ = 0;
+}
+
+void StepReactor::ReleaseSlotBytesLocked(Slot& slot) {
+  if (ctx_->admission != nullptr && slot.reserved > 0) ctx_->admission->Release(0, slot.reserved);
+  slot.reserved = 0;
+}
+
+void StepReactor::ReleaseSlotLocked(Slot& slot) {
+  ReleaseSlotBytesLocked(slot);
+  if (ctx_->admission != nullptr && slot.admitted) ctx_->admission->Release(1, 0);
+  slot.admitted = false;
+}
+
+void StepReactor::BookAnswerLocked(Slot& slot, size_t bytes) {
+  if (ctx_->admission == nullptr || !slot.admitted || cancelled_ || finished_) {
+    ReleaseSlotBytesLocked(slot);
+    return;
+  }
+  ctx_->admission->Replace(slot.reserved, bytes);
+  slot.reserved = bytes;
+}
+
+}  // namespace losshead::server

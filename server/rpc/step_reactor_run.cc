@@ -1,0 +1,152 @@
+// Running a Step stream's micro-batches (step_reactor.h): one at a time on the worker pool, each
+// answered with its head's outcome or the refusal it was given, recorded in the metrics, and
+// traced once its last answer is written.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/observability/microbatch_metrics.h"
+#include "server/rpc/step_reactor.h"
+#include "server/rpc/step_wire.h"
+
+namespace losshead::server {
+namespace {
+
+// What an OK answer sends: dH and the per-token losses.
+size_t SentBytes(const StepOutcome& outcome) {
+  return outcome.grad_hidden.size() + outcome.per_token_loss.size();
+}
+
+}  // namespace
+
+void StepReactor::StartNextSlotLocked() {
+  if (computing_ || finished_ || cancelled_) return;
+  for (const std::shared_ptr<Slot>& slot : slots_) {
+    if (slot->started) continue;
+    slot->started = true;
+    computing_ = true;
+    ++pins_;
+    ctx_->pool->Schedule([this, slot] { RunSlot(slot); });
+    return;
+  }
+}
+
+void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
+  const absl::Time picked = absl::Now();
+  SlotRun run;
+  ComputeSlot(*slot, picked, run);
+  RecordSlot(*slot, picked, run);
+  std::vector<grpc::ByteBuffer> responses =
+      EncodeStepResponses(slot->assembled.microbatch.header, run.outcome, run.stats.replayed,
+                          ChunkPayloadBytes(ctx_->max_message_bytes));
+  {
+    absl::MutexLock lock(&mu_);
+    CompleteSlotLocked(*slot, std::move(responses), picked, run);
+    if (!run.ordered) computing_ = false;
+    StartNextSlotLocked();
+  }
+  Pump();
+  Unpin();
+}
+
+void StepReactor::ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run) {
+  const MicroBatch& mb = slot.assembled.microbatch;
+  bool gone;
+  {
+    absl::MutexLock lock(&mu_);
+    gone = cancelled_;
+  }
+  if (!gone && call_ != nullptr && absl::FromChrono(call_->deadline()) <= picked) gone = true;
+  if (gone) {
+    // The caller cannot receive the answer: computing would only change dW behind its back.
+    run.outcome = CancelStatus().error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                      ? absl::DeadlineExceededError(
+                            "the Step call's deadline passed before this "
+                            "micro-batch started")
+                      : absl::CancelledError("the Step call was cancelled");
+    return;
+  }
+  if (!slot.assembled.refused.ok() || slot.assembled.oversize) {
+    run.outcome = !slot.assembled.refused.ok()
+                      ? slot.assembled.refused
+                      : absl::ResourceExhaustedError(absl::StrCat(
+                            "micro-batch exceeds the limit of ", ctx_->max_microbatch_bytes,
+                            " bytes (--max_microbatch_bytes): ", slot.assembled.received_bytes,
+                            " bytes received; the rest of it is skipped"));
+    // Refused before it ran (at its header, by admission or by size): still an error of its
+    // head, when there is one.
+    if (ctx_->registry->Get(mb.header.head()).ok()) run.reach = MicrobatchRecord::Reach::kRefused;
+    return;
+  }
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(mb.header.head());
+  if (!head.ok()) {
+    run.outcome = head.status();
+    return;
+  }
+  run.reach = MicrobatchRecord::Reach::kRan;
+  run.outcome = (*head)->Step(mb, &run.stats, [this, &run] {
+    absl::MutexLock lock(&mu_);
+    run.ordered = true;
+    computing_ = false;
+    StartNextSlotLocked();
+  });
+}
+
+void StepReactor::RecordSlot(const Slot& slot, absl::Time picked, const SlotRun& run) {
+  const StepStats& stats = run.stats;
+  MicrobatchRecord record{.reach = run.reach,
+                          .code = static_cast<int>(run.outcome.status().code()),
+                          .replayed = stats.replayed,
+                          .receive = slot.assembled.last_message - slot.assembled.first_message,
+                          .queue = (picked - slot.ready) + stats.queue,
+                          .stage = stats.stage,
+                          .compute = stats.compute,
+                          .finish = stats.finish};
+  if (run.outcome.ok()) {
+    const StepOutcome& outcome = **run.outcome;
+    record.forward_only = outcome.forward_only;
+    record.loss_sum = outcome.loss_sum;
+    record.tokens = outcome.token_count;
+    record.bytes_out = SentBytes(outcome);
+  }
+  RecordMicrobatch(*ctx_->metrics, slot.assembled.microbatch.header.head(), record,
+                   stats.devices.size(),
+                   [this, &stats](size_t i) { return ctx_->LabelOf(stats.devices[i]); });
+}
+
+void StepReactor::CompleteSlotLocked(Slot& slot, std::vector<grpc::ByteBuffer> responses,
+                                     absl::Time picked, SlotRun& run) {
+  slot.responses = std::move(responses);
+  slot.picked = picked;
+  slot.stats = std::move(run.stats);
+  slot.code = static_cast<int>(run.outcome.status().code());
+  slot.done = true;
+  slot.head_known = run.reach == MicrobatchRecord::Reach::kRan;
+  // The request's tensors are no longer needed; free them before the responses drain.
+  slot.assembled.microbatch.ReleaseTensors();
+  BookAnswerLocked(slot, run.outcome.ok() ? SentBytes(**run.outcome) : 0);
+}
+
+StepTraceRecord StepReactor::TraceRecord(const Slot& slot) {
+  const v1::StepHeader& h = slot.assembled.microbatch.header;
+  return StepTraceRecord{.head = h.head(),
+                         .client_id = h.client_id(),
+                         .sequence = h.sequence(),
+                         .tokens = h.num_tokens(),
+                         .code = slot.code,
+                         .replayed = slot.stats.replayed,
+                         .first_message = slot.assembled.first_message,
+                         .last_message = slot.assembled.last_message,
+                         .picked = slot.picked,
+                         .stage = slot.stats.stage_start,
+                         .compute = slot.stats.compute_start,
+                         .compute_end = slot.stats.compute_end,
+                         .finish_end = slot.stats.finish_end,
+                         .first_send = slot.first_send,
+                         .sent = absl::Now()};
+}
+
+}  // namespace losshead::server
