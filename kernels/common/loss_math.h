@@ -1,0 +1,178 @@
+// The loss of one token and its derivative with respect to the logits, as LossOptions defines them
+// (problem.h), written once for every device: the CPU backend (row_loss.cc, shard_rows.cc) and the
+// CUDA row kernels (softmax_grad.cu, shard_softmax.cu) evaluate these functions and nothing else
+// of the formula. A new loss option is a new term here (docs/adding-a-loss-option.md).
+//
+// Per token with target y, logits x_j, eps = label_smoothing:
+//   z_j    = Softcap::Apply(x_j)                        = cap tanh(x_j / cap)  (x_j when cap = 0)
+//   lse    = Lse(max_j z_j, sum_j exp(z_j - max))
+//   loss   = TargetTerm + SmoothingTerm + ZLossTerm     = (1 - eps)(lse - z_y)
+//                                                         + eps (lse - sum_j z_j / V)
+//                                                         + z_loss lse^2
+//   dloss/dz_j = exp(z_j - lse) ZLossFactor - UniformShare - TargetShare [j == y]
+//              = p_j (1 + 2 z_loss lse)  - eps / V      - (1 - eps) [j == y]
+//   dloss/dx_j = dloss/dz_j SoftcapSlope(z_j / cap)     = dloss/dz_j (1 - (z_j / cap)^2)
+//
+// Invariants the callers rely on:
+// - Each function is one expression tree, so a caller that inlines it computes the bits it
+//   computed when the expression was written out at the call site: rounding and (on the device)
+//   the compiler's contraction into FMAs see the same operations in the same order.
+// - The real type T is the caller's: the CPU backend evaluates the row terms in double, the row
+//   kernel in fp32, the shard combination in double on both devices.
+// - Exp is the device's fast __expf in fp32 device code and the C library's exp elsewhere: CPU and
+//   CUDA agree to the exp's few ulps, not bit for bit (tests compare them with a tolerance).
+#ifndef LOSSHEAD_KERNELS_COMMON_LOSS_MATH_H_
+#define LOSSHEAD_KERNELS_COMMON_LOSS_MATH_H_
+
+#include <cmath>
+
+#ifndef LOSSHEAD_HD
+#if defined(__CUDACC__)
+#define LOSSHEAD_HD __host__ __device__ __forceinline__
+#else
+#define LOSSHEAD_HD inline
+#endif
+#endif
+
+namespace losshead::kernels::loss {
+
+// exp, log and tanh of the device the caller runs on (see the file comment).
+LOSSHEAD_HD float Exp(float x) {
+#ifdef __CUDA_ARCH__
+  return __expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+LOSSHEAD_HD double Exp(double x) {
+#ifdef __CUDA_ARCH__
+  return exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+LOSSHEAD_HD float Log(float x) {
+#ifdef __CUDA_ARCH__
+  return logf(x);
+#else
+  return std::log(x);
+#endif
+}
+
+LOSSHEAD_HD double Log(double x) {
+#ifdef __CUDA_ARCH__
+  return log(x);
+#else
+  return std::log(x);
+#endif
+}
+
+LOSSHEAD_HD float Tanh(float x) {
+#ifdef __CUDA_ARCH__
+  return tanhf(x);
+#else
+  return std::tanh(x);
+#endif
+}
+
+// The logit soft-cap z = cap tanh(x / cap); cap = 0 is off. ValidSoftcap (problem.h) keeps cap
+// normal, so inv_cap is finite. x / cap is always formed as x * inv_cap.
+struct Softcap {
+  float cap = 0.0f;
+  float inv_cap = 0.0f;
+
+  LOSSHEAD_HD static Softcap Of(float cap) { return Softcap{cap, cap > 0.0f ? 1.0f / cap : 0.0f}; }
+  LOSSHEAD_HD bool on() const { return cap > 0.0f; }
+  // z of x; only when on().
+  LOSSHEAD_HD float Apply(float x) const { return cap * Tanh(x * inv_cap); }
+  // z of x, x itself when off.
+  LOSSHEAD_HD float operator()(float x) const { return on() ? Apply(x) : x; }
+};
+
+// dz/dx of the soft-cap at z, from ratio = z / cap: 1 - ratio^2 (<= 1, so the soft-cap never
+// grows a gradient).
+LOSSHEAD_HD float SoftcapSlope(float ratio) { return 1.0f - ratio * ratio; }
+
+// The online softmax's rescaling: a partial sum of exp(z - m) expressed against a larger max.
+template <typename T>
+LOSSHEAD_HD T Rescaled(T sum_exp, T m, T max) {
+  return sum_exp * Exp(m - max);
+}
+
+// log sum_j exp(z_j) from the row's max and sum_j exp(z_j - max).
+template <typename T>
+LOSSHEAD_HD T Lse(T max, T sum_exp) {
+  return max + Log(sum_exp);
+}
+
+// The loss's three terms (file comment). v is the whole vocabulary's size, sum_z the sum of z
+// over all of it.
+template <typename T>
+LOSSHEAD_HD T TargetTerm(T eps, T lse, T z_target) {
+  return (T(1) - eps) * (lse - z_target);
+}
+
+template <typename T>
+LOSSHEAD_HD T SmoothingTerm(T eps, T lse, T sum_z, T v) {
+  return eps * (lse - sum_z / v);
+}
+
+template <typename T>
+LOSSHEAD_HD T ZLossTerm(T z_loss, T lse) {
+  return z_loss * lse * lse;
+}
+
+// A counted token's loss, its terms added in file-comment order: the CPU backend and the shard
+// combination (both in double).
+template <typename T>
+LOSSHEAD_HD T TokenLoss(T eps, T z_loss, T lse, T z_target, T sum_z, T v) {
+  return TargetTerm(eps, lse, z_target) + SmoothingTerm(eps, lse, sum_z, v) +
+         ZLossTerm(z_loss, lse);
+}
+
+// The row kernel's fp32 evaluation of the same loss: the smoothing term added last and only when
+// eps > 0, so that without label smoothing a huge sum_z (Inf) cannot turn the loss into NaN.
+LOSSHEAD_HD float TokenLossSmoothingLast(float eps, float z_loss, float lse, float z_target,
+                                         float sum_z, float v) {
+  float loss = TargetTerm(eps, lse, z_target) + ZLossTerm(z_loss, lse);
+  if (eps > 0.0f) loss += SmoothingTerm(eps, lse, sum_z, v);
+  return loss;
+}
+
+// The per-token factors of the gradient (file comment): p_j's factor from the z-loss, the label
+// smoothing's share of every class, the target's share.
+template <typename T>
+LOSSHEAD_HD T ZLossFactor(T z_loss, T lse) {
+  return T(1) + T(2) * z_loss * lse;
+}
+
+template <typename T>
+LOSSHEAD_HD T UniformShare(T eps, T v) {
+  return eps / v;
+}
+
+template <typename T>
+LOSSHEAD_HD T TargetShare(T eps) {
+  return T(1) - eps;
+}
+
+// A token's gradient factors in fp32, each already multiplied by whatever scale the caller folds
+// in (the CPU backend folds grad_scale and 1 / sum_exp into p_scale; the row kernels fold nothing
+// and multiply afterwards).
+struct GradFactors {
+  float p_scale = 1.0f;  // multiplies exp(z_j - shift)
+  float uniform = 0.0f;  // subtracted from every class
+  float target = 0.0f;   // subtracted from the target's class
+};
+
+// dloss/dz_j from e = exp(z_j - shift): e p_scale - uniform - target [is_target]. For a class that
+// is not the target the last subtraction is of +0, which changes no value.
+LOSSHEAD_HD float LogitGrad(const GradFactors& f, float e, bool is_target) {
+  return e * f.p_scale - f.uniform - (is_target ? f.target : 0.0f);
+}
+
+}  // namespace losshead::kernels::loss
+
+#endif  // LOSSHEAD_KERNELS_COMMON_LOSS_MATH_H_
