@@ -77,23 +77,40 @@ LOSSHEAD_HD float Tanh(float x) {
 #endif
 }
 
-// The logit soft-cap z = cap tanh(x / cap); cap = 0 is off. ValidSoftcap (problem.h) keeps cap
-// normal, so inv_cap is finite. x / cap is always formed as x * inv_cap.
-struct Softcap {
-  float cap = 0.0f;
-  float inv_cap = 0.0f;
+LOSSHEAD_HD double Tanh(double x) {
+#ifdef __CUDA_ARCH__
+  return tanh(x);
+#else
+  return std::tanh(x);
+#endif
+}
 
-  LOSSHEAD_HD static Softcap Of(float cap) { return Softcap{cap, cap > 0.0f ? 1.0f / cap : 0.0f}; }
-  LOSSHEAD_HD bool on() const { return cap > 0.0f; }
+// The logit soft-cap z = cap tanh(x / cap); cap = 0 is off. ValidSoftcap (problem.h) keeps cap
+// normal, so inv_cap is finite. x / cap is always formed as x * inv_cap. The kernels use Softcap
+// (fp32); BasicSoftcap<double> is the same formula in double, for tests.
+template <typename T>
+struct BasicSoftcap {
+  T cap = T(0);
+  T inv_cap = T(0);
+
+  LOSSHEAD_HD static BasicSoftcap Of(T cap) {
+    return BasicSoftcap{cap, cap > T(0) ? T(1) / cap : T(0)};
+  }
+  LOSSHEAD_HD bool on() const { return cap > T(0); }
   // z of x; only when on().
-  LOSSHEAD_HD float Apply(float x) const { return cap * Tanh(x * inv_cap); }
-  // z of x, x itself when off.
-  LOSSHEAD_HD float operator()(float x) const { return on() ? Apply(x) : x; }
+  LOSSHEAD_HD T Apply(T x) const { return cap * Tanh(x * inv_cap); }
+  // z of x, x itself when off. (Spelled out rather than through on(): the extra call changes
+  // how nvcc unswitches the row kernels' loops, and with it their registers.)
+  LOSSHEAD_HD T operator()(T x) const { return cap > T(0) ? Apply(x) : x; }
 };
+using Softcap = BasicSoftcap<float>;
 
 // dz/dx of the soft-cap at z, from ratio = z / cap: 1 - ratio^2 (<= 1, so the soft-cap never
 // grows a gradient).
-LOSSHEAD_HD float SoftcapSlope(float ratio) { return 1.0f - ratio * ratio; }
+template <typename T>
+LOSSHEAD_HD T SoftcapSlope(T ratio) {
+  return T(1) - ratio * ratio;
+}
 
 // The online softmax's rescaling: a partial sum of exp(z - m) expressed against a larger max.
 template <typename T>
@@ -158,19 +175,22 @@ LOSSHEAD_HD T TargetShare(T eps) {
   return T(1) - eps;
 }
 
-// A token's gradient factors in fp32, each already multiplied by whatever scale the caller folds
-// in (the CPU backend folds grad_scale and 1 / sum_exp into p_scale; the row kernels fold nothing
-// and multiply afterwards).
-struct GradFactors {
-  float p_scale = 1.0f;  // multiplies exp(z_j - shift)
-  float uniform = 0.0f;  // subtracted from every class
-  float target = 0.0f;   // subtracted from the target's class
+// A token's gradient factors, each already multiplied by whatever scale the caller folds in (the
+// CPU backend folds grad_scale and 1 / sum_exp into p_scale; the row kernels fold nothing and
+// multiply afterwards). The kernels use GradFactors (fp32).
+template <typename T>
+struct BasicGradFactors {
+  T p_scale = T(1);  // multiplies exp(z_j - shift)
+  T uniform = T(0);  // subtracted from every class
+  T target = T(0);   // subtracted from the target's class
 };
+using GradFactors = BasicGradFactors<float>;
 
 // dloss/dz_j from e = exp(z_j - shift): e p_scale - uniform - target [is_target]. For a class that
 // is not the target the last subtraction is of +0, which changes no value.
-LOSSHEAD_HD float LogitGrad(const GradFactors& f, float e, bool is_target) {
-  return e * f.p_scale - f.uniform - (is_target ? f.target : 0.0f);
+template <typename T>
+LOSSHEAD_HD T LogitGrad(const BasicGradFactors<T>& f, T e, bool is_target) {
+  return e * f.p_scale - f.uniform - (is_target ? f.target : T(0));
 }
 
 }  // namespace losshead::kernels::loss
