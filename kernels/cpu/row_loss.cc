@@ -24,8 +24,8 @@ RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
   const double eps = options.label_smoothing;
   const double z_loss = options.z_loss;
   const double vocab = static_cast<double>(v);
-  result.loss = loss::TokenLoss(eps, z_loss, lse, static_cast<double>(logits[target]), sums.sum_z,
-                                vocab);
+  result.loss =
+      loss::TokenLoss(eps, z_loss, lse, static_cast<double>(logits[target]), sums.sum_z, vocab);
   if (!write_gradient) return result;
 
   // p_j = exp(z_j - max) / sum_exp: 1 / sum_exp and the scale are folded into p_scale.

@@ -15,8 +15,7 @@ ShardRowStats ComputeShardRowStats(float* logits, int64_t rows, int64_t local_ta
   const cpu_rows::RowSums sums = cpu_rows::SumRow(logits, rows);
   const bool owns_target = local_target >= 0 && local_target < rows;
   return ShardRowStats{{sums.max_z, static_cast<float>(sums.sum_exp),
-                        static_cast<float>(sums.sum_z),
-                        owns_target ? logits[local_target] : 0.0f}};
+                        static_cast<float>(sums.sum_z), owns_target ? logits[local_target] : 0.0f}};
 }
 
 ShardTokenLoss CombineShardStats(const float* stats, int64_t stride, int shards, int64_t q,
@@ -52,9 +51,9 @@ void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool 
       static_cast<float>(loss::UniformShare(eps, static_cast<double>(v)) * grad_scale),
       static_cast<float>(loss::TargetShare(eps) * grad_scale)};
   const bool owns_target = local_target >= 0 && local_target < rows;
-  cpu_rows::WriteRowGradient<cpu_rows::CapRatio::kDivided>(
-      z, rows, owns_target ? local_target : -1, static_cast<float>(lse), f,
-      loss::Softcap::Of(options.softcap));
+  cpu_rows::WriteRowGradient<cpu_rows::CapRatio::kDivided>(z, rows, owns_target ? local_target : -1,
+                                                           static_cast<float>(lse), f,
+                                                           loss::Softcap::Of(options.softcap));
 }
 
 }  // namespace losshead::kernels
