@@ -11,8 +11,8 @@ RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
                        const LossOptions& options, float grad_scale, bool write_gradient) {
   const loss::Softcap cap = loss::Softcap::Of(options.softcap);
   // Soft-cap in place: from here on the row holds z, which is also what the cap's derivative needs.
-  cpu_rows::SoftcapRow(logits, v, cap);
-  const cpu_rows::RowSums sums = cpu_rows::SumRow(logits, v);
+  cpu::SoftcapRow(logits, v, cap);
+  const cpu::RowSums sums = cpu::SumRow(logits, v);
   const double lse = loss::Lse(static_cast<double>(sums.max_z), sums.sum_exp);
 
   RowLoss result;
@@ -33,8 +33,7 @@ RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
       static_cast<float>(loss::ZLossFactor(z_loss, lse) / sums.sum_exp * grad_scale),
       static_cast<float>(loss::UniformShare(eps, vocab) * grad_scale),
       static_cast<float>(loss::TargetShare(eps) * grad_scale)};
-  cpu_rows::WriteRowGradient<cpu_rows::CapRatio::kTimesInverse>(logits, v, target, sums.max_z, f,
-                                                                cap);
+  cpu::WriteRowGradient<cpu::CapRatio::kTimesInverse>(logits, v, target, sums.max_z, f, cap);
   return result;
 }
 

@@ -11,7 +11,7 @@
 
 #include "kernels/common/loss_math.h"
 
-namespace losshead::kernels::cpu_rows {
+namespace losshead::kernels::cpu {
 
 // Overwrites x_j with z_j = softcap(x_j); nothing when the soft-cap is off.
 inline void SoftcapRow(float* row, int64_t n, const loss::Softcap& cap) {
@@ -57,6 +57,6 @@ inline void WriteRowGradient(float* z, int64_t n, int64_t target, float shift,
   }
 }
 
-}  // namespace losshead::kernels::cpu_rows
+}  // namespace losshead::kernels::cpu
 
 #endif  // LOSSHEAD_KERNELS_CPU_ROW_MATH_H_

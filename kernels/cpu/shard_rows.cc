@@ -11,8 +11,8 @@ namespace losshead::kernels {
 
 ShardRowStats ComputeShardRowStats(float* logits, int64_t rows, int64_t local_target,
                                    float softcap) {
-  cpu_rows::SoftcapRow(logits, rows, loss::Softcap::Of(softcap));
-  const cpu_rows::RowSums sums = cpu_rows::SumRow(logits, rows);
+  cpu::SoftcapRow(logits, rows, loss::Softcap::Of(softcap));
+  const cpu::RowSums sums = cpu::SumRow(logits, rows);
   const bool owns_target = local_target >= 0 && local_target < rows;
   return ShardRowStats{{sums.max_z, static_cast<float>(sums.sum_exp),
                         static_cast<float>(sums.sum_z), owns_target ? logits[local_target] : 0.0f}};
@@ -51,9 +51,9 @@ void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool 
       static_cast<float>(loss::UniformShare(eps, static_cast<double>(v)) * grad_scale),
       static_cast<float>(loss::TargetShare(eps) * grad_scale)};
   const bool owns_target = local_target >= 0 && local_target < rows;
-  cpu_rows::WriteRowGradient<cpu_rows::CapRatio::kDivided>(z, rows, owns_target ? local_target : -1,
-                                                           static_cast<float>(lse), f,
-                                                           loss::Softcap::Of(options.softcap));
+  cpu::WriteRowGradient<cpu::CapRatio::kDivided>(z, rows, owns_target ? local_target : -1,
+                                                 static_cast<float>(lse), f,
+                                                 loss::Softcap::Of(options.softcap));
 }
 
 }  // namespace losshead::kernels
