@@ -26,6 +26,8 @@
 
 #include <cmath>
 
+#include "losshead/kernels/problem.h"
+
 #ifndef LOSSHEAD_HD
 #if defined(__CUDACC__)
 #define LOSSHEAD_HD __host__ __device__ __forceinline__
@@ -35,6 +37,21 @@
 #endif
 
 namespace losshead::kernels::loss {
+
+// The loss options the formula reads: LossOptions (problem.h) less what is not per token
+// (ignore_index, reduction, grad_scale). Every kernel receives them as this one struct (the row
+// kernels inside their launch parameters) and hands it to the functions below without reading
+// the fields that are terms of the loss: a new loss option is a field here, its term below and
+// its line in OptionsOf, and no kernel changes (docs/adding-a-loss-option.md).
+struct Options {
+  float label_smoothing = 0.0f;
+  float z_loss = 0.0f;
+  float softcap = 0.0f;  // 0 = off; applied to every logit, so the kernels build a Softcap of it
+};
+
+inline Options OptionsOf(const LossOptions& o) {
+  return Options{o.label_smoothing, o.z_loss, o.softcap};
+}
 
 // exp, log and tanh of the device the caller runs on (see the file comment).
 LOSSHEAD_HD float Exp(float x) {
@@ -141,19 +158,22 @@ LOSSHEAD_HD T ZLossTerm(T z_loss, T lse) {
   return z_loss * lse * lse;
 }
 
-// A counted token's loss, its terms added in file-comment order: the CPU backend and the shard
+// A counted token's loss from its lse, z of its target and the sum of z over the whole
+// vocabulary of v classes, its terms added in file-comment order: the CPU backend and the shard
 // combination (both in double).
 template <typename T>
-LOSSHEAD_HD T TokenLoss(T eps, T z_loss, T lse, T z_target, T sum_z, T v) {
+LOSSHEAD_HD T TokenLoss(const Options& o, T lse, T z_target, T sum_z, T v) {
+  const T eps = o.label_smoothing;
   return TargetTerm(eps, lse, z_target) + SmoothingTerm(eps, lse, sum_z, v) +
-         ZLossTerm(z_loss, lse);
+         ZLossTerm(static_cast<T>(o.z_loss), lse);
 }
 
 // The row kernel's fp32 evaluation of the same loss: the smoothing term added last and only when
 // eps > 0, so that without label smoothing a huge sum_z (Inf) cannot turn the loss into NaN.
-LOSSHEAD_HD float TokenLossSmoothingLast(float eps, float z_loss, float lse, float z_target,
-                                         float sum_z, float v) {
-  float loss = TargetTerm(eps, lse, z_target) + ZLossTerm(z_loss, lse);
+LOSSHEAD_HD float TokenLossSmoothingLast(const Options& o, float lse, float z_target, float sum_z,
+                                         float v) {
+  const float eps = o.label_smoothing;
+  float loss = TargetTerm(eps, lse, z_target) + ZLossTerm(o.z_loss, lse);
   if (eps > 0.0f) loss += SmoothingTerm(eps, lse, sum_z, v);
   return loss;
 }
@@ -185,6 +205,22 @@ struct BasicGradFactors {
   T target = T(0);   // subtracted from the target's class
 };
 using GradFactors = BasicGradFactors<float>;
+
+// A token's gradient factors in T from its lse (v: the whole vocabulary's size), unscaled.
+template <typename T>
+LOSSHEAD_HD BasicGradFactors<T> GradFactorsOf(const Options& o, T lse, T v) {
+  const T eps = o.label_smoothing;
+  return BasicGradFactors<T>{ZLossFactor(static_cast<T>(o.z_loss), lse), UniformShare(eps, v),
+                             TargetShare(eps)};
+}
+
+// The CPU backend's fp32 factors: unscaled double factors f with 1 / p_divisor folded into p_scale
+// and `scale` into all three, each rounded once (p_divisor = 1 divides exactly).
+inline GradFactors FoldedGradFactors(const BasicGradFactors<double>& f, double p_divisor,
+                                     double scale) {
+  return GradFactors{static_cast<float>(f.p_scale / p_divisor * scale),
+                     static_cast<float>(f.uniform * scale), static_cast<float>(f.target * scale)};
+}
 
 // dloss/dz_j from e = exp(z_j - shift): e p_scale - uniform - target [is_target]. For a class that
 // is not the target the last subtraction is of +0, which changes no value.

@@ -9,7 +9,8 @@ namespace losshead::kernels {
 
 RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
                        const LossOptions& options, float grad_scale, bool write_gradient) {
-  const loss::Softcap cap = loss::Softcap::Of(options.softcap);
+  const loss::Options o = loss::OptionsOf(options);
+  const loss::Softcap cap = loss::Softcap::Of(o.softcap);
   // Soft-cap in place: from here on the row holds z, which is also what the cap's derivative needs.
   cpu::SoftcapRow(logits, v, cap);
   const cpu::RowSums sums = cpu::SumRow(logits, v);
@@ -21,18 +22,13 @@ RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
     if (write_gradient) std::memset(logits, 0, static_cast<size_t>(v) * sizeof(float));
     return result;
   }
-  const double eps = options.label_smoothing;
-  const double z_loss = options.z_loss;
   const double vocab = static_cast<double>(v);
-  result.loss =
-      loss::TokenLoss(eps, z_loss, lse, static_cast<double>(logits[target]), sums.sum_z, vocab);
+  result.loss = loss::TokenLoss(o, lse, static_cast<double>(logits[target]), sums.sum_z, vocab);
   if (!write_gradient) return result;
 
   // p_j = exp(z_j - max) / sum_exp: 1 / sum_exp and the scale are folded into p_scale.
-  const loss::GradFactors f{
-      static_cast<float>(loss::ZLossFactor(z_loss, lse) / sums.sum_exp * grad_scale),
-      static_cast<float>(loss::UniformShare(eps, vocab) * grad_scale),
-      static_cast<float>(loss::TargetShare(eps) * grad_scale)};
+  const loss::GradFactors f =
+      loss::FoldedGradFactors(loss::GradFactorsOf(o, lse, vocab), sums.sum_exp, grad_scale);
   cpu::WriteRowGradient<cpu::CapRatio::kTimesInverse>(logits, v, target, sums.max_z, f, cap);
   return result;
 }

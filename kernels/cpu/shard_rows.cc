@@ -33,8 +33,8 @@ ShardTokenLoss CombineShardStats(const float* stats, int64_t stride, int shards,
   ShardTokenLoss result;
   result.lse = loss::Lse(max_z, sum_exp);
   if (ignored) return result;
-  result.loss = loss::TokenLoss<double>(options.label_smoothing, options.z_loss, result.lse,
-                                        z_target, sum_z, static_cast<double>(v));
+  result.loss = loss::TokenLoss(loss::OptionsOf(options), result.lse, z_target, sum_z,
+                                static_cast<double>(v));
   return result;
 }
 
@@ -44,16 +44,14 @@ void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool 
     std::memset(z, 0, static_cast<size_t>(rows) * sizeof(float));
     return;
   }
-  const double eps = options.label_smoothing;
-  // p_j = exp(z_j - lse) with the whole vocabulary's lse; the scale is folded into p_scale.
-  const loss::GradFactors f{
-      static_cast<float>(loss::ZLossFactor<double>(options.z_loss, lse) * grad_scale),
-      static_cast<float>(loss::UniformShare(eps, static_cast<double>(v)) * grad_scale),
-      static_cast<float>(loss::TargetShare(eps) * grad_scale)};
+  const loss::Options o = loss::OptionsOf(options);
+  // Unscaled factors from the whole vocabulary's lse and v; the scale is folded into all three.
+  const loss::GradFactors f = loss::FoldedGradFactors(
+      loss::GradFactorsOf(o, lse, static_cast<double>(v)), /*p_divisor=*/1.0, grad_scale);
   const bool owns_target = local_target >= 0 && local_target < rows;
   cpu::WriteRowGradient<cpu::CapRatio::kDivided>(z, rows, owns_target ? local_target : -1,
                                                  static_cast<float>(lse), f,
-                                                 loss::Softcap::Of(options.softcap));
+                                                 loss::Softcap::Of(o.softcap));
 }
 
 }  // namespace losshead::kernels

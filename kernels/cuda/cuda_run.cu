@@ -150,9 +150,7 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
   SoftmaxGradParams params;
   params.v = problem.v;
   params.ignore_index = o.ignore_index;
-  params.label_smoothing = o.label_smoothing;
-  params.z_loss = o.z_loss;
-  params.softcap = o.softcap;
+  params.loss = loss::OptionsOf(o);
   if (stashed) params.grad_scale = &scalars->grad_alpha;
 
   const int chunk = ChunkRows(n, static_cast<int>(layout.chunk));

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads)
   // (ignore_index may be a real class id).
   const int64_t local =
       t != p.ignore_index && t >= p.row_begin && t < p.row_begin + p.rows ? t - p.row_begin : -1;
-  const loss::Softcap cap = loss::Softcap::Of(p.softcap);
+  const loss::Softcap cap = loss::Softcap::Of(p.loss.softcap);
   const int64_t nvec = p.rows / kVec;
   const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
 
@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kThreads)
     const double lse = loss::Lse<double>(max_z, sum_exp);
     double loss = 0.0;
     if (valid) {
-      loss = loss::TokenLoss<double>(p.label_smoothing, p.z_loss, lse, z_target, sum_z,
-                                     static_cast<double>(p.v));
+      loss = loss::TokenLoss<double>(p.loss, lse, z_target, sum_z, static_cast<double>(p.v));
     }
     row_loss[q] = static_cast<float>(loss);
     if (per_token_loss != nullptr) per_token_loss[q] = static_cast<float>(loss);
@@ -125,15 +124,13 @@ __global__ void __launch_bounds__(kThreads)
   TG* g = grad + q * ldg;
   using Out = OutVec<TG, kVec>;
   Out* gv = reinterpret_cast<Out*>(g);
-  const loss::Softcap cap = loss::Softcap::Of(p.softcap);
+  const loss::Softcap cap = loss::Softcap::Of(p.loss.softcap);
   const int64_t local =
       valid && t >= p.row_begin && t < p.row_begin + p.rows ? t - p.row_begin : -1;
   // g_j = p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == y], times dz/dx = 1 - (z/cap)^2,
   // with the whole vocabulary's lse and V. z is recomputed from x exactly as the statistics
   // pass computed it.
-  const loss::GradFactors factors{loss::ZLossFactor(p.z_loss, lse),
-                                  loss::UniformShare(p.label_smoothing, static_cast<float>(p.v)),
-                                  loss::TargetShare(p.label_smoothing)};
+  const loss::GradFactors factors = loss::GradFactorsOf(p.loss, lse, static_cast<float>(p.v));
   const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
     const float z = cap(xval);

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads)
   const TL* x = logits + row * ldl;
   const int64_t t = targets[row];
   const bool valid = t != p.ignore_index && t >= 0 && t < p.v;
-  const loss::Softcap cap = loss::Softcap::Of(p.softcap);
+  const loss::Softcap cap = loss::Softcap::Of(p.loss.softcap);
   const int64_t nvec = p.v / kVec;
   const int64_t tail_start = nvec * kVec;
   const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kThreads)
       const float l = loss::Lse(total.m, total.s);
       float loss = 0.0f;
       if (valid) {
-        loss = loss::TokenLossSmoothingLast(p.label_smoothing, p.z_loss, l, cap(ToF(x[t])),
-                                            total.sz, static_cast<float>(p.v));
+        loss = loss::TokenLossSmoothingLast(p.loss, l, cap(ToF(x[t])), total.sz,
+                                            static_cast<float>(p.v));
       }
       row_loss[row] = loss;
       if (per_token_loss != nullptr) per_token_loss[row] = loss;
@@ -88,9 +88,7 @@ __global__ void __launch_bounds__(kThreads)
   using Out = OutVec<TG, kVec>;
   Out* gv = reinterpret_cast<Out*>(g);
   // g_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, times dz/dx = 1 - (z/cap)^2.
-  const loss::GradFactors factors{loss::ZLossFactor(p.z_loss, lse),
-                                  loss::UniformShare(p.label_smoothing, static_cast<float>(p.v)),
-                                  loss::TargetShare(p.label_smoothing)};
+  const loss::GradFactors factors = loss::GradFactorsOf(p.loss, lse, static_cast<float>(p.v));
   const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
     if (!valid) return 0.0f;

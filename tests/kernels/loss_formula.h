@@ -19,9 +19,7 @@ namespace losshead::kernels::testing {
 struct FormulaCase {
   std::vector<float> x;
   int target = 0;
-  float label_smoothing = 0.0f;
-  float z_loss = 0.0f;
-  float softcap = 0.0f;  // 0 = off
+  loss::Options options;  // label smoothing, z-loss, soft-cap (0 = off)
 };
 
 // `count` fresh cases from `seed`: V from 1 to 300, logits up to +-range (range up to 80, past
@@ -38,9 +36,9 @@ inline std::vector<FormulaCase> RandomFormulaCases(int count, uint64_t seed) {
     c.x.resize(v);
     for (float& x : c.x) x = static_cast<float>(uniform(-range, range));
     c.target = static_cast<int>(rng() % v);
-    c.label_smoothing = rng() % 2 ? static_cast<float>(uniform(0.0, 0.95)) : 0.0f;
-    c.z_loss = rng() % 2 ? static_cast<float>(uniform(0.0, 1e-2)) : 0.0f;
-    c.softcap = rng() % 2 ? static_cast<float>(uniform(1.0, 50.0)) : 0.0f;
+    c.options.label_smoothing = rng() % 2 ? static_cast<float>(uniform(0.0, 0.95)) : 0.0f;
+    c.options.z_loss = rng() % 2 ? static_cast<float>(uniform(0.0, 1e-2)) : 0.0f;
+    c.options.softcap = rng() % 2 ? static_cast<float>(uniform(1.0, 50.0)) : 0.0f;
   }
   return cases;
 }
@@ -55,9 +53,8 @@ struct FormulaResult {
 // double as the CPU backend and the shard combination do. Writes dloss/dx_j to grad[0, v).
 template <typename T>
 LOSSHEAD_HD FormulaResult<T> EvaluateFormula(const float* x, int v, int target,
-                                             float label_smoothing, float z_loss, float softcap,
-                                             T* grad) {
-  const loss::BasicSoftcap<T> cap = loss::BasicSoftcap<T>::Of(softcap);
+                                             const loss::Options& o, T* grad) {
+  const loss::BasicSoftcap<T> cap = loss::BasicSoftcap<T>::Of(o.softcap);
   T max = -INFINITY;
   T sum_z = 0;
   for (int j = 0; j < v; ++j) {
@@ -68,18 +65,15 @@ LOSSHEAD_HD FormulaResult<T> EvaluateFormula(const float* x, int v, int target,
   T sum_exp = 0;
   for (int j = 0; j < v; ++j) sum_exp += loss::Exp(cap(static_cast<T>(x[j])) - max);
   const T lse = loss::Lse(max, sum_exp);
-  const T eps = label_smoothing;
-  const T zl = z_loss;
   const T vocab = static_cast<T>(v);
   const T z_target = cap(static_cast<T>(x[target]));
   T token_loss;
   if constexpr (std::is_same_v<T, float>) {
-    token_loss = loss::TokenLossSmoothingLast(eps, zl, lse, z_target, sum_z, vocab);
+    token_loss = loss::TokenLossSmoothingLast(o, lse, z_target, sum_z, vocab);
   } else {
-    token_loss = loss::TokenLoss(eps, zl, lse, z_target, sum_z, vocab);
+    token_loss = loss::TokenLoss(o, lse, z_target, sum_z, vocab);
   }
-  const loss::BasicGradFactors<T> f{loss::ZLossFactor(zl, lse), loss::UniformShare(eps, vocab),
-                                    loss::TargetShare(eps)};
+  const loss::BasicGradFactors<T> f = loss::GradFactorsOf(o, lse, vocab);
   for (int j = 0; j < v; ++j) {
     const T z = cap(static_cast<T>(x[j]));
     T g = loss::LogitGrad(f, loss::Exp(z - lse), j == target);
@@ -99,7 +93,7 @@ struct IndependentResult {
 
 inline long double IndependentLoss(const std::vector<long double>& x, const FormulaCase& c,
                                    long double* lse_out = nullptr) {
-  const long double cap = c.softcap;
+  const long double cap = c.options.softcap;
   std::vector<long double> z(x.size());
   long double max = -INFINITY, mean = 0;
   for (size_t j = 0; j < x.size(); ++j) {
@@ -112,23 +106,23 @@ inline long double IndependentLoss(const std::vector<long double>& x, const Form
   for (long double zj : z) sum += std::exp(zj - max);
   const long double lse = max + std::log(sum);
   if (lse_out != nullptr) *lse_out = lse;
-  const long double eps = c.label_smoothing;
-  return (1 - eps) * (lse - z[c.target]) + eps * (lse - mean) + c.z_loss * lse * lse;
+  const long double eps = c.options.label_smoothing;
+  return (1 - eps) * (lse - z[c.target]) + eps * (lse - mean) + c.options.z_loss * lse * lse;
 }
 
 inline IndependentResult Independent(const FormulaCase& c) {
   const std::vector<long double> x(c.x.begin(), c.x.end());
   IndependentResult r;
   r.loss = IndependentLoss(x, c, &r.lse);
-  const long double cap = c.softcap;
-  const long double eps = c.label_smoothing;
+  const long double cap = c.options.softcap;
+  const long double eps = c.options.label_smoothing;
   const long double v = static_cast<long double>(x.size());
   r.grad.resize(x.size());
   for (size_t j = 0; j < x.size(); ++j) {
     const long double z = cap > 0 ? cap * std::tanh(x[j] / cap) : x[j];
     const long double p = std::exp(z - r.lse);
-    long double g =
-        p * (1 + 2 * c.z_loss * r.lse) - eps / v - (static_cast<int>(j) == c.target ? 1 - eps : 0);
+    long double g = p * (1 + 2 * c.options.z_loss * r.lse) - eps / v -
+                    (static_cast<int>(j) == c.target ? 1 - eps : 0);
     if (cap > 0) {
       const long double sech = 1 / std::cosh(x[j] / cap);
       g *= sech * sech;

@@ -30,7 +30,7 @@ using testing::RandomFormulaCases;
 
 double Scale(const IndependentResult& want, const FormulaCase& c) {
   const double lse = std::fabs(static_cast<double>(want.lse));
-  return (1.0 + lse) * (1.0 + 2.0 * c.z_loss * lse);
+  return (1.0 + lse) * (1.0 + 2.0 * c.options.z_loss * lse);
 }
 
 // Device and host evaluations of one precision, and each against the independent one. The
@@ -40,9 +40,8 @@ template <typename T>
 void ExpectAgree(const FormulaCase& c, const FormulaResult<T>& device,
                  const std::vector<T>& device_grad, double rel) {
   std::vector<T> host_grad(c.x.size());
-  const FormulaResult<T> host =
-      EvaluateFormula<T>(c.x.data(), static_cast<int>(c.x.size()), c.target, c.label_smoothing,
-                         c.z_loss, c.softcap, host_grad.data());
+  const FormulaResult<T> host = EvaluateFormula<T>(c.x.data(), static_cast<int>(c.x.size()),
+                                                   c.target, c.options, host_grad.data());
   const IndependentResult want = Independent(c);
   const double scale = Scale(want, c);
   EXPECT_NEAR(device.lse, host.lse, rel * scale);
@@ -61,10 +60,10 @@ TEST(LossFormulaCudaTest, DeviceAgreesWithHostAndIndependentEvaluation) {
   std::vector<FormulaCase> cases = RandomFormulaCases(300, 201);
   // Each option alone on one row, and a single class.
   const std::vector<float> row = {-7.0f, 0.25f, 12.0f, -0.5f, 31.0f, 2.0f, -40.0f};
-  cases.push_back({row, 6, 0.1f, 0.0f, 0.0f});
-  cases.push_back({row, 0, 0.0f, 1e-2f, 0.0f});
-  cases.push_back({row, 3, 0.0f, 0.0f, 15.0f});
-  cases.push_back({{3.5f}, 0, 0.3f, 1e-3f, 2.0f});
+  cases.push_back({row, 6, {0.1f, 0.0f, 0.0f}});
+  cases.push_back({row, 0, {0.0f, 1e-2f, 0.0f}});
+  cases.push_back({row, 3, {0.0f, 0.0f, 15.0f}});
+  cases.push_back({{3.5f}, 0, {0.3f, 1e-3f, 2.0f}});
   std::vector<DeviceFormula> device;
   const std::string error = testing::EvaluateFormulaOnDevice(cases, &device);
   ASSERT_EQ(error, "");
@@ -87,7 +86,7 @@ TEST(LossFormulaCudaTest, BlockReductionGivesTheRowsStatistics) {
     SCOPED_TRACE(i);
     const FormulaCase& c = cases[i];
     const IndependentResult want = Independent(c);
-    const loss::Softcap cap = loss::Softcap::Of(c.softcap);
+    const loss::Softcap cap = loss::Softcap::Of(c.options.softcap);
     float max = -INFINITY;
     double sum_z = 0.0, sum_abs_z = 0.0;
     for (float x : c.x) {

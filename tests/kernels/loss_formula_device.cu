@@ -16,7 +16,8 @@ struct Flat {
   std::vector<float> x;
   std::vector<int> begin{0};
   std::vector<int> target;
-  std::vector<float> eps, z_loss, cap;
+  std::vector<loss::Options> options;
+  std::vector<float> cap;
 };
 
 Flat Flatten(const std::vector<FormulaCase>& cases) {
@@ -25,22 +26,20 @@ Flat Flatten(const std::vector<FormulaCase>& cases) {
     f.x.insert(f.x.end(), c.x.begin(), c.x.end());
     f.begin.push_back(static_cast<int>(f.x.size()));
     f.target.push_back(c.target);
-    f.eps.push_back(c.label_smoothing);
-    f.z_loss.push_back(c.z_loss);
-    f.cap.push_back(c.softcap);
+    f.options.push_back(c.options);
+    f.cap.push_back(c.options.softcap);
   }
   return f;
 }
 
 __global__ void FormulaKernel(int cases, const float* x, const int* begin, const int* target,
-                              const float* eps, const float* z_loss, const float* cap,
-                              FormulaResult<float>* fp32, FormulaResult<double>* fp64,
-                              float* grad_fp32, double* grad_fp64) {
+                              const loss::Options* options, FormulaResult<float>* fp32,
+                              FormulaResult<double>* fp64, float* grad_fp32, double* grad_fp64) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= cases) return;
   const int b = begin[i], v = begin[i + 1] - begin[i];
-  fp32[i] = EvaluateFormula<float>(x + b, v, target[i], eps[i], z_loss[i], cap[i], grad_fp32 + b);
-  fp64[i] = EvaluateFormula<double>(x + b, v, target[i], eps[i], z_loss[i], cap[i], grad_fp64 + b);
+  fp32[i] = EvaluateFormula<float>(x + b, v, target[i], options[i], grad_fp32 + b);
+  fp64[i] = EvaluateFormula<double>(x + b, v, target[i], options[i], grad_fp64 + b);
 }
 
 constexpr int kThreads = 256;
@@ -118,18 +117,18 @@ std::string EvaluateFormulaOnDevice(const std::vector<FormulaCase>& cases,
                                     std::vector<DeviceFormula>* out) {
   const Flat f = Flatten(cases);
   const int n = static_cast<int>(cases.size());
-  DeviceArray<float> x(f.x), eps(f.eps), z_loss(f.z_loss), cap(f.cap), grad_fp32(f.x.size());
+  DeviceArray<float> x(f.x), grad_fp32(f.x.size());
+  DeviceArray<loss::Options> options(f.options);
   DeviceArray<int> begin(f.begin), target(f.target);
   DeviceArray<FormulaResult<float>> fp32(cases.size());
   DeviceArray<FormulaResult<double>> fp64(cases.size());
   DeviceArray<double> grad_fp64(f.x.size());
-  for (cudaError_t e : {x.status, eps.status, z_loss.status, cap.status, grad_fp32.status,
-                        begin.status, target.status, fp32.status, fp64.status, grad_fp64.status}) {
+  for (cudaError_t e : {x.status, options.status, grad_fp32.status, begin.status, target.status,
+                        fp32.status, fp64.status, grad_fp64.status}) {
     if (e != cudaSuccess) return Error("setup", e);
   }
-  FormulaKernel<<<(n + 127) / 128, 128>>>(n, x.ptr, begin.ptr, target.ptr, eps.ptr, z_loss.ptr,
-                                          cap.ptr, fp32.ptr, fp64.ptr, grad_fp32.ptr,
-                                          grad_fp64.ptr);
+  FormulaKernel<<<(n + 127) / 128, 128>>>(n, x.ptr, begin.ptr, target.ptr, options.ptr, fp32.ptr,
+                                          fp64.ptr, grad_fp32.ptr, grad_fp64.ptr);
   if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return Error("FormulaKernel", e);
   std::vector<FormulaResult<float>> r32(cases.size());
   std::vector<FormulaResult<double>> r64(cases.size());

@@ -25,15 +25,14 @@ using testing::RandomFormulaCases;
 // The scale a token's terms live at: errors in lse of a few ulps grow with lse and with z_loss.
 double Scale(const IndependentResult& want, const FormulaCase& c) {
   const double lse = std::fabs(static_cast<double>(want.lse));
-  return (1.0 + lse) * (1.0 + 2.0 * c.z_loss * lse);
+  return (1.0 + lse) * (1.0 + 2.0 * c.options.z_loss * lse);
 }
 
 template <typename T>
 void ExpectMatchesIndependent(const FormulaCase& c, double rel) {
   std::vector<T> grad(c.x.size());
-  const testing::FormulaResult<T> got =
-      EvaluateFormula<T>(c.x.data(), static_cast<int>(c.x.size()), c.target, c.label_smoothing,
-                         c.z_loss, c.softcap, grad.data());
+  const testing::FormulaResult<T> got = EvaluateFormula<T>(c.x.data(), static_cast<int>(c.x.size()),
+                                                           c.target, c.options, grad.data());
   const IndependentResult want = Independent(c);
   const double scale = Scale(want, c);
   EXPECT_NEAR(got.lse, static_cast<double>(want.lse), rel * scale);
@@ -63,15 +62,15 @@ TEST(LossFormulaTest, Fp32MatchesTheIndependentEvaluation) {
 TEST(LossFormulaTest, EveryOptionAloneAndTheEdgesOfTheRow) {
   // One class; the target at either end; each option by itself; all of them at once.
   std::vector<FormulaCase> cases;
-  cases.push_back({{3.5f}, 0, 0.0f, 0.0f, 0.0f});
-  cases.push_back({{3.5f}, 0, 0.3f, 1e-3f, 2.0f});
+  cases.push_back({{3.5f}, 0, {0.0f, 0.0f, 0.0f}});
+  cases.push_back({{3.5f}, 0, {0.3f, 1e-3f, 2.0f}});
   const std::vector<float> row = {-7.0f, 0.25f, 12.0f, -0.5f, 31.0f, 2.0f, -40.0f};
   for (int target : {0, 6}) {
-    cases.push_back({row, target, 0.0f, 0.0f, 0.0f});
-    cases.push_back({row, target, 0.1f, 0.0f, 0.0f});
-    cases.push_back({row, target, 0.0f, 1e-2f, 0.0f});
-    cases.push_back({row, target, 0.0f, 0.0f, 15.0f});
-    cases.push_back({row, target, 0.2f, 1e-2f, 15.0f});
+    cases.push_back({row, target, {0.0f, 0.0f, 0.0f}});
+    cases.push_back({row, target, {0.1f, 0.0f, 0.0f}});
+    cases.push_back({row, target, {0.0f, 1e-2f, 0.0f}});
+    cases.push_back({row, target, {0.0f, 0.0f, 15.0f}});
+    cases.push_back({row, target, {0.2f, 1e-2f, 15.0f}});
   }
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(i);
@@ -110,7 +109,7 @@ TEST(LossFormulaTest, OnlineCombineOfPartsGivesTheWholeRowsLse) {
     SCOPED_TRACE(i);
     const FormulaCase& c = cases[i];
     const IndependentResult want = Independent(c);
-    const loss::BasicSoftcap<double> cap = loss::BasicSoftcap<double>::Of(c.softcap);
+    const loss::BasicSoftcap<double> cap = loss::BasicSoftcap<double>::Of(c.options.softcap);
     const size_t parts = 1 + i % 5;
     std::vector<double> part_max(parts, -INFINITY), part_sum(parts, 0.0);
     for (size_t j = 0; j < c.x.size(); ++j) {
