@@ -11,7 +11,9 @@
 // outside any budget; the cublasLt GEMMs use a slice of our workspace and nothing else.
 // The optimizer step and the gradient norm are single memory-bound passes (optimizer_step.cu,
 // squared_norm.cu) that share their per-element math with the CPU backend.
-// A vocabulary shard's calls (shard_problem.h) are in shard_calls.cu.
+// A vocabulary shard's calls (shard_problem.h) are in shard_calls.cu. The class is in
+// cuda_backend_impl.h; Run in cuda_run.cu, the optimizer step and the norm in cuda_update.cu.
+// This file: the device count and the factory.
 #include <cuda_runtime.h>
 
 #include <memory>
