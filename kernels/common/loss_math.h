@@ -103,7 +103,7 @@ LOSSHEAD_HD double Tanh(double x) {
 }
 
 // The logit soft-cap z = cap tanh(x / cap); cap = 0 is off. ValidSoftcap (problem.h) keeps cap
-// normal, so inv_cap is finite. x / cap is always formed as x * inv_cap. The kernels use Softcap
+// normal, so inv_cap is finite; Apply forms x / cap as x * inv_cap. The kernels use Softcap
 // (fp32); BasicSoftcap<double> is the same formula in double, for tests.
 template <typename T>
 struct BasicSoftcap {
