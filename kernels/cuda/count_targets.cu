@@ -1,6 +1,7 @@
 #include "kernels/cuda/count_targets.cuh"
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/reduce.cuh"
 
 namespace losshead::kernels::cuda {
 namespace {
@@ -11,18 +12,13 @@ __global__ void __launch_bounds__(kThreads)
     CountTargetsKernel(const int32_t* __restrict__ targets, int64_t n, int64_t v,
                        int64_t ignore_index, bool mean, float grad_scale,
                        int64_t* __restrict__ token_count, RunScalars* __restrict__ scalars) {
-  __shared__ long long warp_sums[kThreads / 32];
   long long count = 0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const int64_t t = targets[i];
     count += (t != ignore_index && t >= 0 && t < v) ? 1 : 0;
   }
-  for (int offset = 16; offset > 0; offset >>= 1) count += __shfl_down_sync(0xffffffffu, count, offset);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = count;
-  __syncthreads();
+  const long long total = BlockReduce<kThreads>(count, SumOp{}, 0LL);
   if (threadIdx.x == 0) {
-    long long total = 0;
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
     if (token_count != nullptr) *token_count = total;
     scalars->one = 1.0f;
     scalars->zero = 0.0f;

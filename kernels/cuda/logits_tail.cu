@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/logits_tail.cuh"
+#include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/row_vec.cuh"
 
 namespace losshead::kernels::cuda {
@@ -61,10 +62,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 #pragma unroll
   for (int j = 0; j < kMaxTailRows; ++j) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);
-    }
+    acc[j] = WarpAllReduce(acc[j], SumOp{});
   }
   if (lane < rows) {
     float mine = 0.0f;

@@ -1,6 +1,7 @@
 #include "kernels/cuda/loss_reduce.cuh"
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/reduce.cuh"
 
 namespace losshead::kernels::cuda {
 namespace {
@@ -10,15 +11,13 @@ constexpr int kThreads = 512;
 __global__ void __launch_bounds__(kThreads)
     LossReduceKernel(const float* __restrict__ row_loss, int64_t rows,
                      RunScalars* __restrict__ scalars, float* __restrict__ loss_sum) {
-  __shared__ double warp_sums[kThreads / 32];
+  __shared__ double warp_sums[kThreads / kWarpSize];
   double sum = 0.0;
   for (int64_t i = threadIdx.x; i < rows; i += kThreads) sum += row_loss[i];
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, offset);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
-  __syncthreads();
+  ReduceToWarpSlots<kThreads>(sum, SumOp{}, warp_sums);
   if (threadIdx.x == 0) {
-    double total = scalars->loss_acc;
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+    // Onto the accumulator, warp by warp: the order every earlier chunk's loss was added in.
+    const double total = FoldWarpSlots<kThreads>(warp_sums, SumOp{}, scalars->loss_acc);
     scalars->loss_acc = total;
     if (loss_sum != nullptr) *loss_sum = static_cast<float>(total);
   }

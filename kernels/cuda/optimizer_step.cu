@@ -6,6 +6,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/optimizer_step.cuh"
+#include "kernels/cuda/reduce.cuh"
 
 namespace losshead::kernels::cuda {
 namespace {
@@ -158,15 +159,10 @@ __global__ void __launch_bounds__(kThreads)
       Judge<TW>(p, a, b, nonfinite, largest);
     }
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    nonfinite += __shfl_down_sync(0xffffffffu, nonfinite, offset);
-    largest.weight = fmaxf(largest.weight, __shfl_down_sync(0xffffffffu, largest.weight, offset));
-    largest.state_a =
-        fmaxf(largest.state_a, __shfl_down_sync(0xffffffffu, largest.state_a, offset));
-    largest.state_b =
-        fmaxf(largest.state_b, __shfl_down_sync(0xffffffffu, largest.state_b, offset));
-  }
+  nonfinite = WarpReduce(nonfinite, SumOp{});
+  largest.weight = WarpReduce(largest.weight, MaxOp{});
+  largest.state_a = WarpReduce(largest.state_a, MaxOp{});
+  largest.state_b = WarpReduce(largest.state_b, MaxOp{});
   if (threadIdx.x % 32 == 0) {
     if (nonfinite > 0) atomicAdd(&result->nonfinite, nonfinite);
     AtomicMaxMagnitude(&result->weight, largest.weight);

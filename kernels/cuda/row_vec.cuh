@@ -1,6 +1,6 @@
 // Device helpers shared by the row kernels (softmax_grad.cu, shard_softmax.cu): conversions to
-// and from fp32, 16-byte vectors of logits, vectors of gradients stored with one instruction,
-// and the soft-cap.
+// and from fp32, 16-byte vectors of logits, and vectors of gradients stored with one instruction.
+// (The soft-cap is loss_math.h's; the reductions are reduce.cuh's.)
 #ifndef LOSSHEAD_KERNELS_CUDA_ROW_VEC_CUH_
 #define LOSSHEAD_KERNELS_CUDA_ROW_VEC_CUH_
 
@@ -57,14 +57,6 @@ __device__ __forceinline__ void StoreStreaming(Out* p, const Out& v) {
     *p = v;
   }
 }
-
-// z = cap * tanh(x / cap), or x when the soft-cap is off (cap = 0).
-struct Cap {
-  float cap, inv_cap;
-  __device__ __forceinline__ float operator()(float x) const {
-    return cap > 0.0f ? cap * tanhf(x * inv_cap) : x;
-  }
-};
 
 }  // namespace losshead::kernels::cuda
 

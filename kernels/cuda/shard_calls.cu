@@ -60,9 +60,7 @@ ShardRowParams ShardRowParamsOf(const ShardProblem& shard) {
   p.row_begin = shard.row_begin;
   p.rows = shard.rows;
   p.ignore_index = o.ignore_index;
-  p.label_smoothing = o.label_smoothing;
-  p.z_loss = o.z_loss;
-  p.softcap = o.softcap;
+  p.loss = loss::OptionsOf(o);
   return p;
 }
 

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/common/loss_math.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/row_vec.cuh"
 #include "kernels/cuda/shard_softmax.cuh"
 #include "losshead/kernels/shard_problem.h"
@@ -18,27 +20,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
-struct RowStats {
-  float m;   // running max of z
-  float s;   // sum of exp(z - m)
-  float sz;  // sum of z
-  float zt;  // z of the target: at most one thread holds it, so the sum over threads is exact
-};
-
-__device__ __forceinline__ RowStats Combine(RowStats a, RowStats b) {
-  // A thread that saw no element has m = -inf and s = 0; exp(-inf - -inf) would be NaN.
-  if (a.s == 0.0f) return {b.m, b.s, a.sz + b.sz, a.zt + b.zt};
-  if (b.s == 0.0f) return {a.m, a.s, a.sz + b.sz, a.zt + b.zt};
-  const float m = fmaxf(a.m, b.m);
-  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m), a.sz + b.sz, a.zt + b.zt};
-}
+// A shard's statistics of a token carry z of the target (kShardStats: m, s, sz, zt).
+using RowStats = SoftmaxState<true>;
 
 template <typename TL>
 __global__ void __launch_bounds__(kThreads)
     ShardStatsKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                      ShardRowParams p, float* __restrict__ stats, int64_t stride) {
   constexpr int kVec = Vec<TL>::kSize;
-  __shared__ RowStats warp_states[kThreads / 32];
+  __shared__ RowStats warp_states[kThreads / kWarpSize];
   const int64_t q = blockIdx.x;
   const int tid = threadIdx.x;
   const TL* x = logits + q * ldl;
@@ -47,11 +37,11 @@ __global__ void __launch_bounds__(kThreads)
   // (ignore_index may be a real class id).
   const int64_t local =
       t != p.ignore_index && t >= p.row_begin && t < p.row_begin + p.rows ? t - p.row_begin : -1;
-  const Cap cap{p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+  const loss::Softcap cap = loss::Softcap::Of(p.loss.softcap);
   const int64_t nvec = p.rows / kVec;
   const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
 
-  RowStats st{-INFINITY, 0.0f, 0.0f, 0.0f};
+  RowStats st = RowStats::Empty();
   for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
     Vec<TL> in[kUnroll];
 #pragma unroll
@@ -63,49 +53,22 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * kThreads;
       if (i < nvec) {
-        float z[kVec];
-        float vmax = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          z[k] = cap(ToF(in[u].v[k]));
-          vmax = fmaxf(vmax, z[k]);
-          if (i * kVec + k == local) st.zt = z[k];
-        }
-        if (vmax > st.m) {
-          st.s *= __expf(st.m - vmax);
-          st.m = vmax;
-        }
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          st.s += __expf(z[k] - st.m);
-          st.sz += z[k];
-        }
+        PushVector<kVec>(st, [&](int k) {
+          const float z = cap(ToF(in[u].v[k]));
+          if (i * kVec + k == local) st.zt = z;
+          return z;
+        });
       }
     }
   }
   for (int64_t j = nvec * kVec + tid; j < p.rows; j += kThreads) {
     const float z = cap(ToF(x[j]));
     if (j == local) st.zt = z;
-    if (z > st.m) {
-      st.s *= __expf(st.m - z);
-      st.m = z;
-    }
-    st.s += __expf(z - st.m);
-    st.sz += z;
+    Push(st, z);
   }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    RowStats o;
-    o.m = __shfl_down_sync(0xffffffffu, st.m, offset);
-    o.s = __shfl_down_sync(0xffffffffu, st.s, offset);
-    o.sz = __shfl_down_sync(0xffffffffu, st.sz, offset);
-    o.zt = __shfl_down_sync(0xffffffffu, st.zt, offset);
-    st = Combine(st, o);
-  }
-  if (tid % 32 == 0) warp_states[tid / 32] = st;
-  __syncthreads();
+  ReduceToWarpSlots<kThreads>(st, CombineOp{}, warp_states);
   if (tid == 0) {
-    RowStats total = warp_states[0];
-    for (int w = 1; w < kThreads / 32; ++w) total = Combine(total, warp_states[w]);
+    const RowStats total = FoldWarpSlots<kThreads>(warp_states, CombineOp{}, warp_states[0], 1);
     stats[q] = total.m;
     stats[stride + q] = total.s;
     stats[2 * stride + q] = total.sz;
@@ -134,16 +97,17 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < shards; ++r) {
       const float* slice = stats + r * kShardStats * stride;
       const float s = slice[stride + q];
-      if (s > 0.0f) sum_exp += static_cast<double>(s) * exp(static_cast<double>(slice[q]) - max_z);
+      // An empty slice (s = 0) adds nothing, and no exp(-inf - -inf).
+      if (s > 0.0f) {
+        sum_exp += loss::Rescaled<double>(s, slice[q], max_z);
+      }
       sum_z += slice[2 * stride + q];
       z_target += slice[3 * stride + q];
     }
-    const double lse = max_z + log(sum_exp);
+    const double lse = loss::Lse<double>(max_z, sum_exp);
     double loss = 0.0;
     if (valid) {
-      const double eps = p.label_smoothing;
-      loss = (1.0 - eps) * (lse - z_target) + eps * (lse - sum_z / static_cast<double>(p.v)) +
-             static_cast<double>(p.z_loss) * lse * lse;
+      loss = loss::TokenLoss<double>(p.loss, lse, z_target, sum_z, static_cast<double>(p.v));
     }
     row_loss[q] = static_cast<float>(loss);
     if (per_token_loss != nullptr) per_token_loss[q] = static_cast<float>(loss);
@@ -160,23 +124,18 @@ __global__ void __launch_bounds__(kThreads)
   TG* g = grad + q * ldg;
   using Out = OutVec<TG, kVec>;
   Out* gv = reinterpret_cast<Out*>(g);
-  const Cap cap{p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+  const loss::Softcap cap = loss::Softcap::Of(p.loss.softcap);
   const int64_t local =
       valid && t >= p.row_begin && t < p.row_begin + p.rows ? t - p.row_begin : -1;
   // g_j = p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == y], times dz/dx = 1 - (z/cap)^2,
   // with the whole vocabulary's lse and V. z is recomputed from x exactly as the statistics
   // pass computed it.
-  const float coef = 1.0f + 2.0f * p.z_loss * lse;
-  const float eps_v = p.label_smoothing / static_cast<float>(p.v);
-  const float hit = 1.0f - p.label_smoothing;
+  const loss::GradFactors factors = loss::GradFactorsOf(p.loss, lse, static_cast<float>(p.v));
   const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
     const float z = cap(xval);
-    float gj = __expf(z - lse) * coef - eps_v - (j == local ? hit : 0.0f);
-    if (cap.cap > 0.0f) {
-      const float r = z * cap.inv_cap;
-      gj *= 1.0f - r * r;
-    }
+    float gj = loss::LogitGrad(factors, loss::Exp(z - lse), j == local);
+    if (cap.cap > 0.0f) gj *= loss::SoftcapSlope(z * cap.inv_cap);
     return gj * scale;
   };
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/common/loss_math.h"
 
 namespace losshead::kernels::cuda {
 
@@ -17,9 +18,7 @@ struct ShardRowParams {
   int64_t row_begin = 0;  // the shard's first row: local column j is class row_begin + j
   int64_t rows = 0;       // the shard's columns per token
   int64_t ignore_index = -100;
-  float label_smoothing = 0.0f;
-  float z_loss = 0.0f;
-  float softcap = 0.0f;  // 0 = off
+  loss::Options loss;  // the loss options, handed to loss_math.h's formula as they are
   // Device pointer to a factor LaunchShardGrad multiplies the gradient by before it rounds it to
   // TG (a gradient stash keeps G scaled); null: the gradient is written unscaled.
   const float* grad_scale = nullptr;

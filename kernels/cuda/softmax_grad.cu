@@ -5,7 +5,9 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/loss_math.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/row_vec.cuh"
 #include "kernels/cuda/softmax_grad.cuh"
 
@@ -16,19 +18,7 @@ namespace {
 // saturate HBM with a few blocks per SM. A row's second read (pass 2) hits L2 only when few rows
 // are live at once, hence the 1024-thread variant (about one row per SM).
 
-struct SoftmaxState {
-  float m;   // running max of z
-  float s;   // sum of exp(z - m)
-  float sz;  // sum of z (label smoothing)
-};
-
-__device__ __forceinline__ SoftmaxState Combine(SoftmaxState a, SoftmaxState b) {
-  // A thread that saw no element has m = -inf and s = 0; exp(-inf - -inf) would be NaN.
-  if (a.s == 0.0f) return {b.m, b.s, a.sz + b.sz};
-  if (b.s == 0.0f) return {a.m, a.s, a.sz + b.sz};
-  const float m = fmaxf(a.m, b.m);
-  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m), a.sz + b.sz};
-}
+using State = SoftmaxState<false>;
 
 template <typename TL, typename TG, int kThreads>
 __global__ void __launch_bounds__(kThreads)
@@ -37,7 +27,7 @@ __global__ void __launch_bounds__(kThreads)
                       float* __restrict__ per_token_loss, float* __restrict__ per_token_lse) {
   constexpr int kVec = Vec<TL>::kSize;
   constexpr int kUnroll = kThreads >= 1024 ? 2 : 4;
-  __shared__ SoftmaxState warp_states[kThreads / 32];
+  __shared__ State warp_states[kThreads / kWarpSize];
   __shared__ float shared_lse;
 
   const int64_t row = blockIdx.x;
@@ -45,7 +35,7 @@ __global__ void __launch_bounds__(kThreads)
   const TL* x = logits + row * ldl;
   const int64_t t = targets[row];
   const bool valid = t != p.ignore_index && t >= 0 && t < p.v;
-  const Cap cap{p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+  const loss::Softcap cap = loss::Softcap::Of(p.loss.softcap);
   const int64_t nvec = p.v / kVec;
   const int64_t tail_start = nvec * kVec;
   const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
@@ -54,7 +44,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool need_stats = valid || per_token_lse != nullptr;
   float lse = 0.0f;
   if (need_stats) {
-    SoftmaxState st{-INFINITY, 0.0f, 0.0f};
+    State st = State::Empty();
     for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
       Vec<TL> in[kUnroll];
 #pragma unroll
@@ -66,53 +56,19 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + static_cast<int64_t>(u) * kThreads;
         if (i < nvec) {
-          float z[kVec];
-          float vmax = -INFINITY;
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            z[k] = cap(ToF(in[u].v[k]));
-            vmax = fmaxf(vmax, z[k]);
-          }
-          if (vmax > st.m) {
-            st.s *= __expf(st.m - vmax);
-            st.m = vmax;
-          }
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            st.s += __expf(z[k] - st.m);
-            st.sz += z[k];
-          }
+          PushVector<kVec>(st, [&](int k) { return cap(ToF(in[u].v[k])); });
         }
       }
     }
-    for (int64_t j = tail_start + tid; j < p.v; j += kThreads) {
-      const float z = cap(ToF(x[j]));
-      if (z > st.m) {
-        st.s *= __expf(st.m - z);
-        st.m = z;
-      }
-      st.s += __expf(z - st.m);
-      st.sz += z;
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      SoftmaxState o;
-      o.m = __shfl_down_sync(0xffffffffu, st.m, offset);
-      o.s = __shfl_down_sync(0xffffffffu, st.s, offset);
-      o.sz = __shfl_down_sync(0xffffffffu, st.sz, offset);
-      st = Combine(st, o);
-    }
-    if (tid % 32 == 0) warp_states[tid / 32] = st;
-    __syncthreads();
+    for (int64_t j = tail_start + tid; j < p.v; j += kThreads) Push(st, cap(ToF(x[j])));
+    ReduceToWarpSlots<kThreads>(st, CombineOp{}, warp_states);
     if (tid == 0) {
-      SoftmaxState total = warp_states[0];
-      for (int w = 1; w < kThreads / 32; ++w) total = Combine(total, warp_states[w]);
-      const float l = total.m + logf(total.s);
+      const State total = FoldWarpSlots<kThreads>(warp_states, CombineOp{}, warp_states[0], 1);
+      const float l = loss::Lse(total.m, total.s);
       float loss = 0.0f;
       if (valid) {
-        const float zy = cap(ToF(x[t]));
-        const float eps = p.label_smoothing;
-        loss = (1.0f - eps) * (l - zy) + p.z_loss * l * l;
-        if (eps > 0.0f) loss += eps * (l - total.sz / static_cast<float>(p.v));
+        loss = loss::TokenLossSmoothingLast(p.loss, l, cap(ToF(x[t])), total.sz,
+                                            static_cast<float>(p.v));
       }
       row_loss[row] = loss;
       if (per_token_loss != nullptr) per_token_loss[row] = loss;
@@ -132,18 +88,13 @@ __global__ void __launch_bounds__(kThreads)
   using Out = OutVec<TG, kVec>;
   Out* gv = reinterpret_cast<Out*>(g);
   // g_j = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V, times dz/dx = 1 - (z/cap)^2.
-  const float coef = 1.0f + 2.0f * p.z_loss * lse;
-  const float eps_v = p.label_smoothing / static_cast<float>(p.v);
-  const float hit = 1.0f - p.label_smoothing;
+  const loss::GradFactors factors = loss::GradFactorsOf(p.loss, lse, static_cast<float>(p.v));
   const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
     if (!valid) return 0.0f;
     const float z = cap(xval);
-    float gj = __expf(z - lse) * coef - eps_v - (j == t ? hit : 0.0f);
-    if (cap.cap > 0.0f) {
-      const float r = z * cap.inv_cap;
-      gj *= 1.0f - r * r;
-    }
+    float gj = loss::LogitGrad(factors, loss::Exp(z - lse), j == t);
+    if (cap.cap > 0.0f) gj *= loss::SoftcapSlope(z * cap.inv_cap);
     return gj * scale;
   };
   // When TG is narrower than TL the gradient of element j lands on bytes of an element <= j that

@@ -9,15 +9,14 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/common/loss_math.h"
 
 namespace losshead::kernels::cuda {
 
 struct SoftmaxGradParams {
   int64_t v = 0;  // vocabulary size: columns [0, v) of each row are logits
   int64_t ignore_index = -100;
-  float label_smoothing = 0.0f;
-  float z_loss = 0.0f;
-  float softcap = 0.0f;  // 0 = off
+  loss::Options loss;  // the loss options, handed to loss_math.h's formula as they are
   // Device pointer to a factor the gradient is multiplied by before it is rounded to TG (the
   // gradient stash keeps G scaled); null: the gradient is written unscaled.
   const float* grad_scale = nullptr;

@@ -1,4 +1,5 @@
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/squared_norm.cuh"
 
 namespace losshead::kernels::cuda {
@@ -11,19 +12,11 @@ constexpr int kBlocks = kSquaredNormPartials;
 constexpr int kFinalThreads = 1024;
 constexpr int kGroup = 4;  // elements per unit: one float4 when the buffer is aligned
 
-// Sum over the block in a fixed tree: shuffles within each warp, then warp sums in order.
+// Sum over the block in a fixed tree (reduce.cuh): shuffles within each warp, then warp sums in
+// order; valid in thread 0.
 template <int kBlockThreads>
 __device__ __forceinline__ double BlockSum(double x) {
-  __shared__ double warp_sums[kBlockThreads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = x;
-  __syncthreads();
-  double total = 0.0;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kBlockThreads / 32; ++w) total += warp_sums[w];
-  }
-  return total;  // valid in thread 0
+  return BlockReduce<kBlockThreads>(x, SumOp{}, 0.0);
 }
 
 // Unit u (kGroup consecutive elements, added in index order) belongs to thread u % (grid size);

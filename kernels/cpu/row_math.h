@@ -1,0 +1,62 @@
+// The CPU backend's row math, shared by the whole-vocabulary row (row_loss.cc) and a vocabulary
+// shard's rows (shard_rows.cc): the soft-cap of a row in place, its max and sums, and its logit
+// gradient. The formula itself is loss_math.h's; this header only walks a row with it, in index
+// order, so that a row's sums come out the same whichever path computes them.
+#ifndef LOSSHEAD_KERNELS_CPU_ROW_MATH_H_
+#define LOSSHEAD_KERNELS_CPU_ROW_MATH_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/common/loss_math.h"
+
+namespace losshead::kernels::cpu {
+
+// Overwrites x_j with z_j = softcap(x_j); nothing when the soft-cap is off.
+inline void SoftcapRow(float* row, int64_t n, const loss::Softcap& cap) {
+  if (!cap.on()) return;
+  for (int64_t j = 0; j < n; ++j) row[j] = cap.Apply(row[j]);
+}
+
+// A row's max z (fp32), sum of z and sum of exp(z - max) (both summed in double, in index order,
+// exp evaluated in fp32). n >= 1.
+struct RowSums {
+  float max_z = -std::numeric_limits<float>::infinity();
+  double sum_z = 0.0;
+  double sum_exp = 0.0;
+};
+
+inline RowSums SumRow(const float* z, int64_t n) {
+  RowSums sums;
+  for (int64_t j = 0; j < n; ++j) {
+    sums.max_z = std::max(sums.max_z, z[j]);
+    sums.sum_z += z[j];
+  }
+  for (int64_t j = 0; j < n; ++j) sums.sum_exp += loss::Exp(z[j] - sums.max_z);
+  return sums;
+}
+
+// How z / cap is formed for the soft-cap's slope: the whole-vocabulary row multiplies by 1 / cap
+// (as the CUDA kernels do); a shard's row has always divided, and keeps its bits.
+enum class CapRatio { kTimesInverse, kDivided };
+
+// Overwrites a row of z with dloss/dx_j: loss::LogitGrad of e = exp(z_j - shift) with the target
+// at column `target` (none when outside [0, n)), times the soft-cap's slope when it is on.
+template <CapRatio kRatio>
+inline void WriteRowGradient(float* z, int64_t n, int64_t target, float shift,
+                             const loss::GradFactors& f, const loss::Softcap& cap) {
+  if (cap.on()) {
+    for (int64_t j = 0; j < n; ++j) {
+      const float ratio = kRatio == CapRatio::kDivided ? z[j] / cap.cap : z[j] * cap.inv_cap;
+      const float g = loss::LogitGrad(f, loss::Exp(z[j] - shift), j == target);
+      z[j] = g * loss::SoftcapSlope(ratio);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) z[j] = loss::LogitGrad(f, loss::Exp(z[j] - shift), j == target);
+  }
+}
+
+}  // namespace losshead::kernels::cpu
+
+#endif  // LOSSHEAD_KERNELS_CPU_ROW_MATH_H_
