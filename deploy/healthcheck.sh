@@ -4,8 +4,8 @@
 # the container's environment tells it how the gRPC port speaks:
 #
 #   LOSSHEAD_HEALTH_PORT             the port of --listen (default 50051), dialled on 127.0.0.1
-#   LOSSHEAD_HEALTH_TLS_ROOT_CA      PEM CA that signed the server's --tls_cert: speak TLS and verify
-#                                    the server with it (unset: plaintext)
+#   LOSSHEAD_HEALTH_TLS_ROOT_CA      PEM CA that signed the server's --tls_cert: speak TLS and
+#                                    verify the server with it (unset: plaintext)
 #   LOSSHEAD_HEALTH_TLS_SERVER_NAME  name to verify in the server's certificate (default losshead)
 #   LOSSHEAD_HEALTH_TLS_CERT         client certificate and key, for a server that asks for one
 #   LOSSHEAD_HEALTH_TLS_KEY          (--tls_client_ca)

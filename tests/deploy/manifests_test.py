@@ -94,8 +94,15 @@ def check_compose(d, compose, docs):
     remote = (d / "compose" / "docker-compose.remote.yml").read_text()
     for name in ("tls_cert", "tls_key", "auth_tokens_file"):
         check(f"--{name}=/etc/losshead/secrets/" in remote, f"docker-compose.remote.yml: no --{name}")
-    check(re.search(r'healthcheck:\s*\n\s*test:[^\n]*"health"(?:.|\n)*?"--tls_root_ca=', remote),
-          "docker-compose.remote.yml: the health check does not speak TLS")
+    # The image's health check (deploy/healthcheck.sh) speaks TLS when its environment names the
+    # CA; a `test:` here would replace it.
+    check(re.search(r"^\s+LOSSHEAD_HEALTH_TLS_ROOT_CA:\s*/etc/losshead/secrets/ca\.crt\s*$", remote,
+                    re.M), "docker-compose.remote.yml: the health check is not given the CA "
+          "(LOSSHEAD_HEALTH_TLS_ROOT_CA: /etc/losshead/secrets/ca.crt)")
+    check(re.search(r"^\s+LOSSHEAD_HEALTH_TLS_SERVER_NAME:", remote, re.M),
+          "docker-compose.remote.yml: no LOSSHEAD_HEALTH_TLS_SERVER_NAME for the health check")
+    check(not re.search(r"^\s+test:", remote, re.M),
+          "docker-compose.remote.yml: a healthcheck test replaces the image's losshead-healthcheck")
     check(remote.count("--drain_timeout=") == 1 and
           re.findall(r"--drain_timeout=(\S+?)\"?$", remote, re.M) == drains,
           "docker-compose.remote.yml: --drain_timeout differs from the base file's")
