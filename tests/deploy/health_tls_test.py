@@ -192,7 +192,7 @@ def main(argv):
         print("OK: the image's health check speaks TLS (and mTLS) from the container's environment")
     finally:
         for c in containers:
-            run(["docker", "rm", "-f", c], check=False)
+            run(["docker", "rm", "-f", "-v", c], check=False)  # and its anonymous volume
         shutil.rmtree(tmp, ignore_errors=True)
 
 
