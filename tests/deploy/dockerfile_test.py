@@ -3,11 +3,13 @@
 
 Static (no Docker engine needed): the builder's RUN steps call scripts/install-deps.sh and
 scripts/build.sh (the scripts .ci/run reaches through scripts/run-tests.sh); the last stage runs as
-a non-root user, has losshead-server as ENTRYPOINT, a `losshead health` HEALTHCHECK on 127.0.0.1:50051
-and EXPOSEs 50051 and 9464; .dockerignore keeps build trees and .git out of the context.
+a non-root user, has losshead-server as ENTRYPOINT, a HEALTHCHECK running deploy/healthcheck.sh
+(`losshead health` on 127.0.0.1:50051, with the TLS flags from LOSSHEAD_HEALTH_* variables) and
+EXPOSEs 50051 and 9464; .dockerignore keeps build trees and .git out of the context.
 usage: dockerfile_test.py REPO_ROOT
 """
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -76,9 +78,29 @@ def main():
     entry = (last.get("ENTRYPOINT") or [""])[-1]
     if "losshead-server" not in entry:
         errors.append(f"ENTRYPOINT is not losshead-server: {entry!r}")
+    # The health check is deploy/healthcheck.sh: `losshead health` on 127.0.0.1, the port and TLS
+    # from the container's environment (a server with --tls_cert is healthy given the CA).
     health = (last.get("HEALTHCHECK") or [""])[-1]
-    if not re.search(r"losshead\"?\s*,?\s*\"?health\b", health) or "127.0.0.1:50051" not in health:
-        errors.append(f"HEALTHCHECK does not run `losshead health --server 127.0.0.1:50051`: {health!r}")
+    if "/usr/local/bin/losshead-healthcheck" not in health:
+        errors.append(f"HEALTHCHECK does not run /usr/local/bin/losshead-healthcheck: {health!r}")
+    if not any(re.fullmatch(r"deploy/healthcheck\.sh\s+/usr/local/bin/losshead-healthcheck", a)
+               for a in last.get("COPY", [])):
+        errors.append("the runtime stage does not COPY deploy/healthcheck.sh to "
+                      "/usr/local/bin/losshead-healthcheck")
+    script_path = repo / "deploy" / "healthcheck.sh"
+    script = script_path.read_text() if script_path.exists() else ""
+    if not script_path.exists() or not os.access(script_path, os.X_OK):
+        errors.append("deploy/healthcheck.sh is missing or not executable")
+    elif not (re.search(r"^exec /usr/local/bin/losshead health\b", script, re.M)
+              and '"--server=127.0.0.1:${LOSSHEAD_HEALTH_PORT:-50051}"' in script):
+        errors.append("deploy/healthcheck.sh does not exec `losshead health "
+                      "--server=127.0.0.1:${LOSSHEAD_HEALTH_PORT:-50051}`")
+    for flag, var in (("--tls_root_ca", "LOSSHEAD_HEALTH_TLS_ROOT_CA"),
+                      ("--tls_server_name", "LOSSHEAD_HEALTH_TLS_SERVER_NAME"),
+                      ("--tls_cert", "LOSSHEAD_HEALTH_TLS_CERT"),
+                      ("--tls_key", "LOSSHEAD_HEALTH_TLS_KEY")):
+        if script and not re.search(rf'"{flag}=\$\{{{var}\b', script):
+            errors.append(f"deploy/healthcheck.sh does not pass {flag} from {var}")
     exposed = set(" ".join(last.get("EXPOSE", [])).replace("/tcp", "").split())
     for port in ("50051", "9464"):
         if port not in exposed:

@@ -7,7 +7,10 @@ kustomize deploy/k8s` builds where kubectl is installed. Then what a deployment 
 needs:
   compose: a named checkpoint volume behind --checkpoint_dir, no port published beyond loopback by
     default, no default Grafana password, a stop grace period above --drain_timeout, GPU
-    reservation, scrape wiring, Grafana provisioning paths;
+    reservation, scrape wiring, Grafana provisioning paths, the project name from .env (no
+    top-level name:, which compose v1 refuses), a TLS override whose health check is given the CA,
+    and `config` accepting both files under every compose CLI installed (v2 `docker compose`, v1
+    `docker-compose`);
   Kubernetes: a StatefulSet whose checkpoint directory is a volume claim template, TLS and tokens
     from Secret volumes, probes that work with TLS on (the image's `losshead health` with --tls_root_ca:
     native gRPC probes speak plaintext), a grace period above the drain and the liveness window
@@ -91,11 +94,26 @@ def check_compose(d, compose, docs):
     remote = (d / "compose" / "docker-compose.remote.yml").read_text()
     for name in ("tls_cert", "tls_key", "auth_tokens_file"):
         check(f"--{name}=/etc/losshead/secrets/" in remote, f"docker-compose.remote.yml: no --{name}")
-    check(re.search(r'healthcheck:\s*\n\s*test:[^\n]*"health"(?:.|\n)*?"--tls_root_ca=', remote),
-          "docker-compose.remote.yml: the health check does not speak TLS")
+    # The image's health check (deploy/healthcheck.sh) speaks TLS when its environment names the
+    # CA; a `test:` here would replace it.
+    check(re.search(r"^\s+LOSSHEAD_HEALTH_TLS_ROOT_CA:\s*/etc/losshead/secrets/ca\.crt\s*$", remote,
+                    re.M), "docker-compose.remote.yml: the health check is not given the CA "
+          "(LOSSHEAD_HEALTH_TLS_ROOT_CA: /etc/losshead/secrets/ca.crt)")
+    check(re.search(r"^\s+LOSSHEAD_HEALTH_TLS_SERVER_NAME:", remote, re.M),
+          "docker-compose.remote.yml: no LOSSHEAD_HEALTH_TLS_SERVER_NAME for the health check")
+    check(not re.search(r"^\s+test:", remote, re.M),
+          "docker-compose.remote.yml: a healthcheck test replaces the image's losshead-healthcheck")
     check(remote.count("--drain_timeout=") == 1 and
           re.findall(r"--drain_timeout=(\S+?)\"?$", remote, re.M) == drains,
           "docker-compose.remote.yml: --drain_timeout differs from the base file's")
+    # Compose v1 (docker-compose 1.x) refuses a top-level `name:`; the project name, which the
+    # checkpoint volume's name starts with, comes from .env next to the file instead.
+    check(not re.search(r"^name:", compose, re.M),
+          "compose: a top-level name: (compose v1 refuses it; set COMPOSE_PROJECT_NAME in .env)")
+    env_file = d / "compose" / ".env"
+    check(env_file.exists() and re.search(r"^COMPOSE_PROJECT_NAME=losshead$",
+                                          env_file.read_text(), re.M),
+          "deploy/compose/.env does not set COMPOSE_PROJECT_NAME=losshead (the volume's prefix)")
     if docs is not None:
         service = docs.get("services", {}).get("losshead-server", {})
         check("losshead-checkpoints" in docs.get("volumes", {}),
@@ -253,6 +271,38 @@ def check_kubernetes(d, objects):
     check(rule["spec"]["groups"] == groups, "prometheusrule.yaml: groups differ from rules.yml")
 
 
+def compose_clis():
+    """The compose CLIs installed here: v2 (`docker compose`) and v1 (`docker-compose`)."""
+    clis = []
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                 capture_output=True).returncode == 0:
+        clis.append(["docker", "compose"])
+    if shutil.which("docker-compose"):
+        clis.append(["docker-compose"])
+    return clis
+
+
+def check_compose_clis(d):
+    """`config` of every installed compose CLI accepts the stack, alone and with the override."""
+    clis = compose_clis()
+    if not clis:
+        print("note: neither `docker compose` nor `docker-compose` installed: `config` not tried")
+    env = dict(os.environ, GRAFANA_ADMIN_PASSWORD="x", LOSSHEAD_SECRETS_DIR="/etc/losshead")
+    env.pop("COMPOSE_PROJECT_NAME", None)
+    base, remote = d / "compose" / "docker-compose.yml", d / "compose" / "docker-compose.remote.yml"
+    for cli in clis:
+        for files in ([base], [base, remote]):
+            argv = [*cli, *[a for f in files for a in ("-f", str(f))], "config"]
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+            if r.returncode != 0:
+                errors.append(f"{' '.join(argv)}: {r.stderr.strip()}")
+                continue
+            # v2 prints the project name; the volume is <project>_losshead-checkpoints.
+            name = re.search(r"^name:\s*(\S+)", r.stdout, re.M)
+            check(name is None or name.group(1) == "losshead",
+                  f"{' '.join(argv)}: project {name and name.group(1)}, not losshead")
+
+
 def main():
     repo = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     d = repo / "deploy"
@@ -291,6 +341,7 @@ def main():
     if yaml is not None and not errors:
         check_kubernetes(d, objects)
 
+    check_compose_clis(d)
     kubectl = shutil.which("kubectl")
     if kubectl:
         r = subprocess.run([kubectl, "kustomize", str(d / "k8s")], capture_output=True, text=True,
