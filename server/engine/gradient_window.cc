@@ -1,7 +1,8 @@
 // Head's gradient window: what the micro-batches accumulated since the last cut, and W. A pull
 // copies dW out with the counters it covers and, with reset, opens the next window in the same
 // critical section; a push replaces or adds to W and bumps the version; a download copies W out.
-// The server-side optimizer step belongs here: it cuts the window like a pull with reset.
+// The server-side optimizer step (optimizer_apply.cc) cuts the window the same way as a pull with
+// reset.
 #include <algorithm>
 #include <cstdio>
 #include <optional>
@@ -14,13 +15,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/head_optimizer.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/result_pool.h"
-#include "common/status_macros.h"
 #include "server/engine/transfer_buffers.h"
 
 namespace losshead::server {
@@ -112,8 +113,8 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
     // so they are read whole. A discard is a cut: every replica's compute lock.
     std::optional<ReplicaGroup::Cut> cut;
     if (discard) {
-      cut.emplace(*group_);
-      LOSSHEAD_RETURN_IF_ERROR(group_->DiscardGradient());
+      cut.emplace(group());
+      LOSSHEAD_RETURN_IF_ERROR(group().DiscardGradient());
     }
     absl::MutexLock state(&state_mu_);
     CountWindowLocked(&s, discard);
@@ -133,18 +134,18 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
   snap.data = TakeTransferBuffer(static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float));
   v1::GradientSummary& s = snap.summary;
   {
-    ReplicaGroup::Cut cut(*group_);
+    ReplicaGroup::Cut cut(group());
     // Each replica copies its rows of the reduced dW (one copy per device, side by side) and,
     // with reset, zeroes them: its other rows are zero once reduced.
-    LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
-    for (const auto& r : group_->replicas()) {
-      const size_t bytes = RowBytes(*group_, *r, sizeof(float));
-      char* rows = r->grad.as<char>() + DeviceRowByteOffset(*group_, *r, sizeof(float));
+    LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
+    for (const auto& r : group().replicas()) {
+      const size_t bytes = RowBytes(group(), *r, sizeof(float));
+      char* rows = r->grad.as<char>() + DeviceRowByteOffset(group(), *r, sizeof(float));
       LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
-          snap.data.data() + RowByteOffset(*group_, *r, sizeof(float)), rows, bytes, *r->stream));
+          snap.data.data() + RowByteOffset(group(), *r, sizeof(float)), rows, bytes, *r->stream));
       if (reset) LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(rows, 0, bytes, *r->stream));
     }
-    LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+    LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
     absl::MutexLock state(&state_mu_);
     CountWindowLocked(&s, reset);
   }
@@ -193,7 +194,7 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   }
   // W is replaced on replica 0 and copied from there to the others, so that replicas never
   // differ, by rounding or otherwise; each shard takes its rows.
-  ReplicaGroup::Cut cut(*group_);
+  ReplicaGroup::Cut cut(group());
   {
     absl::MutexLock state(&state_mu_);
     if (expected_version.has_value() && *expected_version != version_) {
@@ -204,8 +205,8 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   }
   if (mode == v1::PUSH_MODE_ADD) {
     staged = TakeTransferBuffer(count * esize);  // overwritten whole by the copy below
-    LOSSHEAD_RETURN_IF_ERROR(group_->CopyWeightsOut(staged.data()));
-    LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+    LOSSHEAD_RETURN_IF_ERROR(placement_->CopyWeightsOut(staged.data()));
+    LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
     std::vector<float> w(std::min(count, kConvertBlock));
     std::vector<float> delta(w.size());
     for (size_t i = 0; i < count; i += kConvertBlock) {
@@ -223,9 +224,9 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   // The new W's magnitude bounds the micro-batches that run against it (ReserveStepBounds).
   const float pushed_abs = kernels::MaxAbs(dtype_, source.data(), count);
   LOSSHEAD_RETURN_IF_ERROR(
-      group_->CopyIn(&Replica::weights, esize, source.data(), 0, static_cast<int64_t>(count)));
-  LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
-  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+      placement_->CopyIn(&Replica::weights, esize, source.data(), 0, static_cast<int64_t>(count)));
+  LOSSHEAD_RETURN_IF_ERROR(placement_->BroadcastWeights());
+  LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
   absl::MutexLock state(&state_mu_);
   weight_abs_ = pushed_abs;
   weight_abs_exact_ = true;
@@ -242,19 +243,12 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
   snap.data = TakeTransferBuffer(static_cast<size_t>(vocab_size()) * hidden_size() *
                                  kernels::DTypeSize(dtype_));
   {
-    // Only a cut (a push, an optimizer apply) writes W. Every replica holds the same W, and
-    // replica 0's lock keeps the cuts out; shards each hold theirs, under the cut.
-    std::optional<absl::MutexLock> first;
-    std::optional<ReplicaGroup::Cut> cut;
-    if (group_->sharded()) {
-      cut.emplace(*group_);
-    } else {
-      first.emplace(&(*group_)[0].compute_mu);
-    }
-    LOSSHEAD_RETURN_IF_ERROR(group_->CopyWeightsOut(snap.data.data()));
-    // Replica 0's stream alone: the other replicas may be running micro-batches.
-    LOSSHEAD_RETURN_IF_ERROR(group_->sharded() ? group_->Synchronize()
-                                               : (*group_)[0].stream->Synchronize());
+    // Only a cut (a push, an optimizer apply) writes W, and it takes the locks of the devices
+    // that hold W (WeightHolders: replica 0 of a replicated head, every shard): holding those
+    // keeps the cuts out while the other replicas may go on running micro-batches.
+    const ReplicaGroup::DeviceLocks holders(placement_->WeightHolders());
+    LOSSHEAD_RETURN_IF_ERROR(placement_->CopyWeightsOut(snap.data.data()));
+    LOSSHEAD_RETURN_IF_ERROR(placement_->SynchronizeHolders());
     absl::MutexLock state(&state_mu_);
     snap.version = version_;
   }

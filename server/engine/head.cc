@@ -13,11 +13,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/proto_convert.h"
-#include "common/status_macros.h"
 #include "server/engine/weight_init.h"
 
 namespace losshead::server {
@@ -138,21 +138,14 @@ absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
   }
 }
 
-bool Head::SpreadPlacement(const v1::Placement& placement) {
-  return placement.kind() == v1::PLACEMENT_REPLICATED || placement.kind() == v1::PLACEMENT_SHARDED;
-}
-
-int Head::PlacementDevices(const v1::Placement& placement, int available) {
-  if (!SpreadPlacement(placement)) return 1;
-  return placement.devices() == 0 ? available : static_cast<int>(placement.devices());
-}
-
-Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernels::DType dtype,
+Head::Head(std::unique_ptr<Placement> placement, const v1::HeadSpec& spec, kernels::DType dtype,
            const HeadOptions& options)
-    : group_(std::move(group)),
+    : placement_(std::move(placement)),
       spec_(spec),
       dtype_(dtype),
       options_(options),
+      scratch_(spec.name(), this, options.stash_lenders, options.grad_stash_bytes,
+               placement_->group()),
       results_(options.results != nullptr ? options.results
                                           : std::make_shared<ResultPool>(kIdleResultBytes)),
       cache_(options.idempotency_window, options.idempotency_max_bytes_per_client,
@@ -161,42 +154,31 @@ Head::Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernel
   absl::MutexLock lock(&state_mu_);
   defaults_ = spec.default_options();
   if (options_.grad_stash_bytes > 0 && options_.grad_stash_idle != absl::InfiniteDuration()) {
-    group_->StartIdleFlush(options_.grad_stash_idle);
+    group().StartIdleFlush(options_.grad_stash_idle);
   }
 }
 
 Head::~Head() {
   const std::vector<kernels::Backend*> freed = devices();
-  group_.reset();  // each replica waits for its stream's work before freeing its buffers
+  placement_.reset();  // each replica waits for its stream's work before freeing its buffers
   if (options_.stash_lenders != nullptr) options_.stash_lenders->Freed(freed);
 }
 
-absl::StatusOr<std::unique_ptr<ReplicaGroup>> Head::PlaceOn(
-    std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype) {
-  const int k = static_cast<int>(devices.size());
-  const int wanted = PlacementDevices(spec.placement(), k);
-  if (wanted != k) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the head's placement asks for ", wanted, " devices but ", k, " were given"));
-  }
-  const Layout layout =
-      spec.placement().kind() == v1::PLACEMENT_SHARDED ? Layout::kSharded : Layout::kReplicated;
-  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::MatmulPrecision precision,
-                            ToKernel(spec.matmul_precision(), dtype));
-  return ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype, layout,
-                              precision);
+std::vector<kernels::Backend*> Head::devices() const {
+  std::vector<kernels::Backend*> out;
+  for (const auto& r : group().replicas()) out.push_back(&r->backend);
+  return out;
 }
 
 std::vector<Head::DeviceFootprint> Head::Footprint(const v1::HeadSpec& spec, int k) {
   const kernels::DType dtype = *FloatDType(spec.weight_dtype(), "weight_dtype");
   const uint64_t v = spec.vocab_size();
   const uint64_t d = spec.hidden_size();
-  const bool sharded = spec.placement().kind() == v1::PLACEMENT_SHARDED;
   std::vector<DeviceFootprint> out;
   for (int r = 0; r < k; ++r) {
     // Each device owns its rows of the optimizer (ZeRO-1); a replica holds all of W and dW.
     const uint64_t rows = kernels::ShardRange(static_cast<int64_t>(v), k, r).size();
-    const uint64_t held = sharded ? rows : v;
+    const uint64_t held = HeldRows(spec.placement(), static_cast<int64_t>(v), k, r);
     out.push_back({.tensors = held * d * (kernels::DTypeSize(dtype) + sizeof(float)),
                    .optimizer = OptimizerBytes(spec.optimizer(), dtype, rows * d).total()});
   }
@@ -215,11 +197,12 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* c
     return absl::ResourceExhaustedError(
         absl::StrCat("a ", v, " x ", d, " head is too large to allocate"));
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group, PlaceOn(devices, spec, dtype));
+  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<Placement> placement,
+                            Placement::Create(devices, spec, dtype));
   // Admission: refuse a head whose tensors cannot all fit before allocating any of them (an
   // optimizer's state is several times W). A backend that cannot tell (total 0) is not checked.
-  const std::vector<DeviceFootprint> footprint = Footprint(spec, group->size());
-  for (const auto& replica : group->replicas()) {
+  const std::vector<DeviceFootprint> footprint = Footprint(spec, placement->group().size());
+  for (const auto& replica : placement->group().replicas()) {
     const DeviceFootprint& needed = footprint[replica->rank];
     const kernels::MemoryInfo memory = replica->backend.memory_info();
     if (memory.total_bytes > 0 && needed.total() > memory.free_bytes) {
@@ -229,23 +212,23 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* c
                        needed.optimizer, ") but the device has ", memory.free_bytes, " free"));
     }
   }
-  std::shared_ptr<Head> head(new Head(std::move(group), spec, dtype, options));
+  std::shared_ptr<Head> head(new Head(std::move(placement), spec, dtype, options));
   LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, true));
   if (HasOptimizer(spec.optimizer())) {
     LOSSHEAD_ASSIGN_OR_RETURN(std::vector<OptimizerBuffers> buffers,
                               head->AllocateOptimizers(spec.optimizer()));
-    ReplicaGroup::Cut cut(*head->group_);
+    ReplicaGroup::Cut cut(head->group());
     LOSSHEAD_RETURN_IF_ERROR(head->InstallOptimizer(std::move(buffers)));
   }
   return head;
 }
 
 absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
-  ReplicaGroup::Cut cut(*group_);
+  ReplicaGroup::Cut cut(group());
   const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
   const size_t esize = kernels::DTypeSize(dtype_);
-  for (const auto& r : group_->replicas()) {
-    const size_t held = static_cast<size_t>(group_->DeviceRows(*r)) * hidden_size();
+  for (const auto& r : group().replicas()) {
+    const size_t held = static_cast<size_t>(ReplicaGroup::DeviceRows(*r)) * hidden_size();
     auto w = r->backend.Allocate(held * esize);
     if (!w.ok()) return AsResourceExhausted(w.status(), "weights");
     r->weights = std::move(*w);
@@ -256,30 +239,16 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
     // The workspace itself is allocated on first use, sized for the micro-batch; here we only
     // make sure some chunk size fits the budget so that a head that could never step is refused
     // now.
-    kernels::Problem probe{.n = 1,
-                           .d = hidden_size(),
-                           .v = vocab_size(),
-                           .dtype = dtype_,
-                           .precision = group_->precision()};
-    if (group_->sharded()) {
-      const kernels::ShardProblem shard{.problem = probe,
-                                        .row_begin = r->rows.begin,
-                                        .rows = r->rows.size(),
-                                        .shards = group_->size(),
-                                        .rank = r->rank};
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.PlanShard(shard, workspace_budget).status());
-    } else {
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.WorkspaceBytes(probe, workspace_budget).status());
-    }
+    LOSSHEAD_RETURN_IF_ERROR(placement_->CheckWorkspace(*r, workspace_budget));
     LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(r->grad.data(), 0, r->grad.bytes(), *r->stream));
   }
-  if (!init_weights) return group_->Synchronize();  // a restore overwrites W
+  if (!init_weights) return group().Synchronize();  // a restore overwrites W
   if (!spec_.init().has_normal()) {
-    for (const auto& r : group_->replicas()) {
+    for (const auto& r : group().replicas()) {
       LOSSHEAD_RETURN_IF_ERROR(
           r->backend.Memset(r->weights.data(), 0, r->weights.bytes(), *r->stream));
     }
-    return group_->Synchronize();
+    return group().Synchronize();
   } else {
     // Whole init blocks, a few per thread, drawn together and then copied in.
     const int threads = NormalInitThreads();
@@ -296,16 +265,17 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
                          kernels::DTypeName(dtype_), "; give a smaller std"));
       }
       drawn_abs = std::max(drawn_abs, kernels::MaxAbs(dtype_, drawn.data(), n));
-      LOSSHEAD_RETURN_IF_ERROR(group_->CopyIn(&Replica::weights, esize, drawn.data(),
-                                              static_cast<int64_t>(i), static_cast<int64_t>(n)));
+      LOSSHEAD_RETURN_IF_ERROR(placement_->CopyIn(&Replica::weights, esize, drawn.data(),
+                                                  static_cast<int64_t>(i),
+                                                  static_cast<int64_t>(n)));
       // The host piece is reused for the next one: the copy must have landed.
-      LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+      LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
     }
     absl::MutexLock state(&state_mu_);
     weight_abs_ = drawn_abs;
   }
-  LOSSHEAD_RETURN_IF_ERROR(group_->BroadcastWeights());
-  return group_->Synchronize();
+  LOSSHEAD_RETURN_IF_ERROR(placement_->BroadcastWeights());
+  return group().Synchronize();
 }
 
 absl::Status Head::SetDefaultOptions(const v1::LossOptions& options) {
@@ -317,19 +287,19 @@ absl::Status Head::SetDefaultOptions(const v1::LossOptions& options) {
 
 size_t Head::weights_bytes() const {
   size_t bytes = 0;
-  for (const auto& r : group_->replicas()) bytes += r->weights.bytes();
+  for (const auto& r : group().replicas()) bytes += r->weights.bytes();
   return bytes;
 }
 
 size_t Head::gradient_bytes() const {
   size_t bytes = 0;
-  for (const auto& r : group_->replicas()) bytes += r->grad.bytes();
+  for (const auto& r : group().replicas()) bytes += r->grad.bytes();
   return bytes;
 }
 
 size_t Head::workspace_bytes() const {
   size_t bytes = 0;
-  for (const auto& r : group_->replicas()) bytes += r->scratch_bytes.load();
+  for (const auto& r : group().replicas()) bytes += r->scratch_bytes.load();
   return bytes;
 }
 
@@ -349,11 +319,11 @@ v1::HeadInfo Head::Info() const {
   absl::MutexLock state(&state_mu_);
   *info.mutable_spec()->mutable_default_options() = defaults_;
   *info.mutable_spec()->mutable_optimizer() = optimizer_spec_;
-  info.mutable_spec()->set_matmul_precision(ToProto(group_->precision()));
+  info.mutable_spec()->set_matmul_precision(ToProto(group().precision()));
   if (SpreadPlacement(spec_.placement())) {
     // The placement as held (spec_ keeps the one asked for: 0 devices means all, and a restore
     // onto a smaller server holds fewer).
-    info.mutable_spec()->mutable_placement()->set_devices(group_->size());
+    info.mutable_spec()->mutable_placement()->set_devices(group().size());
   }
   info.set_optimizer_step(optimizer_step_);
   info.set_weights_version(version_);
@@ -374,6 +344,20 @@ v1::HeadInfo Head::Info() const {
   return info;
 }
 
+size_t Head::StashBytes(const kernels::Backend* device) const {
+  return scratch_.StashBytes(device);
+}
+
+size_t Head::ReleaseStashes(const kernels::Backend* device) {
+  return scratch_.ReleaseStashes(device);
+}
+
+void Head::RetryStashes(const kernels::Backend* device) { scratch_.RetryStashes(device); }
+
+size_t Head::TryReleaseStashes(const kernels::Backend* device) {
+  return scratch_.TryReleaseStashes(device);
+}
+
 std::vector<Head::DeviceShare> Head::MemoryByDevice() const {
   absl::MutexLock state(&state_mu_);
   return MemoryByDeviceLocked();
@@ -381,9 +365,9 @@ std::vector<Head::DeviceShare> Head::MemoryByDevice() const {
 
 std::vector<Head::DeviceShare> Head::MemoryByDeviceLocked() const {
   std::vector<DeviceShare> shares;
-  for (const auto& r : group_->replicas()) {
+  for (const auto& r : group().replicas()) {
     const OptimizerFootprint own =
-        OptimizerBytes(optimizer_spec_, dtype_, static_cast<uint64_t>(group_->RowElements(*r)));
+        OptimizerBytes(optimizer_spec_, dtype_, static_cast<uint64_t>(group().RowElements(*r)));
     DeviceShare& share = shares.emplace_back();
     share.device = &r->backend;
     share.memory.set_weights_bytes(r->weights.bytes());

@@ -39,14 +39,18 @@
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/apply_log.h"
 #include "server/engine/compute_queue.h"
+#include "server/engine/device_scratch.h"
 #include "server/engine/head_checkpoint.h"
 #include "server/engine/head_optimizer.h"
 #include "server/engine/idempotency_budget.h"
 #include "server/engine/idempotency_cache.h"
-#include "server/engine/pinned_pool.h"
+#include "server/engine/micro_batch.h"
+#include "server/engine/placement.h"
 #include "server/engine/replica_group.h"
 #include "server/engine/result_pool.h"
+#include "server/engine/step_devices.h"
 #include "server/engine/step_outcome.h"
+#include "server/engine/step_prepare.h"
 
 namespace losshead::server {
 
@@ -78,51 +82,6 @@ struct HeadOptions {
   // cut (an apply, a pull with reset or a discard) is logged once per window: a training loop
   // that never steps the head or never discards its window. 0: never.
   uint64_t window_warn_microbatches = 0;
-};
-
-// One micro-batch as it came off the wire.
-struct MicroBatch {
-  v1::StepHeader header;
-  std::string hidden;
-  // Set instead of `hidden` when the receiver assembled the hidden states in page-locked memory
-  // (see PinnedPool): they then go to the device without another host copy. Shared by copies of
-  // the micro-batch (nothing writes to it once assembled).
-  std::shared_ptr<PinnedBytes> pinned_hidden;
-  std::string targets;
-  // ByteDigest values of hidden and targets when the receiver took them while assembling (see
-  // StepAssembler); Head::Step computes a missing one when the micro-batch needs a fingerprint.
-  std::optional<uint64_t> hidden_digest;
-  std::optional<uint64_t> targets_digest;
-  // The largest |x| of hidden in its header's dtype (kernels::MaxAbs: +Inf when it holds a NaN or
-  // Inf), when the receiver took it as the pieces arrived; Head::Step takes it itself when unset.
-  std::optional<float> hidden_max_abs;
-
-  absl::string_view hidden_bytes() const {
-    return pinned_hidden != nullptr ? pinned_hidden->view() : absl::string_view(hidden);
-  }
-  // Frees the tensors (the micro-batch is answered, or refused before it ran).
-  void ReleaseTensors() {
-    std::string().swap(hidden);
-    pinned_hidden.reset();
-    std::string().swap(targets);
-  }
-};
-
-// What happened to a micro-batch besides its outcome (for metrics).
-struct StepStats {
-  bool replayed = false;
-  absl::Duration queue;    // waiting for the head (an I/O slot, then the compute mutex)
-  absl::Duration stage;    // copies in (host -> device), before the compute mutex
-  absl::Duration compute;  // Run under the compute mutex, synchronised
-  absl::Duration finish;   // copies out (dH -> host), after the compute mutex
-  // The devices the run took: its replica, or every shard of a sharded head (empty if it never
-  // reached one).
-  std::vector<const kernels::Backend*> devices;
-  // When each phase began or ended (for --step_trace); UnixEpoch when it was not reached.
-  absl::Time stage_start = absl::UnixEpoch();
-  absl::Time compute_start = absl::UnixEpoch();
-  absl::Time compute_end = absl::UnixEpoch();
-  absl::Time finish_end = absl::UnixEpoch();
 };
 
 // dW (or W) copied to the host, with what it covers.
@@ -165,11 +124,6 @@ class Head {
   static absl::Status ValidateName(const std::string& name);
   // The placement's kind and device count (INVALID_ARGUMENT), without the server's devices.
   static absl::Status ValidatePlacement(const v1::Placement& placement);
-  // Whether `placement` spreads a head over several devices (replicated or sharded).
-  static bool SpreadPlacement(const v1::Placement& placement);
-  // How many devices a head of a valid `placement` takes where `available` are there: 1 for
-  // one device, the number asked for a replicated or sharded head (0: all of them).
-  static int PlacementDevices(const v1::Placement& placement, int available);
 
   // What a head of `spec` (valid, and not too large to allocate: Create's first checks) holds on
   // each of k devices, in rank order: W and dW (a shard: its rows of them), and the optimizer's
@@ -275,13 +229,9 @@ class Head {
   int64_t hidden_size() const { return spec_.hidden_size(); }
   kernels::DType dtype() const { return dtype_; }
   // Devices holding the head (its replicas).
-  int device_count() const { return group_->size(); }
+  int device_count() const { return group().size(); }
   // Those devices, in rank order.
-  std::vector<kernels::Backend*> devices() const {
-    std::vector<kernels::Backend*> out;
-    for (const auto& r : group_->replicas()) out.push_back(&r->backend);
-    return out;
-  }
+  std::vector<kernels::Backend*> devices() const;
   // Device bytes over every replica.
   size_t weights_bytes() const;
   size_t gradient_bytes() const;
@@ -312,8 +262,16 @@ class Head {
   std::vector<DeviceShare> MemoryByDevice() const;
 
  private:
-  struct Prepared;
-  class SlotLease;
+  // What a run leaves in its scalars.
+  struct RunScalars {
+    int64_t token_count = 0;
+    float loss_sum = 0;
+  };
+
+  Head(std::unique_ptr<Placement> placement, const v1::HeadSpec& spec, kernels::DType dtype,
+       const HeadOptions& options);
+  ReplicaGroup& group() const { return placement_->group(); }
+  absl::Status Initialize(size_t workspace_budget, bool init_weights);
 
   std::vector<DeviceShare> MemoryByDeviceLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // After a micro-batch was counted in the window: the window's start, and the warning of
@@ -326,13 +284,41 @@ class Head {
   void CountWindowLocked(v1::GradientSummary* s, bool reset)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
-  Head(std::unique_ptr<ReplicaGroup> group, const v1::HeadSpec& spec, kernels::DType dtype,
-       const HeadOptions& options);
-  // The replicas of a head of `spec` on `devices` (INVALID_ARGUMENT when their number is not the
-  // placement's).
-  static absl::StatusOr<std::unique_ptr<ReplicaGroup>> PlaceOn(
-      std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype);
-  absl::Status Initialize(size_t workspace_budget, bool init_weights);
+  // The step pipeline (step_pipeline.cc).
+  StepTarget StepTargetOf() const;
+  v1::LossOptions Defaults() const;
+  // Runs a prepared micro-batch; with a client id, completes its idempotency claim, or fails it
+  // when the device fails once the run has begun (see Step, also for `on_ordered`).
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(
+      const PreparedStep& prepared, StepStats* stats, const std::string& client_id,
+      uint64_t sequence, const std::function<void()>& on_ordered);
+  // Compute's part under its devices' compute locks: its turn, the checks against W and the
+  // window (ReserveRun), the placement's run, the counters; the outcome's version. A device
+  // failure once the run has begun is DATA_LOSS, kept by the key (see Step).
+  absl::StatusOr<RunScalars> RunOnDevices(const PreparedStep& p, StepDevices& devices,
+                                          StepStats* stats, const std::string& client_id,
+                                          uint64_t sequence,
+                                          const std::function<void()>& on_ordered,
+                                          StepOutcome& outcome);
+  // Under the micro-batch's compute locks: the weights version it runs against
+  // (FAILED_PRECONDITION when not the expected one) with its part of the window's bound reserved
+  // (ReserveStepBounds, measuring W itself when only the optimizer's bound of W refuses it).
+  absl::StatusOr<uint64_t> ReserveRun(const PreparedStep& p, std::span<Replica* const> devices);
+  // Under the micro-batch's compute locks and state_mu_: OUT_OF_RANGE when its loss, dH or part
+  // of dW could overflow, or the gradient window with it (kernels::CheckStepBounds); otherwise
+  // reserves its part of the window's bound. Nothing changes on a refusal.
+  absl::Status ReserveStepBounds(const PreparedStep& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // A run counted in the window (under its compute locks).
+  void CountRun(int64_t token_count, uint64_t version);
+  // The largest |w| of W, read from `held` (replicas whose compute lock the caller holds and
+  // which together hold every row: one replica, or every shard) through the host. For the rare
+  // micro-batch that the optimizer's bound of W (which may lie far above W) would refuse.
+  absl::StatusOr<float> MeasureWeights(std::span<Replica* const> held);
+  void FinishOutcome(const PreparedStep& p, float loss_sum, int64_t token_count,
+                     std::string grad_hidden, const std::vector<float>& per_token,
+                     StepOutcome* outcome) const;
+
+  // The server-side optimizer (optimizer_apply.cc).
   // Each replica's optimizer buffers for its rows (contents undefined); RESOURCE_EXHAUSTED names
   // the one that did not fit.
   absl::StatusOr<std::vector<OptimizerBuffers>> AllocateOptimizers(
@@ -342,72 +328,14 @@ class Head {
   absl::Status InstallOptimizer(std::vector<OptimizerBuffers> buffers);
   // Takes master from W when a push has changed W since (see master_version). Under the cut.
   absl::Status SyncMaster();
-  // Under the micro-batch's compute lock and state_mu_: OUT_OF_RANGE when its loss, dH or part
-  // of dW could overflow, or the gradient window with it (kernels::CheckStepBounds); otherwise
-  // reserves its part of the window's bound. Nothing changes on a refusal.
-  absl::Status ReserveStepBounds(const Prepared& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // The largest |w| of W, read from `held` (replicas whose compute lock the caller holds and
-  // which together hold every row: one replica, or every shard) through the host. For the rare
-  // micro-batch that the optimizer's bound of W (which may lie far above W) would refuse.
-  absl::StatusOr<float> MeasureWeights(std::span<Replica* const> held);
-  // The header's part of Prepare (CheckHeader's checks); the payload's part follows in Prepare.
-  absl::Status PrepareHeader(const v1::StepHeader& header, Prepared* prepared) const;
-  absl::StatusOr<Prepared> Prepare(const MicroBatch& microbatch) const;
-  // Runs a prepared micro-batch; with a client id, completes its idempotency claim, or fails it
-  // when the device fails once the run has begun (see Step, also for `on_ordered`).
-  absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(
-      const Prepared& prepared, StepStats* stats, const std::string& client_id, uint64_t sequence,
-      const std::function<void()>& on_ordered);
-  void FinishOutcome(const Prepared& p, float loss_sum, int64_t token_count,
-                     std::string grad_hidden, const std::vector<float>& per_token,
-                     StepOutcome* outcome) const;
-  // Under the replica's compute lock: where a counted micro-batch of `problem` (a shard's: its
-  // ShardStashShape) leaves its part of dW. The stash's next rows (flushed first when they would
-  // not fit; the stash made on first use), or no stash (the run adds to dW itself) when deferral is
-  // off for this head or device, or the micro-batch is larger than the stash.
-  absl::StatusOr<kernels::GradStash> StashFor(Replica& replica, const kernels::Problem& problem);
-  // fn on each of this head's replicas on `device`, under that replica's compute lock.
-  void ForEachReplicaOn(const kernels::Backend* device, absl::FunctionRef<void(Replica&)> fn) const;
-  // Grows `buffer` on `replica` (which the caller owns exclusively: under its compute lock, as
-  // `compute_locked` says, or in its I/O slot). When the device is full and the replica's stash
-  // holds enough to make room, the stash gives way (ReleaseStash) and the allocation is tried
-  // once more; then, where the other heads' idle stashes on the device would make room, those
-  // (options_.stash_lenders).
-  absl::Status EnsureBuffer(Replica& replica, kernels::DeviceBuffer& buffer, size_t bytes,
-                            bool compute_locked);
-  // Grows `slot`'s staging buffer; false where the backend needs none (copy directly).
-  absl::StatusOr<bool> EnsureStaging(Replica& replica, kernels::HostBuffer& buffer, size_t bytes);
-  // Copies a prepared micro-batch into `slot`'s device buffers (stream synchronised), with room
-  // for its results when `outputs` (a shard other than 0 returns none).
-  absl::Status StageIn(const Prepared& p, Replica& replica, IoSlot& slot, bool outputs);
-  // A sharded head's micro-batch (shard_step.cc): the problem and which results it wants, each
-  // shard's part and workspace bytes, and the token chunk they share.
-  struct ShardRun {
-    kernels::Problem problem;
-    bool grad_weight = true;  // false: forward only
-    bool grad_hidden = true;
-    bool per_token = false;
-    std::vector<kernels::ShardProblem> shards;
-    std::vector<size_t> workspace_bytes;
-    int64_t chunk_rows = 0;
-    // Per shard, where its part of dW goes: its stash's next rows, or (no stash) dW itself.
-    std::vector<kernels::GradStash> stashes;
-  };
-  // Under the cut: plans every shard's part of `run` (problem and wants given) and grows its
-  // buffers for it (RESOURCE_EXHAUSTED, INVALID_ARGUMENT); nothing runs.
-  absl::Status PrepareShards(ShardRun& run);
-  // Under the cut: runs a prepared `run` on every shard, `slots` in rank order holding its staged
-  // inputs; slot 0 receives the loss, token count, dH and per-token losses (see
-  // losshead/kernels/shard_problem.h).
-  absl::Status RunShards(const ShardRun& run, std::span<IoSlot* const> slots);
-  // Copies dH and per-token losses of a finished run out of `slot` into `outcome`.
-  absl::Status StageOut(const Prepared& p, Replica& replica, IoSlot& slot, std::string* grad_hidden,
-                        std::vector<float>* per_token);
 
-  std::unique_ptr<ReplicaGroup> group_;  // reset first in ~Head
+  // How the head lies on its devices; reset first in ~Head.
+  std::unique_ptr<Placement> placement_;
   const v1::HeadSpec spec_;  // default_options here are the creation-time ones; see defaults_
   const kernels::DType dtype_;
   const HeadOptions options_;
+  // Buffers and stashes the micro-batches borrow of the devices' memory.
+  DeviceScratch scratch_;
   // dH result buffers, recycled: each outcome gives its buffer back when the cache and the
   // responses in flight are done with it. Declared before cache_ so that it outlives the outcomes
   // the cache holds (they hold it too).

@@ -12,13 +12,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "losshead/kernels/dtype_convert.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/replica_group.h"
-#include "common/status_macros.h"
 
 namespace losshead::server {
 
@@ -34,30 +34,30 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
   // completes its idempotency claim just after (once its dH is on the host): waiting for those
   // still pending, while no new one can start, puts every micro-batch counted in dW among the
   // remembered ones too.
-  ReplicaGroup::Cut cut(*group_);
+  ReplicaGroup::Cut cut(group());
   {
     absl::MutexLock state(&state_mu_);
     state_mu_.Await(absl::Condition(
         +[](int* pending) { return *pending == 0; }, &pending_outcomes_));
   }
-  Replica& first = (*group_)[0];
-  LOSSHEAD_RETURN_IF_ERROR(group_->CopyWeightsOut(d.weights.data()));
+  Replica& first = group()[0];
+  LOSSHEAD_RETURN_IF_ERROR(placement_->CopyWeightsOut(d.weights.data()));
   // dW reduced to the owners of its rows, each copying its rows; and the optimizer: each
   // replica's rows of its master copy (even when a push has made it stale: master_version says
   // so and the restored head re-syncs it exactly as this one would) and of its state. The file
   // is the one-device head's whatever the placement.
-  LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
+  LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
   const OptimizerBuffers& optimizer = first.optimizer;
   const bool has_master = optimizer.master.data() != nullptr;
   d.master.resize(has_master ? count * sizeof(float) : 0);
   d.optimizer_state.resize(optimizer.state.size());
   for (std::string& state : d.optimizer_state) state.resize(count * sizeof(float));
-  for (const auto& r : group_->replicas()) {
-    const size_t offset = head_internal::RowByteOffset(*group_, *r, sizeof(float));
-    const size_t bytes = head_internal::RowBytes(*group_, *r, sizeof(float));
+  for (const auto& r : group().replicas()) {
+    const size_t offset = head_internal::RowByteOffset(group(), *r, sizeof(float));
+    const size_t bytes = head_internal::RowBytes(group(), *r, sizeof(float));
     LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
         d.gradient.data() + offset,
-        r->grad.as<char>() + head_internal::DeviceRowByteOffset(*group_, *r, sizeof(float)), bytes,
+        r->grad.as<char>() + head_internal::DeviceRowByteOffset(group(), *r, sizeof(float)), bytes,
         *r->stream));
     if (has_master) {
       LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
@@ -68,7 +68,7 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
           d.optimizer_state[i].data() + offset, r->optimizer.state[i].data(), bytes, *r->stream));
     }
   }
-  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+  LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
   *d.spec.mutable_optimizer() = optimizer.spec;
   d.optimizer_step = optimizer.step;
   d.momentum_started = optimizer.momentum_started;
@@ -132,23 +132,25 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     }
     placed.mutable_placement()->set_devices(static_cast<uint32_t>(devices.size()));
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaGroup> group, PlaceOn(devices, placed, dtype));
-  std::shared_ptr<Head> head(new Head(std::move(group), data.spec, dtype, options));
+  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<Placement> placement,
+                            Placement::Create(devices, placed, dtype));
+  std::shared_ptr<Head> head(new Head(std::move(placement), data.spec, dtype, options));
   LOSSHEAD_RETURN_IF_ERROR(head->Initialize(options.workspace_budget_bytes, false));
   LOSSHEAD_ASSIGN_OR_RETURN(std::vector<OptimizerBuffers> optimizers,
                             head->AllocateOptimizers(data.spec.optimizer()));
   {
-    ReplicaGroup& group = *head->group_;
+    Placement& placement = *head->placement_;
+    ReplicaGroup& group = placement.group();
     ReplicaGroup::Cut cut(group);
     // W to replica 0 and from there to the others; the whole dW to replica 0 (the others' are
     // zero, so the sum is the saved window); each replica's rows of the optimizer. A shard takes
     // its rows of each.
     const int64_t count = static_cast<int64_t>(v * d);
+    LOSSHEAD_RETURN_IF_ERROR(placement.CopyIn(&Replica::weights, kernels::DTypeSize(dtype),
+                                              data.weights.data(), 0, count));
     LOSSHEAD_RETURN_IF_ERROR(
-        group.CopyIn(&Replica::weights, kernels::DTypeSize(dtype), data.weights.data(), 0, count));
-    LOSSHEAD_RETURN_IF_ERROR(
-        group.CopyIn(&Replica::grad, sizeof(float), data.gradient.data(), 0, count));
-    LOSSHEAD_RETURN_IF_ERROR(group.BroadcastWeights());
+        placement.CopyIn(&Replica::grad, sizeof(float), data.gradient.data(), 0, count));
+    LOSSHEAD_RETURN_IF_ERROR(placement.BroadcastWeights());
     for (const auto& r : group.replicas()) {
       OptimizerBuffers& optimizer = optimizers[r->rank];
       const size_t offset = head_internal::RowByteOffset(group, *r, sizeof(float));

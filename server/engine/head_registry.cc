@@ -94,7 +94,7 @@ absl::StatusOr<std::vector<kernels::Backend*>> HeadRegistry::Place(const v1::Pla
                                                                    bool at_most) const {
   LOSSHEAD_RETURN_IF_ERROR(Head::ValidatePlacement(placement));
   const int available = static_cast<int>(devices_.size());
-  int k = Head::PlacementDevices(placement, available);
+  int k = PlacementDevices(placement, available);
   if (k > available) {
     if (!at_most) {
       return absl::InvalidArgumentError(absl::StrCat(

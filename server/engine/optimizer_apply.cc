@@ -13,11 +13,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/request_fingerprint.h"
-#include "common/status_macros.h"
 
 namespace losshead::server {
 namespace {
@@ -110,10 +110,10 @@ absl::StatusOr<std::vector<kernels::OptimizerMagnitudes>> CheckStepStaysInRange(
 absl::StatusOr<std::vector<OptimizerBuffers>> Head::AllocateOptimizers(
     const v1::OptimizerSpec& spec) const {
   std::vector<OptimizerBuffers> buffers;
-  for (const auto& r : group_->replicas()) {
+  for (const auto& r : group().replicas()) {
     LOSSHEAD_ASSIGN_OR_RETURN(OptimizerBuffers own,
                               AllocateOptimizer(r->backend, spec, dtype_,
-                                                static_cast<uint64_t>(group_->RowElements(*r))));
+                                                static_cast<uint64_t>(group().RowElements(*r))));
     buffers.push_back(std::move(own));
   }
   return buffers;
@@ -123,22 +123,22 @@ absl::Status Head::SetOptimizer(const v1::OptimizerSpec& spec) {
   LOSSHEAD_RETURN_IF_ERROR(ValidateOptimizerSpec(spec));
   // Allocated before the lock, so that steps go on meanwhile and a failure changes nothing.
   LOSSHEAD_ASSIGN_OR_RETURN(std::vector<OptimizerBuffers> buffers, AllocateOptimizers(spec));
-  ReplicaGroup::Cut cut(*group_);
+  ReplicaGroup::Cut cut(group());
   return InstallOptimizer(std::move(buffers));
 }
 
 absl::Status Head::InstallOptimizer(std::vector<OptimizerBuffers> buffers) {
   for (size_t i = 0; i < buffers.size(); ++i) {
-    Replica& r = (*group_)[static_cast<int>(i)];
+    Replica& r = group()[static_cast<int>(i)];
     for (kernels::DeviceBuffer& state : buffers[i].state) {
       LOSSHEAD_RETURN_IF_ERROR(r.backend.Memset(state.data(), 0, state.bytes(), *r.stream));
     }
     buffers[i].master_version = 0;  // not yet taken from W: SyncMaster does it
   }
-  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+  LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
   auto swap_all = [&] {
     for (size_t i = 0; i < buffers.size(); ++i) {
-      std::swap((*group_)[static_cast<int>(i)].optimizer, buffers[i]);
+      std::swap(group()[static_cast<int>(i)].optimizer, buffers[i]);
     }
   };
   swap_all();
@@ -147,7 +147,7 @@ absl::Status Head::InstallOptimizer(std::vector<OptimizerBuffers> buffers) {
     swap_all();  // the old optimizer stays
     return synced;
   }
-  const v1::OptimizerSpec& spec = (*group_)[0].optimizer.spec;
+  const v1::OptimizerSpec& spec = group()[0].optimizer.spec;
   absl::MutexLock state(&state_mu_);
   optimizer_spec_ = spec;
   optimizer_step_ = 0;
@@ -162,7 +162,7 @@ absl::Status Head::SyncMaster() {
     absl::MutexLock state(&state_mu_);
     version = version_;
   }
-  for (const auto& r : group_->replicas()) {
+  for (const auto& r : group().replicas()) {
     OptimizerBuffers& optimizer = r->optimizer;
     if (optimizer.master_version == version) continue;
     optimizer.magnitudes.reset();  // master is taken anew (or, for fp32, W was pushed)
@@ -173,7 +173,7 @@ absl::Status Head::SyncMaster() {
       const size_t count = optimizer.master.bytes() / sizeof(float);
       const size_t esize = kernels::DTypeSize(dtype_);
       const char* rows =
-          r->weights.as<char>() + head_internal::DeviceRowByteOffset(*group_, *r, esize);
+          r->weights.as<char>() + head_internal::DeviceRowByteOffset(group(), *r, esize);
       std::string w(std::min(count, kConvertBlock) * esize, '\0');
       std::vector<float> block(std::min(count, kConvertBlock));
       for (size_t i = 0; i < count; i += kConvertBlock) {
@@ -196,12 +196,12 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     const v1::ApplyOptimizerRequest& request) {
   LOSSHEAD_RETURN_IF_ERROR(ValidateApplyRequest(request));
   std::string fingerprint = ApplyFingerprint(request);
-  ReplicaGroup::Cut cut(*group_);
+  ReplicaGroup::Cut cut(group());
   LOSSHEAD_ASSIGN_OR_RETURN(std::optional<v1::ApplyOptimizerResponse> replay,
                             applies_.Find(request.client_id(), request.step_key(), fingerprint));
   if (replay.has_value()) return *std::move(replay);
   // Every replica's optimizer has the same spec, step and momentum state; each has its rows.
-  const OptimizerBuffers& first = (*group_)[0].optimizer;
+  const OptimizerBuffers& first = group()[0].optimizer;
   LOSSHEAD_ASSIGN_OR_RETURN(kernels::OptimizerOptions options,
                             KernelOptions(first, request.params()));
   const int64_t count = vocab_size() * hidden_size();
@@ -238,16 +238,16 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
 
   // ZeRO-1: dW reduced to the replicas that own its rows; each takes the squared norm of its
   // rows, added here in rank order (the same bits on every run).
-  LOSSHEAD_RETURN_IF_ERROR(group_->ReduceGradientToOwners());
-  std::vector<double> partial(group_->size(), 0.0);
-  for (const auto& r : group_->replicas()) {
+  LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
+  std::vector<double> partial(group().size(), 0.0);
+  for (const auto& r : group().replicas()) {
     LOSSHEAD_RETURN_IF_ERROR(r->backend.SquaredNorm(
-        r->grad.as<float>() + group_->DeviceRowOffset(*r), group_->RowElements(*r),
+        r->grad.as<float>() + group().DeviceRowOffset(*r), group().RowElements(*r),
         r->optimizer.norm.as<double>(), *r->stream));
     LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(&partial[r->rank], r->optimizer.norm.data(),
                                                    sizeof(double), *r->stream));
   }
-  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+  LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
   double squared = 0;
   for (double p : partial) squared += p;
   if (!std::isfinite(squared)) {
@@ -273,20 +273,20 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   }
   LOSSHEAD_RETURN_IF_ERROR(SyncMaster());
   LOSSHEAD_ASSIGN_OR_RETURN(std::vector<kernels::OptimizerMagnitudes> after,
-                            CheckStepStaysInRange(*group_, problem, partial));
+                            CheckStepStaysInRange(group(), problem, partial));
   // Each replica steps its own rows (zeroing them in dW; its other rows are zero once reduced),
   // then every replica takes the others' new rows of W.
   const size_t esize = kernels::DTypeSize(dtype_);
-  for (const auto& r : group_->replicas()) {
+  for (const auto& r : group().replicas()) {
     kernels::OptimizerProblem own = problem;
-    own.count = group_->RowElements(*r);
-    char* weights = r->weights.as<char>() + head_internal::DeviceRowByteOffset(*group_, *r, esize);
-    float* grad = r->grad.as<float>() + group_->DeviceRowOffset(*r);
+    own.count = group().RowElements(*r);
+    char* weights = r->weights.as<char>() + head_internal::DeviceRowByteOffset(group(), *r, esize);
+    float* grad = r->grad.as<float>() + group().DeviceRowOffset(*r);
     LOSSHEAD_RETURN_IF_ERROR(
         r->backend.OptimizerStep(own, KernelTensors(r->optimizer, weights, grad), *r->stream));
   }
-  LOSSHEAD_RETURN_IF_ERROR(group_->GatherWeights());
-  LOSSHEAD_RETURN_IF_ERROR(group_->Synchronize());
+  LOSSHEAD_RETURN_IF_ERROR(placement_->GatherWeights());
+  LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
 
   const bool momentum_started = [&] {
     const auto* sgd = std::get_if<kernels::SgdOptions>(&problem.options);
@@ -295,7 +295,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   {
     absl::MutexLock state(&state_mu_);
     ++version_;
-    for (const auto& r : group_->replicas()) {
+    for (const auto& r : group().replicas()) {
       r->optimizer.step += 1;
       if (momentum_started) r->optimizer.momentum_started = true;
       r->optimizer.master_version = version_;

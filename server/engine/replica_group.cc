@@ -22,20 +22,22 @@ Replica::~Replica() {
 
 absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
     std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
-    kernels::DType dtype, Layout layout, kernels::MatmulPrecision precision) {
+    kernels::DType dtype, Holding holding, kernels::MatmulPrecision precision) {
   const int k = static_cast<int>(devices.size());
   if (k < 1) return absl::InvalidArgumentError("a head needs at least one device");
   if (vocab_size < k) {
     return absl::InvalidArgumentError(
         absl::StrCat("a head of ", vocab_size, " rows cannot be ",
-                     layout == Layout::kSharded ? "sharded" : "replicated", " over ", k,
+                     holding == Holding::kOwnRows ? "sharded" : "replicated", " over ", k,
                      " devices: each owns at least one row"));
   }
-  std::unique_ptr<ReplicaGroup> group(
-      new ReplicaGroup(vocab_size, hidden_size, dtype, layout, precision));
+  std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype, precision));
   for (int r = 0; r < k; ++r) {
     if (devices[r] == nullptr) return absl::InvalidArgumentError("null device");
-    auto replica = std::make_unique<Replica>(*devices[r], r, kernels::ShardRange(vocab_size, k, r));
+    const kernels::Shard rows = kernels::ShardRange(vocab_size, k, r);
+    const kernels::Shard held =
+        holding == Holding::kOwnRows ? rows : kernels::Shard{.begin = 0, .end = vocab_size};
+    auto replica = std::make_unique<Replica>(*devices[r], r, rows, held);
     absl::MutexLock lock(&replica->slots_mu);
     for (size_t i = 0; i < Replica::kIoSlots; ++i) {
       replica->free_slots.push_back(std::make_unique<IoSlot>());
@@ -96,13 +98,10 @@ absl::Status ReplicaGroup::FlushStashes(std::span<Replica* const> replicas) {
   for (size_t i = 0; i < replicas.size(); ++i) {
     Replica& r = *replicas[i];
     if (r.stash_tokens == 0) continue;
-    // A shard's stash holds its columns of G: it adds to its rows of dW as a head of that many
-    // rows.
-    const kernels::Problem shape{.n = 1,
-                                 .d = hidden_size_,
-                                 .v = sharded() ? r.rows.size() : vocab_size_,
-                                 .dtype = dtype_,
-                                 .precision = precision_};
+    // The stash adds to the rows the device holds as a head of that many rows (a shard's stash
+    // holds its columns of G).
+    const kernels::Problem shape{
+        .n = 1, .d = hidden_size_, .v = DeviceRows(r), .dtype = dtype_, .precision = precision_};
     const kernels::GradStash stash{
         .data = r.stash.data(), .capacity = r.stash_capacity, .tokens = r.stash_tokens};
     tokens[i] = r.stash_tokens;
@@ -136,6 +135,14 @@ Replica& ReplicaGroup::Next() {
     if (r->queued_tokens.load() < best->queued_tokens.load()) best = r;
   }
   return *best;
+}
+
+ReplicaGroup::DeviceLocks::DeviceLocks(std::span<Replica* const> devices) : devices_(devices) {
+  for (Replica* replica : devices_) replica->compute_mu.Lock();
+}
+
+ReplicaGroup::DeviceLocks::~DeviceLocks() {
+  for (auto it = devices_.rbegin(); it != devices_.rend(); ++it) (*it)->compute_mu.Unlock();
 }
 
 ReplicaGroup::Cut::Cut(const ReplicaGroup& group) : group_(group) {
@@ -186,7 +193,7 @@ absl::Status ReplicaGroup::DiscardGradient() {
   return absl::OkStatus();
 }
 
-absl::Status ReplicaGroup::ReduceGradientToOwners() {
+absl::Status ReplicaGroup::FlushAllStashes() {
   absl::Status fault;
   std::vector<Replica*> all;
   for (const auto& r : replicas_) {
@@ -196,8 +203,12 @@ absl::Status ReplicaGroup::ReduceGradientToOwners() {
   }
   fault.Update(FlushStashes(all));
   for (const auto& r : replicas_) r->stash_fault = absl::OkStatus();  // answered now
-  LOSSHEAD_RETURN_IF_ERROR(fault);
-  if (collective_ == nullptr || sharded()) return absl::OkStatus();
+  return fault;
+}
+
+absl::Status ReplicaGroup::ReduceGradientToOwners() {
+  LOSSHEAD_RETURN_IF_ERROR(FlushAllStashes());
+  if (collective_ == nullptr) return absl::OkStatus();
   const std::vector<int64_t> counts = kernels::ShardCounts(vocab_size_, size(), hidden_size_);
   LOSSHEAD_RETURN_IF_ERROR(collective_->ReduceScatter(Buffers(&Replica::grad), counts,
                                                       kernels::DType::kFP32, Streams()));
@@ -220,45 +231,16 @@ absl::Status ReplicaGroup::ReduceGradientToOwners() {
 }
 
 absl::Status ReplicaGroup::BroadcastWeights() {
-  if (collective_ == nullptr || sharded()) return absl::OkStatus();
+  if (collective_ == nullptr) return absl::OkStatus();
   return collective_->Broadcast(Buffers(&Replica::weights), vocab_size_ * hidden_size_, dtype_,
                                 /*root=*/0, Streams());
 }
 
 absl::Status ReplicaGroup::GatherWeights() {
-  if (collective_ == nullptr || sharded()) return absl::OkStatus();
+  if (collective_ == nullptr) return absl::OkStatus();
   return collective_->AllGather(Buffers(&Replica::weights),
                                 kernels::ShardCounts(vocab_size_, size(), hidden_size_), dtype_,
                                 Streams());
-}
-
-absl::Status ReplicaGroup::CopyIn(kernels::DeviceBuffer Replica::*tensor, size_t element_bytes,
-                                  const char* host, int64_t first, int64_t count) {
-  for (const auto& r : replicas_) {
-    // The elements this device holds, as [lo, hi) of the V x D tensor, and where they start on it.
-    const int64_t held_begin = sharded() ? RowOffset(*r) : 0;
-    const int64_t held_end = sharded() ? held_begin + RowElements(*r) : vocab_size_ * hidden_size_;
-    const int64_t lo = std::max(first, held_begin);
-    const int64_t hi = std::min(first + count, held_end);
-    if (lo < hi) {
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(
-          ((*r).*tensor).as<char>() + (lo - held_begin) * element_bytes,
-          host + (lo - first) * element_bytes, (hi - lo) * element_bytes, *r->stream));
-    }
-    if (!sharded()) break;  // replica 0 only: BroadcastWeights does the rest
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ReplicaGroup::CopyWeightsOut(char* host) {
-  const size_t esize = kernels::DTypeSize(dtype_);
-  for (const auto& r : replicas_) {
-    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
-        host + RowOffset(*r) * esize, r->weights.as<char>() + DeviceRowOffset(*r) * esize,
-        (sharded() ? RowElements(*r) : vocab_size_ * hidden_size_) * esize, *r->stream));
-    if (!sharded()) break;  // every replica holds the same W
-  }
-  return absl::OkStatus();
 }
 
 absl::Status ReplicaGroup::GatherShardStats(int64_t chunk_rows) {

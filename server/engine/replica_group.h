@@ -1,16 +1,14 @@
-// The devices of one head and the collective that joins them. Replicated, each device holds all
-// of W, a dW accumulator of its own, a stream, a workspace, I/O slots and the optimizer state of
-// its rows. Vocabulary-sharded, each holds only its rows ShardRange(V, k, r) of W and dW (and of
-// the optimizer), and every micro-batch runs on all of them together (see shard_step.cc). A
-// one-device head is a replicated group of one (no collective; every call below is then a no-op
-// or the obvious single-device step).
+// The devices of one head and the collective that joins them: a Replica per device (its part of W
+// and dW, a stream, a workspace, I/O slots, the optimizer state of its rows, its deferred-dW stash)
+// and what every placement does with them alike. How the rows are laid out over the devices, which
+// devices a micro-batch takes and which collectives a cut runs is the placement's (placement.h):
+// this group has no layout of its own, only each replica's `rows` (the rows it owns) and `held`
+// (the rows of W and dW on its device).
 //
-// Micro-batches run whole on one replica (Choose); everything that reads or writes the head as a
-// whole (a pull, a push, an optimizer apply, a checkpoint) holds the Cut: every replica's compute
-// lock, taken in rank order so that two cuts never deadlock. Under it the dW accumulators are
-// reduced to their owners (ReduceGradientToOwners): replica r then holds the window's sum of its
-// rows ShardRange(V, k, r) and zeros elsewhere, the same window in a layout from which each
-// replica copies or steps its own rows.
+// Everything that reads or writes the head as a whole (a pull, a push, an optimizer apply, a
+// checkpoint) holds the Cut: every replica's compute lock, taken in rank order so that two cuts
+// never deadlock. A micro-batch holds the compute locks of the devices it runs on, taken the same
+// way (DeviceLocks).
 #ifndef LOSSHEAD_SERVER_ENGINE_REPLICA_GROUP_H_
 #define LOSSHEAD_SERVER_ENGINE_REPLICA_GROUP_H_
 
@@ -51,8 +49,8 @@ struct IoSlot {
 // One device's part of a head. The tensors, the stream and the workspace are used under
 // compute_mu only; the I/O slots under slots_mu.
 struct Replica {
-  Replica(kernels::Backend& backend, int rank, kernels::Shard rows)
-      : backend(backend), rank(rank), rows(rows) {}
+  Replica(kernels::Backend& backend, int rank, kernels::Shard rows, kernels::Shard held)
+      : backend(backend), rank(rank), rows(rows), held(held) {}
   Replica(const Replica&) = delete;
   Replica& operator=(const Replica&) = delete;
   ~Replica();
@@ -62,6 +60,9 @@ struct Replica {
   // The rows this replica owns: its part of a reduced dW, and its rows of the optimizer's master
   // weights and state (ZeRO-1).
   const kernels::Shard rows;
+  // The rows of W and dW this device holds (a superset of `rows`): every row for a replica, its
+  // own for a shard. Row r of the head is row r - held.begin of the device's W and dW.
+  const kernels::Shard held;
 
   // Micro-batches wait here, largest first, before they take compute_mu.
   ComputeQueue compute_queue;
@@ -119,19 +120,21 @@ struct Replica {
   std::atomic<size_t> scratch_bytes{0};
 };
 
-enum class Layout {
-  kReplicated,  // every device holds all of W; a micro-batch runs on one of them
-  kSharded,     // device r holds rows ShardRange(V, k, r); a micro-batch runs on all of them
+// What each device holds of W and dW (the placement decides; the group only records it).
+enum class Holding {
+  kAllRows,  // every device all of W and dW (a replicated head, or one device)
+  kOwnRows,  // device r only its rows ShardRange(V, k, r) (a vocabulary-sharded head)
 };
 
 class ReplicaGroup {
  public:
-  // One replica per backend, rank r on devices[r], owning rows ShardRange(vocab_size, k, r).
-  // The collective is created only for k > 1 (INVALID_ARGUMENT or UNIMPLEMENTED from
+  // One replica per backend, rank r on devices[r], owning rows ShardRange(vocab_size, k, r) and
+  // holding what `holding` says. INVALID_ARGUMENT for no device, a null one, or fewer rows than
+  // devices. The collective is created only for k > 1 (INVALID_ARGUMENT or UNIMPLEMENTED from
   // CreateCollective for devices it cannot join).
   static absl::StatusOr<std::unique_ptr<ReplicaGroup>> Create(
       std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
-      kernels::DType dtype, Layout layout = Layout::kReplicated,
+      kernels::DType dtype, Holding holding = Holding::kAllRows,
       kernels::MatmulPrecision precision = kernels::MatmulPrecision::kHighest);
 
   // Stops the idle flush, then waits for every replica's work before the collective and the
@@ -160,7 +163,9 @@ class ReplicaGroup {
   size_t ReleaseStash(Replica& replica);
 
   int size() const { return static_cast<int>(replicas_.size()); }
-  bool sharded() const { return layout_ == Layout::kSharded; }
+  int64_t vocab_size() const { return vocab_size_; }
+  int64_t hidden_size() const { return hidden_size_; }
+  kernels::DType dtype() const { return dtype_; }
   // The head's GEMM precision (problem.h), for every kernels::Problem run on its devices.
   kernels::MatmulPrecision precision() const { return precision_; }
   Replica& operator[](int rank) const { return *replicas_[rank]; }
@@ -193,6 +198,20 @@ class ReplicaGroup {
   // The replica Choose picks, for a caller that holds its Assignment in place.
   Replica& Next();
 
+  // The compute locks of `devices` (ascending rank), taken in that order, for as long as it lives:
+  // the same order as the Cut's, so that a micro-batch on several devices and a cut never
+  // deadlock. `devices` must outlive it.
+  class DeviceLocks {
+   public:
+    explicit DeviceLocks(std::span<Replica* const> devices);
+    ~DeviceLocks();
+    DeviceLocks(const DeviceLocks&) = delete;
+    DeviceLocks& operator=(const DeviceLocks&) = delete;
+
+   private:
+    std::span<Replica* const> devices_;
+  };
+
   // Every replica's compute lock, in rank order, for as long as it lives.
   class Cut {
    public:
@@ -205,11 +224,15 @@ class ReplicaGroup {
     const ReplicaGroup& group_;
   };
 
-  // Under the Cut. Every replica's stash flushed into its dW, then dW reduced to its owners (see
-  // the file comment): afterwards replica r's accumulator holds the sum over replicas of its rows
-  // and zeros elsewhere. Enqueued on the replicas' streams; no reduction for one replica, or for
-  // shards (each holds only its rows). Every cut that reads dW goes through here. DATA_LOSS when
-  // a flush fails now or failed since the last cut (each replica's stash is flushed even so).
+  // Under the Cut. Every replica's stash flushed into its dW (FlushStashes), and a fault of an
+  // earlier flush answered: DATA_LOSS when a flush fails now or failed since the last cut (each
+  // replica's stash is flushed even so); the faults are cleared, this cut being the one that
+  // answers them. Every cut that reads dW goes through here (through its placement).
+  absl::Status FlushAllStashes();
+  // Under the Cut, for replicas that each hold every row: FlushAllStashes, then dW reduced to the
+  // owners of its rows (ReduceScatter): afterwards replica r's accumulator holds the sum over
+  // replicas of its rows and zeros elsewhere. Enqueued on the replicas' streams; no reduction for
+  // one replica.
   absl::Status ReduceGradientToOwners();
   // Under the Cut. The window dropped without being read: every replica's stash emptied without
   // adding it to dW (its micro-batches are in the window being dropped), a fault of an earlier
@@ -217,24 +240,15 @@ class ReplicaGroup {
   // devices. A device failure leaves dW partly zeroed: the error is returned and the caller
   // keeps its counters (a later pull or discard cuts again).
   absl::Status DiscardGradient();
-  // Under the Cut. Replica 0's W copied to every other replica (after CopyIn of W). Nothing to do
-  // for shards.
+  // Under the Cut, for replicas that each hold every row: replica 0's W copied to every other
+  // replica (Broadcast). Nothing to do for one replica.
   absl::Status BroadcastWeights();
-  // Under the Cut. Each replica's own rows of W copied to every other replica (after each stepped
-  // its rows). Nothing to do for shards.
+  // Under the Cut, for replicas that each hold every row: each replica's own rows of W copied to
+  // every other replica (AllGather). Nothing to do for one replica.
   absl::Status GatherWeights();
-  // Under the Cut. Elements [first, first + count) of a V x D tensor (`tensor`: weights or grad,
-  // `element_bytes` each) from `host` to the devices that hold them: replica 0 of a replicated
-  // head (BroadcastWeights then copies W to the others), each shard its part of them. Enqueued:
-  // `host` must stay valid until Synchronize.
-  absl::Status CopyIn(kernels::DeviceBuffer Replica::*tensor, size_t element_bytes,
-                      const char* host, int64_t first, int64_t count);
-  // Under the Cut, or replica 0's lock for a replicated head. The whole of W (V x D) to `host`:
-  // replica 0's, or each shard's rows. Enqueued.
-  absl::Status CopyWeightsOut(char* host);
-  // Under the Cut, during a sharded run: each shard's statistics slice of a chunk of up to
-  // `chunk_rows` tokens to every shard (AllGather); the dH partials of `floats` elements summed
-  // on every shard (AllReduce). Nothing to do for one shard.
+  // Under the locks of every shard, during a sharded run: each shard's statistics slice of a chunk
+  // of up to `chunk_rows` tokens to every shard (AllGather); the dH partials of `floats` elements
+  // summed on every shard (AllReduce). Nothing to do for one shard.
   absl::Status GatherShardStats(int64_t chunk_rows);
   absl::Status SumShardPartials(int64_t floats);
   // Waits for every replica's stream; the first error.
@@ -243,24 +257,17 @@ class ReplicaGroup {
   // Offsets of a replica's rows in elements of a V x D tensor.
   int64_t RowOffset(const Replica& replica) const { return replica.rows.begin * hidden_size_; }
   int64_t RowElements(const Replica& replica) const { return replica.rows.size() * hidden_size_; }
-  // Where those rows start in the replica's own W and dW: RowOffset for a replica (it holds all
-  // rows), 0 for a shard (it holds only its own).
+  // Where those rows start in the replica's own W and dW.
   int64_t DeviceRowOffset(const Replica& replica) const {
-    return sharded() ? 0 : RowOffset(replica);
+    return (replica.rows.begin - replica.held.begin) * hidden_size_;
   }
-  // Rows of W and dW a device holds: V, or a shard's rows.
-  int64_t DeviceRows(const Replica& replica) const {
-    return sharded() ? replica.rows.size() : vocab_size_;
-  }
+  // Rows of W and dW a device holds.
+  static int64_t DeviceRows(const Replica& replica) { return replica.held.size(); }
 
  private:
-  ReplicaGroup(int64_t vocab_size, int64_t hidden_size, kernels::DType dtype, Layout layout,
+  ReplicaGroup(int64_t vocab_size, int64_t hidden_size, kernels::DType dtype,
                kernels::MatmulPrecision precision)
-      : vocab_size_(vocab_size),
-        hidden_size_(hidden_size),
-        dtype_(dtype),
-        precision_(precision),
-        layout_(layout) {}
+      : vocab_size_(vocab_size), hidden_size_(hidden_size), dtype_(dtype), precision_(precision) {}
   std::vector<void*> Buffers(kernels::DeviceBuffer Replica::*tensor) const;
   std::vector<kernels::Stream*> Streams() const;
 
@@ -268,7 +275,6 @@ class ReplicaGroup {
   const int64_t hidden_size_;
   const kernels::DType dtype_;
   const kernels::MatmulPrecision precision_;
-  const Layout layout_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<kernels::Collective> collective_;  // null for one replica
   std::atomic<uint64_t> next_tie_{0};

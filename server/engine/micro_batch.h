@@ -1,0 +1,67 @@
+// A micro-batch as it reaches a head (MicroBatch: as it came off the wire) and what a head reports
+// of its way through the step pipeline besides its outcome (StepStats, for metrics).
+#ifndef LOSSHEAD_SERVER_ENGINE_MICRO_BATCH_H_
+#define LOSSHEAD_SERVER_ENGINE_MICRO_BATCH_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/engine/pinned_pool.h"
+
+namespace losshead::server {
+
+// One micro-batch as it came off the wire.
+struct MicroBatch {
+  v1::StepHeader header;
+  std::string hidden;
+  // Set instead of `hidden` when the receiver assembled the hidden states in page-locked memory
+  // (see PinnedPool): they then go to the device without another host copy. Shared by copies of
+  // the micro-batch (nothing writes to it once assembled).
+  std::shared_ptr<PinnedBytes> pinned_hidden;
+  std::string targets;
+  // ByteDigest values of hidden and targets when the receiver took them while assembling (see
+  // StepAssembler); Head::Step computes a missing one when the micro-batch needs a fingerprint.
+  std::optional<uint64_t> hidden_digest;
+  std::optional<uint64_t> targets_digest;
+  // The largest |x| of hidden in its header's dtype (kernels::MaxAbs: +Inf when it holds a NaN or
+  // Inf), when the receiver took it as the pieces arrived; Head::Step takes it itself when unset.
+  std::optional<float> hidden_max_abs;
+
+  absl::string_view hidden_bytes() const {
+    return pinned_hidden != nullptr ? pinned_hidden->view() : absl::string_view(hidden);
+  }
+  // Frees the tensors (the micro-batch is answered, or refused before it ran).
+  void ReleaseTensors() {
+    std::string().swap(hidden);
+    pinned_hidden.reset();
+    std::string().swap(targets);
+  }
+};
+
+// What happened to a micro-batch besides its outcome (for metrics).
+struct StepStats {
+  bool replayed = false;
+  absl::Duration queue;    // waiting for the head (an I/O slot, then the compute mutex)
+  absl::Duration stage;    // copies in (host -> device), before the compute mutex
+  absl::Duration compute;  // Run under the compute mutex, synchronised
+  absl::Duration finish;   // copies out (dH -> host), after the compute mutex
+  // The devices the run took: its replica, or every shard of a sharded head (empty if it never
+  // reached one).
+  std::vector<const kernels::Backend*> devices;
+  // When each phase began or ended (for --step_trace); UnixEpoch when it was not reached.
+  absl::Time stage_start = absl::UnixEpoch();
+  absl::Time compute_start = absl::UnixEpoch();
+  absl::Time compute_end = absl::UnixEpoch();
+  absl::Time finish_end = absl::UnixEpoch();
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_MICRO_BATCH_H_

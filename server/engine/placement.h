@@ -1,0 +1,134 @@
+// How a head lies on its devices: the one interface through which the head and its step pipeline
+// reach W, dW and the collectives, whatever the layout. Three implementations:
+//
+//   SingleDevicePlacement  one device holds all of W and dW (replicated_placement.h)
+//   ReplicatedPlacement    every device holds all of W and a dW accumulator of its own; a
+//                          micro-batch runs whole on one of them (replicated_placement.h)
+//   ShardedPlacement       device r holds only its rows ShardRange(V, k, r) of W and dW; every
+//                          micro-batch runs on all of them together (sharded_placement.h)
+//
+// Whatever differs between layouts is a virtual here, and nothing outside the implementations asks
+// which one a head has. What does not differ is said once, in this base, in terms of two facts the
+// implementations give: what each replica holds (Replica::held) and which replicas together hold
+// every row of W exactly once (WeightHolders: replica 0 of a replicated head, every shard).
+//
+// Invariants every implementation keeps:
+// - A micro-batch runs on the devices Take gives it, in ascending rank, under their compute locks
+//   (ReplicaGroup::DeviceLocks); device 0 of them returns its results (loss, token count, dH,
+//   per-token losses), and every one ends its run together.
+// - Under the Cut, after ReduceGradientToOwners, each replica's rows `rows` of its dW hold the
+//   window's sum of those rows, and whatever else its dW holds is zero: a pull, an apply or a
+//   checkpoint reads or steps each replica's own rows and nothing else.
+// - W is the same bits wherever a row is held more than once: it is written on the holders and
+//   copied from there (BroadcastWeights after a write, GatherWeights after each replica stepped its
+//   own rows).
+// - Calls are per micro-batch or per cut, never per row: the hot path pays one virtual call for
+//   the choice of devices and one for the run.
+//
+// The interface names replicas by reference and collectives by what they achieve, so that a
+// placement across processes (each holding some of the devices) can implement it later: only the
+// base's host copies (CopyIn, CopyWeightsOut) assume that the holders are reachable from here.
+#ifndef LOSSHEAD_SERVER_ENGINE_PLACEMENT_H_
+#define LOSSHEAD_SERVER_ENGINE_PLACEMENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "losshead/kernels/backend.h"
+#include "losshead/kernels/problem.h"
+#include "losshead/v1/losshead.pb.h"
+#include "server/engine/replica_group.h"
+#include "server/engine/step_devices.h"
+
+namespace losshead::server {
+
+class DeviceScratch;
+
+// What a micro-batch's run asks of its devices (the placement-free part of a prepared micro-batch).
+struct StepRun {
+  kernels::Problem problem;
+  bool grad_weight = true;  // false: forward only (no dW, no stash)
+  bool grad_hidden = true;
+  bool per_token = false;
+  size_t workspace_budget = 0;  // handed to Backend::WorkspaceBytes / PlanShard
+};
+
+class Placement {
+ public:
+  // The placement `spec` asks for, on `devices` (their number must be the placement's:
+  // INVALID_ARGUMENT otherwise; a placement of 0 devices takes them all), its group created.
+  static absl::StatusOr<std::unique_ptr<Placement>> Create(
+      std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype);
+
+  virtual ~Placement() = default;
+  Placement(const Placement&) = delete;
+  Placement& operator=(const Placement&) = delete;
+
+  ReplicaGroup& group() const { return *group_; }
+
+  // The replicas that together hold every row of W once, in rank order.
+  virtual std::span<Replica* const> WeightHolders() const = 0;
+
+  // At creation, per replica: OK when some chunk of a one-token micro-batch fits `budget` bytes of
+  // workspace on it (the run this placement would give it), so that a head that could never step
+  // is refused at once.
+  virtual absl::Status CheckWorkspace(Replica& replica, size_t budget) const = 0;
+
+  // The devices a micro-batch of `tokens` runs on, its tokens queued on each and an I/O slot of
+  // each taken (waiting for a free one, in rank order). One call per micro-batch.
+  virtual void Take(int64_t tokens, StepDevices& devices) = 0;
+
+  // Under the compute locks of `devices` (Take's): plans `run` on them and grows their buffers for
+  // it (workspace; a shard's exchange buffers), and sets where each device's part of dW goes
+  // (devices.stash(i): its stash's next rows, flushing it first where full, or dW itself). Nothing
+  // of the micro-batch runs and nothing counted changes: an error (RESOURCE_EXHAUSTED,
+  // INVALID_ARGUMENT, a failed flush's DATA_LOSS) is the micro-batch's answer as it is.
+  virtual absl::Status Prepare(const StepRun& run, StepDevices& devices,
+                               DeviceScratch& scratch) = 0;
+  // Then, their slots staged: runs `run`, leaving the scalars (token count, loss sum), dH and
+  // per-token losses in slot 0's buffers. Enqueued on the devices' streams; the caller copies the
+  // scalars back and waits. An error may leave part of the run in dW.
+  virtual absl::Status Run(const StepRun& run, StepDevices& devices) = 0;
+
+  // Under the Cut: every stash flushed and dW laid out as the file comment says (a fault of an
+  // earlier flush answered: DATA_LOSS). Enqueued.
+  virtual absl::Status ReduceGradientToOwners() = 0;
+  // Under the Cut, after CopyIn of W: W made the same on every device that holds a row twice.
+  virtual absl::Status BroadcastWeights() = 0;
+  // Under the Cut, after each replica stepped its own rows of W: the same.
+  virtual absl::Status GatherWeights() = 0;
+
+  // Under the Cut. Elements [first, first + count) of a V x D tensor (`tensor`: weights or grad,
+  // `element_bytes` each) from `host` to the holders that hold them (BroadcastWeights then copies
+  // W to the other devices). Enqueued: `host` must stay valid until the holders synchronise.
+  absl::Status CopyIn(kernels::DeviceBuffer Replica::*tensor, size_t element_bytes,
+                      const char* host, int64_t first, int64_t count) const;
+  // Under the holders' locks (or the Cut). The whole of W (V x D) to `host`, each holder its
+  // rows. Enqueued.
+  absl::Status CopyWeightsOut(char* host) const;
+  // Waits for the holders' streams (those CopyWeightsOut used); the first error.
+  absl::Status SynchronizeHolders() const;
+
+ protected:
+  explicit Placement(std::unique_ptr<ReplicaGroup> group) : group_(std::move(group)) {}
+
+ private:
+  std::unique_ptr<ReplicaGroup> group_;
+};
+
+// How many devices a head of a valid `placement` takes where `available` are there: 1 for one
+// device, the number asked for a replicated or sharded head (0: all of them).
+int PlacementDevices(const v1::Placement& placement, int available);
+// Whether `placement` spreads a head over several devices (replicated or sharded).
+bool SpreadPlacement(const v1::Placement& placement);
+// Rows of W and dW device `rank` of `k` holds under `placement` (Head::Footprint's measure).
+int64_t HeldRows(const v1::Placement& placement, int64_t vocab_size, int k, int rank);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_PLACEMENT_H_

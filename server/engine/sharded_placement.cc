@@ -1,0 +1,132 @@
+#include "server/engine/sharded_placement.h"
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/status_macros.h"
+#include "server/engine/device_scratch.h"
+
+namespace losshead::server {
+
+ShardedPlacement::ShardedPlacement(std::unique_ptr<ReplicaGroup> group)
+    : Placement(std::move(group)) {
+  for (const auto& r : this->group().replicas()) shards_.push_back(r.get());
+}
+
+kernels::ShardProblem ShardedPlacement::ShardOf(const kernels::Problem& problem,
+                                                const Replica& shard) const {
+  return kernels::ShardProblem{.problem = problem,
+                               .row_begin = shard.rows.begin,
+                               .rows = shard.rows.size(),
+                               .shards = group().size(),
+                               .rank = shard.rank};
+}
+
+absl::Status ShardedPlacement::CheckWorkspace(Replica& replica, size_t budget) const {
+  const kernels::Problem probe{.n = 1,
+                               .d = group().hidden_size(),
+                               .v = group().vocab_size(),
+                               .dtype = group().dtype(),
+                               .precision = group().precision()};
+  return replica.backend.PlanShard(ShardOf(probe, replica), budget).status();
+}
+
+void ShardedPlacement::Take(int64_t tokens, StepDevices& devices) {
+  // Its tokens count as queued on every shard until its run is over (or it fails before), which
+  // keeps their stashes' idle flush away.
+  for (Replica* shard : shards_) devices.Queue(*shard, tokens);
+  devices.TakeSlots();
+}
+
+absl::Status ShardedPlacement::Prepare(const StepRun& run, StepDevices& devices,
+                                       DeviceScratch& scratch) {
+  const int k = group().size();
+  parts_.clear();
+  workspace_bytes_.clear();
+  chunk_rows_ = run.problem.n;
+  for (Replica* r : shards_) {
+    const kernels::ShardProblem shard = ShardOf(run.problem, *r);
+    LOSSHEAD_ASSIGN_OR_RETURN(const kernels::ShardPlan plan,
+                              r->backend.PlanShard(shard, run.workspace_budget));
+    parts_.push_back(shard);
+    workspace_bytes_.push_back(plan.workspace_bytes);
+    // Shards differ by at most one row: the smallest chunk fits every shard's plan.
+    chunk_rows_ = std::min(chunk_rows_, plan.chunk_rows);
+  }
+  chunk_rows_ = kernels::BalancedChunkRows(run.problem.n, chunk_rows_);
+  const int64_t stats_floats = int64_t{k} * kernels::kShardStats * chunk_rows_;
+  const int64_t partial_floats = run.grad_hidden ? chunk_rows_ * group().hidden_size() : 0;
+  for (Replica* r : shards_) {
+    LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(*r, r->workspace, workspace_bytes_[r->rank], true));
+    LOSSHEAD_RETURN_IF_ERROR(
+        scratch.Ensure(*r, r->shard_stats, stats_floats * sizeof(float), true));
+    LOSSHEAD_RETURN_IF_ERROR(
+        scratch.Ensure(*r, r->shard_partial, partial_floats * sizeof(float), true));
+  }
+  // Deferred dW, after the buffers (which may have taken a stash's memory back): each shard's
+  // columns of G wait in a stash of its own, laid out as for a head of the shard's rows.
+  for (int i = 0; i < k; ++i) devices.stash(i) = kernels::GradStash{};
+  if (!run.grad_weight) return absl::OkStatus();
+  // The shards' stashes fill in step: those this micro-batch overflows flush together, on every
+  // device at once, rather than one by one in StashFor.
+  std::vector<Replica*> full;
+  for (Replica* r : shards_) {
+    if (r->StashFullFor(run.problem.n)) full.push_back(r);
+  }
+  LOSSHEAD_RETURN_IF_ERROR(group().FlushStashes(full));
+  for (Replica* r : shards_) {
+    LOSSHEAD_ASSIGN_OR_RETURN(devices.stash(r->rank),
+                              scratch.StashFor(*r, kernels::ShardStashShape(parts_[r->rank])));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
+  const IoSlot& out = devices.slot(0);
+  args_.assign(shards_.size(), kernels::ShardArguments{});
+  for (Replica* r : shards_) {
+    const IoSlot& slot = devices.slot(r->rank);
+    kernels::ShardArguments& a = args_[r->rank];
+    a.hidden = slot.hidden.data();
+    a.weight = r->weights.data();
+    a.targets = slot.targets.as<int32_t>();
+    // Forward-only: no dW, as on one device; dH is still computed when asked for.
+    a.grad_stash = devices.stash(r->rank);
+    a.grad_weight = run.grad_weight && a.grad_stash.data == nullptr ? r->grad.as<float>() : nullptr;
+    a.grad_hidden_partial = run.grad_hidden ? r->shard_partial.as<float>() : nullptr;
+    a.stats = r->shard_stats.as<float>();
+    a.stats_chunk_rows = chunk_rows_;
+    a.workspace = r->workspace.data();
+    a.workspace_bytes = workspace_bytes_[r->rank];
+    if (r->rank == 0) {
+      // token_count first: it needs 8-byte alignment.
+      a.token_count = out.scalars.as<int64_t>();
+      a.loss_sum = reinterpret_cast<float*>(out.scalars.as<char>() + 8);
+      a.per_token_loss = run.per_token ? out.per_token.as<float>() : nullptr;
+    }
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.ShardBegin(parts_[r->rank], a, *r->stream));
+  }
+  Replica& first = *shards_[0];
+  for (int64_t t0 = 0; t0 < run.problem.n; t0 += chunk_rows_) {
+    const kernels::ShardChunk chunk{.begin = t0, .size = std::min(chunk_rows_, run.problem.n - t0)};
+    for (Replica* r : shards_) {
+      LOSSHEAD_RETURN_IF_ERROR(
+          r->backend.ShardForward(parts_[r->rank], args_[r->rank], chunk, *r->stream));
+    }
+    LOSSHEAD_RETURN_IF_ERROR(group().GatherShardStats(chunk_rows_));
+    for (Replica* r : shards_) {
+      LOSSHEAD_RETURN_IF_ERROR(
+          r->backend.ShardBackward(parts_[r->rank], args_[r->rank], chunk, *r->stream));
+    }
+    if (!run.grad_hidden) continue;
+    LOSSHEAD_RETURN_IF_ERROR(group().SumShardPartials(chunk.size * group().hidden_size()));
+    LOSSHEAD_RETURN_IF_ERROR(first.backend.ShardStoreGradHidden(
+        parts_[0], first.shard_partial.as<float>(), chunk, out.grad_hidden.data(), *first.stream));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace losshead::server

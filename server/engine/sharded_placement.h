@@ -1,0 +1,59 @@
+// The vocabulary-sharded placement: device r holds only its rows ShardRange(V, k, r) of W and dW
+// (and of the optimizer), and every micro-batch runs on all of them together, under every shard's
+// compute lock (the cut). Each shard computes its rows' logits of each token chunk, the shards
+// exchange their softmax statistics (AllGather), each writes its columns of the gradient and its
+// part of dH and dW (or of its stash: deferred dW), and the dH parts are summed (AllReduce) and
+// rounded on shard 0, which returns the results. The sequence and its math are the backend's (see
+// losshead/kernels/shard_problem.h); this placement drives it over the shards' streams.
+//
+// dW needs no reduction at a cut (each shard holds the whole window of its rows) and W no copies
+// (no row is held twice): the cut's collectives are no-ops beyond flushing the stashes.
+#ifndef LOSSHEAD_SERVER_ENGINE_SHARDED_PLACEMENT_H_
+#define LOSSHEAD_SERVER_ENGINE_SHARDED_PLACEMENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "losshead/kernels/problem.h"
+#include "losshead/kernels/shard_problem.h"
+#include "server/engine/placement.h"
+
+namespace losshead::server {
+
+class ShardedPlacement final : public Placement {
+ public:
+  // `group` holds each device's own rows (Holding::kOwnRows).
+  explicit ShardedPlacement(std::unique_ptr<ReplicaGroup> group);
+
+  // Every shard, in rank order.
+  std::span<Replica* const> WeightHolders() const override { return shards_; }
+  absl::Status CheckWorkspace(Replica& replica, size_t budget) const override;
+  // Every shard, in rank order (so that its locks are the cut's).
+  void Take(int64_t tokens, StepDevices& devices) override;
+  absl::Status Prepare(const StepRun& run, StepDevices& devices, DeviceScratch& scratch) override;
+  absl::Status Run(const StepRun& run, StepDevices& devices) override;
+  absl::Status ReduceGradientToOwners() override { return group().FlushAllStashes(); }
+  absl::Status BroadcastWeights() override { return absl::OkStatus(); }
+  absl::Status GatherWeights() override { return absl::OkStatus(); }
+
+ private:
+  kernels::ShardProblem ShardOf(const kernels::Problem& problem, const Replica& shard) const;
+
+  std::vector<Replica*> shards_;
+  // The plan of the micro-batch between its Prepare and its Run: each shard's part and workspace
+  // bytes, and the token chunk they share. Only a micro-batch holding every shard's lock touches
+  // it, so one serves every micro-batch (and keeps its vectors' memory from one to the next).
+  std::vector<kernels::ShardProblem> parts_;
+  std::vector<size_t> workspace_bytes_;
+  std::vector<kernels::ShardArguments> args_;
+  int64_t chunk_rows_ = 0;
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_SHARDED_PLACEMENT_H_

@@ -1,0 +1,87 @@
+#include "server/engine/step_staging.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/status_macros.h"
+
+namespace losshead::server {
+
+absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool outputs,
+                     DeviceScratch& scratch) {
+  kernels::Backend& backend = replica.backend;
+  const size_t n = p.problem.n;
+  const size_t hidden_bytes = n * p.problem.d * kernels::DTypeSize(p.problem.dtype);
+  const size_t targets_bytes = n * sizeof(int32_t);
+  if (slot.copies == nullptr) {
+    LOSSHEAD_ASSIGN_OR_RETURN(slot.copies, backend.CreateStream());
+  }
+  LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.hidden, hidden_bytes, false));
+  LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.targets, targets_bytes, false));
+  LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.scalars, 16, false));
+  const bool grad_hidden = outputs && p.want_grad_hidden;
+  const bool per_token = outputs && p.want_per_token;
+  if (grad_hidden) {
+    LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.grad_hidden, hidden_bytes, false));
+  }
+  if (per_token) {
+    LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.per_token, n * sizeof(float), false));
+  }
+  // The larger of the two directions: the buffer serves the copies in, then the copies out.
+  const size_t out_bytes = (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0);
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      const bool staged, scratch.EnsureStaging(replica, slot.staging,
+                                               std::max(hidden_bytes + targets_bytes, out_bytes)));
+  const char* hidden = p.hidden().data();
+  const char* targets = reinterpret_cast<const char*>(p.targets.data());
+  if (staged) {
+    // Page-locked memory copies at the bus rate and asynchronously; a copy from the request's own
+    // (pageable) bytes would go through the driver's bounce buffer at a fraction of it. Hidden
+    // states the receiver assembled in page-locked memory need no staging.
+    if (!p.request_pinned) {
+      std::memcpy(slot.staging.data(), hidden, hidden_bytes);
+      hidden = slot.staging.data();
+    }
+    std::memcpy(slot.staging.data() + hidden_bytes, targets, targets_bytes);
+    targets = slot.staging.data() + hidden_bytes;
+  }
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
+  LOSSHEAD_RETURN_IF_ERROR(
+      backend.CopyToDevice(slot.targets.data(), targets, targets_bytes, *slot.copies));
+  return slot.copies->Synchronize();
+}
+
+absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, ResultPool& results,
+                      std::string* grad_hidden, std::vector<float>* per_token) {
+  kernels::Backend& backend = replica.backend;
+  const size_t n = p.problem.n;
+  const size_t hidden_bytes = n * p.problem.d * kernels::DTypeSize(p.problem.dtype);
+  const bool staged = slot.staging.bytes() > 0;
+  // Every byte is overwritten below: a recycled buffer needs neither zeroing nor page faults.
+  if (p.want_grad_hidden) *grad_hidden = results.Take(hidden_bytes);
+  if (p.want_per_token) per_token->resize(n);
+  char* dh = staged ? slot.staging.data() : grad_hidden->data();
+  char* pt = staged ? slot.staging.data() + (p.want_grad_hidden ? hidden_bytes : 0)
+                    : reinterpret_cast<char*>(per_token->data());
+  if (p.want_grad_hidden) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend.CopyToHost(dh, slot.grad_hidden.data(), hidden_bytes, *slot.copies));
+  }
+  if (p.want_per_token) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend.CopyToHost(pt, slot.per_token.data(), n * sizeof(float), *slot.copies));
+  }
+  LOSSHEAD_RETURN_IF_ERROR(slot.copies->Synchronize());
+  if (staged) {
+    if (p.want_grad_hidden) std::memcpy(grad_hidden->data(), dh, hidden_bytes);
+    if (p.want_per_token) std::memcpy(per_token->data(), pt, n * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace losshead::server

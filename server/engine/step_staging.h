@@ -1,0 +1,29 @@
+// A micro-batch's copies between the host and one device, in an I/O slot of its own: they run on
+// the slot's stream, outside the compute lock, beside another micro-batch's run on that device.
+#ifndef LOSSHEAD_SERVER_ENGINE_STEP_STAGING_H_
+#define LOSSHEAD_SERVER_ENGINE_STEP_STAGING_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/engine/device_scratch.h"
+#include "server/engine/replica_group.h"
+#include "server/engine/result_pool.h"
+#include "server/engine/step_prepare.h"
+
+namespace losshead::server {
+
+// Copies `p`'s hidden states and targets into `slot`'s device buffers (grown as needed through
+// `scratch`) and waits for them, with room for the results when `outputs` (on a sharded head only
+// shard 0 returns them). Staged through page-locked memory where the backend has it.
+absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool outputs,
+                     DeviceScratch& scratch);
+// Copies dH (into a buffer of `results`, in the head's dtype) and the per-token losses of a
+// finished run out of `slot`, as `p` wants them, and waits for them.
+absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, ResultPool& results,
+                      std::string* grad_hidden, std::vector<float>* per_token);
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_ENGINE_STEP_STAGING_H_
