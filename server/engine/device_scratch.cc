@@ -9,13 +9,10 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
-#include "server/engine/head_internal.h"
-#include "server/engine/head_registry.h"
+#include "server/engine/host_tensors.h"
 
 namespace losshead::server {
 namespace {
-
-using head_internal::AsResourceExhausted;
 
 // The most tokens a gradient stash of at most `budget` bytes holds on `backend` (0: none, or the
 // backend has no stash). Its bytes grow with its capacity, alignment padding included, so a
@@ -69,8 +66,8 @@ absl::Status DeviceScratch::Ensure(Replica& replica, kernels::DeviceBuffer& buff
     }
   }
   // Then the other heads' stashes on the device, those that are idle.
-  if (absl::IsResourceExhausted(fresh.status()) && lenders_ != nullptr &&
-      lenders_->TakeBack(replica.backend, owner_, bytes) > 0) {
+  if (absl::IsResourceExhausted(fresh.status()) && take_back_ != nullptr &&
+      take_back_(replica.backend, bytes) > 0) {
     fresh = replica.backend.Allocate(bytes);
   }
   if (!fresh.ok()) {

@@ -2,14 +2,15 @@
 // (workspace, I/O slot buffers, a shard's exchange buffers, staging host memory) and the
 // deferred-dW stashes (docs/deferred-dw.md). A buffer that only speeds micro-batches up never
 // stands in the way of memory that something needs: when a device is full, a replica's own stash
-// gives way first, then the other heads' idle stashes there (StashLenders). Used by the step
+// gives way first, then the other heads' idle stashes there (the take-back hook: the registry's
+// StashLenders). Used by the step
 // pipeline and the placements' runs; the head's public stash calls (Head::ReleaseStashes and the
 // like) are answered here.
 #ifndef LOSSHEAD_SERVER_ENGINE_DEVICE_SCRATCH_H_
 #define LOSSHEAD_SERVER_ENGINE_DEVICE_SCRATCH_H_
 
 #include <cstddef>
-#include <memory>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -21,18 +22,17 @@
 
 namespace losshead::server {
 
-class Head;
-class StashLenders;
-
 class DeviceScratch {
  public:
-  // For the replicas of `group`, which outlives it. `owner` is the head asking (StashLenders skips
-  // its stashes when it takes the others'); `lenders` may be null; `stash_bytes` 0: no stash.
-  DeviceScratch(std::string head_name, const Head* owner, std::shared_ptr<StashLenders> lenders,
-                size_t stash_bytes, ReplicaGroup& group)
+  // Gives back other heads' idle stashes on a device until `bytes` would fit there; returns the
+  // bytes given back (0: that would not make room, nothing was given back).
+  using TakeBack = std::function<size_t(kernels::Backend& device, size_t bytes)>;
+
+  // For the replicas of `group`, which outlives it. `take_back` may be null (no other heads lend
+  // their stashes); `stash_bytes` 0: no stash.
+  DeviceScratch(std::string head_name, TakeBack take_back, size_t stash_bytes, ReplicaGroup& group)
       : head_name_(std::move(head_name)),
-        owner_(owner),
-        lenders_(std::move(lenders)),
+        take_back_(std::move(take_back)),
         stash_bytes_(stash_bytes),
         group_(group) {}
 
@@ -62,8 +62,7 @@ class DeviceScratch {
   void ReportReleased(size_t bytes) const;
 
   const std::string head_name_;
-  const Head* const owner_;
-  const std::shared_ptr<StashLenders> lenders_;
+  const TakeBack take_back_;
   const size_t stash_bytes_;
   ReplicaGroup& group_;
 };

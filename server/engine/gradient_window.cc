@@ -20,15 +20,14 @@
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/head_optimizer.h"
+#include "server/engine/host_tensors.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/transfer_buffers.h"
 
 namespace losshead::server {
 
-using head_internal::Convert;
 using head_internal::DeviceRowByteOffset;
-using head_internal::kConvertBlock;
 using head_internal::RowByteOffset;
 using head_internal::RowBytes;
 
@@ -151,7 +150,7 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
   }
   if (dtype == v1::DTYPE_BF16) {
     std::string fp32 = std::move(snap.data);
-    snap.data = Convert(kernels::DType::kFP32, fp32, kernels::DType::kBF16);
+    snap.data = ConvertOnHost(kernels::DType::kFP32, fp32, kernels::DType::kBF16);
     GiveTransferBuffer(std::move(fp32));
   }
   s.set_vocab_size(vocab_size());
@@ -186,7 +185,7 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   // above); any other is converted, then checked for overflow.
   const bool in_place = mode == v1::PUSH_MODE_REPLACE && src_dtype == dtype_;
   if (mode == v1::PUSH_MODE_REPLACE && !in_place) {
-    staged = Convert(src_dtype, data, dtype_);
+    staged = ConvertOnHost(src_dtype, data, dtype_);
     if (kernels::HasNonFinite(dtype_, staged.data(), count)) {
       return absl::InvalidArgumentError(
           absl::StrCat("pushed weights overflow the head's dtype ", kernels::DTypeName(dtype_)));
@@ -254,7 +253,7 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
   }
   if (to != dtype_) {
     std::string raw = std::move(snap.data);
-    snap.data = Convert(dtype_, raw, to);
+    snap.data = ConvertOnHost(dtype_, raw, to);
     GiveTransferBuffer(std::move(raw));
   }
   return snap;

@@ -1,6 +1,7 @@
-// The head itself: creation (spec validation, allocation, initial W), info and default options,
-// and the host conversions its other parts share. The step pipeline, the gradient window and the
-// checkpoint cut are in step_pipeline.cc, gradient_window.cc and head_checkpoint.cc.
+// The head itself: creation (spec validation, placement, allocation, initial W), info, default
+// options and its devices' memory. The step pipeline, the gradient window, the optimizer and the
+// checkpoint cut are in step_pipeline.cc, gradient_window.cc, optimizer_apply.cc and
+// head_checkpoint.cc.
 #include "server/engine/head.h"
 
 #include <algorithm>
@@ -21,44 +22,8 @@
 #include "server/engine/weight_init.h"
 
 namespace losshead::server {
-namespace head_internal {
-namespace {
-
-void ConvertTensor(kernels::DType from, const char* src, kernels::DType to, char* dst,
-                   size_t count) {
-  if (from == to) {
-    std::memcpy(dst, src, count * kernels::DTypeSize(from));
-    return;
-  }
-  std::vector<float> block(std::min(count, kConvertBlock));
-  for (size_t i = 0; i < count; i += kConvertBlock) {
-    const size_t n = std::min(kConvertBlock, count - i);
-    kernels::ToFloat(from, src + i * kernels::DTypeSize(from), block.data(), n);
-    kernels::FromFloat(to, block.data(), dst + i * kernels::DTypeSize(to), n);
-  }
-}
-
-}  // namespace
-
-std::string Convert(kernels::DType from, absl::string_view src, kernels::DType to) {
-  const size_t count = src.size() / kernels::DTypeSize(from);
-  std::string out(count * kernels::DTypeSize(to), '\0');
-  ConvertTensor(from, src.data(), to, out.data(), count);
-  return out;
-}
-
-absl::Status AsResourceExhausted(const absl::Status& status, absl::string_view what) {
-  if (status.ok()) return status;
-  return absl::ResourceExhaustedError(
-      absl::StrCat("cannot allocate ", what, ": ", status.message()));
-}
-
-}  // namespace head_internal
 
 namespace {
-
-using head_internal::AsResourceExhausted;
-using head_internal::kConvertBlock;
 
 // Idle dH buffers a head given no shared pool keeps for reuse: a few full-size (8192 x 4096 bf16)
 // results.
@@ -74,6 +39,16 @@ bool ValidName(const std::string& name) {
     if (!ok) return false;
   }
   return true;
+}
+
+// Where a micro-batch of `head` lacks device memory: the other heads' idle stashes (none without
+// lenders).
+DeviceScratch::TakeBack TakeBackFrom(const std::shared_ptr<StashLenders>& lenders,
+                                     const Head* head) {
+  if (lenders == nullptr) return nullptr;
+  return [lenders, head](kernels::Backend& device, size_t bytes) {
+    return lenders->TakeBack(device, head, bytes);
+  };
 }
 
 }  // namespace
@@ -144,7 +119,7 @@ Head::Head(std::unique_ptr<Placement> placement, const v1::HeadSpec& spec, kerne
       spec_(spec),
       dtype_(dtype),
       options_(options),
-      scratch_(spec.name(), this, options.stash_lenders, options.grad_stash_bytes,
+      scratch_(spec.name(), TakeBackFrom(options.stash_lenders, this), options.grad_stash_bytes,
                placement_->group()),
       results_(options.results != nullptr ? options.results
                                           : std::make_shared<ResultPool>(kIdleResultBytes)),

@@ -1,21 +1,24 @@
-// A head: W (V x D) on one device or replicated over several (see ReplicaGroup), its fp32 dW
-// accumulators, a weights version, counters and default loss options. Thread-safe.
+// A head: W (V x D) on its devices as its Placement lays it out (one device, replicated, or
+// vocabulary-sharded: placement.h), its fp32 dW accumulators, a weights version, the gradient
+// window's counters, default loss options and idempotency state. Thread-safe. The head
+// coordinates; what runs on the devices is its placement's and the step pipeline's parts'.
 //
-// Each replica's compute lock serialises what touches its W or dW on its device: a micro-batch
-// runs whole on one replica, under that replica's lock. Pulls, pushes, optimizer applies and
-// checkpoints take every replica's lock (ReplicaGroup::Cut). A micro-batch's dW update and its
-// counter update happen under its replica's lock together, so a pull with reset sees every
-// micro-batch either entirely before its cut or entirely after. Only the run itself holds it: a
-// micro-batch's copies in (host -> device) and out (dH back to the host) use buffers of their own
-// (an I/O slot of its replica) and overlap the run of another micro-batch.
-// Another, short mutex guards the counters and options so that Info() never waits for compute.
-// Callers hold heads by shared_ptr: deleting a head from the registry while work runs on it is
-// safe; the memory goes when the last holder lets go.
+// A device's compute lock serialises what touches its W or dW: a micro-batch runs under the
+// compute locks of the devices its placement gives it (one replica's, or every shard's), taken in
+// rank order. Pulls, pushes, optimizer applies and checkpoints take every device's lock
+// (ReplicaGroup::Cut). A micro-batch's dW update and its counter update happen under its locks
+// together, so a pull with reset sees every micro-batch either entirely before its cut or entirely
+// after. Only the run itself holds them: a micro-batch's copies in (host -> device) and out (dH
+// back to the host) use buffers of their own (an I/O slot of each device) and overlap the run of
+// another micro-batch. Another, short mutex (state_mu_, always taken after any compute lock)
+// guards the counters and options so that Info() never waits for compute. Callers hold heads by
+// shared_ptr: deleting a head from the registry while work runs on it is safe; the memory goes
+// when the last holder lets go.
 //
 // The members are defined by concern: the head itself in head.cc, the step pipeline in
-// step_pipeline.cc, the gradient window in gradient_window.cc, the server-side optimizer in
-// optimizer_apply.cc, the checkpoint cut in head_checkpoint.cc (what they share:
-// head_internal.h).
+// step_pipeline.cc, the gradient window (pull, discard, push, download) in gradient_window.cc,
+// the server-side optimizer in optimizer_apply.cc, the checkpoint cut in head_checkpoint.cc (what
+// they share: head_internal.h).
 #ifndef LOSSHEAD_SERVER_ENGINE_HEAD_H_
 #define LOSSHEAD_SERVER_ENGINE_HEAD_H_
 

@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/engine/head_internal.h"
+#include "server/engine/host_tensors.h"
 
 namespace losshead::server {
 
@@ -55,7 +55,7 @@ absl::StatusOr<OptimizerBuffers> AllocateOptimizer(kernels::Backend& backend,
   const OptimizerFootprint bytes = OptimizerBytes(spec, dtype, count);
   auto allocate = [&](uint64_t size, kernels::DeviceBuffer& out, const char* what) -> absl::Status {
     absl::StatusOr<kernels::DeviceBuffer> buffer = backend.Allocate(size);
-    if (!buffer.ok()) return head_internal::AsResourceExhausted(buffer.status(), what);
+    if (!buffer.ok()) return AsResourceExhausted(buffer.status(), what);
     out = std::move(*buffer);
     return absl::OkStatus();
   };

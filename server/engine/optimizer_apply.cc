@@ -17,6 +17,7 @@
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
+#include "server/engine/host_tensors.h"
 #include "server/engine/request_fingerprint.h"
 
 namespace losshead::server {
@@ -169,7 +170,6 @@ absl::Status Head::SyncMaster() {
     if (optimizer.master.data() != nullptr) {
       // This replica's rows of W -> fp32 through the host in blocks: only a push or a new
       // optimizer gets here.
-      using head_internal::kConvertBlock;
       const size_t count = optimizer.master.bytes() / sizeof(float);
       const size_t esize = kernels::DTypeSize(dtype_);
       const char* rows =

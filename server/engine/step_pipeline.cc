@@ -24,6 +24,7 @@
 #include "losshead/kernels/step_bound.h"
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
+#include "server/engine/host_tensors.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/request_fingerprint.h"
 #include "server/engine/step_devices.h"
@@ -31,8 +32,6 @@
 #include "server/engine/transfer_buffers.h"
 
 namespace losshead::server {
-
-using head_internal::Convert;
 
 namespace {
 
@@ -307,7 +306,7 @@ void Head::FinishOutcome(const PreparedStep& p, float loss_sum, int64_t token_co
     if (p.grad_hidden_dtype == dtype_) {
       outcome->grad_hidden = std::move(grad_hidden);
     } else {
-      outcome->grad_hidden = Convert(dtype_, grad_hidden, p.grad_hidden_dtype);
+      outcome->grad_hidden = ConvertOnHost(dtype_, grad_hidden, p.grad_hidden_dtype);
       results_->Give(std::move(grad_hidden));
     }
     outcome->pool = results_;

@@ -10,12 +10,10 @@
 #include "common/status_macros.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "losshead/v1/wire_dtype.h"
-#include "server/engine/head_internal.h"
+#include "server/engine/host_tensors.h"
 #include "server/engine/proto_convert.h"
 
 namespace losshead::server {
-
-using head_internal::Convert;
 
 absl::Status PrepareHeader(const v1::StepHeader& h, const StepTarget& head,
                            const v1::LossOptions& defaults, PreparedStep* prepared) {
@@ -120,7 +118,7 @@ absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& mb, const StepTarget&
     p.request_hidden = hidden;
     p.request_pinned = mb.pinned_hidden != nullptr;
   } else {
-    p.converted = Convert(p.hidden_dtype, hidden, head.dtype);
+    p.converted = ConvertOnHost(p.hidden_dtype, hidden, head.dtype);
     const float converted_abs = kernels::MaxAbs(head.dtype, p.converted.data(), n * d);
     if (!std::isfinite(converted_abs)) {
       return absl::InvalidArgumentError(
