@@ -59,49 +59,25 @@ absl::StatusOr<v1::DType> PullDType(v1::DType dtype) {
 
 }  // namespace
 
-void Head::ResetWindowLocked() {
-  tokens_since_pull_ = 0;
-  microbatches_since_pull_ = 0;
-  min_version_since_pull_ = max_version_since_pull_ = 0;
-  window_opened_ = absl::InfinitePast();
-  window_warned_ = false;
-  window_grad_abs_ = 0;
-}
-
-void Head::CountWindowLocked(v1::GradientSummary* s, bool reset) {
-  s->set_token_count(tokens_since_pull_);
-  s->set_microbatch_count(microbatches_since_pull_);
-  s->set_min_weights_version(microbatches_since_pull_ > 0 ? min_version_since_pull_ : 0);
-  s->set_max_weights_version(microbatches_since_pull_ > 0 ? max_version_since_pull_ : 0);
-  if (reset) ResetWindowLocked();
-}
-
-void Head::NoteCountedLocked() {
-  if (microbatches_since_pull_ == 1) window_opened_ = absl::Now();
+void Head::WarnOfUnappliedWindowLocked() {
   const uint64_t limit = options_.window_warn_microbatches;
-  if (limit == 0 || window_warned_ || microbatches_since_pull_ <= limit ||
-      !HasOptimizer(optimizer_spec_)) {
-    return;
-  }
-  window_warned_ = true;
-  std::fprintf(
-      stderr,
-      "losshead-server: head '%s' has a server-side optimizer and %llu micro-batches "
-      "(%llu tokens) in its gradient window, counted over %s with no optimizer apply, "
-      "pull with reset or discard (--unapplied_window_warn_microbatches=%llu): the "
-      "training loop does not step this head or does not discard its window on "
-      "zero_grad; logged once per window\n",
-      name().c_str(), static_cast<unsigned long long>(microbatches_since_pull_),
-      static_cast<unsigned long long>(tokens_since_pull_),
-      absl::FormatDuration(absl::Trunc(absl::Now() - window_opened_, absl::Seconds(1))).c_str(),
-      static_cast<unsigned long long>(limit));
+  if (!HasOptimizer(optimizer_spec_) || !window_.TakeWarning(limit)) return;
+  std::fprintf(stderr,
+               "losshead-server: head '%s' has a server-side optimizer and %llu micro-batches "
+               "(%llu tokens) in its gradient window, counted over %s with no optimizer apply, "
+               "pull with reset or discard (--unapplied_window_warn_microbatches=%llu): the "
+               "training loop does not step this head or does not discard its window on "
+               "zero_grad; logged once per window\n",
+               name().c_str(), static_cast<unsigned long long>(window_.microbatches()),
+               static_cast<unsigned long long>(window_.tokens()),
+               absl::FormatDuration(absl::Trunc(window_.age(), absl::Seconds(1))).c_str(),
+               static_cast<unsigned long long>(limit));
 }
 
 Head::WindowState Head::Window() const {
   absl::MutexLock state(&state_mu_);
-  WindowState w{.microbatches = microbatches_since_pull_, .tokens = tokens_since_pull_};
-  if (microbatches_since_pull_ > 0) w.age = absl::Now() - window_opened_;
-  return w;
+  return WindowState{
+      .microbatches = window_.microbatches(), .tokens = window_.tokens(), .age = window_.age()};
 }
 
 absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool discard) {
@@ -116,7 +92,8 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
       LOSSHEAD_RETURN_IF_ERROR(group().DiscardGradient());
     }
     absl::MutexLock state(&state_mu_);
-    CountWindowLocked(&s, discard);
+    window_.Summarize(&s);
+    if (discard) window_.Reset();
   }
   s.set_vocab_size(vocab_size());
   s.set_hidden_size(hidden_size());
@@ -146,7 +123,8 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     }
     LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
     absl::MutexLock state(&state_mu_);
-    CountWindowLocked(&s, reset);
+    window_.Summarize(&s);
+    if (reset) window_.Reset();
   }
   if (dtype == v1::DTYPE_BF16) {
     std::string fp32 = std::move(snap.data);

@@ -302,10 +302,10 @@ v1::HeadInfo Head::Info() const {
   }
   info.set_optimizer_step(optimizer_step_);
   info.set_weights_version(version_);
-  info.set_tokens_since_pull(tokens_since_pull_);
-  info.set_microbatches_since_pull(microbatches_since_pull_);
-  info.set_tokens_total(tokens_total_);
-  info.set_microbatches_total(microbatches_total_);
+  info.set_tokens_since_pull(window_.tokens());
+  info.set_microbatches_since_pull(window_.microbatches());
+  info.set_tokens_total(window_.tokens_total());
+  info.set_microbatches_total(window_.microbatches_total());
   info.mutable_memory()->set_weights_bytes(weights_bytes());
   info.mutable_memory()->set_gradient_bytes(gradient_bytes());
   info.mutable_memory()->set_workspace_bytes(workspace_bytes());

@@ -54,6 +54,7 @@
 #include "server/engine/step_devices.h"
 #include "server/engine/step_outcome.h"
 #include "server/engine/step_prepare.h"
+#include "server/engine/window_counters.h"
 
 namespace losshead::server {
 
@@ -277,15 +278,9 @@ class Head {
   absl::Status Initialize(size_t workspace_budget, bool init_weights);
 
   std::vector<DeviceShare> MemoryByDeviceLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // After a micro-batch was counted in the window: the window's start, and the warning of
-  // HeadOptions::window_warn_microbatches (gradient_window.cc).
-  void NoteCountedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // The window's counters zeroed at a cut that resets it (pull with reset, discard, apply).
-  void ResetWindowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // The window's counters into `s` (what a pull, a discard or an apply covers); with `reset`,
-  // then zeroed (ResetWindowLocked).
-  void CountWindowLocked(v1::GradientSummary* s, bool reset)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // After a micro-batch was counted in the window: the warning of
+  // HeadOptions::window_warn_microbatches, once per window (gradient_window.cc).
+  void WarnOfUnappliedWindowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
   // The step pipeline (step_pipeline.cc).
   StepTarget StepTargetOf() const;
@@ -353,16 +348,8 @@ class Head {
   mutable absl::Mutex state_mu_;
   v1::LossOptions defaults_ ABSL_GUARDED_BY(state_mu_);
   uint64_t version_ ABSL_GUARDED_BY(state_mu_) = 1;
-  uint64_t tokens_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
-  uint64_t microbatches_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
-  uint64_t min_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
-  uint64_t max_version_since_pull_ ABSL_GUARDED_BY(state_mu_) = 0;
-  // When the window's first micro-batch was counted (InfinitePast while it is empty), and whether
-  // its warning was logged.
-  absl::Time window_opened_ ABSL_GUARDED_BY(state_mu_) = absl::InfinitePast();
-  bool window_warned_ ABSL_GUARDED_BY(state_mu_) = false;
-  uint64_t tokens_total_ ABSL_GUARDED_BY(state_mu_) = 0;
-  uint64_t microbatches_total_ ABSL_GUARDED_BY(state_mu_) = 0;
+  // The gradient window's counters, totals and dW bound.
+  WindowCounters window_ ABSL_GUARDED_BY(state_mu_);
   // What Info reports of the optimizer (its buffers are the replicas', under the cut).
   v1::OptimizerSpec optimizer_spec_ ABSL_GUARDED_BY(state_mu_);
   uint64_t optimizer_step_ ABSL_GUARDED_BY(state_mu_) = 0;
@@ -370,14 +357,11 @@ class Head {
   // Micro-batches counted in dW whose outcome is not yet remembered for replay (their dH is being
   // copied out). A snapshot waits for none under the cut: see Snapshot.
   int pending_outcomes_ ABSL_GUARDED_BY(state_mu_) = 0;
-  // Overflow guards (kernels/step_bound.h), written under the cut (or a replica's compute lock
-  // for the window) and this mutex. weight_abs_ bounds |W| (exact after an init, a push or a
-  // restore; the optimizer's magnitude bound after an apply); window_grad_abs_ bounds every
-  // element of the summed dW windows: the sum of the bounds of the micro-batches counted since
-  // the last cut (reserved before each run), so that a window can never reach Inf.
+  // The overflow guard of W (kernels/step_bound.h; the window's is window_'s), written under the
+  // cut and this mutex: a bound on |W|, exact after an init, a push or a restore, the optimizer's
+  // magnitude bound after an apply.
   double weight_abs_ ABSL_GUARDED_BY(state_mu_) = 0;
   bool weight_abs_exact_ ABSL_GUARDED_BY(state_mu_) = true;  // false after an apply
-  double window_grad_abs_ ABSL_GUARDED_BY(state_mu_) = 0;
 
   // Per client id: the highest applied sequence in the last durable checkpoint.
   mutable absl::Mutex persisted_mu_;

@@ -78,12 +78,7 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
     absl::MutexLock state(&state_mu_);
     *d.spec.mutable_default_options() = defaults_;
     d.weights_version = version_;
-    d.tokens_since_pull = tokens_since_pull_;
-    d.microbatches_since_pull = microbatches_since_pull_;
-    d.min_version_since_pull = min_version_since_pull_;
-    d.max_version_since_pull = max_version_since_pull_;
-    d.tokens_total = tokens_total_;
-    d.microbatches_total = microbatches_total_;
+    window_.Export(d);
   }
   d.clients = cache_.Export();
   return d;
@@ -173,15 +168,8 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     absl::MutexLock state(&head->state_mu_);
     head->version_ = data.weights_version;
     head->weight_abs_ = kernels::MaxAbs(dtype, data.weights.data(), count);
-    head->window_grad_abs_ = kernels::MaxAbs(kernels::DType::kFP32, data.gradient.data(), count);
-    head->tokens_since_pull_ = data.tokens_since_pull;
-    head->microbatches_since_pull_ = data.microbatches_since_pull;
-    head->min_version_since_pull_ = data.min_version_since_pull;
-    head->max_version_since_pull_ = data.max_version_since_pull;
     // The window's age counts from the restore: when it opened is not in the file.
-    if (data.microbatches_since_pull > 0) head->window_opened_ = absl::Now();
-    head->tokens_total_ = data.tokens_total;
-    head->microbatches_total_ = data.microbatches_total;
+    head->window_.Import(data, kernels::MaxAbs(kernels::DType::kFP32, data.gradient.data(), count));
     head->optimizer_spec_ = data.spec.optimizer();
     head->optimizer_step_ = data.optimizer_step;
     head->optimizer_footprint_ = footprint;

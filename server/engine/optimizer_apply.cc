@@ -227,7 +227,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
           absl::StrCat("expected_weights_version is ", request.expected_weights_version(),
                        " but the head's weights are at version ", version_));
     }
-    CountWindowLocked(&window, /*reset=*/false);  // reset once the step has run
+    window_.Summarize(&window);  // reset once the step has run
   }
   if (!request.has_grad_divisor() && window.token_count() == 0) {
     return absl::FailedPreconditionError(
@@ -302,7 +302,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
       r->optimizer.magnitudes = after[r->rank];
     }
     optimizer_step_ = first.step;
-    ResetWindowLocked();
+    window_.Reset();
     // The magnitude bounds of the new master weights bound W too, once rounded up to its dtype
     // (by less than 2^-8 of a value).
     weight_abs_ = 0;

@@ -245,17 +245,8 @@ absl::StatusOr<uint64_t> Head::ReserveRun(const PreparedStep& p,
 
 void Head::CountRun(int64_t token_count, uint64_t version) {
   absl::MutexLock state(&state_mu_);
-  tokens_since_pull_ += token_count;
-  tokens_total_ += token_count;
-  microbatches_since_pull_ += 1;
-  microbatches_total_ += 1;
-  if (microbatches_since_pull_ == 1) {
-    min_version_since_pull_ = max_version_since_pull_ = version;
-  } else {
-    min_version_since_pull_ = std::min(min_version_since_pull_, version);
-    max_version_since_pull_ = std::max(max_version_since_pull_, version);
-  }
-  NoteCountedLocked();
+  window_.Count(token_count, version);
+  WarnOfUnappliedWindowLocked();
   // Counted in dW, not yet remembered: a snapshot waits for this outcome (see Snapshot).
   ++pending_outcomes_;
 }
@@ -266,16 +257,7 @@ absl::Status Head::ReserveStepBounds(const PreparedStep& p) {
   LOSSHEAD_RETURN_IF_ERROR(kernels::CheckStepBounds(p.problem, bounds, p.hidden_abs, weight_abs_,
                                                     p.grad_hidden_dtype, !p.forward_only));
   if (p.forward_only) return absl::OkStatus();
-  const double window = window_grad_abs_ + bounds.grad_weight;
-  if (!kernels::WithinRange(window, kernels::DType::kFP32)) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "the gradient window could overflow: its dW elements are bounded by ", window_grad_abs_,
-        " and this micro-batch would add up to ", bounds.grad_weight,
-        ", past fp32's 3.4e38; nothing was computed or counted: apply the optimizer or pull with "
-        "reset to start a new window"));
-  }
-  window_grad_abs_ = window;
-  return absl::OkStatus();
+  return window_.ReserveBound(bounds.grad_weight);
 }
 
 absl::StatusOr<float> Head::MeasureWeights(std::span<Replica* const> held) {
