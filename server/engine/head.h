@@ -33,7 +33,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -41,7 +40,6 @@
 #include "losshead/kernels/problem.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/apply_log.h"
-#include "server/engine/compute_queue.h"
 #include "server/engine/device_scratch.h"
 #include "server/engine/head_checkpoint.h"
 #include "server/engine/head_optimizer.h"

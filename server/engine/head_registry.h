@@ -37,8 +37,9 @@ struct HeadLimits {
 };
 
 // The heads of a server, as lenders of their deferred-dW stashes to a micro-batch of another head
-// whose buffers do not fit its device (Head::EnsureBuffer). That micro-batch holds compute locks of
-// its own, so nothing here waits for a lock: a head at work on the device keeps its stash.
+// whose buffers do not fit its device (DeviceScratch::Ensure). That micro-batch holds compute
+// locks of its own, so nothing here waits for a lock: a head at work on the device keeps its
+// stash.
 class StashLenders {
  public:
   void Add(const std::shared_ptr<Head>& head);
