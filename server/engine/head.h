@@ -155,9 +155,10 @@ class Head {
   // the head's workspace and stream, and must not see W half pushed) but adds nothing to dW,
   // counts nothing and bypasses the idempotency cache.
   //
-  // The micro-batch runs on the replica with the least work queued (ReplicaGroup::Choose); staged
-  // micro-batches take a replica's device largest first (ComputeQueue). `on_ordered`, when given,
-  // is called once this micro-batch holds its device, before its run: on one device, whatever the
+  // The micro-batch runs on the devices its placement gives it (Placement::Take: the replica with
+  // the least work queued, or every shard); staged micro-batches take a device largest first
+  // (ComputeQueue). `on_ordered`, when given, is called once this micro-batch holds its devices,
+  // before its run: on one device, whatever the
   // caller runs from then on comes after it in dW. A Step stream starts its next micro-batch
   // there, so that this one's copy back overlaps the next one's staging and run (on a replicated
   // head the next one may run beside it, on another replica). It is not called for a
