@@ -121,12 +121,8 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
   // The file is the same for every placement: the head goes on `devices` (the registry's
   // answer to the saved placement, on this server) and keeps the placement it was asked for.
   v1::HeadSpec placed = data.spec;
-  if (devices.size() > 1 || SpreadPlacement(placed.placement())) {
-    if (placed.placement().kind() != v1::PLACEMENT_SHARDED) {
-      placed.mutable_placement()->set_kind(v1::PLACEMENT_REPLICATED);
-    }
-    placed.mutable_placement()->set_devices(static_cast<uint32_t>(devices.size()));
-  }
+  *placed.mutable_placement() =
+      PlacementOn(data.spec.placement(), static_cast<int>(devices.size()));
   LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<Placement> placement,
                             Placement::Create(devices, placed, dtype));
   std::shared_ptr<Head> head(new Head(std::move(placement), data.spec, dtype, options));

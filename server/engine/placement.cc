@@ -23,6 +23,15 @@ int PlacementDevices(const v1::Placement& placement, int available) {
   return placement.devices() == 0 ? available : static_cast<int>(placement.devices());
 }
 
+v1::Placement PlacementOn(const v1::Placement& saved, int k) {
+  v1::Placement placed = saved;
+  if (k > 1 || SpreadPlacement(saved)) {
+    if (saved.kind() != v1::PLACEMENT_SHARDED) placed.set_kind(v1::PLACEMENT_REPLICATED);
+    placed.set_devices(static_cast<uint32_t>(k));
+  }
+  return placed;
+}
+
 int64_t HeldRows(const v1::Placement& placement, int64_t vocab_size, int k, int rank) {
   return placement.kind() == v1::PLACEMENT_SHARDED ? kernels::ShardRange(vocab_size, k, rank).size()
                                                    : vocab_size;

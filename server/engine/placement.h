@@ -126,6 +126,9 @@ class Placement {
 int PlacementDevices(const v1::Placement& placement, int available);
 // Whether `placement` spreads a head over several devices (replicated or sharded).
 bool SpreadPlacement(const v1::Placement& placement);
+// The placement a head saved with `saved` takes on `k` devices (a restore): one device stays as it
+// was; over several, a sharded head stays sharded and any other is replicated, on all k.
+v1::Placement PlacementOn(const v1::Placement& saved, int k);
 // Rows of W and dW device `rank` of `k` holds under `placement` (Head::Footprint's measure).
 int64_t HeldRows(const v1::Placement& placement, int64_t vocab_size, int k, int rank);
 
