@@ -22,12 +22,13 @@
 // - W is the same bits wherever a row is held more than once: it is written on the holders and
 //   copied from there (BroadcastWeights after a write, GatherWeights after each replica stepped its
 //   own rows).
-// - Calls are per micro-batch or per cut, never per row: the hot path pays one virtual call for
-//   the choice of devices and one for the run.
+// - Calls are per micro-batch or per cut, never per row: a micro-batch pays three virtual calls
+//   (Take, Prepare, Run).
 //
-// The interface names replicas by reference and collectives by what they achieve, so that a
-// placement across processes (each holding some of the devices) can implement it later: only the
-// base's host copies (CopyIn, CopyWeightsOut) assume that the holders are reachable from here.
+// The virtuals say what a step or a cut achieves, not how the devices reach each other, so that a
+// placement across processes can implement them with its peers later. What assumes every device
+// in this process is the base's: the ReplicaGroup it holds (such a placement would hold its local
+// devices there) and the host copies CopyIn and CopyWeightsOut.
 #ifndef LOSSHEAD_SERVER_ENGINE_PLACEMENT_H_
 #define LOSSHEAD_SERVER_ENGINE_PLACEMENT_H_
 
@@ -35,7 +36,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
-#include <vector>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -126,8 +127,9 @@ class Placement {
 int PlacementDevices(const v1::Placement& placement, int available);
 // Whether `placement` spreads a head over several devices (replicated or sharded).
 bool SpreadPlacement(const v1::Placement& placement);
-// The placement a head saved with `saved` takes on `k` devices (a restore): one device stays as it
-// was; over several, a sharded head stays sharded and any other is replicated, on all k.
+// The placement a head saved with `saved` takes on `k` devices (a restore): a one-device head on
+// one device stays as it was; otherwise a sharded head stays sharded and any other becomes
+// replicated, over the k devices.
 v1::Placement PlacementOn(const v1::Placement& saved, int k);
 // Rows of W and dW device `rank` of `k` holds under `placement` (Head::Footprint's measure).
 int64_t HeldRows(const v1::Placement& placement, int64_t vocab_size, int k, int rank);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 
 namespace losshead::server {
 
@@ -47,6 +48,17 @@ absl::Status StepDevices::Synchronize() const {
     if (r->stream != nullptr) first.Update(r->stream->Synchronize());
   }
   return first;
+}
+
+void StepDevices::EndRun(int64_t tokens, bool ran) {
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    Replica& r = *replicas_[i];
+    if (ran && parts_[i].stash.data != nullptr) {
+      r.stash_tokens += tokens;
+      r.stashed_tokens = r.stash_tokens;
+    }
+    r.last_run_end_ns = absl::GetCurrentTimeNanos();
+  }
 }
 
 }  // namespace losshead::server

@@ -26,7 +26,8 @@ class StepDevices {
   StepDevices(const StepDevices&) = delete;
   StepDevices& operator=(const StepDevices&) = delete;
 
-  // Adds `replica`, the next device in ascending rank, with `tokens` queued there from now on.
+  // Adds `replica`, the next device in ascending rank, with `tokens` (the same on every device of
+  // the micro-batch) queued there from now on. Before TakeSlots.
   void Queue(Replica& replica, int64_t tokens);
   // An I/O slot of each device, taken in rank order (so that two micro-batches waiting for slots
   // never deadlock), each waiting for a free one.
@@ -45,6 +46,10 @@ class StepDevices {
 
   // Waits for every device's stream; the first error.
   absl::Status Synchronize() const;
+  // Under the devices' compute locks, after a run of `tokens` on them (`ran`: through without an
+  // error): the rows each stashed count in its stash (a failed run's are left out of dW), and the
+  // idle flush's clock starts again.
+  void EndRun(int64_t tokens, bool ran);
 
  private:
   struct Part {

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,7 +22,6 @@
 #include "losshead/kernels/dtype_convert.h"
 #include "losshead/kernels/step_bound.h"
 #include "server/engine/head.h"
-#include "server/engine/head_internal.h"
 #include "server/engine/host_tensors.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/request_fingerprint.h"
@@ -34,17 +32,6 @@
 namespace losshead::server {
 
 namespace {
-
-// Under the replica's compute lock, after a run of `tokens` on it: rows it stashed count once the
-// run is through (a failed run's are left out of dW), and the idle flush's clock starts again.
-void EndRun(Replica& replica, const kernels::GradStash& stash, int64_t tokens, bool ran)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(replica.compute_mu) {
-  if (ran && stash.data != nullptr) {
-    replica.stash_tokens += tokens;
-    replica.stashed_tokens = replica.stash_tokens;
-  }
-  replica.last_run_end_ns = absl::GetCurrentTimeNanos();
-}
 
 // A micro-batch as errors name it.
 std::string KeyOf(const std::string& client_id, uint64_t sequence) {
@@ -184,9 +171,7 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
     ran = first.backend.CopyToHost(scalars, devices.slot(0).scalars.data(), 16, *first.stream);
   }
   if (ran.ok()) ran = devices.Synchronize();
-  for (size_t i = 0; i < devices.size(); ++i) {
-    EndRun(devices.replica(i), devices.stash(i), p.problem.n, ran.ok());
-  }
+  devices.EndRun(p.problem.n, ran.ok());
   if (!ran.ok()) {
     if (p.forward_only) return ran;  // dW was not an argument: nothing can be in it
     // The run may have added some of its chunks to dW before it failed, and there is no exact
