@@ -14,6 +14,7 @@ out=${3:-$(mktemp -d)}
 mkdir -p "$out"
 port=${LOSSHEAD_PORT:-50051}
 seconds=${BENCH_SECONDS:-10}
+stream_counts=${BENCH_STREAMS:-1 4 8}  # e.g. BENCH_STREAMS=8 for one row per server
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 
 run_server() {  # label, bundle
@@ -28,7 +29,7 @@ run_server() {  # label, bundle
     kill -0 $server 2>/dev/null || { cat "$out/server-$label.log"; exit 1; }
     sleep 0.2
   done
-  for streams in 1 4 8; do
+  for streams in $stream_counts; do
     # The old flag spellings (--n, --d, --v): the client is BASE's, which may predate
     # --chunk_tokens, --hidden_size and --vocab_size; newer clients accept them as deprecated.
     LD_LIBRARY_PATH="$a/lib:/usr/local/cuda/lib64" "$a/bin/losshead" bench \
@@ -50,7 +51,7 @@ run_server B1 "$b"
 run_server A2 "$a"
 run_server B2 "$b"
 echo "== tokens/s over each row (A: $a, B: $b)"
-for streams in 1 4 8; do
+for streams in $stream_counts; do
   printf 'streams=%s' "$streams"
   for label in A1 A2 B1 B2; do
     printf ' %s=%s' "$label" "$(grep "^$label streams=$streams " "$out/rows.txt" | awk '{print $3}')"
