@@ -71,8 +71,9 @@ One run (what `all` starts for each):
 Data parallel: `--ranks N` runs each of the local and offloaded runs as N processes under
 torchrun, one GPU each (DDP; --batch rows per rank, N x --batch per step; the dataset grows to
 match). Rank 0 creates the head and the others attach to it; the Trainer's loop steps it once
-per global step. `--replicas N` replicates the head over N of the server's GPUs. The peak memory reported is the largest rank's; the per-step losses are rank
-0's micro-batches (the same rows in both runs). On a 2-GPU host, the server on both GPUs:
+per global step. `--replicas N` replicates the head over N of the server's GPUs. The peak memory
+reported is the largest rank's; the per-step losses are rank 0's micro-batches (the same rows in
+both runs). On a 2-GPU host, the server on both GPUs:
 
     python3 client/python/benchmarks/trainer_bench.py all --server 127.0.0.1:50051 \\
         --ranks 2 --replicas 2 --runs local,offloaded --steps 200 --out /tmp/trainer-bench-2ranks

@@ -25,13 +25,14 @@
   skipped on overflow) is discarded.
 - Checkpoints: `save_model` (every checkpoint, and your own calls) adds `lm_head.weight` (W as
   trained, in the model's dtype) to the saved weights, so the directory loads with
-  `from_pretrained` anywhere (FSDP's sharded state, which from_pretrained cannot read, gets
-  `lm_head.safetensors` beside it instead, and a resume uploads W from there); the optimizer's state (`optimizer.pt`) names a server snapshot of
-  the head's whole state (W, fp32 master, moments, step); `losshead.json` beside it says which
-  (head, server, snapshot, weights version, optimizer step, global step). Snapshots of
-  checkpoints the Trainer deleted (`save_total_limit`) are deleted on the server too. Saving
-  the optimizer's state needs a server started with --checkpoint_dir: attach refuses a Trainer
-  that will save it otherwise (or use `save_only_model=True`).
+  `from_pretrained` anywhere (under FSDP the Trainer resumes from its own model state, which
+  lacks it: `lm_head.safetensors` beside it carries W, and a resume uploads W from there); the
+  optimizer's state (`optimizer.pt`) names a server snapshot of the head's whole state (W,
+  fp32 master, moments, step); `losshead.json` beside it says which (head, server, snapshot,
+  weights version, optimizer step, global step). Snapshots of checkpoints the Trainer deleted
+  (`save_total_limit`) are deleted on the server too. Saving the optimizer's state needs a
+  server started with --checkpoint_dir: attach refuses a Trainer that will save it otherwise
+  (or use `save_only_model=True`).
 - Resume: `train(resume_from_checkpoint=...)` loads the model's weights (lm_head.weight is
   uploaded to the server's head) and the optimizer's state (the snapshot is restored: W, moments
   and step as they were at that checkpoint, however far the server went since and whether or not
