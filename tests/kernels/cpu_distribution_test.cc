@@ -244,7 +244,7 @@ TEST(CpuDistributionTies, LowestIdOfTheMaxWins) {
 }
 
 // Each output alone (the others null) is the value it has when all are asked for, and the loss
-// outputs stay what they are without any.
+// outputs stay what they are whichever is asked for.
 TEST(CpuDistributionSubsets, EachOutputAloneMatchesAllTogether) {
   const Problem p{.n = 40,
                   .d = 33,
@@ -272,6 +272,18 @@ TEST(CpuDistributionSubsets, EachOutputAloneMatchesAllTogether) {
     if (options.correct_count) EXPECT_EQ(one->correct_count, all->correct_count);
   }
   EXPECT_GT(all->correct_count, 0);
+
+  // A forward-only call (no dH, no dW) gives the same values: the row is read before any
+  // gradient overwrites it.
+  RunOptions forward = AllDistributionOutputs();
+  forward.grad_hidden = forward.grad_weight = false;
+  absl::StatusOr<Outputs> forward_only = RunOnBackend(*backend, in, forward);
+  ASSERT_TRUE(forward_only.ok()) << forward_only.status();
+  EXPECT_TRUE(SameBits(forward_only->per_token_logprob, all->per_token_logprob));
+  EXPECT_TRUE(SameBits(forward_only->per_token_entropy, all->per_token_entropy));
+  EXPECT_EQ(forward_only->per_token_argmax, all->per_token_argmax);
+  EXPECT_EQ(forward_only->correct_count, all->correct_count);
+  EXPECT_TRUE(SameBits(forward_only->per_token_loss, all->per_token_loss));
 }
 
 TEST(KernelDistributionOutputs, RequestedAreNamedInFieldOrder) {
