@@ -1,7 +1,7 @@
 // The distribution outputs of Run (Arguments, problem.h: log p of the target, entropy, argmax and
 // the correct count) on the CPU backend against the float64 reference, on fresh random inputs;
-// that asking for them changes no other output by a single bit; ties; and the refusals of the
-// paths that do not compute them (vocabulary shards, the CUDA backend).
+// that asking for them changes no other output by a single bit; ties; and the refusal of the
+// vocabulary shards, which do not compute them (the CUDA backend's: tests/cuda).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -377,21 +377,6 @@ TEST(CpuDistributionErrors, ShardCallsRefuseThemAsUnimplemented) {
   args.per_token_entropy = nullptr;
   args.per_token_argmax = nullptr;
   EXPECT_TRUE(backend->ShardBegin(shard, args, **stream).ok());
-}
-
-// The CUDA backend does not compute them yet: Run refuses them by name and writes nothing.
-TEST(KernelCudaDistributionErrors, RunRefusesThemAsUnimplemented) {
-  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
-  absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateBackend(BackendKind::kCuda, 0);
-  ASSERT_TRUE(cuda.ok()) << cuda.status();
-  const Problem p{.n = 16, .d = 32, .v = 128, .dtype = DType::kBF16};
-  const Inputs in = MakeRandomInputs(p, 11);
-  RunOptions options;
-  options.argmax = options.correct_count = true;
-  absl::StatusOr<Outputs> out = RunOnBackend(**cuda, in, options);
-  ASSERT_EQ(out.status().code(), absl::StatusCode::kUnimplemented) << out.status();
-  EXPECT_NE(out.status().message().find("per_token_argmax, correct_count"), std::string::npos)
-      << out.status();
 }
 
 }  // namespace

@@ -79,6 +79,7 @@ struct Problem {
 
 // Checks shapes and options without touching memory: INVALID_ARGUMENT names the offending field.
 // Targets are not checked here (they live in device memory); callers validate them beforehand.
+absl::Status ValidateProblem(const Problem& problem);
 
 // Pointers for one call. Which memory they live in (host or device) is the backend's: see
 // Backend::Allocate. Optional outputs are skipped when null.
@@ -116,8 +117,6 @@ struct Arguments {
   void* workspace = nullptr;  // Backend::WorkspaceBytes(problem, budget) bytes
   size_t workspace_bytes = 0;
 };
-
-absl::Status ValidateProblem(const Problem& problem);
 
 // The distribution outputs (per_token_logprob, per_token_entropy, per_token_argmax,
 // correct_count) that `args` asks for, by field name, comma-separated; empty when none. For a
