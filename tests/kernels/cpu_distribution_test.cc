@@ -159,6 +159,12 @@ LossOptions Options(Reduction reduction, float label_smoothing = 0.0f, float z_l
           .softcap = softcap};
 }
 
+LossOptions IgnoringClassZero() {
+  LossOptions options = Options(Reduction::kMean);
+  options.ignore_index = 0;
+  return options;
+}
+
 constexpr size_t kWhole = size_t{64} << 20;
 constexpr size_t kChunked = size_t{96} << 10;
 
@@ -174,7 +180,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"BF16_Everything_Chunked", 150, 67, 997, DType::kBF16,
              Options(Reduction::kNone, 0.1f, 1e-3f, 3.0f), kChunked},
         Case{"FP16_Everything", 37, 67, 1000, DType::kFP16,
-             Options(Reduction::kSum, 0.05f, 1e-4f, 30.0f), kWhole}),
+             Options(Reduction::kSum, 0.05f, 1e-4f, 30.0f), kWhole},
+        // ignore_index is a class: a token aimed at class 0 is ignored, whatever its argmax.
+        Case{"FP32_IgnoreIndexInVocab", 200, 67, 5, DType::kFP32, IgnoringClassZero(), kWhole}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Inputs of small integers: every logit is an exact integer in fp32 (whatever order the GEMM
