@@ -13,6 +13,11 @@
 //              = p_j (1 + 2 z_loss lse)  - eps / V      - (1 - eps) [j == y]
 //   dloss/dx_j = dloss/dz_j SoftcapSlope(z_j / cap)     = dloss/dz_j (1 - (z_j / cap)^2)
 //
+// and what the model predicts, of p = softmax(z) (Arguments' distribution outputs, problem.h):
+//   log p_y  = TargetLogProb(lse, z_y)                   = z_y - lse
+//   entropy  = Entropy(sum_exp, sum_j ShiftedZTerm(..))  = lse - sum_j p_j z_j
+//   argmax   = the lowest j with z_j = max: ArgmaxBeats orders the candidates
+//
 // Invariants the callers rely on:
 // - Each function is one expression tree, so a caller that inlines it computes the bits it
 //   computed when the expression was written out at the call site: rounding and (on the device)
@@ -227,6 +232,43 @@ inline GradFactors FoldedGradFactors(const BasicGradFactors<double>& f, double p
 template <typename T>
 LOSSHEAD_HD T LogitGrad(const BasicGradFactors<T>& f, T e, bool is_target) {
   return e * f.p_scale - f.uniform - (is_target ? f.target : T(0));
+}
+
+// Log-probability of the target under p = softmax(z): z_y - lse (<= 0 up to rounding). Without
+// label smoothing and z-loss it is TargetTerm's negation, bit for bit.
+template <typename T>
+LOSSHEAD_HD T TargetLogProb(T lse, T z_target) {
+  return z_target - lse;
+}
+
+// The entropy -sum_j p_j log p_j = lse - sum_j p_j z_j, written against the row's max so that
+// the max, which cancels, costs no digits: with e_j = exp(z_j - max), sum_exp = sum_j e_j and
+// s = sum_j ShiftedZTerm(e_j, z_j - max) (<= 0), the entropy is log(sum_exp) - s / sum_exp, a
+// difference of two terms >= 0. A shard's s moves to a larger max with RescaledShiftedZ.
+template <typename T>
+LOSSHEAD_HD T ShiftedZTerm(T e, T shifted_z) {
+  return e * shifted_z;
+}
+
+template <typename T>
+LOSSHEAD_HD T Entropy(T sum_exp, T sum_shifted_z) {
+  return Log(sum_exp) - sum_shifted_z / sum_exp;
+}
+
+// A partial s (with its sum_exp) taken against max m, expressed against a larger max:
+// sum_j e^(z_j - max) (z_j - max) = e^(m - max) (s + (m - max) sum_exp).
+template <typename T>
+LOSSHEAD_HD T RescaledShiftedZ(T sum_shifted_z, T sum_exp, T m, T max) {
+  return Exp(m - max) * (sum_shifted_z + (m - max) * sum_exp);
+}
+
+// The argmax's order: a candidate (z, id) replaces the best so far (best_z, best_id) when its z is
+// larger, or equal with a lower id. Whatever order candidates are visited in (a row in index
+// order, threads, shards), the winner is the lowest id among the maxima. A NaN never wins and is
+// never beaten: a caller that starts from the row's first element keeps an id in the row.
+template <typename T, typename Id>
+LOSSHEAD_HD bool ArgmaxBeats(T z, Id id, T best_z, Id best_id) {
+  return z > best_z || (z == best_z && id < best_id);
 }
 
 }  // namespace losshead::kernels::loss

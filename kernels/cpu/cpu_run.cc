@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -87,6 +88,11 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
     return weight_f32;
   };
 
+  // The distribution outputs (problem.h): computed per row only when one of them is asked for.
+  const bool distribute = args.per_token_logprob != nullptr || args.per_token_entropy != nullptr ||
+                          args.per_token_argmax != nullptr || args.correct_count != nullptr;
+  std::atomic<int64_t> correct_count{0};
+
   double loss_sum = 0.0;
   for (int64_t c0 = 0; c0 < n; c0 += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, n - c0);
@@ -110,13 +116,28 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
     }
 
     pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+      int64_t correct = 0;
       for (int64_t r = begin; r < end; ++r) {
         const bool ignored = targets[r] == options.ignore_index;
-        const RowLoss row =
-            ComputeRowLoss(logits + r * v, v, targets[r], ignored, options, grad_scale, want_grad);
+        // An ignored token keeps RowDistribution's defaults, the values Arguments documents.
+        RowDistribution dist;
+        const RowLoss row = ComputeRowLoss(logits + r * v, v, targets[r], ignored, options,
+                                           grad_scale, want_grad, distribute ? &dist : nullptr);
         row_stats[2 * r] = row.loss;
         row_stats[2 * r + 1] = row.lse;
+        if (!distribute) continue;
+        const int64_t t = c0 + r;
+        if (args.per_token_logprob != nullptr) {
+          args.per_token_logprob[t] = static_cast<float>(dist.logprob);
+        }
+        if (args.per_token_entropy != nullptr) {
+          args.per_token_entropy[t] = static_cast<float>(dist.entropy);
+        }
+        if (args.per_token_argmax != nullptr) args.per_token_argmax[t] = dist.argmax;
+        correct += !ignored && dist.argmax == targets[r] ? 1 : 0;
       }
+      // A count: the same total whatever order the threads add in.
+      if (correct > 0) correct_count.fetch_add(correct, std::memory_order_relaxed);
     });
     int64_t chunk_tokens = 0;
     for (int64_t r = 0; r < rows; ++r) {
@@ -172,6 +193,7 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
 
   *args.loss_sum = static_cast<float>(loss_sum);
   *args.token_count = token_count;
+  if (args.correct_count != nullptr) *args.correct_count = correct_count.load();
   return absl::OkStatus();
 }
 

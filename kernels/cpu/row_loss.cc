@@ -8,13 +8,23 @@
 namespace losshead::kernels {
 
 RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
-                       const LossOptions& options, float grad_scale, bool write_gradient) {
+                       const LossOptions& options, float grad_scale, bool write_gradient,
+                       RowDistribution* distribution) {
   const loss::Options o = loss::OptionsOf(options);
   const loss::Softcap cap = loss::Softcap::Of(o.softcap);
   // Soft-cap in place: from here on the row holds z, which is also what the cap's derivative needs.
   cpu::SoftcapRow(logits, v, cap);
-  const cpu::RowSums sums = cpu::SumRow(logits, v);
+  // The distribution's extra sums only where asked: one branch per row, none per element.
+  const bool distribute = distribution != nullptr && !ignored;
+  cpu::RowDistributionSums dist_sums;
+  if (distribute) dist_sums = cpu::SumRowDistribution(logits, v);
+  const cpu::RowSums sums = distribute ? dist_sums.sums : cpu::SumRow(logits, v);
   const double lse = loss::Lse(static_cast<double>(sums.max_z), sums.sum_exp);
+  if (distribute) {
+    distribution->logprob = loss::TargetLogProb(lse, static_cast<double>(logits[target]));
+    distribution->entropy = loss::Entropy(sums.sum_exp, dist_sums.sum_shifted_z);
+    distribution->argmax = static_cast<int32_t>(dist_sums.argmax);
+  }
 
   RowLoss result;
   result.lse = lse;

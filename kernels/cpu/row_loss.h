@@ -13,14 +13,25 @@ struct RowLoss {
   double lse = 0.0;   // log-sum-exp of the (soft-capped) logits
 };
 
+// One token's distribution outputs (Arguments, problem.h), of p = softmax(z).
+struct RowDistribution {
+  double logprob = 0.0;  // log p_target
+  double entropy = 0.0;
+  int32_t argmax = -1;  // lowest index of the max z
+};
+
 // Computes the loss of one token from its `v` fp32 logits x_j = h . w_j, exactly as LossOptions
 // defines it, and (when `write_gradient`) overwrites `logits` with grad_scale * dloss/dx_j: the
 // soft-capped gradient, already multiplied by `grad_scale` (the reduction's effective scale).
 // An ignored token (`ignored`) still gets its lse; its gradient row is all zeros. `target` must be
 // in [0, v) unless `ignored`. Reductions over the row are done in double; the max is subtracted
 // before exponentiating, so logits of any finite size are safe.
+// When `distribution` is not null and the token is not ignored, it receives the token's
+// distribution outputs; the loss, lse and gradient are the same bits either way. An ignored
+// token's `distribution` is left as it is.
 RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
-                       const LossOptions& options, float grad_scale, bool write_gradient);
+                       const LossOptions& options, float grad_scale, bool write_gradient,
+                       RowDistribution* distribution = nullptr);
 
 }  // namespace losshead::kernels
 

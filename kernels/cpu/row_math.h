@@ -37,6 +37,37 @@ inline RowSums SumRow(const float* z, int64_t n) {
   return sums;
 }
 
+// SumRow's statistics and, for the distribution outputs, s = sum_j ShiftedZTerm(e_j, z_j - max)
+// (loss_math.h's Entropy, summed in double in index order) and the argmax (the lowest index of the
+// max). The statistics SumRow computes come out bit for bit as SumRow computes them: the same
+// operations on the same values in the same order, the extra sums beside them.
+struct RowDistributionSums {
+  RowSums sums;
+  double sum_shifted_z = 0.0;
+  int64_t argmax = 0;
+};
+
+inline RowDistributionSums SumRowDistribution(const float* z, int64_t n) {
+  RowDistributionSums out;
+  RowSums& sums = out.sums;
+  float best = z[0];
+  for (int64_t j = 0; j < n; ++j) {
+    sums.max_z = std::max(sums.max_z, z[j]);
+    sums.sum_z += z[j];
+    if (loss::ArgmaxBeats(z[j], j, best, out.argmax)) {
+      best = z[j];
+      out.argmax = j;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float shifted = z[j] - sums.max_z;
+    const float e = loss::Exp(shifted);
+    sums.sum_exp += e;
+    out.sum_shifted_z += loss::ShiftedZTerm(static_cast<double>(e), static_cast<double>(shifted));
+  }
+  return out;
+}
+
 // How z / cap is formed for the soft-cap's slope: the whole-vocabulary row multiplies by 1 / cap
 // (as the CUDA kernels do); a shard's row has always divided, and keeps its bits.
 enum class CapRatio { kTimesInverse, kDivided };

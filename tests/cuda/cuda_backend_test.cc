@@ -14,6 +14,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -687,6 +688,38 @@ TEST_F(CudaBackendErrorTest, WorkspaceTooSmall) {
   Arguments a = args_;
   a.workspace_bytes = 4096;
   EXPECT_EQ(cuda_->Run(problem_, a, *stream_).code(), absl::StatusCode::kInvalidArgument);
+  ExpectUntouched();
+}
+
+// The distribution outputs (Arguments, problem.h) have no CUDA kernels yet: asking for any is
+// UNIMPLEMENTED, naming what was asked, and launches nothing.
+TEST_F(CudaBackendErrorTest, DistributionOutputsAreUnimplemented) {
+  auto outputs = cuda_->Allocate(16 * sizeof(int64_t));
+  ASSERT_TRUE(outputs.ok());
+  void* out = outputs->data();
+  const std::vector<std::pair<void (*)(Arguments&, void*), std::string>> asks = {
+      {[](Arguments& a, void* p) { a.per_token_logprob = static_cast<float*>(p); },
+       "per_token_logprob"},
+      {[](Arguments& a, void* p) { a.per_token_entropy = static_cast<float*>(p); },
+       "per_token_entropy"},
+      {[](Arguments& a, void* p) { a.per_token_argmax = static_cast<int32_t*>(p); },
+       "per_token_argmax"},
+      {[](Arguments& a, void* p) { a.correct_count = static_cast<int64_t*>(p); }, "correct_count"}};
+  Arguments all = args_;
+  for (const auto& [ask, name] : asks) {
+    Arguments a = args_;
+    ask(a, out);
+    ask(all, out);
+    const absl::Status status = cuda_->Run(problem_, a, *stream_);
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+    EXPECT_EQ(status.message(), "the CUDA backend does not compute " + name + " yet");
+  }
+  const absl::Status status = cuda_->Run(problem_, all, *stream_);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+  EXPECT_NE(status.message().find(
+                "per_token_logprob, per_token_entropy, per_token_argmax, correct_count"),
+            std::string::npos)
+      << status;
   ExpectUntouched();
 }
 

@@ -115,6 +115,22 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
     LH_RETURN_IF_ERROR(backend.Memset(per_token_loss, kPoisonByte, n * sizeof(float), stream));
     LH_RETURN_IF_ERROR(backend.Memset(per_token_lse, kPoisonByte, n * sizeof(float), stream));
   }
+  void *logprob = nullptr, *entropy = nullptr, *argmax = nullptr, *correct_count = nullptr;
+  auto poisoned = [&](bool asked, size_t bytes, void** out) -> absl::Status {
+    if (!asked) return absl::OkStatus();
+    absl::StatusOr<void*> data = alloc(bytes);
+    if (!data.ok()) return data.status();
+    *out = *data;
+    return backend.Memset(*out, kPoisonByte, bytes, stream);
+  };
+  LH_RETURN_IF_ERROR(poisoned(options.logprob, n * sizeof(float), &logprob));
+  LH_RETURN_IF_ERROR(poisoned(options.entropy, n * sizeof(float), &entropy));
+  LH_RETURN_IF_ERROR(poisoned(options.argmax, n * sizeof(int32_t), &argmax));
+  LH_RETURN_IF_ERROR(poisoned(options.correct_count, sizeof(int64_t), &correct_count));
+  args.per_token_logprob = static_cast<float*>(logprob);
+  args.per_token_entropy = static_cast<float*>(entropy);
+  args.per_token_argmax = static_cast<int32_t*>(argmax);
+  args.correct_count = static_cast<int64_t*>(correct_count);
   args.hidden = hidden;
   args.weight = weight;
   args.targets = static_cast<const int32_t*>(targets);
@@ -148,6 +164,25 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
         backend.CopyToHost(out.per_token_loss.data(), per_token_loss, n * sizeof(float), stream));
     LH_RETURN_IF_ERROR(
         backend.CopyToHost(out.per_token_lse.data(), per_token_lse, n * sizeof(float), stream));
+  }
+  if (options.logprob) {
+    out.per_token_logprob.resize(n);
+    LH_RETURN_IF_ERROR(
+        backend.CopyToHost(out.per_token_logprob.data(), logprob, n * sizeof(float), stream));
+  }
+  if (options.entropy) {
+    out.per_token_entropy.resize(n);
+    LH_RETURN_IF_ERROR(
+        backend.CopyToHost(out.per_token_entropy.data(), entropy, n * sizeof(float), stream));
+  }
+  if (options.argmax) {
+    out.per_token_argmax.resize(n);
+    LH_RETURN_IF_ERROR(
+        backend.CopyToHost(out.per_token_argmax.data(), argmax, n * sizeof(int32_t), stream));
+  }
+  if (options.correct_count) {
+    LH_RETURN_IF_ERROR(
+        backend.CopyToHost(&out.correct_count, correct_count, sizeof(int64_t), stream));
   }
   LH_RETURN_IF_ERROR(stream.Synchronize());
 #undef LH_ASSIGN_OR_RETURN

@@ -38,6 +38,11 @@ struct RunOptions {
   bool grad_hidden = true;
   bool grad_weight = true;
   bool per_token = true;
+  // Distribution outputs (Arguments, problem.h) to ask for; each is null when false.
+  bool logprob = false;
+  bool entropy = false;
+  bool argmax = false;
+  bool correct_count = false;
   // dW before the call (V x D); zeros when empty.
   std::vector<float> initial_grad_weight;
 };
@@ -47,6 +52,11 @@ struct Outputs {
   int64_t token_count = 0;
   std::vector<float> per_token_loss;
   std::vector<float> per_token_lse;
+  // The distribution outputs asked for (empty, or 0 for correct_count, when not).
+  std::vector<float> per_token_logprob;
+  std::vector<float> per_token_entropy;
+  std::vector<int32_t> per_token_argmax;
+  int64_t correct_count = 0;
   std::vector<double> grad_hidden;  // decoded from the problem's dtype
   std::vector<float> grad_weight;   // the accumulator after the call
 };

@@ -129,5 +129,70 @@ TEST(LossFormulaTest, OnlineCombineOfPartsGivesTheWholeRowsLse) {
   }
 }
 
+TEST(LossFormulaTest, DistributionTermsWholeAndCombinedFromParts) {
+  // The distribution outputs (problem.h's Arguments) from their loss_math.h terms, over the whole
+  // row and over any split of it combined as shards would (RescaledShiftedZ, ArgmaxBeats with the
+  // parts visited last to first), against -sum p log p, z_y - lse and the first max in long
+  // double. Every other case rounds its logits to integers: exact ties, which the lowest id wins.
+  const std::vector<FormulaCase> cases = RandomFormulaCases(200, 105);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    FormulaCase c = cases[i];
+    if (i % 2 == 1) {
+      for (float& x : c.x) x = std::round(x);
+    }
+    const loss::BasicSoftcap<double> cap = loss::BasicSoftcap<double>::Of(c.options.softcap);
+    std::vector<double> z(c.x.size());
+    for (size_t j = 0; j < z.size(); ++j) z[j] = cap(static_cast<double>(c.x[j]));
+    long double z_max = -INFINITY, sum = 0.0L;
+    size_t first_max = 0;
+    for (size_t j = 0; j < z.size(); ++j) {
+      if (z[j] > z_max) first_max = j;
+      z_max = std::max(z_max, static_cast<long double>(z[j]));
+    }
+    for (double zj : z) sum += std::exp(zj - z_max);
+    const long double lse = z_max + std::log(sum);
+    long double entropy = 0.0L;
+    for (double zj : z) entropy -= std::exp(zj - lse) * (zj - lse);
+
+    const size_t parts = 1 + i % 5;
+    std::vector<double> part_max(parts, -INFINITY), part_sum(parts, 0.0), part_s(parts, 0.0);
+    std::vector<int64_t> part_argmax(parts, -1);
+    for (size_t j = 0; j < z.size(); ++j) {
+      const size_t r = j % parts;
+      if (part_argmax[r] < 0 ||
+          loss::ArgmaxBeats(z[j], static_cast<int64_t>(j), part_max[r], part_argmax[r])) {
+        part_argmax[r] = static_cast<int64_t>(j);
+      }
+      part_max[r] = std::max(part_max[r], z[j]);
+    }
+    for (size_t j = 0; j < z.size(); ++j) {
+      const size_t r = j % parts;
+      const double e = loss::Exp(z[j] - part_max[r]);
+      part_sum[r] += e;
+      part_s[r] += loss::ShiftedZTerm(e, z[j] - part_max[r]);
+    }
+    double max = -INFINITY, sum_exp = 0.0, s = 0.0;
+    int64_t argmax = -1;
+    for (size_t r = parts; r-- > 0;) {
+      if (part_argmax[r] < 0) continue;  // a part past the row's end
+      if (argmax < 0 || loss::ArgmaxBeats(part_max[r], part_argmax[r], max, argmax)) {
+        argmax = part_argmax[r];
+      }
+      max = std::max(max, part_max[r]);
+    }
+    for (size_t r = 0; r < parts; ++r) {
+      if (part_argmax[r] < 0) continue;
+      sum_exp += loss::Rescaled(part_sum[r], part_max[r], max);
+      s += loss::RescaledShiftedZ(part_s[r], part_sum[r], part_max[r], max);
+    }
+    const double scale = 1.0 + std::fabs(static_cast<double>(lse));
+    EXPECT_EQ(argmax, static_cast<int64_t>(first_max));
+    EXPECT_NEAR(loss::Entropy(sum_exp, s), static_cast<double>(entropy), 1e-13 * scale);
+    EXPECT_NEAR(loss::TargetLogProb(loss::Lse(max, sum_exp), z[c.target]),
+                static_cast<double>(z[c.target] - lse), 1e-13 * scale);
+  }
+}
+
 }  // namespace
 }  // namespace losshead::kernels

@@ -15,6 +15,10 @@ ReferenceResult ReferenceLoss(const Problem& problem, const std::vector<double>&
   ReferenceResult out;
   out.per_token_loss.assign(n, 0.0);
   out.per_token_lse.assign(n, 0.0);
+  out.per_token_logprob.assign(n, 0.0);
+  out.per_token_entropy.assign(n, 0.0);
+  out.per_token_argmax.assign(n, -1);
+  out.per_token_top_gap.assign(n, INFINITY);
   out.grad_hidden.assign(n * d, 0.0);
   out.grad_weight.assign(v * d, 0.0);
   for (int64_t t = 0; t < n; ++t) out.token_count += targets[t] != o.ignore_index ? 1 : 0;
@@ -49,6 +53,21 @@ ReferenceResult ReferenceLoss(const Problem& problem, const std::vector<double>&
     if (targets[t] == o.ignore_index) continue;
 
     const int64_t y = targets[t];
+    // The distribution, straight from its definitions: log p_y, -sum p log p, first max.
+    out.per_token_logprob[t] = z[y] - lse;
+    double entropy = 0.0;
+    int64_t first_max = 0;
+    for (int64_t j = 0; j < v; ++j) {
+      const double log_p = z[j] - lse;
+      entropy -= std::exp(log_p) * log_p;
+      if (z[j] > z[first_max]) first_max = j;
+    }
+    for (int64_t j = 0; j < v; ++j) {
+      if (z[j] < zmax) out.per_token_top_gap[t] = std::min(out.per_token_top_gap[t], zmax - z[j]);
+    }
+    out.per_token_entropy[t] = entropy;
+    out.per_token_argmax[t] = static_cast<int32_t>(first_max);
+    out.correct_count += first_max == y ? 1 : 0;
     const double loss = (1.0 - eps) * (lse - z[y]) + eps * (lse - mean_z) + zl * lse * lse;
     out.per_token_loss[t] = loss;
     out.loss_sum += loss;

@@ -17,8 +17,14 @@ struct ReferenceResult {
   int64_t token_count = 0;
   std::vector<double> per_token_loss;  // N, 0 for ignored tokens
   std::vector<double> per_token_lse;   // N
-  std::vector<double> grad_hidden;     // N x D
-  std::vector<double> grad_weight;     // V x D
+  // Of p = softmax(z), as Arguments defines them (problem.h): 0, 0 and -1 for ignored tokens.
+  std::vector<double> per_token_logprob;  // N, log p_y
+  std::vector<double> per_token_entropy;  // N, -sum_j p_j log p_j
+  std::vector<int32_t> per_token_argmax;  // N, lowest j of the max z
+  std::vector<double> per_token_top_gap;  // N, max z - the next largest distinct z (Inf if none)
+  int64_t correct_count = 0;              // non-ignored tokens with argmax == target
+  std::vector<double> grad_hidden;        // N x D
+  std::vector<double> grad_weight;        // V x D
 };
 
 // `hidden` (N x D) and `weight` (V x D) are the values the backend sees, i.e. already rounded to

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -97,9 +98,30 @@ struct Arguments {
   int64_t* token_count = nullptr;
   float* per_token_loss = nullptr;  // N, 0 for ignored tokens; optional
   float* per_token_lse = nullptr;   // N, lse for every token (ignored ones too); optional
-  void* workspace = nullptr;        // Backend::WorkspaceBytes(problem, budget) bytes
+  // What the model predicts: per token, the distribution p = softmax(z) the loss uses (z after
+  // the soft-cap; independent of label smoothing and z-loss, which change the loss, not p).
+  // Each is optional and independent of the others: a null one is neither computed nor written,
+  // and a call that asks for none does no work beyond the loss's. Asking for any changes no
+  // other output by a single bit. An ignored token gets the value named and is not counted.
+  //   log p_y = z_y - lse, in (-Inf, 0]; 0 for an ignored token.
+  float* per_token_logprob = nullptr;
+  //   -sum_j p_j log p_j = lse - sum_j p_j z_j, in [0, log V] (up to rounding); 0 for an
+  //   ignored token.
+  float* per_token_entropy = nullptr;
+  //   The lowest j with z_j = max_k z_k, in [0, V) (ties in z after the soft-cap, which can
+  //   merge logits that differ before it); -1 for an ignored token.
+  int32_t* per_token_argmax = nullptr;
+  // [0] = number of non-ignored tokens whose argmax (as above) is their target, overwritten;
+  // token accuracy is correct_count / token_count. Needs no per_token_argmax.
+  int64_t* correct_count = nullptr;
+  void* workspace = nullptr;  // Backend::WorkspaceBytes(problem, budget) bytes
   size_t workspace_bytes = 0;
 };
+
+// The distribution outputs (per_token_logprob, per_token_entropy, per_token_argmax,
+// correct_count) that `args` asks for, by field name, comma-separated; empty when none. For a
+// backend or a path that does not compute them yet to refuse them by name (UNIMPLEMENTED).
+std::string RequestedDistributionOutputs(const Arguments& args);
 
 }  // namespace losshead::kernels
 

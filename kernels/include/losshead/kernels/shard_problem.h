@@ -100,6 +100,14 @@ struct ShardArguments {
   int64_t* token_count = nullptr;
   float* per_token_loss = nullptr;
   float* per_token_lse = nullptr;
+  // The distribution outputs, as Arguments defines them (problem.h). No backend computes them
+  // over shards yet: a call that asks for any is refused (UNIMPLEMENTED, naming them). They need
+  // two more statistics per token and shard: the shard's sum of ShiftedZTerm (loss_math.h,
+  // combined with RescaledShiftedZ) and its argmax's global id (combined with ArgmaxBeats).
+  float* per_token_logprob = nullptr;
+  float* per_token_entropy = nullptr;
+  int32_t* per_token_argmax = nullptr;
+  int64_t* correct_count = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
@@ -111,7 +119,8 @@ struct ShardChunk {
 };
 
 // What every backend checks of a call's pointers (INVALID_ARGUMENT naming the field): hidden,
-// weight, targets and stats not null, stats_chunk_rows >= 1, a workspace when workspace_bytes > 0.
+// weight, targets and stats not null, stats_chunk_rows >= 1, a workspace when workspace_bytes > 0;
+// and UNIMPLEMENTED naming the distribution outputs asked for (see ShardArguments).
 absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArguments& args);
 // And of a chunk: non-empty, inside [0, n), at most stats_chunk_rows tokens.
 absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments& args,
