@@ -245,7 +245,7 @@ class ServerImpl final : public Server {
     builder.SetMaxSendMessageSize(max_message);
     // Without this, Linux lets a second server bind the same port and silently share traffic.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    if (!security_.tls) {  // see transport_args.h for why not with TLS
+    if (!security_.tls) {  // see transport/channel_args.h for why not with TLS
       for (const auto& [key, value] : transport::kTensorTransportArgs) {
         builder.AddChannelArgument(key, value);
       }

@@ -53,7 +53,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   // loopback). With 100 ms the retries find the channel connected again.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
-  // Plaintext only: see transport_args.h for why not with TLS.
+  // Plaintext only: see transport/channel_args.h for why not with TLS.
   if (options.credentials == nullptr && !internal::WantsTls(options)) {
     for (const auto& tuning : transport::kTensorTransportArgs) {
       const bool overridden =

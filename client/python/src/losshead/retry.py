@@ -16,7 +16,8 @@ Why retries never double count:
 - pull_gradient with ``reset=True`` is NOT re-sent once it may have reached the server: if the
   reset happened and the answer was lost, a second pull would return an empty window and the
   first window's dW would be gone without anyone noticing. Instead the client waits (with the
-  same backoff) for the channel to be connected before the single attempt, and a failure after
+  same backoff) until the server answers a health probe before the single attempt (a connected
+  channel alone does not prove the connection alive), and a failure after
   sending is raised unchanged; ``get_head(...).tokens_since_pull`` tells whether the reset
   took place.
 - push_weights replacing W is re-sent whole (the same W again); an added delta (``add=True``)
