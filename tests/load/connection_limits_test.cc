@@ -57,12 +57,7 @@ class ConnectionLimitsTest : public ::testing::Test {
   std::string Target() const { return absl::StrCat("127.0.0.1:", server_->port()); }
 
   double Scrape(const std::string& name, const std::map<std::string, std::string>& labels = {}) {
-    auto body = HttpGet(server_->metrics_port(), "/metrics");
-    EXPECT_TRUE(body.ok()) << body.status();
-    if (!body.ok()) return -1;
-    auto e = ParseExposition(*body);
-    EXPECT_TRUE(e.ok()) << e.status();
-    return e.ok() ? e->Sum(name, labels) : -1;
+    return ScrapeSum(server_->metrics_port(), name, labels);
   }
   // Polls the metric until it equals `want` (the guard updates it on its own thread).
   double AwaitMetric(const std::string& name, double want,

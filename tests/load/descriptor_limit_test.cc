@@ -62,15 +62,6 @@ int MetricsPort(const std::string& log_path) {
   return port;
 }
 
-double Scrape(int port, const std::string& name, const std::map<std::string, std::string>& labels) {
-  auto body = HttpGet(port, "/metrics");
-  EXPECT_TRUE(body.ok()) << body.status();
-  if (!body.ok()) return -1;
-  auto e = ParseExposition(*body);
-  EXPECT_TRUE(e.ok()) << e.status();
-  return e.ok() ? e->Sum(name, labels) : -1;
-}
-
 class DescriptorLimitTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -170,30 +161,30 @@ TEST_F(DescriptorLimitTest, IdleConnectionsNeitherLockOutATokenHolderNorStayOpen
   EXPECT_EQ(closed, kIdleConnections);
 
   // The writer's connection made calls: it stays, and the next call needs no new connection.
-  const double accepted = Scrape(metrics, "losshead_connections_accepted_total", {});
+  const double accepted = ScrapeSum(metrics, "losshead_connections_accepted_total", {});
   auto info = (*writer)->GetHead(head->name);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->microbatches_total(), 1u);
-  EXPECT_EQ(Scrape(metrics, "losshead_connections_accepted_total", {}), accepted);
+  EXPECT_EQ(ScrapeSum(metrics, "losshead_connections_accepted_total", {}), accepted);
   // The anonymous caller's connection was accepted after the idle ones, so its own
   // --first_call_timeout may end a moment after the last of theirs: wait for it, within a bound.
-  double open = Scrape(metrics, "losshead_connections_open", {});
-  double reaped = Scrape(metrics, "losshead_connections_reaped_total", {});
+  double open = ScrapeSum(metrics, "losshead_connections_open", {});
+  double reaped = ScrapeSum(metrics, "losshead_connections_reaped_total", {});
   for (absl::Time until = absl::Now() + absl::Seconds(5);
        (open != 1 || reaped < kIdleConnections + 1) && absl::Now() < until;) {
     absl::SleepFor(absl::Milliseconds(50));
-    open = Scrape(metrics, "losshead_connections_open", {});
-    reaped = Scrape(metrics, "losshead_connections_reaped_total", {});
+    open = ScrapeSum(metrics, "losshead_connections_open", {});
+    reaped = ScrapeSum(metrics, "losshead_connections_reaped_total", {});
   }
   EXPECT_EQ(open, 1);
   // The idle ones and the anonymous caller's were reaped: displaced or timed out. (Connections
   // a client dropped by itself, as gRPC 1.51's may after a failed connect, are not counted.)
   EXPECT_GE(reaped, kIdleConnections + 1);
   EXPECT_LE(reaped, accepted - 1);
-  EXPECT_GT(Scrape(metrics, "losshead_connections_reaped_total", {{"reason", "displaced"}}), 0);
+  EXPECT_GT(ScrapeSum(metrics, "losshead_connections_reaped_total", {{"reason", "displaced"}}), 0);
   EXPECT_GT(
-      Scrape(metrics, "losshead_connections_reaped_total", {{"reason", "first_call_timeout"}}), 0);
-  EXPECT_EQ(Scrape(metrics, "losshead_connections_refused_total", {}), 0);
+      ScrapeSum(metrics, "losshead_connections_reaped_total", {{"reason", "first_call_timeout"}}), 0);
+  EXPECT_EQ(ScrapeSum(metrics, "losshead_connections_refused_total", {}), 0);
   EXPECT_TRUE((*server)->Running());
 }
 

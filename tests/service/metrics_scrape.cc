@@ -7,6 +7,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "gtest/gtest.h"
 #include "tests/common/http_exchange.h"
 
 namespace losshead::testing {
@@ -135,6 +136,16 @@ absl::StatusOr<Exposition> ScrapeWhen(int port, const std::string& name,
     }
     absl::SleepFor(absl::Milliseconds(10));
   }
+}
+
+double ScrapeSum(int port, const std::string& name,
+                 const std::map<std::string, std::string>& labels) {
+  auto body = HttpGet(port, "/metrics");
+  EXPECT_TRUE(body.ok()) << body.status();
+  if (!body.ok()) return -1;
+  auto e = ParseExposition(*body);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? e->Sum(name, labels) : -1;
 }
 
 }  // namespace losshead::testing

@@ -31,6 +31,10 @@ struct Exposition {
 // GET http://127.0.0.1:<port><path> with HTTP/1.0 (no chunked encoding); the body on status 200.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 absl::StatusOr<Exposition> ParseExposition(const std::string& text);
+// The sum of the samples named `name` with `labels` at `port` now; a failed scrape is a test
+// failure (EXPECT) and reads as -1.
+double ScrapeSum(int port, const std::string& name,
+                 const std::map<std::string, std::string>& labels = {});
 // The /metrics exposition at `port` once the samples named `name` with `labels` sum to at least
 // `at_least`, read every 10 ms (a call is counted once the server is done with it, which may come
 // after the client saw its status); DEADLINE_EXCEEDED with the last body after `timeout`.
