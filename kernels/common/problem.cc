@@ -1,11 +1,8 @@
 #include "losshead/kernels/problem.h"
 
 #include <cmath>
-#include <string>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 
 namespace losshead::kernels {
 
@@ -85,15 +82,6 @@ absl::Status ValidateProblem(const Problem& problem) {
         absl::StrCat("softcap must be ", kSoftcapRange, ", got ", o.softcap));
   }
   return absl::OkStatus();
-}
-
-std::string RequestedDistributionOutputs(const Arguments& args) {
-  std::vector<absl::string_view> names;
-  if (args.per_token_logprob != nullptr) names.push_back("per_token_logprob");
-  if (args.per_token_entropy != nullptr) names.push_back("per_token_entropy");
-  if (args.per_token_argmax != nullptr) names.push_back("per_token_argmax");
-  if (args.correct_count != nullptr) names.push_back("correct_count");
-  return absl::StrJoin(names, ", ");
 }
 
 }  // namespace losshead::kernels

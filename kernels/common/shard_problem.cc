@@ -2,7 +2,6 @@
 #include "losshead/kernels/shard_problem.h"
 
 #include <algorithm>
-#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/backend.h"
@@ -37,14 +36,9 @@ absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArgume
   if (args.workspace == nullptr && args.workspace_bytes > 0) {
     return absl::InvalidArgumentError("shard call: workspace is null but workspace_bytes > 0");
   }
-  Arguments outputs;
-  outputs.per_token_logprob = args.per_token_logprob;
-  outputs.per_token_entropy = args.per_token_entropy;
-  outputs.per_token_argmax = args.per_token_argmax;
-  outputs.correct_count = args.correct_count;
-  if (std::string asked = RequestedDistributionOutputs(outputs); !asked.empty()) {
-    return absl::UnimplementedError(
-        absl::StrCat("shard call: ", asked, " not computed over vocabulary shards yet"));
+  if (AsksDistributionOutputs(args)) {
+    return absl::UnimplementedError(absl::StrCat("shard call: ", RequestedDistributionOutputs(args),
+                                                 " not computed over vocabulary shards yet"));
   }
   if (args.grad_stash.data != nullptr) {
     if (args.grad_weight != nullptr) {

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
-#include <string>
 #include <type_traits>
 
 #include "absl/status/status.h"
@@ -38,9 +37,9 @@ absl::Status CudaBackend::Run(const Problem& problem, const Arguments& args, Str
   if (args.loss_sum == nullptr || args.token_count == nullptr) {
     return absl::InvalidArgumentError("loss_sum and token_count must not be null");
   }
-  if (std::string asked = RequestedDistributionOutputs(args); !asked.empty()) {
-    return absl::UnimplementedError(
-        absl::StrCat("the CUDA backend does not compute ", asked, " yet"));
+  if (AsksDistributionOutputs(args)) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA backend does not compute ",
+                                                 RequestedDistributionOutputs(args), " yet"));
   }
   if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
     return absl::InvalidArgumentError("workspace must be a 256-byte aligned device pointer");

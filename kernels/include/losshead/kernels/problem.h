@@ -118,10 +118,31 @@ struct Arguments {
   size_t workspace_bytes = 0;
 };
 
+// Whether `args` (Arguments or ShardArguments) asks for any distribution output: four pointer
+// tests, so a path that does not compute them checks it on every call for nothing.
+template <typename Args>
+bool AsksDistributionOutputs(const Args& args) {
+  return args.per_token_logprob != nullptr || args.per_token_entropy != nullptr ||
+         args.per_token_argmax != nullptr || args.correct_count != nullptr;
+}
+
 // The distribution outputs (per_token_logprob, per_token_entropy, per_token_argmax,
 // correct_count) that `args` asks for, by field name, comma-separated; empty when none. For a
 // backend or a path that does not compute them yet to refuse them by name (UNIMPLEMENTED).
-std::string RequestedDistributionOutputs(const Arguments& args);
+template <typename Args>
+std::string RequestedDistributionOutputs(const Args& args) {
+  std::string names;
+  auto add = [&names](bool asked, absl::string_view name) {
+    if (!asked) return;
+    if (!names.empty()) names += ", ";
+    names.append(name.data(), name.size());
+  };
+  add(args.per_token_logprob != nullptr, "per_token_logprob");
+  add(args.per_token_entropy != nullptr, "per_token_entropy");
+  add(args.per_token_argmax != nullptr, "per_token_argmax");
+  add(args.correct_count != nullptr, "correct_count");
+  return names;
+}
 
 }  // namespace losshead::kernels
 
