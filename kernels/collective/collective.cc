@@ -25,18 +25,19 @@ bool KnownDType(DType dtype) {
   return dtype == DType::kBF16 || dtype == DType::kFP16 || dtype == DType::kFP32;
 }
 
-// The checks shared by every call: one buffer and one stream per rank, no null stream.
-absl::Status CheckRanks(absl::string_view call, int k, std::span<void* const> buffers,
+// The checks shared by every call: one buffer and one stream per local rank, no null stream.
+absl::Status CheckRanks(absl::string_view call, int k, int local, std::span<void* const> buffers,
                         std::span<Stream* const> streams) {
-  if (buffers.size() != static_cast<size_t>(k)) {
+  const absl::string_view ranks = local == k ? " ranks" : " local ranks";
+  if (buffers.size() != static_cast<size_t>(local)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(call, ": ", buffers.size(), " buffers for ", k, " ranks"));
+        absl::StrCat(call, ": ", buffers.size(), " buffers for ", local, ranks));
   }
-  if (streams.size() != static_cast<size_t>(k)) {
+  if (streams.size() != static_cast<size_t>(local)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(call, ": ", streams.size(), " streams for ", k, " ranks"));
+        absl::StrCat(call, ": ", streams.size(), " streams for ", local, ranks));
   }
-  for (int r = 0; r < k; ++r) {
+  for (int r = 0; r < local; ++r) {
     if (streams[r] == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(call, ": stream of rank ", r, " is null"));
     }
@@ -138,7 +139,7 @@ std::vector<int64_t> ShardCounts(int64_t rows, int k, int64_t row_elements) {
 absl::Status Collective::AllReduce(std::span<void* const> buffers, int64_t count, DType dtype,
                                    ReduceOp op, std::span<Stream* const> streams) {
   constexpr absl::string_view kCall = "AllReduce";
-  if (absl::Status s = CheckRanks(kCall, size_, buffers, streams); !s.ok()) return s;
+  if (absl::Status s = CheckRanks(kCall, size_, local_size_, buffers, streams); !s.ok()) return s;
   if (absl::Status s = CheckCount(kCall, count); !s.ok()) return s;
   if (absl::Status s = CheckBuffers(kCall, buffers, count, dtype); !s.ok()) return s;
   if (absl::Status s = CheckReducible(kCall, dtype); !s.ok()) return s;
@@ -154,7 +155,7 @@ absl::Status Collective::ReduceScatter(std::span<void* const> buffers,
                                        std::span<const int64_t> counts, DType dtype,
                                        std::span<Stream* const> streams) {
   constexpr absl::string_view kCall = "ReduceScatter";
-  if (absl::Status s = CheckRanks(kCall, size_, buffers, streams); !s.ok()) return s;
+  if (absl::Status s = CheckRanks(kCall, size_, local_size_, buffers, streams); !s.ok()) return s;
   std::vector<int64_t> offsets;
   int64_t total = 0;
   if (absl::Status s = SliceOffsets(kCall, size_, counts, &offsets, &total); !s.ok()) return s;
@@ -167,7 +168,7 @@ absl::Status Collective::ReduceScatter(std::span<void* const> buffers,
 absl::Status Collective::AllGather(std::span<void* const> buffers, std::span<const int64_t> counts,
                                    DType dtype, std::span<Stream* const> streams) {
   constexpr absl::string_view kCall = "AllGather";
-  if (absl::Status s = CheckRanks(kCall, size_, buffers, streams); !s.ok()) return s;
+  if (absl::Status s = CheckRanks(kCall, size_, local_size_, buffers, streams); !s.ok()) return s;
   std::vector<int64_t> offsets;
   int64_t total = 0;
   if (absl::Status s = SliceOffsets(kCall, size_, counts, &offsets, &total); !s.ok()) return s;
@@ -179,7 +180,7 @@ absl::Status Collective::AllGather(std::span<void* const> buffers, std::span<con
 absl::Status Collective::Broadcast(std::span<void* const> buffers, int64_t count, DType dtype,
                                    int root, std::span<Stream* const> streams) {
   constexpr absl::string_view kCall = "Broadcast";
-  if (absl::Status s = CheckRanks(kCall, size_, buffers, streams); !s.ok()) return s;
+  if (absl::Status s = CheckRanks(kCall, size_, local_size_, buffers, streams); !s.ok()) return s;
   if (root < 0 || root >= size_) {
     return absl::InvalidArgumentError(
         absl::StrCat(kCall, ": root ", root, " is outside [0, ", size_, ")"));

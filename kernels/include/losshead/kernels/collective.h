@@ -38,16 +38,21 @@ Shard ShardRange(int64_t total, int k, int i);
 // the counts that ReduceScatter and AllGather take for W or dW (row_elements = D).
 std::vector<int64_t> ShardCounts(int64_t rows, int k, int64_t row_elements = 1);
 
-// Collectives over the k ranks of one process, rank r being the r-th backend given to
-// CreateCollective (its device). Every call takes one buffer and one stream per rank, as spans of
-// length k in rank order; it enqueues its work on those streams and returns without waiting for
+// Collectives over k ranks, rank r being the r-th backend given to CreateCollective (its device).
+// A collective may span several processes (process_group.h): then this process drives the
+// local_size() ranks first_rank(), ..., first_rank() + local_size() - 1 of the k, and passes
+// buffers and streams for those only; counts, offsets and roots still speak of all k ranks. Within
+// one process local_size() == size() and first_rank() == 0, so "one per rank" below means one per
+// local rank. Every call takes one buffer and one stream per rank, as spans of length
+// local_size() in rank order; it enqueues its work on those streams and returns without waiting for
 // it, like Backend::Run: a rank's result is there once its stream has reached the call
 // (Stream::Synchronize, or later work on that stream). A rank's buffer lives in its backend's
 // memory (Backend::Allocate), its stream was made by that backend, and the buffers of different
 // ranks do not overlap. A rank's collective and its other work on one stream are issued from one
 // thread, or ordered by the caller, as for any Backend call.
 //
-// Every call validates first: span lengths other than k, a negative count, a null buffer with
+// Every call validates first: buffer or stream spans of a length other than local_size(), counts
+// spans of a length other than k, a negative count, a null buffer with
 // elements to move, a null stream, a root outside [0, k), or a dtype / op the call does not take
 // are INVALID_ARGUMENT with a message naming the call and the problem, and nothing is enqueued or
 // touched. Reductions take fp32 (dW, softmax statistics, dH partial sums); copies (Broadcast,
@@ -68,8 +73,12 @@ class Collective {
   Collective(const Collective&) = delete;
   Collective& operator=(const Collective&) = delete;
 
-  // Number of ranks (k).
+  // Number of ranks (k), over every process the collective spans.
   int size() const { return size_; }
+  // Ranks this process drives: buffers and streams come as spans of this length.
+  int local_size() const { return local_size_; }
+  // Rank of this process's first local rank: local rank i is rank first_rank() + i.
+  int first_rank() const { return first_rank_; }
 
   // In place: afterwards every rank's `count` elements hold op over all ranks' elements. fp32.
   absl::Status AllReduce(std::span<void* const> buffers, int64_t count, DType dtype, ReduceOp op,
@@ -93,11 +102,14 @@ class Collective {
                          std::span<Stream* const> streams);
 
  protected:
-  explicit Collective(int size) : size_(size) {}
+  explicit Collective(int size) : Collective(size, size, 0) {}
+  Collective(int size, int local_size, int first_rank)
+      : size_(size), local_size_(local_size), first_rank_(first_rank) {}
 
   // The implementations' halves of the calls above, entered with validated arguments and at least
-  // one element to move; offsets[r] is where slice r starts (counts' prefix sums). An
-  // implementation may refuse further (memory or stream of the wrong device) before enqueuing.
+  // one element to move; offsets[r] is where slice r starts (counts' prefix sums; counts and
+  // offsets index all k ranks, buffers and streams the local ones). An implementation may refuse
+  // further (memory or stream of the wrong device) before enqueuing.
   virtual absl::Status DoAllReduce(std::span<void* const> buffers, int64_t count, DType dtype,
                                    ReduceOp op, std::span<Stream* const> streams) = 0;
   virtual absl::Status DoReduceScatter(std::span<void* const> buffers,
@@ -112,6 +124,8 @@ class Collective {
 
  private:
   const int size_;
+  const int local_size_;
+  const int first_rank_;
 };
 
 // The collective over `backends`, rank r being backends[r]: the host implementation when every
