@@ -1,8 +1,9 @@
 // One process of a process group, for process_collective_test: bootstraps its group, builds the
 // collective over its CPU ranks and runs the shared call sequence (process_sequence.h), writing
 // what it saw to files the test reads. Arguments are name=value:
-//   rank, world, peers (comma-separated host:port), local (CPU ranks here), seed, out (path
-//   prefix), group, op_timeout_ms, bootstrap_timeout_ms, and for the failure scenario
+//   rank, world, peers (comma-separated host:port), local (CPU ranks here) or cuda (the CUDA
+//   device ordinals of this process's ranks, comma-separated), seed, out (path prefix), group,
+//   op_timeout_ms, bootstrap_timeout_ms, and for the failure scenario
 //   victim (process rank), pause_after (calls before the victim stops), marker (a file the victim
 //   creates once it has stopped calling).
 // Files: <out>.status holds "<code> <message>" of bootstrap and creation; <out>.results the
@@ -69,10 +70,31 @@ int Main(int argc, char** argv) {
   std::vector<kernels::Backend*> pointers;
   std::vector<std::unique_ptr<kernels::Stream>> owned_streams;
   std::vector<kernels::Stream*> streams;
-  for (int i = 0; i < Int(args, "local", 1); ++i) {
-    backends.push_back(kernels::CreateCpuBackend(1));
-    pointers.push_back(backends.back().get());
-    owned_streams.push_back(*backends.back()->CreateStream());
+  std::vector<kernels::Backend*> devices;  // staging through device memory: CUDA ranks only
+  if (args.count("cuda")) {
+    for (absl::string_view ordinal : absl::StrSplit(args["cuda"], ',')) {
+      int device = 0;
+      if (!absl::SimpleAtoi(ordinal, &device)) return 2;
+      absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+          kernels::CreateBackend(kernels::BackendKind::kCuda, device);
+      if (!backend.ok()) {
+        WriteStatus(out + ".status", backend.status());
+        return 0;
+      }
+      backends.push_back(std::move(*backend));
+      devices.push_back(backends.back().get());
+    }
+  } else {
+    for (int i = 0; i < Int(args, "local", 1); ++i) backends.push_back(kernels::CreateCpuBackend(1));
+  }
+  for (std::unique_ptr<kernels::Backend>& backend : backends) {
+    pointers.push_back(backend.get());
+    absl::StatusOr<std::unique_ptr<kernels::Stream>> stream = backend->CreateStream();
+    if (!stream.ok()) {
+      WriteStatus(out + ".status", stream.status());
+      return 0;
+    }
+    owned_streams.push_back(std::move(*stream));
     streams.push_back(owned_streams.back().get());
   }
   absl::StatusOr<std::unique_ptr<kernels::Collective>> collective =
@@ -82,7 +104,7 @@ int Main(int argc, char** argv) {
   if (!collective.ok()) return 0;
   const uint64_t seed = static_cast<uint64_t>(Int(args, "seed", 1));
   if (!args.count("victim")) {
-    const absl::Status written = WriteResults(out + ".results", RunSequence(**collective, streams, seed));
+    const absl::Status written = WriteResults(out + ".results", RunSequence(**collective, streams, seed, devices));
     return written.ok() ? 0 : 1;
   }
   const int pause_after = Int(args, "pause_after", 2);

@@ -80,21 +80,74 @@ std::vector<std::byte> Input(uint64_t seed, int index, int g, const Call& call, 
 
 int SequenceLength() { return static_cast<int>(Calls().size()); }
 
+namespace {
+
+size_t Elements(const Call& call, int k) {
+  return static_cast<size_t>(call.kind == Call::kReduceScatter || call.kind == Call::kAllGather
+                                 ? Total(Layout(call.layout, k))
+                                 : call.count);
+}
+
+}  // namespace
+
+bool SequenceCallSums(int index) {
+  const Call& call = Calls()[index];
+  return call.kind == Call::kReduceScatter ||
+         (call.kind == Call::kAllReduce && call.op == ReduceOp::kSum);
+}
+
+bool SequenceCallTakesMax(int index) {
+  return Calls()[index].kind == Call::kAllReduce && Calls()[index].op == ReduceOp::kMax;
+}
+
+std::vector<double> SequenceAbsSums(uint64_t seed, int index, int k) {
+  const Call& call = Calls()[index];
+  const size_t elements = Elements(call, k);
+  std::vector<double> sums(elements, 0.0);
+  for (int g = 0; g < k; ++g) {
+    const std::vector<std::byte> input = Input(seed, index, g, call, elements);
+    for (size_t j = 0; j < elements; ++j) {
+      float x;
+      std::memcpy(&x, input.data() + j * sizeof(float), sizeof(float));
+      sums[j] += std::fabs(static_cast<double>(x));
+    }
+  }
+  return sums;
+}
+
 void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Stream*>& streams,
-                     uint64_t seed, int index, SequenceResults* results) {
+                     uint64_t seed, int index, SequenceResults* results,
+                     const std::vector<kernels::Backend*>& devices) {
   const Call& call = Calls()[index];
   const int k = collective.size();
   const std::vector<int64_t> counts = Layout(call.layout, k);
-  const size_t elements = static_cast<size_t>(
-      call.kind == Call::kReduceScatter || call.kind == Call::kAllGather ? Total(counts)
-                                                                         : call.count);
+  const size_t elements = Elements(call, k);
   std::vector<std::vector<std::byte>> data;
   std::vector<void*> buffers;
   for (int i = 0; i < collective.local_size(); ++i) {
     data.push_back(Input(seed, index, collective.first_rank() + i, call, elements));
   }
-  for (std::vector<std::byte>& d : data) buffers.push_back(d.data());
+  std::vector<kernels::DeviceBuffer> staged;
   absl::Status status;
+  for (size_t i = 0; i < data.size(); ++i) {
+    if (devices.empty()) {
+      buffers.push_back(data[i].data());
+      continue;
+    }
+    absl::StatusOr<kernels::DeviceBuffer> buffer = devices[i]->Allocate(data[i].size());
+    if (!buffer.ok()) {
+      status.Update(buffer.status());
+      break;
+    }
+    status.Update(devices[i]->CopyToDevice(buffer->data(), data[i].data(), data[i].size(),
+                                           *streams[i]));
+    buffers.push_back(buffer->data());
+    staged.push_back(std::move(*buffer));
+  }
+  if (!status.ok()) {
+    (*results)[index].code = static_cast<int>(status.code());
+    return;
+  }
   switch (call.kind) {
     case Call::kAllReduce:
       status = collective.AllReduce(buffers, call.count, call.dtype, call.op, streams);
@@ -110,6 +163,11 @@ void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Strea
                                     std::max(0, k - 1 - call.root_from_end), streams);
       break;
   }
+  for (size_t i = 0; i < staged.size() && status.ok(); ++i) {
+    status.Update(devices[i]->CopyToHost(data[i].data(), staged[i].data(), data[i].size(),
+                                         *streams[i]));
+    status.Update(streams[i]->Synchronize());
+  }
   CallResult& result = (*results)[index];
   result.code = static_cast<int>(status.code());
   for (int i = 0; i < collective.local_size(); ++i) {
@@ -118,9 +176,12 @@ void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Strea
 }
 
 SequenceResults RunSequence(kernels::Collective& collective,
-                            std::vector<kernels::Stream*>& streams, uint64_t seed) {
+                            std::vector<kernels::Stream*>& streams, uint64_t seed,
+                            const std::vector<kernels::Backend*>& devices) {
   SequenceResults results;
-  for (int i = 0; i < SequenceLength(); ++i) RunSequenceCall(collective, streams, seed, i, &results);
+  for (int i = 0; i < SequenceLength(); ++i) {
+    RunSequenceCall(collective, streams, seed, i, &results, devices);
+  }
   return results;
 }
 

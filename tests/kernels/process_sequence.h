@@ -30,13 +30,25 @@ using SequenceResults = std::map<int, CallResult>;
 // The number of calls in the sequence.
 int SequenceLength();
 
-// Runs call `index` of the sequence on `collective` (CPU ranks; its streams given) and records it.
+// Runs call `index` of the sequence on `collective` (its local ranks' streams given) and records
+// it. With `devices` (one backend per local rank, the streams' own), the data is staged through
+// memory each allocates, and read back once its stream has passed the call; without, the buffers
+// are host memory (CPU ranks).
 void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Stream*>& streams,
-                     uint64_t seed, int index, SequenceResults* results);
+                     uint64_t seed, int index, SequenceResults* results,
+                     const std::vector<kernels::Backend*>& devices = {});
 
 // Every call of the sequence, in order.
 SequenceResults RunSequence(kernels::Collective& collective,
-                            std::vector<kernels::Stream*>& streams, uint64_t seed);
+                            std::vector<kernels::Stream*>& streams, uint64_t seed,
+                            const std::vector<kernels::Backend*>& devices = {});
+
+// What a call reduces, for comparisons that allow another summation order: whether call `index`
+// sums (AllReduce sum, ReduceScatter), and per element the sum over k ranks of |input| (which
+// bounds the rounding error of any order of fp32 additions: (k - 1) 2^-24 times it).
+bool SequenceCallSums(int index);
+bool SequenceCallTakesMax(int index);
+std::vector<double> SequenceAbsSums(uint64_t seed, int index, int k);
 
 // A binary file of results, as the helper processes write them.
 absl::Status WriteResults(const std::string& path, const SequenceResults& results);
