@@ -66,10 +66,10 @@ absl::Status AgreeOnCall(ProcessGroup& group, absl::string_view what, const Call
     CallHeader theirs;
     std::memcpy(&theirs, (*all)[p].data(), sizeof(theirs));
     if (std::memcmp(&theirs, &mine, sizeof(mine)) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": process ", p, " called ", DescribeCall(theirs), " where process ",
-          group.rank(), " called ", DescribeCall(mine),
-          ": every process must make the same collective calls in the same order"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": process ", p, " called ", DescribeCall(theirs), " where process ",
+                       group.rank(), " called ", DescribeCall(mine),
+                       ": every process must make the same collective calls in the same order"));
     }
   }
   return absl::OkStatus();

@@ -308,8 +308,8 @@ class NcclCollective final : public Collective {
           cudaEventRecord(pending.events[r], streams[r]) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         DestroyEvents(pending.events);
-        return absl::InternalError(absl::StrCat(call, ": cannot watch the call: ",
-                                                cudaGetErrorString(err)));
+        return absl::InternalError(
+            absl::StrCat(call, ": cannot watch the call: ", cudaGetErrorString(err)));
       }
     }
     absl::MutexLock lock(&watch_mu_);
@@ -457,8 +457,9 @@ absl::StatusOr<std::unique_ptr<Collective>> CreateProcessNcclCollective(
   }
   const ncclResult_t end = ncclGroupEnd();
   if (init != ncclSuccess) return NcclError(init, "ncclCommInitRank()", __FILE__, __LINE__);
-  if (end != ncclSuccess) return NcclError(end, "ncclGroupEnd() after ncclCommInitRank", __FILE__,
-                                           __LINE__);
+  if (end != ncclSuccess) {
+    return NcclError(end, "ncclGroupEnd() after ncclCommInitRank", __FILE__, __LINE__);
+  }
   return std::unique_ptr<Collective>(
       new NcclCollective(std::vector<int>(devices.begin(), devices.end()), std::move(comms), size,
                          first_rank, std::move(group)));

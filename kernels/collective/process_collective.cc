@@ -55,14 +55,14 @@ absl::StatusOr<Kind> LocalKind(std::span<Backend* const> backends) {
     } else if (name == "cuda") {
       ++cuda;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("CreateProcessCollective: backend of rank ",
-                                                     r, " is \"", name,
+      return absl::InvalidArgumentError(absl::StrCat("CreateProcessCollective: backend of rank ", r,
+                                                     " is \"", name,
                                                      "\", which has no collective implementation"));
     }
   }
   if (cpu > 0 && cuda > 0) {
-    return absl::InvalidArgumentError(absl::StrCat("CreateProcessCollective: ", cpu, " cpu and ",
-                                                   cuda, " cuda backends"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CreateProcessCollective: ", cpu, " cpu and ", cuda, " cuda backends"));
   }
   if (cpu > 0) return Kind::kCpu;
   // NCCL takes one rank per device; within a process, ranks sharing a device are
@@ -72,9 +72,9 @@ absl::StatusOr<Kind> LocalKind(std::span<Backend* const> backends) {
   for (size_t r = 0; r < backends.size(); ++r) {
     const int device = backends[r]->device_ordinal();
     if (device < 0 || !seen.insert(device).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "CreateProcessCollective: cuda backend of rank ", r, " (",
-          backends[r]->device_description(), ") names no device or one named before"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("CreateProcessCollective: cuda backend of rank ", r, " (",
+                       backends[r]->device_description(), ") names no device or one named before"));
     }
     devices.push_back(device);
   }
@@ -104,10 +104,10 @@ absl::StatusOr<std::unique_ptr<Collective>> CreateProcessCollective(
     Holding theirs;
     std::memcpy(&theirs, (*all)[p].data(), sizeof(theirs));
     if (theirs.kind != mine.kind) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "CreateProcessCollective: process ", p, " holds ", KindName(theirs.kind),
-          " backends, process ", group->rank(), " ", KindName(mine.kind),
-          ": one collective spans backends of one kind"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("CreateProcessCollective: process ", p, " holds ", KindName(theirs.kind),
+                       " backends, process ", group->rank(), " ", KindName(mine.kind),
+                       ": one collective spans backends of one kind"));
     }
     first.push_back(first.back() + static_cast<int>(theirs.ranks));
   }

@@ -70,9 +70,8 @@ absl::Status CheckHello(const Hello& mine, const Hello& theirs, absl::string_vie
         absl::StrCat(who, " does not speak the process group protocol"));
   }
   if (theirs.version != mine.version) {
-    return absl::FailedPreconditionError(absl::StrCat(who, " speaks protocol version ",
-                                                      theirs.version, ", this process ",
-                                                      mine.version));
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, " speaks protocol version ", theirs.version, ", this process ", mine.version));
   }
   if (theirs.world != mine.world) {
     return absl::FailedPreconditionError(absl::StrCat(who, " has a world of ", theirs.world,
@@ -95,13 +94,12 @@ absl::Status CheckOptions(const ProcessGroupOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("process group: world ", options.world, " < 1"));
   }
   if (options.peers.size() != static_cast<size_t>(options.world)) {
-    return absl::InvalidArgumentError(absl::StrCat("process group: ", options.peers.size(),
-                                                   " peer addresses for a world of ",
-                                                   options.world));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "process group: ", options.peers.size(), " peer addresses for a world of ", options.world));
   }
   if (options.rank < 0 || options.rank >= options.world) {
-    return absl::InvalidArgumentError(absl::StrCat("process group: rank ", options.rank,
-                                                   " is outside [0, ", options.world, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("process group: rank ", options.rank, " is outside [0, ", options.world, ")"));
   }
   for (size_t p = 0; p < options.peers.size(); ++p) {
     if (absl::StatusOr<tcp::HostPort> a = tcp::ParseHostPort(options.peers[p]); !a.ok()) {
@@ -110,9 +108,9 @@ absl::Status CheckOptions(const ProcessGroupOptions& options) {
     }
   }
   if (options.group_name.size() >= kGroupNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "process group: group name of ", options.group_name.size(), " bytes (at most ",
-        kGroupNameBytes - 1, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("process group: group name of ",
+                                                   options.group_name.size(), " bytes (at most ",
+                                                   kGroupNameBytes - 1, ")"));
   }
   if (options.bootstrap_timeout <= absl::ZeroDuration() ||
       options.op_timeout <= absl::ZeroDuration()) {
@@ -132,7 +130,8 @@ absl::StatusOr<tcp::Fd> ConnectTo(const ProcessGroupOptions& options, const Hell
   const tcp::HostPort to = *tcp::ParseHostPort(address);
   absl::Status last;
   while (true) {
-    absl::StatusOr<tcp::Fd> fd = tcp::Connect(to, std::min(deadline, absl::Now() + absl::Seconds(2)));
+    absl::StatusOr<tcp::Fd> fd =
+        tcp::Connect(to, std::min(deadline, absl::Now() + absl::Seconds(2)));
     if (fd.ok()) {
       if (absl::Status s = tcp::WriteAll(*fd, Bytes(mine), deadline); !s.ok()) {
         last = s;
@@ -144,9 +143,11 @@ absl::StatusOr<tcp::Fd> ConnectTo(const ProcessGroupOptions& options, const Hell
           return std::move(*fd);
         }
         if (s2.code() == absl::StatusCode::kDeadlineExceeded) {
-          return absl::DeadlineExceededError(absl::StrCat(
-              "process group: process ", q, " at ", address, " took the connection but sent no "
-              "hello within ", absl::FormatDuration(options.bootstrap_timeout)));
+          return absl::DeadlineExceededError(
+              absl::StrCat("process group: process ", q, " at ", address,
+                           " took the connection but sent no "
+                           "hello within ",
+                           absl::FormatDuration(options.bootstrap_timeout)));
         }
         last = s2;  // it went away (restarting, or refused us without a hello): try again
       }
@@ -189,9 +190,9 @@ absl::Status AcceptHigher(const ProcessGroupOptions& options, const Hello& mine,
     if (absl::Status c = CheckHello(mine, theirs, address, -1); !c.ok()) return c;
     const int q = static_cast<int>(theirs.rank);
     if (q <= options.rank || q >= options.world) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "process group: process ", q, " connected to process ", options.rank,
-          ", which only takes connections from higher ranks"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("process group: process ", q, " connected to process ", options.rank,
+                       ", which only takes connections from higher ranks"));
     }
     if ((*fds)[q].valid()) {
       return absl::FailedPreconditionError(
@@ -328,9 +329,8 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
   const absl::Time deadline = absl::Now() + op_timeout_;
   std::vector<size_t> sent(world, 0), received(world, 0);
   const auto fail = [&](int q, absl::string_view why) {
-    return Break(absl::UnavailableError(absl::StrCat(what, " (exchange ", number,
-                                                     ") with process ", q, " at ", peers_[q],
-                                                     ": ", why)));
+    return Break(absl::UnavailableError(absl::StrCat(what, " (exchange ", number, ") with process ",
+                                                     q, " at ", peers_[q], ": ", why)));
   };
   std::vector<pollfd> polls;
   std::vector<int> peer_of;
@@ -355,7 +355,7 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
     if (n == 0) {
       if (absl::Now() < deadline) continue;
       const int q = peer_of[0];
-      return fail(q, absl::StrCat("no progress within ", absl::FormatDuration(op_timeout_),
+      return fail(q, absl::StrCat("not finished within ", absl::FormatDuration(op_timeout_),
                                   " (sent ", sent[q], " of ", sends[q].size(), " bytes, received ",
                                   received[q], " of ", recvs[q].size(), ")"));
     }
@@ -365,7 +365,8 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
       const int q = peer_of[i];
       const int fd = polls[i].fd;
       if ((polls[i].events & POLLIN) && (ready & (POLLIN | POLLHUP | POLLERR))) {
-        const ssize_t got = recv(fd, recvs[q].data() + received[q], recvs[q].size() - received[q], 0);
+        const ssize_t got =
+            recv(fd, recvs[q].data() + received[q], recvs[q].size() - received[q], 0);
         if (got == 0) return fail(q, "the peer closed the connection (its process ended?)");
         if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
           return fail(q, absl::StrCat("recv: ", tcp::ErrnoText(errno)));

@@ -41,8 +41,8 @@ absl::Status Resolve(const HostPort& address, bool passive, AddrInfo* out) {
   if (passive) hints.ai_flags = AI_PASSIVE;
   const char* host = address.host.empty() ? nullptr : address.host.c_str();
   if (int err = getaddrinfo(host, address.port.c_str(), &hints, out->out()); err != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot resolve ", address.host, ":", address.port,
-                                               ": ", gai_strerror(err)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve ", address.host, ":", address.port, ": ", gai_strerror(err)));
   }
   return absl::OkStatus();
 }
@@ -102,8 +102,7 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view address) {
   } else {
     const size_t colon = address.rfind(':');
     if (colon == absl::string_view::npos || address.find(':') != colon) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("address \"", address, "\" is not host:port"));
+      return absl::InvalidArgumentError(absl::StrCat("address \"", address, "\" is not host:port"));
     }
     out.host = std::string(address.substr(0, colon));
     port = address.substr(colon + 1);
@@ -177,8 +176,7 @@ absl::StatusOr<Fd> Connect(const HostPort& to, absl::Time deadline) {
     NoDelay(*fd);
     return std::move(*fd);
   }
-  return absl::UnavailableError(
-      absl::StrCat("connect to ", to.host, ":", to.port, ": ", errors));
+  return absl::UnavailableError(absl::StrCat("connect to ", to.host, ":", to.port, ": ", errors));
 }
 
 absl::StatusOr<Fd> Accept(const Fd& listener, absl::Time deadline) {

@@ -122,9 +122,9 @@ TEST_P(ProcessNcclTest, EveryCallAgreesWithTheOneProcessHostCollective) {
     ASSERT_TRUE(got.ok()) << got.status();
     for (const auto& [index, result] : *got) {
       ASSERT_EQ(result.code, 0) << "process " << p << " call " << index;
-      const std::vector<double> bounds =
-          testing::SequenceCallSums(index) ? testing::SequenceAbsSums(seed, index, k)
-                                           : std::vector<double>();
+      const std::vector<double> bounds = testing::SequenceCallSums(index)
+                                             ? testing::SequenceAbsSums(seed, index, k)
+                                             : std::vector<double>();
       for (const auto& [g, bytes] : result.ranks) {
         const std::vector<std::byte>& want = reference.at(index).ranks.at(g);
         ASSERT_EQ(bytes.size(), want.size());
@@ -155,8 +155,7 @@ TEST_P(ProcessNcclTest, EveryCallAgreesWithTheOneProcessHostCollective) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Gpus, ProcessNcclTest,
-                         ::testing::Values(GpuLayout{2, 1}, GpuLayout{2, 2}),
+INSTANTIATE_TEST_SUITE_P(Gpus, ProcessNcclTest, ::testing::Values(GpuLayout{2, 1}, GpuLayout{2, 2}),
                          [](const ::testing::TestParamInfo<GpuLayout>& info) {
                            return absl::StrCat(info.param.processes, "Processes",
                                                info.param.per_process, "Gpus");

@@ -54,9 +54,8 @@ int Main(int argc, char** argv) {
   options.rank = Int(args, "rank", 0);
   options.world = Int(args, "world", 1);
   options.peers = absl::StrSplit(args["peers"], ',');
-  options.listen = options.peers.size() > static_cast<size_t>(options.rank)
-                       ? options.peers[options.rank]
-                       : "";
+  options.listen =
+      options.peers.size() > static_cast<size_t>(options.rank) ? options.peers[options.rank] : "";
   if (args.count("group")) options.group_name = args["group"];
   options.op_timeout = absl::Milliseconds(Int(args, "op_timeout_ms", 10000));
   options.bootstrap_timeout = absl::Milliseconds(Int(args, "bootstrap_timeout_ms", 10000));
@@ -85,7 +84,8 @@ int Main(int argc, char** argv) {
       devices.push_back(backends.back().get());
     }
   } else {
-    for (int i = 0; i < Int(args, "local", 1); ++i) backends.push_back(kernels::CreateCpuBackend(1));
+    for (int i = 0; i < Int(args, "local", 1); ++i)
+      backends.push_back(kernels::CreateCpuBackend(1));
   }
   for (std::unique_ptr<kernels::Backend>& backend : backends) {
     pointers.push_back(backend.get());
@@ -104,7 +104,8 @@ int Main(int argc, char** argv) {
   if (!collective.ok()) return 0;
   const uint64_t seed = static_cast<uint64_t>(Int(args, "seed", 1));
   if (!args.count("victim")) {
-    const absl::Status written = WriteResults(out + ".results", RunSequence(**collective, streams, seed, devices));
+    const absl::Status written =
+        WriteResults(out + ".results", RunSequence(**collective, streams, seed, devices));
     return written.ok() ? 0 : 1;
   }
   const int pause_after = Int(args, "pause_after", 2);

@@ -138,10 +138,12 @@ Helpers StartGroup(const std::vector<int>& locals, uint64_t seed,
   Helpers helpers;
   for (size_t p = 0; p < locals.size(); ++p) {
     helpers.outs.push_back(TempPath(absl::StrCat("p", p)));
-    std::vector<std::string> args = {
-        absl::StrCat("rank=", p),          absl::StrCat("world=", locals.size()),
-        "peers=" + absl::StrJoin(peers, ","), absl::StrCat("local=", locals[p]),
-        absl::StrCat("seed=", seed),       "out=" + helpers.outs.back()};
+    std::vector<std::string> args = {absl::StrCat("rank=", p),
+                                     absl::StrCat("world=", locals.size()),
+                                     "peers=" + absl::StrJoin(peers, ","),
+                                     absl::StrCat("local=", locals[p]),
+                                     absl::StrCat("seed=", seed),
+                                     "out=" + helpers.outs.back()};
     args.insert(args.end(), extra.begin(), extra.end());
     helpers.pids.push_back(Spawn(args));
   }
@@ -195,6 +197,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ProcessCollectiveTest,
 struct Failure {
   std::vector<int> locals;
   int signal;  // what the victim gets: SIGKILL (its sockets close) or SIGSTOP (they stay open)
+  int op_timeout_ms;
 };
 
 class ProcessFailureTest : public ::testing::TestWithParam<Failure> {};
@@ -204,12 +207,11 @@ class ProcessFailureTest : public ::testing::TestWithParam<Failure> {};
 // op timeout for a stop), the call after it UNAVAILABLE at once, and the survivors must exit.
 TEST_P(ProcessFailureTest, SurvivorsGetUnavailableWithinTheTimeoutAndStayUnusable) {
   const Failure& failure = GetParam();
-  constexpr int kOpTimeoutMs = 1500;
+  const int kOpTimeoutMs = failure.op_timeout_ms;
   const std::string marker = TempPath("marker");
-  Helpers helpers =
-      StartGroup(failure.locals, 7,
-                 {"victim=1", "pause_after=2", "marker=" + marker,
-                  absl::StrCat("op_timeout_ms=", kOpTimeoutMs)});
+  Helpers helpers = StartGroup(failure.locals, 7,
+                               {"victim=1", "pause_after=2", "marker=" + marker,
+                                absl::StrCat("op_timeout_ms=", kOpTimeoutMs)});
   const auto marker_by = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   struct stat st;
   while (stat(marker.c_str(), &st) != 0 && std::chrono::steady_clock::now() < marker_by) {
@@ -236,8 +238,8 @@ TEST_P(ProcessFailureTest, SurvivorsGetUnavailableWithinTheTimeoutAndStayUnusabl
     if (failure.signal == SIGSTOP) {
       EXPECT_GE(first_ms, kOpTimeoutMs - 50) << "survivor " << p << ": gave up before the timeout";
     } else {
-      // A killed peer's connections close: no need to wait for the timeout.
-      EXPECT_LT(first_ms, kOpTimeoutMs - 500) << "survivor " << p << ": waited out the timeout";
+      // A killed peer's connections close: no need to wait for the (long) timeout.
+      EXPECT_LT(first_ms, kOpTimeoutMs / 2) << "survivor " << p << ": waited out the timeout";
     }
     EXPECT_LE(second_ms, 100) << "survivor " << p << ": a broken group must answer at once";
   }
@@ -245,8 +247,10 @@ TEST_P(ProcessFailureTest, SurvivorsGetUnavailableWithinTheTimeoutAndStayUnusabl
 }
 
 INSTANTIATE_TEST_SUITE_P(Victims, ProcessFailureTest,
-                         ::testing::Values(Failure{{1, 1}, SIGKILL}, Failure{{1, 2, 1}, SIGKILL},
-                                           Failure{{2, 2}, SIGSTOP}, Failure{{1, 1, 1}, SIGSTOP}),
+                         ::testing::Values(Failure{{1, 1}, SIGKILL, 8000},
+                                           Failure{{1, 2, 1}, SIGKILL, 8000},
+                                           Failure{{2, 2}, SIGSTOP, 1500},
+                                           Failure{{1, 1, 1}, SIGSTOP, 1500}),
                          [](const ::testing::TestParamInfo<Failure>& info) {
                            return absl::StrCat(absl::StrJoin(info.param.locals, "x"),
                                                info.param.signal == SIGKILL ? "Killed" : "Stopped");
@@ -255,9 +259,8 @@ INSTANTIATE_TEST_SUITE_P(Victims, ProcessFailureTest,
 TEST(ProcessBootstrapTest, MismatchedWorldSizesAreFailedPreconditionOnBothEnds) {
   // Process 1 thinks the world has 3 processes; process 0 that it has 2.
   const std::vector<std::string> peers = FreeAddresses(3);
-  std::vector<std::string> args0 = {"rank=0", "world=2",
-                                    "peers=" + peers[0] + "," + peers[1], "local=1",
-                                    "bootstrap_timeout_ms=5000"};
+  std::vector<std::string> args0 = {"rank=0", "world=2", "peers=" + peers[0] + "," + peers[1],
+                                    "local=1", "bootstrap_timeout_ms=5000"};
   std::vector<std::string> args1 = {"rank=1", "world=3", "peers=" + absl::StrJoin(peers, ","),
                                     "local=1", "bootstrap_timeout_ms=5000"};
   const std::string out0 = TempPath("w0"), out1 = TempPath("w1");
@@ -410,7 +413,8 @@ class ThreadGroup {
         groups_[p] = std::move(*group);
         std::vector<Backend*> backends;
         for (auto& b : ranks_[p].backends) backends.push_back(b.get());
-        absl::StatusOr<std::unique_ptr<Collective>> c = CreateProcessCollective(groups_[p], backends);
+        absl::StatusOr<std::unique_ptr<Collective>> c =
+            CreateProcessCollective(groups_[p], backends);
         if (c.ok()) collectives_[p] = std::move(*c);
       });
     }
@@ -444,7 +448,8 @@ class ThreadGroup {
   };
   const int world_;
   std::vector<Ranks> ranks_;
-  std::vector<std::shared_ptr<ProcessGroup>> groups_ = std::vector<std::shared_ptr<ProcessGroup>>(8);
+  std::vector<std::shared_ptr<ProcessGroup>> groups_ =
+      std::vector<std::shared_ptr<ProcessGroup>>(8);
   std::vector<std::unique_ptr<Collective>> collectives_;
 };
 
@@ -495,13 +500,14 @@ TEST(ProcessCollectiveErrorsTest, LocalRefusalsAreInvalidArgumentTouchNothingAnd
             },
             "Broadcast: root 4 is outside [0, 4)"},
            {[&](int p) {
-              return tg.collective(p).AllReduce(data[p].buffers(), 12, DType::kBF16,
-                                                ReduceOp::kSum, tg.streams(p));
+              return tg.collective(p).AllReduce(data[p].buffers(), 12, DType::kBF16, ReduceOp::kSum,
+                                                tg.streams(p));
             },
             "AllReduce: reduces fp32 only, got bf16"},
            {[&](int p) {
-              return tg.collective(p).AllGather(data[p].buffers(), std::vector<int64_t>{3, 3, -3, 9},
-                                                DType::kFP16, tg.streams(p));
+              return tg.collective(p).AllGather(data[p].buffers(),
+                                                std::vector<int64_t>{3, 3, -3, 9}, DType::kFP16,
+                                                tg.streams(p));
             },
             "AllGather: counts[2] = -3 is negative"},
        }) {

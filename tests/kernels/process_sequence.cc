@@ -29,7 +29,7 @@ const std::vector<Call>& Calls() {
   static const std::vector<Call>* const calls = new std::vector<Call>{
       {Call::kAllReduce, DType::kFP32, ReduceOp::kSum, 1001},
       {Call::kAllReduce, DType::kFP32, ReduceOp::kMax, 517},
-      {Call::kAllReduce, DType::kFP32, ReduceOp::kSum, 1},  // fewer elements than processes
+      {Call::kAllReduce, DType::kFP32, ReduceOp::kSum, 1},       // fewer elements than processes
       {Call::kAllReduce, DType::kFP32, ReduceOp::kSum, 300000},  // more than a socket buffer
       {Call::kReduceScatter, DType::kFP32, ReduceOp::kSum, 0, 0, 0},
       {Call::kReduceScatter, DType::kFP32, ReduceOp::kSum, 0, 0, 1},
@@ -66,7 +66,8 @@ std::vector<std::byte> Input(uint64_t seed, int index, int g, const Call& call, 
     std::uniform_int_distribution<int> exponent(-12, 12);
     for (size_t j = 0; j < elements; ++j) {
       float v = std::ldexp(mantissa(rng), exponent(rng));
-      if (call.op == ReduceOp::kMax && j == 7 && g == 1) v = std::numeric_limits<float>::quiet_NaN();
+      if (call.op == ReduceOp::kMax && j == 7 && g == 1)
+        v = std::numeric_limits<float>::quiet_NaN();
       std::memcpy(bytes.data() + j * sizeof(float), &v, sizeof(float));
     }
     return bytes;
@@ -139,8 +140,8 @@ void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Strea
       status.Update(buffer.status());
       break;
     }
-    status.Update(devices[i]->CopyToDevice(buffer->data(), data[i].data(), data[i].size(),
-                                           *streams[i]));
+    status.Update(
+        devices[i]->CopyToDevice(buffer->data(), data[i].data(), data[i].size(), *streams[i]));
     buffers.push_back(buffer->data());
     staged.push_back(std::move(*buffer));
   }
@@ -164,8 +165,8 @@ void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Strea
       break;
   }
   for (size_t i = 0; i < staged.size() && status.ok(); ++i) {
-    status.Update(devices[i]->CopyToHost(data[i].data(), staged[i].data(), data[i].size(),
-                                         *streams[i]));
+    status.Update(
+        devices[i]->CopyToHost(data[i].data(), staged[i].data(), data[i].size(), *streams[i]));
     status.Update(streams[i]->Synchronize());
   }
   CallResult& result = (*results)[index];
@@ -175,9 +176,8 @@ void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Strea
   }
 }
 
-SequenceResults RunSequence(kernels::Collective& collective,
-                            std::vector<kernels::Stream*>& streams, uint64_t seed,
-                            const std::vector<kernels::Backend*>& devices) {
+SequenceResults RunSequence(kernels::Collective& collective, std::vector<kernels::Stream*>& streams,
+                            uint64_t seed, const std::vector<kernels::Backend*>& devices) {
   SequenceResults results;
   for (int i = 0; i < SequenceLength(); ++i) {
     RunSequenceCall(collective, streams, seed, i, &results, devices);
@@ -208,7 +208,8 @@ absl::Status WriteResults(const std::string& path, const SequenceResults& result
     for (const auto& [rank, bytes] : result.ranks) {
       Put<int32_t>(out, rank);
       Put<uint64_t>(out, bytes.size());
-      out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      out.write(reinterpret_cast<const char*>(bytes.data()),
+                static_cast<std::streamsize>(bytes.size()));
     }
   }
   out.close();

@@ -39,9 +39,8 @@ void RunSequenceCall(kernels::Collective& collective, std::vector<kernels::Strea
                      const std::vector<kernels::Backend*>& devices = {});
 
 // Every call of the sequence, in order.
-SequenceResults RunSequence(kernels::Collective& collective,
-                            std::vector<kernels::Stream*>& streams, uint64_t seed,
-                            const std::vector<kernels::Backend*>& devices = {});
+SequenceResults RunSequence(kernels::Collective& collective, std::vector<kernels::Stream*>& streams,
+                            uint64_t seed, const std::vector<kernels::Backend*>& devices = {});
 
 // What a call reduces, for comparisons that allow another summation order: whether call `index`
 // sums (AllReduce sum, ReduceScatter), and per element the sum over k ranks of |input| (which

@@ -13,17 +13,18 @@
 //
 // Errors: bootstrap that does not finish by options.bootstrap_timeout is DEADLINE_EXCEEDED naming
 // the processes (and addresses) that never came; a hello whose version, world size, group name or
-// rank disagrees is FAILED_PRECONDITION naming both values, on both ends; a peer that closes during
-// bootstrap is UNAVAILABLE; malformed options are INVALID_ARGUMENT.
+// rank disagrees is FAILED_PRECONDITION naming both values, on both ends; a peer that goes away
+// during bootstrap is tried again until the deadline; malformed options are INVALID_ARGUMENT.
 //
-// Failure contract: every exchange has a deadline (options.op_timeout). A peer that closes its
-// connection (its process died: the kernel closes a killed process's sockets) or sends nothing by
-// the deadline makes the exchange UNAVAILABLE naming it, and the group is broken from then on:
-// every later exchange, on every thread, is UNAVAILABLE at once without touching any socket. A
-// broken group is never repaired; the layer above builds a new one (a fresh bootstrap, typically
-// with a new group name or generation) after restoring its state from a checkpoint. A peer whose
-// exchange disagrees with ours (another call, another size) is FAILED_PRECONDITION and breaks the
-// group the same way only when the byte streams can no longer be trusted; see ExchangeHeaders.
+// Failure contract: every exchange has a deadline (options.op_timeout, for the whole exchange:
+// set it well above the time the largest transfer takes). A peer that closes its connection (its
+// process died: the kernel closes a killed process's sockets) or has not finished its part by the
+// deadline (stopped, partitioned, or not calling) makes the exchange UNAVAILABLE naming it, and
+// the group is broken from then on: every later exchange, on every thread, is UNAVAILABLE at once
+// without touching any socket. A broken group is never repaired; the layer above builds a new one
+// (a fresh bootstrap, with a new group name or generation) after restoring its state from a
+// checkpoint. The group does not interpret the bytes: callers that disagree on what to exchange
+// are the collectives' to detect (they compare a header first, and keep the group usable).
 //
 // Thread-safe: exchanges are serialised, one whole exchange at a time, so every process must issue
 // the same sequence of exchanges (as of collective calls).
