@@ -3,6 +3,7 @@
 // the one-process host collective on the same data: copies (AllGather, Broadcast) and maxima bit
 // for bit, sums within the rounding of k fp32 terms in NCCL's order. Skips without enough GPUs.
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -98,10 +99,28 @@ TEST_P(ProcessNcclTest, EveryCallAgreesWithTheOneProcessHostCollective) {
     }
     pids.push_back(pid);
   }
-  for (pid_t pid : pids) {
-    int status = 0;
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  // Every helper ends within 5 minutes, or all are killed: a hung NCCL call must not hang the
+  // suite.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  std::vector<int> statuses(pids.size(), -1);
+  for (size_t p = 0; p < pids.size(); ++p) {
+    while (statuses[p] == -1 && std::chrono::steady_clock::now() < end) {
+      int status = 0;
+      if (waitpid(pids[p], &status, WNOHANG) == pids[p]) {
+        statuses[p] = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  }
+  for (size_t p = 0; p < pids.size(); ++p) {
+    if (statuses[p] == -1) {
+      kill(pids[p], SIGKILL);
+      waitpid(pids[p], nullptr, 0);
+    }
+  }
+  for (size_t p = 0; p < pids.size(); ++p) {
+    ASSERT_EQ(statuses[p], 0) << "process " << p << " (-1: still running after 5 minutes)";
   }
   // The reference: k CPU ranks in this process.
   std::vector<std::unique_ptr<Backend>> cpus;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -85,20 +86,27 @@ pid_t Spawn(const std::vector<std::string>& args) {
   return pid;
 }
 
-// Waits for `pid` until `timeout`: its exit code, or -1 when it is still running then.
-int WaitFor(pid_t pid, std::chrono::milliseconds timeout) {
+// Waits for `*pid` until `timeout`: its exit code (128 for a signal), or -1 when it is still
+// running then. A process waited for is reaped and *pid set to -1.
+int WaitFor(pid_t* pid, std::chrono::milliseconds timeout) {
   const auto end = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < end) {
     int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+    if (waitpid(*pid, &status, WNOHANG) == *pid) {
+      *pid = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return -1;
 }
 
-void KillAndReap(pid_t pid) {
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
+// SIGKILL and reap, unless already reaped.
+void KillAndReap(pid_t* pid) {
+  if (*pid <= 0) return;
+  kill(*pid, SIGKILL);
+  waitpid(*pid, nullptr, 0);
+  *pid = -1;
 }
 
 std::string ReadFile(const std::string& path) {
@@ -126,16 +134,23 @@ struct OneProcess {
   std::unique_ptr<Collective> collective;
 };
 
+// The helper processes of one test; whichever are still there when it ends (a failed assertion)
+// are killed, so that none outlives it.
 struct Helpers {
+  Helpers() = default;
+  Helpers(const Helpers&) = delete;
+  Helpers& operator=(const Helpers&) = delete;
+  ~Helpers() {
+    for (pid_t& pid : pids) KillAndReap(&pid);
+  }
   std::vector<pid_t> pids;
   std::vector<std::string> outs;
 };
 
 // Starts one helper per entry of `locals` (its CPU ranks), all of one group.
-Helpers StartGroup(const std::vector<int>& locals, uint64_t seed,
-                   const std::vector<std::string>& extra = {}) {
+void StartGroup(const std::vector<int>& locals, uint64_t seed, Helpers& helpers,
+                const std::vector<std::string>& extra = {}) {
   const std::vector<std::string> peers = FreeAddresses(static_cast<int>(locals.size()));
-  Helpers helpers;
   for (size_t p = 0; p < locals.size(); ++p) {
     helpers.outs.push_back(TempPath(absl::StrCat("p", p)));
     std::vector<std::string> args = {absl::StrCat("rank=", p),
@@ -147,7 +162,6 @@ Helpers StartGroup(const std::vector<int>& locals, uint64_t seed,
     args.insert(args.end(), extra.begin(), extra.end());
     helpers.pids.push_back(Spawn(args));
   }
-  return helpers;
 }
 
 class ProcessCollectiveTest : public ::testing::TestWithParam<std::vector<int>> {};
@@ -157,10 +171,10 @@ TEST_P(ProcessCollectiveTest, EveryCallEqualsTheOneProcessHostCollectiveBitForBi
   int k = 0;
   for (int l : locals) k += l;
   const uint64_t seed = 0x5eed + k * 10 + locals.size();
-  Helpers helpers = StartGroup(locals, seed);
+  Helpers helpers;
+  StartGroup(locals, seed, helpers);
   for (size_t p = 0; p < helpers.pids.size(); ++p) {
-    const int code = WaitFor(helpers.pids[p], std::chrono::seconds(60));
-    if (code == -1) KillAndReap(helpers.pids[p]);
+    const int code = WaitFor(&helpers.pids[p], std::chrono::seconds(60));
     ASSERT_EQ(code, 0) << "process " << p << " (-1: still running after 60 s)";
   }
   OneProcess reference_ranks(k);
@@ -209,9 +223,10 @@ TEST_P(ProcessFailureTest, SurvivorsGetUnavailableWithinTheTimeoutAndStayUnusabl
   const Failure& failure = GetParam();
   const int kOpTimeoutMs = failure.op_timeout_ms;
   const std::string marker = TempPath("marker");
-  Helpers helpers = StartGroup(failure.locals, 7,
-                               {"victim=1", "pause_after=2", "marker=" + marker,
-                                absl::StrCat("op_timeout_ms=", kOpTimeoutMs)});
+  Helpers helpers;
+  StartGroup(failure.locals, 7, helpers,
+             {"victim=1", "pause_after=2", "marker=" + marker,
+              absl::StrCat("op_timeout_ms=", kOpTimeoutMs)});
   const auto marker_by = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   struct stat st;
   while (stat(marker.c_str(), &st) != 0 && std::chrono::steady_clock::now() < marker_by) {
@@ -223,8 +238,7 @@ TEST_P(ProcessFailureTest, SurvivorsGetUnavailableWithinTheTimeoutAndStayUnusabl
   kill(helpers.pids[1], failure.signal);
   for (size_t p = 0; p < helpers.pids.size(); ++p) {
     if (p == 1) continue;
-    const int code = WaitFor(helpers.pids[p], std::chrono::seconds(20));
-    if (code == -1) KillAndReap(helpers.pids[p]);
+    const int code = WaitFor(&helpers.pids[p], std::chrono::seconds(20));
     ASSERT_EQ(code, 0) << "survivor " << p << " hung (-1) or failed";
     std::istringstream after(ReadFile(helpers.outs[p] + ".after"));
     int first_code = -1, second_code = -1;
@@ -243,7 +257,7 @@ TEST_P(ProcessFailureTest, SurvivorsGetUnavailableWithinTheTimeoutAndStayUnusabl
     }
     EXPECT_LE(second_ms, 100) << "survivor " << p << ": a broken group must answer at once";
   }
-  KillAndReap(helpers.pids[1]);
+  KillAndReap(&helpers.pids[1]);
 }
 
 INSTANTIATE_TEST_SUITE_P(Victims, ProcessFailureTest,
@@ -266,9 +280,10 @@ TEST(ProcessBootstrapTest, MismatchedWorldSizesAreFailedPreconditionOnBothEnds) 
   const std::string out0 = TempPath("w0"), out1 = TempPath("w1");
   args0.push_back("out=" + out0);
   args1.push_back("out=" + out1);
-  const pid_t p0 = Spawn(args0), p1 = Spawn(args1);
-  EXPECT_EQ(WaitFor(p0, std::chrono::seconds(20)), 0);
-  EXPECT_EQ(WaitFor(p1, std::chrono::seconds(20)), 0);
+  Helpers helpers;
+  helpers.pids = {Spawn(args0), Spawn(args1)};
+  EXPECT_EQ(WaitFor(&helpers.pids[0], std::chrono::seconds(20)), 0);
+  EXPECT_EQ(WaitFor(&helpers.pids[1], std::chrono::seconds(20)), 0);
   const std::string code = absl::StrCat(static_cast<int>(absl::StatusCode::kFailedPrecondition));
   EXPECT_EQ(ReadFile(out0 + ".status").rfind(code + " ", 0), 0u) << ReadFile(out0 + ".status");
   EXPECT_NE(ReadFile(out0 + ".status").find("has a world of 3 processes, this process 2"),
@@ -397,6 +412,7 @@ class ThreadGroup {
   ThreadGroup(int world, int local) : world_(world) {
     const std::vector<std::string> peers = FreeAddresses(world);
     ranks_.resize(world);
+    groups_.resize(world);
     collectives_.resize(world);
     std::vector<std::thread> threads;
     for (int p = 0; p < world; ++p) {
