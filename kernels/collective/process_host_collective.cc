@@ -25,6 +25,11 @@ namespace {
 
 using Bytes = std::vector<std::byte>;
 
+// memcpy that takes empty ranges, whose pointers may be null (an empty part's vector).
+void Copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+
 char* At(void* buffer, int64_t elements, size_t element_size) {
   return static_cast<char*>(buffer) + static_cast<size_t>(elements) * element_size;
 }
@@ -108,7 +113,7 @@ class ProcessHostCollective final : public Collective {
       if (q == me_) continue;
       sends[q].resize(bytes * local);
       for (int i = 0; i < local; ++i) {
-        std::memcpy(sends[q].data() + i * bytes, At(buffers[i], part.begin, sizeof(float)), bytes);
+        Copy(sends[q].data() + i * bytes, At(buffers[i], part.begin, sizeof(float)), bytes);
       }
       recvs[q].resize(static_cast<size_t>(mine.size()) * sizeof(float) * Local(q));
     }
@@ -121,10 +126,9 @@ class ProcessHostCollective final : public Collective {
       for (int p = 0; p < processes_; ++p) {
         for (int i = 0; i < Local(p); ++i, ++g) {
           if (p == me_) {
-            std::memcpy(&terms[g], At(buffers[i], mine.begin + j, sizeof(float)), sizeof(float));
+            Copy(&terms[g], At(buffers[i], mine.begin + j, sizeof(float)), sizeof(float));
           } else {
-            std::memcpy(&terms[g], recvs[p].data() + (i * mine.size() + j) * sizeof(float),
-                        sizeof(float));
+            Copy(&terms[g], recvs[p].data() + (i * mine.size() + j) * sizeof(float), sizeof(float));
           }
         }
       }
@@ -142,7 +146,7 @@ class ProcessHostCollective final : public Collective {
       for (int q = 0; q < processes_; ++q) {
         const Shard part = ShardRange(count, processes_, q);
         const void* from = q == me_ ? static_cast<const void*>(result.data()) : recvs[q].data();
-        std::memcpy(At(buffers[i], part.begin, sizeof(float)), from, part.size() * sizeof(float));
+        Copy(At(buffers[i], part.begin, sizeof(float)), from, part.size() * sizeof(float));
       }
     }
     return absl::OkStatus();
@@ -173,8 +177,7 @@ class ProcessHostCollective final : public Collective {
       const size_t bytes = static_cast<size_t>(theirs.size()) * sizeof(float);
       sends[q].resize(bytes * local);
       for (int i = 0; i < local; ++i) {
-        std::memcpy(sends[q].data() + i * bytes, At(buffers[i], theirs.begin, sizeof(float)),
-                    bytes);
+        Copy(sends[q].data() + i * bytes, At(buffers[i], theirs.begin, sizeof(float)), bytes);
       }
       recvs[q].resize(static_cast<size_t>(mine.size()) * sizeof(float) * Local(q));
     }
@@ -191,7 +194,7 @@ class ProcessHostCollective final : public Collective {
             const void* from =
                 p == me_ ? static_cast<const void*>(At(buffers[h], j, sizeof(float)))
                          : recvs[p].data() + (h * mine.size() + (j - mine.begin)) * sizeof(float);
-            std::memcpy(&terms[g], from, sizeof(float));
+            Copy(&terms[g], from, sizeof(float));
           }
         }
         sums[j - mine.begin] = Reduce(terms.data(), terms.size(), ReduceOp::kSum);
@@ -199,8 +202,8 @@ class ProcessHostCollective final : public Collective {
     }
     for (int i = 0; i < local; ++i) {
       const int owner = first_rank() + i;
-      std::memcpy(At(buffers[i], offsets[owner], sizeof(float)),
-                  sums.data() + (offsets[owner] - mine.begin), counts[owner] * sizeof(float));
+      Copy(At(buffers[i], offsets[owner], sizeof(float)),
+           sums.data() + (offsets[owner] - mine.begin), counts[owner] * sizeof(float));
     }
     return absl::OkStatus();
   }
@@ -221,8 +224,8 @@ class ProcessHostCollective final : public Collective {
     Bytes own(static_cast<size_t>(mine.size()) * element);
     for (int i = 0; i < local; ++i) {
       const int owner = first_rank() + i;
-      std::memcpy(own.data() + (offsets[owner] - mine.begin) * element,
-                  At(buffers[i], offsets[owner], element), counts[owner] * element);
+      Copy(own.data() + (offsets[owner] - mine.begin) * element,
+           At(buffers[i], offsets[owner], element), counts[owner] * element);
     }
     std::vector<Bytes> sends(processes_), recvs(processes_);
     for (int q = 0; q < processes_; ++q) {
@@ -235,8 +238,7 @@ class ProcessHostCollective final : public Collective {
       for (int q = 0; q < processes_; ++q) {
         const Bytes& from = q == me_ ? own : recvs[q];
         if (!from.empty()) {
-          std::memcpy(At(buffers[i], Range(q, counts, offsets).begin, element), from.data(),
-                      from.size());
+          Copy(At(buffers[i], Range(q, counts, offsets).begin, element), from.data(), from.size());
         }
       }
     }
@@ -272,7 +274,7 @@ class ProcessHostCollective final : public Collective {
     for (int i = 0; i < local_size(); ++i) {
       // The root's own buffer may appear again for another local rank: copying onto itself is
       // harmless from the staging copy.
-      std::memcpy(buffers[i], from.data(), bytes);
+      Copy(buffers[i], from.data(), bytes);
     }
     return absl::OkStatus();
   }
