@@ -406,6 +406,44 @@ TEST(ProcessBootstrapTest, PeerPatternsAndStatefulSetOrdinals) {
                "does not end in -<ordinal>");
 }
 
+TEST(ProcessBootstrapTest, StatefulSetStylePeersShareOnePortOnDistinctHosts) {
+  // As pods of a StatefulSet do: one port, a host per ordinal (here loopback addresses 127.0.1.p,
+  // each process listening on its own).
+  const std::string port = FreeAddresses(1)[0].substr(std::string("127.0.0.1:").size());
+  absl::StatusOr<std::vector<std::string>> peers = ExpandPeerPattern("127.0.1.{}:" + port, 3);
+  ASSERT_TRUE(peers.ok()) << peers.status();
+  std::vector<absl::Status> statuses(3);
+  std::vector<std::vector<float>> data(3, std::vector<float>{1.0f, 2.0f});
+  std::vector<std::thread> threads;
+  for (int p = 0; p < 3; ++p) {
+    threads.emplace_back([&, p] {
+      absl::StatusOr<std::unique_ptr<ProcessGroup>> group =
+          ProcessGroup::Create(Options(*peers, p));
+      if (!group.ok()) {
+        statuses[p] = group.status();
+        return;
+      }
+      std::unique_ptr<Backend> cpu = CreateCpuBackend(1);
+      std::unique_ptr<Stream> stream = *cpu->CreateStream();
+      std::vector<Backend*> backends = {cpu.get()};
+      absl::StatusOr<std::unique_ptr<Collective>> c =
+          CreateProcessCollective(std::move(*group), backends);
+      if (!c.ok()) {
+        statuses[p] = c.status();
+        return;
+      }
+      std::vector<void*> buffers = {data[p].data()};
+      std::vector<Stream*> streams = {stream.get()};
+      statuses[p] = (*c)->AllReduce(buffers, 2, DType::kFP32, ReduceOp::kSum, streams);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int p = 0; p < 3; ++p) {
+    ASSERT_TRUE(statuses[p].ok()) << "process " << p << ": " << statuses[p];
+    EXPECT_EQ(data[p], (std::vector<float>{3.0f, 6.0f})) << "process " << p;
+  }
+}
+
 // A group of `world` processes that are threads of this test, each with `local` CPU ranks.
 class ThreadGroup {
  public:
