@@ -52,11 +52,11 @@ std::vector<int64_t> ShardCounts(int64_t rows, int k, int64_t row_elements = 1);
 // thread, or ordered by the caller, as for any Backend call.
 //
 // Every call validates first: buffer or stream spans of a length other than local_size(), counts
-// spans of a length other than k, a negative count, a null buffer with
-// elements to move, a null stream, a root outside [0, k), or a dtype / op the call does not take
-// are INVALID_ARGUMENT with a message naming the call and the problem, and nothing is enqueued or
-// touched. Reductions take fp32 (dW, softmax statistics, dH partial sums); copies (Broadcast,
-// AllGather) take every DType (W in bf16, fp16 or fp32).
+// spans of a length other than k, a negative count, a null buffer with elements to move, a null
+// stream, a root outside [0, k), or a dtype / op the call does not take are INVALID_ARGUMENT with
+// a message naming the call and the problem, and nothing is enqueued or touched. Reductions take
+// fp32 (dW, softmax statistics, dH partial sums); copies (Broadcast, AllGather) take every DType
+// (W in bf16, fp16 or fp32).
 //
 // Summation order: the host implementation adds in fp64 in rank order 0, 1, ..., k-1 and rounds
 // to fp32 once, so its results are bit-exact against an fp64 reference summed in that order.
@@ -136,7 +136,8 @@ class Collective {
 // over k ranks on one GPU. INVALID_ARGUMENT for no backends, a null one, a mix of kinds, a CUDA
 // device repeated among distinct ones, missing (device_ordinal() < 0) or not visible;
 // UNIMPLEMENTED for CUDA backends on distinct devices in a build without NCCL; INTERNAL when NCCL
-// fails to create the communicators.
+// fails to create the communicators. A collective over the backends of several processes is
+// CreateProcessCollective's (process_group.h).
 absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(std::span<Backend* const> backends);
 
 }  // namespace losshead::kernels
