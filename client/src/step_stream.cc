@@ -50,10 +50,8 @@ absl::Status MissingOutputs(int64_t num_tokens, const std::vector<int>& token_ou
     return std::find(token_outputs.begin(), token_outputs.end(), output) != token_outputs.end();
   };
   const size_t n = static_cast<size_t>(num_tokens);
-  check(asked(v1::TOKEN_OUTPUT_LOGPROB), result.per_token_logprob.size() == n,
-        "per_token_logprob");
-  check(asked(v1::TOKEN_OUTPUT_ENTROPY), result.per_token_entropy.size() == n,
-        "per_token_entropy");
+  check(asked(v1::TOKEN_OUTPUT_LOGPROB), result.per_token_logprob.size() == n, "per_token_logprob");
+  check(asked(v1::TOKEN_OUTPUT_ENTROPY), result.per_token_entropy.size() == n, "per_token_entropy");
   check(asked(v1::TOKEN_OUTPUT_LSE), result.per_token_lse.size() == n, "per_token_lse");
   check(asked(v1::TOKEN_OUTPUT_ARGMAX), result.per_token_argmax.size() == n, "per_token_argmax");
   check(correct_count, result.correct_count.has_value(), "correct_count");

@@ -57,7 +57,7 @@ struct StepRun {
   bool grad_weight = true;  // false: forward only (no dW, no stash)
   bool grad_hidden = true;
   bool per_token = false;
-  TokenOutputs outputs;  // in slot 0's token_outputs buffer (token_outputs.h layout)
+  TokenOutputs outputs;         // in slot 0's token_outputs buffer (token_outputs.h layout)
   size_t workspace_budget = 0;  // handed to Backend::WorkspaceBytes / PlanShard
 };
 

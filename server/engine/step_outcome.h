@@ -37,7 +37,7 @@ struct StepOutcome {
   // The asked token outputs (TokenOutput order), 4 bytes a token each; empty where not asked.
   std::array<std::string, kTokenOutputs> token_outputs;
   std::optional<int64_t> correct_count;  // set when asked (return_correct_count)
-  std::shared_ptr<ResultPool> pool;  // null: grad_hidden is freed as usual
+  std::shared_ptr<ResultPool> pool;      // null: grad_hidden is freed as usual
   // What the micro-batch asked for, stamped when the outcome is remembered: a repeat of its key
   // must match it. Unset for outcomes restored from a checkpoint older than fingerprints (format
   // <= 2): a repeat of one replays unchecked, as before.

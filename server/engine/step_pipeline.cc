@@ -269,9 +269,9 @@ absl::StatusOr<float> Head::MeasureWeights(std::span<Replica* const> held) {
   return largest;
 }
 
-void Head::FinishOutcome(const PreparedStep& p, const RunScalars& scalars,
-                         std::string grad_hidden, const std::vector<float>& per_token,
-                         const std::string& token_outputs, StepOutcome* outcome) const {
+void Head::FinishOutcome(const PreparedStep& p, const RunScalars& scalars, std::string grad_hidden,
+                         const std::vector<float>& per_token, const std::string& token_outputs,
+                         StepOutcome* outcome) const {
   const float loss_sum = scalars.loss_sum;
   const int64_t token_count = scalars.token_count;
   outcome->loss_sum = loss_sum;

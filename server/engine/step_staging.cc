@@ -37,8 +37,8 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
     LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.per_token, n * sizeof(float), false));
   }
   // The larger of the two directions: the buffer serves the copies in, then the copies out.
-  const size_t out_bytes = (grad_hidden ? hidden_bytes : 0) +
-                           (per_token ? n * sizeof(float) : 0) + token_output_bytes;
+  const size_t out_bytes =
+      (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0) + token_output_bytes;
   LOSSHEAD_ASSIGN_OR_RETURN(
       const bool staged, scratch.EnsureStaging(replica, slot.staging,
                                                std::max(hidden_bytes + targets_bytes, out_bytes)));

@@ -167,8 +167,8 @@ std::vector<std::vector<StepSpan>> PlanStepPieces(const std::vector<StepPayload>
                                                   size_t chunk_bytes);
 
 // The responses of one micro-batch: an error alone (last = true), or the result followed by dH,
-// per-token losses and token outputs, at most `chunk_bytes` of payload per message, last = true on the
-// final one. (The server sends the same messages without copying the payload: step_wire.h.)
+// per-token losses and token outputs, at most `chunk_bytes` of payload per message, last = true on
+// the final one. (The server sends the same messages without copying the payload: step_wire.h.)
 std::vector<v1::StepResponse> BuildStepResponses(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
     bool replayed, size_t chunk_bytes);

@@ -128,8 +128,7 @@ TEST_F(TokenOutputsTest, MatchTheFloat64DistributionAndChangeNothingElse) {
     ASSERT_TRUE(head.ok()) << head.status();
     const HostBatch batch = MakeBatch(kN, kD, kV, dtype, 11, /*ignore_every=*/5, kIgnore);
     const RefOutputs want = Distribution(head->weight, batch, kD, kV);
-    for (v1::Reduction reduction :
-         {v1::REDUCTION_MEAN, v1::REDUCTION_SUM, v1::REDUCTION_NONE}) {
+    for (v1::Reduction reduction : {v1::REDUCTION_MEAN, v1::REDUCTION_SUM, v1::REDUCTION_NONE}) {
       for (bool forward_only : {false, true}) {
         SCOPED_TRACE(absl::StrCat(v1::DType_Name(dtype), " ", v1::Reduction_Name(reduction),
                                   forward_only ? " forward-only" : " counted"));
@@ -186,10 +185,13 @@ TEST_F(TokenOutputsTest, EachOutputAloneIsTheSameAsAskedTogether) {
     EXPECT_EQ(alone->per_token_entropy.empty(), o != v1::TOKEN_OUTPUT_ENTROPY);
     EXPECT_EQ(alone->per_token_lse.empty(), o != v1::TOKEN_OUTPUT_LSE);
     EXPECT_EQ(alone->per_token_argmax.empty(), o != v1::TOKEN_OUTPUT_ARGMAX);
-    if (o == v1::TOKEN_OUTPUT_LOGPROB) EXPECT_EQ(alone->per_token_logprob, together->per_token_logprob);
-    if (o == v1::TOKEN_OUTPUT_ENTROPY) EXPECT_EQ(alone->per_token_entropy, together->per_token_entropy);
+    if (o == v1::TOKEN_OUTPUT_LOGPROB)
+      EXPECT_EQ(alone->per_token_logprob, together->per_token_logprob);
+    if (o == v1::TOKEN_OUTPUT_ENTROPY)
+      EXPECT_EQ(alone->per_token_entropy, together->per_token_entropy);
     if (o == v1::TOKEN_OUTPUT_LSE) EXPECT_EQ(alone->per_token_lse, together->per_token_lse);
-    if (o == v1::TOKEN_OUTPUT_ARGMAX) EXPECT_EQ(alone->per_token_argmax, together->per_token_argmax);
+    if (o == v1::TOKEN_OUTPUT_ARGMAX)
+      EXPECT_EQ(alone->per_token_argmax, together->per_token_argmax);
   }
   client::Microbatch accuracy = all;
   accuracy.options.clear_token_outputs();

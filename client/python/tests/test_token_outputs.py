@@ -117,9 +117,8 @@ def test_replay_answers_the_same_outputs_and_others_are_a_reused_key(path_client
     hidden, weight, targets = random_problem(n, d, v, seed=4, ignore_fraction=0.2)
     name = make_head(v, d, weights=weight)
     seq = 10_000 + _seed("replay") % 1000
-    first = path_client.step(name, hidden, targets, sequence=seq, token_outputs=["logprob",
-                                                                                 "argmax"],
-                             return_correct_count=True)
+    first = path_client.step(name, hidden, targets, sequence=seq,
+                             token_outputs=["logprob", "argmax"], return_correct_count=True)
     again = path_client.step(name, hidden, targets, sequence=seq,
                              token_outputs=["argmax", "logprob"], return_correct_count=True)
     assert not first.replayed and again.replayed

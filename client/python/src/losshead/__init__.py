@@ -35,7 +35,8 @@ __all__ = [
     "JointOptimizer", "LossOptions", "LossheadError", "NativeLibraryWarning", "RemoteAdamW",
     "RemoteHeadOptimizer",
     "RemoteLMHead", "RemoteSGD", "RetryPolicy", "StepPlan", "StepResult", "StepStream",
-    "TokenOutputs", "UnsteppedHeadWarning", "Weights", "combine_results", "native_available", "native_library",
+    "TokenOutputs", "UnsteppedHeadWarning", "Weights", "combine_results", "native_available",
+    "native_library",
     "scale_gradients_", "step_with_clipping", "token_losses",
     "export_checkpoint", "functional", "import_safetensors", "load_safetensors",
 ]
