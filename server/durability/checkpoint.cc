@@ -28,8 +28,11 @@ constexpr uint8_t kHasApplied = 2;
 constexpr uint8_t kHasFingerprint = 1;
 constexpr uint8_t kHasFailure = 2;
 // Format 4: its token outputs and correct count (a mask of those present follows: bit i for
-// TokenOutput i, bit kTokenOutputs for the correct count).
+// TokenOutput i, bit 7 for the correct count: room for more outputs without moving it).
 constexpr uint8_t kHasTokenOutputs = 4;
+constexpr uint8_t kHasCorrectCount = 0x80;
+constexpr uint8_t kKnownOutputs = kHasCorrectCount | ((1u << kTokenOutputs) - 1);
+static_assert(kTokenOutputs < 7, "token output bits run into kHasCorrectCount");
 
 using checkpoint_codec::Corrupt;
 using checkpoint_codec::PutBytes;
@@ -63,7 +66,7 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
       PutU32(out, static_cast<uint32_t>(r->grad_hidden_dtype));
       PutBytes(out, r->grad_hidden);
       PutBytes(out, r->per_token_loss);
-      uint8_t outputs = r->correct_count.has_value() ? 1u << kTokenOutputs : 0;
+      uint8_t outputs = r->correct_count.has_value() ? kHasCorrectCount : 0;
       for (int i = 0; i < kTokenOutputs; ++i) {
         if (!r->token_outputs[i].empty()) outputs |= 1u << i;
       }
@@ -116,10 +119,10 @@ absl::Status DecodeResultExtras(Reader& r, uint32_t version, StepOutcome* outcom
   }
   if (flags & kHasTokenOutputs) {
     uint8_t outputs;
-    if (!r.U8(&outputs) || outputs == 0 || outputs >= (1u << (kTokenOutputs + 1))) {
+    if (!r.U8(&outputs) || outputs == 0 || (outputs & ~kKnownOutputs) != 0) {
       return Corrupt("remembered token outputs");
     }
-    if (outputs & (1u << kTokenOutputs)) {
+    if (outputs & kHasCorrectCount) {
       uint64_t correct;
       if (!r.U64(&correct)) return Corrupt("remembered correct count");
       outcome->correct_count = static_cast<int64_t>(correct);

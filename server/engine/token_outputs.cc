@@ -7,6 +7,14 @@
 
 namespace losshead::server {
 
+// TokenOutput values 1..kTokenOutputs index TokenOutputs::per_token: a value added to the proto
+// needs its place here (and in the layouts that follow this order) first.
+static_assert(v1::TokenOutput_MAX == kTokenOutputs);
+static_assert(v1::TOKEN_OUTPUT_LOGPROB == 1 + static_cast<int>(TokenOutput::kLogprob) &&
+              v1::TOKEN_OUTPUT_ENTROPY == 1 + static_cast<int>(TokenOutput::kEntropy) &&
+              v1::TOKEN_OUTPUT_LSE == 1 + static_cast<int>(TokenOutput::kLse) &&
+              v1::TOKEN_OUTPUT_ARGMAX == 1 + static_cast<int>(TokenOutput::kArgmax));
+
 int TokenOutputs::count() const {
   int asked = 0;
   for (bool b : per_token) asked += b ? 1 : 0;
