@@ -563,13 +563,12 @@ def test_transformers_trainer_evaluate_gets_predictions(client: Client, head_nam
         seen["labels"] = torch.as_tensor(eval_pred.label_ids)
         return {}
 
-    offloaded = offload_lm_head(model, client, head_name(), wire_dtype=torch.float32,
-                                eval_predictions=True)
+    offload_lm_head(model, client, head_name(), wire_dtype=torch.float32, eval_predictions=True)
+    # Evaluation alone: nothing steps the head, so the Trainer needs no attach.
     args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=B,
-                                          report_to=[], use_cpu=True)
+                                          report_to=[], use_cpu=True, save_strategy="no")
     trainer = transformers.Trainer(model=model, args=args, eval_dataset=rows,
                                    compute_metrics=compute_metrics)
-    offloaded.attach(trainer)
     metrics = trainer.evaluate()
     assert "eval_loss" in metrics
     preds = seen["predictions"]
