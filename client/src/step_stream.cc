@@ -7,6 +7,7 @@
 #include <grpcpp/support/sync_stream.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "absl/strings/cord.h"
@@ -28,6 +29,40 @@ constexpr uint32_t kRequestHiddenField = 2;
 constexpr uint32_t kRequestTargetsField = 3;
 constexpr uint32_t kRequestLastField = 4;
 constexpr uint32_t kResponseGradHiddenField = 5;
+// per_token_loss and the four token outputs.
+constexpr size_t kPerTokenTensors = 5;
+
+template <typename T>
+void CopyOut(const std::string& bytes, std::vector<T>* out) {
+  out->resize(bytes.size() / sizeof(T));
+  if (!bytes.empty()) std::memcpy(out->data(), bytes.data(), bytes.size());
+}
+
+// OK when `result` carries every token output asked for (`token_outputs`, `correct_count`); a
+// server older than them ignores the request and answers without them.
+absl::Status MissingOutputs(int64_t num_tokens, const std::vector<int>& token_outputs,
+                            bool correct_count, const StepResult& result) {
+  std::string missing;
+  auto check = [&](bool asked, bool present, absl::string_view name) {
+    if (asked && !present) absl::StrAppend(&missing, missing.empty() ? "" : ", ", name);
+  };
+  const auto asked = [&token_outputs](v1::TokenOutput output) {
+    return std::find(token_outputs.begin(), token_outputs.end(), output) != token_outputs.end();
+  };
+  const size_t n = static_cast<size_t>(num_tokens);
+  check(asked(v1::TOKEN_OUTPUT_LOGPROB), result.per_token_logprob.size() == n, "per_token_logprob");
+  check(asked(v1::TOKEN_OUTPUT_ENTROPY), result.per_token_entropy.size() == n, "per_token_entropy");
+  check(asked(v1::TOKEN_OUTPUT_LSE), result.per_token_lse.size() == n, "per_token_lse");
+  check(asked(v1::TOKEN_OUTPUT_ARGMAX), result.per_token_argmax.size() == n, "per_token_argmax");
+  check(correct_count, result.correct_count.has_value(), "correct_count");
+  if (missing.empty()) return absl::OkStatus();
+  absl::Status status = absl::UnimplementedError(absl::StrCat(
+      "the server answered micro-batch (", result.client_id, ", ", result.sequence, ") without ",
+      missing, ": it does not know token outputs (it ran the micro-batch without them",
+      result.forward_only ? "" : " and counted it", ")"));
+  status.SetPayload(kMicrobatchErrorPayload, absl::Cord("1"));
+  return status;
+}
 
 }  // namespace
 
@@ -101,7 +136,13 @@ absl::Status StepStream::Send(const Microbatch& mb) {
         cv_.notify_all();
         return status;
       }
-      expected_.push_back({mb.client_id, mb.sequence, mb.grad_hidden_out});
+      expected_.push_back(
+          {.client_id = mb.client_id,
+           .sequence = mb.sequence,
+           .grad_hidden_out = mb.grad_hidden_out,
+           .num_tokens = mb.num_tokens,
+           .token_outputs = {mb.options.token_outputs().begin(), mb.options.token_outputs().end()},
+           .correct_count = mb.options.return_correct_count()});
     }
 
     v1::StepHeader header;
@@ -194,11 +235,14 @@ void StepStream::ReadLoop() {
   raw::DataPieces grad;
   absl::Status protocol;  // first framing error; the call is cancelled on it
   std::optional<StepResult> current;
-  std::string per_token;  // fp32 bytes until the answer is complete
+  // The per-token tensors (per_token_loss, then the token outputs in field order) as bytes until
+  // the answer is complete, and the bytes each announced.
+  std::array<std::string, kPerTokenTensors> per_token;
+  std::array<uint64_t, kPerTokenTensors> per_token_bytes{};
+  Expected key;
   uint64_t grad_bytes = 0;
   uint64_t grad_filled = 0;
   std::byte* grad_dest = nullptr;  // the caller's buffer; null: current->grad_hidden
-  uint64_t per_token_bytes = 0;
 
   auto deliver = [this](absl::StatusOr<StepResult> answer) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -221,7 +265,6 @@ void StepStream::ReadLoop() {
       continue;
     }
     if (!current.has_value()) {
-      Expected key;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (expected_.empty()) {
@@ -270,9 +313,13 @@ void StepStream::ReadLoop() {
       grad_bytes = r.grad_hidden_bytes();
       current->grad_hidden_bytes = grad_bytes;
       grad_filled = 0;
-      per_token_bytes = r.per_token_loss_bytes();
-      if (per_token_bytes % sizeof(float) != 0) {
-        fail(absl::InternalError("per-token loss bytes not a multiple of 4"));
+      if (r.has_correct_count()) current->correct_count = r.correct_count();
+      per_token_bytes = {r.per_token_loss_bytes(), r.per_token_logprob_bytes(),
+                         r.per_token_entropy_bytes(), r.per_token_lse_bytes(),
+                         r.per_token_argmax_bytes()};
+      if (std::any_of(per_token_bytes.begin(), per_token_bytes.end(),
+                      [](uint64_t b) { return b % 4 != 0; })) {
+        fail(absl::InternalError("per-token bytes not a multiple of 4"));
         continue;
       }
       if (key.grad_hidden_out.has_value()) {
@@ -288,14 +335,22 @@ void StepStream::ReadLoop() {
         grad_dest = nullptr;
         current->grad_hidden.reserve(grad_bytes);
       }
-      per_token.clear();
-      per_token.reserve(per_token_bytes);
+      for (size_t i = 0; i < kPerTokenTensors; ++i) {
+        per_token[i].clear();
+        per_token[i].reserve(per_token_bytes[i]);
+      }
     } else if (response.has_result() || response.has_error()) {
       fail(absl::InternalError("step answer started inside another"));
       continue;
     }
-    const std::string& p = response.per_token_loss();
-    if (grad_filled + grad.size > grad_bytes || per_token.size() + p.size() > per_token_bytes) {
+    const std::array<const std::string*, kPerTokenTensors> pieces = {
+        &response.per_token_loss(), &response.per_token_logprob(), &response.per_token_entropy(),
+        &response.per_token_lse(), &response.per_token_argmax()};
+    bool over = grad_filled + grad.size > grad_bytes;
+    for (size_t i = 0; i < kPerTokenTensors; ++i) {
+      over = over || per_token[i].size() + pieces[i]->size() > per_token_bytes[i];
+    }
+    if (over) {
       fail(absl::InternalError("step answer carries more bytes than it announced"));
       continue;
     }
@@ -306,19 +361,31 @@ void StepStream::ReadLoop() {
       grad.CopyTo(current->grad_hidden.data() + grad_filled);
     }
     grad_filled += grad.size;
-    per_token.append(p);
+    for (size_t i = 0; i < kPerTokenTensors; ++i) per_token[i].append(*pieces[i]);
     if (!response.last()) continue;
-    if (grad_filled != grad_bytes || per_token.size() != per_token_bytes) {
+    bool short_answer = grad_filled != grad_bytes;
+    for (size_t i = 0; i < kPerTokenTensors; ++i) {
+      short_answer = short_answer || per_token[i].size() != per_token_bytes[i];
+    }
+    if (short_answer) {
       fail(absl::InternalError(absl::StrCat("step answer ended with ", grad_filled, "/", grad_bytes,
-                                            " dH bytes and ", per_token.size(), "/",
-                                            per_token_bytes, " per-token loss bytes")));
+                                            " dH bytes and ", per_token[0].size(), "/",
+                                            per_token_bytes[0],
+                                            " per-token loss bytes, or short token outputs")));
       continue;
     }
-    current->per_token_loss.resize(per_token.size() / sizeof(float));
-    if (!per_token.empty()) {
-      std::memcpy(current->per_token_loss.data(), per_token.data(), per_token.size());
+    CopyOut(per_token[0], &current->per_token_loss);
+    CopyOut(per_token[1], &current->per_token_logprob);
+    CopyOut(per_token[2], &current->per_token_entropy);
+    CopyOut(per_token[3], &current->per_token_lse);
+    CopyOut(per_token[4], &current->per_token_argmax);
+    if (absl::Status missing =
+            MissingOutputs(key.num_tokens, key.token_outputs, key.correct_count, *current);
+        !missing.ok()) {
+      deliver(missing);
+    } else {
+      deliver(std::move(*current));
     }
-    deliver(std::move(*current));
     current.reset();
   }
 

@@ -27,6 +27,12 @@ constexpr uint8_t kHasApplied = 2;
 // Format 3: what a remembered result carries besides its outcome.
 constexpr uint8_t kHasFingerprint = 1;
 constexpr uint8_t kHasFailure = 2;
+// Format 4: its token outputs and correct count (a mask of those present follows: bit i for
+// TokenOutput i, bit 7 for the correct count: room for more outputs without moving it).
+constexpr uint8_t kHasTokenOutputs = 4;
+constexpr uint8_t kHasCorrectCount = 0x80;
+constexpr uint8_t kKnownOutputs = kHasCorrectCount | ((1u << kTokenOutputs) - 1);
+static_assert(kTokenOutputs < 7, "token output bits run into kHasCorrectCount");
 
 using checkpoint_codec::Corrupt;
 using checkpoint_codec::PutBytes;
@@ -60,8 +66,13 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
       PutU32(out, static_cast<uint32_t>(r->grad_hidden_dtype));
       PutBytes(out, r->grad_hidden);
       PutBytes(out, r->per_token_loss);
+      uint8_t outputs = r->correct_count.has_value() ? kHasCorrectCount : 0;
+      for (int i = 0; i < kTokenOutputs; ++i) {
+        if (!r->token_outputs[i].empty()) outputs |= 1u << i;
+      }
       out.push_back(static_cast<char>((r->fingerprint ? kHasFingerprint : 0) |
-                                      (r->failure.ok() ? 0 : kHasFailure)));
+                                      (r->failure.ok() ? 0 : kHasFailure) |
+                                      (outputs != 0 ? kHasTokenOutputs : 0)));
       if (r->fingerprint) {
         PutU64(out, r->fingerprint->hidden);
         PutU64(out, r->fingerprint->targets);
@@ -71,17 +82,26 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
         PutU32(out, static_cast<uint32_t>(r->failure.code()));
         PutBytes(out, r->failure.message());
       }
+      if (outputs != 0) {
+        out.push_back(static_cast<char>(outputs));
+        if (r->correct_count.has_value()) PutU64(out, static_cast<uint64_t>(*r->correct_count));
+        for (int i = 0; i < kTokenOutputs; ++i) {
+          if (outputs & (1u << i)) PutBytes(out, r->token_outputs[i]);
+        }
+      }
     }
   }
   EncodeOptimizerMeta(out, d);
   return out;
 }
 
-// Format 3's additions to a remembered result: its fingerprint and remembered failure.
-absl::Status DecodeResultExtras(Reader& r, StepOutcome* outcome) {
+// Format 3's additions to a remembered result: its fingerprint and remembered failure; format 4's:
+// its token outputs.
+absl::Status DecodeResultExtras(Reader& r, uint32_t version, StepOutcome* outcome) {
   uint8_t flags;
   if (!r.U8(&flags)) return Corrupt("remembered result flags");
-  if (flags & ~(kHasFingerprint | kHasFailure)) return Corrupt("remembered result flags");
+  const uint8_t known = kHasFingerprint | kHasFailure | (version >= 4 ? kHasTokenOutputs : 0);
+  if (flags & ~known) return Corrupt("remembered result flags");
   if (flags & kHasFingerprint) {
     StepFingerprint& f = outcome->fingerprint.emplace();
     if (!r.U64(&f.hidden) || !r.U64(&f.targets) || !r.Bytes(&f.shape)) {
@@ -97,11 +117,28 @@ absl::Status DecodeResultExtras(Reader& r, StepOutcome* outcome) {
     }
     outcome->failure = absl::Status(static_cast<absl::StatusCode>(code), message);
   }
+  if (flags & kHasTokenOutputs) {
+    uint8_t outputs;
+    if (!r.U8(&outputs) || outputs == 0 || (outputs & ~kKnownOutputs) != 0) {
+      return Corrupt("remembered token outputs");
+    }
+    if (outputs & kHasCorrectCount) {
+      uint64_t correct;
+      if (!r.U64(&correct)) return Corrupt("remembered correct count");
+      outcome->correct_count = static_cast<int64_t>(correct);
+    }
+    for (int i = 0; i < kTokenOutputs; ++i) {
+      if ((outputs & (1u << i)) && !r.Bytes(&outcome->token_outputs[i])) {
+        return Corrupt("remembered token outputs");
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
 // `version` is the file's format version: 1 has no optimizer record, 1 and 2 no fingerprints or
-// remembered failures. The optimizer tensors' lengths go to `optimizer_lengths`.
+// remembered failures, 1 to 3 no token outputs. The optimizer tensors' lengths go to
+// `optimizer_lengths`.
 absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpointData* d,
                         std::vector<uint64_t>* optimizer_lengths) {
   Reader r(meta);
@@ -142,7 +179,7 @@ absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpoint
       if (!c.results.empty() && sequence <= c.results.back().first) {
         return Corrupt("remembered results out of order");
       }
-      if (version >= 3) LOSSHEAD_RETURN_IF_ERROR(DecodeResultExtras(r, outcome.get()));
+      if (version >= 3) LOSSHEAD_RETURN_IF_ERROR(DecodeResultExtras(r, version, outcome.get()));
       outcome->token_count = static_cast<int64_t>(tokens);
       outcome->grad_hidden_dtype = static_cast<v1::DType>(dtype);
       c.results.emplace_back(sequence, std::move(outcome));

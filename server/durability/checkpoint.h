@@ -35,8 +35,9 @@
 
 namespace losshead::server {
 
-// Reads 2 (no fingerprints) and 1 (no optimizer either) too.
-inline constexpr uint32_t kCheckpointFormatVersion = 3;
+// Reads 3 (no token outputs in remembered results), 2 (no fingerprints) and 1 (no optimizer
+// either) too.
+inline constexpr uint32_t kCheckpointFormatVersion = 4;
 inline constexpr char kCheckpointSuffix[] = ".lhck";
 
 // 64-bit checksum: four interleaved FNV-1a lanes over little-endian 8-byte words (lane i takes

@@ -81,8 +81,11 @@ uint64_t AnswerBytes(const v1::StepHeader& header, int64_t hidden_size) {
                              : header.hidden_dtype();
   const size_t g = options.skip_grad_hidden() ? 0 : v1::WireDTypeSize(grad);
   if (header.num_tokens() <= 0 || hidden_size <= 0) return 0;
+  // 4 bytes per token for the per-token losses and for each token output asked (a repeated or
+  // bad one counted too: it is refused anyway).
+  const size_t per_token = 4 * (1 + static_cast<size_t>(options.token_outputs_size()));
   const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
-                                  (static_cast<unsigned __int128>(hidden_size) * g + 4);
+                                  (static_cast<unsigned __int128>(hidden_size) * g + per_token);
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }

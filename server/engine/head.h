@@ -269,6 +269,7 @@ class Head {
   struct RunScalars {
     int64_t token_count = 0;
     float loss_sum = 0;
+    int64_t correct_count = 0;  // when asked
   };
 
   Head(std::unique_ptr<Placement> placement, const v1::HeadSpec& spec, kernels::DType dtype,
@@ -311,8 +312,8 @@ class Head {
   // which together hold every row: one replica, or every shard) through the host. For the rare
   // micro-batch that the optimizer's bound of W (which may lie far above W) would refuse.
   absl::StatusOr<float> MeasureWeights(std::span<Replica* const> held);
-  void FinishOutcome(const PreparedStep& p, float loss_sum, int64_t token_count,
-                     std::string grad_hidden, const std::vector<float>& per_token,
+  void FinishOutcome(const PreparedStep& p, const RunScalars& scalars, std::string grad_hidden,
+                     const std::vector<float>& per_token, const std::string& token_outputs,
                      StepOutcome* outcome) const;
 
   // The server-side optimizer (optimizer_apply.cc).

@@ -45,6 +45,7 @@
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/replica_group.h"
 #include "server/engine/step_devices.h"
+#include "server/engine/token_outputs.h"
 
 namespace losshead::server {
 
@@ -56,8 +57,19 @@ struct StepRun {
   bool grad_weight = true;  // false: forward only (no dW, no stash)
   bool grad_hidden = true;
   bool per_token = false;
+  TokenOutputs outputs;         // in slot 0's token_outputs buffer (token_outputs.h layout)
   size_t workspace_budget = 0;  // handed to Backend::WorkspaceBytes / PlanShard
 };
+
+// Where token output `output` of `run` lies in `slot`'s token_outputs buffer; null when not
+// asked.
+template <typename T>
+T* TokenOutputIn(const IoSlot& slot, const StepRun& run, TokenOutput output) {
+  if (!run.outputs.asks(output)) return nullptr;
+  const size_t offset =
+      static_cast<size_t>(run.outputs.slot(output)) * run.problem.n * kTokenOutputBytes;
+  return reinterpret_cast<T*>(slot.token_outputs.as<char>() + offset);
+}
 
 class Placement {
  public:
@@ -91,9 +103,11 @@ class Placement {
   // INVALID_ARGUMENT, a failed flush's DATA_LOSS) is the micro-batch's answer as it is.
   virtual absl::Status Prepare(const StepRun& run, StepDevices& devices,
                                DeviceScratch& scratch) = 0;
-  // Then, their slots staged: runs `run`, leaving the scalars (token count, loss sum), dH and
-  // per-token losses in slot 0's buffers. Enqueued on the devices' streams; the caller copies the
-  // scalars back and waits. An error may leave part of the run in dW.
+  // Then, their slots staged: runs `run`, leaving the scalars (kStepScalarBytes: token count,
+  // loss sum, correct count), dH, per-token losses and token outputs in slot 0's buffers. Enqueued
+  // on the devices' streams; the caller copies the scalars back and waits. An error may leave
+  // part of the run in dW, except UNIMPLEMENTED: the backends refused the arguments before
+  // launching anything (an output they do not compute, say), and nothing was computed.
   virtual absl::Status Run(const StepRun& run, StepDevices& devices) = 0;
 
   // Under the Cut: every stash flushed and dW laid out as the file comment says (a fault of an

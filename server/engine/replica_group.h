@@ -42,9 +42,19 @@ struct IoSlot {
   kernels::DeviceBuffer targets;
   kernels::DeviceBuffer grad_hidden;
   kernels::DeviceBuffer per_token;
-  kernels::DeviceBuffer scalars;
-  kernels::HostBuffer staging;  // hidden + targets in, then dH + per-token losses out
+  // The asked token outputs, N x 4 bytes each, one after another (token_outputs.h).
+  kernels::DeviceBuffer token_outputs;
+  kernels::DeviceBuffer scalars;  // kStepScalarBytes
+  // hidden + targets in, then dH + per-token losses + token outputs out
+  kernels::HostBuffer staging;
 };
+
+// A run's scalars, as they come back under the compute lock: token count (int64, first: it needs
+// 8-byte alignment), loss sum (fp32), correct count (int64, when asked).
+inline constexpr size_t kStepScalarBytes = 24;
+inline constexpr size_t kTokenCountOffset = 0;
+inline constexpr size_t kLossSumOffset = 8;
+inline constexpr size_t kCorrectCountOffset = 16;
 
 // One device's part of a head. The tensors, the stream and the workspace are used under
 // compute_mu only; the I/O slots under slots_mu.

@@ -47,10 +47,17 @@ absl::Status ReplicatedPlacement::Run(const StepRun& run, StepDevices& devices) 
   args.grad_stash = devices.stash(0);
   if (run.grad_weight && args.grad_stash.data == nullptr)
     args.grad_weight = replica.grad.as<float>();
-  // token_count first: it needs 8-byte alignment.
-  args.token_count = slot.scalars.as<int64_t>();
-  args.loss_sum = reinterpret_cast<float*>(slot.scalars.as<char>() + 8);
+  char* scalars = slot.scalars.as<char>();
+  args.token_count = reinterpret_cast<int64_t*>(scalars + kTokenCountOffset);
+  args.loss_sum = reinterpret_cast<float*>(scalars + kLossSumOffset);
   args.per_token_loss = run.per_token ? slot.per_token.as<float>() : nullptr;
+  const TokenOutputs& o = run.outputs;
+  args.per_token_logprob = TokenOutputIn<float>(slot, run, TokenOutput::kLogprob);
+  args.per_token_entropy = TokenOutputIn<float>(slot, run, TokenOutput::kEntropy);
+  args.per_token_lse = TokenOutputIn<float>(slot, run, TokenOutput::kLse);
+  args.per_token_argmax = TokenOutputIn<int32_t>(slot, run, TokenOutput::kArgmax);
+  args.correct_count =
+      o.correct_count ? reinterpret_cast<int64_t*>(scalars + kCorrectCountOffset) : nullptr;
   args.workspace = replica.workspace.data();
   args.workspace_bytes = devices.workspace_bytes(0);
   return replica.backend.Run(run.problem, args, *replica.stream);

@@ -1,5 +1,6 @@
 #include "server/engine/request_fingerprint.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -49,6 +50,9 @@ std::string StepShape(const v1::StepHeader& header) {
   shape.clear_head();
   shape.clear_client_id();
   shape.clear_sequence();
+  // The order of the token outputs asked changes no answer.
+  auto* outputs = shape.mutable_options()->mutable_token_outputs();
+  std::sort(outputs->begin(), outputs->end());
   // An empty message sent means what one left out means: clients differ in which they do.
   if (shape.options().ByteSizeLong() == 0) shape.clear_options();
   if (shape.loss_options().ByteSizeLong() == 0) shape.clear_loss_options();

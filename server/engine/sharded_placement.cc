@@ -102,13 +102,30 @@ absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
     a.workspace = r->workspace.data();
     a.workspace_bytes = workspace_bytes_[r->rank];
     if (r->rank == 0) {
-      // token_count first: it needs 8-byte alignment.
-      a.token_count = out.scalars.as<int64_t>();
-      a.loss_sum = reinterpret_cast<float*>(out.scalars.as<char>() + 8);
+      char* scalars = out.scalars.as<char>();
+      a.token_count = reinterpret_cast<int64_t*>(scalars + kTokenCountOffset);
+      a.loss_sum = reinterpret_cast<float*>(scalars + kLossSumOffset);
       a.per_token_loss = run.per_token ? out.per_token.as<float>() : nullptr;
+      a.per_token_logprob = TokenOutputIn<float>(out, run, TokenOutput::kLogprob);
+      a.per_token_entropy = TokenOutputIn<float>(out, run, TokenOutput::kEntropy);
+      a.per_token_lse = TokenOutputIn<float>(out, run, TokenOutput::kLse);
+      a.per_token_argmax = TokenOutputIn<int32_t>(out, run, TokenOutput::kArgmax);
+      a.correct_count = run.outputs.correct_count
+                            ? reinterpret_cast<int64_t*>(scalars + kCorrectCountOffset)
+                            : nullptr;
     }
+    // ShardBegin validates and touches no dW: a refusal here (UNIMPLEMENTED for an output the
+    // backend does not compute over shards) leaves nothing computed, as Placement::Run promises.
     LOSSHEAD_RETURN_IF_ERROR(r->backend.ShardBegin(parts_[r->rank], a, *r->stream));
   }
+  absl::Status ran = RunChunks(run, devices);
+  // From here on a part of the run may be in dW: no error may read as a refusal.
+  if (absl::IsUnimplemented(ran)) return absl::InternalError(ran.message());
+  return ran;
+}
+
+absl::Status ShardedPlacement::RunChunks(const StepRun& run, StepDevices& devices) {
+  const IoSlot& out = devices.slot(0);
   Replica& first = *shards_[0];
   for (int64_t t0 = 0; t0 < run.problem.n; t0 += chunk_rows_) {
     const kernels::ShardChunk chunk{.begin = t0, .size = std::min(chunk_rows_, run.problem.n - t0)};

@@ -42,6 +42,8 @@ class ShardedPlacement final : public Placement {
   absl::Status GatherWeights() override { return absl::OkStatus(); }
 
  private:
+  // Run's chunks, once every shard has begun.
+  absl::Status RunChunks(const StepRun& run, StepDevices& devices);
   kernels::ShardProblem ShardOf(const kernels::Problem& problem, const Replica& shard) const;
 
   std::vector<Replica*> shards_;

@@ -2,6 +2,7 @@
 #ifndef LOSSHEAD_SERVER_ENGINE_STEP_OUTCOME_H_
 #define LOSSHEAD_SERVER_ENGINE_STEP_OUTCOME_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -12,6 +13,7 @@
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/request_fingerprint.h"
 #include "server/engine/result_pool.h"
+#include "server/engine/token_outputs.h"
 
 namespace losshead::server {
 
@@ -32,7 +34,10 @@ struct StepOutcome {
   v1::DType grad_hidden_dtype = v1::DTYPE_UNSPECIFIED;
   std::string grad_hidden;     // empty when skip_grad_hidden
   std::string per_token_loss;  // fp32; empty unless asked for (or reduction NONE)
-  std::shared_ptr<ResultPool> pool;  // null: grad_hidden is freed as usual
+  // The asked token outputs (TokenOutput order), 4 bytes a token each; empty where not asked.
+  std::array<std::string, kTokenOutputs> token_outputs;
+  std::optional<int64_t> correct_count;  // set when asked (return_correct_count)
+  std::shared_ptr<ResultPool> pool;      // null: grad_hidden is freed as usual
   // What the micro-batch asked for, stamped when the outcome is remembered: a repeat of its key
   // must match it. Unset for outcomes restored from a checkpoint older than fingerprints (format
   // <= 2): a repeat of one replays unchecked, as before.
@@ -41,8 +46,18 @@ struct StepOutcome {
   // began): the answer of every repeat of its key, which is never computed again.
   absl::Status failure;
 
+  const std::string& token_output(TokenOutput output) const {
+    return token_outputs[static_cast<int>(output)];
+  }
+  // The tensors an answer sends: dH, per-token losses and token outputs.
+  size_t payload_bytes() const {
+    size_t total = grad_hidden.size() + per_token_loss.size();
+    for (const std::string& t : token_outputs) total += t.size();
+    return total;
+  }
+
   size_t bytes() const {
-    return grad_hidden.size() + per_token_loss.size() + sizeof(*this) +
+    return payload_bytes() + sizeof(*this) +
            (fingerprint.has_value() ? fingerprint->shape.size() : 0) + failure.message().size();
   }
 };

@@ -115,12 +115,12 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
   const absl::Time finish_start = absl::Now();
   std::string grad_hidden;  // compute dtype
   std::vector<float> per_token;
+  std::string token_outputs;
   const bool keyed = !client_id.empty();  // forward-only comes without one: nothing remembered
-  absl::Status out =
-      StageOut(p, devices.replica(0), devices.slot(0), *results_, &grad_hidden, &per_token);
+  absl::Status out = StageOut(p, devices.replica(0), devices.slot(0), *results_, &grad_hidden,
+                              &per_token, &token_outputs);
   if (out.ok()) {
-    FinishOutcome(p, scalars.loss_sum, scalars.token_count, std::move(grad_hidden), per_token,
-                  outcome.get());
+    FinishOutcome(p, scalars, std::move(grad_hidden), per_token, token_outputs, outcome.get());
     if (keyed) cache_.Complete(client_id, sequence, outcome);
   } else if (!p.forward_only) {
     // Counted in dW and in the window, without a result: the key keeps this failure (before the
@@ -161,19 +161,25 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
                     .grad_weight = !p.forward_only,
                     .grad_hidden = p.want_grad_hidden,
                     .per_token = p.want_per_token,
+                    .outputs = p.outputs,
                     .workspace_budget = options_.workspace_budget_bytes};
   LOSSHEAD_RETURN_IF_ERROR(placement_->Prepare(run, devices, scratch_));
-  // Only the 16 bytes of scalars come back under the lock; dH follows on the slot's stream once
-  // the lock is free for the next micro-batch's run.
-  char scalars[16];
+  // Only the scalars come back under the lock; dH follows on the slot's stream once the lock is
+  // free for the next micro-batch's run.
+  char scalars[kStepScalarBytes];
   absl::Status ran = placement_->Run(run, devices);
+  // The backends refused the run's arguments before launching anything (an output a backend or
+  // a sharded head does not compute): nothing is in dW or counted, and the key is free again.
+  const bool refused = absl::IsUnimplemented(ran);
   if (ran.ok()) {
-    ran = first.backend.CopyToHost(scalars, devices.slot(0).scalars.data(), 16, *first.stream);
+    ran = first.backend.CopyToHost(scalars, devices.slot(0).scalars.data(), kStepScalarBytes,
+                                   *first.stream);
   }
   if (ran.ok()) ran = devices.Synchronize();
   devices.EndRun(p.problem.n, ran.ok());
   if (!ran.ok()) {
-    if (p.forward_only) return ran;  // dW was not an argument: nothing can be in it
+    // Forward-only: dW was not an argument, nothing can be in it.
+    if (p.forward_only || refused) return ran;
     // The run may have added some of its chunks to dW before it failed, and there is no exact
     // way to take them out again. The key keeps this answer: a retry must not add them twice.
     const bool keyed = !client_id.empty();
@@ -187,8 +193,11 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
     return fault;
   }
   RunScalars result;
-  std::memcpy(&result.token_count, scalars, 8);
-  std::memcpy(&result.loss_sum, scalars + 8, 4);
+  std::memcpy(&result.token_count, scalars + kTokenCountOffset, 8);
+  std::memcpy(&result.loss_sum, scalars + kLossSumOffset, 4);
+  if (p.outputs.correct_count) {
+    std::memcpy(&result.correct_count, scalars + kCorrectCountOffset, 8);
+  }
   if (!p.forward_only) CountRun(result.token_count, version);
   outcome.weights_version = version;
   outcome.forward_only = p.forward_only;
@@ -260,9 +269,11 @@ absl::StatusOr<float> Head::MeasureWeights(std::span<Replica* const> held) {
   return largest;
 }
 
-void Head::FinishOutcome(const PreparedStep& p, float loss_sum, int64_t token_count,
-                         std::string grad_hidden, const std::vector<float>& per_token,
+void Head::FinishOutcome(const PreparedStep& p, const RunScalars& scalars, std::string grad_hidden,
+                         const std::vector<float>& per_token, const std::string& token_outputs,
                          StepOutcome* outcome) const {
+  const float loss_sum = scalars.loss_sum;
+  const int64_t token_count = scalars.token_count;
   outcome->loss_sum = loss_sum;
   outcome->token_count = token_count;
   outcome->loss = p.problem.options.reduction == kernels::Reduction::kMean
@@ -282,6 +293,13 @@ void Head::FinishOutcome(const PreparedStep& p, float loss_sum, int64_t token_co
     outcome->per_token_loss.assign(reinterpret_cast<const char*>(per_token.data()),
                                    per_token.size() * sizeof(float));
   }
+  const size_t each = p.problem.n * kTokenOutputBytes;
+  for (int i = 0; i < kTokenOutputs; ++i) {
+    const auto output = static_cast<TokenOutput>(i);
+    if (!p.outputs.asks(output)) continue;
+    outcome->token_outputs[i] = token_outputs.substr(p.outputs.slot(output) * each, each);
+  }
+  if (p.outputs.correct_count) outcome->correct_count = scalars.correct_count;
 }
 
 }  // namespace losshead::server

@@ -35,6 +35,7 @@ absl::Status PrepareHeader(const v1::StepHeader& h, const StepTarget& head,
     LOSSHEAD_ASSIGN_OR_RETURN(p.grad_hidden_dtype, FloatDType(h.options().grad_hidden_dtype(),
                                                               "options.grad_hidden_dtype"));
   }
+  LOSSHEAD_ASSIGN_OR_RETURN(p.outputs, ParseTokenOutputs(h.options()));
   LOSSHEAD_ASSIGN_OR_RETURN(kernels::LossOptions loss,
                             ResolveLossOptions(h.loss_options(), defaults, &h.options()));
   p.want_per_token =

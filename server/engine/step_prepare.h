@@ -17,6 +17,7 @@
 #include "losshead/kernels/problem.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/micro_batch.h"
+#include "server/engine/token_outputs.h"
 
 namespace losshead::server {
 
@@ -35,6 +36,7 @@ struct PreparedStep {
   bool want_grad_hidden = true;
   kernels::DType grad_hidden_dtype = kernels::DType::kFP32;
   bool want_per_token = false;
+  TokenOutputs outputs;  // the token outputs and accuracy asked for
   std::optional<uint64_t> expected_version;
   bool forward_only = false;  // no dW, no counters, no idempotency (evaluation)
   kernels::DType hidden_dtype = kernels::DType::kFP32;  // as sent
@@ -53,8 +55,9 @@ struct StepTarget {
   const kernels::Backend* backend = nullptr;
 };
 
-// The header's part: the codes a step answers for num_tokens < 1, a bad dtype or option, or a
-// problem the backend cannot run (INVALID_ARGUMENT), against the head's default loss options.
+// The header's part: the codes a step answers for num_tokens < 1, a bad dtype or option (a bad
+// token output too), or a problem the backend cannot run (INVALID_ARGUMENT), against the head's
+// default loss options.
 absl::Status PrepareHeader(const v1::StepHeader& header, const StepTarget& head,
                            const v1::LossOptions& defaults, PreparedStep* prepared);
 // The whole micro-batch: the header's part, then sizes, targets in range, hidden finite (and

@@ -22,9 +22,14 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
   }
   LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.hidden, hidden_bytes, false));
   LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.targets, targets_bytes, false));
-  LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.scalars, 16, false));
+  LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.scalars, kStepScalarBytes, false));
   const bool grad_hidden = outputs && p.want_grad_hidden;
   const bool per_token = outputs && p.want_per_token;
+  const size_t token_output_bytes = outputs ? p.outputs.count() * n * kTokenOutputBytes : 0;
+  if (token_output_bytes > 0) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        scratch.Ensure(replica, slot.token_outputs, token_output_bytes, false));
+  }
   if (grad_hidden) {
     LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.grad_hidden, hidden_bytes, false));
   }
@@ -32,7 +37,8 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
     LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.per_token, n * sizeof(float), false));
   }
   // The larger of the two directions: the buffer serves the copies in, then the copies out.
-  const size_t out_bytes = (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0);
+  const size_t out_bytes =
+      (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0) + token_output_bytes;
   LOSSHEAD_ASSIGN_OR_RETURN(
       const bool staged, scratch.EnsureStaging(replica, slot.staging,
                                                std::max(hidden_bytes + targets_bytes, out_bytes)));
@@ -57,17 +63,26 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
 }
 
 absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, ResultPool& results,
-                      std::string* grad_hidden, std::vector<float>* per_token) {
+                      std::string* grad_hidden, std::vector<float>* per_token,
+                      std::string* token_outputs) {
   kernels::Backend& backend = replica.backend;
   const size_t n = p.problem.n;
   const size_t hidden_bytes = n * p.problem.d * kernels::DTypeSize(p.problem.dtype);
+  const size_t outputs_bytes = p.outputs.count() * n * kTokenOutputBytes;
   const bool staged = slot.staging.bytes() > 0;
   // Every byte is overwritten below: a recycled buffer needs neither zeroing nor page faults.
   if (p.want_grad_hidden) *grad_hidden = results.Take(hidden_bytes);
   if (p.want_per_token) per_token->resize(n);
+  token_outputs->resize(outputs_bytes);
   char* dh = staged ? slot.staging.data() : grad_hidden->data();
-  char* pt = staged ? slot.staging.data() + (p.want_grad_hidden ? hidden_bytes : 0)
-                    : reinterpret_cast<char*>(per_token->data());
+  const size_t pt_at = p.want_grad_hidden ? hidden_bytes : 0;
+  char* pt = staged ? slot.staging.data() + pt_at : reinterpret_cast<char*>(per_token->data());
+  const size_t to_at = pt_at + (p.want_per_token ? n * sizeof(float) : 0);
+  char* to = staged ? slot.staging.data() + to_at : token_outputs->data();
+  if (outputs_bytes > 0) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend.CopyToHost(to, slot.token_outputs.data(), outputs_bytes, *slot.copies));
+  }
   if (p.want_grad_hidden) {
     LOSSHEAD_RETURN_IF_ERROR(
         backend.CopyToHost(dh, slot.grad_hidden.data(), hidden_bytes, *slot.copies));
@@ -80,6 +95,7 @@ absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, Res
   if (staged) {
     if (p.want_grad_hidden) std::memcpy(grad_hidden->data(), dh, hidden_bytes);
     if (p.want_per_token) std::memcpy(per_token->data(), pt, n * sizeof(float));
+    if (outputs_bytes > 0) std::memcpy(token_outputs->data(), to, outputs_bytes);
   }
   return absl::OkStatus();
 }

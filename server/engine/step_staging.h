@@ -19,10 +19,12 @@ namespace losshead::server {
 // shard 0 returns them). Staged through page-locked memory where the backend has it.
 absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool outputs,
                      DeviceScratch& scratch);
-// Copies dH (into a buffer of `results`, in the head's dtype) and the per-token losses of a
-// finished run out of `slot`, as `p` wants them, and waits for them.
+// Copies dH (into a buffer of `results`, in the head's dtype), the per-token losses and the token
+// outputs (laid out as in the slot: token_outputs.h) of a finished run out of `slot`, as `p` wants
+// them, and waits for them.
 absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, ResultPool& results,
-                      std::string* grad_hidden, std::vector<float>* per_token);
+                      std::string* grad_hidden, std::vector<float>* per_token,
+                      std::string* token_outputs);
 
 }  // namespace losshead::server
 

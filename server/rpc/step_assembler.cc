@@ -208,28 +208,46 @@ v1::StepResponse FirstStepResponse(
   result->set_grad_hidden_dtype(o.grad_hidden_dtype);
   result->set_grad_hidden_bytes(o.grad_hidden.size());
   result->set_per_token_loss_bytes(o.per_token_loss.size());
+  result->set_per_token_logprob_bytes(o.token_output(TokenOutput::kLogprob).size());
+  result->set_per_token_entropy_bytes(o.token_output(TokenOutput::kEntropy).size());
+  result->set_per_token_lse_bytes(o.token_output(TokenOutput::kLse).size());
+  result->set_per_token_argmax_bytes(o.token_output(TokenOutput::kArgmax).size());
+  if (o.correct_count.has_value()) result->set_correct_count(*o.correct_count);
   // The result message carries no payload so that it reaches the client first.
-  first.set_last(o.grad_hidden.empty() && o.per_token_loss.empty());
+  first.set_last(o.payload_bytes() == 0);
   return first;
 }
 
-std::vector<StepPiece> PlanStepPieces(size_t grad_bytes, size_t loss_bytes, size_t chunk_bytes) {
-  std::vector<StepPiece> pieces;
-  size_t gh = 0;
-  size_t pt = 0;
-  while (gh < grad_bytes || pt < loss_bytes) {
-    StepPiece& piece = pieces.emplace_back();
-    size_t room = chunk_bytes;
-    if (gh < grad_bytes) {
-      piece.grad_offset = gh;
-      piece.grad_bytes = std::min(room, grad_bytes - gh);
-      gh += piece.grad_bytes;
-      room -= piece.grad_bytes;
-    }
-    if (room > 0 && pt < loss_bytes) {
-      piece.loss_offset = pt;
-      piece.loss_bytes = std::min(room, loss_bytes - pt);
-      pt += piece.loss_bytes;
+std::vector<StepPayload> StepPayloads(const StepOutcome& o) {
+  // StepResponse's payload fields (proto/losshead/v1/losshead.proto).
+  constexpr uint32_t kGradHiddenField = 5;
+  constexpr uint32_t kPerTokenLossField = 6;
+  constexpr uint32_t kFirstTokenOutputField = 8;  // then one per TokenOutput, in order
+  std::vector<StepPayload> out;
+  if (!o.grad_hidden.empty()) out.push_back({kGradHiddenField, o.grad_hidden});
+  if (!o.per_token_loss.empty()) out.push_back({kPerTokenLossField, o.per_token_loss});
+  for (int i = 0; i < kTokenOutputs; ++i) {
+    if (o.token_outputs[i].empty()) continue;
+    out.push_back({kFirstTokenOutputField + static_cast<uint32_t>(i), o.token_outputs[i]});
+  }
+  return out;
+}
+
+std::vector<std::vector<StepSpan>> PlanStepPieces(const std::vector<StepPayload>& payloads,
+                                                  size_t chunk_bytes) {
+  std::vector<std::vector<StepSpan>> pieces;
+  size_t room = 0;
+  for (size_t t = 0; t < payloads.size(); ++t) {
+    const size_t size = payloads[t].bytes.size();
+    for (size_t at = 0; at < size;) {
+      if (room == 0) {
+        pieces.emplace_back();
+        room = chunk_bytes;
+      }
+      const size_t take = std::min(room, size - at);
+      pieces.back().push_back({.tensor = t, .offset = at, .bytes = take});
+      at += take;
+      room -= take;
     }
   }
   return pieces;
@@ -241,19 +259,18 @@ std::vector<v1::StepResponse> BuildStepResponses(
   std::vector<v1::StepResponse> out;
   out.push_back(FirstStepResponse(header, outcome, replayed));
   if (!outcome.ok()) return out;
-  const StepOutcome& o = **outcome;
-  const std::vector<StepPiece> pieces =
-      PlanStepPieces(o.grad_hidden.size(), o.per_token_loss.size(), chunk_bytes);
+  const std::vector<StepPayload> payloads = StepPayloads(**outcome);
+  const std::vector<std::vector<StepSpan>> pieces = PlanStepPieces(payloads, chunk_bytes);
+  const google::protobuf::Descriptor* descriptor = v1::StepResponse::descriptor();
+  const google::protobuf::Reflection* reflection = v1::StepResponse::GetReflection();
   for (size_t i = 0; i < pieces.size(); ++i) {
-    const StepPiece& piece = pieces[i];
     v1::StepResponse& r = out.emplace_back();
     r.set_client_id(header.client_id());
     r.set_sequence(header.sequence());
-    if (piece.grad_bytes > 0) {
-      r.set_grad_hidden(o.grad_hidden.substr(piece.grad_offset, piece.grad_bytes));
-    }
-    if (piece.loss_bytes > 0) {
-      r.set_per_token_loss(o.per_token_loss.substr(piece.loss_offset, piece.loss_bytes));
+    for (const StepSpan& span : pieces[i]) {
+      const StepPayload& payload = payloads[span.tensor];
+      reflection->SetString(&r, descriptor->FindFieldByNumber(static_cast<int>(payload.field)),
+                            std::string(payload.bytes.substr(span.offset, span.bytes)));
     }
     r.set_last(i + 1 == pieces.size());
   }

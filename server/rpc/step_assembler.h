@@ -146,18 +146,29 @@ v1::StepResponse FirstStepResponse(
     bool replayed);
 
 // The payload of one response after the first: byte ranges of dH and of per-token losses.
-struct StepPiece {
-  size_t grad_offset = 0;
-  size_t grad_bytes = 0;
-  size_t loss_offset = 0;
-  size_t loss_bytes = 0;
+// One tensor of a micro-batch's answer: its StepResponse field and bytes.
+struct StepPayload {
+  uint32_t field = 0;
+  absl::string_view bytes;
 };
-// dH, then per-token losses, at most `chunk_bytes` of both together per message.
-std::vector<StepPiece> PlanStepPieces(size_t grad_bytes, size_t loss_bytes, size_t chunk_bytes);
+// The tensors an answer sends, in the order it sends them: dH, per-token losses, then the token
+// outputs in TokenOutput order (their field numbers' order); empty ones left out.
+std::vector<StepPayload> StepPayloads(const StepOutcome& outcome);
 
-// The responses of one micro-batch: an error alone (last = true), or the result followed by dH
-// and then per-token losses, at most `chunk_bytes` of payload per message, last = true on the
-// final one. (The server sends the same messages without copying the payload: step_wire.h.)
+// A part of payload `tensor` (an index into StepPayloads) that one message carries.
+struct StepSpan {
+  size_t tensor = 0;
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+// The messages after the first: the payloads one after another, at most `chunk_bytes` of them
+// together per message.
+std::vector<std::vector<StepSpan>> PlanStepPieces(const std::vector<StepPayload>& payloads,
+                                                  size_t chunk_bytes);
+
+// The responses of one micro-batch: an error alone (last = true), or the result followed by dH,
+// per-token losses and token outputs, at most `chunk_bytes` of payload per message, last = true on
+// the final one. (The server sends the same messages without copying the payload: step_wire.h.)
 std::vector<v1::StepResponse> BuildStepResponses(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
     bool replayed, size_t chunk_bytes);

@@ -15,10 +15,8 @@
 namespace losshead::server {
 namespace {
 
-// What an OK answer sends: dH and the per-token losses.
-size_t SentBytes(const StepOutcome& outcome) {
-  return outcome.grad_hidden.size() + outcome.per_token_loss.size();
-}
+// What an OK answer sends: dH, the per-token losses and token outputs.
+size_t SentBytes(const StepOutcome& outcome) { return outcome.payload_bytes(); }
 
 }  // namespace
 

@@ -14,9 +14,7 @@ namespace {
 
 namespace wire = transport::wire;
 
-// StepResponse's payload and end-of-answer fields (proto/losshead/v1/losshead.proto).
-constexpr uint32_t kGradHiddenField = 5;
-constexpr uint32_t kPerTokenLossField = 6;
+// StepResponse's end-of-answer field (proto/losshead/v1/losshead.proto).
 constexpr uint32_t kLastField = 7;
 
 grpc::ByteBuffer Serialized(const v1::StepResponse& response) {
@@ -33,8 +31,8 @@ std::vector<grpc::ByteBuffer> EncodeStepResponses(
   out.push_back(Serialized(FirstStepResponse(header, outcome, replayed)));
   if (!outcome.ok()) return out;
   const std::shared_ptr<const StepOutcome>& o = *outcome;
-  const std::vector<StepPiece> pieces =
-      PlanStepPieces(o->grad_hidden.size(), o->per_token_loss.size(), chunk_bytes);
+  const std::vector<StepPayload> payloads = StepPayloads(*o);
+  const std::vector<std::vector<StepSpan>> pieces = PlanStepPieces(payloads, chunk_bytes);
   if (pieces.empty()) return out;
   // Every piece starts with the ids, encoded once (fields in number order, as protobuf writes).
   v1::StepResponse ids;
@@ -44,23 +42,14 @@ std::vector<grpc::ByteBuffer> EncodeStepResponses(
   out.reserve(1 + pieces.size());
   std::vector<grpc::Slice> slices;
   for (size_t i = 0; i < pieces.size(); ++i) {
-    const StepPiece& piece = pieces[i];
     slices.clear();
     std::string frame = ids_bytes;
-    if (piece.grad_bytes > 0) {
-      wire::AppendTag(frame, kGradHiddenField, wire::kLengthDelimited);
-      wire::AppendVarint(frame, piece.grad_bytes);
+    for (const StepSpan& span : pieces[i]) {
+      const StepPayload& payload = payloads[span.tensor];
+      wire::AppendTag(frame, payload.field, wire::kLengthDelimited);
+      wire::AppendVarint(frame, span.bytes);
       slices.emplace_back(frame);
-      slices.push_back(
-          SharedSlice(o, o->grad_hidden.data() + piece.grad_offset, piece.grad_bytes));
-      frame.clear();
-    }
-    if (piece.loss_bytes > 0) {
-      wire::AppendTag(frame, kPerTokenLossField, wire::kLengthDelimited);
-      wire::AppendVarint(frame, piece.loss_bytes);
-      slices.emplace_back(frame);
-      slices.push_back(
-          SharedSlice(o, o->per_token_loss.data() + piece.loss_offset, piece.loss_bytes));
+      slices.push_back(SharedSlice(o, payload.bytes.data() + span.offset, span.bytes));
       frame.clear();
     }
     if (i + 1 == pieces.size()) {

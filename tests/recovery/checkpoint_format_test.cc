@@ -51,6 +51,16 @@ MicroBatch Batch(int64_t n, int64_t d, int64_t v, v1::DType dtype, const std::st
   // Some results convert dH to another dtype, some keep per-token losses: all must round-trip.
   if (seq % 2 == 0) mb.header.mutable_options()->set_grad_hidden_dtype(v1::DTYPE_FP32);
   if (seq % 3 == 0) mb.header.mutable_options()->set_return_per_token_loss(true);
+  // And some token outputs (format 4), the correct count with them.
+  v1::StepOptions& options = *mb.header.mutable_options();
+  if (seq % 4 == 2) {
+    options.add_token_outputs(v1::TOKEN_OUTPUT_LOGPROB);
+    options.add_token_outputs(v1::TOKEN_OUTPUT_ARGMAX);
+    options.set_return_correct_count(true);
+  } else if (seq % 4 == 1) {
+    options.add_token_outputs(v1::TOKEN_OUTPUT_ENTROPY);
+    options.add_token_outputs(v1::TOKEN_OUTPUT_LSE);
+  }
   mb.hidden = Floats(h, dtype);
   mb.targets.assign(reinterpret_cast<const char*>(y.data()), y.size() * 4);
   return mb;
@@ -143,6 +153,18 @@ TEST_P(CheckpointFormatTest, RestoreReproducesTheHeadExactly) {
     EXPECT_EQ((*replay)->grad_hidden, (*original)->grad_hidden);
     EXPECT_EQ((*replay)->per_token_loss, (*original)->per_token_loss);
     EXPECT_EQ((*replay)->grad_hidden_dtype, (*original)->grad_hidden_dtype);
+    EXPECT_EQ((*replay)->token_outputs, (*original)->token_outputs);
+    EXPECT_EQ((*replay)->correct_count, (*original)->correct_count);
+  }
+  {
+    // Sequence 6 asked for log p and the argmax, with the correct count: all remembered.
+    StepStats stats;
+    auto replay = (*restored)->Step(Batch(N, D, V, GetParam(), "a", 6), &stats);
+    ASSERT_TRUE(replay.ok());
+    EXPECT_EQ((*replay)->token_output(TokenOutput::kLogprob).size(), N * 4u);
+    EXPECT_EQ((*replay)->token_output(TokenOutput::kArgmax).size(), N * 4u);
+    EXPECT_TRUE((*replay)->token_output(TokenOutput::kEntropy).empty());
+    EXPECT_TRUE((*replay)->correct_count.has_value());
   }
   // The next new micro-batch lands on the same dW on both heads.
   StepStats s;

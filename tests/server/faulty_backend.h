@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "losshead/kernels/backend.h"
+#include "server/engine/replica_group.h"
 
 namespace losshead::server::testing {
 
@@ -57,7 +58,7 @@ class LoggedStream : public kernels::Stream {
 };
 
 // The CPU backend, with faults to order: the next copy of results to the host (anything larger
-// than the 16 bytes of scalars read under the compute lock), the next run (after it has added to
+// than the kStepScalarBytes of scalars read under the compute lock), the next run (after it has added to
 // dW, as a device that fails midway would), the next copy to the device, or the next flush of a
 // gradient stash (before it adds anything, so that dW's content is known). It counts runs, the
 // flushes that add tokens and the optimizer steps' checks, and can log its flushes and stream
@@ -202,7 +203,7 @@ class FaultyBackend : public kernels::Backend {
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes,
                           kernels::Stream& stream) override {
-    if (bytes > 16 && fail_copy_out.exchange(false)) {
+    if (bytes > server::kStepScalarBytes && fail_copy_out.exchange(false)) {
       return absl::InternalError("injected: the copy of results to the host failed");
     }
     return inner_->CopyToHost(dst, src, bytes, stream);

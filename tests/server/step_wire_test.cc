@@ -56,6 +56,45 @@ TEST(StepWireTest, ChunksMatchTypedMessages) {
   }
 }
 
+// Token outputs follow dH and the per-token losses, each whole and in order, chunked as they are.
+TEST(StepWireTest, TokenOutputsFollowInOrderAndMatchTypedMessages) {
+  auto o = std::make_shared<StepOutcome>();
+  o->grad_hidden = std::string(100, 'g');
+  o->per_token_loss = std::string(40, 'p');
+  o->token_outputs[static_cast<int>(TokenOutput::kLogprob)] = std::string(40, 'l');
+  o->token_outputs[static_cast<int>(TokenOutput::kArgmax)] = std::string(40, 'a');
+  o->correct_count = 3;
+  for (size_t chunk : {8, 36, 64, 220, 1 << 20}) {
+    SCOPED_TRACE(chunk);
+    ExpectSameAsTyped(Header(), o, false, chunk);
+    const std::vector<v1::StepResponse> typed = BuildStepResponses(Header(), o, false, chunk);
+    ASSERT_TRUE(typed[0].has_result());
+    EXPECT_EQ(typed[0].result().correct_count(), 3);
+    EXPECT_EQ(typed[0].result().per_token_logprob_bytes(), 40u);
+    EXPECT_EQ(typed[0].result().per_token_entropy_bytes(), 0u);
+    EXPECT_EQ(typed[0].result().per_token_argmax_bytes(), 40u);
+    std::string g, p, l, a;
+    for (size_t i = 1; i < typed.size(); ++i) {
+      const v1::StepResponse& r = typed[i];
+      EXPECT_LE(r.grad_hidden().size() + r.per_token_loss().size() + r.per_token_logprob().size() +
+                    r.per_token_argmax().size(),
+                chunk);
+      EXPECT_TRUE(r.per_token_entropy().empty() && r.per_token_lse().empty());
+      g += r.grad_hidden();
+      p += r.per_token_loss();
+      l += r.per_token_logprob();
+      a += r.per_token_argmax();
+      EXPECT_EQ(r.last(), i + 1 == typed.size());
+    }
+    EXPECT_EQ(g, o->grad_hidden);
+    EXPECT_EQ(p, o->per_token_loss);
+    EXPECT_EQ(l, std::string(40, 'l'));
+    EXPECT_EQ(a, std::string(40, 'a'));
+  }
+  auto without = std::make_shared<StepOutcome>();
+  EXPECT_FALSE(BuildStepResponses(Header(), without, false, 64)[0].result().has_correct_count());
+}
+
 TEST(StepWireTest, ErrorsAndEmptyOutcomesMatchTypedMessages) {
   ExpectSameAsTyped(Header(), absl::ResourceExhaustedError("busy"), false, 64);
   ExpectSameAsTyped(Header(), std::make_shared<StepOutcome>(), true, 64);

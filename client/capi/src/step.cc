@@ -42,10 +42,42 @@ absl::StatusOr<client::Microbatch> ToMicrobatch(const lh_microbatch& in) {
   return mb;
 }
 
+// `values` into the caller's `dest` of `capacity` elements; INTERNAL when they do not fit.
+template <typename T>
+absl::Status CopyValues(const std::vector<T>& values, T* dest, size_t capacity,
+                        absl::string_view name, uint64_t* count) {
+  if (values.size() > (dest == nullptr ? 0 : capacity)) {
+    return absl::InternalError(absl::StrCat(values.size(), " values of ", name,
+                                            " do not fit the buffer of ",
+                                            dest == nullptr ? 0 : capacity));
+  }
+  if (!values.empty()) std::memcpy(dest, values.data(), values.size() * sizeof(T));
+  *count = values.size();
+  return absl::OkStatus();
+}
+
 absl::Status ToResult(const lh_microbatch& in, const absl::StatusOr<client::StepResult>& answer,
                       lh_step_result* out) {
   if (!answer.ok()) return answer.status();
   const client::StepResult& r = *answer;
+  const size_t cap = in.token_output_capacity;
+  absl::Status copied = CopyValues(r.per_token_logprob, in.per_token_logprob_out, cap,
+                                   "per_token_logprob", &out->per_token_logprob_count);
+  if (copied.ok()) {
+    copied = CopyValues(r.per_token_entropy, in.per_token_entropy_out, cap, "per_token_entropy",
+                        &out->per_token_entropy_count);
+  }
+  if (copied.ok()) {
+    copied = CopyValues(r.per_token_lse, in.per_token_lse_out, cap, "per_token_lse",
+                        &out->per_token_lse_count);
+  }
+  if (copied.ok()) {
+    copied = CopyValues(r.per_token_argmax, in.per_token_argmax_out, cap, "per_token_argmax",
+                        &out->per_token_argmax_count);
+  }
+  if (!copied.ok()) return copied;
+  out->has_correct_count = r.correct_count.has_value() ? 1 : 0;
+  out->correct_count = r.correct_count.value_or(0);
   if (r.per_token_loss.size() > in.per_token_loss_capacity) {
     return absl::InternalError(absl::StrCat(r.per_token_loss.size(),
                                             " per-token losses do not fit the buffer of ",

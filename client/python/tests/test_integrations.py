@@ -416,6 +416,68 @@ def test_local_head_block_then_offloaded_again(client: Client, head_name) -> Non
     assert torch.equal(client.download_weights(name).weights, server_w)
 
 
+# -- evaluation: predictions for compute_metrics -------------------------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eval_predictions_are_the_argmax_of_the_own_logits(client: Client, head_name,
+                                                           precision: str) -> None:
+    """With eval_predictions, an eval-mode forward returns the ids the head predicts (what
+    preprocess_logits_for_metrics makes of the logits: argmax(-1)), -1 where the shifted label
+    is ignored, with the model's own loss, and counts the correct ones; training forwards and
+    the gradient window are unchanged by it."""
+    model = TinyCausalLM(seed=_seed("eval", precision))
+    wire = torch.float32 if precision == "fp32" else torch.bfloat16
+    if precision == "bf16":
+        model.lm_head.weight.data = model.lm_head.weight.data.bfloat16().float()
+    reference = copy.deepcopy(model).double()
+    input_ids, mask, labels = _batch(_seed("eval-batch", precision))
+    name = head_name()
+    offloaded = offload_causal_lm(model, client, name, head_dtype=wire, wire_dtype=wire,
+                                  chunk_tokens=8, streams=2, eval_predictions=True)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=mask, labels=labels)
+        want = reference(input_ids, attention_mask=mask, labels=labels)
+        hidden = model.model(input_ids, attention_mask=mask).last_hidden_state
+    rel = FP32_REL if precision == "fp32" else BF16_REL
+    assert_close(out.loss, want.loss, rel, "loss")
+    targets = causal_targets(labels)
+    kept = targets != -100
+    assert out.logits.shape == (B, T) and out.logits.dtype == torch.int64
+    assert torch.equal(out.logits[~kept], torch.full_like(out.logits[~kept], -1))
+    # The head's own argmax on the hidden states the server saw (those of the trunk, in the
+    # wire dtype), in float64; a different pick only between logits fp32 cannot tell apart.
+    w = client.download_weights(name).weights.double()
+    logits = hidden.to(wire).double() @ w.T
+    own = logits.argmax(-1)
+    differ = kept & (out.logits != own)
+    for b, t in torch.nonzero(differ).tolist():
+        z = logits[b, t]
+        assert float(z.max() - z[out.logits[b, t]]) <= 1e-5 * float(z.abs().max())
+    correct = int((kept & (out.logits == targets)).sum())
+    assert offloaded.take_eval_accuracy() == (correct, int(kept.sum()))
+    assert offloaded.take_eval_accuracy() == (0, 0)
+    assert client.get_head(name).microbatches_total == 0  # evaluation counts nothing
+
+    # Training: logits stay None, nothing asked, the step counted as before.
+    model.train()
+    out = model(input_ids, attention_mask=mask, labels=labels)
+    assert out.logits is None and model.lm_head is not None
+    assert offloaded.remote.last_result.outputs is None
+    assert offloaded.take_eval_accuracy() == (0, 0)
+    assert client.get_head(name).tokens_since_pull == int(kept.sum())
+
+
+def test_eval_predictions_off_returns_no_logits_in_eval(client: Client, head_name) -> None:
+    model = TinyCausalLM(seed=3)
+    input_ids, mask, labels = _batch(4)
+    offloaded = offload_causal_lm(model, client, head_name(), wire_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=mask, labels=labels)
+    assert out.logits is None and offloaded.remote.last_result.outputs is None
+
+
 def test_transformers_entry_point_without_transformers(client: Client, head_name) -> None:
     if importlib.util.find_spec("transformers") is not None:
         pytest.skip("transformers is installed here")
@@ -480,6 +542,42 @@ def test_transformers_model_matches_its_own_loss(client: Client, head_name, fami
         with torch.no_grad():
             plain = uncapped(input_ids, labels=labels, **extra).loss
         assert abs(plain.item() - want.loss.detach().item()) > 0.05
+
+
+def test_transformers_trainer_evaluate_gets_predictions(client: Client, head_name,
+                                                        tmp_path) -> None:
+    """A Trainer's evaluate with eval_predictions: compute_metrics receives the predicted ids
+    (B, T) as its predictions, with no preprocess_logits_for_metrics and no logits on the
+    trainer, and they are those of the model's own head."""
+    transformers = pytest.importorskip("transformers")
+    from losshead.integrations.transformers import offload_lm_head
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    input_ids, mask, labels = _batch(31)
+    rows = [dict(input_ids=input_ids[i], attention_mask=mask[i], labels=labels[i])
+            for i in range(B)]
+    seen = {}
+
+    def compute_metrics(eval_pred):
+        seen["predictions"] = torch.as_tensor(eval_pred.predictions)
+        seen["labels"] = torch.as_tensor(eval_pred.label_ids)
+        return {}
+
+    offload_lm_head(model, client, head_name(), wire_dtype=torch.float32, eval_predictions=True)
+    # Evaluation alone: nothing steps the head, so the Trainer needs no attach.
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=B,
+                                          report_to=[], use_cpu=True, save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=rows,
+                                   compute_metrics=compute_metrics)
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics
+    preds = seen["predictions"]
+    assert preds.shape == (B, T)
+    with torch.no_grad():
+        own = reference(input_ids, attention_mask=mask).logits.argmax(-1)
+    kept = causal_targets(labels) != -100
+    assert float((preds[kept] == own[kept]).double().mean()) > 0.95  # fp32 near-ties aside
+    assert bool((preds[~kept] == -1).all())
 
 
 def test_transformers_tied_gemma2_refused(client: Client, head_name) -> None:

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define LH_CAPI_VERSION 1
+#define LH_CAPI_VERSION 2
 
 /* The ABI version this library implements (LH_CAPI_VERSION when it was built). */
 int lh_capi_version(void);
@@ -98,6 +98,13 @@ typedef struct lh_microbatch {
   size_t grad_hidden_capacity;
   float* per_token_loss_out;      /* per-token losses, when asked for; more fail INTERNAL */
   size_t per_token_loss_capacity; /* in floats */
+  /* The token outputs asked in options.token_outputs, each where its pointer says (null: an
+   * answer carrying it fails INTERNAL), `token_output_capacity` values each; more fail INTERNAL. */
+  float* per_token_logprob_out;
+  float* per_token_entropy_out;
+  float* per_token_lse_out;
+  int32_t* per_token_argmax_out;
+  size_t token_output_capacity;
 } lh_microbatch;
 
 typedef struct lh_step_result {
@@ -111,6 +118,13 @@ typedef struct lh_step_result {
   int grad_hidden_dtype;
   uint64_t grad_hidden_bytes;
   uint64_t per_token_loss_count;
+  /* Values written to each token output's buffer (0: not in the answer). */
+  uint64_t per_token_logprob_count;
+  uint64_t per_token_entropy_count;
+  uint64_t per_token_lse_count;
+  uint64_t per_token_argmax_count;
+  int has_correct_count; /* options.return_correct_count was answered: correct_count is set */
+  int64_t correct_count;
 } lh_step_result;
 
 /* Client::StepMany: the micro-batches over Step streams, up to `pipeline_depth` in flight,

@@ -40,7 +40,8 @@ struct Microbatch {
   v1::DType target_dtype = v1::DTYPE_INT32;
   std::span<const std::byte> targets;
   // grad_scale, reduction, expected version, per-token loss, ...; forward_only for evaluation
-  // (loss and dH without adding to dW or counting; see the proto).
+  // (loss and dH without adding to dW or counting; see the proto); token_outputs and
+  // return_correct_count for the predicted distribution's outputs (StepResult).
   v1::StepOptions options;
   v1::LossOptions loss_options;  // overrides of the head's default loss options
   // Where dH goes: unset, into StepResult::grad_hidden; set, straight into this caller's buffer
@@ -72,6 +73,16 @@ struct StepResult {
   std::vector<std::byte> grad_hidden;  // N x D of grad_hidden_dtype; empty with skip_grad_hidden
                                        // or Microbatch::grad_hidden_out
   std::vector<float> per_token_loss;   // N, when return_per_token_loss was set
+  // The token outputs asked in options.token_outputs (N each; see v1::TokenOutput), empty when
+  // not asked: log p(target), entropy and log-sum-exp of each token's predicted distribution, and
+  // its argmax (ignored tokens: 0, 0, lse, -1).
+  std::vector<float> per_token_logprob;
+  std::vector<float> per_token_entropy;
+  std::vector<float> per_token_lse;
+  std::vector<int32_t> per_token_argmax;
+  // With options.return_correct_count: non-ignored tokens whose argmax is their target (token
+  // accuracy = correct_count / token_count).
+  std::optional<int64_t> correct_count;
 };
 
 // Bytes of a typed vector, for Microbatch spans.
@@ -143,6 +154,11 @@ class StepStream {
     std::string client_id;
     uint64_t sequence = 0;
     std::optional<std::span<std::byte>> grad_hidden_out;
+    // What the answer must carry besides dH: a server that ignores the token outputs (older than
+    // them) answers without them, which Receive reports rather than returning empty ones.
+    int64_t num_tokens = 0;
+    std::vector<int> token_outputs;
+    bool correct_count = false;
   };
   std::deque<Expected> expected_;
   std::deque<absl::StatusOr<StepResult>> answers_;  // answered, not yet received

@@ -16,7 +16,8 @@ the remote W locally so any torch.optim optimizer can step it.
 """
 
 from losshead.client import (Client, ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
-                             LossOptions, StepResult, StepStream, Weights, combine_results)
+                             LossOptions, StepResult, StepStream, TokenOutputs, Weights,
+                             combine_results)
 from losshead import functional
 from losshead._native import NativeLibraryWarning, native_available, native_library
 from losshead._plan import StepPlan
@@ -34,7 +35,8 @@ __all__ = [
     "JointOptimizer", "LossOptions", "LossheadError", "NativeLibraryWarning", "RemoteAdamW",
     "RemoteHeadOptimizer",
     "RemoteLMHead", "RemoteSGD", "RetryPolicy", "StepPlan", "StepResult", "StepStream",
-    "UnsteppedHeadWarning", "Weights", "combine_results", "native_available", "native_library",
+    "TokenOutputs", "UnsteppedHeadWarning", "Weights", "combine_results", "native_available",
+    "native_library",
     "scale_gradients_", "step_with_clipping", "token_losses",
     "export_checkpoint", "functional", "import_safetensors", "load_safetensors",
 ]

@@ -18,7 +18,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -28,11 +28,12 @@ from losshead._channel import TlsFiles
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._types import StepResult
+from losshead._step_stream import missing_outputs
+from losshead._types import StepResult, TokenOutputs
 from losshead.errors import LossheadError, status_code
 from losshead.retry import RetryPolicy
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _LIBRARY = "liblosshead_capi.so"
 _c = ctypes
 _p = ctypes.c_void_p
@@ -72,7 +73,10 @@ class _CMicrobatch(_c.Structure):
                 ("loss_options_bytes", _c.c_size_t), ("grad_hidden_out", _p),
                 ("grad_hidden_capacity", _c.c_size_t),
                 ("per_token_loss_out", _c.POINTER(_c.c_float)),
-                ("per_token_loss_capacity", _c.c_size_t)]
+                ("per_token_loss_capacity", _c.c_size_t),
+                ("per_token_logprob_out", _p), ("per_token_entropy_out", _p),
+                ("per_token_lse_out", _p), ("per_token_argmax_out", _p),
+                ("token_output_capacity", _c.c_size_t)]
 
 
 class _CStepResult(_c.Structure):
@@ -80,7 +84,11 @@ class _CStepResult(_c.Structure):
                 ("token_count", _c.c_int64), ("weights_version", _c.c_uint64),
                 ("replayed", _c.c_int), ("forward_only", _c.c_int),
                 ("grad_hidden_dtype", _c.c_int), ("grad_hidden_bytes", _c.c_uint64),
-                ("per_token_loss_count", _c.c_uint64)]
+                ("per_token_loss_count", _c.c_uint64),
+                ("per_token_logprob_count", _c.c_uint64),
+                ("per_token_entropy_count", _c.c_uint64),
+                ("per_token_lse_count", _c.c_uint64), ("per_token_argmax_count", _c.c_uint64),
+                ("has_correct_count", _c.c_int), ("correct_count", _c.c_int64)]
 
 
 class _GradientSummary(_c.Structure):
@@ -265,7 +273,7 @@ class NativeClient:
         `losshead._step_stream.step_many`."""
         n = len(mbs)
         keep: List[Any] = []  # what the C structs point to, alive until the call returns
-        outs: List[Tuple[Optional[torch.Tensor], torch.Tensor]] = []
+        outs: List[Tuple[Optional[torch.Tensor], torch.Tensor, Dict[str, torch.Tensor]]] = []
         cmbs = (_CMicrobatch * n)()
         for i, mb in enumerate(mbs):
             h = mb.header
@@ -274,7 +282,12 @@ class NativeClient:
                 dh = torch.empty((h.num_tokens, mb.hidden_size), dtype=_grad_dtype(h))
             # Always room for them: a replayed answer carries them if the first attempt asked.
             ptl = torch.empty(max(0, h.num_tokens), dtype=torch.float32)
-            outs.append((dh, ptl))
+            # Room for each token output asked (a replay answers the same ones: the server
+            # refuses a repeat of the key that asks others).
+            asked = set(h.options.token_outputs)
+            tos = {name: torch.empty(max(0, h.num_tokens), dtype=dtype)
+                   for name, (value, dtype) in _TOKEN_OUTPUTS.items() if value in asked}
+            outs.append((dh, ptl, tos))
             fields = (h.head.encode(), h.client_id.encode(), h.options.SerializeToString(),
                       h.loss_options.SerializeToString())
             keep.append(fields)
@@ -290,11 +303,15 @@ class NativeClient:
             if ptl.numel():
                 c.per_token_loss_out = _c.cast(ptl.data_ptr(), _c.POINTER(_c.c_float))
                 c.per_token_loss_capacity = ptl.numel()
+            for name, t in tos.items():
+                setattr(c, f"per_token_{name}_out", _ptr(t))
+            c.token_output_capacity = max(0, h.num_tokens)
         results, status = (_CStepResult * n)(), _Status()
         if n and self._lib.lh_step_many(self._live(), cmbs, n, plan.lane_depth(n), results,
                                         _c.byref(status)):
             raise _error(status)
-        return [_outcome(mb, r, dh, ptl) for mb, r, (dh, ptl) in zip(mbs, results, outs)]
+        return [_outcome(mb, r, dh, ptl, tos)
+                for mb, r, (dh, ptl, tos) in zip(mbs, results, outs)]
 
     # -- transfers --------------------------------------------------------------------------
     def push(self, head: str, data: torch.Tensor, dtype: int, add: bool,
@@ -329,8 +346,17 @@ def _grad_dtype(header: pb.StepHeader) -> torch.dtype:
     return _wire.to_torch_dtype(wire)
 
 
+# The token outputs by their C field names: proto value and tensor dtype.
+_TOKEN_OUTPUTS = {
+    "logprob": (pb.TOKEN_OUTPUT_LOGPROB, torch.float32),
+    "entropy": (pb.TOKEN_OUTPUT_ENTROPY, torch.float32),
+    "lse": (pb.TOKEN_OUTPUT_LSE, torch.float32),
+    "argmax": (pb.TOKEN_OUTPUT_ARGMAX, torch.int32),
+}
+
+
 def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
-             ptl: Optional[torch.Tensor]) -> Outcome:
+             ptl: Optional[torch.Tensor], tos: Dict[str, torch.Tensor]) -> Outcome:
     client_id, sequence = mb.key
     if r.status.code:
         return _error(r.status, client_id, sequence)
@@ -354,7 +380,22 @@ def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
     per_token_loss = None
     if ptl is not None and r.per_token_loss_count:
         per_token_loss = ptl[:r.per_token_loss_count]
+    outputs = None
+    opts = mb.header.options
+    if opts.token_outputs or opts.return_correct_count:
+        got = {name: t[:getattr(r, f"per_token_{name}_count")] for name, t in tos.items()}
+        outputs = TokenOutputs(
+            logprob=got.get("logprob"), entropy=got.get("entropy"), lse=got.get("lse"),
+            argmax=got.get("argmax"),
+            correct_count=int(r.correct_count) if r.has_correct_count else None)
+        # The C++ client refuses an answer without an asked output (UNIMPLEMENTED) already.
+        missing = missing_outputs(opts, outputs, mb.header.num_tokens)
+        if missing:
+            return LossheadError(grpc.StatusCode.INTERNAL,
+                                 f"micro-batch {sequence}: answer without {missing}",
+                                 client_id=client_id, sequence=sequence)
     return StepResult(loss=r.loss, loss_sum=r.loss_sum, token_count=r.token_count,
                       weights_version=r.weights_version, replayed=bool(r.replayed),
                       client_id=client_id, sequence=sequence, grad_hidden=grad_hidden,
-                      per_token_loss=per_token_loss, forward_only=bool(r.forward_only))
+                      per_token_loss=per_token_loss, forward_only=bool(r.forward_only),
+                      outputs=outputs)

@@ -18,12 +18,33 @@ from losshead import _wire
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._types import StepResult
+from losshead._types import StepResult, TokenOutputs
 from losshead.errors import LossheadError, status_code
 from losshead.retry import is_retryable
 
 if TYPE_CHECKING:
     from losshead._base import ClientBase
+
+# The token outputs' StepResponse fields and wire dtypes.
+_TOKEN_OUTPUT_FIELDS = {
+    "per_token_logprob": pb.DTYPE_FP32, "per_token_entropy": pb.DTYPE_FP32,
+    "per_token_lse": pb.DTYPE_FP32, "per_token_argmax": pb.DTYPE_INT32,
+}
+# Every payload field of a StepResponse (each with a `<field>_bytes` in StepResult).
+_PAYLOADS = ("grad_hidden", "per_token_loss") + tuple(_TOKEN_OUTPUT_FIELDS)
+
+
+def missing_outputs(options: pb.StepOptions, outputs: TokenOutputs, n: int) -> str:
+    """The token outputs `options` asked for that `outputs` lacks (a server older than them
+    ignores the request), comma-separated; empty when none is missing."""
+    asked = set(options.token_outputs)
+    have = {pb.TOKEN_OUTPUT_LOGPROB: outputs.logprob, pb.TOKEN_OUTPUT_ENTROPY: outputs.entropy,
+            pb.TOKEN_OUTPUT_LSE: outputs.lse, pb.TOKEN_OUTPUT_ARGMAX: outputs.argmax}
+    names = [f"per_token_{pb.TokenOutput.Name(o)[len('TOKEN_OUTPUT_'):].lower()}"
+             for o, t in have.items() if o in asked and (t is None or t.numel() != n)]
+    if options.return_correct_count and outputs.correct_count is None:
+        names.append("correct_count")
+    return ", ".join(names)
 
 
 class StepStream:
@@ -102,25 +123,27 @@ class StepStream:
                                          "first answer of a micro-batch has no result")
             raise self._broken
         res = first.result
-        dh = bytearray(res.grad_hidden_bytes)
-        ptl = bytearray(res.per_token_loss_bytes)
-        dh_off = ptl_off = 0
+        # Each payload field's bytes, filled in the order its pieces arrive.
+        bufs = {f: bytearray(getattr(res, f + "_bytes")) for f in _PAYLOADS}
+        filled = dict.fromkeys(_PAYLOADS, 0)
         msg = first
         while True:
-            if msg.grad_hidden:
-                dh[dh_off:dh_off + len(msg.grad_hidden)] = msg.grad_hidden
-                dh_off += len(msg.grad_hidden)
-            if msg.per_token_loss:
-                ptl[ptl_off:ptl_off + len(msg.per_token_loss)] = msg.per_token_loss
-                ptl_off += len(msg.per_token_loss)
+            for f in _PAYLOADS:
+                piece = getattr(msg, f)
+                if piece:
+                    at = filled[f]
+                    bufs[f][at:at + len(piece)] = piece
+                    filled[f] = at + len(piece)
             if msg.last:
                 break
             msg = self._next_response()
-        if dh_off != len(dh) or ptl_off != len(ptl):
+        short = [f"{filled[f]}/{len(bufs[f])} {f} bytes" for f in _PAYLOADS
+                 if filled[f] != len(bufs[f])]
+        if short:
             raise LossheadError(grpc.StatusCode.INTERNAL,
-                                f"micro-batch {sequence}: got {dh_off}/{len(dh)} dH bytes and "
-                                f"{ptl_off}/{len(ptl)} per-token loss bytes",
+                                f"micro-batch {sequence}: got {', '.join(short)}",
                                 client_id=client_id, sequence=sequence)
+        dh, ptl = bufs["grad_hidden"], bufs["per_token_loss"]
         if mb.header.options.forward_only and not res.forward_only:
             # A server that predates forward_only ignores it: this micro-batch was added to dW.
             # Saying so is all that is left to do; pretending it was an evaluation is not.
@@ -134,10 +157,28 @@ class StepStream:
             grad_hidden = _wire.decode(dh, res.grad_hidden_dtype, (n, mb.hidden_size))
         if res.per_token_loss_bytes:
             per_token_loss = _wire.decode(ptl, pb.DTYPE_FP32, (n,))
+        outputs = None
+        opts = mb.header.options
+        if opts.token_outputs or opts.return_correct_count:
+            got = {f: (_wire.decode(bufs[f], dtype, (n,)) if len(bufs[f]) else None)
+                   for f, dtype in _TOKEN_OUTPUT_FIELDS.items()}
+            outputs = TokenOutputs(
+                logprob=got["per_token_logprob"], entropy=got["per_token_entropy"],
+                lse=got["per_token_lse"], argmax=got["per_token_argmax"],
+                correct_count=res.correct_count if res.HasField("correct_count") else None)
+            missing = missing_outputs(opts, outputs, n)
+            if missing:
+                raise LossheadError(grpc.StatusCode.UNIMPLEMENTED,
+                                    f"micro-batch {sequence}: the server answered without "
+                                    f"{missing}: it does not know token outputs (it ran the "
+                                    "micro-batch without them"
+                                    f"{'' if res.forward_only else ' and counted it'})",
+                                    client_id=client_id, sequence=sequence)
         return StepResult(loss=res.loss, loss_sum=res.loss_sum, token_count=res.token_count,
                           weights_version=res.weights_version, replayed=res.replayed,
                           client_id=client_id, sequence=sequence, grad_hidden=grad_hidden,
-                          per_token_loss=per_token_loss, forward_only=res.forward_only)
+                          per_token_loss=per_token_loss, forward_only=res.forward_only,
+                          outputs=outputs)
 
     def _drain_until_last(self) -> None:
         while not self._next_response().last:

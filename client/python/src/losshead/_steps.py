@@ -24,8 +24,8 @@ from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._step_stream import StepStream, _StepPipeline
-from losshead._types import (LossOptions, ReductionLike, StepResult, combine_results,
-                             to_reduction)
+from losshead._types import (LossOptions, ReductionLike, StepResult, TokenOutputLike,
+                             combine_results, to_reduction, to_token_outputs)
 from losshead._wire import DTypeLike
 from losshead.errors import LossheadError
 
@@ -61,7 +61,9 @@ class Steps(ClientBase):
                    expected_weights_version: Optional[int] = None,
                    return_per_token_loss: bool = False, skip_grad_hidden: bool = False,
                    grad_hidden_dtype: Optional[DTypeLike] = None,
-                   sequence: Optional[int] = None, forward_only: bool = False) -> Microbatch:
+                   sequence: Optional[int] = None, forward_only: bool = False,
+                   token_outputs: Sequence[TokenOutputLike] = (),
+                   return_correct_count: bool = False) -> Microbatch:
         """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
 
         Nothing is validated here beyond what encoding needs, or would lose (the tensors'
@@ -74,7 +76,9 @@ class Steps(ClientBase):
         wire_h = hidden_dtype if hidden_dtype is not None else _default_wire(hidden)
         opts = pb.StepOptions(reduction=to_reduction(reduction),
                               return_per_token_loss=return_per_token_loss,
-                              skip_grad_hidden=skip_grad_hidden, forward_only=forward_only)
+                              skip_grad_hidden=skip_grad_hidden, forward_only=forward_only,
+                              token_outputs=to_token_outputs(token_outputs),
+                              return_correct_count=return_correct_count)
         if grad_scale is not None:
             opts.grad_scale = float(grad_scale)
         if expected_weights_version is not None:
@@ -171,7 +175,11 @@ class Steps(ClientBase):
         skip_grad_hidden, grad_hidden_dtype, sequence (reuse one to retry by hand),
         forward_only (evaluation: the loss, and dH unless skip_grad_hidden, without adding to dW
         or to the pull's token and micro-batch counts; never replayed, a retry recomputes; a
-        server without it raises UNIMPLEMENTED after having counted the micro-batch).
+        server without it raises UNIMPLEMENTED after having counted the micro-batch),
+        token_outputs (any of "logprob", "entropy", "lse", "argmax": per-token outputs of the
+        predicted distribution, in `result.outputs`) and return_correct_count (token accuracy:
+        `result.outputs.correct_count`, `result.accuracy`); a head that cannot compute one (a
+        sharded head, today, all but "lse") raises UNIMPLEMENTED with nothing counted.
         Transient failures are retried under the same key (see `run_microbatches`).
         """
         return self.run_microbatches([self.microbatch(head, hidden, targets, **options)])[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -43,6 +43,58 @@ def to_matmul_precision(precision: str) -> int:
         raise ValueError(f"losshead: matmul_precision must be 'highest', 'high' or 'medium' "
                          f"(as torch.set_float32_matmul_precision) or None, got "
                          f"{precision!r}") from None
+
+
+TokenOutputLike = Union[str, int]
+
+# StepOptions.token_outputs by name (see TokenOutput in the proto).
+_TOKEN_OUTPUTS = {
+    "logprob": pb.TOKEN_OUTPUT_LOGPROB, "entropy": pb.TOKEN_OUTPUT_ENTROPY,
+    "lse": pb.TOKEN_OUTPUT_LSE, "argmax": pb.TOKEN_OUTPUT_ARGMAX,
+}
+
+
+def to_token_outputs(outputs: Iterable[TokenOutputLike]) -> List[int]:
+    """The proto TokenOutputs for "logprob" | "entropy" | "lse" | "argmax" or enum values (which
+    go as they are: the server judges them)."""
+    if isinstance(outputs, (str, int)):
+        outputs = [outputs]
+    values = []
+    for o in outputs:
+        if isinstance(o, int):
+            values.append(o)
+            continue
+        try:
+            values.append(_TOKEN_OUTPUTS[o.lower()])
+        except (KeyError, AttributeError):
+            raise ValueError(f"losshead: unknown token output {o!r} (one of "
+                             f"{', '.join(_TOKEN_OUTPUTS)})") from None
+    return values
+
+
+@dataclass
+class TokenOutputs:
+    """What the model predicts per token, from the same pass as the loss (see TokenOutput in the
+    proto): the distribution p = softmax(logits after the soft-cap). Each is None unless asked.
+
+    `logprob` is log p(target) (fp32; 0 at ignored tokens), `entropy` the entropy of p (fp32; 0
+    at ignored tokens), `lse` the log-sum-exp of the logits (fp32, every token), `argmax` the
+    predicted class (int32, the lowest id among ties; -1 at ignored tokens), all of the
+    targets' shape (flattened, N, in a StepResult). `correct_count` (with
+    return_correct_count) counts the non-ignored tokens whose argmax is their target.
+    """
+
+    logprob: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+    argmax: Optional[torch.Tensor] = None
+    correct_count: Optional[int] = None
+
+    def map(self, fn: "Callable[[torch.Tensor], torch.Tensor]") -> "TokenOutputs":
+        """The same outputs with `fn` applied to each tensor present."""
+        return TokenOutputs(*(None if t is None else fn(t)
+                              for t in (self.logprob, self.entropy, self.lse, self.argmax)),
+                            correct_count=self.correct_count)
 
 
 @dataclass
@@ -90,6 +142,16 @@ class StepResult:
     grad_hidden: Optional[torch.Tensor] = None
     per_token_loss: Optional[torch.Tensor] = None
     forward_only: bool = False
+    # The token outputs asked for (token_outputs, return_correct_count); None when none were.
+    outputs: Optional[TokenOutputs] = None
+
+    @property
+    def accuracy(self) -> Optional[float]:
+        """correct_count / token_count when return_correct_count was asked (NaN without
+        tokens), else None."""
+        if self.outputs is None or self.outputs.correct_count is None:
+            return None
+        return self.outputs.correct_count / self.token_count if self.token_count else float("nan")
 
 
 @dataclass
@@ -159,4 +221,23 @@ def combine_results(parts: Sequence[StepResult]) -> StepResult:
         forward_only=all(p.forward_only for p in parts),
         sequence=parts[0].sequence,
         grad_hidden=torch.cat(dhs) if all(x is not None for x in dhs) else None,  # type: ignore[arg-type]
-        per_token_loss=torch.cat(ptls) if all(x is not None for x in ptls) else None)  # type: ignore[arg-type]
+        per_token_loss=torch.cat(ptls) if all(x is not None for x in ptls) else None,  # type: ignore[arg-type]
+        outputs=_combine_outputs([p.outputs for p in parts]))
+
+
+def _combine_outputs(parts: Sequence[Optional[TokenOutputs]]) -> Optional[TokenOutputs]:
+    """The chunks' token outputs concatenated and their correct counts summed; None unless
+    every chunk has them."""
+    if not parts or any(p is None for p in parts):
+        return None
+    present = [p for p in parts if p is not None]
+
+    def cat(name: str) -> Optional[torch.Tensor]:
+        got = [getattr(p, name) for p in present]
+        return torch.cat(got) if all(t is not None for t in got) else None
+
+    counts = [p.correct_count for p in present]
+    return TokenOutputs(logprob=cat("logprob"), entropy=cat("entropy"), lse=cat("lse"),
+                        argmax=cat("argmax"),
+                        correct_count=(sum(counts)  # type: ignore[arg-type]
+                                       if all(c is not None for c in counts) else None))

@@ -30,14 +30,14 @@ from losshead._step_stream import StepStream
 from losshead._steps import Steps
 from losshead._transfers import Transfers
 from losshead._types import (ClientProgress, Gradient, GradientSummary, HeadCheckpoint,
-                             LossOptions, ReductionLike, StepResult, Weights, combine_results,
-                             to_matmul_precision, to_reduction)
+                             LossOptions, ReductionLike, StepResult, TokenOutputs, Weights,
+                             combine_results, to_matmul_precision, to_reduction)
 from losshead._wire import DTypeLike
 from losshead.errors import LossheadError
 from losshead.retry import RetryPolicy
 
 __all__ = ["Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheckpoint",
-           "LossOptions", "ReductionLike", "StepResult", "StepStream", "Weights",
+           "LossOptions", "ReductionLike", "StepResult", "StepStream", "TokenOutputs", "Weights",
            "combine_results", "to_reduction"]
 
 

@@ -20,12 +20,13 @@ returned and how dH is scaled on the trainer.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from losshead._plan import StepPlan
-from losshead._types import LossOptions, StepResult
+from losshead._types import LossOptions, StepResult, TokenOutputLike, to_token_outputs
 from losshead._window import tracker
 from losshead.client import Client
 
@@ -37,6 +38,32 @@ _DEFAULT_PLAN = StepPlan()
 OnResult = Optional[Callable[[StepResult], None]]
 
 
+@dataclass(frozen=True)
+class Asked:
+    """The token outputs a step asks for (StepOptions.token_outputs, return_correct_count)."""
+
+    token_outputs: Tuple[int, ...] = ()
+    correct_count: bool = False
+
+    @classmethod
+    def of(cls, token_outputs: Sequence[TokenOutputLike] = (),
+           correct_count: bool = False) -> "Asked":
+        return cls(tuple(to_token_outputs(token_outputs)), bool(correct_count))
+
+    def step_options(self) -> dict:
+        return {"token_outputs": self.token_outputs, "return_correct_count": self.correct_count}
+
+
+_NOTHING_ASKED = Asked()
+
+
+def _shape_outputs(result: StepResult, hidden: torch.Tensor, targets: torch.Tensor) -> None:
+    """The result's token outputs on hidden's device, in targets' shape."""
+    if result.outputs is not None:
+        result.outputs = result.outputs.map(
+            lambda t: t.to(device=hidden.device).reshape(targets.shape))
+
+
 def _check_reduction(reduction: str) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
@@ -46,21 +73,24 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss = CE(hidden @ W^T, targets) on the server; dH comes back with the loss.
 
     apply(hidden, targets, client, head, reduction, loss_options, plan, forward_only,
-    on_result): one training step (a forward-only one with `forward_only`: nothing added to
-    dW), cut and sent as `plan` says; `on_result(result)` sees the combined StepResult.
+    on_result, asked): one training step (a forward-only one with `forward_only`: nothing
+    added to dW), cut and sent as `plan` says; `on_result(result)` sees the combined StepResult,
+    with the token outputs `asked` (an Asked; None: none) in targets' shape on hidden's device.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
                 client: Client, head: str, reduction: str, loss_options: LossOptions,
-                plan: StepPlan, forward_only: bool, on_result: OnResult) -> torch.Tensor:
+                plan: StepPlan, forward_only: bool, on_result: OnResult,
+                asked: Optional[Asked] = None) -> torch.Tensor:
         result = client.step_chunked(
             head, hidden.detach(), targets.detach(), plan=plan, reduction="sum",
             grad_scale=1.0, loss_options=loss_options,
             return_per_token_loss=reduction == "none",
             skip_grad_hidden=not ctx.needs_input_grad[0],
             grad_hidden_device=hidden.device if hidden.is_cuda else None,
-            forward_only=forward_only)
+            forward_only=forward_only, **(asked or _NOTHING_ASKED).step_options())
+        _shape_outputs(result, hidden, targets)
         if on_result is not None:
             on_result(result)
         if not forward_only:
@@ -108,19 +138,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (dh.to(dtype).reshape(shape),) + _NO_GRADS[1:]
 
 
-_NO_GRADS: Tuple[None, ...] = (None,) * 9  # one per argument of forward
+_NO_GRADS: Tuple[None, ...] = (None,) * 10  # one per argument of forward
 
 
 @torch.no_grad()
 def _evaluate(client: Client, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
              reduction: str, loss_options: LossOptions, plan: StepPlan,
-             on_result: OnResult = None) -> torch.Tensor:
+             on_result: OnResult = None, asked: Optional[Asked] = None) -> torch.Tensor:
     """The loss from forward-only steps without dH: nothing added to dW or counted."""
     result = client.step_chunked(
         head, hidden.detach(), targets.detach(), plan=plan, reduction="sum",
         loss_options=loss_options, return_per_token_loss=reduction == "none",
         skip_grad_hidden=True, forward_only=True,
-        grad_hidden_dtype=None)  # no dH asked for: no dH dtype sent, whatever the plan's
+        grad_hidden_dtype=None,  # no dH asked for: no dH dtype sent, whatever the plan's
+        **(asked or _NOTHING_ASKED).step_options())
+    _shape_outputs(result, hidden, targets)
     if on_result is not None:
         on_result(result)
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -140,7 +172,9 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
                          head: str, reduction: str = "mean", ignore_index: Optional[int] = None,
                          label_smoothing: Optional[float] = None, z_loss: Optional[float] = None,
                          logit_softcap: Optional[float] = None, plan: Optional[StepPlan] = None,
-                         training: bool = True, return_result: bool = False) -> Any:
+                         training: bool = True, return_result: bool = False,
+                         token_outputs: Sequence[TokenOutputLike] = (),
+                         return_correct_count: bool = False) -> Any:
     """The loss of hidden (..., D) against targets (...) through the head `head` on `client`'s
     server: CE(hidden @ W^T, targets) with the given options (None: the head's defaults).
 
@@ -152,6 +186,11 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
     and nothing added, as RemoteLMHead in eval() mode). With grad mode off the steps are
     forward-only and carry no dH. `plan` (a StepPlan; default StepPlan()) says how the batch
     is cut and sent. The same autograd Function as RemoteLMHead's: the two agree bit for bit.
+
+    `token_outputs` (any of "logprob", "entropy", "lse", "argmax") and `return_correct_count`
+    ask for what the model predicts, from the same pass (they change the loss and dH by not a
+    bit): the StepResult's `outputs` (a TokenOutputs) holds them in targets' shape on hidden's
+    device, and `accuracy` the token accuracy; so ask for `return_result` too.
     """
     _check_reduction(reduction)
     options = LossOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -159,16 +198,16 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
     results: List[StepResult] = []
     loss = _loss(client, head, hidden, targets, reduction=reduction, loss_options=options,
                  plan=_DEFAULT_PLAN if plan is None else plan, training=training,
-                 on_result=results.append)
+                 on_result=results.append, asked=Asked.of(token_outputs, return_correct_count))
     return (loss, results[0]) if return_result else loss
 
 
 def _loss(client: Client, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
           reduction: str, loss_options: LossOptions, plan: StepPlan, training: bool,
-          on_result: OnResult = None) -> torch.Tensor:
+          on_result: OnResult = None, asked: Optional[Asked] = None) -> torch.Tensor:
     """What linear_cross_entropy and RemoteLMHead.forward run, their arguments checked."""
     if not torch.is_grad_enabled():
         return _evaluate(client, head, hidden, targets, reduction=reduction,
-                        loss_options=loss_options, plan=plan, on_result=on_result)
+                        loss_options=loss_options, plan=plan, on_result=on_result, asked=asked)
     return LinearCrossEntropyFunction.apply(hidden, targets, client, head, reduction,
-                                            loss_options, plan, not training, on_result)
+                                            loss_options, plan, not training, on_result, asked)

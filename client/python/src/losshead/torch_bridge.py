@@ -26,7 +26,7 @@ all-reduce) and must wait for the push before its next step (a barrier, or
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -36,7 +36,8 @@ from losshead._plan import StepPlan
 from losshead._window import WindowTracker, tracker
 from losshead._wire import DTypeLike
 from losshead.client import Client, GradientSummary, LossOptions, StepResult
-from losshead.functional import _check_reduction, _evaluate, _loss
+from losshead._types import TokenOutputLike, TokenOutputs
+from losshead.functional import Asked, _check_reduction, _evaluate, _loss
 
 _PLAN_FIELDS = ("wire_dtype", "grad_hidden_dtype", "chunk_tokens", "streams", "min_chunk_tokens",
                 "depth", "edge_tokens")
@@ -86,6 +87,12 @@ class RemoteLMHead(nn.Module):
     last call, training or evaluation. A training micro-batch is noted in the head's
     `window` (losshead._window), which warns (UnsteppedHeadWarning) when many run against
     the same weights version: nothing steps the head.
+
+    `token_outputs` (any of "logprob", "entropy", "lse", "argmax") and `return_correct_count`
+    ask every step for what the model predicts, from the same pass (the loss and dH stay the
+    same to the bit): `last_outputs` (a TokenOutputs, targets' shape) and
+    `last_result.accuracy`. `module.asked = Asked.of(...)` changes them between calls. A
+    sharded head computes only "lse" today (UNIMPLEMENTED otherwise, nothing counted).
     """
 
     def __init__(self, client: Client, head: str, *, reduction: str = "mean",
@@ -95,7 +102,9 @@ class RemoteLMHead(nn.Module):
                  grad_hidden_dtype: Optional[DTypeLike] = None,
                  chunk_tokens: Optional[int] = None, streams: Optional[int] = None,
                  min_chunk_tokens: Optional[int] = None, depth: Optional[int] = None,
-                 edge_tokens: Optional[int] = None) -> None:
+                 edge_tokens: Optional[int] = None,
+                 token_outputs: Sequence[TokenOutputLike] = (),
+                 return_correct_count: bool = False) -> None:
         super().__init__()
         _check_reduction(reduction)
         given = {k: v for k, v in (("wire_dtype", wire_dtype),
@@ -113,6 +122,7 @@ class RemoteLMHead(nn.Module):
                                         z_loss=z_loss, logit_softcap=logit_softcap)
         self.plan = plan if plan is not None else StepPlan(**given)
         self.last_result: Optional[StepResult] = None
+        self.asked = Asked.of(token_outputs, return_correct_count)
         self._tokens = 0
 
     wire_dtype = _plan_field("wire_dtype")
@@ -129,7 +139,7 @@ class RemoteLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _loss(self.client, self.head, hidden, targets, reduction=self.reduction,
                      loss_options=self.loss_options, plan=self.plan, training=self.training,
-                     on_result=self._took)
+                     on_result=self._took, asked=self.asked)
 
     def _took(self, result: StepResult) -> None:
         if not result.forward_only:
@@ -162,7 +172,13 @@ class RemoteLMHead(nn.Module):
         """
         return _evaluate(self.client, self.head, hidden, targets, reduction=self.reduction,
                          loss_options=self.loss_options, plan=self.plan,
-                         on_result=self._took)
+                         on_result=self._took, asked=self.asked)
+
+    @property
+    def last_outputs(self) -> Optional[TokenOutputs]:
+        """The token outputs of the last call (`token_outputs`, `return_correct_count`), in its
+        targets' shape on its hidden states' device; None when none were asked."""
+        return None if self.last_result is None else self.last_result.outputs
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,

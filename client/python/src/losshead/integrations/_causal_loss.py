@@ -19,7 +19,7 @@ class CausalLMOutput:
     """What the offloaded forward returns when no model library supplies its output type."""
 
     loss: torch.Tensor
-    logits: None = None
+    logits: Any = None  # None, or the predicted ids (B, T) with eval_predictions in eval mode
     past_key_values: Any = None
     hidden_states: Any = None
     attentions: Any = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from losshead._dist import Ranks
 from losshead._window import UnsteppedHeadWarning, tracker
 from losshead.client import Client
+from losshead.functional import Asked
 from losshead.integrations._causal_loss import (causal_targets, keeps_every_position,
                                                 last_hidden_state, reduce_loss)
 from losshead.integrations._causal_model import OFFLOAD_ATTR, OffloadedLMHead
@@ -38,6 +39,13 @@ class OffloadedHead:
     adds to the gradient window; in eval() mode (or under no_grad) the server runs forward-only
     steps. Copying or pickling the model raises, naming the way (`local_head`).
 
+    With `eval_predictions` (an argument of `offload_causal_lm`, or set on the handle) an
+    eval-mode forward also returns, in the output's `logits`, the ids the head predicts (B, T):
+    what a Trainer's `preprocess_logits_for_metrics` usually makes of logits
+    (`logits.argmax(-1)`), computed on the server in the same pass, so that `compute_metrics`
+    gets its predictions without the N x V logits; ignored positions hold -1.
+    `take_eval_accuracy()` gives the token accuracy of those forwards.
+
     While offloaded, `model.lm_head` is an `OffloadedLMHead` and `model.state_dict()` has no
     `lm_head.weight`: `export_state_dict()` downloads it (a complete checkpoint is
     `{**model.state_dict(), **offloaded.export_state_dict()}`, e.g. as `save_pretrained`'s
@@ -48,8 +56,12 @@ class OffloadedHead:
 
     def __init__(self, *, client: Client, head: str, remote: RemoteLMHead, linear: nn.Linear,
                  output_type: Callable[..., Any], ignore_index: int, weights_version: int,
-                 head_dtype: Optional[torch.dtype] = None) -> None:
+                 head_dtype: Optional[torch.dtype] = None, eval_predictions: bool = False) -> None:
         self.client = client
+        self.eval_predictions = eval_predictions
+        # Token accuracy of the eval-mode forwards with eval_predictions, since the last take.
+        self._eval_correct = 0
+        self._eval_tokens = 0
         self.head = head
         self.remote = remote
         self.ignore_index = ignore_index
@@ -71,6 +83,16 @@ class OffloadedHead:
     def __repr__(self) -> str:
         return (f"OffloadedHead(head={self.head!r}, target={self.client.target!r}, "
                 f"{self.vocab_size} x {self.hidden_size}, installed={self._installed})")
+
+    # -- evaluation --------------------------------------------------------------------------
+    def take_eval_accuracy(self) -> Tuple[int, int]:
+        """(correct, tokens) over the eval-mode forwards of this process since the last call:
+        the non-ignored shifted labels and how many of them the head's argmax predicted
+        (`eval_predictions`); (0, 0) without them. Sum it over data-parallel ranks for the
+        global token accuracy, correct / tokens."""
+        taken = (self._eval_correct, self._eval_tokens)
+        self._eval_correct = self._eval_tokens = 0
+        return taken
 
     # -- training loops ----------------------------------------------------------------------
     def optimizer(self, trunk_optimizer: torch.optim.Optimizer, **options: Any) -> JointOptimizer:
@@ -241,14 +263,30 @@ class OffloadedHead:
         self.remote.training = model.training
         if num_items_in_batch is not None and model.training and torch.is_grad_enabled():
             self._check_stepped()
+        predict = self.eval_predictions and not model.training
+        self.remote.asked = _PREDICTIONS if predict else Asked()
         loss_sum = self.remote(hidden.reshape(-1, self.hidden_size), targets.reshape(-1))
-        assert self.remote.last_result is not None
-        loss = reduce_loss(loss_sum, self.remote.last_result.token_count, num_items_in_batch)
+        result = self.remote.last_result
+        assert result is not None
+        loss = reduce_loss(loss_sum, result.token_count, num_items_in_batch)
+        predictions = None
+        if predict:
+            assert result.outputs is not None and result.outputs.argmax is not None
+            # What preprocess_logits_for_metrics usually computes, logits.argmax(-1): the id
+            # predicted at each position (for the next token), int64 in the labels' shape; -1
+            # where the shifted label is ignored (the last position among them).
+            predictions = result.outputs.argmax.to(torch.int64).reshape(targets.shape)
+            self._eval_correct += int(result.outputs.correct_count or 0)
+            self._eval_tokens += result.token_count
         output = self._output_type(
-            loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+            loss=loss, logits=predictions, past_key_values=getattr(out, "past_key_values", None),
             hidden_states=getattr(out, "hidden_states", None),
             attentions=getattr(out, "attentions", None))
         return output.to_tuple() if return_dict is False else output
+
+
+# What an eval-mode forward asks for with eval_predictions.
+_PREDICTIONS = Asked.of(("argmax",), correct_count=True)
 
 
 def _warn_unattached(offloaded: "OffloadedHead") -> None:

@@ -55,7 +55,8 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                       output_type: Callable[..., Any] = CausalLMOutput,
                       replicas: int = 1, shards: Optional[int] = None,
                       matmul_precision: Optional[str] = None,
-                      plan: Optional[StepPlan] = None) -> OffloadedHead:
+                      plan: Optional[StepPlan] = None,
+                      eval_predictions: bool = False) -> OffloadedHead:
     """Moves `model.lm_head` to the head `head` of a losshead server; returns its handle.
 
     `create` (default) creates the head with the model's V, D and `head_dtype` (default: the
@@ -86,6 +87,11 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     returned (its `to_tuple()` with return_dict=False). Without labels, or when logits are
     asked for, it raises ValueError. dW accumulates on the server as the token sum; RemoteAdamW
     (or RemoteHeadOptimizer) divides it by the tokens of the window.
+
+    `eval_predictions`: in eval() mode the output's `logits` are the predicted ids (B, T, int64;
+    -1 where the shifted label is ignored) that the server computes in the same pass, in place
+    of the logits a Trainer's `preprocess_logits_for_metrics` would reduce with argmax(-1), and
+    `OffloadedHead.take_eval_accuracy()` counts the correct ones. Training steps are unchanged.
     """
     lm_head = check_offloadable(model)
     vocab_size, hidden_size = lm_head.weight.shape
@@ -126,6 +132,7 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
             raise
     offloaded = OffloadedHead(client=client, head=head, remote=remote, linear=lm_head,
                               output_type=output_type, ignore_index=ignore_index,
-                              weights_version=version, head_dtype=dtype)
+                              weights_version=version, head_dtype=dtype,
+                              eval_predictions=eval_predictions)
     offloaded._install(model)
     return offloaded

@@ -62,7 +62,8 @@ def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
                     ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
                     z_loss: float = 0.0, replicas: int = 1, shards: Optional[int] = None,
                     matmul_precision: Optional[str] = None,
-                    plan: Optional[StepPlan] = None) -> OffloadedHead:
+                    plan: Optional[StepPlan] = None,
+                    eval_predictions: bool = False) -> OffloadedHead:
     """Offloads a transformers causal LM's `lm_head` to the losshead head `head`.
 
     `create` (default) creates the head with the model's V x D and dtype (`head_dtype` to
@@ -76,6 +77,8 @@ def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
     StepPlan) is how its batches travel (`chunk_tokens`, `streams`, `wire_dtype` build one
     instead, as RemoteLMHead's do). The returned
     `OffloadedHead` exports W back (`export_state_dict`, `restore`, `local_head`);
+    `eval_predictions` gives an eval-mode forward's output the predicted ids as `logits` (for
+    the Trainer's `compute_metrics`, without `preprocess_logits_for_metrics`);
     `causal_lm.offload_causal_lm` documents every argument.
     """
     output_type = _causal_lm_output_type()
@@ -84,4 +87,5 @@ def offload_lm_head(model: nn.Module, client: Client, head: str = "lm-head", *,
                              wire_dtype=wire_dtype, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss,
                              output_type=output_type, replicas=replicas, shards=shards,
-                             matmul_precision=matmul_precision, plan=plan)
+                             matmul_precision=matmul_precision, plan=plan,
+                             eval_predictions=eval_predictions)
