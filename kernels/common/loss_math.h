@@ -400,8 +400,7 @@ LOSSHEAD_HD T PolicyTokenLoss(const Options& o, const TermOptions& t, T lse, T l
 // dloss/dlog p of the policy-gradient loss (less the z-loss, which depends on lse only):
 // dloss/dr r + the KL term's slope.
 template <typename T>
-LOSSHEAD_HD T PolicyLogProbSlope(const TermOptions& t, T logprob, T r, T advantage,
-                                 T ref_logprob) {
+LOSSHEAD_HD T PolicyLogProbSlope(const TermOptions& t, T logprob, T r, T advantage, T ref_logprob) {
   T slope = ClippedPolicySlope(r, advantage, T(1) - static_cast<T>(t.clip_low),
                                T(1) + static_cast<T>(t.clip_high)) *
             r;
@@ -409,9 +408,9 @@ LOSSHEAD_HD T PolicyLogProbSlope(const TermOptions& t, T logprob, T r, T advanta
   return slope;
 }
 
-// The policy-gradient loss's factors, unscaled, from c = dloss/dlog p: dlog p/dz_j = [j == y] - p_j,
-// and the z-loss's 2 z_loss lse p_j, so p_scale = 2 z_loss lse - c, no uniform share, and the
-// target's share -c (LogitGrad subtracts it).
+// The policy-gradient loss's factors, unscaled, from c = dloss/dlog p: as dlog p/dz_j is
+// [j == y] - p_j and the z-loss adds 2 z_loss lse p_j, p_scale = 2 z_loss lse - c, no uniform
+// share, and the target's share -c (LogitGrad subtracts it).
 template <typename T>
 LOSSHEAD_HD BasicGradFactors<T> PolicyGradFactorsOf(const Options& o, T lse, T dlogprob) {
   return BasicGradFactors<T>{T(2) * static_cast<T>(o.z_loss) * lse - dlogprob, T(0), -dlogprob};

@@ -95,8 +95,7 @@ absl::Status ValidateProblem(const Problem& problem) {
         "kind must be cross_entropy or policy_gradient, got ", static_cast<int>(o.kind)));
   }
   if (!(o.clip_low >= 0.0f && o.clip_low <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("clip_low must be in [0, 1], got ", o.clip_low));
+    return absl::InvalidArgumentError(absl::StrCat("clip_low must be in [0, 1], got ", o.clip_low));
   }
   if (!(o.clip_high >= 0.0f) || !std::isfinite(o.clip_high)) {
     return absl::InvalidArgumentError(
@@ -136,8 +135,7 @@ absl::Status ValidateLossInputs(const Problem& problem, const Arguments& args) {
   }
   const bool policy = o.kind == LossKind::kPolicyGradient;
   if (policy && (args.old_logprob == nullptr || args.advantages == nullptr)) {
-    return absl::InvalidArgumentError(
-        "kind policy_gradient needs old_logprob and advantages");
+    return absl::InvalidArgumentError("kind policy_gradient needs old_logprob and advantages");
   }
   if (!policy && (args.old_logprob != nullptr || args.advantages != nullptr)) {
     return absl::InvalidArgumentError(

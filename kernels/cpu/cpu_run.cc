@@ -129,12 +129,11 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
         // An ignored token keeps RowDistribution's defaults, the values Arguments documents.
         RowDistribution dist;
         RowDistribution* dist_out = distribute ? &dist : nullptr;
-        const RowLoss row =
-            terms ? ComputeRowLossWithTerms(logits + r * v, v, targets[r], ignored, options,
-                                            args.bias, TokenTermsOf(args, c0 + r), grad_scale,
-                                            want_grad, dist_out)
-                  : ComputeRowLoss(logits + r * v, v, targets[r], ignored, options, grad_scale,
-                                   want_grad, dist_out);
+        const RowLoss row = terms ? ComputeRowLossWithTerms(
+                                        logits + r * v, v, targets[r], ignored, options, args.bias,
+                                        TokenTermsOf(args, c0 + r), grad_scale, want_grad, dist_out)
+                                  : ComputeRowLoss(logits + r * v, v, targets[r], ignored, options,
+                                                   grad_scale, want_grad, dist_out);
         row_stats[2 * r] = row.loss;
         row_stats[2 * r + 1] = row.lse;
         if (!distribute) continue;

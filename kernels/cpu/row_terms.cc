@@ -72,8 +72,7 @@ RowLoss ComputeRowLossWithTerms(float* logits, int64_t v, int32_t target, bool i
   if (entropy_sums) dist_sums = cpu::SumRowDistribution(logits, v);
   const cpu::RowSums sums = entropy_sums ? dist_sums.sums : cpu::SumRow(logits, v);
   const double lse = loss::Lse(static_cast<double>(sums.max_z), sums.sum_exp);
-  const double entropy =
-      entropy_sums ? loss::Entropy(sums.sum_exp, dist_sums.sum_shifted_z) : 0.0;
+  const double entropy = entropy_sums ? loss::Entropy(sums.sum_exp, dist_sums.sum_shifted_z) : 0.0;
   if (distribute) {
     distribution->logprob = loss::TargetLogProb(lse, static_cast<double>(logits[target]));
     distribution->entropy = entropy;
@@ -93,8 +92,7 @@ RowLoss ComputeRowLossWithTerms(float* logits, int64_t v, int32_t target, bool i
   if (terms.policy_gradient) {
     const double logprob = loss::TargetLogProb(lse, z_target);
     const double ratio = loss::PolicyRatio(logprob, token.old_logprob);
-    loss = loss::PolicyTokenLoss(o, terms, lse, logprob, ratio, token.advantage,
-                                 token.ref_logprob);
+    loss = loss::PolicyTokenLoss(o, terms, lse, logprob, ratio, token.advantage, token.ref_logprob);
     factors = loss::PolicyGradFactorsOf(
         o, lse,
         loss::PolicyLogProbSlope(terms, logprob, ratio, token.advantage, token.ref_logprob));
@@ -108,8 +106,8 @@ RowLoss ComputeRowLossWithTerms(float* logits, int64_t v, int32_t target, bool i
 
   // The token's weight and the logit scale (the chain rule's last link, into u_j = h . w_j) join
   // the reduction's scale, all folded into the fp32 factors once.
-  const double scale = static_cast<double>(grad_scale) * token.weight *
-                       static_cast<double>(terms.logit_scale);
+  const double scale =
+      static_cast<double>(grad_scale) * token.weight * static_cast<double>(terms.logit_scale);
   const loss::GradFactors f = loss::FoldedGradFactors(factors, sums.sum_exp, scale);
   if (entropy_term) {
     const loss::EntropyGrad h = loss::FoldedEntropyGrad(

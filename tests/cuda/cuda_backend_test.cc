@@ -762,9 +762,9 @@ TEST_F(CudaBackendErrorTest, LossTermsAreUnimplemented) {
   }
   const absl::Status status = cuda_->Run(problem_, all, *stream_);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
-  EXPECT_NE(status.message().find(
-                "bias, grad_bias, token_weights, old_logprob, advantages, ref_logprob"),
-            std::string::npos)
+  EXPECT_NE(
+      status.message().find("bias, grad_bias, token_weights, old_logprob, advantages, ref_logprob"),
+      std::string::npos)
       << status;
   ExpectUntouched();
 }

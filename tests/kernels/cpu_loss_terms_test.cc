@@ -199,23 +199,26 @@ INSTANTIATE_TEST_SUITE_P(
     Terms, LossTermsReferenceGradientTest,
     ::testing::Values(
         FdCase{"Scale", With(CrossEntropy(), [](LossOptions& o) { o.logit_scale = 1.7f; }), {}},
-        FdCase{"Temperature_Softcap", With(CrossEntropy(Reduction::kSum),
-                                           [](LossOptions& o) {
-                                             o.logit_scale = 1.0f / 0.7f;
-                                             o.softcap = 2.0f;
-                                           }),
+        FdCase{"Temperature_Softcap",
+               With(CrossEntropy(Reduction::kSum),
+                    [](LossOptions& o) {
+                      o.logit_scale = 1.0f / 0.7f;
+                      o.softcap = 2.0f;
+                    }),
                {}},
         FdCase{"Bias", CrossEntropy(), {.bias = true}},
-        FdCase{"Weights_LabelSmoothing", With(CrossEntropy(Reduction::kNone),
-                                              [](LossOptions& o) { o.label_smoothing = 0.1f; }),
-               {.weights = true}},
+        FdCase{
+            "Weights_LabelSmoothing",
+            With(CrossEntropy(Reduction::kNone), [](LossOptions& o) { o.label_smoothing = 0.1f; }),
+            {.weights = true}},
         FdCase{"Entropy", With(CrossEntropy(), [](LossOptions& o) { o.entropy_coef = 0.3f; }), {}},
-        FdCase{"EntropyNegative_Softcap_ZLoss", With(CrossEntropy(Reduction::kSum),
-                                                     [](LossOptions& o) {
-                                                       o.entropy_coef = -0.2f;
-                                                       o.softcap = 1.5f;
-                                                       o.z_loss = 0.01f;
-                                                     }),
+        FdCase{"EntropyNegative_Softcap_ZLoss",
+               With(CrossEntropy(Reduction::kSum),
+                    [](LossOptions& o) {
+                      o.entropy_coef = -0.2f;
+                      o.softcap = 1.5f;
+                      o.z_loss = 0.01f;
+                    }),
                {}},
         FdCase{"PolicyGradient", PolicyGradient(), {}},
         FdCase{"PolicyGradient_Kl_AsymmetricClip",
@@ -225,24 +228,26 @@ INSTANTIATE_TEST_SUITE_P(
                       o.clip_high = 0.28f;
                     }),
                {}},
-        FdCase{"PolicyGradient_Everything", With(PolicyGradient(Reduction::kMean, 0.05f),
-                                                 [](LossOptions& o) {
-                                                   o.logit_scale = 0.8f;
-                                                   o.softcap = 3.0f;
-                                                   o.z_loss = 0.02f;
-                                                   o.entropy_coef = -0.05f;
-                                                   o.grad_scale = 0.5f;
-                                                 }),
+        FdCase{"PolicyGradient_Everything",
+               With(PolicyGradient(Reduction::kMean, 0.05f),
+                    [](LossOptions& o) {
+                      o.logit_scale = 0.8f;
+                      o.softcap = 3.0f;
+                      o.z_loss = 0.02f;
+                      o.entropy_coef = -0.05f;
+                      o.grad_scale = 0.5f;
+                    }),
                {.bias = true, .weights = true}},
-        FdCase{"CrossEntropy_Everything", With(CrossEntropy(Reduction::kMean),
-                                               [](LossOptions& o) {
-                                                 o.logit_scale = 1.3f;
-                                                 o.softcap = 2.5f;
-                                                 o.z_loss = 0.02f;
-                                                 o.label_smoothing = 0.05f;
-                                                 o.entropy_coef = 0.1f;
-                                                 o.grad_scale = 3.0f;
-                                               }),
+        FdCase{"CrossEntropy_Everything",
+               With(CrossEntropy(Reduction::kMean),
+                    [](LossOptions& o) {
+                      o.logit_scale = 1.3f;
+                      o.softcap = 2.5f;
+                      o.z_loss = 0.02f;
+                      o.label_smoothing = 0.05f;
+                      o.entropy_coef = 0.1f;
+                      o.grad_scale = 3.0f;
+                    }),
                {.bias = true, .weights = true}}),
     [](const ::testing::TestParamInfo<FdCase>& info) { return info.param.name; });
 
@@ -362,31 +367,56 @@ INSTANTIATE_TEST_SUITE_P(
                     o.softcap = 5.0f;
                   })},
         Case{"FP32_Bias_Mean", 37, 67, 1000, DType::kFP32, CrossEntropy(), {.bias = true}},
-        Case{"FP16_Bias_Softcap_LabelSmoothing_None", 37, 67, 997, DType::kFP16,
+        Case{"FP16_Bias_Softcap_LabelSmoothing_None",
+             37,
+             67,
+             997,
+             DType::kFP16,
              With(CrossEntropy(Reduction::kNone),
                   [](LossOptions& o) {
                     o.softcap = 3.0f;
                     o.label_smoothing = 0.1f;
                   }),
              {.bias = true}},
-        Case{"BF16_Weights_Mean_Ignored", 48, 67, 1000, DType::kBF16, CrossEntropy(),
-             {.weights = true}, 0.3},
-        Case{"FP32_Weights_ZLoss_Sum", 48, 67, 997, DType::kFP32,
+        Case{"BF16_Weights_Mean_Ignored",
+             48,
+             67,
+             1000,
+             DType::kBF16,
+             CrossEntropy(),
+             {.weights = true},
+             0.3},
+        Case{"FP32_Weights_ZLoss_Sum",
+             48,
+             67,
+             997,
+             DType::kFP32,
              With(CrossEntropy(Reduction::kSum), [](LossOptions& o) { o.z_loss = 1e-3f; }),
              {.weights = true}},
         Case{"FP32_Entropy_Mean", 37, 67, 1000, DType::kFP32,
              With(CrossEntropy(), [](LossOptions& o) { o.entropy_coef = 0.05f; })},
-        Case{"BF16_EntropyNegative_Softcap_ZLoss_Sum", 37, 67, 997, DType::kBF16,
+        Case{"BF16_EntropyNegative_Softcap_ZLoss_Sum",
+             37,
+             67,
+             997,
+             DType::kBF16,
              With(CrossEntropy(Reduction::kSum),
                   [](LossOptions& o) {
                     o.entropy_coef = -0.1f;
                     o.softcap = 4.0f;
                     o.z_loss = 1e-3f;
                   }),
-             {}, 0.2},
+             {},
+             0.2},
         Case{"FP32_PolicyGradient_Mean", 48, 67, 1000, DType::kFP32, PolicyGradient()},
-        Case{"BF16_PolicyGradient_Kl_Sum_Ignored", 48, 67, 997, DType::kBF16,
-             PolicyGradient(Reduction::kSum, 0.04f), {}, 0.3},
+        Case{"BF16_PolicyGradient_Kl_Sum_Ignored",
+             48,
+             67,
+             997,
+             DType::kBF16,
+             PolicyGradient(Reduction::kSum, 0.04f),
+             {},
+             0.3},
         Case{"FP16_PolicyGradient_Kl_None", 48, 67, 1000, DType::kFP16,
              With(PolicyGradient(Reduction::kNone, 0.1f),
                   [](LossOptions& o) {
@@ -394,7 +424,11 @@ INSTANTIATE_TEST_SUITE_P(
                     o.clip_high = 0.28f;
                   })},
         // All together.
-        Case{"BF16_CrossEntropy_Everything_Chunked", 150, 67, 997, DType::kBF16,
+        Case{"BF16_CrossEntropy_Everything_Chunked",
+             150,
+             67,
+             997,
+             DType::kBF16,
              With(CrossEntropy(Reduction::kMean),
                   [](LossOptions& o) {
                     o.logit_scale = 1.25f;
@@ -404,8 +438,14 @@ INSTANTIATE_TEST_SUITE_P(
                     o.entropy_coef = -0.02f;
                     o.grad_scale = 2.0f;
                   }),
-             {.bias = true, .weights = true}, 0.25, kChunked},
-        Case{"FP32_PolicyGradient_Everything_Chunked", 150, 67, 997, DType::kFP32,
+             {.bias = true, .weights = true},
+             0.25,
+             kChunked},
+        Case{"FP32_PolicyGradient_Everything_Chunked",
+             150,
+             67,
+             997,
+             DType::kFP32,
              With(PolicyGradient(Reduction::kMean, 0.05f),
                   [](LossOptions& o) {
                     o.logit_scale = 0.9f;
@@ -413,8 +453,14 @@ INSTANTIATE_TEST_SUITE_P(
                     o.z_loss = 1e-4f;
                     o.entropy_coef = 0.01f;
                   }),
-             {.bias = true, .weights = true}, 0.25, kChunked},
-        Case{"FP16_PolicyGradient_Everything_Sum", 40, 33, 1000, DType::kFP16,
+             {.bias = true, .weights = true},
+             0.25,
+             kChunked},
+        Case{"FP16_PolicyGradient_Everything_Sum",
+             40,
+             33,
+             1000,
+             DType::kFP16,
              With(PolicyGradient(Reduction::kSum, 0.02f),
                   [](LossOptions& o) {
                     o.logit_scale = 1.1f;
@@ -422,7 +468,8 @@ INSTANTIATE_TEST_SUITE_P(
                     o.entropy_coef = -0.01f;
                     o.grad_scale = 0.25f;
                   }),
-             {.bias = true, .weights = true}, 0.1}),
+             {.bias = true, .weights = true},
+             0.1}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
@@ -448,13 +495,11 @@ void ExpectSameBits(const Outputs& a, const Outputs& b) {
 TEST(CpuLossTermsBits, NeutralInputsGiveThePlainRowsBits) {
   for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     for (const LossOptions& options :
-         {CrossEntropy(Reduction::kMean),
-          With(CrossEntropy(Reduction::kSum),
-               [](LossOptions& o) {
-                 o.label_smoothing = 0.1f;
-                 o.z_loss = 1e-3f;
-                 o.softcap = 5.0f;
-               })}) {
+         {CrossEntropy(Reduction::kMean), With(CrossEntropy(Reduction::kSum), [](LossOptions& o) {
+            o.label_smoothing = 0.1f;
+            o.z_loss = 1e-3f;
+            o.softcap = 5.0f;
+          })}) {
       SCOPED_TRACE(::testing::Message()
                    << DTypeName(dtype) << (options.softcap > 0.0f ? " all options" : " plain"));
       const Problem p{.n = 40, .d = 33, .v = 301, .dtype = dtype, .options = options};
@@ -507,14 +552,14 @@ TEST(LossMathPolicyGradient, ClipSlopeFollowsAutogradAtTheBounds) {
     double r, a, slope;
   };
   for (const Point& x : std::vector<Point>{
-           {1.0, 2.0, -2.0},    // inside: a tie, half through each branch, clamp passing
-           {1.2, 2.0, -2.0},    // at hi: clamp(r) = r, a tie, and clamp passes at its bound
-           {0.8, -3.0, 3.0},    // at lo, likewise
-           {1.3, 2.0, 0.0},     // above hi, A > 0: min is the clipped branch, clamp stops
-           {1.3, -2.0, 2.0},    // above hi, A < 0: min is the unclipped branch
-           {0.5, 2.0, -2.0},    // below lo, A > 0: unclipped
-           {0.5, -2.0, 0.0},    // below lo, A < 0: clipped, stopped
-           {1.3, 0.0, -0.0},    // A = 0: a tie outside the range, half of 0
+           {1.0, 2.0, -2.0},  // inside: a tie, half through each branch, clamp passing
+           {1.2, 2.0, -2.0},  // at hi: clamp(r) = r, a tie, and clamp passes at its bound
+           {0.8, -3.0, 3.0},  // at lo, likewise
+           {1.3, 2.0, 0.0},   // above hi, A > 0: min is the clipped branch, clamp stops
+           {1.3, -2.0, 2.0},  // above hi, A < 0: min is the unclipped branch
+           {0.5, 2.0, -2.0},  // below lo, A > 0: unclipped
+           {0.5, -2.0, 0.0},  // below lo, A < 0: clipped, stopped
+           {1.3, 0.0, -0.0},  // A = 0: a tie outside the range, half of 0
        }) {
     EXPECT_EQ(loss::ClippedPolicySlope(x.r, x.a, lo, hi), x.slope) << x.r << " " << x.a;
     EXPECT_EQ(loss::ClippedPolicyTerm(x.r, x.a, lo, hi),
@@ -642,7 +687,8 @@ struct ErrorRun {
   }
 
   bool Untouched() const {
-    return loss_sum == 7.0f && token_count == 7 && grad_bias == std::vector<float>(problem.v, 7.0f) &&
+    return loss_sum == 7.0f && token_count == 7 &&
+           grad_bias == std::vector<float>(problem.v, 7.0f) &&
            grad_weight == std::vector<float>(problem.v * problem.d, 7.0f) &&
            per_token_loss == std::vector<float>(problem.n, 7.0f);
   }

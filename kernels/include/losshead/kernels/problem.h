@@ -174,15 +174,15 @@ struct Arguments {
   // anything, that each value a call reads is finite (INVALID_ARGUMENT naming the field and the
   // token or class): every bias entry, and the per-token inputs of counted tokens (an ignored
   // token's are not read).
-  const float* bias = nullptr;  // V fp32
-  float* grad_bias = nullptr;   // V fp32, accumulated into (+=); only with bias
+  const float* bias = nullptr;           // V fp32
+  float* grad_bias = nullptr;            // V fp32, accumulated into (+=); only with bias
   const float* token_weights = nullptr;  // N fp32
   // kPolicyGradient's inputs: old_logprob and advantages required, ref_logprob exactly when
   // kl_coef > 0; none of them with kCrossEntropy.
   const float* old_logprob = nullptr;  // N fp32
   const float* advantages = nullptr;   // N fp32
   const float* ref_logprob = nullptr;  // N fp32
-  void* workspace = nullptr;  // Backend::WorkspaceBytes(problem, budget) bytes
+  void* workspace = nullptr;           // Backend::WorkspaceBytes(problem, budget) bytes
   size_t workspace_bytes = 0;
 };
 
