@@ -22,6 +22,8 @@
 #include "kernels/common/loss_math.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "losshead/kernels/backend.h"
+#include "losshead/kernels/dtype_convert.h"
+#include "losshead/kernels/grad_stash.h"
 #include "losshead/kernels/shard_problem.h"
 #include "tests/kernels/backend_runner.h"
 #include "tests/kernels/loss_terms_reference.h"
@@ -539,6 +541,68 @@ TEST(CpuLossTermsBits, MeanDividesByTokenCountNotByTheWeights) {
   for (size_t i = 0; i < a->grad_weight.size(); ++i) {
     ASSERT_EQ(b->grad_weight[i], 4.0f * a->grad_weight[i]) << i;
   }
+}
+
+// Deferred dW: the stash holds G with the token weights and the logit scale already in it, so a
+// flush gives the dW a direct call accumulates; dH and grad_bias are the same bits either way.
+TEST(CpuLossTermsStash, FlushedStashGivesTheDirectGradient) {
+  Problem p{.n = 48, .d = 33, .v = 301, .dtype = DType::kBF16};
+  p.options = With(PolicyGradient(Reduction::kMean, 0.05f), [](LossOptions& o) {
+    o.logit_scale = 0.8f;
+    o.entropy_coef = 0.02f;
+    o.softcap = 6.0f;
+  });
+  const Inputs in = MakeRandomInputs(p, 4848, InputSpec{.ignore_fraction = 0.2});
+  const TermInputs terms = RandomTermInputs(p, in, {.bias = true, .weights = true}, 4849);
+  const TermResult ref = LossTermsReference(p, in.hidden, in.weight, in.targets, terms);
+  std::unique_ptr<Backend> backend = CreateCpuBackend(2);
+  absl::StatusOr<Outputs> direct =
+      RunOnBackend(*backend, in, RunOptionsFor(terms, size_t{64} << 20));
+  ASSERT_TRUE(direct.ok()) << direct.status();
+
+  absl::StatusOr<size_t> stash_bytes = backend->GradStashBytes(p, p.n);
+  absl::StatusOr<size_t> workspace_bytes = backend->WorkspaceBytes(p, size_t{64} << 20);
+  ASSERT_TRUE(stash_bytes.ok() && workspace_bytes.ok());
+  absl::StatusOr<DeviceBuffer> stash = backend->Allocate(*stash_bytes);
+  absl::StatusOr<DeviceBuffer> workspace = backend->Allocate(*workspace_bytes);
+  ASSERT_TRUE(stash.ok() && workspace.ok());
+  std::vector<uint8_t> grad_hidden(in.hidden_bytes.size());
+  std::vector<float> grad_bias(p.v, 0.0f), grad_weight(p.v * p.d, 0.0f);
+  float loss_sum = 0.0f;
+  int64_t token_count = 0;
+  Arguments args;
+  args.hidden = in.hidden_bytes.data();
+  args.weight = in.weight_bytes.data();
+  args.targets = in.targets.data();
+  args.grad_hidden = grad_hidden.data();
+  args.grad_stash = GradStash{stash->data(), p.n, 0};
+  args.loss_sum = &loss_sum;
+  args.token_count = &token_count;
+  args.bias = terms.bias.data();
+  args.grad_bias = grad_bias.data();
+  args.token_weights = terms.token_weights.data();
+  args.old_logprob = terms.old_logprob.data();
+  args.advantages = terms.advantages.data();
+  args.ref_logprob = terms.ref_logprob.data();
+  args.workspace = workspace->data();
+  args.workspace_bytes = *workspace_bytes;
+  auto stream = backend->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  ASSERT_TRUE(backend->Run(p, args, **stream).ok());
+  ASSERT_TRUE(backend
+                  ->FlushGradStash(p, GradStash{stash->data(), p.n, p.n}, grad_weight.data(),
+                                   workspace->data(), *workspace_bytes, **stream)
+                  .ok());
+
+  EXPECT_EQ(loss_sum, direct->loss_sum);
+  EXPECT_TRUE(SameBits(grad_bias, direct->grad_bias));
+  std::vector<float> decoded(p.n * p.d);
+  ToFloat(p.dtype, grad_hidden.data(), decoded.data(), decoded.size());
+  EXPECT_EQ(ToDouble(decoded), direct->grad_hidden);
+  EXPECT_LE(WorstToleranceRatio(ToDouble(grad_weight), ref.grad_weight, 1e-5,
+                                1e-6 * MaxAbs(ref.grad_weight)),
+            1.0);
+  EXPECT_GT(MaxAbs(ref.grad_weight), 0.0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -154,7 +154,8 @@ struct Arguments {
   float* per_token_loss = nullptr;  // N, 0 for ignored tokens; optional
   float* per_token_lse = nullptr;   // N, lse for every token (ignored ones too); optional
   // What the model predicts: per token, the distribution p = softmax(z) the loss uses (z after
-  // the soft-cap; independent of label smoothing and z-loss, which change the loss, not p).
+  // the logit scale, bias and soft-cap; independent of label smoothing, z-loss, the entropy term,
+  // the weights and the loss's kind, which change the loss, not p).
   // Each is optional and independent of the others: a null one is neither computed nor written,
   // and a call that asks for none does no work beyond the loss's. Asking for any changes no
   // other output by a single bit. An ignored token gets the value named and is not counted.
@@ -170,10 +171,10 @@ struct Arguments {
   // token accuracy is correct_count / token_count. Needs no per_token_argmax.
   int64_t* correct_count = nullptr;
   // Inputs and outputs of the model options and terms above LossOptions, each optional and
-  // read only when given; what they mean is there. The backend checks, before it writes
-  // anything, that each value a call reads is finite (INVALID_ARGUMENT naming the field and the
-  // token or class): every bias entry, and the per-token inputs of counted tokens (an ignored
-  // token's are not read).
+  // read only when given; what they mean is there. A call whose values are not all finite where
+  // they are read is refused before anything is written (INVALID_ARGUMENT naming the field and
+  // the class or token): every bias entry, and the per-token inputs of counted tokens (an
+  // ignored token's are not read, so not checked). The CPU backend checks them on the host.
   const float* bias = nullptr;           // V fp32
   float* grad_bias = nullptr;            // V fp32, accumulated into (+=); only with bias
   const float* token_weights = nullptr;  // N fp32
