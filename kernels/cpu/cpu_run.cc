@@ -97,7 +97,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   const bool distribute = args.per_token_logprob != nullptr || args.per_token_entropy != nullptr ||
                           args.per_token_argmax != nullptr || args.correct_count != nullptr;
   std::atomic<int64_t> correct_count{0};
-  // The model options and loss terms beyond the plain loss (problem.h): one test per row.
+  // The model options and loss terms beyond the plain loss (problem.h): decided once per call,
+  // one branch per row.
   const bool terms = RowTermsOn(options, args);
 
   double loss_sum = 0.0;
@@ -177,7 +178,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
       continue;
     }
     if (args.grad_bias != nullptr) {
-      // db += the column sums of G over the chunk's rows, less the logit scale G carries.
+      // db += the column sums of G over the chunk's rows divided by the logit scale G carries
+      // (dloss/db_j = dloss/dx_j, G = logit_scale dloss/dx_j).
       const double inv_scale = 1.0 / static_cast<double>(options.logit_scale);
       pool_.ParallelFor(v, [&](int64_t begin, int64_t end) {
         std::vector<double> column_sums(static_cast<size_t>(end - begin), 0.0);
