@@ -271,6 +271,151 @@ LOSSHEAD_HD bool ArgmaxBeats(T z, Id id, T best_z, Id best_id) {
   return z > best_z || (z == best_z && id < best_id);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The model options and further terms of LossOptions (problem.h): logit scale and bias, the
+// entropy term, the policy-gradient loss. Per token, with c = the token's weight times the
+// reduction's scale (the caller's), log p = TargetLogProb(lse, z_y), H = Entropy(..):
+//   x_j        = ScaledLogit(h . w_j, logit_scale, b_j)           = logit_scale (h . w_j) + b_j
+//   loss       = cross-entropy: TokenLoss(..)                           + EntropyTerm(coef, H)
+//                policy gradient: PolicyTokenLoss(..) (+ its z-loss)   + EntropyTerm(coef, H)
+//   dloss/dz_j = LogitGrad(factors, e_j, j == y) + EntropyLogitGrad(entropy, e_j, z_j - max)
+// with the factors GradFactorsOf (cross-entropy) or PolicyGradFactorsOf (policy gradient, of
+// dloss/dlog p = PolicyLogProbSlope), chained through the soft-cap as above, and through the
+// scale by logit_scale (dloss/d(h . w_j) = logit_scale dloss/dx_j, dloss/db_j = dloss/dx_j).
+
+// What the terms read of LossOptions. A struct of its own rather than fields of Options: the
+// kernels that do not compute these terms yet receive the launch parameters they always did.
+struct TermOptions {
+  float logit_scale = 1.0f;  // 1 = off
+  float entropy_coef = 0.0f;
+  bool policy_gradient = false;
+  float clip_low = 0.2f;
+  float clip_high = 0.2f;
+  float kl_coef = 0.0f;
+};
+
+inline TermOptions TermOptionsOf(const LossOptions& o) {
+  return TermOptions{o.logit_scale, o.entropy_coef, o.kind == LossKind::kPolicyGradient,
+                     o.clip_low,    o.clip_high,    o.kl_coef};
+}
+
+// Whether any of them is on: a row without them runs the plain row, unchanged.
+inline bool AnyTerm(const TermOptions& t) {
+  return t.logit_scale != 1.0f || t.entropy_coef != 0.0f || t.policy_gradient;
+}
+
+// The logit from u = h . w_j.
+template <typename T>
+LOSSHEAD_HD T ScaledLogit(T u, T scale, T bias) {
+  return scale * u + bias;
+}
+
+template <typename T>
+LOSSHEAD_HD T EntropyTerm(T coef, T entropy) {
+  return coef * entropy;
+}
+
+// The entropy term's gradient, dH/dz_j = -p_j (z_j - sum_k p_k z_k), written against the row's
+// max as Entropy is: with e_j = exp(z_j - max), sum_exp and s = sum_j ShiftedZTerm(e_j, z_j - max),
+// p_j = e_j / sum_exp and z_j - sum_k p_k z_k = (z_j - max) - s / sum_exp. `scale` multiplies e_j
+// (the coefficient, -1 / sum_exp and the caller's scale folded in), `mean_shifted_z` = s / sum_exp.
+template <typename T>
+struct BasicEntropyGrad {
+  T scale = T(0);
+  T mean_shifted_z = T(0);
+};
+using EntropyGrad = BasicEntropyGrad<float>;
+
+// The CPU backend's fp32 factors from double statistics, each rounded once.
+inline EntropyGrad FoldedEntropyGrad(double coef, double sum_exp, double sum_shifted_z,
+                                     double scale) {
+  return EntropyGrad{static_cast<float>(-coef / sum_exp * scale),
+                     static_cast<float>(sum_shifted_z / sum_exp)};
+}
+
+template <typename T>
+LOSSHEAD_HD T EntropyLogitGrad(const BasicEntropyGrad<T>& f, T e, T shifted_z) {
+  return e * f.scale * (shifted_z - f.mean_shifted_z);
+}
+
+// The policy ratio r = p / p_old from log p and the old log p.
+template <typename T>
+LOSSHEAD_HD T PolicyRatio(T logprob, T old_logprob) {
+  return Exp(logprob - old_logprob);
+}
+
+// torch.clamp(r, lo, hi) for lo <= hi.
+template <typename T>
+LOSSHEAD_HD T ClipRatio(T r, T lo, T hi) {
+  return r < lo ? lo : (r > hi ? hi : r);
+}
+
+// -min(r A, clip(r, lo, hi) A).
+template <typename T>
+LOSSHEAD_HD T ClippedPolicyTerm(T r, T advantage, T lo, T hi) {
+  const T unclipped = r * advantage;
+  const T clipped = ClipRatio(r, lo, hi) * advantage;
+  return -(unclipped < clipped ? unclipped : clipped);
+}
+
+// Its derivative in r as PyTorch's autograd takes it: torch.min (minimum) sends the gradient to
+// the smaller operand, half to each at a tie; torch.clamp passes it where lo <= r <= hi (bounds
+// included) and stops it elsewhere. So -A where r A < clip(r) A, -A [lo <= r <= hi] where
+// r A > clip(r) A, and -A (1 + [lo <= r <= hi]) / 2 at a tie.
+template <typename T>
+LOSSHEAD_HD T ClippedPolicySlope(T r, T advantage, T lo, T hi) {
+  const T unclipped = r * advantage;
+  const T clipped = ClipRatio(r, lo, hi) * advantage;
+  const T passes = (r >= lo && r <= hi) ? T(1) : T(0);
+  const T share = unclipped < clipped   ? T(1)
+                  : unclipped > clipped ? passes
+                                        : (T(1) + passes) / T(2);
+  return -advantage * share;
+}
+
+// The KL estimator k3 = exp(q - log p) - (q - log p) - 1 (>= 0) against the reference's log p q,
+// times its coefficient, and its derivative in log p: kl_coef (1 - exp(q - log p)).
+template <typename T>
+LOSSHEAD_HD T KlTerm(T kl_coef, T ref_logprob, T logprob) {
+  const T d = ref_logprob - logprob;
+  return kl_coef * ((Exp(d) - T(1)) - d);
+}
+
+template <typename T>
+LOSSHEAD_HD T KlSlope(T kl_coef, T ref_logprob, T logprob) {
+  return kl_coef * (T(1) - Exp(ref_logprob - logprob));
+}
+
+// A counted token's policy-gradient loss, its terms in problem.h's order: the clipped term, the
+// KL term (when kl_coef > 0), the z-loss. r = PolicyRatio(logprob, old_logprob).
+template <typename T>
+LOSSHEAD_HD T PolicyTokenLoss(const Options& o, const TermOptions& t, T lse, T logprob, T r,
+                              T advantage, T ref_logprob) {
+  T loss = ClippedPolicyTerm(r, advantage, T(1) - static_cast<T>(t.clip_low),
+                             T(1) + static_cast<T>(t.clip_high));
+  if (t.kl_coef > 0.0f) loss += KlTerm(static_cast<T>(t.kl_coef), ref_logprob, logprob);
+  return loss + ZLossTerm(static_cast<T>(o.z_loss), lse);
+}
+
+// dloss/dlog p of the policy-gradient loss (less the z-loss, which depends on lse only):
+// dloss/dr r + the KL term's slope.
+template <typename T>
+LOSSHEAD_HD T PolicyLogProbSlope(const TermOptions& t, T logprob, T r, T advantage, T ref_logprob) {
+  T slope = ClippedPolicySlope(r, advantage, T(1) - static_cast<T>(t.clip_low),
+                               T(1) + static_cast<T>(t.clip_high)) *
+            r;
+  if (t.kl_coef > 0.0f) slope += KlSlope(static_cast<T>(t.kl_coef), ref_logprob, logprob);
+  return slope;
+}
+
+// The policy-gradient loss's factors, unscaled, from c = dloss/dlog p: as dlog p/dz_j is
+// [j == y] - p_j and the z-loss adds 2 z_loss lse p_j, p_scale = 2 z_loss lse - c, no uniform
+// share, and the target's share -c (LogitGrad subtracts it).
+template <typename T>
+LOSSHEAD_HD BasicGradFactors<T> PolicyGradFactorsOf(const Options& o, T lse, T dlogprob) {
+  return BasicGradFactors<T>{T(2) * static_cast<T>(o.z_loss) * lse - dlogprob, T(0), -dlogprob};
+}
+
 }  // namespace losshead::kernels::loss
 
 #endif  // LOSSHEAD_KERNELS_COMMON_LOSS_MATH_H_

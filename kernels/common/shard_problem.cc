@@ -2,6 +2,7 @@
 #include "losshead/kernels/shard_problem.h"
 
 #include <algorithm>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "losshead/kernels/backend.h"
@@ -18,6 +19,10 @@ absl::Status ValidateShardProblem(const ShardProblem& shard) {
   if (shard.shards < 1 || shard.rank < 0 || shard.rank >= shard.shards) {
     return absl::InvalidArgumentError(absl::StrCat("shard rank ", shard.rank, " of ", shard.shards,
                                                    " shards is outside [0, ", shard.shards, ")"));
+  }
+  if (const std::string terms = RequestedLossTerms(shard.problem.options); !terms.empty()) {
+    return absl::UnimplementedError(
+        absl::StrCat("shard call: ", terms, " not computed over vocabulary shards yet"));
   }
   return absl::OkStatus();
 }
@@ -38,6 +43,10 @@ absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArgume
   }
   if (AsksDistributionOutputs(args)) {
     return absl::UnimplementedError(absl::StrCat("shard call: ", RequestedDistributionOutputs(args),
+                                                 " not computed over vocabulary shards yet"));
+  }
+  if (AsksLossInputs(args)) {
+    return absl::UnimplementedError(absl::StrCat("shard call: ", RequestedLossInputs(args),
                                                  " not computed over vocabulary shards yet"));
   }
   if (args.grad_stash.data != nullptr) {

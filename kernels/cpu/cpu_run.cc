@@ -7,11 +7,13 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/chunk_plan.h"
 #include "kernels/cpu/cpu_backend_impl.h"
 #include "kernels/cpu/row_loss.h"
+#include "kernels/cpu/row_terms.h"
 #include "losshead/kernels/dtype_convert.h"
 
 namespace losshead::kernels::cpu {
@@ -45,6 +47,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   if (absl::Status status = CheckTargets(problem, args.targets, &token_count); !status.ok()) {
     return status;
   }
+  if (absl::Status status = ValidateLossInputs(problem, args); !status.ok()) return status;
+  if (absl::Status status = CheckTermInputs(problem, args); !status.ok()) return status;
 
   const int64_t n = problem.n;
   const int64_t d = problem.d;
@@ -53,7 +57,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   const LossOptions& options = problem.options;
   const size_t element = DTypeSize(dtype);
   const float grad_scale = EffectiveGradScale(options, token_count);
-  const bool want_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed;
+  const bool want_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed ||
+                         args.grad_bias != nullptr;
   float* stash_grad = nullptr;
   float* stash_hidden = nullptr;
   if (stashed) {
@@ -92,6 +97,9 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   const bool distribute = args.per_token_logprob != nullptr || args.per_token_entropy != nullptr ||
                           args.per_token_argmax != nullptr || args.correct_count != nullptr;
   std::atomic<int64_t> correct_count{0};
+  // The model options and loss terms beyond the plain loss (problem.h): decided once per call,
+  // one branch per row.
+  const bool terms = RowTermsOn(options, args);
 
   double loss_sum = 0.0;
   for (int64_t c0 = 0; c0 < n; c0 += plan.chunk_rows) {
@@ -121,8 +129,12 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
         const bool ignored = targets[r] == options.ignore_index;
         // An ignored token keeps RowDistribution's defaults, the values Arguments documents.
         RowDistribution dist;
-        const RowLoss row = ComputeRowLoss(logits + r * v, v, targets[r], ignored, options,
-                                           grad_scale, want_grad, distribute ? &dist : nullptr);
+        RowDistribution* dist_out = distribute ? &dist : nullptr;
+        const RowLoss row = terms ? ComputeRowLossWithTerms(
+                                        logits + r * v, v, targets[r], ignored, options, args.bias,
+                                        TokenTermsOf(args, c0 + r), grad_scale, want_grad, dist_out)
+                                  : ComputeRowLoss(logits + r * v, v, targets[r], ignored, options,
+                                                   grad_scale, want_grad, dist_out);
         row_stats[2 * r] = row.loss;
         row_stats[2 * r + 1] = row.lse;
         if (!distribute) continue;
@@ -164,6 +176,21 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
       // Nothing but ignored tokens: dH is zero (all-zero bits in every dtype), dW is unchanged.
       if (grad_hidden_out != nullptr) std::memset(grad_hidden_out, 0, rows * d * element);
       continue;
+    }
+    if (args.grad_bias != nullptr) {
+      // db += the column sums of G over the chunk's rows divided by the logit scale G carries
+      // (dloss/db_j = dloss/dx_j, G = logit_scale dloss/dx_j).
+      const double inv_scale = 1.0 / static_cast<double>(options.logit_scale);
+      pool_.ParallelFor(v, [&](int64_t begin, int64_t end) {
+        std::vector<double> column_sums(static_cast<size_t>(end - begin), 0.0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* g = logits + r * v;
+          for (int64_t j = begin; j < end; ++j) column_sums[j - begin] += g[j];
+        }
+        for (int64_t j = begin; j < end; ++j) {
+          args.grad_bias[j] += static_cast<float>(column_sums[j - begin] * inv_scale);
+        }
+      });
     }
     if (args.grad_weight != nullptr) {
       // dW (v x d) += G^T . H_chunk

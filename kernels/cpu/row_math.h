@@ -88,6 +88,30 @@ inline void WriteRowGradient(float* z, int64_t n, int64_t target, float shift,
   }
 }
 
+// Overwrites u_j = h . w_j with x_j = loss::ScaledLogit(u_j, scale, bias_j): only the parts that
+// are on (scale != 1, a bias), so a row without either is left as it is.
+inline void ScaleBiasRow(float* row, int64_t n, float scale, const float* bias) {
+  if (bias != nullptr && scale != 1.0f) {
+    for (int64_t j = 0; j < n; ++j) row[j] = loss::ScaledLogit(row[j], scale, bias[j]);
+  } else if (bias != nullptr) {
+    for (int64_t j = 0; j < n; ++j) row[j] += bias[j];
+  } else if (scale != 1.0f) {
+    for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+  }
+}
+
+// WriteRowGradient (kTimesInverse) with the entropy term's gradient added to each class's.
+inline void WriteRowGradientWithEntropy(float* z, int64_t n, int64_t target, float shift,
+                                        const loss::GradFactors& f, const loss::EntropyGrad& h,
+                                        const loss::Softcap& cap) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float shifted = z[j] - shift;
+    const float e = loss::Exp(shifted);
+    const float g = loss::LogitGrad(f, e, j == target) + loss::EntropyLogitGrad(h, e, shifted);
+    z[j] = cap.on() ? g * loss::SoftcapSlope(z[j] * cap.inv_cap) : g;
+  }
+}
+
 }  // namespace losshead::kernels::cpu
 
 #endif  // LOSSHEAD_KERNELS_CPU_ROW_MATH_H_

@@ -41,6 +41,10 @@ absl::Status CudaBackend::Run(const Problem& problem, const Arguments& args, Str
     return absl::UnimplementedError(absl::StrCat("the CUDA backend does not compute ",
                                                  RequestedDistributionOutputs(args), " yet"));
   }
+  if (AsksLossInputs(args)) {
+    return absl::UnimplementedError(
+        absl::StrCat("the CUDA backend does not compute ", RequestedLossInputs(args), " yet"));
+  }
   if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
     return absl::InvalidArgumentError("workspace must be a 256-byte aligned device pointer");
   }

@@ -131,6 +131,30 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
   args.per_token_entropy = static_cast<float*>(entropy);
   args.per_token_argmax = static_cast<int32_t*>(argmax);
   args.correct_count = static_cast<int64_t*>(correct_count);
+  // The loss terms' inputs, copied in where given.
+  auto input = [&](const std::vector<float>& values, const float** out) -> absl::Status {
+    if (values.empty()) return absl::OkStatus();
+    absl::StatusOr<void*> data = alloc(values.size() * sizeof(float));
+    if (!data.ok()) return data.status();
+    *out = static_cast<const float*>(*data);
+    return backend.CopyToDevice(*data, values.data(), values.size() * sizeof(float), stream);
+  };
+  LH_RETURN_IF_ERROR(input(options.bias, &args.bias));
+  LH_RETURN_IF_ERROR(input(options.token_weights, &args.token_weights));
+  LH_RETURN_IF_ERROR(input(options.old_logprob, &args.old_logprob));
+  LH_RETURN_IF_ERROR(input(options.advantages, &args.advantages));
+  LH_RETURN_IF_ERROR(input(options.ref_logprob, &args.ref_logprob));
+  if (options.grad_bias) {
+    void* grad_bias;
+    LH_ASSIGN_OR_RETURN(grad_bias, alloc(v * sizeof(float)));
+    if (options.initial_grad_bias.empty()) {
+      LH_RETURN_IF_ERROR(backend.Memset(grad_bias, 0, v * sizeof(float), stream));
+    } else {
+      LH_RETURN_IF_ERROR(backend.CopyToDevice(grad_bias, options.initial_grad_bias.data(),
+                                              v * sizeof(float), stream));
+    }
+    args.grad_bias = static_cast<float*>(grad_bias);
+  }
   args.hidden = hidden;
   args.weight = weight;
   args.targets = static_cast<const int32_t*>(targets);
@@ -156,6 +180,11 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
     out.grad_weight.resize(v * d);
     LH_RETURN_IF_ERROR(
         backend.CopyToHost(out.grad_weight.data(), grad_weight, v * d * sizeof(float), stream));
+  }
+  if (options.grad_bias) {
+    out.grad_bias.resize(v);
+    LH_RETURN_IF_ERROR(
+        backend.CopyToHost(out.grad_bias.data(), args.grad_bias, v * sizeof(float), stream));
   }
   if (options.per_token) {
     out.per_token_loss.resize(n);

@@ -45,6 +45,16 @@ struct RunOptions {
   bool correct_count = false;
   // dW before the call (V x D); zeros when empty.
   std::vector<float> initial_grad_weight;
+  // The loss terms' inputs (Arguments, problem.h): each given when not empty (bias: V, the
+  // others: N).
+  std::vector<float> bias;
+  std::vector<float> token_weights;
+  std::vector<float> old_logprob;
+  std::vector<float> advantages;
+  std::vector<float> ref_logprob;
+  bool grad_bias = false;
+  // db before the call (V); zeros when empty.
+  std::vector<float> initial_grad_bias;
 };
 
 struct Outputs {
@@ -59,6 +69,7 @@ struct Outputs {
   int64_t correct_count = 0;
   std::vector<double> grad_hidden;  // decoded from the problem's dtype
   std::vector<float> grad_weight;   // the accumulator after the call
+  std::vector<float> grad_bias;     // the accumulator after the call, when asked for
 };
 
 // Runs `inputs` on `backend` with WorkspaceBytes(problem, workspace_budget) bytes of workspace.

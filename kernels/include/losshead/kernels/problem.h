@@ -40,6 +40,12 @@ enum class Reduction {
   kNone,  // per-token losses; each token's gradient scaled by grad_scale (as kSum)
 };
 
+// What a token's loss is made of (LossOptions::kind).
+enum class LossKind {
+  kCrossEntropy,    // -log p_y, with label smoothing (the default)
+  kPolicyGradient,  // the clipped policy-gradient objective of PPO / GRPO (below)
+};
+
 // Loss options, applied per token t with target y and logits x_j = h_t . w_j:
 //   z_j    = softcap > 0 ? softcap * tanh(x_j / softcap) : x_j
 //   lse    = log sum_j exp(z_j)
@@ -49,6 +55,44 @@ enum class Reduction {
 //   g_j    = p_j (1 + 2 z_loss lse) - (1 - eps) [j == y] - eps / V,  p = softmax(z)
 // chained through the soft-cap by (1 - (z_j / softcap)^2). A token whose target equals
 // ignore_index contributes no loss, no gradient, and is not counted.
+//
+// Model options and further terms, each off by default (and then costing nothing):
+//
+// Logit scale and output bias. The logits become
+//   x_j = logit_scale * (h_t . w_j) + b_j
+// before the soft-cap, b being Arguments::bias (V fp32; b = 0 without one). A sampling
+// temperature T is logit_scale = 1 / T. The gradients of H and W carry the scale
+// (dloss/d(h . w_j) = logit_scale dloss/dx_j); Arguments::grad_bias receives dloss/db_j =
+// dloss/dx_j summed over the tokens.
+//
+// Per-token weights (Arguments::token_weights, N fp32): a counted token's loss and gradient are
+// multiplied by its weight w_t, whichever kind the loss is and with every term below included.
+// token_count stays the number of non-ignored tokens, and kMean still divides by it: loss =
+// sum_t w_t loss_t / token_count, the masked token mean RL trainers take (a weight of 0 counts a
+// token but adds nothing). A weighted mean sum_t w_t loss_t / sum_t w_t is kSum with grad_scale
+// = 1 / sum_t w_t, the caller's sum. per_token_loss and loss_sum hold the weighted losses.
+//
+// Entropy term (entropy_coef, any finite value; negative rewards entropy, as an RL bonus does):
+//   loss_t += entropy_coef * H_t,  H_t = lse - sum_j p_j z_j   (the entropy of p = softmax(z))
+//   dH_t/dz_j = -p_j (z_j - sum_k p_k z_k)
+// chained through the soft-cap and the scale as every other term.
+//
+// Policy gradient (kind = kPolicyGradient). With log p_t = z_y - lse (z at the scale, bias and
+// soft-cap above), Arguments::old_logprob o_t and Arguments::advantages A_t (N fp32 each):
+//   r_t    = exp(log p_t - o_t)
+//   loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
+//            + kl_coef * (exp(q_t - log p_t) - (q_t - log p_t) - 1)    (the k3 estimator)
+//            + z_loss * lse^2 + entropy_coef * H_t
+// q_t being Arguments::ref_logprob (needed exactly when kl_coef > 0). The loss depends on z
+// through log p_t (and lse, H_t for their terms), so with c_t = dloss_t/dlog p_t:
+//   g_j    = c_t ([j == y] - p_j) + 2 z_loss lse p_j + entropy_coef dH_t/dz_j
+//   c_t    = -r_t A_t m_t + kl_coef (1 - exp(q_t - log p_t))
+// where m_t is how much of the min's gradient reaches r_t, as PyTorch's autograd takes it for
+// torch.min(r A, torch.clamp(r, lo, hi) A): 1 where r A < clip(r) A; the clamp's gradient
+// [lo <= r <= hi] (bounds included) where r A > clip(r) A; and at a tie half of each, so 1 inside
+// [lo, hi] (where clip(r) = r) and 1/2 outside it. Label smoothing is cross-entropy's and is
+// refused with kPolicyGradient; ignore_index, the reduction, grad_scale, weights, z-loss, the
+// entropy term, the soft-cap, the scale and the bias apply to both kinds.
 struct LossOptions {
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::kMean;
@@ -56,6 +100,17 @@ struct LossOptions {
   float label_smoothing = 0.0f;
   float z_loss = 0.0f;
   float softcap = 0.0f;
+  // Finite and > 0; 1 is off.
+  float logit_scale = 1.0f;
+  // Finite, any sign; 0 is off.
+  float entropy_coef = 0.0f;
+  LossKind kind = LossKind::kCrossEntropy;
+  // kPolicyGradient only: the clip range [1 - clip_low, 1 + clip_high], clip_low in [0, 1],
+  // clip_high finite and >= 0; the KL term's coefficient, finite and >= 0 (0 with
+  // kCrossEntropy).
+  float clip_low = 0.2f;
+  float clip_high = 0.2f;
+  float kl_coef = 0.0f;
 };
 
 // A soft-cap is 0 (off) or a normal fp32 number: the kernels multiply by 1 / softcap, which a
@@ -99,7 +154,8 @@ struct Arguments {
   float* per_token_loss = nullptr;  // N, 0 for ignored tokens; optional
   float* per_token_lse = nullptr;   // N, lse for every token (ignored ones too); optional
   // What the model predicts: per token, the distribution p = softmax(z) the loss uses (z after
-  // the soft-cap; independent of label smoothing and z-loss, which change the loss, not p).
+  // the logit scale, bias and soft-cap; independent of label smoothing, z-loss, the entropy term,
+  // the weights and the loss's kind, which change the loss, not p).
   // Each is optional and independent of the others: a null one is neither computed nor written,
   // and a call that asks for none does no work beyond the loss's. Asking for any changes no
   // other output by a single bit. An ignored token gets the value named and is not counted.
@@ -114,7 +170,20 @@ struct Arguments {
   // [0] = number of non-ignored tokens whose argmax (as above) is their target, overwritten;
   // token accuracy is correct_count / token_count. Needs no per_token_argmax.
   int64_t* correct_count = nullptr;
-  void* workspace = nullptr;  // Backend::WorkspaceBytes(problem, budget) bytes
+  // Inputs and outputs of the model options and terms above LossOptions, each optional and
+  // read only when given; what they mean is there. A call whose values are not all finite where
+  // they are read is refused before anything is written (INVALID_ARGUMENT naming the field and
+  // the class or token): every bias entry, and the per-token inputs of counted tokens (an
+  // ignored token's are not read, so not checked). The CPU backend checks them on the host.
+  const float* bias = nullptr;           // V fp32
+  float* grad_bias = nullptr;            // V fp32, accumulated into (+=); only with bias
+  const float* token_weights = nullptr;  // N fp32
+  // kPolicyGradient's inputs: old_logprob and advantages required, ref_logprob exactly when
+  // kl_coef > 0; none of them with kCrossEntropy.
+  const float* old_logprob = nullptr;  // N fp32
+  const float* advantages = nullptr;   // N fp32
+  const float* ref_logprob = nullptr;  // N fp32
+  void* workspace = nullptr;           // Backend::WorkspaceBytes(problem, budget) bytes
   size_t workspace_bytes = 0;
 };
 
@@ -143,6 +212,43 @@ std::string RequestedDistributionOutputs(const Args& args) {
   add(args.correct_count != nullptr, "correct_count");
   return names;
 }
+
+// The model options and terms of LossOptions that `options` turns on (logit_scale,
+// entropy_coef, kind=policy_gradient), by field name, comma-separated; empty when none. For a
+// backend or a path that does not compute them yet to refuse them by name (UNIMPLEMENTED).
+std::string RequestedLossTerms(const LossOptions& options);
+
+// Whether `args` (Arguments or ShardArguments) gives any input or output of those terms: six
+// pointer tests.
+template <typename Args>
+bool AsksLossInputs(const Args& args) {
+  return args.bias != nullptr || args.grad_bias != nullptr || args.token_weights != nullptr ||
+         args.old_logprob != nullptr || args.advantages != nullptr || args.ref_logprob != nullptr;
+}
+
+// The inputs and outputs of those terms that `args` gives, by field name, comma-separated;
+// empty when none. As RequestedDistributionOutputs, for a refusal by name.
+template <typename Args>
+std::string RequestedLossInputs(const Args& args) {
+  std::string names;
+  auto add = [&names](bool asked, absl::string_view name) {
+    if (!asked) return;
+    if (!names.empty()) names += ", ";
+    names.append(name.data(), name.size());
+  };
+  add(args.bias != nullptr, "bias");
+  add(args.grad_bias != nullptr, "grad_bias");
+  add(args.token_weights != nullptr, "token_weights");
+  add(args.old_logprob != nullptr, "old_logprob");
+  add(args.advantages != nullptr, "advantages");
+  add(args.ref_logprob != nullptr, "ref_logprob");
+  return names;
+}
+
+// Checks the pointers of the terms above against the problem's options (INVALID_ARGUMENT naming
+// the field): grad_bias only with bias; old_logprob and advantages with kPolicyGradient and only
+// then; ref_logprob exactly when kl_coef > 0. Values are the backend's to check (Arguments).
+absl::Status ValidateLossInputs(const Problem& problem, const Arguments& args);
 
 }  // namespace losshead::kernels
 

@@ -45,7 +45,8 @@ struct ShardProblem {
 };
 
 // INVALID_ARGUMENT for an invalid problem, rows outside [0, v) or empty, k < 1 or a rank outside
-// [0, k).
+// [0, k); UNIMPLEMENTED naming the loss terms the shards do not compute yet (RequestedLossTerms,
+// problem.h).
 absl::Status ValidateShardProblem(const ShardProblem& shard);
 
 // The shape of a shard's gradient stash: the problem with the shard's rows as its vocabulary. A
@@ -108,6 +109,18 @@ struct ShardArguments {
   float* per_token_entropy = nullptr;
   int32_t* per_token_argmax = nullptr;
   int64_t* correct_count = nullptr;
+  // The model options' and loss terms' inputs and outputs, as Arguments defines them (problem.h),
+  // bias and grad_bias over this shard's rows. No backend computes those terms over shards yet:
+  // a call given any is refused (UNIMPLEMENTED, naming them), as is a problem that turns on
+  // logit_scale, entropy_coef or kind policy_gradient (ValidateShardProblem). The entropy term
+  // needs the statistic the entropy output does; the policy-gradient term needs nothing more
+  // than lse and z of the target, which the statistics carry.
+  const float* bias = nullptr;
+  float* grad_bias = nullptr;
+  const float* token_weights = nullptr;
+  const float* old_logprob = nullptr;
+  const float* advantages = nullptr;
+  const float* ref_logprob = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
@@ -120,7 +133,8 @@ struct ShardChunk {
 
 // What every backend checks of a call's pointers (INVALID_ARGUMENT naming the field): hidden,
 // weight, targets and stats not null, stats_chunk_rows >= 1, a workspace when workspace_bytes > 0;
-// and UNIMPLEMENTED naming the distribution outputs asked for (see ShardArguments).
+// and UNIMPLEMENTED naming the distribution outputs asked for and the loss terms' inputs given
+// (see ShardArguments).
 absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArguments& args);
 // And of a chunk: non-empty, inside [0, n), at most stats_chunk_rows tokens.
 absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments& args,

@@ -1,0 +1,48 @@
+// A naive float64 evaluation of the model options and loss terms beyond the plain loss (logit
+// scale, bias, per-token weights, the entropy term, the policy-gradient loss: problem.h), written
+// from the formulas in problem.h's comment and sharing no code with the backends. The oracle of
+// cpu_loss_terms_test.cc; its gradients are themselves checked there against central differences
+// of its loss. O(N V D): small shapes only.
+#ifndef LOSSHEAD_TESTS_KERNELS_LOSS_TERMS_REFERENCE_H_
+#define LOSSHEAD_TESTS_KERNELS_LOSS_TERMS_REFERENCE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "losshead/kernels/problem.h"
+
+namespace losshead::kernels::testing {
+
+// The terms' inputs as a call gives them (Arguments), each empty when not given: bias V, the
+// others N.
+struct TermInputs {
+  std::vector<float> bias;
+  std::vector<float> token_weights;
+  std::vector<float> old_logprob;
+  std::vector<float> advantages;
+  std::vector<float> ref_logprob;
+};
+
+struct TermResult {
+  // sum_t scale w_t loss_t over counted tokens, scale = grad_scale (/ token_count for kMean): the
+  // function whose gradient grad_hidden, grad_weight and grad_bias are.
+  double objective = 0.0;
+  double loss_sum = 0.0;  // sum_t w_t loss_t
+  int64_t token_count = 0;
+  std::vector<double> per_token_loss;     // N, w_t loss_t; 0 for ignored tokens
+  std::vector<double> per_token_lse;      // N
+  std::vector<double> per_token_logprob;  // N, z_y - lse; 0 for ignored tokens
+  std::vector<double> per_token_entropy;  // N; 0 for ignored tokens
+  std::vector<double> grad_hidden;        // N x D
+  std::vector<double> grad_weight;        // V x D, this call's contribution
+  std::vector<double> grad_bias;          // V, this call's contribution
+};
+
+// `hidden` (N x D) and `weight` (V x D) as the backend sees them; targets valid.
+TermResult LossTermsReference(const Problem& problem, const std::vector<double>& hidden,
+                              const std::vector<double>& weight,
+                              const std::vector<int32_t>& targets, const TermInputs& inputs);
+
+}  // namespace losshead::kernels::testing
+
+#endif  // LOSSHEAD_TESTS_KERNELS_LOSS_TERMS_REFERENCE_H_
