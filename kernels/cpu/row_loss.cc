@@ -24,6 +24,18 @@ RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
     distribution->logprob = loss::TargetLogProb(lse, static_cast<double>(logits[target]));
     distribution->entropy = loss::Entropy(sums.sum_exp, dist_sums.sum_shifted_z);
     distribution->argmax = static_cast<int32_t>(dist_sums.argmax);
+    if (distribution->top_k > 0) {
+      const cpu::RowTopK top = cpu::TopKRow(logits, v, distribution->top_k, 0);
+      for (int i = 0; i < top.count; ++i) {
+        if (distribution->top_k_ids != nullptr) {
+          distribution->top_k_ids[i] = static_cast<int32_t>(top.id[i]);
+        }
+        if (distribution->top_k_logprobs != nullptr) {
+          distribution->top_k_logprobs[i] =
+              static_cast<float>(loss::TargetLogProb(lse, static_cast<double>(top.z[i])));
+        }
+      }
+    }
   }
 
   RowLoss result;

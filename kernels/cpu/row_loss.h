@@ -18,6 +18,11 @@ struct RowDistribution {
   double logprob = 0.0;  // log p_target
   double entropy = 0.0;
   int32_t argmax = -1;  // lowest index of the max z
+  // Top-k (Arguments::top_k_ids, top_k_logprobs): where to write the token's top_k ids and
+  // log-probs (either may be null; top_k 0: none), filled by ComputeRowLoss.
+  int top_k = 0;
+  int32_t* top_k_ids = nullptr;
+  float* top_k_logprobs = nullptr;
 };
 
 // Computes the loss of one token from its `v` fp32 logits x_j = h . w_j, exactly as LossOptions

@@ -131,6 +131,13 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
   args.per_token_entropy = static_cast<float*>(entropy);
   args.per_token_argmax = static_cast<int32_t*>(argmax);
   args.correct_count = static_cast<int64_t*>(correct_count);
+  const size_t top_k = options.top_k > 0 ? static_cast<size_t>(options.top_k) : 0;
+  void *top_ids = nullptr, *top_logprobs = nullptr;
+  LH_RETURN_IF_ERROR(poisoned(top_k > 0, n * top_k * sizeof(int32_t), &top_ids));
+  LH_RETURN_IF_ERROR(poisoned(top_k > 0, n * top_k * sizeof(float), &top_logprobs));
+  args.top_k = options.top_k;
+  args.top_k_ids = static_cast<int32_t*>(top_ids);
+  args.top_k_logprobs = static_cast<float*>(top_logprobs);
   args.hidden = hidden;
   args.weight = weight;
   args.targets = static_cast<const int32_t*>(targets);
@@ -183,6 +190,14 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
   if (options.correct_count) {
     LH_RETURN_IF_ERROR(
         backend.CopyToHost(&out.correct_count, correct_count, sizeof(int64_t), stream));
+  }
+  if (top_k > 0) {
+    out.top_k_ids.resize(n * top_k);
+    out.top_k_logprobs.resize(n * top_k);
+    LH_RETURN_IF_ERROR(backend.CopyToHost(out.top_k_ids.data(), top_ids,
+                                          n * top_k * sizeof(int32_t), stream));
+    LH_RETURN_IF_ERROR(backend.CopyToHost(out.top_k_logprobs.data(), top_logprobs,
+                                          n * top_k * sizeof(float), stream));
   }
   LH_RETURN_IF_ERROR(stream.Synchronize());
 #undef LH_ASSIGN_OR_RETURN
