@@ -44,10 +44,9 @@ absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArgume
   }
   if (args.output_stats != nullptr &&
       (args.top_k < 0 || args.top_k > kMaxTopK || args.top_k > shard.problem.v)) {
-    return absl::InvalidArgumentError(absl::StrCat("shard call: top_k must be in [0, ", kMaxTopK,
-                                                   "] and at most v (", shard.problem.v,
-                                                   ") when output_stats is given, got ",
-                                                   args.top_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard call: top_k must be in [0, ", kMaxTopK, "] and at most v (",
+                     shard.problem.v, ") when output_stats is given, got ", args.top_k));
   }
   if (args.grad_stash.data != nullptr) {
     if (args.grad_weight != nullptr) {

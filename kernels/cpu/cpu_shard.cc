@@ -95,11 +95,10 @@ absl::Status CpuBackend::ShardForward(const ShardProblem& shard, const ShardArgu
   const int32_t ignore = shard.problem.options.ignore_index;
   // The distribution outputs' statistics, only when one is asked for (shard_problem.h).
   const int top_k = args.top_k;
-  float* output_slice =
-      args.output_stats != nullptr
-          ? args.output_stats +
-                static_cast<int64_t>(shard.rank) * ShardOutputStatsRows(top_k) * stride
-          : nullptr;
+  float* output_slice = args.output_stats != nullptr
+                            ? args.output_stats + static_cast<int64_t>(shard.rank) *
+                                                      ShardOutputStatsRows(top_k) * stride
+                            : nullptr;
   pool_.ParallelFor(chunk.size, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int32_t y = args.targets[chunk.begin + q];

@@ -53,8 +53,8 @@ ShardTokenOutputs CombineShardOutputStats(const float* stats, const float* outpu
   int32_t best_id = id_at(0, 1);
   for (int r = 0; r < shards; ++r) {
     sum_exp += loss::Rescaled(at(r, 1), at(r, 0), max_z);
-    sum_shifted_z += loss::RescaledShiftedZ(static_cast<double>(out_at(r, 0)), at(r, 1), at(r, 0),
-                                            max_z);
+    sum_shifted_z +=
+        loss::RescaledShiftedZ(static_cast<double>(out_at(r, 0)), at(r, 1), at(r, 0), max_z);
     z_target += at(r, 3);
     const float m = static_cast<float>(at(r, 0));
     if (loss::ArgmaxBeats(m, id_at(r, 1), best_z, best_id)) {

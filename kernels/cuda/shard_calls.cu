@@ -327,8 +327,8 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
       logits, ldl, c, args.targets + t0, params, args.stats, args.stats_chunk_rows, shard.shards,
       need_grad ? grad : nullptr, g_ld, row_loss,
       args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
-      args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream,
-      args.output_stats, args.top_k, ShardRowOutputs(args, t0))));
+      args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream, args.output_stats,
+      args.top_k, ShardRowOutputs(args, t0))));
   // One block over the chunk, after the previous chunks: the same bits on every rerun.
   LOSSHEAD_RETURN_IF_ERROR(LaunchLossReduce(row_loss, c, scalars, args.loss_sum, stream));
 

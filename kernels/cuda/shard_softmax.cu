@@ -90,7 +90,9 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kDist) {
       // shard_problem.h's output_stats: s, then the argmax's global id as the float of its bits.
       output_stats[q] = total.h;
-      output_stats[stride + q] = __int_as_float(static_cast<int>(p.row_begin) + total.ai);
+      // (A row of NaN has no candidate: its first id stands in, as where a NaN leads.)
+      const int argmax = total.ai == kNoId ? 0 : total.ai;
+      output_stats[stride + q] = __int_as_float(static_cast<int>(p.row_begin) + argmax);
     }
   }
   if constexpr (kTop) {
@@ -128,6 +130,8 @@ __device__ __forceinline__ void CombineOutputStats(const float* stats, const flo
     const int id = __float_as_int(extra[stride + q]);
     if (loss::ArgmaxBeats(m, id, best.z, best.id)) best = {m, id};
   }
+  // Every shard's max NaN: shard 0's stands, as where a NaN leads.
+  if (best.id == kNoId) best.id = __float_as_int(output_stats[stride + q]);
   if (out.logprob != nullptr) {
     out.logprob[q] = static_cast<float>(loss::TargetLogProb(lse, z_target));
   }
@@ -196,8 +200,8 @@ __global__ void __launch_bounds__(kThreads)
     shared_lse = static_cast<float>(lse);
     if constexpr (kOutputs) {
       if (valid) {
-        CombineOutputStats(stats, output_stats, stride, shards, q, t, top_k, lse, sum_exp,
-                           z_target, max_z, outputs);
+        CombineOutputStats(stats, output_stats, stride, shards, q, t, top_k, lse, sum_exp, z_target,
+                           max_z, outputs);
       } else {
         WriteIgnoredOutputs(outputs, q);
       }
@@ -300,8 +304,8 @@ absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, con
     ShardStatsKernel<TL, ShardExtras::kTopK><<<blocks, kThreads, 0, stream>>>(
         logits, ldl, targets, p, stats, stride, output_stats, top_k);
   } else {
-    ShardStatsKernel<TL, ShardExtras::kDistribution><<<blocks, kThreads, 0, stream>>>(
-        logits, ldl, targets, p, stats, stride, output_stats, 0);
+    ShardStatsKernel<TL, ShardExtras::kDistribution>
+        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, output_stats, 0);
   }
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
@@ -320,9 +324,9 @@ absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens, cons
         logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
         per_token_lse, output_stats, top_k, outputs);
   } else {
-    ShardGradKernel<TL, TG, false><<<blocks, kThreads, 0, stream>>>(
-        logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
-        per_token_lse, nullptr, 0, {});
+    ShardGradKernel<TL, TG, false>
+        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, shards, grad, ldg,
+                                          row_loss, per_token_loss, per_token_lse, nullptr, 0, {});
   }
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();

@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(kThreads)
             float z[kVec];
 #pragma unroll
             for (int k = 0; k < kVec; ++k) z[k] = cap(ToF(in[u].v[k]));
-            PushVector<kVec>(st, [&](int k) { return z[k]; }, i * kVec);
+            PushVector<kVec>(
+                st, [&](int k) { return z[k]; }, i * kVec);
             if constexpr (kTop) {
               if (top_k > 0) {
 #pragma unroll
@@ -116,8 +117,10 @@ __global__ void __launch_bounds__(kThreads)
             outputs.logprob[row] = loss::TargetLogProb(l, cap(ToF(x[t])));
           }
           if (outputs.entropy != nullptr) outputs.entropy[row] = loss::Entropy(total.s, total.h);
-          if (outputs.argmax != nullptr) outputs.argmax[row] = total.ai;
-          if (outputs.correct_count != nullptr && total.ai == t) {
+          // A row of NaN has no candidate: its argmax is its first id, as where a NaN leads.
+          const int argmax = total.ai == kNoId ? 0 : total.ai;
+          if (outputs.argmax != nullptr) outputs.argmax[row] = argmax;
+          if (outputs.correct_count != nullptr && argmax == t) {
             atomicAdd(outputs.correct_count, 1ull);
           }
         } else {
@@ -269,11 +272,10 @@ absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, cons
       absl::StrCat("row kernel threads must be 512 or 1024, got ", launch.threads));
 }
 
-#define LOSSHEAD_INSTANTIATE(TL, TG)                                                              \
-  template absl::Status LaunchSoftmaxGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*,    \
-                                                  const SoftmaxGradParams&, TG*, int64_t, float*, \
-                                                  float*, float*, const RowLaunch&, cudaStream_t, \
-                                                  const RowOutputs&);
+#define LOSSHEAD_INSTANTIATE(TL, TG)                                                               \
+  template absl::Status LaunchSoftmaxGrad<TL, TG>(                                                 \
+      const TL*, int64_t, int64_t, const int32_t*, const SoftmaxGradParams&, TG*, int64_t, float*, \
+      float*, float*, const RowLaunch&, cudaStream_t, const RowOutputs&);
 LOSSHEAD_INSTANTIATE(float, float)
 LOSSHEAD_INSTANTIATE(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE(float, __half)

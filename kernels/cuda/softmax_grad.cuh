@@ -38,7 +38,9 @@ struct RowOutputs {
   int32_t* top_k_ids = nullptr;
   float* top_k_logprobs = nullptr;
 
-  __host__ __device__ bool TopK() const { return top_k > 0 && (top_k_ids != nullptr || top_k_logprobs != nullptr); }
+  __host__ __device__ bool TopK() const {
+    return top_k > 0 && (top_k_ids != nullptr || top_k_logprobs != nullptr);
+  }
   __host__ __device__ bool Any() const {
     return logprob != nullptr || entropy != nullptr || argmax != nullptr ||
            correct_count != nullptr || TopK();

@@ -150,17 +150,18 @@ template <typename Args>
 absl::Status ValidateTopK(const Args& args, int64_t v) {
   if (!AsksTopK(args)) return absl::OkStatus();
   if (args.top_k < 1 || args.top_k > kMaxTopK || args.top_k > v) {
-    return absl::InvalidArgumentError(
-        "top_k must be in [1, " + std::to_string(kMaxTopK) + "] and at most v (" +
-        std::to_string(v) + ") when top_k_ids or top_k_logprobs is given, got " +
-        std::to_string(args.top_k));
+    return absl::InvalidArgumentError("top_k must be in [1, " + std::to_string(kMaxTopK) +
+                                      "] and at most v (" + std::to_string(v) +
+                                      ") when top_k_ids or top_k_logprobs is given, got " +
+                                      std::to_string(args.top_k));
   }
   return absl::OkStatus();
 }
 
 // The distribution outputs (per_token_logprob, per_token_entropy, per_token_argmax,
-// correct_count, top_k_ids, top_k_logprobs) that `args` asks for, by field name, comma-separated; empty when none. For a
-// backend or a path that does not compute them yet to refuse them by name (UNIMPLEMENTED).
+// correct_count, top_k_ids, top_k_logprobs) that `args` asks for, by field name, comma-separated;
+// empty when none. For a backend or a path that does not compute them yet to refuse them by name
+// (UNIMPLEMENTED).
 template <typename Args>
 std::string RequestedDistributionOutputs(const Args& args) {
   std::string names;
