@@ -45,6 +45,9 @@ struct RunOptions {
   bool correct_count = false;
   // > 0: asks for top_k_ids and top_k_logprobs with this top_k.
   int32_t top_k = 0;
+  // With grad_weight: deferred dW (grad_stash.h), a stash of N tokens flushed into dW after the
+  // call, instead of dW accumulated in the call.
+  bool stash = false;
   // dW before the call (V x D); zeros when empty.
   std::vector<float> initial_grad_weight;
 };

@@ -11,7 +11,6 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "losshead/kernels/collective.h"
-#include "losshead/kernels/dtype_convert.h"
 #include "losshead/kernels/shard_problem.h"
 #include "tests/kernels/backend_runner.h"
 #include "tests/kernels/distribution_checks.h"
@@ -29,6 +28,7 @@ using testing::ExpectDistributionsAgree;
 using testing::ExpectSameLossBits;
 using testing::Inputs;
 using testing::InputSpec;
+using testing::LadderInputs;
 using testing::MakeRandomInputs;
 using testing::Outputs;
 using testing::ReferenceLoss;
@@ -80,9 +80,9 @@ TEST_P(CpuShardDistributionTest, MatchesTheWholeRunAndTheFloat64References) {
   MakeShards(c.shards);
   // V not divisible by 2, 3 or 4; N over several chunks of the small budgets.
   const Problem p{.n = 61, .d = 24, .v = 203, .dtype = c.dtype, .options = c.options};
-  Inputs in = MakeRandomInputs(p, std::hash<std::string>()(c.name),
-                               InputSpec{.hidden_scale = 1.5, .weight_scale = 0.8,
-                                         .ignore_fraction = 0.3});
+  Inputs in =
+      MakeRandomInputs(p, std::hash<std::string>()(c.name),
+                       InputSpec{.hidden_scale = 1.5, .weight_scale = 0.8, .ignore_fraction = 0.3});
   AimEveryOtherTarget(in);
   const ReferenceResult ref = ReferenceLoss(p, in.hidden, in.weight, in.targets);
   const ReferenceTopKResult topk = ReferenceTopK(p, in.hidden, in.weight, in.targets, c.top_k);
@@ -153,7 +153,6 @@ LossOptions IgnoringClassZero() {
   return options;
 }
 
-
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CpuShardDistributionTest,
     ::testing::Values(
@@ -165,40 +164,8 @@ INSTANTIATE_TEST_SUITE_P(
              Options(Reduction::kNone, 0.0f, 0.0f, 3.0f), 16, kWhole},
         Case{"ThreeShards_FP16_Everything", 3, DType::kFP16,
              Options(Reduction::kMean, 0.05f, 1e-4f, 30.0f), 7, kSmall},
-        Case{"TwoShards_FP32_IgnoreIndexInVocab", 2, DType::kFP32, IgnoringClassZero(), 3,
-             kWhole}),
+        Case{"TwoShards_FP32_IgnoreIndexInVocab", 2, DType::kFP32, IgnoringClassZero(), 3, kWhole}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
-
-// Inputs whose logits are exact in fp32 whatever order a GEMM sums in: each token's hidden row is
-// one-hot, so z_j is one weight, drawn from base (1 + m ulp) for base in {0.5, 1, 2} and m in
-// {0, 1, 2}, ulp the dtype's relative step. Every token sees exact ties (the same value drawn
-// twice) and near-ties one ulp apart, which float64 and the backend order alike.
-Inputs LadderInputs(const Problem& p, uint64_t seed) {
-  Inputs in = MakeRandomInputs(p, seed, InputSpec{.ignore_fraction = 0.2});
-  const double ulp = p.dtype == DType::kBF16 ? 0x1p-7 : (p.dtype == DType::kFP16 ? 0x1p-10 : 0x1p-23);
-  uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;
-  auto next = [&state]() {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    return state;
-  };
-  for (int64_t t = 0; t < p.n; ++t) {
-    for (int64_t c = 0; c < p.d; ++c) in.hidden[t * p.d + c] = c == t % p.d ? 1.0 : 0.0;
-  }
-  for (double& w : in.weight) {
-    const double base = 0.5 * static_cast<double>(1 << (next() % 3));
-    w = base * (1.0 + static_cast<double>(next() % 3) * ulp);
-  }
-  std::vector<float> f(std::max(in.hidden.size(), in.weight.size()));
-  auto encode = [&](const std::vector<double>& values, std::vector<uint8_t>& bytes) {
-    for (size_t i = 0; i < values.size(); ++i) f[i] = static_cast<float>(values[i]);
-    FromFloat(p.dtype, f.data(), bytes.data(), values.size());
-  };
-  encode(in.hidden, in.hidden_bytes);
-  encode(in.weight, in.weight_bytes);
-  return in;
-}
 
 // Exact ties go to the lower id and near-ties to the larger z, on the one-device path and over
 // shards (including shards of fewer columns than k, which pad their candidates).
@@ -206,7 +173,8 @@ TEST(CpuTopK, ExactTiesAndNearTiesMatchFloat64Exactly) {
   for (DType dtype : {DType::kFP32, DType::kBF16, DType::kFP16}) {
     for (int64_t v : {int64_t{20}, int64_t{61}}) {
       SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " v " << v);
-      const Problem p{.n = 48, .d = 8, .v = v, .dtype = dtype, .options = Options(Reduction::kMean)};
+      const Problem p{
+          .n = 48, .d = 8, .v = v, .dtype = dtype, .options = Options(Reduction::kMean)};
       const Inputs in = LadderInputs(p, 4300 + v + static_cast<int>(dtype));
       const int32_t k = 16;
       const ReferenceTopKResult topk = ReferenceTopK(p, in.hidden, in.weight, in.targets, k);
@@ -246,7 +214,10 @@ TEST(CpuTopK, ExactTiesAndNearTiesMatchFloat64Exactly) {
 // The top-k ids alone, or the log-probs alone, are what they are when both are asked for, and a
 // forward-only call gives them too.
 TEST(CpuTopK, EachHalfAloneAndForwardOnly) {
-  const Problem p{.n = 30, .d = 16, .v = 150, .dtype = DType::kBF16,
+  const Problem p{.n = 30,
+                  .d = 16,
+                  .v = 150,
+                  .dtype = DType::kBF16,
                   .options = Options(Reduction::kMean, 0.1f, 0.0f, 10.0f)};
   const Inputs in = MakeRandomInputs(p, 4302, InputSpec{.ignore_fraction = 0.25});
   std::unique_ptr<Backend> backend = CreateCpuBackend(2);

@@ -55,7 +55,8 @@ TopKCheck CheckTopK(const ReferenceTopKResult& ref, const std::vector<int32_t>& 
   const int64_t n = static_cast<int64_t>(ref.margin.size());
   const int64_t v = n > 0 ? static_cast<int64_t>(ref.z.size()) / n : 0;
   if (ids.size() != static_cast<size_t>(n * k) || logprobs.size() != static_cast<size_t>(n * k)) {
-    check.error = absl::StrCat("sizes ", ids.size(), " and ", logprobs.size(), ", expected ", n * k);
+    check.error =
+        absl::StrCat("sizes ", ids.size(), " and ", logprobs.size(), ", expected ", n * k);
     return check;
   }
   for (int64_t t = 0; t < n && check.error.empty(); ++t) {
@@ -72,7 +73,8 @@ TopKCheck CheckTopK(const ReferenceTopKResult& ref, const std::vector<int32_t>& 
     }
     const double* z = &ref.z[t * v];
     bool tied = false;
-    for (int i = 0; i + 1 < k; ++i) tied = tied || z[ref.ids[t * k + i]] == z[ref.ids[t * k + i + 1]];
+    for (int i = 0; i + 1 < k; ++i)
+      tied = tied || z[ref.ids[t * k + i]] == z[ref.ids[t * k + i + 1]];
     check.exact_ties += tied ? 1 : 0;
     for (int i = 0; i < k; ++i) {
       const double want = ref.logprobs[t * k + i];
@@ -94,8 +96,7 @@ TopKCheck CheckTopK(const ReferenceTopKResult& ref, const std::vector<int32_t>& 
     for (int i = 0; i < k; ++i) {
       const int32_t id = ids[t * k + i];
       const bool unique = std::count(ids.begin() + t * k, ids.begin() + (t + 1) * k, id) == 1;
-      if (id < 0 || id >= v || !unique ||
-          std::fabs(z[id] - z[ref.ids[t * k + i]]) > near_tie) {
+      if (id < 0 || id >= v || !unique || std::fabs(z[id] - z[ref.ids[t * k + i]]) > near_tie) {
         check.error = absl::StrCat(at, "near-tie, but id ", id, " at position ", i,
                                    " is not one of the tied classes");
         break;

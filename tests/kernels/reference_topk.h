@@ -38,7 +38,7 @@ ReferenceTopKResult ReferenceTopK(const Problem& problem, const std::vector<doub
 // `error` is empty when everything holds, else it describes the first failure.
 struct TopKCheck {
   std::string error;
-  int64_t near_ties = 0;  // tokens whose ids were allowed to differ
+  int64_t near_ties = 0;   // tokens whose ids were allowed to differ
   int64_t exact_ties = 0;  // counted tokens with equal z among their reference top k
 };
 TopKCheck CheckTopK(const ReferenceTopKResult& ref, const std::vector<int32_t>& ids,

@@ -267,12 +267,15 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
     vec.resize(count);
     return b0.CopyToHost(vec.data(), src, count * sizeof(vec[0]), *first.stream);
   };
-  if (options.logprob) LH_RETURN_IF_ERROR(copy_out(out.per_token_logprob, first.args.per_token_logprob, n));
-  if (options.entropy) LH_RETURN_IF_ERROR(copy_out(out.per_token_entropy, first.args.per_token_entropy, n));
-  if (options.argmax) LH_RETURN_IF_ERROR(copy_out(out.per_token_argmax, first.args.per_token_argmax, n));
+  if (options.logprob)
+    LH_RETURN_IF_ERROR(copy_out(out.per_token_logprob, first.args.per_token_logprob, n));
+  if (options.entropy)
+    LH_RETURN_IF_ERROR(copy_out(out.per_token_entropy, first.args.per_token_entropy, n));
+  if (options.argmax)
+    LH_RETURN_IF_ERROR(copy_out(out.per_token_argmax, first.args.per_token_argmax, n));
   if (options.correct_count) {
-    LH_RETURN_IF_ERROR(b0.CopyToHost(&out.correct_count, first.args.correct_count,
-                                     sizeof(int64_t), *first.stream));
+    LH_RETURN_IF_ERROR(b0.CopyToHost(&out.correct_count, first.args.correct_count, sizeof(int64_t),
+                                     *first.stream));
   }
   if (top_k > 0) {
     LH_RETURN_IF_ERROR(copy_out(out.top_k_ids, first.args.top_k_ids, n * top_k));
