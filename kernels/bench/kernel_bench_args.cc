@@ -8,6 +8,40 @@
 
 namespace losshead::bench {
 
+bool ParseOutputs(const std::string& value, BenchOutputs* outputs) {
+  *outputs = BenchOutputs{};
+  outputs->label = value;
+  size_t start = 0;
+  while (start < value.size()) {
+    size_t end = value.find_first_of(",+", start);
+    if (end == std::string::npos) end = value.size();
+    const std::string name = value.substr(start, end - start);
+    start = end + 1;
+    if (name.empty()) continue;
+    if (name == "logprob") {
+      outputs->logprob = true;
+    } else if (name == "entropy") {
+      outputs->entropy = true;
+    } else if (name == "argmax") {
+      outputs->argmax = true;
+    } else if (name == "correct") {
+      outputs->correct_count = true;
+    } else if (name.rfind("topk:", 0) == 0) {
+      outputs->top_k = std::atoi(name.c_str() + 5);
+      if (outputs->top_k < 1 || outputs->top_k > kernels::kMaxTopK) {
+        std::fprintf(stderr, "--outputs: topk:K needs K in [1, %d], got '%s'\n", kernels::kMaxTopK,
+                     name.c_str());
+        return false;
+      }
+    } else {
+      std::fprintf(stderr, "--outputs: unknown '%s' (logprob, entropy, argmax, correct, topk:K)\n",
+                   name.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
 bool ParseArgs(int argc, char** argv, BenchArgs* args) {
   bool quick = false;
   std::string shapes_arg;
@@ -23,6 +57,7 @@ bool ParseArgs(int argc, char** argv, BenchArgs* args) {
     if (a.rfind("--profile_n=", 0) == 0) args->profile_n = std::atoll(a.c_str() + 12);
     if (a.rfind("--memprobe_n=", 0) == 0) args->memprobe_n = std::atoll(a.c_str() + 13);
     if (a == "--quick") quick = true;
+    if (a.rfind("--outputs=", 0) == 0 && !ParseOutputs(a.substr(10), &args->outputs)) return false;
   }
   // The last: a vocabulary that is not a multiple of 8 (GPT-2's), where plain cuBLAS falls off its
   // Hopper kernels and the fused call must not (head_gemms.h).
