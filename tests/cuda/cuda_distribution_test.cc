@@ -7,8 +7,10 @@
 //     another summation order than the CPU's and the row's exp is __expf: values within 1e-4
 //     (relative plus absolute), ids equal wherever the float64 gap exceeds 1e-4.
 //   bf16 logits (the default for bf16): each z is rounded to bf16 (2^-9 relative) before the row
-//     reads it: values within 2e-2, ids equal wherever the float64 gap exceeds 4e-2 (two bf16
-//     steps at |z| < 4), and up to half the tokens may be such near-ties for a top-k.
+//     reads it: values within 2e-2, ids equal wherever the float64 gap exceeds 4e-2 (more than a
+//     bf16 step at |z| < 8, so that rounding both sides cannot swap them). The top few of a
+//     thousand random logits are that close often (a top-3 on about half the tokens), so up to 80 %
+//     of the tokens may be near-ties; their ids must still be among the near-tied classes.
 // Whatever the tolerance: an ignored token's outputs are exactly 0, 0, -1 and ids -1 / log-probs
 // 0; the correct count is that of the argmax returned; asking for the outputs changes no other
 // output by a bit; and on inputs whose logits are exact (one-hot H), ties go to the lowest id and
@@ -80,7 +82,7 @@ bool Bf16Logits(const Problem& p, const CudaBackendOptions& o) {
 }
 
 DistributionTolerance ToleranceFor(const Problem& p, const CudaBackendOptions& o) {
-  if (Bf16Logits(p, o)) return {.rel = 2e-2, .near_tie = 4e-2, .max_near_tie_share = 0.5};
+  if (Bf16Logits(p, o)) return {.rel = 2e-2, .near_tie = 4e-2, .max_near_tie_share = 0.8};
   return {.rel = 1e-4, .near_tie = 1e-4};
 }
 
@@ -173,7 +175,10 @@ TEST_P(CudaDistributionTest, MatchesTheCpuBackendAndFloat64) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaDistributionTest,
     ::testing::Values(
-        Case{.name = "BF16_Plain", .dtype = DType::kBF16, .options = Options(Reduction::kMean)},
+        Case{.name = "BF16_Plain",
+             .dtype = DType::kBF16,
+             .options = Options(Reduction::kMean),
+             .top_k = 3},
         Case{.name = "BF16_FP32Logits_Everything",
              .dtype = DType::kBF16,
              .options = Options(Reduction::kMean, 0.1f, 1e-3f, 3.0f),
@@ -299,7 +304,7 @@ TEST_P(CudaShardDistributionTest, MatchesTheCpuBackendAndFloat64) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaShardDistributionTest,
-    ::testing::Values(ShardCase{"Two_BF16", 2, DType::kBF16, Options(Reduction::kMean), 5},
+    ::testing::Values(ShardCase{"Two_BF16", 2, DType::kBF16, Options(Reduction::kMean), 3},
                       ShardCase{"Three_BF16_FP32Logits_Everything", 3, DType::kBF16,
                                 Options(Reduction::kMean, 0.1f, 1e-3f, 3.0f), 16, false},
                       ShardCase{"Four_FP32_Top1", 4, DType::kFP32, Options(Reduction::kSum), 1},
