@@ -9,11 +9,13 @@
 //     ShardForward    logits of the shard's rows; per token, over the soft-capped z, its row
 //                     max m, sum of exp(z - m), sum of z, and z of the target where the target is
 //                     one of its rows (0 elsewhere): four fp32 statistics, into its slice of
-//                     `stats`
+//                     `stats`; with output_stats, also those of the distribution outputs
+//                     (kShardOutputStats), into its slice of output_stats
 //     AllGather       of the statistics, so that every shard holds every shard's slice (and of
 //                     output_stats, when a distribution output is asked for)
 //     ShardBackward   combines the slices in rank order into each token's lse and loss (the same
-//                     bits on every shard); writes the loss outputs where given; G for its columns
+//                     bits on every shard); writes the loss outputs where given, and the
+//                     distribution outputs (problem.h) where asked for; G for its columns
 //                     (global lse, its own one-hot and label-smoothing terms); its part of the
 //                     chunk's dH, G . W_rows, in fp32 into `grad_hidden_partial`; dW_rows += G^T H,
 //                     or with a gradient stash, G (scaled) and H into the stash's next rows
