@@ -147,7 +147,8 @@ struct BenchArgs {
   BenchOutputs outputs;  // none: only the plain call is timed
 };
 
-// Parses argv into *args; false (after printing why) for a bad --shapes, --dtype or --precision.
+// Parses argv into *args; false (after printing why) for a bad --shapes, --dtype, --precision or
+// --outputs, and after printing the flags for --help.
 bool ParseArgs(int argc, char** argv, BenchArgs* args);
 
 struct CheckResult {

@@ -42,8 +42,31 @@ bool ParseOutputs(const std::string& value, BenchOutputs* outputs) {
   return true;
 }
 
+namespace {
+
+constexpr char kUsage[] =
+    "losshead_kernel_bench [flags]: the fused CUDA call against plain cuBLAS\n"
+    "  --shapes=N:V:D,...    shapes to run (default: six LLM heads; --quick: one)\n"
+    "  --dtype=bf16|fp32     H, W and dH (default bf16)\n"
+    "  --precision=highest|high|medium  an fp32 problem's GEMMs\n"
+    "  --variants=a,b        backend options per run, '+'-joined tokens (default,fp32logits)\n"
+    "  --runs=R              timed calls per median (20)\n"
+    "  --budget_mib=M        workspace budget (1024)\n"
+    "  --outputs=LIST        also time the call with distribution outputs, LIST of logprob,\n"
+    "                        entropy, argmax, correct, topk:K (K in [1, 16]), e.g.\n"
+    "                        --outputs=entropy,topk:5: prints its ms and % over the plain call\n"
+    "  --profile_n=N, --memprobe_n=N  one call for a profiler; the memory one call needs\n";
+
+}  // namespace
+
 bool ParseArgs(int argc, char** argv, BenchArgs* args) {
   bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help") {
+      std::printf("%s", kUsage);
+      return false;
+    }
+  }
   std::string shapes_arg;
   std::string dtype_arg = "bf16", precision_arg = "highest";
   for (int i = 1; i < argc; ++i) {
