@@ -122,6 +122,20 @@ FusedCall MakeFusedCall(Backend& backend, int64_t n, const Shape& s, const Numer
 // "default" alone is the backend's defaults.
 kernels::CudaBackendOptions ParseVariant(const std::string& variant);
 
+// The distribution outputs (problem.h) a timed call asks for beside the plain one (--outputs):
+// '+'- or ','-joined logprob, entropy, argmax, correct (correct_count) and topk:K (ids and
+// log-probs, K in [1, kMaxTopK]).
+struct BenchOutputs {
+  bool logprob = false, entropy = false, argmax = false, correct_count = false;
+  int32_t top_k = 0;
+  std::string label;  // as given
+
+  bool any() const { return logprob || entropy || argmax || correct_count || top_k > 0; }
+};
+
+// Parses --outputs' value; false (after printing why) for an unknown name or a bad K.
+bool ParseOutputs(const std::string& value, BenchOutputs* outputs);
+
 // The command line: --name=value flags (ParseArgs lists them; unknown ones are ignored).
 struct BenchArgs {
   int runs = 20;
@@ -130,9 +144,11 @@ struct BenchArgs {
   std::vector<Shape> shapes;
   Numerics numerics;
   int64_t profile_n = 0, memprobe_n = 0;
+  BenchOutputs outputs;  // none: only the plain call is timed
 };
 
-// Parses argv into *args; false (after printing why) for a bad --shapes, --dtype or --precision.
+// Parses argv into *args; false (after printing why) for a bad --shapes, --dtype, --precision or
+// --outputs, and after printing the flags for --help.
 bool ParseArgs(int argc, char** argv, BenchArgs* args);
 
 struct CheckResult {

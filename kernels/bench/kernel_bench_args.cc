@@ -8,8 +8,65 @@
 
 namespace losshead::bench {
 
+bool ParseOutputs(const std::string& value, BenchOutputs* outputs) {
+  *outputs = BenchOutputs{};
+  outputs->label = value;
+  size_t start = 0;
+  while (start < value.size()) {
+    size_t end = value.find_first_of(",+", start);
+    if (end == std::string::npos) end = value.size();
+    const std::string name = value.substr(start, end - start);
+    start = end + 1;
+    if (name.empty()) continue;
+    if (name == "logprob") {
+      outputs->logprob = true;
+    } else if (name == "entropy") {
+      outputs->entropy = true;
+    } else if (name == "argmax") {
+      outputs->argmax = true;
+    } else if (name == "correct") {
+      outputs->correct_count = true;
+    } else if (name.rfind("topk:", 0) == 0) {
+      outputs->top_k = std::atoi(name.c_str() + 5);
+      if (outputs->top_k < 1 || outputs->top_k > kernels::kMaxTopK) {
+        std::fprintf(stderr, "--outputs: topk:K needs K in [1, %d], got '%s'\n", kernels::kMaxTopK,
+                     name.c_str());
+        return false;
+      }
+    } else {
+      std::fprintf(stderr, "--outputs: unknown '%s' (logprob, entropy, argmax, correct, topk:K)\n",
+                   name.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+namespace {
+
+constexpr char kUsage[] =
+    "losshead_kernel_bench [flags]: the fused CUDA call against plain cuBLAS\n"
+    "  --shapes=N:V:D,...    shapes to run (default: six LLM heads; --quick: one)\n"
+    "  --dtype=bf16|fp32     H, W and dH (default bf16)\n"
+    "  --precision=highest|high|medium  an fp32 problem's GEMMs\n"
+    "  --variants=a,b        backend options per run, '+'-joined tokens (default,fp32logits)\n"
+    "  --runs=R              timed calls per median (20)\n"
+    "  --budget_mib=M        workspace budget (1024)\n"
+    "  --outputs=LIST        also time the call with distribution outputs, LIST of logprob,\n"
+    "                        entropy, argmax, correct, topk:K (K in [1, 16]), e.g.\n"
+    "                        --outputs=entropy,topk:5: prints its ms and % over the plain call\n"
+    "  --profile_n=N, --memprobe_n=N  one call for a profiler; the memory one call needs\n";
+
+}  // namespace
+
 bool ParseArgs(int argc, char** argv, BenchArgs* args) {
   bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help") {
+      std::printf("%s", kUsage);
+      return false;
+    }
+  }
   std::string shapes_arg;
   std::string dtype_arg = "bf16", precision_arg = "highest";
   for (int i = 1; i < argc; ++i) {
@@ -23,6 +80,7 @@ bool ParseArgs(int argc, char** argv, BenchArgs* args) {
     if (a.rfind("--profile_n=", 0) == 0) args->profile_n = std::atoll(a.c_str() + 12);
     if (a.rfind("--memprobe_n=", 0) == 0) args->memprobe_n = std::atoll(a.c_str() + 13);
     if (a == "--quick") quick = true;
+    if (a.rfind("--outputs=", 0) == 0 && !ParseOutputs(a.substr(10), &args->outputs)) return false;
   }
   // The last: a vocabulary that is not a multiple of 8 (GPT-2's), where plain cuBLAS falls off its
   // Hopper kernels and the fused call must not (head_gemms.h).

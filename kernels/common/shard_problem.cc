@@ -41,9 +41,17 @@ absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArgume
   if (args.workspace == nullptr && args.workspace_bytes > 0) {
     return absl::InvalidArgumentError("shard call: workspace is null but workspace_bytes > 0");
   }
-  if (AsksDistributionOutputs(args)) {
-    return absl::UnimplementedError(absl::StrCat("shard call: ", RequestedDistributionOutputs(args),
-                                                 " not computed over vocabulary shards yet"));
+  if (absl::Status status = ValidateTopK(args, shard.problem.v); !status.ok()) return status;
+  if (AsksDistributionOutputs(args) && args.output_stats == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard call: output_stats must not be null when ",
+                     RequestedDistributionOutputs(args), " is asked for"));
+  }
+  if (args.output_stats != nullptr &&
+      (args.top_k < 0 || args.top_k > kMaxTopK || args.top_k > shard.problem.v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard call: top_k must be in [0, ", kMaxTopK, "] and at most v (",
+                     shard.problem.v, ") when output_stats is given, got ", args.top_k));
   }
   if (AsksLossInputs(args)) {
     return absl::UnimplementedError(absl::StrCat("shard call: ", RequestedLossInputs(args),

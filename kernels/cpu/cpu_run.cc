@@ -17,6 +17,17 @@
 #include "losshead/kernels/dtype_convert.h"
 
 namespace losshead::kernels::cpu {
+namespace {
+
+// An ignored token's top-k, as Arguments documents it: ids -1, log-probs 0.
+void WriteIgnoredTopK(const RowDistribution& dist) {
+  for (int i = 0; i < dist.top_k; ++i) {
+    if (dist.top_k_ids != nullptr) dist.top_k_ids[i] = -1;
+    if (dist.top_k_logprobs != nullptr) dist.top_k_logprobs[i] = 0.0f;
+  }
+}
+
+}  // namespace
 
 absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stream& /*stream*/) {
   if (absl::Status status = CanImplement(problem); !status.ok()) return status;
@@ -28,6 +39,7 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   if (args.workspace == nullptr && args.workspace_bytes > 0) {
     return absl::InvalidArgumentError("workspace is null but workspace_bytes > 0");
   }
+  if (absl::Status status = ValidateTopK(args, problem.v); !status.ok()) return status;
   const bool stashed = args.grad_stash.data != nullptr;
   if (stashed) {
     if (args.grad_weight != nullptr) {
@@ -94,8 +106,8 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
   };
 
   // The distribution outputs (problem.h): computed per row only when one of them is asked for.
-  const bool distribute = args.per_token_logprob != nullptr || args.per_token_entropy != nullptr ||
-                          args.per_token_argmax != nullptr || args.correct_count != nullptr;
+  const bool distribute = AsksDistributionOutputs(args);
+  const int top_k = AsksTopK(args) ? args.top_k : 0;
   std::atomic<int64_t> correct_count{0};
   // The model options and loss terms beyond the plain loss (problem.h): decided once per call,
   // one branch per row.
@@ -129,16 +141,22 @@ absl::Status CpuBackend::Run(const Problem& problem, const Arguments& args, Stre
         const bool ignored = targets[r] == options.ignore_index;
         // An ignored token keeps RowDistribution's defaults, the values Arguments documents.
         RowDistribution dist;
+        const int64_t t = c0 + r;
+        if (top_k > 0) {
+          dist.top_k = top_k;
+          if (args.top_k_ids != nullptr) dist.top_k_ids = args.top_k_ids + t * top_k;
+          if (args.top_k_logprobs != nullptr) dist.top_k_logprobs = args.top_k_logprobs + t * top_k;
+          if (ignored) WriteIgnoredTopK(dist);
+        }
         RowDistribution* dist_out = distribute ? &dist : nullptr;
-        const RowLoss row = terms ? ComputeRowLossWithTerms(
-                                        logits + r * v, v, targets[r], ignored, options, args.bias,
-                                        TokenTermsOf(args, c0 + r), grad_scale, want_grad, dist_out)
+        const RowLoss row = terms ? ComputeRowLossWithTerms(logits + r * v, v, targets[r], ignored,
+                                                            options, args.bias, TokenTermsOf(args, t),
+                                                            grad_scale, want_grad, dist_out)
                                   : ComputeRowLoss(logits + r * v, v, targets[r], ignored, options,
                                                    grad_scale, want_grad, dist_out);
         row_stats[2 * r] = row.loss;
         row_stats[2 * r + 1] = row.lse;
         if (!distribute) continue;
-        const int64_t t = c0 + r;
         if (args.per_token_logprob != nullptr) {
           args.per_token_logprob[t] = static_cast<float>(dist.logprob);
         }

@@ -3,6 +3,7 @@
 // around the row math of shard_rows.cc.
 #include <cblas.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -68,6 +69,8 @@ absl::Status CpuBackend::ShardBegin(const ShardProblem& shard, const ShardArgume
   *ws->token_count() = token_count;
   if (args.token_count != nullptr) *args.token_count = token_count;
   if (args.loss_sum != nullptr) *args.loss_sum = 0.0f;
+  // Like loss_sum, a count over the chunks: ShardBackward adds each chunk's.
+  if (args.correct_count != nullptr) *args.correct_count = 0;
   return absl::OkStatus();
 }
 
@@ -90,6 +93,12 @@ absl::Status CpuBackend::ShardForward(const ShardProblem& shard, const ShardArgu
   const int64_t stride = args.stats_chunk_rows;
   float* slice = args.stats + static_cast<int64_t>(shard.rank) * kShardStats * stride;
   const int32_t ignore = shard.problem.options.ignore_index;
+  // The distribution outputs' statistics, only when one is asked for (shard_problem.h).
+  const int top_k = args.top_k;
+  float* output_slice = args.output_stats != nullptr
+                            ? args.output_stats + static_cast<int64_t>(shard.rank) *
+                                                      ShardOutputStatsRows(top_k) * stride
+                            : nullptr;
   pool_.ParallelFor(chunk.size, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int32_t y = args.targets[chunk.begin + q];
@@ -97,6 +106,10 @@ absl::Status CpuBackend::ShardForward(const ShardProblem& shard, const ShardArgu
       const ShardRowStats row =
           ComputeShardRowStats(logits + q * rows, rows, local, shard.problem.options.softcap);
       for (int s = 0; s < kShardStats; ++s) slice[s * stride + q] = row.stats[s];
+      if (output_slice != nullptr) {
+        ComputeShardOutputStats(logits + q * rows, rows, shard.row_begin, top_k, output_slice + q,
+                                stride);
+      }
     }
   });
   return absl::OkStatus();
@@ -117,7 +130,12 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
       args.grad_hidden_partial != nullptr || args.grad_weight != nullptr || stashed;
   float* logits = ws->logits();
   double* row_stats = ws->row_stats();
+  const bool distribute = AsksDistributionOutputs(args);
+  // The candidates exchanged (every shard's top_k); those written only where asked for.
+  const int top_k = args.top_k;
+  std::atomic<int64_t> correct_count{0};
   pool_.ParallelFor(chunk.size, [&](int64_t begin, int64_t end) {
+    int64_t correct = 0;
     for (int64_t q = begin; q < end; ++q) {
       const int32_t y = args.targets[chunk.begin + q];
       const bool ignored = y == options.ignore_index;
@@ -125,12 +143,40 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
           args.stats, args.stats_chunk_rows, shard.shards, q, ignored, options, shard.problem.v);
       row_stats[2 * q] = token.loss;
       row_stats[2 * q + 1] = token.lse;
+      if (distribute) {
+        const int64_t t = chunk.begin + q;
+        int32_t* top_ids = args.top_k_ids != nullptr ? args.top_k_ids + t * top_k : nullptr;
+        float* top_logprobs =
+            args.top_k_logprobs != nullptr ? args.top_k_logprobs + t * top_k : nullptr;
+        // An ignored token gets the values Arguments names: its statistics are not combined.
+        ShardTokenOutputs out;
+        if (ignored) {
+          for (int i = 0; i < top_k; ++i) {
+            if (top_ids != nullptr) top_ids[i] = -1;
+            if (top_logprobs != nullptr) top_logprobs[i] = 0.0f;
+          }
+        } else {
+          out = CombineShardOutputStats(args.stats, args.output_stats, args.stats_chunk_rows,
+                                        shard.shards, q, token.lse, top_k, top_ids, top_logprobs);
+        }
+        if (args.per_token_logprob != nullptr) {
+          args.per_token_logprob[t] = static_cast<float>(out.logprob);
+        }
+        if (args.per_token_entropy != nullptr) {
+          args.per_token_entropy[t] = static_cast<float>(out.entropy);
+        }
+        if (args.per_token_argmax != nullptr) args.per_token_argmax[t] = out.argmax;
+        correct += !ignored && out.argmax == y ? 1 : 0;
+      }
       if (want_grad) {
         ComputeShardRowGradient(logits + q * rows, rows, ignored ? -1 : y - shard.row_begin,
                                 ignored, token.lse, options, shard.problem.v, grad_scale);
       }
     }
+    // A count: the same total whatever order the threads add in.
+    if (correct > 0) correct_count.fetch_add(correct, std::memory_order_relaxed);
   });
+  if (args.correct_count != nullptr) *args.correct_count += correct_count.load();
   double& loss_acc = *ws->loss_acc();
   for (int64_t q = 0; q < chunk.size; ++q) {
     loss_acc += row_stats[2 * q];  // in token order: the same sum every run

@@ -7,6 +7,20 @@
 
 namespace losshead::kernels {
 
+void WriteRowTopK(const float* z, int64_t v, double lse, const RowDistribution& distribution) {
+  if (distribution.top_k <= 0) return;
+  const cpu::RowTopK top = cpu::TopKRow(z, v, distribution.top_k, 0);
+  for (int i = 0; i < top.count; ++i) {
+    if (distribution.top_k_ids != nullptr) {
+      distribution.top_k_ids[i] = static_cast<int32_t>(top.id[i]);
+    }
+    if (distribution.top_k_logprobs != nullptr) {
+      distribution.top_k_logprobs[i] =
+          static_cast<float>(loss::TargetLogProb(lse, static_cast<double>(top.z[i])));
+    }
+  }
+}
+
 RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
                        const LossOptions& options, float grad_scale, bool write_gradient,
                        RowDistribution* distribution) {
@@ -24,6 +38,7 @@ RowLoss ComputeRowLoss(float* logits, int64_t v, int32_t target, bool ignored,
     distribution->logprob = loss::TargetLogProb(lse, static_cast<double>(logits[target]));
     distribution->entropy = loss::Entropy(sums.sum_exp, dist_sums.sum_shifted_z);
     distribution->argmax = static_cast<int32_t>(dist_sums.argmax);
+    WriteRowTopK(logits, v, lse, *distribution);
   }
 
   RowLoss result;

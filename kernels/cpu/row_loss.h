@@ -18,7 +18,16 @@ struct RowDistribution {
   double logprob = 0.0;  // log p_target
   double entropy = 0.0;
   int32_t argmax = -1;  // lowest index of the max z
+  // Top-k (Arguments::top_k_ids, top_k_logprobs): where to write the token's top_k ids and
+  // log-probs (either may be null; top_k 0: none), filled by ComputeRowLoss.
+  int top_k = 0;
+  int32_t* top_k_ids = nullptr;
+  float* top_k_logprobs = nullptr;
 };
+
+// Writes the token's top `distribution.top_k` ids and log-probs (none when top_k is 0) from its
+// `v` logits z (after scale, bias and soft-cap) and their log-sum-exp `lse`.
+void WriteRowTopK(const float* z, int64_t v, double lse, const RowDistribution& distribution);
 
 // Computes the loss of one token from its `v` fp32 logits x_j = h . w_j, exactly as LossOptions
 // defines it, and (when `write_gradient`) overwrites `logits` with grad_scale * dloss/dx_j: the

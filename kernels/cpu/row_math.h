@@ -68,6 +68,36 @@ inline RowDistributionSums SumRowDistribution(const float* z, int64_t n) {
   return out;
 }
 
+// The top k of a row of z (k in [1, kMaxTopK]) in ArgmaxBeats's order (larger z first, then the
+// lower id), ids counted from id_offset: a sorted list of at most k candidates, a new one inserted
+// only when it beats the last. `count` = min(k, n) entries are filled. Also merges candidate
+// lists (shards'): Offer each candidate; the result does not depend on the order of the offers.
+struct RowTopK {
+  int k = 0;
+  int count = 0;
+  float z[kMaxTopK];
+  int64_t id[kMaxTopK];
+
+  void Offer(float zj, int64_t idj) {
+    if (count == k && !loss::ArgmaxBeats(zj, idj, z[k - 1], id[k - 1])) return;
+    int pos = count < k ? count++ : k - 1;
+    while (pos > 0 && loss::ArgmaxBeats(zj, idj, z[pos - 1], id[pos - 1])) {
+      z[pos] = z[pos - 1];
+      id[pos] = id[pos - 1];
+      --pos;
+    }
+    z[pos] = zj;
+    id[pos] = idj;
+  }
+};
+
+inline RowTopK TopKRow(const float* z, int64_t n, int k, int64_t id_offset) {
+  RowTopK top;
+  top.k = k;
+  for (int64_t j = 0; j < n; ++j) top.Offer(z[j], id_offset + j);
+  return top;
+}
+
 // How z / cap is formed for the soft-cap's slope: the whole-vocabulary row multiplies by 1 / cap
 // (as the CUDA kernels do); a shard's row has always divided, and keeps its bits.
 enum class CapRatio { kTimesInverse, kDivided };

@@ -77,6 +77,7 @@ RowLoss ComputeRowLossWithTerms(float* logits, int64_t v, int32_t target, bool i
     distribution->logprob = loss::TargetLogProb(lse, static_cast<double>(logits[target]));
     distribution->entropy = entropy;
     distribution->argmax = static_cast<int32_t>(dist_sums.argmax);
+    WriteRowTopK(logits, v, lse, *distribution);
   }
 
   RowLoss result;

@@ -19,6 +19,24 @@ struct ShardRowStats {
 ShardRowStats ComputeShardRowStats(float* logits, int64_t rows, int64_t local_target,
                                    float softcap);
 
+// A token's output statistics over the shard's `rows` columns of z (already soft-capped, as
+// ComputeShardRowStats leaves them), as shard_problem.h lays out output_stats: written to
+// out[i * stride] for statistic i; `top_k` 0 writes no candidates. Ids are global (row_begin + j).
+void ComputeShardOutputStats(const float* z, int64_t rows, int64_t row_begin, int top_k, float* out,
+                             int64_t stride);
+
+// One token's distribution outputs (Arguments, problem.h) from every shard's statistics and
+// output statistics (token q), combined in rank order in double: `lse` is CombineShardStats's.
+// With top_k > 0, `top_ids` and `top_logprobs` (either may be null) receive the top_k.
+struct ShardTokenOutputs {
+  double logprob = 0.0;
+  double entropy = 0.0;
+  int32_t argmax = -1;
+};
+ShardTokenOutputs CombineShardOutputStats(const float* stats, const float* output_stats,
+                                          int64_t stride, int shards, int64_t q, double lse,
+                                          int top_k, int32_t* top_ids, float* top_logprobs);
+
 // One token's lse and loss from every shard's statistics (`stats` as ShardArguments lays them
 // out, token q), combined in rank order in double. `v` is the whole vocabulary. The loss of an
 // ignored token is 0; its lse is still computed.

@@ -37,10 +37,7 @@ absl::Status CudaBackend::Run(const Problem& problem, const Arguments& args, Str
   if (args.loss_sum == nullptr || args.token_count == nullptr) {
     return absl::InvalidArgumentError("loss_sum and token_count must not be null");
   }
-  if (AsksDistributionOutputs(args)) {
-    return absl::UnimplementedError(absl::StrCat("the CUDA backend does not compute ",
-                                                 RequestedDistributionOutputs(args), " yet"));
-  }
+  LOSSHEAD_RETURN_IF_ERROR(ValidateTopK(args, problem.v));
   if (AsksLossInputs(args)) {
     return absl::UnimplementedError(
         absl::StrCat("the CUDA backend does not compute ", RequestedLossInputs(args), " yet"));
@@ -154,6 +151,25 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
   LOSSHEAD_RETURN_IF_ERROR(LaunchCountTargets(args.targets, problem.n, problem.v, o.ignore_index,
                                               o.reduction == Reduction::kMean, o.grad_scale,
                                               args.token_count, scalars, stream));
+  // The row kernels add each chunk's correct tokens to it (RowOutputs).
+  if (args.correct_count != nullptr) {
+    LOSSHEAD_CUDA_CHECK(cudaMemsetAsync(args.correct_count, 0, sizeof(int64_t), stream));
+  }
+  const int top_k = AsksTopK(args) ? args.top_k : 0;
+  // The distribution outputs of the rows from token t0 on (none asked: the plain row kernel).
+  auto row_outputs = [&](int64_t t0) {
+    RowOutputs out;
+    if (!AsksDistributionOutputs(args)) return out;
+    auto at = [t0](auto* p, int64_t width = 1) { return p != nullptr ? p + t0 * width : nullptr; };
+    out.logprob = at(args.per_token_logprob);
+    out.entropy = at(args.per_token_entropy);
+    out.argmax = at(args.per_token_argmax);
+    out.correct_count = reinterpret_cast<unsigned long long*>(args.correct_count);
+    out.top_k = top_k;
+    out.top_k_ids = at(args.top_k_ids, top_k);
+    out.top_k_logprobs = at(args.top_k_logprobs, top_k);
+    return out;
+  };
 
   SoftmaxGradParams params;
   params.v = problem.v;
@@ -177,7 +193,8 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
         logits + static_cast<int64_t>(q0) * ldl, ldl, rows, args.targets + t0, params, g,
         stashed ? stash_layout.ldg : ldg, row_loss + q0,
         args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
-        args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, row_launch, s)));
+        args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, row_launch, s,
+        row_outputs(t0))));
     if (reduce) {
       // Always over the whole chunk, in one fixed order: bit-identical whatever the schedule.
       const int c = std::min(chunk, n - r0);

@@ -10,8 +10,8 @@
 //   block reduction is called by all kThreads threads of the block (it holds a barrier).
 // - The online softmax state of a thread that saw no element is {m = -inf, s = 0}; Combine skips
 //   such a side instead of forming exp(-inf - -inf).
-// - Everything here is __forceinline__: a kernel compiles to what it did with the loops written
-//   out in it.
+// - Everything here is __forceinline__ (but TopKList::Insert, the top-k's rare slow path): a
+//   kernel compiles to what it did with the loops written out in it.
 #ifndef LOSSHEAD_KERNELS_CUDA_REDUCE_CUH_
 #define LOSSHEAD_KERNELS_CUDA_REDUCE_CUH_
 
@@ -54,9 +54,16 @@ __device__ __forceinline__ T ShflXor(T x, int offset) {
 
 // A row's (or a thread's part of a row's) running statistics over z: max m, sum of exp(z - m),
 // sum of z (label smoothing) and, with kTarget, z of the target (at most one thread holds it, so
-// the sum over threads is exact).
-template <bool kTarget>
+// the sum over threads is exact). With kDist (only for a call that asks for the distribution
+// outputs, problem.h; the plain state and its code are unchanged by it) also
+//   h        sum of ShiftedZTerm(exp(z - m), z - m), moved with m by RescaledShiftedZ, so that the
+//            entropy is loss::Entropy(s, h)
+//   am, ai   the argmax so far, its z and class id, in ArgmaxBeats' order (ai = kNoId if none)
+template <bool kTarget, bool kDist = false>
 struct SoftmaxState;
+
+// The id of no class: larger than any, so that every real candidate beats it in a tie.
+inline constexpr int kNoId = 0x7fffffff;
 
 // Trivial types (they live in __shared__ arrays): a thread starts from Empty().
 template <>
@@ -71,36 +78,88 @@ struct SoftmaxState<true> {
   __device__ __forceinline__ static SoftmaxState Empty() { return {-INFINITY, 0.0f, 0.0f, 0.0f}; }
 };
 
+template <>
+struct SoftmaxState<false, true> {
+  float m, s, sz, h, am;
+  int ai;
+  __device__ __forceinline__ static SoftmaxState Empty() {
+    return {-INFINITY, 0.0f, 0.0f, 0.0f, -INFINITY, kNoId};
+  }
+};
+
+template <>
+struct SoftmaxState<true, true> {
+  float m, s, sz, zt, h, am;
+  int ai;
+  __device__ __forceinline__ static SoftmaxState Empty() {
+    return {-INFINITY, 0.0f, 0.0f, 0.0f, 0.0f, -INFINITY, kNoId};
+  }
+};
+
+// kDist's part of a push, before the max moves from st.m to max: the argmax takes in z (id), and
+// h is re-expressed against the new max (an empty state's h stays 0: no exp(-inf) * -inf).
+template <bool kTarget>
+__device__ __forceinline__ void MoveShiftedZ(SoftmaxState<kTarget, true>& st, float max) {
+  st.h = st.s > 0.0f ? loss::RescaledShiftedZ(st.h, st.s, st.m, max) : 0.0f;
+}
+
+template <bool kTarget>
+__device__ __forceinline__ void PushArgmax(SoftmaxState<kTarget, true>& st, float z, int id) {
+  if (loss::ArgmaxBeats(z, id, st.am, st.ai)) {
+    st.am = z;
+    st.ai = id;
+  }
+}
+
 // Takes in the kVec values of one vector, z_k = to_z(k): the max moves once per vector, then each
-// exp is taken against it.
-template <int kVec, bool kTarget, typename ToZ>
-__device__ __forceinline__ void PushVector(SoftmaxState<kTarget>& st, ToZ to_z) {
+// exp is taken against it. With kDist, value k is class first_id + k.
+template <int kVec, bool kTarget, bool kDist, typename ToZ>
+__device__ __forceinline__ void PushVector(SoftmaxState<kTarget, kDist>& st, ToZ to_z,
+                                           int64_t first_id = 0) {
   float z[kVec];
   float vmax = -INFINITY;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
     z[k] = to_z(k);
     vmax = fmaxf(vmax, z[k]);
+    if constexpr (kDist) PushArgmax(st, z[k], static_cast<int>(first_id) + k);
   }
   if (vmax > st.m) {
+    if constexpr (kDist) MoveShiftedZ(st, vmax);
     st.s *= loss::Exp(st.m - vmax);
     st.m = vmax;
   }
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
-    st.s += loss::Exp(z[k] - st.m);
+    if constexpr (kDist) {
+      const float shifted = z[k] - st.m;
+      const float e = loss::Exp(shifted);
+      st.s += e;
+      st.h += loss::ShiftedZTerm(e, shifted);
+    } else {
+      st.s += loss::Exp(z[k] - st.m);
+    }
     st.sz += z[k];
   }
 }
 
-// Takes in one value z.
-template <bool kTarget>
-__device__ __forceinline__ void Push(SoftmaxState<kTarget>& st, float z) {
+// Takes in one value z (with kDist, of class id).
+template <bool kTarget, bool kDist>
+__device__ __forceinline__ void Push(SoftmaxState<kTarget, kDist>& st, float z, int64_t id = 0) {
+  if constexpr (kDist) PushArgmax(st, z, static_cast<int>(id));
   if (z > st.m) {
+    if constexpr (kDist) MoveShiftedZ(st, z);
     st.s *= loss::Exp(st.m - z);
     st.m = z;
   }
-  st.s += loss::Exp(z - st.m);
+  if constexpr (kDist) {
+    const float shifted = z - st.m;
+    const float e = loss::Exp(shifted);
+    st.s += e;
+    st.h += loss::ShiftedZTerm(e, shifted);
+  } else {
+    st.s += loss::Exp(z - st.m);
+  }
   st.sz += z;
 }
 
@@ -124,21 +183,54 @@ __device__ __forceinline__ SoftmaxState<kTarget> Combine(SoftmaxState<kTarget> a
   return WithSums(m, loss::Rescaled(a.s, a.m, m) + loss::Rescaled(b.s, b.m, m), a, b);
 }
 
+// kDist's combine: the plain statistics as above, h as s is (each side moved to the common max),
+// the argmax by ArgmaxBeats.
+template <bool kTarget>
+__device__ __forceinline__ SoftmaxState<kTarget, true> Combine(SoftmaxState<kTarget, true> a,
+                                                               SoftmaxState<kTarget, true> b) {
+  SoftmaxState<kTarget, true> r;
+  if (a.s == 0.0f) {
+    r.m = b.m;
+    r.s = b.s;
+    r.h = b.h;
+  } else if (b.s == 0.0f) {
+    r.m = a.m;
+    r.s = a.s;
+    r.h = a.h;
+  } else {
+    r.m = fmaxf(a.m, b.m);
+    r.s = loss::Rescaled(a.s, a.m, r.m) + loss::Rescaled(b.s, b.m, r.m);
+    r.h = loss::RescaledShiftedZ(a.h, a.s, a.m, r.m) + loss::RescaledShiftedZ(b.h, b.s, b.m, r.m);
+  }
+  r.sz = a.sz + b.sz;
+  if constexpr (kTarget) r.zt = a.zt + b.zt;
+  const bool b_wins = loss::ArgmaxBeats(b.am, b.ai, a.am, a.ai);
+  r.am = b_wins ? b.am : a.am;
+  r.ai = b_wins ? b.ai : a.ai;
+  return r;
+}
+
 struct CombineOp {
-  template <bool kTarget>
-  __device__ __forceinline__ SoftmaxState<kTarget> operator()(SoftmaxState<kTarget> mine,
-                                                              SoftmaxState<kTarget> theirs) const {
+  template <bool kTarget, bool kDist>
+  __device__ __forceinline__ SoftmaxState<kTarget, kDist> operator()(
+      SoftmaxState<kTarget, kDist> mine, SoftmaxState<kTarget, kDist> theirs) const {
     return Combine(mine, theirs);
   }
 };
 
-template <bool kTarget>
-__device__ __forceinline__ SoftmaxState<kTarget> ShflDown(SoftmaxState<kTarget> st, int offset) {
-  SoftmaxState<kTarget> o;
+template <bool kTarget, bool kDist>
+__device__ __forceinline__ SoftmaxState<kTarget, kDist> ShflDown(SoftmaxState<kTarget, kDist> st,
+                                                                 int offset) {
+  SoftmaxState<kTarget, kDist> o;
   o.m = ShflDown(st.m, offset);
   o.s = ShflDown(st.s, offset);
   o.sz = ShflDown(st.sz, offset);
   if constexpr (kTarget) o.zt = ShflDown(st.zt, offset);
+  if constexpr (kDist) {
+    o.h = ShflDown(st.h, offset);
+    o.am = ShflDown(st.am, offset);
+    o.ai = ShflDown(st.ai, offset);
+  }
   return o;
 }
 
@@ -185,6 +277,86 @@ __device__ __forceinline__ T BlockReduce(T x, Op op, T init) {
   T total = init;
   if (threadIdx.x == 0) total = FoldWarpSlots<kThreads>(slots, op, init);
   return total;
+}
+
+// --- Top-k ---------------------------------------------------------------------------------------
+
+// A candidate of the top-k (and argmax) order: z and class id, compared by ArgmaxBeats.
+struct Candidate {
+  float z;
+  int id;
+};
+
+struct BestOp {
+  __device__ __forceinline__ Candidate operator()(Candidate mine, Candidate theirs) const {
+    return loss::ArgmaxBeats(theirs.z, theirs.id, mine.z, mine.id) ? theirs : mine;
+  }
+};
+
+__device__ __forceinline__ Candidate ShflDown(Candidate c, int offset) {
+  return {ShflDown(c.z, offset), ShflDown(c.id, offset)};
+}
+
+// A thread's best k candidates (k <= kMaxTopK, given at run time), best first. The caller keeps
+// the k-th (`last`, from Empty and Insert) in a register and calls Insert only for a candidate
+// that beats it, which after the first few hundred of a row's values is rare: the list itself
+// lives in local memory (L1), written only there. The order is total (ArgmaxBeats), so the list
+// does not depend on the order of the offers.
+struct TopKList {
+  float z[kMaxTopK];
+  int id[kMaxTopK];
+
+  __device__ __forceinline__ static Candidate Empty(TopKList& list) {
+    for (int i = 0; i < kMaxTopK; ++i) {
+      list.z[i] = -INFINITY;
+      list.id[i] = kNoId;
+    }
+    return {-INFINITY, kNoId};
+  }
+
+  // Inserts c into the first k entries (c beats the k-th); returns the new k-th. Not inlined:
+  // unrolled at every offer of a row kernel's loads it would take the registers of its loop.
+  __device__ __noinline__ Candidate Insert(Candidate c, int k) {
+    for (int i = 0; i < k; ++i) {
+      if (loss::ArgmaxBeats(c.z, c.id, z[i], id[i])) {
+        const Candidate displaced{z[i], id[i]};
+        z[i] = c.z;
+        id[i] = c.id;
+        c = displaced;
+      }
+    }
+    return {z[k - 1], id[k - 1]};
+  }
+
+  // Drops the best candidate.
+  __device__ __forceinline__ void Pop() {
+    for (int i = 0; i + 1 < kMaxTopK; ++i) {
+      z[i] = z[i + 1];
+      id[i] = id[i + 1];
+    }
+    z[kMaxTopK - 1] = -INFINITY;
+    id[kMaxTopK - 1] = kNoId;
+  }
+};
+
+// Offers (z, id) to `list`, whose k-th is `last`.
+__device__ __forceinline__ void OfferTopK(TopKList& list, Candidate& last, float z, int id, int k) {
+  if (loss::ArgmaxBeats(z, id, last.z, last.id)) last = list.Insert({z, id}, k);
+}
+
+// The block's best k of every thread's list, into best[0, k) (shared memory, valid in every
+// thread on return): k rounds in which every thread offers its best remaining candidate, the
+// block reduction picks the best (in warp order) and the one thread that holds it (ids are
+// unique over the block's lists) drops it. Called by all kThreads threads; empties the lists.
+template <int kThreads>
+__device__ __forceinline__ void BlockTopK(TopKList& list, int k, Candidate* best) {
+  __shared__ Candidate slots[kThreads / kWarpSize];
+  for (int r = 0; r < k; ++r) {
+    ReduceToWarpSlots<kThreads>(Candidate{list.z[0], list.id[0]}, BestOp{}, slots);
+    if (threadIdx.x == 0) best[r] = FoldWarpSlots<kThreads>(slots, BestOp{}, slots[0], 1);
+    __syncthreads();
+    if (list.id[0] == best[r].id && best[r].id != kNoId) list.Pop();
+  }
 }
 
 }  // namespace losshead::kernels::cuda

@@ -64,6 +64,22 @@ ShardRowParams ShardRowParamsOf(const ShardProblem& shard) {
   return p;
 }
 
+// The distribution outputs asked for, from token t0 on (none: the plain kernels).
+RowOutputs ShardRowOutputs(const ShardArguments& args, int64_t t0) {
+  RowOutputs out;
+  if (!AsksDistributionOutputs(args)) return out;
+  const int64_t top_k = AsksTopK(args) ? args.top_k : 0;
+  auto at = [t0](auto* p, int64_t width = 1) { return p != nullptr ? p + t0 * width : nullptr; };
+  out.logprob = at(args.per_token_logprob);
+  out.entropy = at(args.per_token_entropy);
+  out.argmax = at(args.per_token_argmax);
+  out.correct_count = reinterpret_cast<unsigned long long*>(args.correct_count);
+  out.top_k = static_cast<int>(top_k);
+  out.top_k_ids = at(args.top_k_ids, top_k);
+  out.top_k_logprobs = at(args.top_k_logprobs, top_k);
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<ShardPlan> ShardCalls::Plan(const ShardProblem& shard, size_t budget_bytes) const {
@@ -99,6 +115,10 @@ absl::Status ShardCalls::Begin(const ShardProblem& shard, const ShardArguments& 
   const LossOptions& o = problem.options;
   if (args.loss_sum != nullptr) {
     LOSSHEAD_CUDA_CHECK(cudaMemsetAsync(args.loss_sum, 0, sizeof(float), cs->stream()));
+  }
+  // Like loss_sum, a count over the chunks: ShardBackward's row kernel adds each chunk's.
+  if (args.correct_count != nullptr) {
+    LOSSHEAD_CUDA_CHECK(cudaMemsetAsync(args.correct_count, 0, sizeof(int64_t), cs->stream()));
   }
   return LaunchCountTargets(args.targets, problem.n, problem.v, o.ignore_index,
                             o.reduction == Reduction::kMean, o.grad_scale, args.token_count,
@@ -248,8 +268,15 @@ absl::Status ShardCalls::ForwardTyped(const ShardProblem& shard, const ShardArgu
                                          ws + layout.cublas_off, layout.cublas_bytes, stream));
   float* slice =
       args.stats + static_cast<int64_t>(shard.rank) * kShardStats * args.stats_chunk_rows;
+  // The distribution outputs' statistics only when the caller exchanges them (shard_problem.h).
+  float* output_slice = args.output_stats != nullptr
+                            ? args.output_stats + static_cast<int64_t>(shard.rank) *
+                                                      ShardOutputStatsRows(args.top_k) *
+                                                      args.stats_chunk_rows
+                            : nullptr;
   return LaunchShardStats(logits, layout.ldl, chunk.size, args.targets + chunk.begin,
-                          ShardRowParamsOf(shard), slice, args.stats_chunk_rows, stream);
+                          ShardRowParamsOf(shard), slice, args.stats_chunk_rows, stream,
+                          output_slice, args.top_k);
 }
 
 template <typename TIn, typename TL>
@@ -300,7 +327,8 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
       logits, ldl, c, args.targets + t0, params, args.stats, args.stats_chunk_rows, shard.shards,
       need_grad ? grad : nullptr, g_ld, row_loss,
       args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
-      args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream)));
+      args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream, args.output_stats,
+      args.top_k, ShardRowOutputs(args, t0))));
   // One block over the chunk, after the previous chunks: the same bits on every rerun.
   LOSSHEAD_RETURN_IF_ERROR(LaunchLossReduce(row_loss, c, scalars, args.loss_sum, stream));
 

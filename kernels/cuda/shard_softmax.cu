@@ -20,14 +20,19 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
-// A shard's statistics of a token carry z of the target (kShardStats: m, s, sz, zt).
-using RowStats = SoftmaxState<true>;
+// What a launch computes beyond the plain statistics: each its own instantiation.
+enum class ShardExtras { kNone, kDistribution, kTopK };
 
-template <typename TL>
+// A shard's statistics of a token carry z of the target (kShardStats: m, s, sz, zt).
+template <typename TL, ShardExtras kExtras>
 __global__ void __launch_bounds__(kThreads)
     ShardStatsKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
-                     ShardRowParams p, float* __restrict__ stats, int64_t stride) {
+                     ShardRowParams p, float* __restrict__ stats, int64_t stride,
+                     float* __restrict__ output_stats, int top_k) {
   constexpr int kVec = Vec<TL>::kSize;
+  constexpr bool kDist = kExtras != ShardExtras::kNone;
+  constexpr bool kTop = kExtras == ShardExtras::kTopK;
+  using RowStats = SoftmaxState<true, kDist>;
   __shared__ RowStats warp_states[kThreads / kWarpSize];
   const int64_t q = blockIdx.x;
   const int tid = threadIdx.x;
@@ -42,6 +47,10 @@ __global__ void __launch_bounds__(kThreads)
   const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
 
   RowStats st = RowStats::Empty();
+  // The top-k's candidates of this thread, in local ids (the shard's columns).
+  [[maybe_unused]] TopKList top;
+  [[maybe_unused]] Candidate last;
+  if constexpr (kTop) last = TopKList::Empty(top);
   for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
     Vec<TL> in[kUnroll];
 #pragma unroll
@@ -53,18 +62,23 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + static_cast<int64_t>(u) * kThreads;
       if (i < nvec) {
-        PushVector<kVec>(st, [&](int k) {
-          const float z = cap(ToF(in[u].v[k]));
-          if (i * kVec + k == local) st.zt = z;
-          return z;
-        });
+        PushVector<kVec>(
+            st,
+            [&](int k) {
+              const float z = cap(ToF(in[u].v[k]));
+              if (i * kVec + k == local) st.zt = z;
+              if constexpr (kTop) OfferTopK(top, last, z, static_cast<int>(i * kVec) + k, top_k);
+              return z;
+            },
+            i * kVec);
       }
     }
   }
   for (int64_t j = nvec * kVec + tid; j < p.rows; j += kThreads) {
     const float z = cap(ToF(x[j]));
     if (j == local) st.zt = z;
-    Push(st, z);
+    if constexpr (kTop) OfferTopK(top, last, z, static_cast<int>(j), top_k);
+    Push(st, z, j);
   }
   ReduceToWarpSlots<kThreads>(st, CombineOp{}, warp_states);
   if (tid == 0) {
@@ -73,15 +87,86 @@ __global__ void __launch_bounds__(kThreads)
     stats[stride + q] = total.s;
     stats[2 * stride + q] = total.sz;
     stats[3 * stride + q] = total.zt;
+    if constexpr (kDist) {
+      // shard_problem.h's output_stats: s, then the argmax's global id as the float of its bits.
+      output_stats[q] = total.h;
+      // (A row of NaN has no candidate: its first id stands in, as where a NaN leads.)
+      const int argmax = total.ai == kNoId ? 0 : total.ai;
+      output_stats[stride + q] = __int_as_float(static_cast<int>(p.row_begin) + argmax);
+    }
+  }
+  if constexpr (kTop) {
+    __shared__ Candidate best[kMaxTopK];
+    BlockTopK<kThreads>(top, top_k, best);
+    if (tid < top_k) {
+      // A shard of fewer than top_k columns pads with id -1 (z -inf).
+      const Candidate c = best[tid];
+      const int id = c.id == kNoId ? -1 : static_cast<int>(p.row_begin) + c.id;
+      output_stats[(kShardOutputStats + tid) * stride + q] = c.z;
+      output_stats[(kShardOutputStats + top_k + tid) * stride + q] = __int_as_float(id);
+    }
   }
 }
 
-template <typename TL, typename TG>
+// One token's distribution outputs from every shard's statistics and output statistics, in rank
+// order, in double (as the CPU backend's CombineShardOutputStats), by one thread; `lse` and
+// `sum_exp` as the caller combined them.
+__device__ __forceinline__ void CombineOutputStats(const float* stats, const float* output_stats,
+                                                   int64_t stride, int shards, int64_t q,
+                                                   int64_t target, int top_k, double lse,
+                                                   double sum_exp, double z_target, float max_z,
+                                                   const RowOutputs& out) {
+  const int64_t per_shard = ShardOutputStatsRows(top_k);
+  double sum_shifted_z = 0.0;
+  Candidate best{-INFINITY, kNoId};
+  for (int r = 0; r < shards; ++r) {
+    const float* slice = stats + r * kShardStats * stride;
+    const float* extra = output_stats + r * per_shard * stride;
+    const float m = slice[q];
+    const float s = slice[stride + q];
+    if (s > 0.0f) {
+      sum_shifted_z += loss::RescaledShiftedZ<double>(extra[q], s, m, max_z);
+    }
+    const int id = __float_as_int(extra[stride + q]);
+    if (loss::ArgmaxBeats(m, id, best.z, best.id)) best = {m, id};
+  }
+  // Every shard's max NaN: shard 0's stands, as where a NaN leads.
+  if (best.id == kNoId) best.id = __float_as_int(output_stats[stride + q]);
+  if (out.logprob != nullptr) {
+    out.logprob[q] = static_cast<float>(loss::TargetLogProb(lse, z_target));
+  }
+  if (out.entropy != nullptr) {
+    out.entropy[q] = static_cast<float>(loss::Entropy(sum_exp, sum_shifted_z));
+  }
+  if (out.argmax != nullptr) out.argmax[q] = best.id;
+  if (out.correct_count != nullptr && best.id == target) atomicAdd(out.correct_count, 1ull);
+  if (!out.TopK()) return;
+  TopKList list;
+  Candidate last = TopKList::Empty(list);
+  for (int r = 0; r < shards; ++r) {
+    const float* extra = output_stats + r * per_shard * stride;
+    for (int i = 0; i < top_k; ++i) {
+      const int id = __float_as_int(extra[(kShardOutputStats + top_k + i) * stride + q]);
+      if (id >= 0) OfferTopK(list, last, extra[(kShardOutputStats + i) * stride + q], id, top_k);
+    }
+  }
+  for (int i = 0; i < top_k; ++i) {
+    const bool filled = list.id[i] != kNoId;
+    if (out.top_k_ids != nullptr) out.top_k_ids[q * top_k + i] = filled ? list.id[i] : -1;
+    if (out.top_k_logprobs != nullptr) {
+      out.top_k_logprobs[q * top_k + i] =
+          filled ? static_cast<float>(loss::TargetLogProb<double>(lse, list.z[i])) : 0.0f;
+    }
+  }
+}
+
+template <typename TL, typename TG, bool kOutputs>
 __global__ void __launch_bounds__(kThreads)
     ShardGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                     ShardRowParams p, const float* __restrict__ stats, int64_t stride, int shards,
                     TG* grad, int64_t ldg, float* __restrict__ row_loss,
-                    float* __restrict__ per_token_loss, float* __restrict__ per_token_lse) {
+                    float* __restrict__ per_token_loss, float* __restrict__ per_token_lse,
+                    const float* __restrict__ output_stats, int top_k, RowOutputs outputs) {
   __shared__ float shared_lse;
   const int64_t q = blockIdx.x;
   const int tid = threadIdx.x;
@@ -113,6 +198,14 @@ __global__ void __launch_bounds__(kThreads)
     if (per_token_loss != nullptr) per_token_loss[q] = static_cast<float>(loss);
     if (per_token_lse != nullptr) per_token_lse[q] = static_cast<float>(lse);
     shared_lse = static_cast<float>(lse);
+    if constexpr (kOutputs) {
+      if (valid) {
+        CombineOutputStats(stats, output_stats, stride, shards, q, t, top_k, lse, sum_exp, z_target,
+                           max_z, outputs);
+      } else {
+        WriteIgnoredOutputs(outputs, q);
+      }
+    }
   }
   if (grad == nullptr) return;  // uniform over the block: no thread is left at the barrier
   __syncthreads();
@@ -201,10 +294,19 @@ __global__ void __launch_bounds__(kThreads)
 template <typename TL>
 absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
                               const ShardRowParams& p, float* stats, int64_t stride,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, float* output_stats, int top_k) {
   if (tokens <= 0) return absl::OkStatus();
-  ShardStatsKernel<TL><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(logits, ldl, targets,
-                                                                               p, stats, stride);
+  const auto blocks = static_cast<unsigned>(tokens);
+  if (output_stats == nullptr) {
+    ShardStatsKernel<TL, ShardExtras::kNone>
+        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, nullptr, 0);
+  } else if (top_k > 0) {
+    ShardStatsKernel<TL, ShardExtras::kTopK><<<blocks, kThreads, 0, stream>>>(
+        logits, ldl, targets, p, stats, stride, output_stats, top_k);
+  } else {
+    ShardStatsKernel<TL, ShardExtras::kDistribution>
+        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, output_stats, 0);
+  }
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -213,11 +315,19 @@ template <typename TL, typename TG>
 absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
                              const ShardRowParams& p, const float* stats, int64_t stride,
                              int shards, TG* grad, int64_t ldg, float* row_loss,
-                             float* per_token_loss, float* per_token_lse, cudaStream_t stream) {
+                             float* per_token_loss, float* per_token_lse, cudaStream_t stream,
+                             const float* output_stats, int top_k, const RowOutputs& outputs) {
   if (tokens <= 0) return absl::OkStatus();
-  ShardGradKernel<TL, TG><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(
-      logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
-      per_token_lse);
+  const auto blocks = static_cast<unsigned>(tokens);
+  if (outputs.Any() && output_stats != nullptr) {
+    ShardGradKernel<TL, TG, true><<<blocks, kThreads, 0, stream>>>(
+        logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
+        per_token_lse, output_stats, top_k, outputs);
+  } else {
+    ShardGradKernel<TL, TG, false>
+        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, shards, grad, ldg,
+                                          row_loss, per_token_loss, per_token_lse, nullptr, 0, {});
+  }
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
 }
@@ -233,15 +343,17 @@ absl::Status LaunchRoundToDType(const float* src, T* dst, int64_t count, cudaStr
 }
 
 template absl::Status LaunchShardStats<float>(const float*, int64_t, int64_t, const int32_t*,
-                                              const ShardRowParams&, float*, int64_t, cudaStream_t);
+                                              const ShardRowParams&, float*, int64_t, cudaStream_t,
+                                              float*, int);
 template absl::Status LaunchShardStats<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t,
                                                       const int32_t*, const ShardRowParams&, float*,
-                                                      int64_t, cudaStream_t);
+                                                      int64_t, cudaStream_t, float*, int);
 
 #define LOSSHEAD_INSTANTIATE_GRAD(TL, TG)                                                        \
   template absl::Status LaunchShardGrad<TL, TG>(                                                 \
       const TL*, int64_t, int64_t, const int32_t*, const ShardRowParams&, const float*, int64_t, \
-      int, TG*, int64_t, float*, float*, float*, cudaStream_t);
+      int, TG*, int64_t, float*, float*, float*, cudaStream_t, const float*, int,                \
+      const RowOutputs&);
 LOSSHEAD_INSTANTIATE_GRAD(float, float)
 LOSSHEAD_INSTANTIATE_GRAD(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE_GRAD(float, __half)

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/common/loss_math.h"
+#include "kernels/cuda/softmax_grad.cuh"
 
 namespace losshead::kernels::cuda {
 
@@ -30,11 +31,15 @@ struct ShardRowParams {
 // slice: statistic s at stats[s * stride + q]): max z, sum exp(z - max), sum z, and z of the
 // target when the target (targets[q]) is one of the shard's rows and not ignore_index, else 0.
 // Reads the logits only. Block reductions in a fixed order: a rerun gives the same bits.
+// When `output_stats` is not null (this shard's slice of ShardArguments::output_stats, laid out
+// as shard_problem.h describes it, stride `stride`), also the distribution outputs' statistics:
+// s against the shard's max, its argmax's global id and, with top_k > 0, its top_k candidates;
+// otherwise the plain kernel runs, as it did without them.
 // TL: float or __nv_bfloat16.
 template <typename TL>
 absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
                               const ShardRowParams& p, float* stats, int64_t stride,
-                              cudaStream_t stream);
+                              cudaStream_t stream, float* output_stats = nullptr, int top_k = 0);
 
 // For each of `tokens` rows q: combines the `shards` slices of `stats` (slice r at
 // stats + r * 4 * stride, laid out as above) in rank order into the token's lse and loss, and
@@ -48,11 +53,16 @@ absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, con
 // ignore_index is treated as ignored.
 // (TL, TG): (float, float), (float, __nv_bfloat16), (float, __half) or
 // (__nv_bfloat16, __nv_bfloat16).
+// When `outputs` asks for any distribution output (RowOutputs, rows from the chunk's first),
+// also combines every shard's slice of `output_stats` (ShardOutputStatsRows(top_k) rows each, top_k
+// the candidates exchanged) in rank order, in double, into them; otherwise the plain kernel runs.
 template <typename TL, typename TG>
 absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
                              const ShardRowParams& p, const float* stats, int64_t stride,
                              int shards, TG* grad, int64_t ldg, float* row_loss,
-                             float* per_token_loss, float* per_token_lse, cudaStream_t stream);
+                             float* per_token_loss, float* per_token_lse, cudaStream_t stream,
+                             const float* output_stats = nullptr, int top_k = 0,
+                             const RowOutputs& outputs = {});
 
 // dst[i] = src[i] rounded to T (round to nearest even) for i in [0, count). T: __nv_bfloat16 or
 // __half (an fp32 store is a plain copy).

@@ -18,15 +18,21 @@ namespace {
 // saturate HBM with a few blocks per SM. A row's second read (pass 2) hits L2 only when few rows
 // are live at once, hence the 1024-thread variant (about one row per SM).
 
-using State = SoftmaxState<false>;
+// What a launch computes beyond the loss (RowOutputs): each its own instantiation, so that the
+// plain kernel is the code it was without them.
+enum class RowExtras { kNone, kDistribution, kTopK };
 
-template <typename TL, typename TG, int kThreads>
+template <typename TL, typename TG, int kThreads, RowExtras kExtras>
 __global__ void __launch_bounds__(kThreads)
     SoftmaxGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                       SoftmaxGradParams p, TG* grad, int64_t ldg, float* __restrict__ row_loss,
-                      float* __restrict__ per_token_loss, float* __restrict__ per_token_lse) {
+                      float* __restrict__ per_token_loss, float* __restrict__ per_token_lse,
+                      RowOutputs outputs) {
   constexpr int kVec = Vec<TL>::kSize;
   constexpr int kUnroll = kThreads >= 1024 ? 2 : 4;
+  constexpr bool kDist = kExtras != RowExtras::kNone;
+  constexpr bool kTop = kExtras == RowExtras::kTopK;
+  using State = SoftmaxState<false, kDist>;
   __shared__ State warp_states[kThreads / kWarpSize];
   __shared__ float shared_lse;
 
@@ -45,6 +51,11 @@ __global__ void __launch_bounds__(kThreads)
   float lse = 0.0f;
   if (need_stats) {
     State st = State::Empty();
+    // The top-k's candidates of this thread, for a counted row only (k = 0 offers none).
+    [[maybe_unused]] const int top_k = kTop && valid ? outputs.top_k : 0;
+    [[maybe_unused]] TopKList top;
+    [[maybe_unused]] Candidate last;
+    if constexpr (kTop) last = TopKList::Empty(top);
     for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
       Vec<TL> in[kUnroll];
 #pragma unroll
@@ -56,11 +67,37 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + static_cast<int64_t>(u) * kThreads;
         if (i < nvec) {
-          PushVector<kVec>(st, [&](int k) { return cap(ToF(in[u].v[k])); });
+          if constexpr (kDist) {
+            float z[kVec];
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) z[k] = cap(ToF(in[u].v[k]));
+            PushVector<kVec>(
+                st, [&](int k) { return z[k]; }, i * kVec);
+            if constexpr (kTop) {
+              if (top_k > 0) {
+#pragma unroll
+                for (int k = 0; k < kVec; ++k) {
+                  OfferTopK(top, last, z[k], static_cast<int>(i * kVec) + k, top_k);
+                }
+              }
+            }
+          } else {
+            PushVector<kVec>(st, [&](int k) { return cap(ToF(in[u].v[k])); });
+          }
         }
       }
     }
-    for (int64_t j = tail_start + tid; j < p.v; j += kThreads) Push(st, cap(ToF(x[j])));
+    for (int64_t j = tail_start + tid; j < p.v; j += kThreads) {
+      if constexpr (kDist) {
+        const float z = cap(ToF(x[j]));
+        Push(st, z, j);
+        if constexpr (kTop) {
+          if (top_k > 0) OfferTopK(top, last, z, static_cast<int>(j), top_k);
+        }
+      } else {
+        Push(st, cap(ToF(x[j])));
+      }
+    }
     ReduceToWarpSlots<kThreads>(st, CombineOp{}, warp_states);
     if (tid == 0) {
       const State total = FoldWarpSlots<kThreads>(warp_states, CombineOp{}, warp_states[0], 1);
@@ -74,13 +111,45 @@ __global__ void __launch_bounds__(kThreads)
       if (per_token_loss != nullptr) per_token_loss[row] = loss;
       if (per_token_lse != nullptr) per_token_lse[row] = l;
       shared_lse = l;
+      if constexpr (kDist) {
+        if (valid) {
+          if (outputs.logprob != nullptr) {
+            outputs.logprob[row] = loss::TargetLogProb(l, cap(ToF(x[t])));
+          }
+          if (outputs.entropy != nullptr) outputs.entropy[row] = loss::Entropy(total.s, total.h);
+          // A row of NaN has no candidate: its argmax is its first id, as where a NaN leads.
+          const int argmax = total.ai == kNoId ? 0 : total.ai;
+          if (outputs.argmax != nullptr) outputs.argmax[row] = argmax;
+          if (outputs.correct_count != nullptr && argmax == t) {
+            atomicAdd(outputs.correct_count, 1ull);
+          }
+        } else {
+          WriteIgnoredOutputs(outputs, row);
+        }
+      }
     }
     // Also orders thread 0's read of x[t] before pass 2 overwrites the row.
     __syncthreads();
     lse = shared_lse;
+    if constexpr (kTop) {
+      if (top_k > 0) {  // the same in every thread of the block: the barriers are reached by all
+        __shared__ Candidate best[kMaxTopK];
+        BlockTopK<kThreads>(top, top_k, best);
+        if (tid < top_k) {
+          const Candidate c = best[tid];
+          if (outputs.top_k_ids != nullptr) {
+            outputs.top_k_ids[row * top_k + tid] = c.id == kNoId ? -1 : c.id;
+          }
+          if (outputs.top_k_logprobs != nullptr) {
+            outputs.top_k_logprobs[row * top_k + tid] = loss::TargetLogProb(lse, c.z);
+          }
+        }
+      }
+    }
   } else if (tid == 0) {
     row_loss[row] = 0.0f;
     if (per_token_loss != nullptr) per_token_loss[row] = 0.0f;
+    if constexpr (kDist) WriteIgnoredOutputs(outputs, row);
   }
 
   if (grad == nullptr) return;
@@ -139,12 +208,13 @@ __global__ void __launch_bounds__(kThreads)
   if (j < p.v) g[j] = FromF<TG>(gt);
 }
 
-template <typename TL, typename TG, int kThreads>
+template <typename TL, typename TG, int kThreads, RowExtras kExtras>
 absl::Status LaunchWithThreads(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
-                               const RowLaunch& launch, cudaStream_t stream) {
-  auto* kernel = &SoftmaxGradKernel<TL, TG, kThreads>;
+                               const RowLaunch& launch, cudaStream_t stream,
+                               const RowOutputs& outputs) {
+  auto* kernel = &SoftmaxGradKernel<TL, TG, kThreads, kExtras>;
   // The kernel needs no dynamic shared memory: asking for some only caps how many rows an SM
   // holds at once, so that the rows in flight fit in L2 for the second pass.
   size_t smem = 0;
@@ -154,9 +224,31 @@ absl::Status LaunchWithThreads(const TL* logits, int64_t ldl, int64_t rows, cons
                                              static_cast<int>(smem)));
   }
   kernel<<<static_cast<unsigned>(rows), kThreads, smem, stream>>>(
-      logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse);
+      logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse, outputs);
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
+}
+
+// The instantiation for the outputs asked for (RowOutputs).
+template <typename TL, typename TG, int kThreads>
+absl::Status LaunchForOutputs(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
+                              const SoftmaxGradParams& params, TG* grad, int64_t ldg,
+                              float* row_loss, float* per_token_loss, float* per_token_lse,
+                              const RowLaunch& launch, cudaStream_t stream,
+                              const RowOutputs& outputs) {
+  if (outputs.TopK()) {
+    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kTopK>(
+        logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
+        launch, stream, outputs);
+  }
+  if (outputs.Any()) {
+    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kDistribution>(
+        logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
+        launch, stream, outputs);
+  }
+  return LaunchWithThreads<TL, TG, kThreads, RowExtras::kNone>(logits, ldl, rows, targets, params,
+                                                               grad, ldg, row_loss, per_token_loss,
+                                                               per_token_lse, launch, stream, {});
 }
 
 }  // namespace
@@ -165,24 +257,25 @@ template <typename TL, typename TG>
 absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
-                               const RowLaunch& launch, cudaStream_t stream) {
+                               const RowLaunch& launch, cudaStream_t stream,
+                               const RowOutputs& outputs) {
   if (rows <= 0) return absl::OkStatus();
   if (launch.threads == 512) {
-    return LaunchWithThreads<TL, TG, 512>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
-                                          per_token_loss, per_token_lse, launch, stream);
+    return LaunchForOutputs<TL, TG, 512>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
+                                         per_token_loss, per_token_lse, launch, stream, outputs);
   }
   if (launch.threads == 1024) {
-    return LaunchWithThreads<TL, TG, 1024>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
-                                           per_token_loss, per_token_lse, launch, stream);
+    return LaunchForOutputs<TL, TG, 1024>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
+                                          per_token_loss, per_token_lse, launch, stream, outputs);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("row kernel threads must be 512 or 1024, got ", launch.threads));
 }
 
-#define LOSSHEAD_INSTANTIATE(TL, TG)                                                              \
-  template absl::Status LaunchSoftmaxGrad<TL, TG>(const TL*, int64_t, int64_t, const int32_t*,    \
-                                                  const SoftmaxGradParams&, TG*, int64_t, float*, \
-                                                  float*, float*, const RowLaunch&, cudaStream_t);
+#define LOSSHEAD_INSTANTIATE(TL, TG)                                                               \
+  template absl::Status LaunchSoftmaxGrad<TL, TG>(                                                 \
+      const TL*, int64_t, int64_t, const int32_t*, const SoftmaxGradParams&, TG*, int64_t, float*, \
+      float*, float*, const RowLaunch&, cudaStream_t, const RowOutputs&);
 LOSSHEAD_INSTANTIATE(float, float)
 LOSSHEAD_INSTANTIATE(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE(float, __half)

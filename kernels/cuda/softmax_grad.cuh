@@ -22,6 +22,45 @@ struct SoftmaxGradParams {
   const float* grad_scale = nullptr;
 };
 
+// The distribution outputs (problem.h) of one launch's rows, each optional, at the launch's row r
+// (the top-k at r * top_k): a launch that asks for none runs the plain kernel, one that asks for
+// any runs an instantiation that carries the entropy's and the argmax's statistics through the
+// row's reduction (reduce.cuh's SoftmaxState<false, true>), and one that asks for the top-k also
+// a per-thread candidate list. An ignored row gets 0, 0, -1 and ids -1 / log-probs 0.
+struct RowOutputs {
+  float* logprob = nullptr;
+  float* entropy = nullptr;
+  int32_t* argmax = nullptr;
+  // += the launch's counted rows whose argmax is their target (an atomic integer sum: the same
+  // total whatever the order). The caller zeroes it before the run's first launch.
+  unsigned long long* correct_count = nullptr;
+  int top_k = 0;  // [1, kMaxTopK] with top_k_ids or top_k_logprobs
+  int32_t* top_k_ids = nullptr;
+  float* top_k_logprobs = nullptr;
+
+  __host__ __device__ bool TopK() const {
+    return top_k > 0 && (top_k_ids != nullptr || top_k_logprobs != nullptr);
+  }
+  __host__ __device__ bool Any() const {
+    return logprob != nullptr || entropy != nullptr || argmax != nullptr ||
+           correct_count != nullptr || TopK();
+  }
+};
+
+#ifdef __CUDACC__
+// An ignored row's distribution outputs (problem.h), by one thread.
+__device__ __forceinline__ void WriteIgnoredOutputs(const RowOutputs& out, int64_t row) {
+  if (out.logprob != nullptr) out.logprob[row] = 0.0f;
+  if (out.entropy != nullptr) out.entropy[row] = 0.0f;
+  if (out.argmax != nullptr) out.argmax[row] = -1;
+  if (!out.TopK()) return;
+  for (int i = 0; i < out.top_k; ++i) {
+    if (out.top_k_ids != nullptr) out.top_k_ids[row * out.top_k + i] = -1;
+    if (out.top_k_logprobs != nullptr) out.top_k_logprobs[row * out.top_k + i] = 0.0f;
+  }
+}
+#endif
+
 // How the row kernel is launched: `threads` per row (512 or 1024); when blocks_per_sm > 0, at
 // most that many rows per SM at once (smem_per_sm: the device's shared memory per SM, used to
 // enforce the cap), which bounds the rows in flight so that the second pass hits L2.
@@ -42,13 +81,16 @@ struct RowLaunch {
 //   16-byte aligned rows). Unscaled, the reduction's scale is applied later, as the GEMMs' alpha.
 // A target outside [0, v) that is not ignore_index is treated as ignored (no out-of-bounds access;
 // the caller is expected to have rejected it already).
+// The distribution outputs asked for in `outputs` (RowOutputs) are written as problem.h defines
+// them; the other outputs are the same bits whether or not any is asked for.
 // TL, TG: float, __nv_bfloat16 or __half (see the instantiations in the .cu). launch.threads: 512
 // or 1024 (INVALID_ARGUMENT otherwise).
 template <typename TL, typename TG>
 absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
-                               const RowLaunch& launch, cudaStream_t stream);
+                               const RowLaunch& launch, cudaStream_t stream,
+                               const RowOutputs& outputs = {});
 
 }  // namespace losshead::kernels::cuda
 

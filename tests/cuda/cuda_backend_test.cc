@@ -691,36 +691,73 @@ TEST_F(CudaBackendErrorTest, WorkspaceTooSmall) {
   ExpectUntouched();
 }
 
-// The distribution outputs (Arguments, problem.h) have no CUDA kernels yet: asking for any is
-// UNIMPLEMENTED, naming what was asked, and launches nothing.
-TEST_F(CudaBackendErrorTest, DistributionOutputsAreUnimplemented) {
-  auto outputs = cuda_->Allocate(16 * sizeof(int64_t));
+// A top-k output with top_k outside [1, min(kMaxTopK, V)] is INVALID_ARGUMENT naming top_k, and
+// launches nothing (the distribution outputs' values: cuda_distribution_test.cc).
+TEST_F(CudaBackendErrorTest, BadTopKIsInvalidArgument) {
+  auto outputs = cuda_->Allocate(16 * (kMaxTopK + 1) * sizeof(float));
+  ASSERT_TRUE(outputs.ok());
+  ASSERT_OK(cuda_->Memset(outputs->data(), 0x7f, 16 * (kMaxTopK + 1) * sizeof(float), *stream_));
+  for (int32_t top_k : {0, -1, kMaxTopK + 1}) {
+    for (bool ids : {true, false}) {
+      Arguments a = args_;
+      a.per_token_entropy = outputs->as<float>();
+      a.top_k = top_k;
+      if (ids) {
+        a.top_k_ids = outputs->as<int32_t>();
+      } else {
+        a.top_k_logprobs = outputs->as<float>();
+      }
+      const absl::Status status = cuda_->Run(problem_, a, *stream_);
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_NE(status.message().find("top_k"), std::string::npos) << status;
+    }
+  }
+  // top_k > V.
+  Problem narrow = problem_;
+  narrow.v = 10;
+  Arguments a = args_;
+  a.top_k = 11;
+  a.top_k_ids = outputs->as<int32_t>();
+  EXPECT_EQ(cuda_->Run(narrow, a, *stream_).code(), absl::StatusCode::kInvalidArgument);
+  ExpectUntouched();
+  std::vector<uint32_t> bits(16 * (kMaxTopK + 1));
+  ASSERT_OK(cuda_->CopyToHost(bits.data(), outputs->data(), bits.size() * 4, *stream_));
+  ASSERT_OK(stream_->Synchronize());
+  EXPECT_EQ(bits, std::vector<uint32_t>(bits.size(), 0x7f7f7f7fu));
+}
+
+// Every distribution output alone is computed (no longer refused): a call asking for one writes
+// it, whatever the others.
+TEST_F(CudaBackendErrorTest, EachDistributionOutputAloneRuns) {
+  auto outputs = cuda_->Allocate(16 * kMaxTopK * sizeof(float));
   ASSERT_TRUE(outputs.ok());
   void* out = outputs->data();
-  const std::vector<std::pair<void (*)(Arguments&, void*), std::string>> asks = {
-      {[](Arguments& a, void* p) { a.per_token_logprob = static_cast<float*>(p); },
-       "per_token_logprob"},
-      {[](Arguments& a, void* p) { a.per_token_entropy = static_cast<float*>(p); },
-       "per_token_entropy"},
-      {[](Arguments& a, void* p) { a.per_token_argmax = static_cast<int32_t*>(p); },
-       "per_token_argmax"},
-      {[](Arguments& a, void* p) { a.correct_count = static_cast<int64_t*>(p); }, "correct_count"}};
-  Arguments all = args_;
-  for (const auto& [ask, name] : asks) {
+  // Zero logits: every output has a value unlike the poison.
+  ASSERT_OK(cuda_->Memset(hidden_.data(), 0, 16 * 64 * 2, *stream_));
+  ASSERT_OK(cuda_->Memset(weight_.data(), 0, 1001 * 64 * 2, *stream_));
+  const std::vector<void (*)(Arguments&, void*)> asks = {
+      [](Arguments& a, void* p) { a.per_token_logprob = static_cast<float*>(p); },
+      [](Arguments& a, void* p) { a.per_token_entropy = static_cast<float*>(p); },
+      [](Arguments& a, void* p) { a.per_token_argmax = static_cast<int32_t*>(p); },
+      [](Arguments& a, void* p) { a.correct_count = static_cast<int64_t*>(p); },
+      [](Arguments& a, void* p) {
+        a.top_k = 2;
+        a.top_k_ids = static_cast<int32_t*>(p);
+      },
+      [](Arguments& a, void* p) {
+        a.top_k = kMaxTopK;
+        a.top_k_logprobs = static_cast<float*>(p);
+      }};
+  for (const auto& ask : asks) {
+    ASSERT_OK(cuda_->Memset(out, 0x7f, 16 * kMaxTopK * sizeof(float), *stream_));
     Arguments a = args_;
     ask(a, out);
-    ask(all, out);
-    const absl::Status status = cuda_->Run(problem_, a, *stream_);
-    EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
-    EXPECT_EQ(status.message(), "the CUDA backend does not compute " + name + " yet");
+    ASSERT_OK(cuda_->Run(problem_, a, *stream_));
+    uint32_t first = 0;
+    ASSERT_OK(cuda_->CopyToHost(&first, out, 4, *stream_));
+    ASSERT_OK(stream_->Synchronize());
+    EXPECT_NE(first, 0x7f7f7f7fu);
   }
-  const absl::Status status = cuda_->Run(problem_, all, *stream_);
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
-  EXPECT_NE(status.message().find(
-                "per_token_logprob, per_token_entropy, per_token_argmax, correct_count"),
-            std::string::npos)
-      << status;
-  ExpectUntouched();
 }
 
 // The model options and loss terms beyond the plain loss (problem.h) have no CUDA kernels yet:

@@ -155,6 +155,13 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
     }
     args.grad_bias = static_cast<float*>(grad_bias);
   }
+  const size_t top_k = options.top_k > 0 ? static_cast<size_t>(options.top_k) : 0;
+  void *top_ids = nullptr, *top_logprobs = nullptr;
+  LH_RETURN_IF_ERROR(poisoned(top_k > 0, n * top_k * sizeof(int32_t), &top_ids));
+  LH_RETURN_IF_ERROR(poisoned(top_k > 0, n * top_k * sizeof(float), &top_logprobs));
+  args.top_k = options.top_k;
+  args.top_k_ids = static_cast<int32_t*>(top_ids);
+  args.top_k_logprobs = static_cast<float*>(top_logprobs);
   args.hidden = hidden;
   args.weight = weight;
   args.targets = static_cast<const int32_t*>(targets);
@@ -166,7 +173,22 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
   args.per_token_lse = static_cast<float*>(per_token_lse);
   args.workspace = workspace;
   args.workspace_bytes = *workspace_bytes;
+  const bool stashed = options.stash && options.grad_weight;
+  if (stashed) {
+    absl::StatusOr<size_t> stash_bytes = backend.GradStashBytes(p, p.n);
+    if (!stash_bytes.ok()) return stash_bytes.status();
+    void* stash;
+    LH_ASSIGN_OR_RETURN(stash, alloc(*stash_bytes));
+    args.grad_stash = GradStash{.data = stash, .capacity = p.n, .tokens = 0};
+    args.grad_weight = nullptr;
+  }
   LH_RETURN_IF_ERROR(backend.Run(p, args, stream));
+  if (stashed) {
+    GradStash flush = args.grad_stash;
+    flush.tokens = p.n;
+    LH_RETURN_IF_ERROR(backend.FlushGradStash(p, flush, static_cast<float*>(grad_weight), workspace,
+                                              *workspace_bytes, stream));
+  }
 
   Outputs out;
   std::vector<uint8_t> grad_hidden_bytes(n * d * element);
@@ -212,6 +234,14 @@ absl::StatusOr<Outputs> RunOnBackend(Backend& backend, const Inputs& in,
   if (options.correct_count) {
     LH_RETURN_IF_ERROR(
         backend.CopyToHost(&out.correct_count, correct_count, sizeof(int64_t), stream));
+  }
+  if (top_k > 0) {
+    out.top_k_ids.resize(n * top_k);
+    out.top_k_logprobs.resize(n * top_k);
+    LH_RETURN_IF_ERROR(
+        backend.CopyToHost(out.top_k_ids.data(), top_ids, n * top_k * sizeof(int32_t), stream));
+    LH_RETURN_IF_ERROR(backend.CopyToHost(out.top_k_logprobs.data(), top_logprobs,
+                                          n * top_k * sizeof(float), stream));
   }
   LH_RETURN_IF_ERROR(stream.Synchronize());
 #undef LH_ASSIGN_OR_RETURN

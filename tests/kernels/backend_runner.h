@@ -43,6 +43,11 @@ struct RunOptions {
   bool entropy = false;
   bool argmax = false;
   bool correct_count = false;
+  // > 0: asks for top_k_ids and top_k_logprobs with this top_k.
+  int32_t top_k = 0;
+  // With grad_weight: deferred dW (grad_stash.h), a stash of N tokens flushed into dW after the
+  // call, instead of dW accumulated in the call.
+  bool stash = false;
   // dW before the call (V x D); zeros when empty.
   std::vector<float> initial_grad_weight;
   // The loss terms' inputs (Arguments, problem.h): each given when not empty (bias: V, the
@@ -67,6 +72,8 @@ struct Outputs {
   std::vector<float> per_token_entropy;
   std::vector<int32_t> per_token_argmax;
   int64_t correct_count = 0;
+  std::vector<int32_t> top_k_ids;     // N x top_k when asked for
+  std::vector<float> top_k_logprobs;  // N x top_k when asked for
   std::vector<double> grad_hidden;  // decoded from the problem's dtype
   std::vector<float> grad_weight;   // the accumulator after the call
   std::vector<float> grad_bias;     // the accumulator after the call, when asked for

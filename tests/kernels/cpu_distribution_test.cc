@@ -1,7 +1,7 @@
 // The distribution outputs of Run (Arguments, problem.h: log p of the target, entropy, argmax and
 // the correct count) on the CPU backend against the float64 reference, on fresh random inputs;
-// that asking for them changes no other output by a single bit; ties; and the refusal of the
-// vocabulary shards, which do not compute them (the CUDA backend's: tests/cuda).
+// that asking for them changes no other output by a single bit; ties. The shards' and the top-k's:
+// cpu_shard_distribution_test.cc; the CUDA backend's: tests/cuda.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,7 +13,6 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
-#include "losshead/kernels/shard_problem.h"
 #include "tests/kernels/backend_runner.h"
 #include "tests/kernels/reference_loss.h"
 
@@ -307,6 +306,18 @@ TEST(KernelDistributionOutputs, RequestedAreNamedInFieldOrder) {
   args.correct_count = &count;
   EXPECT_EQ(RequestedDistributionOutputs(args),
             "per_token_logprob, per_token_entropy, per_token_argmax, correct_count");
+  EXPECT_FALSE(AsksTopK(args));
+  float logprobs[2];
+  args.top_k_logprobs = logprobs;
+  EXPECT_TRUE(AsksTopK(args));
+  EXPECT_EQ(RequestedDistributionOutputs(args),
+            "per_token_logprob, per_token_entropy, per_token_argmax, correct_count, "
+            "top_k_logprobs");
+  // The top-k alone is a distribution output.
+  Arguments top_only;
+  top_only.top_k_ids = &i;
+  EXPECT_TRUE(AsksDistributionOutputs(top_only));
+  EXPECT_EQ(RequestedDistributionOutputs(top_only), "top_k_ids");
 }
 
 // A bad call that asks for the outputs is refused before anything is written.
@@ -344,47 +355,6 @@ TEST(CpuDistributionErrors, BadTargetWritesNoOutput) {
   in.targets[3] = 1;
   EXPECT_TRUE(backend->Run(p, args, **stream).ok());
   EXPECT_NE(argmax, std::vector<int32_t>(p.n, 7));
-}
-
-// The shard path does not compute them: each shard call refuses them by name.
-TEST(CpuDistributionErrors, ShardCallsRefuseThemAsUnimplemented) {
-  ShardProblem shard;
-  shard.problem = Problem{.n = 4, .d = 8, .v = 16, .dtype = DType::kFP32};
-  shard.rows = 8;
-  shard.shards = 2;
-  std::unique_ptr<Backend> backend = CreateCpuBackend(1);
-  absl::StatusOr<ShardPlan> plan = backend->PlanShard(shard, size_t{1} << 20);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  std::vector<float> hidden(4 * 8, 0.5f), weight(8 * 8, 0.25f);
-  std::vector<int32_t> targets = {0, 3, 9, 15};
-  std::vector<float> stats(plan->stats_floats), entropy(4, 7.0f);
-  std::vector<char> workspace(plan->workspace_bytes);
-  int32_t argmax[4] = {7, 7, 7, 7};
-  ShardArguments args;
-  args.hidden = hidden.data();
-  args.weight = weight.data();
-  args.targets = targets.data();
-  args.stats = stats.data();
-  args.stats_chunk_rows = plan->chunk_rows;
-  args.workspace = workspace.data();
-  args.workspace_bytes = workspace.size();
-  args.per_token_entropy = entropy.data();
-  args.per_token_argmax = argmax;
-  auto stream = backend->CreateStream();
-  ASSERT_TRUE(stream.ok());
-  const ShardChunk chunk{0, 4};
-  for (absl::Status status : {backend->ShardBegin(shard, args, **stream),
-                              backend->ShardForward(shard, args, chunk, **stream),
-                              backend->ShardBackward(shard, args, chunk, **stream)}) {
-    EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
-    EXPECT_NE(status.message().find("per_token_entropy, per_token_argmax"), std::string::npos)
-        << status;
-  }
-  EXPECT_EQ(entropy, std::vector<float>(4, 7.0f));
-  EXPECT_EQ(argmax[0], 7);
-  args.per_token_entropy = nullptr;
-  args.per_token_argmax = nullptr;
-  EXPECT_TRUE(backend->ShardBegin(shard, args, **stream).ok());
 }
 
 }  // namespace

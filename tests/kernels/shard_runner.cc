@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "losshead/kernels/dtype_convert.h"
@@ -37,18 +38,21 @@ struct ShardState {
   }
 };
 
-// Host-side exchange: every shard's slice of the statistics into every shard's buffer.
-absl::Status GatherThroughHost(std::vector<ShardState>& s, int64_t stats_floats) {
+// Host-side exchange: every shard's slice of the statistics (`buffer` of its arguments: stats
+// or output_stats) into every shard's buffer.
+absl::Status GatherThroughHost(std::vector<ShardState>& s, int64_t stats_floats,
+                               float* ShardArguments::*buffer = &ShardArguments::stats) {
   const int k = static_cast<int>(s.size());
   const int64_t slice = stats_floats / k;
   std::vector<float> all(stats_floats);
   for (int r = 0; r < k; ++r) {
-    LH_RETURN_IF_ERROR(s[r].backend->CopyToHost(all.data() + r * slice, s[r].args.stats + r * slice,
+    LH_RETURN_IF_ERROR(s[r].backend->CopyToHost(all.data() + r * slice,
+                                                s[r].args.*buffer + r * slice,
                                                 slice * sizeof(float), *s[r].stream));
     LH_RETURN_IF_ERROR(s[r].stream->Synchronize());
   }
   for (int r = 0; r < k; ++r) {
-    LH_RETURN_IF_ERROR(s[r].backend->CopyToDevice(s[r].args.stats, all.data(),
+    LH_RETURN_IF_ERROR(s[r].backend->CopyToDevice(s[r].args.*buffer, all.data(),
                                                   stats_floats * sizeof(float), *s[r].stream));
     LH_RETURN_IF_ERROR(s[r].stream->Synchronize());
   }
@@ -96,6 +100,12 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
   }
   chunk_rows = BalancedChunkRows(p.n, chunk_rows);
   const int64_t stats_floats = static_cast<int64_t>(k) * kShardStats * chunk_rows;
+  // The distribution outputs (on shard 0) need every shard's output statistics.
+  const bool distribute = options.logprob || options.entropy || options.argmax ||
+                          options.correct_count || options.top_k > 0;
+  const int32_t top_k = std::max<int32_t>(options.top_k, 0);
+  const int64_t output_rows = ShardOutputStatsRows(top_k);
+  const int64_t output_floats = distribute ? k * output_rows * chunk_rows : 0;
   for (int r = 0; r < k; ++r) {
     ShardState& st = s[r];
     Backend& b = *st.backend;
@@ -129,6 +139,12 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
     a.workspace = *workspace;
     a.workspace_bytes = plan->workspace_bytes;
     st.partial = static_cast<float*>(*partial);
+    if (distribute) {
+      absl::StatusOr<void*> output_stats = alloc(output_floats * sizeof(float));
+      if (!output_stats.ok()) return output_stats.status();
+      a.output_stats = static_cast<float*>(*output_stats);
+      a.top_k = top_k;
+    }
     if (options.grad_hidden) a.grad_hidden_partial = st.partial;
     if (stashes != nullptr) {
       a.grad_stash = GradStash{.data = stashes->stash[r].data(),
@@ -161,6 +177,19 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
         a.per_token_loss = static_cast<float*>(*loss_t);
         a.per_token_lse = static_cast<float*>(*lse_t);
       }
+      auto poisoned = [&](bool asked, size_t bytes, auto** out) -> absl::Status {
+        if (!asked) return absl::OkStatus();
+        absl::StatusOr<void*> data = alloc(bytes);
+        if (!data.ok()) return data.status();
+        *out = static_cast<std::remove_reference_t<decltype(*out)>>(*data);
+        return b.Memset(*data, kPoisonByte, bytes, *st.stream);
+      };
+      LH_RETURN_IF_ERROR(poisoned(options.logprob, n * sizeof(float), &a.per_token_logprob));
+      LH_RETURN_IF_ERROR(poisoned(options.entropy, n * sizeof(float), &a.per_token_entropy));
+      LH_RETURN_IF_ERROR(poisoned(options.argmax, n * sizeof(int32_t), &a.per_token_argmax));
+      LH_RETURN_IF_ERROR(poisoned(options.correct_count, sizeof(int64_t), &a.correct_count));
+      LH_RETURN_IF_ERROR(poisoned(top_k > 0, n * top_k * sizeof(int32_t), &a.top_k_ids));
+      LH_RETURN_IF_ERROR(poisoned(top_k > 0, n * top_k * sizeof(float), &a.top_k_logprobs));
       if (options.grad_hidden) {
         absl::StatusOr<void*> grad_hidden = alloc(n * d * element);
         if (!grad_hidden.ok()) return grad_hidden.status();
@@ -171,14 +200,16 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
     LH_RETURN_IF_ERROR(b.ShardBegin(st.problem, a, *st.stream));
   }
 
-  std::vector<void*> stats_buffers, partial_buffers;
+  std::vector<void*> stats_buffers, output_buffers, partial_buffers;
   std::vector<Stream*> streams;
   for (ShardState& st : s) {
     stats_buffers.push_back(st.args.stats);
+    output_buffers.push_back(st.args.output_stats);
     partial_buffers.push_back(st.partial);
     streams.push_back(st.stream.get());
   }
   const std::vector<int64_t> slices(k, kShardStats * chunk_rows);
+  const std::vector<int64_t> output_slices(k, output_rows * chunk_rows);
   for (int64_t t0 = 0; t0 < p.n; t0 += chunk_rows) {
     const ShardChunk chunk{.begin = t0, .size = std::min<int64_t>(chunk_rows, p.n - t0)};
     for (ShardState& st : s) {
@@ -188,6 +219,14 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
       LH_RETURN_IF_ERROR(collective->AllGather(stats_buffers, slices, DType::kFP32, streams));
     } else {
       LH_RETURN_IF_ERROR(GatherThroughHost(s, stats_floats));
+    }
+    if (distribute) {
+      if (collective != nullptr) {
+        LH_RETURN_IF_ERROR(
+            collective->AllGather(output_buffers, output_slices, DType::kFP32, streams));
+      } else {
+        LH_RETURN_IF_ERROR(GatherThroughHost(s, output_floats, &ShardArguments::output_stats));
+      }
     }
     for (ShardState& st : s) {
       LH_RETURN_IF_ERROR(st.backend->ShardBackward(st.problem, st.args, chunk, *st.stream));
@@ -223,6 +262,24 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
                                      n * sizeof(float), *first.stream));
     LH_RETURN_IF_ERROR(b0.CopyToHost(out.per_token_lse.data(), first.args.per_token_lse,
                                      n * sizeof(float), *first.stream));
+  }
+  auto copy_out = [&](auto& vec, const auto* src, size_t count) -> absl::Status {
+    vec.resize(count);
+    return b0.CopyToHost(vec.data(), src, count * sizeof(vec[0]), *first.stream);
+  };
+  if (options.logprob)
+    LH_RETURN_IF_ERROR(copy_out(out.per_token_logprob, first.args.per_token_logprob, n));
+  if (options.entropy)
+    LH_RETURN_IF_ERROR(copy_out(out.per_token_entropy, first.args.per_token_entropy, n));
+  if (options.argmax)
+    LH_RETURN_IF_ERROR(copy_out(out.per_token_argmax, first.args.per_token_argmax, n));
+  if (options.correct_count) {
+    LH_RETURN_IF_ERROR(b0.CopyToHost(&out.correct_count, first.args.correct_count, sizeof(int64_t),
+                                     *first.stream));
+  }
+  if (top_k > 0) {
+    LH_RETURN_IF_ERROR(copy_out(out.top_k_ids, first.args.top_k_ids, n * top_k));
+    LH_RETURN_IF_ERROR(copy_out(out.top_k_logprobs, first.args.top_k_logprobs, n * top_k));
   }
   const bool grad_weight = options.grad_weight && stashes == nullptr;
   if (grad_weight) out.grad_weight.resize(p.v * d);

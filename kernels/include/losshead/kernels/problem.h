@@ -185,19 +185,52 @@ struct Arguments {
   const float* ref_logprob = nullptr;  // N fp32
   void* workspace = nullptr;           // Backend::WorkspaceBytes(problem, budget) bytes
   size_t workspace_bytes = 0;
+  // Top-k of p (a distribution output as the four above): per token, the top_k ids with the
+  // largest z, in decreasing z and, among equal z, increasing id (so [0] is per_token_argmax), and
+  // their log p_j = z_j - lse. N x top_k each, row-major; either may be null. An ignored token
+  // gets ids -1 and log-probs 0. top_k is in [1, min(kMaxTopK, V)] when either is given, and
+  // ignored (any value) when both are null.
+  int32_t top_k = 0;
+  int32_t* top_k_ids = nullptr;
+  float* top_k_logprobs = nullptr;
 };
+
+// The largest top_k a call may ask for: each token's candidates are kept in registers (CUDA) or a
+// short sorted list (CPU).
+inline constexpr int32_t kMaxTopK = 16;
 
 // Whether `args` (Arguments or ShardArguments) asks for any distribution output: four pointer
 // tests, so a path that does not compute them checks it on every call for nothing.
 template <typename Args>
 bool AsksDistributionOutputs(const Args& args) {
   return args.per_token_logprob != nullptr || args.per_token_entropy != nullptr ||
-         args.per_token_argmax != nullptr || args.correct_count != nullptr;
+         args.per_token_argmax != nullptr || args.correct_count != nullptr ||
+         args.top_k_ids != nullptr || args.top_k_logprobs != nullptr;
+}
+
+// Whether `args` asks for the top-k outputs (top_k_ids or top_k_logprobs).
+template <typename Args>
+bool AsksTopK(const Args& args) {
+  return args.top_k_ids != nullptr || args.top_k_logprobs != nullptr;
+}
+
+// INVALID_ARGUMENT when `args` asks for the top-k with top_k outside [1, min(kMaxTopK, v)].
+template <typename Args>
+absl::Status ValidateTopK(const Args& args, int64_t v) {
+  if (!AsksTopK(args)) return absl::OkStatus();
+  if (args.top_k < 1 || args.top_k > kMaxTopK || args.top_k > v) {
+    return absl::InvalidArgumentError("top_k must be in [1, " + std::to_string(kMaxTopK) +
+                                      "] and at most v (" + std::to_string(v) +
+                                      ") when top_k_ids or top_k_logprobs is given, got " +
+                                      std::to_string(args.top_k));
+  }
+  return absl::OkStatus();
 }
 
 // The distribution outputs (per_token_logprob, per_token_entropy, per_token_argmax,
-// correct_count) that `args` asks for, by field name, comma-separated; empty when none. For a
-// backend or a path that does not compute them yet to refuse them by name (UNIMPLEMENTED).
+// correct_count, top_k_ids, top_k_logprobs) that `args` asks for, by field name, comma-separated;
+// empty when none. For a backend or a path that does not compute them yet to refuse them by name
+// (UNIMPLEMENTED).
 template <typename Args>
 std::string RequestedDistributionOutputs(const Args& args) {
   std::string names;
@@ -210,6 +243,8 @@ std::string RequestedDistributionOutputs(const Args& args) {
   add(args.per_token_entropy != nullptr, "per_token_entropy");
   add(args.per_token_argmax != nullptr, "per_token_argmax");
   add(args.correct_count != nullptr, "correct_count");
+  add(args.top_k_ids != nullptr, "top_k_ids");
+  add(args.top_k_logprobs != nullptr, "top_k_logprobs");
   return names;
 }
 

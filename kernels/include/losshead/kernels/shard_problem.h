@@ -9,10 +9,13 @@
 //     ShardForward    logits of the shard's rows; per token, over the soft-capped z, its row
 //                     max m, sum of exp(z - m), sum of z, and z of the target where the target is
 //                     one of its rows (0 elsewhere): four fp32 statistics, into its slice of
-//                     `stats`
-//     AllGather       of the statistics, so that every shard holds every shard's slice
+//                     `stats`; with output_stats, also those of the distribution outputs
+//                     (kShardOutputStats), into its slice of output_stats
+//     AllGather       of the statistics, so that every shard holds every shard's slice (and of
+//                     output_stats, when a distribution output is asked for)
 //     ShardBackward   combines the slices in rank order into each token's lse and loss (the same
-//                     bits on every shard); writes the loss outputs where given; G for its columns
+//                     bits on every shard); writes the loss outputs where given, and the
+//                     distribution outputs (problem.h) where asked for; G for its columns
 //                     (global lse, its own one-hot and label-smoothing terms); its part of the
 //                     chunk's dH, G . W_rows, in fp32 into `grad_hidden_partial`; dW_rows += G^T H,
 //                     or with a gradient stash, G (scaled) and H into the stash's next rows
@@ -101,10 +104,9 @@ struct ShardArguments {
   int64_t* token_count = nullptr;
   float* per_token_loss = nullptr;
   float* per_token_lse = nullptr;
-  // The distribution outputs, as Arguments defines them (problem.h). No backend computes them
-  // over shards yet: a call that asks for any is refused (UNIMPLEMENTED, naming them). They need
-  // two more statistics per token and shard: the shard's sum of ShiftedZTerm (loss_math.h,
-  // combined with RescaledShiftedZ) and its argmax's global id (combined with ArgmaxBeats).
+  // The distribution outputs, as Arguments defines them (problem.h), of the whole micro-batch
+  // (one shard writes them; correct_count is zeroed by ShardBegin and counts the chunks so far).
+  // They need more statistics per token and shard, exchanged beside `stats`: see output_stats.
   float* per_token_logprob = nullptr;
   float* per_token_entropy = nullptr;
   int32_t* per_token_argmax = nullptr;
@@ -121,9 +123,34 @@ struct ShardArguments {
   const float* old_logprob = nullptr;
   const float* advantages = nullptr;
   const float* ref_logprob = nullptr;
+  // As Arguments::top_k, but read by every shard whenever output_stats is given: the shards of
+  // one call pass the same top_k (0 when the top-k is not asked for), which sizes output_stats.
+  int32_t top_k = 0;
+  int32_t* top_k_ids = nullptr;
+  float* top_k_logprobs = nullptr;
+  // ShardOutputStatsRows(top_k) x stats_chunk_rows fp32 per shard, k slices in rank order as
+  // `stats`, given on EVERY shard when the shard that writes the outputs asks for any (and on
+  // none otherwise: nothing extra is computed or exchanged then). ShardForward writes slice
+  // `rank`, the caller all-gathers it as it does `stats`, ShardBackward reads all k. Outside the
+  // plan's budget: at most k * (2 + 2 kMaxTopK) floats per token of a chunk.
+  float* output_stats = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
+
+// The statistics per token and shard behind the distribution outputs (ShardArguments::
+// output_stats), each a row of stats_chunk_rows floats, in this order:
+//   0                 s = sum_j ShiftedZTerm(e_j, z_j - m) over the shard's columns, against its
+//                     max m (stat 0 of `stats`); combined over shards with RescaledShiftedZ
+//   1                 the global id of the shard's argmax (its z is m), int32 bits in the float;
+//                     combined over shards with ArgmaxBeats
+//   2 .. 2 + k        with top-k: z of the shard's top_k candidates, in top-k order
+//   2 + k .. 2 + 2k   their global ids, int32 bits (-1 past a shard with fewer than k columns)
+// An int32 travels through the gather as the float with its bits: AllGather copies, never adds.
+inline constexpr int kShardOutputStats = 2;
+
+// Rows of output_stats per shard for a call with this top_k (0: no top-k).
+inline constexpr int ShardOutputStatsRows(int top_k) { return kShardOutputStats + 2 * top_k; }
 
 // Tokens [begin, begin + size) of the micro-batch; size <= the plan's chunk_rows.
 struct ShardChunk {
@@ -132,9 +159,10 @@ struct ShardChunk {
 };
 
 // What every backend checks of a call's pointers (INVALID_ARGUMENT naming the field): hidden,
-// weight, targets and stats not null, stats_chunk_rows >= 1, a workspace when workspace_bytes > 0;
-// and UNIMPLEMENTED naming the distribution outputs asked for and the loss terms' inputs given
-// (see ShardArguments).
+// weight, targets and stats not null, stats_chunk_rows >= 1, a workspace when workspace_bytes > 0,
+// output_stats when a distribution output is asked for, and top_k in [0, min(kMaxTopK, v)] when
+// output_stats is given ([1, ...] when the top-k is asked for, ValidateTopK); and UNIMPLEMENTED
+// naming the loss terms' inputs given (see ShardArguments).
 absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArguments& args);
 // And of a chunk: non-empty, inside [0, n), at most stats_chunk_rows tokens.
 absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments& args,
