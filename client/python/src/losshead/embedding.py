@@ -28,7 +28,7 @@ lookup sends nothing.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -70,7 +70,8 @@ class OffloadedEmbedding(nn.Module):
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
                  grad_divisor: Union[str, float, None] = "head",
                  grad_dtype: DTypeLike = torch.float32,
-                 padding_idx: Optional[int] = None) -> None:
+                 padding_idx: Optional[int] = None,
+                 scale: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         if grad_divisor is not None and not isinstance(grad_divisor, (int, float)) \
                 and grad_divisor != "head":
@@ -85,6 +86,11 @@ class OffloadedEmbedding(nn.Module):
         self.grad_divisor = grad_divisor
         self.grad_dtype = grad_dtype
         self.padding_idx = padding_idx
+        # Rows are multiplied by it (cast to their dtype) after the lookup, as Gemma 3's scaled
+        # word embedding does in its own forward; autograd carries it into dE.
+        self.scale = scale
+        # Set by OffloadedHead: loading a state dict with this module's `weight` uploads it.
+        self._owner: Any = None
         self.last_version: Optional[int] = None  # the weights version of the last lookup
         # Not a parameter (see the class docstring): only there so that autograd calls backward.
         self._anchor = torch.empty(0, requires_grad=True)
@@ -103,9 +109,30 @@ class OffloadedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
-            return _Lookup.apply(self._anchor, ids, self)
-        with torch.no_grad():
-            return self._fetch(ids)[0]
+            rows = _Lookup.apply(self._anchor, ids, self)
+        else:
+            with torch.no_grad():
+                rows = self._fetch(ids)[0]
+        if self.scale is not None:
+            rows = rows * self.scale.to(device=rows.device, dtype=rows.dtype)
+        return rows
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
+        # A tied model's checkpoint holds W under the embedding's key (or lm_head's, or both):
+        # whichever is there is uploaded, and neither placeholder reports the other missing.
+        key = prefix + "weight"
+        if key not in state_dict:
+            return
+        weight = state_dict[key]
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(weight.shape)}, the offloaded embedding is "
+                              f"{self.num_embeddings} x {self.embedding_dim}")
+            return
+        if self._owner is not None:
+            self._owner.upload_weight(weight)
 
     def _fetch(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = ids.reshape(-1)

@@ -164,7 +164,10 @@ class _Attachment:
             return
         weight = self.offloaded.download_weight()
         if layout is not None:
-            add_tensor(directory, "lm_head.weight", weight)
+            # A tied model's checkpoint keeps W under the embedding's key only, as its own
+            # save_pretrained would (from_pretrained ties lm_head to it).
+            for key in self.offloaded.weight_keys():
+                add_tensor(directory, key, weight)
         if fsdp:
             from safetensors.torch import save_file
             path = os.path.join(directory, LM_HEAD_FILE)
