@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "losshead/kernels/step_bound.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/micro_batch.h"
 
@@ -36,7 +37,7 @@ struct PreparedEmbeddingGrad {
   double max_abs = 0;         // the largest |dE| (finite)
   int64_t max_repeats = 0;    // the most rows one id has
   // What any element of dW may gain: the sum of one id's rows is at most this.
-  double grad_bound() const { return max_abs * static_cast<double>(max_repeats); }
+  double grad_bound() const { return kernels::BoundEmbeddingGrad(max_abs, max_repeats); }
 };
 
 // The whole micro-batch: the header's checks, then sizes (INVALID_ARGUMENT naming the expected

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -15,6 +16,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "losshead/kernels/step_bound.h"
 #include "tests/kernels/embedding_rows_runner.h"
 
 namespace losshead::kernels {
@@ -142,6 +144,37 @@ TEST(CpuEmbeddingRowsErrorsTest, BadIdsAndShapesAreInvalidArgumentAndWriteNothin
   EXPECT_EQ(grad, grad_before);
   // No rows is no work.
   EXPECT_TRUE(cpu->IndexAddRows(nullptr, nullptr, 0, d, grad.data(), rows, *stream).ok());
+}
+
+}  // namespace
+}  // namespace losshead::kernels
+
+namespace losshead::kernels {
+namespace {
+
+TEST(EmbeddingGradBoundTest, SumsOfRepeatedRowsStayWithinTheBound) {
+  std::mt19937 rng(23);
+  const int64_t rows = 13, d = 9, n = 64;
+  std::vector<float> values(n * d);
+  std::uniform_real_distribution<float> uniform(-3.0f, 3.0f);
+  for (float& v : values) v = uniform(rng);
+  values[5] = 3.0f;  // every element of a row at the extreme, for a tight case
+  std::vector<int64_t> ids = SortedIdsWithRepeats(n, rows, rng);
+  float max_abs = 0;
+  for (float v : values) max_abs = std::max(max_abs, std::fabs(v));
+  int64_t repeats = 1;
+  for (int64_t i = 1, run = 1; i < n; ++i) {
+    run = ids[i] == ids[i - 1] ? run + 1 : 1;
+    repeats = std::max(repeats, run);
+  }
+  std::unique_ptr<Backend> cpu = CreateCpuBackend(1);
+  absl::StatusOr<std::vector<float>> got = testing::RunIndexAddRows(
+      *cpu, std::vector<float>(rows * d, 0.0f), rows, d, values, ids);
+  ASSERT_TRUE(got.ok()) << got.status();
+  const double bound = BoundEmbeddingGrad(max_abs, repeats);
+  for (float g : *got) EXPECT_LE(std::fabs(g), bound);
+  EXPECT_EQ(BoundEmbeddingGrad(std::numeric_limits<double>::infinity(), 2),
+            std::numeric_limits<double>::infinity());
 }
 
 }  // namespace
