@@ -17,9 +17,9 @@ absl::StatusOr<FetchedRows> Client::EmbeddingRows(
   if (ids.empty()) return absl::InvalidArgumentError("EmbeddingRows needs at least one id");
   const size_t bytes = ids.size() * sizeof(int64_t);
   if (bytes + 1024 > options_.max_message_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        ids.size(), " ids (", bytes, " bytes) do not fit one message of ",
-        options_.max_message_bytes, " bytes: split them over several calls"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(ids.size(), " ids (", bytes, " bytes) do not fit one message of ",
+                     options_.max_message_bytes, " bytes: split them over several calls"));
   }
   v1::EmbeddingRowsRequest request;
   request.set_head(head);
@@ -75,8 +75,7 @@ absl::StatusOr<FetchedRows> Client::EmbeddingRowsOnce(const v1::EmbeddingRowsReq
 
 absl::StatusOr<StepResult> Client::EmbeddingGrad(const std::string& head,
                                                  const std::string& client_id, uint64_t sequence,
-                                                 std::span<const int64_t> ids,
-                                                 v1::DType grad_dtype,
+                                                 std::span<const int64_t> ids, v1::DType grad_dtype,
                                                  std::span<const std::byte> grad) {
   Microbatch mb;
   mb.kind = v1::STEP_KIND_EMBEDDING_GRAD;

@@ -57,8 +57,8 @@ absl::Status Backend::GatherRows(DType, const void*, int64_t, int64_t, const int
   return absl::UnimplementedError(absl::StrCat("the ", name(), " backend has no GatherRows"));
 }
 
-absl::Status Backend::IndexAddRows(const float*, const int64_t*, int64_t, int64_t, float*,
-                                   int64_t, Stream&) {
+absl::Status Backend::IndexAddRows(const float*, const int64_t*, int64_t, int64_t, float*, int64_t,
+                                   Stream&) {
   return absl::UnimplementedError(absl::StrCat("the ", name(), " backend has no IndexAddRows"));
 }
 

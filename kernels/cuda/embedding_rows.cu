@@ -1,8 +1,7 @@
-#include "kernels/cuda/embedding_rows.cuh"
-
 #include <algorithm>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/embedding_rows.cuh"
 
 namespace losshead::kernels::cuda {
 namespace {
@@ -23,8 +22,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    IndexAddRowsKernel(const float* __restrict__ values, const int64_t* __restrict__ ids,
-                       int64_t n, int64_t d, float* __restrict__ grad) {
+    IndexAddRowsKernel(const float* __restrict__ values, const int64_t* __restrict__ ids, int64_t n,
+                       int64_t d, float* __restrict__ grad) {
   for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
     const int64_t id = ids[i];
     if (i > 0 && ids[i - 1] == id) continue;  // not the first of its run

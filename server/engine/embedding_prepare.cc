@@ -22,8 +22,8 @@ absl::StatusOr<std::vector<int64_t>> ParseRowIds(v1::DType id_dtype, absl::strin
   } else if (id_dtype == v1::DTYPE_INT64) {
     width = 8;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ids must be DTYPE_INT32 or DTYPE_INT64, got ", static_cast<int>(id_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ids must be DTYPE_INT32 or DTYPE_INT64, got ", static_cast<int>(id_dtype)));
   }
   if (ids.size() % width != 0 ||
       (expected >= 0 && ids.size() != static_cast<size_t>(expected) * width)) {
@@ -43,9 +43,8 @@ absl::StatusOr<std::vector<int64_t>> ParseRowIds(v1::DType id_dtype, absl::strin
       std::memcpy(&out[i], ids.data() + i * 8, 8);
     }
     if (out[i] < 0 || out[i] >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("id ", out[i], " at position ", i,
-                                                     " is outside the vocabulary [0, ",
-                                                     vocab_size, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "id ", out[i], " at position ", i, " is outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
   return out;
@@ -64,27 +63,35 @@ absl::Status CheckEmbeddingGradHeader(const v1::StepHeader& h) {
   }
   const v1::StepOptions& o = h.options();
   const char* set = nullptr;
-  if (o.has_grad_scale()) set = "options.grad_scale";
-  else if (o.reduction() != v1::REDUCTION_UNSPECIFIED) set = "options.reduction";
-  else if (o.return_per_token_loss()) set = "options.return_per_token_loss";
-  else if (o.skip_grad_hidden()) set = "options.skip_grad_hidden";
-  else if (o.grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED) set = "options.grad_hidden_dtype";
-  else if (o.forward_only()) set = "options.forward_only";
-  else if (h.loss_options().ByteSizeLong() != 0) set = "loss_options";
+  if (o.has_grad_scale())
+    set = "options.grad_scale";
+  else if (o.reduction() != v1::REDUCTION_UNSPECIFIED)
+    set = "options.reduction";
+  else if (o.return_per_token_loss())
+    set = "options.return_per_token_loss";
+  else if (o.skip_grad_hidden())
+    set = "options.skip_grad_hidden";
+  else if (o.grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED)
+    set = "options.grad_hidden_dtype";
+  else if (o.forward_only())
+    set = "options.forward_only";
+  else if (h.loss_options().ByteSizeLong() != 0)
+    set = "loss_options";
   if (set != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        set, " is a loss's option; an EMBEDDING_GRAD micro-batch carries none (only "
-             "options.expected_weights_version)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(set,
+                     " is a loss's option; an EMBEDDING_GRAD micro-batch carries none (only "
+                     "options.expected_weights_version)"));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<PreparedEmbeddingGrad> PrepareEmbeddingGrad(const MicroBatch& mb,
-                                                           int64_t vocab_size,
+absl::StatusOr<PreparedEmbeddingGrad> PrepareEmbeddingGrad(const MicroBatch& mb, int64_t vocab_size,
                                                            int64_t hidden_size) {
   const v1::StepHeader& h = mb.header;
   LOSSHEAD_RETURN_IF_ERROR(CheckEmbeddingGradHeader(h));
-  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType dtype, FloatDType(h.hidden_dtype(), "hidden_dtype"));
+  LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType dtype,
+                            FloatDType(h.hidden_dtype(), "hidden_dtype"));
   const int64_t n = h.num_tokens();
   const absl::string_view rows = mb.hidden_bytes();
   const size_t want = static_cast<size_t>(n) * hidden_size * kernels::DTypeSize(dtype);

@@ -5,6 +5,8 @@
 // locks: W cannot change under a lookup, and a gradient is counted in the window under the same
 // locks that add it to dW, so that a cut sees it wholly before or wholly after. A replicated head
 // adds every gradient to replica 0's accumulator, which the cut reduces with the others.
+#include "server/engine/embedding_rows.h"
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -18,7 +20,6 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "losshead/kernels/dtype_convert.h"
-#include "server/engine/embedding_rows.h"
 #include "server/engine/head.h"
 #include "server/engine/host_tensors.h"
 #include "server/engine/proto_convert.h"
@@ -86,12 +87,11 @@ absl::StatusOr<WeightsSnapshot> Head::EmbeddingRows(v1::DType id_dtype, absl::st
       LOSSHEAD_ASSIGN_OR_RETURN(kernels::DeviceBuffer rows,
                                 AllocateOn(*r, local.size() * row_bytes, "embedding rows"));
       std::string host(local.size() * row_bytes, '\0');
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(
-          device_ids.data(), local.data(), local.size() * sizeof(int64_t), *r->stream));
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.GatherRows(dtype_, r->weights.data(), r->held.size(), d,
-                                                     device_ids.as<int64_t>(),
-                                                     static_cast<int64_t>(local.size()),
-                                                     rows.data(), *r->stream));
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(device_ids.data(), local.data(),
+                                                       local.size() * sizeof(int64_t), *r->stream));
+      LOSSHEAD_RETURN_IF_ERROR(r->backend.GatherRows(
+          dtype_, r->weights.data(), r->held.size(), d, device_ids.as<int64_t>(),
+          static_cast<int64_t>(local.size()), rows.data(), *r->stream));
       LOSSHEAD_RETURN_IF_ERROR(
           r->backend.CopyToHost(host.data(), rows.data(), host.size(), *r->stream));
       LOSSHEAD_RETURN_IF_ERROR(r->stream->Synchronize());
@@ -173,9 +173,8 @@ absl::StatusOr<std::shared_ptr<StepOutcome>> Head::AddEmbeddingGrad(
     }
     LOSSHEAD_ASSIGN_OR_RETURN(
         part.ids, AllocateOn(*r, part.local.size() * sizeof(int64_t), "embedding gradient ids"));
-    LOSSHEAD_ASSIGN_OR_RETURN(part.values,
-                              AllocateOn(*r, part.host_values.size() * sizeof(float),
-                                         "embedding gradient rows"));
+    LOSSHEAD_ASSIGN_OR_RETURN(part.values, AllocateOn(*r, part.host_values.size() * sizeof(float),
+                                                      "embedding gradient rows"));
     parts.push_back(std::move(part));
   }
   for (Replica* r : holders) stats->devices.push_back(&r->backend);

@@ -43,8 +43,7 @@ struct PreparedEmbeddingGrad {
 // The whole micro-batch: the header's checks, then sizes (INVALID_ARGUMENT naming the expected
 // bytes), ids in range and dE finite (INVALID_ARGUMENT).
 absl::StatusOr<PreparedEmbeddingGrad> PrepareEmbeddingGrad(const MicroBatch& microbatch,
-                                                           int64_t vocab_size,
-                                                           int64_t hidden_size);
+                                                           int64_t vocab_size, int64_t hidden_size);
 
 }  // namespace losshead::server
 

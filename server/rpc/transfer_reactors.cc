@@ -312,8 +312,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
   if (!parsed.ok()) return new Refusal(ctx, "EmbeddingRows", parsed.status());
   return new ChunkedWriter<v1::EmbeddingRowsChunk, kEmbeddingRowsDataField>(
       ctx, "EmbeddingRows",
-      [ctx, req = *std::move(parsed)](v1::EmbeddingRowsChunk& first)
-          -> absl::StatusOr<std::string> {
+      [ctx,
+       req = *std::move(parsed)](v1::EmbeddingRowsChunk& first) -> absl::StatusOr<std::string> {
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
         LOSSHEAD_ASSIGN_OR_RETURN(
             WeightsSnapshot rows,

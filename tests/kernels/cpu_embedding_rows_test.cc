@@ -2,9 +2,9 @@
 // inputs: rows bit for bit in every dtype, gradient rows as a float64 scatter-add (repeated ids
 // included) within fp32 rounding, the same bits on a rerun, and every refusal with its code and
 // nothing written.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -59,8 +59,8 @@ TEST_P(CpuEmbeddingRowsTest, GatherEqualsTableRowsBitForBit_V37_D19_N53) {
   ASSERT_TRUE(got.ok()) << got.status();
   const size_t row_bytes = d * DTypeSize(dtype);
   for (int64_t i = 0; i < n; ++i) {
-    ASSERT_EQ(0, std::memcmp(got->data() + i * row_bytes, table.data() + ids[i] * row_bytes,
-                             row_bytes))
+    ASSERT_EQ(
+        0, std::memcmp(got->data() + i * row_bytes, table.data() + ids[i] * row_bytes, row_bytes))
         << "row " << i << " (id " << ids[i] << ")";
   }
 }
@@ -121,15 +121,16 @@ TEST(CpuEmbeddingRowsErrorsTest, BadIdsAndShapesAreInvalidArgumentAndWriteNothin
   const int64_t outside[] = {1, 4};
   const int64_t negative[] = {-1, 0};
   const int64_t decreasing[] = {2, 1};
-  EXPECT_EQ(cpu->GatherRows(DType::kFP32, table.data(), rows, d, outside, 2, out.data(), *stream)
-                .code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cpu->GatherRows(DType::kFP32, table.data(), rows, d, negative, 2, out.data(), *stream)
-                .code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cpu->GatherRows(static_cast<DType>(7), table.data(), rows, d, outside, 1, out.data(), *stream)
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      cpu->GatherRows(DType::kFP32, table.data(), rows, d, outside, 2, out.data(), *stream).code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      cpu->GatherRows(DType::kFP32, table.data(), rows, d, negative, 2, out.data(), *stream).code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      cpu->GatherRows(static_cast<DType>(7), table.data(), rows, d, outside, 1, out.data(), *stream)
+          .code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(cpu->GatherRows(DType::kFP32, nullptr, rows, d, outside, 1, out.data(), *stream).code(),
             absl::StatusCode::kInvalidArgument);
   for (float v : out) EXPECT_EQ(v, 7.0f);
@@ -168,8 +169,8 @@ TEST(EmbeddingGradBoundTest, SumsOfRepeatedRowsStayWithinTheBound) {
     repeats = std::max(repeats, run);
   }
   std::unique_ptr<Backend> cpu = CreateCpuBackend(1);
-  absl::StatusOr<std::vector<float>> got = testing::RunIndexAddRows(
-      *cpu, std::vector<float>(rows * d, 0.0f), rows, d, values, ids);
+  absl::StatusOr<std::vector<float>> got =
+      testing::RunIndexAddRows(*cpu, std::vector<float>(rows * d, 0.0f), rows, d, values, ids);
   ASSERT_TRUE(got.ok()) << got.status();
   const double bound = BoundEmbeddingGrad(max_abs, repeats);
   for (float g : *got) EXPECT_LE(std::fabs(g), bound);

@@ -14,8 +14,7 @@ namespace losshead::kernels::testing {
 
 // The rows of `table` (rows x d elements of `dtype`, raw bytes) for `ids`: n x d raw bytes.
 absl::StatusOr<std::string> RunGatherRows(Backend& backend, DType dtype, const std::string& table,
-                                          int64_t rows, int64_t d,
-                                          const std::vector<int64_t>& ids);
+                                          int64_t rows, int64_t d, const std::vector<int64_t>& ids);
 
 // `grad` (rows x d) after IndexAddRows(values (ids.size() x d), ids).
 absl::StatusOr<std::vector<float>> RunIndexAddRows(Backend& backend, std::vector<float> grad,

@@ -131,8 +131,8 @@ TEST_P(EmbeddingHeadTest, RowsEqualDownloadedWeightsBitForBit) {
     const std::string w = Weights(*head);
     const size_t row = kD * kernels::DTypeSize(testing::KernelDType(dtype));
     const std::vector<int64_t> ids = IdsWithRepeats(40, 3);
-    auto rows = head->EmbeddingRows(v1::DTYPE_INT64, Bytes(ids), v1::DTYPE_UNSPECIFIED,
-                                    std::nullopt);
+    auto rows =
+        head->EmbeddingRows(v1::DTYPE_INT64, Bytes(ids), v1::DTYPE_UNSPECIFIED, std::nullopt);
     ASSERT_TRUE(rows.ok()) << rows.status();
     EXPECT_EQ(rows->version, 1u);
     EXPECT_EQ(rows->dtype, dtype);
@@ -238,8 +238,8 @@ TEST_P(EmbeddingHeadTest, BadInputIsRefusedWithItsCodeAndChangesNothing) {
     outside[2] = kV;
     bad.push_back({"id V", EmbeddingGrad(outside, de, "c", 2), absl::StatusCode::kInvalidArgument});
     outside[2] = -1;
-    bad.push_back({"id -1", EmbeddingGrad(outside, de, "c", 2),
-                   absl::StatusCode::kInvalidArgument});
+    bad.push_back(
+        {"id -1", EmbeddingGrad(outside, de, "c", 2), absl::StatusCode::kInvalidArgument});
   }
   {
     MicroBatch mb = base();
@@ -315,10 +315,9 @@ TEST_P(EmbeddingHeadTest, BadInputIsRefusedWithItsCodeAndChangesNothing) {
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(head->EmbeddingRows(v1::DTYPE_INT64, "", v1::DTYPE_UNSPECIFIED, std::nullopt)
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      head->EmbeddingRows(v1::DTYPE_INT64, "", v1::DTYPE_UNSPECIFIED, std::nullopt).status().code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(head->EmbeddingRows(v1::DTYPE_INT64, "abc", v1::DTYPE_UNSPECIFIED, std::nullopt)
                 .status()
                 .code(),
@@ -333,11 +332,11 @@ TEST_P(EmbeddingHeadTest, BadInputIsRefusedWithItsCodeAndChangesNothing) {
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(head->EmbeddingRows(v1::DTYPE_INT64, Bytes(std::vector<int64_t>{1}),
-                                v1::DTYPE_UNSPECIFIED, 5)
-                .status()
-                .code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      head->EmbeddingRows(v1::DTYPE_INT64, Bytes(std::vector<int64_t>{1}), v1::DTYPE_UNSPECIFIED, 5)
+          .status()
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_P(EmbeddingHeadTest, OptimizerApplyStepsWithBothContributions) {
@@ -370,13 +369,14 @@ TEST_P(EmbeddingHeadTest, OptimizerApplyStepsWithBothContributions) {
   ExpectClose(Decode(Weights(head), v1::DTYPE_FP32), want, 2e-6, "W after the apply");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Placements, EmbeddingHeadTest,
-    ::testing::Values(Case{v1::PLACEMENT_SINGLE, 1, false}, Case{v1::PLACEMENT_SINGLE, 1, true},
-                      Case{v1::PLACEMENT_REPLICATED, 2, false},
-                      Case{v1::PLACEMENT_REPLICATED, 2, true},
-                      Case{v1::PLACEMENT_SHARDED, 3, false}, Case{v1::PLACEMENT_SHARDED, 3, true}),
-    Name);
+INSTANTIATE_TEST_SUITE_P(Placements, EmbeddingHeadTest,
+                         ::testing::Values(Case{v1::PLACEMENT_SINGLE, 1, false},
+                                           Case{v1::PLACEMENT_SINGLE, 1, true},
+                                           Case{v1::PLACEMENT_REPLICATED, 2, false},
+                                           Case{v1::PLACEMENT_REPLICATED, 2, true},
+                                           Case{v1::PLACEMENT_SHARDED, 3, false},
+                                           Case{v1::PLACEMENT_SHARDED, 3, true}),
+                         Name);
 
 }  // namespace
 }  // namespace losshead::server

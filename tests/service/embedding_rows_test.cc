@@ -57,10 +57,9 @@ TEST_F(EmbeddingRowsServiceTest, RowsAreWsRowsInChunks) {
   EXPECT_EQ(client_->EmbeddingRows("rows", outside).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->EmbeddingRows("nobody", ids).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(client_->EmbeddingRows("rows", ids, v1::DTYPE_UNSPECIFIED, head->version + 1)
-                .status()
-                .code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      client_->EmbeddingRows("rows", ids, v1::DTYPE_UNSPECIFIED, head->version + 1).status().code(),
+      absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(EmbeddingRowsServiceTest, GradRowsLandReplayAndBadOnesChangeNothing) {
@@ -80,10 +79,9 @@ TEST_F(EmbeddingRowsServiceTest, GradRowsLandReplayAndBadOnesChangeNothing) {
   EXPECT_TRUE(again->replayed);
   std::vector<float> other = de;
   other[0] += 1;
-  EXPECT_EQ(client_->EmbeddingGrad("grad", "emb", 1, ids, v1::DTYPE_FP32, AsBytes(other))
-                .status()
-                .code(),
-            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(
+      client_->EmbeddingGrad("grad", "emb", 1, ids, v1::DTYPE_FP32, AsBytes(other)).status().code(),
+      absl::StatusCode::kAlreadyExists);
 
   std::vector<double> want(kV * kD, 0.0);
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -101,10 +99,9 @@ TEST_F(EmbeddingRowsServiceTest, GradRowsLandReplayAndBadOnesChangeNothing) {
   std::vector<float> nan = de;
   nan[5] = std::numeric_limits<float>::quiet_NaN();
   const std::vector<int64_t> outside = {1, kV, 2, 3, 4, 5};
-  EXPECT_EQ(client_->EmbeddingGrad("grad", "emb", 2, ids, v1::DTYPE_FP32, AsBytes(nan))
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      client_->EmbeddingGrad("grad", "emb", 2, ids, v1::DTYPE_FP32, AsBytes(nan)).status().code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->EmbeddingGrad("grad", "emb", 2, outside, v1::DTYPE_FP32, AsBytes(de))
                 .status()
                 .code(),

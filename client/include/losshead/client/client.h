@@ -188,15 +188,13 @@ class Client {
   // read; the ids must fit one message (INVALID_ARGUMENT before sending otherwise: split them).
   // EmbeddingGrad adds `grad` (ids.size() x D of `grad_dtype`) into the head's dW window as an
   // EMBEDDING_GRAD micro-batch under (client_id, sequence): exactly once, retried like Step.
-  absl::StatusOr<FetchedRows> EmbeddingRows(const std::string& head,
-                                              std::span<const int64_t> ids,
-                                              v1::DType dtype = v1::DTYPE_UNSPECIFIED,
-                                              std::optional<uint64_t> expected_weights_version =
-                                                  std::nullopt);
+  absl::StatusOr<FetchedRows> EmbeddingRows(
+      const std::string& head, std::span<const int64_t> ids,
+      v1::DType dtype = v1::DTYPE_UNSPECIFIED,
+      std::optional<uint64_t> expected_weights_version = std::nullopt);
   absl::StatusOr<StepResult> EmbeddingGrad(const std::string& head, const std::string& client_id,
                                            uint64_t sequence, std::span<const int64_t> ids,
-                                           v1::DType grad_dtype,
-                                           std::span<const std::byte> grad);
+                                           v1::DType grad_dtype, std::span<const std::byte> grad);
 
   // Opens a Step stream (see StepStream).
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
