@@ -146,6 +146,7 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     }
 
     v1::StepHeader header;
+    header.set_kind(mb.kind);
     header.set_head(mb.head);
     header.set_client_id(mb.client_id);
     header.set_sequence(mb.sequence);

@@ -99,4 +99,8 @@ absl::Status CheckStepBounds(const Problem& problem, const StepBounds& b, double
   return absl::OkStatus();
 }
 
+double BoundEmbeddingGrad(double row_abs, int64_t max_repeats) {
+  return row_abs * static_cast<double>(max_repeats);
+}
+
 }  // namespace losshead::kernels

@@ -18,11 +18,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/cpu/chunk_plan.h"
+#include "kernels/cpu/embedding_rows.h"
 #include "kernels/cpu/optimizer_step.h"
 #include "kernels/cpu/squared_norm.h"
 #include "kernels/cpu/thread_pool.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/dtype_convert.h"
+#include "losshead/kernels/embedding_rows.h"
 
 namespace losshead::kernels::cpu {
 
@@ -123,6 +125,28 @@ class CpuBackend final : public Backend {
     if (absl::Status status = ValidateOptimizerStep(problem, tensors); !status.ok()) return status;
     if (result == nullptr) return absl::InvalidArgumentError("result must not be null");
     *result = CpuCheckOptimizerStep(problem, tensors, pool_);
+    return absl::OkStatus();
+  }
+
+  absl::Status GatherRows(DType dtype, const void* weights, int64_t rows, int64_t d,
+                          const int64_t* ids, int64_t n, void* out, Stream&) override {
+    if (absl::Status s = ValidateGatherRows(dtype, weights, rows, d, ids, n, out); !s.ok()) {
+      return s;
+    }
+    // Host memory: the ids can be checked here, so a bad one never reads outside the table.
+    if (absl::Status s = CheckRowIds(ids, n, rows, false); !s.ok()) {
+      return s;
+    }
+    CpuGatherRows(dtype, weights, d, ids, n, out, pool_);
+    return absl::OkStatus();
+  }
+  absl::Status IndexAddRows(const float* values, const int64_t* ids, int64_t n, int64_t d,
+                            float* grad, int64_t rows, Stream&) override {
+    if (absl::Status s = ValidateIndexAddRows(values, ids, n, d, grad, rows); !s.ok()) return s;
+    if (absl::Status s = CheckRowIds(ids, n, rows, true); !s.ok()) {
+      return s;
+    }
+    CpuIndexAddRows(values, ids, n, d, grad, pool_);
     return absl::OkStatus();
   }
 

@@ -110,6 +110,11 @@ class CudaBackend final : public Backend {
 
   absl::Status SquaredNorm(const float* data, int64_t count, double* result,
                            Stream& stream) override;
+  // The tied input embedding's rows (embedding_calls.cu).
+  absl::Status GatherRows(DType dtype, const void* weights, int64_t rows, int64_t d,
+                          const int64_t* ids, int64_t n, void* out, Stream& stream) override;
+  absl::Status IndexAddRows(const float* values, const int64_t* ids, int64_t n, int64_t d,
+                            float* grad, int64_t rows, Stream& stream) override;
   absl::Status OptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,
                              Stream& stream) override;
   absl::Status CheckOptimizerStep(const OptimizerProblem& problem, const OptimizerTensors& tensors,

@@ -75,6 +75,8 @@ uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size) {
 }
 
 uint64_t AnswerBytes(const v1::StepHeader& header, int64_t hidden_size) {
+  // An embedding gradient is answered by its result alone.
+  if (header.kind() == v1::STEP_KIND_EMBEDDING_GRAD) return 0;
   const v1::StepOptions& options = header.options();
   const v1::DType grad = options.grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED
                              ? options.grad_hidden_dtype()

@@ -41,6 +41,7 @@
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/apply_log.h"
 #include "server/engine/device_scratch.h"
+#include "server/engine/embedding_rows.h"
 #include "server/engine/head_checkpoint.h"
 #include "server/engine/head_optimizer.h"
 #include "server/engine/idempotency_budget.h"
@@ -196,6 +197,14 @@ class Head {
   // W converted to `dtype` (UNSPECIFIED: the head's dtype) with its version.
   absl::StatusOr<WeightsSnapshot> DownloadWeights(v1::DType dtype);
 
+  // The tied input embedding (embedding_rows.cc; StepKind in the proto). The rows of W for `ids`
+  // (id_dtype INT32 | INT64, each in [0, V): INVALID_ARGUMENT otherwise, or for none) in `dtype`
+  // (UNSPECIFIED: the head's), in the order of the ids, with the version they were read at
+  // (FAILED_PRECONDITION when not `expected_version`). Reads only: W, dW and the counters stay.
+  absl::StatusOr<WeightsSnapshot> EmbeddingRows(v1::DType id_dtype, absl::string_view ids,
+                                                v1::DType dtype,
+                                                std::optional<uint64_t> expected_version);
+
   // The server-side optimizer (optimizer_apply.cc).
   // Replaces the optimizer (INVALID_ARGUMENT for a bad spec); the new one starts afresh: state
   // zero, step count 0, master weights taken from W. RESOURCE_EXHAUSTED when its buffers do not
@@ -315,6 +324,17 @@ class Head {
   void FinishOutcome(const PreparedStep& p, const RunScalars& scalars, std::string grad_hidden,
                      const std::vector<float>& per_token, const std::string& token_outputs,
                      StepOutcome* outcome) const;
+
+  // An EMBEDDING_GRAD micro-batch (embedding_rows.cc): prepared, then replayed from or claimed
+  // in the idempotency cache as a loss micro-batch is (one key space), then added to dW.
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> StepEmbeddingGrad(
+      const MicroBatch& microbatch, StepStats* stats, const std::function<void()>& on_ordered);
+  // Under the holders' compute locks: the version check, the window's bound reserved
+  // (OUT_OF_RANGE), the rows added on each holder, the micro-batch counted (no tokens). A device
+  // failure once the adds began is DATA_LOSS, kept by the key.
+  absl::StatusOr<std::shared_ptr<StepOutcome>> AddEmbeddingGrad(
+      const PreparedEmbeddingGrad& prepared, const v1::StepHeader& header, StepStats* stats,
+      const std::function<void()>& on_ordered);
 
   // The server-side optimizer (optimizer_apply.cc).
   // Each replica's optimizer buffers for its rows (contents undefined); RESOURCE_EXHAUSTED names

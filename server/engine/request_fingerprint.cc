@@ -68,6 +68,7 @@ std::string StepDifferences(const StepFingerprint& remembered, const StepFingerp
     a.ParseFromString(remembered.shape);
     b.ParseFromString(repeat.shape);
     const size_t before = differ.size();
+    if (a.kind() != b.kind()) differ.push_back("kind");
     if (a.num_tokens() != b.num_tokens()) differ.push_back("num_tokens");
     if (a.hidden_dtype() != b.hidden_dtype()) differ.push_back("hidden_dtype");
     if (a.target_dtype() != b.target_dtype()) differ.push_back("target_dtype");

@@ -55,12 +55,21 @@ v1::LossOptions Head::Defaults() const {
 }
 
 absl::Status Head::CheckHeader(const v1::StepHeader& header) const {
+  if (header.kind() == v1::STEP_KIND_EMBEDDING_GRAD) return CheckEmbeddingGradHeader(header);
+  if (header.kind() != v1::STEP_KIND_LOSS) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown micro-batch kind ", static_cast<int>(header.kind())));
+  }
   PreparedStep unused;
   return PrepareHeader(header, StepTargetOf(), Defaults(), &unused);
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
     const MicroBatch& mb, StepStats* stats, const std::function<void()>& on_ordered) {
+  if (mb.header.kind() != v1::STEP_KIND_LOSS) {
+    LOSSHEAD_RETURN_IF_ERROR(CheckHeader(mb.header));  // an unknown kind
+    return StepEmbeddingGrad(mb, stats, on_ordered);
+  }
   LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
   // Forward-only counts nothing, so there is nothing a replay could protect from being counted
   // twice: it bypasses the cache both ways. Answering it from a counted micro-batch's result (or

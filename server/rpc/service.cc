@@ -114,6 +114,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::DownloadWeights(
   return StartDownloadWeights(ctx_, request);
 }
 
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::EmbeddingRows(
+    grpc::CallbackServerContext* /*context*/, const grpc::ByteBuffer* request) {
+  return StartEmbeddingRows(ctx_, request);
+}
+
 grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext* context,
                                                     const v1::GetStatsRequest* /*request*/,
                                                     v1::Stats* response) {

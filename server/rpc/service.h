@@ -9,7 +9,7 @@
 
 namespace losshead::server {
 
-// LossHead::CallbackService with Step, PullGradient and DownloadWeights registered raw (byte
+// LossHead::CallbackService with Step, PullGradient, DownloadWeights and EmbeddingRows registered raw (byte
 // buffers): their responses reference dH or the tensor's snapshot rather than copy it into
 // messages (server/rpc/step_wire.h, transfer_reactors.h). Every method must be listed: one left
 // out would answer UNIMPLEMENTED.
@@ -28,7 +28,8 @@ using LossHeadServiceBase = v1::LossHead::WithCallbackMethod_CreateHead<
                                 v1::LossHead::WithCallbackMethod_GetStats<
                                     v1::LossHead::WithCallbackMethod_Checkpoint<
                                         v1::LossHead::WithCallbackMethod_GetClientProgress<
-                                            LossHeadSnapshotMethods>>>>>>>>>>>>>>;
+                                            v1::LossHead::WithRawCallbackMethod_EmbeddingRows<
+                                                LossHeadSnapshotMethods>>>>>>>>>>>>>>>;
 
 class LossHeadService final : public LossHeadServiceBase {
  public:
@@ -56,6 +57,8 @@ class LossHeadService final : public LossHeadServiceBase {
   grpc::ServerReadReactor<v1::PushWeightsRequest>* PushWeights(
       grpc::CallbackServerContext* context, v1::PushWeightsResponse* response) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* DownloadWeights(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* EmbeddingRows(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,

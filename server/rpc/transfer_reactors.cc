@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "server/engine/transfer_buffers.h"
 #include "transport/wire_format.h"
+#include "losshead/v1/wire_dtype.h"
 #include "server/rpc/shared_slice.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_assembler.h"
@@ -26,6 +27,7 @@ namespace {
 // The `data` field of GradientChunk and WeightsChunk (proto/losshead/v1/losshead.proto).
 constexpr uint32_t kGradientDataField = 3;
 constexpr uint32_t kWeightsDataField = 7;
+constexpr uint32_t kEmbeddingRowsDataField = 7;  // EmbeddingRowsChunk.data
 
 // The snapshot a pull or download sends: the host tensor, recycled once the last slice that
 // references it has been written.
@@ -300,6 +302,33 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext*
         first.set_weights_version(snap.version);
         first.set_total_bytes(snap.data.size());
         return std::move(snap.data);
+      });
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* ctx,
+                                                               const grpc::ByteBuffer* raw) {
+  absl::StatusOr<v1::EmbeddingRowsRequest> parsed =
+      ParseRequest<v1::EmbeddingRowsRequest>(raw, "EmbeddingRows");
+  if (!parsed.ok()) return new Refusal(ctx, "EmbeddingRows", parsed.status());
+  return new ChunkedWriter<v1::EmbeddingRowsChunk, kEmbeddingRowsDataField>(
+      ctx, "EmbeddingRows",
+      [ctx,
+       req = *std::move(parsed)](v1::EmbeddingRowsChunk& first) -> absl::StatusOr<std::string> {
+        LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
+        LOSSHEAD_ASSIGN_OR_RETURN(
+            WeightsSnapshot rows,
+            head->EmbeddingRows(req.id_dtype(), req.ids(), req.dtype(),
+                                req.has_expected_weights_version()
+                                    ? std::optional<uint64_t>(req.expected_weights_version())
+                                    : std::nullopt));
+        const size_t row_bytes =
+            static_cast<size_t>(head->hidden_size()) * v1::WireDTypeSize(rows.dtype);
+        first.set_num_rows(row_bytes > 0 ? rows.data.size() / row_bytes : 0);
+        first.set_hidden_size(head->hidden_size());
+        first.set_dtype(rows.dtype);
+        first.set_weights_version(rows.version);
+        first.set_total_bytes(rows.data.size());
+        return std::move(rows.data);
       });
 }
 

@@ -19,6 +19,9 @@ namespace losshead::server {
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(
     ServiceContext* ctx, const grpc::ByteBuffer* request,
     absl::Status reset_permission = absl::OkStatus());
+// The rows of W for token ids (EmbeddingRowsRequest), streamed like DownloadWeights.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* ctx,
+                                                               const grpc::ByteBuffer* request);
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext* ctx,
                                                                  const grpc::ByteBuffer* request);
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(

@@ -37,6 +37,7 @@ constexpr MethodRule kLossHeadRules[] = {
     {"/losshead.v1.LossHead/GetStats", Access::kReader},
     {"/losshead.v1.LossHead/PullGradient", Access::kReader},
     {"/losshead.v1.LossHead/DownloadWeights", Access::kReader},
+    {"/losshead.v1.LossHead/EmbeddingRows", Access::kReader},
     {"/losshead.v1.LossHead/GetClientProgress", Access::kReader},
     {"/losshead.v1.LossHead/ListSnapshots", Access::kReader},
     {"/losshead.v1.LossHead/CreateHead", Access::kWriter},

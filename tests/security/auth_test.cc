@@ -70,6 +70,7 @@ TEST(RequiredAccessTest, EveryLossHeadMethodHasARowAndUnknownOnesAreDenied) {
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/ListHeads"), Access::kReader);
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/PullGradient"), Access::kReader);
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/DownloadWeights"), Access::kReader);
+  EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/EmbeddingRows"), Access::kReader);
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/GetClientProgress"), Access::kReader);
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/ListSnapshots"), Access::kReader);
   EXPECT_EQ(RequiredAccess("/losshead.v1.LossHead/RestoreHead"), Access::kWriter);

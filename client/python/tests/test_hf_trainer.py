@@ -40,11 +40,11 @@ STEPS, SAVE_AT = 8, 4
 REL = 2e-4  # fp32 head, wire and trunk; the Trainer's reductions run in another order
 
 
-def tiny_llama(seed: int = 0) -> Any:
+def tiny_llama(seed: int = 0, tied: bool = False) -> Any:
     config = transformers.LlamaConfig(
         vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False)
+        tie_word_embeddings=tied)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config)
 
@@ -82,11 +82,11 @@ def _steps(log_history: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
 
 
 def run_training(output_dir: str, *, address: Optional[str] = None, head: str = "",
-                 create: bool = True, resume: Optional[str] = None,
+                 create: bool = True, resume: Optional[str] = None, tied: bool = False,
                  **overrides: Any) -> Dict[str, Any]:
     """One Trainer run, offloaded to `head` at `address` or (without) with its own head. Returns
     the log history, the trunk's weights, the head's W and the trainer's evaluation."""
-    model = tiny_llama()
+    model = tiny_llama(tied=tied)
     offloaded = None
     client = None
     if address is not None:
@@ -122,6 +122,8 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float =
 def _assert_same_model(got: Dict[str, Any], want: Dict[str, Any], rel: float = REL) -> None:
     _assert_close(got["w"], want["w"], "lm_head.weight", rel)
     for name, value in want["trunk"].items():
+        if name == "embed_tokens.weight" and name not in got["trunk"]:
+            continue  # a tied model's embedding is W, served by the head: compared above
         _assert_close(got["trunk"][name], value, name, rel)
 
 
@@ -161,6 +163,28 @@ def test_trainer_drives_the_head_as_it_drives_its_own(server: Any, tmp_path: Pat
     loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(directory),
                                                                 output_loading_info=True)
     assert not info["missing_keys"], info
+    assert torch.equal(loaded.lm_head.weight.detach(), remote["w"])
+
+
+def test_trainer_drives_a_tied_head_as_it_drives_its_own(server: Any, tmp_path: Path) -> None:
+    """Llama-3.2's tie: the head serves the input embedding too, and the checkpoint keeps W
+    under the embedding's key as the model's own does."""
+    local = run_training(str(tmp_path / "local"), tied=True)
+    remote = run_training(str(tmp_path / "remote"), address=server.address, head="hf-tied",
+                          tied=True)
+    want, got = _steps(local["log"]), _steps(remote["log"])
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=REL, abs=1e-9), (
+                f"{key} at step {step}")
+    _assert_same_model(remote, local)
+    assert "embed_tokens.weight" not in remote["trunk"]
+    directory = tmp_path / "remote" / f"checkpoint-{STEPS}"
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(directory),
+                                                                output_loading_info=True)
+    assert not info["missing_keys"], info
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
     assert torch.equal(loaded.lm_head.weight.detach(), remote["w"])
 
 

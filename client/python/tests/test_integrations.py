@@ -28,6 +28,7 @@ from torch import nn
 from _reference import assert_close
 from losshead import Client, LossheadError, RemoteAdamW, StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
+from losshead.embedding import OffloadedEmbedding
 from losshead.integrations.causal_lm import (TIED_EMBEDDINGS_ERROR, CausalLMOutput,
                                              OffloadedLMHead, causal_targets, offload_causal_lm,
                                              reduce_loss)
@@ -256,15 +257,78 @@ def test_weights_upload_exact_and_local_copy_freed(client: Client, head_name) ->
         model.lm_head(torch.zeros(1, D))
 
 
-def test_tied_embeddings_refused_and_nothing_changed(client: Client, head_name) -> None:
+def _train_tied(model: nn.Module, steps: int, optimizer: torch.optim.Optimizer) -> List[float]:
+    losses = []
+    for k in range(steps):
+        input_ids, mask, labels = _batch(_seed("tied", k))
+        input_ids[0, :4] = 5  # repeated ids in one batch
+        optimizer.zero_grad()
+        loss = model(input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().item())
+    return losses
+
+
+@pytest.mark.parametrize("how", ["config", "by_hand"])
+def test_tied_model_offloaded_whole_trains_as_its_own_tied_head(client: Client, head_name,
+                                                               how: str) -> None:
+    model = TinyCausalLM(tie=True, seed=3) if how == "config" else _tied_by_hand()
+    reference = copy.deepcopy(model)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    embedding = model.model.embed_tokens
     name = head_name()
-    for model in (TinyCausalLM(tie=True), _tied_by_hand()):
-        weight = model.lm_head.weight.detach().clone()
-        with pytest.raises(ValueError, match=f"^{re.escape(TIED_EMBEDDINGS_ERROR)}$"):
-            offload_causal_lm(model, client, name)
-        _assert_untouched(model, weight)
-        _assert_no_head(client, name)
-    assert "the two copies would diverge" in TIED_EMBEDDINGS_ERROR
+    offloaded = offload_causal_lm(model, client, name, wire_dtype=torch.float32)
+    assert offloaded.tied
+    assert client.get_head(name).weights_version == 2  # created, then W uploaded once
+    assert isinstance(model.model.embed_tokens, OffloadedEmbedding)
+    assert not any(k.startswith("lm_head") or "embed_tokens" in k for k in model.state_dict())
+    assert embedding.weight.numel() == 0  # the tied parameter holds nothing locally
+    trunk = [p for p in model.parameters() if p.numel()]
+    opt = offloaded.optimizer(torch.optim.SGD(trunk, lr=0.5), kind="sgd")
+    losses = _train_tied(model, 4, opt)
+    want = _train_tied(reference, 4, torch.optim.SGD(reference.parameters(), lr=0.5))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    w = client.download_weights(name).weights
+    torch.testing.assert_close(w, reference.lm_head.weight.detach(), rtol=1e-5, atol=1e-6)
+
+    assert offloaded.weight_keys() == ["model.embed_tokens.weight"]
+    exported = offloaded.export_state_dict()
+    assert list(exported) == ["model.embed_tokens.weight"]
+    assert torch.equal(exported["model.embed_tokens.weight"], w)
+    offloaded.restore(model)
+    assert model.model.embed_tokens is embedding
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert torch.equal(model.lm_head.weight.detach(), w)
+
+
+def test_tied_state_dict_load_uploads_once(client: Client, head_name) -> None:
+    model = TinyCausalLM(tie=True, seed=4)
+    name = head_name()
+    offload_causal_lm(model, client, name, wire_dtype=torch.float32)
+    new = torch.randn(V, D)
+    # A tied checkpoint holds W under the embedding's key, or under both (one tensor).
+    model.load_state_dict({**model.state_dict(), "model.embed_tokens.weight": new})
+    got = client.get_head(name)
+    assert torch.equal(client.download_weights(name).weights, new)
+    newer = torch.randn(V, D)
+    model.load_state_dict({**model.state_dict(), "model.embed_tokens.weight": newer,
+                           "lm_head.weight": newer})
+    assert client.get_head(name).weights_version == got.weights_version + 1
+    assert torch.equal(client.download_weights(name).weights, newer)
+
+
+def test_tie_the_head_cannot_serve_refused_and_nothing_changed(client: Client,
+                                                              head_name) -> None:
+    name = head_name()
+    model = TinyCausalLM(tie=False)
+    model.config.tie_word_embeddings = True  # but the embedding holds another matrix
+    weight = model.lm_head.weight.detach().clone()
+    with pytest.raises(ValueError, match="^losshead: the model ties its LM head"):
+        offload_causal_lm(model, client, name)
+    _assert_untouched(model, weight)
+    _assert_no_head(client, name)
+    assert "{found}" in TIED_EMBEDDINGS_ERROR
 
 
 def _tied_by_hand() -> TinyCausalLM:
@@ -580,15 +644,53 @@ def test_transformers_trainer_evaluate_gets_predictions(client: Client, head_nam
     assert bool((preds[~kept] == -1).all())
 
 
-def test_transformers_tied_gemma2_refused(client: Client, head_name) -> None:
-    model = _tiny_gemma2()  # Gemma ties its embeddings by default
+def _tiny_llama32_tied():
+    """Llama-3.2 1B/3B's layout: a Llama with tie_word_embeddings."""
+    return _tiny_llama(tie_word_embeddings=True)
+
+
+def _tiny_gemma3_tied():
+    """Gemma 3's text model: a scaled word embedding (its own forward multiplies by
+    sqrt(hidden)), tied."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma3ForCausalLM"):
+        pytest.skip("this transformers has no Gemma 3")
+    config = transformers.Gemma3TextConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        final_logit_softcapping=2.0, attn_implementation="eager", tie_word_embeddings=True)
+    torch.manual_seed(22)
+    return transformers.Gemma3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("family", ["llama32", "gemma2", "gemma3"])
+def test_transformers_tied_model_trains_as_its_own_tied_head(client: Client, head_name,
+                                                            family: str) -> None:
+    pytest.importorskip("transformers")
     from losshead.integrations.transformers import offload_lm_head
+    model = {"llama32": _tiny_llama32_tied, "gemma2": _tiny_gemma2,
+             "gemma3": _tiny_gemma3_tied}[family]()
     assert model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    reference = copy.deepcopy(model)
     name = head_name()
-    with pytest.raises(ValueError, match=f"^{re.escape(TIED_EMBEDDINGS_ERROR)}$"):
-        offload_lm_head(model, client, name)
-    _assert_no_head(client, name)
-    assert isinstance(model.lm_head, nn.Linear)
+    offloaded = offload_lm_head(model, client, name, wire_dtype=torch.float32)
+    assert offloaded.tied and isinstance(model.get_input_embeddings(), OffloadedEmbedding)
+    opt = offloaded.optimizer(torch.optim.SGD([p for p in model.parameters() if p.numel()],
+                                              lr=0.1), kind="sgd")
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses, want = [], []
+    for k in range(3):
+        input_ids, mask, labels = _batch(_seed(family, k))
+        for m, o, out in ((model, opt, losses), (reference, ref_opt, want)):
+            o.zero_grad()
+            loss = m(input_ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            o.step()
+            out.append(loss.detach().item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=HF_REL, atol=1e-6)
+    torch.testing.assert_close(client.download_weights(name).weights,
+                               reference.lm_head.weight.detach(), rtol=HF_REL, atol=1e-6)
 
 
 def test_transformers_generate_raises_and_checkpoint_round_trip(client: Client, head_name,

@@ -89,6 +89,15 @@ struct DownloadedWeights {
   Bytes data;
 };
 
+// Rows of W for token ids (Client::EmbeddingRows): num_rows x hidden_size of `dtype`.
+struct FetchedRows {
+  int64_t num_rows = 0;
+  int64_t hidden_size = 0;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  uint64_t weights_version = 0;  // every row was read at it
+  Bytes data;
+};
+
 // grpc.health.v1 serving status.
 enum class ServingStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
 
@@ -174,6 +183,19 @@ class Client {
   // grpc.health.v1.Health/Check; an empty `service` asks about the server as a whole.
   absl::StatusOr<ServingStatus> Health(const std::string& service = "");
 
+  // A head tied to its model's input embedding (StepKind in the proto). EmbeddingRows reads the
+  // rows of W for `ids` (each in [0, V)) in `dtype` (UNSPECIFIED: the head's), retried like any
+  // read; the ids must fit one message (INVALID_ARGUMENT before sending otherwise: split them).
+  // EmbeddingGrad adds `grad` (ids.size() x D of `grad_dtype`) into the head's dW window as an
+  // EMBEDDING_GRAD micro-batch under (client_id, sequence): exactly once, retried like Step.
+  absl::StatusOr<FetchedRows> EmbeddingRows(
+      const std::string& head, std::span<const int64_t> ids,
+      v1::DType dtype = v1::DTYPE_UNSPECIFIED,
+      std::optional<uint64_t> expected_weights_version = std::nullopt);
+  absl::StatusOr<StepResult> EmbeddingGrad(const std::string& head, const std::string& client_id,
+                                           uint64_t sequence, std::span<const int64_t> ids,
+                                           v1::DType grad_dtype, std::span<const std::byte> grad);
+
   // Opens a Step stream (see StepStream).
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
   // One micro-batch: its result or its error, with the server's code. Step and StepMany keep
@@ -255,6 +277,7 @@ class Client {
   // One summary_only pull (WindowSummary, DiscardGradient).
   absl::StatusOr<v1::GradientSummary> WindowSummaryOnce(const std::string& head, bool reset);
   absl::StatusOr<StepResult> StepOnce(const Microbatch& microbatch);
+  absl::StatusOr<FetchedRows> EmbeddingRowsOnce(const v1::EmbeddingRowsRequest& request);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LossHead::Stub> stub_;

@@ -31,6 +31,9 @@ namespace losshead::client {
 // (client_id, sequence) is the idempotency key: sending the same key twice returns the first
 // answer again without accumulating dW twice.
 struct Microbatch {
+  // LOSS (default); EMBEDDING_GRAD: `hidden` carries dE rows and `targets` their token ids, for
+  // a head tied to its model's input embedding (see the proto; Client::EmbeddingGrad builds one).
+  v1::StepKind kind = v1::STEP_KIND_LOSS;
   std::string head;
   std::string client_id;
   uint64_t sequence = 0;

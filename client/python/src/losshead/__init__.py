@@ -10,7 +10,8 @@ its `StepPlan`), `losshead.functional.linear_cross_entropy` the same as a functi
 `RemoteAdamW` / `RemoteSGD` step the head on the server (exactly once per step for every rank
 of a data-parallel job), `JointOptimizer` holds a trunk's optimizer and the head as one
 (schedules, global-norm clipping, GradScaler, state dicts), and `RemoteHeadOptimizer` mirrors
-the remote W locally so any torch.optim optimizer can step it.
+the remote W locally so any torch.optim optimizer can step it. `OffloadedEmbedding` is an input
+embedding whose table is a head's W (a model's tied embedding, served by its offloaded head).
 `export_checkpoint` turns a server checkpoint file into safetensors (offline, through the
 `losshead` tool); `import_safetensors` seeds a head from one.
 """
@@ -24,6 +25,7 @@ from losshead._plan import StepPlan
 from losshead._window import UnsteppedHeadWarning
 from losshead.errors import LossheadError
 from losshead.joint import JointOptimizer
+from losshead.embedding import OffloadedEmbedding
 from losshead.export import export_checkpoint, import_safetensors, load_safetensors
 from losshead.optim import ApplyResult, RemoteAdamW, RemoteSGD, step_with_clipping
 from losshead.retry import RetryPolicy
@@ -32,7 +34,8 @@ from losshead.torch_bridge import (RemoteHeadOptimizer, RemoteLMHead, scale_grad
 
 __all__ = [
     "ApplyResult", "Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheckpoint",
-    "JointOptimizer", "LossOptions", "LossheadError", "NativeLibraryWarning", "RemoteAdamW",
+    "JointOptimizer", "LossOptions", "LossheadError", "NativeLibraryWarning",
+    "OffloadedEmbedding", "RemoteAdamW",
     "RemoteHeadOptimizer",
     "RemoteLMHead", "RemoteSGD", "RetryPolicy", "StepPlan", "StepResult", "StepStream",
     "TokenOutputs", "UnsteppedHeadWarning", "Weights", "combine_results", "native_available",

@@ -102,6 +102,8 @@ class HeadStepper:
               trunk_grad_sq_norm: float = 0.0) -> Optional[ApplyResult]:
         """One step of the head for every rank, or None when the window holds no token."""
         key = self.step_key + 1
+        # A tied input embedding's gradients sent from this process are in the window first.
+        self.window.wait_embedding_grads()
         # The barrier before (every rank's micro-batches of this step are in); whether any rank
         # knows of tokens in the window spares rank 0 a look at it.
         (known,) = self.ranks.agree([1.0 if self.window.pending_tokens else 0.0])
@@ -131,6 +133,7 @@ class HeadStepper:
                 return None
             return self.client.discard_gradient(self.head)
 
+        self.window.wait_embedding_grads()  # discarded with the window, not after it
         self.ranks.agree([0.0])
         summary = self.ranks.from_leader(call)
         if summary is not None:

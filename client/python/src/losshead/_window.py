@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["DEFAULT_UNSTEPPED_THRESHOLD", "UnsteppedHeadWarning", "WindowTracker", "tracker"]
 
@@ -51,6 +51,33 @@ class WindowTracker:
         self._same_version = 0  # training calls in a row against `_version`
         self._longest = 0  # the longest such run that ended with a new version
         self._warned = False
+        # A tied input embedding (losshead.embedding): the factor the head's loss gave its dH in
+        # the last backward (the upstream gradient over the reduction's count; None before one,
+        # or for per-token losses), and the embedding gradients still on their way to the window.
+        self.last_grad_scale: Optional[float] = None
+        self._embedding_sends: List[Any] = []
+
+    def note_embedding_send(self, done: Any) -> None:
+        """An embedding gradient on its way into the window (a future whose result() raises
+        what its send raised)."""
+        with self._lock:
+            self._embedding_sends = [f for f in self._embedding_sends if not f.done()]
+            self._embedding_sends.append(done)
+
+    def wait_embedding_grads(self) -> None:
+        """Returns once every embedding gradient sent from this process is in the window;
+        raises the first send's error (every send is waited for first)."""
+        with self._lock:
+            sends, self._embedding_sends = self._embedding_sends, []
+        first: Optional[BaseException] = None
+        for f in sends:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - the first is raised below
+                if first is None:
+                    first = e
+        if first is not None:
+            raise first
 
     @property
     def pending(self) -> int:

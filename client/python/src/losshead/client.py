@@ -21,6 +21,7 @@ import torch
 from losshead import _wire
 from losshead._channel import MiB, PemLike, default_client_id, load_tls
 from losshead._channel import channel_options as _channel_options
+from losshead._embeddings import Embeddings, EmbeddingRows
 from losshead._head_state import HeadState
 from losshead._health import HealthProbe
 from losshead._native import NativeClient, native_available
@@ -41,7 +42,7 @@ __all__ = ["Client", "ClientProgress", "Gradient", "GradientSummary", "HeadCheck
            "combine_results", "to_reduction"]
 
 
-class Client(Steps, Transfers, HeadState):
+class Client(Steps, Transfers, Embeddings, HeadState):
     """A connection to one losshead server.
 
     `client_id` (default: host, pid and a random suffix) and a per-client sequence counter form

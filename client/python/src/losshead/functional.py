@@ -113,6 +113,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             scale = 1.0 / count if count else 0.0
         ctx.grad_hidden = result.grad_hidden
         ctx.scale = scale
+        ctx.client_target, ctx.head = client.target, head
         ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
         ctx.per_token = reduction == "none"
         return loss
@@ -131,10 +132,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # there as soon as that stream was done); a CPU batch's stays where it is.
         dh = dh.to(device=device).to(work)
         g = grad_output.to(work)
+        window = tracker(ctx.client_target, ctx.head)
         if ctx.per_token:
             dh = dh * g.reshape(-1, 1)
+            window.last_grad_scale = None
         else:
-            dh = dh * (g * ctx.scale)
+            factor = g * ctx.scale
+            dh = dh * factor
+            # A tied input embedding's backward, which runs after this one, divides its rows by
+            # it (losshead.embedding), so that the window holds both in the same units.
+            window.last_grad_scale = float(factor)
         return (dh.to(dtype).reshape(shape),) + _NO_GRADS[1:]
 
 

@@ -160,6 +160,20 @@ class Backend {
   virtual absl::Status ShardStoreGradHidden(const ShardProblem& shard, const float* partial,
                                             ShardChunk chunk, void* grad_hidden, Stream& stream);
 
+  // The rows of a head tied to its model's input embedding (embedding_rows.h has the contract
+  // and the checks both calls run first). GatherRows: out (n x d, `dtype`) row i = row ids[i] of
+  // `weights` (rows x d, `dtype`), bit for bit. IndexAddRows: for each distinct id, grad (rows x d
+  // fp32) row id += the sum of the `values` rows (n x d fp32) that carry it, added in ascending
+  // i, then once into grad: a rerun gives the same bits, and the CPU and CUDA backends give the
+  // same bits. `ids` (device memory, n int64) must lie in [0, rows), and for IndexAddRows be
+  // non-decreasing: the caller checks them on the host (a device backend cannot without a
+  // round trip), so that a device never sees an id it would write outside its buffer with.
+  // UNIMPLEMENTED (the default) where a backend has no such call (a test double).
+  virtual absl::Status GatherRows(DType dtype, const void* weights, int64_t rows, int64_t d,
+                                  const int64_t* ids, int64_t n, void* out, Stream& stream);
+  virtual absl::Status IndexAddRows(const float* values, const int64_t* ids, int64_t n, int64_t d,
+                                    float* grad, int64_t rows, Stream& stream);
+
   // Memory management.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;

@@ -37,6 +37,12 @@ struct StepBounds {
 StepBounds BoundStep(const Problem& problem, double hidden_abs, double weight_abs,
                      int64_t counted_tokens);
 
+// What an embedding-gradient micro-batch of a tied head (Backend::IndexAddRows) adds to any
+// element of dW: each row's elements are bounded by `row_abs`, and one id carries at most
+// `max_repeats` rows, whose sum lands on its row of dW. The window's guard adds it to the
+// window's bound like a loss micro-batch's grad_weight. +Inf in, +Inf out.
+double BoundEmbeddingGrad(double row_abs, int64_t max_repeats);
+
 // The largest finite magnitude of `dtype`.
 double DTypeMax(DType dtype);
 

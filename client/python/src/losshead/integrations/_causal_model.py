@@ -2,13 +2,14 @@
 
 `check_offloadable` reads the model (its `.model` trunk, its `.lm_head` Linear, its
 configuration) and refuses, before anything is sent, what the server cannot compute as the
-model would: a tied head, a bias, rescaled logits. `OffloadedLMHead` takes `lm_head`'s place
-while W lives on the server.
+model would: a bias, rescaled logits, a tie to an input embedding it cannot serve.
+`tied_embedding` finds the input embedding a tied head serves too. `OffloadedLMHead` takes
+`lm_head`'s place while W lives on the server.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -21,10 +22,10 @@ class _WeightOwner(Protocol):
 
 
 TIED_EMBEDDINGS_ERROR = (
-    "losshead: the model ties its LM head to its input embeddings (tie_word_embeddings), so the "
-    "head cannot be offloaded: the trunk's embedding would keep training locally while the same "
-    "matrix trained as the head on the server, and the two copies would diverge. Keep the head "
-    "local, or untie it first if separate input and output matrices are what you want "
+    "losshead: the model ties its LM head to its input embeddings (tie_word_embeddings), and an "
+    "offloaded tied head serves the embedding too, which needs the input embedding as an "
+    "nn.Embedding of the head's V x D (model.get_input_embeddings(), or model.model.embed_tokens) "
+    "holding the same matrix as lm_head.weight. {found} Keep the head local, or untie it first "
     "(config.tie_word_embeddings = False and lm_head.weight a copy of the embedding).")
 
 # Configuration fields of models that rescale the logits between the head and the loss (Cohere
@@ -77,11 +78,7 @@ def check_offloadable(model: nn.Module) -> nn.Linear:
         raise ValueError("losshead: lm_head.weight is on the meta device (not materialised, or "
                          "dispatched elsewhere): there is nothing to upload")
     configs = _configs(getattr(model, "config", None))
-    tied_in_config = any(getattr(c, "tie_word_embeddings", False) for c in configs)
-    shared = any(p is weight or (p.numel() and p.data_ptr() == weight.data_ptr())
-                 for p in trunk.parameters())
-    if tied_in_config or shared:
-        raise ValueError(TIED_EMBEDDINGS_ERROR)
+    tied_embedding(model, lm_head)  # a tie the head cannot serve is refused here
     for c in configs:
         for name in _LOGIT_SCALES:
             value = getattr(c, name, None)
@@ -91,6 +88,58 @@ def check_offloadable(model: nn.Module) -> nn.Linear:
                     "server computes plain logits (with an optional soft-cap), so this model "
                     "would train on another loss than its own")
     return lm_head
+
+
+def tied_embedding(model: nn.Module, lm_head: nn.Linear) -> Optional[Tuple[str, nn.Embedding]]:
+    """The model's input embedding (its module path and module) when it is tied to `lm_head`
+    (config.tie_word_embeddings, or the two sharing one tensor); None when untied. A tie the
+    head cannot serve (no nn.Embedding of lm_head's shape, or one holding another matrix) is a
+    ValueError naming what was found."""
+    weight = lm_head.weight
+    configs = _configs(getattr(model, "config", None))
+    tied_in_config = any(getattr(c, "tie_word_embeddings", False) for c in configs)
+    trunk = getattr(model, "model", None)
+    shared = isinstance(trunk, nn.Module) and any(
+        p is weight or (p.numel() and p.data_ptr() == weight.data_ptr())
+        for p in trunk.parameters())
+    if not (tied_in_config or shared):
+        return None
+    embedding: Any = None
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            embedding = get()
+        except (NotImplementedError, AttributeError):
+            embedding = None
+    if embedding is None and isinstance(trunk, nn.Module):
+        embedding = getattr(trunk, "embed_tokens", None)
+    path = None
+    if isinstance(embedding, nn.Module):
+        path = next((name for name, m in model.named_modules() if m is embedding), None)
+    if not isinstance(embedding, nn.Embedding) or path is None:
+        raise ValueError(TIED_EMBEDDINGS_ERROR.format(
+            found=f"Found {type(embedding).__name__} instead."))
+    if embedding.weight is not weight and (
+            tuple(embedding.weight.shape) != tuple(weight.shape)
+            or not torch.equal(embedding.weight.detach(), weight.detach())):
+        raise ValueError(TIED_EMBEDDINGS_ERROR.format(
+            found=f"The embedding's weight ({tuple(embedding.weight.shape)}) is not lm_head's "
+                  f"({tuple(weight.shape)})."))
+    if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+        raise ValueError(TIED_EMBEDDINGS_ERROR.format(
+            found="The embedding uses max_norm, scale_grad_by_freq or sparse gradients, which "
+                  "the server does not compute."))
+    return path, embedding
+
+
+def embedding_scale(embedding: nn.Module) -> Optional[torch.Tensor]:
+    """The factor an embedding module multiplies its rows by in its own forward (Gemma 3's
+    scaled word embedding: `embed_scale`), or None. Gemma 1/2 scale in the trunk's forward
+    instead, which goes on working unchanged."""
+    scale = getattr(embedding, "embed_scale", None)
+    if scale is None:
+        return None
+    return torch.as_tensor(scale).detach().clone()
 
 
 class OffloadedLMHead(nn.Module):
@@ -116,6 +165,9 @@ class OffloadedLMHead(nn.Module):
         # Set while loading a checkpoint whose W is beside the model's weights rather than among
         # them (FSDP's sharded checkpoints: hf_trainer uploads it from its own file).
         self.weight_elsewhere = False
+        # A tied head: a tied model's checkpoint holds W under the embedding's key, whose
+        # placeholder uploads it, so lm_head.weight is not missing without it.
+        self.tied = False
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
                               strict: bool, missing_keys: List[str], unexpected_keys: List[str],
@@ -126,7 +178,7 @@ class OffloadedLMHead(nn.Module):
         if key in unexpected_keys:
             unexpected_keys.remove(key)
         if key not in state_dict:
-            if strict and not self.weight_elsewhere:
+            if strict and not self.weight_elsewhere and not self.tied:
                 missing_keys.append(key)
             return
         weight = state_dict[key]

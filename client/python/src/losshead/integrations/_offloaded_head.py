@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +21,8 @@ from losshead.client import Client
 from losshead.functional import Asked
 from losshead.integrations._causal_loss import (causal_targets, keeps_every_position,
                                                 last_hidden_state, reduce_loss)
-from losshead.integrations._causal_model import OFFLOAD_ATTR, OffloadedLMHead
+from losshead.embedding import OffloadedEmbedding
+from losshead.integrations._causal_model import OFFLOAD_ATTR, OffloadedLMHead, embedding_scale
 from losshead.joint import JointOptimizer
 from losshead.torch_bridge import RemoteLMHead
 
@@ -52,11 +53,20 @@ class OffloadedHead:
     `state_dict`), `restore(model)` puts W back into the model and its forward back as it was
     (then `save_pretrained` writes a normal checkpoint), and `local_head(model)` does that for
     one block of code only (generation, logits).
+
+    A tied model (config.tie_word_embeddings; `tied` is True) keeps nothing of W either: its
+    input embedding module is replaced by `embedding`, an OffloadedEmbedding over the same head
+    (rows looked up on the server, their gradient sent back into the head's window, a Gemma 3
+    scaled embedding's factor applied after the lookup), and `model.state_dict()` lacks the
+    embedding's weight too. `weight_keys()` names the key a tied checkpoint keeps W under
+    (the embedding's), which `export_state_dict()` fills; restore() and local_head() put the
+    original embedding back, still tied to lm_head.
     """
 
     def __init__(self, *, client: Client, head: str, remote: RemoteLMHead, linear: nn.Linear,
                  output_type: Callable[..., Any], ignore_index: int, weights_version: int,
-                 head_dtype: Optional[torch.dtype] = None, eval_predictions: bool = False) -> None:
+                 head_dtype: Optional[torch.dtype] = None, eval_predictions: bool = False,
+                 embedding: Optional[Tuple[str, nn.Embedding]] = None) -> None:
         self.client = client
         self.eval_predictions = eval_predictions
         # Token accuracy of the eval-mode forwards with eval_predictions, since the last take.
@@ -75,6 +85,20 @@ class OffloadedHead:
         self._placeholder = OffloadedLMHead(self.hidden_size, self.vocab_size, self._dtype,
                                             head, client.target)
         self._placeholder._owner = self
+        # A tied model (tied_embedding): its input embedding, whose module is replaced by an
+        # OffloadedEmbedding over the same head while offloaded.
+        self.tied = embedding is not None
+        self._embedding_path = embedding[0] if embedding is not None else None
+        self._embedding_module = embedding[1] if embedding is not None else None
+        self.embedding: Optional[OffloadedEmbedding] = None
+        if embedding is not None:
+            module = embedding[1]
+            self.embedding = OffloadedEmbedding(
+                client, head, self.vocab_size, self.hidden_size, dtype=self._dtype,
+                padding_idx=module.padding_idx, scale=embedding_scale(module))
+            self.embedding._owner = self
+            self._placeholder.tied = True
+        self._uploaded: Optional[Tuple[Any, ...]] = None  # what upload_weight sent last
         self._warned_unattached = False
         self._previous_forward: Any = None
         self._had_own_forward = False
@@ -129,12 +153,19 @@ class OffloadedHead:
         against the head's version); returns the new version. Under data parallelism rank 0
         alone uploads and the others return the version they know (loading a state dict runs
         on every rank)."""
+        # A tied checkpoint may hold W under both keys (lm_head's and the embedding's), one
+        # tensor loaded twice: it goes up once.
+        stamp = (weight.data_ptr(), tuple(weight.shape), weight._version, self.weights_version)
+        if self._uploaded == stamp:
+            return self.weights_version
         if Ranks().is_leader:
             version = self.client.get_head(self.head).weights_version
             self.weights_version = self.client.push_weights(
                 self.head, weight.detach(), dtype=self.head_dtype,
                 expected_weights_version=version)
             tracker(self.client.target, self.head).note_push()
+        self._uploaded = (weight.data_ptr(), tuple(weight.shape), weight._version,
+                          self.weights_version)
         return self.weights_version
 
     # -- copies ------------------------------------------------------------------------------
@@ -162,9 +193,20 @@ class OffloadedHead:
         self.weights_version = w.version
         return w.weights.to(self._dtype)
 
+    def weight_keys(self) -> List[str]:
+        """The state-dict keys W goes under in a checkpoint of the model: "lm_head.weight", or for
+        a tied model the input embedding's (e.g. "model.embed_tokens.weight"), the one key a
+        tied model's own checkpoint keeps (save_pretrained drops the tied lm_head.weight), which
+        from_pretrained ties lm_head to."""
+        if self._embedding_path is not None:
+            return [f"{self._embedding_path}.weight"]
+        return ["lm_head.weight"]
+
     def export_state_dict(self) -> Dict[str, torch.Tensor]:
-        """{"lm_head.weight": W} as trained on the server, in the model's dtype, on the CPU."""
-        return {"lm_head.weight": self.download_weight()}
+        """{key: W} as trained on the server, in the model's dtype, on the CPU, for each of
+        `weight_keys()`."""
+        weight = self.download_weight()
+        return {key: weight for key in self.weight_keys()}
 
     def restore(self, model: nn.Module, *, delete_head: bool = False) -> int:
         """Downloads W into model.lm_head.weight (the model's own module and parameter, in its
@@ -202,6 +244,10 @@ class OffloadedHead:
         weight.data = torch.empty((0, self.hidden_size), dtype=self._dtype, device=self._device)
         weight.grad = None
         model.lm_head = self._placeholder
+        if self.embedding is not None:
+            # The tied parameter is lm_head's, emptied above: the embedding's module keeps it
+            # (and the tie) for _uninstall.
+            _set_module(model, self._embedding_path, self.embedding)
         self._had_own_forward = "forward" in model.__dict__
         self._previous_forward = model.__dict__.get("forward")
         model.forward = types.MethodType(_offloaded_forward(self), model)
@@ -215,6 +261,10 @@ class OffloadedHead:
         self._device = trunk_param.device if trunk_param is not None else self._device
         self._linear.weight.data = weight.to(device=self._device, dtype=self._dtype)
         model.lm_head = self._linear
+        if self._embedding_module is not None:
+            if self.embedding is not None:
+                self.embedding.flush()  # its gradients are in the window before W leaves
+            _set_module(model, self._embedding_path, self._embedding_module)
         if self._had_own_forward:
             model.forward = self._previous_forward
         else:
@@ -287,6 +337,14 @@ class OffloadedHead:
 
 # What an eval-mode forward asks for with eval_predictions.
 _PREDICTIONS = Asked.of(("argmax",), correct_count=True)
+
+
+def _set_module(model: nn.Module, path: Optional[str], module: nn.Module) -> None:
+    """model's submodule at `path` ("model.embed_tokens") replaced by `module`."""
+    assert path is not None
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, module)
 
 
 def _warn_unattached(offloaded: "OffloadedHead") -> None:

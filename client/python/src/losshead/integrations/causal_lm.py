@@ -3,7 +3,8 @@
 The model has the layout of Hugging Face's *ForCausalLM classes: `model.model` (the trunk)
 returns hidden states (a tensor, `.last_hidden_state`, or a tuple that starts with them),
 `model.lm_head` is an nn.Linear without bias over them, and `model.config` may carry
-`tie_word_embeddings` and `final_logit_softcapping` (Gemma 2/3). `offload_causal_lm` uploads
+`tie_word_embeddings` (the head then serves the input embedding too) and
+`final_logit_softcapping` (Gemma 2/3). `offload_causal_lm` uploads
 `lm_head.weight` into a head on the server, frees it locally and replaces the model's forward
 on the instance: given labels it returns the loss computed by the server, with the label shift
 and ignore index of Hugging Face's causal LM loss, and dH flows back into the trunk through
@@ -38,7 +39,8 @@ from losshead.errors import LossheadError
 from losshead.integrations._causal_loss import (IGNORE_INDEX, CausalLMOutput, causal_targets,
                                                 reduce_loss)
 from losshead.integrations._causal_model import (TIED_EMBEDDINGS_ERROR, OffloadedLMHead,
-                                                 check_offloadable, logit_softcap)
+                                                 check_offloadable, logit_softcap,
+                                                 tied_embedding)
 from losshead.integrations._offloaded_head import OffloadedHead
 from losshead.torch_bridge import RemoteLMHead
 
@@ -92,8 +94,18 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     -1 where the shifted label is ignored) that the server computes in the same pass, in place
     of the logits a Trainer's `preprocess_logits_for_metrics` would reduce with argmax(-1), and
     `OffloadedHead.take_eval_accuracy()` counts the correct ones. Training steps are unchanged.
+
+    A model whose head is tied to its input embedding (`tie_word_embeddings`, or the two sharing
+    one tensor: Gemma, Llama-3.2 1B/3B, small Qwen) is offloaded whole: the tied matrix is
+    uploaded once, and the input embedding module (an nn.Embedding of lm_head's shape) becomes
+    an `OffloadedEmbedding` over the same head, so that its rows come from the server and their
+    gradient lands in the head's window beside the head's own: one apply steps W with both, as
+    the tied model's autograd would (losshead.embedding). A Gemma 3 scaled embedding keeps its
+    factor; Gemma 1/2 scale in the trunk. The embedding's gradient must come from this loss
+    alone (an auxiliary loss on the embedding's output would be rescaled wrongly).
     """
     lm_head = check_offloadable(model)
+    embedding = tied_embedding(model, lm_head)
     vocab_size, hidden_size = lm_head.weight.shape
     dtype = _wire.to_torch_dtype(head_dtype if head_dtype is not None else lm_head.weight.dtype)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -133,6 +145,6 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     offloaded = OffloadedHead(client=client, head=head, remote=remote, linear=lm_head,
                               output_type=output_type, ignore_index=ignore_index,
                               weights_version=version, head_dtype=dtype,
-                              eval_predictions=eval_predictions)
+                              eval_predictions=eval_predictions, embedding=embedding)
     offloaded._install(model)
     return offloaded

@@ -24,7 +24,8 @@
 - Steps: after every global step (`on_step_end`) whatever is still in the head's window (a step
   skipped on overflow) is discarded.
 - Checkpoints: `save_model` (every checkpoint, and your own calls) adds `lm_head.weight` (W as
-  trained, in the model's dtype) to the saved weights, so the directory loads with
+  trained, in the model's dtype; a tied model's under its embedding's key instead, as its own
+  save_pretrained keeps it: `OffloadedHead.weight_keys()`) to the saved weights, so the directory loads with
   `from_pretrained` anywhere (under FSDP the Trainer resumes from its own model state, which
   lacks it: `lm_head.safetensors` beside it carries W, and a resume uploads W from there); the
   optimizer's state (`optimizer.pt`) names a server snapshot of the head's whole state (W,
@@ -164,7 +165,10 @@ class _Attachment:
             return
         weight = self.offloaded.download_weight()
         if layout is not None:
-            add_tensor(directory, "lm_head.weight", weight)
+            # A tied model's checkpoint keeps W under the embedding's key only, as its own
+            # save_pretrained would (from_pretrained ties lm_head to it).
+            for key in self.offloaded.weight_keys():
+                add_tensor(directory, key, weight)
         if fsdp:
             from safetensors.torch import save_file
             path = os.path.join(directory, LM_HEAD_FILE)

@@ -18,7 +18,9 @@
 Any model whose output layer is `lm_head` over `model` works the same: Llama, Mistral,
 Qwen2/Qwen3, Gemma 2/3 (the final-logit soft-cap goes to the server as the loss option
 logit_softcap). Models that tie the head to the input embeddings (tie_word_embeddings: Gemma's
-and several small Llama / Qwen checkpoints) are refused, with the reason. The forward returns a
+and several small Llama / Qwen checkpoints) are offloaded whole: the head serves the input
+embedding too (losshead.embedding.OffloadedEmbedding), so W leaves the trainer entirely, and one
+apply steps it with both gradients. The forward returns a
 transformers CausalLMOutputWithPast whose loss is the model's own (label shift, ignore index
 -100, and `num_items_in_batch` from the Trainer's gradient accumulation: the sum divided by it)
 and whose logits are None. See `losshead.integrations.causal_lm` for the details, the handle
