@@ -559,10 +559,11 @@ def test_transformers_entry_point_without_transformers(client: Client, head_name
 # -- real transformers models (where transformers is installed) ---------------------------------
 def _tiny_llama(**overrides: object):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, attn_implementation="eager", **overrides)
+    options = dict(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                   tie_word_embeddings=False, attn_implementation="eager")
+    options.update(overrides)
+    config = transformers.LlamaConfig(**options)
     torch.manual_seed(20)
     return transformers.LlamaForCausalLM(config)
 

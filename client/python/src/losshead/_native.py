@@ -28,8 +28,7 @@ from losshead._channel import TlsFiles
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._step_stream import missing_outputs
-from losshead._types import StepResult, TokenOutputs
+from losshead._types import StepResult, TokenOutputs, missing_outputs
 from losshead.errors import LossheadError, status_code
 from losshead.retry import RetryPolicy
 

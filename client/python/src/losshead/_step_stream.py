@@ -18,7 +18,7 @@ from losshead import _wire
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._types import StepResult, TokenOutputs
+from losshead._types import StepResult, TokenOutputs, missing_outputs
 from losshead.errors import LossheadError, status_code
 from losshead.retry import is_retryable
 
@@ -32,19 +32,6 @@ _TOKEN_OUTPUT_FIELDS = {
 }
 # Every payload field of a StepResponse (each with a `<field>_bytes` in StepResult).
 _PAYLOADS = ("grad_hidden", "per_token_loss") + tuple(_TOKEN_OUTPUT_FIELDS)
-
-
-def missing_outputs(options: pb.StepOptions, outputs: TokenOutputs, n: int) -> str:
-    """The token outputs `options` asked for that `outputs` lacks (a server older than them
-    ignores the request), comma-separated; empty when none is missing."""
-    asked = set(options.token_outputs)
-    have = {pb.TOKEN_OUTPUT_LOGPROB: outputs.logprob, pb.TOKEN_OUTPUT_ENTROPY: outputs.entropy,
-            pb.TOKEN_OUTPUT_LSE: outputs.lse, pb.TOKEN_OUTPUT_ARGMAX: outputs.argmax}
-    names = [f"per_token_{pb.TokenOutput.Name(o)[len('TOKEN_OUTPUT_'):].lower()}"
-             for o, t in have.items() if o in asked and (t is None or t.numel() != n)]
-    if options.return_correct_count and outputs.correct_count is None:
-        names.append("correct_count")
-    return ", ".join(names)
 
 
 class StepStream:

@@ -241,3 +241,16 @@ def _combine_outputs(parts: Sequence[Optional[TokenOutputs]]) -> Optional[TokenO
                         argmax=cat("argmax"),
                         correct_count=(sum(counts)  # type: ignore[arg-type]
                                        if all(c is not None for c in counts) else None))
+
+
+def missing_outputs(options: pb.StepOptions, outputs: TokenOutputs, n: int) -> str:
+    """The token outputs `options` asked for that `outputs` lacks (a server older than them
+    ignores the request), comma-separated; empty when none is missing."""
+    asked = set(options.token_outputs)
+    have = {pb.TOKEN_OUTPUT_LOGPROB: outputs.logprob, pb.TOKEN_OUTPUT_ENTROPY: outputs.entropy,
+            pb.TOKEN_OUTPUT_LSE: outputs.lse, pb.TOKEN_OUTPUT_ARGMAX: outputs.argmax}
+    names = [f"per_token_{pb.TokenOutput.Name(o)[len('TOKEN_OUTPUT_'):].lower()}"
+             for o, t in have.items() if o in asked and (t is None or t.numel() != n)]
+    if options.return_correct_count and outputs.correct_count is None:
+        names.append("correct_count")
+    return ", ".join(names)
