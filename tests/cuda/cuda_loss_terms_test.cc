@@ -17,7 +17,6 @@
 #include <functional>
 #include <memory>
 #include <ostream>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,14 +35,12 @@ namespace {
 
 using testing::Inputs;
 using testing::InputSpec;
-using testing::LossTermsReference;
 using testing::MakeRandomInputs;
 using testing::MaxAbs;
 using testing::Outputs;
 using testing::RunOnBackend;
 using testing::RunOptions;
 using testing::TermInputs;
-using testing::TermResult;
 using testing::ToDouble;
 using testing::WorstToleranceRatio;
 
@@ -63,49 +60,11 @@ struct Terms {
   bool weights = false;  // token_weights
 };
 
-// Random term inputs as cpu_loss_terms_test.cc draws them: a bias, weights with exact zeros, and
-// for the policy-gradient kind old log-probabilities that put the ratio inside and outside the clip
-// range but never within 0.05 of its bounds (where CUDA's log p, a few ulps from the CPU's, could
-// cross a kink), advantages of both signs and reference log-probabilities near the current ones.
+// Never within 0.05 of the clip's kinks: CUDA's log p is a few ulps (bf16 logits: a bf16 step)
+// from the CPU's.
 TermInputs RandomTermInputs(const Problem& p, const Inputs& in, const Terms& terms, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-  TermInputs out;
-  if (terms.bias) {
-    out.bias.resize(p.v);
-    for (float& b : out.bias) b = 0.8f * unit(rng);
-  }
-  if (terms.weights) {
-    out.token_weights.resize(p.n);
-    for (size_t t = 0; t < out.token_weights.size(); ++t) {
-      out.token_weights[t] = t % 7 == 3 ? 0.0f : 0.75f + 1.25f * unit(rng);
-    }
-  }
-  if (p.options.kind == LossKind::kPolicyGradient) {
-    TermInputs probe = out;
-    probe.old_logprob.assign(p.n, 0.0f);
-    probe.advantages.assign(p.n, 0.0f);
-    probe.ref_logprob.assign(p.n, 0.0f);
-    const TermResult first = LossTermsReference(p, in.hidden, in.weight, in.targets, probe);
-    const float lo = std::log(1.0f - p.options.clip_low), hi = std::log(1.0f + p.options.clip_high);
-    out.old_logprob.resize(p.n);
-    out.advantages.resize(p.n);
-    for (int64_t t = 0; t < p.n; ++t) {
-      float delta;
-      do {
-        delta = 0.6f * unit(rng);
-      } while (std::abs(delta - lo) < 0.05f || std::abs(delta - hi) < 0.05f);
-      out.old_logprob[t] = static_cast<float>(first.per_token_logprob[t] - delta);
-      out.advantages[t] = 2.0f * unit(rng);
-    }
-    if (p.options.kl_coef > 0.0f) {
-      out.ref_logprob.resize(p.n);
-      for (int64_t t = 0; t < p.n; ++t) {
-        out.ref_logprob[t] = static_cast<float>(first.per_token_logprob[t] + 0.5f * unit(rng));
-      }
-    }
-  }
-  return out;
+  return testing::RandomTermInputs(p, in.hidden, in.weight, in.targets, terms.bias, terms.weights,
+                                   seed, 0.05f);
 }
 
 RunOptions RunOptionsFor(const TermInputs& terms, size_t budget, bool stash) {
