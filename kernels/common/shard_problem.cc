@@ -20,12 +20,24 @@ absl::Status ValidateShardProblem(const ShardProblem& shard) {
     return absl::InvalidArgumentError(absl::StrCat("shard rank ", shard.rank, " of ", shard.shards,
                                                    " shards is outside [0, ", shard.shards, ")"));
   }
-  if (const std::string terms = RequestedLossTerms(shard.problem.options); !terms.empty()) {
-    return absl::UnimplementedError(
-        absl::StrCat("shard call: ", terms, " not computed over vocabulary shards yet"));
-  }
   return absl::OkStatus();
 }
+
+namespace {
+
+// The terms' pointers of a shard call as Arguments carries them, for ValidateLossInputs.
+Arguments TermPointersOf(const ShardArguments& args) {
+  Arguments view;
+  view.bias = args.bias;
+  view.grad_bias = args.grad_bias;
+  view.token_weights = args.token_weights;
+  view.old_logprob = args.old_logprob;
+  view.advantages = args.advantages;
+  view.ref_logprob = args.ref_logprob;
+  return view;
+}
+
+}  // namespace
 
 absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArguments& args) {
   if (absl::Status status = ValidateShardProblem(shard); !status.ok()) return status;
@@ -53,9 +65,14 @@ absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArgume
         absl::StrCat("shard call: top_k must be in [0, ", kMaxTopK, "] and at most v (",
                      shard.problem.v, ") when output_stats is given, got ", args.top_k));
   }
-  if (AsksLossInputs(args)) {
-    return absl::UnimplementedError(absl::StrCat("shard call: ", RequestedLossInputs(args),
-                                                 " not computed over vocabulary shards yet"));
+  if (absl::Status status = ValidateLossInputs(shard.problem, TermPointersOf(args));
+      !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("shard call: ", status.message()));
+  }
+  // The entropy term combines s over the shards, which travels in output_stats.
+  if (shard.problem.options.entropy_coef != 0.0f && args.output_stats == nullptr) {
+    return absl::InvalidArgumentError(
+        "shard call: output_stats must not be null when entropy_coef is not 0");
   }
   if (args.grad_stash.data != nullptr) {
     if (args.grad_weight != nullptr) {

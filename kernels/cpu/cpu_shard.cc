@@ -8,15 +8,41 @@
 #include <cstring>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/chunk_plan.h"
 #include "kernels/cpu/cpu_backend_impl.h"
+#include "kernels/cpu/row_math.h"
+#include "kernels/cpu/row_terms.h"
 #include "kernels/cpu/shard_rows.h"
 #include "losshead/kernels/dtype_convert.h"
 #include "losshead/kernels/shard_problem.h"
 
 namespace losshead::kernels::cpu {
+namespace {
+
+// Whether a shard call computes the model options and terms (row_terms.h's RowTermsOn).
+bool ShardTermsOn(const LossOptions& options, const ShardArguments& args) {
+  return loss::AnyTerm(loss::TermOptionsOf(options)) || args.bias != nullptr ||
+         args.token_weights != nullptr;
+}
+
+// The terms' inputs of a shard call as Arguments carries them: bias over the shard's rows, the
+// per-token inputs over the micro-batch.
+Arguments TermInputsOf(const ShardArguments& args) {
+  Arguments view;
+  view.targets = args.targets;
+  view.bias = args.bias;
+  view.grad_bias = args.grad_bias;
+  view.token_weights = args.token_weights;
+  view.old_logprob = args.old_logprob;
+  view.advantages = args.advantages;
+  view.ref_logprob = args.ref_logprob;
+  return view;
+}
+
+}  // namespace
 
 absl::StatusOr<CpuBackend::ShardWorkspace> CpuBackend::ShardWorkspaceFor(const ShardProblem& shard,
                                                                          const ShardArguments& args,
@@ -62,6 +88,13 @@ absl::Status CpuBackend::ShardBegin(const ShardProblem& shard, const ShardArgume
   if (absl::Status status = CheckTargets(shard.problem, args.targets, &token_count); !status.ok()) {
     return status;
   }
+  // Every value the terms will read, once per micro-batch: the bias over the shard's rows.
+  if (AsksLossInputs(args)) {
+    if (absl::Status status = CheckTermInputs(ShardStashShape(shard), TermInputsOf(args));
+        !status.ok()) {
+      return status;
+    }
+  }
   const LossOptions& options = shard.problem.options;
   const float grad_scale = EffectiveGradScale(options, token_count);
   *ws->loss_acc() = 0.0;
@@ -99,10 +132,13 @@ absl::Status CpuBackend::ShardForward(const ShardProblem& shard, const ShardArgu
                             ? args.output_stats + static_cast<int64_t>(shard.rank) *
                                                       ShardOutputStatsRows(top_k) * stride
                             : nullptr;
+  const float logit_scale = shard.problem.options.logit_scale;
   pool_.ParallelFor(chunk.size, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int32_t y = args.targets[chunk.begin + q];
       const int64_t local = y == ignore ? -1 : y - shard.row_begin;
+      // x = logit_scale u + b before the soft-cap (a no-op without them).
+      ScaleBiasRow(logits + q * rows, rows, logit_scale, args.bias);
       const ShardRowStats row =
           ComputeShardRowStats(logits + q * rows, rows, local, shard.problem.options.softcap);
       for (int s = 0; s < kShardStats; ++s) slice[s * stride + q] = row.stats[s];
@@ -126,8 +162,10 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
   const LossOptions& options = shard.problem.options;
   const float grad_scale = *ws->grad_scale();
   const bool stashed = args.grad_stash.data != nullptr;
-  const bool want_grad =
-      args.grad_hidden_partial != nullptr || args.grad_weight != nullptr || stashed;
+  const bool want_grad = args.grad_hidden_partial != nullptr || args.grad_weight != nullptr ||
+                         stashed || args.grad_bias != nullptr;
+  const bool terms_on = ShardTermsOn(options, args);
+  const bool entropy_term = options.entropy_coef != 0.0f;
   float* logits = ws->logits();
   double* row_stats = ws->row_stats();
   const bool distribute = AsksDistributionOutputs(args);
@@ -139,12 +177,27 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
     for (int64_t q = begin; q < end; ++q) {
       const int32_t y = args.targets[chunk.begin + q];
       const bool ignored = y == options.ignore_index;
-      const ShardTokenLoss token = CombineShardStats(
-          args.stats, args.stats_chunk_rows, shard.shards, q, ignored, options, shard.problem.v);
+      const int64_t t = chunk.begin + q;
+      ShardTokenLoss token = CombineShardStats(args.stats, args.stats_chunk_rows, shard.shards, q,
+                                               ignored, options, shard.problem.v);
+      // The entropy term's entropy, combined as the output's is (without the top-k).
+      double entropy = 0.0;
+      if (entropy_term && !ignored) {
+        entropy = CombineShardOutputStats(args.stats, args.output_stats, args.stats_chunk_rows,
+                                          shard.shards, q, token.lse, top_k, nullptr, nullptr)
+                      .entropy;
+      }
+      TokenTerms inputs;
+      if (terms_on) {
+        if (args.token_weights != nullptr) inputs.weight = args.token_weights[t];
+        if (args.old_logprob != nullptr) inputs.old_logprob = args.old_logprob[t];
+        if (args.advantages != nullptr) inputs.advantage = args.advantages[t];
+        if (args.ref_logprob != nullptr) inputs.ref_logprob = args.ref_logprob[t];
+        if (!ignored) token.loss = ShardTermsLoss(options, token, shard.problem.v, entropy, inputs);
+      }
       row_stats[2 * q] = token.loss;
       row_stats[2 * q + 1] = token.lse;
       if (distribute) {
-        const int64_t t = chunk.begin + q;
         int32_t* top_ids = args.top_k_ids != nullptr ? args.top_k_ids + t * top_k : nullptr;
         float* top_logprobs =
             args.top_k_logprobs != nullptr ? args.top_k_logprobs + t * top_k : nullptr;
@@ -168,7 +221,11 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
         if (args.per_token_argmax != nullptr) args.per_token_argmax[t] = out.argmax;
         correct += !ignored && out.argmax == y ? 1 : 0;
       }
-      if (want_grad) {
+      if (want_grad && terms_on) {
+        ComputeShardRowGradientWithTerms(logits + q * rows, rows,
+                                         ignored ? -1 : y - shard.row_begin, ignored, token,
+                                         options, shard.problem.v, entropy, inputs, grad_scale);
+      } else if (want_grad) {
         ComputeShardRowGradient(logits + q * rows, rows, ignored ? -1 : y - shard.row_begin,
                                 ignored, token.lse, options, shard.problem.v, grad_scale);
       }
@@ -189,6 +246,21 @@ absl::Status CpuBackend::ShardBackward(const ShardProblem& shard, const ShardArg
   }
   if (args.loss_sum != nullptr) *args.loss_sum = static_cast<float>(loss_acc);
   if (!want_grad) return absl::OkStatus();
+  if (args.grad_bias != nullptr) {
+    // db_rows += the column sums of G over the chunk's tokens, in token order, divided by the
+    // logit scale G carries (as Run's, cpu_run.cc).
+    const double inv_scale = 1.0 / static_cast<double>(options.logit_scale);
+    pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+      std::vector<double> column_sums(static_cast<size_t>(end - begin), 0.0);
+      for (int64_t q = 0; q < chunk.size; ++q) {
+        const float* g = logits + q * rows;
+        for (int64_t j = begin; j < end; ++j) column_sums[j - begin] += g[j];
+      }
+      for (int64_t j = begin; j < end; ++j) {
+        args.grad_bias[j] += static_cast<float>(column_sums[j - begin] * inv_scale);
+      }
+    });
+  }
 
   std::lock_guard<std::mutex> blas_lock(BlasMutex());
   openblas_set_num_threads(threads_);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/row_terms.h"
 #include "losshead/kernels/problem.h"
 #include "losshead/kernels/shard_problem.h"
 
@@ -43,6 +44,9 @@ ShardTokenOutputs CombineShardOutputStats(const float* stats, const float* outpu
 struct ShardTokenLoss {
   double lse = 0.0;
   double loss = 0.0;
+  // The combined statistics the terms read (z of the target, the sum of z).
+  double z_target = 0.0;
+  double sum_z = 0.0;
 };
 ShardTokenLoss CombineShardStats(const float* stats, int64_t stride, int shards, int64_t q,
                                  bool ignored, const LossOptions& options, int64_t v);
@@ -52,6 +56,20 @@ ShardTokenLoss CombineShardStats(const float* stats, int64_t stride, int shards,
 // eps / v with the whole vocabulary's v, chained through the soft-cap. Zeros for an ignored token.
 void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool ignored, double lse,
                              const LossOptions& options, int64_t v, float grad_scale);
+
+// With the model options and terms on (row_terms.h): a counted token's weighted loss from the
+// combined statistics (`token`, CombineShardStats's) and its entropy (CombineShardOutputStats's;
+// read only with entropy_coef != 0), as ComputeRowLossWithTerms forms it on one device.
+double ShardTermsLoss(const LossOptions& options, const ShardTokenLoss& token, int64_t v,
+                      double entropy, const TokenTerms& inputs);
+
+// And its row of G: z (after scale, bias and soft-cap) overwritten with
+// grad_scale * weight * logit_scale * dloss/dx_j, the gradient of u_j = h . w_j. Zeros for an
+// ignored token.
+void ComputeShardRowGradientWithTerms(float* z, int64_t rows, int64_t local_target, bool ignored,
+                                      const ShardTokenLoss& token, const LossOptions& options,
+                                      int64_t v, double entropy, const TokenTerms& inputs,
+                                      float grad_scale);
 
 }  // namespace losshead::kernels
 

@@ -56,10 +56,6 @@ class CudaBackend final : public Backend {
 
   absl::Status CanImplement(const Problem& problem) const override {
     if (absl::Status s = ValidateProblem(problem); !s.ok()) return s;
-    if (const std::string terms = RequestedLossTerms(problem.options); !terms.empty()) {
-      return absl::UnimplementedError(
-          absl::StrCat("the CUDA backend does not compute ", terms, " yet"));
-    }
     // cublasLt takes int sizes and strides; the narrowed gradient's stride is up to 2 * ldl.
     constexpr int64_t kIntMax = 2147483647;
     if (problem.d > kIntMax) {

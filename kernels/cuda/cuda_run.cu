@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/chunk_layout.h"
+#include "kernels/cuda/column_sums.cuh"
 #include "kernels/cuda/count_targets.cuh"
 #include "kernels/cuda/cuda_backend_impl.h"
 #include "kernels/cuda/cuda_check.h"
@@ -38,10 +39,7 @@ absl::Status CudaBackend::Run(const Problem& problem, const Arguments& args, Str
     return absl::InvalidArgumentError("loss_sum and token_count must not be null");
   }
   LOSSHEAD_RETURN_IF_ERROR(ValidateTopK(args, problem.v));
-  if (AsksLossInputs(args)) {
-    return absl::UnimplementedError(
-        absl::StrCat("the CUDA backend does not compute ", RequestedLossInputs(args), " yet"));
-  }
+  LOSSHEAD_RETURN_IF_ERROR(ValidateLossInputs(problem, args));
   if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
     return absl::InvalidArgumentError("workspace must be a 256-byte aligned device pointer");
   }
@@ -143,7 +141,8 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
       stashed ? GradStashLayout(stash.capacity, v, d, sizeof(TIn)) : StashLayout{};
   TIn* const stash_grad =
       stashed ? static_cast<TIn*>(stash.data) + stash.tokens * stash_layout.ldg : nullptr;
-  const bool need_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed;
+  const bool need_grad = args.grad_hidden != nullptr || args.grad_weight != nullptr || stashed ||
+                         args.grad_bias != nullptr;
   constexpr cudaDataType_t kIn = CudaType<TIn>();
   const cublasComputeType_t compute = GemmCompute(problem);
   constexpr cudaDataType_t kLogits = CudaType<TL>();
@@ -171,6 +170,20 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
     return out;
   };
 
+  // The model options and terms of the rows from token t0 on (none: the plain row kernel).
+  const loss::TermOptions term_options = loss::TermOptionsOf(o);
+  auto row_terms = [&](int64_t t0) {
+    RowTerms terms;
+    terms.terms = term_options;
+    terms.bias = args.bias;
+    auto at = [t0](const float* p) { return p != nullptr ? p + t0 : nullptr; };
+    terms.token_weights = at(args.token_weights);
+    terms.old_logprob = at(args.old_logprob);
+    terms.advantages = at(args.advantages);
+    terms.ref_logprob = at(args.ref_logprob);
+    return terms;
+  };
+
   SoftmaxGradParams params;
   params.v = problem.v;
   params.ignore_index = o.ignore_index;
@@ -194,7 +207,7 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
         stashed ? stash_layout.ldg : ldg, row_loss + q0,
         args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
         args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, row_launch, s,
-        row_outputs(t0))));
+        row_outputs(t0), row_terms(t0))));
     if (reduce) {
       // Always over the whole chunk, in one fixed order: bit-identical whatever the schedule.
       const int c = std::min(chunk, n - r0);
@@ -233,6 +246,15 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
     }
     return absl::OkStatus();
   };
+  // grad_bias += the column sums of the chunk's G (whole chunk, after its rows), scaled as dW is
+  // and divided by the logit scale G carries.
+  auto bias_sums = [&](int t0, int rows) -> absl::Status {
+    if (args.grad_bias == nullptr) return absl::OkStatus();
+    return LaunchAddColumnSums(stashed ? stash_grad + t0 * stash_layout.ldg : grad,
+                               stashed ? stash_layout.ldg : ldg, rows, problem.v,
+                               stashed ? &scalars->one : &scalars->grad_alpha, o.logit_scale,
+                               args.grad_bias, stream);
+  };
   auto dw_gemm = [&](int t0, int rows) -> absl::Status {
     if (args.grad_weight == nullptr) return absl::OkStatus();
     return RunGradWeightGemm(gemm, v, rows, d, kIn, compute, ldg, &scalars->grad_alpha,
@@ -254,6 +276,7 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
       LOSSHEAD_RETURN_IF_ERROR(logits_gemm(r0, c, 0));
       LOSSHEAD_RETURN_IF_ERROR(rows_step(r0, 0, c, /*reduce=*/true, stream));
       LOSSHEAD_RETURN_IF_ERROR(dh_gemm(r0, c, 0));
+      LOSSHEAD_RETURN_IF_ERROR(bias_sums(r0, c));
       LOSSHEAD_RETURN_IF_ERROR(dw_gemm(r0, c));
       continue;
     }
@@ -279,6 +302,7 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
     // Also keeps the next chunk's logits GEMM off the buffer until this chunk's rows are done.
     LOSSHEAD_CUDA_CHECK(cudaStreamWaitEvent(stream, rows_b, 0));
     LOSSHEAD_RETURN_IF_ERROR(dh_gemm(r0 + half, c - half, half));
+    LOSSHEAD_RETURN_IF_ERROR(bias_sums(r0, c));
     LOSSHEAD_RETURN_IF_ERROR(dw_gemm(r0, c));
   }
   return absl::OkStatus();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,10 @@ namespace {
 // CanImplement's int32 limits, with the shard's rows as the logits' width.
 absl::Status CanImplementShard(const ShardProblem& shard) {
   if (absl::Status s = ValidateShardProblem(shard); !s.ok()) return s;
+  if (const std::string terms = RequestedLossTerms(shard.problem.options); !terms.empty()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the CUDA backend does not compute ", terms, " over vocabulary shards yet"));
+  }
   constexpr int64_t kIntMax = 2147483647;
   const Problem& problem = shard.problem;
   if (problem.d > kIntMax) {
@@ -189,6 +194,11 @@ absl::Status ShardCalls::Validate(const ShardProblem& shard, const ShardArgument
                                         : ValidateShardArguments(shard, args);
       !s.ok()) {
     return s;
+  }
+  if (AsksLossInputs(args)) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA backend does not compute ",
+                                                 RequestedLossInputs(args),
+                                                 " over vocabulary shards yet"));
   }
   if (cs == nullptr) return ForeignStreamError();
   if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {

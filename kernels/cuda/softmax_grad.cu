@@ -22,15 +22,67 @@ namespace {
 // plain kernel is the code it was without them.
 enum class RowExtras { kNone, kDistribution, kTopK };
 
-template <typename TL, typename TG, int kThreads, RowExtras kExtras>
+// A row's gradient factors with the terms on (RowTerms), computed once by thread 0 and read by
+// every thread of the block in pass 2: the loss's (GradFactors), the entropy term's, and whether
+// that term is on. The token's weight and the logit scale are folded into both.
+struct TermFactors {
+  loss::GradFactors factors;
+  loss::EntropyGrad entropy;
+  bool entropy_on;
+};
+
+// The block's one TermFactors: a function's static shared variable, so that only the
+// instantiations with the terms have it.
+__device__ __forceinline__ TermFactors& SharedTermFactors() {
+  __shared__ TermFactors slot;
+  return slot;
+}
+
+// Thread 0's part of a counted row with the terms: its weighted loss, and its factors into
+// SharedTermFactors(). z_target after scale, bias and soft-cap; lse and the row's s / sum_exp
+// (`mean_shifted_z`, against max) and entropy from the reduction.
+__device__ __forceinline__ float RowTermsLoss(const loss::Options& o, const RowTerms& rt,
+                                              int64_t row, float lse, float z_target,
+                                              float sum_z, float v, float entropy) {
+  const loss::TermOptions& t = rt.terms;
+  const float weight = rt.token_weights != nullptr ? rt.token_weights[row] : 1.0f;
+  float loss;
+  loss::GradFactors f;
+  if (t.policy_gradient) {
+    const float logprob = loss::TargetLogProb(lse, z_target);
+    const float ratio = loss::PolicyRatio(logprob, rt.old_logprob[row]);
+    const float advantage = rt.advantages[row];
+    const float ref = t.kl_coef > 0.0f ? rt.ref_logprob[row] : 0.0f;
+    loss = loss::PolicyTokenLoss(o, t, lse, logprob, ratio, advantage, ref);
+    f = loss::PolicyGradFactorsOf(o, lse,
+                                  loss::PolicyLogProbSlope(t, logprob, ratio, advantage, ref));
+  } else {
+    loss = loss::TokenLossSmoothingLast(o, lse, z_target, sum_z, v);
+    f = loss::GradFactorsOf(o, lse, v);
+  }
+  const bool entropy_on = t.entropy_coef != 0.0f;
+  if (entropy_on) loss += loss::EntropyTerm(t.entropy_coef, entropy);
+  // The chain rule's last links, into u_j = h . w_j: the weight and the scale.
+  const float scale = weight * t.logit_scale;
+  TermFactors& out = SharedTermFactors();
+  out.factors = loss::GradFactors{f.p_scale * scale, f.uniform * scale, f.target * scale};
+  // Against lse rather than the max (pass 2 has lse): with e_j = p_j and shifted z_j - lse,
+  // z_j - sum_k p_k z_k = (z_j - lse) + entropy.
+  out.entropy = loss::EntropyGrad{-t.entropy_coef * scale, -entropy};
+  out.entropy_on = entropy_on;
+  return weight * loss;
+}
+
+template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms>
 __global__ void __launch_bounds__(kThreads)
     SoftmaxGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                       SoftmaxGradParams p, TG* grad, int64_t ldg, float* __restrict__ row_loss,
                       float* __restrict__ per_token_loss, float* __restrict__ per_token_lse,
-                      RowOutputs outputs) {
+                      RowOutputs outputs, RowTerms terms) {
   constexpr int kVec = Vec<TL>::kSize;
   constexpr int kUnroll = kThreads >= 1024 ? 2 : 4;
-  constexpr bool kDist = kExtras != RowExtras::kNone;
+  // The terms need s for the entropy term: they carry the distribution's state.
+  constexpr bool kDist = kExtras != RowExtras::kNone || kTerms;
   constexpr bool kTop = kExtras == RowExtras::kTopK;
   using State = SoftmaxState<false, kDist>;
   __shared__ State warp_states[kThreads / kWarpSize];
@@ -45,6 +97,15 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t nvec = p.v / kVec;
   const int64_t tail_start = nvec * kVec;
   const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
+  // z of logit x of class j: the scale and bias first with the terms (ScaleBiasRow's order).
+  [[maybe_unused]] auto z_of = [&](float xval, int64_t j) -> float {
+    if constexpr (kTerms) {
+      return cap(loss::ScaledLogit(xval, terms.terms.logit_scale,
+                                   terms.bias != nullptr ? terms.bias[j] : 0.0f));
+    } else {
+      return cap(xval);
+    }
+  };
 
   // An ignored row still needs its lse when the caller asks for it; otherwise only zeros.
   const bool need_stats = valid || per_token_lse != nullptr;
@@ -70,7 +131,7 @@ __global__ void __launch_bounds__(kThreads)
           if constexpr (kDist) {
             float z[kVec];
 #pragma unroll
-            for (int k = 0; k < kVec; ++k) z[k] = cap(ToF(in[u].v[k]));
+            for (int k = 0; k < kVec; ++k) z[k] = z_of(ToF(in[u].v[k]), i * kVec + k);
             PushVector<kVec>(
                 st, [&](int k) { return z[k]; }, i * kVec);
             if constexpr (kTop) {
@@ -89,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int64_t j = tail_start + tid; j < p.v; j += kThreads) {
       if constexpr (kDist) {
-        const float z = cap(ToF(x[j]));
+        const float z = z_of(ToF(x[j]), j);
         Push(st, z, j);
         if constexpr (kTop) {
           if (top_k > 0) OfferTopK(top, last, z, static_cast<int>(j), top_k);
@@ -103,7 +164,12 @@ __global__ void __launch_bounds__(kThreads)
       const State total = FoldWarpSlots<kThreads>(warp_states, CombineOp{}, warp_states[0], 1);
       const float l = loss::Lse(total.m, total.s);
       float loss = 0.0f;
-      if (valid) {
+      if constexpr (kTerms) {
+        if (valid) {
+          loss = RowTermsLoss(p.loss, terms, row, l, z_of(ToF(x[t]), t), total.sz,
+                              static_cast<float>(p.v), loss::Entropy(total.s, total.h));
+        }
+      } else if (valid) {
         loss = loss::TokenLossSmoothingLast(p.loss, l, cap(ToF(x[t])), total.sz,
                                             static_cast<float>(p.v));
       }
@@ -114,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (kDist) {
         if (valid) {
           if (outputs.logprob != nullptr) {
-            outputs.logprob[row] = loss::TargetLogProb(l, cap(ToF(x[t])));
+            outputs.logprob[row] = loss::TargetLogProb(l, z_of(ToF(x[t]), t));
           }
           if (outputs.entropy != nullptr) outputs.entropy[row] = loss::Entropy(total.s, total.h);
           // A row of NaN has no candidate: its argmax is its first id, as where a NaN leads.
@@ -161,6 +227,16 @@ __global__ void __launch_bounds__(kThreads)
   const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
     if (!valid) return 0.0f;
+    if constexpr (kTerms) {
+      const TermFactors& tf = SharedTermFactors();
+      const float z = z_of(xval, j);
+      const float shifted = z - lse;
+      const float e = loss::Exp(shifted);
+      float gj = loss::LogitGrad(tf.factors, e, j == t);
+      if (tf.entropy_on) gj += loss::EntropyLogitGrad(tf.entropy, e, shifted);
+      if (cap.cap > 0.0f) gj *= loss::SoftcapSlope(z * cap.inv_cap);
+      return gj * scale;
+    }
     const float z = cap(xval);
     float gj = loss::LogitGrad(factors, loss::Exp(z - lse), j == t);
     if (cap.cap > 0.0f) gj *= loss::SoftcapSlope(z * cap.inv_cap);
@@ -208,13 +284,13 @@ __global__ void __launch_bounds__(kThreads)
   if (j < p.v) g[j] = FromF<TG>(gt);
 }
 
-template <typename TL, typename TG, int kThreads, RowExtras kExtras>
+template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms>
 absl::Status LaunchWithThreads(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
                                const RowLaunch& launch, cudaStream_t stream,
-                               const RowOutputs& outputs) {
-  auto* kernel = &SoftmaxGradKernel<TL, TG, kThreads, kExtras>;
+                               const RowOutputs& outputs, const RowTerms& terms) {
+  auto* kernel = &SoftmaxGradKernel<TL, TG, kThreads, kExtras, kTerms>;
   // The kernel needs no dynamic shared memory: asking for some only caps how many rows an SM
   // holds at once, so that the rows in flight fit in L2 for the second pass.
   size_t smem = 0;
@@ -224,31 +300,49 @@ absl::Status LaunchWithThreads(const TL* logits, int64_t ldl, int64_t rows, cons
                                              static_cast<int>(smem)));
   }
   kernel<<<static_cast<unsigned>(rows), kThreads, smem, stream>>>(
-      logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse, outputs);
+      logits, ldl, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse, outputs,
+      terms);
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
 }
 
-// The instantiation for the outputs asked for (RowOutputs).
-template <typename TL, typename TG, int kThreads>
+// The instantiation for the outputs asked for (RowOutputs) and the terms (RowTerms). The terms
+// carry the distribution's state already, so with them the outputs short of the top-k share it.
+template <typename TL, typename TG, int kThreads, bool kTerms>
 absl::Status LaunchForOutputs(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                               const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                               float* row_loss, float* per_token_loss, float* per_token_lse,
                               const RowLaunch& launch, cudaStream_t stream,
-                              const RowOutputs& outputs) {
+                              const RowOutputs& outputs, const RowTerms& terms) {
   if (outputs.TopK()) {
-    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kTopK>(
+    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kTopK, kTerms>(
         logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
-        launch, stream, outputs);
+        launch, stream, outputs, terms);
   }
-  if (outputs.Any()) {
-    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kDistribution>(
+  if (outputs.Any() || kTerms) {
+    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kDistribution, kTerms>(
         logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
-        launch, stream, outputs);
+        launch, stream, outputs, terms);
   }
-  return LaunchWithThreads<TL, TG, kThreads, RowExtras::kNone>(logits, ldl, rows, targets, params,
-                                                               grad, ldg, row_loss, per_token_loss,
-                                                               per_token_lse, launch, stream, {});
+  return LaunchWithThreads<TL, TG, kThreads, RowExtras::kNone, false>(
+      logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
+      launch, stream, {}, {});
+}
+
+template <typename TL, typename TG, int kThreads>
+absl::Status LaunchForTerms(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
+                            const SoftmaxGradParams& params, TG* grad, int64_t ldg,
+                            float* row_loss, float* per_token_loss, float* per_token_lse,
+                            const RowLaunch& launch, cudaStream_t stream,
+                            const RowOutputs& outputs, const RowTerms& terms) {
+  if (terms.Any()) {
+    return LaunchForOutputs<TL, TG, kThreads, true>(logits, ldl, rows, targets, params, grad, ldg,
+                                                    row_loss, per_token_loss, per_token_lse,
+                                                    launch, stream, outputs, terms);
+  }
+  return LaunchForOutputs<TL, TG, kThreads, false>(logits, ldl, rows, targets, params, grad, ldg,
+                                                   row_loss, per_token_loss, per_token_lse, launch,
+                                                   stream, outputs, {});
 }
 
 }  // namespace
@@ -258,15 +352,17 @@ absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, cons
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
                                const RowLaunch& launch, cudaStream_t stream,
-                               const RowOutputs& outputs) {
+                               const RowOutputs& outputs, const RowTerms& terms) {
   if (rows <= 0) return absl::OkStatus();
   if (launch.threads == 512) {
-    return LaunchForOutputs<TL, TG, 512>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
-                                         per_token_loss, per_token_lse, launch, stream, outputs);
+    return LaunchForTerms<TL, TG, 512>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
+                                       per_token_loss, per_token_lse, launch, stream, outputs,
+                                       terms);
   }
   if (launch.threads == 1024) {
-    return LaunchForOutputs<TL, TG, 1024>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
-                                          per_token_loss, per_token_lse, launch, stream, outputs);
+    return LaunchForTerms<TL, TG, 1024>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
+                                        per_token_loss, per_token_lse, launch, stream, outputs,
+                                        terms);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("row kernel threads must be 512 or 1024, got ", launch.threads));
@@ -275,7 +371,7 @@ absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, cons
 #define LOSSHEAD_INSTANTIATE(TL, TG)                                                               \
   template absl::Status LaunchSoftmaxGrad<TL, TG>(                                                 \
       const TL*, int64_t, int64_t, const int32_t*, const SoftmaxGradParams&, TG*, int64_t, float*, \
-      float*, float*, const RowLaunch&, cudaStream_t, const RowOutputs&);
+      float*, float*, const RowLaunch&, cudaStream_t, const RowOutputs&, const RowTerms&);
 LOSSHEAD_INSTANTIATE(float, float)
 LOSSHEAD_INSTANTIATE(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE(float, __half)

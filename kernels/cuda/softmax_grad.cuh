@@ -47,6 +47,23 @@ struct RowOutputs {
   }
 };
 
+// The model options and loss terms of a launch's rows (problem.h; loss_math.h's TermOptions), the
+// per-token inputs at the launch's row r, bias by class. A launch with none of them on (Any())
+// runs the kernels above unchanged; one with any runs an instantiation of its own that applies the
+// scale and bias to x before the soft-cap, carries the entropy's statistic through the reduction
+// (as RowOutputs does), and writes the gradient of u = h . w_j (the scale, the weight and the
+// terms' own gradients folded in), so that the GEMMs that read it are the plain ones.
+struct RowTerms {
+  loss::TermOptions terms;
+  const float* bias = nullptr;           // V fp32
+  const float* token_weights = nullptr;  // by row
+  const float* old_logprob = nullptr;    // by row; policy gradient only
+  const float* advantages = nullptr;     // by row; policy gradient only
+  const float* ref_logprob = nullptr;    // by row; when kl_coef > 0
+
+  bool Any() const { return loss::AnyTerm(terms) || bias != nullptr || token_weights != nullptr; }
+};
+
 #ifdef __CUDACC__
 // An ignored row's distribution outputs (problem.h), by one thread.
 __device__ __forceinline__ void WriteIgnoredOutputs(const RowOutputs& out, int64_t row) {
@@ -82,7 +99,9 @@ struct RowLaunch {
 // A target outside [0, v) that is not ignore_index is treated as ignored (no out-of-bounds access;
 // the caller is expected to have rejected it already).
 // The distribution outputs asked for in `outputs` (RowOutputs) are written as problem.h defines
-// them; the other outputs are the same bits whether or not any is asked for.
+// them; the other outputs are the same bits whether or not any is asked for. With `terms` on
+// (RowTerms::Any), the loss is the weighted loss of problem.h's terms and the gradient that of
+// u_j = h . w_j: dloss/dx_j times the token's weight and logit_scale (then *params.grad_scale).
 // TL, TG: float, __nv_bfloat16 or __half (see the instantiations in the .cu). launch.threads: 512
 // or 1024 (INVALID_ARGUMENT otherwise).
 template <typename TL, typename TG>
@@ -90,7 +109,7 @@ absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, cons
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
                                const RowLaunch& launch, cudaStream_t stream,
-                               const RowOutputs& outputs = {});
+                               const RowOutputs& outputs = {}, const RowTerms& terms = {});
 
 }  // namespace losshead::kernels::cuda
 

@@ -863,9 +863,10 @@ TEST(LossTermsErrors, RequestedAreNamedInFieldOrder) {
             "bias, grad_bias, token_weights, old_logprob, advantages, ref_logprob");
 }
 
-// The shards do not compute the terms: an option is refused by every shard call (and PlanShard),
-// an input by the calls that take ShardArguments, UNIMPLEMENTED and named.
-TEST(LossTermsErrors, ShardCallsRefuseThemAsUnimplemented) {
+// The shards compute the terms (cpu_shard_terms_test.cc) and check their inputs as Run does:
+// inconsistent pointers are INVALID_ARGUMENT naming the field in every call that takes them, the
+// entropy term without output_stats too; a non-finite value in ShardBegin, before it writes.
+TEST(LossTermsErrors, ShardCallsCheckTheInputs) {
   ShardProblem shard;
   shard.problem = Problem{.n = 4, .d = 8, .v = 16, .dtype = DType::kFP32};
   shard.rows = 8;
@@ -888,35 +889,44 @@ TEST(LossTermsErrors, ShardCallsRefuseThemAsUnimplemented) {
   auto stream = backend->CreateStream();
   ASSERT_TRUE(stream.ok());
   const ShardChunk chunk{0, 4};
-  auto expect_refused = [&](const ShardProblem& s, const ShardArguments& a,
-                            const std::string& names) {
+  auto expect_invalid = [&](const ShardProblem& s, const ShardArguments& a,
+                            const std::string& field) {
     for (absl::Status status :
          {backend->ShardBegin(s, a, **stream), backend->ShardForward(s, a, chunk, **stream),
           backend->ShardBackward(s, a, chunk, **stream)}) {
-      EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
-      EXPECT_NE(status.message().find(names), std::string::npos) << status;
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_NE(status.message().find(field), std::string::npos) << status;
     }
   };
   for (const auto& [set, name] :
        std::vector<std::pair<std::function<void(LossOptions&)>, std::string>>{
-           {[](LossOptions& o) { o.logit_scale = 0.5f; }, "logit_scale"},
-           {[](LossOptions& o) { o.entropy_coef = 0.1f; }, "entropy_coef"},
-           {[](LossOptions& o) { o.kind = LossKind::kPolicyGradient; }, "kind=policy_gradient"}}) {
+           {[](LossOptions& o) { o.logit_scale = 0.5f; }, ""},
+           {[](LossOptions& o) { o.entropy_coef = 0.1f; }, "output_stats"},
+           {[](LossOptions& o) { o.kind = LossKind::kPolicyGradient; }, "old_logprob"}}) {
     ShardProblem s = shard;
     set(s.problem.options);
-    EXPECT_EQ(backend->PlanShard(s, size_t{1} << 20).status().code(),
-              absl::StatusCode::kUnimplemented);
-    expect_refused(s, args, name);
-    std::vector<float> partial(4 * 8);
-    const absl::Status store =
-        backend->ShardStoreGradHidden(s, partial.data(), chunk, hidden.data(), **stream);
-    EXPECT_EQ(store.code(), absl::StatusCode::kUnimplemented) << store;
+    EXPECT_TRUE(backend->PlanShard(s, size_t{1} << 20).ok());
+    if (name.empty()) {
+      EXPECT_TRUE(backend->ShardBegin(s, args, **stream).ok());
+    } else {
+      expect_invalid(s, args, name);
+    }
   }
+  ShardArguments grad_bias_alone = args;
+  grad_bias_alone.grad_bias = bias.data();
+  expect_invalid(shard, grad_bias_alone, "grad_bias");
   ShardArguments with = args;
   with.bias = bias.data();
   with.token_weights = w.data();
-  expect_refused(shard, with, "bias, token_weights");
-  EXPECT_TRUE(backend->ShardBegin(shard, args, **stream).ok());
+  EXPECT_TRUE(backend->ShardBegin(shard, with, **stream).ok());
+  // A non-finite bias entry: refused before the token count is written.
+  int64_t count = -7;
+  with.token_count = &count;
+  bias[5] = std::numeric_limits<float>::quiet_NaN();
+  const absl::Status nan = backend->ShardBegin(shard, with, **stream);
+  EXPECT_EQ(nan.code(), absl::StatusCode::kInvalidArgument) << nan;
+  EXPECT_NE(nan.message().find("bias[5]"), std::string::npos) << nan;
+  EXPECT_EQ(count, -7);
 }
 
 }  // namespace

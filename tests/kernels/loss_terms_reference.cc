@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 
 namespace losshead::kernels::testing {
 namespace {
@@ -118,6 +119,49 @@ TermResult LossTermsReference(const Problem& problem, const std::vector<double>&
     }
   }
   return r;
+}
+
+TermInputs RandomTermInputs(const Problem& p, const std::vector<double>& hidden,
+                            const std::vector<double>& weight, const std::vector<int32_t>& targets,
+                            bool bias, bool weights, uint64_t seed, float kink_margin) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  TermInputs out;
+  if (bias) {
+    out.bias.resize(p.v);
+    for (float& b : out.bias) b = 0.8f * unit(rng);
+  }
+  if (weights) {
+    out.token_weights.resize(p.n);
+    for (size_t t = 0; t < out.token_weights.size(); ++t) {
+      out.token_weights[t] = t % 7 == 3 ? 0.0f : 0.75f + 1.25f * unit(rng);
+    }
+  }
+  if (p.options.kind != LossKind::kPolicyGradient) return out;
+  // log p does not depend on the old log p: a first pass with placeholders gives it.
+  TermInputs probe = out;
+  probe.old_logprob.assign(p.n, 0.0f);
+  probe.advantages.assign(p.n, 0.0f);
+  probe.ref_logprob.assign(p.n, 0.0f);
+  const TermResult first = LossTermsReference(p, hidden, weight, targets, probe);
+  const float lo = std::log(1.0f - p.options.clip_low), hi = std::log(1.0f + p.options.clip_high);
+  out.old_logprob.resize(p.n);
+  out.advantages.resize(p.n);
+  for (int64_t t = 0; t < p.n; ++t) {
+    float delta;  // log p - old log p = log ratio
+    do {
+      delta = 0.6f * unit(rng);
+    } while (std::abs(delta - lo) < kink_margin || std::abs(delta - hi) < kink_margin);
+    out.old_logprob[t] = static_cast<float>(first.per_token_logprob[t] - delta);
+    out.advantages[t] = 2.0f * unit(rng);
+  }
+  if (p.options.kl_coef > 0.0f) {
+    out.ref_logprob.resize(p.n);
+    for (int64_t t = 0; t < p.n; ++t) {
+      out.ref_logprob[t] = static_cast<float>(first.per_token_logprob[t] + 0.5f * unit(rng));
+    }
+  }
+  return out;
 }
 
 }  // namespace losshead::kernels::testing

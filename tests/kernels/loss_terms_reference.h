@@ -43,6 +43,16 @@ TermResult LossTermsReference(const Problem& problem, const std::vector<double>&
                               const std::vector<double>& weight,
                               const std::vector<int32_t>& targets, const TermInputs& inputs);
 
+// Random term inputs for a problem (the backends' suites): with `bias`, a bias in (-0.8, 0.8);
+// with `weights`, token weights in [-0.5, 2) with exact zeros; for the policy-gradient kind old
+// log-probabilities that put the ratio inside and outside the clip range but never within
+// `kink_margin` of its log bounds (where a backend's rounding of log p could move the ratio across
+// a kink), advantages of both signs, and with kl_coef > 0 reference log-probabilities near the
+// current ones.
+TermInputs RandomTermInputs(const Problem& problem, const std::vector<double>& hidden,
+                            const std::vector<double>& weight, const std::vector<int32_t>& targets,
+                            bool bias, bool weights, uint64_t seed, float kink_margin);
+
 }  // namespace losshead::kernels::testing
 
 #endif  // LOSSHEAD_TESTS_KERNELS_LOSS_TERMS_REFERENCE_H_

@@ -101,8 +101,10 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
   chunk_rows = BalancedChunkRows(p.n, chunk_rows);
   const int64_t stats_floats = static_cast<int64_t>(k) * kShardStats * chunk_rows;
   // The distribution outputs (on shard 0) need every shard's output statistics.
+  // So does the entropy term (its s travels in them too).
   const bool distribute = options.logprob || options.entropy || options.argmax ||
-                          options.correct_count || options.top_k > 0;
+                          options.correct_count || options.top_k > 0 ||
+                          p.options.entropy_coef != 0.0f;
   const int32_t top_k = std::max<int32_t>(options.top_k, 0);
   const int64_t output_rows = ShardOutputStatsRows(top_k);
   const int64_t output_floats = distribute ? k * output_rows * chunk_rows : 0;
@@ -146,6 +148,33 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
       a.top_k = top_k;
     }
     if (options.grad_hidden) a.grad_hidden_partial = st.partial;
+    // The terms' inputs: the bias (and its gradient) over the shard's rows, the per-token inputs
+    // on every shard (each computes its own columns' G from them).
+    auto input = [&](const std::vector<float>& values, int64_t first, int64_t count,
+                     const float** out) -> absl::Status {
+      if (values.empty()) return absl::OkStatus();
+      absl::StatusOr<void*> data = alloc(count * sizeof(float));
+      if (!data.ok()) return data.status();
+      *out = static_cast<const float*>(*data);
+      return b.CopyToDevice(*data, values.data() + first, count * sizeof(float), *st.stream);
+    };
+    LH_RETURN_IF_ERROR(input(options.bias, st.problem.row_begin, rows, &a.bias));
+    LH_RETURN_IF_ERROR(input(options.token_weights, 0, n, &a.token_weights));
+    LH_RETURN_IF_ERROR(input(options.old_logprob, 0, n, &a.old_logprob));
+    LH_RETURN_IF_ERROR(input(options.advantages, 0, n, &a.advantages));
+    LH_RETURN_IF_ERROR(input(options.ref_logprob, 0, n, &a.ref_logprob));
+    if (options.grad_bias) {
+      absl::StatusOr<void*> grad_bias = alloc(rows * sizeof(float));
+      if (!grad_bias.ok()) return grad_bias.status();
+      if (options.initial_grad_bias.empty()) {
+        LH_RETURN_IF_ERROR(b.Memset(*grad_bias, 0, rows * sizeof(float), *st.stream));
+      } else {
+        LH_RETURN_IF_ERROR(b.CopyToDevice(*grad_bias,
+                                          options.initial_grad_bias.data() + st.problem.row_begin,
+                                          rows * sizeof(float), *st.stream));
+      }
+      a.grad_bias = static_cast<float*>(*grad_bias);
+    }
     if (stashes != nullptr) {
       a.grad_stash = GradStash{.data = stashes->stash[r].data(),
                                .capacity = stashes->capacity,
@@ -283,7 +312,13 @@ absl::StatusOr<Outputs> RunSharded(std::span<Backend* const> shards, Collective*
   }
   const bool grad_weight = options.grad_weight && stashes == nullptr;
   if (grad_weight) out.grad_weight.resize(p.v * d);
+  if (options.grad_bias) out.grad_bias.resize(p.v);
   for (ShardState& st : s) {
+    if (options.grad_bias) {
+      LH_RETURN_IF_ERROR(st.backend->CopyToHost(out.grad_bias.data() + st.problem.row_begin,
+                                                st.args.grad_bias,
+                                                st.problem.rows * sizeof(float), *st.stream));
+    }
     if (grad_weight) {
       LH_RETURN_IF_ERROR(st.backend->CopyToHost(out.grad_weight.data() + st.problem.row_begin * d,
                                                 st.args.grad_weight,

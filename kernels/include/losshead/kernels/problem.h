@@ -174,7 +174,8 @@ struct Arguments {
   // read only when given; what they mean is there. A call whose values are not all finite where
   // they are read is refused before anything is written (INVALID_ARGUMENT naming the field and
   // the class or token): every bias entry, and the per-token inputs of counted tokens (an
-  // ignored token's are not read, so not checked). The CPU backend checks them on the host.
+  // ignored token's are not read, so not checked). The CPU backend checks them on the host; the
+  // CUDA backend reads them on the device only and leaves the check to its caller (as targets).
   const float* bias = nullptr;           // V fp32
   float* grad_bias = nullptr;            // V fp32, accumulated into (+=); only with bias
   const float* token_weights = nullptr;  // N fp32

@@ -48,8 +48,7 @@ struct ShardProblem {
 };
 
 // INVALID_ARGUMENT for an invalid problem, rows outside [0, v) or empty, k < 1 or a rank outside
-// [0, k); UNIMPLEMENTED naming the loss terms the shards do not compute yet (RequestedLossTerms,
-// problem.h).
+// [0, k). (The CUDA backend's shards refuse the loss terms of problem.h as UNIMPLEMENTED.)
 absl::Status ValidateShardProblem(const ShardProblem& shard);
 
 // The shape of a shard's gradient stash: the problem with the shard's rows as its vocabulary. A
@@ -112,11 +111,11 @@ struct ShardArguments {
   int32_t* per_token_argmax = nullptr;
   int64_t* correct_count = nullptr;
   // The model options' and loss terms' inputs and outputs, as Arguments defines them (problem.h),
-  // bias and grad_bias over this shard's rows. No backend computes those terms over shards yet:
-  // a call given any is refused (UNIMPLEMENTED, naming them), as is a problem that turns on
-  // logit_scale, entropy_coef or kind policy_gradient (ValidateShardProblem). The entropy term
-  // needs the statistic the entropy output does; the policy-gradient term needs nothing more
-  // than lse and z of the target, which the statistics carry.
+  // bias and grad_bias over this shard's rows (grad_bias accumulated over the chunks), the
+  // per-token inputs over the micro-batch and given to EVERY shard (each forms its own columns'
+  // G from them). The entropy term needs s, which travels in output_stats: a problem with
+  // entropy_coef != 0 needs output_stats on every shard. The CPU backend computes them; the
+  // CUDA backend refuses them (UNIMPLEMENTED, naming them).
   const float* bias = nullptr;
   float* grad_bias = nullptr;
   const float* token_weights = nullptr;
@@ -160,9 +159,9 @@ struct ShardChunk {
 
 // What every backend checks of a call's pointers (INVALID_ARGUMENT naming the field): hidden,
 // weight, targets and stats not null, stats_chunk_rows >= 1, a workspace when workspace_bytes > 0,
-// output_stats when a distribution output is asked for, and top_k in [0, min(kMaxTopK, v)] when
-// output_stats is given ([1, ...] when the top-k is asked for, ValidateTopK); and UNIMPLEMENTED
-// naming the loss terms' inputs given (see ShardArguments).
+// output_stats when a distribution output is asked for or entropy_coef != 0, top_k in
+// [0, min(kMaxTopK, v)] when output_stats is given ([1, ...] when the top-k is asked for,
+// ValidateTopK), and the loss terms' pointers against the options (ValidateLossInputs).
 absl::Status ValidateShardArguments(const ShardProblem& shard, const ShardArguments& args);
 // And of a chunk: non-empty, inside [0, n), at most stats_chunk_rows tokens.
 absl::Status ValidateShardChunk(const ShardProblem& shard, const ShardArguments& args,
