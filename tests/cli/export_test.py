@@ -74,7 +74,9 @@ def checkpoint_sections(path):
     assert raw[:8] == b"LHCKPT\r\n", f"{path}: bad magic"
     version, _reserved, meta, weights, gradient, _checksum, optimizer, piece = struct.unpack(
         "<IIQQQQQQ", raw[8:64])
-    assert version == 3, version
+    # Versions 3 and later share this header and the meta's first fields (later ones only
+    # remember more of each answer further on).
+    assert version >= 3, version
     at = 64
     meta_bytes = raw[at:at + meta]
     at += meta
