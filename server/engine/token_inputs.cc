@@ -79,9 +79,10 @@ absl::Status CheckTokenInputsFit(const TokenInputs& inputs, const kernels::Probl
   return kernels::ValidateLossInputs(problem, args);
 }
 
-absl::StatusOr<TokenInputValues> ReadTokenInputs(
-    const TokenInputs& inputs, const std::array<std::string, kTokenInputs>& bytes,
-    const std::vector<int32_t>& targets, int32_t ignore_index) {
+absl::StatusOr<TokenInputValues> ReadTokenInputs(const TokenInputs& inputs,
+                                                 const std::array<std::string, kTokenInputs>& bytes,
+                                                 const std::vector<int32_t>& targets,
+                                                 int32_t ignore_index) {
   const size_t n = targets.size();
   TokenInputValues out;
   out.inputs = inputs;
@@ -105,9 +106,9 @@ absl::StatusOr<TokenInputValues> ReadTokenInputs(
     std::memcpy(to, got.data(), got.size());
     for (size_t t = 0; t < n; ++t) {
       if (targets[t] == ignore_index || std::isfinite(to[t])) continue;
-      return absl::InvalidArgumentError(absl::StrCat(
-          TokenInputField(input), "[", t, "] = ", to[t], " is not finite (token ", t,
-          " is counted); nothing was computed or counted"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(TokenInputField(input), "[", t, "] = ", to[t], " is not finite (token ", t,
+                       " is counted); nothing was computed or counted"));
     }
   }
   return out;

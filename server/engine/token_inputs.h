@@ -60,9 +60,10 @@ struct TokenInputValues {
 // one 4 N bytes (INVALID_ARGUMENT naming it otherwise), one not named empty (INVALID_ARGUMENT
 // naming it: the header must name what is sent), and finite at every counted token, i.e. where
 // `targets` is not `ignore_index` (INVALID_ARGUMENT naming the input and the token).
-absl::StatusOr<TokenInputValues> ReadTokenInputs(
-    const TokenInputs& inputs, const std::array<std::string, kTokenInputs>& bytes,
-    const std::vector<int32_t>& targets, int32_t ignore_index);
+absl::StatusOr<TokenInputValues> ReadTokenInputs(const TokenInputs& inputs,
+                                                 const std::array<std::string, kTokenInputs>& bytes,
+                                                 const std::vector<int32_t>& targets,
+                                                 int32_t ignore_index);
 
 // The largest |value| of each present input over counted tokens (0 for absent ones), and the
 // most negative old log-prob (as -min, >= 0 when any is negative, 0 otherwise): what the

@@ -28,6 +28,7 @@ struct Terms {
   double entropy_coef = 0;
   bool policy = false;
   double clip_low = 0.2, clip_high = 0.2, kl_coef = 0;
+  double softcap = 0;
   std::vector<float> weights, old_logprob, advantages, ref_logprob;  // empty: absent
 };
 
@@ -55,6 +56,7 @@ Reference Compute(const std::vector<float>& w, const HostBatch& b, const Terms& 
       double dot = 0;
       for (int64_t k = 0; k < kD; ++k) dot += double{b.hidden[i * kD + k]} * w[j * kD + k];
       z[j] = t.scale * dot;
+      if (t.softcap > 0) z[j] = t.softcap * std::tanh(z[j] / t.softcap);
     }
     const double max = *std::max_element(z.begin(), z.end());
     double sum = 0;
@@ -96,7 +98,9 @@ Reference Compute(const std::vector<float>& w, const HostBatch& b, const Terms& 
     for (int64_t j = 0; j < kV; ++j) {
       const double dlogp = (j == y ? 1.0 : 0.0) - p[j];
       const double dentropy = -p[j] * (z[j] - pz);
-      g[i][j] = weight * (c * dlogp + t.entropy_coef * dentropy);
+      // Chained through the soft-cap: dz/dx = 1 - (z / cap)^2.
+      const double cap = t.softcap > 0 ? 1 - (z[j] / t.softcap) * (z[j] / t.softcap) : 1.0;
+      g[i][j] = weight * (c * dlogp + t.entropy_coef * dentropy) * cap;
     }
   }
   const double mean = 1.0 / std::max<int64_t>(r.counted, 1);
@@ -230,6 +234,9 @@ TEST_F(LossTermsTest, PolicyGradientMatchesFloat64WithAndWithoutKl) {
       t.old_logprob = old_logprob;
       t.advantages = advantages;
       if (kl > 0) {
+        // The KL term's overflow bound needs bounded logits (step_bound.h): a soft-cap with it.
+        mb.loss_options.set_logit_softcap(20.0f);
+        t.softcap = 20.0;
         mb.loss_options.set_kl_coef(kl);
         mb.ref_logprob = ref_logprob;
         t.kl_coef = kl;
@@ -313,7 +320,8 @@ TEST_F(LossTermsTest, RefusalsAreExactAndCountNothing) {
   {
     client::Microbatch mb = policy(1);
     mb.old_logprob = {};
-    cases.push_back({"policy gradient without old_logprob", mb, absl::StatusCode::kInvalidArgument});
+    cases.push_back(
+        {"policy gradient without old_logprob", mb, absl::StatusCode::kInvalidArgument});
   }
   {
     client::Microbatch mb = ToMicrobatch("refuse", "x", 1, batch);
@@ -339,8 +347,8 @@ TEST_F(LossTermsTest, RefusalsAreExactAndCountNothing) {
   {
     client::Microbatch mb = policy(1);
     mb.loss_options.set_label_smoothing(0.1f);
-    cases.push_back({"label smoothing with policy gradient", mb,
-                     absl::StatusCode::kInvalidArgument});
+    cases.push_back(
+        {"label smoothing with policy gradient", mb, absl::StatusCode::kInvalidArgument});
   }
   {
     client::Microbatch mb = ToMicrobatch("refuse", "x", 1, batch);

@@ -20,11 +20,14 @@ from torch import nn
 
 import losshead.functional as LF
 from _reference import assert_close, random_problem
-from losshead import Client, LossheadError, LossOptions, native_available
+from losshead import Client, LossheadError, LossOptions, StepPlan, native_available
 from losshead.integrations._causal_model import model_logit_scale
 from test_integrations import head_name  # noqa: F401 - a fixture, used below
 
 IGNORE = -100
+# fp32 on the wire, cut into several micro-batches over two streams: the per-token inputs are
+# cut with the targets.
+PLAN = StepPlan(wire_dtype=torch.float32, chunk_tokens=32, min_chunk_tokens=16, streams=2)
 
 
 def _seed(*parts: object) -> int:
@@ -46,9 +49,12 @@ def objective(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
               old_logprob: Optional[torch.Tensor] = None,
               advantages: Optional[torch.Tensor] = None,
               ref_logprob: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
-              clip_low: float = 0.2, clip_high: float = 0.2) -> torch.Tensor:
+              clip_low: float = 0.2, clip_high: float = 0.2, softcap: float = 0.0
+              ) -> torch.Tensor:
     """The mean loss over non-ignored tokens, as the proto defines it, in hidden's dtype."""
     logits = F.linear(hidden, weight) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     logp_all = torch.log_softmax(logits, -1)
     kept = targets != IGNORE
     safe = torch.where(kept, targets, torch.zeros_like(targets))
@@ -108,7 +114,7 @@ def test_cross_entropy_terms_match_float64(path_client: Client, make_head, tempe
     def run(h: torch.Tensor) -> torch.Tensor:
         return LF.linear_cross_entropy(h, targets, client=path_client, head=name,
                                        temperature=temperature, entropy_coef=entropy_coef,
-                                       token_weights=weights)
+                                       token_weights=weights, plan=PLAN)
 
     check_against_float64(path_client, name, hidden, weight, targets, run, scale=scale,
                           entropy_coef=entropy_coef or 0.0, token_weights=weights)
@@ -132,18 +138,42 @@ def test_policy_gradient_matches_float64(path_client: Client, make_head, kl_coef
     adv = ((torch.rand(n, generator=g) - 0.5) * 4).float()
     weights = torch.rand(n, generator=g) if weighted else None
 
+    # The KL term's overflow bound needs bounded logits (RELIABILITY.md): a soft-cap with it.
+    cap = 20.0 if kl_coef else 0.0
+
     def run(h: torch.Tensor) -> torch.Tensor:
         return LF.linear_policy_gradient(
             h, targets, old, adv, client=path_client, head=name, temperature=0.9,
+            logit_softcap=cap or None,
             clip_high=0.28, entropy_coef=-0.01, kl_coef=kl_coef,
-            ref_logprob=ref if kl_coef else None, token_weights=weights)
+            ref_logprob=ref if kl_coef else None, token_weights=weights, plan=PLAN)
 
     check_against_float64(path_client, name, hidden, weight, targets, run,
                           scale=float(torch.tensor(1 / 0.9, dtype=torch.float32)),
                           entropy_coef=float(torch.tensor(-0.01)), token_weights=weights,
                           old_logprob=old, advantages=adv, ref_logprob=ref,
                           kl_coef=float(torch.tensor(kl_coef or 0.0)),
-                          clip_high=float(torch.tensor(0.28)))
+                          clip_high=float(torch.tensor(0.28)), softcap=cap)
+
+
+def test_kl_term_without_bounded_logits_is_out_of_range(client: Client, make_head) -> None:
+    """The KL term's bound needs the logits bounded (log p is known only once computed): logits
+    that could reach some 40 without a soft-cap are refused with nothing counted."""
+    n, d, v = 20, 12, 47
+    hidden, weight, targets = random_problem(n, d, v, seed=13, hidden_scale=3.0)
+    name = make_head(v, d, weights=weight * 3)
+    before = client.get_head(name).microbatches_total
+    logp = torch.full((n,), -3.0)
+    options = LossOptions(kind="policy_gradient", kl_coef=0.1)
+    _expect(grpc.StatusCode.OUT_OF_RANGE,
+            lambda: client.step(name, hidden, targets, loss_options=options, old_logprob=logp,
+                                advantages=torch.ones(n), ref_logprob=logp))
+    assert client.get_head(name).microbatches_total == before
+    capped = LossOptions(kind="policy_gradient", kl_coef=0.1, logit_softcap=20.0)
+    assert math.isfinite(client.step(name, hidden, targets, loss_options=capped,
+                                     old_logprob=logp, advantages=torch.ones(n),
+                                     ref_logprob=logp).loss)
+    client.pull_gradient(name, reset=True)
 
 
 class ToyPolicy(nn.Module):
@@ -184,7 +214,7 @@ def test_grpo_step_of_a_toy_policy_matches_local_pytorch(client: Client, make_he
         loss_r = LF.linear_policy_gradient(
             remote(ids).reshape(-1, d), targets.reshape(-1), old.reshape(-1),
             adv.reshape(-1).contiguous(), client=client, head=name, temperature=0.8,
-            token_weights=mask.reshape(-1), clip_low=0.2, clip_high=0.28)
+            token_weights=mask.reshape(-1), clip_low=0.2, clip_high=0.28, plan=PLAN)
         loss_r.backward()
         loss_l = objective(local(ids).reshape(-1, d), weight, targets.reshape(-1),
                            scale=float(torch.tensor(1 / 0.8)), token_weights=mask.reshape(-1),
