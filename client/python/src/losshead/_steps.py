@@ -295,7 +295,8 @@ class Steps(ClientBase):
                                hidden_dtype=wire, **{k: v[a:b] for k, v in inputs.items()},
                                **options) for a, b in bounds]
         grad = None
-        if self._natives and not options.get("skip_grad_hidden"):
+        # Micro-batches with token inputs go over gRPC (_run_lane), which returns dH per chunk.
+        if self._natives and not options.get("skip_grad_hidden") and not inputs:
             # The chunks' dH lands in one tensor: no concatenation afterwards.
             grad_dtype = _wire.to_torch_dtype(
                 options.get("grad_hidden_dtype") or wire)  # type: ignore[arg-type]
