@@ -24,6 +24,7 @@ from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._step_stream import StepStream, _StepPipeline
+from losshead._token_inputs import take_token_inputs
 from losshead._types import (TOKEN_INPUTS, LossOptions, ReductionLike, StepResult,
                              TokenOutputLike, combine_results, to_reduction, to_token_outputs)
 from losshead._wire import DTypeLike
@@ -279,18 +280,7 @@ class Steps(ClientBase):
         cut = len(bounds) > 1  # one micro-batch is the server's to refuse whole
         h2, lane_ready, largest = _staged(flat, wire, bounds, n_streams, measure=cut)
         # The per-token inputs of the loss terms, cut as the targets are.
-        inputs = {}
-        for name, _ in TOKEN_INPUTS:
-            value = options.pop(name, None)
-            if value is None:
-                continue
-            t = value.detach().reshape(-1).to(device="cpu", dtype=torch.float32)  # type: ignore
-            if t.numel() != n:
-                raise ValueError(f"step_chunked: {name} has {t.numel()} values for {n} tokens")
-            inputs[name] = t
-        if cut and inputs:
-            ignore = getattr(options.get("loss_options"), "ignore_index", None)
-            _check_inputs_finite(inputs, t1, -100 if ignore is None else ignore)
+        inputs = take_token_inputs(options, n, t1, check=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
                                hidden_dtype=wire, **{k: v[a:b] for k, v in inputs.items()},
                                **options) for a, b in bounds]
@@ -329,20 +319,6 @@ class Steps(ClientBase):
 
 def _invalid(message: str) -> LossheadError:
     return LossheadError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def _check_inputs_finite(inputs: dict, targets: torch.Tensor, ignore_index: int) -> None:
-    """A cut batch's token inputs, checked whole as the server checks each micro-batch's (finite
-    at every counted token), so that no chunk is counted while another is refused. The head's
-    default ignore_index is assumed to be the built-in one unless the options give it: a
-    different head default only makes this check stricter than the server's."""
-    counted = targets != ignore_index
-    for name, values in inputs.items():
-        bad = counted & ~torch.isfinite(values)
-        if bool(bad.any()):
-            token = int(bad.nonzero()[0])
-            raise _invalid(f"{name}[{token}] = {float(values[token])} is not finite (token "
-                           f"{token} is counted); nothing of the batch was sent")
 
 
 def check_tensors(hidden: torch.Tensor, targets: torch.Tensor) -> None:
