@@ -295,14 +295,19 @@ TEST_F(LossTermsTest, RefusalsAreExactAndCountNothing) {
   const std::vector<float> logprob = Uniform(kN, -4.0, -0.5, 52);
   const std::vector<float> advantages = Uniform(kN, -1.0, 1.0, 53);
   const std::vector<float> short_weights(kN - 1, 1.0f);
+  // The first ignored token and the first counted one.
+  size_t ignored = 0, counted = 0;
+  while (ignored < batch.targets.size() && batch.targets[ignored] != kIgnore) ++ignored;
+  while (counted < batch.targets.size() && batch.targets[counted] == kIgnore) ++counted;
+  ASSERT_LT(ignored, batch.targets.size());
+  ASSERT_LT(counted, batch.targets.size());
   std::vector<float> nan_counted = advantages;
-  nan_counted[1] = std::numeric_limits<float>::quiet_NaN();  // target 1 is counted
+  nan_counted[counted] = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> nan_ignored = advantages;
-  nan_ignored[0] = std::numeric_limits<float>::quiet_NaN();  // every 4th target, 0 first, ignored
-  ASSERT_EQ(batch.targets[0], kIgnore);
-  ASSERT_NE(batch.targets[1], kIgnore);
+  nan_ignored[ignored] = std::numeric_limits<float>::quiet_NaN();  // not read
   std::vector<float> huge = advantages;
-  huge[2] = 3e38f;  // finite: the ratio term could overflow
+  huge[counted] = 3e38f;
+  const std::vector<float> heavy(kN, 3e38f);  // finite weights: the loss could overflow  // finite: the ratio term could overflow
 
   const auto policy = [&](uint64_t sequence) {
     client::Microbatch mb = ToMicrobatch("refuse", "x", sequence, batch);
@@ -401,7 +406,6 @@ TEST_F(LossTermsTest, RefusalsAreExactAndCountNothing) {
   }
   {
     client::Microbatch mb = ToMicrobatch("refuse", "x", 1, batch);
-    const std::vector<float> heavy(kN, 3e38f);
     mb.token_weights = heavy;
     cases.push_back({"finite weights that would overflow", mb, absl::StatusCode::kOutOfRange});
   }
