@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -28,6 +30,7 @@ constexpr uint32_t kRequestHeaderField = 1;
 constexpr uint32_t kRequestHiddenField = 2;
 constexpr uint32_t kRequestTargetsField = 3;
 constexpr uint32_t kRequestLastField = 4;
+constexpr uint32_t kRequestFirstTokenInputField = 5;  // then one per TokenInput, in order
 constexpr uint32_t kResponseGradHiddenField = 5;
 // per_token_loss and the four token outputs.
 constexpr size_t kPerTokenTensors = 5;
@@ -155,6 +158,27 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     header.set_target_dtype(mb.target_dtype);
     *header.mutable_options() = mb.options;
     *header.mutable_loss_options() = mb.loss_options;
+    // The per-token inputs, in TokenInput order (their StepRequest fields' order), after the
+    // targets.
+    struct Tail {
+      uint32_t field;
+      const char* data;
+      size_t left;
+    };
+    std::vector<Tail> tails = {{kRequestTargetsField,
+                                reinterpret_cast<const char*>(mb.targets.data()),
+                                mb.targets.size()}};
+    const std::pair<v1::TokenInput, std::span<const float>> inputs[] = {
+        {v1::TOKEN_INPUT_WEIGHT, mb.token_weights},
+        {v1::TOKEN_INPUT_OLD_LOGPROB, mb.old_logprob},
+        {v1::TOKEN_INPUT_ADVANTAGE, mb.advantages},
+        {v1::TOKEN_INPUT_REF_LOGPROB, mb.ref_logprob}};
+    for (const auto& [input, values] : inputs) {
+      if (values.empty()) continue;
+      header.add_token_inputs(input);
+      tails.push_back({kRequestFirstTokenInputField + static_cast<uint32_t>(input) - 1,
+                       reinterpret_cast<const char*>(values.data()), values.size_bytes()});
+    }
 
     // Hidden bytes first, then target bytes, cut at message-sized boundaries: the server appends
     // pieces of each field in order, so a message may carry the tail of one and the head of the
@@ -165,22 +189,29 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     wire::AppendVarint(header_field, header.ByteSizeLong());
     header.AppendToString(&header_field);
     const std::byte* hidden = mb.hidden.data();
-    const char* targets = reinterpret_cast<const char*>(mb.targets.data());
     size_t hidden_left = mb.hidden.size();
-    size_t targets_left = mb.targets.size();
+    size_t tails_left = 0;
+    for (const Tail& tail : tails) tails_left += tail.left;
     bool first = true;
-    while (first || hidden_left + targets_left > 0) {
-      size_t budget = PieceBytes(max_message_bytes_, first ? header_field.size() + 16 : 16);
+    while (first || hidden_left + tails_left > 0) {
+      // Room for the tags and lengths of every tail field besides the header's.
+      size_t budget =
+          PieceBytes(max_message_bytes_, (first ? header_field.size() : 0) + 16 * tails.size());
       const size_t h = std::min(budget, hidden_left);
       budget -= h;
-      const size_t t = std::min(budget, targets_left);
       std::string trailer;
-      if (t > 0) {
-        wire::AppendTag(trailer, kRequestTargetsField, wire::kLengthDelimited);
+      for (Tail& tail : tails) {
+        const size_t t = std::min(budget, tail.left);
+        if (t == 0) continue;
+        wire::AppendTag(trailer, tail.field, wire::kLengthDelimited);
         wire::AppendVarint(trailer, t);
-        trailer.append(targets, t);
+        trailer.append(tail.data, t);
+        tail.data += t;
+        tail.left -= t;
+        tails_left -= t;
+        budget -= t;
       }
-      if (hidden_left - h + targets_left - t == 0) {
+      if (hidden_left - h + tails_left == 0) {
         wire::AppendTag(trailer, kRequestLastField, wire::kVarint);
         wire::AppendVarint(trailer, 1);
       }
@@ -189,8 +220,6 @@ absl::Status StepStream::Send(const Microbatch& mb) {
                                std::span<const std::byte>(hidden, h), trailer);
       hidden += h;
       hidden_left -= h;
-      targets += t;
-      targets_left -= t;
       first = false;
       if (!stream_->Write(message)) {
         write_failed = true;

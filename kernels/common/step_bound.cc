@@ -27,8 +27,15 @@ std::string ScalingOptions(const LossOptions& o) {
   const char* reduction = o.reduction == Reduction::kMean  ? "mean"
                           : o.reduction == Reduction::kSum ? "sum"
                                                            : "none";
-  return absl::StrCat("grad_scale ", Short(o.grad_scale), ", z_loss ", Short(o.z_loss),
-                      ", softcap ", Short(o.softcap), ", reduction ", reduction);
+  std::string out = absl::StrCat("grad_scale ", Short(o.grad_scale), ", z_loss ", Short(o.z_loss),
+                                 ", softcap ", Short(o.softcap), ", reduction ", reduction);
+  if (o.logit_scale != 1.0f) absl::StrAppend(&out, ", logit_scale ", Short(o.logit_scale));
+  if (o.entropy_coef != 0.0f) absl::StrAppend(&out, ", entropy_coef ", Short(o.entropy_coef));
+  if (o.kind == LossKind::kPolicyGradient) {
+    absl::StrAppend(&out, ", kind policy_gradient, clip_high ", Short(o.clip_high), ", kl_coef ",
+                    Short(o.kl_coef));
+  }
+  return out;
 }
 
 }  // namespace
@@ -50,21 +57,45 @@ bool WithinRange(double value, DType dtype) {
 }
 
 StepBounds BoundStep(const Problem& problem, double hidden_abs, double weight_abs,
-                     int64_t counted_tokens) {
+                     int64_t counted_tokens, const TermInputBounds& terms) {
   const LossOptions& o = problem.options;
   StepBounds b;
-  b.logit = BoundProduct(BoundProduct(static_cast<double>(problem.d), hidden_abs), weight_abs);
+  const double scale = o.logit_scale;
+  b.logit = BoundProduct(
+      BoundProduct(BoundProduct(static_cast<double>(problem.d), hidden_abs), weight_abs), scale);
   const double z = o.softcap > 0.0f ? std::min(b.logit, static_cast<double>(o.softcap)) : b.logit;
   const double log_v = std::log(static_cast<double>(problem.v));
   const double lse = z + log_v;
   const double z_loss = o.z_loss;
-  const double token_loss = 2.0 * z + log_v + BoundProduct(z_loss, BoundProduct(lse, lse));
+  const double spread = 2.0 * z + log_v;  // |log p_t| and |H_t| as computed
+  const double entropy = std::abs(static_cast<double>(o.entropy_coef));
+  double token_loss = BoundProduct(z_loss, BoundProduct(lse, lse));
+  double slope = 1.0;  // |dloss_t / dlog p_t|
+  if (entropy > 0.0) token_loss += BoundProduct(entropy, spread);
+  if (o.kind == LossKind::kPolicyGradient) {
+    const double ratio = std::exp(terms.old_logprob_neg);
+    const double clipped =
+        BoundProduct(terms.advantage_abs, std::max(ratio, 1.0 + static_cast<double>(o.clip_high)));
+    token_loss += clipped;
+    slope = BoundProduct(terms.advantage_abs, ratio);
+    if (o.kl_coef > 0.0f) {
+      const double kl_exp = std::exp(terms.ref_logprob_max + spread);
+      const double kl = static_cast<double>(o.kl_coef);
+      token_loss += BoundProduct(kl, kl_exp + terms.ref_logprob_abs + spread);
+      slope += BoundProduct(kl, 1.0 + kl_exp);
+    }
+  } else {
+    token_loss += spread;
+  }
+  token_loss = BoundProduct(terms.weight_abs, token_loss);
   const double counted = static_cast<double>(std::max<int64_t>(counted_tokens, 0));
   b.loss_sum = BoundProduct(counted, token_loss);
-  b.grad = 2.0 + 2.0 * BoundProduct(z_loss, lse);
-  const double scale = std::abs(static_cast<double>(o.grad_scale)) /
-                       (o.reduction == Reduction::kMean ? std::max(counted, 1.0) : 1.0);
-  b.scaled_grad = BoundProduct(scale, b.grad);
+  b.grad = 2.0 * slope + 2.0 * BoundProduct(z_loss, lse);
+  if (entropy > 0.0) b.grad += 2.0 * BoundProduct(entropy, z);
+  b.grad = BoundProduct(BoundProduct(terms.weight_abs, std::max(1.0, scale)), b.grad);
+  const double reduce = std::abs(static_cast<double>(o.grad_scale)) /
+                        (o.reduction == Reduction::kMean ? std::max(counted, 1.0) : 1.0);
+  b.scaled_grad = BoundProduct(reduce, b.grad);
   b.grad_hidden = BoundProduct(b.scaled_grad, weight_abs);
   b.grad_weight = BoundProduct(BoundProduct(counted, b.scaled_grad), hidden_abs);
   return b;

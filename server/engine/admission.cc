@@ -68,8 +68,11 @@ uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size) {
   const size_t h = v1::WireDTypeSize(header.hidden_dtype());
   const size_t t = v1::WireDTypeSize(header.target_dtype());
   if (header.num_tokens() <= 0 || hidden_size <= 0 || h == 0 || t == 0) return 0;
+  // 4 bytes per token for each per-token input named (a repeated or bad one counted too: it is
+  // refused anyway).
+  const size_t inputs = 4 * static_cast<size_t>(header.token_inputs_size());
   const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
-                                  (static_cast<unsigned __int128>(hidden_size) * h + t);
+                                  (static_cast<unsigned __int128>(hidden_size) * h + t + inputs);
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }

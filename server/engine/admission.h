@@ -69,8 +69,8 @@ class Admission {
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Request bytes a header announces (N x D x hidden dtype + N x target dtype) for a head of hidden
-// size `hidden_size`; 0 when the header's fields do not allow computing it (the micro-batch is
+// Request bytes a header announces (N x D x hidden dtype + N x target dtype + N x 4 per token
+// input named) for a head of hidden size `hidden_size`; 0 when the header's fields do not allow computing it (the micro-batch is
 // then reserved for piece by piece and fails validation later). Saturates instead of overflowing.
 uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size);
 

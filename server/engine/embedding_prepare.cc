@@ -77,6 +77,8 @@ absl::Status CheckEmbeddingGradHeader(const v1::StepHeader& h) {
     set = "options.forward_only";
   else if (h.loss_options().ByteSizeLong() != 0)
     set = "loss_options";
+  else if (h.token_inputs_size() != 0)
+    set = "token_inputs";
   if (set != nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(set,
@@ -90,6 +92,12 @@ absl::StatusOr<PreparedEmbeddingGrad> PrepareEmbeddingGrad(const MicroBatch& mb,
                                                            int64_t hidden_size) {
   const v1::StepHeader& h = mb.header;
   LOSSHEAD_RETURN_IF_ERROR(CheckEmbeddingGradHeader(h));
+  for (int i = 0; i < kTokenInputs; ++i) {
+    if (mb.token_inputs[i].empty()) continue;
+    return absl::InvalidArgumentError(
+        absl::StrCat(TokenInputField(static_cast<TokenInput>(i)),
+                     " is a loss's input; an EMBEDDING_GRAD micro-batch carries none"));
+  }
   LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType dtype,
                             FloatDType(h.hidden_dtype(), "hidden_dtype"));
   const int64_t n = h.num_tokens();

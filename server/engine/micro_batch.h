@@ -3,6 +3,7 @@
 #ifndef LOSSHEAD_SERVER_ENGINE_MICRO_BATCH_H_
 #define LOSSHEAD_SERVER_ENGINE_MICRO_BATCH_H_
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -14,6 +15,7 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/pinned_pool.h"
+#include "server/engine/token_inputs.h"
 
 namespace losshead::server {
 
@@ -26,6 +28,9 @@ struct MicroBatch {
   // the micro-batch (nothing writes to it once assembled).
   std::shared_ptr<PinnedBytes> pinned_hidden;
   std::string targets;
+  // The per-token inputs' bytes (token_inputs.h), by TokenInput, as received: empty where none
+  // came. Small (4 bytes per token each), so they are digested and checked when prepared.
+  std::array<std::string, kTokenInputs> token_inputs;
   // ByteDigest values of hidden and targets when the receiver took them while assembling (see
   // StepAssembler); Head::Step computes a missing one when the micro-batch needs a fingerprint.
   std::optional<uint64_t> hidden_digest;
@@ -42,6 +47,7 @@ struct MicroBatch {
     std::string().swap(hidden);
     pinned_hidden.reset();
     std::string().swap(targets);
+    for (std::string& input : token_inputs) std::string().swap(input);
   }
 };
 

@@ -45,6 +45,7 @@
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/replica_group.h"
 #include "server/engine/step_devices.h"
+#include "server/engine/token_inputs.h"
 #include "server/engine/token_outputs.h"
 
 namespace losshead::server {
@@ -58,6 +59,7 @@ struct StepRun {
   bool grad_hidden = true;
   bool per_token = false;
   TokenOutputs outputs;         // in slot 0's token_outputs buffer (token_outputs.h layout)
+  TokenInputs inputs;           // in every slot's token_inputs buffer (token_inputs.h layout)
   size_t workspace_budget = 0;  // handed to Backend::WorkspaceBytes / PlanShard
 };
 
@@ -69,6 +71,12 @@ T* TokenOutputIn(const IoSlot& slot, const StepRun& run, TokenOutput output) {
   const size_t offset =
       static_cast<size_t>(run.outputs.slot(output)) * run.problem.n * kTokenOutputBytes;
   return reinterpret_cast<T*>(slot.token_outputs.as<char>() + offset);
+}
+
+// Where token input `input` of `run` lies in `slot`'s token_inputs buffer; null when absent.
+inline const float* TokenInputIn(const IoSlot& slot, const StepRun& run, TokenInput input) {
+  if (!run.inputs.has(input)) return nullptr;
+  return slot.token_inputs.as<float>() + static_cast<size_t>(run.inputs.slot(input)) * run.problem.n;
 }
 
 class Placement {

@@ -1,6 +1,7 @@
 #include "server/engine/proto_convert.h"
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -108,6 +109,35 @@ absl::Status ValidateLossOptions(const v1::LossOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("logit_softcap must be ", kernels::kSoftcapRange,
                                                    ", got ", o.logit_softcap()));
   }
+  if (o.has_logit_scale() && !(o.logit_scale() > 0.0f && std::isfinite(o.logit_scale()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logit_scale must be finite and > 0, got ", o.logit_scale()));
+  }
+  if (o.has_temperature() && !(o.temperature() > 0.0f && std::isfinite(o.temperature()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature must be finite and > 0, got ", o.temperature()));
+  }
+  if (o.has_entropy_coef() && !std::isfinite(o.entropy_coef())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("entropy_coef must be finite, got ", o.entropy_coef()));
+  }
+  if (o.kind() != v1::LOSS_KIND_UNSPECIFIED && o.kind() != v1::LOSS_KIND_CROSS_ENTROPY &&
+      o.kind() != v1::LOSS_KIND_POLICY_GRADIENT) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kind is not a known LossKind: ", static_cast<int>(o.kind())));
+  }
+  if (o.has_clip_low() && !(o.clip_low() >= 0.0f && o.clip_low() <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("clip_low must be in [0, 1], got ", o.clip_low()));
+  }
+  if (o.has_clip_high() && !(o.clip_high() >= 0.0f && std::isfinite(o.clip_high()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("clip_high must be finite and >= 0, got ", o.clip_high()));
+  }
+  if (o.has_kl_coef() && !(o.kl_coef() >= 0.0f && std::isfinite(o.kl_coef()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kl_coef must be finite and >= 0, got ", o.kl_coef()));
+  }
   return absl::OkStatus();
 }
 
@@ -116,6 +146,7 @@ absl::StatusOr<kernels::LossOptions> ResolveLossOptions(const v1::LossOptions& r
                                                         const v1::StepOptions* step) {
   if (absl::Status s = ValidateLossOptions(request); !s.ok()) return s;
   kernels::LossOptions out;
+  float temperature = 1.0f;
   // Later layers win: built-in, then the head's default, then the request.
   for (const v1::LossOptions* layer : {&head_default, &request}) {
     if (layer->has_ignore_index()) out.ignore_index = layer->ignore_index();
@@ -127,6 +158,27 @@ absl::StatusOr<kernels::LossOptions> ResolveLossOptions(const v1::LossOptions& r
     if (layer->has_label_smoothing()) out.label_smoothing = layer->label_smoothing();
     if (layer->has_z_loss()) out.z_loss = layer->z_loss();
     if (layer->has_logit_softcap()) out.softcap = layer->logit_softcap();
+    if (layer->has_logit_scale()) out.logit_scale = layer->logit_scale();
+    if (layer->has_temperature()) temperature = layer->temperature();
+    if (layer->has_entropy_coef()) out.entropy_coef = layer->entropy_coef();
+    if (layer->kind() == v1::LOSS_KIND_CROSS_ENTROPY) out.kind = kernels::LossKind::kCrossEntropy;
+    if (layer->kind() == v1::LOSS_KIND_POLICY_GRADIENT) {
+      out.kind = kernels::LossKind::kPolicyGradient;
+    }
+    if (layer->has_clip_low()) out.clip_low = layer->clip_low();
+    if (layer->has_clip_high()) out.clip_high = layer->clip_high();
+    if (layer->has_kl_coef()) out.kl_coef = layer->kl_coef();
+  }
+  if (temperature != 1.0f) {
+    // The kernels take one scale: the model's divided by the temperature, which must stay a
+    // normal, finite fp32 number (a quotient that underflows would zero every logit).
+    const float scale = out.logit_scale / temperature;
+    if (!(scale >= std::numeric_limits<float>::min() && std::isfinite(scale))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_scale / temperature = ", out.logit_scale, " / ", temperature,
+                       " must be a normal, finite fp32 number, got ", scale));
+    }
+    out.logit_scale = scale;
   }
   if (step != nullptr) {
     if (step->reduction() != v1::REDUCTION_UNSPECIFIED) {

@@ -44,6 +44,8 @@ struct IoSlot {
   kernels::DeviceBuffer per_token;
   // The asked token outputs, N x 4 bytes each, one after another (token_outputs.h).
   kernels::DeviceBuffer token_outputs;
+  // The per-token inputs of the loss terms, N x 4 bytes each, one after another (token_inputs.h).
+  kernels::DeviceBuffer token_inputs;
   kernels::DeviceBuffer scalars;  // kStepScalarBytes
   // hidden + targets in, then dH + per-token losses + token outputs out
   kernels::HostBuffer staging;

@@ -58,6 +58,10 @@ absl::Status ReplicatedPlacement::Run(const StepRun& run, StepDevices& devices) 
   args.per_token_argmax = TokenOutputIn<int32_t>(slot, run, TokenOutput::kArgmax);
   args.correct_count =
       o.correct_count ? reinterpret_cast<int64_t*>(scalars + kCorrectCountOffset) : nullptr;
+  args.token_weights = TokenInputIn(slot, run, TokenInput::kWeight);
+  args.old_logprob = TokenInputIn(slot, run, TokenInput::kOldLogprob);
+  args.advantages = TokenInputIn(slot, run, TokenInput::kAdvantage);
+  args.ref_logprob = TokenInputIn(slot, run, TokenInput::kRefLogprob);
   args.workspace = replica.workspace.data();
   args.workspace_bytes = devices.workspace_bytes(0);
   return replica.backend.Run(run.problem, args, *replica.stream);

@@ -50,9 +50,11 @@ std::string StepShape(const v1::StepHeader& header) {
   shape.clear_head();
   shape.clear_client_id();
   shape.clear_sequence();
-  // The order of the token outputs asked changes no answer.
+  // The order of the token outputs asked (or inputs named) changes no answer.
   auto* outputs = shape.mutable_options()->mutable_token_outputs();
   std::sort(outputs->begin(), outputs->end());
+  auto* inputs = shape.mutable_token_inputs();
+  std::sort(inputs->begin(), inputs->end());
   // An empty message sent means what one left out means: clients differ in which they do.
   if (shape.options().ByteSizeLong() == 0) shape.clear_options();
   if (shape.loss_options().ByteSizeLong() == 0) shape.clear_loss_options();
@@ -62,13 +64,23 @@ std::string StepShape(const v1::StepHeader& header) {
 std::string StepDifferences(const StepFingerprint& remembered, const StepFingerprint& repeat) {
   std::vector<std::string> differ;
   if (remembered.hidden != repeat.hidden) differ.push_back("hidden");
-  if (remembered.targets != repeat.targets) differ.push_back("targets");
+  if (remembered.targets != repeat.targets) {
+    // The targets' digest covers the token inputs too (when the header names any).
+    v1::StepHeader named;
+    named.ParseFromString(repeat.shape);
+    differ.push_back(named.token_inputs_size() > 0 ? "targets or token inputs" : "targets");
+  }
   if (remembered.shape != repeat.shape) {
     v1::StepHeader a, b;
     a.ParseFromString(remembered.shape);
     b.ParseFromString(repeat.shape);
     const size_t before = differ.size();
     if (a.kind() != b.kind()) differ.push_back("kind");
+    if (Canonical(a) != Canonical(b) && a.token_inputs_size() + b.token_inputs_size() > 0) {
+      std::vector<int> ia(a.token_inputs().begin(), a.token_inputs().end());
+      std::vector<int> ib(b.token_inputs().begin(), b.token_inputs().end());
+      if (ia != ib) differ.push_back("token_inputs");
+    }
     if (a.num_tokens() != b.num_tokens()) differ.push_back("num_tokens");
     if (a.hidden_dtype() != b.hidden_dtype()) differ.push_back("hidden_dtype");
     if (a.target_dtype() != b.target_dtype()) differ.push_back("target_dtype");

@@ -101,6 +101,11 @@ absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
     a.stats_chunk_rows = chunk_rows_;
     a.workspace = r->workspace.data();
     a.workspace_bytes = workspace_bytes_[r->rank];
+    // The loss terms' per-token inputs, on every shard (each computes its rows' part).
+    a.token_weights = TokenInputIn(slot, run, TokenInput::kWeight);
+    a.old_logprob = TokenInputIn(slot, run, TokenInput::kOldLogprob);
+    a.advantages = TokenInputIn(slot, run, TokenInput::kAdvantage);
+    a.ref_logprob = TokenInputIn(slot, run, TokenInput::kRefLogprob);
     if (r->rank == 0) {
       char* scalars = out.scalars.as<char>();
       a.token_count = reinterpret_cast<int64_t*>(scalars + kTokenCountOffset);

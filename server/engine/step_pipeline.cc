@@ -5,6 +5,7 @@
 // idempotency claim (or fails it when the device fails once the run has begun, or abandons it when
 // nothing was touched).
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -64,6 +65,27 @@ absl::Status Head::CheckHeader(const v1::StepHeader& header) const {
   return PrepareHeader(header, StepTargetOf(), Defaults(), &unused);
 }
 
+namespace {
+
+// The targets' digest, extended by the token inputs' bytes when there are any: one value, so that
+// a remembered fingerprint (and its checkpoint record) keeps its layout, and a micro-batch without
+// inputs keeps the fingerprint it always had.
+uint64_t WithTokenInputs(uint64_t targets, const std::array<std::string, kTokenInputs>& inputs) {
+  bool any = false;
+  for (const std::string& input : inputs) any = any || !input.empty();
+  if (!any) return targets;
+  ByteDigest digest;
+  digest.Update(absl::string_view(reinterpret_cast<const char*>(&targets), sizeof(targets)));
+  for (const std::string& input : inputs) {
+    const uint64_t size = input.size();  // so that bytes cannot move from one input to the next
+    digest.Update(absl::string_view(reinterpret_cast<const char*>(&size), sizeof(size)));
+    digest.Update(input);
+  }
+  return digest.Value();
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
     const MicroBatch& mb, StepStats* stats, const std::function<void()>& on_ordered) {
   if (mb.header.kind() != v1::STEP_KIND_LOSS) {
@@ -83,7 +105,9 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
   const StepFingerprint fingerprint{
       .hidden =
           mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden_bytes()),
-      .targets = mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
+      .targets = WithTokenInputs(
+          mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
+          mb.token_inputs),
       .shape = StepShape(mb.header)};
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
                             cache_.Begin(client_id, mb.header.sequence(), fingerprint));
@@ -171,6 +195,7 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
                     .grad_hidden = p.want_grad_hidden,
                     .per_token = p.want_per_token,
                     .outputs = p.outputs,
+                    .inputs = p.inputs.inputs,
                     .workspace_budget = options_.workspace_budget_bytes};
   LOSSHEAD_RETURN_IF_ERROR(placement_->Prepare(run, devices, scratch_));
   // Only the scalars come back under the lock; dH follows on the slot's stream once the lock is
@@ -256,7 +281,7 @@ void Head::CountRun(int64_t token_count, uint64_t version) {
 
 absl::Status Head::ReserveStepBounds(const PreparedStep& p) {
   const kernels::StepBounds bounds =
-      kernels::BoundStep(p.problem, p.hidden_abs, weight_abs_, p.counted_tokens);
+      kernels::BoundStep(p.problem, p.hidden_abs, weight_abs_, p.counted_tokens, p.input_bounds);
   LOSSHEAD_RETURN_IF_ERROR(kernels::CheckStepBounds(p.problem, bounds, p.hidden_abs, weight_abs_,
                                                     p.grad_hidden_dtype, !p.forward_only));
   if (p.forward_only) return absl::OkStatus();

@@ -54,6 +54,8 @@ absl::Status PrepareHeader(const v1::StepHeader& h, const StepTarget& head,
                                .options = loss,
                                .precision = head.precision};
   LOSSHEAD_RETURN_IF_ERROR(head.backend->CanImplement(p.problem));
+  LOSSHEAD_ASSIGN_OR_RETURN(p.inputs.inputs, ParseTokenInputs(h));
+  LOSSHEAD_RETURN_IF_ERROR(CheckTokenInputsFit(p.inputs.inputs, p.problem));
   if (h.options().has_expected_weights_version()) {
     p.expected_version = h.options().expected_weights_version();
   }
@@ -105,6 +107,15 @@ absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& mb, const StepTarget&
     p.targets[i] = static_cast<int32_t>(t);
     ++p.counted_tokens;
   }
+
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      p.inputs, ReadTokenInputs(p.inputs.inputs, mb.token_inputs, p.targets, ignore32));
+  const TokenInputBounds in = BoundTokenInputs(p.inputs, p.targets, ignore32);
+  p.input_bounds = kernels::TermInputBounds{.weight_abs = in.weight_abs,
+                                            .advantage_abs = in.advantage_abs,
+                                            .old_logprob_neg = in.old_logprob_neg,
+                                            .ref_logprob_max = in.ref_logprob_max,
+                                            .ref_logprob_abs = in.ref_logprob_abs};
 
   // NaN policy: non-finite hidden states are rejected, never computed: they would poison dW for
   // every micro-batch accumulated with them until the next pull. The receiver checks as the

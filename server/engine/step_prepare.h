@@ -17,6 +17,8 @@
 #include "losshead/kernels/problem.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/micro_batch.h"
+#include "losshead/kernels/step_bound.h"
+#include "server/engine/token_inputs.h"
 #include "server/engine/token_outputs.h"
 
 namespace losshead::server {
@@ -37,6 +39,10 @@ struct PreparedStep {
   kernels::DType grad_hidden_dtype = kernels::DType::kFP32;
   bool want_per_token = false;
   TokenOutputs outputs;  // the token outputs and accuracy asked for
+  // The per-token inputs of the loss terms (fp32, laid out as token_inputs.h says), finite at
+  // every counted token, and their bounds over the counted tokens (for the overflow guard).
+  TokenInputValues inputs;
+  kernels::TermInputBounds input_bounds;
   std::optional<uint64_t> expected_version;
   bool forward_only = false;  // no dW, no counters, no idempotency (evaluation)
   kernels::DType hidden_dtype = kernels::DType::kFP32;  // as sent
@@ -61,7 +67,8 @@ struct StepTarget {
 absl::Status PrepareHeader(const v1::StepHeader& header, const StepTarget& head,
                            const v1::LossOptions& defaults, PreparedStep* prepared);
 // The whole micro-batch: the header's part, then sizes, targets in range, hidden finite (and
-// finite in the head's dtype once converted).
+// finite in the head's dtype once converted), the token inputs' sizes and, at counted tokens,
+// their values finite.
 absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& microbatch, const StepTarget& head,
                                          const v1::LossOptions& defaults);
 

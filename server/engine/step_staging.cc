@@ -23,6 +23,11 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
   LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.hidden, hidden_bytes, false));
   LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.targets, targets_bytes, false));
   LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.scalars, kStepScalarBytes, false));
+  // The token inputs are small (4 bytes per token each) and go to every device that runs a part.
+  const size_t input_bytes = p.inputs.values.size() * sizeof(float);
+  if (input_bytes > 0) {
+    LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(replica, slot.token_inputs, input_bytes, false));
+  }
   const bool grad_hidden = outputs && p.want_grad_hidden;
   const bool per_token = outputs && p.want_per_token;
   const size_t token_output_bytes = outputs ? p.outputs.count() * n * kTokenOutputBytes : 0;
@@ -59,6 +64,10 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
       backend.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
   LOSSHEAD_RETURN_IF_ERROR(
       backend.CopyToDevice(slot.targets.data(), targets, targets_bytes, *slot.copies));
+  if (input_bytes > 0) {
+    LOSSHEAD_RETURN_IF_ERROR(backend.CopyToDevice(slot.token_inputs.data(), p.inputs.values.data(),
+                                                  input_bytes, *slot.copies));
+  }
   return slot.copies->Synchronize();
 }
 

@@ -90,6 +90,19 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(StepMessag
     } else {
       mb.microbatch.targets.append(request.targets());
     }
+    // The per-token inputs, in TokenInput order (their StepRequest fields' order).
+    std::string* pieces[kTokenInputs] = {request.mutable_token_weights(),
+                                         request.mutable_old_logprob(),
+                                         request.mutable_advantages(),
+                                         request.mutable_ref_logprob()};
+    for (int i = 0; i < kTokenInputs; ++i) {
+      std::string& to = mb.microbatch.token_inputs[i];
+      if (to.empty()) {
+        to = std::move(*pieces[i]);
+      } else {
+        to.append(*pieces[i]);
+      }
+    }
   }
   if (!request.last()) return std::optional<AssembledMicroBatch>();
   return Close(false);

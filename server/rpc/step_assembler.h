@@ -30,7 +30,11 @@ struct StepMessage {
   std::vector<std::pair<const uint8_t*, size_t>> hidden;
   size_t hidden_bytes = 0;
 
-  size_t bytes() const { return hidden_bytes + request.targets().size(); }
+  size_t bytes() const {
+    return hidden_bytes + request.targets().size() + request.token_weights().size() +
+           request.old_logprob().size() + request.advantages().size() +
+           request.ref_logprob().size();
+  }
   void Clear() {
     request.Clear();
     hidden.clear();
@@ -46,7 +50,7 @@ struct AssembledMicroBatch {
   // Not OK when the server refused the micro-batch (admission, or a header it can never serve):
   // its bytes were dropped like an oversize one's and it must be answered with this status.
   absl::Status refused;
-  uint64_t received_bytes = 0;  // hidden + targets bytes, dropped ones included
+  uint64_t received_bytes = 0;  // hidden + targets + token inputs bytes, dropped ones included
   absl::Time first_message;
   absl::Time last_message;
 };

@@ -338,11 +338,13 @@ def _tied_by_hand() -> TinyCausalLM:
     return model
 
 
-def test_other_layouts_and_logit_scales_refused(client: Client, head_name) -> None:
+def test_other_layouts_and_bad_logit_scales_refused(client: Client, head_name) -> None:
+    # A model's logit scale is the head's default (test_loss_terms.py); one that is no scale is
+    # refused before anything is sent.
     name = head_name()
     scaled = TinyCausalLM()
-    scaled.config.logit_scale = 0.0625
-    with pytest.raises(ValueError, match=r"^losshead: config\.logit_scale = 0\.0625 rescales"):
+    scaled.config.logit_scale = -0.0625
+    with pytest.raises(ValueError, match=r"^losshead: config\.logit_scale = -0\.0625 is not"):
         offload_causal_lm(scaled, client, name)
     biased = TinyCausalLM()
     biased.lm_head = nn.Linear(D, V, bias=True)

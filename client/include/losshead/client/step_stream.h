@@ -47,6 +47,14 @@ struct Microbatch {
   // return_correct_count for the predicted distribution's outputs (StepResult).
   v1::StepOptions options;
   v1::LossOptions loss_options;  // overrides of the head's default loss options
+  // Per-token fp32 inputs of the loss terms (v1::TokenInput), num_tokens values each when given;
+  // an empty one is not sent (and not named in the header). See the proto for which options
+  // take which: token_weights with either kind, old_logprob and advantages with
+  // LOSS_KIND_POLICY_GRADIENT, ref_logprob with kl_coef > 0.
+  std::span<const float> token_weights;
+  std::span<const float> old_logprob;
+  std::span<const float> advantages;
+  std::span<const float> ref_logprob;
   // Where dH goes: unset, into StepResult::grad_hidden; set, straight into this caller's buffer
   // as it arrives (no intermediate copy; StepResult::grad_hidden stays empty), which must stay
   // valid until the answer is received or the stream is destroyed. An answer with more dH bytes

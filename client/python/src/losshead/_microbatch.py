@@ -8,8 +8,8 @@ StepResult or the LossheadError that names it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -35,6 +35,10 @@ class Microbatch:
     targets: torch.Tensor
     hidden_size: int
     grad_hidden_out: Optional[torch.Tensor] = None
+    # The per-token fp32 inputs of the loss terms the header names (contiguous CPU float32, N
+    # each), by StepRequest field name ("token_weights", "old_logprob", "advantages",
+    # "ref_logprob"), in that order. The gRPC path carries them; the native one does not.
+    token_inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -42,18 +46,28 @@ class Microbatch:
 
     def messages(self, piece_bytes: int) -> Iterator[pb.StepRequest]:
         """Header + pieces + last, each message carrying at most `piece_bytes` of tensor data."""
-        hidden, targets = _wire.byte_view(self.hidden), _wire.byte_view(self.targets)
-        h_off = t_off = 0
+        hidden = _wire.byte_view(self.hidden)
+        # After the hidden states: the targets, then the token inputs, each in order.
+        tails: List[Tuple[str, memoryview]] = [("targets", _wire.byte_view(self.targets))]
+        tails += [(name, _wire.byte_view(t)) for name, t in self.token_inputs.items()]
+        offsets = [0] * len(tails)
+        h_off = 0
         first = True
         while True:
             budget = piece_bytes
             h_piece = hidden[h_off:h_off + budget]
             h_off += len(h_piece)
             budget -= len(h_piece)
-            t_piece = targets[t_off:t_off + budget] if budget > 0 else targets[t_off:t_off]
-            t_off += len(t_piece)
-            last = h_off == len(hidden) and t_off == len(targets)
-            msg = pb.StepRequest(hidden=bytes(h_piece), targets=bytes(t_piece), last=last)
+            pieces = {}
+            for i, (name, data) in enumerate(tails):
+                piece = data[offsets[i]:offsets[i] + max(budget, 0)]
+                offsets[i] += len(piece)
+                budget -= len(piece)
+                if len(piece):
+                    pieces[name] = bytes(piece)
+            last = h_off == len(hidden) and all(
+                off == len(data) for off, (_, data) in zip(offsets, tails))
+            msg = pb.StepRequest(hidden=bytes(h_piece), last=last, **pieces)
             if first:
                 msg.header.CopyFrom(self.header)
                 first = False

@@ -24,8 +24,9 @@ from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._step_stream import StepStream, _StepPipeline
-from losshead._types import (LossOptions, ReductionLike, StepResult, TokenOutputLike,
-                             combine_results, to_reduction, to_token_outputs)
+from losshead._token_inputs import take_token_inputs
+from losshead._types import (TOKEN_INPUTS, LossOptions, ReductionLike, StepResult,
+                             TokenOutputLike, combine_results, to_reduction, to_token_outputs)
 from losshead._wire import DTypeLike
 from losshead.errors import LossheadError
 
@@ -63,8 +64,16 @@ class Steps(ClientBase):
                    grad_hidden_dtype: Optional[DTypeLike] = None,
                    sequence: Optional[int] = None, forward_only: bool = False,
                    token_outputs: Sequence[TokenOutputLike] = (),
-                   return_correct_count: bool = False) -> Microbatch:
+                   return_correct_count: bool = False,
+                   token_weights: Optional[torch.Tensor] = None,
+                   old_logprob: Optional[torch.Tensor] = None,
+                   advantages: Optional[torch.Tensor] = None,
+                   ref_logprob: Optional[torch.Tensor] = None) -> Microbatch:
         """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
+
+        token_weights, old_logprob, advantages and ref_logprob are the per-token inputs of the
+        loss terms (shaped as targets, sent as fp32; see LossOptions for which kind takes
+        which). A micro-batch that carries any goes over gRPC (the C ABI does not carry them).
 
         Nothing is validated here beyond what encoding needs, or would lose (the tensors'
         dtypes: see `check_tensors`): the server is the judge and answers bad input with
@@ -92,9 +101,20 @@ class Steps(ClientBase):
             target_dtype=_wire.to_wire_dtype(target_dtype), options=opts)
         if loss_options is not None:
             header.loss_options.CopyFrom(loss_options.to_proto())
+        given = {"token_weights": token_weights, "old_logprob": old_logprob,
+                 "advantages": advantages, "ref_logprob": ref_logprob}
+        inputs = {}
+        for name, value in TOKEN_INPUTS:
+            tensor = given[name]
+            if tensor is None:
+                continue
+            if tensor.numel() != h2.shape[0]:
+                raise ValueError(f"{name} has {tensor.numel()} values for {h2.shape[0]} tokens")
+            header.token_inputs.append(value)
+            inputs[name] = _wire.host_tensor(tensor.detach().reshape(-1), torch.float32)
         return Microbatch(header=header, hidden=_wire.host_tensor(h2, wire_h),
                           targets=_wire.host_tensor(targets.reshape(-1), target_dtype),
-                          hidden_size=d)
+                          hidden_size=d, token_inputs=inputs)
 
     def run_microbatches(self, mbs: Sequence[Microbatch], *, streams: Optional[int] = None,
                          max_inflight: Optional[int] = None,
@@ -161,7 +181,8 @@ class Steps(ClientBase):
     def _run_lane(self, j: int, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
         """Stream j's micro-batches, in order, on the native path (the C++ client of connection
         j) or the gRPC one: the same plan either way."""
-        if self._natives:
+        # The C ABI carries no token inputs: micro-batches with any go over gRPC.
+        if self._natives and not any(mb.token_inputs for mb in mbs):
             return self._natives[j % len(self._natives)].step_many(mbs, plan)
         return _step_stream.step_many(self, j, mbs, plan)
 
@@ -258,10 +279,14 @@ class Steps(ClientBase):
         n_streams = max(1, min(plan.streams, len(bounds)))
         cut = len(bounds) > 1  # one micro-batch is the server's to refuse whole
         h2, lane_ready, largest = _staged(flat, wire, bounds, n_streams, measure=cut)
+        # The per-token inputs of the loss terms, cut as the targets are.
+        inputs = take_token_inputs(options, n, t1, check=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
-                               hidden_dtype=wire, **options) for a, b in bounds]
+                               hidden_dtype=wire, **{k: v[a:b] for k, v in inputs.items()},
+                               **options) for a, b in bounds]
         grad = None
-        if self._natives and not options.get("skip_grad_hidden"):
+        # Micro-batches with token inputs go over gRPC (_run_lane), which returns dH per chunk.
+        if self._natives and not options.get("skip_grad_hidden") and not inputs:
             # The chunks' dH lands in one tensor: no concatenation afterwards.
             grad_dtype = _wire.to_torch_dtype(
                 options.get("grad_hidden_dtype") or wire)  # type: ignore[arg-type]

@@ -101,7 +101,16 @@ class TokenOutputs:
 class LossOptions:
     """Loss options; None inherits (request -> head default -> built-in default).
 
-    Built-in defaults: ignore_index -100, reduction mean, no label smoothing, z-loss or soft-cap.
+    Built-in defaults: ignore_index -100, reduction mean, no label smoothing, z-loss or soft-cap,
+    logit_scale 1, temperature 1, no entropy term, kind "cross_entropy".
+
+    The loss terms (see the proto's LossOptions): `logit_scale` is the model's (logits =
+    logit_scale * h . w; a head default), `temperature` a sampling temperature (the kernels take
+    logit_scale / temperature), `entropy_coef` adds entropy_coef * H_t per token (negative: an
+    entropy bonus), `kind` "cross_entropy" or "policy_gradient" (the clipped PPO / GRPO
+    objective, which needs old log-probs and advantages per token), with `clip_low`,
+    `clip_high` (the ratio's range [1 - clip_low, 1 + clip_high]) and `kl_coef` (the k3 KL
+    estimator against reference log-probs).
     """
 
     ignore_index: Optional[int] = None
@@ -109,6 +118,13 @@ class LossOptions:
     label_smoothing: Optional[float] = None
     z_loss: Optional[float] = None
     logit_softcap: Optional[float] = None
+    logit_scale: Optional[float] = None
+    temperature: Optional[float] = None
+    entropy_coef: Optional[float] = None
+    kind: Optional[str] = None  # "cross_entropy" | "policy_gradient"
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    kl_coef: Optional[float] = None
 
     def to_proto(self) -> pb.LossOptions:
         msg = pb.LossOptions(reduction=to_reduction(self.reduction))
@@ -120,7 +136,35 @@ class LossOptions:
             msg.z_loss = float(self.z_loss)
         if self.logit_softcap is not None:
             msg.logit_softcap = float(self.logit_softcap)
+        for name in ("logit_scale", "temperature", "entropy_coef", "clip_low", "clip_high",
+                     "kl_coef"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(msg, name, float(value))
+        if self.kind is not None:
+            msg.kind = to_loss_kind(self.kind)
         return msg
+
+
+_LOSS_KINDS = {"cross_entropy": pb.LOSS_KIND_CROSS_ENTROPY,
+               "policy_gradient": pb.LOSS_KIND_POLICY_GRADIENT}
+
+
+def to_loss_kind(kind: Union[str, int]) -> int:
+    """"cross_entropy" | "policy_gradient" (or a pb.LossKind value) -> pb.LossKind."""
+    if isinstance(kind, str):
+        if kind not in _LOSS_KINDS:
+            raise ValueError(f"kind must be one of {sorted(_LOSS_KINDS)}, got {kind!r}")
+        return _LOSS_KINDS[kind]
+    return int(kind)
+
+
+# Per-token inputs of the loss terms: the micro-batch keyword and its pb.TokenInput, in the
+# order of their StepRequest fields.
+TOKEN_INPUTS = (("token_weights", pb.TOKEN_INPUT_WEIGHT),
+                ("old_logprob", pb.TOKEN_INPUT_OLD_LOGPROB),
+                ("advantages", pb.TOKEN_INPUT_ADVANTAGE),
+                ("ref_logprob", pb.TOKEN_INPUT_REF_LOGPROB))
 
 
 @dataclass

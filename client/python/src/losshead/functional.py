@@ -21,7 +21,7 @@ returned and how dH is scaled on the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,7 +30,8 @@ from losshead._types import LossOptions, StepResult, TokenOutputLike, to_token_o
 from losshead._window import tracker
 from losshead.client import Client
 
-__all__ = ["LinearCrossEntropyFunction", "StepPlan", "linear_cross_entropy"]
+__all__ = ["LinearCrossEntropyFunction", "StepPlan", "linear_cross_entropy",
+           "linear_policy_gradient"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 _DEFAULT_PLAN = StepPlan()
@@ -73,23 +74,28 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss = CE(hidden @ W^T, targets) on the server; dH comes back with the loss.
 
     apply(hidden, targets, client, head, reduction, loss_options, plan, forward_only,
-    on_result, asked): one training step (a forward-only one with `forward_only`: nothing
-    added to dW), cut and sent as `plan` says; `on_result(result)` sees the combined StepResult,
-    with the token outputs `asked` (an Asked; None: none) in targets' shape on hidden's device.
+    on_result, asked, inputs): one training step (a forward-only one with `forward_only`:
+    nothing added to dW), cut and sent as `plan` says; `on_result(result)` sees the combined
+    StepResult, with the token outputs `asked` (an Asked; None: none) in targets' shape on
+    hidden's device. `inputs` (a dict; None: none) holds the per-token inputs of the loss terms
+    by name (token_weights, old_logprob, advantages, ref_logprob), in targets' shape; they are
+    data, not differentiated.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
                 client: Client, head: str, reduction: str, loss_options: LossOptions,
                 plan: StepPlan, forward_only: bool, on_result: OnResult,
-                asked: Optional[Asked] = None) -> torch.Tensor:
+                asked: Optional[Asked] = None,
+                inputs: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
         result = client.step_chunked(
             head, hidden.detach(), targets.detach(), plan=plan, reduction="sum",
             grad_scale=1.0, loss_options=loss_options,
             return_per_token_loss=reduction == "none",
             skip_grad_hidden=not ctx.needs_input_grad[0],
             grad_hidden_device=hidden.device if hidden.is_cuda else None,
-            forward_only=forward_only, **(asked or _NOTHING_ASKED).step_options())
+            forward_only=forward_only, **(asked or _NOTHING_ASKED).step_options(),
+            **(inputs or {}))
         _shape_outputs(result, hidden, targets)
         if on_result is not None:
             on_result(result)
@@ -145,20 +151,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (dh.to(dtype).reshape(shape),) + _NO_GRADS[1:]
 
 
-_NO_GRADS: Tuple[None, ...] = (None,) * 10  # one per argument of forward
+_NO_GRADS: Tuple[None, ...] = (None,) * 11  # one per argument of forward
 
 
 @torch.no_grad()
 def _evaluate(client: Client, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
              reduction: str, loss_options: LossOptions, plan: StepPlan,
-             on_result: OnResult = None, asked: Optional[Asked] = None) -> torch.Tensor:
+             on_result: OnResult = None, asked: Optional[Asked] = None,
+             inputs: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
     """The loss from forward-only steps without dH: nothing added to dW or counted."""
     result = client.step_chunked(
         head, hidden.detach(), targets.detach(), plan=plan, reduction="sum",
         loss_options=loss_options, return_per_token_loss=reduction == "none",
         skip_grad_hidden=True, forward_only=True,
         grad_hidden_dtype=None,  # no dH asked for: no dH dtype sent, whatever the plan's
-        **(asked or _NOTHING_ASKED).step_options())
+        **(asked or _NOTHING_ASKED).step_options(), **(inputs or {}))
     _shape_outputs(result, hidden, targets)
     if on_result is not None:
         on_result(result)
@@ -181,7 +188,11 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
                          logit_softcap: Optional[float] = None, plan: Optional[StepPlan] = None,
                          training: bool = True, return_result: bool = False,
                          token_outputs: Sequence[TokenOutputLike] = (),
-                         return_correct_count: bool = False) -> Any:
+                         return_correct_count: bool = False,
+                         temperature: Optional[float] = None,
+                         entropy_coef: Optional[float] = None,
+                         token_weights: Optional[torch.Tensor] = None,
+                         logit_scale: Optional[float] = None) -> Any:
     """The loss of hidden (..., D) against targets (...) through the head `head` on `client`'s
     server: CE(hidden @ W^T, targets) with the given options (None: the head's defaults).
 
@@ -198,23 +209,86 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
     ask for what the model predicts, from the same pass (they change the loss and dH by not a
     bit): the StepResult's `outputs` (a TokenOutputs) holds them in targets' shape on hidden's
     device, and `accuracy` the token accuracy; so ask for `return_result` too.
+
+    The loss terms: `temperature` T divides the logits (softmax(z / T); the outputs are those of
+    that distribution), `logit_scale` overrides the head's model scale (best left to the head's
+    default), `entropy_coef` adds entropy_coef * H_t to each token's loss (negative: an entropy
+    bonus), `token_weights` (targets' shape) multiplies each token's loss and gradient; "mean"
+    still divides by the non-ignored tokens (sum_t w_t loss_t / count, the masked token mean).
     """
     _check_reduction(reduction)
     options = LossOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                          z_loss=z_loss, logit_softcap=logit_softcap)
+                          z_loss=z_loss, logit_softcap=logit_softcap, temperature=temperature,
+                          entropy_coef=entropy_coef, logit_scale=logit_scale)
     results: List[StepResult] = []
     loss = _loss(client, head, hidden, targets, reduction=reduction, loss_options=options,
                  plan=_DEFAULT_PLAN if plan is None else plan, training=training,
-                 on_result=results.append, asked=Asked.of(token_outputs, return_correct_count))
+                 on_result=results.append, asked=Asked.of(token_outputs, return_correct_count),
+                 inputs=_inputs(token_weights=token_weights))
     return (loss, results[0]) if return_result else loss
+
+
+def linear_policy_gradient(hidden: torch.Tensor, targets: torch.Tensor,
+                           old_logprob: torch.Tensor, advantages: torch.Tensor, *,
+                           client: Client, head: str, ref_logprob: Optional[torch.Tensor] = None,
+                           kl_coef: Optional[float] = None, clip_low: Optional[float] = None,
+                           clip_high: Optional[float] = None,
+                           entropy_coef: Optional[float] = None,
+                           temperature: Optional[float] = None,
+                           token_weights: Optional[torch.Tensor] = None,
+                           reduction: str = "mean", ignore_index: Optional[int] = None,
+                           z_loss: Optional[float] = None, logit_softcap: Optional[float] = None,
+                           plan: Optional[StepPlan] = None, training: bool = True,
+                           return_result: bool = False,
+                           token_outputs: Sequence[TokenOutputLike] = (),
+                           return_correct_count: bool = False) -> Any:
+    """The clipped policy-gradient loss (PPO / GRPO) of the sampled tokens `targets` through the
+    head `head` on `client`'s server, per token t with log p_t the log-prob of its target under
+    softmax(hidden @ W^T * scale / temperature):
+
+        r_t    = exp(log p_t - old_logprob_t)
+        loss_t = -min(r_t A_t, clamp(r_t, 1 - clip_low, 1 + clip_high) A_t)
+                 + kl_coef (exp(q_t - log p_t) - (q_t - log p_t) - 1) + entropy_coef H_t
+
+    with A_t = advantages, q_t = ref_logprob (needed exactly when kl_coef > 0), H_t the
+    entropy, times token_weights_t when given; ignored targets (ignore_index) add nothing. The
+    reduction is as linear_cross_entropy's: "mean" divides by the non-ignored tokens (so
+    `token_weights` of 0 and 1 give the masked token mean of a GRPO step), "sum", or per-token
+    "none". old_logprob, advantages, ref_logprob and token_weights are in targets' shape and are
+    data (not differentiated); clip_low, clip_high default to 0.2. Backward returns dH times the
+    upstream gradient; a `training` step adds to the head's dW, as linear_cross_entropy's.
+    token_outputs ("logprob" for the new log-probs, "entropy", ...) come from the same pass.
+    """
+    _check_reduction(reduction)
+    options = LossOptions(ignore_index=ignore_index, z_loss=z_loss, logit_softcap=logit_softcap,
+                          temperature=temperature, entropy_coef=entropy_coef,
+                          kind="policy_gradient", clip_low=clip_low, clip_high=clip_high,
+                          kl_coef=kl_coef)
+    results: List[StepResult] = []
+    loss = _loss(client, head, hidden, targets, reduction=reduction, loss_options=options,
+                 plan=_DEFAULT_PLAN if plan is None else plan, training=training,
+                 on_result=results.append, asked=Asked.of(token_outputs, return_correct_count),
+                 inputs=_inputs(token_weights=token_weights, old_logprob=old_logprob,
+                                advantages=advantages, ref_logprob=ref_logprob))
+    return (loss, results[0]) if return_result else loss
+
+
+def _inputs(**given: Optional[torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
+    """The per-token inputs given (None ones left out); None when there are none."""
+    inputs = {name: t.detach() for name, t in given.items() if t is not None}
+    return inputs or None
 
 
 def _loss(client: Client, head: str, hidden: torch.Tensor, targets: torch.Tensor, *,
           reduction: str, loss_options: LossOptions, plan: StepPlan, training: bool,
-          on_result: OnResult = None, asked: Optional[Asked] = None) -> torch.Tensor:
-    """What linear_cross_entropy and RemoteLMHead.forward run, their arguments checked."""
+          on_result: OnResult = None, asked: Optional[Asked] = None,
+          inputs: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    """What linear_cross_entropy, linear_policy_gradient and RemoteLMHead.forward run, their
+    arguments checked."""
     if not torch.is_grad_enabled():
         return _evaluate(client, head, hidden, targets, reduction=reduction,
-                        loss_options=loss_options, plan=plan, on_result=on_result, asked=asked)
+                        loss_options=loss_options, plan=plan, on_result=on_result, asked=asked,
+                        inputs=inputs)
     return LinearCrossEntropyFunction.apply(hidden, targets, client, head, reduction,
-                                            loss_options, plan, not training, on_result, asked)
+                                            loss_options, plan, not training, on_result, asked,
+                                            inputs)

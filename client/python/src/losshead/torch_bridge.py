@@ -136,10 +136,16 @@ class RemoteLMHead(nn.Module):
     def extra_repr(self) -> str:
         return f"head={self.head!r}, target={self.client.target!r}, reduction={self.reduction!r}"
 
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor,
+                token_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The loss of hidden (..., D) against targets (...); `token_weights` (targets' shape)
+        multiplies each token's loss and gradient. The loss terms (temperature, entropy_coef,
+        logit_scale) are fields of `self.loss_options`; the policy-gradient loss is
+        `losshead.functional.linear_policy_gradient`."""
+        inputs = None if token_weights is None else {"token_weights": token_weights.detach()}
         return _loss(self.client, self.head, hidden, targets, reduction=self.reduction,
                      loss_options=self.loss_options, plan=self.plan, training=self.training,
-                     on_result=self._took, asked=self.asked)
+                     on_result=self._took, asked=self.asked, inputs=inputs)
 
     def _took(self, result: StepResult) -> None:
         if not result.forward_only:

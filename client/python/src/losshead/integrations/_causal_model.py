@@ -2,13 +2,15 @@
 
 `check_offloadable` reads the model (its `.model` trunk, its `.lm_head` Linear, its
 configuration) and refuses, before anything is sent, what the server cannot compute as the
-model would: a bias, rescaled logits, a tie to an input embedding it cannot serve.
+model would: a bias, a tie to an input embedding it cannot serve. `model_logit_scale` reads the
+scale a model puts on its logits (Cohere, Granite), which the head takes as its default.
 `tied_embedding` finds the input embedding a tied head serves too. `OffloadedLMHead` takes
 `lm_head`'s place while W lives on the server.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
@@ -28,10 +30,12 @@ TIED_EMBEDDINGS_ERROR = (
     "holding the same matrix as lm_head.weight. {found} Keep the head local, or untie it first "
     "(config.tie_word_embeddings = False and lm_head.weight a copy of the embedding).")
 
-# Configuration fields of models that rescale the logits between the head and the loss (Cohere
-# multiplies them, Granite divides them). The server computes plain logits, with an optional
-# soft-cap only, so such a model would be trained on another loss than its own.
-_LOGIT_SCALES = ("logit_scale", "logits_scaling")
+# Configuration fields of models that rescale the logits between the head and the loss: Cohere's
+# logit_scale multiplies them, Granite's logits_scaling divides them. The head computes the same
+# logits with its default LossOptions.logit_scale (the product of the multipliers over the
+# divisors).
+_LOGIT_MULTIPLIERS = ("logit_scale",)
+_LOGIT_DIVISORS = ("logits_scaling",)
 
 OFFLOAD_ATTR = "_losshead_offloaded_head"  # on the model: its OffloadedHead, while offloaded
 
@@ -77,17 +81,39 @@ def check_offloadable(model: nn.Module) -> nn.Linear:
     if weight.device.type == "meta":
         raise ValueError("losshead: lm_head.weight is on the meta device (not materialised, or "
                          "dispatched elsewhere): there is nothing to upload")
-    configs = _configs(getattr(model, "config", None))
     tied_embedding(model, lm_head)  # a tie the head cannot serve is refused here
-    for c in configs:
-        for name in _LOGIT_SCALES:
-            value = getattr(c, name, None)
-            if value is not None and float(value) != 1.0:
-                raise ValueError(
-                    f"losshead: config.{name} = {value} rescales the logits before the loss; the "
-                    "server computes plain logits (with an optional soft-cap), so this model "
-                    "would train on another loss than its own")
+    model_logit_scale(getattr(model, "config", None))  # a scale the head cannot take, too
     return lm_head
+
+
+def model_logit_scale(config: Any) -> float:
+    """The factor the model puts on its logits before the loss: Cohere's config.logit_scale
+    multiplies them, Granite's config.logits_scaling divides them (1 when the model has
+    neither). A value that is not finite and > 0 (or whose scale is not a normal fp32 number)
+    is a ValueError naming it."""
+    scale = 1.0
+    for c in _configs(config):
+        found = False
+        for name in _LOGIT_MULTIPLIERS + _LOGIT_DIVISORS:
+            value = getattr(c, name, None)
+            if value is None:
+                continue
+            found = True
+            v = float(value)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"losshead: config.{name} = {value} is not a logit scale (it "
+                                 "must be finite and > 0)")
+            scale = scale * v if name in _LOGIT_MULTIPLIERS else scale / v
+        if found:
+            break  # the first configuration that has them (the model's, or its text model's)
+    if not (_FP32_TINY <= scale <= _FP32_MAX):
+        raise ValueError(f"losshead: the model's logit scale {scale} is outside fp32's normal "
+                         "range")
+    return scale
+
+
+_FP32_TINY = 1.1754943508222875e-38
+_FP32_MAX = 3.4028234663852886e38
 
 
 def tied_embedding(model: nn.Module, lm_head: nn.Linear) -> Optional[Tuple[str, nn.Embedding]]:

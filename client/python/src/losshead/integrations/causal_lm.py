@@ -32,7 +32,7 @@ from torch import nn
 
 from losshead import _wire
 from losshead._plan import StepPlan
-from losshead._types import to_matmul_precision
+from losshead._types import LossOptions, to_matmul_precision
 from losshead._wire import DTypeLike
 from losshead.client import Client
 from losshead.errors import LossheadError
@@ -40,7 +40,7 @@ from losshead.integrations._causal_loss import (IGNORE_INDEX, CausalLMOutput, ca
                                                 reduce_loss)
 from losshead.integrations._causal_model import (TIED_EMBEDDINGS_ERROR, OffloadedLMHead,
                                                  check_offloadable, logit_softcap,
-                                                 tied_embedding)
+                                                 model_logit_scale, tied_embedding)
 from losshead.integrations._offloaded_head import OffloadedHead
 from losshead.torch_bridge import RemoteLMHead
 
@@ -115,6 +115,8 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     elif dtype == torch.float32:
         matmul_precision = torch.get_float32_matmul_precision()
     softcap = logit_softcap(getattr(model, "config", None))
+    # Cohere's and Granite's scale on the logits: a property of the model, so the head's default.
+    scale = model_logit_scale(getattr(model, "config", None))
     # Built before anything is sent: a plan it refuses leaves the server as it was.
     remote = RemoteLMHead(client, head, reduction="sum", ignore_index=ignore_index,
                           label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=softcap,
@@ -122,9 +124,10 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                           streams=streams)
     created = False
     if create:
-        info = client.create_head(head, vocab_size, hidden_size, weight_dtype=dtype,
-                                  replicas=replicas, shards=shards,
-                                  matmul_precision=matmul_precision)
+        info = client.create_head(
+            head, vocab_size, hidden_size, weight_dtype=dtype, replicas=replicas, shards=shards,
+            matmul_precision=matmul_precision,
+            default_options=LossOptions(logit_scale=scale) if scale != 1.0 else None)
         created = True
     else:
         info = client.get_head(head)
@@ -132,6 +135,13 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
             raise ValueError(
                 f"losshead: head {head!r} is {info.spec.vocab_size} x {info.spec.hidden_size}, "
                 f"the model's lm_head {vocab_size} x {hidden_size}")
+        defaults = info.spec.default_options
+        have = defaults.logit_scale if defaults.HasField("logit_scale") else 1.0
+        if have != _fp32(scale):
+            raise ValueError(
+                f"losshead: head {head!r} has the default logit_scale {have}, the model "
+                f"{_fp32(scale)} (its config's logit_scale or logits_scaling); set the head's "
+                "with client.set_loss_options, or create the head from the model")
     version = info.weights_version
     if upload if upload is not None else create:
         try:
@@ -148,3 +158,8 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                               eval_predictions=eval_predictions, embedding=embedding)
     offloaded._install(model)
     return offloaded
+
+
+def _fp32(x: float) -> float:
+    """`x` as the server keeps it (an fp32 field)."""
+    return float(torch.tensor(x, dtype=torch.float32))
