@@ -58,6 +58,9 @@ absl::Status ReplicatedPlacement::Run(const StepRun& run, StepDevices& devices) 
   args.per_token_argmax = TokenOutputIn<int32_t>(slot, run, TokenOutput::kArgmax);
   args.correct_count =
       o.correct_count ? reinterpret_cast<int64_t*>(scalars + kCorrectCountOffset) : nullptr;
+  args.top_k = o.top_k;
+  args.top_k_ids = TopKIdsIn(slot, run);
+  args.top_k_logprobs = TopKLogprobsIn(slot, run);
   args.workspace = replica.workspace.data();
   args.workspace_bytes = devices.workspace_bytes(0);
   return replica.backend.Run(run.problem, args, *replica.stream);
