@@ -30,8 +30,15 @@ _TOKEN_OUTPUT_FIELDS = {
     "per_token_logprob": pb.DTYPE_FP32, "per_token_entropy": pb.DTYPE_FP32,
     "per_token_lse": pb.DTYPE_FP32, "per_token_argmax": pb.DTYPE_INT32,
 }
+# The top-k's StepResponse fields and wire dtypes: N x top_k each.
+_TOP_K_FIELDS = {"top_k_ids": pb.DTYPE_INT32, "top_k_logprobs": pb.DTYPE_FP32}
 # Every payload field of a StepResponse (each with a `<field>_bytes` in StepResult).
-_PAYLOADS = ("grad_hidden", "per_token_loss") + tuple(_TOKEN_OUTPUT_FIELDS)
+_PAYLOADS = ("grad_hidden", "per_token_loss") + tuple(_TOKEN_OUTPUT_FIELDS) + tuple(_TOP_K_FIELDS)
+
+
+def asks_outputs(options: pb.StepOptions) -> bool:
+    """Whether `options` asks for any token output, the correct count or the top-k."""
+    return bool(options.token_outputs or options.return_correct_count or options.top_k)
 
 
 def missing_outputs(options: pb.StepOptions, outputs: TokenOutputs, n: int) -> str:
@@ -44,6 +51,11 @@ def missing_outputs(options: pb.StepOptions, outputs: TokenOutputs, n: int) -> s
              for o, t in have.items() if o in asked and (t is None or t.numel() != n)]
     if options.return_correct_count and outputs.correct_count is None:
         names.append("correct_count")
+    k = options.top_k
+    for name in _TOP_K_FIELDS:
+        t = getattr(outputs, name)
+        if k and (t is None or t.numel() != n * k):
+            names.append(name)
     return ", ".join(names)
 
 
@@ -159,13 +171,18 @@ class StepStream:
             per_token_loss = _wire.decode(ptl, pb.DTYPE_FP32, (n,))
         outputs = None
         opts = mb.header.options
-        if opts.token_outputs or opts.return_correct_count:
+        if asks_outputs(opts):
             got = {f: (_wire.decode(bufs[f], dtype, (n,)) if len(bufs[f]) else None)
                    for f, dtype in _TOKEN_OUTPUT_FIELDS.items()}
+            k = opts.top_k
+            top = {f: (_wire.decode(bufs[f], dtype, (n, k))
+                       if k and len(bufs[f]) == 4 * n * k else None)
+                   for f, dtype in _TOP_K_FIELDS.items()}
             outputs = TokenOutputs(
                 logprob=got["per_token_logprob"], entropy=got["per_token_entropy"],
                 lse=got["per_token_lse"], argmax=got["per_token_argmax"],
-                correct_count=res.correct_count if res.HasField("correct_count") else None)
+                correct_count=res.correct_count if res.HasField("correct_count") else None,
+                top_k_ids=top["top_k_ids"], top_k_logprobs=top["top_k_logprobs"])
             missing = missing_outputs(opts, outputs, n)
             if missing:
                 raise LossheadError(grpc.StatusCode.UNIMPLEMENTED,
