@@ -232,6 +232,34 @@ TEST_F(TopKTest, ShardedAnswersAsOneDevice) {
   }
 }
 
+// A sharded head's output statistics are workspace: HeadInfo.memory counts them once a
+// micro-batch asks, at least 2 + 2k floats per token on each shard for each shard's slice.
+TEST_F(TopKTest, ShardedOutputStatisticsCountAsWorkspace) {
+  auto head = CreateKnownHead(*client_, "memory-sharded", kV, kD, v1::DTYPE_FP32, 31, 0.5,
+                              Placed(v1::PLACEMENT_SHARDED));
+  ASSERT_TRUE(head.ok()) << head.status();
+  const HostBatch batch = MakeBatch(kN, kD, kV, v1::DTYPE_FP32, 32, 5, kIgnore);
+  client::Microbatch plain = ToMicrobatch("memory-sharded", "", 0, batch);
+  plain.options.set_forward_only(true);
+  ASSERT_TRUE(client_->Step(plain).ok());
+  auto before = client_->GetHead("memory-sharded");
+  ASSERT_TRUE(before.ok());
+  client::Microbatch asked = plain;
+  asked.options.set_top_k(16);
+  ASSERT_TRUE(client_->Step(asked).ok());
+  auto after = client_->GetHead("memory-sharded");
+  ASSERT_TRUE(after.ok());
+  // Two shards, each holding both slices of (2 + 2 x 16) rows of kN floats (one chunk).
+  const uint64_t output_stats = 2 * 2 * (2 + 2 * 16) * kN * sizeof(float);
+  EXPECT_GE(after->memory().workspace_bytes(), before->memory().workspace_bytes() + output_stats);
+  ASSERT_EQ(after->device_memory_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_GE(after->device_memory(i).workspace_bytes(),
+              before->device_memory(i).workspace_bytes() + output_stats / 2)
+        << "shard " << i;
+  }
+}
+
 // Replay answers the same top-k bit for bit, on one device and over shards; the same key with
 // another top_k (or none) is a reused key.
 TEST_F(TopKTest, ReplayIsBitForBitAndAnotherTopKIsAReusedKey) {
