@@ -55,8 +55,8 @@ absl::Status MissingOutputs(int64_t num_tokens, const std::vector<int>& token_ou
   check(asked(v1::TOKEN_OUTPUT_LSE), result.per_token_lse.size() == n, "per_token_lse");
   check(asked(v1::TOKEN_OUTPUT_ARGMAX), result.per_token_argmax.size() == n, "per_token_argmax");
   check(correct_count, result.correct_count.has_value(), "correct_count");
-  check(top_k > 0, result.top_k_ids.size() == n * top_k && result.top_k_logprobs.size() == n * top_k,
-        "top_k");
+  check(top_k > 0,
+        result.top_k_ids.size() == n * top_k && result.top_k_logprobs.size() == n * top_k, "top_k");
   if (missing.empty()) return absl::OkStatus();
   absl::Status status = absl::UnimplementedError(absl::StrCat(
       "the server answered micro-batch (", result.client_id, ", ", result.sequence, ") without ",
@@ -318,10 +318,11 @@ void StepStream::ReadLoop() {
       current->grad_hidden_bytes = grad_bytes;
       grad_filled = 0;
       if (r.has_correct_count()) current->correct_count = r.correct_count();
-      per_token_bytes = {r.per_token_loss_bytes(), r.per_token_logprob_bytes(),
-                         r.per_token_entropy_bytes(), r.per_token_lse_bytes(),
-                         r.per_token_argmax_bytes(), r.top_k_ids_bytes(),
-                         r.top_k_logprobs_bytes()};
+      per_token_bytes = {
+          r.per_token_loss_bytes(), r.per_token_logprob_bytes(), r.per_token_entropy_bytes(),
+          r.per_token_lse_bytes(),  r.per_token_argmax_bytes(),  r.top_k_ids_bytes(),
+          r.top_k_logprobs_bytes(),
+      };
       if (std::any_of(per_token_bytes.begin(), per_token_bytes.end(),
                       [](uint64_t b) { return b % 4 != 0; })) {
         fail(absl::InternalError("per-token bytes not a multiple of 4"));
@@ -350,7 +351,7 @@ void StepStream::ReadLoop() {
     }
     const std::array<const std::string*, kPerTokenTensors> pieces = {
         &response.per_token_loss(), &response.per_token_logprob(), &response.per_token_entropy(),
-        &response.per_token_lse(), &response.per_token_argmax(), &response.top_k_ids(),
+        &response.per_token_lse(),  &response.per_token_argmax(),  &response.top_k_ids(),
         &response.top_k_logprobs()};
     bool over = grad_filled + grad.size > grad_bytes;
     for (size_t i = 0; i < kPerTokenTensors; ++i) {
@@ -388,8 +389,8 @@ void StepStream::ReadLoop() {
     CopyOut(per_token[5], &current->top_k_ids);
     CopyOut(per_token[6], &current->top_k_logprobs);
     current->top_k = static_cast<int32_t>(key.top_k);
-    if (absl::Status missing = MissingOutputs(key.num_tokens, key.token_outputs,
-                                              key.correct_count, key.top_k, *current);
+    if (absl::Status missing = MissingOutputs(key.num_tokens, key.token_outputs, key.correct_count,
+                                              key.top_k, *current);
         !missing.ok()) {
       deliver(missing);
     } else {

@@ -150,8 +150,8 @@ absl::Status DecodeResultExtras(Reader& r, uint32_t version, StepOutcome* outcom
 }
 
 // `version` is the file's format version: 1 has no optimizer record, 1 and 2 no fingerprints or
-// remembered failures, 1 to 3 no token outputs, 1 to 4 no top-k. The optimizer tensors' lengths go to
-// `optimizer_lengths`.
+// remembered failures, 1 to 3 no token outputs, 1 to 4 no top-k. The optimizer tensors' lengths go
+// to `optimizer_lengths`.
 absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpointData* d,
                         std::vector<uint64_t>* optimizer_lengths) {
   Reader r(meta);

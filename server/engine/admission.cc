@@ -91,8 +91,9 @@ uint64_t AnswerBytes(const v1::StepHeader& header, int64_t hidden_size) {
   // refused anyway, so it counts as the limit (and not as a size to refuse room for).
   const size_t top_k_bytes =
       8 * static_cast<size_t>(std::min<uint32_t>(options.top_k(), kernels::kMaxTopK));
-  const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
-                                  (static_cast<unsigned __int128>(hidden_size) * g + per_token + top_k_bytes);
+  const unsigned __int128 total =
+      static_cast<unsigned __int128>(header.num_tokens()) *
+      (static_cast<unsigned __int128>(hidden_size) * g + per_token + top_k_bytes);
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }

@@ -55,8 +55,8 @@ struct StepOutcome {
   }
   // The tensors an answer sends: dH, per-token losses, token outputs and the top-k.
   size_t payload_bytes() const {
-    size_t total = grad_hidden.size() + per_token_loss.size() + top_k_ids.size() +
-                   top_k_logprobs.size();
+    size_t total =
+        grad_hidden.size() + per_token_loss.size() + top_k_ids.size() + top_k_logprobs.size();
     for (const std::string& t : token_outputs) total += t.size();
     return total;
   }

@@ -56,9 +56,9 @@ absl::StatusOr<TokenOutputs> ParseTokenOutputs(const v1::StepOptions& options) {
 absl::StatusOr<int32_t> ParseTopK(const v1::StepOptions& options, int64_t vocab_size) {
   const uint32_t k = options.top_k();
   if (k > static_cast<uint32_t>(kernels::kMaxTopK) || k > vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat("options.top_k must be in [0, ",
-                                                   kernels::kMaxTopK, "] and at most the vocabulary (",
-                                                   vocab_size, "), got ", k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.top_k must be in [0, ", kernels::kMaxTopK,
+                     "] and at most the vocabulary (", vocab_size, "), got ", k));
   }
   return static_cast<int32_t>(k);
 }

@@ -53,8 +53,8 @@ RefLogits Logits(const std::vector<float>& weight, const HostBatch& batch, int64
 
 // The server's top-k against the reference. Ids: the reference's order (decreasing z, ties by
 // increasing id), except that two ids may trade places where their float64 logits lie within
-// what fp32 arithmetic over D terms cannot tell apart (a near-tie); each id at most once. Log-probs:
-// the reference's k largest z_j - lse, within fp32 tolerance. Ignored tokens: -1 and 0.
+// what fp32 arithmetic over D terms cannot tell apart (a near-tie); each id at most once.
+// Log-probs: the reference's k largest z_j - lse, within fp32 tolerance. Ignored tokens: -1 and 0.
 void ExpectTopK(const client::StepResult& got, const RefLogits& want, const HostBatch& batch,
                 int32_t k) {
   const int64_t v = static_cast<int64_t>(want.z[0].size());
@@ -75,7 +75,8 @@ void ExpectTopK(const client::StepResult& got, const RefLogits& want, const Host
     const std::vector<double>& z = want.z[t];
     std::vector<int32_t> order(v);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&z](int32_t a, int32_t b) { return z[a] > z[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&z](int32_t a, int32_t b) { return z[a] > z[b]; });
     std::vector<bool> seen(v, false);
     for (int i = 0; i < k; ++i) {
       ASSERT_GE(ids[i], 0);
@@ -227,8 +228,7 @@ TEST_F(TopKTest, ShardedAnswersAsOneDevice) {
   for (int64_t t = 0; t < batch.n; ++t) {
     if (a.per_token_argmax[t] == b.per_token_argmax[t]) continue;
     const std::vector<double>& z = want.z[t];
-    EXPECT_LE(std::abs(z[a.per_token_argmax[t]] - z[b.per_token_argmax[t]]), 1e-5)
-        << "token " << t;
+    EXPECT_LE(std::abs(z[a.per_token_argmax[t]] - z[b.per_token_argmax[t]]), 1e-5) << "token " << t;
   }
 }
 

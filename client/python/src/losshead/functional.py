@@ -212,7 +212,8 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
     results: List[StepResult] = []
     loss = _loss(client, head, hidden, targets, reduction=reduction, loss_options=options,
                  plan=_DEFAULT_PLAN if plan is None else plan, training=training,
-                 on_result=results.append, asked=Asked.of(token_outputs, return_correct_count, top_k))
+                 on_result=results.append,
+                 asked=Asked.of(token_outputs, return_correct_count, top_k))
     return (loss, results[0]) if return_result else loss
 
 
