@@ -32,8 +32,8 @@ constexpr uint32_t kRequestTargetsField = 3;
 constexpr uint32_t kRequestLastField = 4;
 constexpr uint32_t kRequestFirstTokenInputField = 5;  // then one per TokenInput, in order
 constexpr uint32_t kResponseGradHiddenField = 5;
-// per_token_loss and the four token outputs.
-constexpr size_t kPerTokenTensors = 5;
+// per_token_loss, the four token outputs and the top-k's ids and log-probs.
+constexpr size_t kPerTokenTensors = 7;
 
 template <typename T>
 void CopyOut(const std::string& bytes, std::vector<T>* out) {
@@ -44,7 +44,7 @@ void CopyOut(const std::string& bytes, std::vector<T>* out) {
 // OK when `result` carries every token output asked for (`token_outputs`, `correct_count`); a
 // server older than them ignores the request and answers without them.
 absl::Status MissingOutputs(int64_t num_tokens, const std::vector<int>& token_outputs,
-                            bool correct_count, const StepResult& result) {
+                            bool correct_count, uint32_t top_k, const StepResult& result) {
   std::string missing;
   auto check = [&](bool asked, bool present, absl::string_view name) {
     if (asked && !present) absl::StrAppend(&missing, missing.empty() ? "" : ", ", name);
@@ -58,6 +58,8 @@ absl::Status MissingOutputs(int64_t num_tokens, const std::vector<int>& token_ou
   check(asked(v1::TOKEN_OUTPUT_LSE), result.per_token_lse.size() == n, "per_token_lse");
   check(asked(v1::TOKEN_OUTPUT_ARGMAX), result.per_token_argmax.size() == n, "per_token_argmax");
   check(correct_count, result.correct_count.has_value(), "correct_count");
+  check(top_k > 0,
+        result.top_k_ids.size() == n * top_k && result.top_k_logprobs.size() == n * top_k, "top_k");
   if (missing.empty()) return absl::OkStatus();
   absl::Status status = absl::UnimplementedError(absl::StrCat(
       "the server answered micro-batch (", result.client_id, ", ", result.sequence, ") without ",
@@ -145,7 +147,8 @@ absl::Status StepStream::Send(const Microbatch& mb) {
            .grad_hidden_out = mb.grad_hidden_out,
            .num_tokens = mb.num_tokens,
            .token_outputs = {mb.options.token_outputs().begin(), mb.options.token_outputs().end()},
-           .correct_count = mb.options.return_correct_count()});
+           .correct_count = mb.options.return_correct_count(),
+           .top_k = mb.options.top_k()});
     }
 
     v1::StepHeader header;
@@ -344,9 +347,11 @@ void StepStream::ReadLoop() {
       current->grad_hidden_bytes = grad_bytes;
       grad_filled = 0;
       if (r.has_correct_count()) current->correct_count = r.correct_count();
-      per_token_bytes = {r.per_token_loss_bytes(), r.per_token_logprob_bytes(),
-                         r.per_token_entropy_bytes(), r.per_token_lse_bytes(),
-                         r.per_token_argmax_bytes()};
+      per_token_bytes = {
+          r.per_token_loss_bytes(), r.per_token_logprob_bytes(), r.per_token_entropy_bytes(),
+          r.per_token_lse_bytes(),  r.per_token_argmax_bytes(),  r.top_k_ids_bytes(),
+          r.top_k_logprobs_bytes(),
+      };
       if (std::any_of(per_token_bytes.begin(), per_token_bytes.end(),
                       [](uint64_t b) { return b % 4 != 0; })) {
         fail(absl::InternalError("per-token bytes not a multiple of 4"));
@@ -375,7 +380,8 @@ void StepStream::ReadLoop() {
     }
     const std::array<const std::string*, kPerTokenTensors> pieces = {
         &response.per_token_loss(), &response.per_token_logprob(), &response.per_token_entropy(),
-        &response.per_token_lse(), &response.per_token_argmax()};
+        &response.per_token_lse(),  &response.per_token_argmax(),  &response.top_k_ids(),
+        &response.top_k_logprobs()};
     bool over = grad_filled + grad.size > grad_bytes;
     for (size_t i = 0; i < kPerTokenTensors; ++i) {
       over = over || per_token[i].size() + pieces[i]->size() > per_token_bytes[i];
@@ -409,8 +415,11 @@ void StepStream::ReadLoop() {
     CopyOut(per_token[2], &current->per_token_entropy);
     CopyOut(per_token[3], &current->per_token_lse);
     CopyOut(per_token[4], &current->per_token_argmax);
-    if (absl::Status missing =
-            MissingOutputs(key.num_tokens, key.token_outputs, key.correct_count, *current);
+    CopyOut(per_token[5], &current->top_k_ids);
+    CopyOut(per_token[6], &current->top_k_logprobs);
+    current->top_k = static_cast<int32_t>(key.top_k);
+    if (absl::Status missing = MissingOutputs(key.num_tokens, key.token_outputs, key.correct_count,
+                                              key.top_k, *current);
         !missing.ok()) {
       deliver(missing);
     } else {

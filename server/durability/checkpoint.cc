@@ -32,7 +32,10 @@ constexpr uint8_t kHasFailure = 2;
 constexpr uint8_t kHasTokenOutputs = 4;
 constexpr uint8_t kHasCorrectCount = 0x80;
 constexpr uint8_t kKnownOutputs = kHasCorrectCount | ((1u << kTokenOutputs) - 1);
-static_assert(kTokenOutputs < 7, "token output bits run into kHasCorrectCount");
+// Format 5: the top-k's ids and log-probs, the two bits after the token outputs'.
+constexpr uint8_t kHasTopKIds = 1u << kTokenOutputs;
+constexpr uint8_t kHasTopKLogprobs = 1u << (kTokenOutputs + 1);
+static_assert(kTokenOutputs + 1 < 7, "token output bits run into kHasCorrectCount");
 
 using checkpoint_codec::Corrupt;
 using checkpoint_codec::PutBytes;
@@ -70,6 +73,8 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
       for (int i = 0; i < kTokenOutputs; ++i) {
         if (!r->token_outputs[i].empty()) outputs |= 1u << i;
       }
+      if (!r->top_k_ids.empty()) outputs |= kHasTopKIds;
+      if (!r->top_k_logprobs.empty()) outputs |= kHasTopKLogprobs;
       out.push_back(static_cast<char>((r->fingerprint ? kHasFingerprint : 0) |
                                       (r->failure.ok() ? 0 : kHasFailure) |
                                       (outputs != 0 ? kHasTokenOutputs : 0)));
@@ -88,6 +93,8 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
         for (int i = 0; i < kTokenOutputs; ++i) {
           if (outputs & (1u << i)) PutBytes(out, r->token_outputs[i]);
         }
+        if (outputs & kHasTopKIds) PutBytes(out, r->top_k_ids);
+        if (outputs & kHasTopKLogprobs) PutBytes(out, r->top_k_logprobs);
       }
     }
   }
@@ -96,7 +103,7 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
 }
 
 // Format 3's additions to a remembered result: its fingerprint and remembered failure; format 4's:
-// its token outputs.
+// its token outputs; format 5's: its top-k.
 absl::Status DecodeResultExtras(Reader& r, uint32_t version, StepOutcome* outcome) {
   uint8_t flags;
   if (!r.U8(&flags)) return Corrupt("remembered result flags");
@@ -119,7 +126,9 @@ absl::Status DecodeResultExtras(Reader& r, uint32_t version, StepOutcome* outcom
   }
   if (flags & kHasTokenOutputs) {
     uint8_t outputs;
-    if (!r.U8(&outputs) || outputs == 0 || (outputs & ~kKnownOutputs) != 0) {
+    const uint8_t known_outputs =
+        kKnownOutputs | (version >= 5 ? kHasTopKIds | kHasTopKLogprobs : 0);
+    if (!r.U8(&outputs) || outputs == 0 || (outputs & ~known_outputs) != 0) {
       return Corrupt("remembered token outputs");
     }
     if (outputs & kHasCorrectCount) {
@@ -132,13 +141,17 @@ absl::Status DecodeResultExtras(Reader& r, uint32_t version, StepOutcome* outcom
         return Corrupt("remembered token outputs");
       }
     }
+    if (((outputs & kHasTopKIds) && !r.Bytes(&outcome->top_k_ids)) ||
+        ((outputs & kHasTopKLogprobs) && !r.Bytes(&outcome->top_k_logprobs))) {
+      return Corrupt("remembered top-k");
+    }
   }
   return absl::OkStatus();
 }
 
 // `version` is the file's format version: 1 has no optimizer record, 1 and 2 no fingerprints or
-// remembered failures, 1 to 3 no token outputs. The optimizer tensors' lengths go to
-// `optimizer_lengths`.
+// remembered failures, 1 to 3 no token outputs, 1 to 4 no top-k. The optimizer tensors' lengths go
+// to `optimizer_lengths`.
 absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpointData* d,
                         std::vector<uint64_t>* optimizer_lengths) {
   Reader r(meta);

@@ -35,9 +35,10 @@
 
 namespace losshead::server {
 
-// Reads 3 (no token outputs in remembered results), 2 (no fingerprints) and 1 (no optimizer
-// either) too.
-inline constexpr uint32_t kCheckpointFormatVersion = 4;
+// Reads 4 (no top-k in remembered results), 3 (no token outputs either), 2 (no fingerprints) and
+// 1 (no optimizer either) too. Version 5 added the top-k: an older server refuses a file whose
+// remembered results carry one rather than dropping it.
+inline constexpr uint32_t kCheckpointFormatVersion = 5;
 inline constexpr char kCheckpointSuffix[] = ".lhck";
 
 // 64-bit checksum: four interleaved FNV-1a lanes over little-endian 8-byte words (lane i takes

@@ -8,6 +8,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "losshead/kernels/problem.h"
 #include "losshead/v1/wire_dtype.h"
 #include "server/engine/proto_convert.h"
 
@@ -89,8 +90,13 @@ uint64_t AnswerBytes(const v1::StepHeader& header, int64_t hidden_size) {
   // 4 bytes per token for the per-token losses and for each token output asked (a repeated or
   // bad one counted too: it is refused anyway).
   const size_t per_token = 4 * (1 + static_cast<size_t>(options.token_outputs_size()));
-  const unsigned __int128 total = static_cast<unsigned __int128>(header.num_tokens()) *
-                                  (static_cast<unsigned __int128>(hidden_size) * g + per_token);
+  // And 8 bytes per token and top-k entry (an id and a log-prob); a top_k beyond the limit is
+  // refused anyway, so it counts as the limit (and not as a size to refuse room for).
+  const size_t top_k_bytes =
+      8 * static_cast<size_t>(std::min<uint32_t>(options.top_k(), kernels::kMaxTopK));
+  const unsigned __int128 total =
+      static_cast<unsigned __int128>(header.num_tokens()) *
+      (static_cast<unsigned __int128>(hidden_size) * g + per_token + top_k_bytes);
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }

@@ -74,10 +74,11 @@ class Admission {
 // then reserved for piece by piece and fails validation later). Saturates instead of overflowing.
 uint64_t AnnouncedBytes(const v1::StepHeader& header, int64_t hidden_size);
 
-// The most bytes the answer to `header` can hold: N x (D x dH dtype + 4 + 4 x outputs): dH in
-// grad_hidden_dtype (hidden_dtype when unset; none with skip_grad_hidden), 4 bytes per token for
-// per-token losses, which a reduction of NONE returns unasked, and 4 per token for each of
-// options.token_outputs. At most AnnouncedBytes unless dH is asked for in a
+// The most bytes the answer to `header` can hold: N x (D x dH dtype + 4 + 4 x outputs + 8 x k): dH
+// in grad_hidden_dtype (hidden_dtype when unset; none with skip_grad_hidden), 4 bytes per token
+// for per-token losses, which a reduction of NONE returns unasked, 4 per token for each of
+// options.token_outputs and 8 per token and top-k entry (options.top_k, counted as at most
+// kernels::kMaxTopK). At most AnnouncedBytes unless dH is asked for in a
 // wider dtype than the hidden states. 0 when the fields do not allow computing it (the micro-batch
 // then fails validation and its answer is an error). Saturates instead of overflowing.
 uint64_t AnswerBytes(const v1::StepHeader& header, int64_t hidden_size);

@@ -75,6 +75,8 @@ absl::Status CheckEmbeddingGradHeader(const v1::StepHeader& h) {
     set = "options.grad_hidden_dtype";
   else if (o.forward_only())
     set = "options.forward_only";
+  else if (o.top_k() != 0)
+    set = "options.top_k";
   else if (h.loss_options().ByteSizeLong() != 0)
     set = "loss_options";
   else if (h.token_inputs_size() != 0)

@@ -72,6 +72,18 @@ T* TokenOutputIn(const IoSlot& slot, const StepRun& run, TokenOutput output) {
       static_cast<size_t>(run.outputs.slot(output)) * run.problem.n * kTokenOutputBytes;
   return reinterpret_cast<T*>(slot.token_outputs.as<char>() + offset);
 }
+// Where the top-k's ids and log-probs of `run` lie in `slot`'s token_outputs buffer; null when
+// no top-k is asked.
+inline int32_t* TopKIdsIn(const IoSlot& slot, const StepRun& run) {
+  if (run.outputs.top_k == 0) return nullptr;
+  return reinterpret_cast<int32_t*>(slot.token_outputs.as<char>() +
+                                    run.outputs.top_k_ids_offset(run.problem.n));
+}
+inline float* TopKLogprobsIn(const IoSlot& slot, const StepRun& run) {
+  if (run.outputs.top_k == 0) return nullptr;
+  return reinterpret_cast<float*>(slot.token_outputs.as<char>() +
+                                  run.outputs.top_k_logprobs_offset(run.problem.n));
+}
 
 // Where token input `input` of `run` lies in `slot`'s token_inputs buffer; null when absent.
 inline const float* TokenInputIn(const IoSlot& slot, const StepRun& run, TokenInput input) {

@@ -243,11 +243,16 @@ absl::Status ReplicaGroup::GatherWeights() {
                                 Streams());
 }
 
-absl::Status ReplicaGroup::GatherShardStats(int64_t chunk_rows) {
+absl::Status ReplicaGroup::GatherShardStats(int64_t chunk_rows, int output_stats_rows) {
   if (collective_ == nullptr) return absl::OkStatus();
   const std::vector<int64_t> counts(size(), kernels::kShardStats * chunk_rows);
-  return collective_->AllGather(Buffers(&Replica::shard_stats), counts, kernels::DType::kFP32,
-                                Streams());
+  LOSSHEAD_RETURN_IF_ERROR(collective_->AllGather(Buffers(&Replica::shard_stats), counts,
+                                                  kernels::DType::kFP32, Streams()));
+  if (output_stats_rows == 0) return absl::OkStatus();
+  // int32 ids travel as the floats with their bits: a gather copies them, never adds.
+  const std::vector<int64_t> output_counts(size(), int64_t{output_stats_rows} * chunk_rows);
+  return collective_->AllGather(Buffers(&Replica::shard_output_stats), output_counts,
+                                kernels::DType::kFP32, Streams());
 }
 
 absl::Status ReplicaGroup::SumShardPartials(int64_t floats) {

@@ -87,8 +87,11 @@ struct Replica {
   std::unique_ptr<kernels::Stream> stream;
   kernels::DeviceBuffer workspace ABSL_GUARDED_BY(compute_mu);
   OptimizerBuffers optimizer ABSL_GUARDED_BY(compute_mu);  // for `rows` only
-  // A shard's statistics and dH partials of one token chunk (kernels::ShardArguments).
+  // A shard's statistics and dH partials of one token chunk (kernels::ShardArguments), and the
+  // statistics of its distribution outputs (output_stats: grown only by a micro-batch that asks
+  // for one).
   kernels::DeviceBuffer shard_stats ABSL_GUARDED_BY(compute_mu);
+  kernels::DeviceBuffer shard_output_stats ABSL_GUARDED_BY(compute_mu);
   kernels::DeviceBuffer shard_partial ABSL_GUARDED_BY(compute_mu);
 
   // Deferred dW (kernels/grad_stash.h): counted micro-batches whose G and H wait here to be added
@@ -259,9 +262,10 @@ class ReplicaGroup {
   // every other replica (AllGather). Nothing to do for one replica.
   absl::Status GatherWeights();
   // Under the locks of every shard, during a sharded run: each shard's statistics slice of a chunk
-  // of up to `chunk_rows` tokens to every shard (AllGather); the dH partials of `floats` elements
-  // summed on every shard (AllReduce). Nothing to do for one shard.
-  absl::Status GatherShardStats(int64_t chunk_rows);
+  // of up to `chunk_rows` tokens to every shard (AllGather), and with `output_stats_rows` > 0
+  // (kernels::ShardOutputStatsRows) its slice of shard_output_stats beside it; the dH partials of
+  // `floats` elements summed on every shard (AllReduce). Nothing to do for one shard.
+  absl::Status GatherShardStats(int64_t chunk_rows, int output_stats_rows);
   absl::Status SumShardPartials(int64_t floats);
   // Waits for every replica's stream; the first error.
   absl::Status Synchronize();

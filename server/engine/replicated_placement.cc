@@ -62,6 +62,9 @@ absl::Status ReplicatedPlacement::Run(const StepRun& run, StepDevices& devices) 
   args.old_logprob = TokenInputIn(slot, run, TokenInput::kOldLogprob);
   args.advantages = TokenInputIn(slot, run, TokenInput::kAdvantage);
   args.ref_logprob = TokenInputIn(slot, run, TokenInput::kRefLogprob);
+  args.top_k = o.top_k;
+  args.top_k_ids = TopKIdsIn(slot, run);
+  args.top_k_logprobs = TopKLogprobsIn(slot, run);
   args.workspace = replica.workspace.data();
   args.workspace_bytes = devices.workspace_bytes(0);
   return replica.backend.Run(run.problem, args, *replica.stream);

@@ -59,12 +59,22 @@ absl::Status ShardedPlacement::Prepare(const StepRun& run, StepDevices& devices,
   chunk_rows_ = kernels::BalancedChunkRows(run.problem.n, chunk_rows_);
   const int64_t stats_floats = int64_t{k} * kernels::kShardStats * chunk_rows_;
   const int64_t partial_floats = run.grad_hidden ? chunk_rows_ * group().hidden_size() : 0;
+  // The distribution outputs' statistics, on every shard, only when one is asked for or the
+  // entropy term needs s (shard_problem.h): a micro-batch without them grows nothing and
+  // exchanges nothing more.
+  const bool entropy_term = run.problem.options.entropy_coef != 0.0f;
+  output_stats_rows_ = run.outputs.distribution() || entropy_term
+                           ? kernels::ShardOutputStatsRows(run.outputs.top_k)
+                           : 0;
+  const int64_t output_stats_floats = int64_t{k} * output_stats_rows_ * chunk_rows_;
   for (Replica* r : shards_) {
     LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(*r, r->workspace, workspace_bytes_[r->rank], true));
     LOSSHEAD_RETURN_IF_ERROR(
         scratch.Ensure(*r, r->shard_stats, stats_floats * sizeof(float), true));
     LOSSHEAD_RETURN_IF_ERROR(
         scratch.Ensure(*r, r->shard_partial, partial_floats * sizeof(float), true));
+    LOSSHEAD_RETURN_IF_ERROR(
+        scratch.Ensure(*r, r->shard_output_stats, output_stats_floats * sizeof(float), true));
   }
   // Deferred dW, after the buffers (which may have taken a stash's memory back): each shard's
   // columns of G wait in a stash of its own, laid out as for a head of the shard's rows.
@@ -106,6 +116,12 @@ absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
     a.old_logprob = TokenInputIn(slot, run, TokenInput::kOldLogprob);
     a.advantages = TokenInputIn(slot, run, TokenInput::kAdvantage);
     a.ref_logprob = TokenInputIn(slot, run, TokenInput::kRefLogprob);
+    // The outputs' statistics on every shard, with the same top_k (shard_problem.h's contract):
+    // each shard computes its columns' part, shard 0 combines them into the outputs.
+    if (output_stats_rows_ > 0) {
+      a.output_stats = r->shard_output_stats.as<float>();
+      a.top_k = run.outputs.top_k;
+    }
     if (r->rank == 0) {
       char* scalars = out.scalars.as<char>();
       a.token_count = reinterpret_cast<int64_t*>(scalars + kTokenCountOffset);
@@ -118,9 +134,11 @@ absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
       a.correct_count = run.outputs.correct_count
                             ? reinterpret_cast<int64_t*>(scalars + kCorrectCountOffset)
                             : nullptr;
+      a.top_k_ids = TopKIdsIn(out, run);
+      a.top_k_logprobs = TopKLogprobsIn(out, run);
     }
-    // ShardBegin validates and touches no dW: a refusal here (UNIMPLEMENTED for an output the
-    // backend does not compute over shards) leaves nothing computed, as Placement::Run promises.
+    // ShardBegin validates and touches no dW: a refusal here (UNIMPLEMENTED for what the backend
+    // does not compute over shards) leaves nothing computed, as Placement::Run promises.
     LOSSHEAD_RETURN_IF_ERROR(r->backend.ShardBegin(parts_[r->rank], a, *r->stream));
   }
   absl::Status ran = RunChunks(run, devices);
@@ -138,7 +156,7 @@ absl::Status ShardedPlacement::RunChunks(const StepRun& run, StepDevices& device
       LOSSHEAD_RETURN_IF_ERROR(
           r->backend.ShardForward(parts_[r->rank], args_[r->rank], chunk, *r->stream));
     }
-    LOSSHEAD_RETURN_IF_ERROR(group().GatherShardStats(chunk_rows_));
+    LOSSHEAD_RETURN_IF_ERROR(group().GatherShardStats(chunk_rows_, output_stats_rows_));
     for (Replica* r : shards_) {
       LOSSHEAD_RETURN_IF_ERROR(
           r->backend.ShardBackward(parts_[r->rank], args_[r->rank], chunk, *r->stream));

@@ -1,9 +1,10 @@
 // The vocabulary-sharded placement: device r holds only its rows ShardRange(V, k, r) of W and dW
 // (and of the optimizer), and every micro-batch runs on all of them together, under every shard's
 // compute lock (the cut). Each shard computes its rows' logits of each token chunk, the shards
-// exchange their softmax statistics (AllGather), each writes its columns of the gradient and its
-// part of dH and dW (or of its stash: deferred dW), and the dH parts are summed (AllReduce) and
-// rounded on shard 0, which returns the results. The sequence and its math are the backend's (see
+// exchange their softmax statistics (AllGather; and beside them those of the distribution outputs
+// and top-k, when asked), each writes its columns of the gradient and its part of dH and dW (or of
+// its stash: deferred dW), and the dH parts are summed (AllReduce) and rounded on shard 0, which
+// returns the results and the outputs. The sequence and its math are the backend's (see
 // losshead/kernels/shard_problem.h); this placement drives it over the shards' streams.
 //
 // dW needs no reduction at a cut (each shard holds the whole window of its rows) and W no copies
@@ -54,6 +55,9 @@ class ShardedPlacement final : public Placement {
   std::vector<size_t> workspace_bytes_;
   std::vector<kernels::ShardArguments> args_;
   int64_t chunk_rows_ = 0;
+  // Rows of output_stats per shard (kernels::ShardOutputStatsRows), 0 when no distribution output
+  // is asked for.
+  int output_stats_rows_ = 0;
 };
 
 }  // namespace losshead::server

@@ -36,6 +36,10 @@ struct StepOutcome {
   std::string per_token_loss;  // fp32; empty unless asked for (or reduction NONE)
   // The asked token outputs (TokenOutput order), 4 bytes a token each; empty where not asked.
   std::array<std::string, kTokenOutputs> token_outputs;
+  // The top-k (StepOptions.top_k): N x k int32 ids and N x k fp32 log-probs; empty where not
+  // asked.
+  std::string top_k_ids;
+  std::string top_k_logprobs;
   std::optional<int64_t> correct_count;  // set when asked (return_correct_count)
   std::shared_ptr<ResultPool> pool;      // null: grad_hidden is freed as usual
   // What the micro-batch asked for, stamped when the outcome is remembered: a repeat of its key
@@ -49,9 +53,10 @@ struct StepOutcome {
   const std::string& token_output(TokenOutput output) const {
     return token_outputs[static_cast<int>(output)];
   }
-  // The tensors an answer sends: dH, per-token losses and token outputs.
+  // The tensors an answer sends: dH, per-token losses, token outputs and the top-k.
   size_t payload_bytes() const {
-    size_t total = grad_hidden.size() + per_token_loss.size();
+    size_t total =
+        grad_hidden.size() + per_token_loss.size() + top_k_ids.size() + top_k_logprobs.size();
     for (const std::string& t : token_outputs) total += t.size();
     return total;
   }

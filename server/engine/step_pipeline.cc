@@ -333,6 +333,12 @@ void Head::FinishOutcome(const PreparedStep& p, const RunScalars& scalars, std::
     if (!p.outputs.asks(output)) continue;
     outcome->token_outputs[i] = token_outputs.substr(p.outputs.slot(output) * each, each);
   }
+  if (p.outputs.top_k > 0) {
+    const size_t top_k_bytes = each * p.outputs.top_k;
+    outcome->top_k_ids = token_outputs.substr(p.outputs.top_k_ids_offset(p.problem.n), top_k_bytes);
+    outcome->top_k_logprobs =
+        token_outputs.substr(p.outputs.top_k_logprobs_offset(p.problem.n), top_k_bytes);
+  }
   if (p.outputs.correct_count) outcome->correct_count = scalars.correct_count;
 }
 

@@ -36,6 +36,7 @@ absl::Status PrepareHeader(const v1::StepHeader& h, const StepTarget& head,
                                                               "options.grad_hidden_dtype"));
   }
   LOSSHEAD_ASSIGN_OR_RETURN(p.outputs, ParseTokenOutputs(h.options()));
+  LOSSHEAD_ASSIGN_OR_RETURN(p.outputs.top_k, ParseTopK(h.options(), head.vocab_size));
   LOSSHEAD_ASSIGN_OR_RETURN(kernels::LossOptions loss,
                             ResolveLossOptions(h.loss_options(), defaults, &h.options()));
   p.want_per_token =

@@ -30,7 +30,7 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
   }
   const bool grad_hidden = outputs && p.want_grad_hidden;
   const bool per_token = outputs && p.want_per_token;
-  const size_t token_output_bytes = outputs ? p.outputs.count() * n * kTokenOutputBytes : 0;
+  const size_t token_output_bytes = outputs ? p.outputs.bytes(n) : 0;
   if (token_output_bytes > 0) {
     LOSSHEAD_RETURN_IF_ERROR(
         scratch.Ensure(replica, slot.token_outputs, token_output_bytes, false));
@@ -77,7 +77,7 @@ absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, Res
   kernels::Backend& backend = replica.backend;
   const size_t n = p.problem.n;
   const size_t hidden_bytes = n * p.problem.d * kernels::DTypeSize(p.problem.dtype);
-  const size_t outputs_bytes = p.outputs.count() * n * kTokenOutputBytes;
+  const size_t outputs_bytes = p.outputs.bytes(n);
   const bool staged = slot.staging.bytes() > 0;
   // Every byte is overwritten below: a recycled buffer needs neither zeroing nor page faults.
   if (p.want_grad_hidden) *grad_hidden = results.Take(hidden_bytes);

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "losshead/kernels/problem.h"
 
 namespace losshead::server {
 
@@ -50,6 +51,16 @@ absl::StatusOr<TokenOutputs> ParseTokenOutputs(const v1::StepOptions& options) {
     asked = true;
   }
   return out;
+}
+
+absl::StatusOr<int32_t> ParseTopK(const v1::StepOptions& options, int64_t vocab_size) {
+  const uint32_t k = options.top_k();
+  if (k > static_cast<uint32_t>(kernels::kMaxTopK) || k > vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.top_k must be in [0, ", kernels::kMaxTopK,
+                     "] and at most the vocabulary (", vocab_size, "), got ", k));
+  }
+  return static_cast<int32_t>(k);
 }
 
 }  // namespace losshead::server

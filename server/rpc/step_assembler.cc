@@ -225,6 +225,8 @@ v1::StepResponse FirstStepResponse(
   result->set_per_token_entropy_bytes(o.token_output(TokenOutput::kEntropy).size());
   result->set_per_token_lse_bytes(o.token_output(TokenOutput::kLse).size());
   result->set_per_token_argmax_bytes(o.token_output(TokenOutput::kArgmax).size());
+  result->set_top_k_ids_bytes(o.top_k_ids.size());
+  result->set_top_k_logprobs_bytes(o.top_k_logprobs.size());
   if (o.correct_count.has_value()) result->set_correct_count(*o.correct_count);
   // The result message carries no payload so that it reaches the client first.
   first.set_last(o.payload_bytes() == 0);
@@ -236,6 +238,8 @@ std::vector<StepPayload> StepPayloads(const StepOutcome& o) {
   constexpr uint32_t kGradHiddenField = 5;
   constexpr uint32_t kPerTokenLossField = 6;
   constexpr uint32_t kFirstTokenOutputField = 8;  // then one per TokenOutput, in order
+  constexpr uint32_t kTopKIdsField = 12;
+  constexpr uint32_t kTopKLogprobsField = 13;
   std::vector<StepPayload> out;
   if (!o.grad_hidden.empty()) out.push_back({kGradHiddenField, o.grad_hidden});
   if (!o.per_token_loss.empty()) out.push_back({kPerTokenLossField, o.per_token_loss});
@@ -243,6 +247,8 @@ std::vector<StepPayload> StepPayloads(const StepOutcome& o) {
     if (o.token_outputs[i].empty()) continue;
     out.push_back({kFirstTokenOutputField + static_cast<uint32_t>(i), o.token_outputs[i]});
   }
+  if (!o.top_k_ids.empty()) out.push_back({kTopKIdsField, o.top_k_ids});
+  if (!o.top_k_logprobs.empty()) out.push_back({kTopKLogprobsField, o.top_k_logprobs});
   return out;
 }
 

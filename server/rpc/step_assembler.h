@@ -155,8 +155,9 @@ struct StepPayload {
   uint32_t field = 0;
   absl::string_view bytes;
 };
-// The tensors an answer sends, in the order it sends them: dH, per-token losses, then the token
-// outputs in TokenOutput order (their field numbers' order); empty ones left out.
+// The tensors an answer sends, in the order it sends them: dH, per-token losses, the token
+// outputs in TokenOutput order, then the top-k's ids and log-probs (their field numbers' order);
+// empty ones left out.
 std::vector<StepPayload> StepPayloads(const StepOutcome& outcome);
 
 // A part of payload `tensor` (an index into StepPayloads) that one message carries.

@@ -8,6 +8,7 @@
 // shards' kernels are deterministic, and NCCL gives the same bits for the same call). The same
 // placements over 2 and 3 ranks of device 0 (the staged collective instead of NCCL) run wherever
 // one GPU is visible.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -400,6 +401,100 @@ INSTANTIATE_TEST_SUITE_P(Gpus, PlacedOverflowCudaTest,
                                info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus",
                                info.param.deferred ? "_deferred" : "");
                          });
+
+// The token outputs and the top-k of a placed head against the one-GPU head's on the same W: a
+// replicated head's bit for bit (each micro-batch runs whole on one replica); a sharded head's
+// combined from its shards' statistics, so equal up to summation order: the values within fp32
+// rounding of the logits' scale, the ids equal except between values within that of each other
+// (near-ties), the first id the argmax. Forward-only and counted micro-batches alike.
+class PlacedOutputsCudaTest : public PlacedHeadsTest {};
+
+TEST_P(PlacedOutputsCudaTest, MatchTheOneGpuHead) {
+  const bool sharded = GetParam().kind == v1::PLACEMENT_SHARDED;
+  constexpr int kTopK = 8;
+  auto on_one = Head::Create(*devices_[0], Spec(1), options_);
+  auto placed = Head::Create(devices_, Spec(GetParam().k, GetParam().kind), options_);
+  ASSERT_TRUE(on_one.ok() && placed.ok()) << on_one.status() << placed.status();
+  for (int i = 0; i < 4; ++i) {
+    SCOPED_TRACE(absl::StrCat("micro-batch ", i));
+    auto asked = [&] {
+      MicroBatch mb = Batch(200 + i);
+      v1::StepOptions& o = *mb.header.mutable_options();
+      o.set_forward_only(i % 2 == 1);
+      for (v1::TokenOutput t : {v1::TOKEN_OUTPUT_LOGPROB, v1::TOKEN_OUTPUT_ENTROPY,
+                                v1::TOKEN_OUTPUT_LSE, v1::TOKEN_OUTPUT_ARGMAX}) {
+        o.add_token_outputs(t);
+      }
+      o.set_return_correct_count(true);
+      o.set_top_k(kTopK);
+      return mb;
+    };
+    StepStats s1, s2;
+    MicroBatch mb1 = asked();
+    MicroBatch mb2 = asked();
+    auto a = (*on_one)->Step(mb1, &s1);
+    auto b = (*placed)->Step(mb2, &s2);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    const StepOutcome& x = **a;
+    const StepOutcome& y = **b;
+    const int64_t n = mb1.header.num_tokens();
+    ASSERT_EQ(y.top_k_ids.size(), static_cast<size_t>(n * kTopK * 4));
+    ASSERT_EQ(y.top_k_logprobs.size(), static_cast<size_t>(n * kTopK * 4));
+    if (!sharded) {
+      EXPECT_TRUE(x.token_outputs == y.token_outputs);
+      EXPECT_EQ(x.top_k_ids, y.top_k_ids);
+      EXPECT_EQ(x.top_k_logprobs, y.top_k_logprobs);
+      EXPECT_EQ(x.correct_count, y.correct_count);
+      continue;
+    }
+    auto floats = [](const std::string& bytes) {
+      std::vector<float> out(bytes.size() / 4);
+      std::memcpy(out.data(), bytes.data(), bytes.size());
+      return out;
+    };
+    auto ints = [](const std::string& bytes) {
+      std::vector<int32_t> out(bytes.size() / 4);
+      std::memcpy(out.data(), bytes.data(), bytes.size());
+      return out;
+    };
+    auto close = [](float p, float q) {
+      return std::abs(p - q) <= 1e-4f * std::max(1.0f, std::abs(p));
+    };
+    for (TokenOutput t : {TokenOutput::kLogprob, TokenOutput::kEntropy, TokenOutput::kLse}) {
+      const std::vector<float> p = floats(x.token_output(t)), q = floats(y.token_output(t));
+      ASSERT_EQ(p.size(), q.size());
+      for (size_t j = 0; j < p.size(); ++j) {
+        EXPECT_TRUE(close(p[j], q[j])) << "output " << static_cast<int>(t) << " token " << j;
+      }
+    }
+    const std::vector<int32_t> ids_x = ints(x.top_k_ids), ids_y = ints(y.top_k_ids);
+    const std::vector<float> lp_x = floats(x.top_k_logprobs), lp_y = floats(y.top_k_logprobs);
+    const std::vector<int32_t> argmax = ints(y.token_output(TokenOutput::kArgmax));
+    for (int64_t t = 0; t < n; ++t) {
+      EXPECT_EQ(ids_y[t * kTopK], argmax[t]) << "token " << t;
+      for (int j = 0; j < kTopK; ++j) {
+        const int64_t at = t * kTopK + j;
+        EXPECT_TRUE(close(lp_x[at], lp_y[at])) << "token " << t << " place " << j;
+        if (ids_x[at] == ids_y[at]) continue;
+        // Only a near-tie may swap ids: a neighbour's value lies within rounding of this one.
+        const bool tie = (j > 0 && close(lp_x[at], lp_x[at - 1])) ||
+                         (j + 1 < kTopK && close(lp_x[at], lp_x[at + 1]));
+        EXPECT_TRUE(tie) << "token " << t << " place " << j;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gpus, PlacedOutputsCudaTest,
+    ::testing::Values(Placed{v1::PLACEMENT_REPLICATED, 2}, Placed{v1::PLACEMENT_SHARDED, 2},
+                      Placed{v1::PLACEMENT_SHARDED, 4}, Placed{v1::PLACEMENT_SHARDED, 2, true},
+                      Placed{v1::PLACEMENT_SHARDED, 3, true, true}),
+    [](const auto& info) {
+      return absl::StrCat(info.param.kind == v1::PLACEMENT_SHARDED ? "sharded_" : "replicated_",
+                          info.param.k, info.param.one_gpu ? "ranks_on_one_gpu" : "gpus",
+                          info.param.deferred ? "_deferred" : "");
+    });
 
 }  // namespace
 }  // namespace losshead::server

@@ -51,12 +51,13 @@ MicroBatch Batch(int64_t n, int64_t d, int64_t v, v1::DType dtype, const std::st
   // Some results convert dH to another dtype, some keep per-token losses: all must round-trip.
   if (seq % 2 == 0) mb.header.mutable_options()->set_grad_hidden_dtype(v1::DTYPE_FP32);
   if (seq % 3 == 0) mb.header.mutable_options()->set_return_per_token_loss(true);
-  // And some token outputs (format 4), the correct count with them.
+  // And some token outputs (format 4), the correct count and a top-k (format 5) with them.
   v1::StepOptions& options = *mb.header.mutable_options();
   if (seq % 4 == 2) {
     options.add_token_outputs(v1::TOKEN_OUTPUT_LOGPROB);
     options.add_token_outputs(v1::TOKEN_OUTPUT_ARGMAX);
     options.set_return_correct_count(true);
+    options.set_top_k(3);
   } else if (seq % 4 == 1) {
     options.add_token_outputs(v1::TOKEN_OUTPUT_ENTROPY);
     options.add_token_outputs(v1::TOKEN_OUTPUT_LSE);
@@ -155,6 +156,8 @@ TEST_P(CheckpointFormatTest, RestoreReproducesTheHeadExactly) {
     EXPECT_EQ((*replay)->grad_hidden_dtype, (*original)->grad_hidden_dtype);
     EXPECT_EQ((*replay)->token_outputs, (*original)->token_outputs);
     EXPECT_EQ((*replay)->correct_count, (*original)->correct_count);
+    EXPECT_EQ((*replay)->top_k_ids, (*original)->top_k_ids);
+    EXPECT_EQ((*replay)->top_k_logprobs, (*original)->top_k_logprobs);
   }
   {
     // Sequence 6 asked for log p and the argmax, with the correct count: all remembered.
@@ -165,6 +168,8 @@ TEST_P(CheckpointFormatTest, RestoreReproducesTheHeadExactly) {
     EXPECT_EQ((*replay)->token_output(TokenOutput::kArgmax).size(), N * 4u);
     EXPECT_TRUE((*replay)->token_output(TokenOutput::kEntropy).empty());
     EXPECT_TRUE((*replay)->correct_count.has_value());
+    EXPECT_EQ((*replay)->top_k_ids.size(), N * 3 * 4u);
+    EXPECT_EQ((*replay)->top_k_logprobs.size(), N * 3 * 4u);
   }
   // The next new micro-batch lands on the same dW on both heads.
   StepStats s;

@@ -123,6 +123,14 @@ TEST_F(EmbeddingRowsServiceTest, GradRowsLandReplayAndBadOnesChangeNothing) {
   with_loss_option.targets = std::as_bytes(std::span<const int64_t>(ids));
   with_loss_option.options.set_return_per_token_loss(true);
   EXPECT_EQ(client_->Step(with_loss_option).status().code(), absl::StatusCode::kInvalidArgument);
+  // A top-k is a loss's output: refused by name, not ignored.
+  client::Microbatch with_top_k = with_loss_option;
+  with_top_k.options.Clear();
+  with_top_k.options.set_top_k(2);
+  auto top_k = client_->Step(with_top_k);
+  EXPECT_EQ(top_k.status().code(), absl::StatusCode::kInvalidArgument) << top_k.status();
+  EXPECT_NE(top_k.status().message().find("options.top_k is a loss's option"), std::string::npos)
+      << top_k.status();
   auto after = client_->PullGradient("grad");
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->summary.microbatch_count(), 1u);

@@ -2,14 +2,16 @@
 // a float64 reference of the predicted distribution on the server's own W, with ignored tokens,
 // with and without forward_only and for every reduction; the loss, dH and per-token losses bit for
 // bit those of the same micro-batch without them; exactly-once (replay bit for bit, a repeat
-// asking other outputs ALREADY_EXISTS); bad values INVALID_ARGUMENT; a sharded head UNIMPLEMENTED
-// with nothing counted and the key left free.
+// asking other outputs ALREADY_EXISTS); bad values INVALID_ARGUMENT; replicated and sharded heads
+// as one device.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -307,9 +309,10 @@ v1::Placement Placed(v1::PlacementKind kind) {
 }
 
 // A replicated head runs each micro-batch whole on one replica: outputs as on one device. A
-// sharded head computes LSE but no other output yet: UNIMPLEMENTED naming them, nothing counted,
-// the key free for a retry without them.
-TEST(TokenOutputsPlacementTest, ReplicatedComputesThemShardedRefusesWithNothingCounted) {
+// sharded head combines its shards' statistics into the same outputs: the reference's, those of a
+// one-device head on the same W (the argmax up to near-ties, the rest within fp32 rounding),
+// counted once and replayed bit for bit.
+TEST(TokenOutputsPlacementTest, ReplicatedAndShardedComputeThemAsOneDevice) {
   server::ServerOptions options = TestServer::Options();
   options.devices = {0, 1};
   auto server = TestServer::StartWith(options);
@@ -329,41 +332,66 @@ TEST(TokenOutputsPlacementTest, ReplicatedComputesThemShardedRefusesWithNothingC
     ExpectOutputs(*got, want_replicated, batch);
   }
 
+  auto one = CreateKnownHead(*client, "one", kV, kD, v1::DTYPE_BF16, 9, 0.5);
+  ASSERT_TRUE(one.ok()) << one.status();
   auto sharded = CreateKnownHead(*client, "sharded", kV, kD, v1::DTYPE_BF16, 9, 0.5,
                                  Placed(v1::PLACEMENT_SHARDED));
   ASSERT_TRUE(sharded.ok()) << sharded.status();
+  ASSERT_EQ(one->weight, sharded->weight);
   const RefOutputs want = Distribution(sharded->weight, batch, kD, kV);
+  uint64_t sequence = 0;
   for (bool forward_only : {false, true}) {
     SCOPED_TRACE(forward_only ? "forward-only" : "counted");
-    client::Microbatch mb = ToMicrobatch("sharded", "shard", 1, batch);
-    mb.options.set_forward_only(forward_only);
-    mb.options.add_token_outputs(v1::TOKEN_OUTPUT_LSE);
-    mb.options.add_token_outputs(v1::TOKEN_OUTPUT_LOGPROB);
-    mb.options.set_return_correct_count(true);
-    auto refused = client->Step(mb);
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << refused.status();
-    EXPECT_NE(refused.status().message().find("per_token_logprob, correct_count"),
-              std::string::npos)
-        << refused.status();
-    auto info = client->GetHead("sharded");
-    ASSERT_TRUE(info.ok());
-    EXPECT_EQ(info->microbatches_total(), 0u);
-    EXPECT_EQ(info->tokens_since_pull(), 0u);
-    auto pulled = client->PullGradient("sharded", v1::DTYPE_FP32, /*reset=*/false);
-    ASSERT_TRUE(pulled.ok()) << pulled.status();
-    EXPECT_EQ(pulled->summary.microbatch_count(), 0u);
-    for (float x : Decode(pulled->data, v1::DTYPE_FP32)) ASSERT_EQ(x, 0.0f);
+    ++sequence;
+    client::Microbatch on_one = ToMicrobatch("one", "shard", sequence, batch);
+    on_one.options.set_forward_only(forward_only);
+    on_one.options.set_return_per_token_loss(true);
+    AskAll(on_one);
+    client::Microbatch on_shards = on_one;
+    on_shards.head = "sharded";
+    auto a = client->Step(on_one);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = client->Step(on_shards);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->forward_only, forward_only);
+    ExpectOutputs(*b, want, batch);
+    EXPECT_EQ(b->correct_count, a->correct_count);
+    EXPECT_EQ(b->token_count, a->token_count);
+    for (auto [x, y] : {std::pair{&a->per_token_logprob, &b->per_token_logprob},
+                        std::pair{&a->per_token_entropy, &b->per_token_entropy},
+                        std::pair{&a->per_token_lse, &b->per_token_lse}}) {
+      EXPECT_TRUE(AllClose(*y, std::vector<double>(x->begin(), x->end()), 2e-5));
+    }
+    for (int64_t t = 0; t < batch.n; ++t) {
+      const int32_t x = a->per_token_argmax[t], y = b->per_token_argmax[t];
+      if (x == y) continue;
+      const std::vector<double>& z = want.logits[t];
+      EXPECT_LE(std::abs(z[x] - z[y]), 1e-5 * std::max(1.0, std::abs(z[x]))) << "token " << t;
+    }
+    // Without the outputs the sharded run is the same bits: asking them changes nothing else.
+    client::Microbatch plain = ToMicrobatch("sharded", "plain", sequence, batch);
+    plain.options.set_forward_only(forward_only);
+    plain.options.set_return_per_token_loss(true);
+    auto without = client->Step(plain);
+    ASSERT_TRUE(without.ok()) << without.status();
+    ExpectSameTraining(*b, *without);
+    if (forward_only) continue;
+    // Replay answers the sharded outputs bit for bit.
+    auto replay = client->Step(on_shards);
+    ASSERT_TRUE(replay.ok()) << replay.status();
+    EXPECT_TRUE(replay->replayed);
+    EXPECT_EQ(replay->per_token_argmax, b->per_token_argmax);
+    EXPECT_EQ(replay->correct_count, b->correct_count);
+    for (auto [x, y] : {std::pair{&b->per_token_logprob, &replay->per_token_logprob},
+                        std::pair{&b->per_token_entropy, &replay->per_token_entropy},
+                        std::pair{&b->per_token_lse, &replay->per_token_lse}}) {
+      ASSERT_EQ(x->size(), y->size());
+      EXPECT_EQ(std::memcmp(x->data(), y->data(), x->size() * sizeof(float)), 0);
+    }
   }
-  // The key is free: asked again with LSE alone, the micro-batch is computed (and LSE is right).
-  client::Microbatch lse = ToMicrobatch("sharded", "shard", 1, batch);
-  lse.options.add_token_outputs(v1::TOKEN_OUTPUT_LSE);
-  auto computed = client->Step(lse);
-  ASSERT_TRUE(computed.ok()) << computed.status();
-  EXPECT_FALSE(computed->replayed);
-  EXPECT_TRUE(AllClose(computed->per_token_lse, want.lse, 2e-5));
   auto info = client->GetHead("sharded");
   ASSERT_TRUE(info.ok());
-  EXPECT_EQ(info->microbatches_total(), 1u);
+  EXPECT_EQ(info->microbatches_total(), 2u);  // the counted one with outputs and without
 }
 
 }  // namespace

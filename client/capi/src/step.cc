@@ -75,6 +75,14 @@ absl::Status ToResult(const lh_microbatch& in, const absl::StatusOr<client::Step
     copied = CopyValues(r.per_token_argmax, in.per_token_argmax_out, cap, "per_token_argmax",
                         &out->per_token_argmax_count);
   }
+  if (copied.ok()) {
+    copied = CopyValues(r.top_k_ids, in.top_k_ids_out, in.top_k_capacity, "top_k_ids",
+                        &out->top_k_ids_count);
+  }
+  if (copied.ok()) {
+    copied = CopyValues(r.top_k_logprobs, in.top_k_logprobs_out, in.top_k_capacity,
+                        "top_k_logprobs", &out->top_k_logprobs_count);
+  }
   if (!copied.ok()) return copied;
   out->has_correct_count = r.correct_count.has_value() ? 1 : 0;
   out->correct_count = r.correct_count.value_or(0);

@@ -1,6 +1,6 @@
 """Token outputs (per-token log p(target), entropy, log-sum-exp, argmax, and the correct count)
 over the wire, on the gRPC and the native path, against torch float64 on the W the server holds;
-exactly-once, bad values and the sharded refusal; losshead.functional and RemoteLMHead."""
+exactly-once, bad values and a sharded head as one device; losshead.functional and RemoteLMHead."""
 
 from __future__ import annotations
 
@@ -151,26 +151,33 @@ def test_bad_values_are_invalid_argument(path_client: Client, make_head) -> None
     assert path_client.get_head(name).microbatches_total == 0
 
 
-def test_a_sharded_head_refuses_them_with_nothing_counted(servers) -> None:
+def test_a_sharded_head_answers_them_as_one_device(servers) -> None:
     server = servers.start("--devices=0,1")
     n, d, v = 80, 16, 31
     hidden, weight, targets = random_problem(n, d, v, seed=6, ignore_fraction=0.1)
+    want = distribution(hidden, weight, targets)
     for native in sorted({False, native_available()}):
         with Client(server.address, native=native, client_id=f"shard-{native}") as c:
-            name = f"shard-{native}"
-            c.create_head(name, v, d, weight_dtype=torch.float32, shards=2)
-            c.upload_weights(name, weight)
-            with pytest.raises(LossheadError) as e:
-                c.step(name, hidden, targets, sequence=1, token_outputs=["argmax"])
-            assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
-            assert "per_token_argmax" in e.value.message
-            info = c.get_head(name)
-            assert info.microbatches_total == 0 and info.tokens_since_pull == 0
-            # The key was not used up; LSE is computed over shards.
-            r = c.step(name, hidden, targets, sequence=1, token_outputs=["lse"])
-            assert not r.replayed
-            assert_close(r.outputs.lse, distribution(hidden, weight, targets)["lse"], 2e-5, "lse")
-            assert c.get_head(name).microbatches_total == 1
+            got = {}
+            for layout, kwargs in (("one", {}), ("sharded", dict(shards=2))):
+                name = f"{layout}-{native}"
+                c.create_head(name, v, d, weight_dtype=torch.float32, **kwargs)
+                c.upload_weights(name, weight)
+                got[layout] = c.step(name, hidden, targets, sequence=1, token_outputs=ALL,
+                                     return_correct_count=True)
+                check_outputs(got[layout].outputs, want, targets, 2e-5)
+            one, sharded = got["one"].outputs, got["sharded"].outputs
+            assert sharded.correct_count == one.correct_count
+            for field in ("logprob", "entropy", "lse"):
+                assert_close(getattr(sharded, field), getattr(one, field), 2e-5, field)
+            # Replay over shards answers the same bits; counted once.
+            again = c.step(f"sharded-{native}", hidden, targets, sequence=1, token_outputs=ALL,
+                           return_correct_count=True)
+            assert again.replayed
+            for field in ALL:
+                assert torch.equal(getattr(again.outputs, field).view(torch.int32),
+                                   getattr(sharded, field).view(torch.int32)), field
+            assert c.get_head(f"sharded-{native}").microbatches_total == 1
 
 
 def test_function_and_module_give_them_in_the_targets_shape(client: Client, make_head) -> None:

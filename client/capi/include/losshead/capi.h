@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define LH_CAPI_VERSION 2
+#define LH_CAPI_VERSION 3
 
 /* The ABI version this library implements (LH_CAPI_VERSION when it was built). */
 int lh_capi_version(void);
@@ -105,6 +105,12 @@ typedef struct lh_microbatch {
   float* per_token_lse_out;
   int32_t* per_token_argmax_out;
   size_t token_output_capacity;
+  /* The top-k (options.top_k = k): N x k ids and N x k log-probs, each where its pointer says
+   * (null: an answer carrying it fails INTERNAL), `top_k_capacity` values each; more fail
+   * INTERNAL. (Version 3.) */
+  int32_t* top_k_ids_out;
+  float* top_k_logprobs_out;
+  size_t top_k_capacity;
 } lh_microbatch;
 
 typedef struct lh_step_result {
@@ -125,6 +131,9 @@ typedef struct lh_step_result {
   uint64_t per_token_argmax_count;
   int has_correct_count; /* options.return_correct_count was answered: correct_count is set */
   int64_t correct_count;
+  /* Values written to the top-k's buffers (0: not in the answer). (Version 3.) */
+  uint64_t top_k_ids_count;
+  uint64_t top_k_logprobs_count;
 } lh_step_result;
 
 /* Client::StepMany: the micro-batches over Step streams, up to `pipeline_depth` in flight,

@@ -44,7 +44,7 @@ struct Microbatch {
   std::span<const std::byte> targets;
   // grad_scale, reduction, expected version, per-token loss, ...; forward_only for evaluation
   // (loss and dH without adding to dW or counting; see the proto); token_outputs and
-  // return_correct_count for the predicted distribution's outputs (StepResult).
+  // return_correct_count and top_k for the predicted distribution's outputs (StepResult).
   v1::StepOptions options;
   v1::LossOptions loss_options;  // overrides of the head's default loss options
   // Per-token fp32 inputs of the loss terms (v1::TokenInput), num_tokens values each when given;
@@ -94,6 +94,12 @@ struct StepResult {
   // With options.return_correct_count: non-ignored tokens whose argmax is their target (token
   // accuracy = correct_count / token_count).
   std::optional<int64_t> correct_count;
+  // With options.top_k = k > 0: per token, the k ids of the largest logits (decreasing, ties by
+  // increasing id) and their log-probabilities, N x k row-major each (ignored tokens: -1 and 0);
+  // empty otherwise.
+  int32_t top_k = 0;
+  std::vector<int32_t> top_k_ids;
+  std::vector<float> top_k_logprobs;
 };
 
 // Bytes of a typed vector, for Microbatch spans.
@@ -170,6 +176,7 @@ class StepStream {
     int64_t num_tokens = 0;
     std::vector<int> token_outputs;
     bool correct_count = false;
+    uint32_t top_k = 0;
   };
   std::deque<Expected> expected_;
   std::deque<absl::StatusOr<StepResult>> answers_;  // answered, not yet received

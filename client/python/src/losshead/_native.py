@@ -28,11 +28,11 @@ from losshead._channel import TlsFiles
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._types import StepResult, TokenOutputs, missing_outputs
+from losshead._types import StepResult, TokenOutputs, asks_outputs, missing_outputs
 from losshead.errors import LossheadError, status_code
 from losshead.retry import RetryPolicy
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _LIBRARY = "liblosshead_capi.so"
 _c = ctypes
 _p = ctypes.c_void_p
@@ -75,7 +75,8 @@ class _CMicrobatch(_c.Structure):
                 ("per_token_loss_capacity", _c.c_size_t),
                 ("per_token_logprob_out", _p), ("per_token_entropy_out", _p),
                 ("per_token_lse_out", _p), ("per_token_argmax_out", _p),
-                ("token_output_capacity", _c.c_size_t)]
+                ("token_output_capacity", _c.c_size_t), ("top_k_ids_out", _p),
+                ("top_k_logprobs_out", _p), ("top_k_capacity", _c.c_size_t)]
 
 
 class _CStepResult(_c.Structure):
@@ -87,7 +88,8 @@ class _CStepResult(_c.Structure):
                 ("per_token_logprob_count", _c.c_uint64),
                 ("per_token_entropy_count", _c.c_uint64),
                 ("per_token_lse_count", _c.c_uint64), ("per_token_argmax_count", _c.c_uint64),
-                ("has_correct_count", _c.c_int), ("correct_count", _c.c_int64)]
+                ("has_correct_count", _c.c_int), ("correct_count", _c.c_int64),
+                ("top_k_ids_count", _c.c_uint64), ("top_k_logprobs_count", _c.c_uint64)]
 
 
 class _GradientSummary(_c.Structure):
@@ -286,6 +288,10 @@ class NativeClient:
             asked = set(h.options.token_outputs)
             tos = {name: torch.empty(max(0, h.num_tokens), dtype=dtype)
                    for name, (value, dtype) in _TOKEN_OUTPUTS.items() if value in asked}
+            k = h.options.top_k
+            if k:
+                for name, dtype in _TOP_K.items():
+                    tos[name] = torch.empty((max(0, h.num_tokens), k), dtype=dtype)
             outs.append((dh, ptl, tos))
             fields = (h.head.encode(), h.client_id.encode(), h.options.SerializeToString(),
                       h.loss_options.SerializeToString())
@@ -303,8 +309,9 @@ class NativeClient:
                 c.per_token_loss_out = _c.cast(ptl.data_ptr(), _c.POINTER(_c.c_float))
                 c.per_token_loss_capacity = ptl.numel()
             for name, t in tos.items():
-                setattr(c, f"per_token_{name}_out", _ptr(t))
+                setattr(c, f"{name}_out" if name in _TOP_K else f"per_token_{name}_out", _ptr(t))
             c.token_output_capacity = max(0, h.num_tokens)
+            c.top_k_capacity = max(0, h.num_tokens) * h.options.top_k
         results, status = (_CStepResult * n)(), _Status()
         if n and self._lib.lh_step_many(self._live(), cmbs, n, plan.lane_depth(n), results,
                                         _c.byref(status)):
@@ -352,6 +359,8 @@ _TOKEN_OUTPUTS = {
     "lse": (pb.TOKEN_OUTPUT_LSE, torch.float32),
     "argmax": (pb.TOKEN_OUTPUT_ARGMAX, torch.int32),
 }
+# The top-k's buffers by their C field names (N x top_k each).
+_TOP_K = {"top_k_ids": torch.int32, "top_k_logprobs": torch.float32}
 
 
 def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
@@ -381,12 +390,16 @@ def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
         per_token_loss = ptl[:r.per_token_loss_count]
     outputs = None
     opts = mb.header.options
-    if opts.token_outputs or opts.return_correct_count:
-        got = {name: t[:getattr(r, f"per_token_{name}_count")] for name, t in tos.items()}
+    if asks_outputs(opts):
+        got = {name: t[:getattr(r, f"per_token_{name}_count")]
+               for name, t in tos.items() if name not in _TOP_K}
+        top = {name: tos[name] for name in _TOP_K
+               if name in tos and getattr(r, f"{name}_count") == tos[name].numel()}
         outputs = TokenOutputs(
             logprob=got.get("logprob"), entropy=got.get("entropy"), lse=got.get("lse"),
             argmax=got.get("argmax"),
-            correct_count=int(r.correct_count) if r.has_correct_count else None)
+            correct_count=int(r.correct_count) if r.has_correct_count else None,
+            top_k_ids=top.get("top_k_ids"), top_k_logprobs=top.get("top_k_logprobs"))
         # The C++ client refuses an answer without an asked output (UNIMPLEMENTED) already.
         missing = missing_outputs(opts, outputs, mb.header.num_tokens)
         if missing:

@@ -18,7 +18,7 @@ from losshead import _wire
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._types import StepResult, TokenOutputs, missing_outputs
+from losshead._types import StepResult, TokenOutputs, asks_outputs, missing_outputs
 from losshead.errors import LossheadError, status_code
 from losshead.retry import is_retryable
 
@@ -30,8 +30,10 @@ _TOKEN_OUTPUT_FIELDS = {
     "per_token_logprob": pb.DTYPE_FP32, "per_token_entropy": pb.DTYPE_FP32,
     "per_token_lse": pb.DTYPE_FP32, "per_token_argmax": pb.DTYPE_INT32,
 }
+# The top-k's StepResponse fields and wire dtypes: N x top_k each.
+_TOP_K_FIELDS = {"top_k_ids": pb.DTYPE_INT32, "top_k_logprobs": pb.DTYPE_FP32}
 # Every payload field of a StepResponse (each with a `<field>_bytes` in StepResult).
-_PAYLOADS = ("grad_hidden", "per_token_loss") + tuple(_TOKEN_OUTPUT_FIELDS)
+_PAYLOADS = ("grad_hidden", "per_token_loss") + tuple(_TOKEN_OUTPUT_FIELDS) + tuple(_TOP_K_FIELDS)
 
 
 class StepStream:
@@ -146,13 +148,18 @@ class StepStream:
             per_token_loss = _wire.decode(ptl, pb.DTYPE_FP32, (n,))
         outputs = None
         opts = mb.header.options
-        if opts.token_outputs or opts.return_correct_count:
+        if asks_outputs(opts):
             got = {f: (_wire.decode(bufs[f], dtype, (n,)) if len(bufs[f]) else None)
                    for f, dtype in _TOKEN_OUTPUT_FIELDS.items()}
+            k = opts.top_k
+            top = {f: (_wire.decode(bufs[f], dtype, (n, k))
+                       if k and len(bufs[f]) == 4 * n * k else None)
+                   for f, dtype in _TOP_K_FIELDS.items()}
             outputs = TokenOutputs(
                 logprob=got["per_token_logprob"], entropy=got["per_token_entropy"],
                 lse=got["per_token_lse"], argmax=got["per_token_argmax"],
-                correct_count=res.correct_count if res.HasField("correct_count") else None)
+                correct_count=res.correct_count if res.HasField("correct_count") else None,
+                top_k_ids=top["top_k_ids"], top_k_logprobs=top["top_k_logprobs"])
             missing = missing_outputs(opts, outputs, n)
             if missing:
                 raise LossheadError(grpc.StatusCode.UNIMPLEMENTED,

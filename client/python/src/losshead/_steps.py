@@ -68,7 +68,8 @@ class Steps(ClientBase):
                    token_weights: Optional[torch.Tensor] = None,
                    old_logprob: Optional[torch.Tensor] = None,
                    advantages: Optional[torch.Tensor] = None,
-                   ref_logprob: Optional[torch.Tensor] = None) -> Microbatch:
+                   ref_logprob: Optional[torch.Tensor] = None,
+                   top_k: int = 0) -> Microbatch:
         """Encodes one micro-batch: hidden (..., D) and targets (...) flattened to N tokens.
 
         token_weights, old_logprob, advantages and ref_logprob are the per-token inputs of the
@@ -87,7 +88,7 @@ class Steps(ClientBase):
                               return_per_token_loss=return_per_token_loss,
                               skip_grad_hidden=skip_grad_hidden, forward_only=forward_only,
                               token_outputs=to_token_outputs(token_outputs),
-                              return_correct_count=return_correct_count)
+                              return_correct_count=return_correct_count, top_k=int(top_k))
         if grad_scale is not None:
             opts.grad_scale = float(grad_scale)
         if expected_weights_version is not None:
@@ -199,8 +200,9 @@ class Steps(ClientBase):
         server without it raises UNIMPLEMENTED after having counted the micro-batch),
         token_outputs (any of "logprob", "entropy", "lse", "argmax": per-token outputs of the
         predicted distribution, in `result.outputs`) and return_correct_count (token accuracy:
-        `result.outputs.correct_count`, `result.accuracy`); a head that cannot compute one (a
-        sharded head, today, all but "lse") raises UNIMPLEMENTED with nothing counted.
+        `result.outputs.correct_count`, `result.accuracy`) and top_k (0: none; k in [1, 16],
+        at most the vocabulary: `result.outputs.top_k_ids` and `top_k_logprobs`, (N, k); above
+        that INVALID_ARGUMENT with nothing counted).
         Transient failures are retried under the same key (see `run_microbatches`).
         """
         return self.run_microbatches([self.microbatch(head, hidden, targets, **options)])[0]

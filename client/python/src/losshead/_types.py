@@ -82,6 +82,9 @@ class TokenOutputs:
     predicted class (int32, the lowest id among ties; -1 at ignored tokens), all of the
     targets' shape (flattened, N, in a StepResult). `correct_count` (with
     return_correct_count) counts the non-ignored tokens whose argmax is their target.
+    `top_k_ids` (int32) and `top_k_logprobs` (fp32), with top_k = k, are of shape (..., k):
+    per token the k classes of largest logit, in decreasing logit (ties by increasing id, so
+    the first is `argmax`), and their log-probabilities; -1 and 0 at ignored tokens.
     """
 
     logprob: Optional[torch.Tensor] = None
@@ -89,12 +92,26 @@ class TokenOutputs:
     lse: Optional[torch.Tensor] = None
     argmax: Optional[torch.Tensor] = None
     correct_count: Optional[int] = None
+    top_k_ids: Optional[torch.Tensor] = None
+    top_k_logprobs: Optional[torch.Tensor] = None
 
     def map(self, fn: "Callable[[torch.Tensor], torch.Tensor]") -> "TokenOutputs":
-        """The same outputs with `fn` applied to each tensor present."""
-        return TokenOutputs(*(None if t is None else fn(t)
+        """The same outputs with `fn` applied to each tensor present; the top-k's as (N, k)
+        tensors, `fn` applied to each of their k columns and the results stacked last."""
+        def per_token(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else fn(t)
+
+        def top_k(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            flat = t.reshape(-1, t.shape[-1])
+            return torch.stack([fn(flat[:, i]) for i in range(flat.shape[1])], dim=-1)
+
+        return TokenOutputs(*(per_token(t)
                               for t in (self.logprob, self.entropy, self.lse, self.argmax)),
-                            correct_count=self.correct_count)
+                            correct_count=self.correct_count,
+                            top_k_ids=top_k(self.top_k_ids),
+                            top_k_logprobs=top_k(self.top_k_logprobs))
 
 
 @dataclass
@@ -282,9 +299,15 @@ def _combine_outputs(parts: Sequence[Optional[TokenOutputs]]) -> Optional[TokenO
 
     counts = [p.correct_count for p in present]
     return TokenOutputs(logprob=cat("logprob"), entropy=cat("entropy"), lse=cat("lse"),
-                        argmax=cat("argmax"),
+                        argmax=cat("argmax"), top_k_ids=cat("top_k_ids"),
+                        top_k_logprobs=cat("top_k_logprobs"),
                         correct_count=(sum(counts)  # type: ignore[arg-type]
                                        if all(c is not None for c in counts) else None))
+
+
+def asks_outputs(options: pb.StepOptions) -> bool:
+    """Whether `options` asks for any token output, the correct count or the top-k."""
+    return bool(options.token_outputs or options.return_correct_count or options.top_k)
 
 
 def missing_outputs(options: pb.StepOptions, outputs: TokenOutputs, n: int) -> str:
@@ -297,4 +320,9 @@ def missing_outputs(options: pb.StepOptions, outputs: TokenOutputs, n: int) -> s
              for o, t in have.items() if o in asked and (t is None or t.numel() != n)]
     if options.return_correct_count and outputs.correct_count is None:
         names.append("correct_count")
+    k = options.top_k
+    for name in ("top_k_ids", "top_k_logprobs"):
+        t = getattr(outputs, name)
+        if k and (t is None or t.numel() != n * k):
+            names.append(name)
     return ", ".join(names)

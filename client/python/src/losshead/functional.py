@@ -41,18 +41,23 @@ OnResult = Optional[Callable[[StepResult], None]]
 
 @dataclass(frozen=True)
 class Asked:
-    """The token outputs a step asks for (StepOptions.token_outputs, return_correct_count)."""
+    """The token outputs a step asks for (StepOptions.token_outputs, return_correct_count,
+    top_k)."""
 
     token_outputs: Tuple[int, ...] = ()
     correct_count: bool = False
+    top_k: int = 0
 
     @classmethod
     def of(cls, token_outputs: Sequence[TokenOutputLike] = (),
-           correct_count: bool = False) -> "Asked":
-        return cls(tuple(to_token_outputs(token_outputs)), bool(correct_count))
+           correct_count: bool = False, top_k: int = 0) -> "Asked":
+        if int(top_k) < 0:
+            raise ValueError(f"losshead: top_k must be >= 0, not {top_k}")
+        return cls(tuple(to_token_outputs(token_outputs)), bool(correct_count), int(top_k))
 
     def step_options(self) -> dict:
-        return {"token_outputs": self.token_outputs, "return_correct_count": self.correct_count}
+        return {"token_outputs": self.token_outputs, "return_correct_count": self.correct_count,
+                "top_k": self.top_k}
 
 
 _NOTHING_ASKED = Asked()
@@ -192,7 +197,7 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
                          temperature: Optional[float] = None,
                          entropy_coef: Optional[float] = None,
                          token_weights: Optional[torch.Tensor] = None,
-                         logit_scale: Optional[float] = None) -> Any:
+                         logit_scale: Optional[float] = None, top_k: int = 0) -> Any:
     """The loss of hidden (..., D) against targets (...) through the head `head` on `client`'s
     server: CE(hidden @ W^T, targets) with the given options (None: the head's defaults).
 
@@ -208,7 +213,10 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
     `token_outputs` (any of "logprob", "entropy", "lse", "argmax") and `return_correct_count`
     ask for what the model predicts, from the same pass (they change the loss and dH by not a
     bit): the StepResult's `outputs` (a TokenOutputs) holds them in targets' shape on hidden's
-    device, and `accuracy` the token accuracy; so ask for `return_result` too.
+    device, and `accuracy` the token accuracy; so ask for `return_result` too. `top_k` (0: none;
+    k in [1, 16], at most the vocabulary) adds the k most likely classes per token and their
+    log-probabilities, `outputs.top_k_ids` and `outputs.top_k_logprobs` of shape (..., k).
+
 
     The loss terms: `temperature` T divides the logits (softmax(z / T); the outputs are those of
     that distribution), `logit_scale` overrides the head's model scale (best left to the head's
@@ -223,7 +231,8 @@ def linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, *, client:
     results: List[StepResult] = []
     loss = _loss(client, head, hidden, targets, reduction=reduction, loss_options=options,
                  plan=_DEFAULT_PLAN if plan is None else plan, training=training,
-                 on_result=results.append, asked=Asked.of(token_outputs, return_correct_count),
+                 on_result=results.append,
+                 asked=Asked.of(token_outputs, return_correct_count, top_k),
                  inputs=_inputs(token_weights=token_weights))
     return (loss, results[0]) if return_result else loss
 

@@ -91,8 +91,10 @@ class RemoteLMHead(nn.Module):
     `token_outputs` (any of "logprob", "entropy", "lse", "argmax") and `return_correct_count`
     ask every step for what the model predicts, from the same pass (the loss and dH stay the
     same to the bit): `last_outputs` (a TokenOutputs, targets' shape) and
-    `last_result.accuracy`. `module.asked = Asked.of(...)` changes them between calls. A
-    sharded head computes only "lse" today (UNIMPLEMENTED otherwise, nothing counted).
+    `last_result.accuracy`; `top_k` (0: none; k in [1, 16], at most the vocabulary) the k most
+    likely classes per token and their log-probabilities (`last_outputs.top_k_ids` and
+    `top_k_logprobs`, shape (..., k)). `module.asked = Asked.of(...)` changes them between
+    calls.
     """
 
     def __init__(self, client: Client, head: str, *, reduction: str = "mean",
@@ -104,7 +106,7 @@ class RemoteLMHead(nn.Module):
                  min_chunk_tokens: Optional[int] = None, depth: Optional[int] = None,
                  edge_tokens: Optional[int] = None,
                  token_outputs: Sequence[TokenOutputLike] = (),
-                 return_correct_count: bool = False) -> None:
+                 return_correct_count: bool = False, top_k: int = 0) -> None:
         super().__init__()
         _check_reduction(reduction)
         given = {k: v for k, v in (("wire_dtype", wire_dtype),
@@ -122,7 +124,7 @@ class RemoteLMHead(nn.Module):
                                         z_loss=z_loss, logit_softcap=logit_softcap)
         self.plan = plan if plan is not None else StepPlan(**given)
         self.last_result: Optional[StepResult] = None
-        self.asked = Asked.of(token_outputs, return_correct_count)
+        self.asked = Asked.of(token_outputs, return_correct_count, top_k)
         self._tokens = 0
 
     wire_dtype = _plan_field("wire_dtype")
