@@ -251,6 +251,68 @@ TEST_F(LossTermsTest, PolicyGradientMatchesFloat64WithAndWithoutKl) {
   }
 }
 
+// A head replicated or sharded over two devices of a server with two: the same terms as one
+// device, against the same float64 reference (a sharded head's entropy term needs s from every
+// shard, exchanged with the outputs' statistics).
+class PlacedLossTermsTest : public LossTermsTest {
+ protected:
+  static void SetUpTestSuite() {
+    server::ServerOptions options = TestServer::Options();
+    options.devices = {0, 1};
+    auto started = TestServer::StartWith(options);
+    ASSERT_TRUE(started.ok()) << started.status();
+    placed_server_ = started->release();
+  }
+  static void TearDownTestSuite() {
+    delete placed_server_;
+    placed_server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(placed_server_, nullptr);
+    client_ = placed_server_->NewClient();
+  }
+  static TestServer* placed_server_;
+};
+TestServer* PlacedLossTermsTest::placed_server_ = nullptr;
+
+TEST_F(PlacedLossTermsTest, ReplicatedAndShardedHeadsMatchFloat64) {
+  for (v1::PlacementKind kind : {v1::PLACEMENT_REPLICATED, v1::PLACEMENT_SHARDED}) {
+    v1::Placement placement;
+    placement.set_kind(kind);
+    placement.set_devices(2);
+    const std::string name = absl::StrCat("placed-terms-", kind);
+    SCOPED_TRACE(name);
+    auto head = CreateKnownHead(*client_, name, kV, kD, v1::DTYPE_FP32, 6, 0.5, placement);
+    ASSERT_TRUE(head.ok()) << head.status();
+    const HostBatch batch = MakeBatch(kN, kD, kV, v1::DTYPE_FP32, 51, 7, kIgnore);
+    const std::vector<float> weights = Uniform(kN, 0.0, 2.0, 52);
+    const std::vector<float> old_logprob = Uniform(kN, -5.0, -2.0, 53);
+    const std::vector<float> advantages = Uniform(kN, -1.5, 1.5, 54);
+    // Cross-entropy with temperature, entropy term and weights.
+    client::Microbatch ce = ToMicrobatch(name, "ce", 1, batch);
+    ce.loss_options.set_temperature(1.3f);
+    ce.loss_options.set_entropy_coef(0.07f);
+    ce.token_weights = weights;
+    Terms ce_terms;
+    ce_terms.scale = double{1.0f / 1.3f};
+    ce_terms.entropy_coef = double{0.07f};
+    ce_terms.weights = weights;
+    ExpectStep(name, ce, Compute(head->weight, batch, ce_terms));
+    // The clipped policy gradient with an entropy bonus.
+    client::Microbatch pg = ToMicrobatch(name, "pg", 2, batch);
+    pg.loss_options.set_kind(v1::LOSS_KIND_POLICY_GRADIENT);
+    pg.loss_options.set_entropy_coef(-0.02f);
+    pg.old_logprob = old_logprob;
+    pg.advantages = advantages;
+    Terms pg_terms;
+    pg_terms.policy = true;
+    pg_terms.entropy_coef = double{-0.02f};
+    pg_terms.old_logprob = old_logprob;
+    pg_terms.advantages = advantages;
+    ExpectStep(name, pg, Compute(head->weight, batch, pg_terms));
+  }
+}
+
 TEST_F(LossTermsTest, ReplayIsBitForBitAndOtherTermsOrInputsAreAReusedKey) {
   auto head = CreateKnownHead(*client_, "pg-replay", kV, kD, v1::DTYPE_BF16, 5);
   ASSERT_TRUE(head.ok()) << head.status();
