@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/collective/backend_kinds.h"
 #include "kernels/collective/host_collective.h"
 #include "kernels/collective/staged_collective.h"
 #ifdef LOSSHEAD_HAVE_NCCL
@@ -192,27 +193,10 @@ absl::Status Collective::Broadcast(std::span<void* const> buffers, int64_t count
 }
 
 absl::StatusOr<std::unique_ptr<Collective>> CreateCollective(std::span<Backend* const> backends) {
-  if (backends.empty()) {
-    return absl::InvalidArgumentError("CreateCollective: no backends");
-  }
-  int cpu = 0;
-  int cuda = 0;
-  for (size_t r = 0; r < backends.size(); ++r) {
-    if (backends[r] == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("CreateCollective: backend of rank ", r, " is null"));
-    }
-    const absl::string_view name = backends[r]->name();
-    if (name == "cpu") {
-      ++cpu;
-    } else if (name == "cuda") {
-      ++cuda;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("CreateCollective: backend of rank ", r,
-                                                     " is \"", name,
-                                                     "\", which has no collective implementation"));
-    }
-  }
+  absl::StatusOr<BackendKinds> kinds = CountBackendKinds("CreateCollective", backends);
+  if (!kinds.ok()) return kinds.status();
+  const int cpu = kinds->cpu;
+  const int cuda = kinds->cuda;
   const int k = static_cast<int>(backends.size());
   if (cpu > 0 && cuda > 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/collective/backend_kinds.h"
 #include "kernels/collective/process_host_collective.h"
 #include "losshead/kernels/process_group.h"
 #ifdef LOSSHEAD_HAVE_NCCL
@@ -41,25 +42,10 @@ absl::string_view KindName(uint32_t kind) {
 
 // The local half of the checks: what CreateCollective refuses in one process.
 absl::StatusOr<Kind> LocalKind(std::span<Backend* const> backends) {
-  if (backends.empty()) return absl::InvalidArgumentError("CreateProcessCollective: no backends");
-  int cpu = 0;
-  int cuda = 0;
-  for (size_t r = 0; r < backends.size(); ++r) {
-    if (backends[r] == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("CreateProcessCollective: backend of rank ", r, " is null"));
-    }
-    const absl::string_view name = backends[r]->name();
-    if (name == "cpu") {
-      ++cpu;
-    } else if (name == "cuda") {
-      ++cuda;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("CreateProcessCollective: backend of rank ", r,
-                                                     " is \"", name,
-                                                     "\", which has no collective implementation"));
-    }
-  }
+  absl::StatusOr<BackendKinds> kinds = CountBackendKinds("CreateProcessCollective", backends);
+  if (!kinds.ok()) return kinds.status();
+  const int cpu = kinds->cpu;
+  const int cuda = kinds->cuda;
   if (cpu > 0 && cuda > 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("CreateProcessCollective: ", cpu, " cpu and ", cuda, " cuda backends"));
