@@ -23,7 +23,7 @@
 namespace losshead::kernels {
 namespace {
 
-using Bytes = std::vector<std::byte>;
+using ByteVector = std::vector<std::byte>;
 
 // memcpy that takes empty ranges, whose pointers may be null (an empty part's vector).
 void Copy(void* dst, const void* src, size_t bytes) {
@@ -83,7 +83,7 @@ class ProcessHostCollective final : public Collective {
   }
 
   // One all-to-all round: sends[q] to process q, recvs[q] (already sized) from it.
-  absl::Status Swap(const std::vector<Bytes>& sends, std::vector<Bytes>& recvs) {
+  absl::Status Swap(const std::vector<ByteVector>& sends, std::vector<ByteVector>& recvs) {
     std::vector<std::span<const std::byte>> out(processes_);
     std::vector<std::span<std::byte>> in(processes_);
     for (int q = 0; q < processes_; ++q) {
@@ -105,7 +105,7 @@ class ProcessHostCollective final : public Collective {
     if (absl::Status s = Begin("AllReduce", streams, header); !s.ok()) return s;
     const int local = local_size();
     // Round 1: process q gets every rank's elements of its part, ShardRange(count, P, q).
-    std::vector<Bytes> sends(processes_), recvs(processes_);
+    std::vector<ByteVector> sends(processes_), recvs(processes_);
     const Shard mine = ShardRange(count, processes_, me_);
     for (int q = 0; q < processes_; ++q) {
       const Shard part = ShardRange(count, processes_, q);
@@ -170,7 +170,7 @@ class ProcessHostCollective final : public Collective {
     const int local = local_size();
     const Shard mine = Range(me_, counts, offsets);
     // Process q gets every rank's copy of the slices q's ranks own.
-    std::vector<Bytes> sends(processes_), recvs(processes_);
+    std::vector<ByteVector> sends(processes_), recvs(processes_);
     for (int q = 0; q < processes_; ++q) {
       if (q == me_) continue;
       const Shard theirs = Range(q, counts, offsets);
@@ -221,13 +221,13 @@ class ProcessHostCollective final : public Collective {
     const int local = local_size();
     // This process's ranks' own slices, back to back: what every other process receives.
     const Shard mine = Range(me_, counts, offsets);
-    Bytes own(static_cast<size_t>(mine.size()) * element);
+    ByteVector own(static_cast<size_t>(mine.size()) * element);
     for (int i = 0; i < local; ++i) {
       const int owner = first_rank() + i;
       Copy(own.data() + (offsets[owner] - mine.begin) * element,
            At(buffers[i], offsets[owner], element), counts[owner] * element);
     }
-    std::vector<Bytes> sends(processes_), recvs(processes_);
+    std::vector<ByteVector> sends(processes_), recvs(processes_);
     for (int q = 0; q < processes_; ++q) {
       if (q == me_) continue;
       sends[q] = own;
@@ -236,7 +236,7 @@ class ProcessHostCollective final : public Collective {
     if (absl::Status s = Swap(sends, recvs); !s.ok()) return s;
     for (int i = 0; i < local; ++i) {
       for (int q = 0; q < processes_; ++q) {
-        const Bytes& from = q == me_ ? own : recvs[q];
+        const ByteVector& from = q == me_ ? own : recvs[q];
         if (!from.empty()) {
           Copy(At(buffers[i], Range(q, counts, offsets).begin, element), from.data(), from.size());
         }
@@ -257,8 +257,8 @@ class ProcessHostCollective final : public Collective {
     const size_t bytes = static_cast<size_t>(count) * DTypeSize(dtype);
     int owner = 0;
     while (first_[owner + 1] <= root) ++owner;
-    std::vector<Bytes> sends(processes_), recvs(processes_);
-    Bytes value;
+    std::vector<ByteVector> sends(processes_), recvs(processes_);
+    ByteVector value;
     if (owner == me_) {
       const char* from = static_cast<const char*>(buffers[root - first_rank()]);
       value.assign(reinterpret_cast<const std::byte*>(from),
@@ -270,7 +270,7 @@ class ProcessHostCollective final : public Collective {
       recvs[owner].resize(bytes);
     }
     if (absl::Status s = Swap(sends, recvs); !s.ok()) return s;
-    const Bytes& from = owner == me_ ? value : recvs[owner];
+    const ByteVector& from = owner == me_ ? value : recvs[owner];
     for (int i = 0; i < local_size(); ++i) {
       // The root's own buffer may appear again for another local rank: copying onto itself is
       // harmless from the staging copy.
