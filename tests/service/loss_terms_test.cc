@@ -84,9 +84,11 @@ Reference Compute(const std::vector<float>& w, const HostBatch& b, const Terms& 
       const double share = u < v ? 1.0 : (u > v ? passes : (1 + passes) / 2);
       c = -a * share * ratio;
       if (t.kl_coef > 0) {
+        // k3 clamped at 10 (torch.clamp(k3, max=10): the gradient passes at the bound).
         const double d = t.ref_logprob[i] - logp;
-        loss += t.kl_coef * (std::exp(d) - d - 1);
-        c += t.kl_coef * (1 - std::exp(d));
+        const double k3 = std::exp(d) - d - 1;
+        loss += t.kl_coef * std::min(k3, 10.0);
+        if (k3 <= 10.0) c += t.kl_coef * (1 - std::exp(d));
       }
     } else {
       loss = -logp;
@@ -234,9 +236,6 @@ TEST_F(LossTermsTest, PolicyGradientMatchesFloat64WithAndWithoutKl) {
       t.old_logprob = old_logprob;
       t.advantages = advantages;
       if (kl > 0) {
-        // The KL term's overflow bound needs bounded logits (step_bound.h): a soft-cap with it.
-        mb.loss_options.set_logit_softcap(20.0f);
-        t.softcap = 20.0;
         mb.loss_options.set_kl_coef(kl);
         mb.ref_logprob = ref_logprob;
         t.kl_coef = kl;
