@@ -722,8 +722,10 @@ TEST(CpuLossTermsKlClamp, AboveBelowAndAtTheBoundMatchTheReference) {
   // next to each root, inside and one float step of q outside. The clipped term is off (A = 0),
   // so that the KL term is each token's whole gradient.
   const float lp = static_cast<float>(logprob);
-  terms.ref_logprob = {lp + 3.5f,  lp - 13.0f, lp + 1.0f, lp - 5.0f, below_lower,
-                       step(below_lower, -100.0f), below_upper, step(below_upper, 100.0f)};
+  terms.ref_logprob = {lp + 3.5f,   lp - 13.0f,
+                       lp + 1.0f,   lp - 5.0f,
+                       below_lower, step(below_lower, -100.0f),
+                       below_upper, step(below_upper, 100.0f)};
   const bool clamped[] = {true, true, false, false, false, true, false, true};
   terms.old_logprob.assign(p.n, lp);
   const TermResult ref = LossTermsReference(p, in.hidden, in.weight, in.targets, terms);

@@ -208,7 +208,9 @@ TEST_F(LossTermsTest, PolicyGradientMatchesFloat64WithAndWithoutKl) {
   const Reference current = Compute(head->weight, batch, probe);
   const std::vector<float> noise = Uniform(kN, -0.4, 0.4, 32);
   std::vector<float> old_logprob(kN), ref_logprob(kN);
-  const std::vector<float> ref_noise = Uniform(kN, -0.5, 0.5, 33);
+  // Reference log-probs from 4 below to 4 above: k3 clamped (q - log p > 2.61) at some tokens,
+  // with no soft-cap (the clamped term needs no bound of the logits).
+  const std::vector<float> ref_noise = Uniform(kN, -4.0, 4.0, 33);
   for (int64_t i = 0; i < kN; ++i) {
     old_logprob[i] = static_cast<float>(current.logprob[i] + noise[i]);
     ref_logprob[i] = static_cast<float>(current.logprob[i] + ref_noise[i]);
