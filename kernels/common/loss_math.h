@@ -373,17 +373,46 @@ LOSSHEAD_HD T ClippedPolicySlope(T r, T advantage, T lo, T hi) {
   return -advantage * share;
 }
 
-// The KL estimator k3 = exp(q - log p) - (q - log p) - 1 (>= 0) against the reference's log p q,
-// times its coefficient, and its derivative in log p: kl_coef (1 - exp(q - log p)).
+// The KL term: verl's low-variance KL, the k3 estimator k3 = exp(q - log p) - (q - log p) - 1
+// (>= 0) against the reference's log p q, clamped at kKlClamp and times its coefficient:
+// kl_coef min(k3, kKlClamp), as torch.clamp(k3, max=kKlClamp). The clamp keeps one token whose
+// policy has drifted far from the reference from dominating the loss, and bounds the term
+// whatever log p is (step_bound.h relies on it). Its derivative in log p is autograd's through
+// the clamp: kl_coef (1 - exp(q - log p)) where k3 <= kKlClamp (the bound included, as
+// torch.clamp and ClippedPolicySlope pass the gradient at their bounds), 0 above it.
+inline constexpr double kKlClamp = 10.0;
+
+// The root d* > 0 of exp(d) - d - 1 = kKlClamp: where k3 is not clamped, q - log p lies in
+// [d_-, d*] (d_- < 0 the other root), so |dk3/dlog p| = |1 - exp(q - log p)| is at most
+// max(1 - exp(d_-), exp(d*) - 1) = exp(d*) - 1 (about 12.611). Newton's iteration from d = 3 (above
+// the root, where the function is convex and increasing) converges from above in a few steps;
+// tests check the residual.
+inline double KlClampRoot() {
+  double d = 3.0;
+  for (int i = 0; i < 64; ++i) {
+    const double next = d - (std::exp(d) - d - 1.0 - kKlClamp) / (std::exp(d) - 1.0);
+    if (!(next < d)) break;
+    d = next;
+  }
+  return d;
+}
+
+// k3 itself, unclamped, from d = q - log p.
+template <typename T>
+LOSSHEAD_HD T KlK3(T d) {
+  return (Exp(d) - T(1)) - d;
+}
+
 template <typename T>
 LOSSHEAD_HD T KlTerm(T kl_coef, T ref_logprob, T logprob) {
-  const T d = ref_logprob - logprob;
-  return kl_coef * ((Exp(d) - T(1)) - d);
+  const T k3 = KlK3(ref_logprob - logprob);
+  return kl_coef * (k3 > static_cast<T>(kKlClamp) ? static_cast<T>(kKlClamp) : k3);
 }
 
 template <typename T>
 LOSSHEAD_HD T KlSlope(T kl_coef, T ref_logprob, T logprob) {
-  return kl_coef * (T(1) - Exp(ref_logprob - logprob));
+  const T d = ref_logprob - logprob;
+  return KlK3(d) <= static_cast<T>(kKlClamp) ? kl_coef * (T(1) - Exp(d)) : T(0);
 }
 
 // A counted token's policy-gradient loss, its terms in problem.h's order: the clipped term, the

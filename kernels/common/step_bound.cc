@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/common/loss_math.h"
 
 namespace losshead::kernels {
 namespace {
@@ -39,6 +40,11 @@ std::string ScalingOptions(const LossOptions& o) {
 }
 
 }  // namespace
+
+double KlSlopeBound() {
+  static const double bound = std::max(1.0, std::exp(loss::KlClampRoot()) - 1.0);
+  return bound;
+}
 
 double DTypeMax(DType dtype) {
   switch (dtype) {
@@ -79,10 +85,11 @@ StepBounds BoundStep(const Problem& problem, double hidden_abs, double weight_ab
     token_loss += clipped;
     slope = BoundProduct(terms.advantage_abs, ratio);
     if (o.kl_coef > 0.0f) {
-      const double kl_exp = std::exp(terms.ref_logprob_max + spread);
+      // The clamped k3 (loss_math.h): at most kKlClamp, its slope at most exp(d*) - 1 where it
+      // passes, whatever log p and q are.
       const double kl = static_cast<double>(o.kl_coef);
-      token_loss += BoundProduct(kl, kl_exp + terms.ref_logprob_abs + spread);
-      slope += BoundProduct(kl, 1.0 + kl_exp);
+      token_loss += BoundProduct(kl, loss::kKlClamp);
+      slope += BoundProduct(kl, KlSlopeBound());
     }
   } else {
     token_loss += spread;

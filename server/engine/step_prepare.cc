@@ -114,9 +114,7 @@ absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& mb, const StepTarget&
   const TokenInputBounds in = BoundTokenInputs(p.inputs, p.targets, ignore32);
   p.input_bounds = kernels::TermInputBounds{.weight_abs = in.weight_abs,
                                             .advantage_abs = in.advantage_abs,
-                                            .old_logprob_neg = in.old_logprob_neg,
-                                            .ref_logprob_max = in.ref_logprob_max,
-                                            .ref_logprob_abs = in.ref_logprob_abs};
+                                            .old_logprob_neg = in.old_logprob_neg};
 
   // NaN policy: non-finite hidden states are rejected, never computed: they would poison dW for
   // every micro-batch accumulated with them until the next pull. The receiver checks as the

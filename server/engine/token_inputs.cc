@@ -121,7 +121,6 @@ TokenInputBounds BoundTokenInputs(const TokenInputValues& v, const std::vector<i
   const float* w = v.of(TokenInput::kWeight, n);
   const float* o = v.of(TokenInput::kOldLogprob, n);
   const float* a = v.of(TokenInput::kAdvantage, n);
-  const float* q = v.of(TokenInput::kRefLogprob, n);
   if (w != nullptr) b.weight_abs = 0;
   for (int64_t t = 0; t < n; ++t) {
     if (targets[t] == ignore_index) continue;
@@ -130,10 +129,6 @@ TokenInputBounds BoundTokenInputs(const TokenInputValues& v, const std::vector<i
       b.advantage_abs = std::max(b.advantage_abs, std::abs(static_cast<double>(a[t])));
     }
     if (o != nullptr) b.old_logprob_neg = std::max(b.old_logprob_neg, -static_cast<double>(o[t]));
-    if (q != nullptr) {
-      b.ref_logprob_max = std::max(b.ref_logprob_max, static_cast<double>(q[t]));
-      b.ref_logprob_abs = std::max(b.ref_logprob_abs, std::abs(static_cast<double>(q[t])));
-    }
   }
   return b;
 }

@@ -67,13 +67,11 @@ absl::StatusOr<TokenInputValues> ReadTokenInputs(const TokenInputs& inputs,
 
 // The largest |value| of each present input over counted tokens (0 for absent ones), and the
 // most negative old log-prob (as -min, >= 0 when any is negative, 0 otherwise): what the
-// overflow guard bounds the terms by.
+// overflow guard bounds the terms by (the clamped KL term needs no bound of the reference's).
 struct TokenInputBounds {
   double weight_abs = 1.0;  // 1 without weights
   double advantage_abs = 0;
   double old_logprob_neg = 0;  // max(0, -min_t o_t)
-  double ref_logprob_max = 0;  // max(0, max_t q_t)
-  double ref_logprob_abs = 0;  // max |q_t|
 };
 TokenInputBounds BoundTokenInputs(const TokenInputValues& values,
                                   const std::vector<int32_t>& targets, int32_t ignore_index);

@@ -48,6 +48,9 @@ using testing::WorstToleranceRatio;
 struct Terms {
   bool bias = false;     // bias and grad_bias
   bool weights = false;  // token_weights
+  // With kl_coef > 0, reference log-probs that put k3 above its clamp at even tokens (q - log p in
+  // [3, 6]) and below it at odd ones (in [-2, 2]), at least 3 from the bound in q - log p.
+  bool clamped_kl = false;
 };
 
 // Random term inputs for `in`: a bias, weights in [-0.5, 2) with some exact zeros, and for the
@@ -90,7 +93,10 @@ TermInputs RandomTermInputs(const Problem& p, const Inputs& in, const Terms& ter
     if (p.options.kl_coef > 0.0f) {
       out.ref_logprob.resize(p.n);
       for (int64_t t = 0; t < p.n; ++t) {
-        out.ref_logprob[t] = static_cast<float>(first.per_token_logprob[t] + 0.5f * unit(rng));
+        const float offset = !terms.clamped_kl ? 0.5f * unit(rng)
+                             : t % 2 == 0      ? 4.5f + 1.5f * unit(rng)
+                                               : 2.0f * unit(rng);
+        out.ref_logprob[t] = static_cast<float>(first.per_token_logprob[t] + offset);
       }
     }
   }
@@ -230,6 +236,10 @@ INSTANTIATE_TEST_SUITE_P(
                       o.clip_high = 0.28f;
                     }),
                {}},
+        // Away from the KL clamp's bound, on both sides of it: no gradient above.
+        FdCase{"PolicyGradient_KlClamped",
+               With(PolicyGradient(Reduction::kSum, 0.3f), [](LossOptions& o) {}),
+               {.clamped_kl = true}},
         FdCase{"PolicyGradient_Everything",
                With(PolicyGradient(Reduction::kMean, 0.05f),
                     [](LossOptions& o) {
@@ -639,6 +649,110 @@ TEST(LossMathPolicyGradient, ClipSlopeFollowsAutogradAtTheBounds) {
   EXPECT_EQ(loss::KlSlope(0.1, -2.0, -2.0), 0.0);
   EXPECT_GT(loss::KlTerm(0.1, -1.0, -2.0), 0.0);
   EXPECT_GT(loss::KlTerm(0.1, -3.0, -2.0), 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The KL term's clamp, torch.clamp(k3, max=10) under autograd: the value and gradient of tokens
+// whose k3 lies above the clamp (on both sides of q = log p), below it, and exactly at it (where
+// the gradient passes), the backend against the reference.
+
+// Exactly at the bound, in the T the backends evaluate it in: a d = q - log p with k3(d) = 10 to
+// the last bit, found next to the negative root d_ = e^d_ - 11 (where k3's slope is about -1, so
+// that consecutive d step k3 by about one ulp). The term is 10 and the gradient passes; below the
+// first d whose k3 rounds above 10, the term is 10 and no gradient.
+template <typename T>
+void ExpectKlClampAtTheBound() {
+  T d = T(-11);
+  for (int i = 0; i < 8; ++i) d = static_cast<T>(std::exp(static_cast<double>(d)) - 11.0);
+  const T clamp = static_cast<T>(loss::kKlClamp);
+  T at = d;  // the first d at or after 64 steps below the root with k3(d) = 10
+  for (int i = 0; i < 64; ++i) at = std::nextafter(at, T(-100));
+  for (int i = 0; i < 128 && loss::KlK3(at) != clamp; ++i) at = std::nextafter(at, T(0));
+  ASSERT_EQ(loss::KlK3(at), clamp);
+  const T kl = T(0.5);
+  // q = at, log p = 0: d as the kernels form it.
+  EXPECT_EQ(loss::KlTerm(kl, at, T(0)), kl * clamp);
+  EXPECT_EQ(loss::KlSlope(kl, at, T(0)), kl * (T(1) - loss::Exp(at)));
+  EXPECT_GT(loss::KlSlope(kl, at, T(0)), T(0.49));
+  T beyond = at;  // the next d below whose k3 rounds above the clamp
+  for (int i = 0; i < 16 && loss::KlK3(beyond) <= clamp; ++i) {
+    beyond = std::nextafter(beyond, T(-100));
+  }
+  ASSERT_GT(loss::KlK3(beyond), clamp);
+  EXPECT_EQ(loss::KlTerm(kl, beyond, T(0)), kl * clamp);
+  EXPECT_EQ(loss::KlSlope(kl, beyond, T(0)), T(0));
+}
+
+TEST(LossTermsKlClamp, ExactlyAtTheBoundTheGradientPasses) {
+  ExpectKlClampAtTheBound<double>();
+  ExpectKlClampAtTheBound<float>();
+}
+
+TEST(CpuLossTermsKlClamp, AboveBelowAndAtTheBoundMatchTheReference) {
+  // d = 1: every logit is a weight, exact in both. The backend's log p agrees with the
+  // reference's to some 1e-15, far inside the float step of q that separates the tokens placed
+  // next to the bound.
+  Problem p{.n = 8, .d = 1, .v = 3, .dtype = DType::kFP32};
+  p.options = PolicyGradient(Reduction::kSum, 0.5f);
+  Inputs in = MakeRandomInputs(p, 77);
+  in.hidden.assign(p.n, 1.0);
+  in.targets.assign(p.n, 0);
+  in.weight = {0.0, -1.0, -2.5};
+  const float weights[] = {0.0f, -1.0f, -2.5f};
+  std::memcpy(in.weight_bytes.data(), weights, sizeof(weights));
+  const std::vector<float> ones(p.n, 1.0f);
+  std::memcpy(in.hidden_bytes.data(), ones.data(), ones.size() * sizeof(float));
+  TermInputs terms;
+  terms.ref_logprob.assign(p.n, 0.0f);
+  terms.old_logprob.assign(p.n, 0.0f);
+  terms.advantages.assign(p.n, 0.0f);
+  const double logprob =
+      LossTermsReference(p, in.hidden, in.weight, in.targets, terms).per_token_logprob[0];
+
+  // The roots of k3(d) = 10, and the float q on either side of each.
+  double lower = -11.0, upper = 3.0;
+  for (int i = 0; i < 8; ++i) lower = std::exp(lower) - 11.0;
+  upper = loss::KlClampRoot();
+  const float q_lower = static_cast<float>(logprob + lower);
+  const float q_upper = static_cast<float>(logprob + upper);
+  auto step = [](float q, float to) { return std::nextafter(q, to); };
+  const float below_lower = q_lower - logprob > lower ? q_lower : step(q_lower, 0.0f);
+  const float below_upper = q_upper - logprob < upper ? q_upper : step(q_upper, -100.0f);
+  // q - log p per token: above the clamp (k3 about 28.6 and 12), below it (0.72 and 4.0), and
+  // next to each root, inside and one float step of q outside. The clipped term is off (A = 0),
+  // so that the KL term is each token's whole gradient.
+  const float lp = static_cast<float>(logprob);
+  terms.ref_logprob = {lp + 3.5f,   lp - 13.0f,
+                       lp + 1.0f,   lp - 5.0f,
+                       below_lower, step(below_lower, -100.0f),
+                       below_upper, step(below_upper, 100.0f)};
+  const bool clamped[] = {true, true, false, false, false, true, false, true};
+  terms.old_logprob.assign(p.n, lp);
+  const TermResult ref = LossTermsReference(p, in.hidden, in.weight, in.targets, terms);
+  std::unique_ptr<Backend> backend = CreateCpuBackend(2);
+  absl::StatusOr<Outputs> out = RunOnBackend(*backend, in, RunOptionsFor(terms, size_t{1} << 20));
+  ASSERT_TRUE(out.ok()) << out.status();
+
+  for (int64_t t = 0; t < p.n; ++t) {
+    SCOPED_TRACE(::testing::Message() << "token " << t);
+    ASSERT_EQ(ref.per_token_logprob[t], logprob);
+    const double d = static_cast<double>(terms.ref_logprob[t]) - logprob;
+    const double k3 = (std::exp(d) - 1.0) - d;
+    ASSERT_EQ(k3 > loss::kKlClamp, clamped[t]) << k3;
+    EXPECT_EQ(ref.per_token_loss[t], 0.5 * std::min(k3, loss::kKlClamp));
+    EXPECT_NEAR(out->per_token_loss[t], ref.per_token_loss[t], 1e-6 * ref.per_token_loss[t]);
+    // dH_t = sum_j dz_j w_j with dz = c ([j == 0] - p), c = dloss/dlog p: 0 where clamped.
+    if (clamped[t]) {
+      EXPECT_EQ(ref.grad_hidden[t], 0.0);
+      EXPECT_EQ(out->grad_hidden[t], 0.0);
+    } else {
+      EXPECT_NE(ref.grad_hidden[t], 0.0);
+      EXPECT_NEAR(out->grad_hidden[t], ref.grad_hidden[t], 1e-5 * std::abs(ref.grad_hidden[t]));
+    }
+  }
+  EXPECT_LE(WorstToleranceRatio(ToDouble(out->grad_weight), ref.grad_weight, 1e-5,
+                                1e-6 * MaxAbs(ref.grad_weight)),
+            1.0);
 }
 
 // ---------------------------------------------------------------------------------------------

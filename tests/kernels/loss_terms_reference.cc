@@ -77,7 +77,7 @@ TermResult LossTermsReference(const Problem& problem, const std::vector<double>&
       for (int64_t j = 0; j < v; ++j) dz[j] += p[j] - (1.0 - eps) * (j == y) - eps / v;
     } else {
       // -min(ratio A, clamp(ratio, lo, hi) A), differentiated as autograd would through
-      // exp, mul, clamp and minimum; then the k3 KL term.
+      // exp, mul, clamp and minimum; then the k3 KL term, clamped at 10.
       const double lo = 1.0 - static_cast<double>(o.clip_low);
       const double hi = 1.0 + static_cast<double>(o.clip_high);
       const double advantage = inputs.advantages[t];
@@ -91,9 +91,13 @@ TermResult LossTermsReference(const Problem& problem, const std::vector<double>&
       const double dratio = -(da * advantage + db * advantage * dclamped);
       double dlogprob = dratio * ratio;
       if (o.kl_coef > 0.0f) {
+        // torch.clamp(k3, max=10): the gradient passes where k3 <= 10, the bound included. k3
+        // is rounded as (exp(d) - 1) - d, the kernels' order, so that a token exactly at the
+        // bound is at it for both.
         const double q = inputs.ref_logprob[t];
-        loss += o.kl_coef * (std::exp(q - logprob) - (q - logprob) - 1.0);
-        dlogprob += o.kl_coef * (1.0 - std::exp(q - logprob));
+        const double k3 = (std::exp(q - logprob) - 1.0) - (q - logprob);
+        loss += o.kl_coef * std::min(k3, 10.0);
+        if (k3 <= 10.0) dlogprob += o.kl_coef * (1.0 - std::exp(q - logprob));
       }
       for (int64_t j = 0; j < v; ++j) dz[j] += dlogprob * ((j == y) - p[j]);
     }

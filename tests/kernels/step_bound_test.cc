@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "kernels/common/loss_math.h"
 #include "losshead/kernels/problem.h"
 #include "tests/kernels/reference_loss.h"
 
@@ -101,6 +102,39 @@ TEST(StepBoundTest, RefusesWhatWouldOverflowWithOutOfRange) {
   EXPECT_EQ(check(4.0, 1.0, DType::kBF16, true), absl::StatusCode::kOutOfRange);  // 4 tokens' dW
   EXPECT_EQ(BoundStep(p, std::numeric_limits<double>::infinity(), 1.0, 1).logit,
             std::numeric_limits<double>::infinity());
+}
+
+// The clamped KL term (loss_math.h) adds kl_coef 10 to a token's loss and kl_coef (exp(d*) - 1)
+// to |dloss/dlog p| whatever the logits: without a soft-cap, logits bounded by some 4e6 (where
+// k3 itself would be e^(8e6)) are accepted, and only the term's own coefficient can overflow.
+TEST(StepBoundTest, ClampedKlTermIsBoundedWhateverTheLogits) {
+  // d* solves exp(d) - d - 1 = 10 to the last bits, and is where the slope bound comes from.
+  const double root = loss::KlClampRoot();
+  EXPECT_NEAR(root, 2.61087, 1e-5);
+  EXPECT_NEAR(std::exp(root) - root - 1.0 - loss::kKlClamp, 0.0, 1e-13);
+  EXPECT_EQ(KlSlopeBound(), std::exp(root) - 1.0);
+  EXPECT_NEAR(KlSlopeBound(), 12.61087, 1e-5);
+
+  Problem p{.n = 8, .d = 4096, .v = 128256, .dtype = DType::kBF16};
+  p.options.kind = LossKind::kPolicyGradient;
+  const TermInputBounds terms{.advantage_abs = 2.0, .old_logprob_neg = 0.5};
+  auto bounds = [&](float kl_coef, double hidden_abs) {
+    p.options.kl_coef = kl_coef;
+    return BoundStep(p, hidden_abs, 1.0, p.n, terms);
+  };
+  const StepBounds without = bounds(0.0f, 1e3);
+  const StepBounds with = bounds(0.5f, 1e3);
+  EXPECT_NEAR(with.loss_sum - without.loss_sum, p.n * 0.5 * loss::kKlClamp, 1e-9 * with.loss_sum);
+  EXPECT_NEAR(with.grad - without.grad, 2.0 * 0.5 * KlSlopeBound(), 1e-12 * with.grad);
+  // Independent of the logits' bound: the same addition at 1e3 and at 1e1.
+  const StepBounds small = bounds(0.5f, 10.0);
+  EXPECT_NEAR(small.grad - bounds(0.0f, 10.0).grad, with.grad - without.grad, 1e-12 * with.grad);
+  EXPECT_EQ(CheckStepBounds(p, with, 1e3, 1.0, DType::kBF16, true).code(),
+            absl::StatusCode::kOk);
+  // Only a coefficient that itself overflows the gradient is refused.
+  const StepBounds huge = bounds(1e38f, 1e3);
+  EXPECT_EQ(CheckStepBounds(p, huge, 1e3, 1.0, DType::kBF16, true).code(),
+            absl::StatusCode::kOutOfRange);
 }
 
 }  // namespace

@@ -84,9 +84,11 @@ Reference Compute(const std::vector<float>& w, const HostBatch& b, const Terms& 
       const double share = u < v ? 1.0 : (u > v ? passes : (1 + passes) / 2);
       c = -a * share * ratio;
       if (t.kl_coef > 0) {
+        // k3 clamped at 10 (torch.clamp(k3, max=10): the gradient passes at the bound).
         const double d = t.ref_logprob[i] - logp;
-        loss += t.kl_coef * (std::exp(d) - d - 1);
-        c += t.kl_coef * (1 - std::exp(d));
+        const double k3 = std::exp(d) - d - 1;
+        loss += t.kl_coef * std::min(k3, 10.0);
+        if (k3 <= 10.0) c += t.kl_coef * (1 - std::exp(d));
       }
     } else {
       loss = -logp;
@@ -206,7 +208,9 @@ TEST_F(LossTermsTest, PolicyGradientMatchesFloat64WithAndWithoutKl) {
   const Reference current = Compute(head->weight, batch, probe);
   const std::vector<float> noise = Uniform(kN, -0.4, 0.4, 32);
   std::vector<float> old_logprob(kN), ref_logprob(kN);
-  const std::vector<float> ref_noise = Uniform(kN, -0.5, 0.5, 33);
+  // Reference log-probs from 4 below to 4 above: k3 clamped (q - log p > 2.61) at some tokens,
+  // with no soft-cap (the clamped term needs no bound of the logits).
+  const std::vector<float> ref_noise = Uniform(kN, -4.0, 4.0, 33);
   for (int64_t i = 0; i < kN; ++i) {
     old_logprob[i] = static_cast<float>(current.logprob[i] + noise[i]);
     ref_logprob[i] = static_cast<float>(current.logprob[i] + ref_noise[i]);
@@ -234,9 +238,6 @@ TEST_F(LossTermsTest, PolicyGradientMatchesFloat64WithAndWithoutKl) {
       t.old_logprob = old_logprob;
       t.advantages = advantages;
       if (kl > 0) {
-        // The KL term's overflow bound needs bounded logits (step_bound.h): a soft-cap with it.
-        mb.loss_options.set_logit_softcap(20.0f);
-        t.softcap = 20.0;
         mb.loss_options.set_kl_coef(kl);
         mb.ref_logprob = ref_logprob;
         t.kl_coef = kl;

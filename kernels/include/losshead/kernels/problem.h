@@ -81,16 +81,19 @@ enum class LossKind {
 // soft-cap above), Arguments::old_logprob o_t and Arguments::advantages A_t (N fp32 each):
 //   r_t    = exp(log p_t - o_t)
 //   loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
-//            + kl_coef * (exp(q_t - log p_t) - (q_t - log p_t) - 1)    (the k3 estimator)
+//            + kl_coef * min(k3_t, 10)                                  (low-variance KL)
 //            + z_loss * lse^2 + entropy_coef * H_t
-// q_t being Arguments::ref_logprob (needed exactly when kl_coef > 0). The loss depends on z
+//   k3_t   = exp(q_t - log p_t) - (q_t - log p_t) - 1  (the k3 estimator, >= 0)
+// q_t being Arguments::ref_logprob (needed exactly when kl_coef > 0); the clamp at 10
+// (loss_math.h's kKlClamp) is torch.clamp(k3, max=10), verl's low_var_kl. The loss depends on z
 // through log p_t (and lse, H_t for their terms), so with c_t = dloss_t/dlog p_t:
 //   g_j    = c_t ([j == y] - p_j) + 2 z_loss lse p_j + entropy_coef dH_t/dz_j
-//   c_t    = -r_t A_t m_t + kl_coef (1 - exp(q_t - log p_t))
+//   c_t    = -r_t A_t m_t + kl_coef (1 - exp(q_t - log p_t)) [k3_t <= 10]
 // where m_t is how much of the min's gradient reaches r_t, as PyTorch's autograd takes it for
 // torch.min(r A, torch.clamp(r, lo, hi) A): 1 where r A < clip(r) A; the clamp's gradient
 // [lo <= r <= hi] (bounds included) where r A > clip(r) A; and at a tie half of each, so 1 inside
-// [lo, hi] (where clip(r) = r) and 1/2 outside it. Label smoothing is cross-entropy's and is
+// [lo, hi] (where clip(r) = r) and 1/2 outside it; the KL clamp likewise passes the gradient at
+// its bound (k3_t = 10) and stops it above. Label smoothing is cross-entropy's and is
 // refused with kPolicyGradient; ignore_index, the reduction, grad_scale, weights, z-loss, the
 // entropy term, the soft-cap, the scale and the bias apply to both kinds.
 struct LossOptions {

@@ -16,20 +16,18 @@
 //
 // The terms of LossOptions widen them (S = logit_scale, c = |entropy_coef|, k = kl_coef; over the
 // counted tokens, Wt = max |w_t| (1 without token weights), A = max |A_t|, R = exp(max(0,
-// max_t -o_t)) for the old log-probs o_t, Q = max(0, max_t q_t) and |q| = max |q_t| for the
-// reference's q_t):
+// max_t -o_t)) for the old log-probs o_t):
 //   raw logits       |x| <= S D H W
 //   entropy          |H_t| <= 2 Z + ln V  (as computed, lse - sum_j p_j z_j)
 //   cross-entropy    loss <= Wt (2 Z + ln V + z_loss L^2 + c (2 Z + ln V))
 //   policy gradient  r_t = exp(log p_t - o_t) <= R (log p_t <= 0), so the clipped term is at most
-//                    A max(R, 1 + clip_high); with u = Q + 2 Z + ln V (log p_t >= -(2 Z + ln V)),
-//                    the KL term is at most k (e^u + |q| + 2 Z + ln V); loss <= Wt (those + z_loss
-//                    L^2 + c (2 Z + ln V))
+//                    A max(R, 1 + clip_high); the KL term, k3 clamped at kKlClamp = 10
+//                    (loss_math.h), is at most k 10; loss <= Wt (those + z_loss L^2 + c (2 Z +
+//                    ln V))
 //   gradient         sum_j |g_j| <= Wt max(1, S) (2 |dloss/dlog p| + 2 z_loss L + 2 c Z), with
-//                    dloss/dlog p = 1 (cross-entropy) or A R + k (1 + e^u) (policy gradient)
-// The ratio's bound is as tight as the inputs make it; the KL term's e^u is not (the actual
-// log p_t is only known once computed), so a KL term is refused wherever the logit bound Z
-// reaches some 40: a head with kl_coef > 0 needs a soft-cap or logits bounded that far.
+//                    dloss/dlog p = 1 (cross-entropy) or A R + k KlSlopeBound() (policy gradient)
+// Both are as tight as the inputs make them: the KL term's bounds hold whatever log p_t and the
+// reference's q_t are, so they do not depend on Z.
 #ifndef LOSSHEAD_KERNELS_STEP_BOUND_H_
 #define LOSSHEAD_KERNELS_STEP_BOUND_H_
 
@@ -54,14 +52,16 @@ struct TermInputBounds {
   double weight_abs = 1.0;      // max |w_t|; 1 without token weights
   double advantage_abs = 0.0;   // max |A_t|
   double old_logprob_neg = 0.0;  // max(0, max_t -o_t)
-  double ref_logprob_max = 0.0;  // max(0, max_t q_t)
-  double ref_logprob_abs = 0.0;  // max |q_t|
 };
 
 // The bounds of `problem` (valid) with |h| <= hidden_abs, |w| <= weight_abs and `counted_tokens`
 // targets that are not ignore_index, its terms' inputs bounded by `terms`. +Inf in, +Inf out.
 StepBounds BoundStep(const Problem& problem, double hidden_abs, double weight_abs,
                      int64_t counted_tokens, const TermInputBounds& terms = {});
+
+// The largest |dk3/dlog p| where the clamped k3 passes its gradient: max(1, exp(d*) - 1) with d*
+// the positive root of exp(d) - d - 1 = kKlClamp (loss_math.h), about 12.6.
+double KlSlopeBound();
 
 // What an embedding-gradient micro-batch of a tied head (Backend::IndexAddRows) adds to any
 // element of dW: each row's elements are bounded by `row_abs`, and one id carries at most
