@@ -81,22 +81,9 @@ RunOptions RunOptionsFor(const TermInputs& terms, size_t budget, bool stash) {
   return options;
 }
 
-LossOptions CrossEntropy(Reduction reduction = Reduction::kMean) {
-  return LossOptions{.reduction = reduction};
-}
-
-LossOptions PolicyGradient(Reduction reduction = Reduction::kMean, float kl_coef = 0.0f) {
-  LossOptions o{.reduction = reduction};
-  o.kind = LossKind::kPolicyGradient;
-  o.kl_coef = kl_coef;
-  return o;
-}
-
-template <typename F>
-LossOptions With(LossOptions o, F set) {
-  set(o);
-  return o;
-}
+using testing::CrossEntropy;
+using testing::PolicyGradient;
+using testing::With;
 
 struct Case {
   std::string name;

@@ -186,22 +186,9 @@ TEST_P(LossTermsReferenceGradientTest, MatchesCentralDifferences) {
   EXPECT_NEAR(ref.objective, scale * ref.loss_sum, 1e-12 * (1.0 + std::abs(ref.objective)));
 }
 
-LossOptions CrossEntropy(Reduction reduction = Reduction::kMean) {
-  return LossOptions{.reduction = reduction};
-}
-
-LossOptions PolicyGradient(Reduction reduction = Reduction::kMean, float kl_coef = 0.0f) {
-  LossOptions o{.reduction = reduction};
-  o.kind = LossKind::kPolicyGradient;
-  o.kl_coef = kl_coef;
-  return o;
-}
-
-template <typename F>
-LossOptions With(LossOptions o, F set) {
-  set(o);
-  return o;
-}
+using testing::CrossEntropy;
+using testing::PolicyGradient;
+using testing::With;
 
 INSTANTIATE_TEST_SUITE_P(
     Terms, LossTermsReferenceGradientTest,

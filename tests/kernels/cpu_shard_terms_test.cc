@@ -45,22 +45,9 @@ using testing::WorstToleranceRatio;
 
 constexpr size_t kWhole = size_t{64} << 20;
 
-LossOptions CrossEntropy(Reduction reduction = Reduction::kMean) {
-  return LossOptions{.reduction = reduction};
-}
-
-LossOptions PolicyGradient(Reduction reduction = Reduction::kMean, float kl_coef = 0.0f) {
-  LossOptions o{.reduction = reduction};
-  o.kind = LossKind::kPolicyGradient;
-  o.kl_coef = kl_coef;
-  return o;
-}
-
-template <typename F>
-LossOptions With(LossOptions o, F set) {
-  set(o);
-  return o;
-}
+using testing::CrossEntropy;
+using testing::PolicyGradient;
+using testing::With;
 
 struct Case {
   std::string name;

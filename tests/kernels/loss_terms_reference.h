@@ -53,6 +53,24 @@ TermInputs RandomTermInputs(const Problem& problem, const std::vector<double>& h
                             const std::vector<double>& weight, const std::vector<int32_t>& targets,
                             bool bias, bool weights, uint64_t seed, float kink_margin);
 
+// Loss options of each kind, and a copy of `o` changed by `set`, for the tests' case tables.
+inline LossOptions CrossEntropy(Reduction reduction = Reduction::kMean) {
+  return LossOptions{.reduction = reduction};
+}
+
+inline LossOptions PolicyGradient(Reduction reduction = Reduction::kMean, float kl_coef = 0.0f) {
+  LossOptions o{.reduction = reduction};
+  o.kind = LossKind::kPolicyGradient;
+  o.kl_coef = kl_coef;
+  return o;
+}
+
+template <typename F>
+LossOptions With(LossOptions o, F set) {
+  set(o);
+  return o;
+}
+
 }  // namespace losshead::kernels::testing
 
 #endif  // LOSSHEAD_TESTS_KERNELS_LOSS_TERMS_REFERENCE_H_
