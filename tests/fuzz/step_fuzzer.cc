@@ -125,8 +125,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!added->has_value()) continue;
     ++microbatches;
     AssembledMicroBatch& mb = **added;
-    FUZZ_CHECK(mb.oversize ||
-               mb.microbatch.hidden.size() + mb.microbatch.targets.size() == mb.received_bytes);
+    // Every byte received is in the micro-batch: hidden states, targets and per-token inputs.
+    size_t kept = mb.microbatch.hidden.size() + mb.microbatch.targets.size();
+    for (const std::string& input : mb.microbatch.token_inputs) kept += input.size();
+    FUZZ_CHECK(mb.oversize || kept == mb.received_bytes);
     FUZZ_CHECK(mb.oversize == (mb.received_bytes > kMaxMicrobatchBytes));
     // Digests taken piece by piece are those of the whole tensors (the key's fingerprint).
     FUZZ_CHECK(mb.microbatch.hidden_digest.has_value() == mb.microbatch.targets_digest.has_value());
