@@ -76,6 +76,44 @@ float MedianMs(cudaStream_t stream, int warmup, int runs, Fn fn) {
   return MedianMs(stream, warmup, runs, fn, [] {});
 }
 
+// Medians of `fa` and `fb` timed in alternating pairs (a then b, then b then a, and so on), so
+// that a drift of the card's clocks over the runs (heat, power) weighs on both alike: timing all
+// of one and then all of the other put the drift into the difference.
+template <typename Fa, typename Fb>
+std::pair<float, float> PairedMedianMs(cudaStream_t stream, int warmup, int runs, Fa fa, Fb fb) {
+  for (int i = 0; i < warmup; ++i) {
+    fa();
+    fb();
+  }
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  auto time = [&](auto& fn) {
+    float ms = 0;
+    BENCH_CUDA(cudaEventRecord(a, stream));
+    fn();
+    BENCH_CUDA(cudaEventRecord(b, stream));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+  };
+  std::vector<float> ms_a(runs), ms_b(runs);
+  for (int i = 0; i < runs; ++i) {
+    if (i % 2 == 0) {
+      ms_a[i] = time(fa);
+      ms_b[i] = time(fb);
+    } else {
+      ms_b[i] = time(fb);
+      ms_a[i] = time(fa);
+    }
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms_a.begin(), ms_a.end());
+  std::sort(ms_b.begin(), ms_b.end());
+  return {ms_a[runs / 2], ms_b[runs / 2]};
+}
+
 }  // namespace losshead::bench
 
 #endif  // LOSSHEAD_KERNELS_BENCH_BENCH_UTIL_H_

@@ -297,11 +297,16 @@ __device__ __forceinline__ Candidate ShflDown(Candidate c, int offset) {
   return {ShflDown(c.z, offset), ShflDown(c.id, offset)};
 }
 
+__device__ __forceinline__ Candidate ShflXor(Candidate c, int offset) {
+  return {ShflXor(c.z, offset), ShflXor(c.id, offset)};
+}
+
 // A thread's best k candidates (k <= kMaxTopK, given at run time), best first. The caller keeps
 // the k-th (`last`, from Empty and Insert) in a register and calls Insert only for a candidate
-// that beats it, which after the first few hundred of a row's values is rare: the list itself
-// lives in local memory (L1), written only there. The order is total (ArgmaxBeats), so the list
-// does not depend on the order of the offers.
+// that beats it: the list itself lives in local memory (L1), written only there. Offered every
+// value of a row, a thread inserts about k (1 + ln(values / k)) times, each a divergent branch of
+// its warp: the row kernel offers only the values at or above a bound (BlockKthBest), about k. The
+// order is total (ArgmaxBeats), so the list does not depend on the order of the offers.
 struct TopKList {
   float z[kMaxTopK];
   int id[kMaxTopK];
@@ -344,19 +349,62 @@ __device__ __forceinline__ void OfferTopK(TopKList& list, Candidate& last, float
   if (loss::ArgmaxBeats(z, id, last.z, last.id)) last = list.Insert({z, id}, k);
 }
 
-// The block's best k of every thread's list, into best[0, k) (shared memory, valid in every
-// thread on return): k rounds in which every thread offers its best remaining candidate, the
-// block reduction picks the best (in warp order) and the one thread that holds it (ids are
-// unique over the block's lists) drops it. Called by all kThreads threads; empties the lists.
+// The block's best k (k <= kMaxTopK) of every thread's candidates, best first, into best[0, k)
+// (shared memory, valid in every thread on return; {-inf, kNoId} past the last candidate).
+// head() is the thread's best remaining candidate and pop() drops it; ids are unique over the
+// block. Each warp first finds its own best k by k rounds of a warp all-reduce over its lanes'
+// heads, with no barrier; then warp 0 merges the warps' sorted lists, k rounds over their heads:
+// two barriers in all, where k rounds of a block reduction would take 2k. The order is total
+// (BestOp), so the result does not depend on the order of the candidates. Called by all kThreads
+// threads.
+template <int kThreads, typename Head, typename Pop>
+__device__ __forceinline__ void BlockBestK(Head head, Pop pop, int k, Candidate* best) {
+  constexpr int kWarps = kThreads / kWarpSize;
+  static_assert(kWarps <= kWarpSize, "warp 0 merges one list per lane");
+  __shared__ Candidate warp_best[kWarps][kMaxTopK];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  constexpr Candidate kNone{-INFINITY, kNoId};
+  for (int r = 0; r < k; ++r) {
+    const Candidate mine = head();
+    const Candidate w = WarpAllReduce(mine, BestOp{});
+    if (lane == 0) warp_best[warp][r] = w;
+    if (w.id != kNoId && mine.id == w.id) pop();
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int at = 0;  // lane l < kWarps: the head of warp l's list
+    for (int r = 0; r < k; ++r) {
+      const Candidate mine = lane < kWarps && at < k ? warp_best[lane][at] : kNone;
+      const Candidate w = WarpAllReduce(mine, BestOp{});
+      if (lane == 0) best[r] = w;
+      if (w.id != kNoId && mine.id == w.id) ++at;
+    }
+  }
+  __syncthreads();
+}
+
+// The block's best k of every thread's list, into best[0, k) as BlockBestK says. Empties the
+// lists.
 template <int kThreads>
 __device__ __forceinline__ void BlockTopK(TopKList& list, int k, Candidate* best) {
-  __shared__ Candidate slots[kThreads / kWarpSize];
-  for (int r = 0; r < k; ++r) {
-    ReduceToWarpSlots<kThreads>(Candidate{list.z[0], list.id[0]}, BestOp{}, slots);
-    if (threadIdx.x == 0) best[r] = FoldWarpSlots<kThreads>(slots, BestOp{}, slots[0], 1);
-    __syncthreads();
-    if (list.id[0] == best[r].id && best[r].id != kNoId) list.Pop();
-  }
+  BlockBestK<kThreads>(
+      [&] {
+        return Candidate{list.z[0], list.id[0]};
+      },
+      [&] { list.Pop(); }, k, best);
+}
+
+// The k-th best of the block's candidates, one per thread (`mine`: ids unique over the block, or
+// kNoId for none), valid in every thread on return. With each thread's own best as `mine` it
+// bounds a row's top-k from below: the k candidates at or above it are k elements of the row, so
+// each of the row's k best is at or above it too. {-inf, kNoId} where fewer than k threads have
+// one. Called by all kThreads threads.
+template <int kThreads>
+__device__ __forceinline__ Candidate BlockKthBest(Candidate mine, int k) {
+  __shared__ Candidate best[kMaxTopK];
+  BlockBestK<kThreads>([&] { return mine; }, [&] { mine = Candidate{-INFINITY, kNoId}; }, k, best);
+  return best[k - 1];
 }
 
 }  // namespace losshead::kernels::cuda

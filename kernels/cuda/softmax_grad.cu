@@ -42,8 +42,8 @@ __device__ __forceinline__ TermFactors& SharedTermFactors() {
 // SharedTermFactors(). z_target after scale, bias and soft-cap; lse and the row's s / sum_exp
 // (`mean_shifted_z`, against max) and entropy from the reduction.
 __device__ __forceinline__ float RowTermsLoss(const loss::Options& o, const RowTerms& rt,
-                                              int64_t row, float lse, float z_target,
-                                              float sum_z, float v, float entropy) {
+                                              int64_t row, float lse, float z_target, float sum_z,
+                                              float v, float entropy) {
   const loss::TermOptions& t = rt.terms;
   const float weight = rt.token_weights != nullptr ? rt.token_weights[row] : 1.0f;
   float loss;
@@ -107,16 +107,23 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
 
+  // The top-k, of a counted row only (k = 0 offers none): pass 1 finds a bound below which none
+  // of the row's k best lies (BlockKthBest), and the row's next read offers this thread's list
+  // only the values at or above it, about k of the row's V for random logits.
+  [[maybe_unused]] const int top_k = kTop && valid ? outputs.top_k : 0;
+  [[maybe_unused]] float top_bound = INFINITY;
+  [[maybe_unused]] TopKList top;
+  [[maybe_unused]] Candidate last;
+  if constexpr (kTop) last = TopKList::Empty(top);
+  [[maybe_unused]] auto offer_top = [&](float z, int64_t j) {
+    if (z >= top_bound) OfferTopK(top, last, z, static_cast<int>(j), top_k);
+  };
+
   // An ignored row still needs its lse when the caller asks for it; otherwise only zeros.
   const bool need_stats = valid || per_token_lse != nullptr;
   float lse = 0.0f;
   if (need_stats) {
     State st = State::Empty();
-    // The top-k's candidates of this thread, for a counted row only (k = 0 offers none).
-    [[maybe_unused]] const int top_k = kTop && valid ? outputs.top_k : 0;
-    [[maybe_unused]] TopKList top;
-    [[maybe_unused]] Candidate last;
-    if constexpr (kTop) last = TopKList::Empty(top);
     for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
       Vec<TL> in[kUnroll];
 #pragma unroll
@@ -134,14 +141,6 @@ __global__ void __launch_bounds__(kThreads)
             for (int k = 0; k < kVec; ++k) z[k] = z_of(ToF(in[u].v[k]), i * kVec + k);
             PushVector<kVec>(
                 st, [&](int k) { return z[k]; }, i * kVec);
-            if constexpr (kTop) {
-              if (top_k > 0) {
-#pragma unroll
-                for (int k = 0; k < kVec; ++k) {
-                  OfferTopK(top, last, z[k], static_cast<int>(i * kVec) + k, top_k);
-                }
-              }
-            }
           } else {
             PushVector<kVec>(st, [&](int k) { return cap(ToF(in[u].v[k])); });
           }
@@ -152,9 +151,6 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (kDist) {
         const float z = z_of(ToF(x[j]), j);
         Push(st, z, j);
-        if constexpr (kTop) {
-          if (top_k > 0) OfferTopK(top, last, z, static_cast<int>(j), top_k);
-        }
       } else {
         Push(st, cap(ToF(x[j])));
       }
@@ -198,19 +194,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     lse = shared_lse;
     if constexpr (kTop) {
-      if (top_k > 0) {  // the same in every thread of the block: the barriers are reached by all
-        __shared__ Candidate best[kMaxTopK];
-        BlockTopK<kThreads>(top, top_k, best);
-        if (tid < top_k) {
-          const Candidate c = best[tid];
-          if (outputs.top_k_ids != nullptr) {
-            outputs.top_k_ids[row * top_k + tid] = c.id == kNoId ? -1 : c.id;
-          }
-          if (outputs.top_k_logprobs != nullptr) {
-            outputs.top_k_logprobs[row * top_k + tid] = loss::TargetLogProb(lse, c.z);
-          }
-        }
-      }
+      // top_k is the same in every thread of the block: the barriers are reached by all.
+      if (top_k > 0) top_bound = BlockKthBest<kThreads>(Candidate{st.am, st.ai}, top_k).z;
     }
   } else if (tid == 0) {
     row_loss[row] = 0.0f;
@@ -218,7 +203,37 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kDist) WriteIgnoredOutputs(outputs, row);
   }
 
-  if (grad == nullptr) return;
+  // The block's top-k from the threads' lists, once the row's next read has offered them.
+  [[maybe_unused]] auto write_top_k = [&] {
+    __shared__ Candidate best[kMaxTopK];
+    BlockTopK<kThreads>(top, top_k, best);
+    if (tid < top_k) {
+      const Candidate c = best[tid];
+      if (outputs.top_k_ids != nullptr) {
+        outputs.top_k_ids[row * top_k + tid] = c.id == kNoId ? -1 : c.id;
+      }
+      if (outputs.top_k_logprobs != nullptr) {
+        outputs.top_k_logprobs[row * top_k + tid] = loss::TargetLogProb(lse, c.z);
+      }
+    }
+  };
+
+  if (grad == nullptr) {
+    // No pass 2 to offer the top-k its values: a read of the row of its own.
+    if constexpr (kTop) {
+      if (top_k > 0) {
+        for (int64_t i = tid; i < nvec; i += kThreads) {
+          Vec<TL> in;
+          in.raw = __ldcg(&xv[i].raw);
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) offer_top(z_of(ToF(in.v[k]), i * kVec + k), i * kVec + k);
+        }
+        for (int64_t j = tail_start + tid; j < p.v; j += kThreads) offer_top(z_of(ToF(x[j]), j), j);
+        write_top_k();
+      }
+    }
+    return;
+  }
   TG* g = grad + row * ldg;
   using Out = OutVec<TG, kVec>;
   Out* gv = reinterpret_cast<Out*>(g);
@@ -261,12 +276,28 @@ __global__ void __launch_bounds__(kThreads)
       if (i < nvec && valid) in[u].raw = __ldcs(&xv[i].raw);
     }
     Out out[kUnroll];
+    // Whether a value of the tile reaches the top-k's bound: a compare per value here, and the
+    // rare offers (a call) in a loop of their own, off this one's schedule.
+    [[maybe_unused]] bool top_hit = false;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        out[u].v[k] = FromF<TG>(valid ? grad_of(ToF(in[u].v[k]), i * kVec + k) : 0.0f);
+        const float xval = ToF(in[u].v[k]);
+        if constexpr (kTop) top_hit |= i < nvec && z_of(xval, i * kVec + k) >= top_bound;
+        out[u].v[k] = FromF<TG>(valid ? grad_of(xval, i * kVec + k) : 0.0f);
+      }
+    }
+    if constexpr (kTop) {
+      // Before this tile's stores: G may overwrite the logits in place.
+      if (top_hit && top_k > 0) {
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + tid + static_cast<int64_t>(u) * kThreads;
+          if (i >= nvec) break;
+          for (int k = 0; k < kVec; ++k)
+            offer_top(z_of(ToF(x[i * kVec + k]), i * kVec + k), i * kVec + k);
+        }
       }
     }
     if constexpr (kNarrowing) __syncthreads();
@@ -279,9 +310,17 @@ __global__ void __launch_bounds__(kThreads)
   // Tail (v % kVec < kThreads elements): same read-barrier-write discipline.
   const int64_t j = tail_start + tid;
   float gt = 0.0f;
-  if (j < p.v && valid) gt = grad_of(ToF(x[j]), j);
+  if (j < p.v && valid) {
+    gt = grad_of(ToF(x[j]), j);
+    if constexpr (kTop) {
+      if (top_k > 0) offer_top(z_of(ToF(x[j]), j), j);
+    }
+  }
   if constexpr (kNarrowing) __syncthreads();
   if (j < p.v) g[j] = FromF<TG>(gt);
+  if constexpr (kTop) {
+    if (top_k > 0) write_top_k();
+  }
 }
 
 template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms>
@@ -331,14 +370,13 @@ absl::Status LaunchForOutputs(const TL* logits, int64_t ldl, int64_t rows, const
 
 template <typename TL, typename TG, int kThreads>
 absl::Status LaunchForTerms(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
-                            const SoftmaxGradParams& params, TG* grad, int64_t ldg,
-                            float* row_loss, float* per_token_loss, float* per_token_lse,
-                            const RowLaunch& launch, cudaStream_t stream,
-                            const RowOutputs& outputs, const RowTerms& terms) {
+                            const SoftmaxGradParams& params, TG* grad, int64_t ldg, float* row_loss,
+                            float* per_token_loss, float* per_token_lse, const RowLaunch& launch,
+                            cudaStream_t stream, const RowOutputs& outputs, const RowTerms& terms) {
   if (terms.Any()) {
     return LaunchForOutputs<TL, TG, kThreads, true>(logits, ldl, rows, targets, params, grad, ldg,
-                                                    row_loss, per_token_loss, per_token_lse,
-                                                    launch, stream, outputs, terms);
+                                                    row_loss, per_token_loss, per_token_lse, launch,
+                                                    stream, outputs, terms);
   }
   return LaunchForOutputs<TL, TG, kThreads, false>(logits, ldl, rows, targets, params, grad, ldg,
                                                    row_loss, per_token_loss, per_token_lse, launch,

@@ -105,6 +105,9 @@ struct Case {
   int row_threads = 512;
   bool overlap = false;
   int64_t chunk_rows = 0;  // 0: one chunk; else a budget for about this many rows per chunk
+  // No gradient asked (evaluation): the row kernel has no second pass, and the top-k reads the
+  // row once more on its own.
+  bool forward_only = false;
 };
 
 // The workspace budget for chunks of about c.chunk_rows tokens: the cuBLAS part, the handle's
@@ -143,11 +146,14 @@ TEST_P(CudaDistributionTest, MatchesTheCpuBackendAndFloat64) {
     ASSERT_TRUE(bytes.ok()) << bytes.status();
   }
 
-  absl::StatusOr<Outputs> got = RunOnBackend(*cuda, in, AllOutputs(c.top_k, budget, c.stash));
+  RunOptions asked = AllOutputs(c.top_k, budget, c.stash);
+  asked.grad_hidden = asked.grad_weight = !c.forward_only;
+  absl::StatusOr<Outputs> got = RunOnBackend(*cuda, in, asked);
   ASSERT_TRUE(got.ok()) << got.status();
   RunOptions plain_options;
   plain_options.workspace_budget = budget;
   plain_options.stash = c.stash;
+  plain_options.grad_hidden = plain_options.grad_weight = !c.forward_only;
   absl::StatusOr<Outputs> plain = RunOnBackend(*cuda, in, plain_options);
   ASSERT_TRUE(plain.ok()) << plain.status();
   absl::StatusOr<Outputs> want = RunOnBackend(*cpu, in, AllOutputs(c.top_k, 64 * kMiB));
@@ -164,7 +170,7 @@ TEST_P(CudaDistributionTest, MatchesTheCpuBackendAndFloat64) {
     ExpectDistributionsAgree(in, *got, *want, ref, &topk, tol);
   }
   // A rerun gives the same bits (the correct count is an integer sum).
-  absl::StatusOr<Outputs> again = RunOnBackend(*cuda, in, AllOutputs(c.top_k, budget, c.stash));
+  absl::StatusOr<Outputs> again = RunOnBackend(*cuda, in, asked);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(testing::SameFloatBits(again->per_token_entropy, got->per_token_entropy));
   EXPECT_TRUE(testing::SameFloatBits(again->top_k_logprobs, got->top_k_logprobs));
@@ -212,7 +218,21 @@ INSTANTIATE_TEST_SUITE_P(
              .n = 40,
              .d = 32,
              .v = 32003,
-             .top_k = 16}),
+             .top_k = 16},
+        Case{.name = "BF16_ForwardOnly_Top16",
+             .dtype = DType::kBF16,
+             .options = Options(Reduction::kMean),
+             .top_k = 16,
+             .forward_only = true},
+        Case{.name = "FP32_ForwardOnly_WideVocab_1024Threads",
+             .dtype = DType::kFP32,
+             .options = Options(Reduction::kSum, 0.1f),
+             .n = 40,
+             .d = 32,
+             .v = 32003,
+             .top_k = 5,
+             .row_threads = 1024,
+             .forward_only = true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Exact ties to the lowest id and one-ulp near-ties to the larger z, as float64 orders them, on

@@ -96,6 +96,7 @@ struct Case {
   bool overlap = false;
   int64_t n = 97, d = 64, v = 1003;
   int64_t chunk_rows = 0;  // 0: one chunk; else a budget for about this many rows per chunk
+  int32_t top_k = 0;       // also asked: the top-k of the scaled, biased logits
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -162,6 +163,7 @@ TEST_P(CudaLossTermsTest, MatchesTheCpuBackend) {
   const size_t budget = BudgetFor(c, o);
 
   RunOptions run = RunOptionsFor(terms, budget, c.stash);
+  run.top_k = c.top_k;
   // The accumulators start from something, to see += rather than =.
   run.initial_grad_weight.assign(p.v * p.d, 0.25f);
   if (run.grad_bias) run.initial_grad_bias.assign(p.v, -0.5f);
@@ -193,6 +195,17 @@ TEST_P(CudaLossTermsTest, MatchesTheCpuBackend) {
     ExpectNear(ToDouble(got->grad_bias), ToDouble(want->grad_bias), tol.grad_rel, tol.grad_abs,
                "grad_bias");
   }
+  if (c.top_k > 0) {
+    ASSERT_EQ(got->top_k_ids.size(), static_cast<size_t>(p.n * c.top_k));
+    ASSERT_EQ(got->top_k_ids.size(), want->top_k_ids.size());
+    ExpectNear(ToDouble(got->top_k_logprobs), ToDouble(want->top_k_logprobs), tol.value_rel,
+               tol.value_abs, "top_k_logprobs");
+    // The ids too, but where two classes' z are closer than the logits' rounding (near-ties).
+    size_t differ = 0;
+    for (size_t i = 0; i < got->top_k_ids.size(); ++i)
+      differ += got->top_k_ids[i] != want->top_k_ids[i];
+    EXPECT_LE(differ, got->top_k_ids.size() / 50) << "top-k ids that differ from the CPU's";
+  }
   // Ignored tokens: no loss, no gradient.
   for (int64_t t = 0; t < p.n; ++t) {
     if (in.targets[t] != p.options.ignore_index) continue;
@@ -222,7 +235,9 @@ INSTANTIATE_TEST_SUITE_P(
                                o.softcap = 2.0f;
                              }),
              .stash = true},
-        Case{.name = "BF16_Bias", .dtype = DType::kBF16, .options = CrossEntropy(),
+        Case{.name = "BF16_Bias",
+             .dtype = DType::kBF16,
+             .options = CrossEntropy(),
              .terms = {.bias = true}},
         Case{.name = "FP16_Bias_Scale_Chunked",
              .dtype = DType::kFP16,
@@ -235,9 +250,10 @@ INSTANTIATE_TEST_SUITE_P(
              .options = With(CrossEntropy(Reduction::kNone),
                              [](LossOptions& o) { o.label_smoothing = 0.1f; }),
              .terms = {.weights = true}},
-        Case{.name = "FP32_Entropy",
+        Case{.name = "FP32_Entropy_TopK",
              .dtype = DType::kFP32,
-             .options = With(CrossEntropy(), [](LossOptions& o) { o.entropy_coef = 0.3f; })},
+             .options = With(CrossEntropy(), [](LossOptions& o) { o.entropy_coef = 0.3f; }),
+             .top_k = 5},
         Case{.name = "BF16_EntropyNegative_Softcap_ZLoss_Stash",
              .dtype = DType::kBF16,
              .options = With(CrossEntropy(Reduction::kSum),
@@ -277,7 +293,8 @@ INSTANTIATE_TEST_SUITE_P(
              .terms = {.bias = true, .weights = true},
              .stash = true,
              .row_threads = 1024,
-             .chunk_rows = 40},
+             .chunk_rows = 40,
+             .top_k = 16},
         Case{.name = "BF16_CrossEntropy_Everything_Overlap",
              .dtype = DType::kBF16,
              .options = With(CrossEntropy(Reduction::kMean),
@@ -292,7 +309,8 @@ INSTANTIATE_TEST_SUITE_P(
              .terms = {.bias = true, .weights = true},
              .overlap = true,
              .n = 1100,
-             .v = 515},
+             .v = 515,
+             .top_k = 7},
         Case{.name = "BF16_CrossEntropy_Everything_Bf16Logits_Stash",
              .dtype = DType::kBF16,
              .options = With(CrossEntropy(Reduction::kMean),
@@ -313,9 +331,13 @@ TEST(CudaLossTermsBits, NeutralInputsGiveThePlainKernelsBits) {
   SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     SCOPED_TRACE(DTypeName(dtype));
-    const Problem p{.n = 70, .d = 48, .v = 517, .dtype = dtype,
+    const Problem p{.n = 70,
+                    .d = 48,
+                    .v = 517,
+                    .dtype = dtype,
                     .options = LossOptions{.label_smoothing = 0.1f, .z_loss = 1e-3f}};
-    const Inputs in = MakeRandomInputs(p, 17, InputSpec{.weight_scale = 0.6, .ignore_fraction = 0.2});
+    const Inputs in =
+        MakeRandomInputs(p, 17, InputSpec{.weight_scale = 0.6, .ignore_fraction = 0.2});
     std::unique_ptr<Backend> cuda = MakeCuda();
     ASSERT_NE(cuda, nullptr);
     RunOptions plain;
