@@ -219,10 +219,11 @@ LOSSHEAD_HD BasicGradFactors<T> GradFactorsOf(const Options& o, T lse, T v) {
                              TargetShare(eps)};
 }
 
-// The CPU backend's fp32 factors: unscaled double factors f with 1 / p_divisor folded into p_scale
-// and `scale` into all three, each rounded once (p_divisor = 1 divides exactly).
-inline GradFactors FoldedGradFactors(const BasicGradFactors<double>& f, double p_divisor,
-                                     double scale) {
+// The CPU backend's and the shard combination's fp32 factors: unscaled double factors f with
+// 1 / p_divisor folded into p_scale and `scale` into all three, each rounded once (p_divisor = 1
+// divides exactly).
+LOSSHEAD_HD GradFactors FoldedGradFactors(const BasicGradFactors<double>& f, double p_divisor,
+                                          double scale) {
   return GradFactors{static_cast<float>(f.p_scale / p_divisor * scale),
                      static_cast<float>(f.uniform * scale), static_cast<float>(f.target * scale)};
 }
@@ -443,6 +444,50 @@ LOSSHEAD_HD T PolicyLogProbSlope(const TermOptions& t, T logprob, T r, T advanta
 template <typename T>
 LOSSHEAD_HD BasicGradFactors<T> PolicyGradFactorsOf(const Options& o, T lse, T dlogprob) {
   return BasicGradFactors<T>{T(2) * static_cast<T>(o.z_loss) * lse - dlogprob, T(0), -dlogprob};
+}
+
+// One counted token's inputs to the terms, as a call gives them per token (problem.h's
+// Arguments): 1 and 0 where it gives none.
+template <typename T>
+struct BasicTokenInputs {
+  T weight = T(1);
+  T old_logprob = T(0);
+  T advantage = T(0);
+  T ref_logprob = T(0);
+};
+
+// A counted token's loss with the terms, unweighted, and its gradient factors for
+// e_j = exp(z_j - lse), unscaled (the caller folds in the weight, the logit scale and its own
+// scale).
+template <typename T>
+struct BasicTermsLoss {
+  T loss = T(0);
+  BasicGradFactors<T> factors;
+};
+
+// The terms' part of a token, written once for every row that computes them (the CPU row and
+// shard rows in double, the CUDA row kernel in fp32, the CUDA shard combination in double): from
+// the token's lse, z of its target, the whole vocabulary's size v and its entropy (read only with
+// entropy_coef != 0), the policy-gradient loss (PolicyTokenLoss, PolicyGradFactorsOf) or the
+// cross-entropy (`cross_entropy()`: the caller's evaluation of the plain loss, TokenLoss or
+// TokenLossSmoothingLast, called only for that kind; GradFactorsOf), plus the entropy term.
+template <typename T, typename CrossEntropy>
+LOSSHEAD_HD BasicTermsLoss<T> TermsLossOf(const Options& o, const TermOptions& t, T lse, T z_target,
+                                          T v, T entropy, const BasicTokenInputs<T>& in,
+                                          CrossEntropy cross_entropy) {
+  BasicTermsLoss<T> r;
+  if (t.policy_gradient) {
+    const T logprob = TargetLogProb(lse, z_target);
+    const T ratio = PolicyRatio(logprob, in.old_logprob);
+    r.loss = PolicyTokenLoss(o, t, lse, logprob, ratio, in.advantage, in.ref_logprob);
+    r.factors = PolicyGradFactorsOf(
+        o, lse, PolicyLogProbSlope(t, logprob, ratio, in.advantage, in.ref_logprob));
+  } else {
+    r.loss = cross_entropy();
+    r.factors = GradFactorsOf(o, lse, v);
+  }
+  if (t.entropy_coef != 0.0f) r.loss += EntropyTerm(static_cast<T>(t.entropy_coef), entropy);
+  return r;
 }
 
 }  // namespace losshead::kernels::loss

@@ -88,20 +88,11 @@ RowLoss ComputeRowLossWithTerms(float* logits, int64_t v, int32_t target, bool i
   }
   const double vocab = static_cast<double>(v);
   const double z_target = static_cast<double>(logits[target]);
-  double loss;
-  loss::BasicGradFactors<double> factors;
-  if (terms.policy_gradient) {
-    const double logprob = loss::TargetLogProb(lse, z_target);
-    const double ratio = loss::PolicyRatio(logprob, token.old_logprob);
-    loss = loss::PolicyTokenLoss(o, terms, lse, logprob, ratio, token.advantage, token.ref_logprob);
-    factors = loss::PolicyGradFactorsOf(
-        o, lse,
-        loss::PolicyLogProbSlope(terms, logprob, ratio, token.advantage, token.ref_logprob));
-  } else {
-    loss = loss::TokenLoss(o, lse, z_target, sums.sum_z, vocab);
-    factors = loss::GradFactorsOf(o, lse, vocab);
-  }
-  if (entropy_term) loss += loss::EntropyTerm(static_cast<double>(terms.entropy_coef), entropy);
+  const loss::BasicTermsLoss<double> t =
+      loss::TermsLossOf(o, terms, lse, z_target, vocab, entropy, token,
+                        [&] { return loss::TokenLoss(o, lse, z_target, sums.sum_z, vocab); });
+  const double loss = t.loss;
+  const loss::BasicGradFactors<double>& factors = t.factors;
   result.loss = token.weight * loss;
   if (!write_gradient) return result;
 

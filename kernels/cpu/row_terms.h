@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/common/loss_math.h"
 #include "kernels/cpu/row_loss.h"
 #include "losshead/kernels/problem.h"
 
@@ -22,13 +23,8 @@ bool RowTermsOn(const LossOptions& options, const Arguments& args);
 // ignore_index (targets already checked). Reads host memory only; writes nothing.
 absl::Status CheckTermInputs(const Problem& problem, const Arguments& args);
 
-// One token's inputs to the terms (1 and 0 where the call gives none).
-struct TokenTerms {
-  double weight = 1.0;
-  double old_logprob = 0.0;
-  double advantage = 0.0;
-  double ref_logprob = 0.0;
-};
+// One token's inputs to the terms (1 and 0 where the call gives none), in double.
+using TokenTerms = loss::BasicTokenInputs<double>;
 
 // The token's inputs from `args`, for token t.
 TokenTerms TokenTermsOf(const Arguments& args, int64_t t);

@@ -127,35 +127,16 @@ void ComputeShardRowGradient(float* z, int64_t rows, int64_t local_target, bool 
 
 namespace {
 
-// A counted token's unweighted loss and unscaled gradient factors (for e_j = exp(z_j - lse)),
-// the terms' part of ComputeRowLossWithTerms (row_terms.cc) from combined statistics.
-struct TermsOfToken {
-  double loss = 0.0;
-  loss::BasicGradFactors<double> factors;
-};
-
-TermsOfToken TermsOf(const LossOptions& options, const ShardTokenLoss& token, int64_t v,
-                     double entropy, const TokenTerms& inputs) {
+// A counted token's unweighted loss and unscaled gradient factors (for e_j = exp(z_j - lse)) from
+// the combined statistics: the terms' part of a row (loss_math.h's TermsLossOf), as
+// ComputeRowLossWithTerms (row_terms.cc) forms it on one device.
+loss::BasicTermsLoss<double> TermsOf(const LossOptions& options, const ShardTokenLoss& token,
+                                     int64_t v, double entropy, const TokenTerms& inputs) {
   const loss::Options o = loss::OptionsOf(options);
-  const loss::TermOptions terms = loss::TermOptionsOf(options);
-  TermsOfToken result;
-  if (terms.policy_gradient) {
-    const double logprob = loss::TargetLogProb(token.lse, token.z_target);
-    const double ratio = loss::PolicyRatio(logprob, inputs.old_logprob);
-    result.loss = loss::PolicyTokenLoss(o, terms, token.lse, logprob, ratio, inputs.advantage,
-                                        inputs.ref_logprob);
-    result.factors = loss::PolicyGradFactorsOf(
-        o, token.lse,
-        loss::PolicyLogProbSlope(terms, logprob, ratio, inputs.advantage, inputs.ref_logprob));
-  } else {
-    result.loss = loss::TokenLoss(o, token.lse, token.z_target, token.sum_z,
-                                  static_cast<double>(v));
-    result.factors = loss::GradFactorsOf(o, token.lse, static_cast<double>(v));
-  }
-  if (terms.entropy_coef != 0.0f) {
-    result.loss += loss::EntropyTerm(static_cast<double>(terms.entropy_coef), entropy);
-  }
-  return result;
+  const double vocab = static_cast<double>(v);
+  return loss::TermsLossOf(
+      o, loss::TermOptionsOf(options), token.lse, token.z_target, vocab, entropy, inputs,
+      [&] { return loss::TokenLoss(o, token.lse, token.z_target, token.sum_z, vocab); });
 }
 
 }  // namespace
@@ -173,18 +154,19 @@ void ComputeShardRowGradientWithTerms(float* z, int64_t rows, int64_t local_targ
     std::memset(z, 0, static_cast<size_t>(rows) * sizeof(float));
     return;
   }
-  const TermsOfToken t = TermsOf(options, token, v, entropy, inputs);
+  const loss::BasicTermsLoss<double> t = TermsOf(options, token, v, entropy, inputs);
   // The weight and the logit scale join the reduction's scale, folded into the fp32 factors once.
-  const double scale = static_cast<double>(grad_scale) * inputs.weight *
-                       static_cast<double>(options.logit_scale);
+  const double scale =
+      static_cast<double>(grad_scale) * inputs.weight * static_cast<double>(options.logit_scale);
   const loss::GradFactors f = loss::FoldedGradFactors(t.factors, /*p_divisor=*/1.0, scale);
   const loss::Softcap cap = loss::Softcap::Of(options.softcap);
   const int64_t target = local_target >= 0 && local_target < rows ? local_target : -1;
   const float lse = static_cast<float>(token.lse);
   if (options.entropy_coef != 0.0f) {
     // Against lse (e_j = p_j): z_j - sum_k p_k z_k = (z_j - lse) + entropy.
-    const loss::EntropyGrad h{static_cast<float>(-static_cast<double>(options.entropy_coef) * scale),
-                              static_cast<float>(-entropy)};
+    const loss::EntropyGrad h{
+        static_cast<float>(-static_cast<double>(options.entropy_coef) * scale),
+        static_cast<float>(-entropy)};
     cpu::WriteRowGradientWithEntropy(z, rows, target, lse, f, h, cap);
   } else {
     cpu::WriteRowGradient<cpu::CapRatio::kDivided>(z, rows, target, lse, f, cap);

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/column_sums.cuh"
 #include "kernels/cuda/count_targets.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/head_gemms.h"
@@ -25,10 +26,6 @@ namespace {
 // CanImplement's int32 limits, with the shard's rows as the logits' width.
 absl::Status CanImplementShard(const ShardProblem& shard) {
   if (absl::Status s = ValidateShardProblem(shard); !s.ok()) return s;
-  if (const std::string terms = RequestedLossTerms(shard.problem.options); !terms.empty()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "the CUDA backend does not compute ", terms, " over vocabulary shards yet"));
-  }
   constexpr int64_t kIntMax = 2147483647;
   const Problem& problem = shard.problem;
   if (problem.d > kIntMax) {
@@ -83,6 +80,20 @@ RowOutputs ShardRowOutputs(const ShardArguments& args, int64_t t0) {
   out.top_k_ids = at(args.top_k_ids, top_k);
   out.top_k_logprobs = at(args.top_k_logprobs, top_k);
   return out;
+}
+
+// The model options and terms of the chunk from token t0 on (none: the plain kernels): the bias
+// over the shard's rows, the per-token inputs over the micro-batch (every shard reads them).
+RowTerms ShardRowTermsOf(const ShardProblem& shard, const ShardArguments& args, int64_t t0) {
+  RowTerms terms;
+  terms.terms = loss::TermOptionsOf(shard.problem.options);
+  terms.bias = args.bias;
+  auto at = [t0](const float* p) { return p != nullptr ? p + t0 : nullptr; };
+  terms.token_weights = at(args.token_weights);
+  terms.old_logprob = at(args.old_logprob);
+  terms.advantages = at(args.advantages);
+  terms.ref_logprob = at(args.ref_logprob);
+  return terms;
 }
 
 }  // namespace
@@ -195,11 +206,6 @@ absl::Status ShardCalls::Validate(const ShardProblem& shard, const ShardArgument
       !s.ok()) {
     return s;
   }
-  if (AsksLossInputs(args)) {
-    return absl::UnimplementedError(absl::StrCat("the CUDA backend does not compute ",
-                                                 RequestedLossInputs(args),
-                                                 " over vocabulary shards yet"));
-  }
   if (cs == nullptr) return ForeignStreamError();
   if (args.workspace == nullptr || reinterpret_cast<uintptr_t>(args.workspace) % kAlign != 0) {
     return absl::InvalidArgumentError("workspace must be a 256-byte aligned device pointer");
@@ -286,7 +292,7 @@ absl::Status ShardCalls::ForwardTyped(const ShardProblem& shard, const ShardArgu
                             : nullptr;
   return LaunchShardStats(logits, layout.ldl, chunk.size, args.targets + chunk.begin,
                           ShardRowParamsOf(shard), slice, args.stats_chunk_rows, stream,
-                          output_slice, args.top_k);
+                          output_slice, args.top_k, ShardRowTermsOf(shard, args, chunk.begin));
 }
 
 template <typename TIn, typename TL>
@@ -314,8 +320,8 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
   // alpha = 1), and the chunk's H beside it; dW is left to FlushGradStash.
   const GradStash& stash = args.grad_stash;
   const bool stashed = stash.data != nullptr;
-  const bool need_grad =
-      args.grad_hidden_partial != nullptr || args.grad_weight != nullptr || stashed;
+  const bool need_grad = args.grad_hidden_partial != nullptr || args.grad_weight != nullptr ||
+                         stashed || args.grad_bias != nullptr;
   ShardRowParams params = ShardRowParamsOf(shard);
   const float* grad_alpha = &scalars->grad_alpha;
   int64_t g_ld = ldg;
@@ -338,7 +344,7 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
       need_grad ? grad : nullptr, g_ld, row_loss,
       args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
       args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, stream, args.output_stats,
-      args.top_k, ShardRowOutputs(args, t0))));
+      args.top_k, ShardRowOutputs(args, t0), ShardRowTermsOf(shard, args, t0))));
   // One block over the chunk, after the previous chunks: the same bits on every rerun.
   LOSSHEAD_RETURN_IF_ERROR(LaunchLossReduce(row_loss, c, scalars, args.loss_sum, stream));
 
@@ -348,6 +354,13 @@ absl::Status ShardCalls::BackwardTyped(const ShardProblem& shard, const ShardArg
     LOSSHEAD_RETURN_IF_ERROR(RunGradHiddenGemm(
         gemm, rows, c, d, kIn, compute, CUDA_R_32F, g_ld, grad_alpha, args.weight, grad,
         &scalars->zero, &scalars->one, args.grad_hidden_partial, gemm_ws, gemm_ws_bytes, stream));
+  }
+  if (args.grad_bias != nullptr) {
+    // db_rows += the column sums of the chunk's G, scaled as dW is (G in a stash carries the scale
+    // already) and divided by the logit scale G carries, as Run's (cuda_run.cu).
+    LOSSHEAD_RETURN_IF_ERROR(
+        LaunchAddColumnSums(grad, g_ld, c, rows, stashed ? &scalars->one : &scalars->grad_alpha,
+                            shard.problem.options.logit_scale, args.grad_bias, stream));
   }
   if (args.grad_weight != nullptr) {
     // dW_rows_cm (D x rows) += H_cm (D x c) . G_cm^T (c x rows).

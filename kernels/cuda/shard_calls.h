@@ -3,7 +3,9 @@
 //                   workspace), then per token the shard's statistics (shard_softmax.cu)
 //   ShardBackward   combine the gathered statistics; G over the shard's columns (written over the
 //                   logits as in Run); partial_c (C x D, fp32) = alpha . G . W_rows;
-//                   dW_rows += alpha . G^T . H_c
+//                   dW_rows += alpha . G^T . H_c; db_rows += alpha . column sums of G / logit_scale
+// With the model options and loss terms (problem.h) both row kernels run their terms' instantiation
+// (shard_softmax.cuh): the GEMMs are the plain ones, and a call without them is the plain path.
 //   ShardStoreGradHidden  the summed partials rounded to the problem's dtype
 // CudaBackend forwards its Shard* overrides here with the caller's stream resolved.
 #ifndef LOSSHEAD_KERNELS_CUDA_SHARD_CALLS_H_

@@ -7,6 +7,7 @@
 #include "kernels/common/loss_math.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/row_terms.cuh"
 #include "kernels/cuda/row_vec.cuh"
 #include "kernels/cuda/shard_softmax.cuh"
 #include "losshead/kernels/shard_problem.h"
@@ -23,12 +24,13 @@ constexpr int kUnroll = 4;
 // What a launch computes beyond the plain statistics: each its own instantiation.
 enum class ShardExtras { kNone, kDistribution, kTopK };
 
-// A shard's statistics of a token carry z of the target (kShardStats: m, s, sz, zt).
-template <typename TL, ShardExtras kExtras>
+// A shard's statistics of a token carry z of the target (kShardStats: m, s, sz, zt). kTerms: z of
+// the scaled and biased logit (RowTerms), an instantiation of its own.
+template <typename TL, ShardExtras kExtras, bool kTerms>
 __global__ void __launch_bounds__(kThreads)
     ShardStatsKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                      ShardRowParams p, float* __restrict__ stats, int64_t stride,
-                     float* __restrict__ output_stats, int top_k) {
+                     float* __restrict__ output_stats, int top_k, RowTerms terms) {
   constexpr int kVec = Vec<TL>::kSize;
   constexpr bool kDist = kExtras != ShardExtras::kNone;
   constexpr bool kTop = kExtras == ShardExtras::kTopK;
@@ -45,6 +47,14 @@ __global__ void __launch_bounds__(kThreads)
   const loss::Softcap cap = loss::Softcap::Of(p.loss.softcap);
   const int64_t nvec = p.rows / kVec;
   const Vec<TL>* xv = reinterpret_cast<const Vec<TL>*>(x);
+  // z of the logit x of local column j: the scale and bias first with the terms.
+  auto z_of = [&](float xval, int64_t j) -> float {
+    if constexpr (kTerms) {
+      return TermsZ(cap, xval, terms.terms.logit_scale, terms.bias, j);
+    } else {
+      return cap(xval);
+    }
+  };
 
   RowStats st = RowStats::Empty();
   // The top-k's candidates of this thread, in local ids (the shard's columns).
@@ -65,7 +75,7 @@ __global__ void __launch_bounds__(kThreads)
         PushVector<kVec>(
             st,
             [&](int k) {
-              const float z = cap(ToF(in[u].v[k]));
+              const float z = z_of(ToF(in[u].v[k]), i * kVec + k);
               if (i * kVec + k == local) st.zt = z;
               if constexpr (kTop) OfferTopK(top, last, z, static_cast<int>(i * kVec) + k, top_k);
               return z;
@@ -75,7 +85,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   for (int64_t j = nvec * kVec + tid; j < p.rows; j += kThreads) {
-    const float z = cap(ToF(x[j]));
+    const float z = z_of(ToF(x[j]), j);
     if (j == local) st.zt = z;
     if constexpr (kTop) OfferTopK(top, last, z, static_cast<int>(j), top_k);
     Push(st, z, j);
@@ -106,6 +116,26 @@ __global__ void __launch_bounds__(kThreads)
       output_stats[(kShardOutputStats + top_k + tid) * stride + q] = __int_as_float(id);
     }
   }
+}
+
+// Token q's s (sum_j ShiftedZTerm(e_j, z_j - max)) over every shard, each shard's moved to the
+// global max, in rank order, in double, by one thread: the entropy term's statistic, summed as
+// CombineOutputStats sums it for the outputs (that loop keeps its own copy: fused with the
+// argmax's, it is what the distribution outputs' kernel was tuned with).
+__device__ __forceinline__ double CombineShiftedZ(const float* stats, const float* output_stats,
+                                                  int64_t stride, int shards, int64_t q, int top_k,
+                                                  float max_z) {
+  const int64_t per_shard = ShardOutputStatsRows(top_k);
+  double sum_shifted_z = 0.0;
+  for (int r = 0; r < shards; ++r) {
+    const float* slice = stats + r * kShardStats * stride;
+    const float s = slice[stride + q];
+    if (s > 0.0f) {
+      sum_shifted_z += loss::RescaledShiftedZ<double>(output_stats[r * per_shard * stride + q], s,
+                                                      slice[q], max_z);
+    }
+  }
+  return sum_shifted_z;
 }
 
 // One token's distribution outputs from every shard's statistics and output statistics, in rank
@@ -160,13 +190,37 @@ __device__ __forceinline__ void CombineOutputStats(const float* stats, const flo
   }
 }
 
-template <typename TL, typename TG, bool kOutputs>
+// Thread 0's part of counted token q with the terms, from the combined statistics: its weighted
+// loss, and its factors into SharedTermFactors() (the weight and the logit scale folded in, in
+// double, each rounded once), as the CPU backend's ShardTermsLoss and
+// ComputeShardRowGradientWithTerms form them.
+__device__ __forceinline__ double ShardRowTermsLoss(const ShardRowParams& p, const RowTerms& rt,
+                                                    int64_t q, double lse, double z_target,
+                                                    double sum_z, double entropy) {
+  const loss::BasicTokenInputs<double> in = TokenInputsAt<double>(rt, q);
+  const double v = static_cast<double>(p.v);
+  const loss::BasicTermsLoss<double> r =
+      loss::TermsLossOf(p.loss, rt.terms, lse, z_target, v, entropy, in,
+                        [&] { return loss::TokenLoss<double>(p.loss, lse, z_target, sum_z, v); });
+  const double scale = in.weight * static_cast<double>(rt.terms.logit_scale);
+  TermFactors& out = SharedTermFactors();
+  out.factors = loss::FoldedGradFactors(r.factors, /*p_divisor=*/1.0, scale);
+  // Against lse (e_j = p_j): z_j - sum_k p_k z_k = (z_j - lse) + entropy.
+  out.entropy =
+      loss::EntropyGrad{static_cast<float>(-static_cast<double>(rt.terms.entropy_coef) * scale),
+                        static_cast<float>(-entropy)};
+  out.entropy_on = rt.terms.entropy_coef != 0.0f;
+  return in.weight * r.loss;
+}
+
+template <typename TL, typename TG, bool kOutputs, bool kTerms>
 __global__ void __launch_bounds__(kThreads)
     ShardGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                     ShardRowParams p, const float* __restrict__ stats, int64_t stride, int shards,
                     TG* grad, int64_t ldg, float* __restrict__ row_loss,
                     float* __restrict__ per_token_loss, float* __restrict__ per_token_lse,
-                    const float* __restrict__ output_stats, int top_k, RowOutputs outputs) {
+                    const float* __restrict__ output_stats, int top_k, RowOutputs outputs,
+                    RowTerms terms) {
   __shared__ float shared_lse;
   const int64_t q = blockIdx.x;
   const int tid = threadIdx.x;
@@ -192,7 +246,17 @@ __global__ void __launch_bounds__(kThreads)
     const double lse = loss::Lse<double>(max_z, sum_exp);
     double loss = 0.0;
     if (valid) {
-      loss = loss::TokenLoss<double>(p.loss, lse, z_target, sum_z, static_cast<double>(p.v));
+      if constexpr (kTerms) {
+        // The entropy term's entropy, combined as the output's is.
+        const double entropy =
+            terms.terms.entropy_coef != 0.0f
+                ? loss::Entropy(sum_exp, CombineShiftedZ(stats, output_stats, stride, shards, q,
+                                                         top_k, max_z))
+                : 0.0;
+        loss = ShardRowTermsLoss(p, terms, q, lse, z_target, sum_z, entropy);
+      } else {
+        loss = loss::TokenLoss<double>(p.loss, lse, z_target, sum_z, static_cast<double>(p.v));
+      }
     }
     row_loss[q] = static_cast<float>(loss);
     if (per_token_loss != nullptr) per_token_loss[q] = static_cast<float>(loss);
@@ -226,6 +290,10 @@ __global__ void __launch_bounds__(kThreads)
   const loss::GradFactors factors = loss::GradFactorsOf(p.loss, lse, static_cast<float>(p.v));
   const float scale = p.grad_scale != nullptr ? *p.grad_scale : 1.0f;
   auto grad_of = [&](float xval, int64_t j) -> float {
+    if constexpr (kTerms) {
+      const float z = TermsZ(cap, xval, terms.terms.logit_scale, terms.bias, j);
+      return TermsLogitGrad(SharedTermFactors(), cap, z, lse, j == local) * scale;
+    }
     const float z = cap(xval);
     float gj = loss::LogitGrad(factors, loss::Exp(z - lse), j == local);
     if (cap.cap > 0.0f) gj *= loss::SoftcapSlope(z * cap.inv_cap);
@@ -289,23 +357,37 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename TL, bool kTerms>
+void LaunchStatsKernel(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
+                       const ShardRowParams& p, float* stats, int64_t stride, cudaStream_t stream,
+                       float* output_stats, int top_k, const RowTerms& terms) {
+  const auto blocks = static_cast<unsigned>(tokens);
+  if (output_stats == nullptr) {
+    ShardStatsKernel<TL, ShardExtras::kNone, kTerms><<<blocks, kThreads, 0, stream>>>(
+        logits, ldl, targets, p, stats, stride, nullptr, 0, terms);
+  } else if (top_k > 0) {
+    ShardStatsKernel<TL, ShardExtras::kTopK, kTerms><<<blocks, kThreads, 0, stream>>>(
+        logits, ldl, targets, p, stats, stride, output_stats, top_k, terms);
+  } else {
+    ShardStatsKernel<TL, ShardExtras::kDistribution, kTerms><<<blocks, kThreads, 0, stream>>>(
+        logits, ldl, targets, p, stats, stride, output_stats, 0, terms);
+  }
+}
+
 }  // namespace
 
 template <typename TL>
 absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
                               const ShardRowParams& p, float* stats, int64_t stride,
-                              cudaStream_t stream, float* output_stats, int top_k) {
+                              cudaStream_t stream, float* output_stats, int top_k,
+                              const RowTerms& terms) {
   if (tokens <= 0) return absl::OkStatus();
-  const auto blocks = static_cast<unsigned>(tokens);
-  if (output_stats == nullptr) {
-    ShardStatsKernel<TL, ShardExtras::kNone>
-        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, nullptr, 0);
-  } else if (top_k > 0) {
-    ShardStatsKernel<TL, ShardExtras::kTopK><<<blocks, kThreads, 0, stream>>>(
-        logits, ldl, targets, p, stats, stride, output_stats, top_k);
+  if (terms.Any()) {
+    LaunchStatsKernel<TL, true>(logits, ldl, tokens, targets, p, stats, stride, stream,
+                                output_stats, top_k, terms);
   } else {
-    ShardStatsKernel<TL, ShardExtras::kDistribution>
-        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, output_stats, 0);
+    LaunchStatsKernel<TL, false>(logits, ldl, tokens, targets, p, stats, stride, stream,
+                                 output_stats, top_k, {});
   }
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
@@ -316,17 +398,30 @@ absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens, cons
                              const ShardRowParams& p, const float* stats, int64_t stride,
                              int shards, TG* grad, int64_t ldg, float* row_loss,
                              float* per_token_loss, float* per_token_lse, cudaStream_t stream,
-                             const float* output_stats, int top_k, const RowOutputs& outputs) {
+                             const float* output_stats, int top_k, const RowOutputs& outputs,
+                             const RowTerms& terms) {
   if (tokens <= 0) return absl::OkStatus();
   const auto blocks = static_cast<unsigned>(tokens);
-  if (outputs.Any() && output_stats != nullptr) {
-    ShardGradKernel<TL, TG, true><<<blocks, kThreads, 0, stream>>>(
+  const bool with_outputs = outputs.Any() && output_stats != nullptr;
+  if (terms.Any()) {
+    // The entropy term reads output_stats whether or not an output is asked for.
+    if (with_outputs) {
+      ShardGradKernel<TL, TG, true, true><<<blocks, kThreads, 0, stream>>>(
+          logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
+          per_token_lse, output_stats, top_k, outputs, terms);
+    } else {
+      ShardGradKernel<TL, TG, false, true><<<blocks, kThreads, 0, stream>>>(
+          logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
+          per_token_lse, output_stats, top_k, {}, terms);
+    }
+  } else if (with_outputs) {
+    ShardGradKernel<TL, TG, true, false><<<blocks, kThreads, 0, stream>>>(
         logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
-        per_token_lse, output_stats, top_k, outputs);
+        per_token_lse, output_stats, top_k, outputs, {});
   } else {
-    ShardGradKernel<TL, TG, false>
-        <<<blocks, kThreads, 0, stream>>>(logits, ldl, targets, p, stats, stride, shards, grad, ldg,
-                                          row_loss, per_token_loss, per_token_lse, nullptr, 0, {});
+    ShardGradKernel<TL, TG, false, false><<<blocks, kThreads, 0, stream>>>(
+        logits, ldl, targets, p, stats, stride, shards, grad, ldg, row_loss, per_token_loss,
+        per_token_lse, nullptr, 0, {}, {});
   }
   LOSSHEAD_CUDA_CHECK_LAUNCH();
   return absl::OkStatus();
@@ -344,16 +439,17 @@ absl::Status LaunchRoundToDType(const float* src, T* dst, int64_t count, cudaStr
 
 template absl::Status LaunchShardStats<float>(const float*, int64_t, int64_t, const int32_t*,
                                               const ShardRowParams&, float*, int64_t, cudaStream_t,
-                                              float*, int);
+                                              float*, int, const RowTerms&);
 template absl::Status LaunchShardStats<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t,
                                                       const int32_t*, const ShardRowParams&, float*,
-                                                      int64_t, cudaStream_t, float*, int);
+                                                      int64_t, cudaStream_t, float*, int,
+                                                      const RowTerms&);
 
 #define LOSSHEAD_INSTANTIATE_GRAD(TL, TG)                                                        \
   template absl::Status LaunchShardGrad<TL, TG>(                                                 \
       const TL*, int64_t, int64_t, const int32_t*, const ShardRowParams&, const float*, int64_t, \
       int, TG*, int64_t, float*, float*, float*, cudaStream_t, const float*, int,                \
-      const RowOutputs&);
+      const RowOutputs&, const RowTerms&);
 LOSSHEAD_INSTANTIATE_GRAD(float, float)
 LOSSHEAD_INSTANTIATE_GRAD(float, __nv_bfloat16)
 LOSSHEAD_INSTANTIATE_GRAD(float, __half)

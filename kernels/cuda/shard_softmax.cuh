@@ -1,6 +1,7 @@
 // The row kernels of a vocabulary shard (shard_problem.h): per-token statistics over the shard's
-// columns, their combination over every shard into the token's lse, loss and logit gradient, and
-// the rounding of the summed dH partials to the input dtype.
+// columns, their combination over every shard into the token's lse, loss and logit gradient (with
+// the model options and loss terms where asked for), and the rounding of the summed dH partials to
+// the input dtype.
 #ifndef LOSSHEAD_KERNELS_CUDA_SHARD_SOFTMAX_CUH_
 #define LOSSHEAD_KERNELS_CUDA_SHARD_SOFTMAX_CUH_
 
@@ -35,11 +36,15 @@ struct ShardRowParams {
 // as shard_problem.h describes it, stride `stride`), also the distribution outputs' statistics:
 // s against the shard's max, its argmax's global id and, with top_k > 0, its top_k candidates;
 // otherwise the plain kernel runs, as it did without them.
+// With `terms` on (RowTerms::Any; its bias over the shard's rows, by local column), an
+// instantiation of its own takes z_j = softcap(logit_scale x_j + bias_j) instead; a launch without
+// them runs the kernels above unchanged.
 // TL: float or __nv_bfloat16.
 template <typename TL>
 absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
                               const ShardRowParams& p, float* stats, int64_t stride,
-                              cudaStream_t stream, float* output_stats = nullptr, int top_k = 0);
+                              cudaStream_t stream, float* output_stats = nullptr, int top_k = 0,
+                              const RowTerms& terms = {});
 
 // For each of `tokens` rows q: combines the `shards` slices of `stats` (slice r at
 // stats + r * 4 * stride, laid out as above) in rank order into the token's lse and loss, and
@@ -56,13 +61,19 @@ absl::Status LaunchShardStats(const TL* logits, int64_t ldl, int64_t tokens, con
 // When `outputs` asks for any distribution output (RowOutputs, rows from the chunk's first),
 // also combines every shard's slice of `output_stats` (ShardOutputStatsRows(top_k) rows each, top_k
 // the candidates exchanged) in rank order, in double, into them; otherwise the plain kernel runs.
+// With `terms` on (RowTerms::Any; the bias by local column, the per-token inputs from the chunk's
+// first token, as LaunchShardStats took them), an instantiation of its own forms each counted
+// token's loss from the combined statistics with the terms (loss_math.h's TermsLossOf, in double;
+// the entropy term's entropy combined from `output_stats`, which it then needs whatever `outputs`
+// asks for) and writes the weighted loss, and the gradient of u_j = h . w_j: dloss/dx_j times the
+// token's weight and logit_scale (then *p.grad_scale), z_j recomputed with the scale and bias.
 template <typename TL, typename TG>
 absl::Status LaunchShardGrad(const TL* logits, int64_t ldl, int64_t tokens, const int32_t* targets,
                              const ShardRowParams& p, const float* stats, int64_t stride,
                              int shards, TG* grad, int64_t ldg, float* row_loss,
                              float* per_token_loss, float* per_token_lse, cudaStream_t stream,
                              const float* output_stats = nullptr, int top_k = 0,
-                             const RowOutputs& outputs = {});
+                             const RowOutputs& outputs = {}, const RowTerms& terms = {});
 
 // dst[i] = src[i] rounded to T (round to nearest even) for i in [0, count). T: __nv_bfloat16 or
 // __half (an fp32 store is a plain copy).

@@ -8,6 +8,7 @@
 #include "kernels/common/loss_math.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/row_terms.cuh"
 #include "kernels/cuda/row_vec.cuh"
 #include "kernels/cuda/softmax_grad.cuh"
 
@@ -22,55 +23,27 @@ namespace {
 // plain kernel is the code it was without them.
 enum class RowExtras { kNone, kDistribution, kTopK };
 
-// A row's gradient factors with the terms on (RowTerms), computed once by thread 0 and read by
-// every thread of the block in pass 2: the loss's (GradFactors), the entropy term's, and whether
-// that term is on. The token's weight and the logit scale are folded into both.
-struct TermFactors {
-  loss::GradFactors factors;
-  loss::EntropyGrad entropy;
-  bool entropy_on;
-};
-
-// The block's one TermFactors: a function's static shared variable, so that only the
-// instantiations with the terms have it.
-__device__ __forceinline__ TermFactors& SharedTermFactors() {
-  __shared__ TermFactors slot;
-  return slot;
-}
-
 // Thread 0's part of a counted row with the terms: its weighted loss, and its factors into
-// SharedTermFactors(). z_target after scale, bias and soft-cap; lse and the row's s / sum_exp
-// (`mean_shifted_z`, against max) and entropy from the reduction.
+// SharedTermFactors(). z_target after scale, bias and soft-cap; lse, the sum of z and the entropy
+// from the reduction.
 __device__ __forceinline__ float RowTermsLoss(const loss::Options& o, const RowTerms& rt,
                                               int64_t row, float lse, float z_target, float sum_z,
                                               float v, float entropy) {
   const loss::TermOptions& t = rt.terms;
-  const float weight = rt.token_weights != nullptr ? rt.token_weights[row] : 1.0f;
-  float loss;
-  loss::GradFactors f;
-  if (t.policy_gradient) {
-    const float logprob = loss::TargetLogProb(lse, z_target);
-    const float ratio = loss::PolicyRatio(logprob, rt.old_logprob[row]);
-    const float advantage = rt.advantages[row];
-    const float ref = t.kl_coef > 0.0f ? rt.ref_logprob[row] : 0.0f;
-    loss = loss::PolicyTokenLoss(o, t, lse, logprob, ratio, advantage, ref);
-    f = loss::PolicyGradFactorsOf(o, lse,
-                                  loss::PolicyLogProbSlope(t, logprob, ratio, advantage, ref));
-  } else {
-    loss = loss::TokenLossSmoothingLast(o, lse, z_target, sum_z, v);
-    f = loss::GradFactorsOf(o, lse, v);
-  }
-  const bool entropy_on = t.entropy_coef != 0.0f;
-  if (entropy_on) loss += loss::EntropyTerm(t.entropy_coef, entropy);
+  const loss::BasicTokenInputs<float> in = TokenInputsAt<float>(rt, row);
+  const loss::BasicTermsLoss<float> r = loss::TermsLossOf(o, t, lse, z_target, v, entropy, in, [&] {
+    return loss::TokenLossSmoothingLast(o, lse, z_target, sum_z, v);
+  });
   // The chain rule's last links, into u_j = h . w_j: the weight and the scale.
-  const float scale = weight * t.logit_scale;
+  const float scale = in.weight * t.logit_scale;
   TermFactors& out = SharedTermFactors();
+  const loss::GradFactors& f = r.factors;
   out.factors = loss::GradFactors{f.p_scale * scale, f.uniform * scale, f.target * scale};
   // Against lse rather than the max (pass 2 has lse): with e_j = p_j and shifted z_j - lse,
   // z_j - sum_k p_k z_k = (z_j - lse) + entropy.
   out.entropy = loss::EntropyGrad{-t.entropy_coef * scale, -entropy};
-  out.entropy_on = entropy_on;
-  return weight * loss;
+  out.entropy_on = t.entropy_coef != 0.0f;
+  return in.weight * r.loss;
 }
 
 template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms>
@@ -100,8 +73,7 @@ __global__ void __launch_bounds__(kThreads)
   // z of logit x of class j: the scale and bias first with the terms (ScaleBiasRow's order).
   [[maybe_unused]] auto z_of = [&](float xval, int64_t j) -> float {
     if constexpr (kTerms) {
-      return cap(loss::ScaledLogit(xval, terms.terms.logit_scale,
-                                   terms.bias != nullptr ? terms.bias[j] : 0.0f));
+      return TermsZ(cap, xval, terms.terms.logit_scale, terms.bias, j);
     } else {
       return cap(xval);
     }
@@ -243,14 +215,7 @@ __global__ void __launch_bounds__(kThreads)
   auto grad_of = [&](float xval, int64_t j) -> float {
     if (!valid) return 0.0f;
     if constexpr (kTerms) {
-      const TermFactors& tf = SharedTermFactors();
-      const float z = z_of(xval, j);
-      const float shifted = z - lse;
-      const float e = loss::Exp(shifted);
-      float gj = loss::LogitGrad(tf.factors, e, j == t);
-      if (tf.entropy_on) gj += loss::EntropyLogitGrad(tf.entropy, e, shifted);
-      if (cap.cap > 0.0f) gj *= loss::SoftcapSlope(z * cap.inv_cap);
-      return gj * scale;
+      return TermsLogitGrad(SharedTermFactors(), cap, z_of(xval, j), lse, j == t) * scale;
     }
     const float z = cap(xval);
     float gj = loss::LogitGrad(factors, loss::Exp(z - lse), j == t);

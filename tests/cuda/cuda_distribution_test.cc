@@ -28,6 +28,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/problem.h"
+#include "tests/cuda/cuda_testing.h"
 #include "tests/kernels/backend_runner.h"
 #include "tests/kernels/distribution_checks.h"
 #include "tests/kernels/reference_loss.h"
@@ -44,6 +45,7 @@ using testing::ExpectDistributionMatchesReference;
 using testing::ExpectDistributionsAgree;
 using testing::ExpectSameLossBits;
 using testing::Inputs;
+using testing::MakeCuda;
 using testing::InputSpec;
 using testing::LadderInputs;
 using testing::MakeRandomInputs;
@@ -57,16 +59,7 @@ using testing::RunOptions;
 using testing::RunSharded;
 using testing::TopKCheck;
 
-#define SKIP_WITHOUT_GPU() \
-  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the CUDA suite needs a GPU"
-
 constexpr size_t kMiB = size_t{1} << 20;
-
-std::unique_ptr<Backend> MakeCuda(const CudaBackendOptions& options = {}) {
-  absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(0, options);
-  EXPECT_TRUE(b.ok()) << b.status();
-  return b.ok() ? std::move(*b) : nullptr;
-}
 
 RunOptions AllOutputs(int32_t top_k, size_t budget, bool stash = false) {
   RunOptions options;

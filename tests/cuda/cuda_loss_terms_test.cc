@@ -27,33 +27,29 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/problem.h"
+#include "tests/cuda/cuda_testing.h"
 #include "tests/kernels/backend_runner.h"
+#include "tests/kernels/distribution_checks.h"
 #include "tests/kernels/loss_terms_reference.h"
+#include "tests/kernels/term_checks.h"
 
 namespace losshead::kernels {
 namespace {
 
 using testing::Inputs;
 using testing::InputSpec;
+using testing::ExpectWithinShare;
+using testing::MakeCuda;
 using testing::MakeRandomInputs;
 using testing::MaxAbs;
 using testing::Outputs;
 using testing::RunOnBackend;
 using testing::RunOptions;
+using testing::SameFloatBits;
 using testing::TermInputs;
 using testing::ToDouble;
-using testing::WorstToleranceRatio;
-
-#define SKIP_WITHOUT_GPU() \
-  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the CUDA suite needs a GPU"
 
 constexpr size_t kMiB = size_t{1} << 20;
-
-std::unique_ptr<Backend> MakeCuda(const CudaBackendOptions& options = {}) {
-  absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(0, options);
-  EXPECT_TRUE(b.ok()) << b.status();
-  return b.ok() ? std::move(*b) : nullptr;
-}
 
 struct Terms {
   bool bias = false;     // bias and grad_bias
@@ -71,14 +67,8 @@ RunOptions RunOptionsFor(const TermInputs& terms, size_t budget, bool stash) {
   RunOptions options;
   options.workspace_budget = budget;
   options.logprob = options.entropy = true;
-  options.bias = terms.bias;
-  options.token_weights = terms.token_weights;
-  options.old_logprob = terms.old_logprob;
-  options.advantages = terms.advantages;
-  options.ref_logprob = terms.ref_logprob;
-  options.grad_bias = !terms.bias.empty();
   options.stash = stash;
-  return options;
+  return testing::WithTermInputs(options, terms);
 }
 
 using testing::CrossEntropy;
@@ -131,18 +121,6 @@ Tolerance ToleranceFor(const Case& c) {
   return {1e-3, 1e-4, std::max(4 * UlpOf(c.dtype), 1e-5), grad_abs};
 }
 
-void ExpectNear(const std::vector<double>& got, const std::vector<double>& want, double rel,
-                double abs_share, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  const double worst = WorstToleranceRatio(got, want, rel, abs_share * MaxAbs(want));
-  EXPECT_LE(worst, 1.0) << what << ": worst error " << worst << " of the tolerance";
-}
-
-bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-}
-
 class CudaLossTermsTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaLossTermsTest, MatchesTheCpuBackend) {
@@ -180,19 +158,19 @@ TEST_P(CudaLossTermsTest, MatchesTheCpuBackend) {
   EXPECT_NEAR(got->loss_sum, want->loss_sum,
               tol.value_rel * std::abs(want->loss_sum) +
                   tol.value_abs * MaxAbs(ToDouble(want->per_token_loss)) * p.n);
-  ExpectNear(ToDouble(got->per_token_loss), ToDouble(want->per_token_loss), tol.value_rel,
+  ExpectWithinShare(ToDouble(got->per_token_loss), ToDouble(want->per_token_loss), tol.value_rel,
              tol.value_abs, "per_token_loss");
-  ExpectNear(ToDouble(got->per_token_lse), ToDouble(want->per_token_lse), tol.value_rel,
+  ExpectWithinShare(ToDouble(got->per_token_lse), ToDouble(want->per_token_lse), tol.value_rel,
              tol.value_abs, "per_token_lse");
-  ExpectNear(ToDouble(got->per_token_logprob), ToDouble(want->per_token_logprob), tol.value_rel,
+  ExpectWithinShare(ToDouble(got->per_token_logprob), ToDouble(want->per_token_logprob), tol.value_rel,
              tol.value_abs, "per_token_logprob");
-  ExpectNear(ToDouble(got->per_token_entropy), ToDouble(want->per_token_entropy), tol.value_rel,
+  ExpectWithinShare(ToDouble(got->per_token_entropy), ToDouble(want->per_token_entropy), tol.value_rel,
              tol.value_abs, "per_token_entropy");
-  ExpectNear(got->grad_hidden, want->grad_hidden, tol.grad_rel, tol.grad_abs, "grad_hidden");
-  ExpectNear(ToDouble(got->grad_weight), ToDouble(want->grad_weight), tol.grad_rel, tol.grad_abs,
+  ExpectWithinShare(got->grad_hidden, want->grad_hidden, tol.grad_rel, tol.grad_abs, "grad_hidden");
+  ExpectWithinShare(ToDouble(got->grad_weight), ToDouble(want->grad_weight), tol.grad_rel, tol.grad_abs,
              "grad_weight");
   if (run.grad_bias) {
-    ExpectNear(ToDouble(got->grad_bias), ToDouble(want->grad_bias), tol.grad_rel, tol.grad_abs,
+    ExpectWithinShare(ToDouble(got->grad_bias), ToDouble(want->grad_bias), tol.grad_rel, tol.grad_abs,
                "grad_bias");
   }
   if (c.top_k > 0) {
@@ -215,9 +193,9 @@ TEST_P(CudaLossTermsTest, MatchesTheCpuBackend) {
   // A rerun gives the same bits, grad_bias's column sums included.
   absl::StatusOr<Outputs> again = RunOnBackend(*cuda, in, run);
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_TRUE(SameBits(again->per_token_loss, got->per_token_loss));
-  EXPECT_TRUE(SameBits(again->grad_weight, got->grad_weight));
-  EXPECT_TRUE(SameBits(again->grad_bias, got->grad_bias));
+  EXPECT_TRUE(SameFloatBits(again->per_token_loss, got->per_token_loss));
+  EXPECT_TRUE(SameFloatBits(again->grad_weight, got->grad_weight));
+  EXPECT_TRUE(SameFloatBits(again->grad_bias, got->grad_bias));
   EXPECT_EQ(again->grad_hidden, got->grad_hidden);
 }
 
@@ -350,15 +328,15 @@ TEST(CudaLossTermsBits, NeutralInputsGiveThePlainKernelsBits) {
     absl::StatusOr<Outputs> got = RunOnBackend(*cuda, in, neutral);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(got->loss_sum, want->loss_sum);
-    EXPECT_TRUE(SameBits(got->per_token_loss, want->per_token_loss));
-    EXPECT_TRUE(SameBits(got->per_token_lse, want->per_token_lse));
+    EXPECT_TRUE(SameFloatBits(got->per_token_loss, want->per_token_loss));
+    EXPECT_TRUE(SameFloatBits(got->per_token_lse, want->per_token_lse));
     EXPECT_EQ(got->grad_hidden, want->grad_hidden);
-    EXPECT_TRUE(SameBits(got->grad_weight, want->grad_weight));
+    EXPECT_TRUE(SameFloatBits(got->grad_weight, want->grad_weight));
     // sum_t dloss/dx_j over the tokens: what the CPU computes, within the GEMMs' tolerance.
     std::unique_ptr<Backend> cpu = CreateCpuBackend(2);
     absl::StatusOr<Outputs> host = RunOnBackend(*cpu, in, neutral);
     ASSERT_TRUE(host.ok()) << host.status();
-    ExpectNear(ToDouble(got->grad_bias), ToDouble(host->grad_bias),
+    ExpectWithinShare(ToDouble(got->grad_bias), ToDouble(host->grad_bias),
                std::max(4 * UlpOf(dtype), 1e-5), 2e-3, "grad_bias");
   }
 }

@@ -26,6 +26,7 @@
 #include "losshead/kernels/grad_stash.h"
 #include "losshead/kernels/shard_problem.h"
 #include "tests/kernels/backend_runner.h"
+#include "tests/kernels/distribution_checks.h"
 #include "tests/kernels/loss_terms_reference.h"
 
 namespace losshead::kernels {
@@ -39,6 +40,7 @@ using testing::MaxAbs;
 using testing::Outputs;
 using testing::RunOnBackend;
 using testing::RunOptions;
+using testing::SameFloatBits;
 using testing::TermInputs;
 using testing::TermResult;
 using testing::ToDouble;
@@ -53,67 +55,17 @@ struct Terms {
   bool clamped_kl = false;
 };
 
-// Random term inputs for `in`: a bias, weights in [-0.5, 2) with some exact zeros, and for the
-// policy-gradient kind the old log-probabilities at distances from the current ones that put the
-// ratio inside and outside the clip range, but never within 0.02 of its bounds (where a rounding
-// of log p could move the ratio across a kink), advantages of both signs and reference log
-// probabilities around the current ones.
+// Random term inputs for `in` (loss_terms_reference.h), never within 0.02 of the clip's kinks.
 TermInputs RandomTermInputs(const Problem& p, const Inputs& in, const Terms& terms, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-  TermInputs out;
-  if (terms.bias) {
-    out.bias.resize(p.v);
-    for (float& b : out.bias) b = 0.8f * unit(rng);
-  }
-  if (terms.weights) {
-    out.token_weights.resize(p.n);
-    for (size_t t = 0; t < out.token_weights.size(); ++t) {
-      out.token_weights[t] = t % 7 == 3 ? 0.0f : 0.75f + 1.25f * unit(rng);
-    }
-  }
-  if (p.options.kind == LossKind::kPolicyGradient) {
-    // log p does not depend on the old log p: a first pass with placeholders gives it.
-    TermInputs probe = out;
-    probe.old_logprob.assign(p.n, 0.0f);
-    probe.advantages.assign(p.n, 0.0f);
-    probe.ref_logprob.assign(p.n, 0.0f);
-    const TermResult first = LossTermsReference(p, in.hidden, in.weight, in.targets, probe);
-    const float lo = std::log(1.0f - p.options.clip_low), hi = std::log(1.0f + p.options.clip_high);
-    out.old_logprob.resize(p.n);
-    out.advantages.resize(p.n);
-    for (int64_t t = 0; t < p.n; ++t) {
-      float delta;  // log p - old log p = log ratio
-      do {
-        delta = 0.6f * unit(rng);
-      } while (std::abs(delta - lo) < 0.02f || std::abs(delta - hi) < 0.02f);
-      out.old_logprob[t] = static_cast<float>(first.per_token_logprob[t] - delta);
-      out.advantages[t] = 2.0f * unit(rng);
-    }
-    if (p.options.kl_coef > 0.0f) {
-      out.ref_logprob.resize(p.n);
-      for (int64_t t = 0; t < p.n; ++t) {
-        const float offset = !terms.clamped_kl ? 0.5f * unit(rng)
-                             : t % 2 == 0      ? 4.5f + 1.5f * unit(rng)
-                                               : 2.0f * unit(rng);
-        out.ref_logprob[t] = static_cast<float>(first.per_token_logprob[t] + offset);
-      }
-    }
-  }
-  return out;
+  return testing::RandomTermInputs(p, in.hidden, in.weight, in.targets, terms.bias, terms.weights,
+                                   seed, 0.02f, terms.clamped_kl);
 }
 
 RunOptions RunOptionsFor(const TermInputs& terms, size_t workspace_budget) {
   RunOptions options;
   options.workspace_budget = workspace_budget;
   options.logprob = options.entropy = true;
-  options.bias = terms.bias;
-  options.token_weights = terms.token_weights;
-  options.old_logprob = terms.old_logprob;
-  options.advantages = terms.advantages;
-  options.ref_logprob = terms.ref_logprob;
-  options.grad_bias = !terms.bias.empty();
-  return options;
+  return testing::WithTermInputs(options, terms);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -475,20 +427,11 @@ INSTANTIATE_TEST_SUITE_P(
 // Bit for bit: with neutral inputs (a zero bias, weights of 1) the terms' row computes what the
 // plain row does, and asking for grad_bias changes no other output.
 
-bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
+// Every output of `a` is `b`'s, bit for bit: the loss outputs and the distribution's.
 void ExpectSameBits(const Outputs& a, const Outputs& b) {
-  EXPECT_EQ(std::memcmp(&a.loss_sum, &b.loss_sum, sizeof(float)), 0)
-      << a.loss_sum << " vs " << b.loss_sum;
-  EXPECT_EQ(a.token_count, b.token_count);
-  EXPECT_TRUE(SameBits(a.per_token_loss, b.per_token_loss)) << "per_token_loss";
-  EXPECT_TRUE(SameBits(a.per_token_lse, b.per_token_lse)) << "per_token_lse";
-  EXPECT_TRUE(SameBits(a.per_token_logprob, b.per_token_logprob)) << "per_token_logprob";
-  EXPECT_TRUE(SameBits(a.per_token_entropy, b.per_token_entropy)) << "per_token_entropy";
-  EXPECT_TRUE(SameBits(a.grad_weight, b.grad_weight)) << "grad_weight";
-  EXPECT_EQ(a.grad_hidden, b.grad_hidden) << "grad_hidden";
+  testing::ExpectSameLossBits(a, b);
+  EXPECT_TRUE(SameFloatBits(a.per_token_logprob, b.per_token_logprob)) << "per_token_logprob";
+  EXPECT_TRUE(SameFloatBits(a.per_token_entropy, b.per_token_entropy)) << "per_token_entropy";
 }
 
 TEST(CpuLossTermsBits, NeutralInputsGiveThePlainRowsBits) {
@@ -592,7 +535,7 @@ TEST(CpuLossTermsStash, FlushedStashGivesTheDirectGradient) {
                   .ok());
 
   EXPECT_EQ(loss_sum, direct->loss_sum);
-  EXPECT_TRUE(SameBits(grad_bias, direct->grad_bias));
+  EXPECT_TRUE(SameFloatBits(grad_bias, direct->grad_bias));
   std::vector<float> decoded(p.n * p.d);
   ToFloat(p.dtype, grad_hidden.data(), decoded.data(), decoded.size());
   EXPECT_EQ(ToDouble(decoded), direct->grad_hidden);

@@ -24,6 +24,7 @@
 #include "tests/kernels/backend_runner.h"
 #include "tests/kernels/loss_terms_reference.h"
 #include "tests/kernels/shard_runner.h"
+#include "tests/kernels/term_checks.h"
 
 namespace losshead::kernels {
 namespace {
@@ -41,7 +42,7 @@ using testing::RunSharded;
 using testing::TermInputs;
 using testing::TermResult;
 using testing::ToDouble;
-using testing::WorstToleranceRatio;
+using testing::ExpectWithin;
 
 constexpr size_t kWhole = size_t{64} << 20;
 
@@ -73,13 +74,6 @@ double UlpOf(DType dtype) {
   return 0.0;
 }
 
-void ExpectNear(const std::vector<double>& got, const std::vector<double>& want, double rel,
-                double abs, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  const double worst = WorstToleranceRatio(got, want, rel, abs);
-  EXPECT_LE(worst, 1.0) << what << ": worst error " << worst << " of the tolerance";
-}
-
 class CpuShardTermsTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CpuShardTermsTest, MatchesTheWholeRunAndFloat64) {
@@ -97,13 +91,7 @@ TEST_P(CpuShardTermsTest, MatchesTheWholeRunAndFloat64) {
       p, seed, InputSpec{.hidden_scale = 1.0, .weight_scale = 0.7, .ignore_fraction = 0.25});
   const TermInputs terms =
       RandomTermInputs(p, in.hidden, in.weight, in.targets, c.bias, c.weights, seed + 1, 0.02f);
-  RunOptions run;
-  run.bias = terms.bias;
-  run.token_weights = terms.token_weights;
-  run.old_logprob = terms.old_logprob;
-  run.advantages = terms.advantages;
-  run.ref_logprob = terms.ref_logprob;
-  run.grad_bias = c.bias;
+  RunOptions run = testing::WithTermInputs(RunOptions{}, terms);
   // The accumulators start from something, to see += rather than =.
   run.initial_grad_weight.assign(p.v * p.d, 0.25f);
   if (c.bias) run.initial_grad_bias.assign(p.v, -0.5f);
@@ -135,34 +123,34 @@ TEST_P(CpuShardTermsTest, MatchesTheWholeRunAndFloat64) {
     SCOPED_TRACE("shards against the one-device Run");
     EXPECT_NEAR(sharded->loss_sum, whole->loss_sum, 1e-5 * (1.0 + std::abs(whole->loss_sum)));
     const std::vector<double> loss = ToDouble(whole->per_token_loss);
-    ExpectNear(ToDouble(sharded->per_token_loss), loss, 1e-5, 1e-6 * MaxAbs(loss),
+    ExpectWithin(ToDouble(sharded->per_token_loss), loss, 1e-5, 1e-6 * MaxAbs(loss),
                "per_token_loss");
-    ExpectNear(ToDouble(sharded->per_token_lse), ToDouble(whole->per_token_lse), 1e-6, 0.0,
+    ExpectWithin(ToDouble(sharded->per_token_lse), ToDouble(whole->per_token_lse), 1e-6, 0.0,
                "per_token_lse");
-    ExpectNear(sharded->grad_hidden, whole->grad_hidden, UlpOf(c.dtype),
+    ExpectWithin(sharded->grad_hidden, whole->grad_hidden, UlpOf(c.dtype),
                1e-6 * MaxAbs(whole->grad_hidden), "grad_hidden");
     const std::vector<double> dw = ToDouble(whole->grad_weight);
-    ExpectNear(ToDouble(sharded->grad_weight), dw, 1e-5, 1e-5 * MaxAbs(dw), "grad_weight");
+    ExpectWithin(ToDouble(sharded->grad_weight), dw, 1e-5, 1e-5 * MaxAbs(dw), "grad_weight");
     if (c.bias) {
       const std::vector<double> db = ToDouble(whole->grad_bias);
-      ExpectNear(ToDouble(sharded->grad_bias), db, 1e-5, 1e-5 * MaxAbs(db), "grad_bias");
+      ExpectWithin(ToDouble(sharded->grad_bias), db, 1e-5, 1e-5 * MaxAbs(db), "grad_bias");
     }
   }
   {
     SCOPED_TRACE("shards against float64");
     EXPECT_NEAR(sharded->loss_sum, ref.loss_sum, 1e-5 * (1.0 + std::abs(ref.loss_sum)));
-    ExpectNear(ToDouble(sharded->per_token_loss), ref.per_token_loss, 1e-5,
+    ExpectWithin(ToDouble(sharded->per_token_loss), ref.per_token_loss, 1e-5,
                1e-6 * MaxAbs(ref.per_token_loss), "per_token_loss");
-    ExpectNear(sharded->grad_hidden, ref.grad_hidden, UlpOf(c.dtype),
+    ExpectWithin(sharded->grad_hidden, ref.grad_hidden, UlpOf(c.dtype),
                1e-5 * MaxAbs(ref.grad_hidden), "grad_hidden");
     std::vector<double> dw = ref.grad_weight;
     for (double& x : dw) x += 0.25;
-    ExpectNear(ToDouble(sharded->grad_weight), dw, 1e-5, 1e-5 * MaxAbs(ref.grad_weight),
+    ExpectWithin(ToDouble(sharded->grad_weight), dw, 1e-5, 1e-5 * MaxAbs(ref.grad_weight),
                "grad_weight");
     if (c.bias) {
       std::vector<double> db = ref.grad_bias;
       for (double& x : db) x -= 0.5;
-      ExpectNear(ToDouble(sharded->grad_bias), db, 1e-5, 1e-5 * MaxAbs(ref.grad_bias),
+      ExpectWithin(ToDouble(sharded->grad_bias), db, 1e-5, 1e-5 * MaxAbs(ref.grad_bias),
                  "grad_bias");
     }
   }

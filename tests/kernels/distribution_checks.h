@@ -34,7 +34,8 @@ struct DistributionTolerance {
 };
 
 inline bool SameFloatBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // Every loss output of `with` (a call that asked for distribution outputs) is `without`'s, bit for

@@ -114,7 +114,7 @@ absl::StatusOr<StashedRun> RunStashed(Backend& backend, const std::vector<Inputs
 
 absl::StatusOr<StashedRun> RunShardedStashed(std::span<Backend* const> shards,
                                              const std::vector<Inputs>& batches, int64_t capacity,
-                                             size_t workspace_budget) {
+                                             size_t workspace_budget, const RunOptions* options) {
   if (batches.empty()) return absl::InvalidArgumentError("no micro-batches");
   const Problem& problem = batches[0].problem;
   const int k = static_cast<int>(shards.size());
@@ -156,10 +156,11 @@ absl::StatusOr<StashedRun> RunShardedStashed(std::span<Backend* const> shards,
     stashes.tokens = 0;
     return absl::OkStatus();
   };
-  const RunOptions options{.workspace_budget = workspace_budget, .per_token = false};
+  const RunOptions plain{.workspace_budget = workspace_budget, .per_token = false};
   for (const Inputs& in : batches) {
     if (stashes.tokens + in.problem.n > capacity) LH_RETURN_IF_ERROR(flush());
-    absl::StatusOr<Outputs> out = RunSharded(shards, nullptr, in, options, &stashes);
+    absl::StatusOr<Outputs> out =
+        RunSharded(shards, nullptr, in, options != nullptr ? *options : plain, &stashes);
     if (!out.ok()) return out.status();
     run.microbatches.push_back(*std::move(out));
   }

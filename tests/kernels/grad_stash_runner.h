@@ -29,10 +29,13 @@ absl::StatusOr<StashedRun> RunStashed(Backend& backend, const std::vector<Inputs
 // The same through the vocabulary shards of one head (RunSharded with ShardStashes, the
 // statistics and dH partials exchanged through the host): every shard stashes into a stash of
 // `capacity` tokens of its own, flushed into its rows of dW whenever the next micro-batch would
-// not fit and at the end. dW is the shards' rows, concatenated (V x D).
+// not fit and at the end. dW is the shards' rows, concatenated (V x D). Each micro-batch runs
+// with `options` where given (its workspace_budget, outputs and loss terms' inputs, which must
+// fit every batch), else with the budget alone and no per-token outputs.
 absl::StatusOr<StashedRun> RunShardedStashed(std::span<Backend* const> shards,
                                              const std::vector<Inputs>& batches, int64_t capacity,
-                                             size_t workspace_budget = size_t{64} << 20);
+                                             size_t workspace_budget = size_t{64} << 20,
+                                             const RunOptions* options = nullptr);
 
 }  // namespace losshead::kernels::testing
 

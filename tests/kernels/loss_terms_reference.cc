@@ -127,7 +127,8 @@ TermResult LossTermsReference(const Problem& problem, const std::vector<double>&
 
 TermInputs RandomTermInputs(const Problem& p, const std::vector<double>& hidden,
                             const std::vector<double>& weight, const std::vector<int32_t>& targets,
-                            bool bias, bool weights, uint64_t seed, float kink_margin) {
+                            bool bias, bool weights, uint64_t seed, float kink_margin,
+                            bool clamped_kl) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   TermInputs out;
@@ -162,7 +163,10 @@ TermInputs RandomTermInputs(const Problem& p, const std::vector<double>& hidden,
   if (p.options.kl_coef > 0.0f) {
     out.ref_logprob.resize(p.n);
     for (int64_t t = 0; t < p.n; ++t) {
-      out.ref_logprob[t] = static_cast<float>(first.per_token_logprob[t] + 0.5f * unit(rng));
+      const float offset = !clamped_kl  ? 0.5f * unit(rng)
+                           : t % 2 == 0 ? 4.5f + 1.5f * unit(rng)
+                                        : 2.0f * unit(rng);
+      out.ref_logprob[t] = static_cast<float>(first.per_token_logprob[t] + offset);
     }
   }
   return out;

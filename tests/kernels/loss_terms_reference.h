@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "losshead/kernels/problem.h"
+#include "tests/kernels/backend_runner.h"
 
 namespace losshead::kernels::testing {
 
@@ -48,10 +49,23 @@ TermResult LossTermsReference(const Problem& problem, const std::vector<double>&
 // log-probabilities that put the ratio inside and outside the clip range but never within
 // `kink_margin` of its log bounds (where a backend's rounding of log p could move the ratio across
 // a kink), advantages of both signs, and with kl_coef > 0 reference log-probabilities near the
-// current ones.
+// current ones: within 0.5, or with `clamped_kl` at q - log p in [3, 6] (k3 above its clamp) at
+// even tokens and in [-2, 2] (below it) at odd ones, at least 3 from the bound in q - log p.
 TermInputs RandomTermInputs(const Problem& problem, const std::vector<double>& hidden,
                             const std::vector<double>& weight, const std::vector<int32_t>& targets,
-                            bool bias, bool weights, uint64_t seed, float kink_margin);
+                            bool bias, bool weights, uint64_t seed, float kink_margin,
+                            bool clamped_kl = false);
+
+// `options` with the terms' inputs given (grad_bias asked for with a bias).
+inline RunOptions WithTermInputs(RunOptions options, const TermInputs& terms) {
+  options.bias = terms.bias;
+  options.token_weights = terms.token_weights;
+  options.old_logprob = terms.old_logprob;
+  options.advantages = terms.advantages;
+  options.ref_logprob = terms.ref_logprob;
+  options.grad_bias = !terms.bias.empty();
+  return options;
+}
 
 // Loss options of each kind, and a copy of `o` changed by `set`, for the tests' case tables.
 inline LossOptions CrossEntropy(Reduction reduction = Reduction::kMean) {

@@ -48,7 +48,7 @@ struct ShardProblem {
 };
 
 // INVALID_ARGUMENT for an invalid problem, rows outside [0, v) or empty, k < 1 or a rank outside
-// [0, k). (The CUDA backend's shards refuse the loss terms of problem.h as UNIMPLEMENTED.)
+// [0, k).
 absl::Status ValidateShardProblem(const ShardProblem& shard);
 
 // The shape of a shard's gradient stash: the problem with the shard's rows as its vocabulary. A
@@ -114,8 +114,7 @@ struct ShardArguments {
   // bias and grad_bias over this shard's rows (grad_bias accumulated over the chunks), the
   // per-token inputs over the micro-batch and given to EVERY shard (each forms its own columns'
   // G from them). The entropy term needs s, which travels in output_stats: a problem with
-  // entropy_coef != 0 needs output_stats on every shard. The CPU backend computes them; the
-  // CUDA backend refuses them (UNIMPLEMENTED, naming them).
+  // entropy_coef != 0 needs output_stats on every shard. Both backends compute them.
   const float* bias = nullptr;
   float* grad_bias = nullptr;
   const float* token_weights = nullptr;
