@@ -334,10 +334,12 @@ TEST_F(CapiTest, EmbeddingRowsAreWsRows) {
 
   // A buffer one value short: refused, left as it was.
   std::vector<float> small(ids.size() * kD - 1, -7.0f);
+  info = lh_embedding_rows_info{};
   EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 0, 0,
                               small.data(), small.size() * sizeof(float), &info, &status),
             kFailedPrecondition);
   EXPECT_TRUE(std::all_of(small.begin(), small.end(), [](float x) { return x == -7.0f; }));
+  EXPECT_EQ(info.num_rows * info.hidden_size, static_cast<int64_t>(rows.size()));  // the need
   EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 0, 0, nullptr,
                               rows.size() * sizeof(float), &info, &status),
             kFailedPrecondition);

@@ -95,6 +95,14 @@ int lh_embedding_rows(lh_client* client, const char* head, const int64_t* ids, s
         static_cast<losshead::v1::DType>(dtype),
         has_expected_version != 0 ? std::optional<uint64_t>(expected_version) : std::nullopt);
     if (!rows.ok()) return rows.status();
+    // The shape first, also for rows that do not fit: a caller that sized `out` from a stale
+    // hidden size learns the right one.
+    if (info != nullptr) {
+      *info = lh_embedding_rows_info{.num_rows = rows->num_rows,
+                                     .hidden_size = rows->hidden_size,
+                                     .dtype = rows->dtype,
+                                     .weights_version = rows->weights_version};
+    }
     const size_t room = out == nullptr ? 0 : capacity;
     if (rows->data.size() > room) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -102,12 +110,6 @@ int lh_embedding_rows(lh_client* client, const char* head, const int64_t* ids, s
           " bytes) do not fit the buffer of ", room, " bytes"));
     }
     if (!rows->data.empty()) std::memcpy(out, rows->data.data(), rows->data.size());
-    if (info != nullptr) {
-      *info = lh_embedding_rows_info{.num_rows = rows->num_rows,
-                                     .hidden_size = rows->hidden_size,
-                                     .dtype = rows->dtype,
-                                     .weights_version = rows->weights_version};
-    }
     return absl::OkStatus();
   });
 }

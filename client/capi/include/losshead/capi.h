@@ -187,7 +187,7 @@ typedef struct lh_embedding_rows_info {
  * one message: split them otherwise) in `dtype` (0: the head's) into `out`, num_ids x D of it;
  * has_expected_version: FAILED_PRECONDITION unless W is at `expected_version`. INVALID_ARGUMENT
  * for a null client, no ids or null ids; FAILED_PRECONDITION, `out` untouched, when the rows do
- * not fit `capacity` bytes. (Version 4.) */
+ * not fit `capacity` bytes (`info` is filled then too: the size they need). (Version 4.) */
 int lh_embedding_rows(lh_client* client, const char* head, const int64_t* ids, size_t num_ids,
                       int dtype, int has_expected_version, uint64_t expected_version, void* out,
                       size_t capacity, lh_embedding_rows_info* info, lh_status* status);

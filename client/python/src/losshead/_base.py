@@ -40,6 +40,8 @@ class ClientBase:
     _closed: bool
     # Per head, what a cut batch is checked against before it is sent (losshead._batch_check).
     _head_facts: Dict[str, "HeadFacts"]
+    # Per head, its hidden size as last read: what the native path sizes embedding rows by.
+    _embedding_dims: Dict[str, int]
 
     def __init__(self) -> None:
         self._retries = 0
@@ -48,6 +50,7 @@ class ClientBase:
         self._seq = itertools.count(1)
         self._natives = []
         self._head_facts = {}
+        self._embedding_dims = {}
         self._lanes = LaneThreads("losshead-step")
 
     def get_head(self, name: str) -> Any:  # defined by Client; the transfers read shapes

@@ -4,13 +4,14 @@
 stays under the message limit, every part read at one weights version); `embedding_grad` sends
 the gradient of those rows back as an EMBEDDING_GRAD micro-batch on a Step stream, where it has
 a loss micro-batch's exactly-once key, admission and retries, and lands in the same dW window.
-Both always travel through grpcio (the native path carries loss micro-batches only).
+Both take the client's data path: the C++ client (`losshead._native`) where it is in use, else
+grpcio from Python; the answers are the same bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import grpc
 import torch
@@ -63,9 +64,12 @@ class Embeddings(ClientBase):
             try:
                 for start in range(0, flat.numel(), per_request):
                     part = flat[start:start + per_request]
-                    rows, got = self._with_retry(
-                        lambda part=part, version=version: self._embedding_rows_once(
-                            head, part, dtype, version))
+                    if self._natives:  # the C++ client retries by itself
+                        rows, got = self._embedding_rows_native(head, part, dtype, version)
+                    else:
+                        rows, got = self._with_retry(
+                            lambda part=part, version=version: self._embedding_rows_once(
+                                head, part, dtype, version))
                     version = got
                     parts.append(rows)
             except LossheadError as e:
@@ -89,6 +93,27 @@ class Embeddings(ClientBase):
             request, timeout=self.timeout, metadata=self._metadata), lambda c: c)
         rows = _wire.decode(buf, first.dtype, (first.num_rows, first.hidden_size))
         return rows, first.weights_version
+
+    def _embedding_rows_native(self, head: str, ids: torch.Tensor, dtype: Optional[DTypeLike],
+                               version: Optional[int]) -> Tuple[torch.Tensor, int]:
+        """One EmbeddingRows through the C++ client, into a buffer sized from the head's hidden
+        size (read once per head; read again when the answer says it changed)."""
+        wire = _wire.to_wire_dtype(dtype) if dtype is not None else 0
+        widest = 4  # bytes per value of the widest row dtype: the head's is not known here
+        for fresh in (False, True):
+            d = self._embedding_dims.get(head)
+            if d is None or fresh:
+                d = int(self.get_head(head).spec.hidden_size)
+                self._embedding_dims[head] = d
+            out = torch.empty(ids.numel() * d * widest, dtype=torch.uint8)
+            info, fitted = self._natives[0].embedding_rows_into(head, ids, wire, version, out)
+            if fitted:
+                dt = _wire.to_torch_dtype(info.dtype)
+                size = info.num_rows * info.hidden_size * torch.empty((), dtype=dt).element_size()
+                rows = out[:size].view(dt).reshape(info.num_rows, info.hidden_size)
+                return rows, int(info.weights_version)
+        raise LossheadError(grpc.StatusCode.INTERNAL,
+                            f"losshead: EmbeddingRows of '{head}' did not fit twice")
 
     def embedding_microbatch(self, head: str, ids: torch.Tensor, grad: torch.Tensor, *,
                              grad_dtype: Optional[DTypeLike] = None,
@@ -126,7 +151,10 @@ class Embeddings(ClientBase):
         mb = self.embedding_microbatch(head, ids, grad, grad_dtype=grad_dtype, sequence=sequence,
                                        expected_weights_version=expected_weights_version)
         self._open_step_connections(1)
-        (outcome,) = _step_stream.step_many(self, 0, [mb], _ONE)
+        if self._natives:
+            (outcome,) = self._natives[0].step_many([mb], _ONE)
+        else:
+            (outcome,) = _step_stream.step_many(self, 0, [mb], _ONE)
         if isinstance(outcome, LossheadError):
             raise outcome
         return outcome
