@@ -2,6 +2,8 @@
 // server: token inputs reach the loss (float64 references), embedding rows and gradients are
 // exact, and bad lengths or null pointers are refused with INVALID_ARGUMENT before anything is
 // sent. Version 3's layouts are pinned here, since a version only adds (capi.h).
+#include "losshead/capi.h"
+
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -17,7 +19,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "losshead/capi.h"
 #include "tests/common/server_process.h"
 
 // Callers built against version 3 keep working only if its structs keep their layout.
@@ -31,7 +32,7 @@ namespace {
 
 constexpr int kInvalidArgument = 3;
 constexpr int kFailedPrecondition = 9;
-constexpr int kFp32 = 3;   // losshead.v1.DType
+constexpr int kFp32 = 3;  // losshead.v1.DType
 constexpr int kInt32 = 4;
 constexpr int kInt64 = 5;
 constexpr int64_t kV = 11;
@@ -88,8 +89,7 @@ class CapiTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     auto server = losshead::testing::ServerProcess::Start(
-        LOSSHEAD_SERVER_BINARY, {"--backend=cpu"},
-        ::testing::TempDir() + "/capi_test_server.log");
+        LOSSHEAD_SERVER_BINARY, {"--backend=cpu"}, ::testing::TempDir() + "/capi_test_server.log");
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
   }
@@ -108,10 +108,9 @@ class CapiTest : public ::testing::Test {
   std::string Head(const std::vector<float>& weight) {
     const std::string name = absl::StrCat(
         "capi-", ::testing::UnitTest::GetInstance()->current_test_info()->name(), "-", heads_++);
-    const std::string command =
-        absl::StrCat(LOSSHEAD_CLI_BINARY, " create --server=", server_->target(), " --head=",
-                     name, " --vocab_size=", kV, " --hidden_size=", kD,
-                     " --weight_dtype=fp32 > /dev/null");
+    const std::string command = absl::StrCat(
+        LOSSHEAD_CLI_BINARY, " create --server=", server_->target(), " --head=", name,
+        " --vocab_size=", kV, " --hidden_size=", kD, " --weight_dtype=fp32 > /dev/null");
     EXPECT_EQ(std::system(command.c_str()), 0) << command;
     uint64_t version = 0;
     lh_status status{};
@@ -228,8 +227,8 @@ TEST_F(CapiTest, PolicyGradientInputsReachTheLoss) {
   Batch b = RandomBatch(Head(w), n, 5);
   b.options = kSumForward;
   const float clip_low = 0.2f, clip_high = 0.28f, kl = 0.05f;
-  b.loss_options = VarintField(9, 2) + FloatField(10, clip_low) + FloatField(11, clip_high) +
-                   FloatField(12, kl);
+  b.loss_options =
+      VarintField(9, 2) + FloatField(10, clip_low) + FloatField(11, clip_high) + FloatField(12, kl);
   const std::vector<float> old_logprob = Random(n, 6, -4.0f, -1.0f);
   const std::vector<float> advantages = Random(n, 7, -1.0f, 1.0f);
   const std::vector<float> ref_logprob = Random(n, 8, -4.0f, -1.0f);
@@ -272,8 +271,7 @@ TEST_F(CapiTest, BadLengthsAndNullPointersAreRefusedBeforeAnythingIsSent) {
     lh_microbatch_inputs in[2] = {{.token_weights = values.data(), .token_weights_count = n},
                                   second};
     lh_status status{};
-    EXPECT_EQ(lh_step_many_with_inputs(client_, mbs, in, 2, 2, results, &status),
-              kInvalidArgument)
+    EXPECT_EQ(lh_step_many_with_inputs(client_, mbs, in, 2, 2, results, &status), kInvalidArgument)
         << what;
     EXPECT_EQ(status.code, kInvalidArgument) << what;
     EXPECT_EQ(status.microbatch, 0) << what;
@@ -288,12 +286,10 @@ TEST_F(CapiTest, BadLengthsAndNullPointersAreRefusedBeforeAnythingIsSent) {
 
   lh_status status{};
   lh_microbatch_inputs none[2] = {};
-  EXPECT_EQ(lh_step_many_with_inputs(nullptr, mbs, none, 2, 1, results, &status),
-            kInvalidArgument);
+  EXPECT_EQ(lh_step_many_with_inputs(nullptr, mbs, none, 2, 1, results, &status), kInvalidArgument);
   EXPECT_EQ(lh_step_many_with_inputs(client_, nullptr, none, 2, 1, results, &status),
             kInvalidArgument);
-  EXPECT_EQ(lh_step_many_with_inputs(client_, mbs, none, 2, 1, nullptr, &status),
-            kInvalidArgument);
+  EXPECT_EQ(lh_step_many_with_inputs(client_, mbs, none, 2, 1, nullptr, &status), kInvalidArgument);
   EXPECT_EQ(lh_step_many(client_, nullptr, 2, 1, results, &status), kInvalidArgument);
   EXPECT_EQ(lh_step_many(nullptr, mbs, 2, 1, results, &status), kInvalidArgument);
   EXPECT_EQ(status.code, kInvalidArgument);
@@ -318,8 +314,8 @@ TEST_F(CapiTest, EmbeddingRowsAreWsRows) {
   std::vector<float> rows(ids.size() * kD, -7.0f);
   lh_embedding_rows_info info{};
   lh_status status{};
-  ASSERT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 1, 2,
-                              rows.data(), rows.size() * sizeof(float), &info, &status),
+  ASSERT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 1, 2, rows.data(),
+                              rows.size() * sizeof(float), &info, &status),
             0)
       << status.message;
   EXPECT_EQ(info.num_rows, static_cast<int64_t>(ids.size()));
@@ -335,16 +331,16 @@ TEST_F(CapiTest, EmbeddingRowsAreWsRows) {
   // A buffer one value short: refused, left as it was.
   std::vector<float> small(ids.size() * kD - 1, -7.0f);
   info = lh_embedding_rows_info{};
-  EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 0, 0,
-                              small.data(), small.size() * sizeof(float), &info, &status),
+  EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 0, 0, small.data(),
+                              small.size() * sizeof(float), &info, &status),
             kFailedPrecondition);
   EXPECT_TRUE(std::all_of(small.begin(), small.end(), [](float x) { return x == -7.0f; }));
   EXPECT_EQ(info.num_rows * info.hidden_size, static_cast<int64_t>(rows.size()));  // the need
   EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 0, 0, nullptr,
                               rows.size() * sizeof(float), &info, &status),
             kFailedPrecondition);
-  EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 1, 5,
-                              rows.data(), rows.size() * sizeof(float), &info, &status),
+  EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), ids.size(), 0, 1, 5, rows.data(),
+                              rows.size() * sizeof(float), &info, &status),
             kFailedPrecondition);  // W is at version 2
   EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), nullptr, 3, 0, 0, 0, rows.data(),
                               rows.size() * sizeof(float), &info, &status),
@@ -352,8 +348,8 @@ TEST_F(CapiTest, EmbeddingRowsAreWsRows) {
   EXPECT_EQ(lh_embedding_rows(client_, head.c_str(), ids.data(), 0, 0, 0, 0, rows.data(),
                               rows.size() * sizeof(float), &info, &status),
             kInvalidArgument);
-  EXPECT_EQ(lh_embedding_rows(nullptr, head.c_str(), ids.data(), ids.size(), 0, 0, 0,
-                              rows.data(), rows.size() * sizeof(float), &info, &status),
+  EXPECT_EQ(lh_embedding_rows(nullptr, head.c_str(), ids.data(), ids.size(), 0, 0, 0, rows.data(),
+                              rows.size() * sizeof(float), &info, &status),
             kInvalidArgument);
   EXPECT_EQ(status.code, kInvalidArgument);
 }

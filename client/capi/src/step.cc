@@ -55,9 +55,8 @@ absl::StatusOr<std::span<const float>> TokenInput(const float* values, size_t co
         " with a count of ", count, " (give both, or neither)"));
   }
   if (num_tokens < 0 || count != static_cast<uint64_t>(num_tokens)) {
-    return absl::InvalidArgumentError(absl::StrCat("micro-batch ", index, ": ", count,
-                                                   " values of ", name, " for ", num_tokens,
-                                                   " tokens"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro-batch ", index, ": ", count, " values of ", name, " for ", num_tokens, " tokens"));
   }
   return std::span<const float>(values, count);
 }
@@ -156,8 +155,8 @@ int StepMany(lh_client* client, const lh_microbatch* mbs, const lh_microbatch_in
   return Guarded(status, [&]() -> absl::Status {
     if (client == nullptr) return absl::InvalidArgumentError("null client");
     if (count > 0 && (mbs == nullptr || results == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          count, " micro-batches with a null ", mbs == nullptr ? "mbs" : "results", " array"));
+      return absl::InvalidArgumentError(absl::StrCat(count, " micro-batches with a null ",
+                                                     mbs == nullptr ? "mbs" : "results", " array"));
     }
     std::vector<client::Microbatch> batch;
     batch.reserve(count);

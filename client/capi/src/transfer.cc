@@ -4,7 +4,6 @@
 #include <span>
 
 #include "absl/strings/str_cat.h"
-
 #include "internal.h"
 
 namespace losshead::capi {
@@ -86,9 +85,9 @@ int lh_embedding_rows(lh_client* client, const char* head, const int64_t* ids, s
   return losshead::capi::Guarded(status, [&]() -> absl::Status {
     if (client == nullptr) return absl::InvalidArgumentError("null client");
     if (ids == nullptr || num_ids == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("EmbeddingRows needs at least one id (ids ",
-                       ids == nullptr ? "null" : "given", ", num_ids ", num_ids, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("EmbeddingRows needs at least one id (ids ",
+                                                     ids == nullptr ? "null" : "given",
+                                                     ", num_ids ", num_ids, ")"));
     }
     auto rows = client->client->EmbeddingRows(
         head == nullptr ? "" : head, std::span<const int64_t>(ids, num_ids),
@@ -105,9 +104,9 @@ int lh_embedding_rows(lh_client* client, const char* head, const int64_t* ids, s
     }
     const size_t room = out == nullptr ? 0 : capacity;
     if (rows->data.size() > room) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the ", rows->num_rows, " rows (", rows->data.size(),
-          " bytes) do not fit the buffer of ", room, " bytes"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the ", rows->num_rows, " rows (", rows->data.size(),
+                       " bytes) do not fit the buffer of ", room, " bytes"));
     }
     if (!rows->data.empty()) std::memcpy(out, rows->data.data(), rows->data.size());
     return absl::OkStatus();
