@@ -386,7 +386,7 @@ def test_embedding_rows_and_grads_equal_the_grpc_path(paths: Dict[str, Client], 
     assert npull.summary == gpull.summary and npull.summary.microbatch_count == 1
 
 
-def test_embedding_rows_follow_a_head_recreated_wider(paths: Dict[str, Client],
+def test_embedding_rows_follow_a_head_created_again(paths: Dict[str, Client],
                                                       make_head) -> None:
     c = paths["native"]
     head = make_head(20, 8, weights=torch.randn(20, 8))
@@ -396,3 +396,8 @@ def test_embedding_rows_follow_a_head_recreated_wider(paths: Dict[str, Client],
     w = torch.randn(20, 32)
     c.upload_weights(head, w)
     _same(c.embedding_rows(head, torch.tensor([1, 2])).rows, w[[1, 2]], "rows of the new head")
+    c.delete_head(head)  # and narrower, in another dtype
+    c.create_head(head, 20, 4, weight_dtype=torch.bfloat16)
+    w = torch.randn(20, 4).bfloat16()
+    c.upload_weights(head, w)
+    _same(c.embedding_rows(head, torch.tensor([3])).rows, w[[3]], "rows of the narrower head")

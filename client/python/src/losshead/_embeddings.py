@@ -11,7 +11,7 @@ grpcio from Python; the answers are the same bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import grpc
 import torch
@@ -96,22 +96,32 @@ class Embeddings(ClientBase):
 
     def _embedding_rows_native(self, head: str, ids: torch.Tensor, dtype: Optional[DTypeLike],
                                version: Optional[int]) -> Tuple[torch.Tensor, int]:
-        """One EmbeddingRows through the C++ client, into a buffer sized from the head's hidden
-        size (read once per head; read again when the answer says it changed)."""
-        wire = _wire.to_wire_dtype(dtype) if dtype is not None else 0
-        widest = 4  # bytes per value of the widest row dtype: the head's is not known here
+        """One EmbeddingRows through the C++ client, into a tensor sized from the head's hidden
+        size and weight dtype (read once per head; read again when the answer says the rows
+        need more room: the head was created again, wider)."""
         for fresh in (False, True):
-            d = self._embedding_dims.get(head)
-            if d is None or fresh:
-                d = int(self.get_head(head).spec.hidden_size)
-                self._embedding_dims[head] = d
-            out = torch.empty(ids.numel() * d * widest, dtype=torch.uint8)
-            info, fitted = self._natives[0].embedding_rows_into(head, ids, wire, version, out)
+            shape = self._embedding_shapes.get(head)
+            if shape is None or fresh:
+                spec = self.get_head(head).spec
+                shape = (int(spec.hidden_size), _wire.to_torch_dtype(spec.weight_dtype))
+                self._embedding_shapes[head] = shape
+            d, head_dtype = shape
+            dt = _wire.to_torch_dtype(dtype) if dtype is not None else head_dtype
+            out = torch.empty((ids.numel(), d), dtype=dt)
+            # No dtype: the head's, which the server decides (as on the gRPC path).
+            info, fitted = self._natives[0].embedding_rows_into(
+                head, ids, _wire.to_wire_dtype(dtype) if dtype is not None else 0, version, out)
             if fitted:
-                dt = _wire.to_torch_dtype(info.dtype)
-                size = info.num_rows * info.hidden_size * torch.empty((), dtype=dt).element_size()
-                rows = out[:size].view(dt).reshape(info.num_rows, info.hidden_size)
-                return rows, int(info.weights_version)
+                got = _wire.to_torch_dtype(info.dtype)
+                if (info.num_rows, info.hidden_size, got) != (ids.numel(), d, dt):
+                    # Narrower than the buffer (a head created again): its rows as they came.
+                    if dtype is None:
+                        self._embedding_shapes[head] = (int(info.hidden_size), got)
+                    flat = out.reshape(-1).view(torch.uint8)
+                    size = info.num_rows * info.hidden_size * torch.empty(
+                        (), dtype=got).element_size()
+                    out = flat[:size].view(got).reshape(info.num_rows, info.hidden_size).clone()
+                return out, int(info.weights_version)
         raise LossheadError(grpc.StatusCode.INTERNAL,
                             f"losshead: EmbeddingRows of '{head}' did not fit twice")
 
