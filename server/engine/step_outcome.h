@@ -49,6 +49,11 @@ struct StepOutcome {
   // Not OK for a micro-batch that may be in dW but has no result (the device failed after its run
   // began): the answer of every repeat of its key, which is never computed again.
   absl::Status failure;
+  // The loss the run computed (its resolved options), for the metrics of a computed micro-batch;
+  // not kept in checkpoints: a replay counts nothing.
+  bool policy_gradient = false;  // LossKind: policy gradient (else cross-entropy)
+  bool entropy_term = false;     // entropy_coef != 0
+  bool kl_term = false;          // kl_coef > 0
 
   const std::string& token_output(TokenOutput output) const {
     return token_outputs[static_cast<int>(output)];

@@ -310,6 +310,10 @@ void Head::FinishOutcome(const PreparedStep& p, const RunScalars& scalars, std::
   const int64_t token_count = scalars.token_count;
   outcome->loss_sum = loss_sum;
   outcome->token_count = token_count;
+  const kernels::LossOptions& options = p.problem.options;
+  outcome->policy_gradient = options.kind == kernels::LossKind::kPolicyGradient;
+  outcome->entropy_term = options.entropy_coef != 0.0f;
+  outcome->kl_term = options.kl_coef > 0.0f;
   outcome->loss = p.problem.options.reduction == kernels::Reduction::kMean
                       ? (token_count > 0 ? static_cast<double>(loss_sum) / token_count : 0.0)
                       : static_cast<double>(loss_sum);

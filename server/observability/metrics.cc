@@ -35,6 +35,34 @@ Metrics::Metrics()
                   .Name("losshead_tokens_total")
                   .Help("Non-ignored tokens computed, forward-only included (replays not counted)")
                   .Register(*registry_)),
+      token_output_tokens_(prometheus::BuildCounter()
+                               .Name("losshead_token_output_tokens_total")
+                               .Help("Tokens served with each per-token output asked: logprob, "
+                                     "entropy, lse, argmax (replays not counted)")
+                               .Register(*registry_)),
+      top_k_microbatches_(prometheus::BuildCounter()
+                              .Name("losshead_top_k_microbatches_total")
+                              .Help("Computed micro-batches that asked for the top-k")
+                              .Register(*registry_)),
+      loss_kind_microbatches_(prometheus::BuildCounter()
+                                  .Name("losshead_loss_microbatches_total")
+                                  .Help("Computed loss micro-batches by loss kind: "
+                                        "cross_entropy, policy_gradient")
+                                  .Register(*registry_)),
+      loss_term_microbatches_(prometheus::BuildCounter()
+                                  .Name("losshead_loss_term_microbatches_total")
+                                  .Help("Computed loss micro-batches by loss term: entropy, kl, "
+                                        "token_weights")
+                                  .Register(*registry_)),
+      embedding_rows_(prometheus::BuildCounter()
+                          .Name("losshead_embedding_rows_total")
+                          .Help("Rows of W served by EmbeddingRows")
+                          .Register(*registry_)),
+      embedding_grad_rows_(prometheus::BuildCounter()
+                               .Name("losshead_embedding_grad_rows_total")
+                               .Help("Embedding-gradient rows added to dW (EMBEDDING_GRAD "
+                                     "micro-batches; replays not counted)")
+                               .Register(*registry_)),
       bytes_(prometheus::BuildCounter()
                  .Name("losshead_bytes_total")
                  .Help("Tensor payload bytes received (in) and sent (out)")
@@ -260,6 +288,15 @@ void Metrics::RemoveHead(const std::string& head) {
     optimizer_apply_duration_.Remove(&optimizer_apply_duration_.Add({{"head", head}}, Buckets()));
   drop(head_devices_, {});
   drop(tokens_, {});
+  for (const char* output : {"logprob", "entropy", "lse", "argmax"})
+    drop(token_output_tokens_, {{"output", output}});
+  drop(top_k_microbatches_, {});
+  for (const char* kind : {"cross_entropy", "policy_gradient"})
+    drop(loss_kind_microbatches_, {{"kind", kind}});
+  for (const char* term : {"entropy", "kl", "token_weights"})
+    drop(loss_term_microbatches_, {{"term", term}});
+  drop(embedding_rows_, {});
+  drop(embedding_grad_rows_, {});
   drop(pulls_, {});
   drop(pushes_, {});
   for (auto* family : {&discards_, &discarded_microbatches_, &discarded_tokens_}) drop(*family, {});

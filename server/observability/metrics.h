@@ -54,6 +54,17 @@ class Metrics {
   // A Step stream ended because an answer waited --step_unread_timeout to be written.
   void UnreadAnswerAbort();
   void Tokens(const std::string& head, uint64_t tokens);
+  // What a computed micro-batch asked for and ran (issue 43's outputs and loss terms): `tokens`
+  // tokens served with the per-token `output` ("logprob", "entropy", "lse", "argmax"); one that
+  // asked for the top-k; one that ran loss `kind` ("cross_entropy", "policy_gradient"); one whose
+  // loss had `term` ("entropy", "kl", "token_weights").
+  void TokenOutputTokens(const std::string& head, absl::string_view output, uint64_t tokens);
+  void TopKMicrobatch(const std::string& head);
+  void LossKindMicrobatch(const std::string& head, absl::string_view kind);
+  void LossTermMicrobatch(const std::string& head, absl::string_view term);
+  // Rows of W served by EmbeddingRows, and rows of dE added to dW by EMBEDDING_GRAD micro-batches.
+  void EmbeddingRowsServed(const std::string& head, uint64_t rows);
+  void EmbeddingGradRows(const std::string& head, uint64_t rows);
   void Bytes(absl::string_view method, absl::string_view direction, uint64_t bytes);
   void InflightAdd(int64_t delta);
   int64_t inflight() const { return inflight_count_.load(); }
@@ -130,6 +141,12 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& phase_duration_;
   prometheus::Family<prometheus::Counter>& microbatches_;
   prometheus::Family<prometheus::Counter>& tokens_;
+  prometheus::Family<prometheus::Counter>& token_output_tokens_;
+  prometheus::Family<prometheus::Counter>& top_k_microbatches_;
+  prometheus::Family<prometheus::Counter>& loss_kind_microbatches_;
+  prometheus::Family<prometheus::Counter>& loss_term_microbatches_;
+  prometheus::Family<prometheus::Counter>& embedding_rows_;
+  prometheus::Family<prometheus::Counter>& embedding_grad_rows_;
   prometheus::Family<prometheus::Counter>& bytes_;
   prometheus::Family<prometheus::Gauge>& inflight_family_;
   prometheus::Family<prometheus::Counter>& failures_;

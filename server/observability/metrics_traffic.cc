@@ -52,6 +52,32 @@ void Metrics::Tokens(const std::string& head, uint64_t tokens) {
   tokens_.Add({{"head", head}}).Increment(static_cast<double>(tokens));
 }
 
+void Metrics::TokenOutputTokens(const std::string& head, absl::string_view output,
+                                uint64_t tokens) {
+  token_output_tokens_.Add({{"head", head}, {"output", std::string(output)}})
+      .Increment(static_cast<double>(tokens));
+}
+
+void Metrics::TopKMicrobatch(const std::string& head) {
+  top_k_microbatches_.Add({{"head", head}}).Increment();
+}
+
+void Metrics::LossKindMicrobatch(const std::string& head, absl::string_view kind) {
+  loss_kind_microbatches_.Add({{"head", head}, {"kind", std::string(kind)}}).Increment();
+}
+
+void Metrics::LossTermMicrobatch(const std::string& head, absl::string_view term) {
+  loss_term_microbatches_.Add({{"head", head}, {"term", std::string(term)}}).Increment();
+}
+
+void Metrics::EmbeddingRowsServed(const std::string& head, uint64_t rows) {
+  embedding_rows_.Add({{"head", head}}).Increment(static_cast<double>(rows));
+}
+
+void Metrics::EmbeddingGradRows(const std::string& head, uint64_t rows) {
+  embedding_grad_rows_.Add({{"head", head}}).Increment(static_cast<double>(rows));
+}
+
 void Metrics::Bytes(absl::string_view method, absl::string_view direction, uint64_t bytes) {
   bytes_.Add({{"method", std::string(method)}, {"direction", std::string(direction)}})
       .Increment(static_cast<double>(bytes));

@@ -1,6 +1,29 @@
 #include "server/observability/microbatch_metrics.h"
 
 namespace losshead::server {
+namespace {
+
+// The counters of what a computed micro-batch asked for and ran (MicrobatchRecord).
+void RecordAsked(Metrics& metrics, const std::string& head, const MicrobatchRecord& record) {
+  if (record.embedding_grad_rows > 0) {
+    metrics.EmbeddingGradRows(head, static_cast<uint64_t>(record.embedding_grad_rows));
+    return;
+  }
+  static constexpr std::array<absl::string_view, 4> kOutputs = {"logprob", "entropy", "lse",
+                                                                "argmax"};
+  for (size_t i = 0; i < kOutputs.size(); ++i) {
+    if (record.token_outputs[i]) {
+      metrics.TokenOutputTokens(head, kOutputs[i], static_cast<uint64_t>(record.output_tokens));
+    }
+  }
+  if (record.top_k) metrics.TopKMicrobatch(head);
+  metrics.LossKindMicrobatch(head, record.policy_gradient ? "policy_gradient" : "cross_entropy");
+  if (record.entropy_term) metrics.LossTermMicrobatch(head, "entropy");
+  if (record.kl_term) metrics.LossTermMicrobatch(head, "kl");
+  if (record.token_weights) metrics.LossTermMicrobatch(head, "token_weights");
+}
+
+}  // namespace
 
 void RecordMicrobatch(Metrics& metrics, const std::string& head, const MicrobatchRecord& record,
                       size_t devices, absl::FunctionRef<std::string(size_t)> device_label) {
@@ -28,6 +51,7 @@ void RecordMicrobatch(Metrics& metrics, const std::string& head, const Microbatc
       metrics.Microbatch(head, outcome);
       metrics.MicrobatchLoss(head, outcome, record.loss_sum, record.tokens);
       metrics.Tokens(head, static_cast<uint64_t>(record.tokens));
+      RecordAsked(metrics, head, record);
     }
   } else if (record.reach == Reach::kRefused) {
     metrics.Microbatch(head, "error", record.code);

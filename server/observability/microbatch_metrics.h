@@ -7,6 +7,7 @@
 #ifndef LOSSHEAD_SERVER_OBSERVABILITY_MICROBATCH_METRICS_H_
 #define LOSSHEAD_SERVER_OBSERVABILITY_MICROBATCH_METRICS_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -37,6 +38,17 @@ struct MicrobatchRecord {
   double loss_sum = 0;
   int64_t tokens = 0;      // non-ignored tokens computed
   uint64_t bytes_out = 0;  // dH and per-token losses of an OK answer
+  // What a computed micro-batch asked for and ran, counted with its tokens (never for a replay
+  // or a refusal). An EMBEDDING_GRAD micro-batch has its rows and nothing else.
+  int64_t embedding_grad_rows = 0;
+  int64_t output_tokens = 0;  // tokens of the micro-batch (each output has a value for each)
+  // The per-token outputs asked: logprob, entropy, lse, argmax.
+  std::array<bool, 4> token_outputs{};
+  bool top_k = false;
+  bool policy_gradient = false;  // the loss kind; cross-entropy otherwise
+  bool entropy_term = false;     // entropy_coef != 0
+  bool kl_term = false;          // kl_coef > 0
+  bool token_weights = false;    // per-token weights given
   // Phases (losshead_step_phase_duration_seconds); stage, compute and finish only of a computed
   // micro-batch, send once its last answer is written (RecordMicrobatchSent).
   absl::Duration receive;

@@ -18,6 +18,27 @@ namespace {
 // What an OK answer sends: dH, the per-token losses and token outputs.
 size_t SentBytes(const StepOutcome& outcome) { return outcome.payload_bytes(); }
 
+// What the micro-batch asked for and ran, for its counters: an embedding gradient's rows, or the
+// outputs asked (each present in the outcome exactly when asked) and the loss's kind and terms.
+void RecordAsked(const v1::StepHeader& header, const StepOutcome& outcome,
+                 MicrobatchRecord& record) {
+  if (header.kind() == v1::STEP_KIND_EMBEDDING_GRAD) {
+    record.embedding_grad_rows = header.num_tokens();
+    return;
+  }
+  record.output_tokens = header.num_tokens();
+  for (int i = 0; i < kTokenOutputs; ++i) {
+    record.token_outputs[i] = !outcome.token_outputs[i].empty();
+  }
+  record.top_k = !outcome.top_k_ids.empty();
+  record.policy_gradient = outcome.policy_gradient;
+  record.entropy_term = outcome.entropy_term;
+  record.kl_term = outcome.kl_term;
+  for (int input : header.token_inputs()) {
+    if (input == v1::TOKEN_INPUT_WEIGHT) record.token_weights = true;
+  }
+}
+
 }  // namespace
 
 void StepReactor::StartNextSlotLocked() {
@@ -109,6 +130,7 @@ void StepReactor::RecordSlot(const Slot& slot, absl::Time picked, const SlotRun&
     record.loss_sum = outcome.loss_sum;
     record.tokens = outcome.token_count;
     record.bytes_out = SentBytes(outcome);
+    RecordAsked(slot.assembled.microbatch.header, outcome, record);
   }
   RecordMicrobatch(*ctx_->metrics, slot.assembled.microbatch.header.head(), record,
                    stats.devices.size(),

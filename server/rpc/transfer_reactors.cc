@@ -324,6 +324,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
         const size_t row_bytes =
             static_cast<size_t>(head->hidden_size()) * v1::WireDTypeSize(rows.dtype);
         first.set_num_rows(row_bytes > 0 ? rows.data.size() / row_bytes : 0);
+        ctx->metrics->EmbeddingRowsServed(head->name(), first.num_rows());
         first.set_hidden_size(head->hidden_size());
         first.set_dtype(rows.dtype);
         first.set_weights_version(rows.version);

@@ -13,6 +13,11 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Labels Prometheus adds to every scraped series, and the bucket bound of histogram buckets.
 TARGET_LABELS = {"job", "instance"}
 NON_LOSSHEAD_METRICS = {"up"}
+# Exported once a micro-batch asks for a token output or the top-k, runs a loss term, or a head
+# serves embedding rows: the `losshead` tool's traffic never does (tests/service checks them).
+ASKED_ONLY_METRICS = {"losshead_token_output_tokens_total", "losshead_top_k_microbatches_total",
+                      "losshead_loss_term_microbatches_total", "losshead_embedding_rows_total",
+                      "losshead_embedding_grad_rows_total"}
 
 _METRIC_RE = re.compile(r"\b(losshead_[a-z0-9_]+)\b")
 _RECORDED_RE = re.compile(r"\b(losshead:[a-zA-Z0-9_:]+)")

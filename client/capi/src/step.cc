@@ -42,6 +42,48 @@ absl::StatusOr<client::Microbatch> ToMicrobatch(const lh_microbatch& in) {
   return mb;
 }
 
+// One token input of micro-batch `index` as a view of the caller's values: none (null, 0), or
+// exactly num_tokens values. Checked here because a wrong count would make the view read past
+// the caller's buffer.
+absl::StatusOr<std::span<const float>> TokenInput(const float* values, size_t count,
+                                                  int64_t num_tokens, absl::string_view name,
+                                                  size_t index) {
+  if (values == nullptr && count == 0) return std::span<const float>();
+  if (values == nullptr || count == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro-batch ", index, ": ", name, " is ", values == nullptr ? "null" : "not null",
+        " with a count of ", count, " (give both, or neither)"));
+  }
+  if (num_tokens < 0 || count != static_cast<uint64_t>(num_tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro-batch ", index, ": ", count, " values of ", name, " for ", num_tokens, " tokens"));
+  }
+  return std::span<const float>(values, count);
+}
+
+// Version 4's part of a micro-batch into `mb`.
+absl::Status AddInputs(const lh_microbatch_inputs& in, size_t index, client::Microbatch& mb) {
+  if (!v1::StepKind_IsValid(in.kind)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("micro-batch ", index, ": kind ", in.kind, " is not a StepKind"));
+  }
+  mb.kind = static_cast<v1::StepKind>(in.kind);
+  const int64_t n = mb.num_tokens;
+  auto weights = TokenInput(in.token_weights, in.token_weights_count, n, "token_weights", index);
+  if (!weights.ok()) return weights.status();
+  auto old_logprob = TokenInput(in.old_logprob, in.old_logprob_count, n, "old_logprob", index);
+  if (!old_logprob.ok()) return old_logprob.status();
+  auto advantages = TokenInput(in.advantages, in.advantages_count, n, "advantages", index);
+  if (!advantages.ok()) return advantages.status();
+  auto ref_logprob = TokenInput(in.ref_logprob, in.ref_logprob_count, n, "ref_logprob", index);
+  if (!ref_logprob.ok()) return ref_logprob.status();
+  mb.token_weights = *weights;
+  mb.old_logprob = *old_logprob;
+  mb.advantages = *advantages;
+  mb.ref_logprob = *ref_logprob;
+  return absl::OkStatus();
+}
+
 // `values` into the caller's `dest` of `capacity` elements; INTERNAL when they do not fit.
 template <typename T>
 absl::Status CopyValues(const std::vector<T>& values, T* dest, size_t capacity,
@@ -107,26 +149,48 @@ absl::Status ToResult(const lh_microbatch& in, const absl::StatusOr<client::Step
   return absl::OkStatus();
 }
 
-}  // namespace
-}  // namespace losshead::capi
-
-extern "C" int lh_step_many(lh_client* client, const lh_microbatch* mbs, size_t count,
-                            size_t pipeline_depth, lh_step_result* results, lh_status* status) {
-  using losshead::capi::Guarded;
+// Both versions of StepMany: every micro-batch converted (and checked) before any is sent.
+int StepMany(lh_client* client, const lh_microbatch* mbs, const lh_microbatch_inputs* inputs,
+             size_t count, size_t pipeline_depth, lh_step_result* results, lh_status* status) {
   return Guarded(status, [&]() -> absl::Status {
-    std::vector<losshead::client::Microbatch> batch;
+    if (client == nullptr) return absl::InvalidArgumentError("null client");
+    if (count > 0 && (mbs == nullptr || results == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(count, " micro-batches with a null ",
+                                                     mbs == nullptr ? "mbs" : "results", " array"));
+    }
+    std::vector<client::Microbatch> batch;
     batch.reserve(count);
     for (size_t i = 0; i < count; ++i) {
-      auto mb = losshead::capi::ToMicrobatch(mbs[i]);
+      auto mb = ToMicrobatch(mbs[i]);
       if (!mb.ok()) return mb.status();
+      if (inputs != nullptr) {
+        if (absl::Status added = AddInputs(inputs[i], i, *mb); !added.ok()) return added;
+      }
       batch.push_back(*std::move(mb));
     }
     auto answers = client->client->StepMany(batch, std::max<size_t>(1, pipeline_depth));
     for (size_t i = 0; i < count; ++i) {
       results[i] = lh_step_result{};
-      losshead::capi::Report(losshead::capi::ToResult(mbs[i], answers[i], &results[i]),
-                             &results[i].status);
+      Report(ToResult(mbs[i], answers[i], &results[i]), &results[i].status);
     }
     return absl::OkStatus();
   });
 }
+
+}  // namespace
+}  // namespace losshead::capi
+
+extern "C" {
+
+int lh_step_many(lh_client* client, const lh_microbatch* mbs, size_t count, size_t pipeline_depth,
+                 lh_step_result* results, lh_status* status) {
+  return losshead::capi::StepMany(client, mbs, nullptr, count, pipeline_depth, results, status);
+}
+
+int lh_step_many_with_inputs(lh_client* client, const lh_microbatch* mbs,
+                             const lh_microbatch_inputs* inputs, size_t count,
+                             size_t pipeline_depth, lh_step_result* results, lh_status* status) {
+  return losshead::capi::StepMany(client, mbs, inputs, count, pipeline_depth, results, status);
+}
+
+}  // extern "C"

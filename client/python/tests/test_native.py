@@ -261,3 +261,143 @@ def test_dh_copied_to_the_device_per_stream_equals_the_host_copy(server_address:
     assert (dev.loss_sum, dev.token_count) == (host.loss_sum, host.token_count)
     ref = reference(hidden, weight, targets, reduction="sum")
     assert_close(host.grad_hidden, ref.grad_hidden, FP32_REL, "dH")
+
+
+def _grpc_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes every Step and EmbeddingRows of the gRPC-from-Python path fail: what runs after it
+    must take the native path."""
+    from losshead import _embeddings, _step_stream
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the native client fell back to the gRPC path")
+    monkeypatch.setattr(_step_stream, "step_many", forbidden)
+    monkeypatch.setattr(_embeddings.Embeddings, "_embedding_rows_once", forbidden)
+
+
+# Each per-token input, with the options that take it (server/README.md, "Loss terms").
+_TERMS = {
+    "token_weights": ({}, ("token_weights",)),
+    "policy_gradient": (dict(kind="policy_gradient", clip_low=0.2, clip_high=0.28),
+                        ("old_logprob", "advantages")),
+    "kl": (dict(kind="policy_gradient", kl_coef=0.05), ("old_logprob", "advantages",
+                                                         "ref_logprob")),
+    "all": (dict(kind="policy_gradient", kl_coef=0.05, entropy_coef=-0.01, temperature=0.7),
+            ("token_weights", "old_logprob", "advantages", "ref_logprob")),
+}
+
+
+@pytest.mark.parametrize("terms", sorted(_TERMS))
+def test_token_inputs_equal_the_grpc_path(paths: Dict[str, Client], make_head,
+                                          monkeypatch: pytest.MonkeyPatch, terms: str) -> None:
+    n, d, v = 200, 24, 53
+    hidden, weight, targets = random_problem(n, d, v, seed=72, ignore_fraction=0.1)
+    g = torch.Generator().manual_seed(73)
+    values = {"token_weights": torch.rand(n, generator=g) * 2,
+              "old_logprob": -torch.rand(n, generator=g) * 4 - 1,
+              "advantages": torch.randn(n, generator=g),
+              "ref_logprob": -torch.rand(n, generator=g) * 4 - 1}
+    options, names = _TERMS[terms]
+    inputs = {name: values[name] for name in names}
+    opts = LossOptions(**options)
+    results = {}
+    for name in ("native", "grpc"):
+        c = paths[name]
+        with monkeypatch.context() as m:
+            if name == "native":
+                _grpc_forbidden(m)
+            head = make_head(v, d, weights=weight)
+            one = c.step(head, hidden[:60], targets[:60], hidden_dtype=torch.float32,
+                         reduction="sum", return_per_token_loss=True, loss_options=opts,
+                         **{k: t[:60] for k, t in inputs.items()})
+            pulled = c.pull_gradient(head, reset=True)
+            chunked = c.step_chunked(head, hidden, targets, chunk_tokens=48, streams=2,
+                                     hidden_dtype=torch.float32, loss_options=opts,
+                                     return_per_token_loss=True, **inputs)
+            results[name] = (one, pulled, chunked)
+    (n1, npull, nc), (g1, gpull, gc) = results["native"], results["grpc"]
+    for a, b in ((n1, g1), (nc, gc)):
+        assert (a.loss, a.loss_sum, a.token_count, a.weights_version) == (
+            b.loss, b.loss_sum, b.token_count, b.weights_version)
+        _same(a.grad_hidden, b.grad_hidden, f"{terms}: dH")
+        _same(a.per_token_loss, b.per_token_loss, f"{terms}: per-token loss")
+    _same(npull.grad, gpull.grad, f"{terms}: dW")
+    assert npull.summary == gpull.summary
+    # The inputs reached the loss: without them the answer differs (or is refused).
+    if terms == "token_weights":
+        plain = paths["native"].step(make_head(v, d, weights=weight), hidden[:60], targets[:60],
+                                     hidden_dtype=torch.float32, reduction="sum")
+        assert plain.loss_sum != n1.loss_sum
+
+
+def test_linear_policy_gradient_equals_the_grpc_path(paths: Dict[str, Client], make_head,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from losshead.functional import linear_policy_gradient
+    n, d, v = 96, 16, 41
+    hidden, weight, targets = random_problem(n, d, v, seed=74)
+    g = torch.Generator().manual_seed(75)
+    old, adv = -torch.rand(n, generator=g) * 3 - 1, torch.randn(n, generator=g)
+    ref, mask = -torch.rand(n, generator=g) * 3 - 1, (torch.rand(n, generator=g) > 0.3).float()
+    got = {}
+    for name in ("native", "grpc"):
+        with monkeypatch.context() as m:
+            if name == "native":
+                _grpc_forbidden(m)
+            head = make_head(v, d, weights=weight)
+            h = hidden.clone().requires_grad_(True)
+            loss = linear_policy_gradient(h, targets, old, adv, client=paths[name], head=head,
+                                          ref_logprob=ref, kl_coef=0.04, entropy_coef=-0.001,
+                                          temperature=0.7, token_weights=mask)
+            loss.backward()
+            got[name] = (loss.detach(), h.grad, paths[name].pull_gradient(head, reset=True).grad)
+    for a, b, what in zip(got["native"], got["grpc"], ("loss", "dH", "dW")):
+        _same(a, b, what)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["head", "bf16"])
+def test_embedding_rows_and_grads_equal_the_grpc_path(paths: Dict[str, Client], make_head,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      dtype) -> None:
+    v, d = 300, 48
+    w = torch.randn(v, d)
+    ids = torch.randint(0, v, (5, 70), generator=torch.Generator().manual_seed(76))
+    grad = torch.randn(5, 70, d, generator=torch.Generator().manual_seed(77))
+    got = {}
+    for name in ("native", "grpc"):
+        c = paths[name]
+        with monkeypatch.context() as m:
+            if name == "native":
+                _grpc_forbidden(m)
+            head = make_head(v, d, weights=w)
+            rows = c.embedding_rows(head, ids, dtype=dtype)
+            c.piece_bytes = 800  # 100 ids a request: the 350 ids over four
+            split = c.embedding_rows(head, ids, dtype=dtype)
+            first = c.embedding_grad(head, ids, grad, sequence=900)
+            again = c.embedding_grad(head, ids, grad, sequence=900)
+            got[name] = (rows, split, first, again, c.pull_gradient(head, reset=True))
+    (nr, ns, nf, na, npull), (gr, gs, gf, ga, gpull) = got["native"], got["grpc"]
+    expected = w[ids.reshape(-1)].to(dtype or torch.float32)
+    for a, b in ((nr, gr), (ns, gs)):
+        _same(a.rows, b.rows, "rows")
+        _same(a.rows, expected, "rows against W")
+        assert a.version == b.version == 2
+    assert (nf.replayed, na.replayed) == (gf.replayed, ga.replayed) == (False, True)
+    assert nf.weights_version == gf.weights_version
+    _same(npull.grad, gpull.grad, "dW")
+    assert npull.summary == gpull.summary and npull.summary.microbatch_count == 1
+
+
+def test_embedding_rows_follow_a_head_created_again(paths: Dict[str, Client],
+                                                      make_head) -> None:
+    c = paths["native"]
+    head = make_head(20, 8, weights=torch.randn(20, 8))
+    assert c.embedding_rows(head, torch.tensor([1, 2])).rows.shape == (2, 8)
+    c.delete_head(head)
+    c.create_head(head, 20, 32, weight_dtype=torch.float32)
+    w = torch.randn(20, 32)
+    c.upload_weights(head, w)
+    _same(c.embedding_rows(head, torch.tensor([1, 2])).rows, w[[1, 2]], "rows of the new head")
+    c.delete_head(head)  # and narrower, in another dtype
+    c.create_head(head, 20, 4, weight_dtype=torch.bfloat16)
+    w = torch.randn(20, 4).bfloat16()
+    c.upload_weights(head, w)
+    _same(c.embedding_rows(head, torch.tensor([3])).rows, w[[3]], "rows of the narrower head")

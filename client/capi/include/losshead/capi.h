@@ -9,6 +9,14 @@
  * after it returns. Every function may be called from several threads at once, on the same
  * client too (a client is one gRPC channel; each call blocks only its own thread). Dtypes and
  * protobuf payloads are those of proto/losshead/v1/losshead.proto.
+ *
+ * Versions (LH_CAPI_VERSION): from version 3 on, a version only adds. A function or struct, once
+ * in a released version, keeps its signature, layout and meaning; what a later version carries
+ * comes in new functions taking new structs (version 4: lh_step_many_with_inputs beside
+ * lh_step_many, lh_embedding_rows). So a caller written for version N works with every library
+ * whose lh_capi_version() is N or more, and checks that (not equality). Each function is exported
+ * under the symbol version of the ABI version that added it (exports.map: LH_CAPI_3,
+ * LH_CAPI_4).
  */
 #ifndef LOSSHEAD_CAPI_H_
 #define LOSSHEAD_CAPI_H_
@@ -20,7 +28,7 @@
 extern "C" {
 #endif
 
-#define LH_CAPI_VERSION 3
+#define LH_CAPI_VERSION 4
 
 /* The ABI version this library implements (LH_CAPI_VERSION when it was built). */
 int lh_capi_version(void);
@@ -142,6 +150,47 @@ typedef struct lh_step_result {
  */
 int lh_step_many(lh_client* client, const lh_microbatch* mbs, size_t count, size_t pipeline_depth,
                  lh_step_result* results, lh_status* status);
+
+/* What version 4 adds to a micro-batch of lh_step_many_with_inputs: its kind and the per-token
+ * fp32 inputs of the loss terms (losshead::client::Microbatch; which options take which: the
+ * proto's StepRequest). Each input is given by a pointer and its count of values, which must be
+ * the micro-batch's num_tokens; a null pointer with count 0 is an input not sent. */
+typedef struct lh_microbatch_inputs {
+  int kind; /* losshead.v1.StepKind: 0 STEP_KIND_LOSS, 1 STEP_KIND_EMBEDDING_GRAD (hidden carries
+             * dE, targets the ids; see the proto) */
+  const float* token_weights;
+  size_t token_weights_count;
+  const float* old_logprob;
+  size_t old_logprob_count;
+  const float* advantages;
+  size_t advantages_count;
+  const float* ref_logprob;
+  size_t ref_logprob_count;
+} lh_microbatch_inputs;
+
+/* lh_step_many with `inputs[i]` for mbs[i] (null: none for any, which is lh_step_many). Returns
+ * INVALID_ARGUMENT, sending nothing, for a null client, a null mbs or results with count > 0,
+ * an input whose pointer is null with a count, or not null without one, or whose count is not
+ * its micro-batch's num_tokens. (Version 4.) */
+int lh_step_many_with_inputs(lh_client* client, const lh_microbatch* mbs,
+                             const lh_microbatch_inputs* inputs, size_t count,
+                             size_t pipeline_depth, lh_step_result* results, lh_status* status);
+
+typedef struct lh_embedding_rows_info {
+  int64_t num_rows;
+  int64_t hidden_size;
+  int dtype;
+  uint64_t weights_version; /* every row was read at it */
+} lh_embedding_rows_info;
+
+/* Client::EmbeddingRows: the rows of W for `ids` (num_ids of them, each in [0, V); they must fit
+ * one message: split them otherwise) in `dtype` (0: the head's) into `out`, num_ids x D of it;
+ * has_expected_version: FAILED_PRECONDITION unless W is at `expected_version`. INVALID_ARGUMENT
+ * for a null client, no ids or null ids; FAILED_PRECONDITION, `out` untouched, when the rows do
+ * not fit `capacity` bytes (`info` is filled then too: the size they need). (Version 4.) */
+int lh_embedding_rows(lh_client* client, const char* head, const int64_t* ids, size_t num_ids,
+                      int dtype, int has_expected_version, uint64_t expected_version, void* out,
+                      size_t capacity, lh_embedding_rows_info* info, lh_status* status);
 
 /* Client::PushWeights from `data` (V x D of `dtype`); add: PUSH_MODE_ADD. */
 int lh_push_weights(lh_client* client, const char* head, int dtype, const void* data, size_t bytes,

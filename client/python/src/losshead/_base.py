@@ -15,6 +15,8 @@ from losshead.errors import LossheadError
 from losshead.retry import RetryPolicy, is_retryable
 
 if TYPE_CHECKING:
+    import torch
+
     from losshead._batch_check import HeadFacts
     from losshead._native import NativeClient
     from losshead._proto.losshead.v1 import losshead_pb2_grpc as pb_grpc
@@ -40,6 +42,9 @@ class ClientBase:
     _closed: bool
     # Per head, what a cut batch is checked against before it is sent (losshead._batch_check).
     _head_facts: Dict[str, "HeadFacts"]
+    # Per head, its hidden size and weight dtype as last read: what the native path sizes
+    # embedding rows by.
+    _embedding_shapes: Dict[str, Tuple[int, "torch.dtype"]]
 
     def __init__(self) -> None:
         self._retries = 0
@@ -48,6 +53,7 @@ class ClientBase:
         self._seq = itertools.count(1)
         self._natives = []
         self._head_facts = {}
+        self._embedding_shapes = {}
         self._lanes = LaneThreads("losshead-step")
 
     def get_head(self, name: str) -> Any:  # defined by Client; the transfers read shapes

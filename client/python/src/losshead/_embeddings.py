@@ -4,13 +4,14 @@
 stays under the message limit, every part read at one weights version); `embedding_grad` sends
 the gradient of those rows back as an EMBEDDING_GRAD micro-batch on a Step stream, where it has
 a loss micro-batch's exactly-once key, admission and retries, and lands in the same dW window.
-Both always travel through grpcio (the native path carries loss micro-batches only).
+Both take the client's data path: the C++ client (`losshead._native`) where it is in use, else
+grpcio from Python; the answers are the same bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import grpc
 import torch
@@ -63,9 +64,12 @@ class Embeddings(ClientBase):
             try:
                 for start in range(0, flat.numel(), per_request):
                     part = flat[start:start + per_request]
-                    rows, got = self._with_retry(
-                        lambda part=part, version=version: self._embedding_rows_once(
-                            head, part, dtype, version))
+                    if self._natives:  # the C++ client retries by itself
+                        rows, got = self._embedding_rows_native(head, part, dtype, version)
+                    else:
+                        rows, got = self._with_retry(
+                            lambda part=part, version=version: self._embedding_rows_once(
+                                head, part, dtype, version))
                     version = got
                     parts.append(rows)
             except LossheadError as e:
@@ -89,6 +93,37 @@ class Embeddings(ClientBase):
             request, timeout=self.timeout, metadata=self._metadata), lambda c: c)
         rows = _wire.decode(buf, first.dtype, (first.num_rows, first.hidden_size))
         return rows, first.weights_version
+
+    def _embedding_rows_native(self, head: str, ids: torch.Tensor, dtype: Optional[DTypeLike],
+                               version: Optional[int]) -> Tuple[torch.Tensor, int]:
+        """One EmbeddingRows through the C++ client, into a tensor sized from the head's hidden
+        size and weight dtype (read once per head; read again when the answer says the rows
+        need more room: the head was created again, wider)."""
+        for fresh in (False, True):
+            shape = self._embedding_shapes.get(head)
+            if shape is None or fresh:
+                spec = self.get_head(head).spec
+                shape = (int(spec.hidden_size), _wire.to_torch_dtype(spec.weight_dtype))
+                self._embedding_shapes[head] = shape
+            d, head_dtype = shape
+            dt = _wire.to_torch_dtype(dtype) if dtype is not None else head_dtype
+            out = torch.empty((ids.numel(), d), dtype=dt)
+            # No dtype: the head's, which the server decides (as on the gRPC path).
+            info, fitted = self._natives[0].embedding_rows_into(
+                head, ids, _wire.to_wire_dtype(dtype) if dtype is not None else 0, version, out)
+            if fitted:
+                got = _wire.to_torch_dtype(info.dtype)
+                if (info.num_rows, info.hidden_size, got) != (ids.numel(), d, dt):
+                    # Narrower than the buffer (a head created again): its rows as they came.
+                    if dtype is None:
+                        self._embedding_shapes[head] = (int(info.hidden_size), got)
+                    flat = out.reshape(-1).view(torch.uint8)
+                    size = info.num_rows * info.hidden_size * torch.empty(
+                        (), dtype=got).element_size()
+                    out = flat[:size].view(got).reshape(info.num_rows, info.hidden_size).clone()
+                return out, int(info.weights_version)
+        raise LossheadError(grpc.StatusCode.INTERNAL,
+                            f"losshead: EmbeddingRows of '{head}' did not fit twice")
 
     def embedding_microbatch(self, head: str, ids: torch.Tensor, grad: torch.Tensor, *,
                              grad_dtype: Optional[DTypeLike] = None,
@@ -126,7 +161,10 @@ class Embeddings(ClientBase):
         mb = self.embedding_microbatch(head, ids, grad, grad_dtype=grad_dtype, sequence=sequence,
                                        expected_weights_version=expected_weights_version)
         self._open_step_connections(1)
-        (outcome,) = _step_stream.step_many(self, 0, [mb], _ONE)
+        if self._natives:
+            (outcome,) = self._natives[0].step_many([mb], _ONE)
+        else:
+            (outcome,) = _step_stream.step_many(self, 0, [mb], _ONE)
         if isinstance(outcome, LossheadError):
             raise outcome
         return outcome

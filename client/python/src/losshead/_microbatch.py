@@ -37,7 +37,7 @@ class Microbatch:
     grad_hidden_out: Optional[torch.Tensor] = None
     # The per-token fp32 inputs of the loss terms the header names (contiguous CPU float32, N
     # each), by StepRequest field name ("token_weights", "old_logprob", "advantages",
-    # "ref_logprob"), in that order. The gRPC path carries them; the native one does not.
+    # "ref_logprob"), in that order. Both paths carry them, read in place.
     token_inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property

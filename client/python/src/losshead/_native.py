@@ -7,6 +7,10 @@ framing, (de)serialisation and I/O run outside it and one Python thread per Step
 the streams in parallel. Retries and idempotency are the C++ client's (the same policy as
 `losshead.retry`).
 
+Every micro-batch goes this way: loss micro-batches with their per-token inputs (token weights,
+old and reference log-probs, advantages) and EMBEDDING_GRAD ones alike (ABI version 4), and so
+do embedding rows.
+
 The library is found at ``$LOSSHEAD_CAPI_LIB``, else beside this module (setup.py copies it in);
 ``LOSSHEAD_NATIVE=0`` turns the native path off. Without it the client speaks gRPC from Python.
 """
@@ -32,7 +36,9 @@ from losshead._types import StepResult, TokenOutputs, asks_outputs, missing_outp
 from losshead.errors import LossheadError, status_code
 from losshead.retry import RetryPolicy
 
-_ABI_VERSION = 3
+# The ABI version this package is written for: any library of it or later serves it (capi.h: a
+# version only adds).
+_ABI_VERSION = 4
 _LIBRARY = "liblosshead_capi.so"
 _c = ctypes
 _p = ctypes.c_void_p
@@ -92,6 +98,19 @@ class _CStepResult(_c.Structure):
                 ("top_k_ids_count", _c.c_uint64), ("top_k_logprobs_count", _c.c_uint64)]
 
 
+class _CInputs(_c.Structure):
+    """lh_microbatch_inputs: the step kind and the per-token inputs (pointer, count each)."""
+    _fields_ = [("kind", _c.c_int), ("token_weights", _p), ("token_weights_count", _c.c_size_t),
+                ("old_logprob", _p), ("old_logprob_count", _c.c_size_t),
+                ("advantages", _p), ("advantages_count", _c.c_size_t),
+                ("ref_logprob", _p), ("ref_logprob_count", _c.c_size_t)]
+
+
+class _EmbeddingRowsInfo(_c.Structure):
+    _fields_ = [("num_rows", _c.c_int64), ("hidden_size", _c.c_int64), ("dtype", _c.c_int),
+                ("weights_version", _c.c_uint64)]
+
+
 class _GradientSummary(_c.Structure):
     _fields_ = [("vocab_size", _c.c_int64), ("hidden_size", _c.c_int64), ("dtype", _c.c_int),
                 ("token_count", _c.c_uint64), ("microbatch_count", _c.c_uint64),
@@ -111,8 +130,12 @@ _SIGNATURES = {
     "lh_client_free": (None, [_p]),
     "lh_client_set_token": (None, [_p, _c.c_char_p]),
     "lh_client_retries": (_c.c_uint64, [_p]),
-    "lh_step_many": (_c.c_int, [_p, _c.POINTER(_CMicrobatch), _c.c_size_t, _c.c_size_t,
-                                _c.POINTER(_CStepResult), _S]),
+    "lh_step_many_with_inputs": (_c.c_int, [_p, _c.POINTER(_CMicrobatch), _c.POINTER(_CInputs),
+                                            _c.c_size_t, _c.c_size_t, _c.POINTER(_CStepResult),
+                                            _S]),
+    "lh_embedding_rows": (_c.c_int, [_p, _c.c_char_p, _c.POINTER(_c.c_int64), _c.c_size_t,
+                                     _c.c_int, _c.c_int, _c.c_uint64, _p, _c.c_size_t,
+                                     _c.POINTER(_EmbeddingRowsInfo), _S]),
     "lh_push_weights": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _p, _c.c_size_t, _c.c_int,
                                    _c.c_int, _c.c_uint64, _c.POINTER(_c.c_uint64), _S]),
     "lh_pull_gradient": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _c.c_int, _p, _c.c_size_t,
@@ -162,8 +185,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
             except AttributeError as e:
                 why = f"{path} lacks a function this package calls: {e}"
                 continue
-            if lib.lh_capi_version() != _ABI_VERSION:
-                why = f"{path} speaks ABI {lib.lh_capi_version()}, this package {_ABI_VERSION}"
+            if lib.lh_capi_version() < _ABI_VERSION:
+                why = (f"{path} speaks ABI {lib.lh_capi_version()}, this package needs "
+                       f"{_ABI_VERSION} or later")
                 continue
             _loaded = (lib, str(path))
             return _loaded
@@ -244,7 +268,7 @@ class NativeClient:
         self._closed_retries = 0
 
     def close(self) -> None:
-        if self._handle:
+        if getattr(self, "_handle", None):  # not set when __init__ failed
             self._closed_retries = self.retries  # still readable once closed
             self._lib.lh_client_free(self._handle)
             self._handle = None
@@ -276,6 +300,7 @@ class NativeClient:
         keep: List[Any] = []  # what the C structs point to, alive until the call returns
         outs: List[Tuple[Optional[torch.Tensor], torch.Tensor, Dict[str, torch.Tensor]]] = []
         cmbs = (_CMicrobatch * n)()
+        cins = (_CInputs * n)()
         for i, mb in enumerate(mbs):
             h = mb.header
             dh = mb.grad_hidden_out
@@ -312,12 +337,39 @@ class NativeClient:
                 setattr(c, f"{name}_out" if name in _TOP_K else f"per_token_{name}_out", _ptr(t))
             c.token_output_capacity = max(0, h.num_tokens)
             c.top_k_capacity = max(0, h.num_tokens) * h.options.top_k
+            # The kind and the token inputs, read in place as the hidden states are.
+            cins[i].kind = h.kind
+            for name, t in mb.token_inputs.items():
+                setattr(cins[i], name, _ptr(t))
+                setattr(cins[i], f"{name}_count", t.numel())
         results, status = (_CStepResult * n)(), _Status()
-        if n and self._lib.lh_step_many(self._live(), cmbs, n, plan.lane_depth(n), results,
-                                        _c.byref(status)):
+        if n and self._lib.lh_step_many_with_inputs(self._live(), cmbs, cins, n,
+                                                    plan.lane_depth(n), results,
+                                                    _c.byref(status)):
             raise _error(status)
         return [_outcome(mb, r, dh, ptl, tos)
                 for mb, r, (dh, ptl, tos) in zip(mbs, results, outs)]
+
+    def embedding_rows_into(self, head: str, ids: torch.Tensor, dtype: int,
+                            expected_weights_version: Optional[int], out: torch.Tensor
+                            ) -> Tuple[_EmbeddingRowsInfo, bool]:
+        """Client::EmbeddingRows for `ids` (contiguous int64, one message's worth) into the
+        bytes of `out`; the answer's shape and dtype. Rows that do not fit `out` raise
+        FAILED_PRECONDITION, except where the returned info says how many bytes they need
+        (the second value False): `out` was sized from a stale hidden size."""
+        info, status = _EmbeddingRowsInfo(), _Status()
+        if self._lib.lh_embedding_rows(
+                self._live(), head.encode(), _c.cast(ids.data_ptr(), _c.POINTER(_c.c_int64)),
+                ids.numel(), dtype, int(expected_weights_version is not None),
+                int(expected_weights_version or 0), _ptr(out), _nbytes(out), _c.byref(info),
+                _c.byref(status)):
+            need = info.num_rows * info.hidden_size * (torch.empty(
+                (), dtype=_wire.to_torch_dtype(info.dtype)).element_size() if info.dtype else 0)
+            if status_code(status.code) == grpc.StatusCode.FAILED_PRECONDITION and (
+                    need > _nbytes(out)):
+                return info, False
+            raise _error(status)
+        return info, True
 
     # -- transfers --------------------------------------------------------------------------
     def push(self, head: str, data: torch.Tensor, dtype: int, add: bool,

@@ -182,8 +182,7 @@ class Steps(ClientBase):
     def _run_lane(self, j: int, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
         """Stream j's micro-batches, in order, on the native path (the C++ client of connection
         j) or the gRPC one: the same plan either way."""
-        # The C ABI carries no token inputs: micro-batches with any go over gRPC.
-        if self._natives and not any(mb.token_inputs for mb in mbs):
+        if self._natives:
             return self._natives[j % len(self._natives)].step_many(mbs, plan)
         return _step_stream.step_many(self, j, mbs, plan)
 
@@ -287,8 +286,7 @@ class Steps(ClientBase):
                                hidden_dtype=wire, **{k: v[a:b] for k, v in inputs.items()},
                                **options) for a, b in bounds]
         grad = None
-        # Micro-batches with token inputs go over gRPC (_run_lane), which returns dH per chunk.
-        if self._natives and not options.get("skip_grad_hidden") and not inputs:
+        if self._natives and not options.get("skip_grad_hidden"):
             # The chunks' dH lands in one tensor: no concatenation afterwards.
             grad_dtype = _wire.to_torch_dtype(
                 options.get("grad_hidden_dtype") or wire)  # type: ignore[arg-type]
