@@ -73,13 +73,12 @@ def test_loss_dh_dw_db_match_float64(c: Client, scale: float) -> None:
         loss, dh, dw, db = _reference(w, b, hidden, targets, scale)
         assert r.loss == pytest.approx(loss, rel=1e-5, abs=1e-6)
         torch.testing.assert_close(r.grad_hidden.double(), dh, rtol=1e-4, atol=1e-6)
-        # The window holds the sum of per-token gradients: the mean's times the token count.
+        # The window holds the micro-batch's gradients as reduced (the mean's).
         pulled = c.pull_gradient(name, reset=True)
-        n = int((targets != -100).sum())
-        assert pulled.summary.token_count == n
-        torch.testing.assert_close(pulled.grad.double(), dw * n, rtol=1e-4, atol=1e-5)
+        assert pulled.summary.token_count == int((targets != -100).sum())
+        torch.testing.assert_close(pulled.grad.double(), dw, rtol=1e-4, atol=1e-5)
         assert pulled.grad_bias is not None and pulled.grad_bias.shape == (V,)
-        torch.testing.assert_close(pulled.grad_bias.double(), db * n, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pulled.grad_bias.double(), db, rtol=1e-4, atol=1e-5)
         # Forward-only: the same loss, nothing in the window.
         e = c.step(name, hidden, targets, hidden_dtype=torch.float32, forward_only=True)
         assert e.loss == pytest.approx(loss, rel=1e-5, abs=1e-6)
@@ -102,7 +101,7 @@ def test_grad_bias_window_is_exactly_once(c: Client) -> None:
         expected = torch.zeros(V, dtype=torch.float64)
         for hidden, targets in batches:
             _, _, _, db = _reference(w, b, hidden, targets)
-            expected += db * int((targets != -100).sum())
+            expected += db
         pulled = c.pull_gradient(name)  # without reset: the window stays
         torch.testing.assert_close(pulled.grad_bias.double(), expected, rtol=1e-4, atol=1e-5)
         # A discard (zero_grad) clears db with dW; later micro-batches land in the next window.
@@ -112,8 +111,7 @@ def test_grad_bias_window_is_exactly_once(c: Client) -> None:
         c.step(name, hidden, targets, hidden_dtype=torch.float32, sequence=4)
         _, _, _, db = _reference(w, b, hidden, targets)
         first = c.pull_gradient(name, reset=True)
-        torch.testing.assert_close(first.grad_bias.double(), db * int((targets != -100).sum()),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(first.grad_bias.double(), db, rtol=1e-4, atol=1e-5)
         # The reset cleared it.
         assert torch.count_nonzero(c.pull_gradient(name).grad_bias) == 0
     finally:
@@ -137,8 +135,9 @@ def test_adamw_steps_bias_as_torch(c: Client, bias_weight_decay) -> None:
             _, _, dw, db = _reference(weight.detach(), bias.detach(), hidden, targets)
             c.step(name, hidden, targets, hidden_dtype=torch.float32)
             result = c.apply_optimizer(name, step, lr=0.05, betas=(0.9, 0.99), eps=1e-8,
-                                       weight_decay=0.1, bias_weight_decay=bias_weight_decay)
-            # The norm covers dW and db (the window divided by its token count: the mean's).
+                                       weight_decay=0.1, bias_weight_decay=bias_weight_decay,
+                                       grad_divisor=1.0)
+            # The norm covers dW and db (the window as it is: the micro-batch's mean).
             norm = torch.sqrt((dw ** 2).sum() + (db ** 2).sum()).item()
             assert result.head_grad_norm == pytest.approx(norm, rel=1e-4)
             weight.grad, bias.grad = dw.float(), db.float()
@@ -162,7 +161,7 @@ def test_clipping_covers_the_bias(c: Client) -> None:
         _, _, dw, db = _reference(w, b, hidden, targets)
         c.step(name, hidden, targets, hidden_dtype=torch.float32)
         norm = torch.sqrt((dw ** 2).sum() + (db ** 2).sum()).item()
-        result = c.apply_optimizer(name, 1, lr=1.0, max_norm=norm / 4)
+        result = c.apply_optimizer(name, 1, lr=1.0, max_norm=norm / 4, grad_divisor=1.0)
         assert result.clip_coefficient == pytest.approx(0.25, rel=1e-4)
         got = c.download_weights(name)
         torch.testing.assert_close(got.bias.double(), b.double() - 0.25 * db, rtol=1e-4,
