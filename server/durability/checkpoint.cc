@@ -36,6 +36,8 @@ constexpr uint8_t kKnownOutputs = kHasCorrectCount | ((1u << kTokenOutputs) - 1)
 constexpr uint8_t kHasTopKIds = 1u << kTokenOutputs;
 constexpr uint8_t kHasTopKLogprobs = 1u << (kTokenOutputs + 1);
 static_assert(kTokenOutputs + 1 < 7, "token output bits run into kHasCorrectCount");
+// Format 6: the output bias record's flag.
+constexpr uint8_t kHasBias = 1;
 
 using checkpoint_codec::Corrupt;
 using checkpoint_codec::PutBytes;
@@ -99,7 +101,38 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
     }
   }
   EncodeOptimizerMeta(out, d);
+  // Format 6: the output bias record, a flags byte (1: the head has one) and, with it, b, db
+  // and b's optimizer state (a count, then each), V fp32 each. V floats are small next to W, so
+  // they travel in the meta section, under its checksum.
+  out.push_back(static_cast<char>(d.spec.bias() ? kHasBias : 0));
+  if (d.spec.bias()) {
+    PutBytes(out, d.bias);
+    PutBytes(out, d.grad_bias);
+    PutU64(out, d.bias_optimizer_state.size());
+    for (const std::string& state : d.bias_optimizer_state) PutBytes(out, state);
+  }
   return out;
+}
+
+// Format 6's output bias record (EncodeMeta).
+absl::Status DecodeBias(Reader& r, HeadCheckpointData* d) {
+  uint8_t flags;
+  if (!r.U8(&flags) || (flags & ~kHasBias) != 0) return Corrupt("output bias flags");
+  if (((flags & kHasBias) != 0) != d->spec.bias()) {
+    return Corrupt("output bias record does not match the spec");
+  }
+  if (!d->spec.bias()) return absl::OkStatus();
+  uint64_t states;
+  if (!r.Bytes(&d->bias) || !r.Bytes(&d->grad_bias) || !r.U64(&states)) {
+    return Corrupt("output bias record");
+  }
+  // Each buffer takes at least its 8-byte length: bound the count before reserving anything.
+  if (states > r.left() / 8) return Corrupt("output bias state count exceeds the data");
+  d->bias_optimizer_state.resize(states);
+  for (std::string& state : d->bias_optimizer_state) {
+    if (!r.Bytes(&state)) return Corrupt("output bias optimizer state");
+  }
+  return absl::OkStatus();
 }
 
 // Format 3's additions to a remembered result: its fingerprint and remembered failure; format 4's:
@@ -201,6 +234,11 @@ absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpoint
   optimizer_lengths->clear();
   if (version >= 2) {
     LOSSHEAD_RETURN_IF_ERROR(DecodeOptimizerMeta(r, version, d, optimizer_lengths));
+  }
+  if (version >= 6) {
+    LOSSHEAD_RETURN_IF_ERROR(DecodeBias(r, d));
+  } else if (d->spec.bias()) {
+    return Corrupt("a head with an output bias in a format older than 6");
   }
   if (r.left() != 0) return Corrupt("trailing bytes after the meta records");
   return absl::OkStatus();

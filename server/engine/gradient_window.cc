@@ -4,7 +4,9 @@
 // The server-side optimizer step (optimizer_apply.cc) cuts the window the same way as a pull with
 // reset.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <utility>
@@ -90,6 +92,7 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
     if (discard) {
       cut.emplace(group());
       LOSSHEAD_RETURN_IF_ERROR(group().DiscardGradient());
+      if (has_bias()) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
     }
     absl::MutexLock state(&state_mu_);
     window_.Summarize(&s);
@@ -100,6 +103,7 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
   s.set_dtype(dtype);
   s.set_total_bytes(0);
   s.set_was_reset(discard);
+  s.set_bias(has_bias());
   return s;
 }
 
@@ -107,7 +111,7 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
   LOSSHEAD_ASSIGN_OR_RETURN(dtype, PullDType(dtype));
   GradientSnapshot snap;
   // Every byte is overwritten by the copies below; the reactor gives the buffer back once sent.
-  snap.data = TakeTransferBuffer(static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float));
+  snap.data = TakeTransferBuffer(tensor_elements() * sizeof(float));
   v1::GradientSummary& s = snap.summary;
   {
     ReplicaGroup::Cut cut(group());
@@ -122,6 +126,14 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
       if (reset) LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(rows, 0, bytes, *r->stream));
     }
     LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+    if (has_bias()) {
+      // db after dW, read in the same cut (and zeroed with it).
+      LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<float> db, ReadGradBias(group()));
+      std::memcpy(snap.data.data() + static_cast<size_t>(vocab_size()) * hidden_size() *
+                                         sizeof(float),
+                  db.data(), db.size() * sizeof(float));
+      if (reset) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
+    }
     absl::MutexLock state(&state_mu_);
     window_.Summarize(&s);
     if (reset) window_.Reset();
@@ -136,6 +148,7 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
   s.set_dtype(dtype);
   s.set_total_bytes(snap.data.size());
   s.set_was_reset(reset);
+  s.set_bias(has_bias());
   return snap;
 }
 
@@ -148,14 +161,22 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
         "mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ", static_cast<int>(mode)));
   }
   const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
-  if (data.size() != count * kernels::DTypeSize(src_dtype)) {
+  const size_t src_size = kernels::DTypeSize(src_dtype);
+  if (data.size() != tensor_elements() * src_size) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "pushed weights have ", data.size(), " bytes; ", vocab_size(), " x ", hidden_size(), " x ",
-        kernels::DTypeName(src_dtype), " needs ", count * kernels::DTypeSize(src_dtype)));
+        "pushed weights have ", data.size(), " bytes; ", vocab_size(), " x ", hidden_size(),
+        has_bias() ? absl::StrCat(" + ", vocab_size(), " (the output bias)") : "", " x ",
+        kernels::DTypeName(src_dtype), " needs ", tensor_elements() * src_size));
   }
-  if (kernels::HasNonFinite(src_dtype, data.data(), count)) {
-    return absl::InvalidArgumentError("pushed weights contain NaN or Inf");
+  if (kernels::HasNonFinite(src_dtype, data.data(), tensor_elements())) {
+    return absl::InvalidArgumentError(has_bias() ? "pushed weights or bias contain NaN or Inf"
+                                                 : "pushed weights contain NaN or Inf");
   }
+  // The bias part, fp32 (b = it, or b + it once the cut is held).
+  const std::vector<float> pushed_bias =
+      has_bias() ? BiasToFloat(src_dtype, data.data() + count * src_size,
+                               static_cast<size_t>(vocab_size()))
+                 : std::vector<float>();
   const size_t esize = kernels::DTypeSize(dtype_);
   std::string staged;
   absl::Cleanup recycle = [&staged] { GiveTransferBuffer(std::move(staged)); };
@@ -163,7 +184,7 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
   // above); any other is converted, then checked for overflow.
   const bool in_place = mode == v1::PUSH_MODE_REPLACE && src_dtype == dtype_;
   if (mode == v1::PUSH_MODE_REPLACE && !in_place) {
-    staged = ConvertOnHost(src_dtype, data, dtype_);
+    staged = ConvertOnHost(src_dtype, absl::string_view(data).substr(0, count * src_size), dtype_);
     if (kernels::HasNonFinite(dtype_, staged.data(), count)) {
       return absl::InvalidArgumentError(
           absl::StrCat("pushed weights overflow the head's dtype ", kernels::DTypeName(dtype_)));
@@ -197,6 +218,13 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
       return absl::InvalidArgumentError("W + pushed delta overflows to Inf");
     }
   }
+  std::vector<float> new_bias = pushed_bias;
+  if (has_bias() && mode == v1::PUSH_MODE_ADD) {
+    for (size_t j = 0; j < new_bias.size(); ++j) new_bias[j] += bias_.values[j];
+    for (float b : new_bias) {
+      if (!std::isfinite(b)) return absl::InvalidArgumentError("b + pushed delta overflows to Inf");
+    }
+  }
   const std::string& source = in_place ? data : staged;
   // The new W's magnitude bounds the micro-batches that run against it (ReserveStepBounds).
   const float pushed_abs = kernels::MaxAbs(dtype_, source.data(), count);
@@ -204,6 +232,10 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
       placement_->CopyIn(&Replica::weights, esize, source.data(), 0, static_cast<int64_t>(count)));
   LOSSHEAD_RETURN_IF_ERROR(placement_->BroadcastWeights());
   LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+  if (has_bias()) {
+    bias_.values = std::move(new_bias);
+    LOSSHEAD_RETURN_IF_ERROR(CopyBiasIn(group(), bias_.values));
+  }
   absl::MutexLock state(&state_mu_);
   weight_abs_ = pushed_abs;
   weight_abs_exact_ = true;
@@ -217,8 +249,10 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
   }
   WeightsSnapshot snap;
   snap.dtype = ToProto(to);
-  snap.data = TakeTransferBuffer(static_cast<size_t>(vocab_size()) * hidden_size() *
-                                 kernels::DTypeSize(dtype_));
+  const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();
+  snap.data = TakeTransferBuffer(count * kernels::DTypeSize(dtype_));
+  snap.bias = has_bias();
+  std::vector<float> bias;
   {
     // Only a cut (a push, an optimizer apply) writes W, and it takes the locks of the devices
     // that hold W (WeightHolders: replica 0 of a replicated head, every shard): holding those
@@ -226,6 +260,8 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
     const ReplicaGroup::DeviceLocks holders(placement_->WeightHolders());
     LOSSHEAD_RETURN_IF_ERROR(placement_->CopyWeightsOut(snap.data.data()));
     LOSSHEAD_RETURN_IF_ERROR(placement_->SynchronizeHolders());
+    // b is written only under the cut, which takes these locks too.
+    bias = bias_.values;
     absl::MutexLock state(&state_mu_);
     snap.version = version_;
   }
@@ -233,6 +269,12 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
     std::string raw = std::move(snap.data);
     snap.data = ConvertOnHost(dtype_, raw, to);
     GiveTransferBuffer(std::move(raw));
+  }
+  if (snap.bias) {
+    // b after W, in the same dtype.
+    const size_t at = snap.data.size();
+    snap.data.resize(at + bias.size() * kernels::DTypeSize(to));
+    kernels::FromFloat(to, bias.data(), snap.data.data() + at, bias.size());
   }
   return snap;
 }

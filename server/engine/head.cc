@@ -154,7 +154,9 @@ std::vector<Head::DeviceFootprint> Head::Footprint(const v1::HeadSpec& spec, int
     // Each device owns its rows of the optimizer (ZeRO-1); a replica holds all of W and dW.
     const uint64_t rows = kernels::ShardRange(static_cast<int64_t>(v), k, r).size();
     const uint64_t held = HeldRows(spec.placement(), static_cast<int64_t>(v), k, r);
-    out.push_back({.tensors = held * d * (kernels::DTypeSize(dtype) + sizeof(float)),
+    // An output bias: b and its db over the held rows, fp32.
+    const uint64_t bias = spec.bias() ? held * 2 * sizeof(float) : 0;
+    out.push_back({.tensors = held * d * (kernels::DTypeSize(dtype) + sizeof(float)) + bias,
                    .optimizer = OptimizerBytes(spec.optimizer(), dtype, rows * d).total()});
   }
   return out;
@@ -217,6 +219,12 @@ absl::Status Head::Initialize(size_t workspace_budget, bool init_weights) {
     LOSSHEAD_RETURN_IF_ERROR(placement_->CheckWorkspace(*r, workspace_budget));
     LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(r->grad.data(), 0, r->grad.bytes(), *r->stream));
   }
+  if (has_bias()) {
+    // b starts at zero (a restore overwrites it), db with the window.
+    LOSSHEAD_RETURN_IF_ERROR(AllocateBias(group()));
+    bias_.values.assign(static_cast<size_t>(vocab_size()), 0.0f);
+    LOSSHEAD_RETURN_IF_ERROR(CopyBiasIn(group(), bias_.values));
+  }
   if (!init_weights) return group().Synchronize();  // a restore overwrites W
   if (!spec_.init().has_normal()) {
     for (const auto& r : group().replicas()) {
@@ -262,13 +270,13 @@ absl::Status Head::SetDefaultOptions(const v1::LossOptions& options) {
 
 size_t Head::weights_bytes() const {
   size_t bytes = 0;
-  for (const auto& r : group().replicas()) bytes += r->weights.bytes();
+  for (const auto& r : group().replicas()) bytes += r->weights.bytes() + r->bias.bytes();
   return bytes;
 }
 
 size_t Head::gradient_bytes() const {
   size_t bytes = 0;
-  for (const auto& r : group().replicas()) bytes += r->grad.bytes();
+  for (const auto& r : group().replicas()) bytes += r->grad.bytes() + r->grad_bias.bytes();
   return bytes;
 }
 
@@ -345,8 +353,8 @@ std::vector<Head::DeviceShare> Head::MemoryByDeviceLocked() const {
         OptimizerBytes(optimizer_spec_, dtype_, static_cast<uint64_t>(group().RowElements(*r)));
     DeviceShare& share = shares.emplace_back();
     share.device = &r->backend;
-    share.memory.set_weights_bytes(r->weights.bytes());
-    share.memory.set_gradient_bytes(r->grad.bytes());
+    share.memory.set_weights_bytes(r->weights.bytes() + r->bias.bytes());
+    share.memory.set_gradient_bytes(r->grad.bytes() + r->grad_bias.bytes());
     share.memory.set_workspace_bytes(r->scratch_bytes.load());
     share.memory.set_master_weights_bytes(own.master);
     share.memory.set_optimizer_state_bytes(own.state);

@@ -42,6 +42,7 @@
 #include "server/engine/apply_log.h"
 #include "server/engine/device_scratch.h"
 #include "server/engine/embedding_rows.h"
+#include "server/engine/head_bias.h"
 #include "server/engine/head_checkpoint.h"
 #include "server/engine/head_optimizer.h"
 #include "server/engine/idempotency_budget.h"
@@ -90,13 +91,14 @@ struct HeadOptions {
 // dW (or W) copied to the host, with what it covers.
 struct GradientSnapshot {
   v1::GradientSummary summary;
-  std::string data;  // V x D in summary.dtype
+  std::string data;  // V x D in summary.dtype, then db (V) for a head with a bias
 };
 
 struct WeightsSnapshot {
   uint64_t version = 0;
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
-  std::string data;  // V x D
+  std::string data;  // V x D, then b (V) for a head with a bias (DownloadWeights)
+  bool bias = false;  // data ends with b
 };
 
 class Head {
@@ -188,13 +190,15 @@ class Head {
   };
   WindowState Window() const;
 
-  // W = data (REPLACE) or W += data (ADD); data is V x D of `dtype`. INVALID_ARGUMENT on a size
-  // mismatch or a non-finite value, FAILED_PRECONDITION on a version mismatch; W is unchanged on
-  // error. Returns the new version.
+  // W = data (REPLACE) or W += data (ADD); data is V x D of `dtype`, followed by V values of b
+  // for a head with a bias (b = or += them too). INVALID_ARGUMENT on a size mismatch or a
+  // non-finite value, FAILED_PRECONDITION on a version mismatch; W and b are unchanged on error.
+  // Returns the new version.
   absl::StatusOr<uint64_t> PushWeights(v1::DType dtype, v1::PushMode mode, const std::string& data,
                                        std::optional<uint64_t> expected_version);
 
-  // W converted to `dtype` (UNSPECIFIED: the head's dtype) with its version.
+  // W converted to `dtype` (UNSPECIFIED: the head's dtype) with its version; b follows it, in
+  // the same dtype, for a head with a bias.
   absl::StatusOr<WeightsSnapshot> DownloadWeights(v1::DType dtype);
 
   // The tied input embedding (embedding_rows.cc; StepKind in the proto). The rows of W for `ids`
@@ -239,6 +243,13 @@ class Head {
   const std::string& name() const { return spec_.name(); }
   int64_t vocab_size() const { return spec_.vocab_size(); }
   int64_t hidden_size() const { return spec_.hidden_size(); }
+  // Whether the head has an output bias (HeadSpec.bias).
+  bool has_bias() const { return spec_.bias(); }
+  // Values a push, a download or a pull carries: V x D, plus V with a bias.
+  size_t tensor_elements() const {
+    return static_cast<size_t>(vocab_size()) * hidden_size() +
+           (has_bias() ? static_cast<size_t>(vocab_size()) : 0);
+  }
   kernels::DType dtype() const { return dtype_; }
   // Devices holding the head (its replicas).
   int device_count() const { return group().size(); }
@@ -363,6 +374,8 @@ class Head {
   // Optimizer responses remembered per client: under the cut. (The device state, the compute
   // locks and the I/O slots are the replicas'; every compute lock is taken before state_mu_.)
   ApplyLog applies_;
+  // The output bias and its optimizer state (head_bias.h; empty without one): under the cut.
+  HeadBias bias_;
 
   // Counters and options; written under both mutexes when tied to device state, read under this.
   mutable absl::Mutex state_mu_;

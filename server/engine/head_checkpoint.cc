@@ -3,6 +3,7 @@
 #include "server/engine/head_checkpoint.h"
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -69,6 +70,17 @@ absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
     }
   }
   LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+  if (has_bias()) {
+    auto bytes = [](const std::vector<float>& v) {
+      return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+    };
+    LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<float> grad_bias, ReadGradBias(group()));
+    d.bias = bytes(bias_.values);
+    d.grad_bias = bytes(grad_bias);
+    for (const std::vector<float>& s : bias_.optimizer_state) {
+      d.bias_optimizer_state.push_back(bytes(s));
+    }
+  }
   *d.spec.mutable_optimizer() = optimizer.spec;
   d.optimizer_step = optimizer.step;
   d.momentum_started = optimizer.momentum_started;
@@ -111,6 +123,28 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
   bool state_fits = data.optimizer_state.size() == buffers;
   for (const std::string& state : data.optimizer_state) {
     state_fits = state_fits && state.size() == count * sizeof(float);
+  }
+  // An output bias: b and db of V, and b's state as W's (none without a bias).
+  const size_t bias_bytes = data.spec.bias() ? v * sizeof(float) : 0;
+  bool bias_fits = data.bias.size() == bias_bytes && data.grad_bias.size() == bias_bytes &&
+                   data.bias_optimizer_state.size() == (data.spec.bias() ? buffers : 0);
+  for (const std::string& state : data.bias_optimizer_state) {
+    bias_fits = bias_fits && state.size() == bias_bytes;
+  }
+  if (!bias_fits) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint of a ", v, " x ", d, " head ", data.spec.bias() ? "with" : "without",
+        " an output bias holds ", data.bias.size(), " bias bytes, ", data.grad_bias.size(),
+        " bias gradient bytes and ", data.bias_optimizer_state.size(),
+        " bias optimizer state buffers"));
+  }
+  auto floats = [](const std::string& bytes) {
+    std::vector<float> out(bytes.size() / sizeof(float));
+    std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+    return out;
+  };
+  if (data.spec.bias() && kernels::HasNonFinite(kernels::DType::kFP32, data.bias.data(), v)) {
+    return absl::DataLossError("checkpoint holds an output bias with NaN or Inf");
   }
   if (data.master.size() != footprint.master || !state_fits) {
     return absl::DataLossError(
@@ -161,6 +195,14 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
     }
     head->applies_.Import(data.applies);
     LOSSHEAD_RETURN_IF_ERROR(group.Synchronize());
+    if (data.spec.bias()) {
+      head->bias_.values = floats(data.bias);
+      for (const std::string& state : data.bias_optimizer_state) {
+        head->bias_.optimizer_state.push_back(floats(state));
+      }
+      LOSSHEAD_RETURN_IF_ERROR(CopyBiasIn(group, head->bias_.values));
+      LOSSHEAD_RETURN_IF_ERROR(RestoreGradBias(group, floats(data.grad_bias)));
+    }
     absl::MutexLock state(&head->state_mu_);
     head->version_ = data.weights_version;
     head->weight_abs_ = kernels::MaxAbs(dtype, data.weights.data(), count);

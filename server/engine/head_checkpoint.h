@@ -64,6 +64,11 @@ struct HeadCheckpointData {
   std::string master;
   std::vector<std::string> optimizer_state;
   std::vector<ApplyClientCheckpoint> applies;  // by client id
+  // A head with an output bias (spec.bias; empty otherwise, as in checkpoints older than format
+  // 6): b, the window's db, and b's optimizer state (StateBufferCount's order), V fp32 each.
+  std::string bias;
+  std::string grad_bias;
+  std::vector<std::string> bias_optimizer_state;
 };
 
 }  // namespace losshead::server

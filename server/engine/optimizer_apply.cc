@@ -40,6 +40,10 @@ absl::Status ValidateApplyRequest(const v1::ApplyOptimizerRequest& r) {
     LOSSHEAD_RETURN_IF_ERROR(FiniteAbove(r.grad_divisor(), false, "grad_divisor"));
   }
   if (r.has_max_norm()) LOSSHEAD_RETURN_IF_ERROR(FiniteAbove(r.max_norm(), false, "max_norm"));
+  if (r.params().has_bias_weight_decay()) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        FiniteAbove(r.params().bias_weight_decay(), true, "params.bias_weight_decay"));
+  }
   return FiniteAbove(r.trunk_grad_sq_norm(), true, "trunk_grad_sq_norm");
 }
 
@@ -149,6 +153,11 @@ absl::Status Head::InstallOptimizer(std::vector<OptimizerBuffers> buffers) {
     return synced;
   }
   const v1::OptimizerSpec& spec = group()[0].optimizer.spec;
+  if (has_bias()) {
+    // b's state starts afresh with W's.
+    bias_.optimizer_state.assign(StateBufferCount(spec),
+                                 std::vector<float>(static_cast<size_t>(vocab_size()), 0.0f));
+  }
   absl::MutexLock state(&state_mu_);
   optimizer_spec_ = spec;
   optimizer_step_ = 0;
@@ -250,6 +259,12 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
   double squared = 0;
   for (double p : partial) squared += p;
+  // An output bias is part of the head's gradient: its norm, its clipping, its step.
+  std::vector<float> grad_bias;
+  if (has_bias()) {
+    LOSSHEAD_ASSIGN_OR_RETURN(grad_bias, ReadGradBias(group()));
+    squared += SquaredNorm(grad_bias);
+  }
   if (!std::isfinite(squared)) {
     return absl::FailedPreconditionError(
         "the gradient window holds NaN or Inf (or overflows); nothing was stepped: pull it to "
@@ -274,6 +289,15 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   LOSSHEAD_RETURN_IF_ERROR(SyncMaster());
   LOSSHEAD_ASSIGN_OR_RETURN(std::vector<kernels::OptimizerMagnitudes> after,
                             CheckStepStaysInRange(group(), problem, partial));
+  // b's step, computed before W's so that a refusal changes nothing; committed after it.
+  HeadBias stepped_bias;
+  if (has_bias()) {
+    const v1::OptimizerHyperParams& p = request.params();
+    LOSSHEAD_RETURN_IF_ERROR(StepBias(problem,
+                                      p.has_bias_weight_decay() ? p.bias_weight_decay()
+                                                                : p.weight_decay(),
+                                      bias_, std::move(grad_bias), &stepped_bias));
+  }
   // Each replica steps its own rows (zeroing them in dW; its other rows are zero once reduced),
   // then every replica takes the others' new rows of W.
   const size_t esize = kernels::DTypeSize(dtype_);
@@ -287,6 +311,11 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   }
   LOSSHEAD_RETURN_IF_ERROR(placement_->GatherWeights());
   LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+  if (has_bias()) {
+    bias_ = std::move(stepped_bias);
+    LOSSHEAD_RETURN_IF_ERROR(CopyBiasIn(group(), bias_.values));
+    LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
+  }
 
   const bool momentum_started = [&] {
     const auto* sgd = std::get_if<kernels::SgdOptions>(&problem.options);

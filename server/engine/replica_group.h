@@ -84,6 +84,12 @@ struct Replica {
   // V x D fp32: this replica's micro-batches since the last cut; a shard's rows x D, its rows of
   // every micro-batch since the last cut.
   kernels::DeviceBuffer grad;
+  // A head with an output bias (HeadSpec.bias; empty otherwise): b over the held rows, fp32, a
+  // copy of the head's (HeadBias: written under the cut only), and this replica's db
+  // accumulator over the same rows, which its micro-batches add to in their run as they add to
+  // dW (a shard: its rows of every micro-batch; a replica: the micro-batches it ran).
+  kernels::DeviceBuffer bias;
+  kernels::DeviceBuffer grad_bias;
   std::unique_ptr<kernels::Stream> stream;
   kernels::DeviceBuffer workspace ABSL_GUARDED_BY(compute_mu);
   OptimizerBuffers optimizer ABSL_GUARDED_BY(compute_mu);  // for `rows` only

@@ -58,6 +58,9 @@ absl::Status ReplicatedPlacement::Run(const StepRun& run, StepDevices& devices) 
   args.per_token_argmax = TokenOutputIn<int32_t>(slot, run, TokenOutput::kArgmax);
   args.correct_count =
       o.correct_count ? reinterpret_cast<int64_t*>(scalars + kCorrectCountOffset) : nullptr;
+  // The output bias (empty without one); its gradient with dW's, never for a forward-only run.
+  args.bias = replica.bias.data() != nullptr ? replica.bias.as<float>() : nullptr;
+  args.grad_bias = args.bias != nullptr && run.grad_weight ? replica.grad_bias.as<float>() : nullptr;
   args.token_weights = TokenInputIn(slot, run, TokenInput::kWeight);
   args.old_logprob = TokenInputIn(slot, run, TokenInput::kOldLogprob);
   args.advantages = TokenInputIn(slot, run, TokenInput::kAdvantage);

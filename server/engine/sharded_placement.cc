@@ -111,6 +111,9 @@ absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
     a.stats_chunk_rows = chunk_rows_;
     a.workspace = r->workspace.data();
     a.workspace_bytes = workspace_bytes_[r->rank];
+    // The output bias over this shard's rows (empty without one), its gradient with dW's.
+    a.bias = r->bias.data() != nullptr ? r->bias.as<float>() : nullptr;
+    a.grad_bias = a.bias != nullptr && run.grad_weight ? r->grad_bias.as<float>() : nullptr;
     // The loss terms' per-token inputs, on every shard (each computes its rows' part).
     a.token_weights = TokenInputIn(slot, run, TokenInput::kWeight);
     a.old_logprob = TokenInputIn(slot, run, TokenInput::kOldLogprob);

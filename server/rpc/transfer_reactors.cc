@@ -210,8 +210,8 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
             absl::StrCat("mode must be PUSH_MODE_REPLACE or PUSH_MODE_ADD, got ",
                          static_cast<int>(header_.mode())));
       }
-      total_bytes_ = static_cast<uint64_t>(head_->vocab_size()) * head_->hidden_size() *
-                     kernels::DTypeSize(dtype);
+      // W, then b for a head with an output bias.
+      total_bytes_ = static_cast<uint64_t>(head_->tensor_elements()) * kernels::DTypeSize(dtype);
     } else if (request_.has_header()) {
       return absl::InvalidArgumentError("a PushWeights header may only come in the first message");
     }
@@ -301,6 +301,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext*
         first.set_dtype(snap.dtype);
         first.set_weights_version(snap.version);
         first.set_total_bytes(snap.data.size());
+        first.set_bias(snap.bias);
         return std::move(snap.data);
       });
 }

@@ -99,7 +99,8 @@ class HeadStepper:
               betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
               momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
               grad_divisor: Optional[float] = None, max_norm: Optional[float] = None,
-              trunk_grad_sq_norm: float = 0.0) -> Optional[ApplyResult]:
+              trunk_grad_sq_norm: float = 0.0,
+              bias_weight_decay: Optional[float] = None) -> Optional[ApplyResult]:
         """One step of the head for every rank, or None when the window holds no token."""
         key = self.step_key + 1
         # A tied input embedding's gradients sent from this process are in the window first.
@@ -115,7 +116,7 @@ class HeadStepper:
                 self.head, key, client_id=self.client_id, lr=lr, weight_decay=weight_decay,
                 betas=betas, eps=eps, momentum=momentum, dampening=dampening,
                 nesterov=nesterov, grad_divisor=grad_divisor, max_norm=max_norm,
-                trunk_grad_sq_norm=trunk_grad_sq_norm)
+                trunk_grad_sq_norm=trunk_grad_sq_norm, bias_weight_decay=bias_weight_decay)
 
         result = self.ranks.from_leader(call)
         self.last_result = result

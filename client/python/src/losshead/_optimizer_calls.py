@@ -54,7 +54,8 @@ def _apply_optimizer(self: Client, head: str, step_key: int, *, lr: float,
                      nesterov: bool = False, grad_divisor: Optional[float] = None,
                      max_norm: Optional[float] = None, trunk_grad_sq_norm: float = 0.0,
                      expected_weights_version: Optional[int] = None,
-                     client_id: Optional[str] = None) -> ApplyResult:
+                     client_id: Optional[str] = None,
+                     bias_weight_decay: Optional[float] = None) -> ApplyResult:
     """One optimizer step on the server, exactly once per (client_id, step_key).
 
     Keys must increase per client id (default: this client's id). A transient failure is
@@ -62,6 +63,11 @@ def _apply_optimizer(self: Client, head: str, step_key: int, *, lr: float,
     result with `replayed` set and steps nothing. Hyper-parameters not used by the head's
     optimizer are ignored (betas: AdamW and Lion; eps: AdamW; momentum, dampening, nesterov:
     SGD).
+
+    A head with an output bias steps b with the same rule and hyper-parameters, its weight decay
+    `bias_weight_decay` (None: `weight_decay`, as torch applies a param group's weight_decay to
+    every parameter in it; 0 is the usual "no decay on biases" group). The gradient norm and
+    the clipping cover dW and db together.
     """
     params = pb.OptimizerHyperParams(lr=lr, weight_decay=weight_decay, beta1=betas[0],
                                      beta2=betas[1], eps=eps, momentum=momentum,
@@ -69,6 +75,8 @@ def _apply_optimizer(self: Client, head: str, step_key: int, *, lr: float,
     request = pb.ApplyOptimizerRequest(head=head, client_id=client_id or self.client_id,
                                        step_key=int(step_key), params=params,
                                        trunk_grad_sq_norm=float(trunk_grad_sq_norm))
+    if bias_weight_decay is not None:
+        request.params.bias_weight_decay = float(bias_weight_decay)
     if grad_divisor is not None:
         request.grad_divisor = float(grad_divisor)
     if max_norm is not None:

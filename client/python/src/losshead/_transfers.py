@@ -25,8 +25,14 @@ class Transfers(ClientBase):
 
     def push_weights(self, head: str, data: torch.Tensor, *, add: bool = False,
                      dtype: Optional[DTypeLike] = None,
-                     expected_weights_version: Optional[int] = None) -> int:
+                     expected_weights_version: Optional[int] = None,
+                     bias: Optional[torch.Tensor] = None) -> int:
         """Replaces W with `data` (V x D), or adds it when `add`; returns the new version.
+
+        A head with an output bias takes b (`bias`, V values) in the same push, sent after W in
+        the same wire dtype: W and b change together, in one version. Without `bias` such a head
+        answers INVALID_ARGUMENT (the length is not the whole of both), as does a head without
+        one given `bias`.
 
         `dtype` is the wire dtype (default: data's dtype when it is bf16/fp16/fp32, else fp32);
         the server converts to the head's dtype. With `expected_weights_version` the push fails
@@ -40,7 +46,13 @@ class Transfers(ClientBase):
             else torch.float32)
         self._check_open()
         host = _wire.host_tensor(data, wire)
-        if self._natives:
+        if bias is not None:
+            if bias.dim() != 1:
+                raise ValueError(f"losshead: bias must be one-dimensional (V), got shape "
+                                 f"{tuple(bias.shape)}")
+            # b after W on the wire; the gRPC path sends it (the native one takes V x D only).
+            host = torch.cat([host.reshape(-1), _wire.host_tensor(bias, wire).reshape(-1)])
+        if self._natives and bias is None:
             return self._natives[0].push(head, host, _wire.to_wire_dtype(wire), add,
                                          expected_weights_version)
         header = pb.PushHeader(head=head, dtype=_wire.to_wire_dtype(wire),
@@ -79,8 +91,9 @@ class Transfers(ClientBase):
         """
         if dtype is None and out is not None:
             dtype = out.dtype
-        if self._natives:
-            info = self.get_head(head)
+        info = self.get_head(head) if self._natives else None
+        # A head with a bias: b follows W, which the gRPC path splits off.
+        if info is not None and not info.spec.bias:
             dt = _wire.to_torch_dtype(dtype if dtype is not None else info.spec.weight_dtype)
             dest = _destination(out, (info.spec.vocab_size, info.spec.hidden_size), dt)
             got = self._natives[0].download_into(head, _wire.to_wire_dtype(dt), dest)
@@ -90,15 +103,15 @@ class Transfers(ClientBase):
         if out is None:
             return w
         _destination(out, tuple(w.weights.shape), w.weights.dtype).copy_(w.weights)
-        return Weights(weights=out, version=w.version)
+        return Weights(weights=out, version=w.version, bias=w.bias)
 
     def _download_weights_once(self, head: str, dtype: Optional[DTypeLike]) -> Weights:
         request = pb.DownloadWeightsRequest(
             head=head, dtype=_wire.to_wire_dtype(dtype) if dtype is not None else 0)
         first, buf = _assemble("DownloadWeights", lambda: self._stub.DownloadWeights(
             request, timeout=self.timeout, metadata=self._metadata), lambda c: c)
-        w = _wire.decode(buf, first.dtype, (first.vocab_size, first.hidden_size))
-        return Weights(weights=w, version=first.weights_version)
+        w, b = _split_bias(buf, first.dtype, first.vocab_size, first.hidden_size, first.bias)
+        return Weights(weights=w, version=first.weights_version, bias=b)
 
     def pull_gradient(self, head: str, *, reset: bool = False, dtype: DTypeLike = torch.float32,
                       out: Optional[torch.Tensor] = None) -> Gradient:
@@ -116,7 +129,7 @@ class Transfers(ClientBase):
         unchanged; `get_head(head).tokens_since_pull` then tells whether the reset happened.
         """
         self._check_open()
-        if self._natives:
+        if self._natives and not self.get_head(head).spec.bias:
             return self._pull_gradient_native(head, reset, dtype, out)
         if not reset:
             g = self._with_retry(lambda: self._pull_gradient_once(head, reset, dtype))
@@ -126,14 +139,15 @@ class Transfers(ClientBase):
         if out is None:
             return g
         _destination(out, tuple(g.grad.shape), g.grad.dtype).copy_(g.grad)
-        return Gradient(grad=out, summary=g.summary)
+        return Gradient(grad=out, summary=g.summary, grad_bias=g.grad_bias)
 
     def _pull_gradient_once(self, head: str, reset: bool, dtype: DTypeLike) -> Gradient:
         request = pb.PullGradientRequest(head=head, dtype=_wire.to_wire_dtype(dtype), reset=reset)
         summary, buf = _assemble("PullGradient", lambda: self._stub.PullGradient(
             request, timeout=self.timeout, metadata=self._metadata), lambda c: c.summary)
-        grad = _wire.decode(buf, summary.dtype, (summary.vocab_size, summary.hidden_size))
-        return Gradient(grad=grad, summary=GradientSummary(
+        grad, grad_bias = _split_bias(buf, summary.dtype, summary.vocab_size, summary.hidden_size,
+                                      summary.bias)
+        return Gradient(grad=grad, grad_bias=grad_bias, summary=GradientSummary(
             vocab_size=summary.vocab_size, hidden_size=summary.hidden_size,
             token_count=summary.token_count, microbatch_count=summary.microbatch_count,
             min_weights_version=summary.min_weights_version,
@@ -152,6 +166,16 @@ class Transfers(ClientBase):
             vocab_size=s.vocab_size, hidden_size=s.hidden_size, token_count=s.token_count,
             microbatch_count=s.microbatch_count, min_weights_version=s.min_weights_version,
             max_weights_version=s.max_weights_version, was_reset=bool(s.was_reset)))
+
+
+def _split_bias(buf: bytearray, dtype: int, vocab_size: int, hidden_size: int,
+                bias: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """W (or dW), V x D, and the b (or db) of V that follows it when `bias`."""
+    if not bias:
+        return _wire.decode(buf, dtype, (vocab_size, hidden_size)), None
+    both = _wire.decode(buf, dtype, (vocab_size * hidden_size + vocab_size,))
+    return (both[:vocab_size * hidden_size].view(vocab_size, hidden_size),
+            both[vocab_size * hidden_size:])
 
 
 def _destination(out: Optional[torch.Tensor], shape: Tuple[int, ...],

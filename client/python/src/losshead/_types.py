@@ -232,12 +232,14 @@ class GradientSummary:
 class Gradient:
     grad: torch.Tensor  # V x D on the CPU, fp32 unless another dtype was asked for
     summary: GradientSummary
+    grad_bias: Optional[torch.Tensor] = None  # db (V), same dtype, for a head with a bias
 
 
 @dataclass
 class Weights:
     weights: torch.Tensor  # V x D on the CPU
     version: int
+    bias: Optional[torch.Tensor] = None  # b (V), same dtype, for a head with a bias
 
 
 @dataclass

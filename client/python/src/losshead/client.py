@@ -235,8 +235,13 @@ class Client(Steps, Transfers, Embeddings, HeadState):
                     weight_dtype: DTypeLike = torch.bfloat16, init_std: Optional[float] = None,
                     seed: int = 0, default_options: Optional[LossOptions] = None,
                     replicas: int = 1, shards: Optional[int] = None,
-                    matmul_precision: Optional[str] = None) -> pb.HeadInfo:
+                    matmul_precision: Optional[str] = None, bias: bool = False) -> pb.HeadInfo:
         """Creates a head with W = 0, or W ~ N(0, init_std^2) seeded by `seed`.
+
+        `bias`: the head has an output bias b (V values, fp32 on the server, zeros at creation),
+        the logits being logit_scale (h . w) + b as an nn.Linear(D, V, bias=True) computes them.
+        W and b then travel together: `push_weights(..., bias=b)`, `download_weights(...).bias`,
+        `pull_gradient(...).grad_bias`; the server-side optimizer steps both.
 
         `replicas`: the server devices holding it (1: one device; k > 1: replicated over k, each
         micro-batch running whole on one of them, the gradient window reduced across them; 0:
@@ -275,6 +280,7 @@ class Client(Steps, Transfers, Embeddings, HeadState):
             spec.default_options.CopyFrom(default_options.to_proto())
         if precision is not None:
             spec.matmul_precision = precision
+        spec.bias = bool(bias)
         try:
             return self._unary(self._stub.CreateHead, pb.CreateHeadRequest(spec=spec))
         finally:

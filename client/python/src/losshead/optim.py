@@ -148,19 +148,25 @@ class _RemoteOptimizer(torch.optim.Optimizer):
 
 
 class RemoteAdamW(_RemoteOptimizer):
-    """torch.optim.AdamW (amsgrad off) on the server's fp32 master weights."""
+    """torch.optim.AdamW (amsgrad off) on the server's fp32 master weights.
+
+    A head with an output bias steps b too, with `bias_weight_decay` (None: `weight_decay`, as
+    one torch param group holding both would; 0: the usual no-decay group for biases)."""
 
     _kind = "adamw"
 
     def __init__(self, client: Client, head: str, lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, **kwargs: Any) -> None:
+                 weight_decay: float = 1e-2, bias_weight_decay: Optional[float] = None,
+                 **kwargs: Any) -> None:
         super().__init__(client, head, dict(lr=lr, betas=betas, eps=eps,
-                                            weight_decay=weight_decay), **kwargs)
+                                            weight_decay=weight_decay,
+                                            bias_weight_decay=bias_weight_decay), **kwargs)
 
     def _hyper_parameters(self, group: Dict[str, Any]) -> Dict[str, Any]:
         return dict(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-                    weight_decay=group["weight_decay"])
+                    weight_decay=group["weight_decay"],
+                    bias_weight_decay=group.get("bias_weight_decay"))
 
 
 class RemoteSGD(_RemoteOptimizer):

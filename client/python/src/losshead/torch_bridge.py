@@ -220,6 +220,10 @@ class RemoteHeadOptimizer:
     tensor: a fresh multi-gigabyte tensor per step would cost its page faults, about as long as
     the transfer itself. So, as with torch's in-place gradients, `weight.grad` on the CPU in
     fp32 is that reused tensor: a copy of it must be taken to keep it past the next pull.
+
+    A head with an output bias has `bias` too (an nn.Parameter of V, None without one), pulled,
+    stepped and pushed with W: give the optimizer both (`[mirror.weight, mirror.bias]`, or two
+    param groups for a bias without weight decay).
     """
 
     def __init__(self, client: Client, head: str, *, device: Any = "cpu",
@@ -233,6 +237,9 @@ class RemoteHeadOptimizer:
         downloaded = client.download_weights(head, dtype=torch.float32)
         self.version = downloaded.version
         self.weight = nn.Parameter(downloaded.weights.to(device=device, dtype=dtype))
+        self.bias: Optional[nn.Parameter] = None
+        if downloaded.bias is not None:
+            self.bias = nn.Parameter(downloaded.bias.to(device=device, dtype=dtype))
         self.last_summary: Optional[GradientSummary] = None
         self._pulled: Optional[torch.Tensor] = None  # fp32 host tensor dW lands in
         self._staged: Optional[torch.Tensor] = None  # host tensor W is pushed from
@@ -255,6 +262,11 @@ class RemoteHeadOptimizer:
             else:
                 g.zero_()
         self.weight.grad = g.to(device=self.weight.device, dtype=self.weight.dtype)
+        if self.bias is not None and pulled.grad_bias is not None:
+            gb = pulled.grad_bias
+            if self.normalize:
+                gb = gb / count if count else torch.zeros_like(gb)
+            self.bias.grad = gb.to(device=self.bias.device, dtype=self.bias.dtype)
         self.last_summary = pulled.summary
         return pulled.summary
 
@@ -269,8 +281,9 @@ class RemoteHeadOptimizer:
                 self._staged = torch.empty(w.shape, dtype=wire)
             self._staged.copy_(w)
             w = self._staged
+        bias = None if self.bias is None else self.bias.detach().to("cpu")
         self.version = self.client.push_weights(self.head, w, dtype=self.push_dtype,
-                                                expected_weights_version=self.version)
+                                                expected_weights_version=self.version, bias=bias)
         tracker(self.client.target, self.head).note_push()
         return self.version
 
@@ -280,6 +293,8 @@ class RemoteHeadOptimizer:
         optimizer.step()
         self.push()
         self.weight.grad = None
+        if self.bias is not None:
+            self.bias.grad = None
         return summary
 
 
