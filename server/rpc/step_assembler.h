@@ -144,10 +144,11 @@ class StepAssembler {
 size_t ChunkPayloadBytes(size_t max_message_bytes);
 
 // The first response of a micro-batch: its error (alone, last = true) or its result, which carries
-// no payload (last = true when there is none to follow).
+// no payload (last = true when there is none to follow). `grad_hidden_shared`: dH was written into
+// the client's shared memory (StepResult.grad_hidden_in_shared_memory) and is not sent.
 v1::StepResponse FirstStepResponse(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
-    bool replayed);
+    bool replayed, bool grad_hidden_shared = false);
 
 // The payload of one response after the first: byte ranges of dH and of per-token losses.
 // One tensor of a micro-batch's answer: its StepResponse field and bytes.
@@ -157,8 +158,8 @@ struct StepPayload {
 };
 // The tensors an answer sends, in the order it sends them: dH, per-token losses, the token
 // outputs in TokenOutput order, then the top-k's ids and log-probs (their field numbers' order);
-// empty ones left out.
-std::vector<StepPayload> StepPayloads(const StepOutcome& outcome);
+// empty ones left out, and dH with `grad_hidden_shared`.
+std::vector<StepPayload> StepPayloads(const StepOutcome& outcome, bool grad_hidden_shared = false);
 
 // A part of payload `tensor` (an index into StepPayloads) that one message carries.
 struct StepSpan {
