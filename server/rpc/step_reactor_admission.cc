@@ -144,6 +144,7 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
   message.hidden_bytes = ref.hidden_bytes();
   message.request.mutable_targets()->assign(
       reinterpret_cast<const char*>(r.data() + ref.targets_offset()), ref.targets_bytes());
+  ctx_->metrics->Bytes("Step", "in", ref.hidden_bytes() + ref.targets_bytes());
   ctx_->metrics->StepDataBytes("shared_memory", "in", ref.hidden_bytes() + ref.targets_bytes());
   open_shared_ = {.region = *std::move(region),
                   .grad_offset = ref.grad_hidden_offset(),

@@ -121,11 +121,10 @@ void StepReactor::RecordSlot(const Slot& slot, absl::Time picked, const SlotRun&
     record.loss_sum = outcome.loss_sum;
     record.tokens = outcome.token_count;
     record.bytes_out = SentBytes(outcome);
-    if (run.grad_hidden_shared) {
-      record.bytes_out -= outcome.grad_hidden.size();
-      ctx_->metrics->StepDataBytes("shared_memory", "out", outcome.grad_hidden.size());
-    }
-    ctx_->metrics->StepDataBytes("network", "out", record.bytes_out);
+    // Every payload byte answered, whichever way it went; and by path.
+    const size_t shared = run.grad_hidden_shared ? outcome.grad_hidden.size() : 0;
+    ctx_->metrics->StepDataBytes("shared_memory", "out", shared);
+    ctx_->metrics->StepDataBytes("network", "out", record.bytes_out - shared);
   }
   RecordMicrobatch(*ctx_->metrics, slot.assembled.microbatch.header.head(), record,
                    stats.devices.size(),
