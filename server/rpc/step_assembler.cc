@@ -58,7 +58,9 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(StepMessag
       hidden_digest_.emplace();
       targets_digest_.emplace();
     }
-    if (reserve_bytes > 0 && !request.last()) ReserveHidden(reserve_bytes);
+    // A micro-batch from shared memory comes whole in its one message, and large: it is copied
+    // into a reused page-locked buffer too, rather than into fresh memory that faults in.
+    if (reserve_bytes > 0 && (!request.last() || message.shared)) ReserveHidden(reserve_bytes);
   } else if (!current_.has_value()) {
     if (skipping_) {
       skipping_ = !request.last();

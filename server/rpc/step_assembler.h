@@ -29,6 +29,9 @@ struct StepMessage {
   v1::StepRequest request;
   std::vector<std::pair<const uint8_t*, size_t>> hidden;
   size_t hidden_bytes = 0;
+  // The pieces lie in a client's shared memory region (docs/same-node.md): the whole micro-batch
+  // is in this one message.
+  bool shared = false;
 
   size_t bytes() const {
     return hidden_bytes + request.targets().size() + request.token_weights().size() +
@@ -39,6 +42,7 @@ struct StepMessage {
     request.Clear();
     hidden.clear();
     hidden_bytes = 0;
+    shared = false;
   }
 };
 
@@ -76,8 +80,8 @@ class StepAssembler {
   // a header inside one); the caller must end the call. Returns the micro-batch when `last`
   // closes it, or when its bytes pass the limit (oversize; the rest of it is then skipped), and
   // std::nullopt while it is still open or its message was skipped.
-  // `reserve_bytes`, when the message opens a micro-batch that goes on past it: the size its
-  // hidden buffer is given before anything is stored (ReserveHidden).
+  // `reserve_bytes`, when the message opens a micro-batch that goes on past it (or one from
+  // shared memory): the size its hidden buffer is given before anything is stored (ReserveHidden).
   absl::StatusOr<std::optional<AssembledMicroBatch>> Add(StepMessage& message, absl::Time now,
                                                          size_t reserve_bytes = 0);
   // The same for a request that carries its hidden states in its own field.

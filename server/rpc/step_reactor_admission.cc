@@ -142,6 +142,7 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
     message.hidden.emplace_back(r.data() + ref.hidden_offset(), ref.hidden_bytes());
   }
   message.hidden_bytes = ref.hidden_bytes();
+  message.shared = true;
   message.request.mutable_targets()->assign(
       reinterpret_cast<const char*>(r.data() + ref.targets_offset()), ref.targets_bytes());
   ctx_->metrics->Bytes("Step", "in", ref.hidden_bytes() + ref.targets_bytes());
