@@ -419,6 +419,73 @@ TEST_F(SameNodeTest, ReplaysAreExactlyOnceAcrossBothPaths) {
   EXPECT_EQ(info.tokens_since_pull(), static_cast<uint64_t>(first->token_count));
 }
 
+// With tokens, a region is its registering token's: registering needs a writer's, and another
+// token presenting its id and key is refused.
+TEST(SameNodeTokensTest, ARegionServesOnlyTheTokenThatRegisteredIt) {
+  const std::string kWriterA = "writer-a-0123456789abcdef", kWriterB = "writer-b-0123456789abcdef";
+  const std::string kReader = "reader-0123456789abcdef";
+  const std::string path = ::testing::TempDir() + "/same_node_tokens";
+  {
+    std::ofstream out(path);
+    out << "writer " << kWriterA << "\nwriter " << kWriterB << "\nreader " << kReader << "\n";
+  }
+  server::ServerOptions options = TestServer::Options();
+  options.auth_tokens_file = path;
+  auto server = TestServer::StartWith(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  client::ClientOptions client_options;
+  client_options.bearer_token = kWriterA;
+  auto a = client::Client::Connect((*server)->target(), client_options);
+  ASSERT_TRUE(a.ok());
+  auto stats = (*a)->GetStats();
+  ASSERT_TRUE(stats.ok() && stats->has_same_node()) << stats.status();
+  const std::string socket = stats->same_node().socket();
+  auto head = CreateKnownHead(**a, "tokens", kV, kD, v1::DTYPE_FP32, 4);
+  ASSERT_TRUE(head.ok()) << head.status();
+  constexpr int64_t kN = 8;
+  const HostBatch batch = MakeBatch(kN, kD, kV, v1::DTYPE_FP32, 5);
+  auto r = (*a)->Step(ToMicrobatch(head->name, "a", 1, batch));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->shared_memory);
+
+  EXPECT_EQ(client::SharedRegion::Register(socket, "", 4096).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(client::SharedRegion::Register(socket, "Bearer " + kReader, 4096).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  auto region = client::SharedRegion::Register(socket, "Bearer " + kWriterA, size_t{1} << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::memcpy((*region)->data(), batch.hidden_bytes.data(), batch.hidden_bytes.size());
+  std::memcpy((*region)->data() + 65536, batch.target_bytes.data(), batch.target_bytes.size());
+  auto step_with = [&](const std::string& token, uint64_t sequence) {
+    RawStream stream((*server)->target(), token);
+    v1::StepRequest request = Header(head->name, "raw", sequence, kN);
+    v1::SharedMemoryRef* ref = request.mutable_header()->mutable_shared_memory();
+    ref->set_region_id((*region)->id());
+    ref->set_region_key((*region)->key());
+    ref->set_hidden_bytes(batch.hidden_bytes.size());
+    ref->set_targets_offset(65536);
+    ref->set_targets_bytes(batch.target_bytes.size());
+    ref->set_grad_hidden_offset(131072);
+    ref->set_grad_hidden_bytes(kN * kD * 4);
+    request.set_last(true);
+    EXPECT_TRUE(stream.Write(request));
+    stream.WritesDone();
+    stream.ReadInBackground();
+    EXPECT_TRUE(stream.Ended().ok());
+    const std::vector<ReadAnswer> answers = Answers(stream.responses());
+    EXPECT_EQ(answers.size(), 1u);
+    return answers.empty() ? v1::StepResponse() : answers[0].first;
+  };
+  const v1::StepResponse other = step_with(kWriterB, 1);
+  ASSERT_TRUE(other.has_error());
+  EXPECT_EQ(other.error().code(), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
+  const v1::StepResponse own = step_with(kWriterA, 1);
+  ASSERT_TRUE(own.has_result()) << own.error().message();
+  EXPECT_TRUE(own.result().grad_hidden_in_shared_memory());
+  EXPECT_FALSE(own.result().replayed());  // the refusal left the key free
+  EXPECT_EQ(own.result().loss(), r->loss);  // the same bytes as the client's step
+}
+
 TEST(SameNodeDisabledTest, ClientsFallBackToTheNetworkPath) {
   server::ServerOptions options = TestServer::Options();
   options.same_node = false;
