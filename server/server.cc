@@ -16,8 +16,6 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "transport/channel_args.h"
-#include "transport/fd_socket.h"
 #include "server/durability/checkpointer.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/idempotency_budget.h"
@@ -30,11 +28,13 @@
 #include "server/rpc/connection_guard.h"
 #include "server/rpc/live_calls.h"
 #include "server/rpc/same_node_listener.h"
-#include "server/rpc/shared_regions.h"
 #include "server/rpc/service.h"
 #include "server/rpc/service_context.h"
+#include "server/rpc/shared_regions.h"
 #include "server/security/file_watcher.h"
 #include "server/security/security.h"
+#include "transport/channel_args.h"
+#include "transport/fd_socket.h"
 
 namespace losshead::server {
 namespace {

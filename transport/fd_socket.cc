@@ -29,8 +29,8 @@ absl::StatusOr<std::pair<sockaddr_un, socklen_t>> Address(const std::string& nam
   }
   std::memcpy(addr.sun_path, name.data(), name.size());
   if (abstract) addr.sun_path[0] = '\0';
-  const socklen_t length = static_cast<socklen_t>(
-      offsetof(sockaddr_un, sun_path) + name.size() + (abstract ? 0 : 1));
+  const socklen_t length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size() + (abstract ? 0 : 1));
   return std::make_pair(addr, length);
 }
 
@@ -134,9 +134,9 @@ absl::StatusOr<FdMessage> ReceiveWithFd(int socket, size_t max_bytes, bool nonbl
     return out;
   }
   if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || static_cast<size_t>(got) > max_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a control message longer than ", max_bytes, " bytes or with too many "
-                     "descriptors"));
+    return absl::InvalidArgumentError(absl::StrCat("a control message longer than ", max_bytes,
+                                                   " bytes or with too many "
+                                                   "descriptors"));
   }
   if (fds.size() > 1) {
     return absl::InvalidArgumentError("a control message with more than one descriptor");

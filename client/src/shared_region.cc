@@ -26,12 +26,13 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Register(
   // to fault by the other truncating it.
   if (::ftruncate(memfd.get(), static_cast<off_t>(bytes)) != 0 ||
       ::fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    return absl::UnavailableError(absl::StrCat("sizing and sealing a memfd of ", bytes,
-                                               " bytes: ", std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("sizing and sealing a memfd of ", bytes, " bytes: ", std::strerror(errno)));
   }
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
   if (base == MAP_FAILED) {
-    return absl::UnavailableError(absl::StrCat("mmap of ", bytes, " bytes: ", std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("mmap of ", bytes, " bytes: ", std::strerror(errno)));
   }
   std::unique_ptr<SharedRegion> region(new SharedRegion());
   region->base_ = static_cast<std::byte*>(base);

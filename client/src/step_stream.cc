@@ -18,9 +18,9 @@
 #include "losshead/client/retry.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
-#include "transport/wire_format.h"
 #include "raw_message.h"
 #include "shared_region.h"
+#include "transport/wire_format.h"
 
 namespace losshead::client {
 namespace {
@@ -159,10 +159,9 @@ std::shared_ptr<SharedRegion> StepStream::TakeRegion(size_t bytes) {
     // None fits: the smallest free one is let go (the server unmaps it), so that a stream whose
     // micro-batches grow keeps no more regions than it has micro-batches in flight.
     if (!free_regions_.empty()) {
-      auto smallest = std::min_element(free_regions_.begin(), free_regions_.end(),
-                                       [](const auto& a, const auto& b) {
-                                         return a->size() < b->size();
-                                       });
+      auto smallest =
+          std::min_element(free_regions_.begin(), free_regions_.end(),
+                           [](const auto& a, const auto& b) { return a->size() < b->size(); });
       free_regions_.erase(smallest);
     }
   }
@@ -467,9 +466,9 @@ void StepStream::ReadLoop() {
       if (r.grad_hidden_in_shared_memory()) {
         // dH is in the region already, written before this answer was sent.
         if (key.region == nullptr || grad_bytes > key.grad_capacity) {
-          fail(absl::InternalError(absl::StrCat(
-              "the server put ", grad_bytes, " dH bytes in shared memory where ",
-              key.region == nullptr ? 0 : key.grad_capacity, " were given")));
+          fail(absl::InternalError(
+              absl::StrCat("the server put ", grad_bytes, " dH bytes in shared memory where ",
+                           key.region == nullptr ? 0 : key.grad_capacity, " were given")));
           continue;
         }
         const std::byte* from = key.region->data() + key.grad_offset;

@@ -126,9 +126,8 @@ void SameNodeListener::Loop() {
       }
       v1::SharedMemoryRegistered answer;
       if (refused.ok()) {
-        absl::StatusOr<std::shared_ptr<SharedRegion>> region =
-            regions_->Register(message->fd.get(), request.bytes(),
-                               CallerIdentity(tokens_, request.authorization()));
+        absl::StatusOr<std::shared_ptr<SharedRegion>> region = regions_->Register(
+            message->fd.get(), request.bytes(), CallerIdentity(tokens_, request.authorization()));
         if (region.ok()) {
           c.region = (*region)->id();
           answer.set_region_id(c.region);

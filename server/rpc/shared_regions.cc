@@ -44,13 +44,13 @@ absl::Status SharedRegion::CheckRange(absl::string_view what, uint64_t offset,
 
 absl::StatusOr<std::shared_ptr<SharedRegion>> SharedRegions::Register(int fd, uint64_t bytes,
                                                                       std::string principal) {
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError("the descriptor sent is not a memfd (a regular file)");
   }
   if (bytes == 0 || bytes > static_cast<uint64_t>(st.st_size)) {
-    return absl::InvalidArgumentError(absl::StrCat("a region of ", bytes, " bytes in a file of ",
-                                                   st.st_size, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a region of ", bytes, " bytes in a file of ", st.st_size, " bytes"));
   }
   const int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
@@ -96,9 +96,10 @@ absl::StatusOr<std::shared_ptr<SharedRegion>> SharedRegions::Resolve(
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(id);
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "no shared memory region ", id, " is registered (its client's connection closed, or it "
-          "never was)"));
+      return absl::NotFoundError(
+          absl::StrCat("no shared memory region ", id,
+                       " is registered (its client's connection closed, or it "
+                       "never was)"));
     }
     region = it->second;
   }

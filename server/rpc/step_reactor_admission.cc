@@ -7,8 +7,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "server/rpc/step_reactor.h"
 #include "losshead/v1/wire_dtype.h"
+#include "server/rpc/step_reactor.h"
 #include "server/security/auth.h"
 
 namespace losshead::server {
@@ -131,9 +131,9 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
                  static_cast<uint64_t>((*head)->hidden_size()) * v1::WireDTypeSize(grad);
   }
   if (ref.grad_hidden_bytes() < grad_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared memory grad_hidden_bytes ", ref.grad_hidden_bytes(), " cannot hold the ",
-        grad_bytes, " bytes of this micro-batch's dH"));
+    return absl::InvalidArgumentError(absl::StrCat("shared memory grad_hidden_bytes ",
+                                                   ref.grad_hidden_bytes(), " cannot hold the ",
+                                                   grad_bytes, " bytes of this micro-batch's dH"));
   }
   // The assembler copies the hidden states out of the region (checking and digesting its own
   // copy, so that a client writing the region meanwhile changes nothing but its own input).

@@ -39,9 +39,9 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   ComputeSlot(*slot, picked, run);
   WriteSharedGradHidden(*slot, run);
   RecordSlot(*slot, picked, run);
-  std::vector<grpc::ByteBuffer> responses = EncodeStepResponses(
-      slot->assembled.microbatch.header, run.outcome, run.stats.replayed,
-      ChunkPayloadBytes(ctx_->max_message_bytes), run.grad_hidden_shared);
+  std::vector<grpc::ByteBuffer> responses =
+      EncodeStepResponses(slot->assembled.microbatch.header, run.outcome, run.stats.replayed,
+                          ChunkPayloadBytes(ctx_->max_message_bytes), run.grad_hidden_shared);
   {
     absl::MutexLock lock(&mu_);
     CompleteSlotLocked(*slot, std::move(responses), picked, run);

@@ -94,8 +94,9 @@ absl::Status AuthorizeOpenCall(
 // tokens (null) or for a value that is not a bearer token. Never logged.
 std::string CallerIdentity(const TokenTable* tokens, absl::string_view authorization);
 // The same for a call's metadata.
-std::string CallerIdentity(const TokenTable* tokens,
-                           const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
+std::string CallerIdentity(
+    const TokenTable* tokens,
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
 
 // Runs TokenAuthenticator::Authorize on each call's initial metadata. Non-blocking: the check is a
 // few hashes, so it runs inline on the transport thread instead of a thread hop per call.

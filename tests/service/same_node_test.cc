@@ -259,9 +259,12 @@ TEST_F(SameNodeTest, BadHandlesAndRangesAreRefusedAndChangeNothing) {
     change(c);
     cases.push_back(c);
   };
-  add("region too small", grpc::StatusCode::OUT_OF_RANGE,
-      [&](Case& c) { c.ref = ref_in(**small); c.ref.set_targets_offset(0);
-                     c.ref.set_grad_hidden_offset(0); c.ref.set_grad_hidden_bytes(0); });
+  add("region too small", grpc::StatusCode::OUT_OF_RANGE, [&](Case& c) {
+    c.ref = ref_in(**small);
+    c.ref.set_targets_offset(0);
+    c.ref.set_grad_hidden_offset(0);
+    c.ref.set_grad_hidden_bytes(0);
+  });
   add("hidden past the end", grpc::StatusCode::OUT_OF_RANGE,
       [&](Case& c) { c.ref.set_hidden_offset((size_t{1} << 20) - hidden + 4); });
   add("targets offset past the end", grpc::StatusCode::OUT_OF_RANGE,
@@ -482,7 +485,7 @@ TEST(SameNodeTokensTest, ARegionServesOnlyTheTokenThatRegisteredIt) {
   const v1::StepResponse own = step_with(kWriterA, 1);
   ASSERT_TRUE(own.has_result()) << own.error().message();
   EXPECT_TRUE(own.result().grad_hidden_in_shared_memory());
-  EXPECT_FALSE(own.result().replayed());  // the refusal left the key free
+  EXPECT_FALSE(own.result().replayed());    // the refusal left the key free
   EXPECT_EQ(own.result().loss(), r->loss);  // the same bytes as the client's step
 }
 
