@@ -112,6 +112,10 @@ ABSL_FLAG(std::string, step_trace, "",
           "Append one JSON line per answered micro-batch, with the time of each phase, to this "
           "file (empty: none)");
 
+ABSL_FLAG(bool, same_node, true,
+          "Offer the same-node path: clients on this host move hidden states, targets and dH "
+          "through shared memory, with only control messages on gRPC (docs/same-node.md)");
+
 namespace losshead::server {
 namespace {
 
@@ -201,6 +205,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_heads = absl::GetFlag(FLAGS_max_heads);
   o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
   o.step_trace_file = absl::GetFlag(FLAGS_step_trace);
+  o.same_node = absl::GetFlag(FLAGS_same_node);
   o.unapplied_window_warn_microbatches = absl::GetFlag(FLAGS_unapplied_window_warn_microbatches);
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);

@@ -102,6 +102,10 @@ struct ServerOptions {
   // A file to append one JSON line per answered micro-batch to, with the time of each of its
   // phases (server/observability/step_trace.h); empty: none.
   std::string step_trace_file;
+  // The same-node path (docs/same-node.md): clients on this host may register shared memory
+  // regions on a Unix socket and step through them; Stats.same_node advertises it. Off: Stats
+  // has no same_node and a header naming shared memory is FAILED_PRECONDITION.
+  bool same_node = true;
 };
 
 class Server {

@@ -54,6 +54,7 @@ const std::vector<Command>& Commands() {
                  {"seconds"},
                  {"iterations"},
                  {"dedicated_connections"},
+                 {"same_node"},
                  {"fresh_results"},
                  {"zero_head"}},
        .run = RunBench},

@@ -54,6 +54,9 @@ ABSL_FLAG(bool, keep_head, false,
 ABSL_FLAG(double, seconds, 5, "run time when --iterations is 0");
 ABSL_FLAG(int64_t, iterations, 0, "micro-batches per stream; 0 runs for --seconds");
 ABSL_FLAG(bool, dedicated_connections, true, "one TCP connection per stream");
+ABSL_FLAG(bool, same_node, true,
+          "take the same-node path (shared memory) when the server is on this host and offers "
+          "it; false: the network path");
 ABSL_FLAG(
     bool, fresh_results, false,
     "receive each dH into fresh memory, not into per-stream buffers reused as a trainer's are");

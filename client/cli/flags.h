@@ -52,6 +52,7 @@ ABSL_DECLARE_FLAG(bool, keep_head);
 ABSL_DECLARE_FLAG(double, seconds);
 ABSL_DECLARE_FLAG(int64_t, iterations);
 ABSL_DECLARE_FLAG(bool, dedicated_connections);
+ABSL_DECLARE_FLAG(bool, same_node);
 ABSL_DECLARE_FLAG(bool, fresh_results);
 ABSL_DECLARE_FLAG(bool, zero_head);
 

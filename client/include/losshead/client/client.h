@@ -59,6 +59,11 @@ struct ClientOptions {
   // Further integer channel arguments (e.g. grpc.initial_reconnect_backoff_ms), applied last;
   // they replace the socket read sizes of transport/channel_args.h where they name them.
   std::vector<std::pair<std::string, int>> channel_args;
+  // The same-node path (docs/same-node.md): when the server runs on this host and offers it
+  // (Stats.same_node), Step streams move hidden states, targets and dH through shared memory,
+  // with only control messages on gRPC; otherwise, or when registering a region fails, they use
+  // the network path. Results are the same bit for bit. false: always the network path.
+  bool same_node = true;
   // Retries of transient failures; see losshead/client/retry.h for what is retried and why
   // nothing is counted twice. Applies to every method, and per micro-batch to Step and StepMany.
   RetryPolicy retry;
@@ -211,6 +216,12 @@ class Client {
   std::vector<absl::StatusOr<StepResult>> StepMany(std::span<const Microbatch> microbatches,
                                                    size_t pipeline_depth = 4);
 
+  // The path Step streams opened now take to the server (every head alike): "shared_memory" when
+  // the server is on this host and offers the same-node path (asked once, with GetStats), else
+  // "network". A stream that cannot register a region falls back on its own
+  // (StepStream::data_path, StepResult::shared_memory).
+  std::string data_path();
+
   // Attempts that were retries (all methods), since Connect.
   uint64_t retries() const { return retries_.load(); }
 
@@ -277,6 +288,9 @@ class Client {
   // One summary_only pull (WindowSummary, DiscardGradient).
   absl::StatusOr<v1::GradientSummary> WindowSummaryOnce(const std::string& head, bool reset);
   absl::StatusOr<StepResult> StepOnce(const Microbatch& microbatch);
+  // The same-node link for a new Step stream, negotiated at the first call (null: the network
+  // path); a GetStats that fails is asked again next time.
+  std::shared_ptr<const SameNodeLink> SameNode();
   absl::StatusOr<FetchedRows> EmbeddingRowsOnce(const v1::EmbeddingRowsRequest& request);
 
   std::shared_ptr<grpc::Channel> channel_;
@@ -287,6 +301,9 @@ class Client {
   std::atomic<uint64_t> retries_{0};
   absl::Mutex streams_mu_;
   std::vector<std::unique_ptr<StepStream>> idle_streams_ ABSL_GUARDED_BY(streams_mu_);
+  absl::Mutex same_node_mu_;
+  bool same_node_probed_ ABSL_GUARDED_BY(same_node_mu_) = false;
+  std::string same_node_socket_ ABSL_GUARDED_BY(same_node_mu_);  // empty: none
 };
 
 // Payload bytes that fit in one message next to `overhead` bytes of other fields.
