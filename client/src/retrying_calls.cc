@@ -123,9 +123,10 @@ absl::StatusOr<v1::GradientSummary> Client::PullGradientInto(const std::string& 
   return PullGradientWithRetry(head, dtype, reset, {.data = out}, Destination{.data = bias_out});
 }
 
-absl::StatusOr<v1::GradientSummary> Client::PullGradientWithRetry(
-    const std::string& head, v1::DType dtype, bool reset, Destination out,
-    std::optional<Destination> bias) {
+absl::StatusOr<v1::GradientSummary> Client::PullGradientWithRetry(const std::string& head,
+                                                                  v1::DType dtype, bool reset,
+                                                                  Destination out,
+                                                                  std::optional<Destination> bias) {
   if (!reset) {
     return RetryCall<v1::GradientSummary>(
         [&] { return PullGradientOnce(head, dtype, reset, out, bias); });

@@ -26,9 +26,9 @@
 #include "losshead/client/client.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
-#include "transport/wire_format.h"
 #include "prefault.h"
 #include "raw_message.h"
+#include "transport/wire_format.h"
 
 namespace losshead::client {
 namespace {
@@ -132,16 +132,16 @@ class Reassembler {
 
 // The bytes a first chunk announces: V x D (W or dW) and, with a bias, V (b or db), each of
 // `dtype`; INTERNAL when total_bytes is not their sum.
-absl::Status CheckTotal(const char* what, int64_t vocab_size, int64_t hidden_size,
-                        v1::DType dtype, bool bias, uint64_t total_bytes, uint64_t* weight_bytes,
+absl::Status CheckTotal(const char* what, int64_t vocab_size, int64_t hidden_size, v1::DType dtype,
+                        bool bias, uint64_t total_bytes, uint64_t* weight_bytes,
                         uint64_t* bias_bytes) {
   const uint64_t element = v1::WireDTypeSize(dtype);
   *weight_bytes = static_cast<uint64_t>(vocab_size) * static_cast<uint64_t>(hidden_size) * element;
   *bias_bytes = bias ? static_cast<uint64_t>(vocab_size) * element : 0;
   if (total_bytes != *weight_bytes + *bias_bytes) {
-    return absl::InternalError(absl::StrCat(what, " total_bytes ", total_bytes,
-                                            bias ? " != (V x D + V) x dtype = " : " != V x D x dtype = ",
-                                            *weight_bytes + *bias_bytes));
+    return absl::InternalError(absl::StrCat(
+        what, " total_bytes ", total_bytes,
+        bias ? " != (V x D + V) x dtype = " : " != V x D x dtype = ", *weight_bytes + *bias_bytes));
   }
   return absl::OkStatus();
 }
@@ -217,8 +217,9 @@ absl::StatusOr<uint64_t> Client::UploadWeights(const std::string& head, v1::DTyp
   return PushWeights(request);
 }
 
-absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(
-    const std::string& head, v1::DType dtype, Destination out, std::optional<Destination> bias) {
+absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string& head,
+                                                              v1::DType dtype, Destination out,
+                                                              std::optional<Destination> bias) {
   v1::DownloadWeightsRequest request;
   request.set_head(head);
   request.set_dtype(dtype);

@@ -65,13 +65,12 @@ class CapiBiasTest : public ::testing::Test {
   // A fresh fp32 V x D head, with an output bias when `bias` (the `losshead` tool creates it:
   // this test links no protobuf code, as capi_test).
   std::string Head(bool bias, int64_t vocab_size = kV, int64_t hidden_size = kD) {
-    const std::string name =
-        absl::StrCat("bias-", ::testing::UnitTest::GetInstance()->current_test_info()->name(),
-                     "-", heads_++);
-    const std::string command = absl::StrCat(
-        LOSSHEAD_CLI_BINARY, " create --server=", server_->target(), " --head=", name,
-        " --vocab_size=", vocab_size, " --hidden_size=", hidden_size, " --weight_dtype=fp32",
-        bias ? " --bias" : "", " > /dev/null");
+    const std::string name = absl::StrCat(
+        "bias-", ::testing::UnitTest::GetInstance()->current_test_info()->name(), "-", heads_++);
+    const std::string command =
+        absl::StrCat(LOSSHEAD_CLI_BINARY, " create --server=", server_->target(), " --head=", name,
+                     " --vocab_size=", vocab_size, " --hidden_size=", hidden_size,
+                     " --weight_dtype=fp32", bias ? " --bias" : "", " > /dev/null");
     EXPECT_EQ(std::system(command.c_str()), 0) << command;
     return name;
   }
@@ -94,8 +93,8 @@ class CapiBiasTest : public ::testing::Test {
     b->assign(kV, -9.0f);
     uint64_t bias_bytes = 0;
     lh_status status{};
-    EXPECT_EQ(lh_download_weights_bias(client_, head.c_str(), kFp32, w->data(), kWBytes,
-                                       b->data(), kBBytes, info, &bias_bytes, &status),
+    EXPECT_EQ(lh_download_weights_bias(client_, head.c_str(), kFp32, w->data(), kWBytes, b->data(),
+                                       kBBytes, info, &bias_bytes, &status),
               0)
         << status.message;
     EXPECT_EQ(bias_bytes, kBBytes);
@@ -133,8 +132,8 @@ TEST_F(CapiBiasTest, WeightsAndBiasRoundTripBitForBit) {
   // Version 3's download: b after W, the wire's layout, when the buffer holds both.
   std::vector<float> both(kV * kD + kV + 1, -9.0f);
   lh_status status{};
-  ASSERT_EQ(lh_download_weights(client_, head.c_str(), kFp32, both.data(), both.size() * 4,
-                                nullptr, &status),
+  ASSERT_EQ(lh_download_weights(client_, head.c_str(), kFp32, both.data(), both.size() * 4, nullptr,
+                                &status),
             0)
       << status.message;
   EXPECT_TRUE(std::equal(w.begin(), w.end(), both.begin()));
@@ -263,17 +262,16 @@ TEST_F(CapiBiasTest, DbIsPulledBesideDw) {
   // Buffers too small: FAILED_PRECONDITION naming the bias, nothing written (and, without
   // reset, the window still there).
   std::vector<float> short_w(kV * kD, -9.0f), short_b(kV - 1, -9.0f);
-  EXPECT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 0, short_w.data(), kWBytes,
-                                  short_b.data(), short_b.size() * 4, &summary, &bias_bytes,
-                                  &status),
-            kFailedPrecondition);
+  EXPECT_EQ(
+      lh_pull_gradient_bias(client_, head.c_str(), kFp32, 0, short_w.data(), kWBytes,
+                            short_b.data(), short_b.size() * 4, &summary, &bias_bytes, &status),
+      kFailedPrecondition);
   EXPECT_NE(std::string(status.message).find("bias"), std::string::npos) << status.message;
   EXPECT_TRUE(All(short_w, -9.0f) && All(short_b, -9.0f));
-  EXPECT_EQ(lh_pull_gradient(client_, head.c_str(), kFp32, 0, short_w.data(), kWBytes, &summary,
-                             &status),
-            kFailedPrecondition);
-  EXPECT_NE(std::string(status.message).find("output bias"), std::string::npos)
-      << status.message;
+  EXPECT_EQ(
+      lh_pull_gradient(client_, head.c_str(), kFp32, 0, short_w.data(), kWBytes, &summary, &status),
+      kFailedPrecondition);
+  EXPECT_NE(std::string(status.message).find("output bias"), std::string::npos) << status.message;
   EXPECT_TRUE(All(short_w, -9.0f));
   EXPECT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 0, dw.data(), kWBytes, nullptr,
                                   kBBytes, &summary, &bias_bytes, &status),
@@ -281,16 +279,16 @@ TEST_F(CapiBiasTest, DbIsPulledBesideDw) {
 
   // With reset: the same window, then an empty one.
   std::vector<float> dw2(kV * kD), db2(kV);
-  ASSERT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 1, dw2.data(), kWBytes,
-                                  db2.data(), kBBytes, &summary, &bias_bytes, &status),
+  ASSERT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 1, dw2.data(), kWBytes, db2.data(),
+                                  kBBytes, &summary, &bias_bytes, &status),
             0)
       << status.message;
   EXPECT_EQ(summary.was_reset, 1);
   EXPECT_EQ(summary.microbatch_count, 1u);
   EXPECT_TRUE(std::equal(dw.begin(), dw.end(), dw2.begin()));
   EXPECT_TRUE(std::equal(db2.begin(), db2.end(), db.begin()));
-  ASSERT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 1, dw2.data(), kWBytes,
-                                  db2.data(), kBBytes, &summary, &bias_bytes, &status),
+  ASSERT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 1, dw2.data(), kWBytes, db2.data(),
+                                  kBBytes, &summary, &bias_bytes, &status),
             0)
       << status.message;
   EXPECT_EQ(summary.microbatch_count, 0u);
@@ -306,27 +304,26 @@ TEST_F(CapiBiasTest, BadSizesAreRefusedAndChangeNothing) {
   uint64_t version = 0;
   lh_status status{};
   // W alone, b one value short, b one value long: the server's INVALID_ARGUMENT.
-  EXPECT_EQ(lh_push_weights(client_, head.c_str(), kFp32, other.data(), kWBytes, 0, 0, 0,
-                            &version, &status),
+  EXPECT_EQ(lh_push_weights(client_, head.c_str(), kFp32, other.data(), kWBytes, 0, 0, 0, &version,
+                            &status),
             kInvalidArgument);
-  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, other.data(), kWBytes,
-                                 other.data(), kBBytes - 4, 0, 0, 0, &version, &status),
+  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, other.data(), kWBytes, other.data(),
+                                 kBBytes - 4, 0, 0, 0, &version, &status),
             kInvalidArgument);
-  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, other.data(), kWBytes,
-                                 other.data(), kBBytes + 4, 0, 0, 0, &version, &status),
+  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, other.data(), kWBytes, other.data(),
+                                 kBBytes + 4, 0, 0, 0, &version, &status),
             kInvalidArgument);
   // A null bias with a length: refused before sending.
   EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, other.data(), kWBytes, nullptr,
                                  kBBytes, 0, 0, 0, &version, &status),
             kInvalidArgument);
-  EXPECT_NE(std::string(status.message).find("bias is null"), std::string::npos)
-      << status.message;
-  EXPECT_EQ(lh_push_weights_bias(nullptr, head.c_str(), kFp32, other.data(), kWBytes,
-                                 other.data(), kBBytes, 0, 0, 0, &version, &status),
+  EXPECT_NE(std::string(status.message).find("bias is null"), std::string::npos) << status.message;
+  EXPECT_EQ(lh_push_weights_bias(nullptr, head.c_str(), kFp32, other.data(), kWBytes, other.data(),
+                                 kBBytes, 0, 0, 0, &version, &status),
             kInvalidArgument);
   // A stale expected version: FAILED_PRECONDITION.
-  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, other.data(), kWBytes,
-                                 other.data(), kBBytes, 0, 1, 1, &version, &status),
+  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, other.data(), kWBytes, other.data(),
+                                 kBBytes, 0, 1, 1, &version, &status),
             kFailedPrecondition);
   std::vector<float> got_w, got_b;
   lh_weights_info info{};
@@ -337,21 +334,20 @@ TEST_F(CapiBiasTest, BadSizesAreRefusedAndChangeNothing) {
 
   // The one-buffer download of a bias head into W's size: refused, naming the bias.
   std::vector<float> only_w(kV * kD, -9.0f);
-  EXPECT_EQ(lh_download_weights(client_, head.c_str(), kFp32, only_w.data(), kWBytes, &info,
-                                &status),
-            kFailedPrecondition);
-  EXPECT_NE(std::string(status.message).find("output bias"), std::string::npos)
-      << status.message;
+  EXPECT_EQ(
+      lh_download_weights(client_, head.c_str(), kFp32, only_w.data(), kWBytes, &info, &status),
+      kFailedPrecondition);
+  EXPECT_NE(std::string(status.message).find("output bias"), std::string::npos) << status.message;
   EXPECT_TRUE(All(only_w, -9.0f));
   std::vector<float> short_b(kV - 1, -9.0f);
   uint64_t bias_bytes = 7;
-  EXPECT_EQ(lh_download_weights_bias(client_, head.c_str(), kFp32, only_w.data(), kWBytes,
-                                     short_b.data(), short_b.size() * 4, &info, &bias_bytes,
-                                     &status),
-            kFailedPrecondition);
+  EXPECT_EQ(
+      lh_download_weights_bias(client_, head.c_str(), kFp32, only_w.data(), kWBytes, short_b.data(),
+                               short_b.size() * 4, &info, &bias_bytes, &status),
+      kFailedPrecondition);
   EXPECT_TRUE(All(only_w, -9.0f) && All(short_b, -9.0f));
-  EXPECT_EQ(lh_download_weights_bias(client_, head.c_str(), kFp32, only_w.data(), kWBytes,
-                                     nullptr, kBBytes, &info, &bias_bytes, &status),
+  EXPECT_EQ(lh_download_weights_bias(client_, head.c_str(), kFp32, only_w.data(), kWBytes, nullptr,
+                                     kBBytes, &info, &bias_bytes, &status),
             kInvalidArgument);
 }
 
@@ -361,12 +357,12 @@ TEST_F(CapiBiasTest, AHeadWithoutBiasRefusesOneAndLeavesTheBiasBufferAlone) {
   const std::vector<float> b = Random(kV, 15, -3.0f, 3.0f);
   uint64_t version = 0;
   lh_status status{};
-  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, w.data(), kWBytes, b.data(),
-                                 kBBytes, 0, 0, 0, &version, &status),
+  EXPECT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, w.data(), kWBytes, b.data(), kBBytes,
+                                 0, 0, 0, &version, &status),
             kInvalidArgument);
   // No bias given (null, 0): the same as lh_push_weights.
-  ASSERT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, w.data(), kWBytes, nullptr, 0, 0,
-                                 0, 0, &version, &status),
+  ASSERT_EQ(lh_push_weights_bias(client_, head.c_str(), kFp32, w.data(), kWBytes, nullptr, 0, 0, 0,
+                                 0, &version, &status),
             0)
       << status.message;
   EXPECT_EQ(version, 2u);
@@ -382,8 +378,8 @@ TEST_F(CapiBiasTest, AHeadWithoutBiasRefusesOneAndLeavesTheBiasBufferAlone) {
   EXPECT_TRUE(All(got_b, -9.0f));
   std::vector<float> dw(kV * kD, -9.0f);
   lh_gradient_summary summary{};
-  ASSERT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 1, dw.data(), kWBytes,
-                                  got_b.data(), kBBytes, &summary, &bias_bytes, &status),
+  ASSERT_EQ(lh_pull_gradient_bias(client_, head.c_str(), kFp32, 1, dw.data(), kWBytes, got_b.data(),
+                                  kBBytes, &summary, &bias_bytes, &status),
             0)
       << status.message;
   EXPECT_EQ(bias_bytes, 0u);

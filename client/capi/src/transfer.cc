@@ -48,10 +48,10 @@ absl::Status Pull(lh_client* client, const char* head, int dtype, int reset, voi
   if (client == nullptr) return absl::InvalidArgumentError("null client");
   const std::string name = head == nullptr ? "" : head;
   const auto type = static_cast<losshead::v1::DType>(dtype);
-  auto pulled = bias_out.has_value()
-                    ? client->client->PullGradientInto(name, type, reset != 0, Out(out, capacity),
-                                                       *bias_out)
-                    : client->client->PullGradientInto(name, type, reset != 0, Out(out, capacity));
+  auto pulled =
+      bias_out.has_value()
+          ? client->client->PullGradientInto(name, type, reset != 0, Out(out, capacity), *bias_out)
+          : client->client->PullGradientInto(name, type, reset != 0, Out(out, capacity));
   if (!pulled.ok()) return pulled.status();
   if (summary != nullptr) {
     *summary = lh_gradient_summary{
@@ -80,10 +80,10 @@ absl::Status Download(lh_client* client, const char* head, int dtype, void* out,
   if (client == nullptr) return absl::InvalidArgumentError("null client");
   const std::string name = head == nullptr ? "" : head;
   const auto type = static_cast<losshead::v1::DType>(dtype);
-  auto weights = bias_out.has_value()
-                     ? client->client->DownloadWeightsInto(name, type, Out(out, capacity),
-                                                           *bias_out)
-                     : client->client->DownloadWeightsInto(name, type, Out(out, capacity));
+  auto weights =
+      bias_out.has_value()
+          ? client->client->DownloadWeightsInto(name, type, Out(out, capacity), *bias_out)
+          : client->client->DownloadWeightsInto(name, type, Out(out, capacity));
   if (!weights.ok()) return weights.status();
   if (info != nullptr) {
     *info = lh_weights_info{.vocab_size = weights->vocab_size,
@@ -131,8 +131,8 @@ int lh_download_weights(lh_client* client, const char* head, int dtype, void* ou
 
 int lh_push_weights_bias(lh_client* client, const char* head, int dtype, const void* data,
                          size_t bytes, const void* bias, size_t bias_bytes, int add,
-                         int has_expected_version, uint64_t expected_version,
-                         uint64_t* new_version, lh_status* status) {
+                         int has_expected_version, uint64_t expected_version, uint64_t* new_version,
+                         lh_status* status) {
   return losshead::capi::Guarded(status, [&]() -> absl::Status {
     if (absl::Status ok = losshead::capi::CheckBiasBuffer(bias, bias_bytes, "bias"); !ok.ok()) {
       return ok;
@@ -151,8 +151,7 @@ int lh_pull_gradient_bias(lh_client* client, const char* head, int dtype, int re
       return ok;
     }
     return losshead::capi::Pull(client, head, dtype, reset, out, capacity,
-                                losshead::capi::Out(bias_out, bias_capacity), summary,
-                                bias_bytes);
+                                losshead::capi::Out(bias_out, bias_capacity), summary, bias_bytes);
   });
 }
 
@@ -165,8 +164,7 @@ int lh_download_weights_bias(lh_client* client, const char* head, int dtype, voi
       return ok;
     }
     return losshead::capi::Download(client, head, dtype, out, capacity,
-                                    losshead::capi::Out(bias_out, bias_capacity), info,
-                                    bias_bytes);
+                                    losshead::capi::Out(bias_out, bias_capacity), info, bias_bytes);
   });
 }
 

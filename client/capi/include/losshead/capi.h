@@ -14,9 +14,9 @@
  * in a released version, keeps its signature, layout and meaning; what a later version carries
  * comes in new functions taking new structs (version 4: lh_step_many_with_inputs beside
  * lh_step_many, lh_embedding_rows; version 5: the *_bias transfers beside lh_push_weights,
- * lh_pull_gradient and lh_download_weights). So a caller written for version N works with every library
- * whose lh_capi_version() is N or more, and checks that (not equality). Each function is exported
- * under the symbol version of the ABI version that added it (exports.map: LH_CAPI_3,
+ * lh_pull_gradient and lh_download_weights). So a caller written for version N works with every
+ * library whose lh_capi_version() is N or more, and checks that (not equality). Each function is
+ * exported under the symbol version of the ABI version that added it (exports.map: LH_CAPI_3,
  * LH_CAPI_4, LH_CAPI_5).
  */
 #ifndef LOSSHEAD_CAPI_H_
@@ -242,8 +242,8 @@ int lh_download_weights(lh_client* client, const char* head, int dtype, void* ou
  * INVALID_ARGUMENT, sending nothing, for a null client or a null `bias` with bias_bytes > 0. */
 int lh_push_weights_bias(lh_client* client, const char* head, int dtype, const void* data,
                          size_t bytes, const void* bias, size_t bias_bytes, int add,
-                         int has_expected_version, uint64_t expected_version,
-                         uint64_t* new_version, lh_status* status);
+                         int has_expected_version, uint64_t expected_version, uint64_t* new_version,
+                         lh_status* status);
 
 /* lh_pull_gradient with db in `bias_out` (at least V values of `dtype`; more left untouched):
  * `*bias_bytes` (when not null) is set to the bytes of db written, 0 for a head without a bias

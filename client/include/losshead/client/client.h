@@ -249,7 +249,7 @@ class Client {
   const ClientOptions& options() const { return options_; }
   grpc::Channel* channel() const { return channel_.get(); }
 
- ~Client();
+  ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
