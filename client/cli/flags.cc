@@ -27,6 +27,9 @@ ABSL_FLAG(
     std::string, matmul_precision, "",
     "what an fp32 head's GEMMs may round to: highest | high (TF32) | medium (bf16); empty: unset");
 ABSL_FLAG(double, init_std, 0, "normal init std of W; 0 means zeros");
+ABSL_FLAG(
+    bool, bias, false,
+    "the head has an output bias b (V values, fp32, zeros at creation): nn.Linear(bias=True)");
 ABSL_FLAG(int, replicas, 1,
           "devices the head is replicated over (1: one device; 0: every device of the server)");
 ABSL_FLAG(

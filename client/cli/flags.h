@@ -28,6 +28,7 @@ ABSL_DECLARE_FLAG(std::optional<int64_t>, vocab_size);
 ABSL_DECLARE_FLAG(std::optional<int64_t>, hidden_size);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
 ABSL_DECLARE_FLAG(std::string, matmul_precision);
+ABSL_DECLARE_FLAG(bool, bias);
 ABSL_DECLARE_FLAG(double, init_std);
 ABSL_DECLARE_FLAG(int, replicas);
 // Unset: not sharded; 0: every device of the server; k: k devices (Client.create_head's shards).

@@ -76,14 +76,20 @@ struct PushRequest {
   std::string head;
   v1::DType dtype = v1::DTYPE_FP32;  // BF16 | FP16 | FP32; V x D row-major
   std::span<const std::byte> data;
+  // A head with an output bias (HeadSpec.bias) takes b too, V values of `dtype`, sent after W in
+  // the same stream: W and b change together, in one version. Empty: none (such a head then
+  // answers INVALID_ARGUMENT, as a head without a bias does when given one).
+  std::span<const std::byte> bias;
   v1::PushMode mode = v1::PUSH_MODE_REPLACE;
   std::optional<uint64_t> expected_weights_version;
 };
 
-// A gradient pulled whole: the server's summary and V x D elements of summary.dtype().
+// A gradient pulled whole: the server's summary and V x D elements of summary.dtype(); for a
+// head with an output bias (summary.bias()), db's V elements in `bias` (empty otherwise).
 struct PulledGradient {
   v1::GradientSummary summary;
   Bytes data;
+  Bytes bias;
 };
 
 struct DownloadedWeights {
@@ -92,6 +98,8 @@ struct DownloadedWeights {
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
   uint64_t weights_version = 0;
   Bytes data;
+  bool has_bias = false;  // the head has an output bias: b follows W on the wire
+  Bytes bias;             // b, V elements of `dtype` (DownloadWeights; empty for the *Into)
 };
 
 // Rows of W for token ids (Client::EmbeddingRows): num_rows x hidden_size of `dtype`.
@@ -101,6 +109,13 @@ struct FetchedRows {
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
   uint64_t weights_version = 0;  // every row was read at it
   Bytes data;
+};
+
+// Where a transfer writes a tensor: the caller's buffer `data`, or `*owned` (allocated to the
+// announced size) when `owned` is not null.
+struct Destination {
+  std::span<std::byte> data;
+  Bytes* owned = nullptr;
 };
 
 // grpc.health.v1 serving status.
@@ -141,11 +156,21 @@ class Client {
   // PullGradient into the caller's buffer, which must hold V x D elements of `dtype` (more is
   // left untouched): no intermediate copy of dW. FAILED_PRECONDITION when the server announces
   // more bytes than `out` holds (with `reset`, that window is then gone, as after a lost answer).
+  // A head with an output bias sends db after dW: without `bias_out` it lands after dW in `out`
+  // (which must then hold V x D + V elements), with it in `bias_out` (at least V elements; more
+  // left untouched; a head without a bias leaves it untouched). summary.bias() says which.
   absl::StatusOr<v1::GradientSummary> PullGradientInto(const std::string& head, v1::DType dtype,
                                                        bool reset, std::span<std::byte> out);
-  // DownloadWeights into the caller's buffer (the same rules); `data` of the result stays empty.
+  absl::StatusOr<v1::GradientSummary> PullGradientInto(const std::string& head, v1::DType dtype,
+                                                       bool reset, std::span<std::byte> out,
+                                                       std::span<std::byte> bias_out);
+  // DownloadWeights into the caller's buffer (the same rules, b for dW's db); `data` and `bias`
+  // of the result stay empty, `has_bias` says whether b was written.
   absl::StatusOr<DownloadedWeights> DownloadWeightsInto(const std::string& head, v1::DType dtype,
                                                         std::span<std::byte> out);
+  absl::StatusOr<DownloadedWeights> DownloadWeightsInto(const std::string& head, v1::DType dtype,
+                                                        std::span<std::byte> out,
+                                                        std::span<std::byte> bias_out);
 
   absl::StatusOr<v1::Stats> GetStats();
   // Writes the checkpoint of `head` (every head when empty) now; FAILED_PRECONDITION when the
@@ -235,7 +260,7 @@ class Client {
   const ClientOptions& options() const { return options_; }
   grpc::Channel* channel() const { return channel_.get(); }
 
- ~Client();
+  ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
@@ -273,17 +298,19 @@ class Client {
   absl::StatusOr<v1::HeadInfo> SetLossOptionsOnce(const std::string& name,
                                                   const v1::LossOptions& default_options);
   absl::StatusOr<uint64_t> PushWeightsOnce(const PushRequest& request);
-  // The transfers write into `out`, or into `*owned` (allocated to the announced size) when it
-  // is not null.
+  // The transfers write W (dW) into `out` and, for a head with an output bias, b (db) into
+  // `bias` when it is given, else after W into `out`.
   absl::StatusOr<DownloadedWeights> DownloadWeightsOnce(const std::string& head, v1::DType dtype,
-                                                        std::span<std::byte> out, Bytes* owned);
+                                                        Destination out,
+                                                        std::optional<Destination> bias);
   absl::StatusOr<v1::GradientSummary> PullGradientOnce(const std::string& head, v1::DType dtype,
-                                                       bool reset, std::span<std::byte> out,
-                                                       Bytes* owned);
+                                                       bool reset, Destination out,
+                                                       std::optional<Destination> bias);
   // PullGradient's retry rules around PullGradientOnce.
   absl::StatusOr<v1::GradientSummary> PullGradientWithRetry(const std::string& head,
                                                             v1::DType dtype, bool reset,
-                                                            std::span<std::byte> out, Bytes* owned);
+                                                            Destination out,
+                                                            std::optional<Destination> bias);
   absl::StatusOr<v1::Stats> GetStatsOnce();
   // One summary_only pull (WindowSummary, DiscardGradient).
   absl::StatusOr<v1::GradientSummary> WindowSummaryOnce(const std::string& head, bool reset);
