@@ -46,8 +46,15 @@ __device__ __forceinline__ float RowTermsLoss(const loss::Options& o, const RowT
   return in.weight * r.loss;
 }
 
+// Blocks of the top-k's instantiation each SM must hold at once: as many as the plain kernel's 62
+// registers allow (two of 512 threads, one of 1024), so that the top-k keeps the rows in flight
+// that the row's bandwidth needs. Left to itself the compiler gave it 95 (110 with the terms):
+// one block of 512 per SM, and the row kernel took about twice as long.
+template <int kThreads, RowExtras kExtras>
+inline constexpr int kMinBlocksPerSm = kExtras == RowExtras::kTopK ? 2048 / 2 / kThreads : 1;
+
 template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>))
     SoftmaxGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                       SoftmaxGradParams p, TG* grad, int64_t ldg, float* __restrict__ row_loss,
                       float* __restrict__ per_token_loss, float* __restrict__ per_token_lse,

@@ -352,15 +352,16 @@ class _CancellingServer(pb_grpc.LossHeadServicer):
     shuts down."""
 
     def __init__(self) -> None:
-        self.calls = 0
+        self.stats_calls = 0
+        self.step_calls = 0
 
     def GetStats(self, request, context):  # type: ignore[no-untyped-def]
-        self.calls += 1
+        self.stats_calls += 1
         context.cancel()
         return pb.Stats()
 
     def Step(self, requests, context):  # type: ignore[no-untyped-def]
-        self.calls += 1
+        self.step_calls += 1
         context.cancel()
         return iter(())
 
@@ -380,12 +381,14 @@ def test_calls_the_server_cancelled_are_unavailable_and_retried(native: bool) ->
                 c.stats()
             assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
             assert "CANCELLED" in e.value.message
-            assert servicer.calls == 3
+            assert servicer.stats_calls == 3
             hidden, targets = torch.randn(2, 4), torch.randint(0, 8, (2,))
             with pytest.raises(LossheadError) as e:
                 c.step("h", hidden, targets)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
-            assert servicer.calls == 6
+            # The native client also asks GetStats once per stream whether the server shares its
+            # host (the same-node path): only the Steps are counted here.
+            assert servicer.step_calls == 3
     finally:
         server.stop(None)
 
