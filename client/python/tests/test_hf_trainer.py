@@ -146,6 +146,10 @@ def _assert_same_model(got: Dict[str, Any], want: Dict[str, Any], rel: float = R
     for name, value in want["trunk"].items():
         if name == "embed_tokens.weight" and name not in got["trunk"]:
             continue  # a tied model's embedding is W, served by the head: compared above
+        if name.endswith("k_proj.bias"):
+            # The softmax over keys is invariant to a key bias: its gradient is zero but for
+            # rounding, which AdamW scales up to steps of the learning rate in either run.
+            continue
         _assert_close(got["trunk"][name], value, name, rel)
 
 
