@@ -11,15 +11,16 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "losshead/kernels/problem.h"
-#include "server/engine/proto_convert.h"
 #include "common/status_macros.h"
-#include "server/engine/transfer_buffers.h"
-#include "transport/wire_format.h"
+#include "losshead/kernels/problem.h"
 #include "losshead/v1/wire_dtype.h"
+#include "server/engine/proto_convert.h"
+#include "server/engine/transfer_buffers.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/shared_slice.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_assembler.h"
+#include "transport/wire_format.h"
 
 namespace losshead::server {
 namespace {
@@ -204,6 +205,11 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
       }
       header_ = request_.header();
       LOSSHEAD_ASSIGN_OR_RETURN(head_, ctx_->registry->Get(header_.head()));
+      if (ctx_->group != nullptr) {
+        return absl::UnimplementedError(
+            "PushWeights to a head replicated across processes is not built yet: every process "
+            "starts from the same init (HeadSpec.init) and changes W only by optimizer applies");
+      }
       LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType dtype, FloatDType(header_.dtype(), "dtype"));
       if (header_.mode() != v1::PUSH_MODE_REPLACE && header_.mode() != v1::PUSH_MODE_ADD) {
         return absl::InvalidArgumentError(
@@ -256,16 +262,26 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(ServiceContext* ctx,
                                                               const grpc::ByteBuffer* raw,
-                                                              absl::Status reset_permission) {
+                                                              absl::Status reset_permission,
+                                                              std::string authorization) {
   absl::StatusOr<v1::PullGradientRequest> parsed =
       ParseRequest<v1::PullGradientRequest>(raw, "PullGradient");
   if (!parsed.ok()) return new Refusal(ctx, "PullGradient", parsed.status());
   return new ChunkedWriter<v1::GradientChunk, kGradientDataField>(
       ctx, "PullGradient",
-      [ctx, req = *std::move(parsed),
-       reset_permission](v1::GradientChunk& first) -> absl::StatusOr<std::string> {
+      [ctx, req = *std::move(parsed), reset_permission,
+       authorization](v1::GradientChunk& first) -> absl::StatusOr<std::string> {
         if (req.reset()) LOSSHEAD_RETURN_IF_ERROR(reset_permission);
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
+        if (ctx->group != nullptr) {
+          v1::ControlRequest control;
+          *control.mutable_pull_gradient() = req;
+          GradientSnapshot snap;
+          LOSSHEAD_RETURN_IF_ERROR(ctx->group->Run(control, authorization, &snap).status());
+          ctx->metrics->Pull(head->name());
+          *first.mutable_summary() = snap.summary;
+          return std::move(snap.data);
+        }
         if (req.summary_only()) {
           // One message, the summary alone (ChunkedWriter writes one for an empty tensor).
           LOSSHEAD_ASSIGN_OR_RETURN(*first.mutable_summary(),
