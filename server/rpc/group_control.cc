@@ -200,6 +200,8 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
                                                           GradientSnapshot* pulled) {
   v1::ControlResponse response;
   response.set_sequence(request.sequence());
+  GradientSnapshot unwanted;  // a pull whose gradient nobody here asked for
+  if (pulled == nullptr) pulled = &unwanted;
   HeadRegistry& registry = *ctx_->registry;
   switch (request.op_case()) {
     case v1::ControlRequest::kCreateHead: {
