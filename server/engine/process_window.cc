@@ -6,6 +6,7 @@
 #include <cstring>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -98,6 +99,31 @@ absl::Status ProcessWindow::Sum(std::span<float> values, v1::GradientSummary& su
   LOSSHEAD_RETURN_IF_ERROR(backend_->CopyToHost(values.data(), buffer.data(), bytes, *stream_));
   LOSSHEAD_RETURN_IF_ERROR(stream_->Synchronize());
   summary = std::move(sum);
+  return absl::OkStatus();
+}
+
+absl::Status ProcessWindow::Broadcast(std::string& data, int root) {
+  absl::MutexLock lock(&mu_);
+  LOSSHEAD_RETURN_IF_ERROR(group_->health());
+  if (root < 0 || root >= size()) {
+    return absl::InvalidArgumentError(absl::StrCat("broadcast root ", root, " is not a process"));
+  }
+  // Root sends to every process, the others receive from root only; nothing else moves.
+  std::string received(root == rank() ? 0 : data.size(), '\0');
+  const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data.data()),
+                                         data.size());
+  std::vector<std::span<const std::byte>> sends(size());
+  std::vector<std::span<std::byte>> recvs(size());
+  if (root == rank()) {
+    for (int q = 0; q < size(); ++q) {
+      if (q != root) sends[q] = bytes;
+    }
+  } else {
+    recvs[root] = std::span<std::byte>(reinterpret_cast<std::byte*>(received.data()),
+                                       received.size());
+  }
+  LOSSHEAD_RETURN_IF_ERROR(group_->Exchange("a push of W", sends, recvs));
+  if (root != rank()) data = std::move(received);
   return absl::OkStatus();
 }
 

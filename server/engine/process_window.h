@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -49,6 +50,9 @@ class ProcessWindow {
   absl::Status Sum(std::span<float> values, v1::GradientSummary& summary);
   // The counters alone (a summary without dW).
   absl::Status SumCounters(v1::GradientSummary& summary);
+  // `data` of process `root` copied into every other process's `data` (of the same size there).
+  // On error `data` is not touched where it is not root's.
+  absl::Status Broadcast(std::string& data, int root);
 
  private:
   ProcessWindow(std::shared_ptr<kernels::ProcessGroup> group,

@@ -45,6 +45,8 @@ const char* ControlMethod(const v1::ControlRequest& request) {
       return "/losshead.v1.LossHead/ApplyOptimizer";
     case v1::ControlRequest::kPullGradient:
       return "/losshead.v1.LossHead/PullGradient";
+    case v1::ControlRequest::kPushWeights:
+      return "/losshead.v1.LossHead/PushWeights";
     default:
       return "/losshead.v1.LossHead/CreateHead";  // the writer's role: nothing is run anyway
   }

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -19,8 +20,10 @@
 namespace losshead::server {
 namespace {
 
+// What every process runs at once, meeting in an exchange of the group.
 bool IsCut(const v1::ControlRequest& request) {
-  return request.has_apply_optimizer() || request.has_pull_gradient();
+  return request.has_apply_optimizer() || request.has_pull_gradient() ||
+         request.has_push_weights();
 }
 
 // What a follower's status becomes in the leader's answer: the follower's code and message,
@@ -113,6 +116,26 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request
     pulled_.erase(it);
   }
   return response;
+}
+
+absl::StatusOr<uint64_t> GroupControl::Push(const v1::PushHeader& header, std::string data,
+                                            const std::string& authorization) {
+  v1::ControlRequest request;
+  v1::PushControl& push = *request.mutable_push_weights();
+  *push.mutable_header() = header;
+  push.set_bytes(data.size());
+  {
+    absl::MutexLock lock(&mu_);
+    push.set_push_id(++next_push_);
+    pushes_[push.push_id()] = std::move(data);
+  }
+  absl::StatusOr<v1::ControlResponse> done = Run(request, authorization);
+  {
+    absl::MutexLock lock(&mu_);
+    pushes_.erase(push.push_id());  // still here when the leader refused it before the broadcast
+  }
+  if (!done.ok()) return done.status();
+  return done->weights_version();
 }
 
 std::vector<absl::StatusOr<v1::ControlResponse>> GroupControl::ApplyOnFollowers(
@@ -249,6 +272,34 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
         LOSSHEAD_ASSIGN_OR_RETURN(*pulled, head->PullGradient(pull.dtype(), pull.reset()));
         *response.mutable_summary() = pulled->summary;
       }
+      break;
+    }
+    case v1::ControlRequest::kPushWeights: {
+      const v1::PushControl& push = request.push_weights();
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(push.header().head()));
+      std::string data;
+      if (request.origin() == rank()) {
+        absl::MutexLock lock(&mu_);
+        auto it = pushes_.find(push.push_id());
+        if (it == pushes_.end()) {
+          return absl::InternalError(
+              absl::StrCat("push ", push.push_id(), " is not held by its origin"));
+        }
+        data = std::move(it->second);
+        pushes_.erase(it);
+      } else {
+        data.assign(push.bytes(), '\0');
+      }
+      LOSSHEAD_RETURN_IF_ERROR(window_->Broadcast(data, request.origin()));
+      const v1::PushHeader& h = push.header();
+      LOSSHEAD_ASSIGN_OR_RETURN(
+          const uint64_t version,
+          head->PushWeights(h.dtype(), h.mode(), data,
+                            h.has_expected_weights_version()
+                                ? std::optional<uint64_t>(h.expected_weights_version())
+                                : std::nullopt));
+      response.set_weights_version(version);
+      ctx_->metrics->Push(head->name());
       break;
     }
     default:

@@ -1,12 +1,13 @@
 // The control plane of a head replicated across server processes (docs/multi-process.md): one
 // process (rank 0) leads, and every request that changes what every process must hold alike
-// (CreateHead, DeleteHead, SetLossOptions, SetOptimizer) or that cuts the gradient window
-// (ApplyOptimizer, PullGradient) runs on every process in the leader's order. A follower's client
-// request goes to the leader (ProcessControl.Lead); the leader numbers it and runs it on every
-// process (ProcessControl.Apply to each follower, and here).
+// (CreateHead, DeleteHead, SetLossOptions, SetOptimizer, PushWeights) or that cuts the gradient
+// window (ApplyOptimizer, PullGradient) runs on every process in the leader's order. A
+// follower's client request goes to the leader (ProcessControl.Lead); the leader numbers it and
+// runs it on every process (ProcessControl.Apply to each follower, and here).
 //
-// Cuts run on every process at once: each enters its head's cut and the same collectives
-// (ProcessWindow), so that the leader's one-at-a-time order is the order in which every process
+// Cuts and pushes run on every process at once: each enters its head's cut and the same exchanges
+// of the group (ProcessWindow: the windows' sum; a push's W, from the process its client called
+// to every other), so that the leader's one-at-a-time order is the order in which every process
 // issues them. Other requests run on the leader first: a refusal there (deterministic, as every
 // process holds the same state) is answered without touching the followers; then on every
 // follower. A process that fails makes the request UNAVAILABLE naming it.
@@ -76,6 +77,11 @@ class GroupControl {
   absl::StatusOr<v1::ControlResponse> Lead(v1::ControlRequest request,
                                            const std::string& authorization,
                                            GradientSnapshot* pulled);
+  // A push of W received whole from a client of this process (`data`: V x D, then b, in the
+  // header's dtype), broadcast to every process and pushed on each in the leader's order. The new
+  // weights version, or the push's error (every process decides alike on the same bytes).
+  absl::StatusOr<uint64_t> Push(const v1::PushHeader& header, std::string data,
+                                const std::string& authorization);
   // A follower's part (ProcessControl.Apply): `request` run on this process's copy. A pull whose
   // origin is this process keeps its gradient for Run to take.
   absl::StatusOr<v1::ControlResponse> Apply(const v1::ControlRequest& request);
@@ -105,6 +111,9 @@ class GroupControl {
   absl::Mutex mu_;
   uint64_t applied_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, GradientSnapshot> pulled_ ABSL_GUARDED_BY(mu_);
+  // The pushes whose origin this process is, until their broadcast.
+  uint64_t next_push_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::string> pushes_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace losshead::server

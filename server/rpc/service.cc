@@ -144,8 +144,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::PullGradient(
 }
 
 grpc::ServerReadReactor<v1::PushWeightsRequest>* LossHeadService::PushWeights(
-    grpc::CallbackServerContext* /*context*/, v1::PushWeightsResponse* response) {
-  return StartPushWeights(ctx_, response);
+    grpc::CallbackServerContext* context, v1::PushWeightsResponse* response) {
+  return StartPushWeights(ctx_, response, AuthorizationOf(*context));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::DownloadWeights(

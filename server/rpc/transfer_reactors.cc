@@ -149,8 +149,11 @@ class Refusal final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest> {
  public:
-  PushReactor(ServiceContext* ctx, v1::PushWeightsResponse* response)
-      : ctx_(ctx), response_(response), start_(absl::Now()) {
+  PushReactor(ServiceContext* ctx, v1::PushWeightsResponse* response, std::string authorization)
+      : ctx_(ctx),
+        response_(response),
+        start_(absl::Now()),
+        authorization_(std::move(authorization)) {
     if (ctx_->draining.load()) {
       FinishWith(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"));
       return;
@@ -178,11 +181,14 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
                                     total_bytes_, " bytes; weights unchanged")));
     }
     ctx_->pool->Schedule([this] {
+      // Across processes the bytes go to every process, pushed on each in the leader's order.
       absl::StatusOr<uint64_t> version =
-          head_->PushWeights(header_.dtype(), header_.mode(), staged_,
-                             header_.has_expected_weights_version()
-                                 ? std::optional<uint64_t>(header_.expected_weights_version())
-                                 : std::nullopt);
+          ctx_->group != nullptr
+              ? ctx_->group->Push(header_, std::exchange(staged_, std::string()), authorization_)
+              : head_->PushWeights(header_.dtype(), header_.mode(), staged_,
+                                   header_.has_expected_weights_version()
+                                       ? std::optional<uint64_t>(header_.expected_weights_version())
+                                       : std::nullopt);
       GiveTransferBuffer(std::move(staged_));
       if (!version.ok()) return FinishWith(ToGrpcStatus(version.status()));
       ctx_->metrics->Push(head_->name());
@@ -205,11 +211,6 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
       }
       header_ = request_.header();
       LOSSHEAD_ASSIGN_OR_RETURN(head_, ctx_->registry->Get(header_.head()));
-      if (ctx_->group != nullptr) {
-        return absl::UnimplementedError(
-            "PushWeights to a head replicated across processes is not built yet: every process "
-            "starts from the same init (HeadSpec.init) and changes W only by optimizer applies");
-      }
       LOSSHEAD_ASSIGN_OR_RETURN(const kernels::DType dtype, FloatDType(header_.dtype(), "dtype"));
       if (header_.mode() != v1::PUSH_MODE_REPLACE && header_.mode() != v1::PUSH_MODE_ADD) {
         return absl::InvalidArgumentError(
@@ -250,6 +251,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
   ServiceContext* const ctx_;
   v1::PushWeightsResponse* const response_;
   const absl::Time start_;
+  const std::string authorization_;  // the caller's, forwarded across processes
   v1::PushWeightsRequest request_;
   v1::PushHeader header_;
   std::shared_ptr<Head> head_;
@@ -351,8 +353,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
 }
 
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
-    ServiceContext* ctx, v1::PushWeightsResponse* response) {
-  return new PushReactor(ctx, response);
+    ServiceContext* ctx, v1::PushWeightsResponse* response, std::string authorization) {
+  return new PushReactor(ctx, response, std::move(authorization));
 }
 
 }  // namespace losshead::server

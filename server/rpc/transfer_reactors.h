@@ -28,8 +28,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
                                                                const grpc::ByteBuffer* request);
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext* ctx,
                                                                  const grpc::ByteBuffer* request);
+// On a server of a process group the push reaches every process through the leader, with the
+// caller's `authorization` forwarded (group_control.h).
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
-    ServiceContext* ctx, v1::PushWeightsResponse* response);
+    ServiceContext* ctx, v1::PushWeightsResponse* response, std::string authorization = "");
 
 }  // namespace losshead::server
 

@@ -9,7 +9,8 @@
 //   the same order (the process collective's promise), and one server given all of them within
 //   fp32 rounding (its dW adds the micro-batches in another order);
 // - an optimizer apply through a follower leaves W the same bits on every process, within fp32
-//   rounding of the one-process server's after the same apply, and empties every window;
+//   rounding of the one-process server's after the same apply, and empties every window; a push
+//   through a follower reaches every process, and one refused (a wrong size) changes nothing;
 // - killing one process makes the next cut UNAVAILABLE on the others and changes nothing there;
 // - a process whose group never forms exits with the reason.
 #include <signal.h>
@@ -315,11 +316,34 @@ TEST_P(ReplicatedGroupTest, StepsAtHomeCutAsOneProcessAndApplyKeepsWIdentical) {
     ASSERT_TRUE(window.ok()) << window.status();
     EXPECT_EQ(window->summary.token_count(), 0u) << "process " << p;
   }
+  // A push through a follower reaches every process; one of the wrong size changes nothing.
+  const std::vector<float> pushed = RandomValues(kVocab * kHidden, 0.2, v1::DTYPE_FP32, 77);
+  const client::Bytes pushed_bytes = Encode(pushed, v1::DTYPE_FP32);
+  auto version = group.clients[1]->UploadWeights(kHead, v1::DTYPE_FP32, pushed_bytes);
+  ASSERT_TRUE(version.ok()) << version.status();
+  auto want_version = all.client->UploadWeights(kHead, v1::DTYPE_FP32, pushed_bytes);
+  ASSERT_TRUE(want_version.ok()) << want_version.status();
+  EXPECT_EQ(*version, *want_version);
+  const client::Bytes short_bytes(pushed_bytes.begin(), pushed_bytes.end() - sizeof(float));
+  auto refused_push = group.clients[0]->UploadWeights(kHead, v1::DTYPE_FP32, short_bytes);
+  ASSERT_FALSE(refused_push.ok());
+  EXPECT_EQ(refused_push.status().code(), absl::StatusCode::kInvalidArgument)
+      << refused_push.status();
+  for (int p = 0; p < n; ++p) {
+    auto w = group.clients[p]->DownloadWeights(kHead);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(w->weights_version, *version) << "process " << p;
+    EXPECT_TRUE(w->data == pushed_bytes) << "process " << p << " did not take the push";
+  }
+
   // The same apply again, through another process: remembered, nothing stepped.
   auto replayed = group.clients[0]->ApplyOptimizer(Apply(1));
   ASSERT_TRUE(replayed.ok()) << replayed.status();
   EXPECT_TRUE(replayed->replayed());
   EXPECT_EQ(replayed->weights_version(), applied->weights_version());
+  auto unchanged = group.clients[n - 1]->DownloadWeights(kHead);
+  ASSERT_TRUE(unchanged.ok()) << unchanged.status();
+  EXPECT_EQ(unchanged->weights_version, *version);
 }
 
 INSTANTIATE_TEST_SUITE_P(Processes, ReplicatedGroupTest, ::testing::Values(2, 3),
