@@ -94,16 +94,15 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request
   v1::ControlResponse response;
   const grpc::Status status = StubOf(0).Lead(&context, request, &response);
   if (!status.ok()) {
-    absl::Status from_leader(static_cast<absl::StatusCode>(status.error_code()),
-                             status.error_message());
+    // The leader's answer as it is, except where the group is not there (unreachable, too slow,
+    // broken): UNAVAILABLE, saying through whom.
     if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
-        (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
-         status.error_message().find("process") == std::string::npos)) {
-      from_leader =
-          absl::UnavailableError(absl::StrCat("the group's leader (process 0 at ", addresses_[0],
-                                              ") did not answer: ", status.error_message()));
+        status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      return absl::UnavailableError(absl::StrCat("through the group's leader (process 0 at ",
+                                                 addresses_[0], "): ", status.error_message()));
     }
-    return from_leader;
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        status.error_message());
   }
   if (request.has_pull_gradient() && pulled != nullptr) {
     absl::MutexLock lock(&mu_);
