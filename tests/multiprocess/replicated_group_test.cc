@@ -19,6 +19,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -349,6 +350,72 @@ TEST_P(ReplicatedGroupTest, StepsAtHomeCutAsOneProcessAndApplyKeepsWIdentical) {
 INSTANTIATE_TEST_SUITE_P(Processes, ReplicatedGroupTest, ::testing::Values(2, 3),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return absl::StrCat(info.param, "Processes");
+                         });
+
+// Inside each process the head may itself be spread over several devices (two CPU devices per
+// process here): the cut reduces each process's replicas or shards to their rows' owners before
+// the processes sum their windows, and the apply steps each owner's rows.
+class LocalPlacementTest : public ::testing::TestWithParam<v1::PlacementKind> {};
+
+TEST_P(LocalPlacementTest, EveryProcessSpreadOverTwoDevicesCutsAsOneProcess) {
+  constexpr int n = 2;
+  const std::string name = absl::StrCat("placement", static_cast<int>(GetParam()));
+  Group group(n, name, {"--devices=0,1"});
+  ASSERT_TRUE(group.ok());
+  v1::HeadSpec spec = Spec();
+  spec.mutable_placement()->set_kind(GetParam());
+  spec.mutable_placement()->set_devices(2);
+  ASSERT_TRUE(group.clients[1]->CreateHead(spec).ok());
+  Single all(name + "_all");
+  ASSERT_NE(all.client, nullptr);
+  ASSERT_TRUE(all.client->CreateHead(Spec()).ok());
+  for (int k = 0; k < kPerClient; ++k) {
+    for (int c = 0; c < kClients; ++c) {
+      const std::string id = ClientId(c);
+      const HostBatch batch = Batch(c, k);
+      const client::Microbatch mb = ToMicrobatch(kHead, id, k + 1, batch);
+      ASSERT_TRUE(group.clients[Home(id, n)]->Step(mb).ok());
+      ASSERT_TRUE(all.client->Step(mb).ok());
+    }
+  }
+  auto reference = all.client->PullGradient(kHead);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const std::vector<float> want = Floats(reference->data);
+  const std::vector<double> want_wide(want.begin(), want.end());
+  for (int p = 0; p < n; ++p) {
+    auto pulled = group.clients[p]->PullGradient(kHead);
+    ASSERT_TRUE(pulled.ok()) << pulled.status();
+    EXPECT_EQ(pulled->summary.token_count(), reference->summary.token_count());
+    EXPECT_TRUE(AllClose(Floats(pulled->data), want_wide, 1e-5)) << "process " << p;
+  }
+  auto applied = group.clients[0]->ApplyOptimizer(Apply(1));
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  ASSERT_TRUE(all.client->ApplyOptimizer(Apply(1)).ok());
+  auto want_w = all.client->DownloadWeights(kHead);
+  ASSERT_TRUE(want_w.ok()) << want_w.status();
+  const std::vector<float> want_floats = Floats(want_w->data);
+  const std::vector<double> want_w_wide(want_floats.begin(), want_floats.end());
+  auto w0 = group.clients[0]->DownloadWeights(kHead);
+  ASSERT_TRUE(w0.ok()) << w0.status();
+  EXPECT_TRUE(AllClose(Floats(w0->data), want_w_wide, 1e-5));
+  auto w1 = group.clients[1]->DownloadWeights(kHead);
+  ASSERT_TRUE(w1.ok()) << w1.status();
+  EXPECT_TRUE(w1->data == w0->data) << "the processes hold different W after the apply";
+  for (int p = 0; p < n; ++p) {
+    auto window = group.clients[p]->PullGradient(kHead);
+    ASSERT_TRUE(window.ok()) << window.status();
+    EXPECT_EQ(window->summary.token_count(), 0u) << "process " << p;
+    EXPECT_TRUE(std::all_of(window->data.begin(), window->data.end(),
+                            [](std::byte b) { return b == std::byte{0}; }))
+        << "process " << p << " kept part of the stepped window";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Placements, LocalPlacementTest,
+                         ::testing::Values(v1::PLACEMENT_REPLICATED, v1::PLACEMENT_SHARDED),
+                         [](const ::testing::TestParamInfo<v1::PlacementKind>& info) {
+                           return info.param == v1::PLACEMENT_REPLICATED ? "Replicated"
+                                                                         : "Sharded";
                          });
 
 TEST(ReplicatedGroupFailureTest, AKilledProcessMakesTheNextCutUnavailableAndChangesNothing) {
