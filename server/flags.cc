@@ -131,6 +131,9 @@ ABSL_FLAG(absl::Duration, group_bootstrap_timeout, absl::Seconds(120),
           "exits");
 ABSL_FLAG(absl::Duration, group_op_timeout, absl::Seconds(60),
           "How long a peer may take to do its part of a cut before the group is broken");
+ABSL_FLAG(bool, same_node, true,
+          "Offer the same-node path: clients on this host move hidden states, targets and dH "
+          "through shared memory, with only control messages on gRPC (docs/same-node.md)");
 
 namespace losshead::server {
 namespace {
@@ -221,6 +224,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_heads = absl::GetFlag(FLAGS_max_heads);
   o.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
   o.step_trace_file = absl::GetFlag(FLAGS_step_trace);
+  o.same_node = absl::GetFlag(FLAGS_same_node);
   o.unapplied_window_warn_microbatches = absl::GetFlag(FLAGS_unapplied_window_warn_microbatches);
   o.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.checkpoint_interval = absl::GetFlag(FLAGS_checkpoint_interval);

@@ -34,11 +34,14 @@
 #include "server/rpc/control_service.h"
 #include "server/rpc/group_control.h"
 #include "server/rpc/live_calls.h"
+#include "server/rpc/same_node_listener.h"
 #include "server/rpc/service.h"
 #include "server/rpc/service_context.h"
+#include "server/rpc/shared_regions.h"
 #include "server/security/file_watcher.h"
 #include "server/security/security.h"
 #include "transport/channel_args.h"
+#include "transport/fd_socket.h"
 
 namespace losshead::server {
 namespace {
@@ -214,6 +217,20 @@ class ServerImpl final : public Server {
     ctx_.metrics = metrics_.get();
     ctx_.tokens = security_.tokens.get();
     if (security_.tokens != nullptr) metrics_->AuthTokens(security_.tokens->Current()->size());
+    if (options_.same_node) {
+      shared_regions_ = std::make_unique<SharedRegions>();
+      auto listener = SameNodeListener::Start(shared_regions_.get(), security_.tokens.get());
+      if (listener.ok()) {
+        same_node_ = std::move(*listener);
+        ctx_.shared_regions = shared_regions_.get();
+        ctx_.same_node_socket = same_node_->socket_name();
+        ctx_.host_id = transport::HostId();
+      } else {
+        // The network path serves everyone; only the shortcut is missing.
+        std::fprintf(stderr, "losshead-server: no same-node path: %s\n",
+                     listener.status().ToString().c_str());
+      }
+    }
     ctx_.max_message_bytes = options_.max_message_bytes;
     ctx_.max_microbatch_bytes = options_.max_microbatch_bytes;
     ctx_.max_inflight_per_stream = std::max<size_t>(1, options_.max_inflight_per_stream);
@@ -467,6 +484,9 @@ class ServerImpl final : public Server {
   std::unique_ptr<ProcessControlService> control_service_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<StepTrace> step_trace_;
+  // Outlive the gRPC server (calls resolve regions); the listener goes first, unregistering.
+  std::unique_ptr<SharedRegions> shared_regions_;
+  std::unique_ptr<SameNodeListener> same_node_;
   LiveCalls live_calls_;
   absl::Mutex reload_mu_;
   ServiceContext ctx_;

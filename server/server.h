@@ -113,6 +113,10 @@ struct ServerOptions {
   std::string group_listen;
   absl::Duration group_bootstrap_timeout = absl::Seconds(120);
   absl::Duration group_op_timeout = absl::Seconds(60);
+  // The same-node path (docs/same-node.md): clients on this host may register shared memory
+  // regions on a Unix socket and step through them; Stats.same_node advertises it. Off: Stats
+  // has no same_node and a header naming shared memory is FAILED_PRECONDITION.
+  bool same_node = true;
 };
 
 class Server {

@@ -36,6 +36,7 @@ void PrintHead(const v1::HeadInfo& h) {
   if (h.spec().weight_dtype() == v1::DTYPE_FP32) {
     absl::StrAppend(&dtype, " matmul_precision=", PrecisionName(h.spec().matmul_precision()));
   }
+  if (h.spec().bias()) absl::StrAppend(&dtype, " bias");
   std::printf(
       "%-24s V=%-8lld D=%-6lld %-5s version=%llu tokens_since_pull=%llu "
       "microbatches_since_pull=%llu tokens_total=%llu weights %s, gradient %s, workspace %s; "
@@ -136,6 +137,7 @@ int RunCreate() {
   spec.set_hidden_size(SizeFlag(FLAGS_hidden_size, "create"));
   spec.set_weight_dtype(*dtype);
   spec.set_matmul_precision(*precision);
+  spec.set_bias(absl::GetFlag(FLAGS_bias));
   *spec.mutable_placement() = *placement;
   if (init_std > 0) {
     spec.mutable_init()->mutable_normal()->set_std(static_cast<float>(init_std));

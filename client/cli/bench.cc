@@ -37,7 +37,7 @@ absl::StatusOr<std::vector<std::unique_ptr<client::Client>>> Connect(
     const bench::Settings& settings) {
   std::vector<std::unique_ptr<client::Client>> clients;
   for (int i = 0; i < (settings.dedicated_connections ? settings.streams : 1); ++i) {
-    auto c = ConnectFromFlags(settings.dedicated_connections);
+    auto c = ConnectFromFlags(settings.dedicated_connections, settings.same_node);
     if (!c.ok()) return c.status();
     clients.push_back(std::move(*c));
   }
@@ -48,6 +48,8 @@ absl::StatusOr<std::vector<std::unique_ptr<client::Client>>> Connect(
           absl::StrCat("no connection to ", absl::GetFlag(FLAGS_server), " in 30 s"));
     }
   }
+  // Which way the tensors go, as the streams will take it.
+  std::printf("bench: data path %s\n", clients.front()->data_path().c_str());
   return clients;
 }
 

@@ -29,6 +29,7 @@ struct Settings {
   int64_t iterations = 0;  // per stream; 0: run for `seconds`
   double seconds = 0;
   bool dedicated_connections = true;
+  bool same_node = true;  // the same-node path where the server offers it (docs/same-node.md)
   bool fresh_results = false;
   // The bench's own head (when --head is not given).
   v1::Placement placement;

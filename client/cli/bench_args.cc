@@ -39,6 +39,7 @@ absl::StatusOr<Settings> SettingsFromFlags() {
   if (!precision.ok()) return precision.status();
   s.matmul_precision = *precision;
   s.dedicated_connections = absl::GetFlag(FLAGS_dedicated_connections);
+  s.same_node = absl::GetFlag(FLAGS_same_node);
   s.fresh_results = absl::GetFlag(FLAGS_fresh_results);
   s.zero_head = absl::GetFlag(FLAGS_zero_head);
   s.seed = absl::GetFlag(FLAGS_seed);

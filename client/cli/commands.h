@@ -23,7 +23,9 @@ absl::StatusOr<v1::MatmulPrecision> MatmulPrecisionFromFlags();
 std::string DescribeNumerics(const v1::HeadSpec& spec);
 
 // A client for --server with --max_message_bytes, --deadline_s, --token_file and the TLS flags.
-absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection = false);
+// `same_node`: ClientOptions::same_node (docs/same-node.md).
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection = false,
+                                                                 bool same_node = true);
 
 // The placement --replicas and --shards ask for: one device for --replicas=1 without --shards,
 // replicated or sharded otherwise (--shards=0: over every device, as Client.create_head's

@@ -26,8 +26,10 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
 
 namespace losshead::cli {
 
-absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection) {
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectFromFlags(bool dedicated_connection,
+                                                                 bool same_node) {
   client::ClientOptions options;
+  options.same_node = same_node;
   options.max_message_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_message_bytes));
   options.deadline = absl::Seconds(absl::GetFlag(FLAGS_deadline_s));
   options.dedicated_connection = dedicated_connection;

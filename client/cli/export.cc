@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -34,6 +35,50 @@ int Fail(const absl::Status& status) {
 }
 
 uint64_t DTypeBytes(v1::DType dtype) { return dtype == v1::DTYPE_FP32 ? 4 : 2; }
+
+// Where a head's output bias b goes beside W named `tensor`: "lm_head.weight" -> "lm_head.bias",
+// as nn.Linear's state dict names them; another name gets ".bias" appended.
+std::string BiasName(const std::string& tensor) {
+  absl::string_view stem = tensor;
+  if (absl::ConsumeSuffix(&stem, ".weight")) return absl::StrCat(stem, ".bias");
+  return absl::StrCat(tensor, ".bias");
+}
+
+// fp32 values of `n` elements of `dtype` (BF16, FP16 or FP32) at `data`: exact, as every bf16
+// and fp16 value is an fp32 one.
+std::string ToFp32(absl::string_view data, v1::DType dtype) {
+  if (dtype == v1::DTYPE_FP32) return std::string(data);
+  const size_t n = data.size() / 2;
+  std::string out(n * 4, '\0');
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, data.data() + 2 * i, 2);
+    uint32_t bits;
+    if (dtype == v1::DTYPE_BF16) {
+      bits = static_cast<uint32_t>(h) << 16;
+    } else {  // FP16: sign, 5 exponent bits (bias 15), 10 mantissa bits
+      const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+      uint32_t exponent = (h >> 10) & 0x1f;
+      uint32_t mantissa = h & 0x3ff;
+      if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);  // Inf, NaN
+      } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+      } else if (mantissa == 0) {
+        bits = sign;  // +-0
+      } else {        // subnormal: normalise
+        exponent = 113;
+        while ((mantissa & 0x400) == 0) {
+          mantissa <<= 1;
+          --exponent;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+      }
+    }
+    std::memcpy(out.data() + 4 * i, &bits, 4);
+  }
+  return out;
+}
 
 std::string Lower(const std::string& name, absl::string_view prefix) {
   return absl::AsciiStrToLower(absl::StripPrefix(name, prefix));
@@ -181,10 +226,38 @@ int RunExport() {
                        .shape = shape,
                        .data = data->gradient});
   }
+  // A head with an output bias: b (fp32, as the server keeps it) beside W, under nn.Linear's
+  // name for it, with its optimizer state and db as W's.
+  if (spec.bias()) {
+    const std::string bias = BiasName(name);
+    tensors.push_back({.name = bias, .dtype = v1::DTYPE_FP32, .shape = {v}, .data = data->bias});
+    if (with_optimizer) {
+      const std::vector<std::string> names = StateNames(kind);
+      if (data->bias_optimizer_state.size() > names.size()) {
+        return Fail(absl::DataLossError(absl::StrCat(*path, ": ", data->bias_optimizer_state.size(),
+                                                     " optimizer buffers of b for ", optimizer)));
+      }
+      for (size_t i = 0; i < data->bias_optimizer_state.size(); ++i) {
+        tensors.push_back({.name = absl::StrCat(bias, ".optimizer.", names[i]),
+                           .dtype = v1::DTYPE_FP32,
+                           .shape = {v},
+                           .data = data->bias_optimizer_state[i]});
+      }
+    }
+    if (with_gradient) {
+      tensors.push_back({.name = absl::StrCat(bias, ".grad"),
+                         .dtype = v1::DTYPE_FP32,
+                         .shape = {v},
+                         .data = data->grad_bias});
+    }
+  }
   for (const SafetensorsTensor& t : tensors) {
-    if (t.data.size() != elements * DTypeBytes(t.dtype)) {
+    uint64_t count = 1;
+    for (int64_t n : t.shape) count *= static_cast<uint64_t>(n);
+    if (t.data.size() != count * DTypeBytes(t.dtype)) {
       return Fail(absl::DataLossError(absl::StrCat(*path, ": ", t.name, " holds ", t.data.size(),
-                                                   " bytes, not ", v, " x ", d)));
+                                                   " bytes, not ", JsonShape(t.shape), " of ",
+                                                   v1::DType_Name(t.dtype))));
     }
   }
 
@@ -267,6 +340,34 @@ int RunImport() {
   }
   absl::StatusOr<std::string> weights = ReadSafetensorsTensor(path, *index, name);
   if (!weights.ok()) return Fail(weights.status());
+  // b beside W (an export of a head with an output bias): the head gets a bias and W and b go
+  // in one push, both in fp32 when their dtypes differ (exact: the server rounds W back).
+  const std::string bias_name = BiasName(name);
+  const auto bias_entry = index->tensors.find(bias_name);
+  const bool has_bias = bias_entry != index->tensors.end();
+  std::string bias;
+  v1::DType wire = dtype;
+  if (has_bias) {
+    v1::DType bias_dtype = v1::DTYPE_UNSPECIFIED;
+    for (v1::DType candidate : {v1::DTYPE_BF16, v1::DTYPE_FP16, v1::DTYPE_FP32}) {
+      if (SafetensorsDType(candidate) == bias_entry->second.dtype) bias_dtype = candidate;
+    }
+    if (bias_dtype == v1::DTYPE_UNSPECIFIED || bias_entry->second.shape.size() != 1 ||
+        bias_entry->second.shape[0] != entry->second.shape[0]) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor '", bias_name, "' is ", bias_entry->second.dtype, " ",
+                       JsonShape(bias_entry->second.shape), "; the output bias of a head of V = ",
+                       entry->second.shape[0], " is a BF16, F16 or F32 vector [V]")));
+    }
+    absl::StatusOr<std::string> read = ReadSafetensorsTensor(path, *index, bias_name);
+    if (!read.ok()) return Fail(read.status());
+    bias = *std::move(read);
+    if (bias_dtype != dtype) {
+      *weights = ToFp32(*weights, dtype);
+      bias = ToFp32(bias, bias_dtype);
+      wire = v1::DTYPE_FP32;
+    }
+  }
   auto client = ConnectFromFlags();
   if (!client.ok()) return Fail(client.status());
   if (absl::GetFlag(FLAGS_create)) {
@@ -280,21 +381,27 @@ int RunImport() {
     spec.set_hidden_size(entry->second.shape[1]);
     spec.set_weight_dtype(dtype);
     spec.set_matmul_precision(*precision);
+    spec.set_bias(has_bias);
     *spec.mutable_placement() = *placement;
     spec.mutable_init()->set_zeros(true);  // replaced by the push below
     absl::StatusOr<v1::HeadInfo> created = (*client)->CreateHead(spec);
     if (!created.ok()) return Fail(created.status());
   }
-  absl::StatusOr<uint64_t> version = (*client)->UploadWeights(
-      head, dtype, std::as_bytes(std::span<const char>(weights->data(), weights->size())));
+  client::PushRequest push;
+  push.head = head;
+  push.dtype = wire;
+  push.data = std::as_bytes(std::span<const char>(weights->data(), weights->size()));
+  push.bias = std::as_bytes(std::span<const char>(bias.data(), bias.size()));
+  absl::StatusOr<uint64_t> version = (*client)->PushWeights(push);
   if (!version.ok()) {
     // A head created here and refused its weights (NaN, Inf, a shape it does not have) must not
     // stay behind with zeros under the name.
     if (absl::GetFlag(FLAGS_create)) (*client)->DeleteHead(head).IgnoreError();
     return Fail(version.status());
   }
-  std::printf("imported '%s' of %s (%s [%lld, %lld], %s) into head '%s': weights version %llu\n",
-              name.c_str(), path.c_str(), entry->second.dtype.c_str(),
+  std::printf("imported '%s'%s of %s (%s [%lld, %lld], %s) into head '%s': weights version %llu\n",
+              name.c_str(), has_bias ? absl::StrCat(" and '", bias_name, "'").c_str() : "",
+              path.c_str(), entry->second.dtype.c_str(),
               static_cast<long long>(entry->second.shape[0]),
               static_cast<long long>(entry->second.shape[1]), ShortBytes(weights->size()).c_str(),
               head.c_str(), static_cast<unsigned long long>(*version));

@@ -27,6 +27,9 @@ ABSL_FLAG(
     std::string, matmul_precision, "",
     "what an fp32 head's GEMMs may round to: highest | high (TF32) | medium (bf16); empty: unset");
 ABSL_FLAG(double, init_std, 0, "normal init std of W; 0 means zeros");
+ABSL_FLAG(
+    bool, bias, false,
+    "the head has an output bias b (V values, fp32, zeros at creation): nn.Linear(bias=True)");
 ABSL_FLAG(int, replicas, 1,
           "devices the head is replicated over (1: one device; 0: every device of the server)");
 ABSL_FLAG(
@@ -54,6 +57,9 @@ ABSL_FLAG(bool, keep_head, false,
 ABSL_FLAG(double, seconds, 5, "run time when --iterations is 0");
 ABSL_FLAG(int64_t, iterations, 0, "micro-batches per stream; 0 runs for --seconds");
 ABSL_FLAG(bool, dedicated_connections, true, "one TCP connection per stream");
+ABSL_FLAG(bool, same_node, true,
+          "take the same-node path (shared memory) when the server is on this host and offers "
+          "it; false: the network path");
 ABSL_FLAG(
     bool, fresh_results, false,
     "receive each dH into fresh memory, not into per-stream buffers reused as a trainer's are");

@@ -28,6 +28,7 @@ ABSL_DECLARE_FLAG(std::optional<int64_t>, vocab_size);
 ABSL_DECLARE_FLAG(std::optional<int64_t>, hidden_size);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
 ABSL_DECLARE_FLAG(std::string, matmul_precision);
+ABSL_DECLARE_FLAG(bool, bias);
 ABSL_DECLARE_FLAG(double, init_std);
 ABSL_DECLARE_FLAG(int, replicas);
 // Unset: not sharded; 0: every device of the server; k: k devices (Client.create_head's shards).
@@ -52,6 +53,7 @@ ABSL_DECLARE_FLAG(bool, keep_head);
 ABSL_DECLARE_FLAG(double, seconds);
 ABSL_DECLARE_FLAG(int64_t, iterations);
 ABSL_DECLARE_FLAG(bool, dedicated_connections);
+ABSL_DECLARE_FLAG(bool, same_node);
 ABSL_DECLARE_FLAG(bool, fresh_results);
 ABSL_DECLARE_FLAG(bool, zero_head);
 

@@ -11,6 +11,7 @@
 #include "channel_security.h"
 #include "losshead/client/status.h"
 #include "transport/channel_args.h"
+#include "transport/fd_socket.h"
 
 namespace losshead::client {
 
@@ -166,9 +167,39 @@ absl::StatusOr<v1::Stats> Client::GetStatsOnce() {
   return stats;
 }
 
+std::shared_ptr<const SameNodeLink> Client::SameNode() {
+  if (!options_.same_node) return nullptr;
+  std::string socket;
+  {
+    absl::MutexLock lock(&same_node_mu_);
+    if (!same_node_probed_) {
+      absl::StatusOr<v1::Stats> stats = GetStatsOnce();
+      if (stats.ok()) {
+        same_node_probed_ = true;
+        // The same boot id: the same kernel, so a memfd can travel between the processes. The
+        // socket may still be out of reach (another network namespace): registering then fails
+        // and the stream stays on the network path.
+        const std::string here = transport::HostId();
+        if (stats->has_same_node() && !here.empty() && stats->same_node().host_id() == here) {
+          same_node_socket_ = stats->same_node().socket();
+        }
+      }
+    }
+    socket = same_node_socket_;
+  }
+  if (socket.empty()) return nullptr;
+  auto link = std::make_shared<SameNodeLink>();
+  link->socket = std::move(socket);
+  absl::MutexLock lock(&token_mu_);
+  if (!bearer_token_.empty()) link->authorization = "Bearer " + bearer_token_;
+  return link;
+}
+
+std::string Client::data_path() { return SameNode() != nullptr ? "shared_memory" : "network"; }
+
 absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStepStream() {
   return std::make_unique<StepStream>(NewContext(options_.stream_deadline), channel_.get(),
-                                      options_.max_message_bytes);
+                                      options_.max_message_bytes, SameNode());
 }
 
 absl::StatusOr<std::unique_ptr<StepStream>> Client::TakeStepStream() {

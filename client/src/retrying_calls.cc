@@ -75,9 +75,14 @@ absl::StatusOr<uint64_t> Client::PushWeights(const PushRequest& request) {
 absl::StatusOr<DownloadedWeights> Client::DownloadWeights(const std::string& head,
                                                           v1::DType dtype) {
   Bytes data;
-  absl::StatusOr<DownloadedWeights> weights =
-      RetryCall<DownloadedWeights>([&] { return DownloadWeightsOnce(head, dtype, {}, &data); });
-  if (weights.ok()) weights->data = std::move(data);
+  Bytes bias;
+  absl::StatusOr<DownloadedWeights> weights = RetryCall<DownloadedWeights>([&] {
+    return DownloadWeightsOnce(head, dtype, {.owned = &data}, Destination{.owned = &bias});
+  });
+  if (weights.ok()) {
+    weights->data = std::move(data);
+    if (weights->has_bias) weights->bias = std::move(bias);
+  }
   return weights;
 }
 
@@ -85,14 +90,23 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsInto(const std::string&
                                                               v1::DType dtype,
                                                               std::span<std::byte> out) {
   return RetryCall<DownloadedWeights>(
-      [&] { return DownloadWeightsOnce(head, dtype, out, nullptr); });
+      [&] { return DownloadWeightsOnce(head, dtype, {.data = out}, std::nullopt); });
+}
+
+absl::StatusOr<DownloadedWeights> Client::DownloadWeightsInto(const std::string& head,
+                                                              v1::DType dtype,
+                                                              std::span<std::byte> out,
+                                                              std::span<std::byte> bias_out) {
+  return RetryCall<DownloadedWeights>([&] {
+    return DownloadWeightsOnce(head, dtype, {.data = out}, Destination{.data = bias_out});
+  });
 }
 
 absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1::DType dtype,
                                                     bool reset) {
   PulledGradient gradient;
-  absl::StatusOr<v1::GradientSummary> summary =
-      PullGradientWithRetry(head, dtype, reset, {}, &gradient.data);
+  absl::StatusOr<v1::GradientSummary> summary = PullGradientWithRetry(
+      head, dtype, reset, {.owned = &gradient.data}, Destination{.owned = &gradient.bias});
   if (!summary.ok()) return summary.status();
   gradient.summary = *std::move(summary);
   return gradient;
@@ -101,20 +115,27 @@ absl::StatusOr<PulledGradient> Client::PullGradient(const std::string& head, v1:
 absl::StatusOr<v1::GradientSummary> Client::PullGradientInto(const std::string& head,
                                                              v1::DType dtype, bool reset,
                                                              std::span<std::byte> out) {
-  return PullGradientWithRetry(head, dtype, reset, out, nullptr);
+  return PullGradientWithRetry(head, dtype, reset, {.data = out}, std::nullopt);
+}
+
+absl::StatusOr<v1::GradientSummary> Client::PullGradientInto(const std::string& head,
+                                                             v1::DType dtype, bool reset,
+                                                             std::span<std::byte> out,
+                                                             std::span<std::byte> bias_out) {
+  return PullGradientWithRetry(head, dtype, reset, {.data = out}, Destination{.data = bias_out});
 }
 
 absl::StatusOr<v1::GradientSummary> Client::PullGradientWithRetry(const std::string& head,
                                                                   v1::DType dtype, bool reset,
-                                                                  std::span<std::byte> out,
-                                                                  Bytes* owned) {
+                                                                  Destination out,
+                                                                  std::optional<Destination> bias) {
   if (!reset) {
     return RetryCall<v1::GradientSummary>(
-        [&] { return PullGradientOnce(head, dtype, reset, out, owned); });
+        [&] { return PullGradientOnce(head, dtype, reset, out, bias); });
   }
   // Never re-sent (see retry.h): only the wait for the server is retried, before sending.
   WaitForServer();
-  return PullGradientOnce(head, dtype, reset, out, owned);
+  return PullGradientOnce(head, dtype, reset, out, bias);
 }
 
 void Client::WaitForServer() {

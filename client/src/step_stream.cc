@@ -17,8 +17,10 @@
 #include "losshead/client/client.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/status.h"
-#include "transport/wire_format.h"
+#include "losshead/v1/wire_dtype.h"
 #include "raw_message.h"
+#include "shared_region.h"
+#include "transport/wire_format.h"
 
 namespace losshead::client {
 namespace {
@@ -69,6 +71,24 @@ absl::Status MissingOutputs(int64_t num_tokens, const std::vector<int>& token_ou
   return status;
 }
 
+// Offsets in a region are kept 64-byte aligned (a cache line; any dtype's alignment).
+size_t Aligned(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// The dH bytes the server answers `mb` with: N x D of the dH dtype, D from the hidden states'
+// size. nullopt when the shapes do not divide (the server refuses the micro-batch; it then goes
+// the network way, so that it is refused exactly as there).
+std::optional<size_t> GradHiddenBytes(const Microbatch& mb) {
+  if (mb.kind == v1::STEP_KIND_EMBEDDING_GRAD || mb.options.skip_grad_hidden()) return 0;
+  const size_t element = v1::WireDTypeSize(mb.hidden_dtype);
+  if (mb.num_tokens <= 0 || element == 0) return std::nullopt;
+  const size_t row = static_cast<size_t>(mb.num_tokens) * element;
+  if (mb.hidden.size() % row != 0) return std::nullopt;
+  const v1::DType grad = mb.options.grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED
+                             ? mb.options.grad_hidden_dtype()
+                             : mb.hidden_dtype;
+  return mb.hidden.size() / element * v1::WireDTypeSize(grad);
+}
+
 }  // namespace
 
 bool IsMicrobatchError(const absl::Status& status) {
@@ -76,8 +96,11 @@ bool IsMicrobatchError(const absl::Status& status) {
 }
 
 StepStream::StepStream(std::unique_ptr<grpc::ClientContext> context,
-                       grpc::ChannelInterface* channel, size_t max_message_bytes)
-    : context_(std::move(context)), max_message_bytes_(max_message_bytes) {
+                       grpc::ChannelInterface* channel, size_t max_message_bytes,
+                       std::shared_ptr<const SameNodeLink> same_node)
+    : context_(std::move(context)),
+      max_message_bytes_(max_message_bytes),
+      same_node_(std::move(same_node)) {
   stream_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
       channel, raw::StepMethod(), context_.get()));
   reader_ = std::thread([this] { ReadLoop(); });
@@ -119,6 +142,43 @@ bool StepStream::ended() const {
   return ended_;
 }
 
+const char* StepStream::data_path() const {
+  return same_node_ != nullptr && !same_node_off_.load() ? "shared_memory" : "network";
+}
+
+std::shared_ptr<SharedRegion> StepStream::TakeRegion(size_t bytes) {
+  if (same_node_ == nullptr || same_node_off_.load()) return nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_regions_.begin(); it != free_regions_.end(); ++it) {
+      if ((*it)->size() < bytes) continue;
+      std::shared_ptr<SharedRegion> region = std::move(*it);
+      free_regions_.erase(it);
+      return region;
+    }
+    // None fits: the smallest free one is let go (the server unmaps it), so that a stream whose
+    // micro-batches grow keeps no more regions than it has micro-batches in flight.
+    if (!free_regions_.empty()) {
+      auto smallest =
+          std::min_element(free_regions_.begin(), free_regions_.end(),
+                           [](const auto& a, const auto& b) { return a->size() < b->size(); });
+      free_regions_.erase(smallest);
+    }
+  }
+  // Rounded up to a power of two (at least 1 MiB), so that micro-batches of slowly varying
+  // sizes reuse it.
+  size_t size = size_t{1} << 20;
+  while (size < bytes) size *= 2;
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region =
+      SharedRegion::Register(same_node_->socket, same_node_->authorization, size);
+  if (!region.ok()) {
+    // The network path serves every micro-batch the same; this stream stays on it.
+    same_node_off_.store(true);
+    return nullptr;
+  }
+  return std::shared_ptr<SharedRegion>(std::move(*region));
+}
+
 size_t StepStream::outstanding() const {
   std::lock_guard<std::mutex> lock(mu_);
   return expected_.size() + answers_.size();
@@ -129,6 +189,31 @@ absl::Status StepStream::Send(const Microbatch& mb) {
   {
     std::lock_guard<std::mutex> write_lock(write_mu_);
     if (writes_done_) return absl::FailedPreconditionError("Send after Finish on a step stream");
+    // The same-node path: hidden states, targets and room for dH in a region, laid out in that
+    // order; only the header, token inputs and `last` go in the message.
+    std::shared_ptr<SharedRegion> region;
+    v1::SharedMemoryRef ref;
+    if (same_node_ != nullptr && !same_node_off_.load()) {
+      if (const std::optional<size_t> grad = GradHiddenBytes(mb); grad.has_value()) {
+        const size_t targets_at = Aligned(mb.hidden.size());
+        const size_t grad_at = targets_at + Aligned(mb.targets.size());
+        region = TakeRegion(grad_at + *grad);
+        if (region != nullptr) {
+          if (!mb.hidden.empty()) std::memcpy(region->data(), mb.hidden.data(), mb.hidden.size());
+          if (!mb.targets.empty()) {
+            std::memcpy(region->data() + targets_at, mb.targets.data(), mb.targets.size());
+          }
+          ref.set_region_id(region->id());
+          ref.set_region_key(region->key());
+          ref.set_hidden_offset(0);
+          ref.set_hidden_bytes(mb.hidden.size());
+          ref.set_targets_offset(targets_at);
+          ref.set_targets_bytes(mb.targets.size());
+          ref.set_grad_hidden_offset(grad_at);
+          ref.set_grad_hidden_bytes(*grad);
+        }
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (ended_) {
@@ -148,7 +233,10 @@ absl::Status StepStream::Send(const Microbatch& mb) {
            .num_tokens = mb.num_tokens,
            .token_outputs = {mb.options.token_outputs().begin(), mb.options.token_outputs().end()},
            .correct_count = mb.options.return_correct_count(),
-           .top_k = mb.options.top_k()});
+           .top_k = mb.options.top_k(),
+           .region = region,
+           .grad_offset = ref.grad_hidden_offset(),
+           .grad_capacity = ref.grad_hidden_bytes()});
     }
 
     v1::StepHeader header;
@@ -161,6 +249,7 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     header.set_target_dtype(mb.target_dtype);
     *header.mutable_options() = mb.options;
     *header.mutable_loss_options() = mb.loss_options;
+    if (region != nullptr) *header.mutable_shared_memory() = ref;
     // The per-token inputs, in TokenInput order (their StepRequest fields' order), after the
     // targets.
     struct Tail {
@@ -170,7 +259,7 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     };
     std::vector<Tail> tails = {{kRequestTargetsField,
                                 reinterpret_cast<const char*>(mb.targets.data()),
-                                mb.targets.size()}};
+                                region != nullptr ? 0 : mb.targets.size()}};
     const std::pair<v1::TokenInput, std::span<const float>> inputs[] = {
         {v1::TOKEN_INPUT_WEIGHT, mb.token_weights},
         {v1::TOKEN_INPUT_OLD_LOGPROB, mb.old_logprob},
@@ -192,7 +281,7 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     wire::AppendVarint(header_field, header.ByteSizeLong());
     header.AppendToString(&header_field);
     const std::byte* hidden = mb.hidden.data();
-    size_t hidden_left = mb.hidden.size();
+    size_t hidden_left = region != nullptr ? 0 : mb.hidden.size();
     size_t tails_left = 0;
     for (const Tail& tail : tails) tails_left += tail.left;
     bool first = true;
@@ -279,6 +368,10 @@ void StepStream::ReadLoop() {
 
   auto deliver = [this](absl::StatusOr<StepResult> answer) {
     std::lock_guard<std::mutex> lock(mu_);
+    // Answered: the server writes nothing more into its region, which the next one may take.
+    if (expected_.front().region != nullptr) {
+      free_regions_.push_back(std::move(expected_.front().region));
+    }
     expected_.pop_front();
     answers_.push_back(std::move(answer));
     cv_.notify_all();
@@ -370,6 +463,23 @@ void StepStream::ReadLoop() {
         grad_dest = nullptr;
         current->grad_hidden.reserve(grad_bytes);
       }
+      if (r.grad_hidden_in_shared_memory()) {
+        // dH is in the region already, written before this answer was sent.
+        if (key.region == nullptr || grad_bytes > key.grad_capacity) {
+          fail(absl::InternalError(
+              absl::StrCat("the server put ", grad_bytes, " dH bytes in shared memory where ",
+                           key.region == nullptr ? 0 : key.grad_capacity, " were given")));
+          continue;
+        }
+        const std::byte* from = key.region->data() + key.grad_offset;
+        if (grad_dest != nullptr) {
+          std::memcpy(grad_dest, from, grad_bytes);
+        } else {
+          current->grad_hidden.assign(from, from + grad_bytes);
+        }
+        grad_filled = grad_bytes;
+      }
+      current->shared_memory = key.region != nullptr;
       for (size_t i = 0; i < kPerTokenTensors; ++i) {
         per_token[i].clear();
         per_token[i].reserve(per_token_bytes[i]);

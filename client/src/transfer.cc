@@ -13,9 +13,11 @@
 #include <grpcpp/support/slice.h>
 #include <grpcpp/support/sync_stream.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -24,9 +26,9 @@
 #include "losshead/client/client.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
-#include "transport/wire_format.h"
 #include "prefault.h"
 #include "raw_message.h"
+#include "transport/wire_format.h"
 
 namespace losshead::client {
 namespace {
@@ -41,28 +43,48 @@ constexpr uint32_t kPushDataField = 3;
 
 // Collects chunks that must tile [0, total) in order, without gaps or overlap; the server
 // promises this order, so anything else is a framing error rather than something to reorder.
-// The bytes land in the caller's buffer, or in `owned` (allocated at Start) when it is not null.
+// The tensor is W (or dW), followed for a head with an output bias by b (or db). The bytes land
+// in the caller's buffer, or in `owned` (allocated at Start) when it is not null; b goes to a
+// destination of its own when one is given, else after W in the first one (the wire's layout).
 class Reassembler {
  public:
-  Reassembler(std::span<std::byte> out, Bytes* owned) : out_(out), owned_(owned) {}
+  Reassembler(Destination weights, std::optional<Destination> bias)
+      : out_(weights.data), owned_(weights.owned), bias_(bias) {}
 
-  absl::Status Start(uint64_t total_bytes, uint64_t max_bytes) {
-    if (total_bytes > max_bytes) {
-      return absl::InternalError(
-          absl::StrCat("server announced ", total_bytes, " bytes, expected ", max_bytes));
+  // `weight_bytes` of W and `bias_bytes` of b (0: the head has no bias) follow.
+  absl::Status Start(uint64_t weight_bytes, uint64_t bias_bytes) {
+    total_ = weight_bytes + bias_bytes;
+    const bool split = bias_bytes > 0 && bias_.has_value();
+    split_ = split ? weight_bytes : total_;
+    if (split) {
+      if (bias_->owned != nullptr) {
+        bias_->owned->resize(bias_bytes);
+        tail_ = std::span<std::byte>(*bias_->owned);
+      } else if (bias_bytes > bias_->data.size()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("the head's output bias b takes ", bias_bytes,
+                         " bytes; the bias buffer given holds ", bias_->data.size()));
+      } else {
+        tail_ = bias_->data;
+      }
     }
     if (owned_ != nullptr) {
-      owned_->resize(total_bytes);
+      owned_->resize(split_);
       out_ = std::span<std::byte>(*owned_);
-    } else if (total_bytes > out_.size()) {
+    } else if (split_ > out_.size()) {
+      if (bias_bytes > 0 && !split) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the head has an output bias: the server sends W (", weight_bytes,
+            " bytes) followed by b (", bias_bytes, " bytes) and the buffer given holds ",
+            out_.size(), "; give b a buffer of its own"));
+      }
       return absl::FailedPreconditionError(absl::StrCat(
-          "the server sends ", total_bytes, " bytes; the buffer given holds ", out_.size()));
+          "the server sends ", split_, " bytes; the buffer given holds ", out_.size()));
     } else {
       // The caller's buffer may be fresh memory (a new tensor): its pages are mapped in beside
       // the copies rather than one fault at a time by them.
-      prefault_.Start(out_.data(), total_bytes);
+      prefault_.Start(out_.data(), split_);
     }
-    total_ = total_bytes;
     return absl::OkStatus();
   }
   absl::Status Add(uint64_t offset, const raw::DataPieces& piece) {
@@ -74,9 +96,18 @@ class Reassembler {
       return absl::InternalError(absl::StrCat("chunk of ", piece.size, " bytes at offset ", offset,
                                               " overruns the total of ", total_));
     }
-    for (const auto& [p, size] : piece.pieces) {
-      std::memcpy(out_.data() + filled_, p, size);
-      filled_ += size;
+    for (auto [p, size] : piece.pieces) {
+      const uint8_t* from = p;
+      // A piece may straddle the end of W and the start of b.
+      while (size > 0) {
+        const bool in_weights = filled_ < split_;
+        std::byte* to = in_weights ? out_.data() + filled_ : tail_.data() + (filled_ - split_);
+        const size_t n = std::min<uint64_t>(size, (in_weights ? split_ : total_) - filled_);
+        std::memcpy(to, from, n);
+        from += n;
+        size -= n;
+        filled_ += n;
+      }
     }
     return absl::OkStatus();
   }
@@ -91,10 +122,29 @@ class Reassembler {
  private:
   std::span<std::byte> out_;
   Bytes* owned_;
+  std::optional<Destination> bias_;
+  std::span<std::byte> tail_;  // where [split_, total_) goes when b has a destination of its own
   uint64_t total_ = 0;
+  uint64_t split_ = 0;
   uint64_t filled_ = 0;
   Prefault prefault_;  // last: joined before the rest goes
 };
+
+// The bytes a first chunk announces: V x D (W or dW) and, with a bias, V (b or db), each of
+// `dtype`; INTERNAL when total_bytes is not their sum.
+absl::Status CheckTotal(const char* what, int64_t vocab_size, int64_t hidden_size, v1::DType dtype,
+                        bool bias, uint64_t total_bytes, uint64_t* weight_bytes,
+                        uint64_t* bias_bytes) {
+  const uint64_t element = v1::WireDTypeSize(dtype);
+  *weight_bytes = static_cast<uint64_t>(vocab_size) * static_cast<uint64_t>(hidden_size) * element;
+  *bias_bytes = bias ? static_cast<uint64_t>(vocab_size) * element : 0;
+  if (total_bytes != *weight_bytes + *bias_bytes) {
+    return absl::InternalError(absl::StrCat(
+        what, " total_bytes ", total_bytes,
+        bias ? " != (V x D + V) x dtype = " : " != V x D x dtype = ", *weight_bytes + *bias_bytes));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -113,25 +163,37 @@ absl::StatusOr<uint64_t> Client::PushWeightsOnce(const PushRequest& request) {
           channel_.get(), raw::PushWeightsMethod(), context.get(), &response));
 
   const size_t piece = PieceBytes(options_.max_message_bytes, header.ByteSizeLong() + 16);
-  const char* data = reinterpret_cast<const char*>(request.data.data());
+  // W, then b for a head with an output bias: one tensor on the wire, its offsets running on
+  // from W's into b's. A piece may hold the end of W and the start of b.
+  const std::span<const std::byte> parts[2] = {request.data, request.bias};
+  const size_t total = request.data.size() + request.bias.size();
   size_t offset = 0;
   bool first = true;
   // An empty tensor still sends its header so that the server, not the client, rejects it.
-  while (first || offset < request.data.size()) {
-    // Each message: its other fields and the data field's tag and length, encoded here, then a
-    // slice that references the caller's bytes, which outlive the call (it ends before return).
+  while (first || offset < total) {
+    // Each message: its other fields and the data field's tag and length, encoded here, then
+    // slices that reference the caller's bytes, which outlive the call (it ends before return).
     v1::PushWeightsRequest fields;
     if (first) *fields.mutable_header() = header;
     fields.set_offset(offset);
     std::string frame = fields.SerializeAsString();
-    const size_t n = std::min(piece, request.data.size() - offset);
-    grpc::Slice slices[2];
+    const size_t n = std::min(piece, total - offset);
+    grpc::Slice slices[3];
     size_t count = 1;
     if (n > 0) {
       wire::AppendTag(frame, kPushDataField, wire::kLengthDelimited);
       wire::AppendVarint(frame, n);
-      slices[1] = grpc::Slice(data + offset, n, grpc::Slice::STATIC_SLICE);
-      count = 2;
+      size_t at = offset;  // in the concatenation of the parts
+      size_t base = 0;     // where the current part starts in it
+      for (const std::span<const std::byte>& part : parts) {
+        if (at < base + part.size() && at < offset + n) {
+          const size_t take = std::min(base + part.size(), offset + n) - at;
+          slices[count++] = grpc::Slice(reinterpret_cast<const char*>(part.data()) + (at - base),
+                                        take, grpc::Slice::STATIC_SLICE);
+          at += take;
+        }
+        base += part.size();
+      }
     }
     slices[0] = grpc::Slice(frame);
     grpc::ByteBuffer message(slices, count);
@@ -156,9 +218,8 @@ absl::StatusOr<uint64_t> Client::UploadWeights(const std::string& head, v1::DTyp
 }
 
 absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string& head,
-                                                              v1::DType dtype,
-                                                              std::span<std::byte> out,
-                                                              Bytes* owned) {
+                                                              v1::DType dtype, Destination out,
+                                                              std::optional<Destination> bias) {
   v1::DownloadWeightsRequest request;
   request.set_head(head);
   request.set_dtype(dtype);
@@ -168,7 +229,7 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
           channel_.get(), raw::DownloadWeightsMethod(), context.get(), request));
 
   DownloadedWeights weights;
-  Reassembler assembly(out, owned);
+  Reassembler assembly(out, bias);
   absl::Status framing;
   grpc::ByteBuffer buffer;
   v1::WeightsChunk chunk;
@@ -185,15 +246,13 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
       weights.hidden_size = chunk.hidden_size();
       weights.dtype = chunk.dtype();
       weights.weights_version = chunk.weights_version();
-      const uint64_t expected = static_cast<uint64_t>(chunk.vocab_size()) *
-                                static_cast<uint64_t>(chunk.hidden_size()) *
-                                v1::WireDTypeSize(chunk.dtype());
-      if (chunk.total_bytes() != expected) {
-        framing = absl::InternalError(absl::StrCat("weights total_bytes ", chunk.total_bytes(),
-                                                   " != V x D x dtype = ", expected));
-        continue;
-      }
-      framing = assembly.Start(chunk.total_bytes(), expected);
+      weights.has_bias = chunk.bias();
+      uint64_t weight_bytes = 0;
+      uint64_t bias_bytes = 0;
+      framing = CheckTotal("weights", chunk.vocab_size(), chunk.hidden_size(), chunk.dtype(),
+                           chunk.bias(), chunk.total_bytes(), &weight_bytes, &bias_bytes);
+      if (!framing.ok()) continue;
+      framing = assembly.Start(weight_bytes, bias_bytes);
       if (!framing.ok()) continue;
     }
     framing = assembly.Add(chunk.offset(), data);
@@ -208,8 +267,8 @@ absl::StatusOr<DownloadedWeights> Client::DownloadWeightsOnce(const std::string&
 
 absl::StatusOr<v1::GradientSummary> Client::PullGradientOnce(const std::string& head,
                                                              v1::DType dtype, bool reset,
-                                                             std::span<std::byte> out,
-                                                             Bytes* owned) {
+                                                             Destination out,
+                                                             std::optional<Destination> bias) {
   v1::PullGradientRequest request;
   request.set_head(head);
   request.set_dtype(dtype);
@@ -220,7 +279,7 @@ absl::StatusOr<v1::GradientSummary> Client::PullGradientOnce(const std::string& 
           channel_.get(), raw::PullGradientMethod(), context.get(), request));
 
   v1::GradientSummary summary;
-  Reassembler assembly(out, owned);
+  Reassembler assembly(out, bias);
   absl::Status framing;
   grpc::ByteBuffer buffer;
   v1::GradientChunk chunk;
@@ -239,15 +298,12 @@ absl::StatusOr<v1::GradientSummary> Client::PullGradientOnce(const std::string& 
       }
       summary = chunk.summary();
       const v1::GradientSummary& s = summary;
-      const uint64_t expected = static_cast<uint64_t>(s.vocab_size()) *
-                                static_cast<uint64_t>(s.hidden_size()) *
-                                v1::WireDTypeSize(s.dtype());
-      if (s.total_bytes() != expected) {
-        framing = absl::InternalError(absl::StrCat("gradient total_bytes ", s.total_bytes(),
-                                                   " != V x D x dtype = ", expected));
-        continue;
-      }
-      framing = assembly.Start(s.total_bytes(), expected);
+      uint64_t weight_bytes = 0;
+      uint64_t bias_bytes = 0;
+      framing = CheckTotal("gradient", s.vocab_size(), s.hidden_size(), s.dtype(), s.bias(),
+                           s.total_bytes(), &weight_bytes, &bias_bytes);
+      if (!framing.ok()) continue;
+      framing = assembly.Start(weight_bytes, bias_bytes);
       if (!framing.ok()) continue;
     } else if (chunk.has_summary()) {
       framing = absl::InternalError("summary repeated after the first gradient chunk");

@@ -196,6 +196,19 @@ Metrics::Metrics()
                                     "displaced (a new one needed the place at "
                                     "--max_connections), first_call_timeout")
                               .Register(*registry_)),
+      step_data_bytes_(prometheus::BuildCounter()
+                           .Name("losshead_step_data_bytes_total")
+                           .Help("Step tensor bytes by path (network: in the stream's messages; "
+                                 "shared_memory: through a same-node region) and direction")
+                           .Register(*registry_)),
+      shared_memory_regions_(prometheus::BuildGauge()
+                                 .Name("losshead_shared_memory_regions")
+                                 .Help("Same-node shared memory regions mapped now")
+                                 .Register(*registry_)),
+      shared_memory_bytes_(prometheus::BuildGauge()
+                               .Name("losshead_shared_memory_mapped_bytes")
+                               .Help("Bytes of the same-node shared memory regions mapped now")
+                               .Register(*registry_)),
       build_info_(prometheus::BuildGauge()
                       .Name("losshead_build_info")
                       .Help("1, labelled with the server's version, backend and the CUDA toolkit "
@@ -261,6 +274,11 @@ Metrics::Metrics()
   connections_refused_.Add({});
   for (const char* reason : {"displaced", "first_call_timeout"}) {
     connections_reaped_.Add({{"reason", reason}});
+  }
+  for (const char* path : {"network", "shared_memory"}) {
+    for (const char* direction : {"in", "out"}) {
+      step_data_bytes_.Add({{"path", path}, {"direction", direction}});
+    }
   }
 }
 

@@ -108,6 +108,13 @@ class Metrics {
   void ConnectionAccepted();
   void ConnectionRefused();
   void ConnectionReaped(absl::string_view reason);
+  // Step tensor bytes by the path they took (docs/same-node.md): `path` "network" (in the
+  // stream's messages) or "shared_memory" (read from or written into a client's region),
+  // `direction` "in" or "out".
+  void StepDataBytes(absl::string_view path, absl::string_view direction, uint64_t bytes);
+  // Same-node shared memory regions mapped now (registered, or still used by a micro-batch after
+  // their client left) and their bytes.
+  void SharedMemoryMapped(size_t regions, size_t bytes);
   // Drops every series labelled with `head`.
   void RemoveHead(const std::string& head);
 
@@ -177,6 +184,9 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& connections_accepted_;
   prometheus::Family<prometheus::Counter>& connections_refused_;
   prometheus::Family<prometheus::Counter>& connections_reaped_;
+  prometheus::Family<prometheus::Counter>& step_data_bytes_;
+  prometheus::Family<prometheus::Gauge>& shared_memory_regions_;
+  prometheus::Family<prometheus::Gauge>& shared_memory_bytes_;
   // Build, checkpoints and training values.
   prometheus::Family<prometheus::Gauge>& build_info_;
   prometheus::Family<prometheus::Gauge>& checkpoint_interval_family_;

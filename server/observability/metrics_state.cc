@@ -40,6 +40,11 @@ void Metrics::HostBufferBytes(size_t page_locked_held, size_t page_locked_idle, 
   host_buffers_.Add({{"pool", "dh"}, {"state", "idle"}}).Set(static_cast<double>(dh_idle));
 }
 
+void Metrics::SharedMemoryMapped(size_t regions, size_t bytes) {
+  shared_memory_regions_.Add({}).Set(static_cast<double>(regions));
+  shared_memory_bytes_.Add({}).Set(static_cast<double>(bytes));
+}
+
 void Metrics::Heads(size_t count) { heads_.Set(static_cast<double>(count)); }
 
 void Metrics::AuthTokens(size_t count) {

@@ -83,6 +83,11 @@ void Metrics::Bytes(absl::string_view method, absl::string_view direction, uint6
       .Increment(static_cast<double>(bytes));
 }
 
+void Metrics::StepDataBytes(absl::string_view path, absl::string_view direction, uint64_t bytes) {
+  step_data_bytes_.Add({{"path", std::string(path)}, {"direction", std::string(direction)}})
+      .Increment(static_cast<double>(bytes));
+}
+
 void Metrics::InflightAdd(int64_t delta) {
   inflight_count_ += delta;
   inflight_.Increment(static_cast<double>(delta));

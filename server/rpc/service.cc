@@ -182,6 +182,10 @@ grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext*
     response->set_admitted_microbatches(ctx_->admission->microbatches());
     response->set_reserved_bytes(ctx_->admission->bytes());
   }
+  if (ctx_->shared_regions != nullptr) {
+    response->mutable_same_node()->set_host_id(ctx_->host_id);
+    response->mutable_same_node()->set_socket(ctx_->same_node_socket);
+  }
   FinishUnary(ctx_, reactor, "GetStats", start, absl::OkStatus());
   return reactor;
 }
@@ -219,6 +223,10 @@ void LossHeadService::RefreshMemoryMetrics() const {
     per_device[i].free = memory.free_bytes;
     per_device[i].total = memory.total_bytes;
     ctx_->metrics->DeviceMemoryBytes(DeviceLabel(*ctx_->devices[i], i), per_device[i]);
+  }
+  if (ctx_->shared_regions != nullptr) {
+    ctx_->metrics->SharedMemoryMapped(ctx_->shared_regions->mapped_regions(),
+                                      ctx_->shared_regions->mapped_bytes());
   }
   ctx_->metrics->HostBufferBytes(ctx_->pinned != nullptr ? ctx_->pinned->held_bytes() : 0,
                                  ctx_->pinned != nullptr ? ctx_->pinned->idle_bytes() : 0,

@@ -26,6 +26,7 @@
 namespace losshead::server {
 
 class StepReactor;
+class SharedRegions;
 class TokenTable;
 class Checkpointer;
 class GroupControl;
@@ -85,6 +86,11 @@ struct ServiceContext {
   GroupControl* group = nullptr;
   // Null unless --step_trace names a file.
   StepTrace* step_trace = nullptr;
+  // The same-node path (docs/same-node.md): the registered regions, the socket that registers
+  // them and this host's id, as Stats.same_node advertises them; null when it is off.
+  SharedRegions* shared_regions = nullptr;
+  std::string same_node_socket;
+  std::string host_id;
   size_t max_message_bytes = size_t{4} << 20;
   size_t max_microbatch_bytes = size_t{1} << 30;
   // Micro-batches of one stream received but not yet answered; reading pauses at this bound.

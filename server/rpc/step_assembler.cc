@@ -58,7 +58,9 @@ absl::StatusOr<std::optional<AssembledMicroBatch>> StepAssembler::Add(StepMessag
       hidden_digest_.emplace();
       targets_digest_.emplace();
     }
-    if (reserve_bytes > 0 && !request.last()) ReserveHidden(reserve_bytes);
+    // A micro-batch from shared memory comes whole in its one message, and large: it is copied
+    // into a reused page-locked buffer too, rather than into fresh memory that faults in.
+    if (reserve_bytes > 0 && (!request.last() || message.shared)) ReserveHidden(reserve_bytes);
   } else if (!current_.has_value()) {
     if (skipping_) {
       skipping_ = !request.last();
@@ -199,7 +201,7 @@ size_t ChunkPayloadBytes(size_t max_message_bytes) {
 
 v1::StepResponse FirstStepResponse(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
-    bool replayed) {
+    bool replayed, bool grad_hidden_shared) {
   v1::StepResponse first;
   first.set_client_id(header.client_id());
   first.set_sequence(header.sequence());
@@ -228,12 +230,13 @@ v1::StepResponse FirstStepResponse(
   result->set_top_k_ids_bytes(o.top_k_ids.size());
   result->set_top_k_logprobs_bytes(o.top_k_logprobs.size());
   if (o.correct_count.has_value()) result->set_correct_count(*o.correct_count);
+  result->set_grad_hidden_in_shared_memory(grad_hidden_shared);
   // The result message carries no payload so that it reaches the client first.
-  first.set_last(o.payload_bytes() == 0);
+  first.set_last(o.payload_bytes() - (grad_hidden_shared ? o.grad_hidden.size() : 0) == 0);
   return first;
 }
 
-std::vector<StepPayload> StepPayloads(const StepOutcome& o) {
+std::vector<StepPayload> StepPayloads(const StepOutcome& o, bool grad_hidden_shared) {
   // StepResponse's payload fields (proto/losshead/v1/losshead.proto).
   constexpr uint32_t kGradHiddenField = 5;
   constexpr uint32_t kPerTokenLossField = 6;
@@ -241,7 +244,9 @@ std::vector<StepPayload> StepPayloads(const StepOutcome& o) {
   constexpr uint32_t kTopKIdsField = 12;
   constexpr uint32_t kTopKLogprobsField = 13;
   std::vector<StepPayload> out;
-  if (!o.grad_hidden.empty()) out.push_back({kGradHiddenField, o.grad_hidden});
+  if (!o.grad_hidden.empty() && !grad_hidden_shared) {
+    out.push_back({kGradHiddenField, o.grad_hidden});
+  }
   if (!o.per_token_loss.empty()) out.push_back({kPerTokenLossField, o.per_token_loss});
   for (int i = 0; i < kTokenOutputs; ++i) {
     if (o.token_outputs[i].empty()) continue;

@@ -29,6 +29,9 @@ struct StepMessage {
   v1::StepRequest request;
   std::vector<std::pair<const uint8_t*, size_t>> hidden;
   size_t hidden_bytes = 0;
+  // The pieces lie in a client's shared memory region (docs/same-node.md): the whole micro-batch
+  // is in this one message.
+  bool shared = false;
 
   size_t bytes() const {
     return hidden_bytes + request.targets().size() + request.token_weights().size() +
@@ -39,6 +42,7 @@ struct StepMessage {
     request.Clear();
     hidden.clear();
     hidden_bytes = 0;
+    shared = false;
   }
 };
 
@@ -76,8 +80,8 @@ class StepAssembler {
   // a header inside one); the caller must end the call. Returns the micro-batch when `last`
   // closes it, or when its bytes pass the limit (oversize; the rest of it is then skipped), and
   // std::nullopt while it is still open or its message was skipped.
-  // `reserve_bytes`, when the message opens a micro-batch that goes on past it: the size its
-  // hidden buffer is given before anything is stored (ReserveHidden).
+  // `reserve_bytes`, when the message opens a micro-batch that goes on past it (or one from
+  // shared memory): the size its hidden buffer is given before anything is stored (ReserveHidden).
   absl::StatusOr<std::optional<AssembledMicroBatch>> Add(StepMessage& message, absl::Time now,
                                                          size_t reserve_bytes = 0);
   // The same for a request that carries its hidden states in its own field.
@@ -144,10 +148,11 @@ class StepAssembler {
 size_t ChunkPayloadBytes(size_t max_message_bytes);
 
 // The first response of a micro-batch: its error (alone, last = true) or its result, which carries
-// no payload (last = true when there is none to follow).
+// no payload (last = true when there is none to follow). `grad_hidden_shared`: dH was written into
+// the client's shared memory (StepResult.grad_hidden_in_shared_memory) and is not sent.
 v1::StepResponse FirstStepResponse(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
-    bool replayed);
+    bool replayed, bool grad_hidden_shared = false);
 
 // The payload of one response after the first: byte ranges of dH and of per-token losses.
 // One tensor of a micro-batch's answer: its StepResponse field and bytes.
@@ -157,8 +162,8 @@ struct StepPayload {
 };
 // The tensors an answer sends, in the order it sends them: dH, per-token losses, the token
 // outputs in TokenOutput order, then the top-k's ids and log-probs (their field numbers' order);
-// empty ones left out.
-std::vector<StepPayload> StepPayloads(const StepOutcome& outcome);
+// empty ones left out, and dH with `grad_hidden_shared`.
+std::vector<StepPayload> StepPayloads(const StepOutcome& outcome, bool grad_hidden_shared = false);
 
 // A part of payload `tensor` (an index into StepPayloads) that one message carries.
 struct StepSpan {

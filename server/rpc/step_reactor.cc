@@ -112,6 +112,7 @@ void StepReactor::OnReadDone(bool ok) {
     } else if (!finished_ && !cancelled_ && !end_status_.has_value()) {
       const absl::Time now = absl::Now();
       ctx_->metrics->Bytes("Step", "in", message_.bytes());
+      ctx_->metrics->StepDataBytes("network", "in", message_.bytes());
       ReceiveLocked(message_, now);
       ArmStallLocked(now);
     }
@@ -151,7 +152,14 @@ void StepReactor::CloseReadLocked() {
 void StepReactor::ReceiveLocked(StepMessage& message, absl::Time now) {
   const bool opens = message.request.has_header() && !assembler_.open();
   // Admitted (and reserved) before anything is buffered.
-  const absl::Status admitted = opens ? AdmitHeaderLocked(message) : AdmitPieceLocked(message);
+  absl::Status admitted = opens ? AdmitHeaderLocked(message) : AdmitPieceLocked(message);
+  if (opens && message.request.header().has_shared_memory()) {
+    if (admitted.ok()) {
+      admitted = ResolveSharedLocked(message);
+    } else {
+      message.request.mutable_header()->clear_shared_memory();  // refused: nothing is read
+    }
+  }
   // A micro-batch of several messages gets its buffer sized from the header, once.
   const size_t reserve = opens && admitted.ok() ? open_announced_ : 0;
   auto assembled = assembler_.Add(message, now, reserve);
@@ -191,6 +199,8 @@ void StepReactor::EndLocked(grpc::Status status) {
 void StepReactor::EnqueueLocked(AssembledMicroBatch assembled, absl::Time now) {
   auto slot = std::make_shared<Slot>();
   slot->assembled = std::move(assembled);
+  slot->shared = std::move(open_shared_);
+  open_shared_ = {};
   slot->ready = now;
   if (slot->assembled.oversize || !slot->assembled.refused.ok()) {
     ReleaseOpenLocked();

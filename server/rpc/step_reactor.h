@@ -52,6 +52,7 @@
 #include "losshead/v1/losshead.grpc.pb.h"
 #include "server/observability/microbatch_metrics.h"
 #include "server/rpc/service_context.h"
+#include "server/rpc/shared_regions.h"
 #include "server/rpc/step_assembler.h"
 #include "transport/slice_message.h"
 
@@ -77,8 +78,16 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   void EndDrain();
 
  private:
+  // Where a micro-batch that came through shared memory gets its dH (docs/same-node.md): the
+  // region, held until the answer is encoded, and the range its header named.
+  struct SharedDestination {
+    std::shared_ptr<SharedRegion> region;
+    uint64_t grad_offset = 0;
+    uint64_t grad_bytes = 0;
+  };
   struct Slot {
     AssembledMicroBatch assembled;
+    SharedDestination shared;  // no region: the network path
     bool started = false;
     bool done = false;
     bool head_known = false;  // its head exists: its phases are recorded under the head's label
@@ -121,12 +130,16 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
     MicrobatchRecord::Reach reach = MicrobatchRecord::Reach::kNoHead;
     // It took its place on the device: the next one may be running already.
     bool ordered = false;
+    // Its dH was written into the client's shared memory region rather than sent.
+    bool grad_hidden_shared = false;
   };
   // The answer of `slot`, picked by a worker at `picked`: an error when the call is gone or the
   // micro-batch was refused before it ran, else its head's Step (which starts the next slot as
   // soon as this one holds the device).
   void ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run);
   void RecordSlot(const Slot& slot, absl::Time picked, const SlotRun& run);
+  // Writes a computed answer's dH into the slot's shared memory region, when it came that way.
+  void WriteSharedGradHidden(const Slot& slot, SlotRun& run);
   // The slot is answered: its responses wait to be written, its reservation becomes its answer's.
   void CompleteSlotLocked(Slot& slot, std::vector<grpc::ByteBuffer> responses, absl::Time picked,
                           SlotRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -142,6 +155,11 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // be served (unknown head, a field the head refuses, over --max_microbatch_bytes) or finds no
   // room in Admission is the refusal to answer it with at once; OK admits it.
   absl::Status AdmitHeaderLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A header that names shared memory (StepHeader.shared_memory), admitted: the reference is
+  // taken out of the header (it is not part of the fingerprint) and checked (the region is the
+  // caller's, every range inside it, room for dH), and the message's hidden pieces and targets
+  // then come from the region as if they had arrived in it. The refusal to answer it with, or OK.
+  absl::Status ResolveSharedLocked(StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AdmitHeaderLocked's first step: the head a header names, or why it can never be served (the
   // stream's token revoked, no such head, `announced` bytes over --max_microbatch_bytes, a field
   // the head refuses), in that order. `announced`: the bytes the header announces.
@@ -220,6 +238,7 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   size_t open_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   size_t open_received_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t open_announced_ ABSL_GUARDED_BY(mu_) = 0;  // bytes its header announces
+  SharedDestination open_shared_ ABSL_GUARDED_BY(mu_);  // its region, when it came that way
   // The timers (see above): when the outstanding read and write were started; the stall clock of
   // the open micro-batch (time waited for reads since it last started, not counting the
   // outstanding read) and the bytes received at which it restarts next; each alarm, and whether

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "losshead/v1/wire_dtype.h"
 #include "server/rpc/group_control.h"
 #include "server/rpc/step_reactor.h"
 #include "server/security/auth.h"
@@ -90,7 +91,75 @@ absl::Status StepReactor::AdmitPieceLocked(const StepMessage& message) {
   return absl::OkStatus();
 }
 
+absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
+  v1::StepHeader& header = *message.request.mutable_header();
+  const v1::SharedMemoryRef ref = header.shared_memory();
+  header.clear_shared_memory();
+  if (ctx_->shared_regions == nullptr) {
+    return absl::FailedPreconditionError(
+        "this server has the same-node path disabled (--same_node=false): send the tensors in "
+        "the stream's messages");
+  }
+  if (message.hidden_bytes > 0 || !message.request.targets().empty()) {
+    return absl::InvalidArgumentError(
+        "a micro-batch whose header names shared memory carries hidden states or targets in its "
+        "messages too");
+  }
+  const std::string principal =
+      call_ != nullptr ? CallerIdentity(ctx_->tokens, call_->client_metadata()) : "";
+  absl::StatusOr<std::shared_ptr<SharedRegion>> region =
+      ctx_->shared_regions->Resolve(ref.region_id(), ref.region_key(), principal);
+  if (!region.ok()) return region.status();
+  const SharedRegion& r = **region;
+  if (absl::Status s = r.CheckRange("hidden", ref.hidden_offset(), ref.hidden_bytes()); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = r.CheckRange("targets", ref.targets_offset(), ref.targets_bytes());
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          r.CheckRange("grad_hidden", ref.grad_hidden_offset(), ref.grad_hidden_bytes());
+      !s.ok()) {
+    return s;
+  }
+  // Room for dH is checked now, before anything runs: an answer that did not fit would be a
+  // micro-batch counted whose dH the client never gets.
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
+  if (!head.ok()) return head.status();
+  uint64_t grad_bytes = 0;
+  if (header.kind() != v1::STEP_KIND_EMBEDDING_GRAD && !header.options().skip_grad_hidden()) {
+    const v1::DType grad = header.options().grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED
+                               ? header.options().grad_hidden_dtype()
+                               : header.hidden_dtype();
+    grad_bytes = static_cast<uint64_t>(std::max<int64_t>(header.num_tokens(), 0)) *
+                 static_cast<uint64_t>((*head)->hidden_size()) * v1::WireDTypeSize(grad);
+  }
+  if (ref.grad_hidden_bytes() < grad_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("shared memory grad_hidden_bytes ",
+                                                   ref.grad_hidden_bytes(), " cannot hold the ",
+                                                   grad_bytes, " bytes of this micro-batch's dH"));
+  }
+  // The assembler copies the hidden states out of the region (checking and digesting its own
+  // copy, so that a client writing the region meanwhile changes nothing but its own input).
+  message.hidden.clear();
+  if (ref.hidden_bytes() > 0) {
+    message.hidden.emplace_back(r.data() + ref.hidden_offset(), ref.hidden_bytes());
+  }
+  message.hidden_bytes = ref.hidden_bytes();
+  message.shared = true;
+  message.request.mutable_targets()->assign(
+      reinterpret_cast<const char*>(r.data() + ref.targets_offset()), ref.targets_bytes());
+  ctx_->metrics->Bytes("Step", "in", ref.hidden_bytes() + ref.targets_bytes());
+  ctx_->metrics->StepDataBytes("shared_memory", "in", ref.hidden_bytes() + ref.targets_bytes());
+  open_shared_ = {.region = *std::move(region),
+                  .grad_offset = ref.grad_hidden_offset(),
+                  .grad_bytes = ref.grad_hidden_bytes()};
+  return absl::OkStatus();
+}
+
 void StepReactor::ReleaseOpenLocked() {
+  open_shared_ = {};
   if (ctx_->admission != nullptr && (open_admitted_ || open_reserved_ > 0)) {
     ctx_->admission->Release(open_admitted_ ? 1 : 0, open_reserved_);
   }

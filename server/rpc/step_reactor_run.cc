@@ -1,6 +1,7 @@
 // Running a Step stream's micro-batches (step_reactor.h): one at a time on the worker pool, each
 // answered with its head's outcome or the refusal it was given, recorded in the metrics, and
 // traced once its last answer is written.
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -57,10 +58,11 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   const absl::Time picked = absl::Now();
   SlotRun run;
   ComputeSlot(*slot, picked, run);
+  WriteSharedGradHidden(*slot, run);
   RecordSlot(*slot, picked, run);
   std::vector<grpc::ByteBuffer> responses =
       EncodeStepResponses(slot->assembled.microbatch.header, run.outcome, run.stats.replayed,
-                          ChunkPayloadBytes(ctx_->max_message_bytes));
+                          ChunkPayloadBytes(ctx_->max_message_bytes), run.grad_hidden_shared);
   {
     absl::MutexLock lock(&mu_);
     CompleteSlotLocked(*slot, std::move(responses), picked, run);
@@ -114,6 +116,16 @@ void StepReactor::ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run)
   });
 }
 
+void StepReactor::WriteSharedGradHidden(const Slot& slot, SlotRun& run) {
+  if (slot.shared.region == nullptr || !run.outcome.ok()) return;
+  const std::string& grad = (**run.outcome).grad_hidden;
+  // The header's range was checked to hold dH before the micro-batch ran; a replay carries the
+  // same options, so the same size. Should it ever not fit, dH goes on the stream instead.
+  if (grad.empty() || grad.size() > slot.shared.grad_bytes) return;
+  std::memcpy(slot.shared.region->data() + slot.shared.grad_offset, grad.data(), grad.size());
+  run.grad_hidden_shared = true;
+}
+
 void StepReactor::RecordSlot(const Slot& slot, absl::Time picked, const SlotRun& run) {
   const StepStats& stats = run.stats;
   MicrobatchRecord record{.reach = run.reach,
@@ -131,6 +143,10 @@ void StepReactor::RecordSlot(const Slot& slot, absl::Time picked, const SlotRun&
     record.tokens = outcome.token_count;
     record.bytes_out = SentBytes(outcome);
     RecordAsked(slot.assembled.microbatch.header, outcome, record);
+    // Every payload byte answered, whichever way it went; and by path.
+    const size_t shared = run.grad_hidden_shared ? outcome.grad_hidden.size() : 0;
+    ctx_->metrics->StepDataBytes("shared_memory", "out", shared);
+    ctx_->metrics->StepDataBytes("network", "out", record.bytes_out - shared);
   }
   RecordMicrobatch(*ctx_->metrics, slot.assembled.microbatch.header.head(), record,
                    stats.devices.size(),
@@ -144,6 +160,7 @@ void StepReactor::CompleteSlotLocked(Slot& slot, std::vector<grpc::ByteBuffer> r
   slot.stats = std::move(run.stats);
   slot.code = static_cast<int>(run.outcome.status().code());
   slot.done = true;
+  slot.shared = {};  // its region may be unmapped now (its client gone), nothing more is written
   slot.head_known = run.reach == MicrobatchRecord::Reach::kRan;
   // The request's tensors are no longer needed; free them before the responses drain.
   slot.assembled.microbatch.ReleaseTensors();

@@ -26,12 +26,12 @@ grpc::ByteBuffer Serialized(const v1::StepResponse& response) {
 
 std::vector<grpc::ByteBuffer> EncodeStepResponses(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
-    bool replayed, size_t chunk_bytes) {
+    bool replayed, size_t chunk_bytes, bool grad_hidden_shared) {
   std::vector<grpc::ByteBuffer> out;
-  out.push_back(Serialized(FirstStepResponse(header, outcome, replayed)));
+  out.push_back(Serialized(FirstStepResponse(header, outcome, replayed, grad_hidden_shared)));
   if (!outcome.ok()) return out;
   const std::shared_ptr<const StepOutcome>& o = *outcome;
-  const std::vector<StepPayload> payloads = StepPayloads(*o);
+  const std::vector<StepPayload> payloads = StepPayloads(*o, grad_hidden_shared);
   const std::vector<std::vector<StepSpan>> pieces = PlanStepPieces(payloads, chunk_bytes);
   if (pieces.empty()) return out;
   // Every piece starts with the ids, encoded once (fields in number order, as protobuf writes).

@@ -21,7 +21,7 @@ namespace losshead::server {
 
 std::vector<grpc::ByteBuffer> EncodeStepResponses(
     const v1::StepHeader& header, const absl::StatusOr<std::shared_ptr<const StepOutcome>>& outcome,
-    bool replayed, size_t chunk_bytes);
+    bool replayed, size_t chunk_bytes, bool grad_hidden_shared = false);
 
 }  // namespace losshead::server
 

@@ -216,6 +216,25 @@ absl::Status AuthorizeOpenCall(
                                    " (the token file was reloaded since this stream opened)"));
 }
 
+std::string CallerIdentity(const TokenTable* tokens, absl::string_view authorization) {
+  if (tokens == nullptr) return "";
+  absl::string_view token = absl::StripAsciiWhitespace(authorization);
+  if (token.size() < 7 || !absl::EqualsIgnoreCase(token.substr(0, 7), "bearer ")) return "";
+  token = absl::StripLeadingAsciiWhitespace(token.substr(7));
+  const std::array<uint8_t, 32> digest = Sha256(token);
+  return std::string(reinterpret_cast<const char*>(digest.data()), digest.size());
+}
+
+std::string CallerIdentity(
+    const TokenTable* tokens,
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata) {
+  absl::string_view authorization;
+  if (auto it = client_metadata.find("authorization"); it != client_metadata.end()) {
+    authorization = absl::string_view(it->second.data(), it->second.size());
+  }
+  return CallerIdentity(tokens, authorization);
+}
+
 grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
                                            grpc::AuthContext* /*context*/,
                                            OutputMetadata* /*consumed_auth_metadata*/,

@@ -89,6 +89,15 @@ absl::Status AuthorizeOpenCall(
     const TokenTable* tokens, absl::string_view full_method,
     const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
 
+// Who presents an `authorization` header value, for binding something to the token that made it
+// (a same-node region, server/rpc/shared_regions.h): the SHA-256 of its bearer token, "" without
+// tokens (null) or for a value that is not a bearer token. Never logged.
+std::string CallerIdentity(const TokenTable* tokens, absl::string_view authorization);
+// The same for a call's metadata.
+std::string CallerIdentity(
+    const TokenTable* tokens,
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
+
 // Runs TokenAuthenticator::Authorize on each call's initial metadata. Non-blocking: the check is a
 // few hashes, so it runs inline on the transport thread instead of a thread hop per call.
 // The table's current tokens decide, so a reload applies to every call that starts after it.

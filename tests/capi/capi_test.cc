@@ -177,8 +177,8 @@ Batch RandomBatch(const std::string& head, int64_t n, uint64_t seed) {
 }
 
 TEST_F(CapiTest, VersionFourAddsItsFunctionsUnderItsOwnSymbolVersion) {
-  EXPECT_EQ(lh_capi_version(), 4);
-  EXPECT_EQ(LH_CAPI_VERSION, 4);
+  EXPECT_GE(lh_capi_version(), 4);  // a later version only adds (capi_bias_test: 5)
+  EXPECT_GE(LH_CAPI_VERSION, 4);
   for (const char* name : {"lh_step_many", "lh_push_weights", "lh_pull_gradient",
                            "lh_download_weights", "lh_client_connect"}) {
     EXPECT_NE(dlvsym(RTLD_DEFAULT, name, "LH_CAPI_3"), nullptr) << name;

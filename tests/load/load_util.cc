@@ -33,6 +33,9 @@ std::unique_ptr<client::Client> Connect(int port, const client::RetryPolicy& ret
   options.deadline = absl::Seconds(60);
   options.stream_deadline = absl::Seconds(120);
   options.retry = retry;
+  // The network path: these tests cut, slam and throttle the TCP connection the tensors travel
+  // on (a proxy that counts bytes, dropped connections), which the same-node path bypasses.
+  options.same_node = false;
   auto c = client::Client::Connect(absl::StrCat("127.0.0.1:", port), options);
   return c.ok() ? std::move(*c) : nullptr;
 }

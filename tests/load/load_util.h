@@ -20,6 +20,7 @@ namespace losshead::testing {
 absl::StatusOr<std::unique_ptr<server::Server>> StartServer(
     const std::function<void(server::ServerOptions&)>& adjust);
 
+// A client on the network path (never the same-node path: these tests act on its TCP traffic).
 std::unique_ptr<client::Client> Connect(int port, const client::RetryPolicy& retry,
                                         size_t max_message_bytes = size_t{4} << 20);
 

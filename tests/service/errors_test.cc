@@ -195,7 +195,7 @@ TEST_F(ErrorsTest, WrongExpectedWeightsVersionIsFailedPrecondition) {
 
 TEST_F(ErrorsTest, MessageOverTheLimitIsResourceExhausted) {
   // A client that believes in a 1 MiB limit sends 512 KiB in one message to a 256 KiB server.
-  auto big_client = server_->NewClient(size_t{1} << 20);
+  auto big_client = server_->NewClient(size_t{1} << 20, /*same_node=*/false);
   const int64_t n = 2048, d = kD * 8;  // 2048 x 64 fp32 = 512 KiB
   auto big_head = CreateKnownHead(*client_, "big-" + head_.name, kV, d, v1::DTYPE_FP32, 3);
   ASSERT_TRUE(big_head.ok()) << big_head.status();

@@ -7,7 +7,7 @@
 
 namespace losshead::testing {
 
-RawStream::RawStream(const std::string& target) {
+RawStream::RawStream(const std::string& target, const std::string& bearer_token) {
   grpc::ChannelArguments args;
   // A connection of its own: unread answers fill this stream's flow-control windows only. Those
   // stay at gRPC's initial 64 KiB (no bandwidth probing, which may grow them to many MiB), so that
@@ -18,6 +18,7 @@ RawStream::RawStream(const std::string& target) {
   stub_ = v1::LossHead::NewStub(
       grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
   context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  if (!bearer_token.empty()) context_.AddMetadata("authorization", "Bearer " + bearer_token);
   stream_ = stub_->Step(&context_);
 }
 

@@ -25,7 +25,8 @@ namespace losshead::testing {
 // stream) whose receive window does not grow past 64 KiB, with a 60 s deadline.
 class RawStream {
  public:
-  explicit RawStream(const std::string& target);
+  // With `bearer_token`, the call carries it (`authorization: Bearer <token>`).
+  explicit RawStream(const std::string& target, const std::string& bearer_token = "");
   ~RawStream();
 
   bool Write(const v1::StepRequest& r) { return stream_->Write(r); }

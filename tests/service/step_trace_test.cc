@@ -51,7 +51,8 @@ TEST(StepTraceTest, EachAnsweredMicrobatchIsOneLineWithItsPhasesInOrder) {
   options.step_trace_file = path;
   auto server = TestServer::StartWith(options);
   ASSERT_TRUE(server.ok()) << server.status();
-  auto client = (*server)->NewClient();
+  // The network path: the large micro-batch comes in several messages.
+  auto client = (*server)->NewClient(0, /*same_node=*/false);
   constexpr int64_t d = 64, v = 53;
   auto head = CreateKnownHead(*client, "traced", v, d, v1::DTYPE_FP32, 3);
   ASSERT_TRUE(head.ok()) << head.status();

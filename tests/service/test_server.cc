@@ -39,8 +39,10 @@ TestServer::~TestServer() {
 
 std::string TestServer::target() const { return absl::StrCat("127.0.0.1:", server_->port()); }
 
-std::unique_ptr<client::Client> TestServer::NewClient(size_t max_message_bytes) const {
+std::unique_ptr<client::Client> TestServer::NewClient(size_t max_message_bytes,
+                                                      bool same_node) const {
   client::ClientOptions options;
+  options.same_node = same_node;
   options.max_message_bytes = max_message_bytes > 0 ? max_message_bytes : max_message_bytes_;
   options.deadline = absl::Seconds(30);
   options.stream_deadline = absl::Seconds(60);

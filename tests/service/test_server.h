@@ -31,8 +31,11 @@ class TestServer {
   std::string target() const;
   int metrics_port() const { return server_->metrics_port(); }
   server::Server& server() { return *server_; }
-  // A client with the server's message limit unless told otherwise.
-  std::unique_ptr<client::Client> NewClient(size_t max_message_bytes = 0) const;
+  // A client with the server's message limit unless told otherwise. It takes the same-node path
+  // (docs/same-node.md) unless `same_node` is false: tests of how tensors are framed in the
+  // stream's messages ask for the network path.
+  std::unique_ptr<client::Client> NewClient(size_t max_message_bytes = 0,
+                                            bool same_node = true) const;
 
  private:
   std::unique_ptr<server::Server> server_;

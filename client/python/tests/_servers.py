@@ -25,6 +25,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_backend() -> str:
+    """The servers' backend: $LOSSHEAD_SERVER_BACKEND (`cuda` on a GPU host), else `cpu`."""
+    return os.environ.get("LOSSHEAD_SERVER_BACKEND", "cpu")
+
+
 def server_binary() -> Path:
     env = os.environ.get("LOSSHEAD_SERVER_BIN")
     if env:
@@ -38,7 +43,7 @@ def server_binary() -> Path:
 
 
 class ServerProcess:
-    """One losshead-server (CPU backend, loopback, no metrics endpoint) and its log."""
+    """One losshead-server (`server_backend()`, loopback, no metrics endpoint) and its log."""
 
     def __init__(self, port: int, flags: Sequence[str], log_path: Path) -> None:
         self.port = port
@@ -48,7 +53,8 @@ class ServerProcess:
         self._log = open(log_path, "a")
         self.proc = subprocess.Popen(
             [str(server_binary()), "--listen", self.address, "--metrics_listen", "",
-             "--backend", "cpu", *self.flags], stdout=self._log, stderr=subprocess.STDOUT)
+             "--backend", server_backend(), *self.flags],
+            stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_serving(self, timeout: float = 20.0, **client_kwargs: Any) -> "ServerProcess":
         """Polls health (over whatever TLS `client_kwargs` ask for) until SERVING."""

@@ -1,7 +1,7 @@
-"""Fixtures: a CPU-backend losshead-server on a free loopback port for the whole session.
+"""Fixtures: a losshead-server on a free loopback port for the whole session.
 
 The binary is $LOSSHEAD_SERVER_BIN, else build/server/losshead-server under the repository
-root. The tests skip only when the variable is unset and the default does not exist.
+root; its backend $LOSSHEAD_SERVER_BACKEND, else cpu (cuda runs the suite against a GPU server). The tests skip only when the variable is unset and the default does not exist.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Iterator, List
 import pytest
 import torch
 
-from _servers import ServerFactory, free_port, server_binary
+from _servers import ServerFactory, free_port, server_backend, server_binary
 from losshead import Client, LossheadError
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def server_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log = open(log_path, "w")
         proc = subprocess.Popen(
             [str(binary), "--listen", address, "--metrics_listen", f"127.0.0.1:{free_port()}",
-             "--backend", "cpu"], stdout=log, stderr=subprocess.STDOUT)
+             "--backend", server_backend()], stdout=log, stderr=subprocess.STDOUT)
         client = Client(address)
         try:
             deadline = time.monotonic() + 30

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import struct
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -173,3 +174,73 @@ def test_load_safetensors_refuses_malformed_files(tmp_path) -> None:
     (tmp_path / "short").write_bytes(b"\1\0")
     with pytest.raises(ValueError):
         load_safetensors(tmp_path / "short")
+
+
+def test_a_head_with_an_output_bias_exports_and_imports_it(servers, tmp_path, cli) -> None:
+    """b (fp32 beside a bf16 W), its AdamW moments and db go into the export as lm_head.bias*;
+    the import (Python and the tool) creates a head with a bias holding W and b bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    server = servers.start(f"--checkpoint_dir={ckpt}", "--checkpoint_interval=0")
+    g = torch.Generator().manual_seed(41)
+    with Client(server.address, client_id="bias-exporter") as client:
+        client.create_head("biased", V, D, weight_dtype=torch.bfloat16, bias=True)
+        b0 = torch.randn(V, generator=g) * 2  # not bf16-exact: the fp32 b must survive
+        client.push_weights("biased", (torch.randn(V, D, generator=g) * 0.3).bfloat16(),
+                            bias=b0, dtype=torch.float32)
+        remote = RemoteAdamW(client, "biased", lr=0.02, weight_decay=0.05)
+        _window(client, "biased", 1)
+        remote.step()
+        _window(client, "biased", 2)  # an open window: db in the export's gradient
+        window = client.pull_gradient("biased")
+        downloaded = client.download_weights("biased", dtype=torch.float32)
+        client.checkpoint("biased")
+
+        out = tmp_path / "biased.safetensors"
+        manifest = export_checkpoint(ckpt / "biased.lhck", out, optimizer=True, gradient=True,
+                                     cli=cli)
+        tensors = load_safetensors(out)
+        b = tensors["lm_head.bias"]
+        assert b.dtype == torch.float32 and list(b.shape) == [V]
+        assert torch.equal(b, downloaded.bias) and not torch.equal(b, b0)  # stepped once
+        assert torch.equal(tensors["lm_head.weight"].float(), downloaded.weights)
+        assert list(tensors["lm_head.bias.optimizer.exp_avg"].shape) == [V]
+        assert tensors["lm_head.bias.optimizer.exp_avg_sq"].abs().sum() > 0
+        assert torch.equal(tensors["lm_head.bias.grad"], window.grad_bias)
+        assert {t["name"] for t in manifest["tensors"]} >= {
+            "lm_head.bias", "lm_head.bias.grad", "lm_head.bias.optimizer.exp_avg"}
+
+        # Back in: a head with a bias, W and b as exported, in one push (version 2).
+        assert import_safetensors(client, "copy", out) == 2
+        assert client.get_head("copy").spec.bias
+        copy = client.download_weights("copy", dtype=torch.float32)
+        assert torch.equal(copy.weights, downloaded.weights)
+        assert torch.equal(copy.bias, downloaded.bias)
+        done = subprocess.run([str(cli), "import", f"--server={server.address}",
+                               f"--safetensors={out}", "--head=tool-copy"],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert "'lm_head.bias'" in done.stdout
+        tool = client.download_weights("tool-copy", dtype=torch.float32)
+        assert client.get_head("tool-copy").spec.bias
+        assert torch.equal(tool.weights, downloaded.weights)
+        assert torch.equal(tool.bias, downloaded.bias)
+
+        # A bias of the wrong length is refused, nothing created.
+        bad = tmp_path / "bad.safetensors"
+        w_bytes = torch.zeros(2, 2).numpy().tobytes()
+        header = json.dumps({"lm_head.weight": {"dtype": "F32", "shape": [2, 2],
+                                                "data_offsets": [0, 16]},
+                             "lm_head.bias": {"dtype": "F32", "shape": [3],
+                                              "data_offsets": [16, 28]}})
+        header += " " * (-len(header) % 8)
+        bad.write_bytes(struct.pack("<Q", len(header)) + header.encode() + w_bytes +
+                        torch.zeros(3).numpy().tobytes())
+        with pytest.raises(LossheadError) as e:
+            import_safetensors(client, "bad", bad)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        done = subprocess.run([str(cli), "import", f"--server={server.address}",
+                               f"--safetensors={bad}", "--head=bad"],
+                              capture_output=True, text=True)
+        assert done.returncode == 1 and "INVALID_ARGUMENT" in done.stderr, done.stderr
+        assert sorted(h.spec.name for h in client.list_heads()) == ["biased", "copy",
+                                                                     "tool-copy"]

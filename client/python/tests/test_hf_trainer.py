@@ -9,6 +9,8 @@ with its own head (built from a config, no downloads), on a CPU server with --ch
 - Save at step 4, train to step 8, then resume from step 4 in a new process (the server ran
   further; in the second case it was also killed and restarted): the resumed run ends where
   the uninterrupted one did.
+- Phi's lm_head has a bias: the same loop, checkpoint and resume with b on the server (stepped
+  without weight decay, as the Trainer's no-decay group steps a local bias).
 - accelerate with two processes (gloo), every rank stepping the prepared optimizer and clipping
   with accelerator.clip_grad_norm_: one process over the concatenated batch.
 
@@ -49,6 +51,20 @@ def tiny_llama(seed: int = 0, tied: bool = False) -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_phi(seed: int = 0) -> Any:
+    """Phi's layout: LayerNorms, partial rotary, and an lm_head with a bias."""
+    config = transformers.PhiConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, partial_rotary_factor=0.5,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.PhiForCausalLM(config)
+    assert model.lm_head.bias is not None
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0, 0.5)  # large enough for the loss to depend on it
+    return model
+
+
 class Tokens(torch.utils.data.Dataset):
     """Fixed random sequences; about one label in five ignored (-100)."""
 
@@ -83,10 +99,11 @@ def _steps(log_history: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
 
 def run_training(output_dir: str, *, address: Optional[str] = None, head: str = "",
                  create: bool = True, resume: Optional[str] = None, tied: bool = False,
-                 **overrides: Any) -> Dict[str, Any]:
-    """One Trainer run, offloaded to `head` at `address` or (without) with its own head. Returns
-    the log history, the trunk's weights, the head's W and the trainer's evaluation."""
-    model = tiny_llama(tied=tied)
+                 phi: bool = False, **overrides: Any) -> Dict[str, Any]:
+    """One Trainer run (a tiny Llama, or with `phi` a tiny Phi), offloaded to `head` at
+    `address` or (without) with its own head. Returns the log history, the trunk's weights, the
+    head's W (and b: None without a bias) and the trainer's evaluation."""
+    model = tiny_phi() if phi else tiny_llama(tied=tied)
     offloaded = None
     client = None
     if address is not None:
@@ -98,10 +115,12 @@ def run_training(output_dir: str, *, address: Optional[str] = None, head: str = 
     if offloaded is not None:
         trainer = offloaded.attach(trainer)
     trainer.train(resume_from_checkpoint=resume)
+    w, b = (offloaded.download_head() if offloaded is not None
+            else (model.lm_head.weight.detach().clone(),
+                  None if model.lm_head.bias is None else model.lm_head.bias.detach().clone()))
     out = {"log": trainer.state.log_history,
            "trunk": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
-           "w": (offloaded.download_weight() if offloaded is not None
-                 else model.lm_head.weight.detach().clone())}
+           "w": w, "b": b}
     if offloaded is not None:
         info = client.get_head(head)
         out["window_before_eval"] = info.microbatches_since_pull
@@ -121,6 +140,9 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float =
 
 def _assert_same_model(got: Dict[str, Any], want: Dict[str, Any], rel: float = REL) -> None:
     _assert_close(got["w"], want["w"], "lm_head.weight", rel)
+    assert (got.get("b") is None) == (want.get("b") is None)
+    if want.get("b") is not None:
+        _assert_close(got["b"], want["b"], "lm_head.bias", rel)
     for name, value in want["trunk"].items():
         if name == "embed_tokens.weight" and name not in got["trunk"]:
             continue  # a tied model's embedding is W, served by the head: compared above
@@ -188,11 +210,57 @@ def test_trainer_drives_a_tied_head_as_it_drives_its_own(server: Any, tmp_path: 
     assert torch.equal(loaded.lm_head.weight.detach(), remote["w"])
 
 
+def test_trainer_drives_a_biased_head_as_it_drives_its_own(server: Any, tmp_path: Path) -> None:
+    """Phi: the head holds lm_head.bias; losses, norms, W, b and the trunk as the local model's
+    (its bias in the Trainer's no-decay group), and the checkpoint has lm_head.bias."""
+    local = run_training(str(tmp_path / "local"), phi=True)
+    remote = run_training(str(tmp_path / "remote"), address=server.address, head="hf-phi",
+                          phi=True)
+    want, got = _steps(local["log"]), _steps(remote["log"])
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=REL, abs=1e-9), (
+                f"{key} at step {step}")
+    assert remote["b"] is not None
+    _assert_same_model(remote, local)
+    assert remote["optimizer_step"] == STEPS
+    directory = tmp_path / "remote" / f"checkpoint-{STEPS}"
+    loaded, info = transformers.PhiForCausalLM.from_pretrained(str(directory),
+                                                              output_loading_info=True)
+    assert not info["missing_keys"], info
+    assert torch.equal(loaded.lm_head.weight.detach(), remote["w"])
+    assert torch.equal(loaded.lm_head.bias.detach(), remote["b"])
+
+
 def _resume_main(output_dir: str, address: str, head: str, checkpoint: str,
-                 result_path: str) -> None:
+                 result_path: str, phi: bool = False) -> None:
     """The resuming process: a fresh model and client, the head attached (not created)."""
     torch.save(run_training(output_dir, address=address, head=head, create=False,
-                            resume=checkpoint), result_path)
+                            resume=checkpoint, phi=phi), result_path)
+
+
+def test_resume_of_a_biased_head_ends_where_the_uninterrupted_run_did(
+        servers: ServerFactory, tmp_path: Path) -> None:
+    """Phi resumed from step 4 in a new process: W and b come back from the checkpoint's files
+    (one push) and the snapshot (b's moments with W's), and the run ends where it did."""
+    server = servers.start("--checkpoint_dir", str(tmp_path / "server-checkpoints"))
+    out = str(tmp_path / "run")
+    uninterrupted = run_training(out, address=server.address, head="hf-phi-resume", phi=True)
+    result = tmp_path / "resumed.pt"
+    process = multiprocessing.get_context("spawn").Process(
+        target=_resume_main, args=(out, server.address, "hf-phi-resume",
+                                   os.path.join(out, f"checkpoint-{SAVE_AT}"), str(result),
+                                   True))
+    process.start()
+    process.join(600)
+    assert process.exitcode == 0
+    resumed = torch.load(result, weights_only=False)
+    assert resumed["optimizer_step"] == STEPS
+    want, got = _steps(uninterrupted["log"]), _steps(resumed["log"])
+    for step in range(SAVE_AT + 1, STEPS + 1):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
+    _assert_same_model(resumed, uninterrupted, rel=1e-5)
 
 
 @pytest.mark.parametrize("server_restarted", [False, True], ids=["server_ran_on",

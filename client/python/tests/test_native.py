@@ -401,3 +401,88 @@ def test_embedding_rows_follow_a_head_created_again(paths: Dict[str, Client],
     w = torch.randn(20, 4).bfloat16()
     c.upload_weights(head, w)
     _same(c.embedding_rows(head, torch.tensor([3])).rows, w[[3]], "rows of the narrower head")
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bias_head_transfers_equal_the_grpc_path(paths: Dict[str, Client], wire: torch.dtype,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head with an output bias: W and b pushed, added and downloaded, dW and db pulled, on
+    the native path (b in a tensor of its own, no grpcio call for the data) as on the gRPC one,
+    bit for bit; the refusals keep their codes."""
+    from losshead import _transfers
+
+    v, d, n = 29, 12, 40
+    g = torch.Generator().manual_seed(77)
+    w, b = torch.randn(v, d, generator=g), torch.randn(v, generator=g) * 2
+    dw, db = torch.randn(v, d, generator=g), torch.randn(v, generator=g)
+    hidden = torch.randn(n, d, generator=g)
+    targets = torch.randint(0, v, (n,), generator=g)
+    got = {}
+    for name, c in paths.items():
+        head = f"native-bias-{name}-{str(wire)[6:]}"
+        c.create_head(head, v, d, weight_dtype=torch.float32, bias=True)
+        try:
+            if name == "native":
+                # The data never goes through grpcio's transfers on the native path.
+                for method in ("_download_weights_once", "_pull_gradient_once"):
+                    monkeypatch.setattr(_transfers.Transfers, method, _refuse_grpc)
+                monkeypatch.setattr(c, "_stub", _NoDataStub(c._stub))
+            pushed = c.push_weights(head, w, bias=b, dtype=wire)
+            added = c.push_weights(head, dw, bias=db, dtype=wire, add=True,
+                                   expected_weights_version=pushed)
+            down = c.download_weights(head, dtype=torch.float32)
+            down_wire = c.download_weights(head, dtype=wire)
+            c.step(head, hidden, targets, hidden_dtype=torch.float32, reduction="sum")
+            kept = c.pull_gradient(head)
+            pulled = c.pull_gradient(head, reset=True, dtype=wire)
+            empty = c.pull_gradient(head, reset=True)
+            codes = [_code_of(lambda: c.push_weights(head, w)),
+                     _code_of(lambda: c.push_weights(head, w, bias=b[:-1]))]
+            got[name] = (pushed, added, down, down_wire, kept, pulled, empty, codes,
+                         c.get_head(head).weights_version)
+        finally:
+            monkeypatch.undo()
+            c.delete_head(head)
+    n_, g_ = got["native"], got["grpc"]
+    assert n_[0] == g_[0] == 2 and n_[1] == g_[1] == 3 and n_[8] == g_[8] == 3
+    for i, what in ((2, "download fp32"), (3, "download in the wire dtype")):
+        _same(n_[i].weights, g_[i].weights, f"W, {what}")
+        _same(n_[i].bias, g_[i].bias, f"b, {what}")
+        assert n_[i].version == g_[i].version == 3
+    expect_w = w.to(wire).float() + dw.to(wire).float()
+    expect_b = b.to(wire).float() + db.to(wire).float()
+    _same(n_[2].weights, expect_w, "W against the sums")
+    _same(n_[2].bias, expect_b, "b against the sums")
+    for i, what in ((4, "kept"), (5, "pulled with reset"), (6, "empty")):
+        _same(n_[i].grad, g_[i].grad, f"dW {what}")
+        _same(n_[i].grad_bias, g_[i].grad_bias, f"db {what}")
+        assert n_[i].summary == g_[i].summary, what
+    assert torch.count_nonzero(n_[6].grad_bias) == 0 and n_[5].summary.microbatch_count == 1
+    _same(n_[5].grad_bias, n_[4].grad_bias.to(wire), "db in the wire dtype")
+    ref_b = torch.nn.functional.softmax(
+        hidden.double() @ expect_w.double().T + expect_b.double(), dim=-1)
+    ref_db = (ref_b - torch.nn.functional.one_hot(targets, v).double()).sum(0)
+    assert_close(n_[4].grad_bias, ref_db, FP32_REL * 10, "db")
+    assert n_[7] == g_[7] == [C.INVALID_ARGUMENT, C.INVALID_ARGUMENT]
+
+
+def _refuse_grpc(*args, **kwargs):
+    raise AssertionError("the native path sent a transfer through grpcio")
+
+
+class _NoDataStub:
+    """A stub whose data methods fail the test: the native path's transfers stay native."""
+
+    def __init__(self, stub) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str):
+        if name in ("PushWeights", "PullGradient", "DownloadWeights"):
+            return _refuse_grpc
+        return getattr(self._stub, name)
+
+
+def _code_of(call: Callable[[], object]) -> grpc.StatusCode:
+    with pytest.raises(LossheadError) as e:
+        call()
+    return e.value.code

@@ -13,10 +13,11 @@
  * Versions (LH_CAPI_VERSION): from version 3 on, a version only adds. A function or struct, once
  * in a released version, keeps its signature, layout and meaning; what a later version carries
  * comes in new functions taking new structs (version 4: lh_step_many_with_inputs beside
- * lh_step_many, lh_embedding_rows). So a caller written for version N works with every library
- * whose lh_capi_version() is N or more, and checks that (not equality). Each function is exported
- * under the symbol version of the ABI version that added it (exports.map: LH_CAPI_3,
- * LH_CAPI_4).
+ * lh_step_many, lh_embedding_rows; version 5: the *_bias transfers beside lh_push_weights,
+ * lh_pull_gradient and lh_download_weights). So a caller written for version N works with every
+ * library whose lh_capi_version() is N or more, and checks that (not equality). Each function is
+ * exported under the symbol version of the ABI version that added it (exports.map: LH_CAPI_3,
+ * LH_CAPI_4, LH_CAPI_5).
  */
 #ifndef LOSSHEAD_CAPI_H_
 #define LOSSHEAD_CAPI_H_
@@ -28,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LH_CAPI_VERSION 4
+#define LH_CAPI_VERSION 5
 
 /* The ABI version this library implements (LH_CAPI_VERSION when it was built). */
 int lh_capi_version(void);
@@ -192,7 +193,9 @@ int lh_embedding_rows(lh_client* client, const char* head, const int64_t* ids, s
                       int dtype, int has_expected_version, uint64_t expected_version, void* out,
                       size_t capacity, lh_embedding_rows_info* info, lh_status* status);
 
-/* Client::PushWeights from `data` (V x D of `dtype`); add: PUSH_MODE_ADD. */
+/* Client::PushWeights from `data` (V x D of `dtype`); add: PUSH_MODE_ADD. A head with an output
+ * bias takes W followed by b (V x D + V values) in one stream: from `data` alone (laid out so),
+ * or from lh_push_weights_bias. */
 int lh_push_weights(lh_client* client, const char* head, int dtype, const void* data, size_t bytes,
                     int add, int has_expected_version, uint64_t expected_version,
                     uint64_t* new_version, lh_status* status);
@@ -209,7 +212,10 @@ typedef struct lh_gradient_summary {
   int was_reset;
 } lh_gradient_summary;
 
-/* Client::PullGradientInto: dW into `out` (at least V x D of `dtype`). */
+/* Client::PullGradientInto: dW into `out` (at least V x D of `dtype`). A head with an output bias
+ * (summary: see lh_pull_gradient_bias) sends db after dW, which lands after it in `out`: `out`
+ * must then hold V x D + V values (FAILED_PRECONDITION otherwise, naming the bias; with `reset`
+ * the window is then gone), or use lh_pull_gradient_bias. */
 int lh_pull_gradient(lh_client* client, const char* head, int dtype, int reset, void* out,
                      size_t capacity, lh_gradient_summary* summary, lh_status* status);
 
@@ -220,9 +226,39 @@ typedef struct lh_weights_info {
   uint64_t weights_version;
 } lh_weights_info;
 
-/* Client::DownloadWeightsInto: W into `out`; dtype 0: the head's. */
+/* Client::DownloadWeightsInto: W into `out`; dtype 0: the head's. A head with an output bias:
+ * b after W in `out` (V x D + V values; FAILED_PRECONDITION, naming the bias, when they do not
+ * fit), or use lh_download_weights_bias. */
 int lh_download_weights(lh_client* client, const char* head, int dtype, void* out, size_t capacity,
                         lh_weights_info* info, lh_status* status);
+
+/* A head with an output bias b (HeadSpec.bias; V values, fp32 on the server, in the transfer's
+ * dtype on the wire): W and b in buffers of their own. (Version 5.) */
+
+/* lh_push_weights with b from `bias` (V values of `dtype`, `bias_bytes` bytes), sent after W's
+ * `bytes` in the same stream: W and b change together, in one version. A head with a bias
+ * answers INVALID_ARGUMENT, nothing changed, when the two lengths are not V x D and V values
+ * (`bias` null with bias_bytes 0: none given); so does a head without a bias given one.
+ * INVALID_ARGUMENT, sending nothing, for a null client or a null `bias` with bias_bytes > 0. */
+int lh_push_weights_bias(lh_client* client, const char* head, int dtype, const void* data,
+                         size_t bytes, const void* bias, size_t bias_bytes, int add,
+                         int has_expected_version, uint64_t expected_version, uint64_t* new_version,
+                         lh_status* status);
+
+/* lh_pull_gradient with db in `bias_out` (at least V values of `dtype`; more left untouched):
+ * `*bias_bytes` (when not null) is set to the bytes of db written, 0 for a head without a bias
+ * (`bias_out` untouched). FAILED_PRECONDITION, nothing written, when dW does not fit `capacity`
+ * or db `bias_capacity` (with `reset` the window is then gone, as after a lost answer: size the
+ * buffers from the head). INVALID_ARGUMENT, sending nothing, for a null client or a null
+ * `bias_out` with bias_capacity > 0. */
+int lh_pull_gradient_bias(lh_client* client, const char* head, int dtype, int reset, void* out,
+                          size_t capacity, void* bias_out, size_t bias_capacity,
+                          lh_gradient_summary* summary, uint64_t* bias_bytes, lh_status* status);
+
+/* lh_download_weights with b in `bias_out` (the same rules as lh_pull_gradient_bias). */
+int lh_download_weights_bias(lh_client* client, const char* head, int dtype, void* out,
+                             size_t capacity, void* bias_out, size_t bias_capacity,
+                             lh_weights_info* info, uint64_t* bias_bytes, lh_status* status);
 
 #ifdef __cplusplus
 }

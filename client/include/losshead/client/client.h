@@ -60,6 +60,11 @@ struct ClientOptions {
   // Further integer channel arguments (e.g. grpc.initial_reconnect_backoff_ms), applied last;
   // they replace the socket read sizes of transport/channel_args.h where they name them.
   std::vector<std::pair<std::string, int>> channel_args;
+  // The same-node path (docs/same-node.md): when the server runs on this host and offers it
+  // (Stats.same_node), Step streams move hidden states, targets and dH through shared memory,
+  // with only control messages on gRPC; otherwise, or when registering a region fails, they use
+  // the network path. Results are the same bit for bit. false: always the network path.
+  bool same_node = true;
   // Retries of transient failures; see losshead/client/retry.h for what is retried and why
   // nothing is counted twice. Applies to every method, and per micro-batch to Step and StepMany.
   RetryPolicy retry;
@@ -78,14 +83,20 @@ struct PushRequest {
   std::string head;
   v1::DType dtype = v1::DTYPE_FP32;  // BF16 | FP16 | FP32; V x D row-major
   std::span<const std::byte> data;
+  // A head with an output bias (HeadSpec.bias) takes b too, V values of `dtype`, sent after W in
+  // the same stream: W and b change together, in one version. Empty: none (such a head then
+  // answers INVALID_ARGUMENT, as a head without a bias does when given one).
+  std::span<const std::byte> bias;
   v1::PushMode mode = v1::PUSH_MODE_REPLACE;
   std::optional<uint64_t> expected_weights_version;
 };
 
-// A gradient pulled whole: the server's summary and V x D elements of summary.dtype().
+// A gradient pulled whole: the server's summary and V x D elements of summary.dtype(); for a
+// head with an output bias (summary.bias()), db's V elements in `bias` (empty otherwise).
 struct PulledGradient {
   v1::GradientSummary summary;
   Bytes data;
+  Bytes bias;
 };
 
 struct DownloadedWeights {
@@ -94,6 +105,8 @@ struct DownloadedWeights {
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
   uint64_t weights_version = 0;
   Bytes data;
+  bool has_bias = false;  // the head has an output bias: b follows W on the wire
+  Bytes bias;             // b, V elements of `dtype` (DownloadWeights; empty for the *Into)
 };
 
 // Rows of W for token ids (Client::EmbeddingRows): num_rows x hidden_size of `dtype`.
@@ -103,6 +116,13 @@ struct FetchedRows {
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
   uint64_t weights_version = 0;  // every row was read at it
   Bytes data;
+};
+
+// Where a transfer writes a tensor: the caller's buffer `data`, or `*owned` (allocated to the
+// announced size) when `owned` is not null.
+struct Destination {
+  std::span<std::byte> data;
+  Bytes* owned = nullptr;
 };
 
 // grpc.health.v1 serving status.
@@ -143,11 +163,21 @@ class Client {
   // PullGradient into the caller's buffer, which must hold V x D elements of `dtype` (more is
   // left untouched): no intermediate copy of dW. FAILED_PRECONDITION when the server announces
   // more bytes than `out` holds (with `reset`, that window is then gone, as after a lost answer).
+  // A head with an output bias sends db after dW: without `bias_out` it lands after dW in `out`
+  // (which must then hold V x D + V elements), with it in `bias_out` (at least V elements; more
+  // left untouched; a head without a bias leaves it untouched). summary.bias() says which.
   absl::StatusOr<v1::GradientSummary> PullGradientInto(const std::string& head, v1::DType dtype,
                                                        bool reset, std::span<std::byte> out);
-  // DownloadWeights into the caller's buffer (the same rules); `data` of the result stays empty.
+  absl::StatusOr<v1::GradientSummary> PullGradientInto(const std::string& head, v1::DType dtype,
+                                                       bool reset, std::span<std::byte> out,
+                                                       std::span<std::byte> bias_out);
+  // DownloadWeights into the caller's buffer (the same rules, b for dW's db); `data` and `bias`
+  // of the result stay empty, `has_bias` says whether b was written.
   absl::StatusOr<DownloadedWeights> DownloadWeightsInto(const std::string& head, v1::DType dtype,
                                                         std::span<std::byte> out);
+  absl::StatusOr<DownloadedWeights> DownloadWeightsInto(const std::string& head, v1::DType dtype,
+                                                        std::span<std::byte> out,
+                                                        std::span<std::byte> bias_out);
 
   absl::StatusOr<v1::Stats> GetStats();
   // Writes the checkpoint of `head` (every head when empty) now; FAILED_PRECONDITION when the
@@ -218,6 +248,12 @@ class Client {
   std::vector<absl::StatusOr<StepResult>> StepMany(std::span<const Microbatch> microbatches,
                                                    size_t pipeline_depth = 4);
 
+  // The path Step streams opened now take to the server (every head alike): "shared_memory" when
+  // the server is on this host and offers the same-node path (asked once, with GetStats), else
+  // "network". A stream that cannot register a region falls back on its own
+  // (StepStream::data_path, StepResult::shared_memory).
+  std::string data_path();
+
   // Attempts that were retries (all methods), since Connect.
   uint64_t retries() const { return retries_.load(); }
 
@@ -231,7 +267,7 @@ class Client {
   const ClientOptions& options() const { return options_; }
   grpc::Channel* channel() const { return channel_.get(); }
 
- ~Client();
+  ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
@@ -269,21 +305,26 @@ class Client {
   absl::StatusOr<v1::HeadInfo> SetLossOptionsOnce(const std::string& name,
                                                   const v1::LossOptions& default_options);
   absl::StatusOr<uint64_t> PushWeightsOnce(const PushRequest& request);
-  // The transfers write into `out`, or into `*owned` (allocated to the announced size) when it
-  // is not null.
+  // The transfers write W (dW) into `out` and, for a head with an output bias, b (db) into
+  // `bias` when it is given, else after W into `out`.
   absl::StatusOr<DownloadedWeights> DownloadWeightsOnce(const std::string& head, v1::DType dtype,
-                                                        std::span<std::byte> out, Bytes* owned);
+                                                        Destination out,
+                                                        std::optional<Destination> bias);
   absl::StatusOr<v1::GradientSummary> PullGradientOnce(const std::string& head, v1::DType dtype,
-                                                       bool reset, std::span<std::byte> out,
-                                                       Bytes* owned);
+                                                       bool reset, Destination out,
+                                                       std::optional<Destination> bias);
   // PullGradient's retry rules around PullGradientOnce.
   absl::StatusOr<v1::GradientSummary> PullGradientWithRetry(const std::string& head,
                                                             v1::DType dtype, bool reset,
-                                                            std::span<std::byte> out, Bytes* owned);
+                                                            Destination out,
+                                                            std::optional<Destination> bias);
   absl::StatusOr<v1::Stats> GetStatsOnce();
   // One summary_only pull (WindowSummary, DiscardGradient).
   absl::StatusOr<v1::GradientSummary> WindowSummaryOnce(const std::string& head, bool reset);
   absl::StatusOr<StepResult> StepOnce(const Microbatch& microbatch);
+  // The same-node link for a new Step stream, negotiated at the first call (null: the network
+  // path); a GetStats that fails is asked again next time.
+  std::shared_ptr<const SameNodeLink> SameNode();
   absl::StatusOr<FetchedRows> EmbeddingRowsOnce(const v1::EmbeddingRowsRequest& request);
 
   std::shared_ptr<grpc::Channel> channel_;
@@ -298,6 +339,9 @@ class Client {
   std::map<std::string, Client*> home_of_ ABSL_GUARDED_BY(homes_mu_);
   absl::Mutex streams_mu_;
   std::vector<std::unique_ptr<StepStream>> idle_streams_ ABSL_GUARDED_BY(streams_mu_);
+  absl::Mutex same_node_mu_;
+  bool same_node_probed_ ABSL_GUARDED_BY(same_node_mu_) = false;
+  std::string same_node_socket_ ABSL_GUARDED_BY(same_node_mu_);  // empty: none
 };
 
 // The home's address in a FAILED_PRECONDITION that redirects a client id ("home=<address>"), if

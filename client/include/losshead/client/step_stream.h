@@ -25,6 +25,15 @@
 
 namespace losshead::client {
 
+class SharedRegion;
+
+// How a stream reaches a server on its own host (docs/same-node.md): the server's same-node
+// socket (Stats.same_node) and the authorization its regions are registered with.
+struct SameNodeLink {
+  std::string socket;
+  std::string authorization;  // "Bearer <token>", or empty
+};
+
 // One micro-batch: N tokens of hidden states (N x D row-major, `hidden_dtype`) and their target ids
 // (N, `target_dtype` INT32 or INT64). The spans are only read during StepStream::Send (copied once,
 // into the messages' own buffers).
@@ -100,6 +109,9 @@ struct StepResult {
   int32_t top_k = 0;
   std::vector<int32_t> top_k_ids;
   std::vector<float> top_k_logprobs;
+  // Its hidden states, targets and dH went through shared memory with a server on this host
+  // (the same-node path, docs/same-node.md), not in the stream's messages.
+  bool shared_memory = false;
 };
 
 // Bytes of a typed vector, for Microbatch spans.
@@ -117,8 +129,11 @@ std::span<const std::byte> AsBytes(const std::vector<T>& v) {
 class StepStream {
  public:
   // Use Client::OpenStepStream.
+  // With `same_node`, micro-batches go through shared memory regions registered with the server
+  // (one per micro-batch in flight, reused); when a region cannot be registered the stream
+  // falls back to the network path for good (data_path() says which it uses).
   StepStream(std::unique_ptr<grpc::ClientContext> context, grpc::ChannelInterface* channel,
-             size_t max_message_bytes);
+             size_t max_message_bytes, std::shared_ptr<const SameNodeLink> same_node = nullptr);
   ~StepStream();  // cancels the call if Finish() was not called
   StepStream(const StepStream&) = delete;
   StepStream& operator=(const StepStream&) = delete;
@@ -147,6 +162,8 @@ class StepStream {
   void Close(absl::Duration grace);
   // Whether the call has ended (the server finished it, or it failed or was cancelled).
   bool ended() const;
+  // "shared_memory" while micro-batches go through shared memory, else "network".
+  const char* data_path() const;
 
  private:
   void ReadLoop();
@@ -154,12 +171,17 @@ class StepStream {
   void CancelCall();
   // Fails every expected answer still missing with `status`; called once the call has ended.
   void EndCall(const absl::Status& status);
+  // A free registered region of at least `bytes` (reused, or registered now); null when the
+  // same-node path is not in use or registering failed (which turns it off for this stream).
+  std::shared_ptr<SharedRegion> TakeRegion(size_t bytes);
 
   std::unique_ptr<grpc::ClientContext> context_;
   std::atomic<bool> cancelled_here_{false};
   // Byte buffers rather than typed messages: see raw_message.h.
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
   const size_t max_message_bytes_;
+  const std::shared_ptr<const SameNodeLink> same_node_;
+  std::atomic<bool> same_node_off_{false};
 
   std::mutex write_mu_;  // one micro-batch's messages are written without interleaving
   bool writes_done_ = false;
@@ -177,9 +199,15 @@ class StepStream {
     std::vector<int> token_outputs;
     bool correct_count = false;
     uint32_t top_k = 0;
+    // Its region on the same-node path (null: the network path) and where dH lands in it.
+    std::shared_ptr<SharedRegion> region;
+    uint64_t grad_offset = 0;
+    uint64_t grad_capacity = 0;
   };
   std::deque<Expected> expected_;
   std::deque<absl::StatusOr<StepResult>> answers_;  // answered, not yet received
+  // Registered regions no micro-batch uses now, for the next ones.
+  std::vector<std::shared_ptr<SharedRegion>> free_regions_;
   bool ended_ = false;
   absl::Status call_status_;
   std::thread reader_;

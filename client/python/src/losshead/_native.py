@@ -144,6 +144,21 @@ _SIGNATURES = {
                                        _c.POINTER(_WeightsInfo), _S]),
 }
 
+# Version 5's transfers of a head with an output bias: bound when the library has them (a
+# version 4 library still serves everything else; such heads then take the grpcio path).
+_BIAS_VERSION = 5
+_BIAS_SIGNATURES = {
+    "lh_push_weights_bias": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _p, _c.c_size_t, _p,
+                                        _c.c_size_t, _c.c_int, _c.c_int, _c.c_uint64,
+                                        _c.POINTER(_c.c_uint64), _S]),
+    "lh_pull_gradient_bias": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _c.c_int, _p, _c.c_size_t,
+                                         _p, _c.c_size_t, _c.POINTER(_GradientSummary),
+                                         _c.POINTER(_c.c_uint64), _S]),
+    "lh_download_weights_bias": (_c.c_int, [_p, _c.c_char_p, _c.c_int, _p, _c.c_size_t, _p,
+                                            _c.c_size_t, _c.POINTER(_WeightsInfo),
+                                            _c.POINTER(_c.c_uint64), _S]),
+}
+
 _lock = threading.Lock()
 _loaded: Optional[Tuple[Optional[ctypes.CDLL], str]] = None
 
@@ -189,6 +204,10 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
                 why = (f"{path} speaks ABI {lib.lh_capi_version()}, this package needs "
                        f"{_ABI_VERSION} or later")
                 continue
+            if lib.lh_capi_version() >= _BIAS_VERSION:
+                for name, (restype, argtypes) in _BIAS_SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = restype, argtypes
             _loaded = (lib, str(path))
             return _loaded
         _loaded = (None, why)
@@ -396,6 +415,42 @@ class NativeClient:
                                          _nbytes(out), _c.byref(info), _c.byref(status)):
             raise _error(status)
         return info
+
+    # -- a head with an output bias: b in a tensor of its own (version 5) ---------------------
+    @property
+    def carries_bias(self) -> bool:
+        """Whether the library has the transfers of a head with an output bias."""
+        return self._lib.lh_capi_version() >= _BIAS_VERSION
+
+    def push_bias(self, head: str, data: torch.Tensor, bias: torch.Tensor, dtype: int,
+                  add: bool, expected_weights_version: Optional[int]) -> int:
+        version, status = _c.c_uint64(), _Status()
+        if self._lib.lh_push_weights_bias(
+                self._live(), head.encode(), dtype, _ptr(data), _nbytes(data), _ptr(bias),
+                _nbytes(bias), int(add), int(expected_weights_version is not None),
+                int(expected_weights_version or 0), _c.byref(version), _c.byref(status)):
+            raise _error(status)
+        return int(version.value)
+
+    def pull_bias_into(self, head: str, dtype: int, reset: bool, out: torch.Tensor,
+                       bias_out: torch.Tensor) -> Tuple[_GradientSummary, int]:
+        """dW into `out`, db into `bias_out`; the summary and the bytes of db (0: no bias)."""
+        summary, bias_bytes, status = _GradientSummary(), _c.c_uint64(), _Status()
+        if self._lib.lh_pull_gradient_bias(
+                self._live(), head.encode(), dtype, int(reset), _ptr(out), _nbytes(out),
+                _ptr(bias_out), _nbytes(bias_out), _c.byref(summary), _c.byref(bias_bytes),
+                _c.byref(status)):
+            raise _error(status)
+        return summary, int(bias_bytes.value)
+
+    def download_bias_into(self, head: str, dtype: int, out: torch.Tensor,
+                           bias_out: torch.Tensor) -> Tuple[_WeightsInfo, int]:
+        info, bias_bytes, status = _WeightsInfo(), _c.c_uint64(), _Status()
+        if self._lib.lh_download_weights_bias(
+                self._live(), head.encode(), dtype, _ptr(out), _nbytes(out), _ptr(bias_out),
+                _nbytes(bias_out), _c.byref(info), _c.byref(bias_bytes), _c.byref(status)):
+            raise _error(status)
+        return info, int(bias_bytes.value)
 
 
 def _grad_dtype(header: pb.StepHeader) -> torch.dtype:

@@ -50,8 +50,14 @@ class Transfers(ClientBase):
             if bias.dim() != 1:
                 raise ValueError(f"losshead: bias must be one-dimensional (V), got shape "
                                  f"{tuple(bias.shape)}")
-            # b after W on the wire; the gRPC path sends it (the native one takes V x D only).
-            host = torch.cat([host.reshape(-1), _wire.host_tensor(bias, wire).reshape(-1)])
+            host_bias = _wire.host_tensor(bias, wire)
+            if self._natives and self._natives[0].carries_bias:
+                # W and b read in place, one stream: b's pieces follow W's.
+                return self._natives[0].push_bias(head, host, host_bias,
+                                                  _wire.to_wire_dtype(wire), add,
+                                                  expected_weights_version)
+            # b after W on the wire, for the gRPC path (or a library without the bias calls).
+            host = torch.cat([host.reshape(-1), host_bias.reshape(-1)])
         if self._natives and bias is None:
             return self._natives[0].push(head, host, _wire.to_wire_dtype(wire), add,
                                          expected_weights_version)
@@ -92,13 +98,22 @@ class Transfers(ClientBase):
         if dtype is None and out is not None:
             dtype = out.dtype
         info = self.get_head(head) if self._natives else None
-        # A head with a bias: b follows W, which the gRPC path splits off.
-        if info is not None and not info.spec.bias:
+        # A head with a bias: b follows W, which the library writes to a tensor of its own (the
+        # gRPC path splits it off, for a library without the bias calls).
+        if info is not None and (not info.spec.bias or self._natives[0].carries_bias):
             dt = _wire.to_torch_dtype(dtype if dtype is not None else info.spec.weight_dtype)
             dest = _destination(out, (info.spec.vocab_size, info.spec.hidden_size), dt)
-            got = self._natives[0].download_into(head, _wire.to_wire_dtype(dt), dest)
+            if not info.spec.bias:
+                got = self._natives[0].download_into(head, _wire.to_wire_dtype(dt), dest)
+                _check_filled("DownloadWeights", got.dtype, got.vocab_size, got.hidden_size,
+                              dest)
+                return Weights(weights=dest, version=got.weights_version)
+            bias = torch.empty(info.spec.vocab_size, dtype=dt)
+            got, bias_bytes = self._natives[0].download_bias_into(
+                head, _wire.to_wire_dtype(dt), dest, bias)
             _check_filled("DownloadWeights", got.dtype, got.vocab_size, got.hidden_size, dest)
-            return Weights(weights=dest, version=got.weights_version)
+            _check_bias("DownloadWeights", bias_bytes, bias)
+            return Weights(weights=dest, version=got.weights_version, bias=bias)
         w = self._with_retry(lambda: self._download_weights_once(head, dtype))
         if out is None:
             return w
@@ -129,8 +144,12 @@ class Transfers(ClientBase):
         unchanged; `get_head(head).tokens_since_pull` then tells whether the reset happened.
         """
         self._check_open()
-        if self._natives and not self.get_head(head).spec.bias:
-            return self._pull_gradient_native(head, reset, dtype, out)
+        if self._natives:
+            # The shape first, so that dW lands in its tensor as it arrives; a head's shape
+            # never changes, and a read is retried like any.
+            info = self.get_head(head)
+            if not info.spec.bias or self._natives[0].carries_bias:
+                return self._pull_gradient_native(head, info, reset, dtype, out)
         if not reset:
             g = self._with_retry(lambda: self._pull_gradient_once(head, reset, dtype))
         else:
@@ -153,19 +172,31 @@ class Transfers(ClientBase):
             min_weights_version=summary.min_weights_version,
             max_weights_version=summary.max_weights_version, was_reset=summary.was_reset))
 
-    def _pull_gradient_native(self, head: str, reset: bool, dtype: DTypeLike,
-                              out: Optional[torch.Tensor]) -> Gradient:
-        # The shape first, so that dW lands in its tensor as it arrives; a head's shape never
-        # changes, and a read is retried like any.
-        info = self.get_head(head)
+    def _pull_gradient_native(self, head: str, info: pb.HeadInfo, reset: bool,
+                              dtype: DTypeLike, out: Optional[torch.Tensor]) -> Gradient:
         dt = _wire.to_torch_dtype(dtype)
         dest = _destination(out, (info.spec.vocab_size, info.spec.hidden_size), dt)
-        s = self._natives[0].pull_into(head, _wire.to_wire_dtype(dt), reset, dest)
+        grad_bias = None
+        if info.spec.bias:
+            grad_bias = torch.empty(info.spec.vocab_size, dtype=dt)
+            s, bias_bytes = self._natives[0].pull_bias_into(head, _wire.to_wire_dtype(dt), reset,
+                                                            dest, grad_bias)
+            _check_bias("PullGradient", bias_bytes, grad_bias)
+        else:
+            s = self._natives[0].pull_into(head, _wire.to_wire_dtype(dt), reset, dest)
         _check_filled("PullGradient", s.dtype, s.vocab_size, s.hidden_size, dest)
-        return Gradient(grad=dest, summary=GradientSummary(
+        return Gradient(grad=dest, grad_bias=grad_bias, summary=GradientSummary(
             vocab_size=s.vocab_size, hidden_size=s.hidden_size, token_count=s.token_count,
             microbatch_count=s.microbatch_count, min_weights_version=s.min_weights_version,
             max_weights_version=s.max_weights_version, was_reset=bool(s.was_reset)))
+
+
+def _check_bias(method: str, bias_bytes: int, bias: torch.Tensor) -> None:
+    """The library wrote all of b (db): a head created with a bias keeps it for life."""
+    if bias_bytes != bias.numel() * bias.element_size():
+        raise LossheadError(grpc.StatusCode.INTERNAL,
+                            f"{method}: the server sent {bias_bytes} bytes of the output bias, "
+                            f"expected {bias.numel()} values")
 
 
 def _split_bias(buf: bytearray, dtype: int, vocab_size: int, hidden_size: int,

@@ -72,7 +72,9 @@ def export_checkpoint(path: PathLike, out: PathLike, *, head: Optional[str] = No
     optimizer's fp32 master weights (bf16/fp16 heads) and state as ``<tensor>.optimizer.<name>``
     (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``: torch.optim's names), with `gradient` the
     open gradient window as ``<tensor>.grad``. Its ``__metadata__`` and the manifest say which
-    head, weights version and optimizer step it is; the manifest has each tensor's SHA-256.
+    head, weights version and optimizer step it is; the manifest has each tensor's SHA-256. A
+    head with an output bias adds b (fp32, V) as `bias_name(tensor)` ("lm_head.bias"), with its
+    optimizer state and db under that name as W's are under `tensor`.
     Both files are written atomically. Raises LossheadError with the tool's status: NOT_FOUND
     (no such file), DATA_LOSS (a corrupt or torn checkpoint), FAILED_PRECONDITION (`optimizer`
     on a head without one), INVALID_ARGUMENT."""
@@ -143,6 +145,12 @@ def load_safetensors(path: PathLike) -> Dict[str, torch.Tensor]:
     return out
 
 
+def bias_name(tensor: str) -> str:
+    """Where an export keeps the output bias of W named `tensor`: "lm_head.weight" ->
+    "lm_head.bias", as nn.Linear's state dict names them; another name gets ".bias" appended."""
+    return tensor[:-len(".weight")] + ".bias" if tensor.endswith(".weight") else tensor + ".bias"
+
+
 def import_safetensors(client: Any, head: str, path: PathLike, *,
                        tensor: str = "lm_head.weight", create: bool = True,
                        **create_kwargs: Any) -> int:
@@ -151,7 +159,10 @@ def import_safetensors(client: Any, head: str, path: PathLike, *,
     of the tensor; `create_kwargs` go to Client.create_head: replicas, shards, matmul_precision,
     ...), and deleted again if the server refuses the weights (NaN, Inf); otherwise W of an
     existing head is replaced. The server's optimizer state is not in a safetensors file: a
-    created head's optimizer starts afresh (Client.set_optimizer)."""
+    created head's optimizer starts afresh (Client.set_optimizer). A file that holds an output
+    bias beside W (`bias_name(tensor)`, V values: an export of a head with one) gives the created
+    head a bias, and W and b go up in one push (in fp32 when their dtypes differ, so b is not
+    rounded to W's)."""
     tensors = load_safetensors(path)
     if tensor not in tensors or tensor == "__metadata__":
         names = sorted(k for k in tensors if k != "__metadata__")
@@ -162,11 +173,20 @@ def import_safetensors(client: Any, head: str, path: PathLike, *,
         raise LossheadError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{path}: tensor {tensor!r} is {w.dtype} {list(w.shape)}; a head "
                             "needs a bf16, fp16 or fp32 matrix [V, D]")
+    b = tensors.get(bias_name(tensor))
+    if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[0] or b.dtype not in _HEAD_DTYPES):
+        raise LossheadError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{path}: tensor {bias_name(tensor)!r} is {b.dtype} {list(b.shape)}; "
+                            f"the output bias of a head of V = {w.shape[0]} is a bf16, fp16 or "
+                            "fp32 vector [V]")
     if create:
         create_kwargs.setdefault("weight_dtype", w.dtype)
+        if b is not None:
+            create_kwargs.setdefault("bias", True)
         client.create_head(head, w.shape[0], w.shape[1], **create_kwargs)
     try:
-        return client.push_weights(head, w, dtype=w.dtype)
+        wire = w.dtype if b is None or b.dtype == w.dtype else torch.float32
+        return client.push_weights(head, w, dtype=wire, bias=b)
     except LossheadError:
         if create:
             client.delete_head(head)

@@ -45,6 +45,8 @@ from losshead.client import Client
 __all__ = ["HEAD_GROUP_KEY", "JointOptimizer", "head_kind"]
 
 HEAD_GROUP_KEY = "losshead_head"  # marks the head's param group (its value: the head's name)
+# The head group's weight decay of an output bias, when it differs from weight_decay.
+BIAS_WEIGHT_DECAY_KEY = "bias_weight_decay"
 _ADAMW_KEYS = ("lr", "weight_decay", "betas", "eps")
 _SGD_KEYS = ("lr", "weight_decay", "momentum", "dampening", "nesterov")
 
@@ -76,7 +78,9 @@ class JointOptimizer(torch.optim.Optimizer):
     the window's token count, the token mean over every rank and micro-batch of the step).
     `sharded`: the trunk's plain gradients are each rank's own shard (FSDP1), summed over the
     ranks for the global norm. `process_group`, `local`, `client_id`, `reset`: as
-    `losshead.optim.RemoteAdamW`.
+    `losshead.optim.RemoteAdamW`. `bias_weight_decay`: for a head with an output bias, b's
+    weight decay (None: the head group's weight_decay, as one torch param group holding W and
+    b would; 0: the usual no-decay group of biases, as the Hugging Face Trainer builds it).
     """
 
     def __init__(self, trunk: torch.optim.Optimizer, client: Client, head: str, *,
@@ -86,7 +90,8 @@ class JointOptimizer(torch.optim.Optimizer):
                  dampening: Optional[float] = None, nesterov: Optional[bool] = None,
                  grad_divisor: Optional[float] = None, sharded: bool = False,
                  process_group: Any = None, local: bool = False,
-                 client_id: Optional[str] = None, reset: bool = False) -> None:
+                 client_id: Optional[str] = None, reset: bool = False,
+                 bias_weight_decay: Optional[float] = None) -> None:
         if isinstance(trunk, JointOptimizer):
             raise TypeError("losshead: this optimizer holds the head already")
         kind = kind or head_kind(trunk)
@@ -102,6 +107,9 @@ class JointOptimizer(torch.optim.Optimizer):
             if value is None:
                 value = first.get(key, trunk.defaults.get(key, fallback[key]))
             head_group[key] = tuple(value) if key == "betas" else value
+        if bias_weight_decay is not None:
+            # A head with an output bias: b's decay (unset: the group's weight_decay).
+            head_group[BIAS_WEIGHT_DECAY_KEY] = float(bias_weight_decay)
         head_group[HEAD_GROUP_KEY] = head
         # torch.optim's own bookkeeping (hooks, the step profiler) on a group without
         # parameters; the trunk's groups and state are then shared, not copied.
@@ -147,11 +155,12 @@ class JointOptimizer(torch.optim.Optimizer):
 
     def _hyper_parameters(self) -> Dict[str, Any]:
         g = self._head_group
+        bias = dict(bias_weight_decay=g.get(BIAS_WEIGHT_DECAY_KEY))
         if self.stepper.kind == "sgd":
             return dict(lr=g["lr"], weight_decay=g["weight_decay"], momentum=g["momentum"],
-                        dampening=g["dampening"], nesterov=g["nesterov"])
+                        dampening=g["dampening"], nesterov=g["nesterov"], **bias)
         return dict(lr=g["lr"], weight_decay=g["weight_decay"], betas=tuple(g["betas"]),
-                    eps=g["eps"])
+                    eps=g["eps"], **bias)
 
     def _trunk_parameters(self) -> List[torch.Tensor]:
         return [p for g in self._trunk.param_groups for p in g["params"]]

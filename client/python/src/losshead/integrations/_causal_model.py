@@ -2,7 +2,8 @@
 
 `check_offloadable` reads the model (its `.model` trunk, its `.lm_head` Linear, its
 configuration) and refuses, before anything is sent, what the server cannot compute as the
-model would: a bias, a tie to an input embedding it cannot serve. `model_logit_scale` reads the
+model would: a tie to an input embedding it cannot serve, weights that are not there. A bias
+(Phi's lm_head) goes to the server with W: the head is created with an output bias. `model_logit_scale` reads the
 scale a model puts on its logits (Cohere, Granite), which the head takes as its default.
 `tied_embedding` finds the input embedding a tied head serves too. `OffloadedLMHead` takes
 `lm_head`'s place while W lives on the server.
@@ -18,9 +19,10 @@ from torch import nn
 
 
 class _WeightOwner(Protocol):
-    """What loading a state dict into the placeholder hands W to (OffloadedHead)."""
+    """What loading a state dict into the placeholder hands W (and b) to (OffloadedHead)."""
 
-    def upload_weight(self, weight: torch.Tensor) -> int: ...
+    def upload_weight(self, weight: Optional[torch.Tensor],
+                      bias: Optional[torch.Tensor] = None) -> int: ...
 
 
 TIED_EMBEDDINGS_ERROR = (
@@ -75,12 +77,10 @@ def check_offloadable(model: nn.Module) -> nn.Linear:
             f"losshead: {type(model).__name__} is not a causal LM of the expected layout: it "
             "needs `.model` (a module returning hidden states) and `.lm_head` (an nn.Linear over "
             f"them); found model={type(trunk).__name__}, lm_head={type(lm_head).__name__}")
-    if lm_head.bias is not None:
-        raise ValueError("losshead: lm_head has a bias; a losshead head is a matrix without one")
-    weight = lm_head.weight
-    if weight.device.type == "meta":
-        raise ValueError("losshead: lm_head.weight is on the meta device (not materialised, or "
-                         "dispatched elsewhere): there is nothing to upload")
+    for name, tensor in (("weight", lm_head.weight), ("bias", lm_head.bias)):
+        if tensor is not None and tensor.device.type == "meta":
+            raise ValueError(f"losshead: lm_head.{name} is on the meta device (not materialised, "
+                             "or dispatched elsewhere): there is nothing to upload")
     tied_embedding(model, lm_head)  # a tie the head cannot serve is refused here
     model_logit_scale(getattr(model, "config", None))  # a scale the head cannot take, too
     return lm_head
@@ -172,21 +172,26 @@ class OffloadedLMHead(nn.Module):
     """Stands in for `lm_head` while W lives on the server: no parameters, no V x D memory.
 
     `weight` is an empty (0 x D) tensor on the meta device kept outside the parameters and
-    buffers, so that optimizers, state_dict and model.to() never see it. Calling the module
-    raises: the model's forward computes the loss without it. Loading a state dict that holds
-    `lm_head.weight` (a checkpoint's, `from_pretrained`'s own weights, the Trainer's resume)
-    uploads it to the server's head instead (`OffloadedHead.upload_weight`); without it, a
-    strict load reports the key missing.
+    buffers, so that optimizers, state_dict and model.to() never see it; `bias` likewise an
+    empty (0,) one for a head with an output bias, None without (as nn.Linear's). Calling the
+    module raises: the model's forward computes the loss without it. Loading a state dict that
+    holds `lm_head.weight` (and `lm_head.bias`: a checkpoint's, `from_pretrained`'s own weights,
+    the Trainer's resume) uploads it to the server's head instead (`OffloadedHead.upload_weight`,
+    W and b in one push; one of them alone goes up with the server's other); without them, a
+    strict load reports the keys missing.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, head: str,
-                 target: str) -> None:
+                 target: str, bias_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.head = head
         self.target = target
         self.weight = torch.empty((0, in_features), dtype=dtype, device="meta")
+        self.bias: Optional[torch.Tensor] = None
+        if bias_dtype is not None:
+            self.bias = torch.empty((0,), dtype=bias_dtype, device="meta")
         self._owner: Optional[_WeightOwner] = None
         # Set while loading a checkpoint whose W is beside the model's weights rather than among
         # them (FSDP's sharded checkpoints: hf_trainer uploads it from its own file).
@@ -200,21 +205,30 @@ class OffloadedLMHead(nn.Module):
                               error_msgs: List[str]) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        key = prefix + "weight"
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-        if key not in state_dict:
-            if strict and not self.weight_elsewhere and not self.tied:
+        key, bias_key = prefix + "weight", prefix + "bias"
+        has_bias = self.bias is not None
+        for k in (key, bias_key) if has_bias else (key,):
+            if k in unexpected_keys:
+                unexpected_keys.remove(k)
+        if strict and not self.weight_elsewhere:
+            if key not in state_dict and not self.tied:
                 missing_keys.append(key)
-            return
-        weight = state_dict[key]
-        if tuple(weight.shape) != (self.out_features, self.in_features):
+            if has_bias and bias_key not in state_dict:
+                missing_keys.append(bias_key)
+        weight = state_dict.get(key)
+        bias = state_dict.get(bias_key) if has_bias else None
+        if weight is not None and tuple(weight.shape) != (self.out_features, self.in_features):
             error_msgs.append(f"size mismatch for {key}: copying a param with shape "
                               f"{tuple(weight.shape)}, the offloaded head is "
                               f"{self.out_features} x {self.in_features}")
             return
-        if self._owner is not None:
-            self._owner.upload_weight(weight)
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            error_msgs.append(f"size mismatch for {bias_key}: copying a param with shape "
+                              f"{tuple(bias.shape)}, the offloaded head's bias is "
+                              f"({self.out_features},)")
+            return
+        if (weight is not None or bias is not None) and self._owner is not None:
+            self._owner.upload_weight(weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

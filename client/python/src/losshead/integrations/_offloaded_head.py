@@ -26,6 +26,8 @@ from losshead.integrations._causal_model import OFFLOAD_ATTR, OffloadedLMHead, e
 from losshead.joint import JointOptimizer
 from losshead.torch_bridge import RemoteLMHead
 
+BIAS_KEY = "lm_head.bias"  # where a checkpoint keeps b, as nn.Linear's state dict names it
+
 
 class OffloadedHead:
     """A model's LM head on a losshead server; what `offload_causal_lm` returns.
@@ -61,6 +63,11 @@ class OffloadedHead:
     embedding's weight too. `weight_keys()` names the key a tied checkpoint keeps W under
     (the embedding's), which `export_state_dict()` fills; restore() and local_head() put the
     original embedding back, still tied to lm_head.
+
+    A head with an output bias (Phi's lm_head; `has_bias`) keeps b on the server beside W: the
+    server adds it to the logits, accumulates db in the same window and steps it with W. Here
+    lm_head.bias is emptied as lm_head.weight is, `export_state_dict()` holds "lm_head.bias" too,
+    restore() and local_head() put it back, and a loaded "lm_head.bias" goes up with W.
     """
 
     def __init__(self, *, client: Client, head: str, remote: RemoteLMHead, linear: nn.Linear,
@@ -82,8 +89,10 @@ class OffloadedHead:
         self._device = linear.weight.device
         self._output_type = output_type
         self.head_dtype = head_dtype if head_dtype is not None else self._dtype
+        self.has_bias = linear.bias is not None
+        self._bias_dtype = linear.bias.dtype if linear.bias is not None else None
         self._placeholder = OffloadedLMHead(self.hidden_size, self.vocab_size, self._dtype,
-                                            head, client.target)
+                                            head, client.target, bias_dtype=self._bias_dtype)
         self._placeholder._owner = self
         # A tied model (tied_embedding): its input embedding, whose module is replaced by an
         # OffloadedEmbedding over the same head while offloaded.
@@ -148,25 +157,45 @@ class OffloadedHead:
         raise TypeError(f"losshead: attach takes a transformers Trainer or an accelerate "
                         f"Accelerator, not {type(loop).__name__}")
 
-    def upload_weight(self, weight: torch.Tensor) -> int:
+    def upload_weight(self, weight: Optional[torch.Tensor],
+                      bias: Optional[torch.Tensor] = None) -> int:
         """Replaces the server's W with `weight` (V x D; in the head's dtype on the wire, checked
-        against the head's version); returns the new version. Under data parallelism rank 0
-        alone uploads and the others return the version they know (loading a state dict runs
-        on every rank)."""
+        against the head's version), and b with `bias` for a head with an output bias, in one
+        push; returns the new version. One of W and b alone (a checkpoint that holds the other
+        elsewhere) goes up with the server's other. Under data parallelism rank 0 alone uploads
+        and the others return the version they know (loading a state dict runs on every
+        rank)."""
+        if bias is not None and not self.has_bias:
+            raise ValueError(f"losshead: head {self.head!r} has no output bias (the model's "
+                             "lm_head had none when it was offloaded): lm_head.bias cannot go up")
+        if weight is None and bias is None:
+            return self.weights_version
         # A tied checkpoint may hold W under both keys (lm_head's and the embedding's), one
         # tensor loaded twice: it goes up once.
-        stamp = (weight.data_ptr(), tuple(weight.shape), weight._version, self.weights_version)
+        stamp = tuple((t.data_ptr(), tuple(t.shape), t._version) if t is not None else None
+                      for t in (weight, bias)) + (self.weights_version,)
         if self._uploaded == stamp:
             return self.weights_version
         if Ranks().is_leader:
-            version = self.client.get_head(self.head).weights_version
+            info = self.client.get_head(self.head)
+            if self.has_bias and (weight is None or bias is None):
+                held_w, held_b = self.download_head()
+                weight = held_w if weight is None else weight
+                bias = held_b if bias is None else bias
             self.weights_version = self.client.push_weights(
-                self.head, weight.detach(), dtype=self.head_dtype,
-                expected_weights_version=version)
+                self.head, weight.detach(), dtype=self._wire_dtype(),
+                bias=None if bias is None else bias.detach(),
+                expected_weights_version=info.weights_version)
             tracker(self.client.target, self.head).note_push()
-        self._uploaded = (weight.data_ptr(), tuple(weight.shape), weight._version,
-                          self.weights_version)
+        self._uploaded = stamp[:-1] + (self.weights_version,)
         return self.weights_version
+
+    def _wire_dtype(self) -> torch.dtype:
+        """The dtype W (and b) travel in: the head's, except where b, kept in fp32 on the
+        server, would be rounded on the way (a bias of another dtype than the head's): fp32."""
+        if self.has_bias and self._bias_dtype != self.head_dtype:
+            return torch.float32
+        return self.head_dtype
 
     # -- copies ------------------------------------------------------------------------------
     def _no_copy(self) -> TypeError:
@@ -189,9 +218,20 @@ class OffloadedHead:
     # -- export ------------------------------------------------------------------------------
     def download_weight(self) -> torch.Tensor:
         """W from the server (V x D, the model's lm_head dtype, on the CPU)."""
-        w = self.client.download_weights(self.head)
+        return self.download_head()[0]
+
+    def download_head(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """W and, for a head with an output bias, b from the server (in the model's lm_head
+        dtypes, on the CPU; b None without one), read in one download."""
+        w = self.client.download_weights(self.head, dtype=self._wire_dtype())
         self.weights_version = w.version
-        return w.weights.to(self._dtype)
+        bias = None
+        if self.has_bias:
+            if w.bias is None:
+                raise ValueError(f"losshead: head {self.head!r} on {self.client.target} has no "
+                                 "output bias, and the model's lm_head has one")
+            bias = w.bias.to(self._bias_dtype)
+        return w.weights.to(self._dtype), bias
 
     def weight_keys(self) -> List[str]:
         """The state-dict keys W goes under in a checkpoint of the model: "lm_head.weight", or for
@@ -204,17 +244,20 @@ class OffloadedHead:
 
     def export_state_dict(self) -> Dict[str, torch.Tensor]:
         """{key: W} as trained on the server, in the model's dtype, on the CPU, for each of
-        `weight_keys()`."""
-        weight = self.download_weight()
-        return {key: weight for key in self.weight_keys()}
+        `weight_keys()`; and {"lm_head.bias": b} for a head with an output bias."""
+        weight, bias = self.download_head()
+        state = {key: weight for key in self.weight_keys()}
+        if bias is not None:
+            state[BIAS_KEY] = bias
+        return state
 
     def restore(self, model: nn.Module, *, delete_head: bool = False) -> int:
         """Downloads W into model.lm_head.weight (the model's own module and parameter, in its
-        dtype, on the trunk's device) and gives the model its forward back; returns the weights
-        version. With `delete_head` the server's head is deleted afterwards."""
+        dtype, on the trunk's device), b into lm_head.bias for a head with an output bias, and
+        gives the model its forward back; returns the weights version. With `delete_head` the
+        server's head is deleted afterwards."""
         self._check_installed(model)
-        weight = self.download_weight()
-        self._uninstall(model, weight)
+        self._uninstall(model, *self.download_head())
         if delete_head:
             self.client.delete_head(self.head)
         return self.weights_version
@@ -226,7 +269,7 @@ class OffloadedHead:
         Whatever the block does to the local W is discarded: the server's W is the trained one.
         """
         self._check_installed(model)
-        self._uninstall(model, self.download_weight())
+        self._uninstall(model, *self.download_head())
         try:
             yield model
         finally:
@@ -243,6 +286,10 @@ class OffloadedHead:
         # holding the parameter does not keep the V x D tensor alive.
         weight.data = torch.empty((0, self.hidden_size), dtype=self._dtype, device=self._device)
         weight.grad = None
+        bias = self._linear.bias
+        if bias is not None:
+            bias.data = torch.empty((0,), dtype=bias.dtype, device=self._device)
+            bias.grad = None
         model.lm_head = self._placeholder
         if self.embedding is not None:
             # The tied parameter is lm_head's, emptied above: the embedding's module keeps it
@@ -254,12 +301,15 @@ class OffloadedHead:
         setattr(model, OFFLOAD_ATTR, self)
         self._installed = True
 
-    def _uninstall(self, model: nn.Module, weight: torch.Tensor) -> None:
+    def _uninstall(self, model: nn.Module, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> None:
         # W goes where the trunk is now: model.to() after the offload moved the trunk but not
         # the emptied parameter, which is outside the model meanwhile.
         trunk_param = next(model.model.parameters(), None)
         self._device = trunk_param.device if trunk_param is not None else self._device
         self._linear.weight.data = weight.to(device=self._device, dtype=self._dtype)
+        if self._linear.bias is not None and bias is not None:
+            self._linear.bias.data = bias.to(device=self._device, dtype=self._bias_dtype)
         model.lm_head = self._linear
         if self._embedding_module is not None:
             if self.embedding is not None:

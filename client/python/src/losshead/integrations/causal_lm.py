@@ -2,7 +2,8 @@
 
 The model has the layout of Hugging Face's *ForCausalLM classes: `model.model` (the trunk)
 returns hidden states (a tensor, `.last_hidden_state`, or a tuple that starts with them),
-`model.lm_head` is an nn.Linear without bias over them, and `model.config` may carry
+`model.lm_head` is an nn.Linear over them (with a bias or without: Phi's has one, which the
+head then holds as its output bias), and `model.config` may carry
 `tie_word_embeddings` (the head then serves the input embedding too) and
 `final_logit_softcapping` (Gemma 2/3). `offload_causal_lm` uploads
 `lm_head.weight` into a head on the server, frees it locally and replaces the model's forward
@@ -103,9 +104,16 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     the tied model's autograd would (losshead.embedding). A Gemma 3 scaled embedding keeps its
     factor; Gemma 1/2 scale in the trunk. The embedding's gradient must come from this loss
     alone (an auxiliary loss on the embedding's output would be rescaled wrongly).
+
+    An lm_head with a bias (Phi) gives a head with an output bias (HeadSpec.bias): lm_head.bias
+    is uploaded with W in the same push (in fp32 unless it is in the head's dtype already, as
+    the server keeps b in fp32) and emptied locally as W is; the server computes the logits
+    h . W^T + b, accumulates db beside dW and steps b with W. An attached head (`create=False`)
+    must have a bias exactly when lm_head has one (ValueError otherwise).
     """
     lm_head = check_offloadable(model)
     embedding = tied_embedding(model, lm_head)
+    has_bias = lm_head.bias is not None
     vocab_size, hidden_size = lm_head.weight.shape
     dtype = _wire.to_torch_dtype(head_dtype if head_dtype is not None else lm_head.weight.dtype)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -126,7 +134,7 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
     if create:
         info = client.create_head(
             head, vocab_size, hidden_size, weight_dtype=dtype, replicas=replicas, shards=shards,
-            matmul_precision=matmul_precision,
+            matmul_precision=matmul_precision, bias=has_bias,
             default_options=LossOptions(logit_scale=scale) if scale != 1.0 else None)
         created = True
     else:
@@ -135,6 +143,11 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
             raise ValueError(
                 f"losshead: head {head!r} is {info.spec.vocab_size} x {info.spec.hidden_size}, "
                 f"the model's lm_head {vocab_size} x {hidden_size}")
+        if bool(info.spec.bias) != has_bias:
+            raise ValueError(
+                f"losshead: head {head!r} {'has' if info.spec.bias else 'has no'} output bias, "
+                f"the model's lm_head {'has' if has_bias else 'has no'} bias; attach to a head "
+                "created from this model")
         defaults = info.spec.default_options
         have = defaults.logit_scale if defaults.HasField("logit_scale") else 1.0
         if have != _fp32(scale):
@@ -144,9 +157,13 @@ def offload_causal_lm(model: nn.Module, client: Client, head: str, *, create: bo
                 "with client.set_loss_options, or create the head from the model")
     version = info.weights_version
     if upload if upload is not None else create:
+        # b is kept in fp32 on the server: it travels in the head's dtype only when it is in
+        # that dtype already (nothing rounded on the way), else W and b travel in fp32.
+        wire = dtype if not has_bias or lm_head.bias.dtype == dtype else torch.float32
         try:
-            version = client.push_weights(head, lm_head.weight, dtype=dtype,
-                                          expected_weights_version=version)
+            version = client.push_weights(
+                head, lm_head.weight, dtype=wire, expected_weights_version=version,
+                bias=lm_head.bias.detach() if has_bias else None)
         except BaseException:
             if created:
                 with contextlib.suppress(LossheadError):

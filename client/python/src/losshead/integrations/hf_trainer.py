@@ -10,7 +10,9 @@
   `optimizers` without a scheduler) becomes a `JointOptimizer`: its param groups plus a head
   group with the Trainer's learning rate, weight decay (`args.weight_decay`), betas and eps, so
   the Trainer's scheduler, warm-up included, sets the head's lr too, and its `optimizer.step()`
-  applies the head exactly once per global step, on every rank (`losshead._head_stepper`).
+  applies the head exactly once per global step, on every rank (`losshead._head_stepper`). A
+  head with an output bias (Phi) steps b without weight decay, as the Trainer puts every bias
+  in its no-decay group (`bias_weight_decay` among the options sets another).
 - Clipping: `accelerator.clip_grad_norm_`, which the Trainer calls with `max_grad_norm` (or
   with inf, only to log the norm), clips trunk and head by one global norm through the head's
   apply: the trunk's squared norm (summed over the shards under FSDP) goes to the server, the
@@ -25,17 +27,19 @@
   skipped on overflow) is discarded.
 - Checkpoints: `save_model` (every checkpoint, and your own calls) adds `lm_head.weight` (W as
   trained, in the model's dtype; a tied model's under its embedding's key instead, as its own
-  save_pretrained keeps it: `OffloadedHead.weight_keys()`) to the saved weights, so the directory loads with
+  save_pretrained keeps it: `OffloadedHead.weight_keys()`) to the saved weights, and
+  `lm_head.bias` for a head with an output bias (both in one file of a sharded checkpoint), so
+  the directory loads with
   `from_pretrained` anywhere (under FSDP the Trainer resumes from its own model state, which
-  lacks it: `lm_head.safetensors` beside it carries W, and a resume uploads W from there); the
+  lacks it: `lm_head.safetensors` beside it carries W and b, and a resume uploads them); the
   optimizer's state (`optimizer.pt`) names a server snapshot of the head's whole state (W,
   fp32 master, moments, step); `losshead.json` beside it says which (head, server, snapshot,
   weights version, optimizer step, global step). Snapshots of checkpoints the Trainer deleted
   (`save_total_limit`) are deleted on the server too. Saving the optimizer's state needs a
   server started with --checkpoint_dir: attach refuses a Trainer that will save it otherwise
   (or use `save_only_model=True`).
-- Resume: `train(resume_from_checkpoint=...)` loads the model's weights (lm_head.weight is
-  uploaded to the server's head) and the optimizer's state (the snapshot is restored: W, moments
+- Resume: `train(resume_from_checkpoint=...)` loads the model's weights (lm_head.weight, with
+  lm_head.bias, is uploaded to the server's head) and the optimizer's state (the snapshot is restored: W, moments
   and step as they were at that checkpoint, however far the server went since and whether or not
   it restarted). A checkpoint saved without the optimizer's state resumes with W and a fresh
   optimizer state, as the trunk does. The process that resumes attaches to the existing head:
@@ -60,7 +64,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Set
 import grpc
 
 from losshead.errors import LossheadError
-from losshead.integrations._checkpoint_files import add_tensor, weights_format
+from losshead.integrations._checkpoint_files import add_tensors, weights_format
+from losshead.integrations._offloaded_head import BIAS_KEY
 from losshead.integrations.accelerate import (attach_accelerator, joint_optimizer_of,
                                               trunk_is_fsdp1)
 from losshead.joint import JointOptimizer
@@ -163,17 +168,22 @@ class _Attachment:
             warnings.warn(f"losshead: {directory} holds no model weights (an adapter-only "
                           "save?): lm_head.weight not added")
             return
-        weight = self.offloaded.download_weight()
+        weight, bias = self.offloaded.download_head()
         if layout is not None:
             # A tied model's checkpoint keeps W under the embedding's key only, as its own
-            # save_pretrained would (from_pretrained ties lm_head to it).
-            for key in self.offloaded.weight_keys():
-                add_tensor(directory, key, weight)
+            # save_pretrained would (from_pretrained ties lm_head to it). W and b in one file, so
+            # that a sharded load hands both to one push.
+            tensors = {key: weight for key in self.offloaded.weight_keys()}
+            if bias is not None:
+                tensors[BIAS_KEY] = bias
+            add_tensors(directory, tensors)
         if fsdp:
             from safetensors.torch import save_file
             path = os.path.join(directory, LM_HEAD_FILE)
-            save_file({"lm_head.weight": weight.contiguous()}, path + ".tmp",
-                      metadata={"format": "pt"})
+            beside = {"lm_head.weight": weight.contiguous()}
+            if bias is not None:
+                beside[BIAS_KEY] = bias.contiguous()
+            save_file(beside, path + ".tmp", metadata={"format": "pt"})
             os.replace(path + ".tmp", path)
 
     def write_json(self, directory: str, reference: Optional[Dict[str, Any]],
@@ -272,6 +282,10 @@ def attach(offloaded: "OffloadedHead", trainer: Any, **options: Any) -> Any:
     _check(offloaded, trainer)
     args = trainer.args
     head_options = {"weight_decay": args.weight_decay}
+    if offloaded.has_bias:
+        # The Trainer's param groups leave every bias out of weight decay (its
+        # get_decay_parameter_names): lm_head.bias too, were it local.
+        head_options["bias_weight_decay"] = 0.0
     head_options.update(options)
     attachment = _Attachment(offloaded, trainer, head_options)
     if _saves_optimizer(args):
@@ -319,7 +333,8 @@ def attach(offloaded: "OffloadedHead", trainer: Any, **options: Any) -> Any:
             finally:
                 placeholder.weight_elsewhere = False
             from safetensors.torch import load_file
-            offloaded.upload_weight(load_file(path)["lm_head.weight"])
+            beside = load_file(path)
+            offloaded.upload_weight(beside["lm_head.weight"], beside.get(BIAS_KEY))
             return out
 
         trainer._load_from_checkpoint = load_model_with_head
