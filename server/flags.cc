@@ -2,6 +2,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/usage_config.h"
@@ -11,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "losshead/kernels/process_group.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "gRPC listen address (host:port, port 0 picks one; or unix:PATH, a Unix socket)");
@@ -112,6 +115,22 @@ ABSL_FLAG(std::string, step_trace, "",
           "Append one JSON line per answered micro-batch, with the time of each phase, to this "
           "file (empty: none)");
 
+ABSL_FLAG(std::string, group_peers, "",
+          "A head replicated across server processes: every process's collective endpoint, "
+          "host:port separated by commas, by rank, or a pattern with {} for the rank (with "
+          "--group_size); empty: one process");
+ABSL_FLAG(int, group_size, 0, "Processes of the group when --group_peers is a {} pattern");
+ABSL_FLAG(int, group_rank, -1,
+          "This process's rank in the group (-1: the ordinal its host name ends in, as a "
+          "StatefulSet's pods are named)");
+ABSL_FLAG(std::string, group_listen, "",
+          "Where this process listens for its peers (empty: every address, on the port of its own "
+          "entry of --group_peers)");
+ABSL_FLAG(absl::Duration, group_bootstrap_timeout, absl::Seconds(120),
+          "How long the group may take to form at start; a process whose group does not form "
+          "exits");
+ABSL_FLAG(absl::Duration, group_op_timeout, absl::Seconds(60),
+          "How long a peer may take to do its part of a cut before the group is broken");
 ABSL_FLAG(bool, same_node, true,
           "Offer the same-node path: clients on this host move hidden states, targets and dH "
           "through shared memory, with only control messages on gRPC (docs/same-node.md)");
@@ -242,6 +261,34 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   }
   if (o.drain_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--drain_timeout must be >= 0");
+  }
+  const std::string peers = absl::GetFlag(FLAGS_group_peers);
+  const int group_size = absl::GetFlag(FLAGS_group_size);
+  if (absl::StrContains(peers, "{}")) {
+    absl::StatusOr<std::vector<std::string>> expanded =
+        kernels::ExpandPeerPattern(peers, group_size);
+    if (!expanded.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--group_peers='", peers,
+                                                     "' with --group_size=", group_size, ": ",
+                                                     expanded.status().message()));
+    }
+    o.group_peers = *std::move(expanded);
+  } else if (!peers.empty()) {
+    o.group_peers = absl::StrSplit(peers, ',');
+    if (group_size != 0 && group_size != static_cast<int>(o.group_peers.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("--group_size=", group_size,
+                                                     " but --group_peers lists ",
+                                                     o.group_peers.size(), " processes"));
+    }
+  }
+  o.group_rank = absl::GetFlag(FLAGS_group_rank);
+  o.group_listen = absl::GetFlag(FLAGS_group_listen);
+  o.group_bootstrap_timeout = absl::GetFlag(FLAGS_group_bootstrap_timeout);
+  o.group_op_timeout = absl::GetFlag(FLAGS_group_op_timeout);
+  if (o.group_bootstrap_timeout <= absl::ZeroDuration() ||
+      o.group_op_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--group_bootstrap_timeout and --group_op_timeout must be > 0");
   }
   return o;
 }

@@ -1,7 +1,10 @@
 #include "server/server.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -10,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -20,12 +24,15 @@
 #include "server/engine/head_registry.h"
 #include "server/engine/idempotency_budget.h"
 #include "server/engine/pinned_pool.h"
+#include "server/engine/process_window.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/thread_pool.h"
 #include "server/observability/metrics.h"
 #include "server/observability/metrics_endpoint.h"
 #include "server/observability/step_trace.h"
 #include "server/rpc/connection_guard.h"
+#include "server/rpc/control_service.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/live_calls.h"
 #include "server/rpc/same_node_listener.h"
 #include "server/rpc/service.h"
@@ -68,6 +75,41 @@ CheckpointObserver CheckpointMetrics(Metrics* metrics) {
         break;
     }
   };
+}
+
+// The port of a "host:port" address (0 when it has none).
+int PortOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) return 0;
+  return port;
+}
+
+// The host of a "host:port" address.
+std::string HostOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+// The gRPC address clients and peers reach each process at, by rank: each process's peer host
+// with its own gRPC port, gathered from every process.
+absl::StatusOr<std::vector<std::string>> GatherAddresses(kernels::ProcessGroup& group,
+                                                         const std::string& mine) {
+  constexpr size_t kAddressBytes = 256;
+  if (mine.size() >= kAddressBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", mine, "' is too long"));
+  }
+  std::vector<std::byte> padded(kAddressBytes, std::byte{0});
+  std::memcpy(padded.data(), mine.data(), mine.size());
+  absl::StatusOr<std::vector<std::vector<std::byte>>> all =
+      group.AllGather("the processes' gRPC addresses", padded);
+  if (!all.ok()) return all.status();
+  std::vector<std::string> addresses;
+  for (const std::vector<std::byte>& bytes : *all) {
+    const char* text = reinterpret_cast<const char*>(bytes.data());
+    addresses.emplace_back(text, strnlen(text, bytes.size()));
+  }
+  return addresses;
 }
 
 SecurityOptions SecurityOf(const ServerOptions& options) {
@@ -122,6 +164,12 @@ class ServerImpl final : public Server {
           std::clamp(options_.idempotency_ttl / 10, absl::Seconds(1), absl::Minutes(1)));
     }
     ctx_.remembered = remembered;
+    if (!options_.group_peers.empty()) {
+      if (absl::Status formed = FormGroup(); !formed.ok()) {
+        return absl::Status(formed.code(),
+                            absl::StrCat("the process group did not form: ", formed.message()));
+      }
+    }
     registry_ = std::make_unique<HeadRegistry>(
         devices,
         HeadOptions{.workspace_budget_bytes = options_.workspace_bytes,
@@ -131,7 +179,8 @@ class ServerImpl final : public Server {
                     .grad_stash_bytes = options_.grad_stash_bytes,
                     .grad_stash_idle = options_.grad_stash_idle,
                     .results = results,
-                    .window_warn_microbatches = options_.unapplied_window_warn_microbatches},
+                    .window_warn_microbatches = options_.unapplied_window_warn_microbatches,
+                    .process_window = process_window_},
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     metrics_->BuildInfo(LOSSHEAD_VERSION, std::string(backends_.front()->name()),
                         LOSSHEAD_CUDA_VERSION);
@@ -268,6 +317,10 @@ class ServerImpl final : public Server {
       }
     }
     builder.RegisterService(service_.get());
+    if (group_control_ != nullptr) {
+      control_service_ = std::make_unique<ProcessControlService>(&ctx_);
+      builder.RegisterService(control_service_.get());
+    }
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port_ == 0) {
@@ -286,6 +339,66 @@ class ServerImpl final : public Server {
           options_.auth_tokens_file, tokens_stamp, options_.auth_tokens_reload_interval,
           [this] { ReloadTokens().IgnoreError(); });  // logged and counted by ReloadTokens
     }
+    return absl::OkStatus();
+  }
+
+  // The group of --group_peers: bootstrapped (every process at once), the gRPC addresses
+  // exchanged, the cross-process window sum created (a collective call), the control plane set.
+  absl::Status FormGroup() {
+    if (absl::StartsWith(options_.listen_address, "unix")) {
+      return absl::InvalidArgumentError(
+          "a process of a group needs a TCP --listen address: its peers and clients reach it "
+          "there");
+    }
+    const int port = PortOf(options_.listen_address);
+    if (port == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a process of a group needs a fixed --listen port (its peers are told it), got '",
+          options_.listen_address, "'"));
+    }
+    if (!options_.checkpoint_dir.empty()) {
+      return absl::UnimplementedError(
+          "checkpoints of a head across processes are not built yet: leave --checkpoint_dir "
+          "empty with --group_peers");
+    }
+    if (!options_.tls_cert_file.empty()) {
+      return absl::UnimplementedError(
+          "TLS between the processes of a group is not built yet: leave --tls_cert empty with "
+          "--group_peers");
+    }
+    kernels::ProcessGroupOptions group;
+    group.rank = options_.group_rank;
+    if (group.rank < 0) {
+      char host[256] = {};
+      gethostname(host, sizeof(host) - 1);
+      absl::StatusOr<int> rank = kernels::RankFromHostname(host);
+      if (!rank.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--group_rank is not given and ", rank.status().message()));
+      }
+      group.rank = *rank;
+    }
+    group.world = static_cast<int>(options_.group_peers.size());
+    group.peers = options_.group_peers;
+    group.listen = options_.group_listen;
+    group.bootstrap_timeout = options_.group_bootstrap_timeout;
+    group.op_timeout = options_.group_op_timeout;
+    absl::StatusOr<std::unique_ptr<kernels::ProcessGroup>> created =
+        kernels::ProcessGroup::Create(group);
+    if (!created.ok()) return created.status();
+    std::shared_ptr<kernels::ProcessGroup> formed = std::move(*created);
+    if (group.rank >= group.world) return absl::InvalidArgumentError("rank outside the group");
+    absl::StatusOr<std::vector<std::string>> addresses =
+        GatherAddresses(*formed, absl::StrCat(HostOf(options_.group_peers[group.rank]), ":", port));
+    if (!addresses.ok()) return addresses.status();
+    absl::StatusOr<std::shared_ptr<ProcessWindow>> window = ProcessWindow::Create(formed);
+    if (!window.ok()) return window.status();
+    process_window_ = *window;
+    group_control_ = std::make_unique<GroupControl>(process_window_, *addresses,
+                                                    options_.group_op_timeout, &ctx_);
+    ctx_.group = group_control_.get();
+    std::fprintf(stderr, "losshead-server: process %d of a group of %d (leader: %s)\n", group.rank,
+                 group.world, (*addresses)[0].c_str());
     return absl::OkStatus();
   }
 
@@ -365,6 +478,10 @@ class ServerImpl final : public Server {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<HeadRegistry> registry_;
   std::unique_ptr<Checkpointer> checkpointer_;
+  // With --group_peers: the cross-process window sum and the control plane (null otherwise).
+  std::shared_ptr<ProcessWindow> process_window_;
+  std::unique_ptr<GroupControl> group_control_;
+  std::unique_ptr<ProcessControlService> control_service_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<StepTrace> step_trace_;
   // Outlive the gRPC server (calls resolve regions); the listener goes first, unregistering.

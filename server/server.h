@@ -102,6 +102,17 @@ struct ServerOptions {
   // A file to append one JSON line per answered micro-batch to, with the time of each of its
   // phases (server/observability/step_trace.h); empty: none.
   std::string step_trace_file;
+  // A head replicated across server processes (docs/multi-process.md): the collective endpoint
+  // ("host:port") of every process, by rank; empty: a server of one process. This process is
+  // `group_rank` (-1: the ordinal its host name ends in, as a StatefulSet's pods are named),
+  // listens for its peers on `group_listen` (empty: every address, on its own peer's port), waits
+  // up to `group_bootstrap_timeout` for the group to form before it serves (Start fails
+  // otherwise), and gives a peer `group_op_timeout` to do its part of a cut.
+  std::vector<std::string> group_peers;
+  int group_rank = -1;
+  std::string group_listen;
+  absl::Duration group_bootstrap_timeout = absl::Seconds(120);
+  absl::Duration group_op_timeout = absl::Seconds(60);
   // The same-node path (docs/same-node.md): clients on this host may register shared memory
   // regions on a Unix socket and step through them; Stats.same_node advertises it. Off: Stats
   // has no same_node and a header naming shared memory is FAILED_PRECONDITION.
@@ -115,7 +126,9 @@ class Server {
   // Builds the backends, binds both ports and starts serving. Errors: the backend's status
   // (UNAVAILABLE for CUDA without a device), UNAVAILABLE when a port cannot be bound,
   // LoadServerSecurity's error for a bad TLS, token or basic-auth file, or the error opening
-  // step_trace_file (nothing is started then).
+  // step_trace_file, or the group's when it does not form (with group_peers: DEADLINE_EXCEEDED
+  // naming the processes that never came, FAILED_PRECONDITION for a peer of another group or
+  // size, INVALID_ARGUMENT for options a group cannot take) (nothing is started then).
   static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
 
   virtual int port() const = 0;          // the bound gRPC port

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <deque>
 #include <optional>
+#include <string>
 #include <utility>
 
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "losshead/client/client.h"
 #include "losshead/client/retry.h"
@@ -154,8 +156,51 @@ void Client::WaitForServer() {
   }
 }
 
+std::optional<std::string> HomeRedirect(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kFailedPrecondition) return std::nullopt;
+  constexpr absl::string_view kMarker = "home=";
+  const absl::string_view message = status.message();
+  const size_t at = message.rfind(kMarker);
+  if (at == absl::string_view::npos) return std::nullopt;
+  absl::string_view address = message.substr(at + kMarker.size());
+  address = address.substr(0, address.find_first_of(") "));
+  if (address.empty()) return std::nullopt;
+  return std::string(address);
+}
+
 absl::StatusOr<StepResult> Client::Step(const Microbatch& microbatch) {
-  return RetryCall<StepResult>([&] { return StepOnce(microbatch); });
+  Client* home = nullptr;
+  if (!microbatch.client_id.empty()) {
+    absl::MutexLock lock(&homes_mu_);
+    auto it = home_of_.find(microbatch.client_id);
+    if (it != home_of_.end()) home = it->second;
+  }
+  if (home != nullptr) return home->Step(microbatch);
+  absl::StatusOr<StepResult> result = RetryCall<StepResult>([&] { return StepOnce(microbatch); });
+  if (result.ok() || !options_.follow_home_redirect) return result;
+  const std::optional<std::string> address = HomeRedirect(result.status());
+  if (!address.has_value()) return result;
+  {
+    absl::MutexLock lock(&homes_mu_);
+    std::unique_ptr<Client>& client = home_clients_[*address];
+    if (client == nullptr) {
+      ClientOptions options = options_;
+      options.bearer_token = [&] {
+        absl::MutexLock token(&token_mu_);
+        return bearer_token_;
+      }();
+      options.follow_home_redirect = false;  // once: the home does not send it on
+      absl::StatusOr<std::unique_ptr<Client>> connected = Connect(*address, options);
+      if (!connected.ok()) {
+        home_clients_.erase(*address);
+        return result;
+      }
+      client = std::move(*connected);
+    }
+    home = client.get();
+    home_of_[microbatch.client_id] = home;
+  }
+  return home->Step(microbatch);
 }
 
 std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microbatch> microbatches,

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "server/engine/head_internal.h"
 #include "server/engine/head_optimizer.h"
 #include "server/engine/host_tensors.h"
+#include "server/engine/process_window.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/result_pool.h"
 #include "server/engine/transfer_buffers.h"
@@ -59,7 +61,38 @@ absl::StatusOr<v1::DType> PullDType(v1::DType dtype) {
   return dtype;
 }
 
+// A head across processes has no output bias yet (HeadOptions::process_window).
+absl::Status NoBiasAcrossProcesses(bool bias) {
+  if (!bias) return absl::OkStatus();
+  return absl::UnimplementedError(
+      "a head with an output bias cannot be replicated across processes yet");
+}
+
 }  // namespace
+
+namespace head_internal {
+
+absl::Status ReadOwnedGrad(ReplicaGroup& group, char* host) {
+  for (const auto& r : group.replicas()) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        r->backend.CopyToHost(host + RowByteOffset(group, *r, sizeof(float)),
+                              r->grad.as<char>() + DeviceRowByteOffset(group, *r, sizeof(float)),
+                              RowBytes(group, *r, sizeof(float)), *r->stream));
+  }
+  return group.Synchronize();
+}
+
+absl::Status WriteOwnedGrad(ReplicaGroup& group, const char* host) {
+  for (const auto& r : group.replicas()) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        r->backend.CopyToDevice(r->grad.as<char>() + DeviceRowByteOffset(group, *r, sizeof(float)),
+                                host + RowByteOffset(group, *r, sizeof(float)),
+                                RowBytes(group, *r, sizeof(float)), *r->stream));
+  }
+  return group.Synchronize();
+}
+
+}  // namespace head_internal
 
 void Head::WarnOfUnappliedWindowLocked() {
   const uint64_t limit = options_.window_warn_microbatches;
@@ -89,13 +122,22 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
     // Without a discard the counters alone answer: a micro-batch updates them under state_mu_,
     // so they are read whole. A discard is a cut: every replica's compute lock.
     std::optional<ReplicaGroup::Cut> cut;
+    if (discard) cut.emplace(group());
+    if (options_.process_window != nullptr) {
+      // The group's counters, summed before anything is dropped: a failure drops nothing.
+      LOSSHEAD_RETURN_IF_ERROR(NoBiasAcrossProcesses(has_bias()));
+      {
+        absl::MutexLock state(&state_mu_);
+        window_.Summarize(&s);
+      }
+      LOSSHEAD_RETURN_IF_ERROR(options_.process_window->SumCounters(s));
+    }
     if (discard) {
-      cut.emplace(group());
       LOSSHEAD_RETURN_IF_ERROR(group().DiscardGradient());
       if (has_bias()) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
     }
     absl::MutexLock state(&state_mu_);
-    window_.Summarize(&s);
+    if (options_.process_window == nullptr) window_.Summarize(&s);
     if (discard) window_.Reset();
   }
   s.set_vocab_size(vocab_size());
@@ -118,25 +160,52 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     // Each replica copies its rows of the reduced dW (one copy per device, side by side) and,
     // with reset, zeroes them: its other rows are zero once reduced.
     LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
+    // Across processes the rows are zeroed only once every process's window is summed: a cut that
+    // fails there leaves this window as it was.
+    const bool across = options_.process_window != nullptr;
+    if (across) LOSSHEAD_RETURN_IF_ERROR(NoBiasAcrossProcesses(has_bias()));
     for (const auto& r : group().replicas()) {
       const size_t bytes = RowBytes(group(), *r, sizeof(float));
       char* rows = r->grad.as<char>() + DeviceRowByteOffset(group(), *r, sizeof(float));
       LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
           snap.data.data() + RowByteOffset(group(), *r, sizeof(float)), rows, bytes, *r->stream));
-      if (reset) LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(rows, 0, bytes, *r->stream));
+      if (reset && !across) LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(rows, 0, bytes, *r->stream));
     }
     LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
-    if (has_bias()) {
+    if (across) {
+      v1::GradientSummary group_window;
+      {
+        absl::MutexLock state(&state_mu_);
+        window_.Summarize(&group_window);
+      }
+      LOSSHEAD_RETURN_IF_ERROR(options_.process_window->Sum(
+          std::span<float>(reinterpret_cast<float*>(snap.data.data()),
+                           static_cast<size_t>(vocab_size()) * hidden_size()),
+          group_window));
+      if (reset) {
+        for (const auto& r : group().replicas()) {
+          char* rows = r->grad.as<char>() + DeviceRowByteOffset(group(), *r, sizeof(float));
+          LOSSHEAD_RETURN_IF_ERROR(
+              r->backend.Memset(rows, 0, RowBytes(group(), *r, sizeof(float)), *r->stream));
+        }
+        LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+      }
+      absl::MutexLock state(&state_mu_);
+      s = group_window;
+      if (reset) window_.Reset();
+    } else if (has_bias()) {
       // db after dW, read in the same cut (and zeroed with it).
       LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<float> db, ReadGradBias(group()));
-      std::memcpy(snap.data.data() + static_cast<size_t>(vocab_size()) * hidden_size() *
-                                         sizeof(float),
-                  db.data(), db.size() * sizeof(float));
+      std::memcpy(
+          snap.data.data() + static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float),
+          db.data(), db.size() * sizeof(float));
       if (reset) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
     }
-    absl::MutexLock state(&state_mu_);
-    window_.Summarize(&s);
-    if (reset) window_.Reset();
+    if (!across) {
+      absl::MutexLock state(&state_mu_);
+      window_.Summarize(&s);
+      if (reset) window_.Reset();
+    }
   }
   if (dtype == v1::DTYPE_BF16) {
     std::string fp32 = std::move(snap.data);

@@ -59,6 +59,7 @@
 namespace losshead::server {
 
 class StashLenders;
+class ProcessWindow;
 
 struct HeadOptions {
   size_t workspace_budget_bytes = size_t{1} << 30;  // handed to Backend::WorkspaceBytes
@@ -86,6 +87,11 @@ struct HeadOptions {
   // cut (an apply, a pull with reset or a discard) is logged once per window: a training loop
   // that never steps the head or never discards its window. 0: never.
   uint64_t window_warn_microbatches = 0;
+  // A head replicated across server processes (process_window.h): its cuts (pull, discard,
+  // optimizer apply) sum the gradient windows of every process, each of which must make the same
+  // cuts of this head in the same order. Null: the head is this process's alone. An output bias
+  // across processes is not built: its cuts are UNIMPLEMENTED.
+  std::shared_ptr<ProcessWindow> process_window;
 };
 
 // dW (or W) copied to the host, with what it covers.
@@ -97,7 +103,7 @@ struct GradientSnapshot {
 struct WeightsSnapshot {
   uint64_t version = 0;
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
-  std::string data;  // V x D, then b (V) for a head with a bias (DownloadWeights)
+  std::string data;   // V x D, then b (V) for a head with a bias (DownloadWeights)
   bool bias = false;  // data ends with b
 };
 

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 
+#include "absl/status/status.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/problem.h"
 #include "server/engine/head.h"
@@ -30,6 +31,11 @@ inline size_t DeviceRowByteOffset(const ReplicaGroup& group, const Replica& repl
 inline size_t RowBytes(const ReplicaGroup& group, const Replica& replica, size_t element_bytes) {
   return static_cast<size_t>(group.RowElements(replica)) * element_bytes;
 }
+
+// Under the cut, after ReduceGradientToOwners: every owner's rows of dW to `host` (V x D fp32),
+// and back from it (waits for the copies).
+absl::Status ReadOwnedGrad(ReplicaGroup& group, char* host);
+absl::Status WriteOwnedGrad(ReplicaGroup& group, const char* host);
 
 }  // namespace head_internal
 }  // namespace losshead::server

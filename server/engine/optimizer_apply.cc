@@ -5,11 +5,13 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <variant>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -18,6 +20,7 @@
 #include "server/engine/head.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/host_tensors.h"
+#include "server/engine/process_window.h"
 #include "server/engine/request_fingerprint.h"
 
 namespace losshead::server {
@@ -238,6 +241,31 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     }
     window_.Summarize(&window);  // reset once the step has run
   }
+  // Across processes: dW becomes the group's window (every process's, summed), and the window's
+  // counters the group's, before anything is decided on them, so that every process decides the
+  // same. Until the step is committed, a refusal puts this process's own window back.
+  const bool across = options_.process_window != nullptr;
+  std::string own_window;
+  bool committed = false;
+  absl::Cleanup put_back = [&] {
+    if (across && !committed && !own_window.empty()) {
+      head_internal::WriteOwnedGrad(group(), own_window.data()).IgnoreError();
+    }
+  };
+  if (across) {
+    if (has_bias()) {
+      return absl::UnimplementedError(
+          "a head with an output bias cannot be replicated across processes yet");
+    }
+    LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
+    std::string summed(static_cast<size_t>(count) * sizeof(float), '\0');
+    LOSSHEAD_RETURN_IF_ERROR(head_internal::ReadOwnedGrad(group(), summed.data()));
+    own_window = summed;
+    LOSSHEAD_RETURN_IF_ERROR(options_.process_window->Sum(
+        std::span<float>(reinterpret_cast<float*>(summed.data()), static_cast<size_t>(count)),
+        window));
+    LOSSHEAD_RETURN_IF_ERROR(head_internal::WriteOwnedGrad(group(), summed.data()));
+  }
   if (!request.has_grad_divisor() && window.token_count() == 0) {
     return absl::FailedPreconditionError(
         "the gradient window holds no tokens and no grad_divisor was given");
@@ -247,7 +275,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
 
   // ZeRO-1: dW reduced to the replicas that own its rows; each takes the squared norm of its
   // rows, added here in rank order (the same bits on every run).
-  LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
+  if (!across) LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
   std::vector<double> partial(group().size(), 0.0);
   for (const auto& r : group().replicas()) {
     LOSSHEAD_RETURN_IF_ERROR(r->backend.SquaredNorm(
@@ -293,10 +321,9 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   HeadBias stepped_bias;
   if (has_bias()) {
     const v1::OptimizerHyperParams& p = request.params();
-    LOSSHEAD_RETURN_IF_ERROR(StepBias(problem,
-                                      p.has_bias_weight_decay() ? p.bias_weight_decay()
-                                                                : p.weight_decay(),
-                                      bias_, std::move(grad_bias), &stepped_bias));
+    LOSSHEAD_RETURN_IF_ERROR(
+        StepBias(problem, p.has_bias_weight_decay() ? p.bias_weight_decay() : p.weight_decay(),
+                 bias_, std::move(grad_bias), &stepped_bias));
   }
   // Each replica steps its own rows (zeroing them in dW; its other rows are zero once reduced),
   // then every replica takes the others' new rows of W.
@@ -309,6 +336,8 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     LOSSHEAD_RETURN_IF_ERROR(
         r->backend.OptimizerStep(own, KernelTensors(r->optimizer, weights, grad), *r->stream));
   }
+  // From here the step is taken: dW's rows are stepped (and zeroed) on every process alike.
+  committed = true;
   LOSSHEAD_RETURN_IF_ERROR(placement_->GatherWeights());
   LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
   if (has_bias()) {

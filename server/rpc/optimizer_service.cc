@@ -16,6 +16,12 @@ grpc::ServerUnaryReactor* LossHeadService::SetOptimizer(grpc::CallbackServerCont
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "SetOptimizer", start)) return reactor;
+  v1::ControlRequest control;
+  *control.mutable_set_optimizer() = *request;
+  if (RunInGroup(context, reactor, "SetOptimizer", start, std::move(control),
+                 [response](const v1::ControlResponse& r) { *response = r.head(); })) {
+    return reactor;
+  }
   ctx_->pool->Schedule([this, reactor, request, response, start] {
     absl::StatusOr<std::shared_ptr<Head>> head =
         ctx_->registry->SetOptimizer(request->head(), request->optimizer());
@@ -34,6 +40,12 @@ grpc::ServerUnaryReactor* LossHeadService::ApplyOptimizer(grpc::CallbackServerCo
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "ApplyOptimizer", start)) return reactor;
+  v1::ControlRequest control;
+  *control.mutable_apply_optimizer() = *request;
+  if (RunInGroup(context, reactor, "ApplyOptimizer", start, std::move(control),
+                 [response](const v1::ControlResponse& r) { *response = r.apply_optimizer(); })) {
+    return reactor;
+  }
   ctx_->pool->Schedule([this, reactor, request, response, start] {
     absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request->head());
     absl::Status status = head.status();

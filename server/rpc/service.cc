@@ -9,6 +9,8 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/durability/checkpointer.h"
+#include "server/rpc/control_service.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_reactor.h"
 #include "server/rpc/transfer_reactors.h"
@@ -20,12 +22,36 @@
 #endif
 
 namespace losshead::server {
+
+bool LossHeadService::RunInGroup(grpc::CallbackServerContext* context,
+                                 grpc::ServerUnaryReactor* reactor, const char* method,
+                                 absl::Time start, v1::ControlRequest control,
+                                 std::function<void(const v1::ControlResponse&)> answer) {
+  if (ctx_->group == nullptr) return false;
+  ctx_->pool->Schedule([this, reactor, method, start, control = std::move(control),
+                        answer = std::move(answer), authorization = AuthorizationOf(*context)] {
+    absl::StatusOr<v1::ControlResponse> done = ctx_->group->Run(control, authorization);
+    if (done.ok()) {
+      answer(*done);
+      RefreshMemoryMetrics();
+    }
+    FinishUnary(ctx_, reactor, method, start, done.status());
+  });
+  return true;
+}
+
 grpc::ServerUnaryReactor* LossHeadService::CreateHead(grpc::CallbackServerContext* context,
                                                       const v1::CreateHeadRequest* request,
                                                       v1::HeadInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "CreateHead", start)) return reactor;
+  v1::ControlRequest control;
+  *control.mutable_create_head() = *request;
+  if (RunInGroup(context, reactor, "CreateHead", start, std::move(control),
+                 [response](const v1::ControlResponse& r) { *response = r.head(); })) {
+    return reactor;
+  }
   // Allocation and the normal init of a large W take long: keep them off the gRPC threads.
   ctx_->pool->Schedule([this, reactor, request, response, start] {
     absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Create(request->spec());
@@ -67,6 +93,12 @@ grpc::ServerUnaryReactor* LossHeadService::DeleteHead(grpc::CallbackServerContex
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "DeleteHead", start)) return reactor;
+  v1::ControlRequest control;
+  *control.mutable_delete_head() = *request;
+  if (RunInGroup(context, reactor, "DeleteHead", start, std::move(control),
+                 [](const v1::ControlResponse&) {})) {
+    return reactor;
+  }
   // With checkpoints, its file goes too: otherwise the head would come back at the next start.
   absl::Status status = ctx_->checkpointer != nullptr
                             ? ctx_->checkpointer->DeleteHead(request->name())
@@ -85,6 +117,12 @@ grpc::ServerUnaryReactor* LossHeadService::SetLossOptions(grpc::CallbackServerCo
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseWhileDraining(ctx_, reactor, "SetLossOptions", start)) return reactor;
+  v1::ControlRequest control;
+  *control.mutable_set_loss_options() = *request;
+  if (RunInGroup(context, reactor, "SetLossOptions", start, std::move(control),
+                 [response](const v1::ControlResponse& r) { *response = r.head(); })) {
+    return reactor;
+  }
   absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request->name());
   absl::Status status = head.status();
   if (status.ok()) status = (*head)->SetDefaultOptions(request->default_options());
@@ -101,12 +139,13 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* LossHeadService::St
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::PullGradient(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return StartPullGradient(ctx_, request,
-                           AuthorizePullReset(ctx_->tokens, context->client_metadata()));
+                           AuthorizePullReset(ctx_->tokens, context->client_metadata()),
+                           AuthorizationOf(*context));
 }
 
 grpc::ServerReadReactor<v1::PushWeightsRequest>* LossHeadService::PushWeights(
-    grpc::CallbackServerContext* /*context*/, v1::PushWeightsResponse* response) {
-  return StartPushWeights(ctx_, response);
+    grpc::CallbackServerContext* context, v1::PushWeightsResponse* response) {
+  return StartPushWeights(ctx_, response, AuthorizationOf(*context));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::DownloadWeights(

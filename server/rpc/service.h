@@ -3,8 +3,12 @@
 #ifndef LOSSHEAD_SERVER_RPC_SERVICE_H_
 #define LOSSHEAD_SERVER_RPC_SERVICE_H_
 
+#include <functional>
+
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
+#include "losshead/v1/process_control.pb.h"
 #include "server/rpc/service_context.h"
 
 namespace losshead::server {
@@ -96,6 +100,13 @@ class LossHeadService final : public LossHeadServiceBase {
   void RefreshMemoryMetrics() const;
 
  private:
+  // On a server of a process group: `control` run on every process through the leader
+  // (GroupControl::Run) on the worker pool, `answer` filling the response from this process's
+  // result, and true; false (nothing done) on a server of one process.
+  bool RunInGroup(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                  const char* method, absl::Time start, v1::ControlRequest control,
+                  std::function<void(const v1::ControlResponse&)> answer);
+
   ServiceContext* const ctx_;
 };
 

@@ -29,6 +29,7 @@ class StepReactor;
 class SharedRegions;
 class TokenTable;
 class Checkpointer;
+class GroupControl;
 
 // Live Step streams, so that shutdown can tell each to stop reading and finish once answered.
 class StepStreams {
@@ -80,6 +81,9 @@ struct ServiceContext {
   // The server-wide budget of remembered results (HeadOptions::idempotency_budget), for metrics;
   // null when heads have none.
   std::shared_ptr<IdempotencyBudget> remembered;
+  // The process group of a head replicated across server processes (group_control.h); null for a
+  // server of one process.
+  GroupControl* group = nullptr;
   // Null unless --step_trace names a file.
   StepTrace* step_trace = nullptr;
   // The same-node path (docs/same-node.md): the registered regions, the socket that registers

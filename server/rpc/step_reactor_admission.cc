@@ -7,7 +7,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "losshead/v1/wire_dtype.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/step_reactor.h"
 #include "server/security/auth.h"
 
@@ -49,14 +51,17 @@ absl::StatusOr<std::shared_ptr<Head>> StepReactor::ServableHeadLocked(const v1::
   // stream's token: streams live long (clients keep them between steps) and a reload may have
   // revoked it since the call was authorised.
   if (call_ != nullptr) {
-    if (absl::Status auth = AuthorizeOpenCall(ctx_->tokens, "/losshead.v1.LossHead/Step",
-                                              call_->client_metadata());
+    if (absl::Status auth =
+            AuthorizeOpenCall(ctx_->tokens, "/losshead.v1.LossHead/Step", call_->client_metadata());
         !auth.ok()) {
       return auth;
     }
   }
   absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(header.head());
   if (!head.ok()) return head.status();
+  // Across processes a client's micro-batches are remembered at its home only: elsewhere they
+  // are refused, nothing counted, with the home's address.
+  if (ctx_->group != nullptr) LOSSHEAD_RETURN_IF_ERROR(ctx_->group->CheckStep(header));
   announced = AnnouncedBytes(header, (*head)->hidden_size());
   if (announced > ctx_->max_microbatch_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -11,15 +11,16 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "losshead/kernels/problem.h"
-#include "server/engine/proto_convert.h"
 #include "common/status_macros.h"
-#include "server/engine/transfer_buffers.h"
-#include "transport/wire_format.h"
+#include "losshead/kernels/problem.h"
 #include "losshead/v1/wire_dtype.h"
+#include "server/engine/proto_convert.h"
+#include "server/engine/transfer_buffers.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/shared_slice.h"
 #include "server/rpc/status_util.h"
 #include "server/rpc/step_assembler.h"
+#include "transport/wire_format.h"
 
 namespace losshead::server {
 namespace {
@@ -148,8 +149,11 @@ class Refusal final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest> {
  public:
-  PushReactor(ServiceContext* ctx, v1::PushWeightsResponse* response)
-      : ctx_(ctx), response_(response), start_(absl::Now()) {
+  PushReactor(ServiceContext* ctx, v1::PushWeightsResponse* response, std::string authorization)
+      : ctx_(ctx),
+        response_(response),
+        start_(absl::Now()),
+        authorization_(std::move(authorization)) {
     if (ctx_->draining.load()) {
       FinishWith(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"));
       return;
@@ -177,11 +181,14 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
                                     total_bytes_, " bytes; weights unchanged")));
     }
     ctx_->pool->Schedule([this] {
+      // Across processes the bytes go to every process, pushed on each in the leader's order.
       absl::StatusOr<uint64_t> version =
-          head_->PushWeights(header_.dtype(), header_.mode(), staged_,
-                             header_.has_expected_weights_version()
-                                 ? std::optional<uint64_t>(header_.expected_weights_version())
-                                 : std::nullopt);
+          ctx_->group != nullptr
+              ? ctx_->group->Push(header_, std::exchange(staged_, std::string()), authorization_)
+              : head_->PushWeights(header_.dtype(), header_.mode(), staged_,
+                                   header_.has_expected_weights_version()
+                                       ? std::optional<uint64_t>(header_.expected_weights_version())
+                                       : std::nullopt);
       GiveTransferBuffer(std::move(staged_));
       if (!version.ok()) return FinishWith(ToGrpcStatus(version.status()));
       ctx_->metrics->Push(head_->name());
@@ -244,6 +251,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
   ServiceContext* const ctx_;
   v1::PushWeightsResponse* const response_;
   const absl::Time start_;
+  const std::string authorization_;  // the caller's, forwarded across processes
   v1::PushWeightsRequest request_;
   v1::PushHeader header_;
   std::shared_ptr<Head> head_;
@@ -256,16 +264,26 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(ServiceContext* ctx,
                                                               const grpc::ByteBuffer* raw,
-                                                              absl::Status reset_permission) {
+                                                              absl::Status reset_permission,
+                                                              std::string authorization) {
   absl::StatusOr<v1::PullGradientRequest> parsed =
       ParseRequest<v1::PullGradientRequest>(raw, "PullGradient");
   if (!parsed.ok()) return new Refusal(ctx, "PullGradient", parsed.status());
   return new ChunkedWriter<v1::GradientChunk, kGradientDataField>(
       ctx, "PullGradient",
-      [ctx, req = *std::move(parsed),
-       reset_permission](v1::GradientChunk& first) -> absl::StatusOr<std::string> {
+      [ctx, req = *std::move(parsed), reset_permission,
+       authorization](v1::GradientChunk& first) -> absl::StatusOr<std::string> {
         if (req.reset()) LOSSHEAD_RETURN_IF_ERROR(reset_permission);
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
+        if (ctx->group != nullptr) {
+          v1::ControlRequest control;
+          *control.mutable_pull_gradient() = req;
+          GradientSnapshot snap;
+          LOSSHEAD_RETURN_IF_ERROR(ctx->group->Run(control, authorization, &snap).status());
+          ctx->metrics->Pull(head->name());
+          *first.mutable_summary() = snap.summary;
+          return std::move(snap.data);
+        }
         if (req.summary_only()) {
           // One message, the summary alone (ChunkedWriter writes one for an empty tensor).
           LOSSHEAD_ASSIGN_OR_RETURN(*first.mutable_summary(),
@@ -335,8 +353,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
 }
 
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
-    ServiceContext* ctx, v1::PushWeightsResponse* response) {
-  return new PushReactor(ctx, response);
+    ServiceContext* ctx, v1::PushWeightsResponse* response, std::string authorization) {
+  return new PushReactor(ctx, response, std::move(authorization));
 }
 
 }  // namespace losshead::server

@@ -5,6 +5,8 @@
 #ifndef LOSSHEAD_SERVER_RPC_TRANSFER_REACTORS_H_
 #define LOSSHEAD_SERVER_RPC_TRANSFER_REACTORS_H_
 
+#include <string>
+
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
@@ -16,16 +18,20 @@ namespace losshead::server {
 // A pull with reset fails with `reset_permission` (when not OK) before anything is read or reset.
 // `request` is the serialised PullGradientRequest / DownloadWeightsRequest (INVALID_ARGUMENT when
 // it does not parse); the responses are serialised GradientChunk / WeightsChunk messages.
+// On a server of a process group the pull is a cut of every process's window, run through the
+// leader with the caller's `authorization` forwarded (group_control.h).
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(
     ServiceContext* ctx, const grpc::ByteBuffer* request,
-    absl::Status reset_permission = absl::OkStatus());
+    absl::Status reset_permission = absl::OkStatus(), std::string authorization = "");
 // The rows of W for token ids (EmbeddingRowsRequest), streamed like DownloadWeights.
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* ctx,
                                                                const grpc::ByteBuffer* request);
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext* ctx,
                                                                  const grpc::ByteBuffer* request);
+// On a server of a process group the push reaches every process through the leader, with the
+// caller's `authorization` forwarded (group_control.h).
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
-    ServiceContext* ctx, v1::PushWeightsResponse* response);
+    ServiceContext* ctx, v1::PushWeightsResponse* response, std::string authorization = "");
 
 }  // namespace losshead::server
 

@@ -50,6 +50,11 @@ constexpr MethodRule kLossHeadRules[] = {
     {"/losshead.v1.LossHead/ApplyOptimizer", Access::kWriter},
     {"/losshead.v1.LossHead/RestoreHead", Access::kWriter},
     {"/losshead.v1.LossHead/DeleteSnapshot", Access::kWriter},
+    // Between the processes of a group (process_control.proto): a reader's token gets in, and the
+    // handler checks it against the LossHead method the request stands for.
+    {"/losshead.v1.ProcessControl/Lead", Access::kReader},
+    {"/losshead.v1.ProcessControl/Apply", Access::kReader},
+    {"/losshead.v1.ProcessControl/Members", Access::kReader},
 };
 
 // Services that must answer without a token: probes and tooling discovery.

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -67,6 +68,12 @@ struct ClientOptions {
   // Retries of transient failures; see losshead/client/retry.h for what is retried and why
   // nothing is counted twice. Applies to every method, and per micro-batch to Step and StepMany.
   RetryPolicy retry;
+  // A head replicated across server processes (docs/multi-process.md) refuses a client id's
+  // micro-batches away from its home with FAILED_PRECONDITION naming the home's address
+  // ("home=<address>"): Step then connects there (same options) and sends the micro-batch again,
+  // once, and sends that client id's later micro-batches there directly. StepMany and Step
+  // streams return the refusal as it is. false: Step returns it too.
+  bool follow_home_redirect = true;
 };
 
 // Bytes of a tensor that needs no typed access on the client side.
@@ -326,12 +333,20 @@ class Client {
   mutable absl::Mutex token_mu_;
   std::string bearer_token_ ABSL_GUARDED_BY(token_mu_);
   std::atomic<uint64_t> retries_{0};
+  // The clients of the homes Step was redirected to, by address, and each client id's home.
+  absl::Mutex homes_mu_;
+  std::map<std::string, std::unique_ptr<Client>> home_clients_ ABSL_GUARDED_BY(homes_mu_);
+  std::map<std::string, Client*> home_of_ ABSL_GUARDED_BY(homes_mu_);
   absl::Mutex streams_mu_;
   std::vector<std::unique_ptr<StepStream>> idle_streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex same_node_mu_;
   bool same_node_probed_ ABSL_GUARDED_BY(same_node_mu_) = false;
   std::string same_node_socket_ ABSL_GUARDED_BY(same_node_mu_);  // empty: none
 };
+
+// The home's address in a FAILED_PRECONDITION that redirects a client id ("home=<address>"), if
+// `status` is one.
+std::optional<std::string> HomeRedirect(const absl::Status& status);
 
 // Payload bytes that fit in one message next to `overhead` bytes of other fields.
 size_t PieceBytes(size_t max_message_bytes, size_t overhead);

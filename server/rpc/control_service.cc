@@ -1,0 +1,124 @@
+#include "server/rpc/control_service.h"
+
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "server/rpc/group_control.h"
+#include "server/rpc/unary_call.h"
+#include "server/security/auth.h"
+
+namespace losshead::server {
+namespace {
+
+// What the forwarded token may do: the role the method it stands for needs.
+absl::Status AuthorizeControl(ServiceContext* ctx, const grpc::CallbackServerContext& context,
+                              const v1::ControlRequest& request) {
+  if (ctx->group == nullptr) {
+    return absl::FailedPreconditionError("this server is not part of a process group");
+  }
+  LOSSHEAD_RETURN_IF_ERROR(
+      AuthorizeOpenCall(ctx->tokens, ControlMethod(request), context.client_metadata()));
+  if (request.has_pull_gradient() && request.pull_gradient().reset()) {
+    return AuthorizePullReset(ctx->tokens, context.client_metadata());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* ControlMethod(const v1::ControlRequest& request) {
+  switch (request.op_case()) {
+    case v1::ControlRequest::kCreateHead:
+      return "/losshead.v1.LossHead/CreateHead";
+    case v1::ControlRequest::kDeleteHead:
+      return "/losshead.v1.LossHead/DeleteHead";
+    case v1::ControlRequest::kSetLossOptions:
+      return "/losshead.v1.LossHead/SetLossOptions";
+    case v1::ControlRequest::kSetOptimizer:
+      return "/losshead.v1.LossHead/SetOptimizer";
+    case v1::ControlRequest::kApplyOptimizer:
+      return "/losshead.v1.LossHead/ApplyOptimizer";
+    case v1::ControlRequest::kPullGradient:
+      return "/losshead.v1.LossHead/PullGradient";
+    case v1::ControlRequest::kPushWeights:
+      return "/losshead.v1.LossHead/PushWeights";
+    default:
+      return "/losshead.v1.LossHead/CreateHead";  // the writer's role: nothing is run anyway
+  }
+}
+
+std::string AuthorizationOf(const grpc::CallbackServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  return it == metadata.end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
+
+grpc::ServerUnaryReactor* ProcessControlService::Lead(grpc::CallbackServerContext* context,
+                                                      const v1::ControlRequest* request,
+                                                      v1::ControlResponse* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "Lead", start)) return reactor;
+  if (absl::Status auth = AuthorizeControl(ctx_, *context, *request); !auth.ok()) {
+    FinishUnary(ctx_, reactor, "Lead", start, auth);
+    return reactor;
+  }
+  if (!ctx_->group->leader()) {
+    FinishUnary(ctx_, reactor, "Lead", start,
+                absl::FailedPreconditionError("only process 0 leads the group"));
+    return reactor;
+  }
+  // A thread of its own, not the worker pool: it waits for the followers, whose clients' control
+  // requests may hold pool threads waiting for this one.
+  std::thread([this, reactor, request, response, start, authorization = AuthorizationOf(*context)] {
+    absl::StatusOr<v1::ControlResponse> led =
+        ctx_->group->Lead(*request, authorization, /*pulled=*/nullptr);
+    if (led.ok()) *response = *std::move(led);
+    FinishUnary(ctx_, reactor, "Lead", start, led.status());
+  }).detach();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ProcessControlService::Apply(grpc::CallbackServerContext* context,
+                                                       const v1::ControlRequest* request,
+                                                       v1::ControlResponse* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (RefuseWhileDraining(ctx_, reactor, "Apply", start)) return reactor;
+  if (absl::Status auth = AuthorizeControl(ctx_, *context, *request); !auth.ok()) {
+    FinishUnary(ctx_, reactor, "Apply", start, auth);
+    return reactor;
+  }
+  // A thread of its own, as Lead's: this process's clients' control requests may hold every pool
+  // thread while they wait for the leader, which waits for this.
+  std::thread([this, reactor, request, response, start] {
+    absl::StatusOr<v1::ControlResponse> applied = ctx_->group->Apply(*request);
+    if (applied.ok()) *response = *std::move(applied);
+    FinishUnary(ctx_, reactor, "Apply", start, applied.status());
+  }).detach();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ProcessControlService::Members(grpc::CallbackServerContext* context,
+                                                         const v1::MembersRequest* /*request*/,
+                                                         v1::MembersResponse* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (ctx_->group == nullptr) {
+    FinishUnary(ctx_, reactor, "Members", start,
+                absl::FailedPreconditionError("this server is not part of a process group"));
+    return reactor;
+  }
+  for (const std::string& address : ctx_->group->addresses()) response->add_addresses(address);
+  response->set_rank(ctx_->group->rank());
+  response->set_home_rule("fnv1a64 mod N");
+  FinishUnary(ctx_, reactor, "Members", start, absl::OkStatus());
+  return reactor;
+}
+
+}  // namespace losshead::server

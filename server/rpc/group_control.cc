@@ -1,0 +1,310 @@
+#include "server/rpc/group_control.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "grpcpp/grpcpp.h"
+#include "server/engine/head_registry.h"
+#include "server/rpc/service_context.h"
+#include "server/rpc/status_util.h"
+
+namespace losshead::server {
+namespace {
+
+// What every process runs at once, meeting in an exchange of the group.
+bool IsCut(const v1::ControlRequest& request) {
+  return request.has_apply_optimizer() || request.has_pull_gradient() ||
+         request.has_push_weights();
+}
+
+// What a follower's status becomes in the leader's answer: the follower's code and message,
+// named, except where it could not be reached or answered nothing (UNAVAILABLE).
+absl::Status FromFollower(int process, const std::string& address, const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat("process ", process, " (", address,
+                                                  ") of the group: ", status.message()));
+}
+
+}  // namespace
+
+GroupControl::GroupControl(std::shared_ptr<ProcessWindow> window,
+                           std::vector<std::string> addresses, absl::Duration op_timeout,
+                           ServiceContext* ctx)
+    : window_(std::move(window)),
+      addresses_(std::move(addresses)),
+      op_timeout_(op_timeout),
+      ctx_(ctx) {}
+
+int GroupControl::HomeOf(absl::string_view client_id) const {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (unsigned char c : client_id) {
+    hash ^= c;
+    hash *= 0x100000001b3ull;
+  }
+  return static_cast<int>(hash % static_cast<uint64_t>(size()));
+}
+
+absl::Status GroupControl::CheckStep(const v1::StepHeader& header) const {
+  if (absl::Status health = window_->health(); !health.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("the head's process group is broken (", health.message(),
+                     "): its gradient window can no longer be cut; the group must be rebuilt"));
+  }
+  if (header.client_id().empty() || header.options().forward_only()) return absl::OkStatus();
+  const int home = HomeOf(header.client_id());
+  if (home == rank()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("client '", header.client_id(), "' has its home on process ", home, " of ",
+                   size(), ", not on this one (process ", rank(), "): send its micro-batches to ",
+                   addresses_[home], " (", kHomeMarker, addresses_[home], ")"));
+}
+
+v1::ProcessControl::Stub& GroupControl::StubOf(int process) {
+  absl::MutexLock lock(&stubs_mu_);
+  std::unique_ptr<v1::ProcessControl::Stub>& stub = stubs_[process];
+  if (stub == nullptr) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    stub = v1::ProcessControl::NewStub(
+        grpc::CreateCustomChannel(addresses_[process], grpc::InsecureChannelCredentials(), args));
+  }
+  return *stub;
+}
+
+absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request,
+                                                      const std::string& authorization,
+                                                      GradientSnapshot* pulled) {
+  if (request.has_create_head() && request.create_head().spec().bias()) {
+    return absl::UnimplementedError(
+        "a head with an output bias cannot be replicated across processes yet");
+  }
+  request.set_origin(rank());
+  if (leader()) return Lead(std::move(request), authorization, pulled);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + CallTimeout()));
+  if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+  v1::ControlResponse response;
+  const grpc::Status status = StubOf(0).Lead(&context, request, &response);
+  if (!status.ok()) {
+    // The leader's answer as it is, except where the group is not there (unreachable, too slow,
+    // broken): UNAVAILABLE, saying through whom.
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+        status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      return absl::UnavailableError(absl::StrCat("through the group's leader (process 0 at ",
+                                                 addresses_[0], "): ", status.error_message()));
+    }
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        status.error_message());
+  }
+  if (request.has_pull_gradient() && pulled != nullptr) {
+    absl::MutexLock lock(&mu_);
+    auto it = pulled_.find(response.sequence());
+    if (it == pulled_.end()) {
+      return absl::InternalError(absl::StrCat("the pull of cut ", response.sequence(),
+                                              " left no gradient on this process"));
+    }
+    *pulled = std::move(it->second);
+    pulled_.erase(it);
+  }
+  return response;
+}
+
+absl::StatusOr<uint64_t> GroupControl::Push(const v1::PushHeader& header, std::string data,
+                                            const std::string& authorization) {
+  v1::ControlRequest request;
+  v1::PushControl& push = *request.mutable_push_weights();
+  *push.mutable_header() = header;
+  push.set_bytes(data.size());
+  {
+    absl::MutexLock lock(&mu_);
+    push.set_push_id(++next_push_);
+    pushes_[push.push_id()] = std::move(data);
+  }
+  absl::StatusOr<v1::ControlResponse> done = Run(request, authorization);
+  {
+    absl::MutexLock lock(&mu_);
+    pushes_.erase(push.push_id());  // still here when the leader refused it before the broadcast
+  }
+  if (!done.ok()) return done.status();
+  return done->weights_version();
+}
+
+std::vector<absl::StatusOr<v1::ControlResponse>> GroupControl::ApplyOnFollowers(
+    const v1::ControlRequest& request, const std::string& authorization) {
+  std::vector<absl::StatusOr<v1::ControlResponse>> answers(size(), v1::ControlResponse());
+  std::vector<std::thread> calls;
+  for (int p = 1; p < size(); ++p) {
+    calls.emplace_back([&, p] {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + CallTimeout()));
+      if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+      v1::ControlResponse response;
+      const grpc::Status status = StubOf(p).Apply(&context, request, &response);
+      if (status.ok()) {
+        answers[p] = std::move(response);
+      } else {
+        const absl::StatusCode code = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                                          ? absl::StatusCode::kUnavailable
+                                          : static_cast<absl::StatusCode>(status.error_code());
+        answers[p] = FromFollower(p, addresses_[p], absl::Status(code, status.error_message()));
+      }
+    });
+  }
+  for (std::thread& t : calls) t.join();
+  return answers;
+}
+
+absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest request,
+                                                       const std::string& authorization,
+                                                       GradientSnapshot* pulled) {
+  absl::MutexLock lock(&lead_mu_);
+  LOSSHEAD_RETURN_IF_ERROR(window_->health());
+  request.set_sequence(++sequence_);
+  // The origin's gradient: kept here when the origin is the leader, by the origin otherwise.
+  GradientSnapshot own;
+  GradientSnapshot* here = request.origin() == rank() ? pulled : &own;
+  if (IsCut(request)) {
+    // Every process at once: they meet in the cut's collectives.
+    absl::StatusOr<v1::ControlResponse> mine;
+    std::thread local([&] { mine = RunHere(request, here); });
+    std::vector<absl::StatusOr<v1::ControlResponse>> answers =
+        ApplyOnFollowers(request, authorization);
+    local.join();
+    if (!mine.ok()) return mine.status();
+    for (int p = 1; p < size(); ++p) {
+      if (!answers[p].ok()) return answers[p].status();
+    }
+    return mine;
+  }
+  // The leader first: what it refuses, every process would (they hold the same state).
+  LOSSHEAD_ASSIGN_OR_RETURN(v1::ControlResponse mine, RunHere(request, here));
+  std::vector<absl::StatusOr<v1::ControlResponse>> answers =
+      ApplyOnFollowers(request, authorization);
+  for (int p = 1; p < size(); ++p) {
+    if (!answers[p].ok()) {
+      // The processes no longer hold the same state: say so, with the follower's error.
+      return absl::UnavailableError(absl::StrCat(
+          "applied on the leader but not on every process, so the group's copies differ: ",
+          answers[p].status().message()));
+    }
+  }
+  return mine;
+}
+
+absl::StatusOr<v1::ControlResponse> GroupControl::Apply(const v1::ControlRequest& request) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (request.sequence() <= applied_) {
+      return absl::FailedPreconditionError(absl::StrCat("control request ", request.sequence(),
+                                                        " arrived after request ", applied_,
+                                                        ": the leader's order is broken"));
+    }
+    applied_ = request.sequence();
+  }
+  GradientSnapshot pulled;
+  LOSSHEAD_ASSIGN_OR_RETURN(v1::ControlResponse response, RunHere(request, &pulled));
+  if (request.has_pull_gradient() && request.origin() == rank()) {
+    absl::MutexLock lock(&mu_);
+    pulled_[request.sequence()] = std::move(pulled);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlRequest& request,
+                                                          GradientSnapshot* pulled) {
+  v1::ControlResponse response;
+  response.set_sequence(request.sequence());
+  GradientSnapshot unwanted;  // a pull whose gradient nobody here asked for
+  if (pulled == nullptr) pulled = &unwanted;
+  HeadRegistry& registry = *ctx_->registry;
+  switch (request.op_case()) {
+    case v1::ControlRequest::kCreateHead: {
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head,
+                                registry.Create(request.create_head().spec()));
+      *response.mutable_head() = head->Info();
+      break;
+    }
+    case v1::ControlRequest::kDeleteHead:
+      LOSSHEAD_RETURN_IF_ERROR(registry.Delete(request.delete_head().name()));
+      ctx_->metrics->RemoveHead(request.delete_head().name());
+      ctx_->metrics->Heads(registry.size());
+      break;
+    case v1::ControlRequest::kSetLossOptions: {
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head,
+                                registry.Get(request.set_loss_options().name()));
+      LOSSHEAD_RETURN_IF_ERROR(
+          head->SetDefaultOptions(request.set_loss_options().default_options()));
+      *response.mutable_head() = head->Info();
+      break;
+    }
+    case v1::ControlRequest::kSetOptimizer: {
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head,
+                                registry.SetOptimizer(request.set_optimizer().head(),
+                                                      request.set_optimizer().optimizer()));
+      *response.mutable_head() = head->Info();
+      break;
+    }
+    case v1::ControlRequest::kApplyOptimizer: {
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head,
+                                registry.Get(request.apply_optimizer().head()));
+      LOSSHEAD_ASSIGN_OR_RETURN(*response.mutable_apply_optimizer(),
+                                head->ApplyOptimizer(request.apply_optimizer()));
+      break;
+    }
+    case v1::ControlRequest::kPullGradient: {
+      const v1::PullGradientRequest& pull = request.pull_gradient();
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(pull.head()));
+      if (pull.summary_only()) {
+        LOSSHEAD_ASSIGN_OR_RETURN(*response.mutable_summary(),
+                                  head->WindowSummary(pull.dtype(), pull.reset()));
+        pulled->summary = response.summary();
+        pulled->data.clear();
+      } else {
+        LOSSHEAD_ASSIGN_OR_RETURN(*pulled, head->PullGradient(pull.dtype(), pull.reset()));
+        *response.mutable_summary() = pulled->summary;
+      }
+      break;
+    }
+    case v1::ControlRequest::kPushWeights: {
+      const v1::PushControl& push = request.push_weights();
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(push.header().head()));
+      std::string data;
+      if (request.origin() == rank()) {
+        absl::MutexLock lock(&mu_);
+        auto it = pushes_.find(push.push_id());
+        if (it == pushes_.end()) {
+          return absl::InternalError(
+              absl::StrCat("push ", push.push_id(), " is not held by its origin"));
+        }
+        data = std::move(it->second);
+        pushes_.erase(it);
+      } else {
+        data.assign(push.bytes(), '\0');
+      }
+      LOSSHEAD_RETURN_IF_ERROR(window_->Broadcast(data, request.origin()));
+      const v1::PushHeader& h = push.header();
+      LOSSHEAD_ASSIGN_OR_RETURN(
+          const uint64_t version,
+          head->PushWeights(h.dtype(), h.mode(), data,
+                            h.has_expected_weights_version()
+                                ? std::optional<uint64_t>(h.expected_weights_version())
+                                : std::nullopt));
+      response.set_weights_version(version);
+      ctx_->metrics->Push(head->name());
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError("a control request without an operation");
+  }
+  return response;
+}
+
+}  // namespace losshead::server

@@ -1,0 +1,121 @@
+// The control plane of a head replicated across server processes (docs/multi-process.md): one
+// process (rank 0) leads, and every request that changes what every process must hold alike
+// (CreateHead, DeleteHead, SetLossOptions, SetOptimizer, PushWeights) or that cuts the gradient
+// window (ApplyOptimizer, PullGradient) runs on every process in the leader's order. A
+// follower's client request goes to the leader (ProcessControl.Lead); the leader numbers it and
+// runs it on every process (ProcessControl.Apply to each follower, and here).
+//
+// Cuts and pushes run on every process at once: each enters its head's cut and the same exchanges
+// of the group (ProcessWindow: the windows' sum; a push's W, from the process its client called
+// to every other), so that the leader's one-at-a-time order is the order in which every process
+// issues them. Other requests run on the leader first: a refusal there (deterministic, as every
+// process holds the same state) is answered without touching the followers; then on every
+// follower. A process that fails makes the request UNAVAILABLE naming it.
+//
+// Steps need no control: each client id has a home process, HomeOf(client_id) = FNV-1a 64 of its
+// bytes mod N, where its micro-batches are deduplicated; a micro-batch with a client id sent
+// elsewhere is refused FAILED_PRECONDITION naming the home's address (CheckStep).
+//
+// Thread-safe.
+#ifndef LOSSHEAD_SERVER_RPC_GROUP_CONTROL_H_
+#define LOSSHEAD_SERVER_RPC_GROUP_CONTROL_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "losshead/v1/losshead.pb.h"
+#include "losshead/v1/process_control.grpc.pb.h"
+#include "server/engine/head.h"
+#include "server/engine/process_window.h"
+
+namespace losshead::server {
+
+struct ServiceContext;
+
+// The text of a redirect: "... home process <p> at <address> ..." ends with this marker and the
+// address, so that clients can find it in the message ("home=<address>").
+inline constexpr absl::string_view kHomeMarker = "home=";
+
+class GroupControl {
+ public:
+  // `addresses`: every process's gRPC address, by rank. `op_timeout`: the group's, which bounds
+  // how long a follower may take to answer the leader (twice it, plus a minute for allocation).
+  GroupControl(std::shared_ptr<ProcessWindow> window, std::vector<std::string> addresses,
+               absl::Duration op_timeout, ServiceContext* ctx);
+
+  int rank() const { return window_->rank(); }
+  int size() const { return window_->size(); }
+  bool leader() const { return rank() == 0; }
+  const std::vector<std::string>& addresses() const { return addresses_; }
+
+  // FNV-1a 64 of the bytes of `client_id`, mod size().
+  int HomeOf(absl::string_view client_id) const;
+  // OK when `header`'s micro-batch may run here: one without a client id or forward-only runs
+  // anywhere (nothing of it is remembered or counted); others only at their home
+  // (FAILED_PRECONDITION naming it otherwise). UNAVAILABLE once the group is broken: its window
+  // could never be cut.
+  absl::Status CheckStep(const v1::StepHeader& header) const;
+
+  // A request from a client of this process, run on every process (through the leader when this
+  // is a follower). `authorization`: the caller's bearer header, forwarded ("" for none). A pull
+  // leaves this process's copy of the group's gradient in `*pulled`.
+  absl::StatusOr<v1::ControlResponse> Run(v1::ControlRequest request,
+                                          const std::string& authorization,
+                                          GradientSnapshot* pulled = nullptr);
+  // The leader's part (its own clients' requests and ProcessControl.Lead).
+  absl::StatusOr<v1::ControlResponse> Lead(v1::ControlRequest request,
+                                           const std::string& authorization,
+                                           GradientSnapshot* pulled);
+  // A push of W received whole from a client of this process (`data`: V x D, then b, in the
+  // header's dtype), broadcast to every process and pushed on each in the leader's order. The new
+  // weights version, or the push's error (every process decides alike on the same bytes).
+  absl::StatusOr<uint64_t> Push(const v1::PushHeader& header, std::string data,
+                                const std::string& authorization);
+  // A follower's part (ProcessControl.Apply): `request` run on this process's copy. A pull whose
+  // origin is this process keeps its gradient for Run to take.
+  absl::StatusOr<v1::ControlResponse> Apply(const v1::ControlRequest& request);
+
+ private:
+  // `request` run here; a pull's gradient to `*pulled`.
+  absl::StatusOr<v1::ControlResponse> RunHere(const v1::ControlRequest& request,
+                                              GradientSnapshot* pulled);
+  // ProcessControl.Apply on every follower, in parallel; their answers by rank (index 0 unused).
+  std::vector<absl::StatusOr<v1::ControlResponse>> ApplyOnFollowers(
+      const v1::ControlRequest& request, const std::string& authorization);
+  v1::ProcessControl::Stub& StubOf(int process);
+  absl::Duration CallTimeout() const { return op_timeout_ * 2 + absl::Minutes(1); }
+
+  const std::shared_ptr<ProcessWindow> window_;
+  const std::vector<std::string> addresses_;
+  const absl::Duration op_timeout_;
+  ServiceContext* const ctx_;
+
+  absl::Mutex stubs_mu_;
+  std::map<int, std::unique_ptr<v1::ProcessControl::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
+  // The leader: one request at a time, numbered in order.
+  absl::Mutex lead_mu_;
+  uint64_t sequence_ ABSL_GUARDED_BY(lead_mu_) = 0;
+  // A follower: the last sequence it ran (requests come in increasing order), and the pulls
+  // whose origin it is, until their caller takes them.
+  absl::Mutex mu_;
+  uint64_t applied_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, GradientSnapshot> pulled_ ABSL_GUARDED_BY(mu_);
+  // The pushes whose origin this process is, until their broadcast.
+  uint64_t next_push_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::string> pushes_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace losshead::server
+
+#endif  // LOSSHEAD_SERVER_RPC_GROUP_CONTROL_H_
