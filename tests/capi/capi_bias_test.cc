@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -17,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "losshead/capi.h"
-#include "tests/common/server_process.h"
+#include "tests/capi/capi_fixture.h"
 
 namespace {
 
@@ -42,37 +41,12 @@ bool All(const std::vector<float>& v, float x) {
   return std::all_of(v.begin(), v.end(), [x](float y) { return y == x; });
 }
 
-class CapiBiasTest : public ::testing::Test {
+class CapiBiasTest : public CapiServerTest {
  protected:
-  static void SetUpTestSuite() {
-    auto server = losshead::testing::ServerProcess::Start(
-        LOSSHEAD_SERVER_BINARY, {"--backend=cpu"},
-        ::testing::TempDir() + "/capi_bias_test_server.log");
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    lh_status status{};
-    ASSERT_EQ(lh_client_connect(server_->target().c_str(), nullptr, &client_, &status), 0)
-        << status.message;
-  }
-  void TearDown() override { lh_client_free(client_); }
-
   // A fresh fp32 V x D head, with an output bias when `bias` (the `losshead` tool creates it:
   // this test links no protobuf code, as capi_test).
   std::string Head(bool bias, int64_t vocab_size = kV, int64_t hidden_size = kD) {
-    const std::string name = absl::StrCat(
-        "bias-", ::testing::UnitTest::GetInstance()->current_test_info()->name(), "-", heads_++);
-    const std::string command =
-        absl::StrCat(LOSSHEAD_CLI_BINARY, " create --server=", server_->target(), " --head=", name,
-                     " --vocab_size=", vocab_size, " --hidden_size=", hidden_size,
-                     " --weight_dtype=fp32", bias ? " --bias" : "", " > /dev/null");
-    EXPECT_EQ(std::system(command.c_str()), 0) << command;
-    return name;
+    return CreateHead(vocab_size, hidden_size, bias ? " --bias" : "");
   }
 
   uint64_t Push(const std::string& head, const std::vector<float>& w, const std::vector<float>& b,
@@ -99,10 +73,6 @@ class CapiBiasTest : public ::testing::Test {
         << status.message;
     EXPECT_EQ(bias_bytes, kBBytes);
   }
-
-  static inline losshead::testing::ServerProcess* server_ = nullptr;
-  lh_client* client_ = nullptr;
-  int heads_ = 0;
 };
 
 TEST_F(CapiBiasTest, VersionFiveAddsTheBiasTransfersUnderItsOwnSymbolVersion) {

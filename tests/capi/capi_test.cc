@@ -19,7 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/common/server_process.h"
+#include "tests/capi/capi_fixture.h"
 
 // Callers built against version 3 keep working only if its structs keep their layout.
 static_assert(sizeof(lh_status) == 1036);
@@ -85,33 +85,11 @@ double LogSumExp(const std::vector<double>& z) {
   return m + std::log(s);
 }
 
-class CapiTest : public ::testing::Test {
+class CapiTest : public CapiServerTest {
  protected:
-  static void SetUpTestSuite() {
-    auto server = losshead::testing::ServerProcess::Start(
-        LOSSHEAD_SERVER_BINARY, {"--backend=cpu"}, ::testing::TempDir() + "/capi_test_server.log");
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    lh_status status{};
-    ASSERT_EQ(lh_client_connect(server_->target().c_str(), nullptr, &client_, &status), 0)
-        << status.message;
-  }
-  void TearDown() override { lh_client_free(client_); }
-
   // A fresh fp32 V x D head holding `weight` (with the `losshead` tool: see CMakeLists.txt).
   std::string Head(const std::vector<float>& weight) {
-    const std::string name = absl::StrCat(
-        "capi-", ::testing::UnitTest::GetInstance()->current_test_info()->name(), "-", heads_++);
-    const std::string command = absl::StrCat(
-        LOSSHEAD_CLI_BINARY, " create --server=", server_->target(), " --head=", name,
-        " --vocab_size=", kV, " --hidden_size=", kD, " --weight_dtype=fp32 > /dev/null");
-    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+    const std::string name = CreateHead(kV, kD);
     uint64_t version = 0;
     lh_status status{};
     EXPECT_EQ(lh_push_weights(client_, name.c_str(), kFp32, weight.data(),
@@ -131,10 +109,6 @@ class CapiTest : public ::testing::Test {
         << status.message;
     return grad;
   }
-
-  static inline losshead::testing::ServerProcess* server_ = nullptr;
-  lh_client* client_ = nullptr;
-  int heads_ = 0;
 };
 
 // A loss micro-batch of N fp32 hidden states and int32 targets, dH into `grad`.

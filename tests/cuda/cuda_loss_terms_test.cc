@@ -98,27 +98,8 @@ size_t BudgetFor(const Case& c, const CudaBackendOptions& o) {
   return o.cublas_workspace_bytes + o.handle_reserve_bytes + 4096 + c.chunk_rows * row;
 }
 
-double UlpOf(DType dtype) {
-  switch (dtype) {
-    case DType::kBF16:
-      return 0x1p-8;
-    case DType::kFP16:
-      return 0x1p-11;
-    case DType::kFP32:
-      return 0x1p-24;
-  }
-  return 0.0;
-}
-
-struct Tolerance {
-  double value_rel, value_abs;  // abs: a share of the largest value
-  double grad_rel, grad_abs;
-};
-
-Tolerance ToleranceFor(const Case& c) {
-  if (c.bf16_logits && c.dtype == DType::kBF16) return {3e-2, 3e-2, 2e-2, 2e-2};
-  const double grad_abs = c.dtype == DType::kFP32 ? 1e-4 : 2e-3;
-  return {1e-3, 1e-4, std::max(4 * UlpOf(c.dtype), 1e-5), grad_abs};
+testing::TermTolerance ToleranceFor(const Case& c) {
+  return testing::CudaTermTolerance(c.dtype, c.bf16_logits);
 }
 
 class CudaLossTermsTest : public ::testing::TestWithParam<Case> {};
@@ -153,7 +134,7 @@ TEST_P(CudaLossTermsTest, MatchesTheCpuBackend) {
   absl::StatusOr<Outputs> want = RunOnBackend(*cpu, in, cpu_run);
   ASSERT_TRUE(want.ok()) << want.status();
 
-  const Tolerance tol = ToleranceFor(c);
+  const testing::TermTolerance tol = ToleranceFor(c);
   EXPECT_EQ(got->token_count, want->token_count);
   EXPECT_NEAR(got->loss_sum, want->loss_sum,
               tol.value_rel * std::abs(want->loss_sum) +
@@ -337,7 +318,7 @@ TEST(CudaLossTermsBits, NeutralInputsGiveThePlainKernelsBits) {
     absl::StatusOr<Outputs> host = RunOnBackend(*cpu, in, neutral);
     ASSERT_TRUE(host.ok()) << host.status();
     ExpectWithinShare(ToDouble(got->grad_bias), ToDouble(host->grad_bias),
-                      std::max(4 * UlpOf(dtype), 1e-5), 2e-3, "grad_bias");
+                      std::max(4 * testing::UnitRoundoff(dtype), 1e-5), 2e-3, "grad_bias");
   }
 }
 

@@ -79,27 +79,8 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 // N over several chunks of the small budget; V not divisible by 2 or 3.
 constexpr int64_t kN = 97, kD = 64, kV = 1003;
 
-double UnitRoundoff(DType dtype) {
-  switch (dtype) {
-    case DType::kBF16:
-      return 0x1p-8;
-    case DType::kFP16:
-      return 0x1p-11;
-    case DType::kFP32:
-      return 0x1p-24;
-  }
-  return 0.0;
-}
-
-struct Tolerance {
-  double value_rel, value_abs;  // abs: a share of the largest value
-  double grad_rel, grad_abs;
-};
-
-Tolerance ToleranceFor(const Case& c) {
-  if (c.bf16_logits && c.dtype == DType::kBF16) return {3e-2, 3e-2, 2e-2, 2e-2};
-  const double grad_abs = c.dtype == DType::kFP32 ? 1e-4 : 2e-3;
-  return {1e-3, 1e-4, std::max(4 * UnitRoundoff(c.dtype), 1e-5), grad_abs};
+testing::TermTolerance ToleranceFor(const Case& c) {
+  return testing::CudaTermTolerance(c.dtype, c.bf16_logits);
 }
 
 // A budget that gives chunks of about 40 tokens on the widest shard (as shard_cuda_test.cc's
@@ -184,7 +165,7 @@ TEST_P(CudaShardTermsTest, MatchesTheCpuShardsAndFloat64) {
   ASSERT_TRUE(want.ok()) << want.status();
   const TermResult ref = LossTermsReference(p, in.hidden, in.weight, in.targets, terms);
 
-  const Tolerance tol = ToleranceFor(c);
+  const testing::TermTolerance tol = ToleranceFor(c);
   EXPECT_EQ(got->token_count, want->token_count);
   EXPECT_EQ(got->token_count, ref.token_count);
   {
@@ -376,7 +357,7 @@ TEST(CudaShardTermsBits, NeutralInputsGiveThePlainKernelsBits) {
     EXPECT_EQ(got->loss_sum, want->loss_sum);
     EXPECT_TRUE(SameFloatBits(got->per_token_loss, want->per_token_loss));
     EXPECT_TRUE(SameFloatBits(got->per_token_lse, want->per_token_lse));
-    const double rel = std::max(4 * UnitRoundoff(dtype), 1e-5);
+    const double rel = std::max(4 * testing::UnitRoundoff(dtype), 1e-5);
     ExpectWithinShare(got->grad_hidden, want->grad_hidden, rel, 1e-5, "grad_hidden");
     ExpectWithinShare(ToDouble(got->grad_weight), ToDouble(want->grad_weight), rel, 1e-5,
                       "grad_weight");
