@@ -5,6 +5,8 @@
 #ifndef LOSSHEAD_TESTS_CAPI_CAPI_FIXTURE_H_
 #define LOSSHEAD_TESTS_CAPI_CAPI_FIXTURE_H_
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -17,9 +19,13 @@
 class CapiServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const std::string suite = ::testing::UnitTest::GetInstance()->current_test_suite()->name();
-    auto server = losshead::testing::ServerProcess::Start(
-        LOSSHEAD_SERVER_BINARY, {"--backend=cpu"}, ::testing::TempDir() + "/" + suite + ".log");
+    // A log of this process's own: the server's port is read from it, and ctest runs the
+    // suite's tests as processes side by side.
+    const std::string log = absl::StrCat(
+        ::testing::TempDir(), "/", ::testing::UnitTest::GetInstance()->current_test_suite()->name(),
+        "-", getpid(), ".log");
+    auto server =
+        losshead::testing::ServerProcess::Start(LOSSHEAD_SERVER_BINARY, {"--backend=cpu"}, log);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
   }

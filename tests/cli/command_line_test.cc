@@ -178,7 +178,7 @@ TEST(CommandLine, RefusesAFlagOfAnotherCommandNamingItsFlags) {
   EXPECT_EQ(i.status().message(),
             "--streams is not a flag of `losshead create` (a flag of bench); `losshead create` "
             "takes --head, --vocab_size, --hidden_size, --weight_dtype, --matmul_precision, "
-            "--init_std, --seed, --replicas, --shards, --server, --max_message_bytes, "
+            "--init_std, --seed, --replicas, --shards, --bias, --server, --max_message_bytes, "
             "--deadline_s, --token_file, --tls_root_ca, --tls_cert, --tls_key, --tls_server_name "
             "(losshead create --help)");
   // In every form absl accepts.
