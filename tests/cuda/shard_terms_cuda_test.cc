@@ -235,32 +235,9 @@ TEST_P(CudaShardTermsTest, MatchesTheCpuShardsAndFloat64) {
 }
 
 std::vector<Case> Cases() {
-  const LossOptions scale = With(CrossEntropy(), [](LossOptions& o) { o.logit_scale = 1.7f; });
-  const LossOptions entropy = With(CrossEntropy(Reduction::kSum), [](LossOptions& o) {
-    o.entropy_coef = -0.2f;
-    o.softcap = 1.5f;
-    o.z_loss = 0.01f;
-  });
-  const LossOptions policy = With(PolicyGradient(Reduction::kSum, 0.1f), [](LossOptions& o) {
-    o.clip_low = 0.1f;
-    o.clip_high = 0.28f;
-  });
-  const LossOptions everything_ce = With(CrossEntropy(), [](LossOptions& o) {
-    o.logit_scale = 1.3f;
-    o.softcap = 2.5f;
-    o.z_loss = 0.02f;
-    o.label_smoothing = 0.05f;
-    o.entropy_coef = 0.1f;
-    o.grad_scale = 3.0f;
-  });
-  const LossOptions everything_pg =
-      With(PolicyGradient(Reduction::kNone, 0.05f), [](LossOptions& o) {
-        o.logit_scale = 0.8f;
-        o.softcap = 3.0f;
-        o.z_loss = 0.02f;
-        o.entropy_coef = -0.05f;
-        o.grad_scale = 0.5f;
-      });
+  const testing::ShardTermOptions sets;
+  const LossOptions &scale = sets.scale, &entropy = sets.entropy, &policy = sets.policy;
+  const LossOptions &everything_ce = sets.everything_ce, &everything_pg = sets.everything_pg;
   std::vector<Case> cases;
   for (int k = 1; k <= 3; ++k) {
     const std::string s = std::to_string(k) + "Shards";

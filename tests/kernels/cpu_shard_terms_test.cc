@@ -29,6 +29,7 @@
 namespace losshead::kernels {
 namespace {
 
+using testing::ExpectWithin;
 using testing::Inputs;
 using testing::InputSpec;
 using testing::LossTermsReference;
@@ -42,7 +43,6 @@ using testing::RunSharded;
 using testing::TermInputs;
 using testing::TermResult;
 using testing::ToDouble;
-using testing::ExpectWithin;
 
 constexpr size_t kWhole = size_t{64} << 20;
 
@@ -97,8 +97,8 @@ TEST_P(CpuShardTermsTest, MatchesTheWholeRunAndFloat64) {
   if (c.bias) run.initial_grad_bias.assign(p.v, -0.5f);
   if (c.chunked) {
     // The smallest budget (in steps of 4 KiB) that every shard plans for: a few tokens a chunk.
-    const ShardProblem first{.problem = p, .rows = ShardRange(p.v, c.shards, 0).size(),
-                             .shards = c.shards};
+    const ShardProblem first{
+        .problem = p, .rows = ShardRange(p.v, c.shards, 0).size(), .shards = c.shards};
     run.workspace_budget = 4096;
     absl::StatusOr<ShardPlan> plan = shards[0]->PlanShard(first, run.workspace_budget);
     while (!plan.ok() && run.workspace_budget < kWhole) {
@@ -124,11 +124,11 @@ TEST_P(CpuShardTermsTest, MatchesTheWholeRunAndFloat64) {
     EXPECT_NEAR(sharded->loss_sum, whole->loss_sum, 1e-5 * (1.0 + std::abs(whole->loss_sum)));
     const std::vector<double> loss = ToDouble(whole->per_token_loss);
     ExpectWithin(ToDouble(sharded->per_token_loss), loss, 1e-5, 1e-6 * MaxAbs(loss),
-               "per_token_loss");
+                 "per_token_loss");
     ExpectWithin(ToDouble(sharded->per_token_lse), ToDouble(whole->per_token_lse), 1e-6, 0.0,
-               "per_token_lse");
+                 "per_token_lse");
     ExpectWithin(sharded->grad_hidden, whole->grad_hidden, UlpOf(c.dtype),
-               1e-6 * MaxAbs(whole->grad_hidden), "grad_hidden");
+                 1e-6 * MaxAbs(whole->grad_hidden), "grad_hidden");
     const std::vector<double> dw = ToDouble(whole->grad_weight);
     ExpectWithin(ToDouble(sharded->grad_weight), dw, 1e-5, 1e-5 * MaxAbs(dw), "grad_weight");
     if (c.bias) {
@@ -140,18 +140,18 @@ TEST_P(CpuShardTermsTest, MatchesTheWholeRunAndFloat64) {
     SCOPED_TRACE("shards against float64");
     EXPECT_NEAR(sharded->loss_sum, ref.loss_sum, 1e-5 * (1.0 + std::abs(ref.loss_sum)));
     ExpectWithin(ToDouble(sharded->per_token_loss), ref.per_token_loss, 1e-5,
-               1e-6 * MaxAbs(ref.per_token_loss), "per_token_loss");
+                 1e-6 * MaxAbs(ref.per_token_loss), "per_token_loss");
     ExpectWithin(sharded->grad_hidden, ref.grad_hidden, UlpOf(c.dtype),
-               1e-5 * MaxAbs(ref.grad_hidden), "grad_hidden");
+                 1e-5 * MaxAbs(ref.grad_hidden), "grad_hidden");
     std::vector<double> dw = ref.grad_weight;
     for (double& x : dw) x += 0.25;
     ExpectWithin(ToDouble(sharded->grad_weight), dw, 1e-5, 1e-5 * MaxAbs(ref.grad_weight),
-               "grad_weight");
+                 "grad_weight");
     if (c.bias) {
       std::vector<double> db = ref.grad_bias;
       for (double& x : db) x -= 0.5;
       ExpectWithin(ToDouble(sharded->grad_bias), db, 1e-5, 1e-5 * MaxAbs(ref.grad_bias),
-                 "grad_bias");
+                   "grad_bias");
     }
   }
   // Ignored tokens: no loss, no gradient.
@@ -162,48 +162,24 @@ TEST_P(CpuShardTermsTest, MatchesTheWholeRunAndFloat64) {
 }
 
 std::vector<Case> Cases() {
-  const LossOptions scale = With(CrossEntropy(), [](LossOptions& o) { o.logit_scale = 1.7f; });
-  const LossOptions entropy = With(CrossEntropy(Reduction::kSum), [](LossOptions& o) {
-    o.entropy_coef = -0.2f;
-    o.softcap = 1.5f;
-    o.z_loss = 0.01f;
-  });
-  const LossOptions policy = With(PolicyGradient(Reduction::kSum, 0.1f), [](LossOptions& o) {
-    o.clip_low = 0.1f;
-    o.clip_high = 0.28f;
-  });
-  const LossOptions everything_ce = With(CrossEntropy(), [](LossOptions& o) {
-    o.logit_scale = 1.3f;
-    o.softcap = 2.5f;
-    o.z_loss = 0.02f;
-    o.label_smoothing = 0.05f;
-    o.entropy_coef = 0.1f;
-    o.grad_scale = 3.0f;
-  });
-  const LossOptions everything_pg =
-      With(PolicyGradient(Reduction::kNone, 0.05f), [](LossOptions& o) {
-        o.logit_scale = 0.8f;
-        o.softcap = 3.0f;
-        o.z_loss = 0.02f;
-        o.entropy_coef = -0.05f;
-        o.grad_scale = 0.5f;
-      });
+  const testing::ShardTermOptions sets;
+  const LossOptions &scale = sets.scale, &entropy = sets.entropy, &policy = sets.policy;
+  const LossOptions &everything_ce = sets.everything_ce, &everything_pg = sets.everything_pg;
   std::vector<Case> cases;
   for (int k = 1; k <= 4; ++k) {
     const std::string s = std::to_string(k) + "Shards";
     cases.push_back({s + "_FP32_Scale", k, DType::kFP32, scale});
-    cases.push_back({s + "_BF16_Bias_Chunked", k, DType::kBF16, CrossEntropy(), true, false,
-                     true});
-    cases.push_back({s + "_FP16_Weights", k, DType::kFP16,
-                     With(CrossEntropy(Reduction::kNone),
-                          [](LossOptions& o) { o.label_smoothing = 0.1f; }),
-                     false, true});
+    cases.push_back({s + "_BF16_Bias_Chunked", k, DType::kBF16, CrossEntropy(), true, false, true});
+    cases.push_back(
+        {s + "_FP16_Weights", k, DType::kFP16,
+         With(CrossEntropy(Reduction::kNone), [](LossOptions& o) { o.label_smoothing = 0.1f; }),
+         false, true});
     cases.push_back({s + "_FP32_Entropy_Softcap_ZLoss", k, DType::kFP32, entropy});
     cases.push_back({s + "_FP32_PolicyGradient_Kl", k, DType::kFP32, policy});
     cases.push_back({s + "_BF16_CrossEntropy_Everything_Chunked", k, DType::kBF16, everything_ce,
                      true, true, true});
-    cases.push_back({s + "_FP32_PolicyGradient_Everything_Chunked", k, DType::kFP32,
-                     everything_pg, true, true, true});
+    cases.push_back({s + "_FP32_PolicyGradient_Everything_Chunked", k, DType::kFP32, everything_pg,
+                     true, true, true});
   }
   return cases;
 }

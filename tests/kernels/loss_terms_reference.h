@@ -85,6 +85,37 @@ LossOptions With(LossOptions o, F set) {
   return o;
 }
 
+// The option sets the shard suites (CPU and CUDA) run over every shard count: the logit scale
+// alone; the entropy term with a soft-cap and z-loss; the clipped policy gradient with KL; and
+// every option of each kind at once.
+struct ShardTermOptions {
+  LossOptions scale = With(CrossEntropy(), [](LossOptions& o) { o.logit_scale = 1.7f; });
+  LossOptions entropy = With(CrossEntropy(Reduction::kSum), [](LossOptions& o) {
+    o.entropy_coef = -0.2f;
+    o.softcap = 1.5f;
+    o.z_loss = 0.01f;
+  });
+  LossOptions policy = With(PolicyGradient(Reduction::kSum, 0.1f), [](LossOptions& o) {
+    o.clip_low = 0.1f;
+    o.clip_high = 0.28f;
+  });
+  LossOptions everything_ce = With(CrossEntropy(), [](LossOptions& o) {
+    o.logit_scale = 1.3f;
+    o.softcap = 2.5f;
+    o.z_loss = 0.02f;
+    o.label_smoothing = 0.05f;
+    o.entropy_coef = 0.1f;
+    o.grad_scale = 3.0f;
+  });
+  LossOptions everything_pg = With(PolicyGradient(Reduction::kNone, 0.05f), [](LossOptions& o) {
+    o.logit_scale = 0.8f;
+    o.softcap = 3.0f;
+    o.z_loss = 0.02f;
+    o.entropy_coef = -0.05f;
+    o.grad_scale = 0.5f;
+  });
+};
+
 }  // namespace losshead::kernels::testing
 
 #endif  // LOSSHEAD_TESTS_KERNELS_LOSS_TERMS_REFERENCE_H_
