@@ -8,7 +8,8 @@
 #   client/python/run_tests.sh [pytest args...]
 #
 # Environment: PYTHON (interpreter for the venv; default /usr/bin/python3), LOSSHEAD_PY_VENV
-# (default build-py/venv under the repository root), LOSSHEAD_SERVER_BIN, LOSSHEAD_CAPI_LIB.
+# (default build-py/venv under the repository root), LOSSHEAD_SERVER_BIN, LOSSHEAD_CAPI_LIB,
+# LOSSHEAD_SERVER_BACKEND (the test servers' backend: cpu, or cuda on a GPU host; default cpu).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
