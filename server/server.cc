@@ -448,8 +448,10 @@ class ServerImpl final : public Server {
       });
     }
     group_watch_ = std::make_unique<GroupWatch>(
+        // Every process serves moments after the last one restored its part (the restore ends in
+        // an exchange), so a peer not serving within the op timeout is as good as gone.
         group_control_.get(), kGroupWatchInterval, options_.group_op_timeout,
-        options_.group_bootstrap_timeout, [](const absl::Status& reason) {
+        options_.group_op_timeout, [](const absl::Status& reason) {
           std::fprintf(stderr,
                        "losshead-server: the process group is broken (%s): exiting (code %d) so "
                        "that every process restarts from the last complete checkpoint set\n",
