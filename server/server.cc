@@ -419,6 +419,10 @@ class ServerImpl final : public Server {
     absl::StatusOr<std::vector<std::string>> addresses =
         GatherAddresses(*formed, absl::StrCat(HostOf(options_.group_peers[group.rank]), ":", port));
     if (!addresses.ok()) return addresses.status();
+    if (absl::Status agreed = AgreeOnCheckpoints(*formed, !options_.checkpoint_dir.empty());
+        !agreed.ok()) {
+      return agreed;
+    }
     absl::StatusOr<std::shared_ptr<ProcessWindow>> window = ProcessWindow::Create(formed);
     if (!window.ok()) return window.status();
     process_window_ = *window;

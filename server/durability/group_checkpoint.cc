@@ -341,6 +341,22 @@ uint64_t U64At(const std::vector<std::byte>& bytes, size_t offset) {
 
 }  // namespace
 
+absl::Status AgreeOnCheckpoints(kernels::ProcessGroup& group, bool enabled) {
+  const std::vector<std::byte> mine = {enabled ? std::byte{1} : std::byte{0}};
+  LOSSHEAD_ASSIGN_OR_RETURN(const auto all,
+                            group.AllGather("whether the processes keep checkpoints", mine));
+  for (int p = 0; p < group.size(); ++p) {
+    if ((all[p][0] == std::byte{1}) != enabled) {
+      const int with = enabled ? group.rank() : p;
+      const int without = enabled ? p : group.rank();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "process ", with, " has a --checkpoint_dir and process ", without,
+          " has none: every process of a group keeps checkpoints, or none does"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, CheckpointSets& sets) {
   // Round 1: every process's newest complete set; the leader's also says how long its manifest is
   // and whether it could read it.

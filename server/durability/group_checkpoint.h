@@ -103,6 +103,11 @@ class CheckpointSets {
       ABSL_GUARDED_BY(mu_);
 };
 
+// At start, right after the group formed (a collective exchange, every process calls it): OK when
+// every process has checkpoints `enabled` alike; FAILED_PRECONDITION naming a process of each kind
+// otherwise (the restore and every set need all of them).
+absl::Status AgreeOnCheckpoints(kernels::ProcessGroup& group, bool enabled);
+
 // At start, after the group formed and before serving: the processes agree on one set and each
 // restores its part of it (a sequence of collective exchanges over `group`: every process calls
 // it once). The leader names its newest set with a manifest and hands the manifest out; each

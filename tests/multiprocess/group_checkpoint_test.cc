@@ -12,8 +12,8 @@
 // - a missing part fails every process's start (NOT_FOUND), a damaged one too (DATA_LOSS), with
 //   the process and the reason; put right, the start restores;
 // - the leader's periodic sets are pruned to the newest kKeepSets on every process;
-// - the error paths: an unknown head, named snapshots, no --checkpoint_dir, tokens with periodic
-//   checkpoints.
+// - the error paths: an unknown head, named snapshots, no --checkpoint_dir, a --checkpoint_dir on
+//   some processes only, tokens with periodic checkpoints.
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -483,6 +483,19 @@ TEST(GroupCheckpointErrorsTest, EveryRefusalHasItsCode) {
     ASSERT_FALSE(disabled.ok());
     EXPECT_EQ(disabled.status().code(), absl::StatusCode::kFailedPrecondition)
         << disabled.status();
+  }
+
+  // Checkpoints on some processes only: no process starts.
+  const auto mixed = StartExpectingExit(GroupAddresses(n), "errors_mixed", [&dirs](int p) {
+    return p == 0 ? std::vector<std::string>{"--checkpoint_dir=" + dirs[0] + "_mixed"}
+                  : std::vector<std::string>{};
+  });
+  for (const auto& [code, log] : mixed) {
+    EXPECT_EQ(code, 1) << log;
+    EXPECT_NE(log.find("FAILED_PRECONDITION"), std::string::npos) << log;
+    EXPECT_NE(log.find("process 0 has a --checkpoint_dir and process 1 has none"),
+              std::string::npos)
+        << log;
   }
 
   // Periodic checkpoints of a group need no tokens: with tokens, the start is refused.
