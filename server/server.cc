@@ -8,8 +8,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -439,17 +439,17 @@ class ServerImpl final : public Server {
   void StartGroupCheckpoints() {
     if (group_control_->leader() && options_.checkpoint_interval > absl::ZeroDuration()) {
       group_periodic_stop_ = std::make_unique<absl::Notification>();
-      group_periodic_ = std::thread([this, stop = group_periodic_stop_.get(),
-                                     interval = options_.checkpoint_interval] {
-        while (!stop->WaitForNotificationWithTimeout(interval)) {
-          absl::StatusOr<v1::CheckpointResponse> written =
-              group_control_->Checkpoint("", /*authorization=*/"");
-          if (!written.ok()) {
-            std::fprintf(stderr, "losshead-server: periodic checkpoint failed: %s\n",
-                         written.status().ToString().c_str());
-          }
-        }
-      });
+      group_periodic_ = std::thread(
+          [this, stop = group_periodic_stop_.get(), interval = options_.checkpoint_interval] {
+            while (!stop->WaitForNotificationWithTimeout(interval)) {
+              absl::StatusOr<v1::CheckpointResponse> written =
+                  group_control_->Checkpoint("", /*authorization=*/"");
+              if (!written.ok()) {
+                std::fprintf(stderr, "losshead-server: periodic checkpoint failed: %s\n",
+                             written.status().ToString().c_str());
+              }
+            }
+          });
     }
     group_watch_ = std::make_unique<GroupWatch>(
         // Every process serves moments after the last one restored its part (the restore ends in

@@ -50,9 +50,8 @@ HeadCheckpointData ProgressOf(const HeadCheckpointData& data) {
   HeadCheckpointData slim;
   slim.spec.set_name(data.spec.name());
   for (const ClientCheckpoint& c : data.clients) {
-    slim.clients.push_back(ClientCheckpoint{.client_id = c.client_id,
-                                            .max_evicted = c.max_evicted,
-                                            .max_applied = c.max_applied});
+    slim.clients.push_back(ClientCheckpoint{
+        .client_id = c.client_id, .max_evicted = c.max_evicted, .max_applied = c.max_applied});
   }
   return slim;
 }
@@ -142,8 +141,8 @@ absl::Status CheckpointSets::CheckPart(const v1::CheckpointManifest& manifest) {
     const std::string path = absl::StrCat(dir, "/", file.name());
     absl::StatusOr<CheckpointDigest> digest = ReadCheckpointDigest(path);
     if (absl::IsNotFound(digest.status())) {
-      return absl::NotFoundError(absl::StrCat("process ", rank_, "'s part of set ",
-                                              manifest.cut(), " lacks ", path));
+      return absl::NotFoundError(
+          absl::StrCat("process ", rank_, "'s part of set ", manifest.cut(), " lacks ", path));
     }
     if (!digest.ok()) return digest.status();
     if (digest->bytes != file.bytes() || digest->checksum != file.digest()) {
@@ -158,11 +157,12 @@ absl::Status CheckpointSets::CheckPart(const v1::CheckpointManifest& manifest) {
     if (name.size() > std::strlen(kCheckpointSuffix) &&
         name.substr(name.size() - std::strlen(kCheckpointSuffix)) == kCheckpointSuffix &&
         !listed.contains(name)) {
-      return absl::DataLossError(absl::StrCat(dir, "/", name, " is not in the manifest of set ",
-                                              manifest.cut()));
+      return absl::DataLossError(
+          absl::StrCat(dir, "/", name, " is not in the manifest of set ", manifest.cut()));
     }
   }
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
+  if (ec)
+    return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
   return absl::OkStatus();
 }
 
@@ -185,8 +185,8 @@ absl::Status CheckpointSets::Settle(uint64_t cut) {
     }
   }
   if (auto it = sets.find(cut); cut != 0 && rank_ != 0 && it != sets.end() && !it->second) {
-    LOSSHEAD_RETURN_IF_ERROR(WriteSmallFile(absl::StrCat(SetDir(cut), "/", kCommittedFile),
-                                            absl::StrCat(cut, "\n")));
+    LOSSHEAD_RETURN_IF_ERROR(
+        WriteSmallFile(absl::StrCat(SetDir(cut), "/", kCommittedFile), absl::StrCat(cut, "\n")));
   }
   return PruneLocked();
 }
@@ -258,8 +258,8 @@ absl::StatusOr<std::pair<v1::CheckpointPart, v1::CheckpointResponse>> Checkpoint
 
 absl::Status CheckpointSets::WriteManifest(const v1::CheckpointManifest& manifest) {
   absl::MutexLock lock(&mu_);
-  LOSSHEAD_RETURN_IF_ERROR(WriteSmallFile(
-      absl::StrCat(SetDir(manifest.cut()), "/", kManifestFile), manifest.SerializeAsString()));
+  LOSSHEAD_RETURN_IF_ERROR(WriteSmallFile(absl::StrCat(SetDir(manifest.cut()), "/", kManifestFile),
+                                          manifest.SerializeAsString()));
   return CompleteLocked(manifest.cut());
 }
 
@@ -349,9 +349,9 @@ absl::Status AgreeOnCheckpoints(kernels::ProcessGroup& group, bool enabled) {
     if ((all[p][0] == std::byte{1}) != enabled) {
       const int with = enabled ? group.rank() : p;
       const int without = enabled ? p : group.rank();
-      return absl::FailedPreconditionError(absl::StrCat(
-          "process ", with, " has a --checkpoint_dir and process ", without,
-          " has none: every process of a group keeps checkpoints, or none does"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("process ", with, " has a --checkpoint_dir and process ", without,
+                       " has none: every process of a group keeps checkpoints, or none does"));
     }
   }
   return absl::OkStatus();
@@ -387,8 +387,7 @@ absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, Checkpoi
     if (group.rank() == 0) std::memcpy(padded.data(), manifest_bytes.data(), length);
     LOSSHEAD_ASSIGN_OR_RETURN(const auto manifests,
                               group.AllGather("the checkpoint set's manifest", padded));
-    if (!manifest.ParseFromArray(manifests[0].data(), static_cast<int>(length)) &&
-        mine.ok()) {
+    if (!manifest.ParseFromArray(manifests[0].data(), static_cast<int>(length)) && mine.ok()) {
       mine = absl::DataLossError("the leader's manifest did not parse here");
     }
   }
@@ -404,9 +403,9 @@ absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, Checkpoi
     if (mine.ok()) mine = sets.Restore(cut);
   }
   // Round 3: every verdict to every process, so that all fail alike, with the same reason.
-  LOSSHEAD_ASSIGN_OR_RETURN(const auto verdicts,
-                            group.AllGather("the checkpoint restore's verdicts",
-                                            EncodeVerdict(mine)));
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      const auto verdicts,
+      group.AllGather("the checkpoint restore's verdicts", EncodeVerdict(mine)));
   for (int p = 0; p < group.size(); ++p) {
     const absl::Status verdict = DecodeVerdict(verdicts[p]);
     if (!verdict.ok()) {

@@ -40,18 +40,18 @@ grpc::ServerUnaryReactor* LossHeadService::Checkpoint(grpc::CallbackServerContex
     // Across processes a checkpoint is a set of every process's part, one global cut through the
     // leader (server/durability/group_checkpoint.h); named snapshots are not built for it.
     if (tagged) {
-      FinishUnary(ctx_, reactor, "Checkpoint", start,
-                  absl::UnimplementedError(
-                      "named snapshots of a head across processes are not built yet"));
+      FinishUnary(
+          ctx_, reactor, "Checkpoint", start,
+          absl::UnimplementedError("named snapshots of a head across processes are not built yet"));
       return reactor;
     }
-    ctx_->pool->Schedule([this, reactor, request, response, start,
-                          authorization = AuthorizationOf(*context)] {
-      absl::StatusOr<v1::CheckpointResponse> written =
-          ctx_->group->Checkpoint(request->head(), authorization);
-      if (written.ok()) *response = std::move(*written);
-      FinishUnary(ctx_, reactor, "Checkpoint", start, written.status());
-    });
+    ctx_->pool->Schedule(
+        [this, reactor, request, response, start, authorization = AuthorizationOf(*context)] {
+          absl::StatusOr<v1::CheckpointResponse> written =
+              ctx_->group->Checkpoint(request->head(), authorization);
+          if (written.ok()) *response = std::move(*written);
+          FinishUnary(ctx_, reactor, "Checkpoint", start, written.status());
+        });
     return reactor;
   }
   if (ctx_->checkpointer == nullptr) {

@@ -13,9 +13,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
-#include "absl/time/time.h"
 #include "server/durability/group_checkpoint.h"
 #include "server/engine/head_registry.h"
 #include "server/rpc/service_context.h"
@@ -186,7 +186,7 @@ void GroupControl::EnableCheckpoints(CheckpointSets* sets, uint64_t restored_cut
 }
 
 absl::StatusOr<v1::CheckpointResponse> GroupControl::Checkpoint(const std::string& head,
-                                                               const std::string& authorization) {
+                                                                const std::string& authorization) {
   if (sets_ == nullptr) {
     return absl::FailedPreconditionError("checkpoints are disabled (no --checkpoint_dir)");
   }
@@ -197,8 +197,8 @@ absl::StatusOr<v1::CheckpointResponse> GroupControl::Checkpoint(const std::strin
   return std::move(*response.mutable_checkpoint());
 }
 
-absl::StatusOr<v1::ControlResponse> GroupControl::LeadCheckpoint(
-    v1::ControlRequest request, const std::string& authorization) {
+absl::StatusOr<v1::ControlResponse> GroupControl::LeadCheckpoint(v1::ControlRequest request,
+                                                                 const std::string& authorization) {
   if (sets_ == nullptr) {
     return absl::FailedPreconditionError("checkpoints are disabled (no --checkpoint_dir)");
   }
@@ -242,9 +242,9 @@ absl::StatusOr<v1::ControlResponse> GroupControl::LeadCheckpoint(
     }
   }
   if (absl::Status written = sets_->WriteManifest(manifest); !written.ok()) {
-    return absl::Status(written.code(), absl::StrCat("checkpoint set ", cut,
-                                                     " not taken: its manifest: ",
-                                                     written.message()));
+    return absl::Status(
+        written.code(),
+        absl::StrCat("checkpoint set ", cut, " not taken: its manifest: ", written.message()));
   }
   // The set exists. The followers record it; one that does not hear it still holds its part,
   // which the next start checks against this manifest.
@@ -255,7 +255,8 @@ absl::StatusOr<v1::ControlResponse> GroupControl::LeadCheckpoint(
   std::vector<absl::StatusOr<v1::ControlResponse>> acks = ApplyOnFollowers(commit, authorization);
   for (int p = 1; p < size(); ++p) {
     if (!acks[p].ok()) {
-      std::fprintf(stderr, "losshead-server: checkpoint set %llu is complete, but process %d did "
+      std::fprintf(stderr,
+                   "losshead-server: checkpoint set %llu is complete, but process %d did "
                    "not record it: %s\n",
                    static_cast<unsigned long long>(cut), p, acks[p].status().ToString().c_str());
     }

@@ -57,7 +57,7 @@ std::vector<std::string> Dirs(const std::string& name, int n) {
 }
 
 std::function<std::vector<std::string>(int)> CheckpointFlags(const std::vector<std::string>& dirs,
-                                                              std::string interval = "0") {
+                                                             std::string interval = "0") {
   return [dirs, interval](int p) {
     return std::vector<std::string>{"--checkpoint_dir=" + dirs[p],
                                     "--checkpoint_interval=" + interval};
@@ -158,8 +158,7 @@ void ExpectSameState(const State& got, const State& want) {
   for (size_t p = 0; p < want.weights.size(); ++p) {
     EXPECT_TRUE(got.weights[p] == want.weights[p]) << "process " << p << ": W is not the cut's";
     EXPECT_EQ(got.infos[p].tokens_since_pull(), want.infos[p].tokens_since_pull()) << p;
-    EXPECT_EQ(got.infos[p].microbatches_since_pull(), want.infos[p].microbatches_since_pull())
-        << p;
+    EXPECT_EQ(got.infos[p].microbatches_since_pull(), want.infos[p].microbatches_since_pull()) << p;
     EXPECT_EQ(got.infos[p].tokens_total(), want.infos[p].tokens_total()) << p;
     EXPECT_EQ(got.infos[p].microbatches_total(), want.infos[p].microbatches_total()) << p;
     EXPECT_EQ(got.infos[p].optimizer_step(), want.infos[p].optimizer_step()) << p;
@@ -481,8 +480,7 @@ TEST(GroupCheckpointErrorsTest, EveryRefusalHasItsCode) {
   for (int p = 0; p < n; ++p) {
     auto disabled = plain.clients[p]->Checkpoint();
     ASSERT_FALSE(disabled.ok());
-    EXPECT_EQ(disabled.status().code(), absl::StatusCode::kFailedPrecondition)
-        << disabled.status();
+    EXPECT_EQ(disabled.status().code(), absl::StatusCode::kFailedPrecondition) << disabled.status();
   }
 
   // Checkpoints on some processes only: no process starts.
