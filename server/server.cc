@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -21,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/durability/checkpointer.h"
+#include "server/durability/group_checkpoint.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/idempotency_budget.h"
 #include "server/engine/pinned_pool.h"
@@ -33,6 +36,7 @@
 #include "server/rpc/connection_guard.h"
 #include "server/rpc/control_service.h"
 #include "server/rpc/group_control.h"
+#include "server/rpc/group_watch.h"
 #include "server/rpc/live_calls.h"
 #include "server/rpc/same_node_listener.h"
 #include "server/rpc/service.h"
@@ -53,6 +57,11 @@ constexpr absl::Duration kConnectionGrace = absl::Milliseconds(500);
 // Keepalive pings without data a client may send (see the channel arguments in Init).
 constexpr absl::Duration kMinPingInterval = absl::Seconds(10);
 constexpr int kMaxStreamsPerConnection = 1000;
+// The exit code of a process of a group with checkpoints whose group broke (a peer died, stopped
+// or left): its supervisor restarts it, and every process restores the last checkpoint set.
+constexpr int kExitGroupBroken = 3;
+// How often such a process probes its peers (GroupWatch).
+constexpr absl::Duration kGroupWatchInterval = absl::Seconds(1);
 
 // A duration as a channel argument: milliseconds, at most INT_MAX.
 int MillisecondsArg(absl::Duration d) {
@@ -184,7 +193,22 @@ class ServerImpl final : public Server {
         HeadLimits{.max_heads = options_.max_heads, .max_head_bytes = options_.max_head_bytes});
     metrics_->BuildInfo(LOSSHEAD_VERSION, std::string(backends_.front()->name()),
                         LOSSHEAD_CUDA_VERSION);
-    if (!options_.checkpoint_dir.empty()) {
+    if (!options_.checkpoint_dir.empty() && group_control_ != nullptr) {
+      // One global cut per set, each process its part (server/durability/group_checkpoint.h):
+      // the processes agree on the leader's newest set and restore it, or all fail to start.
+      checkpoint_sets_ = std::make_unique<CheckpointSets>(
+          options_.checkpoint_dir, group_control_->rank(), group_control_->size(), registry_.get(),
+          CheckpointMetrics(metrics_.get()));
+      const absl::Time restore_start = absl::Now();
+      absl::StatusOr<uint64_t> restored = RestoreAgreedSet(*process_group_, *checkpoint_sets_);
+      if (!restored.ok()) return restored.status();
+      metrics_->CheckpointRestoreDuration(absl::Now() - restore_start);
+      metrics_->CheckpointInterval(options_.checkpoint_interval);
+      group_control_->EnableCheckpoints(checkpoint_sets_.get(), *restored);
+      std::fprintf(stderr, "losshead-server: checkpoint set %llu restored on every process%s\n",
+                   static_cast<unsigned long long>(*restored),
+                   *restored == 0 ? " (none: a fresh start)" : "");
+    } else if (!options_.checkpoint_dir.empty()) {
       checkpointer_ = std::make_unique<Checkpointer>(options_.checkpoint_dir, registry_.get(),
                                                      CheckpointMetrics(metrics_.get()));
       // Every head is back before the port is bound, so health (and a readiness probe) can only
@@ -333,6 +357,7 @@ class ServerImpl final : public Server {
       health->SetServingStatus(kServiceName, true);
     }
     if (checkpointer_ != nullptr) checkpointer_->StartPeriodic(options_.checkpoint_interval);
+    if (checkpoint_sets_ != nullptr) StartGroupCheckpoints();
     if (security_.tokens != nullptr &&
         options_.auth_tokens_reload_interval > absl::ZeroDuration()) {
       token_watcher_ = std::make_unique<FileWatcher>(
@@ -356,10 +381,12 @@ class ServerImpl final : public Server {
           "a process of a group needs a fixed --listen port (its peers are told it), got '",
           options_.listen_address, "'"));
     }
-    if (!options_.checkpoint_dir.empty()) {
+    if (!options_.checkpoint_dir.empty() && !options_.auth_tokens_file.empty() &&
+        options_.checkpoint_interval > absl::ZeroDuration()) {
       return absl::UnimplementedError(
-          "checkpoints of a head across processes are not built yet: leave --checkpoint_dir "
-          "empty with --group_peers");
+          "periodic checkpoints of a group whose processes require tokens are not built yet (the "
+          "leader has no token of its own to send its followers): pass --checkpoint_interval=0 "
+          "and call Checkpoint");
     }
     if (!options_.tls_cert_file.empty()) {
       return absl::UnimplementedError(
@@ -387,10 +414,15 @@ class ServerImpl final : public Server {
         kernels::ProcessGroup::Create(group);
     if (!created.ok()) return created.status();
     std::shared_ptr<kernels::ProcessGroup> formed = std::move(*created);
+    process_group_ = formed;
     if (group.rank >= group.world) return absl::InvalidArgumentError("rank outside the group");
     absl::StatusOr<std::vector<std::string>> addresses =
         GatherAddresses(*formed, absl::StrCat(HostOf(options_.group_peers[group.rank]), ":", port));
     if (!addresses.ok()) return addresses.status();
+    if (absl::Status agreed = AgreeOnCheckpoints(*formed, !options_.checkpoint_dir.empty());
+        !agreed.ok()) {
+      return agreed;
+    }
     absl::StatusOr<std::shared_ptr<ProcessWindow>> window = ProcessWindow::Create(formed);
     if (!window.ok()) return window.status();
     process_window_ = *window;
@@ -400,6 +432,37 @@ class ServerImpl final : public Server {
     std::fprintf(stderr, "losshead-server: process %d of a group of %d (leader: %s)\n", group.rank,
                  group.world, (*addresses)[0].c_str());
     return absl::OkStatus();
+  }
+
+  // With checkpoints in a group: the leader's periodic sets, and every process's watch, which
+  // ends the process when its group breaks (the set then restarts from the last complete set).
+  void StartGroupCheckpoints() {
+    if (group_control_->leader() && options_.checkpoint_interval > absl::ZeroDuration()) {
+      group_periodic_stop_ = std::make_unique<absl::Notification>();
+      group_periodic_ = std::thread(
+          [this, stop = group_periodic_stop_.get(), interval = options_.checkpoint_interval] {
+            while (!stop->WaitForNotificationWithTimeout(interval)) {
+              absl::StatusOr<v1::CheckpointResponse> written =
+                  group_control_->Checkpoint("", /*authorization=*/"");
+              if (!written.ok()) {
+                std::fprintf(stderr, "losshead-server: periodic checkpoint failed: %s\n",
+                             written.status().ToString().c_str());
+              }
+            }
+          });
+    }
+    group_watch_ = std::make_unique<GroupWatch>(
+        // Every process serves moments after the last one restored its part (the restore ends in
+        // an exchange), so a peer not serving within the op timeout is as good as gone.
+        group_control_.get(), kGroupWatchInterval, options_.group_op_timeout,
+        options_.group_op_timeout, [](const absl::Status& reason) {
+          std::fprintf(stderr,
+                       "losshead-server: the process group is broken (%s): exiting (code %d) so "
+                       "that every process restarts from the last complete checkpoint set\n",
+                       reason.ToString().c_str(), kExitGroupBroken);
+          std::fflush(stderr);
+          std::_Exit(kExitGroupBroken);
+        });
   }
 
   int port() const override { return port_; }
@@ -434,6 +497,13 @@ class ServerImpl final : public Server {
       shutting_down_ = true;
     }
     token_watcher_.reset();
+    // A process of a group leaving breaks the group: its peers' watches end them (no final
+    // checkpoint in a group: it would need every process; the last set is what a restart gets).
+    group_watch_.reset();
+    if (group_periodic_.joinable()) {
+      group_periodic_stop_->Notify();
+      group_periodic_.join();
+    }
     if (server_ != nullptr) {
       // Probes first, so that load balancers stop sending before calls are refused.
       if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
@@ -481,6 +551,12 @@ class ServerImpl final : public Server {
   // With --group_peers: the cross-process window sum and the control plane (null otherwise).
   std::shared_ptr<ProcessWindow> process_window_;
   std::unique_ptr<GroupControl> group_control_;
+  std::shared_ptr<kernels::ProcessGroup> process_group_;
+  // With --group_peers and --checkpoint_dir (checkpointer_ stays null then).
+  std::unique_ptr<CheckpointSets> checkpoint_sets_;
+  std::unique_ptr<absl::Notification> group_periodic_stop_;
+  std::thread group_periodic_;
+  std::unique_ptr<GroupWatch> group_watch_;
   std::unique_ptr<ProcessControlService> control_service_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<StepTrace> step_trace_;

@@ -496,4 +496,21 @@ absl::StatusOr<HeadCheckpointData> ReadCheckpointMeta(const std::string& path) {
   return d;
 }
 
+absl::StatusOr<CheckpointDigest> ReadCheckpointDigest(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError("cannot open", path);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return PosixError("cannot stat", path);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  auto in_file = [&path](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+  };
+  if (size < kHeaderBytes) return in_file(Corrupt("shorter than its header"));
+  std::string header(kHeaderBytes, '\0');
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), kHeaderBytes, path));
+  absl::StatusOr<Header> h = DecodeHeader(header, size);
+  if (!h.ok()) return in_file(h.status());
+  return CheckpointDigest{.bytes = size, .checksum = h->checksum};
+}
+
 }  // namespace losshead::server

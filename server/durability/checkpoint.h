@@ -66,6 +66,16 @@ absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path);
 // empty. DATA_LOSS when the header or meta does not parse.
 absl::StatusOr<HeadCheckpointData> ReadCheckpointMeta(const std::string& path);
 
+// A file's size and the checksum in its header (which covers the whole file), from its header
+// alone: what names a file in a checkpoint set's manifest (group_checkpoint.h). Unverified, as
+// ReadCheckpointMeta; DATA_LOSS when the header does not parse or the lengths it gives are not
+// the file's.
+struct CheckpointDigest {
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+absl::StatusOr<CheckpointDigest> ReadCheckpointDigest(const std::string& path);
+
 }  // namespace losshead::server
 
 #endif  // LOSSHEAD_SERVER_DURABILITY_CHECKPOINT_H_

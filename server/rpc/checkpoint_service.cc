@@ -6,6 +6,8 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/durability/checkpointer.h"
+#include "server/rpc/control_service.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/service.h"
 #include "server/rpc/unary_call.h"
 
@@ -33,6 +35,24 @@ grpc::ServerUnaryReactor* LossHeadService::Checkpoint(grpc::CallbackServerContex
       FinishUnary(ctx_, reactor, "Checkpoint", start, valid);
       return reactor;
     }
+  }
+  if (ctx_->group != nullptr) {
+    // Across processes a checkpoint is a set of every process's part, one global cut through the
+    // leader (server/durability/group_checkpoint.h); named snapshots are not built for it.
+    if (tagged) {
+      FinishUnary(
+          ctx_, reactor, "Checkpoint", start,
+          absl::UnimplementedError("named snapshots of a head across processes are not built yet"));
+      return reactor;
+    }
+    ctx_->pool->Schedule(
+        [this, reactor, request, response, start, authorization = AuthorizationOf(*context)] {
+          absl::StatusOr<v1::CheckpointResponse> written =
+              ctx_->group->Checkpoint(request->head(), authorization);
+          if (written.ok()) *response = std::move(*written);
+          FinishUnary(ctx_, reactor, "Checkpoint", start, written.status());
+        });
+    return reactor;
   }
   if (ctx_->checkpointer == nullptr) {
     FinishUnary(ctx_, reactor, "Checkpoint", start,

@@ -47,6 +47,9 @@ const char* ControlMethod(const v1::ControlRequest& request) {
       return "/losshead.v1.LossHead/PullGradient";
     case v1::ControlRequest::kPushWeights:
       return "/losshead.v1.LossHead/PushWeights";
+    case v1::ControlRequest::kCheckpoint:
+    case v1::ControlRequest::kCheckpointCommit:
+      return "/losshead.v1.LossHead/Checkpoint";
     default:
       return "/losshead.v1.LossHead/CreateHead";  // the writer's role: nothing is run anyway
   }

@@ -1,6 +1,8 @@
 #include "server/rpc/group_control.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,8 +13,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "server/durability/group_checkpoint.h"
 #include "server/engine/head_registry.h"
 #include "server/rpc/service_context.h"
 #include "server/rpc/status_util.h"
@@ -77,6 +81,19 @@ v1::ProcessControl::Stub& GroupControl::StubOf(int process) {
         grpc::CreateCustomChannel(addresses_[process], grpc::InsecureChannelCredentials(), args));
   }
   return *stub;
+}
+
+absl::Status GroupControl::Probe(int process, absl::Duration timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  v1::MembersResponse members;
+  const grpc::Status status = StubOf(process).Members(&context, v1::MembersRequest(), &members);
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return absl::UnavailableError(absl::StrCat("process ", process, " (", addresses_[process],
+                                               ") does not answer: ", status.error_message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request,
@@ -162,12 +179,99 @@ std::vector<absl::StatusOr<v1::ControlResponse>> GroupControl::ApplyOnFollowers(
   return answers;
 }
 
+void GroupControl::EnableCheckpoints(CheckpointSets* sets, uint64_t restored_cut) {
+  absl::MutexLock lock(&lead_mu_);
+  sets_ = sets;
+  cut_ = restored_cut;
+}
+
+absl::StatusOr<v1::CheckpointResponse> GroupControl::Checkpoint(const std::string& head,
+                                                                const std::string& authorization) {
+  if (sets_ == nullptr) {
+    return absl::FailedPreconditionError("checkpoints are disabled (no --checkpoint_dir)");
+  }
+  if (!head.empty()) LOSSHEAD_RETURN_IF_ERROR(ctx_->registry->Get(head).status());
+  v1::ControlRequest request;
+  request.mutable_checkpoint()->set_head(head);
+  LOSSHEAD_ASSIGN_OR_RETURN(v1::ControlResponse response, Run(std::move(request), authorization));
+  return std::move(*response.mutable_checkpoint());
+}
+
+absl::StatusOr<v1::ControlResponse> GroupControl::LeadCheckpoint(v1::ControlRequest request,
+                                                                 const std::string& authorization) {
+  if (sets_ == nullptr) {
+    return absl::FailedPreconditionError("checkpoints are disabled (no --checkpoint_dir)");
+  }
+  const uint64_t cut = ++cut_;  // never reused: a failed set's parts are pruned later
+  request.mutable_checkpoint()->set_cut(cut);
+  // Every process writes its part at once; they exchange nothing, and no other control request
+  // runs meanwhile (lead_mu_), so every part lies between the same two cuts of the window.
+  absl::StatusOr<v1::ControlResponse> mine;
+  std::thread local([&] { mine = RunHere(request, nullptr); });
+  std::vector<absl::StatusOr<v1::ControlResponse>> answers =
+      ApplyOnFollowers(request, authorization);
+  local.join();
+  absl::Status failed = mine.status();
+  for (int p = 1; p < size() && failed.ok(); ++p) failed = answers[p].status();
+  if (!failed.ok()) {
+    sets_->Abandon(cut);
+    // No manifest: the set does not exist, whatever parts were written.
+    return absl::Status(failed.code() == absl::StatusCode::kDeadlineExceeded
+                            ? absl::StatusCode::kUnavailable
+                            : failed.code(),
+                        absl::StrCat("checkpoint set ", cut, " not taken: ", failed.message()));
+  }
+  v1::CheckpointManifest manifest;
+  manifest.set_cut(cut);
+  manifest.set_processes(size());
+  manifest.set_unix_time(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+  v1::ControlResponse merged = *std::move(mine);
+  *manifest.add_parts() = merged.part();
+  for (int p = 1; p < size(); ++p) {
+    *manifest.add_parts() = answers[p]->part();
+    // Each head's window and clients as the group holds them: every part's.
+    for (const v1::HeadCheckpoint& theirs : answers[p]->checkpoint().heads()) {
+      for (v1::HeadCheckpoint& ours : *merged.mutable_checkpoint()->mutable_heads()) {
+        if (ours.head() != theirs.head()) continue;
+        ours.set_microbatches_since_pull(ours.microbatches_since_pull() +
+                                         theirs.microbatches_since_pull());
+        ours.set_bytes(ours.bytes() + theirs.bytes());
+        ours.set_write_seconds(std::max(ours.write_seconds(), theirs.write_seconds()));
+        for (const v1::ClientProgress& c : theirs.clients()) *ours.add_clients() = c;
+      }
+    }
+  }
+  if (absl::Status written = sets_->WriteManifest(manifest); !written.ok()) {
+    return absl::Status(
+        written.code(),
+        absl::StrCat("checkpoint set ", cut, " not taken: its manifest: ", written.message()));
+  }
+  // The set exists. The followers record it; one that does not hear it still holds its part,
+  // which the next start checks against this manifest.
+  v1::ControlRequest commit;
+  commit.set_sequence(++sequence_);
+  commit.set_origin(rank());
+  commit.mutable_checkpoint_commit()->set_cut(cut);
+  std::vector<absl::StatusOr<v1::ControlResponse>> acks = ApplyOnFollowers(commit, authorization);
+  for (int p = 1; p < size(); ++p) {
+    if (!acks[p].ok()) {
+      std::fprintf(stderr,
+                   "losshead-server: checkpoint set %llu is complete, but process %d did "
+                   "not record it: %s\n",
+                   static_cast<unsigned long long>(cut), p, acks[p].status().ToString().c_str());
+    }
+  }
+  merged.clear_part();
+  return merged;
+}
+
 absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest request,
                                                        const std::string& authorization,
                                                        GradientSnapshot* pulled) {
   absl::MutexLock lock(&lead_mu_);
   LOSSHEAD_RETURN_IF_ERROR(window_->health());
   request.set_sequence(++sequence_);
+  if (request.has_checkpoint()) return LeadCheckpoint(std::move(request), authorization);
   // The origin's gradient: kept here when the origin is the leader, by the origin otherwise.
   GradientSnapshot own;
   GradientSnapshot* here = request.origin() == rank() ? pulled : &own;
@@ -301,6 +405,23 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
       ctx_->metrics->Push(head->name());
       break;
     }
+    case v1::ControlRequest::kCheckpoint: {
+      if (sets_ == nullptr) {
+        return absl::FailedPreconditionError(
+            "checkpoints are disabled on this process (no --checkpoint_dir)");
+      }
+      LOSSHEAD_ASSIGN_OR_RETURN(auto written, sets_->WritePart(request.checkpoint().cut()));
+      *response.mutable_part() = std::move(written.first);
+      *response.mutable_checkpoint() = std::move(written.second);
+      break;
+    }
+    case v1::ControlRequest::kCheckpointCommit:
+      if (sets_ == nullptr) {
+        return absl::FailedPreconditionError(
+            "checkpoints are disabled on this process (no --checkpoint_dir)");
+      }
+      LOSSHEAD_RETURN_IF_ERROR(sets_->Commit(request.checkpoint_commit().cut()));
+      break;
     default:
       return absl::InvalidArgumentError("a control request without an operation");
   }

@@ -42,6 +42,7 @@
 namespace losshead::server {
 
 struct ServiceContext;
+class CheckpointSets;
 
 // The text of a redirect: "... home process <p> at <address> ..." ends with this marker and the
 // address, so that clients can find it in the message ("home=<address>").
@@ -86,7 +87,31 @@ class GroupControl {
   // origin is this process keeps its gradient for Run to take.
   absl::StatusOr<v1::ControlResponse> Apply(const v1::ControlRequest& request);
 
+  // Checkpoints across processes (server/durability/group_checkpoint.h), before serving: `sets`
+  // is this process's, `restored_cut` the set every process restored at start (0: none), after
+  // which the leader numbers the next sets.
+  void EnableCheckpoints(CheckpointSets* sets, uint64_t restored_cut);
+  bool checkpoints() const { return sets_ != nullptr; }
+  // A checkpoint of every head as one global cut, through the leader: every process writes its
+  // part of the next set, and once all are written the leader writes the manifest (the set
+  // exists from then on) and tells the followers (ProcessControl.Apply of checkpoint_commit).
+  // `head` ("" or a head that must exist: NOT_FOUND) does not narrow it: a set holds every head.
+  // The response lists every head with every process's clients. FAILED_PRECONDITION without
+  // checkpoints; UNAVAILABLE when a process failed (the set is not complete; no manifest).
+  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const std::string& head,
+                                                    const std::string& authorization);
+
+  // Whether process `process` answers (ProcessControl.Members, without a token: any answer, a
+  // refusal included, is a live process) within `timeout`: OK, or UNAVAILABLE naming it.
+  absl::Status Probe(int process, absl::Duration timeout);
+  // OK while the group's exchanges work; the error that broke it otherwise.
+  absl::Status health() const { return window_->health(); }
+
  private:
+  // The leader's part of a checkpoint, under lead_mu_.
+  absl::StatusOr<v1::ControlResponse> LeadCheckpoint(v1::ControlRequest request,
+                                                     const std::string& authorization)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lead_mu_);
   // `request` run here; a pull's gradient to `*pulled`.
   absl::StatusOr<v1::ControlResponse> RunHere(const v1::ControlRequest& request,
                                               GradientSnapshot* pulled);
@@ -106,6 +131,10 @@ class GroupControl {
   // The leader: one request at a time, numbered in order.
   absl::Mutex lead_mu_;
   uint64_t sequence_ ABSL_GUARDED_BY(lead_mu_) = 0;
+  // The last checkpoint set's number (the leader's).
+  uint64_t cut_ ABSL_GUARDED_BY(lead_mu_) = 0;
+  // Null without checkpoints; set before serving.
+  CheckpointSets* sets_ = nullptr;
   // A follower: the last sequence it ran (requests come in increasing order), and the pulls
   // whose origin it is, until their caller takes them.
   absl::Mutex mu_;

@@ -24,6 +24,9 @@ absl::Status Admit(const ServiceContext& ctx, const std::string& head, const std
   if (tag != nullptr) {
     if (absl::Status s = Checkpointer::ValidateTag(*tag); !s.ok()) return s;
   }
+  if (ctx.group != nullptr) {
+    return absl::UnimplementedError("named snapshots of a head across processes are not built yet");
+  }
   if (ctx.checkpointer == nullptr) {
     return absl::FailedPreconditionError(
         "snapshots need checkpoints, which are disabled (no --checkpoint_dir)");

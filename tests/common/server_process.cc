@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 extern char** environ;
 
@@ -160,6 +161,20 @@ int ServerProcess::Terminate() {
   waitpid(pid_, &wstatus, 0);
   reaped_ = true;
   return ExitCode(wstatus);
+}
+
+std::optional<int> ServerProcess::WaitForExit(absl::Duration timeout) {
+  if (reaped_) return std::nullopt;
+  const absl::Time until = absl::Now() + timeout;
+  while (true) {
+    int wstatus = 0;
+    if (waitpid(pid_, &wstatus, WNOHANG) == pid_) {
+      reaped_ = true;
+      return ExitCode(wstatus);
+    }
+    if (absl::Now() >= until) return std::nullopt;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
 }
 
 bool ServerProcess::Running() {

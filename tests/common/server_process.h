@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,9 @@ class ServerProcess {
   int Terminate();
   // True while the process has not exited.
   bool Running();
+  // Waits up to `timeout` for the process to exit by itself; its exit code (-signal if killed by
+  // one), or nullopt if it still runs.
+  std::optional<int> WaitForExit(absl::Duration timeout);
 
  private:
   ServerProcess(pid_t pid, int port) : pid_(pid), port_(port) {}

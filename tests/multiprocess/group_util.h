@@ -1,0 +1,194 @@
+// What the multi-process tests share: a group of real losshead-server processes on loopback (CPU
+// backend), started at once and restartable at the same addresses, one-process reference
+// servers, and the head, micro-batches and applies they are given.
+#ifndef LOSSHEAD_TESTS_MULTIPROCESS_GROUP_UTIL_H_
+#define LOSSHEAD_TESTS_MULTIPROCESS_GROUP_UTIL_H_
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "losshead/client/client.h"
+#include "tests/common/server_process.h"
+#include "tests/service/host_tensors.h"
+
+namespace losshead::testing {
+
+inline constexpr char kHead[] = "lm";
+inline constexpr int64_t kVocab = 48;
+inline constexpr int64_t kHidden = 24;
+inline constexpr int64_t kTokens = 16;
+inline constexpr int kClients = 6;
+inline constexpr int kPerClient = 3;
+
+// `n` loopback ports that were free a moment ago (the kernel's choice).
+inline std::vector<int> FreePorts(int n) {
+  std::vector<int> fds, ports;
+  for (int i = 0; i < n; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    socklen_t length = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+    ports.push_back(ntohs(addr.sin_port));
+    fds.push_back(fd);
+  }
+  for (int fd : fds) close(fd);
+  return ports;
+}
+
+inline std::string LogPath(const std::string& name) {
+  return absl::StrCat(::testing::TempDir(), "/mp_", getpid(), "_", name, ".log");
+}
+
+// The home rule, written here from its definition: FNV-1a 64 of the id's bytes, mod N.
+inline int Home(const std::string& client_id, int n) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (unsigned char c : client_id) {
+    hash ^= c;
+    hash *= 0x100000001b3ull;
+  }
+  return static_cast<int>(hash % static_cast<uint64_t>(n));
+}
+
+inline std::unique_ptr<client::Client> Connect(const std::string& target, bool follow = false) {
+  client::ClientOptions options;
+  options.deadline = absl::Seconds(30);
+  options.stream_deadline = absl::Seconds(60);
+  options.retry.max_attempts = 1;  // errors are what these tests look at
+  options.follow_home_redirect = follow;
+  auto c = client::Client::Connect(target, options);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// Where the processes of a group of n listen, by rank: their gRPC addresses and their peers'
+// endpoints. Kept to restart a group at the same addresses.
+struct GroupAddresses {
+  explicit GroupAddresses(int n) {
+    const std::vector<int> ports = FreePorts(2 * n);
+    for (int p = 0; p < n; ++p) {
+      peers.push_back(absl::StrCat("127.0.0.1:", ports[n + p]));
+      grpc.push_back(absl::StrCat("127.0.0.1:", ports[p]));
+    }
+  }
+  int size() const { return static_cast<int>(grpc.size()); }
+  // The flags of process p.
+  std::vector<std::string> Flags(int p) const {
+    return {"--backend=cpu",
+            "--grad_stash_bytes=0",
+            absl::StrCat("--listen=", grpc[p]),
+            "--group_peers=" + absl::StrJoin(peers, ","),
+            absl::StrCat("--group_rank=", p),
+            "--group_bootstrap_timeout=30s",
+            "--group_op_timeout=5s"};
+  }
+  std::vector<std::string> grpc;
+  std::vector<std::string> peers;
+};
+
+// N processes of one group, started at once (each waits for the others before serving).
+struct Group {
+  Group(int n, const std::string& name, std::vector<std::string> extra = {})
+      : Group(GroupAddresses(n), name, [extra](int) { return extra; }) {}
+  // At `at`, process p given `extra(p)` beyond GroupAddresses::Flags(p).
+  Group(const GroupAddresses& at, const std::string& name,
+        const std::function<std::vector<std::string>(int)>& extra)
+      : addresses(at.grpc) {
+    const int n = at.size();
+    processes.resize(n);
+    std::vector<std::thread> starts;
+    for (int p = 0; p < n; ++p) {
+      starts.emplace_back([&, p] {
+        std::vector<std::string> flags = at.Flags(p);
+        const std::vector<std::string> more = extra(p);
+        flags.insert(flags.end(), more.begin(), more.end());
+        auto started = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags,
+                                            LogPath(absl::StrCat(name, "_p", p)));
+        EXPECT_TRUE(started.ok()) << "process " << p << ": " << started.status();
+        if (started.ok()) processes[p] = std::move(*started);
+      });
+    }
+    for (std::thread& t : starts) t.join();
+    for (int p = 0; p < n; ++p) {
+      clients.push_back(processes[p] != nullptr ? Connect(addresses[p]) : nullptr);
+    }
+  }
+  bool ok() const {
+    for (const auto& c : clients) {
+      if (c == nullptr) return false;
+    }
+    return true;
+  }
+  std::vector<std::string> addresses;
+  std::vector<std::unique_ptr<ServerProcess>> processes;
+  std::vector<std::unique_ptr<client::Client>> clients;
+};
+
+// A one-process server, as today (no group flags).
+struct Single {
+  explicit Single(const std::string& name) {
+    auto started = ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
+                                        {"--backend=cpu", "--grad_stash_bytes=0"}, LogPath(name));
+    EXPECT_TRUE(started.ok()) << started.status();
+    if (started.ok()) {
+      process = std::move(*started);
+      client = Connect(process->target());
+    }
+  }
+  std::unique_ptr<ServerProcess> process;
+  std::unique_ptr<client::Client> client;
+};
+
+inline v1::HeadSpec Spec() {
+  v1::HeadSpec spec;
+  spec.set_name(kHead);
+  spec.set_vocab_size(kVocab);
+  spec.set_hidden_size(kHidden);
+  spec.set_weight_dtype(v1::DTYPE_FP32);
+  spec.mutable_init()->mutable_normal()->set_std(0.3f);
+  spec.mutable_init()->mutable_normal()->set_seed(11);
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_SGD);
+  return spec;
+}
+
+inline std::string ClientId(int c) { return absl::StrCat("trainer-", c); }
+
+// Client c's micro-batch k (sequence k + 1).
+inline HostBatch Batch(int c, int k) {
+  return MakeBatch(kTokens, kHidden, kVocab, v1::DTYPE_FP32, 1000 + 97 * c + k);
+}
+
+inline std::vector<float> Floats(const client::Bytes& bytes) {
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+inline v1::ApplyOptimizerRequest Apply(uint64_t step_key) {
+  v1::ApplyOptimizerRequest request;
+  request.set_head(kHead);
+  request.set_client_id("optimizer");
+  request.set_step_key(step_key);
+  request.mutable_params()->set_lr(0.5);
+  return request;
+}
+
+}  // namespace losshead::testing
+
+#endif  // LOSSHEAD_TESTS_MULTIPROCESS_GROUP_UTIL_H_
