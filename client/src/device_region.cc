@@ -28,8 +28,7 @@ absl::StatusOr<std::shared_ptr<DeviceRegion>> DeviceRegion::Register(
       !sent.ok()) {
     return sent;
   }
-  absl::StatusOr<transport::FdMessage> reply =
-      transport::ReceiveWithFd(region->connection_, 4096);
+  absl::StatusOr<transport::FdMessage> reply = transport::ReceiveWithFd(region->connection_, 4096);
   if (!reply.ok()) return reply.status();
   v1::SharedMemoryRegistered answer;
   if (reply->closed || !answer.ParseFromString(reply->bytes)) {

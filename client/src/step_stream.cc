@@ -15,11 +15,11 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
+#include "losshead/client/device_region.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
 #include "raw_message.h"
-#include "losshead/client/device_region.h"
 #include "shared_region.h"
 #include "transport/wire_format.h"
 
@@ -482,9 +482,9 @@ void StepStream::ReadLoop() {
         // dH is in the region already, written before this answer was sent.
         const bool room = key.region != nullptr || key.device;
         if (!room || grad_bytes > key.grad_capacity) {
-          fail(absl::InternalError(
-              absl::StrCat("the server put ", grad_bytes, " dH bytes in shared memory where ",
-                           room ? key.grad_capacity : 0, " were given")));
+          fail(absl::InternalError(absl::StrCat("the server put ", grad_bytes,
+                                                " dH bytes in shared memory where ",
+                                                room ? key.grad_capacity : 0, " were given")));
           continue;
         }
       }

@@ -63,7 +63,7 @@ class DeviceMapping {
 
  private:
   DeviceMapping() = default;
-  void* base_ = nullptr;  // what cudaIpcOpenMemHandle answered (the allocation's start)
+  void* base_ = nullptr;     // what cudaIpcOpenMemHandle answered (the allocation's start)
   uint8_t* data_ = nullptr;  // base_ + offset
   uint64_t bytes_ = 0;
   int device_ = -1;

@@ -103,9 +103,8 @@ absl::StatusOr<std::unique_ptr<DeviceMapping>> DeviceMapping::Open(
   const cudaError_t opened = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
   if (opened != cudaSuccess) {
     (void)cudaGetLastError();
-    return absl::InvalidArgumentError(
-        absl::StrCat("the device handle does not open on device ", device, ": ",
-                     cudaGetErrorString(opened)));
+    return absl::InvalidArgumentError(absl::StrCat("the device handle does not open on device ",
+                                                   device, ": ", cudaGetErrorString(opened)));
   }
   auto mapping = std::unique_ptr<DeviceMapping>(new DeviceMapping());
   mapping->base_ = base;  // closed by the destructor from here on, refusals included
@@ -115,9 +114,9 @@ absl::StatusOr<std::unique_ptr<DeviceMapping>> DeviceMapping::Open(
   if (absl::Status s = AllocationExtent(base, &start, &extent); !s.ok()) return s;
   const uint64_t from = reinterpret_cast<uintptr_t>(base) - start;
   if (offset > extent - from || bytes > extent - from - offset) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a device region [", offset, ", ", offset, " + ", bytes,
-                     ") past the end of its allocation of ", extent - from, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("a device region [", offset, ", ", offset, " + ",
+                                                   bytes, ") past the end of its allocation of ",
+                                                   extent - from, " bytes"));
   }
   cudaStream_t stream = nullptr;
   if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
@@ -146,8 +145,8 @@ absl::Status DeviceMapping::CopyOut(void* host_dst, uint64_t offset, uint64_t by
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return absl::InternalError(absl::StrCat("copying ", bytes, " bytes out of a device region: ",
-                                            cudaGetErrorString(e)));
+    return absl::InternalError(
+        absl::StrCat("copying ", bytes, " bytes out of a device region: ", cudaGetErrorString(e)));
   }
   return absl::OkStatus();
 }
@@ -160,8 +159,8 @@ absl::Status DeviceMapping::CopyIn(uint64_t offset, const void* host_src, uint64
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return absl::InternalError(absl::StrCat("copying ", bytes, " bytes into a device region: ",
-                                            cudaGetErrorString(e)));
+    return absl::InternalError(
+        absl::StrCat("copying ", bytes, " bytes into a device region: ", cudaGetErrorString(e)));
   }
   return absl::OkStatus();
 }

@@ -113,9 +113,9 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
   const SharedRegion& r = **region;
   const bool device = r.device() != nullptr;
   if (device != (ref.kind() == v1::REGION_KIND_DEVICE)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared memory region ", ref.region_id(), " is a ", device ? "device" : "host",
-        " region; the reference names kind ", v1::RegionKind_Name(ref.kind())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory region ", ref.region_id(), " is a ", device ? "device" : "host",
+                     " region; the reference names kind ", v1::RegionKind_Name(ref.kind())));
   }
   if (absl::Status s = r.CheckRange("hidden", ref.hidden_offset(), ref.hidden_bytes()); !s.ok()) {
     return s;
@@ -159,13 +159,13 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
     staged.resize(ref.hidden_bytes());
     std::string& targets = *message.request.mutable_targets();
     targets.resize(ref.targets_bytes());
-    if (absl::Status s = r.device()->CopyOut(staged.data(), ref.hidden_offset(),
-                                             ref.hidden_bytes());
+    if (absl::Status s =
+            r.device()->CopyOut(staged.data(), ref.hidden_offset(), ref.hidden_bytes());
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = r.device()->CopyOut(targets.data(), ref.targets_offset(),
-                                             ref.targets_bytes());
+    if (absl::Status s =
+            r.device()->CopyOut(targets.data(), ref.targets_offset(), ref.targets_bytes());
         !s.ok()) {
       targets.clear();
       return s;

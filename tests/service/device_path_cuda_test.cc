@@ -97,11 +97,11 @@ class DevicePathTest : public ::testing::Test {
     if (DeviceCount() < 1) return;
     metrics_port_ = FreePort();
     // dW's stash is added only when read, so that the two heads' dW sum in the same order.
-    auto started = ServerProcess::Start(
-        LOSSHEAD_SERVER_BINARY,
-        {"--backend=cuda", "--devices=0", "--grad_stash_idle=inf",
-         absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port_)},
-        ::testing::TempDir() + "/device_path_server.log");
+    auto started =
+        ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
+                             {"--backend=cuda", "--devices=0", "--grad_stash_idle=inf",
+                              absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port_)},
+                             ::testing::TempDir() + "/device_path_server.log");
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = started->release();
   }
@@ -134,9 +134,9 @@ class DevicePathTest : public ::testing::Test {
                                      const DeviceBuffer& buffer, uint64_t base,
                                      std::shared_ptr<const client::DeviceRegion> region) {
     const uint64_t hidden = batch.hidden_bytes.size(), targets = batch.target_bytes.size();
-    EXPECT_EQ(cudaMemcpy(buffer.at(base), batch.hidden_bytes.data(), hidden,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpy(buffer.at(base), batch.hidden_bytes.data(), hidden, cudaMemcpyHostToDevice),
+        cudaSuccess);
     EXPECT_EQ(cudaMemcpy(buffer.at(base + Aligned(hidden)), batch.target_bytes.data(), targets,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
@@ -200,8 +200,7 @@ TEST_F(DevicePathTest, AnswersAndGradientMatchTheNetworkPathBitForBit) {
     DeviceBuffer buffer(device, kRegionBytes + 8192);
     // The region starts 4096 bytes into the allocation: offsets are the region's own.
     constexpr uint64_t kBase = 4096;
-    auto region =
-        dev_->RegisterDeviceRegion(buffer.handle, kBase, kRegionBytes, BusId(device));
+    auto region = dev_->RegisterDeviceRegion(buffer.handle, kBase, kRegionBytes, BusId(device));
     if (peer == 0) {
       EXPECT_EQ(region.status().code(), absl::StatusCode::kFailedPrecondition) << region.status();
       continue;
@@ -324,8 +323,9 @@ TEST_F(DevicePathTest, AClientKilledWithARegionOpenLeavesNothingOpen) {
   posix_spawn_file_actions_addclose(&actions, out[0]);
   const std::string socket = stats->same_node().socket();
   const std::string bytes = std::to_string(kRegionBytes);
-  char* argv[] = {const_cast<char*>(LOSSHEAD_DEVICE_REGION_HOLDER), const_cast<char*>(socket.c_str()),
-                  const_cast<char*>("0"), const_cast<char*>(bytes.c_str()), nullptr};
+  char* argv[] = {const_cast<char*>(LOSSHEAD_DEVICE_REGION_HOLDER),
+                  const_cast<char*>(socket.c_str()), const_cast<char*>("0"),
+                  const_cast<char*>(bytes.c_str()), nullptr};
   pid_t child = 0;
   ASSERT_EQ(posix_spawn(&child, argv[0], &actions, nullptr, argv, environ), 0);
   posix_spawn_file_actions_destroy(&actions);

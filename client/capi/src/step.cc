@@ -154,9 +154,8 @@ absl::Status ToResult(const lh_microbatch& in, const absl::StatusOr<client::Step
 absl::Status AddDevice(const lh_device_tensors& in, size_t index, client::Microbatch& mb) {
   if (in.region == nullptr) return absl::OkStatus();
   if (!mb.hidden.empty() || !mb.targets.empty() || mb.grad_hidden_out->data() != nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("micro-batch ", index,
-                     ": hidden, targets or grad_hidden_out given with a device region"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro-batch ", index, ": hidden, targets or grad_hidden_out given with a device region"));
   }
   mb.grad_hidden_out.reset();
   mb.device = client::Microbatch::DeviceTensors{.region = in.region->region,
@@ -238,8 +237,7 @@ int lh_same_node_devices(lh_client* client, lh_same_node_device* out, size_t cap
   return losshead::capi::Guarded(status, [&]() -> absl::Status {
     if (client == nullptr) return absl::InvalidArgumentError("null client");
     if (capacity > 0 && out == nullptr) return absl::InvalidArgumentError("null out");
-    const std::vector<losshead::client::SameNodeDevice> devices =
-        client->client->SameNodeDevices();
+    const std::vector<losshead::client::SameNodeDevice> devices = client->client->SameNodeDevices();
     for (size_t i = 0; i < devices.size() && i < capacity; ++i) {
       out[i] = lh_same_node_device{};
       out[i].index = devices[i].index;

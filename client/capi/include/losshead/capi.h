@@ -14,7 +14,8 @@
  * in a released version, keeps its signature, layout and meaning; what a later version carries
  * comes in new functions taking new structs (version 4: lh_step_many_with_inputs beside
  * lh_step_many, lh_embedding_rows; version 5: the *_bias transfers beside lh_push_weights,
- * lh_pull_gradient and lh_download_weights; version 6: the same-node device path). So a caller written for version N works with every
+ * lh_pull_gradient and lh_download_weights; version 6: the same-node device path). So a caller
+ * written for version N works with every
  * library whose lh_capi_version() is N or more, and checks that (not equality). Each function is
  * exported under the symbol version of the ABI version that added it (exports.map: LH_CAPI_3,
  * LH_CAPI_4, LH_CAPI_5, LH_CAPI_6).

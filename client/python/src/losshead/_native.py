@@ -271,11 +271,13 @@ class NativeClient:
                 dh, r = outs[i][0], results[i]
                 if dh is None or r.status.code or not r.grad_hidden_bytes:
                     continue
+                assert region is not None
                 if r.grad_hidden_bytes == _nbytes(dh):
-                    with torch.cuda.device(region.tensor.device):  # type: ignore[union-attr]
+                    with torch.cuda.device(region.tensor.device):
                         dh.reshape(-1).view(torch.uint8).copy_(
-                            region.tensor[grad_at:grad_at + r.grad_hidden_bytes])  # type: ignore[union-attr]
-            with torch.cuda.device(region.tensor.device):  # type: ignore[union-attr]
+                            region.tensor[grad_at:grad_at + r.grad_hidden_bytes])
+            assert region is not None
+            with torch.cuda.device(region.tensor.device):
                 torch.cuda.current_stream().synchronize()
         outcomes = [_outcome(mb, r, dh, ptl, tos,
                              _PATHS.get(paths[i], "network") if reported else None)

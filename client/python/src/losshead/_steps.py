@@ -210,14 +210,16 @@ class Steps(ClientBase):
         """
         if hidden.is_cuda and self._natives and all(
                 native.device_bus(hidden.device) is not None for native in self._natives):
-            wire = options.pop("hidden_dtype", None) or _default_wire(hidden)
+            wire = _wire.to_torch_dtype(
+                options.pop("hidden_dtype", None) or _default_wire(hidden))  # type: ignore[arg-type]
             d = hidden.shape[-1]
-            stand_in = torch.empty(hidden.shape, dtype=_wire.to_torch_dtype(wire))  # type: ignore[arg-type]
-            mb = self.microbatch(head, stand_in, targets, hidden_dtype=wire,  # type: ignore[arg-type]
-                                 **options)
+            # The host tensor stands in for the hidden states (filled only if the device path
+            # turns out to be refused).
+            stand_in = torch.empty(hidden.shape, dtype=wire)
+            mb = self.microbatch(head, stand_in, targets, hidden_dtype=wire,
+                                 **options)  # type: ignore[arg-type]
             with torch.cuda.device(hidden.device):
-                mb.device_hidden = hidden.detach().reshape(-1, d).to(
-                    _wire.to_torch_dtype(wire)).contiguous()  # type: ignore[arg-type]
+                mb.device_hidden = hidden.detach().reshape(-1, d).to(wire).contiguous()
             result = self.run_microbatches([mb])[0]
             if result.grad_hidden is not None and result.grad_hidden.is_cuda:
                 result.grad_hidden = result.grad_hidden.cpu()
