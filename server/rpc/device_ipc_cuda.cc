@@ -26,9 +26,14 @@ absl::Status AllocationExtent(const void* ptr, uintptr_t* base, size_t* size) {
   static Range range = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+    const cudaError_t got = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                             cudaEnableDefault, &found);
+#else
+    const cudaError_t got =
+        cudaGetDriverEntryPoint("cuMemGetAddressRange", &fn, cudaEnableDefault, &found);
+#endif
+    if (got != cudaSuccess || found != cudaDriverEntryPointSuccess) {
       fn = nullptr;
     }
     return reinterpret_cast<Range>(fn);
