@@ -242,7 +242,12 @@ class ServerImpl final : public Server {
     ctx_.tokens = security_.tokens.get();
     if (security_.tokens != nullptr) metrics_->AuthTokens(security_.tokens->Current()->size());
     if (options_.same_node) {
-      shared_regions_ = std::make_unique<SharedRegions>();
+      // Device regions open on the CUDA devices the server computes on (none: refused).
+      std::vector<int> cuda_devices;
+      for (const auto& backend : backends_) {
+        if (backend->name() == "cuda") cuda_devices.push_back(backend->device_ordinal());
+      }
+      shared_regions_ = std::make_unique<SharedRegions>(DescribeIpcDevices(cuda_devices));
       auto listener = SameNodeListener::Start(shared_regions_.get(), security_.tokens.get());
       if (listener.ok()) {
         same_node_ = std::move(*listener);

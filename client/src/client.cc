@@ -182,6 +182,9 @@ std::shared_ptr<const SameNodeLink> Client::SameNode() {
         const std::string here = transport::HostId();
         if (stats->has_same_node() && !here.empty() && stats->same_node().host_id() == here) {
           same_node_socket_ = stats->same_node().socket();
+          for (const v1::SameNodeDevice& d : stats->same_node().devices()) {
+            same_node_devices_.push_back({d.index(), d.pci_bus_id()});
+          }
         }
       }
     }
@@ -196,6 +199,24 @@ std::shared_ptr<const SameNodeLink> Client::SameNode() {
 }
 
 std::string Client::data_path() { return SameNode() != nullptr ? "shared_memory" : "network"; }
+
+std::vector<SameNodeDevice> Client::SameNodeDevices() {
+  if (SameNode() == nullptr) return {};
+  absl::MutexLock lock(&same_node_mu_);
+  return same_node_devices_;
+}
+
+absl::StatusOr<std::shared_ptr<DeviceRegion>> Client::RegisterDeviceRegion(
+    std::string_view ipc_handle, uint64_t offset, uint64_t bytes, const std::string& pci_bus_id) {
+  std::shared_ptr<const SameNodeLink> link = SameNode();
+  if (link == nullptr) {
+    return absl::FailedPreconditionError(
+        "no same-node path to this server (another host, --same_node=false on either side, or "
+        "GetStats failed)");
+  }
+  return DeviceRegion::Register(link->socket, link->authorization, ipc_handle, offset, bytes,
+                                pci_bus_id);
+}
 
 absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStepStream() {
   return std::make_unique<StepStream>(NewContext(options_.stream_deadline), channel_.get(),

@@ -15,6 +15,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "losshead/client/client.h"
+#include "losshead/client/device_region.h"
 #include "losshead/client/retry.h"
 #include "losshead/client/status.h"
 #include "losshead/v1/wire_dtype.h"
@@ -193,7 +194,20 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     // order; only the header, token inputs and `last` go in the message.
     std::shared_ptr<SharedRegion> region;
     v1::SharedMemoryRef ref;
-    if (same_node_ != nullptr && !same_node_off_.load()) {
+    const bool device = mb.device.has_value() && mb.device->region != nullptr;
+    if (device) {
+      // The device path: the caller laid the tensors out in its device region.
+      const Microbatch::DeviceTensors& d = *mb.device;
+      ref.set_kind(v1::REGION_KIND_DEVICE);
+      ref.set_region_id(d.region->id());
+      ref.set_region_key(d.region->key());
+      ref.set_hidden_offset(d.hidden_offset);
+      ref.set_hidden_bytes(d.hidden_bytes);
+      ref.set_targets_offset(d.targets_offset);
+      ref.set_targets_bytes(d.targets_bytes);
+      ref.set_grad_hidden_offset(d.grad_hidden_offset);
+      ref.set_grad_hidden_bytes(d.grad_hidden_bytes);
+    } else if (same_node_ != nullptr && !same_node_off_.load()) {
       if (const std::optional<size_t> grad = GradHiddenBytes(mb); grad.has_value()) {
         const size_t targets_at = Aligned(mb.hidden.size());
         const size_t grad_at = targets_at + Aligned(mb.targets.size());
@@ -236,7 +250,8 @@ absl::Status StepStream::Send(const Microbatch& mb) {
            .top_k = mb.options.top_k(),
            .region = region,
            .grad_offset = ref.grad_hidden_offset(),
-           .grad_capacity = ref.grad_hidden_bytes()});
+           .grad_capacity = ref.grad_hidden_bytes(),
+           .device = device});
     }
 
     v1::StepHeader header;
@@ -249,7 +264,7 @@ absl::Status StepStream::Send(const Microbatch& mb) {
     header.set_target_dtype(mb.target_dtype);
     *header.mutable_options() = mb.options;
     *header.mutable_loss_options() = mb.loss_options;
-    if (region != nullptr) *header.mutable_shared_memory() = ref;
+    if (region != nullptr || device) *header.mutable_shared_memory() = ref;
     // The per-token inputs, in TokenInput order (their StepRequest fields' order), after the
     // targets.
     struct Tail {
@@ -461,16 +476,21 @@ void StepStream::ReadLoop() {
         grad_dest = key.grad_hidden_out->data();
       } else {
         grad_dest = nullptr;
-        current->grad_hidden.reserve(grad_bytes);
+        if (!key.device) current->grad_hidden.reserve(grad_bytes);
       }
       if (r.grad_hidden_in_shared_memory()) {
         // dH is in the region already, written before this answer was sent.
-        if (key.region == nullptr || grad_bytes > key.grad_capacity) {
-          fail(absl::InternalError(
-              absl::StrCat("the server put ", grad_bytes, " dH bytes in shared memory where ",
-                           key.region == nullptr ? 0 : key.grad_capacity, " were given")));
+        const bool room = key.region != nullptr || key.device;
+        if (!room || grad_bytes > key.grad_capacity) {
+          fail(absl::InternalError(absl::StrCat("the server put ", grad_bytes,
+                                                " dH bytes in shared memory where ",
+                                                room ? key.grad_capacity : 0, " were given")));
           continue;
         }
+      }
+      if (r.grad_hidden_in_shared_memory() && key.device) {
+        grad_filled = grad_bytes;  // in the caller's device region, for it to read
+      } else if (r.grad_hidden_in_shared_memory()) {
         const std::byte* from = key.region->data() + key.grad_offset;
         if (grad_dest != nullptr) {
           std::memcpy(grad_dest, from, grad_bytes);
@@ -480,6 +500,7 @@ void StepStream::ReadLoop() {
         grad_filled = grad_bytes;
       }
       current->shared_memory = key.region != nullptr;
+      current->device = key.device;
       for (size_t i = 0; i < kPerTokenTensors; ++i) {
         per_token[i].clear();
         per_token[i].reserve(per_token_bytes[i]);

@@ -199,7 +199,8 @@ Metrics::Metrics()
       step_data_bytes_(prometheus::BuildCounter()
                            .Name("losshead_step_data_bytes_total")
                            .Help("Step tensor bytes by path (network: in the stream's messages; "
-                                 "shared_memory: through a same-node region) and direction")
+                                 "shared_memory: through a same-node host region; device: "
+                                 "through a same-node device region) and direction")
                            .Register(*registry_)),
       shared_memory_regions_(prometheus::BuildGauge()
                                  .Name("losshead_shared_memory_regions")
@@ -275,7 +276,7 @@ Metrics::Metrics()
   for (const char* reason : {"displaced", "first_call_timeout"}) {
     connections_reaped_.Add({{"reason", reason}});
   }
-  for (const char* path : {"network", "shared_memory"}) {
+  for (const char* path : {"network", "shared_memory", "device"}) {
     for (const char* direction : {"in", "out"}) {
       step_data_bytes_.Add({{"path", path}, {"direction", direction}});
     }

@@ -111,9 +111,19 @@ void SameNodeListener::Loop() {
       }
       v1::SharedMemoryRegister request;
       absl::Status refused;
-      if (!request.ParseFromString(message->bytes)) {
+      const bool parsed = request.ParseFromString(message->bytes);
+      // A device region comes as its CUDA IPC handle in the message (device_ipc.h).
+      const bool device = parsed && request.kind() == v1::REGION_KIND_DEVICE;
+      if (!parsed) {
         refused = absl::InvalidArgumentError("a registration that is not SharedMemoryRegister");
-      } else if (message->fd.get() < 0) {
+      } else if (request.kind() != v1::REGION_KIND_UNSPECIFIED &&
+                 request.kind() != v1::REGION_KIND_HOST && !device) {
+        refused = absl::InvalidArgumentError(
+            absl::StrCat("a registration of unknown region kind ", request.kind()));
+      } else if (device && message->fd.get() >= 0) {
+        refused = absl::InvalidArgumentError(
+            "a device region's registration carries its IPC handle, not a descriptor");
+      } else if (!device && message->fd.get() < 0) {
         refused = absl::InvalidArgumentError("a registration without a memfd (SCM_RIGHTS)");
       } else if (tokens_ != nullptr) {
         const Role role = tokens_->Current()->Authenticate(request.authorization());
@@ -126,8 +136,12 @@ void SameNodeListener::Loop() {
       }
       v1::SharedMemoryRegistered answer;
       if (refused.ok()) {
-        absl::StatusOr<std::shared_ptr<SharedRegion>> region = regions_->Register(
-            message->fd.get(), request.bytes(), CallerIdentity(tokens_, request.authorization()));
+        std::string principal = CallerIdentity(tokens_, request.authorization());
+        absl::StatusOr<std::shared_ptr<SharedRegion>> region =
+            device ? regions_->RegisterDevice(request.device_handle(), request.device_offset(),
+                                              request.bytes(), request.device_pci_bus_id(),
+                                              std::move(principal))
+                   : regions_->Register(message->fd.get(), request.bytes(), std::move(principal));
         if (region.ok()) {
           c.region = (*region)->id();
           answer.set_region_id(c.region);

@@ -1,6 +1,7 @@
 // The same-node path's control socket (docs/same-node.md): a Unix SOCK_SEQPACKET socket in the
 // abstract namespace where a client on this host registers a shared memory region by sending its
-// memfd (SharedMemoryRegister with the descriptor in SCM_RIGHTS). One region per connection; the
+// memfd (SharedMemoryRegister with the descriptor in SCM_RIGHTS), or a device region by sending its
+// CUDA IPC handle (SharedMemoryRegister.kind DEVICE). One region per connection; the
 // region lives as long as the connection, so a client that closes it or dies (the kernel closes
 // its sockets) leaves nothing registered. One thread serves every connection with poll().
 //

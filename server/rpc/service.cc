@@ -185,6 +185,11 @@ grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext*
   if (ctx_->shared_regions != nullptr) {
     response->mutable_same_node()->set_host_id(ctx_->host_id);
     response->mutable_same_node()->set_socket(ctx_->same_node_socket);
+    for (const IpcDevice& d : ctx_->shared_regions->devices()) {
+      v1::SameNodeDevice* device = response->mutable_same_node()->add_devices();
+      device->set_index(d.index);
+      device->set_pci_bus_id(d.pci_bus_id);
+    }
   }
   FinishUnary(ctx_, reactor, "GetStats", start, absl::OkStatus());
   return reactor;

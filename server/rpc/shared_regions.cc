@@ -63,13 +63,32 @@ absl::StatusOr<std::shared_ptr<SharedRegion>> SharedRegions::Register(int fd, ui
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap of ", bytes, " bytes: ", std::strerror(errno)));
   }
-  auto region = std::shared_ptr<SharedRegion>(new SharedRegion());
+  auto region = std::unique_ptr<SharedRegion>(new SharedRegion());
   region->base_ = static_cast<uint8_t*>(base);
   region->size_ = bytes;
   region->principal_ = std::move(principal);
+  return Add(std::move(region));
+}
+
+absl::StatusOr<std::shared_ptr<SharedRegion>> SharedRegions::RegisterDevice(
+    absl::string_view handle, uint64_t offset, uint64_t bytes, absl::string_view pci_bus_id,
+    std::string principal) {
+  absl::StatusOr<std::unique_ptr<DeviceMapping>> mapping =
+      DeviceMapping::Open(devices_, handle, offset, bytes, pci_bus_id);
+  if (!mapping.ok()) return mapping.status();
+  auto region = std::unique_ptr<SharedRegion>(new SharedRegion());
+  region->device_ = *std::move(mapping);
+  region->size_ = bytes;
+  region->principal_ = std::move(principal);
+  return Add(std::move(region));
+}
+
+absl::StatusOr<std::shared_ptr<SharedRegion>> SharedRegions::Add(
+    std::unique_ptr<SharedRegion> owned) {
+  std::shared_ptr<SharedRegion> region = std::move(owned);
   region->counters_ = counters_;
   counters_->regions.fetch_add(1);
-  counters_->bytes.fetch_add(bytes);
+  counters_->bytes.fetch_add(region->size_);
   if (::getrandom(region->key_.data(), region->key_.size(), 0) !=
       static_cast<ssize_t>(region->key_.size())) {
     return absl::InternalError("no random bytes for a region key");

@@ -32,6 +32,10 @@ struct StepMessage {
   // The pieces lie in a client's shared memory region (docs/same-node.md): the whole micro-batch
   // is in this one message.
   bool shared = false;
+  // A device region's hidden states, copied out by the server (docs/same-node.md, "The device
+  // path"): the pieces point into it. This copy, the server's own, is what is checked, digested
+  // and computed.
+  std::string staged;
 
   size_t bytes() const {
     return hidden_bytes + request.targets().size() + request.token_weights().size() +
@@ -43,6 +47,7 @@ struct StepMessage {
     hidden.clear();
     hidden_bytes = 0;
     shared = false;
+    std::string().swap(staged);
   }
 };
 

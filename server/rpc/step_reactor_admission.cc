@@ -111,6 +111,12 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
       ctx_->shared_regions->Resolve(ref.region_id(), ref.region_key(), principal);
   if (!region.ok()) return region.status();
   const SharedRegion& r = **region;
+  const bool device = r.device() != nullptr;
+  if (device != (ref.kind() == v1::REGION_KIND_DEVICE)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory region ", ref.region_id(), " is a ", device ? "device" : "host",
+                     " region; the reference names kind ", v1::RegionKind_Name(ref.kind())));
+  }
   if (absl::Status s = r.CheckRange("hidden", ref.hidden_offset(), ref.hidden_bytes()); !s.ok()) {
     return s;
   }
@@ -143,15 +149,38 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
   // The assembler copies the hidden states out of the region (checking and digesting its own
   // copy, so that a client writing the region meanwhile changes nothing but its own input).
   message.hidden.clear();
-  if (ref.hidden_bytes() > 0) {
-    message.hidden.emplace_back(r.data() + ref.hidden_offset(), ref.hidden_bytes());
+  const uint8_t* hidden = r.data() + ref.hidden_offset();
+  if (device) {
+    // A device region: the hidden states and targets come out of the client's device memory in
+    // one DMA each, into memory of the server's own; the assembler copies and checks that as it
+    // would a host region's bytes. The client synchronised its stream before sending the header
+    // (the ordering contract), so the bytes are there.
+    std::string& staged = message.staged;
+    staged.resize(ref.hidden_bytes());
+    std::string& targets = *message.request.mutable_targets();
+    targets.resize(ref.targets_bytes());
+    if (absl::Status s =
+            r.device()->CopyOut(staged.data(), ref.hidden_offset(), ref.hidden_bytes());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            r.device()->CopyOut(targets.data(), ref.targets_offset(), ref.targets_bytes());
+        !s.ok()) {
+      targets.clear();
+      return s;
+    }
+    hidden = reinterpret_cast<const uint8_t*>(staged.data());
+  } else {
+    message.request.mutable_targets()->assign(
+        reinterpret_cast<const char*>(r.data() + ref.targets_offset()), ref.targets_bytes());
   }
+  if (ref.hidden_bytes() > 0) message.hidden.emplace_back(hidden, ref.hidden_bytes());
   message.hidden_bytes = ref.hidden_bytes();
   message.shared = true;
-  message.request.mutable_targets()->assign(
-      reinterpret_cast<const char*>(r.data() + ref.targets_offset()), ref.targets_bytes());
   ctx_->metrics->Bytes("Step", "in", ref.hidden_bytes() + ref.targets_bytes());
-  ctx_->metrics->StepDataBytes("shared_memory", "in", ref.hidden_bytes() + ref.targets_bytes());
+  ctx_->metrics->StepDataBytes(device ? "device" : "shared_memory", "in",
+                               ref.hidden_bytes() + ref.targets_bytes());
   open_shared_ = {.region = *std::move(region),
                   .grad_offset = ref.grad_hidden_offset(),
                   .grad_bytes = ref.grad_hidden_bytes()};

@@ -122,7 +122,12 @@ void StepReactor::WriteSharedGradHidden(const Slot& slot, SlotRun& run) {
   // The header's range was checked to hold dH before the micro-batch ran; a replay carries the
   // same options, so the same size. Should it ever not fit, dH goes on the stream instead.
   if (grad.empty() || grad.size() > slot.shared.grad_bytes) return;
-  std::memcpy(slot.shared.region->data() + slot.shared.grad_offset, grad.data(), grad.size());
+  if (const DeviceMapping* device = slot.shared.region->device(); device != nullptr) {
+    // Synchronous: dH is in the client's device memory before the answer says so.
+    if (!device->CopyIn(slot.shared.grad_offset, grad.data(), grad.size()).ok()) return;
+  } else {
+    std::memcpy(slot.shared.region->data() + slot.shared.grad_offset, grad.data(), grad.size());
+  }
   run.grad_hidden_shared = true;
 }
 
@@ -145,7 +150,8 @@ void StepReactor::RecordSlot(const Slot& slot, absl::Time picked, const SlotRun&
     RecordAsked(slot.assembled.microbatch.header, outcome, record);
     // Every payload byte answered, whichever way it went; and by path.
     const size_t shared = run.grad_hidden_shared ? outcome.grad_hidden.size() : 0;
-    ctx_->metrics->StepDataBytes("shared_memory", "out", shared);
+    const bool device = slot.shared.region != nullptr && slot.shared.region->device() != nullptr;
+    ctx_->metrics->StepDataBytes(device ? "device" : "shared_memory", "out", shared);
     ctx_->metrics->StepDataBytes("network", "out", record.bytes_out - shared);
   }
   RecordMicrobatch(*ctx_->metrics, slot.assembled.microbatch.header.head(), record,

@@ -76,8 +76,8 @@ class CapiBiasTest : public CapiServerTest {
 };
 
 TEST_F(CapiBiasTest, VersionFiveAddsTheBiasTransfersUnderItsOwnSymbolVersion) {
-  EXPECT_EQ(lh_capi_version(), 5);
-  EXPECT_EQ(LH_CAPI_VERSION, 5);
+  EXPECT_GE(lh_capi_version(), 5);  // a later version only adds (capi_device_test: 6)
+  EXPECT_GE(LH_CAPI_VERSION, 5);
   for (const char* name :
        {"lh_push_weights_bias", "lh_pull_gradient_bias", "lh_download_weights_bias"}) {
     EXPECT_NE(dlvsym(RTLD_DEFAULT, name, "LH_CAPI_5"), nullptr) << name;

@@ -283,6 +283,8 @@ TEST_F(SameNodeTest, BadHandlesAndRangesAreRefusedAndChangeNothing) {
       [&](Case& c) { c.ref.set_region_id(closed_id + 1000); });
   add("hidden states inline too", grpc::StatusCode::INVALID_ARGUMENT,
       [&](Case& c) { c.inline_hidden = true; });
+  add("a device reference to a host region", grpc::StatusCode::INVALID_ARGUMENT,
+      [&](Case& c) { c.ref.set_kind(v1::REGION_KIND_DEVICE); });
   add("closed region", grpc::StatusCode::NOT_FOUND, [&](Case& c) {
     c.ref.set_region_id(closed_id);
     c.ref.set_region_key(closed_key);
@@ -345,6 +347,62 @@ TEST_F(SameNodeTest, RegistrationRefusesUnsealedMemory) {
   EXPECT_EQ(answer.code(), static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION))
       << answer.message();
   EXPECT_EQ(MappingsNamed("losshead-unsealed"), 0);
+}
+
+// One registration message on a fresh connection (with `fd` in SCM_RIGHTS unless -1): the
+// server's answer.
+v1::SharedMemoryRegistered RegisterRaw(const std::string& socket,
+                                       const v1::SharedMemoryRegister& request, int fd = -1) {
+  v1::SharedMemoryRegistered answer;
+  auto connection = transport::ConnectSeqpacket(socket);
+  EXPECT_TRUE(connection.ok()) << connection.status();
+  if (!connection.ok()) return answer;
+  EXPECT_TRUE(transport::SendWithFd(connection->get(), request.SerializeAsString(), fd).ok());
+  auto reply = transport::ReceiveWithFd(connection->get(), 4096);
+  EXPECT_TRUE(reply.ok()) << reply.status();
+  if (reply.ok()) EXPECT_TRUE(answer.ParseFromString(reply->bytes));
+  return answer;
+}
+
+// The device path on a server that computes on CPUs (whether built with CUDA or not): no devices
+// offered, every device region refused FAILED_PRECONDITION, malformed registrations
+// INVALID_ARGUMENT, and nothing registered by any of them.
+TEST_F(SameNodeTest, DeviceRegionsAreRefusedOnAServerWithoutCudaDevices) {
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->same_node().devices_size(), 0);
+  EXPECT_TRUE(shm_->SameNodeDevices().empty());
+  const int port = server_->metrics_port();
+  const double regions = ScrapeSum(port, "losshead_shared_memory_regions");
+  const std::string handle(64, '\x5a');
+  auto region = shm_->RegisterDeviceRegion(handle, 0, 1 << 20, "0000:00:00.0");
+  ASSERT_FALSE(region.ok());
+  EXPECT_EQ(region.status().code(), absl::StatusCode::kFailedPrecondition) << region.status();
+  // The network client has no same-node path at all: the same code, from the client.
+  auto net = net_->RegisterDeviceRegion(handle, 0, 1 << 20, "0000:00:00.0");
+  EXPECT_EQ(net.status().code(), absl::StatusCode::kFailedPrecondition) << net.status();
+
+  v1::SharedMemoryRegister device;
+  device.set_kind(v1::REGION_KIND_DEVICE);
+  device.set_bytes(1 << 20);
+  device.set_device_handle(handle);
+  EXPECT_EQ(RegisterRaw(socket_, device).code(),
+            static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION));
+  // A device registration that carries a descriptor, or a kind the server does not know.
+  const int fd = ::memfd_create("losshead-device-with-fd", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 1 << 20), 0);
+  ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  EXPECT_EQ(RegisterRaw(socket_, device, fd).code(),
+            static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  v1::SharedMemoryRegister unknown;
+  unknown.set_kind(static_cast<v1::RegionKind>(7));
+  unknown.set_bytes(1 << 20);
+  EXPECT_EQ(RegisterRaw(socket_, unknown, fd).code(),
+            static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  ::close(fd);
+  EXPECT_EQ(MappingsNamed("losshead-device-with-fd"), 0);
+  EXPECT_EQ(ScrapeSum(port, "losshead_shared_memory_regions"), regions);
 }
 
 // A child process registers regions and is killed with them open: the server unmaps them.

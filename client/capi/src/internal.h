@@ -13,6 +13,10 @@ struct lh_client {
   std::unique_ptr<losshead::client::Client> client;
 };
 
+struct lh_device_region {
+  std::shared_ptr<const losshead::client::DeviceRegion> region;
+};
+
 namespace losshead::capi {
 
 // Fills `out` (when not null) from `status` and returns its code.

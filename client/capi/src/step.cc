@@ -1,5 +1,6 @@
 // lh_step_many: C micro-batches to Client::StepMany and its answers back into C results.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <span>
 #include <string>
@@ -149,9 +150,33 @@ absl::Status ToResult(const lh_microbatch& in, const absl::StatusOr<client::Step
   return absl::OkStatus();
 }
 
-// Both versions of StepMany: every micro-batch converted (and checked) before any is sent.
+// Version 6's part of a micro-batch into `mb`: its tensors in a device region.
+absl::Status AddDevice(const lh_device_tensors& in, size_t index, client::Microbatch& mb) {
+  if (in.region == nullptr) return absl::OkStatus();
+  if (!mb.hidden.empty() || !mb.targets.empty() || mb.grad_hidden_out->data() != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro-batch ", index, ": hidden, targets or grad_hidden_out given with a device region"));
+  }
+  mb.grad_hidden_out.reset();
+  mb.device = client::Microbatch::DeviceTensors{.region = in.region->region,
+                                                .hidden_offset = in.hidden_offset,
+                                                .hidden_bytes = in.hidden_bytes,
+                                                .targets_offset = in.targets_offset,
+                                                .targets_bytes = in.targets_bytes,
+                                                .grad_hidden_offset = in.grad_hidden_offset,
+                                                .grad_hidden_bytes = in.grad_hidden_bytes};
+  return absl::OkStatus();
+}
+
+int PathOf(const client::StepResult& r) {
+  if (r.device) return LH_PATH_DEVICE;
+  return r.shared_memory ? LH_PATH_SHARED_MEMORY : LH_PATH_NETWORK;
+}
+
+// Every version of StepMany: every micro-batch converted (and checked) before any is sent.
 int StepMany(lh_client* client, const lh_microbatch* mbs, const lh_microbatch_inputs* inputs,
-             size_t count, size_t pipeline_depth, lh_step_result* results, lh_status* status) {
+             const lh_device_tensors* devices, size_t count, size_t pipeline_depth,
+             lh_step_result* results, int* paths, lh_status* status) {
   return Guarded(status, [&]() -> absl::Status {
     if (client == nullptr) return absl::InvalidArgumentError("null client");
     if (count > 0 && (mbs == nullptr || results == nullptr)) {
@@ -166,12 +191,16 @@ int StepMany(lh_client* client, const lh_microbatch* mbs, const lh_microbatch_in
       if (inputs != nullptr) {
         if (absl::Status added = AddInputs(inputs[i], i, *mb); !added.ok()) return added;
       }
+      if (devices != nullptr) {
+        if (absl::Status added = AddDevice(devices[i], i, *mb); !added.ok()) return added;
+      }
       batch.push_back(*std::move(mb));
     }
     auto answers = client->client->StepMany(batch, std::max<size_t>(1, pipeline_depth));
     for (size_t i = 0; i < count; ++i) {
       results[i] = lh_step_result{};
       Report(ToResult(mbs[i], answers[i], &results[i]), &results[i].status);
+      if (paths != nullptr) paths[i] = answers[i].ok() ? PathOf(*answers[i]) : LH_PATH_NETWORK;
     }
     return absl::OkStatus();
   });
@@ -184,13 +213,62 @@ extern "C" {
 
 int lh_step_many(lh_client* client, const lh_microbatch* mbs, size_t count, size_t pipeline_depth,
                  lh_step_result* results, lh_status* status) {
-  return losshead::capi::StepMany(client, mbs, nullptr, count, pipeline_depth, results, status);
+  return losshead::capi::StepMany(client, mbs, nullptr, nullptr, count, pipeline_depth, results,
+                                  nullptr, status);
 }
 
 int lh_step_many_with_inputs(lh_client* client, const lh_microbatch* mbs,
                              const lh_microbatch_inputs* inputs, size_t count,
                              size_t pipeline_depth, lh_step_result* results, lh_status* status) {
-  return losshead::capi::StepMany(client, mbs, inputs, count, pipeline_depth, results, status);
+  return losshead::capi::StepMany(client, mbs, inputs, nullptr, count, pipeline_depth, results,
+                                  nullptr, status);
 }
+
+int lh_step_many_device(lh_client* client, const lh_microbatch* mbs,
+                        const lh_microbatch_inputs* inputs, const lh_device_tensors* devices,
+                        size_t count, size_t pipeline_depth, lh_step_result* results, int* paths,
+                        lh_status* status) {
+  return losshead::capi::StepMany(client, mbs, inputs, devices, count, pipeline_depth, results,
+                                  paths, status);
+}
+
+int lh_same_node_devices(lh_client* client, lh_same_node_device* out, size_t capacity,
+                         size_t* count, lh_status* status) {
+  return losshead::capi::Guarded(status, [&]() -> absl::Status {
+    if (client == nullptr) return absl::InvalidArgumentError("null client");
+    if (capacity > 0 && out == nullptr) return absl::InvalidArgumentError("null out");
+    const std::vector<losshead::client::SameNodeDevice> devices = client->client->SameNodeDevices();
+    for (size_t i = 0; i < devices.size() && i < capacity; ++i) {
+      out[i] = lh_same_node_device{};
+      out[i].index = devices[i].index;
+      std::snprintf(out[i].pci_bus_id, sizeof(out[i].pci_bus_id), "%s",
+                    devices[i].pci_bus_id.c_str());
+    }
+    if (count != nullptr) *count = devices.size();
+    return absl::OkStatus();
+  });
+}
+
+int lh_device_region_register(lh_client* client, const void* ipc_handle, size_t handle_bytes,
+                              uint64_t offset, uint64_t bytes, const char* pci_bus_id,
+                              lh_device_region** out, lh_status* status) {
+  return losshead::capi::Guarded(status, [&]() -> absl::Status {
+    if (client == nullptr || out == nullptr) {
+      return absl::InvalidArgumentError("null client or out");
+    }
+    if (ipc_handle == nullptr && handle_bytes > 0) {
+      return absl::InvalidArgumentError("null ipc_handle");
+    }
+    *out = nullptr;
+    auto region = client->client->RegisterDeviceRegion(
+        std::string_view(static_cast<const char*>(ipc_handle), handle_bytes), offset, bytes,
+        pci_bus_id == nullptr ? "" : pci_bus_id);
+    if (!region.ok()) return region.status();
+    *out = new lh_device_region{*std::move(region)};
+    return absl::OkStatus();
+  });
+}
+
+void lh_device_region_free(lh_device_region* region) { delete region; }
 
 }  // extern "C"

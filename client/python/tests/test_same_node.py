@@ -1,7 +1,8 @@
 """The same-node path (docs/same-node.md) from Python: the native data path (the C++ client
 through the C ABI) moves hidden states, targets and dH through shared memory when the server is
 on this host, with the answers of the network path bit for bit; with --same_node=false it goes
-over the network.
+over the network. Each result says which way it went (`data_path`). CUDA tensors take the device
+path to a server computing on CUDA (skipped without a CUDA device), bit for bit too.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def test_native_steps_through_shared_memory_bit_for_bit(servers) -> None:
             c.upload_weights("h", weight)
             for wire in (torch.float32, torch.bfloat16):
                 r = c.step("h", hidden, targets, hidden_dtype=wire, return_per_token_loss=True)
+                assert r.data_path == ("shared_memory" if same_node else "network")
                 answers[(same_node, wire)] = r
         moved = _path_bytes(port)
         tensors = moved[("shared_memory", "in")] + moved[("shared_memory", "out")]
@@ -56,3 +58,54 @@ def test_native_steps_through_shared_memory_bit_for_bit(servers) -> None:
         assert (a.loss, a.loss_sum, a.token_count) == (b.loss, b.loss_sum, b.token_count)
         assert torch.equal(a.grad_hidden, b.grad_hidden)
         assert torch.equal(a.per_token_loss, b.per_token_loss)
+
+
+def _cuda_devices() -> list:
+    return [torch.device("cuda", i) for i in range(min(2, torch.cuda.device_count()))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers) -> None:
+    """A server computing on GPU 0; CUDA tensors on GPU 0 (and on GPU 1 when there is one: the
+    device path when it is a peer of GPU 0, else the host path) against the grpcio client's
+    network path with the same tensors on the host: answers, dH and dW bit for bit."""
+    if not native_available():
+        pytest.skip(f"no native library: {native_library()}")
+    n, d, v = 300, 64, 97
+    hidden, weight, targets = random_problem(n, d, v, seed=9, ignore_fraction=0.2)
+    port = free_port()
+    server = servers.start("--backend=cuda", "--devices=0", "--grad_stash_idle=inf",
+                           f"--metrics_listen=127.0.0.1:{port}")
+    with Client(server.address, native=True, client_id="dev") as c, \
+            Client(server.address, native=False, client_id="net") as net:
+        assert [x.index for x in c.stats().same_node.devices] == [0]
+        for device in _cuda_devices():
+            peer = device.index == 0 or torch.cuda.can_device_access_peer(0, device.index)
+            want = "device" if peer else "shared_memory"
+            for wire in (torch.float32, torch.bfloat16):
+                a, b = f"dev-{device.index}-{wire}", f"net-{device.index}-{wire}"
+                for name in (a, b):
+                    net.create_head(name, v, d)
+                    net.upload_weights(name, weight)
+                h = hidden.to(device)
+                r = c.step(a, h, targets.to(device), hidden_dtype=wire,
+                           return_per_token_loss=True)
+                s = net.step(b, hidden, targets, hidden_dtype=wire, return_per_token_loss=True)
+                assert r.data_path == want
+                assert (r.loss, r.loss_sum, r.token_count) == (s.loss, s.loss_sum, s.token_count)
+                assert torch.equal(r.grad_hidden, s.grad_hidden)
+                assert torch.equal(r.per_token_loss, s.per_token_loss)
+                # Chunked, as RemoteLMHead steps: dH back on the tensor's device.
+                chunks = [100, 150, 50]
+                rc = c.step_chunked(a, h, targets.to(device), chunks=chunks, hidden_dtype=wire,
+                                    grad_hidden_device=device)
+                sc = net.step_chunked(b, hidden, targets, chunks=chunks, hidden_dtype=wire)
+                assert rc.data_path == want
+                assert rc.grad_hidden.device == device
+                assert (rc.loss_sum, rc.token_count) == (sc.loss_sum, sc.token_count)
+                assert torch.equal(rc.grad_hidden.cpu(), sc.grad_hidden)
+                ga, gb = net.pull_gradient(a), net.pull_gradient(b)
+                assert ga.summary.microbatch_count == gb.summary.microbatch_count == 4
+                assert torch.equal(ga.grad, gb.grad)
+    moved = _path_bytes(port)
+    assert moved[("device", "in")] > 0 and moved[("device", "out")] > 0, moved

@@ -14,10 +14,11 @@
  * in a released version, keeps its signature, layout and meaning; what a later version carries
  * comes in new functions taking new structs (version 4: lh_step_many_with_inputs beside
  * lh_step_many, lh_embedding_rows; version 5: the *_bias transfers beside lh_push_weights,
- * lh_pull_gradient and lh_download_weights). So a caller written for version N works with every
+ * lh_pull_gradient and lh_download_weights; version 6: the same-node device path). So a caller
+ * written for version N works with every
  * library whose lh_capi_version() is N or more, and checks that (not equality). Each function is
  * exported under the symbol version of the ABI version that added it (exports.map: LH_CAPI_3,
- * LH_CAPI_4, LH_CAPI_5).
+ * LH_CAPI_4, LH_CAPI_5, LH_CAPI_6).
  */
 #ifndef LOSSHEAD_CAPI_H_
 #define LOSSHEAD_CAPI_H_
@@ -29,7 +30,7 @@
 extern "C" {
 #endif
 
-#define LH_CAPI_VERSION 5
+#define LH_CAPI_VERSION 6
 
 /* The ABI version this library implements (LH_CAPI_VERSION when it was built). */
 int lh_capi_version(void);
@@ -259,6 +260,64 @@ int lh_pull_gradient_bias(lh_client* client, const char* head, int dtype, int re
 int lh_download_weights_bias(lh_client* client, const char* head, int dtype, void* out,
                              size_t capacity, void* bias_out, size_t bias_capacity,
                              lh_weights_info* info, uint64_t* bias_bytes, lh_status* status);
+
+/* The same-node device path (docs/same-node.md, "The device path"): the caller's CUDA memory,
+ * shared with a server on this host through its IPC handle; the server copies hidden states and
+ * targets out of it and writes dH into it. The library has no CUDA: the caller makes the handle
+ * (cudaIpcGetMemHandle; torch: storage._share_cuda_()) and owns the memory. (Version 6.) */
+
+typedef struct lh_same_node_device {
+  int index;           /* the server's device ordinal */
+  char pci_bus_id[32]; /* "dddd:bb:dd.f", lower case, NUL-terminated */
+} lh_same_node_device;
+
+/* The server's devices where a device region opens (Stats.same_node.devices), asked once per
+ * client: up to `capacity` into `out`, their number into `*count` (0: the server is not on this
+ * host, offers no device path, or same-node is off). */
+int lh_same_node_devices(lh_client* client, lh_same_node_device* out, size_t capacity,
+                         size_t* count, lh_status* status);
+
+typedef struct lh_device_region lh_device_region;
+
+/* Registers [offset, offset + bytes) of the CUDA allocation of `ipc_handle` (handle_bytes bytes:
+ * a cudaIpcMemHandle_t's 64), which lies on the device of `pci_bus_id`, with the client's server.
+ * The server keeps it open until lh_device_region_free (or this process's death). The server's
+ * refusal comes back with its code: FAILED_PRECONDITION when there is no same-node path, on a
+ * server without CUDA devices or whose devices cannot reach that one; INVALID_ARGUMENT for a
+ * handle that is not 64 bytes or does not open, bytes 0, or a range past the allocation's end. */
+int lh_device_region_register(lh_client* client, const void* ipc_handle, size_t handle_bytes,
+                              uint64_t offset, uint64_t bytes, const char* pci_bus_id,
+                              lh_device_region** out, lh_status* status);
+/* Unregisters it (the server closes its handle). Micro-batches naming it must be answered. */
+void lh_device_region_free(lh_device_region* region);
+
+/* Where a micro-batch's tensors lie in a device region (byte offsets from its start). With it
+ * the micro-batch's hidden, targets and grad_hidden_out are not used (give null, 0). */
+typedef struct lh_device_tensors {
+  lh_device_region* region; /* null: the micro-batch goes as lh_step_many_with_inputs sends it */
+  uint64_t hidden_offset;
+  uint64_t hidden_bytes;
+  uint64_t targets_offset;
+  uint64_t targets_bytes;
+  uint64_t grad_hidden_offset; /* where the server writes dH */
+  uint64_t grad_hidden_bytes;  /* room there; 0 with skip_grad_hidden */
+} lh_device_tensors;
+
+/* The path a micro-batch's tensors took (lh_step_many_device's `paths`). */
+#define LH_PATH_NETWORK 0
+#define LH_PATH_SHARED_MEMORY 1
+#define LH_PATH_DEVICE 2
+
+/* lh_step_many_with_inputs with `devices[i]` for mbs[i] (null: none for any). Ordering: the
+ * caller has finished writing every device region's hidden states and targets (synchronised the
+ * stream that wrote them) before the call, and dH is in the region, written and synchronised by
+ * the server, when the call returns. `paths` (null: not reported) gets each micro-batch's path
+ * (LH_PATH_*; set for an answered one). A device micro-batch the server refuses is answered
+ * with the refusal's code, as any other. (Version 6.) */
+int lh_step_many_device(lh_client* client, const lh_microbatch* mbs,
+                        const lh_microbatch_inputs* inputs, const lh_device_tensors* devices,
+                        size_t count, size_t pipeline_depth, lh_step_result* results, int* paths,
+                        lh_status* status);
 
 #ifdef __cplusplus
 }

@@ -254,6 +254,20 @@ class Client {
   // (StepStream::data_path, StepResult::shared_memory).
   std::string data_path();
 
+  // The device path (docs/same-node.md): the server's devices where a device region opens, asked
+  // once as data_path() is; empty when the server offers none, is not on this host, or
+  // options().same_node is false. A caller whose buffer lies on one of them (the same PCI bus id)
+  // or on a peer of one registers it with RegisterDeviceRegion and names it in
+  // Microbatch::device; others stay on the host or network path.
+  std::vector<SameNodeDevice> SameNodeDevices();
+  // Registers [offset, offset + bytes) of the caller's CUDA allocation of `ipc_handle` (its
+  // cudaIpcMemHandle_t's bytes), on the device of `pci_bus_id`, with this client's server
+  // (DeviceRegion::Register; its refusals). FAILED_PRECONDITION when there is no same-node path.
+  absl::StatusOr<std::shared_ptr<DeviceRegion>> RegisterDeviceRegion(std::string_view ipc_handle,
+                                                                     uint64_t offset,
+                                                                     uint64_t bytes,
+                                                                     const std::string& pci_bus_id);
+
   // Attempts that were retries (all methods), since Connect.
   uint64_t retries() const { return retries_.load(); }
 
@@ -342,6 +356,7 @@ class Client {
   absl::Mutex same_node_mu_;
   bool same_node_probed_ ABSL_GUARDED_BY(same_node_mu_) = false;
   std::string same_node_socket_ ABSL_GUARDED_BY(same_node_mu_);  // empty: none
+  std::vector<SameNodeDevice> same_node_devices_ ABSL_GUARDED_BY(same_node_mu_);
 };
 
 // The home's address in a FAILED_PRECONDITION that redirects a client id ("home=<address>"), if

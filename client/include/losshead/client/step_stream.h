@@ -21,11 +21,13 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "losshead/client/device_region.h"
 #include "losshead/v1/losshead.pb.h"
 
 namespace losshead::client {
 
 class SharedRegion;
+class DeviceRegion;
 
 // How a stream reaches a server on its own host (docs/same-node.md): the server's same-node
 // socket (Stats.same_node) and the authorization its regions are registered with.
@@ -69,6 +71,21 @@ struct Microbatch {
   // valid until the answer is received or the stream is destroyed. An answer with more dH bytes
   // than the buffer holds fails INTERNAL.
   std::optional<std::span<std::byte>> grad_hidden_out;
+  // The device path (docs/same-node.md): set, the hidden states, targets and room for dH lie in
+  // this device region at these offsets (`hidden` and `targets` empty, `grad_hidden_out` unset);
+  // the server copies them out of it and writes dH into it, and StepResult::grad_hidden stays
+  // empty (StepResult::device). The caller has finished writing them before Send (its stream
+  // synchronised) and reads dH once the answer is received.
+  struct DeviceTensors {
+    std::shared_ptr<const DeviceRegion> region;
+    uint64_t hidden_offset = 0;
+    uint64_t hidden_bytes = 0;
+    uint64_t targets_offset = 0;
+    uint64_t targets_bytes = 0;
+    uint64_t grad_hidden_offset = 0;
+    uint64_t grad_hidden_bytes = 0;  // room for dH; 0 with skip_grad_hidden
+  };
+  std::optional<DeviceTensors> device;
 };
 
 // The status payload that marks an error as one micro-batch's (StepResponse.error: the stream
@@ -112,6 +129,8 @@ struct StepResult {
   // Its hidden states, targets and dH went through shared memory with a server on this host
   // (the same-node path, docs/same-node.md), not in the stream's messages.
   bool shared_memory = false;
+  // They went through the micro-batch's device region (Microbatch::device): dH is there.
+  bool device = false;
 };
 
 // Bytes of a typed vector, for Microbatch spans.
@@ -203,6 +222,7 @@ class StepStream {
     std::shared_ptr<SharedRegion> region;
     uint64_t grad_offset = 0;
     uint64_t grad_capacity = 0;
+    bool device = false;  // the device path: dH lands in the caller's device region
   };
   std::deque<Expected> expected_;
   std::deque<absl::StatusOr<StepResult>> answers_;  // answered, not yet received

@@ -39,6 +39,12 @@ class Microbatch:
     # each), by StepRequest field name ("token_weights", "old_logprob", "advantages",
     # "ref_logprob"), in that order. Both paths carry them, read in place.
     token_inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
+    # The same-node device path (losshead._device_path): the hidden states as a contiguous CUDA
+    # tensor of the wire dtype (N x D), which the native path hands the server from device
+    # memory; `hidden` is then a host tensor of the same shape that is filled (from this) only
+    # when the device path is out of reach. The gRPC path never sees one (step_chunked sets it
+    # only for native clients that offer the path).
+    device_hidden: Optional[torch.Tensor] = None
 
     @property
     def key(self) -> Tuple[str, int]:

@@ -26,10 +26,11 @@ import torch
 from losshead import _wire
 from losshead._channel import TlsFiles
 from losshead._microbatch import Microbatch, Outcome
+from losshead._device_path import DevicePath, Region, aligned
 from losshead._native_abi import (_BIAS_VERSION, NativeLibraryWarning, _CInputs, _CMicrobatch,
-                                  _CStepResult, _EmbeddingRowsInfo, _GradientSummary, _IntArg,
-                                  _load, _MetadataPair, _Options, _Status, _WeightsInfo,
-                                  native_available, native_library)
+                                  _CStepResult, _DeviceTensors, _EmbeddingRowsInfo,
+                                  _GradientSummary, _IntArg, _load, _MetadataPair, _Options,
+                                  _Status, _WeightsInfo, native_available, native_library)
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead._types import StepResult, TokenOutputs, asks_outputs, missing_outputs
@@ -94,9 +95,11 @@ class NativeClient:
             raise _error(status)
         self._handle: Optional[int] = handle.value
         self._closed_retries = 0
+        self._device = DevicePath(lib, self._live)
 
     def close(self) -> None:
         if getattr(self, "_handle", None):  # not set when __init__ failed
+            self._device.close()
             self._closed_retries = self.retries  # still readable once closed
             self._lib.lh_client_free(self._handle)
             self._handle = None
@@ -120,20 +123,82 @@ class NativeClient:
         return int(self._lib.lh_client_retries(self._handle))
 
     # -- steps ------------------------------------------------------------------------------
+    def device_bus(self, device: torch.device) -> Optional[str]:
+        """Whether a CUDA buffer on `device` can take the same-node device path (the bus id it
+        registers with), else None."""
+        return self._device.bus_for(device)
+
+    def _lay_out(self, mbs: Sequence[Microbatch]
+                 ) -> Tuple[Optional[Region], Dict[int, Tuple[int, int, int, int]]]:
+        """The device micro-batches (Microbatch.device_hidden) laid out in one region of their
+        device (hidden | targets | room for dH each, aligned), copied in and synchronised:
+        (region, {index: (hidden_at, targets_at, grad_at, grad_bytes)}). Without a region (the
+        path refused or out of reach) their hidden states come to the host instead, and they go
+        the host's way."""
+        wanted = [i for i, mb in enumerate(mbs) if mb.device_hidden is not None]
+        if not wanted:
+            return None, {}
+        device = mbs[wanted[0]].device_hidden.device  # type: ignore[union-attr]
+        places: Dict[int, Tuple[int, int, int, int]] = {}
+        at = 0
+        for i in wanted:
+            mb = mbs[i]
+            h = mb.header
+            grad = 0 if h.options.skip_grad_hidden else (
+                max(0, h.num_tokens) * mb.hidden_size * _wire_size(_grad_dtype(h)))
+            hidden_at = at
+            targets_at = aligned(hidden_at + _nbytes(mb.hidden))
+            grad_at = aligned(targets_at + _nbytes(mb.targets))
+            places[i] = (hidden_at, targets_at, grad_at, grad)
+            at = aligned(grad_at + grad)
+        region = None
+        if all(mbs[i].device_hidden.device == device for i in wanted):  # type: ignore[union-attr]
+            if self._device.bus_for(device) is not None:
+                region = self._device.take(device, at)
+        if region is None:
+            for i in wanted:
+                mb = mbs[i]
+                mb.hidden.copy_(mb.device_hidden)  # type: ignore[arg-type]
+                mb.device_hidden = None
+            return None, {}
+        with torch.cuda.device(device):
+            for i, (hidden_at, targets_at, _, _) in places.items():
+                mb = mbs[i]
+                src = mb.device_hidden.reshape(-1).view(torch.uint8)  # type: ignore[union-attr]
+                region.tensor[hidden_at:hidden_at + src.numel()].copy_(src)
+                tgt = mb.targets.reshape(-1).view(torch.uint8)
+                region.tensor[targets_at:targets_at + tgt.numel()].copy_(tgt)
+            # The ordering contract: every write of the region is done before anything is sent.
+            torch.cuda.current_stream(device).synchronize()
+        return region, places
+
     def step_many(self, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
         """Client::StepMany over one stream at a time, `plan.lane_depth` micro-batches on the
         wire; outcomes in input order. The gRPC path's counterpart is
         `losshead._step_stream.step_many`."""
+        region, places = self._lay_out(mbs)
+        try:
+            return self._step_many(mbs, plan, region, places)
+        finally:
+            if region is not None:
+                self._device.give(region)
+
+    def _step_many(self, mbs: Sequence[Microbatch], plan: StepPlan, region: Optional[Region],
+                   places: Dict[int, Tuple[int, int, int, int]]) -> List[Outcome]:
         n = len(mbs)
         keep: List[Any] = []  # what the C structs point to, alive until the call returns
         outs: List[Tuple[Optional[torch.Tensor], torch.Tensor, Dict[str, torch.Tensor]]] = []
         cmbs = (_CMicrobatch * n)()
         cins = (_CInputs * n)()
+        devs = (_DeviceTensors * n)()
+        back: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (host landing, device dH)
         for i, mb in enumerate(mbs):
             h = mb.header
             dh = mb.grad_hidden_out
             if dh is None and not h.options.skip_grad_hidden:
-                dh = torch.empty((h.num_tokens, mb.hidden_size), dtype=_grad_dtype(h))
+                # dH of a device micro-batch stays on its device.
+                on = mb.device_hidden.device if i in places else None  # type: ignore[union-attr]
+                dh = torch.empty((h.num_tokens, mb.hidden_size), dtype=_grad_dtype(h), device=on)
             # Always room for them: a replayed answer carries them if the first attempt asked.
             ptl = torch.empty(max(0, h.num_tokens), dtype=torch.float32)
             # Room for each token output asked (a replay answers the same ones: the server
@@ -154,10 +219,26 @@ class NativeClient:
             c.options_bytes, c.loss_options_bytes = len(fields[2]), len(fields[3])
             c.sequence, c.num_tokens = h.sequence, h.num_tokens
             c.hidden_dtype, c.target_dtype = h.hidden_dtype, h.target_dtype
-            c.hidden, c.hidden_bytes = _ptr(mb.hidden), _nbytes(mb.hidden)
-            c.targets, c.targets_bytes = _ptr(mb.targets), _nbytes(mb.targets)
-            if dh is not None:
-                c.grad_hidden_out, c.grad_hidden_capacity = _ptr(dh), _nbytes(dh)
+            if i in places:
+                # In the device region: the C side sends only the reference.
+                hidden_at, targets_at, grad_at, grad = places[i]
+                d = devs[i]
+                d.region = region.handle  # type: ignore[union-attr]
+                d.hidden_offset, d.hidden_bytes = hidden_at, _nbytes(mb.hidden)
+                d.targets_offset, d.targets_bytes = targets_at, _nbytes(mb.targets)
+                d.grad_hidden_offset, d.grad_hidden_bytes = grad_at, grad
+            else:
+                c.hidden, c.hidden_bytes = _ptr(mb.hidden), _nbytes(mb.hidden)
+                c.targets, c.targets_bytes = _ptr(mb.targets), _nbytes(mb.targets)
+                if dh is not None and dh.is_cuda:
+                    # A device micro-batch that went the host's way: dH lands on the host, then
+                    # goes where it was asked for.
+                    landing = torch.empty(dh.shape, dtype=dh.dtype, pin_memory=True)
+                    back.append((landing, dh))
+                    dh = landing
+                    outs[-1] = (dh, ptl, tos)
+                if dh is not None:
+                    c.grad_hidden_out, c.grad_hidden_capacity = _ptr(dh), _nbytes(dh)
             if ptl.numel():
                 c.per_token_loss_out = _c.cast(ptl.data_ptr(), _c.POINTER(_c.c_float))
                 c.per_token_loss_capacity = ptl.numel()
@@ -171,12 +252,42 @@ class NativeClient:
                 setattr(cins[i], name, _ptr(t))
                 setattr(cins[i], f"{name}_count", t.numel())
         results, status = (_CStepResult * n)(), _Status()
-        if n and self._lib.lh_step_many_with_inputs(self._live(), cmbs, cins, n,
-                                                    plan.lane_depth(n), results,
-                                                    _c.byref(status)):
+        paths = (_c.c_int * n)()
+        # A version 6 library reports each micro-batch's path, device regions or not.
+        reported = self._device.supported
+        if reported:
+            failed = n and self._lib.lh_step_many_device(self._live(), cmbs, cins, devs, n,
+                                                         plan.lane_depth(n), results, paths,
+                                                         _c.byref(status))
+        else:
+            failed = n and self._lib.lh_step_many_with_inputs(self._live(), cmbs, cins, n,
+                                                              plan.lane_depth(n), results,
+                                                              _c.byref(status))
+        if failed:
             raise _error(status)
-        return [_outcome(mb, r, dh, ptl, tos)
-                for mb, r, (dh, ptl, tos) in zip(mbs, results, outs)]
+        if places:
+            # dH of the device micro-batches, out of the region before it serves another call.
+            for i, (_, _, grad_at, _) in places.items():
+                dh, r = outs[i][0], results[i]
+                if dh is None or r.status.code or not r.grad_hidden_bytes:
+                    continue
+                assert region is not None
+                if r.grad_hidden_bytes == _nbytes(dh):
+                    with torch.cuda.device(region.tensor.device):
+                        dh.reshape(-1).view(torch.uint8).copy_(
+                            region.tensor[grad_at:grad_at + r.grad_hidden_bytes])
+            assert region is not None
+            with torch.cuda.device(region.tensor.device):
+                torch.cuda.current_stream().synchronize()
+        outcomes = [_outcome(mb, r, dh, ptl, tos,
+                             _PATHS.get(paths[i], "network") if reported else None)
+                    for i, (mb, r, (dh, ptl, tos)) in enumerate(zip(mbs, results, outs))]
+        for landing, dh in back:
+            dh.copy_(landing)
+            for o in outcomes:
+                if isinstance(o, StepResult) and o.grad_hidden is landing:
+                    o.grad_hidden = dh
+        return outcomes
 
     def embedding_rows_into(self, head: str, ids: torch.Tensor, dtype: int,
                             expected_weights_version: Optional[int], out: torch.Tensor
@@ -279,8 +390,17 @@ _TOKEN_OUTPUTS = {
 _TOP_K = {"top_k_ids": torch.int32, "top_k_logprobs": torch.float32}
 
 
+# lh_step_many_device's paths (LH_PATH_*).
+_PATHS = {0: "network", 1: "shared_memory", 2: "device"}
+
+
+def _wire_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
-             ptl: Optional[torch.Tensor], tos: Dict[str, torch.Tensor]) -> Outcome:
+             ptl: Optional[torch.Tensor], tos: Dict[str, torch.Tensor],
+             path: Optional[str] = None) -> Outcome:
     client_id, sequence = mb.key
     if r.status.code:
         return _error(r.status, client_id, sequence)
@@ -326,4 +446,4 @@ def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],
                       weights_version=r.weights_version, replayed=bool(r.replayed),
                       client_id=client_id, sequence=sequence, grad_hidden=grad_hidden,
                       per_token_loss=per_token_loss, forward_only=bool(r.forward_only),
-                      outputs=outputs)
+                      outputs=outputs, data_path=path)

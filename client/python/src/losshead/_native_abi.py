@@ -137,6 +137,32 @@ _BIAS_SIGNATURES = {
                                             _c.POINTER(_c.c_uint64), _S]),
 }
 
+# Version 6's same-node device path (losshead._device_path): bound when the library has it.
+_DEVICE_VERSION = 6
+
+
+class _SameNodeDevice(_c.Structure):
+    _fields_ = [("index", _c.c_int), ("pci_bus_id", _c.c_char * 32)]
+
+
+class _DeviceTensors(_c.Structure):
+    """lh_device_tensors: where a micro-batch's tensors lie in a device region."""
+    _fields_ = [("region", _p), ("hidden_offset", _c.c_uint64), ("hidden_bytes", _c.c_uint64),
+                ("targets_offset", _c.c_uint64), ("targets_bytes", _c.c_uint64),
+                ("grad_hidden_offset", _c.c_uint64), ("grad_hidden_bytes", _c.c_uint64)]
+
+
+_DEVICE_SIGNATURES = {
+    "lh_same_node_devices": (_c.c_int, [_p, _c.POINTER(_SameNodeDevice), _c.c_size_t,
+                                        _c.POINTER(_c.c_size_t), _S]),
+    "lh_device_region_register": (_c.c_int, [_p, _p, _c.c_size_t, _c.c_uint64, _c.c_uint64,
+                                             _c.c_char_p, _c.POINTER(_p), _S]),
+    "lh_device_region_free": (None, [_p]),
+    "lh_step_many_device": (_c.c_int, [_p, _c.POINTER(_CMicrobatch), _c.POINTER(_CInputs),
+                                       _c.POINTER(_DeviceTensors), _c.c_size_t, _c.c_size_t,
+                                       _c.POINTER(_CStepResult), _c.POINTER(_c.c_int), _S]),
+}
+
 _lock = threading.Lock()
 _loaded: Optional[Tuple[Optional[ctypes.CDLL], str]] = None
 
@@ -184,6 +210,10 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
                 continue
             if lib.lh_capi_version() >= _BIAS_VERSION:
                 for name, (restype, argtypes) in _BIAS_SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = restype, argtypes
+            if lib.lh_capi_version() >= _DEVICE_VERSION:
+                for name, (restype, argtypes) in _DEVICE_SIGNATURES.items():
                     fn = getattr(lib, name)
                     fn.restype, fn.argtypes = restype, argtypes
             _loaded = (lib, str(path))

@@ -172,7 +172,7 @@ class StepStream:
                           weights_version=res.weights_version, replayed=res.replayed,
                           client_id=client_id, sequence=sequence, grad_hidden=grad_hidden,
                           per_token_loss=per_token_loss, forward_only=res.forward_only,
-                          outputs=outputs)
+                          outputs=outputs, data_path="network")
 
     def _drain_until_last(self) -> None:
         while not self._next_response().last:

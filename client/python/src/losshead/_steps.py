@@ -203,7 +203,27 @@ class Steps(ClientBase):
         at most the vocabulary: `result.outputs.top_k_ids` and `top_k_logprobs`, (N, k); above
         that INVALID_ARGUMENT with nothing counted).
         Transient failures are retried under the same key (see `run_microbatches`).
+
+        A CUDA `hidden` goes by the same-node device path where every native connection offers
+        it (losshead._device_path; `result.data_path` says "device"): the server copies it out
+        of device memory. dH is returned on the host either way.
         """
+        if hidden.is_cuda and self._natives and all(
+                native.device_bus(hidden.device) is not None for native in self._natives):
+            wire = _wire.to_torch_dtype(
+                options.pop("hidden_dtype", None) or _default_wire(hidden))  # type: ignore[arg-type]
+            d = hidden.shape[-1]
+            # The host tensor stands in for the hidden states (filled only if the device path
+            # turns out to be refused).
+            stand_in = torch.empty(hidden.shape, dtype=wire)
+            mb = self.microbatch(head, stand_in, targets, hidden_dtype=wire,
+                                 **options)  # type: ignore[arg-type]
+            with torch.cuda.device(hidden.device):
+                mb.device_hidden = hidden.detach().reshape(-1, d).to(wire).contiguous()
+            result = self.run_microbatches([mb])[0]
+            if result.grad_hidden is not None and result.grad_hidden.is_cuda:
+                result.grad_hidden = result.grad_hidden.cpu()
+            return result
         return self.run_microbatches([self.microbatch(head, hidden, targets, **options)])[0]
 
     def step_stream(self, head: str, batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], *,
@@ -279,23 +299,47 @@ class Steps(ClientBase):
         wire = _wire.to_torch_dtype(wire_given)  # type: ignore[arg-type]
         n_streams = max(1, min(plan.streams, len(bounds)))
         cut = len(bounds) > 1  # one micro-batch is the server's to refuse whole
-        h2, lane_ready, largest = _staged(flat, wire, bounds, n_streams, measure=cut)
+        # The same-node device path: a CUDA batch that every native connection can hand the
+        # server from device memory stays there (losshead._device_path); the host tensor is a
+        # stand-in, filled only if the path turns out to be refused.
+        device_path = bool(self._natives) and hidden.is_cuda and all(
+            native.device_bus(hidden.device) is not None for native in self._natives)
+        if device_path:
+            with torch.cuda.device(hidden.device):
+                source = flat.to(wire).contiguous()
+                h2 = torch.empty((n, d), dtype=wire)
+                lane_ready = None
+                largest = ((lambda: float(torch.linalg.vector_norm(source, float("inf"))))
+                           if cut else None)
+        else:
+            h2, lane_ready, largest = _staged(flat, wire, bounds, n_streams, measure=cut)
         # The per-token inputs of the loss terms, cut as the targets are.
         inputs = take_token_inputs(options, n, t1, check=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
                                hidden_dtype=wire, **{k: v[a:b] for k, v in inputs.items()},
                                **options) for a, b in bounds]
+        if device_path:
+            for mb, (a, b) in zip(mbs, bounds):
+                mb.device_hidden = source[a:b]
         grad = None
         if self._natives and not options.get("skip_grad_hidden"):
-            # The chunks' dH lands in one tensor: no concatenation afterwards.
+            # The chunks' dH lands in one tensor: no concatenation afterwards (on the device
+            # for the device path: the server writes it there).
             grad_dtype = _wire.to_torch_dtype(
                 options.get("grad_hidden_dtype") or wire)  # type: ignore[arg-type]
-            grad = torch.empty((n, d), dtype=grad_dtype, pin_memory=hidden.is_cuda)
+            if device_path:
+                grad = torch.empty((n, d), dtype=grad_dtype, device=hidden.device)
+            else:
+                grad = torch.empty((n, d), dtype=grad_dtype, pin_memory=hidden.is_cuda)
             for mb, (a, b) in zip(mbs, bounds):
                 mb.grad_hidden_out = grad[a:b]
         target = torch.device(grad_hidden_device) if grad_hidden_device is not None else None
         on_device, lane_done = None, None
-        if grad is not None and target is not None and target.type == "cuda":
+        if grad is not None and grad.is_cuda:
+            # dH is on the batch's device already: the caller's device, or the host by default.
+            if target is None:
+                target = torch.device("cpu")
+        elif grad is not None and target is not None and target.type == "cuda":
             on_device, lane_done = _lane_copies(grad, target, bounds, n_streams)
         if largest is not None:  # the last thing before sending: the reduction had time to run
             ignore = getattr(options.get("loss_options"), "ignore_index", None)

@@ -205,6 +205,10 @@ class StepResult:
     forward_only: bool = False
     # The token outputs asked for (token_outputs, return_correct_count); None when none were.
     outputs: Optional[TokenOutputs] = None
+    # The way its tensors went, where the native path reports it: "device" (the same-node
+    # device path), "shared_memory" or "network"; None where unreported. A combined result
+    # has its chunks' one way, or their ways joined with "+" (sorted).
+    data_path: Optional[str] = None
 
     @property
     def accuracy(self) -> Optional[float]:
@@ -285,7 +289,13 @@ def combine_results(parts: Sequence[StepResult]) -> StepResult:
         sequence=parts[0].sequence,
         grad_hidden=torch.cat(dhs) if all(x is not None for x in dhs) else None,  # type: ignore[arg-type]
         per_token_loss=torch.cat(ptls) if all(x is not None for x in ptls) else None,  # type: ignore[arg-type]
-        outputs=_combine_outputs([p.outputs for p in parts]))
+        outputs=_combine_outputs([p.outputs for p in parts]),
+        data_path=_combine_paths([p.data_path for p in parts]))
+
+
+def _combine_paths(paths: Sequence[Optional[str]]) -> Optional[str]:
+    known = sorted({p for p in paths if p is not None})
+    return "+".join(known) if known else None
 
 
 def _combine_outputs(parts: Sequence[Optional[TokenOutputs]]) -> Optional[TokenOutputs]:

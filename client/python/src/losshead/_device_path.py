@@ -1,0 +1,177 @@
+"""The same-node device path from Python (docs/same-node.md, "The device path").
+
+A native client whose server runs on this host and computes on CUDA devices can hand it hidden
+states and targets in device memory: a region of this process's CUDA memory, shared with the
+server through its IPC handle (torch gives it: the storage's ``_share_cuda_()``), registered
+once through the C ABI (version 6) and reused. The server copies the tensors out of the region
+and writes dH into it; nothing of them crosses the host or the socket.
+
+A buffer on a device qualifies when the server computes on that very device (the same PCI bus
+id) or on a peer of it (``torch.cuda.can_device_access_peer``); otherwise, or when registering
+is refused (a server without CUDA devices: FAILED_PRECONDITION), the client keeps to the host
+path (shared memory, else the network) and does not ask again for that device.
+
+Ordering contract: the copies into a region are queued on the device's current stream, which is
+synchronised before the micro-batches are sent; dH is in the region once the call returns (the
+server synchronised its copy before answering), and the copies out of it are synchronised
+before the region serves another call.
+
+The region's memory comes from torch's caching allocator and is shared as torch.multiprocessing
+shares storage, so torch keeps it for the process's lifetime once it was shared: regions are
+kept and reused (one or a few per device and client, each a power of two of at least 1 MiB)
+rather than made per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from losshead._native_abi import _DEVICE_VERSION, _SameNodeDevice, _Status
+
+_c = ctypes
+_p = ctypes.c_void_p
+_MIN_REGION = 1 << 20
+ALIGN = 256  # offsets inside a region: any dtype's alignment, and a DMA's
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _bus_key(bus: str) -> Optional[Tuple[int, int, int]]:
+    """(domain, bus, device) of "dddd:bb:dd.f" in any case and domain width; None if not one."""
+    try:
+        domain, bus_, rest = bus.strip().split(":")
+        return int(domain, 16), int(bus_, 16), int(rest.split(".")[0], 16)
+    except ValueError:
+        return None
+
+
+def _local_bus(index: int) -> Optional[Tuple[int, int, int]]:
+    """This process's CUDA device `index` as (domain, bus, device), when torch tells it."""
+    props = torch.cuda.get_device_properties(index)
+    try:
+        return (int(props.pci_domain_id), int(props.pci_bus_id),  # type: ignore[attr-defined]
+                int(props.pci_device_id))  # type: ignore[attr-defined]
+    except AttributeError:  # a torch without the PCI ids: the device cannot be matched
+        return None
+
+
+class Region:
+    """A registered region: a CUDA uint8 tensor of this process and the C ABI's handle."""
+
+    def __init__(self, tensor: torch.Tensor, handle: int) -> None:
+        self.tensor = tensor
+        self.handle = handle
+
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
+
+
+class DevicePath:
+    """One native client's device regions, by torch device index."""
+
+    def __init__(self, lib: ctypes.CDLL, live) -> None:  # live(): the C client handle
+        self._lib = lib
+        self._live = live
+        self._lock = threading.Lock()
+        self._server: Optional[List[Tuple[Tuple[int, int, int], str]]] = None
+        self._bus: Dict[int, Optional[str]] = {}  # device index -> bus id to register; None: off
+        self._free: Dict[int, List[Region]] = {}
+
+    @property
+    def supported(self) -> bool:
+        return self._lib.lh_capi_version() >= _DEVICE_VERSION
+
+    def _server_devices(self) -> List[Tuple[Tuple[int, int, int], str]]:
+        if self._server is None:
+            out, count, status = (_SameNodeDevice * 64)(), _c.c_size_t(), _Status()
+            found: List[Tuple[Tuple[int, int, int], str]] = []
+            if not self._lib.lh_same_node_devices(self._live(), out, 64, _c.byref(count),
+                                                  _c.byref(status)):
+                for d in out[:min(64, count.value)]:
+                    bus = d.pci_bus_id.decode()
+                    key = _bus_key(bus)
+                    if key is not None:
+                        found.append((key, bus))
+            self._server = found
+        return self._server
+
+    def bus_for(self, device: torch.device) -> Optional[str]:
+        """The bus id to register a buffer on `device` with when the server can open it (its
+        own device, or a peer of one), else None (the host path)."""
+        if not self.supported or device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            if index in self._bus:
+                return self._bus[index]
+        server = self._server_devices()
+        mine = _local_bus(index)
+        bus: Optional[str] = None
+        if mine is not None and server:
+            if any(key == mine for key, _ in server):
+                bus = next(b for key, b in server if key == mine)
+            else:
+                # A peer: one of the server's devices that this process sees too, with access.
+                local = {_local_bus(i): i for i in range(torch.cuda.device_count())}
+                for key, _ in server:
+                    j = local.get(key)
+                    if j is not None and torch.cuda.can_device_access_peer(j, index):
+                        bus = "%04x:%02x:%02x.0" % mine
+                        break
+        with self._lock:
+            self._bus[index] = bus
+        return bus
+
+    def take(self, device: torch.device, nbytes: int) -> Optional[Region]:
+        """A free registered region of at least `nbytes` on `device` (reused, or registered now);
+        None when registering is refused (the device is then off for this client)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            free = self._free.setdefault(index, [])
+            fits = [r for r in free if r.size >= nbytes]
+            if fits:
+                region = min(fits, key=lambda r: r.size)
+                free.remove(region)
+                return region
+            bus = self._bus.get(index)
+        if bus is None:
+            return None
+        size = max(_MIN_REGION, 1 << max(0, nbytes - 1).bit_length())
+        tensor = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+        storage = (tensor.untyped_storage() if hasattr(tensor, "untyped_storage")
+                   else tensor.storage())
+        # (device, handle, size in bytes, offset in bytes of the storage in its allocation, ...)
+        shared = storage._share_cuda_()  # type: ignore[attr-defined]
+        ipc, offset = bytes(shared[1]), int(shared[3])
+        handle, status = _p(), _Status()
+        if self._lib.lh_device_region_register(self._live(), ipc, len(ipc), offset, size,
+                                               bus.encode(), _c.byref(handle), _c.byref(status)):
+            with self._lock:
+                self._bus[index] = None  # refused: the host path from now on
+            return None
+        return Region(tensor, int(handle.value))
+
+    def give(self, region: Region) -> None:
+        """Back to the pool, once nothing reads or writes it any more."""
+        index = region.tensor.device.index
+        with self._lock:
+            free = self._free.setdefault(index, [])
+            free.append(region)
+            # Keep the largest few: a smaller one is not used again once a larger one exists.
+            free.sort(key=lambda r: r.size)
+            while len(free) > 4:
+                self._lib.lh_device_region_free(free.pop(0).handle)
+
+    def close(self) -> None:
+        with self._lock:
+            for free in self._free.values():
+                for region in free:
+                    self._lib.lh_device_region_free(region.handle)
+            self._free.clear()
