@@ -113,7 +113,8 @@ TEST(GroupBiasTest, DbIsSummedBesideDwAndBStepsAlikeOnEveryProcess) {
     for (int c = 0; c < kBiasClients; ++c) {
       const std::string id = absl::StrCat("biased-", c);
       const int home = Home(id, kProcesses);
-      const HostBatch batch = MakeBatch(kBiasTokens, kBiasHidden, kBiasVocab, v1::DTYPE_FP32, 500 + 31 * c + k);
+      const HostBatch batch =
+          MakeBatch(kBiasTokens, kBiasHidden, kBiasVocab, v1::DTYPE_FP32, 500 + 31 * c + k);
       const client::Microbatch mb = ToMicrobatch(kBiasedHead, id, k + 1, batch);
       auto done = group.clients[home]->Step(mb);
       ASSERT_TRUE(done.ok()) << done.status();
