@@ -59,6 +59,11 @@ class Client(Steps, Transfers, Embeddings, HeadState):
     every method; see `losshead.retry` for what is retried and why nothing is counted twice.
     `retries` counts the attempts that were retries since the client was made.
 
+    Against a head held by several server processes (a group), `target` may be any of them: the
+    first micro-batch refused because its client id's home is another process moves the Step
+    connections to that home (named in the refusal) and is sent again there; the native path's
+    C++ client does the same. Not with a caller's `channel` (the refusal is raised).
+
     Security (plaintext by default): `token` is sent on every call as
     `authorization: Bearer <token>`. TLS is on when `tls` or any of `tls_root_ca` (CA that
     signed the server's certificate; default the system's roots), `tls_cert` / `tls_key`
