@@ -77,11 +77,12 @@ Client* Client::HomeFromMembers(const std::string& client_id) {
       v1::MembersResponse response;
       auto context = NewContext(options_.deadline);
       const grpc::Status status = stub->Members(context.get(), v1::MembersRequest(), &response);
-      // UNIMPLEMENTED (no ProcessControl service) or FAILED_PRECONDITION: a server that is not
-      // one of a group. Any other failure is asked again next time; until then the
-      // micro-batches go here, and a redirect says where else.
-      if (status.ok() || status.error_code() == grpc::StatusCode::UNIMPLEMENTED ||
-          status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+      // Any answer settles it for this connection: an error (UNIMPLEMENTED without a
+      // ProcessControl service, FAILED_PRECONDITION outside a group, a token that may not ask)
+      // leaves the micro-batches here, where a refusal still names their home. A server not
+      // reached (UNAVAILABLE, DEADLINE_EXCEEDED) is asked again next time.
+      if (status.error_code() != grpc::StatusCode::UNAVAILABLE &&
+          status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
         members_asked_ = true;
         members_.assign(response.addresses().begin(), response.addresses().end());
         member_rank_ = response.rank();

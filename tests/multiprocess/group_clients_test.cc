@@ -1,8 +1,12 @@
 // The C++ client against a head replicated across 2 real server processes (CPU backend): StepMany
 // and a Step stream opened for a client id reach each client id's home from any process, with no
 // argument beyond the target; every micro-batch is counted once, as on a one-process server; a
-// client that does not follow redirects gets the refusal as it is.
+// client that does not follow redirects gets the refusal as it is; `losshead bench` through a
+// follower runs every stream at its client id's home.
+#include <sys/wait.h>
+
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "losshead/client/client.h"
+#include "tests/common/server_process.h"
 #include "tests/multiprocess/group_util.h"
 #include "tests/service/host_tensors.h"
 
@@ -166,6 +171,23 @@ TEST_F(GroupClientsTest, WithoutFollowingTheRefusalIsReturnedAndCountsNothing) {
   auto window = group_->clients[0]->WindowSummary(kRoutedHead);
   ASSERT_TRUE(window.ok()) << window.status();
   EXPECT_EQ(window->microbatch_count(), 0u);
+}
+
+TEST(GroupBenchTest, BenchThroughAFollowerRunsEveryStreamAtItsHome) {
+  Group group(kProcesses, "bench");
+  ASSERT_TRUE(group.ok());
+  // Eight streams, eight client ids (bench-<pid>-<stream>): the home of some is the leader, whose
+  // micro-batches the follower refuses (all eight at the follower: 1 run in 256).
+  const std::string log = LogPath("bench_cli");
+  const int status =
+      std::system(absl::StrCat(LOSSHEAD_CLI_BINARY, " bench --server=", group.addresses[1],
+                               " --vocab_size=64 --hidden_size=32 --chunk_tokens=16",
+                               " --streams=8 --iterations=3 > ", log, " 2>&1")
+                      .c_str());
+  const std::string text = ReadText(log);
+  ASSERT_TRUE(WIFEXITED(status)) << text;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << text;
+  EXPECT_NE(text.find("24 micro-batches"), std::string::npos) << text;
 }
 
 }  // namespace
