@@ -19,8 +19,9 @@ needs:
     selectors that select the Pod;
   deploy/k8s/group: a StatefulSet of several processes started in parallel behind a headless
     Service that publishes not-ready Pods, --group_peers a {} pattern of the Pods' names on the
-    group port with --group_size its replicas and the rank from the host name, nothing the
-    server refuses with a group, the NCCL settings, and Pods that admit each other.
+    group port with --group_size its replicas and the rank from the host name, checkpoint sets
+    on volume claims (taken on demand with tokens), updates on delete, nothing the server refuses
+    with a group, the NCCL settings, and Pods that admit each other.
 usage: manifests_test.py REPO_ROOT
 """
 
@@ -325,9 +326,23 @@ def check_group(d, objects):
           f":{ports.get('group')} (the Pods' names through the headless Service, the group port)")
     check(flag(args, "group_rank") is None,
           "group statefulset: --group_rank given (every Pod takes its rank from its host name)")
-    for refused in ("checkpoint_dir", "tls_cert"):
-        check(flag(args, refused) is None,
-              f"group statefulset: --{refused} (refused with --group_peers, not built yet)")
+    check(flag(args, "tls_cert") is None,
+          "group statefulset: --tls_cert (refused with --group_peers, not built yet)")
+    check(sts["spec"].get("updateStrategy", {}).get("type") == "OnDelete",
+          "group statefulset: updateStrategy is not OnDelete (a rolling update breaks the group "
+          "once per Pod)")
+    claims = {c["metadata"]["name"]: c for c in sts["spec"].get("volumeClaimTemplates", [])}
+    ckpt = flag(args, "checkpoint_dir")
+    ckpt_mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    check(ckpt == CHECKPOINT_DIR and ckpt_mounts.get(ckpt) in claims,
+          f"group statefulset: --checkpoint_dir is not {CHECKPOINT_DIR} on a volume claim template "
+          "(each process's part of the checkpoint sets)")
+    check(dig(sts, "spec.persistentVolumeClaimRetentionPolicy.whenDeleted") == "Retain",
+          "group statefulset: deleting it would delete the checkpoint volumes")
+    if flag(args, "auth_tokens_file") is not None:
+        check(seconds(flag(args, "checkpoint_interval") or "60s") == 0,
+              "group statefulset: periodic checkpoint sets with --auth_tokens_file (the server "
+              "refuses them: --checkpoint_interval=0s)")
     env = {e["name"]: e for e in container.get("env", [])}
     for var in re.findall(r"\$\((\w+)\)", " ".join(args)):
         check(var in env, f"group statefulset: args use $({var}), which env does not define")
@@ -351,7 +366,8 @@ def check_group(d, objects):
     mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     for path, volume in mounts.items():
-        check(volume in volumes, f"group statefulset: mount {path} names no volume ({volume})")
+        check(volume in volumes or volume in claims,
+              f"group statefulset: mount {path} names no volume ({volume})")
     tokens = flag(args, "auth_tokens_file") or ""
     check(mounts.get(os.path.dirname(tokens)) in volumes and
           "secret" in volumes[mounts.get(os.path.dirname(tokens))],
