@@ -16,9 +16,10 @@ absl::Status RunStream(client::Client& client, const std::string& head, int inde
                        const Batch& batch, int depth, int64_t iterations, bool fresh_results,
                        Clock::time_point stop, std::vector<double>* latencies,
                        std::vector<Answered>* answers) {
-  auto stream = client.OpenStepStream();
-  if (!stream.ok()) return stream.status();
   const std::string client_id = absl::StrCat("bench-", getpid(), "-", index);
+  // At the client id's home when the server is one of a group holding the head together.
+  auto stream = client.OpenStepStream(client_id);
+  if (!stream.ok()) return stream.status();
   std::deque<Clock::time_point> started;
   // Micro-batch s writes its dH into grad[s % depth] as it arrives: at most `depth` are in flight
   // and answers come in order, so the buffer's previous micro-batch has been received. Written

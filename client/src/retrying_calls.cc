@@ -2,11 +2,12 @@
 // and StepMany, which re-sends micro-batches under their idempotency keys. See retry.h.
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "losshead/client/client.h"
 #include "losshead/client/retry.h"
@@ -156,50 +157,16 @@ void Client::WaitForServer() {
   }
 }
 
-std::optional<std::string> HomeRedirect(const absl::Status& status) {
-  if (status.code() != absl::StatusCode::kFailedPrecondition) return std::nullopt;
-  constexpr absl::string_view kMarker = "home=";
-  const absl::string_view message = status.message();
-  const size_t at = message.rfind(kMarker);
-  if (at == absl::string_view::npos) return std::nullopt;
-  absl::string_view address = message.substr(at + kMarker.size());
-  address = address.substr(0, address.find_first_of(") "));
-  if (address.empty()) return std::nullopt;
-  return std::string(address);
-}
-
 absl::StatusOr<StepResult> Client::Step(const Microbatch& microbatch) {
-  Client* home = nullptr;
-  if (!microbatch.client_id.empty()) {
-    absl::MutexLock lock(&homes_mu_);
-    auto it = home_of_.find(microbatch.client_id);
-    if (it != home_of_.end()) home = it->second;
+  if (Client* home = KnownHome(microbatch.client_id); home != nullptr) {
+    return home->Step(microbatch);
   }
-  if (home != nullptr) return home->Step(microbatch);
   absl::StatusOr<StepResult> result = RetryCall<StepResult>([&] { return StepOnce(microbatch); });
   if (result.ok() || !options_.follow_home_redirect) return result;
   const std::optional<std::string> address = HomeRedirect(result.status());
   if (!address.has_value()) return result;
-  {
-    absl::MutexLock lock(&homes_mu_);
-    std::unique_ptr<Client>& client = home_clients_[*address];
-    if (client == nullptr) {
-      ClientOptions options = options_;
-      options.bearer_token = [&] {
-        absl::MutexLock token(&token_mu_);
-        return bearer_token_;
-      }();
-      options.follow_home_redirect = false;  // once: the home does not send it on
-      absl::StatusOr<std::unique_ptr<Client>> connected = Connect(*address, options);
-      if (!connected.ok()) {
-        home_clients_.erase(*address);
-        return result;
-      }
-      client = std::move(*connected);
-    }
-    home = client.get();
-    home_of_[microbatch.client_id] = home;
-  }
+  Client* home = FollowHome(microbatch.client_id, *address);
+  if (home == nullptr) return result;
   return home->Step(microbatch);
 }
 
@@ -215,7 +182,19 @@ std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microba
 
   std::unique_ptr<StepStream> stream;
   std::deque<size_t> sent;  // on `stream`, not yet received
+  // Micro-batches whose client id's home is another process (known before sending, or learnt
+  // from their refusal, which counted nothing), sent there at the end.
+  std::map<Client*, std::vector<size_t>> at_home;
   auto settle = [&](size_t i, absl::StatusOr<StepResult> answer) {
+    if (!answer.ok() && options_.follow_home_redirect) {
+      if (const std::optional<std::string> address = HomeRedirect(answer.status());
+          address.has_value()) {
+        if (Client* home = FollowHome(microbatches[i].client_id, *address); home != nullptr) {
+          at_home[home].push_back(i);
+          return;
+        }
+      }
+    }
     if (!answer.ok() && IsRetryable(answer.status()) && attempts[i] < max_attempts) {
       retries_.fetch_add(1);
       todo.emplace_back(i,
@@ -229,6 +208,10 @@ std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microba
     while (sent.size() < depth && !todo.empty() && todo.front().second <= absl::Now()) {
       const size_t i = todo.front().first;
       todo.pop_front();
+      if (Client* home = KnownHome(microbatches[i].client_id); home != nullptr) {
+        at_home[home].push_back(i);
+        continue;
+      }
       if (stream == nullptr) {
         auto opened = TakeStepStream();
         if (!opened.ok()) {
@@ -272,6 +255,15 @@ std::vector<absl::StatusOr<StepResult>> Client::StepMany(std::span<const Microba
     }
   }
   if (stream != nullptr) ReturnStepStream(std::move(stream));
+  for (auto& [home, indices] : at_home) {
+    // In the given order (a refusal may have been learnt after a later micro-batch was deferred).
+    std::sort(indices.begin(), indices.end());
+    std::vector<Microbatch> batch;
+    batch.reserve(indices.size());
+    for (size_t i : indices) batch.push_back(microbatches[i]);
+    std::vector<absl::StatusOr<StepResult>> answered = home->StepMany(batch, depth);
+    for (size_t k = 0; k < indices.size(); ++k) answers[indices[k]] = std::move(answered[k]);
+  }
   std::vector<absl::StatusOr<StepResult>> out;
   out.reserve(answers.size());
   for (auto& a : answers) out.push_back(std::move(*a));

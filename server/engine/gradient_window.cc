@@ -61,13 +61,6 @@ absl::StatusOr<v1::DType> PullDType(v1::DType dtype) {
   return dtype;
 }
 
-// A head across processes has no output bias yet (HeadOptions::process_window).
-absl::Status NoBiasAcrossProcesses(bool bias) {
-  if (!bias) return absl::OkStatus();
-  return absl::UnimplementedError(
-      "a head with an output bias cannot be replicated across processes yet");
-}
-
 }  // namespace
 
 namespace head_internal {
@@ -125,7 +118,6 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
     if (discard) cut.emplace(group());
     if (options_.process_window != nullptr) {
       // The group's counters, summed before anything is dropped: a failure drops nothing.
-      LOSSHEAD_RETURN_IF_ERROR(NoBiasAcrossProcesses(has_bias()));
       {
         absl::MutexLock state(&state_mu_);
         window_.Summarize(&s);
@@ -163,7 +155,6 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     // Across processes the rows are zeroed only once every process's window is summed: a cut that
     // fails there leaves this window as it was.
     const bool across = options_.process_window != nullptr;
-    if (across) LOSSHEAD_RETURN_IF_ERROR(NoBiasAcrossProcesses(has_bias()));
     for (const auto& r : group().replicas()) {
       const size_t bytes = RowBytes(group(), *r, sizeof(float));
       char* rows = r->grad.as<char>() + DeviceRowByteOffset(group(), *r, sizeof(float));
@@ -172,15 +163,23 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
       if (reset && !across) LOSSHEAD_RETURN_IF_ERROR(r->backend.Memset(rows, 0, bytes, *r->stream));
     }
     LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+    if (has_bias()) {
+      // db after dW, read in the same cut (and zeroed with it; across processes once summed).
+      LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<float> db, ReadGradBias(group()));
+      std::memcpy(
+          snap.data.data() + static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float),
+          db.data(), db.size() * sizeof(float));
+      if (reset && !across) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
+    }
     if (across) {
       v1::GradientSummary group_window;
       {
         absl::MutexLock state(&state_mu_);
         window_.Summarize(&group_window);
       }
+      // dW and db (after it) in one sum: every element in fp64 in process order.
       LOSSHEAD_RETURN_IF_ERROR(options_.process_window->Sum(
-          std::span<float>(reinterpret_cast<float*>(snap.data.data()),
-                           static_cast<size_t>(vocab_size()) * hidden_size()),
+          std::span<float>(reinterpret_cast<float*>(snap.data.data()), tensor_elements()),
           group_window));
       if (reset) {
         for (const auto& r : group().replicas()) {
@@ -189,17 +188,11 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
               r->backend.Memset(rows, 0, RowBytes(group(), *r, sizeof(float)), *r->stream));
         }
         LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+        if (has_bias()) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
       }
       absl::MutexLock state(&state_mu_);
       s = group_window;
       if (reset) window_.Reset();
-    } else if (has_bias()) {
-      // db after dW, read in the same cut (and zeroed with it).
-      LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<float> db, ReadGradBias(group()));
-      std::memcpy(
-          snap.data.data() + static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float),
-          db.data(), db.size() * sizeof(float));
-      if (reset) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
     }
     if (!across) {
       absl::MutexLock state(&state_mu_);

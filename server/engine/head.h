@@ -89,8 +89,8 @@ struct HeadOptions {
   uint64_t window_warn_microbatches = 0;
   // A head replicated across server processes (process_window.h): its cuts (pull, discard,
   // optimizer apply) sum the gradient windows of every process, each of which must make the same
-  // cuts of this head in the same order. Null: the head is this process's alone. An output bias
-  // across processes is not built: its cuts are UNIMPLEMENTED.
+  // cuts of this head in the same order. Null: the head is this process's alone. An output
+  // bias's db is summed beside dW, so that b steps alike on every process.
   std::shared_ptr<ProcessWindow> process_window;
 };
 

@@ -3,6 +3,7 @@
 // compute lock: every micro-batch is wholly in the step or wholly in the next window.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <span>
@@ -244,27 +245,35 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   // Across processes: dW becomes the group's window (every process's, summed), and the window's
   // counters the group's, before anything is decided on them, so that every process decides the
   // same. Until the step is committed, a refusal puts this process's own window back.
+  // An output bias's db goes after dW in the same sum, and is put back on the devices (each row
+  // in one accumulator) the same way.
   const bool across = options_.process_window != nullptr;
   std::string own_window;
   bool committed = false;
+  const auto bias_part = [&](const std::string& window) {
+    const float* db = reinterpret_cast<const float*>(window.data()) + count;
+    return std::vector<float>(db, db + vocab_size());
+  };
   absl::Cleanup put_back = [&] {
     if (across && !committed && !own_window.empty()) {
       head_internal::WriteOwnedGrad(group(), own_window.data()).IgnoreError();
+      if (has_bias()) RestoreGradBias(group(), bias_part(own_window)).IgnoreError();
     }
   };
   if (across) {
-    if (has_bias()) {
-      return absl::UnimplementedError(
-          "a head with an output bias cannot be replicated across processes yet");
-    }
     LOSSHEAD_RETURN_IF_ERROR(placement_->ReduceGradientToOwners());
-    std::string summed(static_cast<size_t>(count) * sizeof(float), '\0');
+    std::string summed(tensor_elements() * sizeof(float), '\0');
     LOSSHEAD_RETURN_IF_ERROR(head_internal::ReadOwnedGrad(group(), summed.data()));
+    if (has_bias()) {
+      LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<float> db, ReadGradBias(group()));
+      std::memcpy(summed.data() + static_cast<size_t>(count) * sizeof(float), db.data(),
+                  db.size() * sizeof(float));
+    }
     own_window = summed;
     LOSSHEAD_RETURN_IF_ERROR(options_.process_window->Sum(
-        std::span<float>(reinterpret_cast<float*>(summed.data()), static_cast<size_t>(count)),
-        window));
+        std::span<float>(reinterpret_cast<float*>(summed.data()), tensor_elements()), window));
     LOSSHEAD_RETURN_IF_ERROR(head_internal::WriteOwnedGrad(group(), summed.data()));
+    if (has_bias()) LOSSHEAD_RETURN_IF_ERROR(RestoreGradBias(group(), bias_part(summed)));
   }
   if (!request.has_grad_divisor() && window.token_count() == 0) {
     return absl::FailedPreconditionError(

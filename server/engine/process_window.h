@@ -44,9 +44,10 @@ class ProcessWindow {
   // OK while the group can exchange; the error that broke it otherwise (UNAVAILABLE).
   absl::Status health() const { return group_->health(); }
 
-  // `values` (this process's window: dW's V x D fp32, in place) replaced by their sum over every
-  // process, and the counters of `summary` (token and micro-batch counts summed, the weights
-  // versions' range widened) by the group's. On error neither is touched.
+  // `values` (this process's window: dW's V x D fp32, then db's V for a head with an output
+  // bias, in place) replaced by their sum over every process, and the counters of `summary`
+  // (token and micro-batch counts summed, the weights versions' range widened) by the group's.
+  // On error neither is touched.
   absl::Status Sum(std::span<float> values, v1::GradientSummary& summary);
   // The counters alone (a summary without dW).
   absl::Status SumCounters(v1::GradientSummary& summary);

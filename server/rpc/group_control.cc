@@ -99,10 +99,6 @@ absl::Status GroupControl::Probe(int process, absl::Duration timeout) {
 absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request,
                                                       const std::string& authorization,
                                                       GradientSnapshot* pulled) {
-  if (request.has_create_head() && request.create_head().spec().bias()) {
-    return absl::UnimplementedError(
-        "a head with an output bias cannot be replicated across processes yet");
-  }
   request.set_origin(rank());
   if (leader()) return Lead(std::move(request), authorization, pulled);
   grpc::ClientContext context;

@@ -16,7 +16,12 @@ needs:
     native gRPC probes speak plaintext), a grace period above the drain and the liveness window
     above the drain, a non-root Pod with an fsGroup, a PodDisruptionBudget that lets drains evict,
     a NetworkPolicy that admits only the two ports, a PrometheusRule generated from rules.yml, and
-    selectors that select the Pod.
+    selectors that select the Pod;
+  deploy/k8s/group: a StatefulSet of several processes started in parallel behind a headless
+    Service that publishes not-ready Pods, --group_peers a {} pattern of the Pods' names on the
+    group port with --group_size its replicas and the rank from the host name, checkpoint sets
+    on volume claims (taken on demand with tokens), updates on delete, nothing the server refuses
+    with a group, the NCCL settings, and Pods that admit each other.
 usage: manifests_test.py REPO_ROOT
 """
 
@@ -271,6 +276,108 @@ def check_kubernetes(d, objects):
     check(rule["spec"]["groups"] == groups, "prometheusrule.yaml: groups differ from rules.yml")
 
 
+def check_group(d, objects):
+    """deploy/k8s/group: a StatefulSet of several processes forming one group (docs/multi-process.md,
+    "Membership and bootstrap") behind a headless Service that publishes not-ready Pods."""
+    by_kind = {}
+    for where, obj in objects:
+        if not obj:
+            continue
+        for field in ("apiVersion", "kind", "metadata.name"):
+            check(dig(obj, field), f"group/{where}: no {field}")
+        for field in REQUIRED.get(obj.get("kind"), []):
+            check(dig(obj, field) is not None, f"group/{where}: {obj.get('kind')} has no {field}")
+        by_kind.setdefault(obj.get("kind"), []).append(obj)
+    for kind in ("StatefulSet", "Service", "NetworkPolicy"):
+        check(len(by_kind.get(kind, [])) == 1,
+              f"group: expected one {kind}, found {len(by_kind.get(kind, []))}")
+    if errors:
+        return
+    (sts,), (svc,), (np,) = by_kind["StatefulSet"], by_kind["Service"], by_kind["NetworkPolicy"]
+    name, service = sts["metadata"]["name"], svc["metadata"]["name"]
+    pod = sts["spec"]["template"]
+    labels, spec = pod["metadata"]["labels"], pod["spec"]
+    selects(sts["spec"]["selector"].get("matchLabels"), labels, "group statefulset")
+    selects(svc["spec"]["selector"], labels, "group service")
+    selects(np["spec"]["podSelector"].get("matchLabels"), labels, "group networkpolicy")
+    check(sts["spec"]["serviceName"] == service, "group statefulset: serviceName is not its Service")
+    check(svc["spec"].get("clusterIP") == "None", "group service: not headless (clusterIP: None)")
+    check(svc["spec"].get("publishNotReadyAddresses") is True,
+          "group service: publishNotReadyAddresses is not true (a Pod is Ready only once its group "
+          "formed, which needs its peers' names first)")
+    check(sts["spec"].get("podManagementPolicy") == "Parallel",
+          "group statefulset: podManagementPolicy is not Parallel (each Pod waits for the others)")
+    (container,) = spec["containers"]
+    args = container.get("args", [])
+    ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    check(ports.get("grpc") == 50051 and ports.get("metrics") == 9464 and "group" in ports,
+          f"group statefulset: container ports {ports}")
+    check({p["name"]: p["port"] for p in svc["spec"]["ports"]} ==
+          {"grpc": 50051, "metrics": 9464, "group": ports.get("group")},
+          "group service: ports are not the container's grpc, group and metrics ports")
+    replicas = sts["spec"].get("replicas", 1)
+    check(replicas >= 2, f"group statefulset: {replicas} replicas is no group")
+    size = flag(args, "group_size")
+    check(size == str(replicas), f"group statefulset: --group_size={size} but {replicas} replicas")
+    peers = flag(args, "group_peers") or ""
+    check(re.fullmatch(re.escape(f"{name}-{{}}.{service}.") + r"[^:]+:" + str(ports.get("group")),
+                       peers),
+          f"group statefulset: --group_peers={peers} is not {name}-{{}}.{service}.<namespace>..."
+          f":{ports.get('group')} (the Pods' names through the headless Service, the group port)")
+    check(flag(args, "group_rank") is None,
+          "group statefulset: --group_rank given (every Pod takes its rank from its host name)")
+    check(flag(args, "tls_cert") is None,
+          "group statefulset: --tls_cert (refused with --group_peers, not built yet)")
+    check(sts["spec"].get("updateStrategy", {}).get("type") == "OnDelete",
+          "group statefulset: updateStrategy is not OnDelete (a rolling update breaks the group "
+          "once per Pod)")
+    claims = {c["metadata"]["name"]: c for c in sts["spec"].get("volumeClaimTemplates", [])}
+    ckpt = flag(args, "checkpoint_dir")
+    ckpt_mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    check(ckpt == CHECKPOINT_DIR and ckpt_mounts.get(ckpt) in claims,
+          f"group statefulset: --checkpoint_dir is not {CHECKPOINT_DIR} on a volume claim template "
+          "(each process's part of the checkpoint sets)")
+    check(dig(sts, "spec.persistentVolumeClaimRetentionPolicy.whenDeleted") == "Retain",
+          "group statefulset: deleting it would delete the checkpoint volumes")
+    if flag(args, "auth_tokens_file") is not None:
+        check(seconds(flag(args, "checkpoint_interval") or "60s") == 0,
+              "group statefulset: periodic checkpoint sets with --auth_tokens_file (the server "
+              "refuses them: --checkpoint_interval=0s)")
+    env = {e["name"]: e for e in container.get("env", [])}
+    for var in re.findall(r"\$\((\w+)\)", " ".join(args)):
+        check(var in env, f"group statefulset: args use $({var}), which env does not define")
+    check(dig(env.get("NCCL_NVLS_ENABLE", {}), "value") == "0", "group statefulset: NCCL_NVLS_ENABLE is not 0")
+    check(dig(env.get("NCCL_SOCKET_IFNAME", {}), "value"), "group statefulset: no NCCL_SOCKET_IFNAME")
+    check(dig(env.get("NCCL_DEBUG", {}), "value") == "WARN", "group statefulset: NCCL_DEBUG is not WARN")
+    drain = seconds(flag(args, "drain_timeout") or "0s")
+    bootstrap = seconds(flag(args, "group_bootstrap_timeout") or "120s")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        cmd = dig(container.get(probe, {}), "exec.command") or []
+        check(cmd[:2] == ["/usr/local/bin/losshead", "health"] and "--server=127.0.0.1:50051" in cmd,
+              f"group statefulset: {probe} does not run `losshead health --server=127.0.0.1:50051`")
+    start = container.get("startupProbe", {})
+    check(start.get("periodSeconds", 10) * start.get("failureThreshold", 3) > bootstrap,
+          "group statefulset: the startup probe gives up before --group_bootstrap_timeout")
+    live = container.get("livenessProbe", {})
+    check(live.get("periodSeconds", 10) * live.get("failureThreshold", 3) > drain,
+          "group statefulset: the liveness probe kills a draining server before --drain_timeout")
+    check(spec.get("terminationGracePeriodSeconds", 30) >= drain + 10,
+          "group statefulset: terminationGracePeriodSeconds leaves < 10s above --drain_timeout")
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for path, volume in mounts.items():
+        check(volume in volumes or volume in claims,
+              f"group statefulset: mount {path} names no volume ({volume})")
+    tokens = flag(args, "auth_tokens_file") or ""
+    check(mounts.get(os.path.dirname(tokens)) in volumes and
+          "secret" in volumes[mounts.get(os.path.dirname(tokens))],
+          "group statefulset: no --auth_tokens_file from a Secret volume (plaintext needs tokens)")
+    peer_rule = [r for r in np["spec"].get("ingress", [])
+                 if any(dig(f, "podSelector.matchLabels") == labels for f in r.get("from", []))]
+    check(peer_rule and not peer_rule[0].get("ports"),
+          "group networkpolicy: the group's Pods do not admit each other on every port (NCCL)")
+
+
 def compose_clis():
     """The compose CLIs installed here: v2 (`docker compose`) and v1 (`docker-compose`)."""
     clis = []
@@ -340,6 +447,23 @@ def main():
     check_compose(d, compose, compose_doc)
     if yaml is not None and not errors:
         check_kubernetes(d, objects)
+    group_files = sorted((d / "k8s" / "group").glob("*.yaml"))
+    group_kustomization = (d / "k8s" / "group" / "kustomization.yaml").read_text()
+    for path in group_files:
+        if path.name != "kustomization.yaml":
+            check(re.search(r"^\s*-\s*" + re.escape(path.name) + r"\s*$", group_kustomization, re.M),
+                  f"group/kustomization.yaml does not list {path.name}")
+    if yaml is not None and not errors:
+        group_objects = []
+        for path in group_files:
+            if path.name == "kustomization.yaml":
+                continue
+            try:
+                group_objects += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text())]
+            except yaml.YAMLError as e:
+                errors.append(f"{path}: {e}")
+        if not errors:
+            check_group(d, group_objects)
 
     check_compose_clis(d)
     kubectl = shutil.which("kubectl")
@@ -347,6 +471,9 @@ def main():
         r = subprocess.run([kubectl, "kustomize", str(d / "k8s")], capture_output=True, text=True,
                            timeout=60)
         check(r.returncode == 0, f"kubectl kustomize deploy/k8s: {r.stderr.strip()}")
+        r = subprocess.run([kubectl, "kustomize", str(d / "k8s" / "group")], capture_output=True,
+                           text=True, timeout=60)
+        check(r.returncode == 0, f"kubectl kustomize deploy/k8s/group: {r.stderr.strip()}")
     else:
         print("note: kubectl not installed: `kubectl kustomize deploy/k8s` not tried")
 
@@ -355,7 +482,8 @@ def main():
     if errors:
         sys.exit(1)
     print(f"OK: compose and {len(k8s_files)} Kubernetes manifests consistent (checkpoint volume, "
-          "TLS probes, Secrets, drains, NetworkPolicy, PrometheusRule, ports, grace periods)")
+          "TLS probes, Secrets, drains, NetworkPolicy, PrometheusRule, ports, grace periods), "
+          "and the group's StatefulSet (headless Service, peers, NCCL settings)")
 
 
 if __name__ == "__main__":

@@ -71,8 +71,12 @@ struct ClientOptions {
   // A head replicated across server processes (docs/multi-process.md) refuses a client id's
   // micro-batches away from its home with FAILED_PRECONDITION naming the home's address
   // ("home=<address>"): Step then connects there (same options) and sends the micro-batch again,
-  // once, and sends that client id's later micro-batches there directly. StepMany and Step
-  // streams return the refusal as it is. false: Step returns it too.
+  // once, and sends that client id's later micro-batches there directly; StepMany does the same
+  // per micro-batch (those refused are sent again at their home, in order, after the others), and
+  // OpenStepStream(client_id) opens its stream at the home, learnt from a redirect or from the
+  // group's members (ProcessControl.Members, asked once per connection). The home's connection
+  // does not follow a redirect in turn. A Step stream opened with OpenStepStream() returns the
+  // refusal as it is. false: every method returns it.
   bool follow_home_redirect = true;
 };
 
@@ -235,6 +239,9 @@ class Client {
 
   // Opens a Step stream (see StepStream).
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
+  // Opens a Step stream for the micro-batches of `client_id`: at its home process when the server
+  // is one of a group holding the head together (ClientOptions::follow_home_redirect), else here.
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream(const std::string& client_id);
   // One micro-batch: its result or its error, with the server's code. Step and StepMany keep
   // their streams open for the next call (when stream_deadline is infinite, as by default):
   // a trainer stepping every few milliseconds does not pay a new call, a reader thread and a
@@ -340,6 +347,15 @@ class Client {
   // path); a GetStats that fails is asked again next time.
   std::shared_ptr<const SameNodeLink> SameNode();
   absl::StatusOr<FetchedRows> EmbeddingRowsOnce(const v1::EmbeddingRowsRequest& request);
+  // The client of `client_id`'s home process once it is known (a redirect followed, or the
+  // group's members); null until then, and for a server that is not one of a group.
+  Client* KnownHome(const std::string& client_id);
+  // The client of the home at `address` (connected now with these options, except that it does
+  // not follow redirects, or reused), remembered as `client_id`'s; null when it cannot connect.
+  Client* FollowHome(const std::string& client_id, const std::string& address);
+  // `client_id`'s home from the group's members (asked once; a server that is not one of a group
+  // has none): KnownHome's client, or null when the home is this process or not known.
+  Client* HomeFromMembers(const std::string& client_id);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LossHead::Stub> stub_;
@@ -351,6 +367,12 @@ class Client {
   absl::Mutex homes_mu_;
   std::map<std::string, std::unique_ptr<Client>> home_clients_ ABSL_GUARDED_BY(homes_mu_);
   std::map<std::string, Client*> home_of_ ABSL_GUARDED_BY(homes_mu_);
+  // The group's gRPC addresses by rank and the rank of the process this client is connected to,
+  // from ProcessControl.Members (empty: not asked yet, or not a group).
+  absl::Mutex members_mu_;
+  bool members_asked_ ABSL_GUARDED_BY(members_mu_) = false;
+  std::vector<std::string> members_ ABSL_GUARDED_BY(members_mu_);
+  int member_rank_ ABSL_GUARDED_BY(members_mu_) = -1;
   absl::Mutex streams_mu_;
   std::vector<std::unique_ptr<StepStream>> idle_streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex same_node_mu_;

@@ -62,6 +62,9 @@ class ClientBase:
     def _open_step_connections(self, streams: int) -> None:  # defined by Client
         raise NotImplementedError
 
+    def _follow_home(self, address: Optional[str]) -> bool:  # defined by Client
+        raise NotImplementedError
+
     def next_sequence(self) -> int:
         """A fresh sequence number for this client's idempotency keys."""
         with self._seq_lock:

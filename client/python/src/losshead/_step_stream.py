@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import collections
 import queue
+import re
 import time
-from typing import TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Sequence, Set,
+                    Tuple)
 
 import grpc
 
@@ -34,6 +36,8 @@ _TOKEN_OUTPUT_FIELDS = {
 _TOP_K_FIELDS = {"top_k_ids": pb.DTYPE_INT32, "top_k_logprobs": pb.DTYPE_FP32}
 # Every payload field of a StepResponse (each with a `<field>_bytes` in StepResult).
 _PAYLOADS = ("grad_hidden", "per_token_loss") + tuple(_TOKEN_OUTPUT_FIELDS) + tuple(_TOP_K_FIELDS)
+# What ends a redirect to a client id's home, before the home's address.
+_HOME_MARKER = "home="
 
 
 class StepStream:
@@ -235,14 +239,25 @@ class _StepPipeline:
         stream: Optional[StepStream] = None
         exhausted = False
 
-        def settle(i: int, outcome: Outcome) -> None:
+        moved: Set[int] = set()  # sent again at their home after a redirect (once each)
+
+        def settle(i: int, outcome: Outcome) -> bool:
+            """Settles or re-queues micro-batch i; True when it goes to its home (the stream's
+            other micro-batches are then to be collected and the stream reopened there)."""
+            if (isinstance(outcome, LossheadError) and i not in moved
+                    and client._follow_home(home_redirect(outcome))):
+                # Refused away from its home, counted nowhere: sent there now, not a retry.
+                moved.add(i)
+                todo.append((i, time.monotonic()))
+                return True
             if (isinstance(outcome, LossheadError) and is_retryable(outcome)
                     and attempts[i] < policy.attempts):
                 client._count_retry()
                 todo.append((i, time.monotonic() + policy.delay(attempts[i], outcome)))
-                return
+                return False
             del unsettled[i], attempts[i]
             held[i] = outcome
+            return False
 
         def ready() -> Iterator[Tuple[int, Outcome]]:
             while order and order[0] in held:
@@ -285,8 +300,19 @@ class _StepPipeline:
                     outcome: Outcome = stream.receive()  # type: ignore[union-attr]
                 except LossheadError as e:
                     outcome = e
-                settle(i, outcome)
-                if isinstance(outcome, LossheadError) and outcome.sequence is None:
+                if settle(i, outcome):
+                    # The client's steps go to the home from now on: the others on this stream
+                    # are answered here first (each refused, or its own answer), then a new
+                    # stream opens there.
+                    while sent:
+                        j = sent.popleft()
+                        try:
+                            settle(j, stream.receive())  # type: ignore[union-attr]
+                        except LossheadError as e:
+                            settle(j, e)
+                    stream.close()  # type: ignore[union-attr]
+                    stream = None
+                elif isinstance(outcome, LossheadError) and outcome.sequence is None:
                     # The call itself ended: it owes every other micro-batch on it the same
                     # status. Start over on a new stream; re-sent keys that did land replay.
                     while sent:
@@ -297,6 +323,19 @@ class _StepPipeline:
         finally:
             if stream is not None:
                 stream.close()
+
+
+def home_redirect(error: LossheadError) -> Optional[str]:
+    """The home's address in a FAILED_PRECONDITION that sends a client id's micro-batches to
+    their home process (a head held by a group of server processes: "... home=<address>)"),
+    else None."""
+    if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    at = error.message.rfind(_HOME_MARKER)
+    if at < 0:
+        return None
+    address = re.split(r"[) ]", error.message[at + len(_HOME_MARKER):], maxsplit=1)[0]
+    return address or None
 
 
 def step_many(client: "ClientBase", connection: int, mbs: Sequence[Microbatch],

@@ -59,6 +59,11 @@ class Client(Steps, Transfers, Embeddings, HeadState):
     every method; see `losshead.retry` for what is retried and why nothing is counted twice.
     `retries` counts the attempts that were retries since the client was made.
 
+    Against a head held by several server processes (a group), `target` may be any of them: the
+    first micro-batch refused because its client id's home is another process moves the Step
+    connections to that home (named in the refusal) and is sent again there; the native path's
+    C++ client does the same. Not with a caller's `channel` (the refusal is raised).
+
     Security (plaintext by default): `token` is sent on every call as
     `authorization: Bearer <token>`. TLS is on when `tls` or any of `tls_root_ca` (CA that
     signed the server's certificate; default the system's roots), `tls_cert` / `tls_key`
@@ -106,10 +111,11 @@ class Client(Steps, Transfers, Embeddings, HeadState):
                                                               tls_key)
         credentials = tls_files.credentials() if tls_files is not None else None
 
-        def make_channel(extra: Sequence[Tuple[str, Any]] = ()) -> grpc.Channel:
+        def make_channel(extra: Sequence[Tuple[str, Any]] = (),
+                         to: Optional[str] = None) -> grpc.Channel:
             if credentials is None:
-                return grpc.insecure_channel(target, options=options + list(extra))
-            return grpc.secure_channel(target, credentials, options=options + list(extra))
+                return grpc.insecure_channel(to or target, options=options + list(extra))
+            return grpc.secure_channel(to or target, credentials, options=options + list(extra))
 
         self._channel = channel or make_channel()
         self._stub = pb_grpc.LossHeadStub(self._channel)
@@ -131,10 +137,26 @@ class Client(Steps, Transfers, Embeddings, HeadState):
                     tls_server_name=tls_server_name, token=self._token,
                     metadata=self._base_metadata, channel_args=options, dedicated=index > 0))
             elif index > 0:
-                extra = make_channel([("grpc.use_local_subchannel_pool", 1)])
+                extra = make_channel([("grpc.use_local_subchannel_pool", 1)], self._step_home)
                 self._extra_channels.append(extra)
                 self._step_stubs.append(pb_grpc.LossHeadStub(extra))
 
+        def move_steps(address: str) -> None:
+            # The gRPC path's Step connections, each replaced by one to `address`; the old ones
+            # stay open (other streams may still be on them) until close().
+            moved = []
+            for index in range(len(self._step_stubs)):
+                pool = [("grpc.use_local_subchannel_pool", 1)] if index > 0 else []
+                channel_to_home = make_channel(pool, address)
+                self._extra_channels.append(channel_to_home)
+                moved.append(pb_grpc.LossHeadStub(channel_to_home))
+            self._step_stubs = moved
+
+        # Where the gRPC path's steps go once a redirect named this client id's home (None:
+        # `target`). A caller's channel cannot be copied to another address: no redirect is
+        # followed there.
+        self._step_home: Optional[str] = None
+        self._move_steps = move_steps if channel is None else None
         self._open_connection = open_connection
         self._open_step_connections(connections or 1)
 
@@ -149,6 +171,21 @@ class Client(Steps, Transfers, Embeddings, HeadState):
             have = len(self._natives) if self._use_native else len(self._step_stubs)
             for index in range(have, wanted):
                 self._open_connection(index)
+
+    def _follow_home(self, address: Optional[str]) -> bool:
+        """Whether the gRPC path's steps go to `address`, the home of this client id named by a
+        server of a group holding the head together (docs/multi-process.md), from now on: the
+        first redirect moves them there, once (the home does not send them on). The native path's
+        C++ client follows redirects itself."""
+        if address is None or self._move_steps is None:
+            return False
+        with self._connections_lock:
+            if self._closed:
+                return False
+            if self._step_home is None:
+                self._move_steps(address)
+                self._step_home = address
+            return self._step_home == address
 
     def set_token(self, token: Optional[str]) -> None:
         """Sends `token` (None or "": none) on calls that start from now on; streams already open
