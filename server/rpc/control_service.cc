@@ -47,6 +47,10 @@ const char* ControlMethod(const v1::ControlRequest& request) {
       return "/losshead.v1.LossHead/PullGradient";
     case v1::ControlRequest::kPushWeights:
       return "/losshead.v1.LossHead/PushWeights";
+    case v1::ControlRequest::kStep:
+      return "/losshead.v1.LossHead/Step";
+    case v1::ControlRequest::kDownloadWeights:
+      return "/losshead.v1.LossHead/DownloadWeights";
     default:
       return "/losshead.v1.LossHead/CreateHead";  // the writer's role: nothing is run anyway
   }
