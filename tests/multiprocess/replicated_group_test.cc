@@ -38,6 +38,7 @@
 #include "losshead/client/client.h"
 #include "losshead/v1/process_control.grpc.pb.h"
 #include "tests/common/server_process.h"
+#include "tests/multiprocess/group_helpers.h"
 #include "tests/service/host_tensors.h"
 
 namespace losshead::testing {
@@ -49,107 +50,6 @@ constexpr int64_t kHidden = 24;
 constexpr int64_t kTokens = 16;
 constexpr int kClients = 6;
 constexpr int kPerClient = 3;
-
-// `n` loopback ports that were free a moment ago (the kernel's choice).
-std::vector<int> FreePorts(int n) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t length = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-    ports.push_back(ntohs(addr.sin_port));
-    fds.push_back(fd);
-  }
-  for (int fd : fds) close(fd);
-  return ports;
-}
-
-std::string LogPath(const std::string& name) {
-  return absl::StrCat(::testing::TempDir(), "/mp_", getpid(), "_", name, ".log");
-}
-
-// The home rule, written here from its definition: FNV-1a 64 of the id's bytes, mod N.
-int Home(const std::string& client_id, int n) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (unsigned char c : client_id) {
-    hash ^= c;
-    hash *= 0x100000001b3ull;
-  }
-  return static_cast<int>(hash % static_cast<uint64_t>(n));
-}
-
-std::unique_ptr<client::Client> Connect(const std::string& target, bool follow = false) {
-  client::ClientOptions options;
-  options.deadline = absl::Seconds(30);
-  options.stream_deadline = absl::Seconds(60);
-  options.retry.max_attempts = 1;  // errors are what these tests look at
-  options.follow_home_redirect = follow;
-  auto c = client::Client::Connect(target, options);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
-}
-
-// N processes of one group, started at once (each waits for the others before serving).
-struct Group {
-  Group(int n, const std::string& name, std::vector<std::string> extra = {}) {
-    const std::vector<int> ports = FreePorts(2 * n);
-    std::vector<std::string> peers;
-    for (int p = 0; p < n; ++p) {
-      peers.push_back(absl::StrCat("127.0.0.1:", ports[n + p]));
-      addresses.push_back(absl::StrCat("127.0.0.1:", ports[p]));
-    }
-    processes.resize(n);
-    std::vector<std::thread> starts;
-    for (int p = 0; p < n; ++p) {
-      starts.emplace_back([&, p] {
-        std::vector<std::string> flags = {"--backend=cpu",
-                                          "--grad_stash_bytes=0",
-                                          absl::StrCat("--listen=", addresses[p]),
-                                          "--group_peers=" + absl::StrJoin(peers, ","),
-                                          absl::StrCat("--group_rank=", p),
-                                          "--group_bootstrap_timeout=30s",
-                                          "--group_op_timeout=5s"};
-        flags.insert(flags.end(), extra.begin(), extra.end());
-        auto started = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags,
-                                            LogPath(absl::StrCat(name, "_p", p)));
-        EXPECT_TRUE(started.ok()) << "process " << p << ": " << started.status();
-        if (started.ok()) processes[p] = std::move(*started);
-      });
-    }
-    for (std::thread& t : starts) t.join();
-    for (int p = 0; p < n; ++p) {
-      clients.push_back(processes[p] != nullptr ? Connect(addresses[p]) : nullptr);
-    }
-  }
-  bool ok() const {
-    for (const auto& c : clients) {
-      if (c == nullptr) return false;
-    }
-    return true;
-  }
-  std::vector<std::string> addresses;
-  std::vector<std::unique_ptr<ServerProcess>> processes;
-  std::vector<std::unique_ptr<client::Client>> clients;
-};
-
-// A one-process server, as today (no group flags).
-struct Single {
-  explicit Single(const std::string& name) {
-    auto started = ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
-                                        {"--backend=cpu", "--grad_stash_bytes=0"}, LogPath(name));
-    EXPECT_TRUE(started.ok()) << started.status();
-    if (started.ok()) {
-      process = std::move(*started);
-      client = Connect(process->target());
-    }
-  }
-  std::unique_ptr<ServerProcess> process;
-  std::unique_ptr<client::Client> client;
-};
 
 v1::HeadSpec Spec() {
   v1::HeadSpec spec;
@@ -168,12 +68,6 @@ std::string ClientId(int c) { return absl::StrCat("trainer-", c); }
 // Client c's micro-batch k (sequence k + 1).
 HostBatch Batch(int c, int k) {
   return MakeBatch(kTokens, kHidden, kVocab, v1::DTYPE_FP32, 1000 + 97 * c + k);
-}
-
-std::vector<float> Floats(const client::Bytes& bytes) {
-  std::vector<float> out(bytes.size() / sizeof(float));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
-  return out;
 }
 
 v1::ApplyOptimizerRequest Apply(uint64_t step_key) {
