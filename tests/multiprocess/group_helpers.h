@@ -69,9 +69,11 @@ inline std::unique_ptr<client::Client> Connect(const std::string& target, bool f
   return c.ok() ? std::move(*c) : nullptr;
 }
 
-// N processes of one group, started at once (each waits for the others before serving).
+// N processes of one group, started at once (each waits for the others before serving), each
+// given `extra` and then its own `per_process[p]` flags (when there are any).
 struct Group {
-  Group(int n, const std::string& name, std::vector<std::string> extra = {}) {
+  Group(int n, const std::string& name, std::vector<std::string> extra = {},
+        std::vector<std::vector<std::string>> per_process = {}) {
     const std::vector<int> ports = FreePorts(2 * n);
     std::vector<std::string> peers;
     for (int p = 0; p < n; ++p) {
@@ -90,6 +92,9 @@ struct Group {
                                           "--group_bootstrap_timeout=30s",
                                           "--group_op_timeout=5s"};
         flags.insert(flags.end(), extra.begin(), extra.end());
+        if (p < static_cast<int>(per_process.size())) {
+          flags.insert(flags.end(), per_process[p].begin(), per_process[p].end());
+        }
         auto started = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags,
                                             LogPath(absl::StrCat(name, "_p", p)));
         EXPECT_TRUE(started.ok()) << "process " << p << ": " << started.status();

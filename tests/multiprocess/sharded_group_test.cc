@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "losshead/client/client.h"
+#include "tests/common/server_process.h"
 #include "tests/multiprocess/group_helpers.h"
 #include "tests/service/host_tensors.h"
 #include "tests/service/reference.h"
@@ -284,6 +285,75 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ShardedGroupTest,
                            return absl::StrCat(info.param.processes, "Processes",
                                                info.param.devices, "Devices");
                          });
+
+// The same code over NCCL: two processes of one GPU each (process p on GPU p of this host)
+// against one process sharded over both GPUs, within fp32 rounding (NCCL adds in an order of its
+// own). Skipped where a server cannot start on two CUDA devices (no GPU, one, or a build without
+// CUDA).
+TEST(ShardedGroupCudaTest, TwoProcessesOfOneGpuEachAsOneProcessOverTwo) {
+  auto probe = ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
+                                    {"--backend=cuda", "--devices=0,1", "--grad_stash_bytes=0"},
+                                    LogPath("sharded_cuda_one"));
+  if (!probe.ok()) {
+    GTEST_SKIP() << "a server cannot start on two CUDA devices here: " << probe.status();
+  }
+  std::unique_ptr<client::Client> one = Connect((*probe)->target());
+  ASSERT_NE(one, nullptr);
+  constexpr int n = 2;
+  Group group(n, "sharded_cuda", {"--backend=cuda"}, {{"--devices=0"}, {"--devices=1"}});
+  ASSERT_TRUE(group.ok());
+  ASSERT_TRUE(group.clients[1]->CreateHead(AcrossSpec(1)).ok());
+  ASSERT_TRUE(one->CreateHead(LocalSpec(n)).ok());
+  auto initial = one->DownloadWeights(kHead);
+  ASSERT_TRUE(initial.ok()) << initial.status();
+  for (int p = 0; p < n; ++p) {
+    auto w = group.clients[p]->DownloadWeights(kHead);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_TRUE(w->data == initial->data) << "process " << p << " gathers another W";
+  }
+  for (int k = 0; k < kPerClient; ++k) {
+    for (int c = 0; c < kClients; ++c) {
+      const std::string id = ClientId(c);
+      const HostBatch batch = Batch(c, k);
+      const client::Microbatch mb = ToMicrobatch(kHead, id, k + 1, batch);
+      auto done = group.clients[Home(id, n)]->Step(mb);
+      ASSERT_TRUE(done.ok()) << done.status();
+      auto want = one->Step(mb);
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_NEAR(done->loss_sum, want->loss_sum, 1e-5 * std::abs(want->loss_sum));
+      const std::vector<float> want_dh = Floats(want->grad_hidden);
+      EXPECT_TRUE(AllClose(Floats(done->grad_hidden),
+                           std::vector<double>(want_dh.begin(), want_dh.end()), 1e-5));
+    }
+  }
+  auto reference = one->PullGradient(kHead);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const std::vector<float> want_dw = Floats(reference->data);
+  for (int p = 0; p < n; ++p) {
+    auto pulled = group.clients[p]->PullGradient(kHead);
+    ASSERT_TRUE(pulled.ok()) << pulled.status();
+    EXPECT_EQ(pulled->summary.microbatch_count(), reference->summary.microbatch_count());
+    EXPECT_TRUE(AllClose(Floats(pulled->data),
+                         std::vector<double>(want_dw.begin(), want_dw.end()), 1e-5))
+        << "process " << p;
+  }
+  auto applied = group.clients[0]->ApplyOptimizer(Apply(1));
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  auto want_applied = one->ApplyOptimizer(Apply(1));
+  ASSERT_TRUE(want_applied.ok()) << want_applied.status();
+  EXPECT_NEAR(applied->head_grad_norm(), want_applied->head_grad_norm(),
+              1e-5 * want_applied->head_grad_norm());
+  auto want_w = one->DownloadWeights(kHead);
+  ASSERT_TRUE(want_w.ok()) << want_w.status();
+  const std::vector<float> want_floats = Floats(want_w->data);
+  for (int p = 0; p < n; ++p) {
+    auto w = group.clients[p]->DownloadWeights(kHead);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_TRUE(AllClose(Floats(w->data),
+                         std::vector<double>(want_floats.begin(), want_floats.end()), 1e-5))
+        << "process " << p;
+  }
+}
 
 TEST(ShardedGroupRefusalTest, EachRefusalHasItsCodeAndChangesNothing) {
   // Without a group.
