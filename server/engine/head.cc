@@ -92,7 +92,8 @@ absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
     case v1::PLACEMENT_UNSPECIFIED:
     case v1::PLACEMENT_SINGLE:
       if (placement.across_processes()) {
-        return absl::InvalidArgumentError("placement.across_processes is for PLACEMENT_SHARDED only");
+        return absl::InvalidArgumentError(
+            "placement.across_processes is for PLACEMENT_SHARDED only");
       }
       if (placement.devices() > 1) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -185,9 +186,9 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* c
   }
   LOSSHEAD_ASSIGN_OR_RETURN(
       std::unique_ptr<Placement> placement,
-      Placement::Create(devices, spec, dtype,
-                        options.process_window != nullptr ? options.process_window->group()
-                                                          : nullptr));
+      Placement::Create(
+          devices, spec, dtype,
+          options.process_window != nullptr ? options.process_window->group() : nullptr));
   // Admission: refuse a head whose tensors cannot all fit before allocating any of them (an
   // optimizer's state is several times W). A backend that cannot tell (total 0) is not checked.
   // Across processes, each of this process's shards is its global one.

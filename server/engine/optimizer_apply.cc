@@ -206,15 +206,14 @@ absl::Status Head::SyncMaster() {
 }
 
 absl::StatusOr<std::vector<double>> Head::GatherDoubles(absl::string_view what,
-                                                       const std::vector<double>& mine) {
+                                                        const std::vector<double>& mine) {
   if (options_.process_window == nullptr) {
     return absl::InternalError("a head sharded across processes without its process group");
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(
-      std::vector<std::string> all,
-      options_.process_window->AllGather(
-          what, absl::string_view(reinterpret_cast<const char*>(mine.data()),
-                                  mine.size() * sizeof(double))));
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                            options_.process_window->AllGather(
+                                what, absl::string_view(reinterpret_cast<const char*>(mine.data()),
+                                                        mine.size() * sizeof(double))));
   std::vector<double> every;
   for (const std::string& bytes : all) {
     const size_t at = every.size();
@@ -312,7 +311,8 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   double squared = 0;
   if (sharded_across) {
     // Every shard's, in global rank order: the one-process sharded head's sum, bit for bit.
-    LOSSHEAD_ASSIGN_OR_RETURN(std::vector<double> every, GatherDoubles("dW's squared norms", partial));
+    LOSSHEAD_ASSIGN_OR_RETURN(std::vector<double> every,
+                              GatherDoubles("dW's squared norms", partial));
     for (double p : every) squared += p;
   } else {
     for (double p : partial) squared += p;

@@ -163,8 +163,8 @@ absl::StatusOr<std::vector<std::string>> ProcessWindow::AllGather(absl::string_v
 absl::Status ProcessWindow::GatherRows(absl::string_view what, std::string& data, size_t begin,
                                        size_t end) {
   if (begin > end || end > data.size()) {
-    return absl::InternalError(absl::StrCat("rows [", begin, ", ", end, ") outside ", data.size(),
-                                            " bytes"));
+    return absl::InternalError(
+        absl::StrCat("rows [", begin, ", ", end, ") outside ", data.size(), " bytes"));
   }
   // Each process sends where its rows start, then the rows.
   std::string mine(sizeof(uint64_t), '\0');

@@ -125,7 +125,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBatch& mb,
-                                                                  StepStats* stats) {
+                                                                   StepStats* stats) {
   if (mb.header.kind() != v1::STEP_KIND_LOSS) {
     LOSSHEAD_RETURN_IF_ERROR(CheckHeader(mb.header));  // an unknown kind
     return absl::UnimplementedError(
@@ -150,7 +150,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBa
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunStep(const MicroBatch& mb,
-                                                                StepStats* stats, bool keyed) {
+                                                                 StepStats* stats, bool keyed) {
   if (mb.header.kind() != v1::STEP_KIND_LOSS) {
     return absl::UnimplementedError(
         "EMBEDDING_GRAD micro-batches are not run on a head sharded across processes yet");

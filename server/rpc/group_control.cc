@@ -376,8 +376,8 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
         std::string().swap(packed);
       }
       absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome =
-          head->RunStep(origin ? *pending->microbatch : received,
-                        origin ? pending->stats : &unused, /*keyed=*/origin);
+          head->RunStep(origin ? *pending->microbatch : received, origin ? pending->stats : &unused,
+                        /*keyed=*/origin);
       const absl::Status ran = outcome.status();
       if (origin) {
         absl::MutexLock lock(&mu_);

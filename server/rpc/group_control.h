@@ -16,9 +16,9 @@
 // once (its collective spans them) and its micro-batches, pulls and downloads are ordered by the
 // leader like the cuts: every process runs each of them at once (Step).
 //
-// Steps of a replicated head need no control: each client id has a home process, HomeOf(client_id) = FNV-1a 64 of its
-// bytes mod N, where its micro-batches are deduplicated; a micro-batch with a client id sent
-// elsewhere is refused FAILED_PRECONDITION naming the home's address (CheckStep).
+// Steps of a replicated head need no control: each client id has a home process, HomeOf(client_id)
+// = FNV-1a 64 of its bytes mod N, where its micro-batches are deduplicated; a micro-batch with a
+// client id sent elsewhere is refused FAILED_PRECONDITION naming the home's address (CheckStep).
 //
 // Thread-safe.
 #ifndef LOSSHEAD_SERVER_RPC_GROUP_CONTROL_H_
@@ -98,8 +98,8 @@ class GroupControl {
   // failed before it ran here (nothing counted here, the key free again) or while it ran (the
   // key keeps that answer).
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(Head& head, const MicroBatch& microbatch,
-                                                         StepStats* stats,
-                                                         const std::string& authorization);
+                                                          StepStats* stats,
+                                                          const std::string& authorization);
 
  private:
   // `request` run here; a pull's gradient to `*pulled`.

@@ -112,7 +112,8 @@ void StepReactor::ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run)
   run.reach = MicrobatchRecord::Reach::kRan;
   if (ctx_->group != nullptr && (*head)->across_processes()) {
     // Sharded across processes: run on every process in the leader's order (group_control.h).
-    run.outcome = ctx_->group->Step(**head, mb, &run.stats, call_ != nullptr ? AuthorizationOf(*call_) : std::string());
+    run.outcome = ctx_->group->Step(**head, mb, &run.stats,
+                                    call_ != nullptr ? AuthorizationOf(*call_) : std::string());
     return;
   }
   run.outcome = (*head)->Step(mb, &run.stats, [this, &run] {

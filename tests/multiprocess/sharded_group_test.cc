@@ -333,8 +333,8 @@ TEST(ShardedGroupCudaTest, TwoProcessesOfOneGpuEachAsOneProcessOverTwo) {
     auto pulled = group.clients[p]->PullGradient(kHead);
     ASSERT_TRUE(pulled.ok()) << pulled.status();
     EXPECT_EQ(pulled->summary.microbatch_count(), reference->summary.microbatch_count());
-    EXPECT_TRUE(AllClose(Floats(pulled->data),
-                         std::vector<double>(want_dw.begin(), want_dw.end()), 1e-5))
+    EXPECT_TRUE(
+        AllClose(Floats(pulled->data), std::vector<double>(want_dw.begin(), want_dw.end()), 1e-5))
         << "process " << p;
   }
   auto applied = group.clients[0]->ApplyOptimizer(Apply(1));
@@ -433,8 +433,7 @@ TEST(ShardedGroupFailureTest, AKilledProcessMakesStepsAndCutsUnavailableCounting
     // Every survivor counts the micro-batches before the kill and none after.
     auto info = group.clients[p]->GetHead(kHead);
     ASSERT_TRUE(info.ok()) << info.status();
-    EXPECT_EQ(info->microbatches_since_pull(), static_cast<uint64_t>(kClients))
-        << "process " << p;
+    EXPECT_EQ(info->microbatches_since_pull(), static_cast<uint64_t>(kClients)) << "process " << p;
     EXPECT_EQ(info->weights_version(), 1u) << "process " << p;
   }
 }
