@@ -318,7 +318,15 @@ absl::StatusOr<uint64_t> Head::ReserveRun(const PreparedStep& p,
   }
   if (absl::IsOutOfRange(bounded) && !bound_exact) {
     // Refused on the optimizer's bound of W: W itself decides.
-    LOSSHEAD_ASSIGN_OR_RETURN(const float measured, MeasureWeights(devices));
+    LOSSHEAD_ASSIGN_OR_RETURN(float measured, MeasureWeights(devices));
+    if (across_processes()) {
+      // This process holds only its rows: the largest over every process's, so that every
+      // process decides alike (each reaches this point for the same micro-batch, the bounds it
+      // checks being the same everywhere).
+      LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<double> every,
+                                GatherDoubles("the largest |w| of W", {double{measured}}));
+      for (double m : every) measured = std::max(measured, static_cast<float>(m));
+    }
     absl::MutexLock state(&state_mu_);
     weight_abs_ = measured;
     weight_abs_exact_ = true;
