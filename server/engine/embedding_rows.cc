@@ -50,6 +50,11 @@ absl::StatusOr<kernels::DeviceBuffer> AllocateOn(Replica& r, size_t bytes, absl:
 absl::StatusOr<WeightsSnapshot> Head::EmbeddingRows(v1::DType id_dtype, absl::string_view id_bytes,
                                                     v1::DType dtype,
                                                     std::optional<uint64_t> expected_version) {
+  if (across_processes()) {
+    // Each process holds only its rows; reading another's is not built.
+    return absl::UnimplementedError(
+        "EmbeddingRows is not served by a head sharded across processes yet");
+  }
   kernels::DType to = dtype_;
   if (dtype != v1::DTYPE_UNSPECIFIED) {
     LOSSHEAD_ASSIGN_OR_RETURN(to, FloatDType(dtype, "dtype"));

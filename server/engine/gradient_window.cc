@@ -32,6 +32,7 @@
 namespace losshead::server {
 
 using head_internal::DeviceRowByteOffset;
+using head_internal::OwnRowBytes;
 using head_internal::RowByteOffset;
 using head_internal::RowBytes;
 
@@ -87,6 +88,26 @@ absl::Status WriteOwnedGrad(ReplicaGroup& group, const char* host) {
 
 }  // namespace head_internal
 
+namespace head_internal {
+
+std::pair<size_t, size_t> OwnRowBytes(const ReplicaGroup& group, size_t element_bytes) {
+  const auto& replicas = group.replicas();
+  const size_t row = static_cast<size_t>(group.hidden_size()) * element_bytes;
+  return {static_cast<size_t>(replicas.front()->rows.begin) * row,
+          static_cast<size_t>(replicas.back()->rows.end) * row};
+}
+
+}  // namespace head_internal
+
+absl::Status Head::GatherOtherRows(std::string& tensor, size_t element_bytes) {
+  if (!across_processes()) return absl::OkStatus();
+  if (options_.process_window == nullptr) {
+    return absl::InternalError("a head sharded across processes without its process group");
+  }
+  const auto [begin, end] = OwnRowBytes(group(), element_bytes);
+  return options_.process_window->GatherRows("W's rows", tensor, begin, end);
+}
+
 void Head::WarnOfUnappliedWindowLocked() {
   const uint64_t limit = options_.window_warn_microbatches;
   if (!HasOptimizer(optimizer_spec_) || !window_.TakeWarning(limit)) return;
@@ -116,7 +137,10 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
     // so they are read whole. A discard is a cut: every replica's compute lock.
     std::optional<ReplicaGroup::Cut> cut;
     if (discard) cut.emplace(group());
-    if (options_.process_window != nullptr) {
+    // A head sharded across processes counts every micro-batch on every process: its counters
+    // are the group's as they are.
+    const bool summed = options_.process_window != nullptr && !across_processes();
+    if (summed) {
       // The group's counters, summed before anything is dropped: a failure drops nothing.
       {
         absl::MutexLock state(&state_mu_);
@@ -129,7 +153,7 @@ absl::StatusOr<v1::GradientSummary> Head::WindowSummary(v1::DType dtype, bool di
       if (has_bias()) LOSSHEAD_RETURN_IF_ERROR(ZeroGradBias(group()));
     }
     absl::MutexLock state(&state_mu_);
-    if (options_.process_window == nullptr) window_.Summarize(&s);
+    if (!summed) window_.Summarize(&s);
     if (discard) window_.Reset();
   }
   s.set_vocab_size(vocab_size());
@@ -155,6 +179,8 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
     // Across processes the rows are zeroed only once every process's window is summed: a cut that
     // fails there leaves this window as it was.
     const bool across = options_.process_window != nullptr;
+    // Sharded across processes: this process's rows, then every other's gathered beside them.
+    const bool sharded_across = across && across_processes();
     for (const auto& r : group().replicas()) {
       const size_t bytes = RowBytes(group(), *r, sizeof(float));
       char* rows = r->grad.as<char>() + DeviceRowByteOffset(group(), *r, sizeof(float));
@@ -177,10 +203,16 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
         absl::MutexLock state(&state_mu_);
         window_.Summarize(&group_window);
       }
-      // dW and db (after it) in one sum: every element in fp64 in process order.
-      LOSSHEAD_RETURN_IF_ERROR(options_.process_window->Sum(
-          std::span<float>(reinterpret_cast<float*>(snap.data.data()), tensor_elements()),
-          group_window));
+      if (sharded_across) {
+        const auto [begin, end] = OwnRowBytes(group(), sizeof(float));
+        LOSSHEAD_RETURN_IF_ERROR(
+            options_.process_window->GatherRows("a pull of dW's rows", snap.data, begin, end));
+      } else {
+        // dW and db (after it) in one sum: every element in fp64 in process order.
+        LOSSHEAD_RETURN_IF_ERROR(options_.process_window->Sum(
+            std::span<float>(reinterpret_cast<float*>(snap.data.data()), tensor_elements()),
+            group_window));
+      }
       if (reset) {
         for (const auto& r : group().replicas()) {
           char* rows = r->grad.as<char>() + DeviceRowByteOffset(group(), *r, sizeof(float));
@@ -267,6 +299,9 @@ absl::StatusOr<uint64_t> Head::PushWeights(v1::DType dtype, v1::PushMode mode,
     staged = TakeTransferBuffer(count * esize);  // overwritten whole by the copy below
     LOSSHEAD_RETURN_IF_ERROR(placement_->CopyWeightsOut(staged.data()));
     LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
+    // Sharded across processes: the other processes' rows too, so that every process decides
+    // on the whole of W + delta alike (every process runs this push at once).
+    LOSSHEAD_RETURN_IF_ERROR(GatherOtherRows(staged, esize));
     std::vector<float> w(std::min(count, kConvertBlock));
     std::vector<float> delta(w.size());
     for (size_t i = 0; i < count; i += kConvertBlock) {
@@ -322,6 +357,8 @@ absl::StatusOr<WeightsSnapshot> Head::DownloadWeights(v1::DType dtype) {
     const ReplicaGroup::DeviceLocks holders(placement_->WeightHolders());
     LOSSHEAD_RETURN_IF_ERROR(placement_->CopyWeightsOut(snap.data.data()));
     LOSSHEAD_RETURN_IF_ERROR(placement_->SynchronizeHolders());
+    // Sharded across processes, every process downloads at once (the leader's order).
+    LOSSHEAD_RETURN_IF_ERROR(GatherOtherRows(snap.data, kernels::DTypeSize(dtype_)));
     // b is written only under the cut, which takes these locks too.
     bias = bias_.values;
     absl::MutexLock state(&state_mu_);

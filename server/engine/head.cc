@@ -18,6 +18,7 @@
 #include "losshead/kernels/dtype_convert.h"
 #include "server/engine/head_internal.h"
 #include "server/engine/head_registry.h"
+#include "server/engine/process_window.h"
 #include "server/engine/proto_convert.h"
 #include "server/engine/weight_init.h"
 
@@ -90,6 +91,10 @@ absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
   switch (placement.kind()) {
     case v1::PLACEMENT_UNSPECIFIED:
     case v1::PLACEMENT_SINGLE:
+      if (placement.across_processes()) {
+        return absl::InvalidArgumentError(
+            "placement.across_processes is for PLACEMENT_SHARDED only");
+      }
       if (placement.devices() > 1) {
         return absl::InvalidArgumentError(absl::StrCat(
             "placement.devices must be 0 or 1 for a one-device head, got ", placement.devices(),
@@ -98,6 +103,11 @@ absl::Status Head::ValidatePlacement(const v1::Placement& placement) {
       return absl::OkStatus();
     case v1::PLACEMENT_REPLICATED:
     case v1::PLACEMENT_SHARDED:
+      if (placement.across_processes() && placement.kind() != v1::PLACEMENT_SHARDED) {
+        return absl::InvalidArgumentError(
+            "placement.across_processes is for PLACEMENT_SHARDED only (a replicated head is "
+            "replicated across the processes of a group as it is)");
+      }
       // Far beyond any server's devices, and within int: PlacementDevices counts in int.
       if (placement.devices() > kMaxPlacementDevices) {
         return absl::InvalidArgumentError(absl::StrCat("placement.devices must be at most ",
@@ -174,13 +184,18 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(std::span<kernels::Backend* c
     return absl::ResourceExhaustedError(
         absl::StrCat("a ", v, " x ", d, " head is too large to allocate"));
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<Placement> placement,
-                            Placement::Create(devices, spec, dtype));
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      std::unique_ptr<Placement> placement,
+      Placement::Create(
+          devices, spec, dtype,
+          options.process_window != nullptr ? options.process_window->group() : nullptr));
   // Admission: refuse a head whose tensors cannot all fit before allocating any of them (an
   // optimizer's state is several times W). A backend that cannot tell (total 0) is not checked.
-  const std::vector<DeviceFootprint> footprint = Footprint(spec, placement->group().size());
-  for (const auto& replica : placement->group().replicas()) {
-    const DeviceFootprint& needed = footprint[replica->rank];
+  // Across processes, each of this process's shards is its global one.
+  const ReplicaGroup& placed = placement->group();
+  const std::vector<DeviceFootprint> footprint = Footprint(spec, placed.shard_count());
+  for (const auto& replica : placed.replicas()) {
+    const DeviceFootprint& needed = footprint[placed.first_shard() + replica->rank];
     const kernels::MemoryInfo memory = replica->backend.memory_info();
     if (memory.total_bytes > 0 && needed.total() > memory.free_bytes) {
       return absl::ResourceExhaustedError(

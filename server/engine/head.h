@@ -176,6 +176,24 @@ class Head {
       const MicroBatch& microbatch, StepStats* stats,
       const std::function<void()>& on_ordered = nullptr);
 
+  // A head sharded across server processes (Placement.across_processes) runs every micro-batch
+  // on every process at once, in the order the group's leader gives (docs/multi-process.md), so
+  // Step's parts are called apart. At the micro-batch's home (where its client sent it),
+  // ClaimStep validates it (INVALID_ARGUMENT, ...: nothing sent anywhere) and answers a replay
+  // (the remembered outcome, or its failure) or claims its key (null: run it). Then every process
+  // calls RunStep with the same micro-batch, keyed at its home only (which settles the claim as
+  // Step would); a claim that never ran is freed with AbandonStep (a settled one stays). A run
+  // whose exchanges with the other processes failed is UNAVAILABLE (the group is broken: the
+  // window can never be cut again), and the key keeps that answer: the micro-batch is never
+  // computed again anywhere. Forward-only micro-batches and those without a client id claim
+  // nothing. EMBEDDING_GRAD micro-batches are UNIMPLEMENTED across processes.
+  bool across_processes() const { return group().across_processes(); }
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> ClaimStep(const MicroBatch& microbatch,
+                                                               StepStats* stats);
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> RunStep(const MicroBatch& microbatch,
+                                                             StepStats* stats, bool keyed);
+  void AbandonStep(const v1::StepHeader& header);
+
   // The gradient window (gradient_window.cc).
   // Copies dW out (fp32 or bf16) with the counters it covers; with `reset`, zeroes both in the same
   // critical section as the copy.
@@ -304,6 +322,10 @@ class Head {
   absl::Status Initialize(size_t workspace_budget, bool init_weights);
 
   std::vector<DeviceShare> MemoryByDeviceLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Sharded across processes: `tensor` (V x D, this process's rows in place) completed with every
+  // other process's rows (a collective call: every process makes it for the same cut). Nothing
+  // to do for a head of this process alone (gradient_window.cc).
+  absl::Status GatherOtherRows(std::string& tensor, size_t element_bytes);
   // After a micro-batch was counted in the window: the warning of
   // HeadOptions::window_warn_microbatches, once per window (gradient_window.cc).
   void WarnOfUnappliedWindowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
@@ -363,6 +385,10 @@ class Head {
   absl::Status InstallOptimizer(std::vector<OptimizerBuffers> buffers);
   // Takes master from W when a push has changed W since (see master_version). Under the cut.
   absl::Status SyncMaster();
+  // Sharded across processes: every process's `mine`, one after another in process rank order
+  // (a collective call, as GatherOtherRows).
+  absl::StatusOr<std::vector<double>> GatherDoubles(absl::string_view what,
+                                                    const std::vector<double>& mine);
 
   // How the head lies on its devices; reset first in ~Head.
   std::unique_ptr<Placement> placement_;

@@ -24,6 +24,12 @@
 namespace losshead::server {
 
 absl::StatusOr<HeadCheckpointData> Head::Snapshot() {
+  if (across_processes()) {
+    // Each process holds only its rows: a checkpoint of the whole head is a global cut of every
+    // process's parts (docs/multi-process.md), not one process's snapshot.
+    return absl::UnimplementedError(
+        "a head sharded across processes cannot be checkpointed or snapshotted yet");
+  }
   HeadCheckpointData d;
   d.spec = spec_;
   const size_t count = static_cast<size_t>(vocab_size()) * hidden_size();

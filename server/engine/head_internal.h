@@ -5,6 +5,7 @@
 #define LOSSHEAD_SERVER_ENGINE_HEAD_INTERNAL_H_
 
 #include <cstddef>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "losshead/kernels/backend.h"
@@ -31,6 +32,10 @@ inline size_t DeviceRowByteOffset(const ReplicaGroup& group, const Replica& repl
 inline size_t RowBytes(const ReplicaGroup& group, const Replica& replica, size_t element_bytes) {
   return static_cast<size_t>(group.RowElements(replica)) * element_bytes;
 }
+
+// The bytes of this process's rows (its replicas' together, contiguous) in a V x D tensor whose
+// elements take `element_bytes`: [first, second).
+std::pair<size_t, size_t> OwnRowBytes(const ReplicaGroup& group, size_t element_bytes);
 
 // Under the cut, after ReduceGradientToOwners: every owner's rows of dW to `host` (V x D fp32),
 // and back from it (waits for the copies).

@@ -205,6 +205,24 @@ absl::Status Head::SyncMaster() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<double>> Head::GatherDoubles(absl::string_view what,
+                                                        const std::vector<double>& mine) {
+  if (options_.process_window == nullptr) {
+    return absl::InternalError("a head sharded across processes without its process group");
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                            options_.process_window->AllGather(
+                                what, absl::string_view(reinterpret_cast<const char*>(mine.data()),
+                                                        mine.size() * sizeof(double))));
+  std::vector<double> every;
+  for (const std::string& bytes : all) {
+    const size_t at = every.size();
+    every.resize(at + bytes.size() / sizeof(double));
+    std::memcpy(every.data() + at, bytes.data(), bytes.size() / sizeof(double) * sizeof(double));
+  }
+  return every;
+}
+
 absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     const v1::ApplyOptimizerRequest& request) {
   LOSSHEAD_RETURN_IF_ERROR(ValidateApplyRequest(request));
@@ -247,7 +265,11 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   // same. Until the step is committed, a refusal puts this process's own window back.
   // An output bias's db goes after dW in the same sum, and is put back on the devices (each row
   // in one accumulator) the same way.
-  const bool across = options_.process_window != nullptr;
+  // Sharded across processes instead: each process steps its own rows with its own dW (no sum:
+  // the rows are disjoint), and what is decided on the whole of dW (the norm, the range checks)
+  // is gathered from every process first.
+  const bool sharded_across = across_processes();
+  const bool across = options_.process_window != nullptr && !sharded_across;
   std::string own_window;
   bool committed = false;
   const auto bias_part = [&](const std::string& window) {
@@ -295,7 +317,14 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   }
   LOSSHEAD_RETURN_IF_ERROR(group().Synchronize());
   double squared = 0;
-  for (double p : partial) squared += p;
+  if (sharded_across) {
+    // Every shard's, in global rank order: the one-process sharded head's sum, bit for bit.
+    LOSSHEAD_ASSIGN_OR_RETURN(std::vector<double> every,
+                              GatherDoubles("dW's squared norms", partial));
+    for (double p : every) squared += p;
+  } else {
+    for (double p : partial) squared += p;
+  }
   // An output bias is part of the head's gradient: its norm, its clipping, its step.
   std::vector<float> grad_bias;
   if (has_bias()) {
@@ -324,8 +353,33 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
         "to drop the window"));
   }
   LOSSHEAD_RETURN_IF_ERROR(SyncMaster());
-  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<kernels::OptimizerMagnitudes> after,
-                            CheckStepStaysInRange(group(), problem, partial));
+  absl::StatusOr<std::vector<kernels::OptimizerMagnitudes>> checked =
+      CheckStepStaysInRange(group(), problem, partial);
+  // W's new bound over every process's rows (it bounds the micro-batches every process runs).
+  double weight_bound = 0;
+  if (checked.ok()) {
+    for (const kernels::OptimizerMagnitudes& m : *checked) {
+      weight_bound = std::max(weight_bound, m.weight * (1.0 + 1.0 / 128));
+    }
+  }
+  if (sharded_across) {
+    // A refusal anywhere is every process's: the verdicts and bounds are gathered (a refusal is
+    // sent as NaN), before anything is stepped.
+    const std::vector<double> mine = {checked.ok() ? weight_bound : std::nan("")};
+    LOSSHEAD_ASSIGN_OR_RETURN(std::vector<double> every,
+                              GatherDoubles("the optimizer step's range checks", mine));
+    LOSSHEAD_RETURN_IF_ERROR(checked.status());
+    for (size_t p = 0; p < every.size(); ++p) {
+      if (std::isnan(every[p])) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "this optimizer step would overflow on process ", p,
+            " of the head's group (its rows); nothing was stepped on any process: give a "
+            "smaller lr or weight_decay, or pull with reset to drop the window"));
+      }
+      weight_bound = std::max(weight_bound, every[p]);
+    }
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<kernels::OptimizerMagnitudes> after, std::move(checked));
   // b's step, computed before W's so that a refusal changes nothing; committed after it.
   HeadBias stepped_bias;
   if (has_bias()) {
@@ -372,10 +426,7 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
     window_.Reset();
     // The magnitude bounds of the new master weights bound W too, once rounded up to its dtype
     // (by less than 2^-8 of a value).
-    weight_abs_ = 0;
-    for (const kernels::OptimizerMagnitudes& m : after) {
-      weight_abs_ = std::max(weight_abs_, m.weight * (1.0 + 1.0 / 128));
-    }
+    weight_abs_ = weight_bound;
     weight_abs_exact_ = false;
     response.set_weights_version(version_);
   }

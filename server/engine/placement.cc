@@ -38,7 +38,8 @@ int64_t HeldRows(const v1::Placement& placement, int64_t vocab_size, int k, int 
 }
 
 absl::StatusOr<std::unique_ptr<Placement>> Placement::Create(
-    std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype) {
+    std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype,
+    std::shared_ptr<kernels::ProcessGroup> processes) {
   const int k = static_cast<int>(devices.size());
   const int wanted = PlacementDevices(spec.placement(), k);
   if (wanted != k) {
@@ -48,10 +49,16 @@ absl::StatusOr<std::unique_ptr<Placement>> Placement::Create(
   LOSSHEAD_ASSIGN_OR_RETURN(const kernels::MatmulPrecision precision,
                             ToKernel(spec.matmul_precision(), dtype));
   const bool sharded = spec.placement().kind() == v1::PLACEMENT_SHARDED;
+  const bool across = sharded && spec.placement().across_processes();
+  if (across && processes == nullptr) {
+    return absl::FailedPreconditionError(
+        "placement.across_processes needs a server of a process group (--group_peers)");
+  }
   LOSSHEAD_ASSIGN_OR_RETURN(
       std::unique_ptr<ReplicaGroup> group,
       ReplicaGroup::Create(devices, spec.vocab_size(), spec.hidden_size(), dtype,
-                           sharded ? Holding::kOwnRows : Holding::kAllRows, precision));
+                           sharded ? Holding::kOwnRows : Holding::kAllRows, precision,
+                           across ? std::move(processes) : nullptr));
   // A sharded head of one device still runs the shard kernels: the layout is the placement's, not
   // the device count's.
   if (sharded) return std::unique_ptr<Placement>(new ShardedPlacement(std::move(group)));

@@ -42,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/problem.h"
+#include "losshead/kernels/process_group.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/replica_group.h"
 #include "server/engine/step_devices.h"
@@ -95,8 +96,12 @@ class Placement {
  public:
   // The placement `spec` asks for, on `devices` (their number must be the placement's:
   // INVALID_ARGUMENT otherwise; a placement of 0 devices takes them all), its group created.
+  // A sharded placement across processes (Placement.across_processes) takes `processes`, the
+  // server's process group (FAILED_PRECONDITION without one), and is a collective call of every
+  // process of it (ReplicaGroup::Create): `devices` are this process's shards.
   static absl::StatusOr<std::unique_ptr<Placement>> Create(
-      std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype);
+      std::span<kernels::Backend* const> devices, const v1::HeadSpec& spec, kernels::DType dtype,
+      std::shared_ptr<kernels::ProcessGroup> processes = nullptr);
 
   virtual ~Placement() = default;
   Placement(const Placement&) = delete;

@@ -127,4 +127,63 @@ absl::Status ProcessWindow::Broadcast(std::string& data, int root) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<std::string>> ProcessWindow::AllGather(absl::string_view what,
+                                                                  absl::string_view mine) {
+  absl::MutexLock lock(&mu_);
+  LOSSHEAD_RETURN_IF_ERROR(group_->health());
+  // The lengths first (fixed size), so that each process knows what every other sends.
+  const uint64_t length = mine.size();
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      std::vector<std::vector<std::byte>> lengths,
+      group_->AllGather(what, std::span<const std::byte>(
+                                  reinterpret_cast<const std::byte*>(&length), sizeof(length))));
+  std::vector<std::string> all(size());
+  std::vector<std::span<const std::byte>> sends(size());
+  std::vector<std::span<std::byte>> recvs(size());
+  const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(mine.data()),
+                                         mine.size());
+  for (int q = 0; q < size(); ++q) {
+    if (lengths[q].size() != sizeof(uint64_t)) {
+      return absl::InternalError("a process sent a length of another size");
+    }
+    uint64_t theirs;
+    std::memcpy(&theirs, lengths[q].data(), sizeof(theirs));
+    if (q == rank()) {
+      all[q] = std::string(mine);
+      continue;
+    }
+    sends[q] = bytes;
+    all[q].assign(theirs, '\0');
+    recvs[q] = std::span<std::byte>(reinterpret_cast<std::byte*>(all[q].data()), all[q].size());
+  }
+  LOSSHEAD_RETURN_IF_ERROR(group_->Exchange(what, sends, recvs));
+  return all;
+}
+
+absl::Status ProcessWindow::GatherRows(absl::string_view what, std::string& data, size_t begin,
+                                       size_t end) {
+  if (begin > end || end > data.size()) {
+    return absl::InternalError(
+        absl::StrCat("rows [", begin, ", ", end, ") outside ", data.size(), " bytes"));
+  }
+  // Each process sends where its rows start, then the rows.
+  std::string mine(sizeof(uint64_t), '\0');
+  const uint64_t at = begin;
+  std::memcpy(mine.data(), &at, sizeof(at));
+  mine.append(data, begin, end - begin);
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<std::string> all, AllGather(what, mine));
+  for (int q = 0; q < size(); ++q) {
+    if (q == rank()) continue;
+    uint64_t theirs;
+    if (all[q].size() < sizeof(theirs)) return absl::InternalError("a process sent no rows");
+    std::memcpy(&theirs, all[q].data(), sizeof(theirs));
+    const size_t count = all[q].size() - sizeof(theirs);
+    if (theirs > data.size() || count > data.size() - theirs) {
+      return absl::InternalError(absl::StrCat("process ", q, " sent rows outside the tensor"));
+    }
+    std::memcpy(data.data() + theirs, all[q].data() + sizeof(theirs), count);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace losshead::server

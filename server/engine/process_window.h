@@ -21,10 +21,12 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/collective.h"
@@ -54,6 +56,18 @@ class ProcessWindow {
   // `data` of process `root` copied into every other process's `data` (of the same size there).
   // On error `data` is not touched where it is not root's.
   absl::Status Broadcast(std::string& data, int root);
+
+  // For a head sharded across processes (Placement.across_processes), whose processes hold
+  // disjoint rows. Every process's `mine` (of any length), indexed by process rank.
+  absl::StatusOr<std::vector<std::string>> AllGather(absl::string_view what,
+                                                     absl::string_view mine);
+  // Bytes [begin, end) of `data` (this process's rows of a V x D tensor, the same size on every
+  // process) copied into every other process's `data`, and theirs into this one's: afterwards
+  // every process holds every process's rows. The ranges must not overlap. On error `data` is
+  // not touched outside [begin, end).
+  absl::Status GatherRows(absl::string_view what, std::string& data, size_t begin, size_t end);
+  // The group, for the collectives of a head sharded across processes (CreateProcessCollective).
+  const std::shared_ptr<kernels::ProcessGroup>& group() const { return group_; }
 
  private:
   ProcessWindow(std::shared_ptr<kernels::ProcessGroup> group,

@@ -22,19 +22,36 @@ Replica::~Replica() {
 
 absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
     std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
-    kernels::DType dtype, Holding holding, kernels::MatmulPrecision precision) {
+    kernels::DType dtype, Holding holding, kernels::MatmulPrecision precision,
+    std::shared_ptr<kernels::ProcessGroup> processes) {
   const int k = static_cast<int>(devices.size());
   if (k < 1) return absl::InvalidArgumentError("a head needs at least one device");
-  if (vocab_size < k) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a head of ", vocab_size, " rows cannot be ",
-                     holding == Holding::kOwnRows ? "sharded" : "replicated", " over ", k,
-                     " devices: each owns at least one row"));
-  }
-  std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype, precision));
   for (int r = 0; r < k; ++r) {
     if (devices[r] == nullptr) return absl::InvalidArgumentError("null device");
-    const kernels::Shard rows = kernels::ShardRange(vocab_size, k, r);
+  }
+  std::unique_ptr<ReplicaGroup> group(new ReplicaGroup(vocab_size, hidden_size, dtype, precision));
+  group->shard_count_ = k;
+  if (processes != nullptr) {
+    if (holding != Holding::kOwnRows) {
+      return absl::InvalidArgumentError("only a sharded head spans processes");
+    }
+    // The collective first: it tells every process its shards' global ranks. Every process
+    // reaches it (the checks above are the same on every process for the same spec).
+    LOSSHEAD_ASSIGN_OR_RETURN(group->collective_,
+                              kernels::CreateProcessCollective(std::move(processes), devices));
+    group->shard_count_ = group->collective_->size();
+    group->first_shard_ = group->collective_->first_rank();
+    group->across_processes_ = true;
+  }
+  const int shards = group->shard_count_;
+  if (vocab_size < shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a head of ", vocab_size, " rows cannot be ",
+                     holding == Holding::kOwnRows ? "sharded" : "replicated", " over ", shards,
+                     " devices: each owns at least one row"));
+  }
+  for (int r = 0; r < k; ++r) {
+    const kernels::Shard rows = kernels::ShardRange(vocab_size, shards, group->first_shard_ + r);
     const kernels::Shard held =
         holding == Holding::kOwnRows ? rows : kernels::Shard{.begin = 0, .end = vocab_size};
     auto replica = std::make_unique<Replica>(*devices[r], r, rows, held);
@@ -44,7 +61,7 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
     }
     group->replicas_.push_back(std::move(replica));
   }
-  if (k > 1) {
+  if (k > 1 && group->collective_ == nullptr) {
     LOSSHEAD_ASSIGN_OR_RETURN(group->collective_, kernels::CreateCollective(devices));
   }
   return group;
@@ -245,12 +262,14 @@ absl::Status ReplicaGroup::GatherWeights() {
 
 absl::Status ReplicaGroup::GatherShardStats(int64_t chunk_rows, int output_stats_rows) {
   if (collective_ == nullptr) return absl::OkStatus();
-  const std::vector<int64_t> counts(size(), kernels::kShardStats * chunk_rows);
+  // One slice per shard of every process (the collective's ranks).
+  const std::vector<int64_t> counts(collective_->size(), kernels::kShardStats * chunk_rows);
   LOSSHEAD_RETURN_IF_ERROR(collective_->AllGather(Buffers(&Replica::shard_stats), counts,
                                                   kernels::DType::kFP32, Streams()));
   if (output_stats_rows == 0) return absl::OkStatus();
   // int32 ids travel as the floats with their bits: a gather copies them, never adds.
-  const std::vector<int64_t> output_counts(size(), int64_t{output_stats_rows} * chunk_rows);
+  const std::vector<int64_t> output_counts(collective_->size(),
+                                           int64_t{output_stats_rows} * chunk_rows);
   return collective_->AllGather(Buffers(&Replica::shard_output_stats), output_counts,
                                 kernels::DType::kFP32, Streams());
 }

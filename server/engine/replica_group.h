@@ -29,6 +29,7 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/collective.h"
 #include "losshead/kernels/problem.h"
+#include "losshead/kernels/process_group.h"
 #include "server/engine/compute_queue.h"
 #include "server/engine/head_optimizer.h"
 
@@ -153,10 +154,18 @@ class ReplicaGroup {
   // holding what `holding` says. INVALID_ARGUMENT for no device, a null one, or fewer rows than
   // devices. The collective is created only for k > 1 (INVALID_ARGUMENT or UNIMPLEMENTED from
   // CreateCollective for devices it cannot join).
+  //
+  // With `processes` (a head sharded across server processes; kOwnRows only): a collective call
+  // of every process of that group. The devices of every process are the shards together, global
+  // shard rank first_shard() + r on devices[r] owning and holding ShardRange(vocab_size,
+  // shard_count(), first_shard() + r), process 0's devices first; the collective is
+  // CreateProcessCollective's over them (whatever k here), so that the shard exchanges span
+  // every process.
   static absl::StatusOr<std::unique_ptr<ReplicaGroup>> Create(
       std::span<kernels::Backend* const> devices, int64_t vocab_size, int64_t hidden_size,
       kernels::DType dtype, Holding holding = Holding::kAllRows,
-      kernels::MatmulPrecision precision = kernels::MatmulPrecision::kHighest);
+      kernels::MatmulPrecision precision = kernels::MatmulPrecision::kHighest,
+      std::shared_ptr<kernels::ProcessGroup> processes = nullptr);
 
   // Stops the idle flush, then waits for every replica's work before the collective and the
   // replicas' buffers go.
@@ -184,6 +193,12 @@ class ReplicaGroup {
   size_t ReleaseStash(Replica& replica);
 
   int size() const { return static_cast<int>(replicas_.size()); }
+  // The shards over every process (size() and 0 for a group of this process's devices alone):
+  // replica r is shard first_shard() + r of shard_count().
+  int shard_count() const { return shard_count_; }
+  int first_shard() const { return first_shard_; }
+  // Whether the group spans several processes (Create's `processes`).
+  bool across_processes() const { return across_processes_; }
   int64_t vocab_size() const { return vocab_size_; }
   int64_t hidden_size() const { return hidden_size_; }
   kernels::DType dtype() const { return dtype_; }
@@ -298,7 +313,10 @@ class ReplicaGroup {
   const kernels::DType dtype_;
   const kernels::MatmulPrecision precision_;
   std::vector<std::unique_ptr<Replica>> replicas_;
-  std::unique_ptr<kernels::Collective> collective_;  // null for one replica
+  std::unique_ptr<kernels::Collective> collective_;  // null for one replica of one process
+  int shard_count_ = 0;
+  int first_shard_ = 0;
+  bool across_processes_ = false;
   std::atomic<uint64_t> next_tie_{0};
   absl::Notification stop_idle_flush_;
   std::thread idle_flush_;

@@ -21,8 +21,8 @@ kernels::ShardProblem ShardedPlacement::ShardOf(const kernels::Problem& problem,
   return kernels::ShardProblem{.problem = problem,
                                .row_begin = shard.rows.begin,
                                .rows = shard.rows.size(),
-                               .shards = group().size(),
-                               .rank = shard.rank};
+                               .shards = group().shard_count(),
+                               .rank = group().first_shard() + shard.rank};
 }
 
 absl::Status ShardedPlacement::CheckWorkspace(Replica& replica, size_t budget) const {
@@ -56,8 +56,27 @@ absl::Status ShardedPlacement::Prepare(const StepRun& run, StepDevices& devices,
     // Shards differ by at most one row: the smallest chunk fits every shard's plan.
     chunk_rows_ = std::min(chunk_rows_, plan.chunk_rows);
   }
+  if (group().across_processes()) {
+    // Every process must run the same chunks: the plans of the other processes' shards too,
+    // made here (a plan depends on the problem, the shard's rows and the budget, and every
+    // process's backends are of one kind), so that no exchange is needed to agree.
+    const int shards = group().shard_count();
+    for (int rank = 0; rank < shards; ++rank) {
+      const kernels::Shard rows = kernels::ShardRange(group().vocab_size(), shards, rank);
+      const kernels::ShardProblem other{.problem = run.problem,
+                                        .row_begin = rows.begin,
+                                        .rows = rows.size(),
+                                        .shards = shards,
+                                        .rank = rank};
+      LOSSHEAD_ASSIGN_OR_RETURN(const kernels::ShardPlan plan,
+                                shards_[0]->backend.PlanShard(other, run.workspace_budget));
+      chunk_rows_ = std::min(chunk_rows_, plan.chunk_rows);
+    }
+  }
   chunk_rows_ = kernels::BalancedChunkRows(run.problem.n, chunk_rows_);
-  const int64_t stats_floats = int64_t{k} * kernels::kShardStats * chunk_rows_;
+  // The statistics hold a slice per shard of every process.
+  const int64_t all_shards = group().shard_count();
+  const int64_t stats_floats = all_shards * kernels::kShardStats * chunk_rows_;
   const int64_t partial_floats = run.grad_hidden ? chunk_rows_ * group().hidden_size() : 0;
   // The distribution outputs' statistics, on every shard, only when one is asked for or the
   // entropy term needs s (shard_problem.h): a micro-batch without them grows nothing and
@@ -66,7 +85,7 @@ absl::Status ShardedPlacement::Prepare(const StepRun& run, StepDevices& devices,
   output_stats_rows_ = run.outputs.distribution() || entropy_term
                            ? kernels::ShardOutputStatsRows(run.outputs.top_k)
                            : 0;
-  const int64_t output_stats_floats = int64_t{k} * output_stats_rows_ * chunk_rows_;
+  const int64_t output_stats_floats = all_shards * output_stats_rows_ * chunk_rows_;
   for (Replica* r : shards_) {
     LOSSHEAD_RETURN_IF_ERROR(scratch.Ensure(*r, r->workspace, workspace_bytes_[r->rank], true));
     LOSSHEAD_RETURN_IF_ERROR(

@@ -7,6 +7,12 @@
 // returns the results and the outputs. The sequence and its math are the backend's (see
 // losshead/kernels/shard_problem.h); this placement drives it over the shards' streams.
 //
+// Across server processes (ReplicaGroup::across_processes: Placement.across_processes), the
+// shards are those of every process, their exchanges the process collective's, and this process
+// drives its own: every process runs every micro-batch, in the same order (the group's leader
+// orders them), and computes the same chunks (each plans every process's shards). The row math
+// is the same code: a shard's part and rank are its global ones.
+//
 // dW needs no reduction at a cut (each shard holds the whole window of its rows) and W no copies
 // (no row is held twice): the cut's collectives are no-ops beyond flushing the stashes.
 #ifndef LOSSHEAD_SERVER_ENGINE_SHARDED_PLACEMENT_H_

@@ -124,6 +124,52 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
   return outcome;
 }
 
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBatch& mb,
+                                                                   StepStats* stats) {
+  if (mb.header.kind() != v1::STEP_KIND_LOSS) {
+    LOSSHEAD_RETURN_IF_ERROR(CheckHeader(mb.header));  // an unknown kind
+    return absl::UnimplementedError(
+        "EMBEDDING_GRAD micro-batches are not run on a head sharded across processes yet");
+  }
+  LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
+  const std::string& client_id = mb.header.client_id();
+  if (prepared.forward_only || client_id.empty()) return nullptr;
+  const StepFingerprint fingerprint{
+      .hidden =
+          mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden_bytes()),
+      .targets = WithTokenInputs(
+          mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
+          mb.token_inputs),
+      .shape = StepShape(mb.header)};
+  LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
+                            cache_.Begin(client_id, mb.header.sequence(), fingerprint));
+  if (remembered == nullptr) return nullptr;
+  if (!remembered->failure.ok()) return remembered->failure;
+  stats->replayed = true;
+  return remembered;
+}
+
+absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunStep(const MicroBatch& mb,
+                                                                 StepStats* stats, bool keyed) {
+  if (mb.header.kind() != v1::STEP_KIND_LOSS) {
+    return absl::UnimplementedError(
+        "EMBEDDING_GRAD micro-batches are not run on a head sharded across processes yet");
+  }
+  // The same checks as at the home, on the same bytes and the same state: they pass here too.
+  LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
+  keyed = keyed && !prepared.forward_only && !mb.header.client_id().empty();
+  const std::string client_id = keyed ? mb.header.client_id() : std::string();
+  const uint64_t sequence = keyed ? mb.header.sequence() : 0;
+  auto outcome = Compute(prepared, stats, client_id, sequence, nullptr);
+  if (!outcome.ok() && keyed) cache_.Abandon(client_id, sequence);  // ignored once settled
+  return outcome;
+}
+
+void Head::AbandonStep(const v1::StepHeader& header) {
+  if (header.client_id().empty() || header.options().forward_only()) return;
+  cache_.Abandon(header.client_id(), header.sequence());
+}
+
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
     const PreparedStep& p, StepStats* stats, const std::string& client_id, uint64_t sequence,
     const std::function<void()>& on_ordered) {
@@ -214,6 +260,17 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
   if (!ran.ok()) {
     // Forward-only: dW was not an argument, nothing can be in it.
     if (p.forward_only || refused) return ran;
+    if (group().across_processes() && absl::IsUnavailable(ran)) {
+      // An exchange with the other processes failed: the group is broken, and no process can
+      // count this micro-batch or cut the window again. The key keeps this answer.
+      absl::Status broken = absl::UnavailableError(absl::StrCat(
+          "micro-batch ", KeyOf(client_id, sequence),
+          " could not run on every process of the head's group: ", ran.message(),
+          "; the group is broken and must be rebuilt",
+          client_id.empty() ? "" : "; this key keeps this answer and is never computed again"));
+      if (!client_id.empty()) cache_.Fail(client_id, sequence, broken);
+      return broken;
+    }
     // The run may have added some of its chunks to dW before it failed, and there is no exact
     // way to take them out again. The key keeps this answer: a retry must not add them twice.
     const bool keyed = !client_id.empty();
@@ -261,7 +318,15 @@ absl::StatusOr<uint64_t> Head::ReserveRun(const PreparedStep& p,
   }
   if (absl::IsOutOfRange(bounded) && !bound_exact) {
     // Refused on the optimizer's bound of W: W itself decides.
-    LOSSHEAD_ASSIGN_OR_RETURN(const float measured, MeasureWeights(devices));
+    LOSSHEAD_ASSIGN_OR_RETURN(float measured, MeasureWeights(devices));
+    if (across_processes()) {
+      // This process holds only its rows: the largest over every process's, so that every
+      // process decides alike (each reaches this point for the same micro-batch, the bounds it
+      // checks being the same everywhere).
+      LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<double> every,
+                                GatherDoubles("the largest |w| of W", {double{measured}}));
+      for (double m : every) measured = std::max(measured, static_cast<float>(m));
+    }
     absl::MutexLock state(&state_mu_);
     weight_abs_ = measured;
     weight_abs_exact_ = true;

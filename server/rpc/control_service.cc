@@ -50,6 +50,10 @@ const char* ControlMethod(const v1::ControlRequest& request) {
     case v1::ControlRequest::kCheckpoint:
     case v1::ControlRequest::kCheckpointCommit:
       return "/losshead.v1.LossHead/Checkpoint";
+    case v1::ControlRequest::kStep:
+      return "/losshead.v1.LossHead/Step";
+    case v1::ControlRequest::kDownloadWeights:
+      return "/losshead.v1.LossHead/DownloadWeights";
     default:
       return "/losshead.v1.LossHead/CreateHead";  // the writer's role: nothing is run anyway
   }

@@ -26,8 +26,48 @@ namespace {
 
 // What every process runs at once, meeting in an exchange of the group.
 bool IsCut(const v1::ControlRequest& request) {
+  // A head sharded across processes: its creation (the collective joins every process), its
+  // micro-batches and its downloads (every process sends its rows) too.
+  const bool across =
+      request.has_create_head() && request.create_head().spec().placement().across_processes();
   return request.has_apply_optimizer() || request.has_pull_gradient() ||
-         request.has_push_weights();
+         request.has_push_weights() || request.has_step() || request.has_download_weights() ||
+         across;
+}
+
+// Where a code travels as one byte before its message.
+std::string StatusBytes(const absl::Status& status) {
+  std::string bytes(1, static_cast<char>(status.code()));
+  absl::StrAppend(&bytes, status.message());
+  return bytes;
+}
+
+// The micro-batch's tensors one after another, as StepControl counts them.
+std::string Pack(const MicroBatch& mb) {
+  std::string packed(mb.hidden_bytes());
+  packed.append(mb.targets);
+  for (const std::string& input : mb.token_inputs) packed.append(input);
+  return packed;
+}
+
+absl::Status Unpack(const v1::StepControl& step, const std::string& packed, MicroBatch* mb) {
+  size_t at = 0;
+  auto take = [&](uint64_t bytes, std::string* into) {
+    if (bytes > packed.size() - at) return false;
+    into->assign(packed, at, bytes);
+    at += bytes;
+    return true;
+  };
+  bool whole = take(step.hidden_bytes(), &mb->hidden) && take(step.targets_bytes(), &mb->targets);
+  if (step.token_input_bytes_size() > kTokenInputs) whole = false;
+  for (int i = 0; whole && i < step.token_input_bytes_size(); ++i) {
+    whole = take(step.token_input_bytes(i), &mb->token_inputs[i]);
+  }
+  if (!whole || at != packed.size()) {
+    return absl::InternalError("a micro-batch's tensors arrived with other sizes than announced");
+  }
+  mb->header = step.header();
+  return absl::OkStatus();
 }
 
 // What a follower's status becomes in the leader's answer: the follower's code and message,
@@ -117,7 +157,7 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request
     return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                         status.error_message());
   }
-  if (request.has_pull_gradient() && pulled != nullptr) {
+  if ((request.has_pull_gradient() || request.has_download_weights()) && pulled != nullptr) {
     absl::MutexLock lock(&mu_);
     auto it = pulled_.find(response.sequence());
     if (it == pulled_.end()) {
@@ -311,7 +351,8 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Apply(const v1::ControlRequest
   }
   GradientSnapshot pulled;
   LOSSHEAD_ASSIGN_OR_RETURN(v1::ControlResponse response, RunHere(request, &pulled));
-  if (request.has_pull_gradient() && request.origin() == rank()) {
+  if ((request.has_pull_gradient() || request.has_download_weights()) &&
+      request.origin() == rank()) {
     absl::MutexLock lock(&mu_);
     pulled_[request.sequence()] = std::move(pulled);
   }
@@ -327,8 +368,10 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
   HeadRegistry& registry = *ctx_->registry;
   switch (request.op_case()) {
     case v1::ControlRequest::kCreateHead: {
-      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head,
-                                registry.Create(request.create_head().spec()));
+      const v1::HeadSpec& spec = request.create_head().spec();
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, spec.placement().across_processes()
+                                                                ? CreateAcross(spec)
+                                                                : registry.Create(spec));
       *response.mutable_head() = head->Info();
       break;
     }
@@ -418,10 +461,131 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
       }
       LOSSHEAD_RETURN_IF_ERROR(sets_->Commit(request.checkpoint_commit().cut()));
       break;
+    case v1::ControlRequest::kStep: {
+      const v1::StepControl& step = request.step();
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(step.header().head()));
+      const bool origin = request.origin() == rank();
+      PendingStep* pending = nullptr;
+      MicroBatch received;
+      std::string packed;
+      if (origin) {
+        absl::MutexLock lock(&mu_);
+        auto it = steps_.find(step.step_id());
+        if (it == steps_.end()) {
+          return absl::InternalError(
+              absl::StrCat("micro-batch ", step.step_id(), " is not held by its origin"));
+        }
+        pending = it->second;
+      }
+      if (origin) {
+        packed = Pack(*pending->microbatch);
+      } else {
+        uint64_t total = step.hidden_bytes() + step.targets_bytes();
+        for (uint64_t bytes : step.token_input_bytes()) total += bytes;
+        packed.assign(total, '\0');
+      }
+      // From the origin to every process; a process gone makes it UNAVAILABLE everywhere before
+      // anything ran.
+      LOSSHEAD_RETURN_IF_ERROR(window_->Broadcast(packed, request.origin()));
+      StepStats unused;
+      if (!origin) {
+        LOSSHEAD_RETURN_IF_ERROR(Unpack(step, packed, &received));
+        std::string().swap(packed);
+      }
+      absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome =
+          head->RunStep(origin ? *pending->microbatch : received, origin ? pending->stats : &unused,
+                        /*keyed=*/origin);
+      const absl::Status ran = outcome.status();
+      if (origin) {
+        absl::MutexLock lock(&mu_);
+        pending->outcome = std::move(outcome);
+        pending->ran = true;
+      }
+      LOSSHEAD_RETURN_IF_ERROR(ran);
+      break;
+    }
+    case v1::ControlRequest::kDownloadWeights: {
+      // W gathered from every process's rows; the bytes stay with the origin (in `pulled`, its
+      // summary carrying their dtype).
+      const v1::DownloadWeightsRequest& download = request.download_weights();
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(download.head()));
+      LOSSHEAD_ASSIGN_OR_RETURN(WeightsSnapshot snap, head->DownloadWeights(download.dtype()));
+      response.set_weights_version(snap.version);
+      *pulled = GradientSnapshot();
+      pulled->summary.set_dtype(snap.dtype);
+      pulled->data = std::move(snap.data);
+      break;
+    }
     default:
       return absl::InvalidArgumentError("a control request without an operation");
   }
   return response;
+}
+
+absl::Status GroupControl::Agree(absl::string_view what, const absl::Status& mine) {
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                            window_->AllGather(what, StatusBytes(mine)));
+  for (int p = 0; p < size(); ++p) {
+    if (all[p].empty()) return absl::InternalError("a process sent no verdict");
+    const auto code = static_cast<absl::StatusCode>(static_cast<unsigned char>(all[p][0]));
+    if (code == absl::StatusCode::kOk) continue;
+    if (p == rank()) return mine;
+    return FromFollower(p, addresses_[p], absl::Status(code, absl::string_view(all[p]).substr(1)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Head>> GroupControl::CreateAcross(const v1::HeadSpec& spec) {
+  HeadRegistry& registry = *ctx_->registry;
+  // What each process can tell before its shards join the others' (a spec, a taken name, its
+  // devices), agreed first: a refusal anywhere is every process's, and none enters the
+  // collective's creation while another does not.
+  absl::Status ready = Head::ValidateSpec(spec);
+  if (ready.ok() && registry.Get(spec.name()).ok()) {
+    ready = absl::AlreadyExistsError(absl::StrCat("head '", spec.name(), "' already exists"));
+  }
+  if (ready.ok() && spec.placement().kind() != v1::PLACEMENT_SHARDED) {
+    ready = absl::InvalidArgumentError("placement.across_processes is for PLACEMENT_SHARDED only");
+  }
+  if (ready.ok()) ready = registry.Place(spec.placement()).status();
+  LOSSHEAD_RETURN_IF_ERROR(Agree("the checks of a head sharded across processes", ready));
+  absl::StatusOr<std::shared_ptr<Head>> head = registry.Create(spec);
+  // Then its allocation (memory may fit one process and not another): kept only where it
+  // succeeded everywhere.
+  absl::Status created = Agree("the creation of a head sharded across processes", head.status());
+  if (!created.ok()) {
+    if (head.ok()) registry.Delete(spec.name()).IgnoreError();
+    return created;
+  }
+  return head;
+}
+
+absl::StatusOr<std::shared_ptr<const StepOutcome>> GroupControl::Step(
+    Head& head, const MicroBatch& mb, StepStats* stats, const std::string& authorization) {
+  LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> replayed, head.ClaimStep(mb, stats));
+  if (replayed != nullptr) return replayed;
+  v1::ControlRequest request;
+  v1::StepControl& step = *request.mutable_step();
+  *step.mutable_header() = mb.header;
+  step.set_hidden_bytes(mb.hidden_bytes().size());
+  step.set_targets_bytes(mb.targets.size());
+  for (const std::string& input : mb.token_inputs) step.add_token_input_bytes(input.size());
+  PendingStep pending{.microbatch = &mb, .stats = stats};
+  {
+    absl::MutexLock lock(&mu_);
+    step.set_step_id(++next_step_);
+    steps_[step.step_id()] = &pending;
+  }
+  absl::StatusOr<v1::ControlResponse> done = Run(request, authorization);
+  {
+    absl::MutexLock lock(&mu_);
+    steps_.erase(step.step_id());
+  }
+  if (pending.ran) return std::move(pending.outcome);
+  // It never ran here: nothing counted here, and the claim is freed for a retry.
+  head.AbandonStep(mb.header);
+  if (!done.ok()) return done.status();
+  return absl::InternalError("the leader answered a micro-batch that never ran at its origin");
 }
 
 }  // namespace losshead::server

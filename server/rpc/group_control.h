@@ -12,9 +12,13 @@
 // process holds the same state) is answered without touching the followers; then on every
 // follower. A process that fails makes the request UNAVAILABLE naming it.
 //
-// Steps need no control: each client id has a home process, HomeOf(client_id) = FNV-1a 64 of its
-// bytes mod N, where its micro-batches are deduplicated; a micro-batch with a client id sent
-// elsewhere is refused FAILED_PRECONDITION naming the home's address (CheckStep).
+// A head sharded across processes (Placement.across_processes) is created on every process at
+// once (its collective spans them) and its micro-batches, pulls and downloads are ordered by the
+// leader like the cuts: every process runs each of them at once (Step).
+//
+// Steps of a replicated head need no control: each client id has a home process, HomeOf(client_id)
+// = FNV-1a 64 of its bytes mod N, where its micro-batches are deduplicated; a micro-batch with a
+// client id sent elsewhere is refused FAILED_PRECONDITION naming the home's address (CheckStep).
 //
 // Thread-safe.
 #ifndef LOSSHEAD_SERVER_RPC_GROUP_CONTROL_H_
@@ -106,6 +110,16 @@ class GroupControl {
   absl::Status Probe(int process, absl::Duration timeout);
   // OK while the group's exchanges work; the error that broke it otherwise.
   absl::Status health() const { return window_->health(); }
+  // A micro-batch of a head sharded across processes (Head::across_processes), received whole
+  // by this process (its home, for one with a client id: CheckStep): a replay is answered here
+  // (Head::ClaimStep); otherwise the leader orders it among every process's micro-batches and
+  // cuts, this process sends its tensors to every other over the group, and every process runs
+  // it (Head::RunStep) at once. The outcome is this process's run's. UNAVAILABLE when the group
+  // failed before it ran here (nothing counted here, the key free again) or while it ran (the
+  // key keeps that answer).
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(Head& head, const MicroBatch& microbatch,
+                                                          StepStats* stats,
+                                                          const std::string& authorization);
 
  private:
   // The leader's part of a checkpoint, under lead_mu_.
@@ -119,6 +133,11 @@ class GroupControl {
   std::vector<absl::StatusOr<v1::ControlResponse>> ApplyOnFollowers(
       const v1::ControlRequest& request, const std::string& authorization);
   v1::ProcessControl::Stub& StubOf(int process);
+  // Every process's `mine` exchanged over the group: OK when every one is OK, otherwise the
+  // first refusal in rank order (another process's named), the same on every process.
+  absl::Status Agree(absl::string_view what, const absl::Status& mine);
+  // CreateHead of a head sharded across processes: every process at once, refusing alike.
+  absl::StatusOr<std::shared_ptr<Head>> CreateAcross(const v1::HeadSpec& spec);
   absl::Duration CallTimeout() const { return op_timeout_ * 2 + absl::Minutes(1); }
 
   const std::shared_ptr<ProcessWindow> window_;
@@ -143,6 +162,16 @@ class GroupControl {
   // The pushes whose origin this process is, until their broadcast.
   uint64_t next_push_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, std::string> pushes_ ABSL_GUARDED_BY(mu_);
+  // The micro-batches whose origin this process is, until the leader has run them: what the
+  // run needs here and what it answered.
+  struct PendingStep {
+    const MicroBatch* microbatch = nullptr;
+    StepStats* stats = nullptr;
+    bool ran = false;
+    absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome{absl::UnknownError("not run")};
+  };
+  uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, PendingStep*> steps_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace losshead::server

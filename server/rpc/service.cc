@@ -149,8 +149,8 @@ grpc::ServerReadReactor<v1::PushWeightsRequest>* LossHeadService::PushWeights(
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::DownloadWeights(
-    grpc::CallbackServerContext* /*context*/, const grpc::ByteBuffer* request) {
-  return StartDownloadWeights(ctx_, request);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  return StartDownloadWeights(ctx_, request, AuthorizationOf(*context));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::EmbeddingRows(

@@ -10,6 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/observability/microbatch_metrics.h"
+#include "server/rpc/control_service.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/step_reactor.h"
 #include "server/rpc/step_wire.h"
 
@@ -108,6 +110,12 @@ void StepReactor::ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run)
     return;
   }
   run.reach = MicrobatchRecord::Reach::kRan;
+  if (ctx_->group != nullptr && (*head)->across_processes()) {
+    // Sharded across processes: run on every process in the leader's order (group_control.h).
+    run.outcome = ctx_->group->Step(**head, mb, &run.stats,
+                                    call_ != nullptr ? AuthorizationOf(*call_) : std::string());
+    return;
+  }
   run.outcome = (*head)->Step(mb, &run.stats, [this, &run] {
     absl::MutexLock lock(&mu_);
     run.ordered = true;

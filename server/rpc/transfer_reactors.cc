@@ -305,15 +305,30 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(ServiceContext* ct
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext* ctx,
-                                                                 const grpc::ByteBuffer* raw) {
+                                                                 const grpc::ByteBuffer* raw,
+                                                                 std::string authorization) {
   absl::StatusOr<v1::DownloadWeightsRequest> parsed =
       ParseRequest<v1::DownloadWeightsRequest>(raw, "DownloadWeights");
   if (!parsed.ok()) return new Refusal(ctx, "DownloadWeights", parsed.status());
   return new ChunkedWriter<v1::WeightsChunk, kWeightsDataField>(
       ctx, "DownloadWeights",
-      [ctx, req = *std::move(parsed)](v1::WeightsChunk& first) -> absl::StatusOr<std::string> {
+      [ctx, req = *std::move(parsed),
+       authorization](v1::WeightsChunk& first) -> absl::StatusOr<std::string> {
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
-        LOSSHEAD_ASSIGN_OR_RETURN(WeightsSnapshot snap, head->DownloadWeights(req.dtype()));
+        WeightsSnapshot snap;
+        if (ctx->group != nullptr && head->across_processes()) {
+          // Every process sends its rows, in the leader's order (group_control.h).
+          v1::ControlRequest control;
+          *control.mutable_download_weights() = req;
+          GradientSnapshot gathered;
+          LOSSHEAD_ASSIGN_OR_RETURN(const v1::ControlResponse done,
+                                    ctx->group->Run(control, authorization, &gathered));
+          snap.version = done.weights_version();
+          snap.dtype = gathered.summary.dtype();
+          snap.data = std::move(gathered.data);
+        } else {
+          LOSSHEAD_ASSIGN_OR_RETURN(snap, head->DownloadWeights(req.dtype()));
+        }
         first.set_vocab_size(head->vocab_size());
         first.set_hidden_size(head->hidden_size());
         first.set_dtype(snap.dtype);

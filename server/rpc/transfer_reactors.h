@@ -26,8 +26,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(
 // The rows of W for token ids (EmbeddingRowsRequest), streamed like DownloadWeights.
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* ctx,
                                                                const grpc::ByteBuffer* request);
+// A head sharded across processes is downloaded through the leader (every process sends its
+// rows), with the caller's `authorization` forwarded.
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext* ctx,
-                                                                 const grpc::ByteBuffer* request);
+                                                                 const grpc::ByteBuffer* request,
+                                                                 std::string authorization = "");
 // On a server of a process group the push reaches every process through the leader, with the
 // caller's `authorization` forwarded (group_control.h).
 grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(

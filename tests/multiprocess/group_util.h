@@ -142,9 +142,11 @@ struct Group {
 
 // A one-process server, as today (no group flags).
 struct Single {
-  explicit Single(const std::string& name) {
-    auto started = ServerProcess::Start(LOSSHEAD_SERVER_BINARY,
-                                        {"--backend=cpu", "--grad_stash_bytes=0"}, LogPath(name));
+  // Given `extra` beyond the CPU backend's flags.
+  explicit Single(const std::string& name, std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--backend=cpu", "--grad_stash_bytes=0"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    auto started = ServerProcess::Start(LOSSHEAD_SERVER_BINARY, flags, LogPath(name));
     EXPECT_TRUE(started.ok()) << started.status();
     if (started.ok()) {
       process = std::move(*started);
