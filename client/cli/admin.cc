@@ -109,6 +109,9 @@ absl::StatusOr<v1::Placement> PlacementFromFlags() {
     }
     placement.set_kind(v1::PLACEMENT_SHARDED);
     placement.set_devices(static_cast<uint32_t>(*shards));  // 0: every device
+    placement.set_across_processes(absl::GetFlag(FLAGS_across_processes));
+  } else if (absl::GetFlag(FLAGS_across_processes)) {
+    return absl::InvalidArgumentError("--across_processes needs --shards");
   } else if (replicas != 1) {
     placement.set_kind(v1::PLACEMENT_REPLICATED);
     placement.set_devices(static_cast<uint32_t>(replicas));

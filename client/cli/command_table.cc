@@ -48,6 +48,7 @@ const std::vector<Command>& Commands() {
                  {"matmul_precision"},
                  {"replicas"},
                  {"shards"},
+                 {"across_processes"},
                  {"chunk_tokens", "1024"},
                  {"streams"},
                  {"depth"},
@@ -69,6 +70,7 @@ const std::vector<Command>& Commands() {
                  {"seed"},
                  {"replicas"},
                  {"shards"},
+                 {"across_processes"},
                  {"bias"}},
        .run = RunCreate},
       {.name = "list", .summary = "list heads", .run = RunList},
@@ -100,7 +102,8 @@ const std::vector<Command>& Commands() {
                  {"create"},
                  {"matmul_precision"},
                  {"replicas"},
-                 {"shards"}},
+                 {"shards"},
+                 {"across_processes"}},
        .run = RunImport},
   };
   return *kCommands;

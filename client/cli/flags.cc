@@ -35,6 +35,9 @@ ABSL_FLAG(int, replicas, 1,
 ABSL_FLAG(
     std::optional<int>, shards, std::nullopt,
     "devices the head is sharded over by vocabulary rows (unset: not sharded; 0: every device)");
+ABSL_FLAG(bool, across_processes, false,
+          "with --shards: the head sharded across every process of a server group, --shards "
+          "devices on each (docs/multi-process.md)");
 
 ABSL_FLAG(std::optional<int64_t>, chunk_tokens, std::nullopt, "tokens per micro-batch");
 ABSL_FLAG(int, streams, 2, "concurrent Step streams");

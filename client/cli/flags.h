@@ -33,6 +33,8 @@ ABSL_DECLARE_FLAG(double, init_std);
 ABSL_DECLARE_FLAG(int, replicas);
 // Unset: not sharded; 0: every device of the server; k: k devices (Client.create_head's shards).
 ABSL_DECLARE_FLAG(std::optional<int>, shards);
+// With --shards: sharded across every process of a group (Placement.across_processes).
+ABSL_DECLARE_FLAG(bool, across_processes);
 
 // Streaming (demo, bench), named as RemoteLMHead names them. Unset: the subcommand's default.
 ABSL_DECLARE_FLAG(std::optional<int64_t>, chunk_tokens);

@@ -178,9 +178,9 @@ TEST(CommandLine, RefusesAFlagOfAnotherCommandNamingItsFlags) {
   EXPECT_EQ(i.status().message(),
             "--streams is not a flag of `losshead create` (a flag of bench); `losshead create` "
             "takes --head, --vocab_size, --hidden_size, --weight_dtype, --matmul_precision, "
-            "--init_std, --seed, --replicas, --shards, --bias, --server, --max_message_bytes, "
-            "--deadline_s, --token_file, --tls_root_ca, --tls_cert, --tls_key, --tls_server_name "
-            "(losshead create --help)");
+            "--init_std, --seed, --replicas, --shards, --across_processes, --bias, --server, "
+            "--max_message_bytes, --deadline_s, --token_file, --tls_root_ca, --tls_cert, --tls_key, "
+            "--tls_server_name (losshead create --help)");
   // In every form absl accepts.
   EXPECT_FALSE(Scan({"list", "--head", "x"}).ok());
   EXPECT_FALSE(Scan({"list", "-head=x"}).ok());
@@ -256,6 +256,18 @@ TEST(Placement, ShardsMeansWhatClientCreateHeadAndTheProtoMean) {
   absl::SetFlag(&FLAGS_replicas, 2);
   EXPECT_EQ(PlacementFromFlags().status().message(),
             "--shards and --replicas cannot both be given");
+}
+
+TEST(Placement, AcrossProcessesShardsOverEveryProcessOfAGroup) {
+  absl::FlagSaver saver;
+  absl::SetFlag(&FLAGS_across_processes, true);
+  EXPECT_EQ(PlacementFromFlags().status().message(), "--across_processes needs --shards");
+  absl::SetFlag(&FLAGS_shards, 2);
+  absl::StatusOr<v1::Placement> p = PlacementFromFlags();
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->kind(), v1::PLACEMENT_SHARDED);
+  EXPECT_EQ(p->devices(), 2u);
+  EXPECT_TRUE(p->across_processes());
 }
 
 }  // namespace

@@ -20,11 +20,15 @@ The region's memory comes from torch's caching allocator and is shared as torch.
 shares storage, so torch keeps it for the process's lifetime once it was shared: regions are
 kept and reused (one or a few per device and client, each a power of two of at least 1 MiB)
 rather than made per call.
+
+``LOSSHEAD_DEVICE_PATH=0`` keeps CUDA tensors on the host path (to compare the two, or where a
+driver's IPC misbehaves).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -86,7 +90,8 @@ class DevicePath:
 
     @property
     def supported(self) -> bool:
-        return self._lib.lh_capi_version() >= _DEVICE_VERSION
+        return (self._lib.lh_capi_version() >= _DEVICE_VERSION
+                and os.environ.get("LOSSHEAD_DEVICE_PATH", "1") != "0")
 
     def _server_devices(self) -> List[Tuple[Tuple[int, int, int], str]]:
         if self._server is None:
