@@ -41,8 +41,8 @@ Proof ProofOf(absl::string_view secret, absl::string_view role,
               std::span<const std::byte> connector_hello, std::span<const std::byte> acceptor_hello,
               const Offer& connector_offer, const Offer& acceptor_offer) {
   std::string text(role);
-  for (std::span<const std::byte> part : {connector_hello, acceptor_hello, Bytes(connector_offer),
-                                          Bytes(acceptor_offer)}) {
+  for (std::span<const std::byte> part :
+       {connector_hello, acceptor_hello, Bytes(connector_offer), Bytes(acceptor_offer)}) {
     text.append(reinterpret_cast<const char*>(part.data()), part.size());
   }
   Proof proof{};
@@ -77,18 +77,20 @@ absl::Status AuthenticatePeer(const tcp::Fd& fd, bool connector, absl::string_vi
   if (absl::Status s = tcp::ReadAll(fd, Bytes(theirs), deadline); !s.ok()) return s;
   if (theirs.has_secret != mine.has_secret) {
     return mine.has_secret != 0
-               ? Denied(who, "holds no group secret and this process requires one "
-                             "(--group_secret_file)")
-               : Denied(who, "requires a group secret (--group_secret_file) and this process "
-                             "holds none");
+               ? Denied(who,
+                        "holds no group secret and this process requires one "
+                        "(--group_secret_file)")
+               : Denied(who,
+                        "requires a group secret (--group_secret_file) and this process "
+                        "holds none");
   }
   if (secret.empty()) return absl::OkStatus();
   const Offer& connector_offer = connector ? mine : theirs;
   const Offer& acceptor_offer = connector ? theirs : mine;
   const Proof connector_proof = ProofOf(secret, "connector", connector_hello, acceptor_hello,
                                         connector_offer, acceptor_offer);
-  const Proof acceptor_proof = ProofOf(secret, "acceptor", connector_hello, acceptor_hello,
-                                       connector_offer, acceptor_offer);
+  const Proof acceptor_proof =
+      ProofOf(secret, "acceptor", connector_hello, acceptor_hello, connector_offer, acceptor_offer);
   std::byte verdict = kRefused;
   if (connector) {
     if (absl::Status s = tcp::WriteAll(fd, connector_proof, deadline); !s.ok()) return s;

@@ -208,10 +208,10 @@ absl::Status AcceptHigher(const ProcessGroupOptions& options, const Hello& mine,
     }
     if (!sent.ok()) continue;  // it left; it will connect again
     // Before the rank is taken: a process without the group's secret claims nothing.
-    const absl::Status a = AuthenticatePeer(
-        *fd, /*connector=*/false, options.secret, Bytes(theirs), Bytes(mine),
-        absl::StrCat("the process at ", address, " (claiming process ", q, ")"),
-        std::min(deadline, absl::Now() + absl::Seconds(5)));
+    const absl::Status a =
+        AuthenticatePeer(*fd, /*connector=*/false, options.secret, Bytes(theirs), Bytes(mine),
+                         absl::StrCat("the process at ", address, " (claiming process ", q, ")"),
+                         std::min(deadline, absl::Now() + absl::Seconds(5)));
     if (a.code() == absl::StatusCode::kPermissionDenied) return a;
     if (!a.ok()) continue;  // it left during the check; it will connect again
     if ((*fds)[q].valid()) {

@@ -37,8 +37,8 @@ absl::StatusOr<GroupSecret> GroupSecret::FromFile(const std::string& path) {
   if (!text.ok()) return text.status();
   absl::StatusOr<GroupSecret> secret = FromText(*text);
   if (!secret.ok()) {
-    return absl::Status(secret.status().code(),
-                        absl::StrCat("--group_secret_file '", path, "': ", secret.status().message()));
+    return absl::Status(secret.status().code(), absl::StrCat("--group_secret_file '", path,
+                                                             "': ", secret.status().message()));
   }
   return secret;
 }

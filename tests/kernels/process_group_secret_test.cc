@@ -69,8 +69,7 @@ std::vector<absl::Status> Bootstrap(const std::vector<std::string>& secrets) {
   std::vector<std::thread> threads;
   for (size_t p = 0; p < secrets.size(); ++p) {
     threads.emplace_back([&, p] {
-      statuses[p] =
-          ProcessGroup::Create(Options(peers, static_cast<int>(p), secrets[p])).status();
+      statuses[p] = ProcessGroup::Create(Options(peers, static_cast<int>(p), secrets[p])).status();
     });
   }
   for (std::thread& t : threads) t.join();

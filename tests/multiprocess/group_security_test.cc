@@ -143,8 +143,8 @@ TestPki* GroupSecurityTest::pki_ = nullptr;
 // What each kind of TLS group is given beyond the group's flags, and how its clients connect.
 struct TlsSetup {
   std::string name;
-  bool mtls;                 // --tls_client_ca: clients (and the processes) present certificates
-  bool tokens_and_secret;    // --auth_tokens_file and --group_secret_file
+  bool mtls;               // --tls_client_ca: clients (and the processes) present certificates
+  bool tokens_and_secret;  // --auth_tokens_file and --group_secret_file
 };
 
 void PrintTo(const TlsSetup& setup, std::ostream* os) { *os << setup.name; }
@@ -278,8 +278,7 @@ TEST_F(GroupSecurityTest, APeerWithAnotherSecretOrNoneIsRefusedAtBootstrapOnBoth
       << none[0].second;
   EXPECT_EQ(none[1].first, 1) << none[1].second;
   EXPECT_NE(none[1].second.find("PERMISSION_DENIED"), std::string::npos) << none[1].second;
-  EXPECT_NE(none[1].second.find("requires a group secret (--group_secret_file)"),
-            std::string::npos)
+  EXPECT_NE(none[1].second.find("requires a group secret (--group_secret_file)"), std::string::npos)
       << none[1].second;
 }
 
@@ -429,9 +428,9 @@ TEST_F(GroupSecurityTest, StartRefusalsNameTheMissingPiece) {
   }
   // The group flags without a group.
   const std::string log = LogPath("refusal_no_group");
-  auto code = ServerProcess::RunToExit(
-      LOSSHEAD_SERVER_BINARY, {"--backend=cpu", "--group_secret_file=" + tokens}, log,
-      absl::Seconds(30));
+  auto code = ServerProcess::RunToExit(LOSSHEAD_SERVER_BINARY,
+                                       {"--backend=cpu", "--group_secret_file=" + tokens}, log,
+                                       absl::Seconds(30));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 1);
   EXPECT_NE(ReadText(log).find("are for a process of a group (--group_peers)"), std::string::npos)
