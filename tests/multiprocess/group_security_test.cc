@@ -3,7 +3,9 @@
 // - a group of 2 serving TLS (mTLS with bearer tokens and a group secret; server TLS only with
 //   --group_tls_root_ca) forms, serves TLS clients, and cuts as a one-process plaintext server
 //   given the same micro-batches (loss, the pull's counters and gradient, W after an apply
-//   through a follower), the control between its processes over TLS;
+//   through a follower), the control between its processes over TLS; a checkpoint set through the
+//   follower is complete on both, and each process's watch, probing its peer over TLS, keeps it
+//   running past the op timeout;
 // - a process holding another group secret, or none beside one that holds one, is refused at
 //   bootstrap with PERMISSION_DENIED on both ends, and neither starts;
 // - with bearer tokens and a group secret, the leader's periodic checkpoint sets are written on
@@ -170,7 +172,20 @@ TEST_P(TlsGroupTest, FormsServesTlsClientsAndCutsAsWithoutTls) {
     extra.push_back("--group_secret_file=" +
                     WriteText(setup.name + "_secret", absl::StrCat(kSecret, "\n")));
   }
-  Group group(n, setup.name, extra);
+  // With a checkpoint directory each process watches its peers (ProcessControl.Members every
+  // second, over TLS here), and exits should a peer not answer within the op timeout.
+  std::vector<std::string> dirs;
+  for (int p = 0; p < n; ++p) {
+    dirs.push_back(Temp(absl::StrCat(setup.name, "_ckpt_", p)));
+    fs::remove_all(dirs.back());
+    fs::create_directories(dirs.back());
+  }
+  Group group(GroupAddresses(n), setup.name, [&](int p) {
+    std::vector<std::string> flags = extra;
+    flags.push_back("--checkpoint_dir=" + dirs[p]);
+    flags.push_back("--checkpoint_interval=0");
+    return flags;
+  });
   for (int p = 0; p < n; ++p) ASSERT_NE(group.processes[p], nullptr) << "process " << p;
   // The clients speak TLS (the plaintext ones the group made would not get in).
   for (int p = 0; p < n; ++p) {
@@ -236,7 +251,13 @@ TEST_P(TlsGroupTest, FormsServesTlsClientsAndCutsAsWithoutTls) {
   auto w1 = group.clients[1]->DownloadWeights(kHead);
   ASSERT_TRUE(w1.ok()) << w1.status();
   EXPECT_TRUE(w1->data == w0->data) << "the processes hold different W after the apply";
-  // Both processes still answer each other's probes (the watch runs over TLS too).
+  // A checkpoint set through the follower, over TLS between them.
+  auto set = group.clients[1]->Checkpoint();
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_TRUE(fs::exists(absl::StrFormat("%s/sets/%020d/MANIFEST", dirs[0], 1)));
+  EXPECT_TRUE(fs::exists(absl::StrFormat("%s/sets/%020d/COMMITTED", dirs[1], 1)));
+  // The watches' probes have been answered over TLS past the op timeout (5 s): both still run.
+  absl::SleepFor(absl::Seconds(7));
   for (int p = 0; p < n; ++p) EXPECT_TRUE(group.processes[p]->Running()) << "process " << p;
 }
 
