@@ -131,6 +131,14 @@ ABSL_FLAG(absl::Duration, group_bootstrap_timeout, absl::Seconds(120),
           "exits");
 ABSL_FLAG(absl::Duration, group_op_timeout, absl::Seconds(60),
           "How long a peer may take to do its part of a cut before the group is broken");
+ABSL_FLAG(std::string, group_secret_file, "",
+          "A file holding the secret every process of the group must hold (at least 16 bytes): "
+          "checked when the group's connections form, and the processes' credential to each "
+          "other on ProcessControl (needed for periodic checkpoint sets with --auth_tokens_file); "
+          "empty: none");
+ABSL_FLAG(std::string, group_tls_root_ca, "",
+          "With --tls_cert in a group: the PEM CA that signed the processes' certificates, which "
+          "they verify each other with (empty: --tls_client_ca)");
 ABSL_FLAG(bool, same_node, true,
           "Offer the same-node path: clients on this host move hidden states, targets and dH "
           "through shared memory, with only control messages on gRPC (docs/same-node.md)");
@@ -285,6 +293,8 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.group_listen = absl::GetFlag(FLAGS_group_listen);
   o.group_bootstrap_timeout = absl::GetFlag(FLAGS_group_bootstrap_timeout);
   o.group_op_timeout = absl::GetFlag(FLAGS_group_op_timeout);
+  o.group_secret_file = absl::GetFlag(FLAGS_group_secret_file);
+  o.group_tls_root_ca_file = absl::GetFlag(FLAGS_group_tls_root_ca);
   if (o.group_bootstrap_timeout <= absl::ZeroDuration() ||
       o.group_op_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(

@@ -126,7 +126,10 @@ SecurityOptions SecurityOf(const ServerOptions& options) {
                          .tls_key_file = options.tls_key_file,
                          .tls_client_ca_file = options.tls_client_ca_file,
                          .auth_tokens_file = options.auth_tokens_file,
-                         .metrics_basic_auth_file = options.metrics_basic_auth_file};
+                         .metrics_basic_auth_file = options.metrics_basic_auth_file,
+                         .group = !options.group_peers.empty(),
+                         .group_secret_file = options.group_secret_file,
+                         .group_tls_root_ca_file = options.group_tls_root_ca_file};
 }
 
 class ServerImpl final : public Server {
@@ -387,16 +390,11 @@ class ServerImpl final : public Server {
           options_.listen_address, "'"));
     }
     if (!options_.checkpoint_dir.empty() && !options_.auth_tokens_file.empty() &&
-        options_.checkpoint_interval > absl::ZeroDuration()) {
-      return absl::UnimplementedError(
-          "periodic checkpoints of a group whose processes require tokens are not built yet (the "
-          "leader has no token of its own to send its followers): pass --checkpoint_interval=0 "
-          "and call Checkpoint");
-    }
-    if (!options_.tls_cert_file.empty()) {
-      return absl::UnimplementedError(
-          "TLS between the processes of a group is not built yet: leave --tls_cert empty with "
-          "--group_peers");
+        options_.checkpoint_interval > absl::ZeroDuration() && security_.group_secret == nullptr) {
+      return absl::InvalidArgumentError(
+          "periodic checkpoint sets of a group whose processes require tokens need "
+          "--group_secret_file (the leader's credential to its followers; it has no client's "
+          "token to send them): give one, or pass --checkpoint_interval=0 and call Checkpoint");
     }
     kernels::ProcessGroupOptions group;
     group.rank = options_.group_rank;
@@ -415,6 +413,7 @@ class ServerImpl final : public Server {
     group.listen = options_.group_listen;
     group.bootstrap_timeout = options_.group_bootstrap_timeout;
     group.op_timeout = options_.group_op_timeout;
+    if (security_.group_secret != nullptr) group.secret = security_.group_secret->secret();
     absl::StatusOr<std::unique_ptr<kernels::ProcessGroup>> created =
         kernels::ProcessGroup::Create(group);
     if (!created.ok()) return created.status();
@@ -433,6 +432,12 @@ class ServerImpl final : public Server {
     process_window_ = *window;
     group_control_ = std::make_unique<GroupControl>(process_window_, *addresses,
                                                     options_.group_op_timeout, &ctx_);
+    // Its peers are reached as its clients reach it (TLS when it serves TLS), and with a group
+    // secret each ProcessControl call carries the group's credential rather than a client's token.
+    group_control_->SetPeerSecurity(
+        security_.group_channel,
+        security_.group_secret != nullptr ? security_.group_secret->authorization() : "");
+    ctx_.group_secret = security_.group_secret.get();
     ctx_.group = group_control_.get();
     std::fprintf(stderr, "losshead-server: process %d of a group of %d (leader: %s)\n", group.rank,
                  group.world, (*addresses)[0].c_str());

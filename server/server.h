@@ -113,6 +113,13 @@ struct ServerOptions {
   std::string group_listen;
   absl::Duration group_bootstrap_timeout = absl::Seconds(120);
   absl::Duration group_op_timeout = absl::Seconds(60);
+  // Security between the processes of a group (docs/multi-process.md, "Security between
+  // processes"): the secret every process must hold to join the group's mesh, and whose derived
+  // credential the processes present to each other on ProcessControl (empty: none); the CA that
+  // signed the processes' TLS certificates, to verify each other when they serve TLS (empty:
+  // tls_client_ca_file).
+  std::string group_secret_file;
+  std::string group_tls_root_ca_file;
   // The same-node path (docs/same-node.md): clients on this host may register shared memory
   // regions on a Unix socket and step through them; Stats.same_node advertises it. Off: Stats
   // has no same_node and a header naming shared memory is FAILED_PRECONDITION.

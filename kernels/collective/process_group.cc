@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/collective/group_auth.h"
 #include "kernels/collective/tcp.h"
 
 namespace losshead::kernels {
@@ -30,6 +31,7 @@ namespace {
 
 constexpr uint32_t kHelloMagic = 0x4c485047;  // "LHPG"
 constexpr size_t kGroupNameBytes = 64;
+constexpr size_t kMinSecretBytes = 16;
 
 // What each end of a connection sends first. Fields in the host's byte order: the processes of
 // one group run the same build on hosts of one architecture.
@@ -112,6 +114,11 @@ absl::Status CheckOptions(const ProcessGroupOptions& options) {
                                                    options.group_name.size(), " bytes (at most ",
                                                    kGroupNameBytes - 1, ")"));
   }
+  if (!options.secret.empty() && options.secret.size() < kMinSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("process group: a secret of ",
+                                                   options.secret.size(), " bytes (at least ",
+                                                   kMinSecretBytes, ")"));
+  }
   if (options.bootstrap_timeout <= absl::ZeroDuration() ||
       options.op_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("process group: timeouts must be positive");
@@ -140,7 +147,12 @@ absl::StatusOr<tcp::Fd> ConnectTo(const ProcessGroupOptions& options, const Hell
         absl::Status s2 = tcp::ReadAll(*fd, Bytes(theirs), deadline);
         if (s2.ok()) {
           if (absl::Status c = CheckHello(mine, theirs, address, q); !c.ok()) return c;
-          return std::move(*fd);
+          const absl::Status a =
+              AuthenticatePeer(*fd, /*connector=*/true, options.secret, Bytes(mine), Bytes(theirs),
+                               absl::StrCat("process ", q, " at ", address), deadline);
+          if (a.ok()) return std::move(*fd);
+          if (a.code() == absl::StatusCode::kPermissionDenied) return a;
+          s2 = a;  // it went away during the check: try again
         }
         if (s2.code() == absl::StatusCode::kDeadlineExceeded) {
           return absl::DeadlineExceededError(
@@ -194,11 +206,18 @@ absl::Status AcceptHigher(const ProcessGroupOptions& options, const Hello& mine,
           absl::StrCat("process group: process ", q, " connected to process ", options.rank,
                        ", which only takes connections from higher ranks"));
     }
+    if (!sent.ok()) continue;  // it left; it will connect again
+    // Before the rank is taken: a process without the group's secret claims nothing.
+    const absl::Status a =
+        AuthenticatePeer(*fd, /*connector=*/false, options.secret, Bytes(theirs), Bytes(mine),
+                         absl::StrCat("the process at ", address, " (claiming process ", q, ")"),
+                         std::min(deadline, absl::Now() + absl::Seconds(5)));
+    if (a.code() == absl::StatusCode::kPermissionDenied) return a;
+    if (!a.ok()) continue;  // it left during the check; it will connect again
     if ((*fds)[q].valid()) {
       return absl::FailedPreconditionError(
           absl::StrCat("process group: two processes claim rank ", q));
     }
-    if (!sent.ok()) continue;  // it left; it will connect again
     (*fds)[q] = std::move(*fd);
     --missing;
   }

@@ -11,15 +11,30 @@
 #include "server/rpc/group_control.h"
 #include "server/rpc/unary_call.h"
 #include "server/security/auth.h"
+#include "server/security/group_secret.h"
 
 namespace losshead::server {
 namespace {
 
-// What the forwarded token may do: the role the method it stands for needs.
+// Who may send a process control: with a group secret, the group's processes only, by its
+// credential (the process whose client sent the request checked that client's token, whatever
+// its role, before forwarding it); without one, the forwarded token, with the role the method it
+// stands for needs.
 absl::Status AuthorizeControl(ServiceContext* ctx, const grpc::CallbackServerContext& context,
                               const v1::ControlRequest& request) {
   if (ctx->group == nullptr) {
     return absl::FailedPreconditionError("this server is not part of a process group");
+  }
+  if (ctx->group_secret != nullptr) {
+    const std::string authorization = AuthorizationOf(context);
+    if (ctx->group_secret->Matches(authorization)) return absl::OkStatus();
+    if (authorization.empty()) {
+      return absl::UnauthenticatedError(
+          "ProcessControl.Lead and Apply need the group's credential (--group_secret_file)");
+    }
+    return absl::PermissionDeniedError(
+        "ProcessControl.Lead and Apply are for the group's processes: they take the group's "
+        "credential (--group_secret_file) and no client's token, whatever its role");
   }
   LOSSHEAD_RETURN_IF_ERROR(
       AuthorizeOpenCall(ctx->tokens, ControlMethod(request), context.client_metadata()));

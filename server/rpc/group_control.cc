@@ -117,15 +117,32 @@ v1::ProcessControl::Stub& GroupControl::StubOf(int process) {
   if (stub == nullptr) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
-    stub = v1::ProcessControl::NewStub(
-        grpc::CreateCustomChannel(addresses_[process], grpc::InsecureChannelCredentials(), args));
+    stub = v1::ProcessControl::NewStub(grpc::CreateCustomChannel(
+        addresses_[process],
+        peer_credentials_ != nullptr ? peer_credentials_ : grpc::InsecureChannelCredentials(),
+        args));
   }
   return *stub;
+}
+
+void GroupControl::SetPeerSecurity(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                   std::string process_authorization) {
+  peer_credentials_ = std::move(credentials);
+  process_authorization_ = std::move(process_authorization);
+}
+
+void GroupControl::Authenticate(grpc::ClientContext& context,
+                                const std::string& authorization) const {
+  // The group's credential, where there is one: a client's token then never leaves the process
+  // its client called, and the leader's own requests (its periodic sets) need none.
+  const std::string& sent = process_authorization_.empty() ? authorization : process_authorization_;
+  if (!sent.empty()) context.AddMetadata("authorization", sent);
 }
 
 absl::Status GroupControl::Probe(int process, absl::Duration timeout) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  Authenticate(context, "");
   v1::MembersResponse members;
   const grpc::Status status = StubOf(process).Members(&context, v1::MembersRequest(), &members);
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
@@ -143,7 +160,7 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request
   if (leader()) return Lead(std::move(request), authorization, pulled);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + CallTimeout()));
-  if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+  Authenticate(context, authorization);
   v1::ControlResponse response;
   const grpc::Status status = StubOf(0).Lead(&context, request, &response);
   if (!status.ok()) {
@@ -198,7 +215,7 @@ std::vector<absl::StatusOr<v1::ControlResponse>> GroupControl::ApplyOnFollowers(
     calls.emplace_back([&, p] {
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(absl::Now() + CallTimeout()));
-      if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+      Authenticate(context, authorization);
       v1::ControlResponse response;
       const grpc::Status status = StubOf(p).Apply(&context, request, &response);
       if (status.ok()) {

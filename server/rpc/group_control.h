@@ -59,6 +59,13 @@ class GroupControl {
   GroupControl(std::shared_ptr<ProcessWindow> window, std::vector<std::string> addresses,
                absl::Duration op_timeout, ServiceContext* ctx);
 
+  // How this process reaches its peers' gRPC ports, set before serving (default: plaintext, the
+  // caller's token forwarded): `credentials` for the channels (TLS when the processes serve it);
+  // `process_authorization`, the group's credential (GroupSecret::authorization()), sent on every
+  // ProcessControl call instead of the caller's token ("": none, the caller's forwarded).
+  void SetPeerSecurity(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                       std::string process_authorization);
+
   int rank() const { return window_->rank(); }
   int size() const { return window_->size(); }
   bool leader() const { return rank() == 0; }
@@ -133,6 +140,8 @@ class GroupControl {
   std::vector<absl::StatusOr<v1::ControlResponse>> ApplyOnFollowers(
       const v1::ControlRequest& request, const std::string& authorization);
   v1::ProcessControl::Stub& StubOf(int process);
+  // The credential a ProcessControl call to a peer carries: the group's, or else the caller's.
+  void Authenticate(grpc::ClientContext& context, const std::string& authorization) const;
   // Every process's `mine` exchanged over the group: OK when every one is OK, otherwise the
   // first refusal in rank order (another process's named), the same on every process.
   absl::Status Agree(absl::string_view what, const absl::Status& mine);
@@ -144,6 +153,10 @@ class GroupControl {
   const std::vector<std::string> addresses_;
   const absl::Duration op_timeout_;
   ServiceContext* const ctx_;
+
+  // Set before serving (SetPeerSecurity), read-only afterwards.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials_;
+  std::string process_authorization_;
 
   absl::Mutex stubs_mu_;
   std::map<int, std::unique_ptr<v1::ProcessControl::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);

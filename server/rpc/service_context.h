@@ -30,6 +30,7 @@ class SharedRegions;
 class TokenTable;
 class Checkpointer;
 class GroupControl;
+class GroupSecret;
 
 // Live Step streams, so that shutdown can tell each to stop reading and finish once answered.
 class StepStreams {
@@ -84,6 +85,9 @@ struct ServiceContext {
   // The process group of a head replicated across server processes (group_control.h); null for a
   // server of one process.
   GroupControl* group = nullptr;
+  // With --group_secret_file: the processes' credential on ProcessControl.Lead and Apply, which
+  // then take no other (group_secret.h); null otherwise.
+  const GroupSecret* group_secret = nullptr;
   // Null unless --step_trace names a file.
   StepTrace* step_trace = nullptr;
   // The same-node path (docs/same-node.md): the registered regions, the socket that registers

@@ -104,10 +104,16 @@ std::string CallerIdentity(
 // Refusals are counted in `metrics` (if not null) as failures_total{method, reason}; the method
 // label is a LossHead method name, or "other" for any name outside the role table, so that callers
 // cannot mint label values.
+//
+// With a group secret (group_secret.h), its credential is accepted on ProcessControl's methods as
+// well (the processes of the group calling each other), and on nothing else.
+class GroupSecret;
+
 class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
  public:
-  BearerTokenProcessor(std::shared_ptr<const TokenTable> tokens, Metrics* metrics)
-      : tokens_(std::move(tokens)), metrics_(metrics) {}
+  BearerTokenProcessor(std::shared_ptr<const TokenTable> tokens, Metrics* metrics,
+                       std::shared_ptr<const GroupSecret> group = nullptr)
+      : tokens_(std::move(tokens)), metrics_(metrics), group_(std::move(group)) {}
   bool IsBlocking() const override { return false; }
   grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
                        OutputMetadata* consumed_auth_metadata,
@@ -116,6 +122,7 @@ class BearerTokenProcessor final : public grpc::AuthMetadataProcessor {
  private:
   std::shared_ptr<const TokenTable> tokens_;
   Metrics* const metrics_;
+  const std::shared_ptr<const GroupSecret> group_;
 };
 
 // Plaintext (no TLS) server credentials that still run `processor` on every call.

@@ -3,6 +3,7 @@
 #include <openssl/bio.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include <utility>
 
@@ -10,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/read_file.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace losshead::server {
@@ -59,6 +61,54 @@ absl::Status CheckCertAndKey(const std::string& cert_pem, const std::string& cer
   return absl::OkStatus();
 }
 
+// How a process of a group reaches its peers' gRPC ports: as its own clients reach it. Under TLS
+// the peers' certificates are verified against the group's root CA; under mTLS this process
+// presents its own certificate, which its peers verify as a client's.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> GroupChannel(
+    const SecurityOptions& options) {
+  if (options.tls_cert_file.empty()) {
+    if (!options.group_tls_root_ca_file.empty()) {
+      return absl::InvalidArgumentError("--group_tls_root_ca needs --tls_cert and --tls_key");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  const std::string& ca_file = options.group_tls_root_ca_file.empty()
+                                   ? options.tls_client_ca_file
+                                   : options.group_tls_root_ca_file;
+  if (ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "a process of a group serving TLS verifies its peers' certificates: give "
+        "--group_tls_root_ca (the CA that signed the processes' --tls_cert), or --tls_client_ca");
+  }
+  absl::StatusOr<std::string> ca = ReadFileToString(
+      ca_file, options.group_tls_root_ca_file.empty() ? "--tls_client_ca" : "--group_tls_root_ca");
+  if (!ca.ok()) return ca.status();
+  if (FirstCertificate(*ca) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("'", ca_file, "' holds no PEM certificate"));
+  }
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = *ca;
+  if (!options.tls_client_ca_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadFileToString(options.tls_cert_file, "--tls_cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadFileToString(options.tls_key_file, "--tls_key");
+    if (!key.ok()) return key.status();
+    // Its peers require client certificates: this one must be usable as one (an extended key
+    // usage without clientAuth fails every handshake with the peers, long after the start).
+    auto parsed = FirstCertificate(*cert);
+    if (parsed == nullptr || X509_check_purpose(parsed.get(), X509_PURPOSE_SSL_CLIENT, 0) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tls_cert '", options.tls_cert_file,
+          "' is not a client certificate, and with --tls_client_ca the processes of a group "
+          "present it to each other: give it the clientAuth extended key usage beside "
+          "serverAuth"));
+    }
+    ssl.pem_cert_chain = *cert;
+    ssl.pem_private_key = *key;
+  }
+  return grpc::SslCredentials(ssl);
+}
+
 }  // namespace
 
 absl::StatusOr<ServerSecurity> LoadServerSecurity(const SecurityOptions& options,
@@ -70,6 +120,21 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const SecurityOptions& options
   }
   if (!options.tls_client_ca_file.empty() && !has_cert) {
     return absl::InvalidArgumentError("--tls_client_ca (mTLS) needs --tls_cert and --tls_key");
+  }
+  if (!options.group &&
+      (!options.group_secret_file.empty() || !options.group_tls_root_ca_file.empty())) {
+    return absl::InvalidArgumentError(
+        "--group_secret_file and --group_tls_root_ca are for a process of a group (--group_peers)");
+  }
+  if (options.group) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel = GroupChannel(options);
+    if (!channel.ok()) return channel.status();
+    security.group_channel = std::move(*channel);
+    if (!options.group_secret_file.empty()) {
+      absl::StatusOr<GroupSecret> secret = GroupSecret::FromFile(options.group_secret_file);
+      if (!secret.ok()) return secret.status();
+      security.group_secret = std::make_shared<const GroupSecret>(*std::move(secret));
+    }
   }
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::shared_ptr<const TokenAuthenticator>> tokens =
@@ -120,11 +185,11 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const SecurityOptions& options
     security.tls = true;
     if (security.tokens != nullptr) {
       credentials->SetAuthMetadataProcessor(
-          std::make_shared<BearerTokenProcessor>(security.tokens, metrics));
+          std::make_shared<BearerTokenProcessor>(security.tokens, metrics, security.group_secret));
     }
   } else if (security.tokens != nullptr) {
     credentials = PlaintextCredentialsWithProcessor(
-        std::make_shared<BearerTokenProcessor>(security.tokens, metrics));
+        std::make_shared<BearerTokenProcessor>(security.tokens, metrics, security.group_secret));
   } else {
     credentials = grpc::InsecureServerCredentials();
   }

@@ -9,8 +9,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "server/security/auth.h"
+#include "server/security/group_secret.h"
 #include "server/security/token_table.h"
 
 namespace losshead::server {
@@ -25,6 +27,13 @@ struct SecurityOptions {
   std::string tls_client_ca_file;       // clients must present a certificate it signed (mTLS)
   std::string auth_tokens_file;         // `<role> <token>` lines; every RPC then needs a token
   std::string metrics_basic_auth_file;  // one `user:password` line for /metrics
+  // A process of a group (--group_peers): how it reaches its peers' gRPC ports (group_channel).
+  bool group = false;
+  // The group's shared secret (group_secret.h); empty: none. Only with `group`.
+  std::string group_secret_file;
+  // The CA that signed the peers' certificates, to verify them when the server serves TLS (empty:
+  // tls_client_ca_file's). Only with `group` and TLS.
+  std::string group_tls_root_ca_file;
 };
 
 struct ServerSecurity {
@@ -33,12 +42,20 @@ struct ServerSecurity {
   bool mtls = false;
   std::shared_ptr<TokenTable> tokens;             // null without a token file
   std::optional<std::string> metrics_basic_auth;  // "user:password"
+  // With `group`: the channel credentials for the peers' gRPC ports (TLS when the server serves
+  // TLS, verifying the peers against the group's root CA and, where the server requires client
+  // certificates, presenting its own --tls_cert), and the group's secret (null without one),
+  // whose credential the token check accepts on ProcessControl only.
+  std::shared_ptr<grpc::ChannelCredentials> group_channel;
+  std::shared_ptr<const GroupSecret> group_secret;
 };
 
 // Reads and checks every file `options` names: the certificate parses, the key is its key, the CA
 // parses, the token file is well formed, so that a misconfigured server refuses to start with the
 // file's name in the error instead of failing its first handshake. INVALID_ARGUMENT for
-// inconsistent options or bad contents; NOT_FOUND for a file that cannot be read. Token refusals
+// inconsistent options or bad contents (a process of a group serving TLS without a root CA for
+// its peers; under mTLS, a --tls_cert that may not be a client's certificate, which its peers
+// would refuse); NOT_FOUND for a file that cannot be read. Token refusals
 // are counted in `metrics` when it is not null.
 absl::StatusOr<ServerSecurity> LoadServerSecurity(const SecurityOptions& options,
                                                   Metrics* metrics = nullptr);

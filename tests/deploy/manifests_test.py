@@ -20,8 +20,9 @@ needs:
   deploy/k8s/group: a StatefulSet of several processes started in parallel behind a headless
     Service that publishes not-ready Pods, --group_peers a {} pattern of the Pods' names on the
     group port with --group_size its replicas and the rank from the host name, checkpoint sets
-    on volume claims (taken on demand with tokens), updates on delete, nothing the server refuses
-    with a group, the NCCL settings, and Pods that admit each other.
+    on volume claims (periodic with tokens only beside a group secret), updates on delete, TLS,
+    tokens and the group secret from Secret volumes with probes that verify the certificate,
+    nothing the server refuses with a group, the NCCL settings, and Pods that admit each other.
 usage: manifests_test.py REPO_ROOT
 """
 
@@ -326,8 +327,10 @@ def check_group(d, objects):
           f":{ports.get('group')} (the Pods' names through the headless Service, the group port)")
     check(flag(args, "group_rank") is None,
           "group statefulset: --group_rank given (every Pod takes its rank from its host name)")
-    check(flag(args, "tls_cert") is None,
-          "group statefulset: --tls_cert (refused with --group_peers, not built yet)")
+    if flag(args, "tls_cert") is not None:
+        check(flag(args, "group_tls_root_ca") is not None or flag(args, "tls_client_ca") is not None,
+              "group statefulset: --tls_cert without --group_tls_root_ca or --tls_client_ca (the "
+              "server refuses it: the processes verify each other's certificates)")
     check(sts["spec"].get("updateStrategy", {}).get("type") == "OnDelete",
           "group statefulset: updateStrategy is not OnDelete (a rolling update breaks the group "
           "once per Pod)")
@@ -339,10 +342,10 @@ def check_group(d, objects):
           "(each process's part of the checkpoint sets)")
     check(dig(sts, "spec.persistentVolumeClaimRetentionPolicy.whenDeleted") == "Retain",
           "group statefulset: deleting it would delete the checkpoint volumes")
-    if flag(args, "auth_tokens_file") is not None:
+    if flag(args, "auth_tokens_file") is not None and flag(args, "group_secret_file") is None:
         check(seconds(flag(args, "checkpoint_interval") or "60s") == 0,
-              "group statefulset: periodic checkpoint sets with --auth_tokens_file (the server "
-              "refuses them: --checkpoint_interval=0s)")
+              "group statefulset: periodic checkpoint sets with --auth_tokens_file and no "
+              "--group_secret_file (the server refuses them)")
     env = {e["name"]: e for e in container.get("env", [])}
     for var in re.findall(r"\$\((\w+)\)", " ".join(args)):
         check(var in env, f"group statefulset: args use $({var}), which env does not define")
@@ -372,6 +375,23 @@ def check_group(d, objects):
     check(mounts.get(os.path.dirname(tokens)) in volumes and
           "secret" in volumes[mounts.get(os.path.dirname(tokens))],
           "group statefulset: no --auth_tokens_file from a Secret volume (plaintext needs tokens)")
+    for name in ("tls_cert", "tls_key", "group_tls_root_ca", "tls_client_ca", "group_secret_file"):
+        path = flag(args, name)
+        if path is None:
+            continue
+        mount = mounts.get(os.path.dirname(path))
+        check(mount in volumes and "secret" in volumes[mount],
+              f"group statefulset: --{name}={path} is not in a Secret volume")
+    check(flag(args, "group_secret_file") is not None,
+          "group statefulset: no --group_secret_file (any process could join the group's mesh)")
+    if flag(args, "tls_cert") is not None:
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            cmd = dig(container.get(probe, {}), "exec.command") or []
+            ca = next((c.split("=", 1)[1] for c in cmd if c.startswith("--tls_root_ca=")), "")
+            check(ca and mounts.get(os.path.dirname(ca)) in volumes and
+                  any(c.startswith("--tls_server_name=") for c in cmd),
+                  f"group statefulset: {probe} does not verify the server's certificate "
+                  "(--tls_root_ca from a mounted Secret, --tls_server_name)")
     peer_rule = [r for r in np["spec"].get("ingress", [])
                  if any(dig(f, "podSelector.matchLabels") == labels for f in r.get("from", []))]
     check(peer_rule and not peer_rule[0].get("ports"),

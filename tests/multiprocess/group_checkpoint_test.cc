@@ -496,7 +496,8 @@ TEST(GroupCheckpointErrorsTest, EveryRefusalHasItsCode) {
         << log;
   }
 
-  // Periodic checkpoints of a group need no tokens: with tokens, the start is refused.
+  // Periodic checkpoints of a group with tokens need the group's secret (group_security_test.cc):
+  // without one, the start is refused.
   const std::string tokens = absl::StrCat(::testing::TempDir(), "/gc_", getpid(), "_tokens");
   std::ofstream(tokens) << "writer 0123456789abcdef0123456789\n";
   const GroupAddresses lonely(2);
@@ -508,7 +509,8 @@ TEST(GroupCheckpointErrorsTest, EveryRefusalHasItsCode) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 1);
   const std::string text = ReadText(log);
-  EXPECT_NE(text.find("UNIMPLEMENTED"), std::string::npos) << text;
+  EXPECT_NE(text.find("INVALID_ARGUMENT"), std::string::npos) << text;
+  EXPECT_NE(text.find("--group_secret_file"), std::string::npos) << text;
   EXPECT_NE(text.find("--checkpoint_interval=0"), std::string::npos) << text;
 }
 

@@ -66,6 +66,9 @@ absl::StatusOr<std::unique_ptr<TestPki>> MakeTestPki() {
                     "extendedKeyUsage=serverAuth\n"),
            MakeCert(d, "client", "/CN=trainer", "ca", "extendedKeyUsage=clientAuth\n"),
            MakeCert(d, "rogue", "/CN=intruder", "rogue-ca", "extendedKeyUsage=clientAuth\n"),
+           MakeCert(d, "peer", "/CN=localhost", "ca",
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                    "extendedKeyUsage=serverAuth,clientAuth\n"),
        }) {
     if (!s.ok()) return s;
   }
@@ -76,6 +79,8 @@ absl::StatusOr<std::unique_ptr<TestPki>> MakeTestPki() {
   pki->client_key = d + "/client.key";
   pki->rogue_cert = d + "/rogue.crt";
   pki->rogue_key = d + "/rogue.key";
+  pki->peer_cert = d + "/peer.crt";
+  pki->peer_key = d + "/peer.key";
   return pki;
 }
 

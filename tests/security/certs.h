@@ -15,6 +15,9 @@ struct TestPki {
   std::string server_cert, server_key;
   std::string client_cert, client_key;        // signed by ca_cert
   std::string rogue_cert, rogue_key;          // signed by a CA nobody trusts
+  // A server process's certificate for 127.0.0.1 / localhost that may also be a client's (signed
+  // by ca_cert): the processes of a group present it to each other under mTLS.
+  std::string peer_cert, peer_key;
   ~TestPki();
 };
 

@@ -9,11 +9,16 @@
 // for head-0.head:7070, head-1.head:7070, ...; the rank from the pod's name, RankFromHostname).
 // Bootstrap makes a full mesh: process p connects to every lower rank (retrying while a peer is not
 // up yet or its name does not resolve yet) and accepts every higher one; both ends of a connection
-// exchange a hello (protocol version, world size, rank, group name) and check it.
+// exchange a hello (protocol version, world size, rank, group name) and check it; then, where the
+// processes hold a group secret, each end proves to the other that it holds the same one
+// (kernels/collective/group_auth.h: HMAC-SHA256 over both ends' fresh nonces, the higher rank
+// first, so that a process without it learns nothing but its refusal).
 //
 // Errors: bootstrap that does not finish by options.bootstrap_timeout is DEADLINE_EXCEEDED naming
 // the processes (and addresses) that never came; a hello whose version, world size, group name or
-// rank disagrees is FAILED_PRECONDITION naming both values, on both ends; a peer that goes away
+// rank disagrees is FAILED_PRECONDITION naming both values, on both ends; a peer that holds
+// another secret, or none where this process holds one (or one where this process holds none), is
+// PERMISSION_DENIED on both ends, before it is given its rank; a peer that goes away
 // during bootstrap is tried again until the deadline; malformed options are INVALID_ARGUMENT.
 //
 // Failure contract: every exchange has a deadline (options.op_timeout, for the whole exchange:
@@ -48,7 +53,8 @@
 namespace losshead::kernels {
 
 // Version of the group's wire protocol; processes of different versions refuse each other.
-inline constexpr uint32_t kProcessGroupProtocolVersion = 1;
+// 2: the group secret's check after the hello.
+inline constexpr uint32_t kProcessGroupProtocolVersion = 2;
 
 struct ProcessGroupOptions {
   int rank = 0;   // this process, in [0, peers.size())
@@ -63,6 +69,10 @@ struct ProcessGroupOptions {
   std::string group_name = "losshead";
   absl::Duration bootstrap_timeout = absl::Seconds(120);
   absl::Duration op_timeout = absl::Seconds(60);
+  // The group secret every process must hold to join (at least 16 bytes; empty: none, and then
+  // no process may hold one). It authenticates the peers at bootstrap; what the group moves later
+  // is neither encrypted nor authenticated: the endpoints belong on a private network.
+  std::string secret;
 };
 
 // "name-{}.svc:port" with {} replaced by 0, ..., world - 1. INVALID_ARGUMENT unless the pattern
