@@ -521,7 +521,9 @@ void StepStream::ReadLoop() {
       fail(absl::InternalError("step answer carries more bytes than it announced"));
       continue;
     }
-    if (grad_dest != nullptr) {
+    if (grad.size == 0) {
+      // Nothing of dH in this message (it may be in a region: grad_hidden stays empty then).
+    } else if (grad_dest != nullptr) {
       grad.CopyTo(grad_dest + grad_filled);
     } else {
       current->grad_hidden.resize(grad_filled + grad.size);
