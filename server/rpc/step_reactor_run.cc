@@ -1,6 +1,7 @@
 // Running a Step stream's micro-batches (step_reactor.h): one at a time on the worker pool, each
 // answered with its head's outcome or the refusal it was given, recorded in the metrics, and
 // traced once its last answer is written.
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -132,7 +133,14 @@ void StepReactor::WriteSharedGradHidden(const Slot& slot, SlotRun& run) {
   if (grad.empty() || grad.size() > slot.shared.grad_bytes) return;
   if (const DeviceMapping* device = slot.shared.region->device(); device != nullptr) {
     // Synchronous: dH is in the client's device memory before the answer says so.
-    if (!device->CopyIn(slot.shared.grad_offset, grad.data(), grad.size()).ok()) return;
+    if (absl::Status copied = device->CopyIn(slot.shared.grad_offset, grad.data(), grad.size());
+        !copied.ok()) {
+      // dH goes on the stream instead; the client still gets it, more slowly.
+      std::fprintf(stderr, "losshead-server: dH not written into device region %llu: %s\n",
+                   static_cast<unsigned long long>(slot.shared.region->id()),
+                   copied.ToString().c_str());
+      return;
+    }
   } else {
     std::memcpy(slot.shared.region->data() + slot.shared.grad_offset, grad.data(), grad.size());
   }
