@@ -65,12 +65,13 @@ def _cuda_devices() -> list:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers) -> None:
+def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers, monkeypatch) -> None:
     """A server computing on GPU 0; CUDA tensors on GPU 0 (and on GPU 1 when there is one: the
     device path when it is a peer of GPU 0, else the host path) against the grpcio client's
     network path with the same tensors on the host: answers, dH and dW bit for bit."""
     if not native_available():
         pytest.skip(f"no native library: {native_library()}")
+    monkeypatch.setenv("LOSSHEAD_DEVICE_PATH", "1")  # opt-in (losshead._device_path)
     n, d, v = 300, 64, 97
     hidden, weight, targets = random_problem(n, d, v, seed=9, ignore_fraction=0.2)
     port = free_port()
@@ -95,11 +96,13 @@ def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers) -> None:
                 assert (r.loss, r.loss_sum, r.token_count) == (s.loss, s.loss_sum, s.token_count)
                 assert torch.equal(r.grad_hidden, s.grad_hidden)
                 assert torch.equal(r.per_token_loss, s.per_token_loss)
-                # Chunked, as RemoteLMHead steps: dH back on the tensor's device.
+                # Chunked, as RemoteLMHead steps: dH back on the tensor's device. One stream, so
+                # that both heads add the micro-batches' dW in one order (bit for bit).
                 chunks = [100, 150, 50]
                 rc = c.step_chunked(a, h, targets.to(device), chunks=chunks, hidden_dtype=wire,
-                                    grad_hidden_device=device)
-                sc = net.step_chunked(b, hidden, targets, chunks=chunks, hidden_dtype=wire)
+                                    grad_hidden_device=device, streams=1)
+                sc = net.step_chunked(b, hidden, targets, chunks=chunks, hidden_dtype=wire,
+                                      streams=1)
                 assert rc.data_path == want
                 assert rc.grad_hidden.device == device
                 assert (rc.loss_sum, rc.token_count) == (sc.loss_sum, sc.token_count)
@@ -109,3 +112,16 @@ def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers) -> None:
                 assert torch.equal(ga.grad, gb.grad)
     moved = _path_bytes(port)
     assert moved[("device", "in")] > 0 and moved[("device", "out")] > 0, moved
+
+
+def test_torch_ipc_handles_are_read_in_both_layouts() -> None:
+    """torch's ``_share_cuda_()`` gives the 64-byte cudaIpcMemHandle_t alone (older torch), or
+    after a version byte and a kind byte; only the kind of cudaMalloc memory is a runtime IPC
+    handle (an expandable segment's is not: such memory takes the host path)."""
+    from losshead._device_path import _ipc_handle
+    raw = bytes(range(64))
+    assert _ipc_handle(raw) == raw
+    assert _ipc_handle(b"\x02c" + raw) == raw
+    assert _ipc_handle(b"\x02e" + raw) is None
+    assert _ipc_handle(raw[:63]) is None
+    assert _ipc_handle(b"\x02c" + raw + b"\x00") is None

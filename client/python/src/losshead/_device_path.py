@@ -21,8 +21,10 @@ shares storage, so torch keeps it for the process's lifetime once it was shared:
 kept and reused (one or a few per device and client, each a power of two of at least 1 MiB)
 rather than made per call.
 
-``LOSSHEAD_DEVICE_PATH=0`` keeps CUDA tensors on the host path (to compare the two, or where a
-driver's IPC misbehaves).
+Opt-in for now: ``LOSSHEAD_DEVICE_PATH=1`` turns it on. The server still stages the tensors
+through its host memory (docs/same-node.md), and measured that way the path is slower than the
+host path (BENCHMARKS.md, "The same-node paths"), so CUDA tensors take the host path unless
+asked.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from losshead._native_abi import _DEVICE_VERSION, _SameNodeDevice, _Status
 _c = ctypes
 _p = ctypes.c_void_p
 _MIN_REGION = 1 << 20
+_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 ALIGN = 256  # offsets inside a region: any dtype's alignment, and a DMA's
 
 
@@ -63,6 +66,17 @@ def _local_bus(index: int) -> Optional[Tuple[int, int, int]]:
                 int(props.pci_device_id))  # type: ignore[attr-defined]
     except AttributeError:  # a torch without the PCI ids: the device cannot be matched
         return None
+
+
+def _ipc_handle(shared: bytes) -> Optional[bytes]:
+    """The cudaIpcMemHandle_t in what torch's ``_share_cuda_()`` gives: the 64 bytes themselves
+    (older torch), or a version byte, a kind byte and then them, where the kind ``c`` is memory
+    from cudaMalloc (others, such as expandable segments, are not runtime IPC handles: None)."""
+    if len(shared) == _IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) == _IPC_HANDLE_BYTES + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    return None
 
 
 class Region:
@@ -91,7 +105,7 @@ class DevicePath:
     @property
     def supported(self) -> bool:
         return (self._lib.lh_capi_version() >= _DEVICE_VERSION
-                and os.environ.get("LOSSHEAD_DEVICE_PATH", "1") != "0")
+                and os.environ.get("LOSSHEAD_DEVICE_PATH", "0") == "1")
 
     def _server_devices(self) -> List[Tuple[Tuple[int, int, int], str]]:
         if self._server is None:
@@ -154,7 +168,11 @@ class DevicePath:
                    else tensor.storage())
         # (device, handle, size in bytes, offset in bytes of the storage in its allocation, ...)
         shared = storage._share_cuda_()  # type: ignore[attr-defined]
-        ipc, offset = bytes(shared[1]), int(shared[3])
+        ipc, offset = _ipc_handle(bytes(shared[1])), int(shared[3])
+        if ipc is None:  # memory the runtime's IPC cannot share: the host path for this device
+            with self._lock:
+                self._bus[index] = None
+            return None
         handle, status = _p(), _Status()
         if self._lib.lh_device_region_register(self._live(), ipc, len(ipc), offset, size,
                                                bus.encode(), _c.byref(handle), _c.byref(status)):
