@@ -47,7 +47,7 @@ start() {
   local name=$1 port=$2 devices=$3
   shift 3
   "$bundle/bin/losshead-server" --listen="127.0.0.1:$port" --backend=cuda --devices="$devices" \
-    "$@" > "$out/server-$name.log" 2>&1 &
+    --metrics_listen="127.0.0.1:$((port + 1000))" "$@" > "$out/server-$name.log" 2>&1 &
   servers+=($!)
 }
 wait_healthy() {
