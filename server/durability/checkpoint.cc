@@ -38,6 +38,8 @@ constexpr uint8_t kHasTopKLogprobs = 1u << (kTokenOutputs + 1);
 static_assert(kTokenOutputs + 1 < 7, "token output bits run into kHasCorrectCount");
 // Format 6: the output bias record's flag.
 constexpr uint8_t kHasBias = 1;
+// Format 7: the rows record's flag (a part of a head sharded across processes).
+constexpr uint8_t kHasRows = 1;
 
 using checkpoint_codec::Corrupt;
 using checkpoint_codec::PutBytes;
@@ -111,7 +113,40 @@ std::string EncodeMeta(const HeadCheckpointData& d) {
     PutU64(out, d.bias_optimizer_state.size());
     for (const std::string& state : d.bias_optimizer_state) PutBytes(out, state);
   }
+  // Format 7: the rows record, a flags byte (1: the tensors hold only the rows it names) and,
+  // with it, where the rows lie among the group's shards.
+  out.push_back(static_cast<char>(d.rows.has_value() ? kHasRows : 0));
+  if (d.rows.has_value()) {
+    const CheckpointRows& rows = *d.rows;
+    for (uint32_t v : {rows.processes, rows.process, rows.shards, rows.first_shard, rows.devices}) {
+      PutU32(out, v);
+    }
+    PutU64(out, rows.first_row);
+    PutU64(out, rows.row_count);
+  }
   return out;
+}
+
+// Format 7's rows record (EncodeMeta): present exactly for a head sharded across processes.
+absl::Status DecodeRows(Reader& r, HeadCheckpointData* d) {
+  uint8_t flags;
+  if (!r.U8(&flags) || (flags & ~kHasRows) != 0) return Corrupt("rows flags");
+  if (((flags & kHasRows) != 0) != d->spec.placement().across_processes()) {
+    return Corrupt("rows record does not match the spec's placement");
+  }
+  if (flags == 0) return absl::OkStatus();
+  CheckpointRows& rows = d->rows.emplace();
+  for (uint32_t* v :
+       {&rows.processes, &rows.process, &rows.shards, &rows.first_shard, &rows.devices}) {
+    if (!r.U32(v)) return Corrupt("rows record");
+  }
+  if (!r.U64(&rows.first_row) || !r.U64(&rows.row_count)) return Corrupt("rows record");
+  if (rows.process >= rows.processes || rows.devices == 0 ||
+      rows.first_shard + static_cast<uint64_t>(rows.devices) > rows.shards ||
+      rows.row_count == 0 || rows.first_row + rows.row_count > d->spec.vocab_size()) {
+    return Corrupt("rows record out of range");
+  }
+  return absl::OkStatus();
 }
 
 // Format 6's output bias record (EncodeMeta).
@@ -239,6 +274,11 @@ absl::Status DecodeMeta(absl::string_view meta, uint32_t version, HeadCheckpoint
     LOSSHEAD_RETURN_IF_ERROR(DecodeBias(r, d));
   } else if (d->spec.bias()) {
     return Corrupt("a head with an output bias in a format older than 6");
+  }
+  if (version >= 7) {
+    LOSSHEAD_RETURN_IF_ERROR(DecodeRows(r, d));
+  } else if (d->spec.placement().across_processes()) {
+    return Corrupt("a head sharded across processes in a format older than 7");
   }
   if (r.left() != 0) return Corrupt("trailing bytes after the meta records");
   return absl::OkStatus();

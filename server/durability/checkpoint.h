@@ -18,6 +18,11 @@
 // Format 6 adds the output bias record at the end of meta: a flags byte (1: the head has a bias,
 // HeadSpec.bias) and then b, the window's db and b's optimizer state buffers, V fp32 each.
 // Versions 1 to 5 are still read (a head without a bias).
+// Format 7 adds the rows record after it: a flags byte (1: a checkpoint set's part of a head
+// sharded across processes, HeadSpec.placement.across_processes) and then the group size, this
+// process's rank, the shard count, its first global shard and its device count (u32 each), its
+// first row and row count (u64 each); W, dW and the optimizer sections then hold those rows
+// only. Versions 1 to 6 are still read (every row); they never hold such a head.
 // Versions 1 and 2 are still read. Version 2 has no fingerprints or remembered failures (no flags
 // byte per result, no fingerprint per apply): what it remembers replays unchecked. Version 1 has
 // no optimizer either: its header has zeros for the optimizer lengths, its meta no optimizer
@@ -38,10 +43,10 @@
 
 namespace losshead::server {
 
-// Reads 5 (no output bias record), 4 (no top-k in remembered results), 3 (no token outputs either), 2 (no fingerprints) and
+// Reads 6 (no rows record), 5 (no output bias record), 4 (no top-k in remembered results), 3 (no token outputs either), 2 (no fingerprints) and
 // 1 (no optimizer either) too. Version 5 added the top-k: an older server refuses a file whose
 // remembered results carry one rather than dropping it.
-inline constexpr uint32_t kCheckpointFormatVersion = 6;
+inline constexpr uint32_t kCheckpointFormatVersion = 7;
 inline constexpr char kCheckpointSuffix[] = ".lhck";
 
 // 64-bit checksum: four interleaved FNV-1a lanes over little-endian 8-byte words (lane i takes

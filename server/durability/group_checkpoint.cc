@@ -166,6 +166,25 @@ absl::Status CheckpointSets::CheckPart(const v1::CheckpointManifest& manifest) {
   return absl::OkStatus();
 }
 
+absl::Status CheckpointSets::CheckRows(const v1::CheckpointManifest& manifest) {
+  for (const v1::CheckpointPart& p : manifest.parts()) {
+    if (p.rank() != rank_) continue;
+    for (const v1::CheckpointPartFile& file : p.files()) {
+      const std::string path = absl::StrCat(SetDir(manifest.cut()), "/", file.name());
+      LOSSHEAD_ASSIGN_OR_RETURN(const HeadCheckpointData meta, ReadCheckpointMeta(path));
+      if (!meta.rows.has_value()) continue;
+      LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<kernels::Backend*> devices,
+                                registry_->Place(meta.spec.placement(), /*at_most=*/true));
+      if (absl::Status s = CheckPartRows(*meta.rows, meta.spec, processes_, rank_,
+                                         static_cast<int>(devices.size()));
+          !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckpointSets::Restore(uint64_t cut) {
   absl::MutexLock lock(&mu_);
   Checkpointer reader(SetDir(cut), registry_, observer_);
@@ -217,7 +236,8 @@ absl::StatusOr<std::pair<v1::CheckpointPart, v1::CheckpointResponse>> Checkpoint
       }
       return error;
     };
-    absl::StatusOr<HeadCheckpointData> data = head->Snapshot();
+    // A head sharded across processes: this process's rows (its part of the head).
+    absl::StatusOr<HeadCheckpointData> data = head->SnapshotPart();
     if (!data.ok()) return failed(data.status());
     const std::string name = absl::StrCat(head->name(), kCheckpointSuffix);
     const std::string path = absl::StrCat(dir, "/", name);
@@ -400,7 +420,16 @@ absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, Checkpoi
   }
   if (mine.ok() && leader_ok && cut != 0) {
     mine = sets.CheckPart(manifest);
-    if (mine.ok()) mine = sets.Restore(cut);
+    if (mine.ok()) mine = sets.CheckRows(manifest);
+    // Every part checked everywhere before any is restored: a head sharded across processes is
+    // restored by every process together (its collective is created by all of them), so no
+    // process may start while another will not follow.
+    LOSSHEAD_ASSIGN_OR_RETURN(
+        const auto checks,
+        group.AllGather("the checkpoint parts' checks", EncodeVerdict(mine)));
+    bool all_checked = true;
+    for (const auto& check : checks) all_checked = all_checked && DecodeVerdict(check).ok();
+    if (all_checked) mine = sets.Restore(cut);
   }
   // Round 3: every verdict to every process, so that all fail alike, with the same reason.
   LOSSHEAD_ASSIGN_OR_RETURN(

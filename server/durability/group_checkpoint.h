@@ -4,7 +4,9 @@
 //
 // Layout of one process's directory:
 //   sets/<cut, 20 digits>/<head>.lhck  this process's part: every head, in the one-process format
-//                                      (checkpoint.h), written by the one-process writer
+//                                      (checkpoint.h), written by the one-process writer; a
+//                                      head sharded across processes: this process's rows only
+//                                      (Head::SnapshotPart, format 7's rows record)
 //   sets/<cut>/MANIFEST                the leader's: the set's CheckpointManifest (every part's
 //                                      files with their sizes and digests), written after every
 //                                      process reported its part written
@@ -66,6 +68,11 @@ class CheckpointSets {
   // directory or file, DATA_LOSS for one of another size or digest, an extra one, or a manifest
   // of another group size or without this rank.
   absl::Status CheckPart(const v1::CheckpointManifest& manifest);
+  // After CheckPart: each file of this process's part that holds a head sharded across processes
+  // holds the rows this process owns here (CheckPartRows, from the file's meta alone, against the
+  // group size, this rank and the devices its placement gets): FAILED_PRECONDITION or DATA_LOSS
+  // naming the file otherwise.
+  absl::Status CheckRows(const v1::CheckpointManifest& manifest);
   // Every head of this process's part of `cut` into the registry (Checkpointer::RestoreAll over
   // the set's directory): its errors.
   absl::Status Restore(uint64_t cut);
@@ -111,7 +118,9 @@ absl::Status AgreeOnCheckpoints(kernels::ProcessGroup& group, bool enabled);
 // At start, after the group formed and before serving: the processes agree on one set and each
 // restores its part of it (a sequence of collective exchanges over `group`: every process calls
 // it once). The leader names its newest set with a manifest and hands the manifest out; each
-// process checks its part (CheckPart) and restores it; then every process learns every verdict.
+// process checks its part (CheckPart, CheckRows), every process learns every check's verdict, and
+// only if all passed each restores its part (a head sharded across processes is restored by every
+// process together); then every process learns every verdict.
 // Any process failing (its part missing or damaged, or a complete set newer than the leader's
 // newest: FAILED_PRECONDITION, the leader's directory is not the one it wrote) fails the start on
 // every process with that process's code and reason. Returns the agreed cut (0: none, nothing

@@ -245,10 +245,20 @@ class Head {
 
   // The checkpoint cut (head_checkpoint.cc). A consistent cut taken under the compute lock: W, dW,
   // counters, defaults and idempotency state; every micro-batch is wholly in it or wholly out.
+  // UNIMPLEMENTED for a head sharded across processes (each process holds only its rows): its
+  // checkpoints are checkpoint sets' parts.
   absl::StatusOr<HeadCheckpointData> Snapshot();
+  // A checkpoint set's part (durability/group_checkpoint.h): Snapshot's cut, except that a head
+  // sharded across processes gives this process's rows only (HeadCheckpointData::rows) with what
+  // every process holds alike and this process's clients. No exchange with other processes.
+  absl::StatusOr<HeadCheckpointData> SnapshotPart();
   // A head holding exactly `data` (validated: DATA_LOSS when sizes or the spec do not fit), on
   // `devices` whatever placement it was saved with: the file is the same for every placement.
-  // The restored spec's placement names the devices it got.
+  // The restored spec's placement names the devices it got. A part holding only some rows
+  // (data.rows: a head sharded across processes) is restored only by the process that wrote it,
+  // in a group of its size over as many devices, as a collective call of every process
+  // (each restoring its part of the same set): FAILED_PRECONDITION outside a group or in another
+  // group size, rank or device count, DATA_LOSS when its rows are not those the process owns.
   static absl::StatusOr<std::shared_ptr<Head>> Restore(std::span<kernels::Backend* const> devices,
                                                        const HeadCheckpointData& data,
                                                        const HeadOptions& options);

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "losshead/v1/losshead.pb.h"
 #include "server/engine/step_outcome.h"
 
@@ -42,6 +43,22 @@ struct ApplyClientCheckpoint {
   std::vector<RememberedApply> responses;  // by increasing key
 };
 
+// Which rows a checkpoint set's part of a head sharded across processes holds
+// (Placement.across_processes; docs/multi-process.md): the rows of this process's shards, global
+// shard ranks [first_shard, first_shard + devices) of `shards`, in a group of `processes` where
+// this process is `process`. Its tensors (W, dW, the optimizer's) then hold rows
+// [first_row, first_row + row_count) only; the rest of the part (spec, versions, counters,
+// applies, this process's clients) is as in a whole head's.
+struct CheckpointRows {
+  uint32_t processes = 0;
+  uint32_t process = 0;
+  uint32_t shards = 0;
+  uint32_t first_shard = 0;
+  uint32_t devices = 0;
+  uint64_t first_row = 0;
+  uint64_t row_count = 0;
+};
+
 struct HeadCheckpointData {
   v1::HeadSpec spec;  // default_options: the head's current defaults
   uint64_t weights_version = 1;
@@ -51,8 +68,8 @@ struct HeadCheckpointData {
   uint64_t max_version_since_pull = 0;
   uint64_t tokens_total = 0;
   uint64_t microbatches_total = 0;
-  std::string weights;                    // V x D in spec.weight_dtype
-  std::string gradient;                   // V x D fp32
+  std::string weights;                    // V x D in spec.weight_dtype (rows: its rows x D)
+  std::string gradient;                   // V x D fp32 (rows: its rows x D)
   std::vector<ClientCheckpoint> clients;  // by client id
   // The optimizer (spec.optimizer says which; none: the fields below stay empty): its step count,
   // SGD's momentum bit, the weights version its master copy was taken at, the master copy (fp32,
@@ -69,7 +86,16 @@ struct HeadCheckpointData {
   std::string bias;
   std::string grad_bias;
   std::vector<std::string> bias_optimizer_state;
+  // Only some rows (a part of a head sharded across processes, format 7); none: every row, and
+  // the tensors above are V x D.
+  std::optional<CheckpointRows> rows;
 };
+
+// OK when `rows` are the rows a process `process` of `processes` holding `devices` shards of a
+// head of `spec` wrote: FAILED_PRECONDITION for another group size, rank or device count (the
+// part belongs to another layout), DATA_LOSS when its rows are not those its shards own.
+absl::Status CheckPartRows(const CheckpointRows& rows, const v1::HeadSpec& spec, int processes,
+                           int process, int devices);
 
 }  // namespace losshead::server
 
