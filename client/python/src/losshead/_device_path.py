@@ -103,9 +103,15 @@ class DevicePath:
         self._free: Dict[int, List[Region]] = {}
 
     @property
+    def library_has_it(self) -> bool:
+        """Whether the library has the device path's calls (C ABI 6), which also report every
+        micro-batch's path, device regions or not."""
+        return self._lib.lh_capi_version() >= _DEVICE_VERSION
+
+    @property
     def supported(self) -> bool:
-        return (self._lib.lh_capi_version() >= _DEVICE_VERSION
-                and os.environ.get("LOSSHEAD_DEVICE_PATH", "0") == "1")
+        """Whether CUDA tensors may take the device path (the library has it and it is asked)."""
+        return self.library_has_it and os.environ.get("LOSSHEAD_DEVICE_PATH", "0") == "1"
 
     def _server_devices(self) -> List[Tuple[Tuple[int, int, int], str]]:
         if self._server is None:

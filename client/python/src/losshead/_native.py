@@ -254,7 +254,7 @@ class NativeClient:
         results, status = (_CStepResult * n)(), _Status()
         paths = (_c.c_int * n)()
         # A version 6 library reports each micro-batch's path, device regions or not.
-        reported = self._device.supported
+        reported = self._device.library_has_it
         if reported:
             failed = n and self._lib.lh_step_many_device(self._live(), cmbs, cins, devs, n,
                                                          plan.lane_depth(n), results, paths,
