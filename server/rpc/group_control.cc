@@ -318,6 +318,12 @@ absl::StatusOr<v1::ControlResponse> GroupControl::LeadCheckpoint(v1::ControlRequ
   return merged;
 }
 
+bool GroupControl::DeletesHeadAcrossProcesses(const v1::ControlRequest& request) const {
+  if (!request.has_delete_head()) return false;
+  absl::StatusOr<std::shared_ptr<Head>> head = ctx_->registry->Get(request.delete_head().name());
+  return head.ok() && (*head)->across_processes();
+}
+
 absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest request,
                                                        const std::string& authorization,
                                                        GradientSnapshot* pulled) {
@@ -328,7 +334,7 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest reques
   // The origin's gradient: kept here when the origin is the leader, by the origin otherwise.
   GradientSnapshot own;
   GradientSnapshot* here = request.origin() == rank() ? pulled : &own;
-  if (IsCut(request)) {
+  if (IsCut(request) || DeletesHeadAcrossProcesses(request)) {
     // Every process at once: they meet in the cut's collectives.
     absl::StatusOr<v1::ControlResponse> mine;
     std::thread local([&] { mine = RunHere(request, here); });

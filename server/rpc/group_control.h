@@ -133,6 +133,10 @@ class GroupControl {
   absl::StatusOr<v1::ControlResponse> LeadCheckpoint(v1::ControlRequest request,
                                                      const std::string& authorization)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lead_mu_);
+  // Whether `request` deletes a head sharded across processes: run on every process at once,
+  // as a cut is, since the head's collective (NCCL's communicators) is torn down by every
+  // process together; the leader's alone would wait for followers not yet told.
+  bool DeletesHeadAcrossProcesses(const v1::ControlRequest& request) const;
   // `request` run here; a pull's gradient to `*pulled`.
   absl::StatusOr<v1::ControlResponse> RunHere(const v1::ControlRequest& request,
                                               GradientSnapshot* pulled);

@@ -277,6 +277,13 @@ TEST_P(ShardedGroupTest, StepsCutsAndApplyEqualOneProcessShardedOverAsManyDevice
     EXPECT_EQ(w->weights_version, *version) << "process " << p;
     EXPECT_TRUE(w->data == pushed_bytes) << "process " << p << " did not take the push";
   }
+
+  // Deleted through a follower, on every process at once (as its collective needs over NCCL).
+  ASSERT_TRUE(group.clients[n - 1]->DeleteHead(kHead).ok());
+  for (int p = 0; p < n; ++p) {
+    EXPECT_EQ(group.clients[p]->GetHead(kHead).status().code(), absl::StatusCode::kNotFound)
+        << "process " << p;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ShardedGroupTest,
@@ -355,6 +362,14 @@ TEST(ShardedGroupCudaTest, TwoProcessesOfOneGpuEachAsOneProcessOverTwo) {
                          std::vector<double>(want_floats.begin(), want_floats.end()), 1e-5))
         << "process " << p;
   }
+  // Deleted through a follower: every process tears its communicators down together (within the
+  // call's deadline), and a new head of the name can be created.
+  ASSERT_TRUE(group.clients[1]->DeleteHead(kHead).ok());
+  for (int p = 0; p < n; ++p) {
+    EXPECT_EQ(group.clients[p]->GetHead(kHead).status().code(), absl::StatusCode::kNotFound)
+        << "process " << p;
+  }
+  EXPECT_TRUE(group.clients[0]->CreateHead(AcrossSpec(1)).ok());
 }
 
 TEST(ShardedGroupRefusalTest, EachRefusalHasItsCodeAndChangesNothing) {
