@@ -75,10 +75,13 @@ absl::Status WriteFileAtomically(const std::string& path,
     return s;
   }
   // The rename itself is durable only once the directory entry is.
-  const std::string dir = DirOf(path);
-  UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dfd.get() < 0) return PosixError("cannot open directory", dir);
-  if (::fsync(dfd.get()) != 0) return PosixError("cannot fsync directory", dir);
+  return SyncDirectory(DirOf(path));
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError("cannot open directory", dir);
+  if (::fsync(fd.get()) != 0) return PosixError("cannot fsync directory", dir);
   return absl::OkStatus();
 }
 

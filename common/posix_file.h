@@ -41,6 +41,10 @@ absl::Status WriteAll(int fd, absl::string_view data, const std::string& path);
 absl::Status WriteFileAtomically(const std::string& path,
                                  std::span<const absl::string_view> pieces);
 
+// fsync of directory `dir`: an entry made in it (a file renamed into it, a directory created in
+// it) survives a crash only once this returns OK.
+absl::Status SyncDirectory(const std::string& dir);
+
 }  // namespace losshead
 
 #endif  // LOSSHEAD_COMMON_POSIX_FILE_H_

@@ -32,14 +32,6 @@ namespace fs = std::filesystem;
 
 constexpr int kCutDigits = 20;
 
-// fsync of a directory, so that an entry made in it (a set's directory) survives a crash.
-absl::Status SyncDirectory(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) return PosixError("cannot open directory", path);
-  if (::fsync(fd.get()) != 0) return PosixError("cannot fsync directory", path);
-  return absl::OkStatus();
-}
-
 absl::Status WriteSmallFile(const std::string& path, const std::string& data) {
   const absl::string_view pieces[] = {data};
   return WriteFileAtomically(path, pieces);

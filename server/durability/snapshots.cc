@@ -28,16 +28,6 @@ namespace {
 
 constexpr char kSnapshotsDir[] = "snapshots";
 
-// A directory entry is durable only once its directory is fsynced.
-absl::Status SyncDirectory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return PosixError("cannot open directory", dir);
-  const bool synced = ::fsync(fd) == 0;
-  absl::Status status = synced ? absl::OkStatus() : PosixError("cannot fsync directory", dir);
-  ::close(fd);
-  return status;
-}
-
 absl::Status NoSnapshot(const std::string& head, const std::string& tag, const std::string& path) {
   return absl::NotFoundError(
       absl::StrCat("head '", head, "' has no snapshot tagged '", tag, "' (", path, ")"));
