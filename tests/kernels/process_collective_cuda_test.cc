@@ -24,31 +24,16 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/collective.h"
+#include "tests/common/loopback_ports.h"
 #include "tests/kernels/process_sequence.h"
 
 namespace losshead::kernels {
 namespace {
 
+using ::losshead::testing::FreeLoopbackAddresses;
+
 using ::losshead::testing::ReadResults;
 using ::losshead::testing::SequenceResults;
-
-std::vector<std::string> FreeAddresses(int n) {
-  std::vector<int> fds;
-  std::vector<std::string> addresses;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t length = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-    addresses.push_back(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
-    fds.push_back(fd);
-  }
-  for (int fd : fds) close(fd);
-  return addresses;
-}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -71,7 +56,7 @@ TEST_P(ProcessNcclTest, EveryCallAgreesWithTheOneProcessHostCollective) {
     GTEST_SKIP() << CudaDevices() << " CUDA devices visible, " << k << " needed";
   }
   const uint64_t seed = 0xc0ffee + k;
-  const std::vector<std::string> peers = FreeAddresses(layout.processes);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(layout.processes);
   std::vector<pid_t> pids;
   std::vector<std::string> outs;
   for (int p = 0; p < layout.processes; ++p) {

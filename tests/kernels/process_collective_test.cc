@@ -31,10 +31,13 @@
 #include "losshead/kernels/backend.h"
 #include "losshead/kernels/collective.h"
 #include "losshead/kernels/process_group.h"
+#include "tests/common/loopback_ports.h"
 #include "tests/kernels/process_sequence.h"
 
 namespace losshead::kernels {
 namespace {
+
+using ::losshead::testing::FreeLoopbackAddresses;
 
 using ::losshead::testing::ReadResults;
 using ::losshead::testing::RunSequence;
@@ -44,26 +47,6 @@ using ::losshead::testing::SequenceResults;
 void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& text) {
   EXPECT_EQ(status.code(), code) << status;
   EXPECT_NE(status.message().find(text), std::string::npos) << status;
-}
-
-// `n` loopback addresses whose ports were free a moment ago (the kernel's choice).
-std::vector<std::string> FreeAddresses(int n) {
-  std::vector<int> fds;
-  std::vector<std::string> addresses;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t length = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-    addresses.push_back(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
-    fds.push_back(fd);
-  }
-  for (int fd : fds) close(fd);
-  return addresses;
 }
 
 std::string TempPath(const std::string& name) {
@@ -150,7 +133,7 @@ struct Helpers {
 // Starts one helper per entry of `locals` (its CPU ranks), all of one group.
 void StartGroup(const std::vector<int>& locals, uint64_t seed, Helpers& helpers,
                 const std::vector<std::string>& extra = {}) {
-  const std::vector<std::string> peers = FreeAddresses(static_cast<int>(locals.size()));
+  const std::vector<std::string> peers = FreeLoopbackAddresses(static_cast<int>(locals.size()));
   for (size_t p = 0; p < locals.size(); ++p) {
     helpers.outs.push_back(TempPath(absl::StrCat("p", p)));
     std::vector<std::string> args = {absl::StrCat("rank=", p),
@@ -272,7 +255,7 @@ INSTANTIATE_TEST_SUITE_P(Victims, ProcessFailureTest,
 
 TEST(ProcessBootstrapTest, MismatchedWorldSizesAreFailedPreconditionOnBothEnds) {
   // Process 1 thinks the world has 3 processes; process 0 that it has 2.
-  const std::vector<std::string> peers = FreeAddresses(3);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(3);
   std::vector<std::string> args0 = {"rank=0", "world=2", "peers=" + peers[0] + "," + peers[1],
                                     "local=1", "bootstrap_timeout_ms=5000"};
   std::vector<std::string> args1 = {"rank=1", "world=3", "peers=" + absl::StrJoin(peers, ","),
@@ -307,7 +290,7 @@ ProcessGroupOptions Options(const std::vector<std::string>& peers, int rank) {
 }
 
 TEST(ProcessBootstrapTest, AMissingPeerIsDeadlineExceededNamingIt) {
-  const std::vector<std::string> peers = FreeAddresses(3);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(3);
   // Process 0 waits for 1 and 2 to connect; only 2 is missing... none comes here.
   ProcessGroupOptions lonely0 = Options(peers, 0);
   lonely0.bootstrap_timeout = absl::Milliseconds(300);
@@ -322,7 +305,7 @@ TEST(ProcessBootstrapTest, AMissingPeerIsDeadlineExceededNamingIt) {
 }
 
 TEST(ProcessBootstrapTest, OtherGroupOrVersionIsFailedPrecondition) {
-  const std::vector<std::string> peers = FreeAddresses(2);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(2);
   absl::Status status1;
   std::thread other([&] {
     ProcessGroupOptions options = Options(peers, 1);
@@ -339,7 +322,7 @@ TEST(ProcessBootstrapTest, OtherGroupOrVersionIsFailedPrecondition) {
 
   // A peer of another protocol version (its hello written by hand: magic, version, world, rank,
   // group name).
-  const std::vector<std::string> peers2 = FreeAddresses(2);
+  const std::vector<std::string> peers2 = FreeLoopbackAddresses(2);
   std::thread stranger([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -366,7 +349,7 @@ TEST(ProcessBootstrapTest, OtherGroupOrVersionIsFailedPrecondition) {
 }
 
 TEST(ProcessBootstrapTest, MalformedOptionsAreInvalidArgument) {
-  const std::vector<std::string> peers = FreeAddresses(2);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(2);
   ProcessGroupOptions options = Options(peers, 0);
   options.world = 3;
   ExpectStatus(ProcessGroup::Create(options).status(), absl::StatusCode::kInvalidArgument,
@@ -409,7 +392,7 @@ TEST(ProcessBootstrapTest, PeerPatternsAndStatefulSetOrdinals) {
 TEST(ProcessBootstrapTest, StatefulSetStylePeersShareOnePortOnDistinctHosts) {
   // As pods of a StatefulSet do: one port, a host per ordinal (here loopback addresses 127.0.1.p,
   // each process listening on its own).
-  const std::string port = FreeAddresses(1)[0].substr(std::string("127.0.0.1:").size());
+  const std::string port = FreeLoopbackAddresses(1)[0].substr(std::string("127.0.0.1:").size());
   absl::StatusOr<std::vector<std::string>> peers = ExpandPeerPattern("127.0.1.{}:" + port, 3);
   ASSERT_TRUE(peers.ok()) << peers.status();
   std::vector<absl::Status> statuses(3);
@@ -448,7 +431,7 @@ TEST(ProcessBootstrapTest, StatefulSetStylePeersShareOnePortOnDistinctHosts) {
 class ThreadGroup {
  public:
   ThreadGroup(int world, int local) : world_(world) {
-    const std::vector<std::string> peers = FreeAddresses(world);
+    const std::vector<std::string> peers = FreeLoopbackAddresses(world);
     ranks_.resize(world);
     groups_.resize(world);
     collectives_.resize(world);
@@ -661,7 +644,7 @@ class TpuBackend final : public Backend {
 };
 
 TEST(ProcessCollectiveErrorsTest, AProcessThatRefusesItsBackendsFailsTheOthersAtOnce) {
-  const std::vector<std::string> peers = FreeAddresses(2);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(2);
   absl::Status status1;
   std::thread other([&] {
     absl::StatusOr<std::unique_ptr<ProcessGroup>> group = ProcessGroup::Create(Options(peers, 1));

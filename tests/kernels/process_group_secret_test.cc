@@ -19,9 +19,12 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "losshead/kernels/process_group.h"
+#include "tests/common/loopback_ports.h"
 
 namespace losshead::kernels {
 namespace {
+
+using ::losshead::testing::FreeLoopbackAddresses;
 
 constexpr char kSecret[] = "0123456789abcdef-the-group-secret";
 constexpr char kOtherSecret[] = "fedcba9876543210-another-secret!";
@@ -29,24 +32,6 @@ constexpr char kOtherSecret[] = "fedcba9876543210-another-secret!";
 void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& text) {
   EXPECT_EQ(status.code(), code) << status;
   EXPECT_NE(status.message().find(text), std::string::npos) << status;
-}
-
-std::vector<std::string> FreeAddresses(int n) {
-  std::vector<int> fds;
-  std::vector<std::string> addresses;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t length = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-    addresses.push_back(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
-    fds.push_back(fd);
-  }
-  for (int fd : fds) close(fd);
-  return addresses;
 }
 
 ProcessGroupOptions Options(const std::vector<std::string>& peers, int rank,
@@ -64,7 +49,7 @@ ProcessGroupOptions Options(const std::vector<std::string>& peers, int rank,
 
 // Every process's bootstrap at once, each with its secret; their statuses by rank.
 std::vector<absl::Status> Bootstrap(const std::vector<std::string>& secrets) {
-  const std::vector<std::string> peers = FreeAddresses(static_cast<int>(secrets.size()));
+  const std::vector<std::string> peers = FreeLoopbackAddresses(static_cast<int>(secrets.size()));
   std::vector<absl::Status> statuses(secrets.size());
   std::vector<std::thread> threads;
   for (size_t p = 0; p < secrets.size(); ++p) {
@@ -77,7 +62,7 @@ std::vector<absl::Status> Bootstrap(const std::vector<std::string>& secrets) {
 }
 
 TEST(ProcessGroupSecretTest, ProcessesHoldingTheSameSecretFormTheGroupAndExchange) {
-  const std::vector<std::string> peers = FreeAddresses(3);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(3);
   std::vector<std::vector<std::vector<std::byte>>> gathered(3);
   std::vector<std::thread> threads;
   for (int p = 0; p < 3; ++p) {
@@ -130,7 +115,7 @@ TEST(ProcessGroupSecretTest, NoSecretBesideOneIsPermissionDeniedOnBothEnds) {
 }
 
 TEST(ProcessGroupSecretTest, AStrangerWithoutTheSecretLearnsOnlyItsRefusal) {
-  const std::vector<std::string> peers = FreeAddresses(2);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(2);
   std::vector<unsigned char> after_offer;
   bool closed = false;
   std::thread stranger([&] {
@@ -182,7 +167,7 @@ TEST(ProcessGroupSecretTest, AStrangerWithoutTheSecretLearnsOnlyItsRefusal) {
 }
 
 TEST(ProcessGroupSecretTest, AShortSecretIsInvalidArgument) {
-  const std::vector<std::string> peers = FreeAddresses(2);
+  const std::vector<std::string> peers = FreeLoopbackAddresses(2);
   ExpectStatus(ProcessGroup::Create(Options(peers, 0, "short")).status(),
                absl::StatusCode::kInvalidArgument, "a secret of 5 bytes (at least 16)");
 }

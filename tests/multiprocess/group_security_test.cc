@@ -78,27 +78,6 @@ std::string ProcessCredential(const std::string& secret) {
                                      reinterpret_cast<const char*>(mac), length)));
 }
 
-// Every process of a group started at once, each expected to exit by itself: (code, log) by rank.
-std::vector<std::pair<int, std::string>> StartExpectingExit(
-    const GroupAddresses& at, const std::string& name,
-    const std::function<std::vector<std::string>(int)>& extra) {
-  std::vector<std::pair<int, std::string>> results(at.size());
-  std::vector<std::thread> starts;
-  for (int p = 0; p < at.size(); ++p) {
-    starts.emplace_back([&, p] {
-      std::vector<std::string> flags = at.Flags(p);
-      const std::vector<std::string> more = extra(p);
-      flags.insert(flags.end(), more.begin(), more.end());
-      const std::string log = LogPath(absl::StrCat(name, "_p", p));
-      auto code = ServerProcess::RunToExit(LOSSHEAD_SERVER_BINARY, flags, log, absl::Seconds(60));
-      EXPECT_TRUE(code.ok()) << code.status();
-      results[p] = {code.value_or(-1), ReadText(log)};
-    });
-  }
-  for (std::thread& t : starts) t.join();
-  return results;
-}
-
 std::map<uint64_t, std::set<std::string>> Sets(const std::string& dir) {
   std::map<uint64_t, std::set<std::string>> sets;
   std::error_code ec;

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "losshead/client/client.h"
+#include "tests/common/loopback_ports.h"
 #include "tests/common/server_process.h"
 #include "tests/service/host_tensors.h"
 
@@ -33,24 +34,6 @@ inline constexpr int64_t kHidden = 24;
 inline constexpr int64_t kTokens = 16;
 inline constexpr int kClients = 6;
 inline constexpr int kPerClient = 3;
-
-// `n` loopback ports that were free a moment ago (the kernel's choice).
-inline std::vector<int> FreePorts(int n) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t length = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-    ports.push_back(ntohs(addr.sin_port));
-    fds.push_back(fd);
-  }
-  for (int fd : fds) close(fd);
-  return ports;
-}
 
 inline std::string LogPath(const std::string& name) {
   return absl::StrCat(::testing::TempDir(), "/mp_", getpid(), "_", name, ".log");
@@ -81,7 +64,7 @@ inline std::unique_ptr<client::Client> Connect(const std::string& target, bool f
 // endpoints. Kept to restart a group at the same addresses.
 struct GroupAddresses {
   explicit GroupAddresses(int n) {
-    const std::vector<int> ports = FreePorts(2 * n);
+    const std::vector<int> ports = FreeLoopbackPorts(2 * n);
     for (int p = 0; p < n; ++p) {
       peers.push_back(absl::StrCat("127.0.0.1:", ports[n + p]));
       grpc.push_back(absl::StrCat("127.0.0.1:", ports[p]));
@@ -101,6 +84,29 @@ struct GroupAddresses {
   std::vector<std::string> grpc;
   std::vector<std::string> peers;
 };
+
+// Every process of a group started at `at` at once (process p given `extra(p)` beyond
+// GroupAddresses::Flags(p)), each expected to exit by itself (a start that fails): (exit code,
+// log) by rank.
+inline std::vector<std::pair<int, std::string>> StartExpectingExit(
+    const GroupAddresses& at, const std::string& name,
+    const std::function<std::vector<std::string>(int)>& extra) {
+  std::vector<std::pair<int, std::string>> results(at.size());
+  std::vector<std::thread> starts;
+  for (int p = 0; p < at.size(); ++p) {
+    starts.emplace_back([&, p] {
+      std::vector<std::string> flags = at.Flags(p);
+      const std::vector<std::string> more = extra(p);
+      flags.insert(flags.end(), more.begin(), more.end());
+      const std::string log = LogPath(absl::StrCat(name, "_p", p));
+      auto code = ServerProcess::RunToExit(LOSSHEAD_SERVER_BINARY, flags, log, absl::Seconds(60));
+      EXPECT_TRUE(code.ok()) << code.status();
+      results[p] = {code.value_or(-1), ReadText(log)};
+    });
+  }
+  for (std::thread& t : starts) t.join();
+  return results;
+}
 
 // N processes of one group, started at once (each waits for the others before serving).
 struct Group {

@@ -318,7 +318,7 @@ TEST(ReplicatedGroupFailureTest, AKilledProcessMakesTheNextCutUnavailableAndChan
 }
 
 TEST(ReplicatedGroupFailureTest, AProcessWhoseGroupNeverFormsExitsWithTheReason) {
-  const std::vector<int> ports = FreePorts(3);
+  const std::vector<int> ports = FreeLoopbackPorts(3);
   const std::string log = LogPath("lonely");
   auto code = ServerProcess::RunToExit(
       LOSSHEAD_SERVER_BINARY,
