@@ -410,8 +410,10 @@ absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, Checkpoi
         cut == 0 ? std::string("none") : absl::StrCat(cut),
         "): the leader's --checkpoint_dir is not the one it wrote; not restoring an older state"));
   }
-  if (mine.ok() && leader_ok && cut != 0) {
-    mine = sets.CheckPart(manifest);
+  if (leader_ok && cut != 0) {
+    // The same on every process (the leader's cut and state): every process takes part in the
+    // exchange below, a process that failed already included, or the others would wait for it.
+    if (mine.ok()) mine = sets.CheckPart(manifest);
     if (mine.ok()) mine = sets.CheckRows(manifest);
     // Every part checked everywhere before any is restored: a head sharded across processes is
     // restored by every process together (its collective is created by all of them), so no
@@ -421,7 +423,7 @@ absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, Checkpoi
         group.AllGather("the checkpoint parts' checks", EncodeVerdict(mine)));
     bool all_checked = true;
     for (const auto& check : checks) all_checked = all_checked && DecodeVerdict(check).ok();
-    if (all_checked) mine = sets.Restore(cut);
+    if (mine.ok() && all_checked) mine = sets.Restore(cut);
   }
   // Round 3: every verdict to every process, so that all fail alike, with the same reason.
   LOSSHEAD_ASSIGN_OR_RETURN(

@@ -96,7 +96,7 @@ TEST(CheckpointBiasTest, RoundTripKeepsBiasWindowAndMoments) {
   const std::string file = EncodeCheckpoint(*snap);
   uint32_t version;
   std::memcpy(&version, file.data() + 8, 4);
-  EXPECT_EQ(version, 6u);
+  EXPECT_EQ(version, kCheckpointFormatVersion);
   auto decoded = DecodeCheckpoint(file);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(decoded->bias, snap->bias);
@@ -157,7 +157,8 @@ uint64_t U64At(const std::string& file, size_t at) {
 void PutU64At(std::string& file, size_t at, uint64_t v) { std::memcpy(file.data() + at, &v, 8); }
 
 // A format-5 file (what the writer made before the bias record: the same file without meta's
-// last byte) of a head without a bias still restores, as one without a bias.
+// last two bytes, format 6's bias record and format 7's rows record) of a head without a bias
+// still restores, as one without a bias.
 TEST(CheckpointBiasTest, FormatFiveFilesStillRestore) {
   auto backend = Cpu();
   v1::HeadSpec spec = BiasSpec();
@@ -176,19 +177,21 @@ TEST(CheckpointBiasTest, FormatFiveFilesStillRestore) {
   const uint64_t weights_bytes = U64At(six, 24);
   const uint64_t gradient_bytes = U64At(six, 32);
   ASSERT_EQ(U64At(six, 48), 0u);  // no optimizer section
-  ASSERT_EQ(six[64 + meta_bytes - 1], '\0');  // the bias record: no bias
-  std::string five = six.substr(0, 64) + six.substr(64, meta_bytes - 1) +
-                     six.substr(64 + meta_bytes);
+  ASSERT_EQ(kCheckpointFormatVersion, 7u);  // format 7: the meta ends in two one-byte records
+  ASSERT_EQ(six[64 + meta_bytes - 2], '\0');  // format 6's bias record: no bias
+  ASSERT_EQ(six[64 + meta_bytes - 1], '\0');  // format 7's rows record: all rows
+  const uint64_t five_meta = meta_bytes - 2;
+  std::string five = six.substr(0, 64) + six.substr(64, five_meta) + six.substr(64 + meta_bytes);
   const uint32_t version = 5;
   std::memcpy(five.data() + 8, &version, 4);
-  PutU64At(five, 16, meta_bytes - 1);
+  PutU64At(five, 16, five_meta);
   std::string fields(reinterpret_cast<const char*>(&version), 4);
-  for (uint64_t n : {meta_bytes - 1, weights_bytes, gradient_bytes, uint64_t{0}, uint64_t{0}}) {
+  for (uint64_t n : {five_meta, weights_bytes, gradient_bytes, uint64_t{0}, uint64_t{0}}) {
     fields.append(reinterpret_cast<const char*>(&n), 8);
   }
-  const std::string meta = five.substr(64, meta_bytes - 1);
-  const std::string weights = five.substr(64 + meta_bytes - 1, weights_bytes);
-  const std::string gradient = five.substr(64 + meta_bytes - 1 + weights_bytes);
+  const std::string meta = five.substr(64, five_meta);
+  const std::string weights = five.substr(64 + five_meta, weights_bytes);
+  const std::string gradient = five.substr(64 + five_meta + weights_bytes);
   PutU64At(five, 40, Checksum(gradient, Checksum(weights, Checksum(meta, Checksum(fields)))));
   auto decoded = DecodeCheckpoint(five);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
