@@ -19,10 +19,11 @@ import torch
 
 from losshead import _step_stream, _wire
 from losshead._base import ClientBase
-from losshead._batch_check import HeadFacts, largest_magnitude, refusal
+from losshead._batch_check import HeadFacts, refusal
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
+from losshead._staging import lane_copies, staged
 from losshead._step_stream import StepStream, _StepPipeline
 from losshead._token_inputs import take_token_inputs
 from losshead._types import (TOKEN_INPUTS, LossOptions, ReductionLike, StepResult,
@@ -312,7 +313,7 @@ class Steps(ClientBase):
                 largest = ((lambda: float(torch.linalg.vector_norm(source, float("inf"))))
                            if cut else None)
         else:
-            h2, lane_ready, largest = _staged(flat, wire, bounds, n_streams, measure=cut)
+            h2, lane_ready, largest = staged(flat, wire, bounds, n_streams, measure=cut)
         # The per-token inputs of the loss terms, cut as the targets are.
         inputs = take_token_inputs(options, n, t1, check=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
@@ -340,7 +341,7 @@ class Steps(ClientBase):
             if target is None:
                 target = torch.device("cpu")
         elif grad is not None and target is not None and target.type == "cuda":
-            on_device, lane_done = _lane_copies(grad, target, bounds, n_streams)
+            on_device, lane_done = lane_copies(grad, target, bounds, n_streams)
         if largest is not None:  # the last thing before sending: the reduction had time to run
             ignore = getattr(options.get("loss_options"), "ignore_index", None)
             self._check_cut_batch(head, largest(), t1, ignore)
@@ -416,69 +417,3 @@ def _bounds(n: int, chunk_tokens: int, chunks: Optional[Sequence[int]]) -> List[
                          f"batch's {n} tokens")
     ends = list(itertools.accumulate(sizes))
     return [(end - size, end) for size, end in zip(sizes, ends)]
-
-
-LaneReady = Optional[Callable[[int], None]]
-
-
-def _lane_copies(grad: torch.Tensor, device: torch.device, bounds: Sequence[Tuple[int, int]],
-                 streams: int) -> Tuple[torch.Tensor, Callable[[int], None]]:
-    """A tensor like `grad` on `device`, and what copies a stream's rows of `grad` into it.
-
-    Stream j carries micro-batches j, j + streams, ... (run_microbatches). The copies are queued
-    on the CUDA stream current where step_chunked was called, from the stream's own thread, so
-    that whatever the caller queues there afterwards (backward) sees them; `grad` is pinned when
-    the batch came from a CUDA tensor, which makes each copy one asynchronous DMA.
-    """
-    out = torch.empty(grad.shape, dtype=grad.dtype, device=device)
-    caller = torch.cuda.current_stream(device)
-
-    def copy(lane: int) -> None:
-        with torch.cuda.stream(caller):
-            for a, b in bounds[lane::streams]:
-                out[a:b].copy_(grad[a:b], non_blocking=grad.is_pinned())
-    return out, copy
-
-
-def _staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int, int]],
-            streams: int, *, measure: bool
-            ) -> Tuple[torch.Tensor, LaneReady, Optional[Callable[[], float]]]:
-    """`hidden` as a contiguous CPU tensor of `dtype`, and what a stream's sender waits for.
-
-    A CPU tensor is read in place when it already is one (nothing to wait for). A CUDA tensor
-    is copied into pinned host memory (torch's caching host allocator reuses it) stream by
-    stream, micro-batch k going to stream k % streams: the first stream's micro-batches come
-    first, and each stream starts sending once its own rows are on the host instead of after
-    the whole batch. With `measure`, the third value gives the hidden states' largest magnitude
-    in `dtype` (losshead._batch_check): for a CUDA tensor, one reduction queued ahead of the
-    copies, whose value is read only when asked for, so that the caller's work meanwhile
-    overlaps it.
-    """
-    if not hidden.is_cuda:
-        host = _wire.host_tensor(hidden, dtype)
-        return host, None, (lambda: largest_magnitude(host)) if measure else None
-    staged = torch.empty(hidden.shape, dtype=dtype, pin_memory=True)
-    copied = []
-    # On the tensor's own device: the events must follow the stream the copies are queued on.
-    with torch.cuda.device(hidden.device):
-        source = hidden.to(dtype)
-        read_largest: Optional[Callable[[], float]] = None
-        if measure:
-            largest = torch.empty((), dtype=source.dtype, pin_memory=True)
-            largest.copy_(torch.linalg.vector_norm(source, float("inf")), non_blocking=True)
-            measured = torch.cuda.Event()
-            measured.record()
-
-            def read() -> float:
-                measured.synchronize()  # the reduction only, not the copies behind it
-                return float(largest)
-            read_largest = read
-        for lane in range(streams):
-            for a, b in bounds[lane::streams]:
-                staged[a:b].copy_(source[a:b], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            copied.append(event)
-    # Freeing a converted `source` now is safe: the copies were queued on the current stream
-    # before anything that could reuse its memory.
-    return staged, lambda lane: copied[lane].synchronize(), read_largest
