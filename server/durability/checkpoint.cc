@@ -6,6 +6,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -514,43 +516,52 @@ absl::StatusOr<HeadCheckpointData> ReadCheckpointFile(const std::string& path) {
   return d;
 }
 
-absl::StatusOr<HeadCheckpointData> ReadCheckpointMeta(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return PosixError("cannot open", path);
+namespace {
+
+// A checkpoint file opened and its header read and checked, the descriptor left just past it.
+struct OpenedCheckpoint {
+  explicit OpenedCheckpoint(int raw) : fd(raw) {}
+  UniqueFd fd;
+  uint64_t size = 0;
+  Header header;
+};
+
+absl::Status InFile(const std::string& path, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+}
+
+absl::StatusOr<std::unique_ptr<OpenedCheckpoint>> OpenCheckpoint(const std::string& path) {
+  auto opened = std::make_unique<OpenedCheckpoint>(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (opened->fd.get() < 0) return PosixError("cannot open", path);
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return PosixError("cannot stat", path);
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  auto in_file = [&path](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
-  };
-  if (size < kHeaderBytes) return in_file(Corrupt("shorter than its header"));
+  if (::fstat(opened->fd.get(), &st) != 0) return PosixError("cannot stat", path);
+  opened->size = static_cast<uint64_t>(st.st_size);
+  if (opened->size < kHeaderBytes) return InFile(path, Corrupt("shorter than its header"));
   std::string header(kHeaderBytes, '\0');
-  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), kHeaderBytes, path));
-  absl::StatusOr<Header> h = DecodeHeader(header, size);
-  if (!h.ok()) return in_file(h.status());
-  std::string meta(h->meta_bytes, '\0');
-  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), meta.data(), meta.size(), path));
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(opened->fd.get(), header.data(), kHeaderBytes, path));
+  absl::StatusOr<Header> h = DecodeHeader(header, opened->size);
+  if (!h.ok()) return InFile(path, h.status());
+  opened->header = *h;
+  return opened;
+}
+
+}  // namespace
+
+absl::StatusOr<HeadCheckpointData> ReadCheckpointMeta(const std::string& path) {
+  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<OpenedCheckpoint> opened, OpenCheckpoint(path));
+  std::string meta(opened->header.meta_bytes, '\0');
+  LOSSHEAD_RETURN_IF_ERROR(ReadAll(opened->fd.get(), meta.data(), meta.size(), path));
   HeadCheckpointData d;
   std::vector<uint64_t> lengths;
-  if (absl::Status s = DecodeMeta(meta, h->version, &d, &lengths); !s.ok()) return in_file(s);
+  if (absl::Status s = DecodeMeta(meta, opened->header.version, &d, &lengths); !s.ok()) {
+    return InFile(path, s);
+  }
   return d;
 }
 
 absl::StatusOr<CheckpointDigest> ReadCheckpointDigest(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return PosixError("cannot open", path);
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return PosixError("cannot stat", path);
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  auto in_file = [&path](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
-  };
-  if (size < kHeaderBytes) return in_file(Corrupt("shorter than its header"));
-  std::string header(kHeaderBytes, '\0');
-  LOSSHEAD_RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), kHeaderBytes, path));
-  absl::StatusOr<Header> h = DecodeHeader(header, size);
-  if (!h.ok()) return in_file(h.status());
-  return CheckpointDigest{.bytes = size, .checksum = h->checksum};
+  LOSSHEAD_ASSIGN_OR_RETURN(std::unique_ptr<OpenedCheckpoint> opened, OpenCheckpoint(path));
+  return CheckpointDigest{.bytes = opened->size, .checksum = opened->header.checksum};
 }
 
 }  // namespace losshead::server

@@ -84,6 +84,18 @@ uint64_t WithTokenInputs(uint64_t targets, const std::array<std::string, kTokenI
   return digest.Value();
 }
 
+// What a replay of `mb` must match. The receiver digests the tensors while it assembles them;
+// only a direct caller pays a pass over them here.
+StepFingerprint FingerprintOf(const MicroBatch& mb) {
+  return StepFingerprint{
+      .hidden =
+          mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden_bytes()),
+      .targets = WithTokenInputs(
+          mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
+          mb.token_inputs),
+      .shape = StepShape(mb.header)};
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
@@ -101,14 +113,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
   const std::string& client_id = mb.header.client_id();
   if (client_id.empty()) return Compute(prepared, stats, client_id, 0, on_ordered);
 
-  // The receiver digests the tensors while it assembles them; only a direct caller pays a pass.
-  const StepFingerprint fingerprint{
-      .hidden =
-          mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden_bytes()),
-      .targets = WithTokenInputs(
-          mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
-          mb.token_inputs),
-      .shape = StepShape(mb.header)};
+  const StepFingerprint fingerprint = FingerprintOf(mb);
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
                             cache_.Begin(client_id, mb.header.sequence(), fingerprint));
   if (remembered != nullptr) {
@@ -134,13 +139,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBa
   LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
   const std::string& client_id = mb.header.client_id();
   if (prepared.forward_only || client_id.empty()) return nullptr;
-  const StepFingerprint fingerprint{
-      .hidden =
-          mb.hidden_digest.has_value() ? *mb.hidden_digest : ByteDigest::Of(mb.hidden_bytes()),
-      .targets = WithTokenInputs(
-          mb.targets_digest.has_value() ? *mb.targets_digest : ByteDigest::Of(mb.targets),
-          mb.token_inputs),
-      .shape = StepShape(mb.header)};
+  const StepFingerprint fingerprint = FingerprintOf(mb);
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
                             cache_.Begin(client_id, mb.header.sequence(), fingerprint));
   if (remembered == nullptr) return nullptr;
