@@ -205,9 +205,10 @@ class Steps(ClientBase):
         that INVALID_ARGUMENT with nothing counted).
         Transient failures are retried under the same key (see `run_microbatches`).
 
-        A CUDA `hidden` goes by the same-node device path where every native connection offers
-        it (losshead._device_path; `result.data_path` says "device"): the server copies it out
-        of device memory. dH is returned on the host either way.
+        With LOSSHEAD_DEVICE_PATH=1, a CUDA `hidden` goes by the same-node device path where
+        every native connection offers it (losshead._device_path; `result.data_path` says
+        "device"): the server copies it out of device memory. dH is returned on the host either
+        way.
         """
         if hidden.is_cuda and self._natives and all(
                 native.device_bus(hidden.device) is not None for native in self._natives):
