@@ -418,9 +418,8 @@ absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, Checkpoi
     // Every part checked everywhere before any is restored: a head sharded across processes is
     // restored by every process together (its collective is created by all of them), so no
     // process may start while another will not follow.
-    LOSSHEAD_ASSIGN_OR_RETURN(
-        const auto checks,
-        group.AllGather("the checkpoint parts' checks", EncodeVerdict(mine)));
+    LOSSHEAD_ASSIGN_OR_RETURN(const auto checks,
+                              group.AllGather("the checkpoint parts' checks", EncodeVerdict(mine)));
     bool all_checked = true;
     for (const auto& check : checks) all_checked = all_checked && DecodeVerdict(check).ok();
     if (mine.ok() && all_checked) mine = sets.Restore(cut);

@@ -49,14 +49,14 @@ absl::StatusOr<HeadCheckpointData> Head::SnapshotPart() {
     if (options_.process_window == nullptr) {
       return absl::InternalError("a head sharded across processes without its process group");
     }
-    d.rows = CheckpointRows{
-        .processes = static_cast<uint32_t>(options_.process_window->group()->size()),
-        .process = static_cast<uint32_t>(options_.process_window->group()->rank()),
-        .shards = static_cast<uint32_t>(group().shard_count()),
-        .first_shard = static_cast<uint32_t>(group().first_shard()),
-        .devices = static_cast<uint32_t>(group().size()),
-        .first_row = first_row,
-        .row_count = rows};
+    d.rows =
+        CheckpointRows{.processes = static_cast<uint32_t>(options_.process_window->group()->size()),
+                       .process = static_cast<uint32_t>(options_.process_window->group()->rank()),
+                       .shards = static_cast<uint32_t>(group().shard_count()),
+                       .first_shard = static_cast<uint32_t>(group().first_shard()),
+                       .devices = static_cast<uint32_t>(group().size()),
+                       .first_row = first_row,
+                       .row_count = rows};
   }
   // Where a replica's rows go in the part's tensors (`element_bytes` each).
   auto part_offset = [&](const Replica& r, size_t element_bytes) {
@@ -82,9 +82,9 @@ absl::StatusOr<HeadCheckpointData> Head::SnapshotPart() {
   if (own_rows) {
     // A shard holds exactly its rows: each copies them beside the previous shard's.
     for (const auto& r : group().replicas()) {
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToHost(
-          d.weights.data() + part_offset(*r, esize), r->weights.data(),
-          head_internal::RowBytes(group(), *r, esize), *r->stream));
+      LOSSHEAD_RETURN_IF_ERROR(
+          r->backend.CopyToHost(d.weights.data() + part_offset(*r, esize), r->weights.data(),
+                                head_internal::RowBytes(group(), *r, esize), *r->stream));
     }
   } else {
     LOSSHEAD_RETURN_IF_ERROR(placement_->CopyWeightsOut(d.weights.data()));
@@ -179,10 +179,10 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
   const uint64_t count = rows * d;
   if (data.weights.size() != count * kernels::DTypeSize(dtype) ||
       data.gradient.size() != count * sizeof(float)) {
-    return absl::DataLossError(absl::StrCat(
-        "checkpoint of ", rows, " rows of a ", v, " x ", d, " ", kernels::DTypeName(dtype),
-        " head holds ", data.weights.size(), " weight bytes and ", data.gradient.size(),
-        " gradient bytes"));
+    return absl::DataLossError(absl::StrCat("checkpoint of ", rows, " rows of a ", v, " x ", d, " ",
+                                            kernels::DTypeName(dtype), " head holds ",
+                                            data.weights.size(), " weight bytes and ",
+                                            data.gradient.size(), " gradient bytes"));
   }
   if (data.weights_version < 1) {
     return absl::DataLossError("checkpoint holds weights version 0");
@@ -218,8 +218,7 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Restore(std::span<kernels::Backend* 
   if (data.master.size() != footprint.master || !state_fits) {
     return absl::DataLossError(
         absl::StrCat("checkpoint of ", rows, " rows of a ", v, " x ", d, " head holds ",
-                     data.master.size(),
-                     " master weight bytes and ", data.optimizer_state.size(),
+                     data.master.size(), " master weight bytes and ", data.optimizer_state.size(),
                      " optimizer state buffers that do not fit its optimizer"));
   }
   // The file is the same for every placement: the head goes on `devices` (the registry's
@@ -324,7 +323,8 @@ absl::Status CheckPartRows(const CheckpointRows& rows, const v1::HeadSpec& spec,
     return absl::FailedPreconditionError(absl::StrCat(
         "the part of head '", spec.name(), "' was written by process ", rows.process, " of ",
         rows.processes, " holding ", rows.devices, " devices' shards; this is process ", process,
-        " of ", processes, " with ", devices, ": a head sharded across processes is restored "
+        " of ", processes, " with ", devices,
+        ": a head sharded across processes is restored "
         "only in the group size, rank and device count that wrote it"));
   }
   // The rows its shards own: shards first_shard to first_shard + devices of `shards` (none when

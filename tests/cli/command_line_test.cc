@@ -175,12 +175,13 @@ TEST(CommandLine, FindsTheCommandAndHelpAnywhere) {
 TEST(CommandLine, RefusesAFlagOfAnotherCommandNamingItsFlags) {
   absl::StatusOr<Invocation> i = Scan({"create", "--streams=3"});
   EXPECT_EQ(i.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(i.status().message(),
-            "--streams is not a flag of `losshead create` (a flag of bench); `losshead create` "
-            "takes --head, --vocab_size, --hidden_size, --weight_dtype, --matmul_precision, "
-            "--init_std, --seed, --replicas, --shards, --across_processes, --bias, --server, "
-            "--max_message_bytes, --deadline_s, --token_file, --tls_root_ca, --tls_cert, --tls_key, "
-            "--tls_server_name (losshead create --help)");
+  EXPECT_EQ(
+      i.status().message(),
+      "--streams is not a flag of `losshead create` (a flag of bench); `losshead create` "
+      "takes --head, --vocab_size, --hidden_size, --weight_dtype, --matmul_precision, "
+      "--init_std, --seed, --replicas, --shards, --across_processes, --bias, --server, "
+      "--max_message_bytes, --deadline_s, --token_file, --tls_root_ca, --tls_cert, --tls_key, "
+      "--tls_server_name (losshead create --help)");
   // In every form absl accepts.
   EXPECT_FALSE(Scan({"list", "--head", "x"}).ok());
   EXPECT_FALSE(Scan({"list", "-head=x"}).ok());

@@ -34,7 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kWide[] = "wide";
-constexpr int64_t kWideVocab = 53;  // shards of unequal rows
+constexpr int64_t kWideVocab = 53;   // shards of unequal rows
 constexpr int kExitGroupBroken = 3;  // server/server.cc
 
 // Sharded across every process, on every device each has (placement.devices 0); `shards`
@@ -203,8 +203,8 @@ TEST_P(ShardedCheckpointTest, AKilledProcessAndARestartComeBackToEachProcesssRow
   uint64_t weight_bytes = 0;
   const uint64_t whole = static_cast<uint64_t>(kWideVocab) * kHidden * sizeof(float);
   for (int p = 0; p < n; ++p) {
-    const std::string part = absl::StrCat(dirs[p], "/sets/", std::string(19, '0'), "1/", kWide,
-                                          ".lhck");
+    const std::string part =
+        absl::StrCat(dirs[p], "/sets/", std::string(19, '0'), "1/", kWide, ".lhck");
     std::ifstream in(part, std::ios::binary);
     ASSERT_TRUE(in.good()) << part;
     uint64_t bytes = 0;
