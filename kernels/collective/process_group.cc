@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -418,6 +419,29 @@ absl::StatusOr<std::vector<std::vector<std::byte>>> ProcessGroup::AllGather(
   }
   if (absl::Status s = Exchange(what, sends, recvs); !s.ok()) return s;
   return all;
+}
+
+absl::StatusOr<std::vector<absl::Status>> GatherStatuses(ProcessGroup& group,
+                                                         absl::string_view what,
+                                                         const absl::Status& mine) {
+  // Fixed size (AllGather's contract): the code, then the message, cut to fit and NUL-padded.
+  constexpr size_t kBytes = 1024;
+  std::vector<std::byte> encoded(kBytes, std::byte{0});
+  const uint32_t code = static_cast<uint32_t>(mine.code());
+  std::memcpy(encoded.data(), &code, sizeof(code));
+  const size_t n = std::min(mine.message().size(), kBytes - sizeof(code) - 1);
+  std::memcpy(encoded.data() + sizeof(code), mine.message().data(), n);
+  absl::StatusOr<std::vector<std::vector<std::byte>>> all = group.AllGather(what, encoded);
+  if (!all.ok()) return all.status();
+  std::vector<absl::Status> statuses;
+  for (const std::vector<std::byte>& bytes : *all) {
+    uint32_t theirs = 0;
+    std::memcpy(&theirs, bytes.data(), sizeof(theirs));
+    const char* text = reinterpret_cast<const char*>(bytes.data() + sizeof(theirs));
+    statuses.emplace_back(static_cast<absl::StatusCode>(theirs),
+                          std::string(text, strnlen(text, bytes.size() - sizeof(theirs))));
+  }
+  return statuses;
 }
 
 }  // namespace losshead::kernels

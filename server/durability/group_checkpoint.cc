@@ -325,26 +325,6 @@ absl::Status CheckpointSets::PruneLocked() {
 
 namespace {
 
-// A verdict as it travels in the last exchange: code, then the message, cut to fit.
-constexpr size_t kVerdictBytes = 1024;
-
-std::vector<std::byte> EncodeVerdict(const absl::Status& status) {
-  std::vector<std::byte> out(kVerdictBytes, std::byte{0});
-  const uint32_t code = static_cast<uint32_t>(status.code());
-  std::memcpy(out.data(), &code, sizeof(code));
-  const size_t n = std::min(status.message().size(), kVerdictBytes - sizeof(code) - 1);
-  std::memcpy(out.data() + sizeof(code), status.message().data(), n);
-  return out;
-}
-
-absl::Status DecodeVerdict(const std::vector<std::byte>& bytes) {
-  uint32_t code = 0;
-  std::memcpy(&code, bytes.data(), sizeof(code));
-  const char* text = reinterpret_cast<const char*>(bytes.data() + sizeof(code));
-  return absl::Status(static_cast<absl::StatusCode>(code),
-                      std::string(text, strnlen(text, bytes.size() - sizeof(code))));
-}
-
 uint64_t U64At(const std::vector<std::byte>& bytes, size_t offset) {
   uint64_t v = 0;
   std::memcpy(&v, bytes.data() + offset, sizeof(v));
@@ -418,18 +398,17 @@ absl::StatusOr<uint64_t> RestoreAgreedSet(kernels::ProcessGroup& group, Checkpoi
     // Every part checked everywhere before any is restored: a head sharded across processes is
     // restored by every process together (its collective is created by all of them), so no
     // process may start while another will not follow.
-    LOSSHEAD_ASSIGN_OR_RETURN(const auto checks,
-                              group.AllGather("the checkpoint parts' checks", EncodeVerdict(mine)));
+    LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<absl::Status> checks,
+                              GatherStatuses(group, "the checkpoint parts' checks", mine));
     bool all_checked = true;
-    for (const auto& check : checks) all_checked = all_checked && DecodeVerdict(check).ok();
+    for (const absl::Status& check : checks) all_checked = all_checked && check.ok();
     if (mine.ok() && all_checked) mine = sets.Restore(cut);
   }
   // Round 3: every verdict to every process, so that all fail alike, with the same reason.
-  LOSSHEAD_ASSIGN_OR_RETURN(
-      const auto verdicts,
-      group.AllGather("the checkpoint restore's verdicts", EncodeVerdict(mine)));
+  LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<absl::Status> verdicts,
+                            GatherStatuses(group, "the checkpoint restore's verdicts", mine));
   for (int p = 0; p < group.size(); ++p) {
-    const absl::Status verdict = DecodeVerdict(verdicts[p]);
+    const absl::Status& verdict = verdicts[p];
     if (!verdict.ok()) {
       return absl::Status(verdict.code(),
                           absl::StrCat("checkpoint set ", cut, " cannot be restored: process ", p,

@@ -127,6 +127,13 @@ absl::Status ProcessWindow::Broadcast(std::string& data, int root) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<absl::Status>> ProcessWindow::GatherStatuses(absl::string_view what,
+                                                                        const absl::Status& mine) {
+  absl::MutexLock lock(&mu_);
+  LOSSHEAD_RETURN_IF_ERROR(group_->health());
+  return kernels::GatherStatuses(*group_, what, mine);
+}
+
 absl::StatusOr<std::vector<std::string>> ProcessWindow::AllGather(absl::string_view what,
                                                                   absl::string_view mine) {
   absl::MutexLock lock(&mu_);

@@ -56,6 +56,9 @@ class ProcessWindow {
   // `data` of process `root` copied into every other process's `data` (of the same size there).
   // On error `data` is not touched where it is not root's.
   absl::Status Broadcast(std::string& data, int root);
+  // Every process's `mine`, by rank (kernels::GatherStatuses, serialised with the calls above).
+  absl::StatusOr<std::vector<absl::Status>> GatherStatuses(absl::string_view what,
+                                                           const absl::Status& mine);
 
   // For a head sharded across processes (Placement.across_processes), whose processes hold
   // disjoint rows. Every process's `mine` (of any length), indexed by process rank.

@@ -35,13 +35,6 @@ bool IsCut(const v1::ControlRequest& request) {
          across;
 }
 
-// Where a code travels as one byte before its message.
-std::string StatusBytes(const absl::Status& status) {
-  std::string bytes(1, static_cast<char>(status.code()));
-  absl::StrAppend(&bytes, status.message());
-  return bytes;
-}
-
 // The micro-batch's tensors one after another, as StepControl counts them.
 std::string Pack(const MicroBatch& mb) {
   std::string packed(mb.hidden_bytes());
@@ -546,14 +539,11 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
 }
 
 absl::Status GroupControl::Agree(absl::string_view what, const absl::Status& mine) {
-  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<std::string> all,
-                            window_->AllGather(what, StatusBytes(mine)));
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<absl::Status> all, window_->GatherStatuses(what, mine));
   for (int p = 0; p < size(); ++p) {
-    if (all[p].empty()) return absl::InternalError("a process sent no verdict");
-    const auto code = static_cast<absl::StatusCode>(static_cast<unsigned char>(all[p][0]));
-    if (code == absl::StatusCode::kOk) continue;
+    if (all[p].ok()) continue;
     if (p == rank()) return mine;
-    return FromFollower(p, addresses_[p], absl::Status(code, absl::string_view(all[p]).substr(1)));
+    return FromFollower(p, addresses_[p], all[p]);
   }
   return absl::OkStatus();
 }

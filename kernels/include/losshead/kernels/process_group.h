@@ -129,6 +129,13 @@ class ProcessGroup {
   std::unique_ptr<State> state_;
 };
 
+// Every process's `mine`, by rank, through one AllGather of `group` (a collective call): what lets
+// every process of a group take a decision that any one of them refused, each learning the
+// refusing process's code and reason. Messages are cut to about 1 KiB.
+absl::StatusOr<std::vector<absl::Status>> GatherStatuses(ProcessGroup& group,
+                                                         absl::string_view what,
+                                                         const absl::Status& mine);
+
 // The collective whose ranks are the local backends of every process of `group`: process p's ranks
 // come after those of processes 0, ..., p - 1, in the order given here. A collective call: every
 // process of the group calls it, and the group's processes may give different numbers of
