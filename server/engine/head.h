@@ -54,6 +54,7 @@
 #include "server/engine/step_devices.h"
 #include "server/engine/step_outcome.h"
 #include "server/engine/step_prepare.h"
+#include "server/engine/step_turns.h"
 #include "server/engine/window_counters.h"
 
 namespace losshead::server {
@@ -188,10 +189,15 @@ class Head {
   // computed again anywhere. Forward-only micro-batches and those without a client id claim
   // nothing. EMBEDDING_GRAD micro-batches are UNIMPLEMENTED across processes.
   bool across_processes() const { return group().across_processes(); }
+  // `*hidden_abs`: the largest |h| in the head's dtype, which the other processes take as theirs.
   absl::StatusOr<std::shared_ptr<const StepOutcome>> ClaimStep(const MicroBatch& microbatch,
-                                                               StepStats* stats);
+                                                               StepStats* stats, float* hidden_abs);
+  // `origin`: the process that received the micro-batch (its home, where it is keyed, its
+  // results read and its hidden states held; elsewhere MicroBatch::hidden_elsewhere).
+  // `turn`: its place in the group's order of such micro-batches (step_turns.h).
   absl::StatusOr<std::shared_ptr<const StepOutcome>> RunStep(const MicroBatch& microbatch,
-                                                             StepStats* stats, bool keyed);
+                                                             StepStats* stats, int origin,
+                                                             StepTurn& turn);
   void AbandonStep(const v1::StepHeader& header);
 
   // The gradient window (gradient_window.cc).
@@ -345,9 +351,11 @@ class Head {
   v1::LossOptions Defaults() const;
   // Runs a prepared micro-batch; with a client id, completes its idempotency claim, or fails it
   // when the device fails once the run has begun (see Step, also for `on_ordered`).
+  // With `turn` (a head sharded across processes), its slots are taken and its run entered in
+  // the group's order (step_turns.h).
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(
       const PreparedStep& prepared, StepStats* stats, const std::string& client_id,
-      uint64_t sequence, const std::function<void()>& on_ordered);
+      uint64_t sequence, const std::function<void()>& on_ordered, StepTurn* turn = nullptr);
   // Compute's part under its devices' compute locks: its turn, the checks against W and the
   // window (ReserveRun), the placement's run, the counters; the outcome's version. A device
   // failure once the run has begun is DATA_LOSS, kept by the key (see Step).
@@ -355,7 +363,7 @@ class Head {
                                           StepStats* stats, const std::string& client_id,
                                           uint64_t sequence,
                                           const std::function<void()>& on_ordered,
-                                          StepOutcome& outcome);
+                                          StepTurn* group_turn, StepOutcome& outcome);
   // Under the micro-batch's compute locks: the weights version it runs against
   // (FAILED_PRECONDITION when not the expected one) with its part of the window's bound reserved
   // (ReserveStepBounds, measuring W itself when only the optimizer's bound of W refuses it).

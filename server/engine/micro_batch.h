@@ -38,6 +38,10 @@ struct MicroBatch {
   // The largest |x| of hidden in its header's dtype (kernels::MaxAbs: +Inf when it holds a NaN or
   // Inf), when the receiver took it as the pieces arrived; Head::Step takes it itself when unset.
   std::optional<float> hidden_max_abs;
+  // Set on the processes other than its origin for a micro-batch of a head sharded across
+  // processes (Head::RunStep): `hidden` is empty, and the hidden states reach this process's
+  // shards in the run, broadcast from the origin's first shard; hidden_max_abs is the origin's.
+  bool hidden_elsewhere = false;
 
   absl::string_view hidden_bytes() const {
     return pinned_hidden != nullptr ? pinned_hidden->view() : absl::string_view(hidden);

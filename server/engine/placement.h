@@ -62,6 +62,9 @@ struct StepRun {
   TokenOutputs outputs;         // in slot 0's token_outputs buffer (token_outputs.h layout)
   TokenInputs inputs;           // in every slot's token_inputs buffer (token_inputs.h layout)
   size_t workspace_budget = 0;  // handed to Backend::WorkspaceBytes / PlanShard
+  // The global shard holding the hidden states, which the run broadcasts to every other shard
+  // before computing (PreparedStep::hidden_root); -1: every device staged its own.
+  int hidden_root = -1;
 };
 
 // Where token output `output` of `run` lies in `slot`'s token_outputs buffer; null when not

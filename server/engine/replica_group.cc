@@ -1,7 +1,9 @@
 #include "server/engine/replica_group.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <utility>
@@ -38,10 +40,24 @@ absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(
     // The collective first: it tells every process its shards' global ranks. Every process
     // reaches it (the checks above are the same on every process for the same spec).
     LOSSHEAD_ASSIGN_OR_RETURN(group->collective_,
-                              kernels::CreateProcessCollective(std::move(processes), devices));
+                              kernels::CreateProcessCollective(processes, devices));
     group->shard_count_ = group->collective_->size();
     group->first_shard_ = group->collective_->first_rank();
     group->across_processes_ = true;
+    // Where each process's shards begin, so that a micro-batch's hidden states can be sent from
+    // the first shard of the process that received them.
+    const int32_t mine = group->first_shard_;
+    LOSSHEAD_ASSIGN_OR_RETURN(
+        const std::vector<std::vector<std::byte>> firsts,
+        processes->AllGather("the first shard of every process",
+                             std::as_bytes(std::span<const int32_t>(&mine, 1))));
+    group->process_ = processes->rank();
+    group->process_first_shards_.clear();
+    for (const std::vector<std::byte>& first : firsts) {
+      int32_t rank = 0;
+      std::memcpy(&rank, first.data(), sizeof(rank));
+      group->process_first_shards_.push_back(rank);
+    }
   }
   const int shards = group->shard_count_;
   if (vocab_size < shards) {
@@ -278,6 +294,12 @@ absl::Status ReplicaGroup::SumShardPartials(int64_t floats) {
   if (collective_ == nullptr) return absl::OkStatus();
   return collective_->AllReduce(Buffers(&Replica::shard_partial), floats, kernels::DType::kFP32,
                                 kernels::ReduceOp::kSum, Streams());
+}
+
+absl::Status ReplicaGroup::BroadcastShards(std::span<void* const> buffers, int64_t elements,
+                                           kernels::DType dtype, int root) {
+  if (collective_ == nullptr) return absl::OkStatus();
+  return collective_->Broadcast(buffers, elements, dtype, root, Streams());
 }
 
 absl::Status ReplicaGroup::Synchronize() {

@@ -197,6 +197,10 @@ class ReplicaGroup {
   // replica r is shard first_shard() + r of shard_count().
   int shard_count() const { return shard_count_; }
   int first_shard() const { return first_shard_; }
+  // The global rank of process `process`'s first shard (0 for a group of this process alone).
+  int FirstShardOf(int process) const { return process_first_shards_[process]; }
+  // This process's rank in the group it spans (0 for a group of this process alone).
+  int process() const { return process_; }
   // Whether the group spans several processes (Create's `processes`).
   bool across_processes() const { return across_processes_; }
   int64_t vocab_size() const { return vocab_size_; }
@@ -288,6 +292,11 @@ class ReplicaGroup {
   // `floats` elements summed on every shard (AllReduce). Nothing to do for one shard.
   absl::Status GatherShardStats(int64_t chunk_rows, int output_stats_rows);
   absl::Status SumShardPartials(int64_t floats);
+  // Under the locks of every shard, during a sharded run: `elements` of `dtype` copied from
+  // global shard `root`'s buffer into every other shard's (Broadcast), `buffers` being this
+  // process's shards' in rank order. Nothing to do for one shard.
+  absl::Status BroadcastShards(std::span<void* const> buffers, int64_t elements,
+                               kernels::DType dtype, int root);
   // Waits for every replica's stream; the first error.
   absl::Status Synchronize();
 
@@ -316,6 +325,8 @@ class ReplicaGroup {
   std::unique_ptr<kernels::Collective> collective_;  // null for one replica of one process
   int shard_count_ = 0;
   int first_shard_ = 0;
+  std::vector<int> process_first_shards_{0};
+  int process_ = 0;
   bool across_processes_ = false;
   std::atomic<uint64_t> next_tie_{0};
   absl::Notification stop_idle_flush_;

@@ -163,6 +163,14 @@ absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
     // does not compute over shards) leaves nothing computed, as Placement::Run promises.
     LOSSHEAD_RETURN_IF_ERROR(r->backend.ShardBegin(parts_[r->rank], a, *r->stream));
   }
+  if (run.hidden_root >= 0) {
+    // The hidden states from the one shard that staged them to every other, on the shards'
+    // streams ahead of their chunks.
+    std::vector<void*> hidden;
+    for (Replica* r : shards_) hidden.push_back(devices.slot(r->rank).hidden.data());
+    LOSSHEAD_RETURN_IF_ERROR(group().BroadcastShards(hidden, run.problem.n * run.problem.d,
+                                                     run.problem.dtype, run.hidden_root));
+  }
   absl::Status ran = RunChunks(run, devices);
   // From here on a part of the run may be in dW: no error may read as a refusal.
   if (absl::IsUnimplemented(ran)) return absl::InternalError(ran.message());

@@ -130,13 +130,15 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBatch& mb,
-                                                                   StepStats* stats) {
+                                                                   StepStats* stats,
+                                                                   float* hidden_abs) {
   if (mb.header.kind() != v1::STEP_KIND_LOSS) {
     LOSSHEAD_RETURN_IF_ERROR(CheckHeader(mb.header));  // an unknown kind
     return absl::UnimplementedError(
         "EMBEDDING_GRAD micro-batches are not run on a head sharded across processes yet");
   }
   LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
+  *hidden_abs = static_cast<float>(prepared.hidden_abs);
   const std::string& client_id = mb.header.client_id();
   if (prepared.forward_only || client_id.empty()) return nullptr;
   const StepFingerprint fingerprint = FingerprintOf(mb);
@@ -149,17 +151,23 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBa
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunStep(const MicroBatch& mb,
-                                                                 StepStats* stats, bool keyed) {
+                                                                 StepStats* stats, int origin,
+                                                                 StepTurn& turn) {
   if (mb.header.kind() != v1::STEP_KIND_LOSS) {
     return absl::UnimplementedError(
         "EMBEDDING_GRAD micro-batches are not run on a head sharded across processes yet");
   }
   // The same checks as at the home, on the same bytes and the same state: they pass here too.
   LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
-  keyed = keyed && !prepared.forward_only && !mb.header.client_id().empty();
+  // Its hidden states go from the origin's first shard to every other shard in the run: one copy
+  // from the host, the rest over the collective (NVLink between GPUs), not over the group's TCP.
+  prepared.hidden_root = group().FirstShardOf(origin);
+  const bool here = origin == group().process();
+  prepared.results_unread = !here;
+  bool keyed = here && !prepared.forward_only && !mb.header.client_id().empty();
   const std::string client_id = keyed ? mb.header.client_id() : std::string();
   const uint64_t sequence = keyed ? mb.header.sequence() : 0;
-  auto outcome = Compute(prepared, stats, client_id, sequence, nullptr);
+  auto outcome = Compute(prepared, stats, client_id, sequence, nullptr, &turn);
   if (!outcome.ok() && keyed) cache_.Abandon(client_id, sequence);  // ignored once settled
   return outcome;
 }
@@ -171,32 +179,38 @@ void Head::AbandonStep(const v1::StepHeader& header) {
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Compute(
     const PreparedStep& p, StepStats* stats, const std::string& client_id, uint64_t sequence,
-    const std::function<void()>& on_ordered) {
+    const std::function<void()>& on_ordered, StepTurn* turn) {
   auto outcome = std::make_shared<StepOutcome>();
   const absl::Time slot_wait = absl::Now();
   // Its devices and a slot of each, device 0 returning the results (see Placement::Take).
   StepDevices devices;
+  if (turn != nullptr) LOSSHEAD_RETURN_IF_ERROR(turn->AwaitTake());
   placement_->Take(p.problem.n, devices);
+  if (turn != nullptr) turn->Taken();
   for (Replica* device : devices.replicas()) stats->devices.push_back(&device->backend);
   const absl::Time stage_start = absl::Now();
   stats->stage_start = stage_start;
   stats->queue += stage_start - slot_wait;
   // Copies in run outside the compute lock, beside the run of the micro-batch ahead of this one.
   for (size_t i = 0; i < devices.size(); ++i) {
+    const int shard = group().first_shard() + devices.replica(i).rank;
+    const bool hidden = !p.hidden_elsewhere && (p.hidden_root < 0 || shard == p.hidden_root);
     LOSSHEAD_RETURN_IF_ERROR(
-        StageIn(p, devices.replica(i), devices.slot(i), /*outputs=*/i == 0, scratch_));
+        StageIn(p, devices.replica(i), devices.slot(i), /*outputs=*/i == 0, hidden, scratch_));
   }
   stats->stage += absl::Now() - stage_start;
-  LOSSHEAD_ASSIGN_OR_RETURN(const RunScalars scalars, RunOnDevices(p, devices, stats, client_id,
-                                                                   sequence, on_ordered, *outcome));
+  LOSSHEAD_ASSIGN_OR_RETURN(
+      const RunScalars scalars,
+      RunOnDevices(p, devices, stats, client_id, sequence, on_ordered, turn, *outcome));
 
   const absl::Time finish_start = absl::Now();
   std::string grad_hidden;  // compute dtype
   std::vector<float> per_token;
   std::string token_outputs;
   const bool keyed = !client_id.empty();  // forward-only comes without one: nothing remembered
-  absl::Status out = StageOut(p, devices.replica(0), devices.slot(0), *results_, &grad_hidden,
-                              &per_token, &token_outputs);
+  absl::Status out = p.results_unread ? absl::OkStatus()
+                                      : StageOut(p, devices.replica(0), devices.slot(0), *results_,
+                                                 &grad_hidden, &per_token, &token_outputs);
   if (out.ok()) {
     FinishOutcome(p, scalars, std::move(grad_hidden), per_token, token_outputs, outcome.get());
     if (keyed) cache_.Complete(client_id, sequence, outcome);
@@ -224,9 +238,10 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
                                                     StepStats* stats, const std::string& client_id,
                                                     uint64_t sequence,
                                                     const std::function<void()>& on_ordered,
-                                                    StepOutcome& outcome) {
+                                                    StepTurn* group_turn, StepOutcome& outcome) {
   const absl::Time wait_start = absl::Now();
   Replica& first = devices.replica(0);
+  if (group_turn != nullptr) LOSSHEAD_RETURN_IF_ERROR(group_turn->AwaitRun());
   const ComputeQueue::Turn turn = first.compute_queue.Wait(p.problem.n);
   // Its devices' compute locks in rank order: one replica's, or every shard's (then the cut).
   const ReplicaGroup::DeviceLocks locks(devices.replicas());
@@ -241,7 +256,8 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
                     .per_token = p.want_per_token,
                     .outputs = p.outputs,
                     .inputs = p.inputs.inputs,
-                    .workspace_budget = options_.workspace_budget_bytes};
+                    .workspace_budget = options_.workspace_budget_bytes,
+                    .hidden_root = p.hidden_root};
   LOSSHEAD_RETURN_IF_ERROR(placement_->Prepare(run, devices, scratch_));
   // Only the scalars come back under the lock; dH follows on the slot's stream once the lock is
   // free for the next micro-batch's run.
@@ -256,6 +272,8 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
   }
   if (ran.ok()) ran = devices.Synchronize();
   devices.EndRun(p.problem.n, ran.ok());
+  // Its exchanges are over: the group's next run may begin while this one's results come back.
+  if (group_turn != nullptr) group_turn->Ran();
   if (!ran.ok()) {
     // Forward-only: dW was not an argument, nothing can be in it.
     if (p.forward_only || refused) return ran;
@@ -382,6 +400,7 @@ void Head::FinishOutcome(const PreparedStep& p, const RunScalars& scalars, std::
                       ? (token_count > 0 ? static_cast<double>(loss_sum) / token_count : 0.0)
                       : static_cast<double>(loss_sum);
   outcome->grad_hidden_dtype = ToProto(p.grad_hidden_dtype);
+  if (p.results_unread) return;  // nothing was copied back
   if (p.want_grad_hidden) {
     if (p.grad_hidden_dtype == dtype_) {
       outcome->grad_hidden = std::move(grad_hidden);

@@ -14,6 +14,18 @@
 #include "server/engine/proto_convert.h"
 
 namespace losshead::server {
+namespace {
+
+// `value` as `dtype` holds it (round to nearest even), back in fp32.
+float RoundToDType(float value, kernels::DType dtype) {
+  char bytes[sizeof(float)];
+  kernels::FromFloat(dtype, &value, bytes, 1);
+  float rounded = 0;
+  kernels::ToFloat(dtype, bytes, &rounded, 1);
+  return rounded;
+}
+
+}  // namespace
 
 absl::Status PrepareHeader(const v1::StepHeader& h, const StepTarget& head,
                            const v1::LossOptions& defaults, PreparedStep* prepared) {
@@ -74,8 +86,9 @@ absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& mb, const StepTarget&
   const size_t hsize = kernels::DTypeSize(p.hidden_dtype);
   const size_t tsize = v1::WireDTypeSize(h.target_dtype());
   const absl::string_view hidden = mb.hidden_bytes();
-  // Compare sizes without overflowing n * d * size for absurd n.
-  if (n > hidden.size() / (d * hsize) || n * d * hsize != hidden.size()) {
+  // Compare sizes without overflowing n * d * size for absurd n. Hidden states elsewhere were
+  // checked by their origin before it sent the micro-batch.
+  if (!mb.hidden_elsewhere && (n > hidden.size() / (d * hsize) || n * d * hsize != hidden.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden has ", hidden.size(), " bytes; num_tokens x hidden_size x ",
                      kernels::DTypeName(p.hidden_dtype), " needs ", n, " x ", d, " x ", hsize));
@@ -109,8 +122,8 @@ absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& mb, const StepTarget&
     ++p.counted_tokens;
   }
 
-  LOSSHEAD_ASSIGN_OR_RETURN(
-      p.inputs, ReadTokenInputs(p.inputs.inputs, mb.token_inputs, p.targets, ignore32));
+  LOSSHEAD_ASSIGN_OR_RETURN(p.inputs,
+                            ReadTokenInputs(p.inputs.inputs, mb.token_inputs, p.targets, ignore32));
   const TokenInputBounds in = BoundTokenInputs(p.inputs, p.targets, ignore32);
   p.input_bounds = kernels::TermInputBounds{.weight_abs = in.weight_abs,
                                             .advantage_abs = in.advantage_abs,
@@ -120,6 +133,15 @@ absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& mb, const StepTarget&
   // every micro-batch accumulated with them until the next pull. The receiver checks as the
   // pieces arrive, while they are in cache; a direct caller's micro-batch is checked here.
   // Its magnitude, taken in the same pass, bounds what the run computes (ReserveStepBounds).
+  if (mb.hidden_elsewhere) {
+    if (!mb.hidden_max_abs.has_value()) {
+      return absl::InternalError("hidden states sent from another process without their bound");
+    }
+    // Rounding is monotonic: the largest |h| in the head's dtype is the largest |h| rounded.
+    p.hidden_elsewhere = true;
+    p.hidden_abs = RoundToDType(*mb.hidden_max_abs, head.dtype);
+    return p;
+  }
   const float max_abs = mb.hidden_max_abs.has_value()
                             ? *mb.hidden_max_abs
                             : kernels::MaxAbs(p.hidden_dtype, hidden.data(), n * d);

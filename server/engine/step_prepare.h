@@ -34,6 +34,15 @@ struct PreparedStep {
   bool request_pinned = false;
   std::string converted;
   absl::string_view hidden() const { return request_hidden ? *request_hidden : converted; }
+  // The global shard whose device alone stages the hidden states, the run broadcasting them to
+  // every other shard (a head sharded across processes: the first shard of the micro-batch's
+  // origin); -1 where every device stages its own copy. With MicroBatch::hidden_elsewhere, no
+  // device of this process stages them (hidden() is empty).
+  int hidden_root = -1;
+  bool hidden_elsewhere = false;
+  // Nobody here reads the results (a process other than the origin): dH and the outputs are
+  // computed as everywhere (the exchanges pair up) but not copied back.
+  bool results_unread = false;
   std::vector<int32_t> targets;
   bool want_grad_hidden = true;
   kernels::DType grad_hidden_dtype = kernels::DType::kFP32;

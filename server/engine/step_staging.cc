@@ -12,7 +12,7 @@
 namespace losshead::server {
 
 absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool outputs,
-                     DeviceScratch& scratch) {
+                     bool hidden_here, DeviceScratch& scratch) {
   kernels::Backend& backend = replica.backend;
   const size_t n = p.problem.n;
   const size_t hidden_bytes = n * p.problem.d * kernels::DTypeSize(p.problem.dtype);
@@ -44,24 +44,27 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
   // The larger of the two directions: the buffer serves the copies in, then the copies out.
   const size_t out_bytes =
       (grad_hidden ? hidden_bytes : 0) + (per_token ? n * sizeof(float) : 0) + token_output_bytes;
+  const size_t hidden_in = hidden_here ? hidden_bytes : 0;
   LOSSHEAD_ASSIGN_OR_RETURN(
-      const bool staged, scratch.EnsureStaging(replica, slot.staging,
-                                               std::max(hidden_bytes + targets_bytes, out_bytes)));
+      const bool staged,
+      scratch.EnsureStaging(replica, slot.staging, std::max(hidden_in + targets_bytes, out_bytes)));
   const char* hidden = p.hidden().data();
   const char* targets = reinterpret_cast<const char*>(p.targets.data());
   if (staged) {
     // Page-locked memory copies at the bus rate and asynchronously; a copy from the request's own
     // (pageable) bytes would go through the driver's bounce buffer at a fraction of it. Hidden
     // states the receiver assembled in page-locked memory need no staging.
-    if (!p.request_pinned) {
+    if (hidden_here && !p.request_pinned) {
       std::memcpy(slot.staging.data(), hidden, hidden_bytes);
       hidden = slot.staging.data();
     }
-    std::memcpy(slot.staging.data() + hidden_bytes, targets, targets_bytes);
-    targets = slot.staging.data() + hidden_bytes;
+    std::memcpy(slot.staging.data() + hidden_in, targets, targets_bytes);
+    targets = slot.staging.data() + hidden_in;
   }
-  LOSSHEAD_RETURN_IF_ERROR(
-      backend.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
+  if (hidden_here) {
+    LOSSHEAD_RETURN_IF_ERROR(
+        backend.CopyToDevice(slot.hidden.data(), hidden, hidden_bytes, *slot.copies));
+  }
   LOSSHEAD_RETURN_IF_ERROR(
       backend.CopyToDevice(slot.targets.data(), targets, targets_bytes, *slot.copies));
   if (input_bytes > 0) {

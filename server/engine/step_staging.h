@@ -14,11 +14,12 @@
 
 namespace losshead::server {
 
-// Copies `p`'s hidden states and targets into `slot`'s device buffers (grown as needed through
-// `scratch`) and waits for them, with room for the results when `outputs` (on a sharded head only
-// shard 0 returns them). Staged through page-locked memory where the backend has it.
+// Copies `p`'s hidden states (with `hidden`; otherwise the run brings them: PreparedStep::
+// hidden_root) and targets into `slot`'s device buffers (grown as needed through `scratch`) and
+// waits for them, with room for the results when `outputs` (on a sharded head only shard 0
+// returns them). Staged through page-locked memory where the backend has it.
 absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool outputs,
-                     DeviceScratch& scratch);
+                     bool hidden, DeviceScratch& scratch);
 // Copies dH (into a buffer of `results`, in the head's dtype), the per-token losses and the token
 // outputs (laid out as in the slot: token_outputs.h) of a finished run out of `slot`, as `p` wants
 // them, and waits for them.

@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/durability/group_checkpoint.h"
 #include "server/engine/head_registry.h"
+#include "server/engine/step_turns.h"
 #include "server/rpc/service_context.h"
 #include "server/rpc/status_util.h"
 
@@ -26,24 +27,24 @@ namespace {
 
 // What every process runs at once, meeting in an exchange of the group.
 bool IsCut(const v1::ControlRequest& request) {
-  // A head sharded across processes: its creation (the collective joins every process), its
-  // micro-batches and its downloads (every process sends its rows) too.
+  // A head sharded across processes: its creation (the collective joins every process) and its
+  // downloads (every process sends its rows) too; its micro-batches go by turns (LeadStep).
   const bool across =
       request.has_create_head() && request.create_head().spec().placement().across_processes();
   return request.has_apply_optimizer() || request.has_pull_gradient() ||
-         request.has_push_weights() || request.has_step() || request.has_download_weights() ||
-         across;
+         request.has_push_weights() || request.has_download_weights() || across;
 }
 
-// The micro-batch's tensors one after another, as StepControl counts them.
-std::string Pack(const MicroBatch& mb) {
-  std::string packed(mb.hidden_bytes());
-  packed.append(mb.targets);
+// The micro-batch's targets and per-token inputs one after another, as StepControl counts them
+// (its hidden states go over the head's collective in the run).
+std::string PackTensors(const MicroBatch& mb) {
+  std::string packed(mb.targets);
   for (const std::string& input : mb.token_inputs) packed.append(input);
   return packed;
 }
 
-absl::Status Unpack(const v1::StepControl& step, const std::string& packed, MicroBatch* mb) {
+absl::Status UnpackTensors(const v1::StepControl& step, MicroBatch* mb) {
+  const std::string& packed = step.tensors();
   size_t at = 0;
   auto take = [&](uint64_t bytes, std::string* into) {
     if (bytes > packed.size() - at) return false;
@@ -51,7 +52,7 @@ absl::Status Unpack(const v1::StepControl& step, const std::string& packed, Micr
     at += bytes;
     return true;
   };
-  bool whole = take(step.hidden_bytes(), &mb->hidden) && take(step.targets_bytes(), &mb->targets);
+  bool whole = take(step.targets_bytes(), &mb->targets);
   if (step.token_input_bytes_size() > kTokenInputs) whole = false;
   for (int i = 0; whole && i < step.token_input_bytes_size(); ++i) {
     whole = take(step.token_input_bytes(i), &mb->token_inputs[i]);
@@ -60,6 +61,8 @@ absl::Status Unpack(const v1::StepControl& step, const std::string& packed, Micr
     return absl::InternalError("a micro-batch's tensors arrived with other sizes than announced");
   }
   mb->header = step.header();
+  mb->hidden_elsewhere = true;
+  mb->hidden_max_abs = step.hidden_max_abs();
   return absl::OkStatus();
 }
 
@@ -78,7 +81,8 @@ GroupControl::GroupControl(std::shared_ptr<ProcessWindow> window,
     : window_(std::move(window)),
       addresses_(std::move(addresses)),
       op_timeout_(op_timeout),
-      ctx_(ctx) {}
+      ctx_(ctx),
+      turns_(op_timeout * 2 + absl::Minutes(1)) {}
 
 int GroupControl::HomeOf(absl::string_view client_id) const {
   uint64_t hash = 0xcbf29ce484222325ull;
@@ -164,8 +168,7 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request
       return absl::UnavailableError(absl::StrCat("through the group's leader (process 0 at ",
                                                  addresses_[0], "): ", status.error_message()));
     }
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        status.error_message());
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
   }
   if ((request.has_pull_gradient() || request.has_download_weights()) && pulled != nullptr) {
     absl::MutexLock lock(&mu_);
@@ -317,10 +320,46 @@ bool GroupControl::DeletesHeadAcrossProcesses(const v1::ControlRequest& request)
   return head.ok() && (*head)->across_processes();
 }
 
+absl::StatusOr<v1::ControlResponse> GroupControl::LeadStep(v1::ControlRequest request,
+                                                           const std::string& authorization) {
+  {
+    absl::MutexLock lock(&lead_mu_);
+    // Behind any request waiting for the micro-batches in flight to finish.
+    lead_mu_.Await(absl::Condition(
+        +[](int* draining) { return *draining == 0; }, &draining_));
+    LOSSHEAD_RETURN_IF_ERROR(window_->health());
+    request.set_sequence(++sequence_);
+    request.mutable_step()->set_turn(++turn_);
+    ++steps_in_flight_;
+  }
+  // Every process at once, in turn order (StepTurns); the next micro-batch is ordered meanwhile.
+  absl::StatusOr<v1::ControlResponse> mine;
+  std::thread local([&] { mine = RunHere(request, nullptr); });
+  std::vector<absl::StatusOr<v1::ControlResponse>> answers =
+      ApplyOnFollowers(request, authorization);
+  local.join();
+  {
+    absl::MutexLock lock(&lead_mu_);
+    --steps_in_flight_;
+  }
+  if (!mine.ok()) return mine.status();
+  for (int p = 1; p < size(); ++p) {
+    if (!answers[p].ok()) return answers[p].status();
+  }
+  return mine;
+}
+
 absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest request,
                                                        const std::string& authorization,
                                                        GradientSnapshot* pulled) {
+  if (request.has_step()) return LeadStep(std::move(request), authorization);
   absl::MutexLock lock(&lead_mu_);
+  // Every other request sees the group as the micro-batches ordered before it left it: those in
+  // flight finish first (on every process), and no other is ordered until this one is done.
+  ++draining_;
+  lead_mu_.Await(absl::Condition(
+      +[](int* in_flight) { return *in_flight == 0; }, &steps_in_flight_));
+  --draining_;
   LOSSHEAD_RETURN_IF_ERROR(window_->health());
   request.set_sequence(++sequence_);
   if (request.has_checkpoint()) return LeadCheckpoint(std::move(request), authorization);
@@ -356,7 +395,9 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest reques
 }
 
 absl::StatusOr<v1::ControlResponse> GroupControl::Apply(const v1::ControlRequest& request) {
-  {
+  // Micro-batches are ordered by their turns (several are in flight at once, and their calls may
+  // arrive in another order); everything else waits for them at the leader.
+  if (!request.has_step()) {
     absl::MutexLock lock(&mu_);
     if (request.sequence() <= applied_) {
       return absl::FailedPreconditionError(absl::StrCat("control request ", request.sequence(),
@@ -479,11 +520,12 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
       break;
     case v1::ControlRequest::kStep: {
       const v1::StepControl& step = request.step();
+      // Its turn is passed whatever happens here, so that the group's next micro-batches go on.
+      StepTurn turn(turns_, step.turn());
       LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(step.header().head()));
       const bool origin = request.origin() == rank();
       PendingStep* pending = nullptr;
       MicroBatch received;
-      std::string packed;
       if (origin) {
         absl::MutexLock lock(&mu_);
         auto it = steps_.find(step.step_id());
@@ -493,24 +535,11 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
         }
         pending = it->second;
       }
-      if (origin) {
-        packed = Pack(*pending->microbatch);
-      } else {
-        uint64_t total = step.hidden_bytes() + step.targets_bytes();
-        for (uint64_t bytes : step.token_input_bytes()) total += bytes;
-        packed.assign(total, '\0');
-      }
-      // From the origin to every process; a process gone makes it UNAVAILABLE everywhere before
-      // anything ran.
-      LOSSHEAD_RETURN_IF_ERROR(window_->Broadcast(packed, request.origin()));
+      if (!origin) LOSSHEAD_RETURN_IF_ERROR(UnpackTensors(step, &received));
       StepStats unused;
-      if (!origin) {
-        LOSSHEAD_RETURN_IF_ERROR(Unpack(step, packed, &received));
-        std::string().swap(packed);
-      }
       absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome =
           head->RunStep(origin ? *pending->microbatch : received, origin ? pending->stats : &unused,
-                        /*keyed=*/origin);
+                        request.origin(), turn);
       const absl::Status ran = outcome.status();
       if (origin) {
         absl::MutexLock lock(&mu_);
@@ -575,7 +604,9 @@ absl::StatusOr<std::shared_ptr<Head>> GroupControl::CreateAcross(const v1::HeadS
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> GroupControl::Step(
     Head& head, const MicroBatch& mb, StepStats* stats, const std::string& authorization) {
-  LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> replayed, head.ClaimStep(mb, stats));
+  float hidden_abs = 0;
+  LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> replayed,
+                            head.ClaimStep(mb, stats, &hidden_abs));
   if (replayed != nullptr) return replayed;
   v1::ControlRequest request;
   v1::StepControl& step = *request.mutable_step();
@@ -583,6 +614,8 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> GroupControl::Step(
   step.set_hidden_bytes(mb.hidden_bytes().size());
   step.set_targets_bytes(mb.targets.size());
   for (const std::string& input : mb.token_inputs) step.add_token_input_bytes(input.size());
+  step.set_tensors(PackTensors(mb));
+  step.set_hidden_max_abs(hidden_abs);
   PendingStep pending{.microbatch = &mb, .stats = stats};
   {
     absl::MutexLock lock(&mu_);

@@ -13,8 +13,12 @@
 // follower. A process that fails makes the request UNAVAILABLE naming it.
 //
 // A head sharded across processes (Placement.across_processes) is created on every process at
-// once (its collective spans them) and its micro-batches, pulls and downloads are ordered by the
-// leader like the cuts: every process runs each of them at once (Step).
+// once (its collective spans them) and its pulls and downloads are ordered by the leader like the
+// cuts. Its micro-batches are numbered by the leader (their turns) and run on every process in
+// that order, several in flight at once: each process stages the next ones while one runs
+// (StepTurns), and the hidden states go from the origin's first shard to every other over the
+// head's collective (NCCL between GPUs). Every other request waits at the leader for the
+// micro-batches in flight to finish everywhere, and none is ordered meanwhile (Step).
 //
 // Steps of a replicated head need no control: each client id has a home process, HomeOf(client_id)
 // = FNV-1a 64 of its bytes mod N, where its micro-batches are deduplicated; a micro-batch with a
@@ -42,6 +46,7 @@
 #include "losshead/v1/process_control.grpc.pb.h"
 #include "server/engine/head.h"
 #include "server/engine/process_window.h"
+#include "server/engine/step_turns.h"
 
 namespace losshead::server {
 
@@ -119,16 +124,22 @@ class GroupControl {
   absl::Status health() const { return window_->health(); }
   // A micro-batch of a head sharded across processes (Head::across_processes), received whole
   // by this process (its home, for one with a client id: CheckStep): a replay is answered here
-  // (Head::ClaimStep); otherwise the leader orders it among every process's micro-batches and
-  // cuts, this process sends its tensors to every other over the group, and every process runs
-  // it (Head::RunStep) at once. The outcome is this process's run's. UNAVAILABLE when the group
-  // failed before it ran here (nothing counted here, the key free again) or while it ran (the
-  // key keeps that answer).
+  // (Head::ClaimStep); otherwise the leader gives it its turn among every process's micro-batches
+  // and behind every request ordered before it, its targets and per-token inputs go to every
+  // process with the order, and every process runs it (Head::RunStep) in turn, its hidden states
+  // coming from this process's first shard in the run. The outcome is this process's run's.
+  // UNAVAILABLE when the group failed before it ran here (nothing counted here, the key free
+  // again) or while it ran (the key keeps that answer).
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(Head& head, const MicroBatch& microbatch,
                                                           StepStats* stats,
                                                           const std::string& authorization);
 
  private:
+  // The leader's part of a micro-batch of a head sharded across processes: numbered under
+  // lead_mu_, then run on every process without it, so that the next ones are ordered and staged
+  // while it runs.
+  absl::StatusOr<v1::ControlResponse> LeadStep(v1::ControlRequest request,
+                                               const std::string& authorization);
   // The leader's part of a checkpoint, under lead_mu_.
   absl::StatusOr<v1::ControlResponse> LeadCheckpoint(v1::ControlRequest request,
                                                      const std::string& authorization)
@@ -167,6 +178,11 @@ class GroupControl {
   // The leader: one request at a time, numbered in order.
   absl::Mutex lead_mu_;
   uint64_t sequence_ ABSL_GUARDED_BY(lead_mu_) = 0;
+  // The last micro-batch's turn, the micro-batches ordered and not yet run everywhere, and the
+  // requests waiting for them to finish (which no new micro-batch overtakes).
+  uint64_t turn_ ABSL_GUARDED_BY(lead_mu_) = 0;
+  int steps_in_flight_ ABSL_GUARDED_BY(lead_mu_) = 0;
+  int draining_ ABSL_GUARDED_BY(lead_mu_) = 0;
   // The last checkpoint set's number (the leader's).
   uint64_t cut_ ABSL_GUARDED_BY(lead_mu_) = 0;
   // Null without checkpoints; set before serving.
@@ -188,6 +204,8 @@ class GroupControl {
     absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome{absl::UnknownError("not run")};
   };
   uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
+  // Where this process's runs of those micro-batches wait for their turns.
+  StepTurns turns_;
   std::map<uint64_t, PendingStep*> steps_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -283,6 +284,80 @@ TEST_P(ShardedGroupTest, StepsCutsAndApplyEqualOneProcessShardedOverAsManyDevice
   for (int p = 0; p < n; ++p) {
     EXPECT_EQ(group.clients[p]->GetHead(kHead).status().code(), absl::StatusCode::kNotFound)
         << "process " << p;
+  }
+}
+
+// Several micro-batches in flight at once (each process stages the next while one runs, in the
+// leader's turns): every client on a thread of its own, through its home, beside unkeyed
+// micro-batches through every process and a pull (which waits for those in flight), with loss
+// and dH still the one-process head's bits (they depend on W alone, not on the order), every
+// micro-batch counted once everywhere, and dW the one-process head's within fp32 rounding (the
+// order of its sums is the turns').
+TEST_P(ShardedGroupTest, MicroBatchesInFlightAtOnceEqualOneProcess) {
+  const int n = GetParam().processes;
+  const int devices = GetParam().devices;
+  const std::string name = absl::StrCat("inflight", n, "x", devices);
+  Group group(n, name, DeviceFlags(devices));
+  ASSERT_TRUE(group.ok());
+  Single one(name + "_one", DeviceFlags(n * devices));
+  ASSERT_NE(one.client, nullptr);
+  ASSERT_TRUE(group.clients[0]->CreateHead(AcrossSpec(devices)).ok());
+  ASSERT_TRUE(one.client->CreateHead(LocalSpec(n * devices)).ok());
+
+  constexpr int kRounds = 4;
+  struct Sent {
+    HostBatch batch;  // what mb points into
+    client::Microbatch mb;
+    absl::StatusOr<client::StepResult> got;
+  };
+  // Keyed ones per client, then unkeyed ones per process.
+  std::vector<std::vector<Sent>> sent(kClients + n);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients + n; ++c) {
+    const bool keyed = c < kClients;
+    const std::string id = keyed ? ClientId(c) : "";
+    const int process = keyed ? Home(id, n) : c - kClients;
+    sent[c].resize(kRounds);
+    for (int k = 0; k < kRounds; ++k) {
+      Sent& s = sent[c][k];
+      s.batch = Batch(c, k);
+      s.mb = ToMicrobatch(kHead, id, keyed ? k + 1 : 0, s.batch);
+      s.got = absl::UnknownError("not sent");
+    }
+    threads.emplace_back([&, c, process] {
+      std::unique_ptr<client::Client> client = Connect(group.addresses[process]);
+      for (Sent& s : sent[c]) s.got = client->Step(s.mb);
+    });
+  }
+  // A cut among them: it waits for those in flight, and none starts until it is done.
+  threads.emplace_back([&] {
+    std::unique_ptr<client::Client> client = Connect(group.addresses[n - 1]);
+    auto pulled = client->PullGradient(kHead);
+    EXPECT_TRUE(pulled.ok()) << pulled.status();
+  });
+  for (std::thread& t : threads) t.join();
+
+  uint64_t tokens = 0, microbatches = 0;
+  for (int c = 0; c < kClients + n; ++c) {
+    for (const Sent& s : sent[c]) {
+      ASSERT_TRUE(s.got.ok()) << "sender " << c << ": " << s.got.status();
+      auto want = one.client->Step(s.mb);
+      ASSERT_TRUE(want.ok()) << want.status();
+      ExpectSameStep(*s.got, *want, absl::StrCat("sender ", c));
+      tokens += static_cast<uint64_t>(s.got->token_count);
+      ++microbatches;
+    }
+  }
+  auto reference = one.client->PullGradient(kHead);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const std::vector<float> reference_dw = Floats(reference->data);
+  const std::vector<double> want_dw(reference_dw.begin(), reference_dw.end());
+  for (int p = 0; p < n; ++p) {
+    auto pulled = group.clients[p]->PullGradient(kHead);
+    ASSERT_TRUE(pulled.ok()) << "process " << p << ": " << pulled.status();
+    EXPECT_EQ(pulled->summary.token_count(), tokens) << "process " << p;
+    EXPECT_EQ(pulled->summary.microbatch_count(), microbatches) << "process " << p;
+    EXPECT_TRUE(AllClose(Floats(pulled->data), want_dw, 1e-5)) << "process " << p;
   }
 }
 
