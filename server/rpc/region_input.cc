@@ -87,7 +87,6 @@ absl::Status CopyFailed(const SharedRegion& region, const absl::Status& status) 
 }  // namespace
 
 absl::Status TakeRegionInput(const RegionInput& input, PinnedPool* pinned, MicroBatch& mb) {
-  (void)pinned;
   const SharedRegion& region = *input.region;
   if (!region.registered()) {
     return absl::NotFoundError(absl::StrCat(
@@ -105,15 +104,28 @@ absl::Status TakeRegionInput(const RegionInput& input, PinnedPool* pinned, Micro
       !s.ok()) {
     return CopyFailed(region, s);
   }
-  std::string hidden(input.hidden_bytes, '\0');
-  Landing landing(mb.header, hidden.data());
-  if (absl::Status s = CopyOut(region, hidden.data(), input.hidden_offset, input.hidden_bytes);
-      !s.ok()) {
+  // Into page-locked memory where the pool gives some: the device's DMA writes it at the bus
+  // rate, and the head's copy to its own device then needs no staging either.
+  PinnedBytes pinned_hidden;
+  char* dst = nullptr;
+  if (pinned != nullptr && input.hidden_bytes > 0) {
+    pinned_hidden = pinned->Take(input.hidden_bytes);
+    dst = pinned_hidden ? pinned_hidden.Extend(input.hidden_bytes) : nullptr;
+    if (dst == nullptr) pinned_hidden.Reset();
+  }
+  std::string hidden;
+  if (dst == nullptr) {
+    hidden.resize(input.hidden_bytes);
+    dst = hidden.data();
+  }
+  Landing landing(mb.header, dst);
+  if (absl::Status s = CopyOut(region, dst, input.hidden_offset, input.hidden_bytes); !s.ok()) {
     return CopyFailed(region, s);
   }
-  landing.LandedTo(hidden.size());
+  landing.LandedTo(input.hidden_bytes);
   mb.hidden = std::move(hidden);
-  mb.pinned_hidden.reset();
+  mb.pinned_hidden =
+      pinned_hidden ? std::make_shared<PinnedBytes>(std::move(pinned_hidden)) : nullptr;
   mb.targets = std::move(targets);
   mb.hidden_digest = landing.digest();
   mb.targets_digest.reset();

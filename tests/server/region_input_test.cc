@@ -142,6 +142,38 @@ TEST(RegionInputTest, IsWhatTheAssemblerMakesOfTheSameBytes) {
   }
 }
 
+// With a pool of page-locked buffers the hidden states land in one of them, as the network path's
+// micro-batches of several messages do.
+TEST(RegionInputTest, HiddenStatesLandInThePinnedPool) {
+  SharedRegions regions;
+  HostRegion host(regions);
+  ASSERT_NE(host.region, nullptr);
+  auto pool = PinnedPool::Create(
+      [](size_t bytes) -> absl::StatusOr<kernels::HostBuffer> {
+        return kernels::HostBuffer(std::malloc(bytes), bytes, &std::free);
+      },
+      size_t{64} << 20);
+  const std::string hidden = FiniteBf16(600000, 11);
+  const std::string targets = RandomBytes(4 * 77, 12);
+  std::memcpy(host.data, hidden.data(), hidden.size());
+  std::memcpy(host.data + hidden.size(), targets.data(), targets.size());
+  const v1::StepHeader header = Header(v1::DTYPE_BF16, true, false);
+  MicroBatch got;
+  got.header = header;
+  const RegionInput input{.region = host.region,
+                          .hidden_offset = 0,
+                          .hidden_bytes = hidden.size(),
+                          .targets_offset = hidden.size(),
+                          .targets_bytes = targets.size()};
+  ASSERT_TRUE(TakeRegionInput(input, pool.get(), got).ok());
+  ASSERT_NE(got.pinned_hidden, nullptr);
+  EXPECT_TRUE(got.hidden.empty());
+  EXPECT_GE(pool->held_bytes(), hidden.size());
+  ExpectSame(got, Assembled(header, hidden, targets));
+  got.ReleaseTensors();
+  EXPECT_EQ(pool->idle_bytes(), pool->held_bytes());  // given back
+}
+
 // A client that closes its region's connection after its header was admitted: the micro-batch is
 // refused NOT_FOUND when it comes to run, nothing taken, although the mapping still lives.
 TEST(RegionInputTest, ARegionUnregisteredSinceAdmissionIsNotFoundAndChangesNothing) {
