@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -32,6 +33,9 @@ namespace losshead::server {
 
 // The size of a cudaIpcMemHandle_t.
 inline constexpr size_t kDeviceIpcHandleBytes = 64;
+// The pieces of CopyOutPieces: large enough for the bus rate, small enough that the first to
+// land is soon there to digest.
+inline constexpr uint64_t kCopyPieceBytes = uint64_t{4} << 20;
 // CopyIn's page-locked staging (see above): the bound on what the process keeps.
 inline constexpr size_t kStagingBytes = size_t{4} << 20;
 inline constexpr int kStagingBuffers = 16;
@@ -65,6 +69,12 @@ class DeviceMapping {
   int device() const { return device_; }  // the ordinal it was opened on
   // Copies [offset, offset + bytes) of the region into host memory, and waits.
   absl::Status CopyOut(void* host_dst, uint64_t offset, uint64_t bytes) const;
+  // The same in pieces of kCopyPieceBytes, one after another: `landed(end)` is called, in order
+  // and on this thread, once [0, end) of `host_dst` holds its bytes, while the next piece's DMA
+  // runs (so that the bytes are digested and checked as they land). When it returns, no copy
+  // writes into `host_dst` any more, on error too.
+  absl::Status CopyOutPieces(void* host_dst, uint64_t offset, uint64_t bytes,
+                             absl::FunctionRef<void(uint64_t end)> landed) const;
   // Copies host memory into [offset, offset + bytes) of the region, and waits: from ordinary
   // memory in pieces of kStagingBytes through two staging buffers, each piece copied into one
   // while the other's DMA runs.

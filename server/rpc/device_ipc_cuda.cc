@@ -228,6 +228,43 @@ absl::Status DeviceMapping::CopyOut(void* host_dst, uint64_t offset, uint64_t by
   return absl::OkStatus();
 }
 
+absl::Status DeviceMapping::CopyOutPieces(void* host_dst, uint64_t offset, uint64_t bytes,
+                                          absl::FunctionRef<void(uint64_t end)> landed) const {
+  if (bytes == 0) return absl::OkStatus();
+  Events done(2);
+  if (!done.ok()) {
+    if (absl::Status s = CopyOut(host_dst, offset, bytes); !s.ok()) return s;
+    landed(bytes);
+    return absl::OkStatus();
+  }
+  auto stream = static_cast<cudaStream_t>(stream_);
+  cudaSetDevice(device_);
+  auto* dst = static_cast<char*>(host_dst);
+  const uint64_t pieces = (bytes + kCopyPieceBytes - 1) / kCopyPieceBytes;
+  // Piece i's completion is event i % 2; at most two pieces are queued: while piece i lands and
+  // is handed over, piece i + 1's DMA runs.
+  auto enqueue = [&](uint64_t i) {
+    const uint64_t at = i * kCopyPieceBytes;
+    const uint64_t n = std::min(kCopyPieceBytes, bytes - at);
+    cudaError_t e = cudaMemcpyAsync(dst + at, data_ + offset + at, n, cudaMemcpyDefault, stream);
+    if (e == cudaSuccess) e = cudaEventRecord(done[i % 2], stream);
+    return e;
+  };
+  cudaError_t e = enqueue(0);
+  for (uint64_t i = 0; i < pieces && e == cudaSuccess; ++i) {
+    if (i + 1 < pieces) e = enqueue(i + 1);
+    if (e == cudaSuccess) e = cudaEventSynchronize(done[i % 2]);
+    if (e == cudaSuccess) landed(std::min(bytes, (i + 1) * kCopyPieceBytes));
+  }
+  if (e != cudaSuccess) {
+    cudaStreamSynchronize(stream);  // nothing may still write into host_dst
+    (void)cudaGetLastError();
+    return absl::InternalError(
+        absl::StrCat("copying ", bytes, " bytes out of a device region: ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DeviceMapping::CopyIn(uint64_t offset, const void* host_src, uint64_t bytes) const {
   if (bytes == 0) return absl::OkStatus();
   auto stream = static_cast<cudaStream_t>(stream_);

@@ -77,6 +77,23 @@ absl::Status CopyOut(const SharedRegion& region, char* dst, uint64_t offset, uin
   return absl::OkStatus();
 }
 
+// The same, handing each piece to `landing` as it lands: a device region's in DMA pieces (the
+// next one's copy running while one is digested and checked), a host region's in cache steps.
+absl::Status CopyOutLanding(const SharedRegion& region, char* dst, uint64_t offset, uint64_t bytes,
+                            Landing& landing) {
+  if (const DeviceMapping* device = region.device(); device != nullptr) {
+    return device->CopyOutPieces(dst, offset, bytes,
+                                 [&landing](uint64_t end) { landing.LandedTo(end); });
+  }
+  for (uint64_t at = 0; at < bytes;) {
+    const uint64_t n = std::min<uint64_t>(kCacheStepBytes, bytes - at);
+    std::memcpy(dst + at, region.data() + offset + at, n);
+    at += n;
+    landing.LandedTo(at);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CopyFailed(const SharedRegion& region, const absl::Status& status) {
   return absl::InternalError(
       absl::StrCat("the hidden states and targets could not be copied out of shared memory region ",
@@ -119,10 +136,11 @@ absl::Status TakeRegionInput(const RegionInput& input, PinnedPool* pinned, Micro
     dst = hidden.data();
   }
   Landing landing(mb.header, dst);
-  if (absl::Status s = CopyOut(region, dst, input.hidden_offset, input.hidden_bytes); !s.ok()) {
+  if (absl::Status s =
+          CopyOutLanding(region, dst, input.hidden_offset, input.hidden_bytes, landing);
+      !s.ok()) {
     return CopyFailed(region, s);
   }
-  landing.LandedTo(input.hidden_bytes);
   mb.hidden = std::move(hidden);
   mb.pinned_hidden =
       pinned_hidden ? std::make_shared<PinnedBytes>(std::move(pinned_hidden)) : nullptr;
