@@ -99,7 +99,7 @@ std::optional<grpc::Status> StepReactor::FinishStatusLocked() const {
          : read_closed_          ? grpc::Status::OK
                                  : grpc::Status(grpc::StatusCode::UNAVAILABLE,
                                                 "the server is shutting down; no further "
-                                                         "micro-batches are read on this stream");
+                                                "micro-batches are read on this stream");
 }
 
 void StepReactor::OnReadDone(bool ok) {
