@@ -231,6 +231,7 @@ absl::Status DeviceMapping::CopyOut(void* host_dst, uint64_t offset, uint64_t by
 absl::Status DeviceMapping::CopyOutPieces(void* host_dst, uint64_t offset, uint64_t bytes,
                                           absl::FunctionRef<void(uint64_t end)> landed) const {
   if (bytes == 0) return absl::OkStatus();
+  cudaSetDevice(device_);  // before the events: an event is recorded only on its device's streams
   Events done(2);
   if (!done.ok()) {
     if (absl::Status s = CopyOut(host_dst, offset, bytes); !s.ok()) return s;
@@ -238,7 +239,6 @@ absl::Status DeviceMapping::CopyOutPieces(void* host_dst, uint64_t offset, uint6
     return absl::OkStatus();
   }
   auto stream = static_cast<cudaStream_t>(stream_);
-  cudaSetDevice(device_);
   auto* dst = static_cast<char*>(host_dst);
   const uint64_t pieces = (bytes + kCopyPieceBytes - 1) / kCopyPieceBytes;
   // Piece i's completion is event i % 2; at most two pieces are queued: while piece i lands and
@@ -272,7 +272,8 @@ absl::Status DeviceMapping::CopyIn(uint64_t offset, const void* host_src, uint64
   const auto* src = static_cast<const char*>(host_src);
   cudaError_t e = cudaSuccess;
   {
-    // Both go at the end of this block, after the stream is drained (below).
+    // Both go at the end of this block, after the stream is drained (below); the events on the
+    // mapping's device, current now.
     Events done(2);
     Staging staging(2);
     if (staging.size() < 2 || !done.ok()) {
