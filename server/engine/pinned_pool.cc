@@ -25,6 +25,13 @@ bool PinnedBytes::Append(absl::string_view bytes) {
   return true;
 }
 
+char* PinnedBytes::Extend(size_t bytes) {
+  if (buffer_.data() == nullptr || bytes > buffer_.bytes() - size_) return nullptr;
+  char* at = buffer_.data() + size_;
+  size_ += bytes;
+  return at;
+}
+
 void PinnedBytes::Reset() {
   if (pool_ != nullptr && buffer_.data() != nullptr) pool_->Give(std::move(buffer_));
   buffer_ = kernels::HostBuffer();

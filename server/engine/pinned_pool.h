@@ -41,6 +41,10 @@ class PinnedBytes {
   absl::string_view view() const { return absl::string_view(buffer_.data(), size_); }
   // Appends `bytes`; false, and nothing appended, when they do not fit.
   bool Append(absl::string_view bytes);
+  // Makes room for `bytes` more at the end and returns where they go, for the caller to fill
+  // (a copy out of a device, straight into page-locked memory) before anything reads them; null,
+  // and nothing changed, when they do not fit.
+  char* Extend(size_t bytes);
   // Gives the buffer back to its pool; the object is empty afterwards.
   void Reset();
 

@@ -10,7 +10,11 @@
 // - [0, size()) lies inside the client's allocation (checked against the allocation's extent at
 //   Open): no copy through a mapping reaches memory outside what the client shared.
 // - Copies are synchronous: when CopyOut returns, the bytes are in host memory and the client's
-//   buffer is no longer read; when CopyIn returns, they are in the client's buffer.
+//   buffer is no longer read; when CopyIn returns, they are in the client's buffer. They run on
+//   the mapping's own non-blocking stream, from any thread (each waits for its own copies).
+// - CopyIn from ordinary memory goes through page-locked staging: at most kStagingBuffers of
+//   kStagingBytes in the process (64 MiB), allocated when first needed and kept, two per copy
+//   while it runs; a copy that finds none free goes from ordinary memory (the driver stages it).
 #ifndef LOSSHEAD_SERVER_RPC_DEVICE_IPC_H_
 #define LOSSHEAD_SERVER_RPC_DEVICE_IPC_H_
 
@@ -20,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -28,6 +33,12 @@ namespace losshead::server {
 
 // The size of a cudaIpcMemHandle_t.
 inline constexpr size_t kDeviceIpcHandleBytes = 64;
+// The pieces of CopyOutPieces: large enough for the bus rate, small enough that the first to
+// land is soon there to digest.
+inline constexpr uint64_t kCopyPieceBytes = uint64_t{4} << 20;
+// CopyIn's page-locked staging (see above): the bound on what the process keeps.
+inline constexpr size_t kStagingBytes = size_t{4} << 20;
+inline constexpr int kStagingBuffers = 16;
 
 struct IpcDevice {
   int index = 0;           // the device ordinal
@@ -58,7 +69,15 @@ class DeviceMapping {
   int device() const { return device_; }  // the ordinal it was opened on
   // Copies [offset, offset + bytes) of the region into host memory, and waits.
   absl::Status CopyOut(void* host_dst, uint64_t offset, uint64_t bytes) const;
-  // Copies host memory into [offset, offset + bytes) of the region, and waits.
+  // The same in pieces of kCopyPieceBytes, one after another: `landed(end)` is called, in order
+  // and on this thread, once [0, end) of `host_dst` holds its bytes, while the next piece's DMA
+  // runs (so that the bytes are digested and checked as they land). When it returns, no copy
+  // writes into `host_dst` any more, on error too.
+  absl::Status CopyOutPieces(void* host_dst, uint64_t offset, uint64_t bytes,
+                             absl::FunctionRef<void(uint64_t end)> landed) const;
+  // Copies host memory into [offset, offset + bytes) of the region, and waits: from ordinary
+  // memory in pieces of kStagingBytes through two staging buffers, each piece copied into one
+  // while the other's DMA runs.
   absl::Status CopyIn(uint64_t offset, const void* host_src, uint64_t bytes) const;
 
  private:

@@ -4,11 +4,15 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "server/rpc/device_ipc.h"
 
 namespace losshead::server {
@@ -46,6 +50,74 @@ absl::Status AllocationExtent(const void* ptr, uintptr_t* base, size_t* size) {
   *base = static_cast<uintptr_t>(b);
   return absl::OkStatus();
 }
+
+// CopyIn's page-locked staging (device_ipc.h): at most kStagingBuffers of kStagingBytes in the
+// process, allocated when first needed (portable: pinned for every device) and kept for reuse.
+class Staging {
+ public:
+  // Up to `want` buffers, fewer or none once the bound is reached; given back by the destructor.
+  explicit Staging(int want) {
+    absl::MutexLock lock(&mu_);
+    while (static_cast<int>(held_.size()) < want) {
+      if (!idle_.empty()) {
+        held_.push_back(idle_.back());
+        idle_.pop_back();
+        continue;
+      }
+      if (allocated_ >= kStagingBuffers) break;
+      void* buffer = nullptr;
+      if (cudaHostAlloc(&buffer, kStagingBytes, cudaHostAllocPortable) != cudaSuccess) {
+        (void)cudaGetLastError();
+        break;
+      }
+      ++allocated_;
+      held_.push_back(buffer);
+    }
+  }
+  ~Staging() {
+    absl::MutexLock lock(&mu_);
+    idle_.insert(idle_.end(), held_.begin(), held_.end());
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+
+  size_t size() const { return held_.size(); }
+  char* operator[](size_t i) const { return static_cast<char*>(held_[i]); }
+
+ private:
+  static inline absl::Mutex mu_;
+  static inline std::vector<void*> idle_ ABSL_GUARDED_BY(mu_);
+  static inline int allocated_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<void*> held_;
+};
+
+// Events without timing for a copy's pieces, destroyed with it.
+class Events {
+ public:
+  explicit Events(int n) : events_(n, nullptr) {
+    for (cudaEvent_t& e : events_) {
+      if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        e = nullptr;
+        ok_ = false;
+      }
+    }
+  }
+  ~Events() {
+    for (cudaEvent_t e : events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+  }
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+
+  bool ok() const { return ok_; }
+  cudaEvent_t operator[](size_t i) const { return events_[i]; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+  bool ok_ = true;
+};
 
 }  // namespace
 
@@ -156,12 +228,73 @@ absl::Status DeviceMapping::CopyOut(void* host_dst, uint64_t offset, uint64_t by
   return absl::OkStatus();
 }
 
+absl::Status DeviceMapping::CopyOutPieces(void* host_dst, uint64_t offset, uint64_t bytes,
+                                          absl::FunctionRef<void(uint64_t end)> landed) const {
+  if (bytes == 0) return absl::OkStatus();
+  cudaSetDevice(device_);  // before the events: an event is recorded only on its device's streams
+  Events done(2);
+  if (!done.ok()) {
+    if (absl::Status s = CopyOut(host_dst, offset, bytes); !s.ok()) return s;
+    landed(bytes);
+    return absl::OkStatus();
+  }
+  auto stream = static_cast<cudaStream_t>(stream_);
+  auto* dst = static_cast<char*>(host_dst);
+  const uint64_t pieces = (bytes + kCopyPieceBytes - 1) / kCopyPieceBytes;
+  // Piece i's completion is event i % 2; at most two pieces are queued: while piece i lands and
+  // is handed over, piece i + 1's DMA runs.
+  auto enqueue = [&](uint64_t i) {
+    const uint64_t at = i * kCopyPieceBytes;
+    const uint64_t n = std::min(kCopyPieceBytes, bytes - at);
+    cudaError_t e = cudaMemcpyAsync(dst + at, data_ + offset + at, n, cudaMemcpyDefault, stream);
+    if (e == cudaSuccess) e = cudaEventRecord(done[i % 2], stream);
+    return e;
+  };
+  cudaError_t e = enqueue(0);
+  for (uint64_t i = 0; i < pieces && e == cudaSuccess; ++i) {
+    if (i + 1 < pieces) e = enqueue(i + 1);
+    if (e == cudaSuccess) e = cudaEventSynchronize(done[i % 2]);
+    if (e == cudaSuccess) landed(std::min(bytes, (i + 1) * kCopyPieceBytes));
+  }
+  if (e != cudaSuccess) {
+    cudaStreamSynchronize(stream);  // nothing may still write into host_dst
+    (void)cudaGetLastError();
+    return absl::InternalError(
+        absl::StrCat("copying ", bytes, " bytes out of a device region: ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DeviceMapping::CopyIn(uint64_t offset, const void* host_src, uint64_t bytes) const {
   if (bytes == 0) return absl::OkStatus();
   auto stream = static_cast<cudaStream_t>(stream_);
   cudaSetDevice(device_);
-  cudaError_t e = cudaMemcpyAsync(data_ + offset, host_src, bytes, cudaMemcpyDefault, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  const auto* src = static_cast<const char*>(host_src);
+  cudaError_t e = cudaSuccess;
+  {
+    // Both go at the end of this block, after the stream is drained (below); the events on the
+    // mapping's device, current now.
+    Events done(2);
+    Staging staging(2);
+    if (staging.size() < 2 || !done.ok()) {
+      // No staging free: from ordinary memory, staged by the driver.
+      e = cudaMemcpyAsync(data_ + offset, src, bytes, cudaMemcpyDefault, stream);
+    } else {
+      // Piece i goes through buffer i % 2: its host copy runs while piece i - 1's DMA does.
+      for (uint64_t at = 0, i = 0; at < bytes && e == cudaSuccess; at += kStagingBytes, ++i) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(kStagingBytes, bytes - at));
+        const size_t b = i % 2;
+        if (i >= 2) e = cudaEventSynchronize(done[b]);  // the buffer's last DMA has finished
+        if (e != cudaSuccess) break;
+        std::memcpy(staging[b], src + at, n);
+        e = cudaMemcpyAsync(data_ + offset + at, staging[b], n, cudaMemcpyDefault, stream);
+        if (e == cudaSuccess) e = cudaEventRecord(done[b], stream);
+      }
+    }
+    // Always drained, so that no DMA still reads a staging buffer given back.
+    const cudaError_t drained = cudaStreamSynchronize(stream);
+    if (e == cudaSuccess) e = drained;
+  }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return absl::InternalError(

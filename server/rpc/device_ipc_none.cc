@@ -18,6 +18,11 @@ absl::Status DeviceMapping::CopyOut(void*, uint64_t, uint64_t) const {
   return absl::FailedPreconditionError("no CUDA in this build");
 }
 
+absl::Status DeviceMapping::CopyOutPieces(void*, uint64_t, uint64_t,
+                                          absl::FunctionRef<void(uint64_t)>) const {
+  return absl::FailedPreconditionError("no CUDA in this build");
+}
+
 absl::Status DeviceMapping::CopyIn(uint64_t, const void*, uint64_t) const {
   return absl::FailedPreconditionError("no CUDA in this build");
 }

@@ -105,6 +105,7 @@ void SharedRegions::Unregister(uint64_t id) {
   auto it = regions_.find(id);
   if (it == regions_.end()) return;
   gone = std::move(it->second);
+  gone->registered_.store(false, std::memory_order_release);
   regions_.erase(it);
 }
 

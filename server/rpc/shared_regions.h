@@ -12,7 +12,9 @@
 // - Unregister removes a region from the table at once; its mapping stays until the last
 //   micro-batch that resolved it lets it go (a shared_ptr), then it is unmapped. mapped_bytes()
 //   counts mappings that exist, so it returns to 0 once every region's client is gone. A device
-//   region's handle is closed the same way (DeviceMapping's destructor).
+//   region's handle is closed the same way (DeviceMapping's destructor). registered() turns false
+//   at Unregister and never back: a micro-batch that resolved a region checks it before it copies
+//   a device region's tensors out (region_input.h).
 #ifndef LOSSHEAD_SERVER_RPC_SHARED_REGIONS_H_
 #define LOSSHEAD_SERVER_RPC_SHARED_REGIONS_H_
 
@@ -52,6 +54,8 @@ class SharedRegion {
   const DeviceMapping* device() const { return device_.get(); }
   // OK when [offset, offset + bytes) lies inside the region; OUT_OF_RANGE naming `what`.
   absl::Status CheckRange(absl::string_view what, uint64_t offset, uint64_t bytes) const;
+  // False once its client unregistered it (its connection closed), while the mapping lives on.
+  bool registered() const { return registered_.load(std::memory_order_acquire); }
 
  private:
   friend class SharedRegions;
@@ -68,6 +72,7 @@ class SharedRegion {
   std::unique_ptr<DeviceMapping> device_;
   size_t size_ = 0;
   std::shared_ptr<Counters> counters_;
+  std::atomic<bool> registered_{true};
 };
 
 class SharedRegions {

@@ -32,13 +32,13 @@ struct StepMessage {
   // The pieces lie in a client's shared memory region (docs/same-node.md): the whole micro-batch
   // is in this one message.
   bool shared = false;
-  // A device region's hidden states, copied out by the server (docs/same-node.md, "The device
-  // path"): the pieces point into it. This copy, the server's own, is what is checked, digested
-  // and computed.
-  std::string staged;
+  // Bytes of hidden states and targets that lie in a client's device region (docs/same-node.md,
+  // "The device path"): counted as received (for the size limits), copied out by the server
+  // when the micro-batch runs (region_input.h). The message carries no pieces then.
+  size_t region_bytes = 0;
 
   size_t bytes() const {
-    return hidden_bytes + request.targets().size() + request.token_weights().size() +
+    return hidden_bytes + region_bytes + request.targets().size() + request.token_weights().size() +
            request.old_logprob().size() + request.advantages().size() +
            request.ref_logprob().size();
   }
@@ -47,7 +47,7 @@ struct StepMessage {
     hidden.clear();
     hidden_bytes = 0;
     shared = false;
-    std::string().swap(staged);
+    region_bytes = 0;
   }
 };
 

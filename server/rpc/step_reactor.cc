@@ -160,8 +160,9 @@ void StepReactor::ReceiveLocked(StepMessage& message, absl::Time now) {
       message.request.mutable_header()->clear_shared_memory();  // refused: nothing is read
     }
   }
-  // A micro-batch of several messages gets its buffer sized from the header, once.
-  const size_t reserve = opens && admitted.ok() ? open_announced_ : 0;
+  // A micro-batch of several messages gets its buffer sized from the header, once; one whose
+  // tensors stay in a device region gets its buffer when they are copied out.
+  const size_t reserve = opens && admitted.ok() && message.region_bytes == 0 ? open_announced_ : 0;
   auto assembled = assembler_.Add(message, now, reserve);
   if (!assembled.ok()) {
     // Malformed: nothing more is read, and the micro-batches before it are still answered.
@@ -200,9 +201,12 @@ void StepReactor::EnqueueLocked(AssembledMicroBatch assembled, absl::Time now) {
   auto slot = std::make_shared<Slot>();
   slot->assembled = std::move(assembled);
   slot->shared = std::move(open_shared_);
+  slot->input = std::move(open_input_);
   open_shared_ = {};
+  open_input_ = {};
   slot->ready = now;
   if (slot->assembled.oversize || !slot->assembled.refused.ok()) {
+    slot->input = {};  // answered with its refusal: nothing is copied
     ReleaseOpenLocked();
   } else {
     slot->admitted = open_admitted_;

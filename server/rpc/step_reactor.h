@@ -51,6 +51,7 @@
 #include "grpcpp/grpcpp.h"
 #include "losshead/v1/losshead.grpc.pb.h"
 #include "server/observability/microbatch_metrics.h"
+#include "server/rpc/region_input.h"
 #include "server/rpc/service_context.h"
 #include "server/rpc/shared_regions.h"
 #include "server/rpc/step_assembler.h"
@@ -88,6 +89,9 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   struct Slot {
     AssembledMicroBatch assembled;
     SharedDestination shared;  // no region: the network path
+    // A device region's hidden states and targets, copied out when it runs (no region: they came
+    // in the messages or out of a host region).
+    RegionInput input;
     bool started = false;
     bool done = false;
     bool head_known = false;  // its head exists: its phases are recorded under the head's label
@@ -136,7 +140,9 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   // The answer of `slot`, picked by a worker at `picked`: an error when the call is gone or the
   // micro-batch was refused before it ran, else its head's Step (which starts the next slot as
   // soon as this one holds the device).
-  void ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run);
+  // A slot whose tensors lie in a device region has them copied out first (TakeRegionInput),
+  // outside mu_; a refusal of that copy is its answer, nothing computed or counted.
+  void ComputeSlot(Slot& slot, absl::Time picked, SlotRun& run);
   void RecordSlot(const Slot& slot, absl::Time picked, const SlotRun& run);
   // Writes a computed answer's dH into the slot's shared memory region, when it came that way.
   void WriteSharedGradHidden(const Slot& slot, SlotRun& run);
@@ -157,8 +163,10 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   absl::Status AdmitHeaderLocked(const StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A header that names shared memory (StepHeader.shared_memory), admitted: the reference is
   // taken out of the header (it is not part of the fingerprint) and checked (the region is the
-  // caller's, every range inside it, room for dH), and the message's hidden pieces and targets
-  // then come from the region as if they had arrived in it. The refusal to answer it with, or OK.
+  // caller's, every range inside it, room for dH). A host region's hidden pieces and targets
+  // then come from it as if they had arrived in the message; a device region's are copied out
+  // when the micro-batch runs (open_input_, then Slot::input), nothing of them read here. The
+  // refusal to answer it with, or OK.
   absl::Status ResolveSharedLocked(StepMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AdmitHeaderLocked's first step: the head a header names, or why it can never be served (the
   // stream's token revoked, no such head, `announced` bytes over --max_microbatch_bytes, a field
@@ -211,8 +219,8 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   const absl::Time start_;
   // Bytes a micro-batch being received must bring within each stall timeout (see above).
   const size_t progress_step_;
-  grpc::ByteBuffer read_buffer_;  // owned by the outstanding read
-  StepMessage message_;           // the last read, parsed
+  grpc::ByteBuffer read_buffer_;               // owned by the outstanding read
+  StepMessage message_;                        // the last read, parsed
   transport::wire::DataPieces hidden_slices_;  // what message_.hidden points into
 
   absl::Mutex mu_;
@@ -237,8 +245,9 @@ class StepReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
   bool open_admitted_ ABSL_GUARDED_BY(mu_) = false;
   size_t open_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   size_t open_received_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t open_announced_ ABSL_GUARDED_BY(mu_) = 0;  // bytes its header announces
+  uint64_t open_announced_ ABSL_GUARDED_BY(mu_) = 0;    // bytes its header announces
   SharedDestination open_shared_ ABSL_GUARDED_BY(mu_);  // its region, when it came that way
+  RegionInput open_input_ ABSL_GUARDED_BY(mu_);         // its tensors, when in a device region
   // The timers (see above): when the outstanding read and write were started; the stall clock of
   // the open micro-batch (time waited for reads since it last started, not counting the
   // outstanding read) and the bytes received at which it restarts next; each alarm, and whether

@@ -146,49 +146,39 @@ absl::Status StepReactor::ResolveSharedLocked(StepMessage& message) {
                                                    ref.grad_hidden_bytes(), " cannot hold the ",
                                                    grad_bytes, " bytes of this micro-batch's dH"));
   }
-  // The assembler copies the hidden states out of the region (checking and digesting its own
-  // copy, so that a client writing the region meanwhile changes nothing but its own input).
+  open_shared_ = {.region = *region,
+                  .grad_offset = ref.grad_hidden_offset(),
+                  .grad_bytes = ref.grad_hidden_bytes()};
   message.hidden.clear();
-  const uint8_t* hidden = r.data() + ref.hidden_offset();
   if (device) {
-    // A device region: the hidden states and targets come out of the client's device memory in
-    // one DMA each, into memory of the server's own; the assembler copies and checks that as it
-    // would a host region's bytes. The client synchronised its stream before sending the header
-    // (the ordering contract), so the bytes are there.
-    std::string& staged = message.staged;
-    staged.resize(ref.hidden_bytes());
-    std::string& targets = *message.request.mutable_targets();
-    targets.resize(ref.targets_bytes());
-    if (absl::Status s =
-            r.device()->CopyOut(staged.data(), ref.hidden_offset(), ref.hidden_bytes());
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s =
-            r.device()->CopyOut(targets.data(), ref.targets_offset(), ref.targets_bytes());
-        !s.ok()) {
-      targets.clear();
-      return s;
-    }
-    hidden = reinterpret_cast<const uint8_t*>(staged.data());
-  } else {
-    message.request.mutable_targets()->assign(
-        reinterpret_cast<const char*>(r.data() + ref.targets_offset()), ref.targets_bytes());
+    // A device region: its bytes are copied out when the micro-batch is picked to run
+    // (RegionInput), on a worker and outside mu_, so that this stream's next messages are read
+    // and admitted while a copy runs. They count here as received, for the size limits.
+    message.region_bytes = ref.hidden_bytes() + ref.targets_bytes();
+    open_input_ = {.region = *std::move(region),
+                   .hidden_offset = ref.hidden_offset(),
+                   .hidden_bytes = ref.hidden_bytes(),
+                   .targets_offset = ref.targets_offset(),
+                   .targets_bytes = ref.targets_bytes()};
+    return absl::OkStatus();
   }
-  if (ref.hidden_bytes() > 0) message.hidden.emplace_back(hidden, ref.hidden_bytes());
+  // A host region: the assembler copies the hidden states out of it (checking and digesting its
+  // own copy, so that a client writing the region meanwhile changes nothing but its own input).
+  message.request.mutable_targets()->assign(
+      reinterpret_cast<const char*>(r.data() + ref.targets_offset()), ref.targets_bytes());
+  if (ref.hidden_bytes() > 0) {
+    message.hidden.emplace_back(r.data() + ref.hidden_offset(), ref.hidden_bytes());
+  }
   message.hidden_bytes = ref.hidden_bytes();
   message.shared = true;
   ctx_->metrics->Bytes("Step", "in", ref.hidden_bytes() + ref.targets_bytes());
-  ctx_->metrics->StepDataBytes(device ? "device" : "shared_memory", "in",
-                               ref.hidden_bytes() + ref.targets_bytes());
-  open_shared_ = {.region = *std::move(region),
-                  .grad_offset = ref.grad_hidden_offset(),
-                  .grad_bytes = ref.grad_hidden_bytes()};
+  ctx_->metrics->StepDataBytes("shared_memory", "in", ref.hidden_bytes() + ref.targets_bytes());
   return absl::OkStatus();
 }
 
 void StepReactor::ReleaseOpenLocked() {
   open_shared_ = {};
+  open_input_ = {};
   if (ctx_->admission != nullptr && (open_admitted_ || open_reserved_ > 0)) {
     ctx_->admission->Release(open_admitted_ ? 1 : 0, open_reserved_);
   }

@@ -76,8 +76,8 @@ void StepReactor::RunSlot(std::shared_ptr<Slot> slot) {
   Unpin();
 }
 
-void StepReactor::ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run) {
-  const MicroBatch& mb = slot.assembled.microbatch;
+void StepReactor::ComputeSlot(Slot& slot, absl::Time picked, SlotRun& run) {
+  MicroBatch& mb = slot.assembled.microbatch;
   bool gone;
   {
     absl::MutexLock lock(&mu_);
@@ -110,19 +110,37 @@ void StepReactor::ComputeSlot(const Slot& slot, absl::Time picked, SlotRun& run)
     run.outcome = head.status();
     return;
   }
+  absl::Duration copied_out;
+  if (slot.input.region != nullptr) {
+    // Out of the client's device region now, on this worker and outside mu_: the stream reads
+    // and admits its next messages meanwhile. Still before the next slot may start (computing_),
+    // so the stream's micro-batches reach dW in order.
+    const absl::Time start = absl::Now();
+    if (absl::Status taken = TakeRegionInput(slot.input, ctx_->pinned.get(), mb); !taken.ok()) {
+      run.outcome = taken;
+      run.reach = MicrobatchRecord::Reach::kRefused;
+      return;
+    }
+    copied_out = absl::Now() - start;
+    const uint64_t bytes = slot.input.hidden_bytes + slot.input.targets_bytes;
+    ctx_->metrics->Bytes("Step", "in", bytes);
+    ctx_->metrics->StepDataBytes("device", "in", bytes);
+  }
   run.reach = MicrobatchRecord::Reach::kRan;
   if (ctx_->group != nullptr && (*head)->across_processes()) {
     // Sharded across processes: run on every process in the leader's order (group_control.h).
     run.outcome = ctx_->group->Step(**head, mb, &run.stats,
                                     call_ != nullptr ? AuthorizationOf(*call_) : std::string());
-    return;
+  } else {
+    run.outcome = (*head)->Step(mb, &run.stats, [this, &run] {
+      absl::MutexLock lock(&mu_);
+      run.ordered = true;
+      computing_ = false;
+      StartNextSlotLocked();
+    });
   }
-  run.outcome = (*head)->Step(mb, &run.stats, [this, &run] {
-    absl::MutexLock lock(&mu_);
-    run.ordered = true;
-    computing_ = false;
-    StartNextSlotLocked();
-  });
+  // The copy out of a device region is the micro-batch's first copy in: its stage phase.
+  run.stats.stage += copied_out;
 }
 
 void StepReactor::WriteSharedGradHidden(const Slot& slot, SlotRun& run) {
@@ -183,6 +201,7 @@ void StepReactor::CompleteSlotLocked(Slot& slot, std::vector<grpc::ByteBuffer> r
   slot.code = static_cast<int>(run.outcome.status().code());
   slot.done = true;
   slot.shared = {};  // its region may be unmapped now (its client gone), nothing more is written
+  slot.input = {};
   slot.head_known = run.reach == MicrobatchRecord::Reach::kRan;
   // The request's tensors are no longer needed; free them before the responses drain.
   slot.assembled.microbatch.ReleaseTensors();

@@ -3,6 +3,7 @@
 #include "server/engine/pinned_pool.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "absl/status/status.h"
@@ -58,6 +59,24 @@ TEST(PinnedPoolTest, AppendBeyondTheCapacityAppendsNothing) {
   EXPECT_EQ(a.size(), kMiB - 1);
   EXPECT_TRUE(a.Append("y"));
   EXPECT_EQ(a.size(), kMiB);
+}
+
+// Room made for a copy to fill: where Append would put the bytes, or nothing beyond capacity.
+TEST(PinnedPoolTest, ExtendMakesRoomAtTheEndOrNothing) {
+  CountingAllocator alloc;
+  auto pool = PinnedPool::Create(alloc.Fn(), 64 * kMiB);
+  PinnedBytes a = pool->Take(1);
+  ASSERT_TRUE(a.Append("ab"));
+  char* room = a.Extend(3);
+  ASSERT_NE(room, nullptr);
+  EXPECT_EQ(room, a.view().data() + 2);
+  std::memcpy(room, "cde", 3);
+  EXPECT_EQ(a.view(), "abcde");
+  EXPECT_EQ(a.Extend(kMiB), nullptr);
+  EXPECT_EQ(a.size(), 5u);
+  EXPECT_NE(a.Extend(kMiB - 5), nullptr);
+  EXPECT_EQ(a.size(), kMiB);
+  EXPECT_EQ(PinnedBytes().Extend(1), nullptr);
 }
 
 TEST(PinnedPoolTest, TheSmallestIdleBufferThatFitsIsTaken) {

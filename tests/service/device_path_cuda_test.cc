@@ -310,6 +310,128 @@ TEST_F(DevicePathTest, ReplaysAreExactlyOnceAcrossThePaths) {
   EXPECT_EQ(info->microbatches_total(), 1u);
 }
 
+// Micro-batches of one stream in flight at once, each in its own slice of one region and large
+// enough for several copy pieces (4 MiB): each is copied out when it runs while the next ones are
+// read and admitted; answers, dH and dW are the network path's bit for bit, and so are the
+// digests: each key repeated over the network replays.
+TEST_F(DevicePathTest, SeveralMicroBatchesOfOneStreamInFlightMatchTheNetworkPath) {
+  constexpr int64_t kWideD = 1024, kTokens = 3000;
+  constexpr int kInFlight = 6;
+  auto control = Connect(false);
+  auto a = CreateKnownHead(*control, "dev-stream", kV, kWideD, v1::DTYPE_BF16, 21);
+  auto b = CreateKnownHead(*control, "net-stream", kV, kWideD, v1::DTYPE_BF16, 21);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<HostBatch> batches;
+  for (int i = 0; i < kInFlight; ++i) {
+    batches.push_back(MakeBatch(kTokens - 7 * i, kWideD, kV, v1::DTYPE_BF16, 500 + i, 5));
+  }
+  const uint64_t hidden = batches[0].hidden_bytes.size();
+  const uint64_t slice = Aligned(hidden) + Aligned(batches[0].target_bytes.size()) + hidden * 4;
+  DeviceBuffer buffer(0, slice * kInFlight);
+  auto region = dev_->RegisterDeviceRegion(buffer.handle, 0, buffer.bytes, BusId(0));
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto ds = dev_->OpenStepStream();
+  auto ns = net_->OpenStepStream();
+  ASSERT_TRUE(ds.ok() && ns.ok());
+  std::vector<client::Microbatch> sent;
+  for (int i = 0; i < kInFlight; ++i) {
+    sent.push_back(OnDevice(a->name, "dev", i + 1, batches[i], buffer, slice * i, *region));
+    ASSERT_TRUE((*ds)->Send(sent.back()).ok());
+    ASSERT_TRUE((*ns)->Send(ToMicrobatch(b->name, "net", i + 1, batches[i])).ok());
+  }
+  for (int i = 0; i < kInFlight; ++i) {
+    SCOPED_TRACE(absl::StrCat("micro-batch ", i + 1));
+    auto rd = (*ds)->Receive();
+    auto rn = (*ns)->Receive();
+    ASSERT_TRUE(rd.ok()) << rd.status();
+    ASSERT_TRUE(rn.ok()) << rn.status();
+    EXPECT_EQ(rd->sequence, static_cast<uint64_t>(i + 1));
+    EXPECT_TRUE(rd->device);
+    ExpectSameAnswer(*rd, *rn);
+    EXPECT_EQ(GradIn(buffer, slice * i, sent[i], rd->grad_hidden_bytes), rn->grad_hidden);
+  }
+  EXPECT_TRUE((*ds)->Finish().ok());
+  EXPECT_TRUE((*ns)->Finish().ok());
+  auto ga = control->PullGradient(a->name);
+  auto gb = control->PullGradient(b->name);
+  ASSERT_TRUE(ga.ok() && gb.ok());
+  EXPECT_EQ(ga->summary.microbatch_count(), static_cast<uint64_t>(kInFlight));
+  EXPECT_EQ(ga->data, gb->data);
+  // The digests taken as the pieces landed are the network path's: every key replays.
+  for (int i = 0; i < kInFlight; ++i) {
+    auto again = net_->Step(ToMicrobatch(a->name, "dev", i + 1, batches[i]));
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(again->replayed) << "micro-batch " << i + 1;
+  }
+  auto info = control->GetHead(a->name);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->microbatches_total(), static_cast<uint64_t>(kInFlight));
+}
+
+// A client frees its region (the connection closes) right after sending a micro-batch that waits
+// behind others of its stream. Its bytes are copied only when it runs: by then the region is
+// unregistered and the micro-batch is refused NOT_FOUND with nothing counted, or it ran first.
+// Either way the key is counted at most once: sent again over the network it computes (refused)
+// or replays (ran). (TakeRegionInput's refusal itself: tests/server/region_input_test.cc.)
+TEST_F(DevicePathTest, ARegionFreedWhileItsMicroBatchWaitsIsRefusedWithNothingCounted) {
+  constexpr int64_t kWideD = 512, kWideV = 65536, kTokens = 4096;
+  constexpr int kAhead = 6;
+  auto control = Connect(false);
+  auto head = CreateKnownHead(*control, "dev-freed", kWideV, kWideD, v1::DTYPE_BF16, 31);
+  ASSERT_TRUE(head.ok()) << head.status();
+  const HostBatch ahead = MakeBatch(kTokens, kWideD, kWideV, v1::DTYPE_BF16, 41);
+  const HostBatch batch = MakeBatch(kTokens, kWideD, kWideV, v1::DTYPE_BF16, 42);
+  // Room for dH in fp32 after the tensors (OnDevice's layout): about 5 x the hidden states.
+  DeviceBuffer buffer(0, kRegionBytes * 8);
+  auto region = dev_->RegisterDeviceRegion(buffer.handle, 0, buffer.bytes, BusId(0));
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto stream = dev_->OpenStepStream();
+  ASSERT_TRUE(stream.ok());
+  // Compute-heavy micro-batches first (the device path: little to read), then the one to free.
+  const std::vector<client::Microbatch> first = [&] {
+    std::vector<client::Microbatch> out;
+    for (int i = 0; i < kAhead; ++i) {
+      out.push_back(OnDevice(head->name, "ahead", i + 1, ahead, buffer, 0, *region));
+      out.back().options.set_skip_grad_hidden(true);
+    }
+    return out;
+  }();
+  for (const client::Microbatch& mb : first) ASSERT_TRUE((*stream)->Send(mb).ok());
+  DeviceBuffer other(0, kRegionBytes * 8);
+  {
+    auto freed = dev_->RegisterDeviceRegion(other.handle, 0, other.bytes, BusId(0));
+    ASSERT_TRUE(freed.ok()) << freed.status();
+    client::Microbatch mb = OnDevice(head->name, "freed", 1, batch, other, 0, *freed);
+    ASSERT_TRUE((*stream)->Send(mb).ok());
+    mb.device->region.reset();
+    freed->reset();  // the last holder: the connection closes, the server unregisters it
+  }
+  for (int i = 0; i < kAhead; ++i) {
+    auto r = (*stream)->Receive();
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  auto answer = (*stream)->Receive();
+  EXPECT_TRUE((*stream)->Finish().ok());
+  auto info = control->GetHead(head->name);
+  ASSERT_TRUE(info.ok());
+  auto again = net_->Step(ToMicrobatch(head->name, "freed", 1, batch));
+  ASSERT_TRUE(again.ok()) << again.status();
+  if (answer.ok()) {
+    RecordProperty("branch", "copied before the region went");
+    EXPECT_EQ(info->microbatches_total(), static_cast<uint64_t>(kAhead + 1));
+    EXPECT_TRUE(again->replayed);
+  } else {
+    RecordProperty("branch", "refused");
+    EXPECT_EQ(answer.status().code(), absl::StatusCode::kNotFound) << answer.status();
+    EXPECT_EQ(info->microbatches_total(), static_cast<uint64_t>(kAhead));
+    EXPECT_FALSE(again->replayed);
+  }
+  auto after = control->GetHead(head->name);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->microbatches_total(), static_cast<uint64_t>(kAhead + 1));
+}
+
 // A child process registers a device region and is killed holding it: the server closes it.
 TEST_F(DevicePathTest, AClientKilledWithARegionOpenLeavesNothingOpen) {
   auto stats = dev_->GetStats();
