@@ -24,6 +24,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/durability/checkpointer.h"
 #include "server/durability/group_checkpoint.h"
+#include "server/durability/group_snapshots.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/idempotency_budget.h"
 #include "server/engine/pinned_pool.h"
@@ -208,6 +209,11 @@ class ServerImpl final : public Server {
       metrics_->CheckpointRestoreDuration(absl::Now() - restore_start);
       metrics_->CheckpointInterval(options_.checkpoint_interval);
       group_control_->EnableCheckpoints(checkpoint_sets_.get(), *restored);
+      // Named snapshots of one head, each process's part beside its sets.
+      group_snapshots_ = std::make_unique<GroupSnapshots>(
+          options_.checkpoint_dir, group_control_->rank(), group_control_->size(), registry_.get(),
+          CheckpointMetrics(metrics_.get()));
+      group_control_->EnableSnapshots(group_snapshots_.get());
       std::fprintf(stderr, "losshead-server: checkpoint set %llu restored on every process%s\n",
                    static_cast<unsigned long long>(*restored),
                    *restored == 0 ? " (none: a fresh start)" : "");
@@ -564,6 +570,7 @@ class ServerImpl final : public Server {
   std::shared_ptr<kernels::ProcessGroup> process_group_;
   // With --group_peers and --checkpoint_dir (checkpointer_ stays null then).
   std::unique_ptr<CheckpointSets> checkpoint_sets_;
+  std::unique_ptr<GroupSnapshots> group_snapshots_;  // beside checkpoint_sets_
   std::unique_ptr<absl::Notification> group_periodic_stop_;
   std::thread group_periodic_;
   std::unique_ptr<GroupWatch> group_watch_;

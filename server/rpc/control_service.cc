@@ -69,6 +69,17 @@ const char* ControlMethod(const v1::ControlRequest& request) {
       return "/losshead.v1.LossHead/Step";
     case v1::ControlRequest::kDownloadWeights:
       return "/losshead.v1.LossHead/DownloadWeights";
+    case v1::ControlRequest::kSnapshot:
+      switch (request.snapshot().action()) {
+        case v1::SnapshotControl::SNAPSHOT_RESTORE:
+          return "/losshead.v1.LossHead/RestoreHead";
+        case v1::SnapshotControl::SNAPSHOT_DELETE:
+          return "/losshead.v1.LossHead/DeleteSnapshot";
+        case v1::SnapshotControl::SNAPSHOT_LIST:
+          return "/losshead.v1.LossHead/ListSnapshots";
+        default:  // a take, and a failed take's clean-up
+          return "/losshead.v1.LossHead/Checkpoint";
+      }
     default:
       return "/losshead.v1.LossHead/CreateHead";  // the writer's role: nothing is run anyway
   }

@@ -324,6 +324,7 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest reques
   LOSSHEAD_RETURN_IF_ERROR(window_->health());
   request.set_sequence(++sequence_);
   if (request.has_checkpoint()) return LeadCheckpoint(std::move(request), authorization);
+  if (request.has_snapshot()) return LeadSnapshot(std::move(request), authorization);
   // The origin's gradient: kept here when the origin is the leader, by the origin otherwise.
   GradientSnapshot own;
   GradientSnapshot* here = request.origin() == rank() ? pulled : &own;
@@ -520,6 +521,8 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
       LOSSHEAD_RETURN_IF_ERROR(ran);
       break;
     }
+    case v1::ControlRequest::kSnapshot:
+      return RunSnapshot(request);
     case v1::ControlRequest::kDownloadWeights: {
       // W gathered from every process's rows; the bytes stay with the origin (in `pulled`, its
       // summary carrying their dtype).
