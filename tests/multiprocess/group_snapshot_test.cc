@@ -23,6 +23,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,8 @@ void ExpectListed(Group& group, const std::string& head, const std::vector<std::
     }
   }
 }
+
+void PrintTo(const Layout& l, std::ostream* os) { *os << LayoutName(l); }
 
 class GroupSnapshotTest : public ::testing::TestWithParam<Layout> {};
 
