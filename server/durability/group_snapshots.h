@@ -63,8 +63,8 @@ class GroupSnapshots {
   // Writes this process's part of `head`'s snapshot `tag` (Head::SnapshotPart), replacing a part
   // left by a take that failed: the part (its file's name, size and digest) and what it holds
   // (version, optimizer step, bytes). NOT_FOUND for an unknown head.
-  absl::StatusOr<std::pair<v1::CheckpointPart, v1::SnapshotInfo>> WritePart(
-      const std::string& head, const std::string& tag);
+  absl::StatusOr<std::pair<v1::CheckpointPart, v1::SnapshotInfo>> WritePart(const std::string& head,
+                                                                            const std::string& tag);
   // The leader, once every part is written: the snapshot exists from here on.
   absl::Status WriteManifest(const v1::SnapshotManifest& manifest);
 

@@ -140,7 +140,7 @@ class GroupControl {
                               const std::string& authorization);
   // The snapshots of `head` (which need not exist), by tag, from the leader's manifests.
   absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& head,
-                                                             const std::string& authorization);
+                                                              const std::string& authorization);
 
   // Whether process `process` answers (ProcessControl.Members, without a token: any answer, a
   // refusal included, is a live process) within `timeout`: OK, or UNAVAILABLE naming it.

@@ -39,9 +39,8 @@ v1::ControlRequest SnapshotRequest(v1::SnapshotControl::Action action, const std
 }
 
 // The first failure: this process's, then each follower's in rank order.
-absl::Status FirstFailure(
-    const absl::StatusOr<v1::ControlResponse>& mine,
-    const std::vector<absl::StatusOr<v1::ControlResponse>>& answers) {
+absl::Status FirstFailure(const absl::StatusOr<v1::ControlResponse>& mine,
+                          const std::vector<absl::StatusOr<v1::ControlResponse>>& answers) {
   if (!mine.ok()) return mine.status();
   for (size_t p = 1; p < answers.size(); ++p) {
     if (!answers[p].ok()) return answers[p].status();

@@ -87,10 +87,11 @@ grpc::ServerUnaryReactor* LossHeadService::DeleteSnapshot(
     return reactor;
   }
   if (ctx_->group != nullptr) {
-    ctx_->pool->Schedule([this, reactor, request, start, authorization = AuthorizationOf(*context)] {
-      FinishUnary(ctx_, reactor, "DeleteSnapshot", start,
-                  ctx_->group->DeleteSnapshot(request->head(), request->tag(), authorization));
-    });
+    ctx_->pool->Schedule(
+        [this, reactor, request, start, authorization = AuthorizationOf(*context)] {
+          FinishUnary(ctx_, reactor, "DeleteSnapshot", start,
+                      ctx_->group->DeleteSnapshot(request->head(), request->tag(), authorization));
+        });
     return reactor;
   }
   // Waits for a checkpoint write in progress (they are serialised): off the gRPC threads.
@@ -111,16 +112,16 @@ grpc::ServerUnaryReactor* LossHeadService::ListSnapshots(grpc::CallbackServerCon
     return reactor;
   }
   // Reads a header per snapshot (in a group: the leader's manifests): off the gRPC threads.
-  ctx_->pool->Schedule([this, reactor, request, response, start,
-                        authorization = AuthorizationOf(*context)] {
-    absl::StatusOr<std::vector<v1::SnapshotInfo>> listed =
-        ctx_->group != nullptr ? ctx_->group->ListSnapshots(request->head(), authorization)
-                               : ctx_->checkpointer->ListSnapshots(request->head());
-    if (listed.ok()) {
-      for (v1::SnapshotInfo& info : *listed) *response->add_snapshots() = std::move(info);
-    }
-    FinishUnary(ctx_, reactor, "ListSnapshots", start, listed.status());
-  });
+  ctx_->pool->Schedule(
+      [this, reactor, request, response, start, authorization = AuthorizationOf(*context)] {
+        absl::StatusOr<std::vector<v1::SnapshotInfo>> listed =
+            ctx_->group != nullptr ? ctx_->group->ListSnapshots(request->head(), authorization)
+                                   : ctx_->checkpointer->ListSnapshots(request->head());
+        if (listed.ok()) {
+          for (v1::SnapshotInfo& info : *listed) *response->add_snapshots() = std::move(info);
+        }
+        FinishUnary(ctx_, reactor, "ListSnapshots", start, listed.status());
+      });
   return reactor;
 }
 

@@ -126,9 +126,8 @@ void StepRound(Group& group, const Layout& l, int k, client::Client* reference) 
   const std::string head = l.sharded ? kWide : kHead;
   for (int c = 0; c < kClients; ++c) {
     const std::string id = ClientId(c);
-    const HostBatch batch =
-        MakeBatch(kTokens, kHidden, l.sharded ? kWideVocab : kVocab, v1::DTYPE_FP32,
-                  4000 + 53 * c + k, /*ignore_every=*/5);
+    const HostBatch batch = MakeBatch(kTokens, kHidden, l.sharded ? kWideVocab : kVocab,
+                                      v1::DTYPE_FP32, 4000 + 53 * c + k, /*ignore_every=*/5);
     const client::Microbatch mb = ToMicrobatch(head, id, k + 1, batch);
     auto done = group.clients[Home(id, n)]->Step(mb);
     ASSERT_TRUE(done.ok()) << id << ": " << done.status();
@@ -303,9 +302,8 @@ TEST_P(GroupSnapshotTest, ARestoreThroughAnotherProcessBringsEveryProcessBackToT
     EXPECT_TRUE(stepped[0] == want_w->data) << "W is not the one-process sharded head's";
   } else {
     const std::vector<float> want_floats = Floats(want_w->data);
-    EXPECT_TRUE(
-        AllClose(Floats(stepped[0]), std::vector<double>(want_floats.begin(), want_floats.end()),
-                 1e-5));
+    EXPECT_TRUE(AllClose(Floats(stepped[0]),
+                         std::vector<double>(want_floats.begin(), want_floats.end()), 1e-5));
   }
   // Micro-batches sent after the snapshot count anew.
   StepRound(group, l, 2, nullptr);
@@ -380,8 +378,8 @@ TEST(GroupSnapshotRefusalsTest, EveryRefusalIsEveryProcesssAndChangesNothing) {
 
   // A damaged part on one process: DATA_LOSS on every process.
   {
-    std::fstream part(PartPath(dirs[1], "s2", kHead), std::ios::in | std::ios::out |
-                                                          std::ios::binary);
+    std::fstream part(PartPath(dirs[1], "s2", kHead),
+                      std::ios::in | std::ios::out | std::ios::binary);
     ASSERT_TRUE(part.good());
     part.seekp(-9, std::ios::end);
     part.put('\x5a');
