@@ -513,8 +513,8 @@ class ServerImpl final : public Server {
       shutting_down_ = true;
     }
     token_watcher_.reset();
-    // A process of a group leaving breaks the group: its peers' watches end them (no final
-    // checkpoint in a group: it would need every process; the last set is what a restart gets).
+    // A process of a group leaving breaks the group: its peers' watches end them, unless they
+    // stop too (the final set below, once every process is stopping).
     group_watch_.reset();
     if (group_periodic_.joinable()) {
       group_periodic_stop_->Notify();
@@ -531,6 +531,17 @@ class ServerImpl final : public Server {
       ctx_.streams.DrainAll();
       ctx_.streams.WaitUntilNone(until);
       live_calls_.WaitUntilNone(until);
+      if (checkpoint_sets_ != nullptr) {
+        // A group with checkpoints: the final set, once every process has drained (Leave), while
+        // the gRPC port still serves the leader's requests; a process stopping alone takes none.
+        const absl::Status final_set = group_control_->Leave(until);
+        if (final_set.ok()) {
+          std::fprintf(stderr, "losshead-server: final checkpoint set taken on every process\n");
+        } else {
+          std::fprintf(stderr, "losshead-server: no final checkpoint set: %s\n",
+                       final_set.ToString().c_str());
+        }
+      }
       // Nothing of ours runs any more (or the deadline passed): gRPC refuses new calls and sends
       // every connection its GOAWAY; gRPC clients hang up at once. After a short grace, it cancels
       // what still runs (health watches, reflection, calls past the deadline) and closes the

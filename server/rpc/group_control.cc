@@ -320,6 +320,11 @@ bool GroupControl::DeletesHeadAcrossProcesses(const v1::ControlRequest& request)
 absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest request,
                                                        const std::string& authorization,
                                                        GradientSnapshot* pulled) {
+  if (request.has_leaving()) {
+    // Waits for the other processes to stop: outside the leader's order.
+    LOSSHEAD_RETURN_IF_ERROR(AwaitFinalSet(request.leaving().rank(), absl::Now() + CallTimeout()));
+    return v1::ControlResponse();
+  }
   absl::MutexLock lock(&lead_mu_);
   LOSSHEAD_RETURN_IF_ERROR(window_->health());
   request.set_sequence(++sequence_);

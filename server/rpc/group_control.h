@@ -142,6 +142,15 @@ class GroupControl {
   absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& head,
                                                               const std::string& authorization);
 
+  // Orderly shutdown of a group with checkpoints (server.cc's Shutdown, once this process's
+  // clients are drained; group_shutdown.cc): tells the leader this process is stopping and waits,
+  // until `deadline`, for the final checkpoint set, which the leader takes once every process is
+  // stopping (every process's answered micro-batches are in it). OK: the set is complete.
+  // DEADLINE_EXCEEDED when not every process was stopping by then (no final set: a process
+  // stopping alone leaves, its group breaks, and a restart comes back to the last complete set);
+  // the set's error otherwise (a broken group takes none: UNAVAILABLE).
+  absl::Status Leave(absl::Time deadline);
+
   // Whether process `process` answers (ProcessControl.Members, without a token: any answer, a
   // refusal included, is a live process) within `timeout`: OK, or UNAVAILABLE naming it.
   absl::Status Probe(int process, absl::Duration timeout);
@@ -163,6 +172,9 @@ class GroupControl {
   absl::StatusOr<v1::ControlResponse> LeadCheckpoint(v1::ControlRequest request,
                                                      const std::string& authorization)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lead_mu_);
+  // The leader's part of Leave: `process` is stopping; waits until every process is, then takes
+  // the final set (once), or until `deadline`. Not under lead_mu_ (it waits).
+  absl::Status AwaitFinalSet(int process, absl::Time deadline);
   // The leader's part of a named snapshot's request, under lead_mu_ (group_snapshot.cc).
   absl::StatusOr<v1::ControlResponse> LeadSnapshot(v1::ControlRequest request,
                                                    const std::string& authorization)
@@ -213,6 +225,12 @@ class GroupControl {
   // Null without checkpoints; set before serving.
   CheckpointSets* sets_ = nullptr;
   GroupSnapshots* snapshots_ = nullptr;
+  // The leader: the processes stopping in order, and the final set once taken.
+  absl::Mutex leave_mu_;
+  std::vector<bool> leaving_ ABSL_GUARDED_BY(leave_mu_);
+  bool final_started_ ABSL_GUARDED_BY(leave_mu_) = false;
+  bool final_done_ ABSL_GUARDED_BY(leave_mu_) = false;
+  absl::Status final_ ABSL_GUARDED_BY(leave_mu_);
   // A follower: the last sequence it ran (requests come in increasing order), and the pulls
   // whose origin it is, until their caller takes them.
   absl::Mutex mu_;

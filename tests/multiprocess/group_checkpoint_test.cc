@@ -58,9 +58,11 @@ std::vector<std::string> Dirs(const std::string& name, int n) {
 
 std::function<std::vector<std::string>(int)> CheckpointFlags(const std::vector<std::string>& dirs,
                                                              std::string interval = "0") {
+  // A process stopped alone waits for the others (the final set of a group stopping together)
+  // until its drain deadline: these tests stop them one after another.
   return [dirs, interval](int p) {
     return std::vector<std::string>{"--checkpoint_dir=" + dirs[p],
-                                    "--checkpoint_interval=" + interval};
+                                    "--checkpoint_interval=" + interval, "--drain_timeout=2s"};
   };
 }
 

@@ -23,8 +23,10 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -444,6 +446,101 @@ TEST(GroupSnapshotFailureTest, AProcessStoppedDuringASnapshotLeavesNoHalfSnapsho
   ExpectSameState(Capture(*group, kHead), whole);
   ASSERT_TRUE(group->clients[1]->SnapshotHead(kHead, "half").ok());
   ExpectListed(*group, kHead, {"half", "whole"});
+}
+
+// Every process of `group` stopped with SIGTERM at once (each waits for the others to take the
+// final set): their exit codes and logs, by rank.
+std::vector<std::pair<int, std::string>> StopAll(Group& group, const std::string& name) {
+  std::vector<std::pair<int, std::string>> out;
+  for (auto& process : group.processes) process->Signal(SIGTERM);
+  for (size_t p = 0; p < group.processes.size(); ++p) {
+    const std::optional<int> code = group.processes[p]->WaitForExit(absl::Seconds(60));
+    out.emplace_back(code.value_or(-1), ReadText(LogPath(absl::StrCat(name, "_p", p))));
+  }
+  return out;
+}
+
+class GroupShutdownTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(GroupShutdownTest, StoppingEveryProcessTakesAFinalSetARestartComesBackTo) {
+  const int n = GetParam();
+  const std::string name = absl::StrCat("final", n);
+  const std::vector<std::string> dirs = Dirs(name, n);
+  const GroupAddresses at(n);
+  auto group = std::make_unique<Group>(at, name + "_a", Flags(dirs));
+  ASSERT_TRUE(group->ok());
+  const Layout l{n, 1, false};
+  ASSERT_TRUE(group->clients[n - 1]->CreateHead(HeadSpecOf(l, true)).ok());
+  // Trained, never checkpointed: everything answered is only in the processes' memory.
+  StepRound(*group, l, 0, nullptr);
+  ASSERT_TRUE(group->clients[0]->ApplyOptimizer(AdamApply(kHead, 1)).ok());
+  StepRound(*group, l, 1, nullptr);
+  const State before = Capture(*group, kHead);
+
+  // Every process stopped in order: each exits 0, the set taken once all were stopping.
+  const auto stopped = StopAll(*group, name + "_a");
+  for (const auto& [code, log] : stopped) {
+    EXPECT_EQ(code, 0) << log;
+    EXPECT_NE(log.find("final checkpoint set taken on every process"), std::string::npos) << log;
+  }
+  group.reset();
+
+  // The restart comes back to it: the state at the stop, every acknowledged sequence persisted.
+  group = std::make_unique<Group>(at, name + "_b", Flags(dirs));
+  ASSERT_TRUE(group->ok());
+  for (int p = 0; p < n; ++p) {
+    const std::string log = ReadText(LogPath(absl::StrCat(name, "_b_p", p)));
+    EXPECT_NE(log.find("checkpoint set 1 restored on every process"), std::string::npos) << log;
+  }
+  ExpectSameState(Capture(*group, kHead), before);
+  for (int c = 0; c < kClients; ++c) {
+    const std::string id = ClientId(c);
+    auto progress = group->clients[Home(id, n)]->GetClientProgress(kHead, id);
+    ASSERT_TRUE(progress.ok()) << progress.status();
+    EXPECT_EQ(progress->persisted_sequence(), 2u) << id;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Processes, GroupShutdownTest, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat(info.param, "Processes");
+                         });
+
+TEST(GroupShutdownAloneTest, AFollowerStoppingAloneLeavesWithoutASetItsGroupRestartsFromTheLast) {
+  const int n = 2;
+  const std::vector<std::string> dirs = Dirs("alone", n);
+  const GroupAddresses at(n);
+  auto flags = [&](int p) {
+    std::vector<std::string> f = Flags(dirs)(p);
+    f.push_back("--drain_timeout=2s");
+    return f;
+  };
+  auto group = std::make_unique<Group>(at, "alone_a", flags);
+  ASSERT_TRUE(group->ok());
+  const Layout l{n, 1, false};
+  ASSERT_TRUE(group->clients[0]->CreateHead(HeadSpecOf(l, true)).ok());
+  StepRound(*group, l, 0, nullptr);
+  ASSERT_TRUE(group->clients[1]->Checkpoint().ok());
+  const State at_set = Capture(*group, kHead);
+  StepRound(*group, l, 1, nullptr);
+
+  // The follower alone: it waits for the others until its drain deadline, then leaves with no
+  // set; the leader's watch finds its group broken.
+  group->processes[1]->Signal(SIGTERM);
+  const std::optional<int> follower = group->processes[1]->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(follower.has_value());
+  EXPECT_EQ(*follower, 0);
+  const std::string log = ReadText(LogPath("alone_a_p1"));
+  EXPECT_NE(log.find("no final checkpoint set: DEADLINE_EXCEEDED"), std::string::npos) << log;
+  const std::optional<int> leader = group->processes[0]->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(leader.has_value());
+  EXPECT_EQ(*leader, kExitGroupBroken);
+  group.reset();
+
+  // The restart comes back to the last complete set, the later round lost alike everywhere.
+  group = std::make_unique<Group>(at, "alone_b", flags);
+  ASSERT_TRUE(group->ok());
+  ExpectSameState(Capture(*group, kHead), at_set);
 }
 
 }  // namespace
