@@ -15,6 +15,8 @@
 //   naming it), a damaged part (DATA_LOSS), no --checkpoint_dir (FAILED_PRECONDITION);
 // - a process stopped during a snapshot: the take fails and the group restarts with no such
 //   snapshot listed anywhere (the leader's part written, no manifest), and the tag can be taken.
+// And the final checkpoint set of a group stopping in order: every process stopped with SIGTERM
+// at once takes one, which the restart comes back to; a follower stopped alone takes none.
 #include <signal.h>
 #include <unistd.h>
 
