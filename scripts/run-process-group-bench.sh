@@ -25,7 +25,9 @@ mkdir -p "$out"
 seconds=${BENCH_SECONDS:-10}
 per_gpu=${STREAMS_PER_GPU:-4}
 rounds=${ROUNDS:-2}
-sharded=${SHARDED:-}  # non-empty: the sharded rows too (8 streams each)
+sharded=${SHARDED:-}  # non-empty: the sharded rows too (SHARDED_STREAMS streams each)
+sharded_streams=${SHARDED_STREAMS:-8}
+only_sharded=${ONLY_SHARDED:-}  # non-empty: the sharded rows alone
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="$bundle/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader \
@@ -75,23 +77,23 @@ for round in $(seq 1 "$rounds"); do
   note "== round $round"
   start one-2 50071 0,1
   wait_healthy 50071 || note "one process on 2 GPUs did not start: $(tail -2 "$out/server-one-2.log")"
-  bench "round $round: one process, 2 GPUs" 50071 $((2 * per_gpu)) --replicas=2
-  [ -n "$sharded" ] && bench "round $round: sharded, one process, 2 GPUs" 50071 8 --shards=2
+  [ -z "$only_sharded" ] && bench "round $round: one process, 2 GPUs" 50071 $((2 * per_gpu)) --replicas=2
+  [ -n "$sharded" ] && bench "round $round: sharded, one process, 2 GPUs" 50071 "$sharded_streams" --shards=2
   stop_servers
 
   start one-4 50071 all
   wait_healthy 50071 || note "one process on 4 GPUs did not start: $(tail -2 "$out/server-one-4.log")"
-  bench "round $round: one process, 4 GPUs" 50071 $((4 * per_gpu)) --replicas=4
-  [ -n "$sharded" ] && bench "round $round: sharded, one process, 4 GPUs" 50071 8 --shards=4
+  [ -z "$only_sharded" ] && bench "round $round: one process, 4 GPUs" 50071 $((4 * per_gpu)) --replicas=4
+  [ -n "$sharded" ] && bench "round $round: sharded, one process, 4 GPUs" 50071 "$sharded_streams" --shards=4
   stop_servers
 
   peers=127.0.0.1:7171,127.0.0.1:7172
   start group-0 50071 0,1 --group_peers=$peers --group_rank=0
   start group-1 50072 2,3 --group_peers=$peers --group_rank=1
   if wait_healthy 50071 && wait_healthy 50072; then
-    bench "round $round: two processes x 2 GPUs" 50071 $((4 * per_gpu)) --replicas=2
-    [ -n "$sharded" ] && bench "round $round: sharded, two processes x 2 GPUs" 50071 8 \
-      --shards=2 --across_processes
+    [ -z "$only_sharded" ] && bench "round $round: two processes x 2 GPUs" 50071 $((4 * per_gpu)) --replicas=2
+    [ -n "$sharded" ] && bench "round $round: sharded, two processes x 2 GPUs" 50071 \
+      "$sharded_streams" --shards=2 --across_processes
   else
     note "the group did not start: $(tail -2 "$out/server-group-0.log") $(tail -2 "$out/server-group-1.log")"
   fi

@@ -24,6 +24,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/durability/checkpointer.h"
 #include "server/durability/group_checkpoint.h"
+#include "server/durability/group_snapshots.h"
 #include "server/engine/head_registry.h"
 #include "server/engine/idempotency_budget.h"
 #include "server/engine/pinned_pool.h"
@@ -208,6 +209,11 @@ class ServerImpl final : public Server {
       metrics_->CheckpointRestoreDuration(absl::Now() - restore_start);
       metrics_->CheckpointInterval(options_.checkpoint_interval);
       group_control_->EnableCheckpoints(checkpoint_sets_.get(), *restored);
+      // Named snapshots of one head, each process's part beside its sets.
+      group_snapshots_ = std::make_unique<GroupSnapshots>(
+          options_.checkpoint_dir, group_control_->rank(), group_control_->size(), registry_.get(),
+          CheckpointMetrics(metrics_.get()));
+      group_control_->EnableSnapshots(group_snapshots_.get());
       std::fprintf(stderr, "losshead-server: checkpoint set %llu restored on every process%s\n",
                    static_cast<unsigned long long>(*restored),
                    *restored == 0 ? " (none: a fresh start)" : "");
@@ -507,8 +513,8 @@ class ServerImpl final : public Server {
       shutting_down_ = true;
     }
     token_watcher_.reset();
-    // A process of a group leaving breaks the group: its peers' watches end them (no final
-    // checkpoint in a group: it would need every process; the last set is what a restart gets).
+    // A process of a group leaving breaks the group: its peers' watches end them, unless they
+    // stop too (the final set below, once every process is stopping).
     group_watch_.reset();
     if (group_periodic_.joinable()) {
       group_periodic_stop_->Notify();
@@ -525,6 +531,17 @@ class ServerImpl final : public Server {
       ctx_.streams.DrainAll();
       ctx_.streams.WaitUntilNone(until);
       live_calls_.WaitUntilNone(until);
+      if (checkpoint_sets_ != nullptr) {
+        // A group with checkpoints: the final set, once every process has drained (Leave), while
+        // the gRPC port still serves the leader's requests; a process stopping alone takes none.
+        const absl::Status final_set = group_control_->Leave(until);
+        if (final_set.ok()) {
+          std::fprintf(stderr, "losshead-server: final checkpoint set taken on every process\n");
+        } else {
+          std::fprintf(stderr, "losshead-server: no final checkpoint set: %s\n",
+                       final_set.ToString().c_str());
+        }
+      }
       // Nothing of ours runs any more (or the deadline passed): gRPC refuses new calls and sends
       // every connection its GOAWAY; gRPC clients hang up at once. After a short grace, it cancels
       // what still runs (health watches, reflection, calls past the deadline) and closes the
@@ -564,6 +581,7 @@ class ServerImpl final : public Server {
   std::shared_ptr<kernels::ProcessGroup> process_group_;
   // With --group_peers and --checkpoint_dir (checkpointer_ stays null then).
   std::unique_ptr<CheckpointSets> checkpoint_sets_;
+  std::unique_ptr<GroupSnapshots> group_snapshots_;  // beside checkpoint_sets_
   std::unique_ptr<absl::Notification> group_periodic_stop_;
   std::thread group_periodic_;
   std::unique_ptr<GroupWatch> group_watch_;

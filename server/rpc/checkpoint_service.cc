@@ -38,11 +38,16 @@ grpc::ServerUnaryReactor* LossHeadService::Checkpoint(grpc::CallbackServerContex
   }
   if (ctx_->group != nullptr) {
     // Across processes a checkpoint is a set of every process's part, one global cut through the
-    // leader (server/durability/group_checkpoint.h); named snapshots are not built for it.
+    // leader (server/durability/group_checkpoint.h); a named snapshot is one head's, each process
+    // holding its part (server/durability/group_snapshots.h).
     if (tagged) {
-      FinishUnary(
-          ctx_, reactor, "Checkpoint", start,
-          absl::UnimplementedError("named snapshots of a head across processes are not built yet"));
+      ctx_->pool->Schedule(
+          [this, reactor, request, response, start, authorization = AuthorizationOf(*context)] {
+            absl::StatusOr<v1::SnapshotInfo> snapshot =
+                ctx_->group->TakeSnapshot(request->head(), request->tag(), authorization);
+            if (snapshot.ok()) *response->mutable_snapshot() = std::move(*snapshot);
+            FinishUnary(ctx_, reactor, "Checkpoint", start, snapshot.status());
+          });
       return reactor;
     }
     ctx_->pool->Schedule(

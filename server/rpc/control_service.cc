@@ -69,6 +69,19 @@ const char* ControlMethod(const v1::ControlRequest& request) {
       return "/losshead.v1.LossHead/Step";
     case v1::ControlRequest::kDownloadWeights:
       return "/losshead.v1.LossHead/DownloadWeights";
+    case v1::ControlRequest::kLeaving:
+      return "/losshead.v1.LossHead/Checkpoint";
+    case v1::ControlRequest::kSnapshot:
+      switch (request.snapshot().action()) {
+        case v1::SnapshotControl::SNAPSHOT_RESTORE:
+          return "/losshead.v1.LossHead/RestoreHead";
+        case v1::SnapshotControl::SNAPSHOT_DELETE:
+          return "/losshead.v1.LossHead/DeleteSnapshot";
+        case v1::SnapshotControl::SNAPSHOT_LIST:
+          return "/losshead.v1.LossHead/ListSnapshots";
+        default:  // a take, and a failed take's clean-up
+          return "/losshead.v1.LossHead/Checkpoint";
+      }
     default:
       return "/losshead.v1.LossHead/CreateHead";  // the writer's role: nothing is run anyway
   }
@@ -85,7 +98,8 @@ grpc::ServerUnaryReactor* ProcessControlService::Lead(grpc::CallbackServerContex
                                                       v1::ControlResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (RefuseWhileDraining(ctx_, reactor, "Lead", start)) return reactor;
+  // A process stopping in order announces it while its peers drain too (GroupControl::Leave).
+  if (!request->has_leaving() && RefuseWhileDraining(ctx_, reactor, "Lead", start)) return reactor;
   if (absl::Status auth = AuthorizeControl(ctx_, *context, *request); !auth.ok()) {
     FinishUnary(ctx_, reactor, "Lead", start, auth);
     return reactor;
@@ -111,7 +125,9 @@ grpc::ServerUnaryReactor* ProcessControlService::Apply(grpc::CallbackServerConte
                                                        v1::ControlResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (RefuseWhileDraining(ctx_, reactor, "Apply", start)) return reactor;
+  // The final checkpoint set is taken while every process drains (GroupControl::Leave).
+  const bool final_set = request->has_checkpoint() || request->has_checkpoint_commit();
+  if (!final_set && RefuseWhileDraining(ctx_, reactor, "Apply", start)) return reactor;
   if (absl::Status auth = AuthorizeControl(ctx_, *context, *request); !auth.ok()) {
     FinishUnary(ctx_, reactor, "Apply", start, auth);
     return reactor;

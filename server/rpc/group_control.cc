@@ -353,6 +353,11 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest reques
                                                        const std::string& authorization,
                                                        GradientSnapshot* pulled) {
   if (request.has_step()) return LeadStep(std::move(request), authorization);
+  if (request.has_leaving()) {
+    // Waits for the other processes to stop: outside the leader's order.
+    LOSSHEAD_RETURN_IF_ERROR(AwaitFinalSet(request.leaving().rank(), absl::Now() + CallTimeout()));
+    return v1::ControlResponse();
+  }
   absl::MutexLock lock(&lead_mu_);
   // Every other request sees the group as the micro-batches ordered before it left it: those in
   // flight finish first (on every process), and no other is ordered until this one is done.
@@ -363,6 +368,7 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Lead(v1::ControlRequest reques
   LOSSHEAD_RETURN_IF_ERROR(window_->health());
   request.set_sequence(++sequence_);
   if (request.has_checkpoint()) return LeadCheckpoint(std::move(request), authorization);
+  if (request.has_snapshot()) return LeadSnapshot(std::move(request), authorization);
   // The origin's gradient: kept here when the origin is the leader, by the origin otherwise.
   GradientSnapshot own;
   GradientSnapshot* here = request.origin() == rank() ? pulled : &own;
@@ -549,6 +555,8 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
       LOSSHEAD_RETURN_IF_ERROR(ran);
       break;
     }
+    case v1::ControlRequest::kSnapshot:
+      return RunSnapshot(request);
     case v1::ControlRequest::kDownloadWeights: {
       // W gathered from every process's rows; the bytes stay with the origin (in `pulled`, its
       // summary carrying their dtype).

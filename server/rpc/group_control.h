@@ -33,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -52,6 +53,7 @@ namespace losshead::server {
 
 struct ServiceContext;
 class CheckpointSets;
+class GroupSnapshots;
 
 // The text of a redirect: "... home process <p> at <address> ..." ends with this marker and the
 // address, so that clients can find it in the message ("home=<address>").
@@ -117,6 +119,43 @@ class GroupControl {
   absl::StatusOr<v1::CheckpointResponse> Checkpoint(const std::string& head,
                                                     const std::string& authorization);
 
+  // Named snapshots of one head across processes (server/rpc/group_snapshot.cc,
+  // server/durability/group_snapshots.h), before serving: `snapshots` is this process's. Each is
+  // one request through the leader; a take, restore or delete runs on every process at once, and
+  // a refusal anywhere (after the leader's own checks: the head, the tag's manifest) is every
+  // process's, with its code (Agree). FAILED_PRECONDITION without checkpoints.
+  void EnableSnapshots(GroupSnapshots* snapshots) { snapshots_ = snapshots; }
+  // Every process writes its part of `head`'s snapshot `tag`; once all are written the leader
+  // writes the manifest, and the snapshot exists. NOT_FOUND for an unknown head, ALREADY_EXISTS
+  // for a tag the head has (a replacement could not be atomic across hosts: delete it first);
+  // a process that fails makes it fail with no manifest (and its parts removed where possible).
+  absl::StatusOr<v1::SnapshotInfo> TakeSnapshot(const std::string& head, const std::string& tag,
+                                                const std::string& authorization);
+  // Every process checks its part against the leader's manifest, they agree, and every process
+  // puts its part in the place of its head (HeadRegistry::Restore) only once every one has built
+  // it; then the leader takes a checkpoint set, so that a restart comes back to the restored
+  // state. NOT_FOUND for a missing snapshot or part, DATA_LOSS for a damaged one: on every
+  // process alike, nothing changed anywhere. The head's HeadInfo here.
+  absl::StatusOr<v1::HeadInfo> RestoreSnapshot(const std::string& head, const std::string& tag,
+                                               const std::string& authorization);
+  // Every process checks its part is there, they agree, the leader removes the manifest and then
+  // every process its part. NOT_FOUND (a missing snapshot, or a part missing anywhere: nothing
+  // removed) on every process alike.
+  absl::Status DeleteSnapshot(const std::string& head, const std::string& tag,
+                              const std::string& authorization);
+  // The snapshots of `head` (which need not exist), by tag, from the leader's manifests.
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& head,
+                                                              const std::string& authorization);
+
+  // Orderly shutdown of a group with checkpoints (server.cc's Shutdown, once this process's
+  // clients are drained; group_shutdown.cc): tells the leader this process is stopping and waits,
+  // until `deadline`, for the final checkpoint set, which the leader takes once every process is
+  // stopping (every process's answered micro-batches are in it). OK: the set is complete.
+  // DEADLINE_EXCEEDED when not every process was stopping by then (no final set: a process
+  // stopping alone leaves, its group breaks, and a restart comes back to the last complete set);
+  // the set's error otherwise (a broken group takes none: UNAVAILABLE).
+  absl::Status Leave(absl::Time deadline);
+
   // Whether process `process` answers (ProcessControl.Members, without a token: any answer, a
   // refusal included, is a live process) within `timeout`: OK, or UNAVAILABLE naming it.
   absl::Status Probe(int process, absl::Duration timeout);
@@ -144,6 +183,20 @@ class GroupControl {
   absl::StatusOr<v1::ControlResponse> LeadCheckpoint(v1::ControlRequest request,
                                                      const std::string& authorization)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lead_mu_);
+  // The leader's part of Leave: `process` is stopping; waits until every process is, then takes
+  // the final set (once), or until `deadline`. Not under lead_mu_ (it waits).
+  absl::Status AwaitFinalSet(int process, absl::Time deadline);
+  // The leader's part of a named snapshot's request, under lead_mu_ (group_snapshot.cc).
+  absl::StatusOr<v1::ControlResponse> LeadSnapshot(v1::ControlRequest request,
+                                                   const std::string& authorization)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lead_mu_);
+  // `request` run here and on every follower at once: this process's answer, then each
+  // follower's by rank (index 0 unused).
+  std::pair<absl::StatusOr<v1::ControlResponse>, std::vector<absl::StatusOr<v1::ControlResponse>>>
+  RunEverywhere(const v1::ControlRequest& request, const std::string& authorization)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lead_mu_);
+  // A named snapshot's request run on this process's part (RunHere's case).
+  absl::StatusOr<v1::ControlResponse> RunSnapshot(const v1::ControlRequest& request);
   // Whether `request` deletes a head sharded across processes: run on every process at once,
   // as a cut is, since the head's collective (NCCL's communicators) is torn down by every
   // process together; the leader's alone would wait for followers not yet told.
@@ -187,6 +240,13 @@ class GroupControl {
   uint64_t cut_ ABSL_GUARDED_BY(lead_mu_) = 0;
   // Null without checkpoints; set before serving.
   CheckpointSets* sets_ = nullptr;
+  GroupSnapshots* snapshots_ = nullptr;
+  // The leader: the processes stopping in order, and the final set once taken.
+  absl::Mutex leave_mu_;
+  std::vector<bool> leaving_ ABSL_GUARDED_BY(leave_mu_);
+  bool final_started_ ABSL_GUARDED_BY(leave_mu_) = false;
+  bool final_done_ ABSL_GUARDED_BY(leave_mu_) = false;
+  absl::Status final_ ABSL_GUARDED_BY(leave_mu_);
   // A follower: the last sequence it ran (requests come in increasing order), and the pulls
   // whose origin it is, until their caller takes them.
   absl::Mutex mu_;

@@ -1,6 +1,7 @@
 // The named-snapshot RPCs of LossHeadService: RestoreHead, DeleteSnapshot and ListSnapshots (a
 // Checkpoint with a tag writes a snapshot: checkpoint_service.cc). The files are the
-// checkpointer's (server/durability/checkpointer.h).
+// checkpointer's (server/durability/checkpointer.h); in a process group, each process's part,
+// through the leader (GroupControl's snapshots, server/durability/group_snapshots.h).
 #include <memory>
 #include <string>
 #include <utility>
@@ -9,6 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/durability/checkpointer.h"
+#include "server/rpc/control_service.h"
+#include "server/rpc/group_control.h"
 #include "server/rpc/service.h"
 #include "server/rpc/unary_call.h"
 
@@ -25,7 +28,9 @@ absl::Status Admit(const ServiceContext& ctx, const std::string& head, const std
     if (absl::Status s = Checkpointer::ValidateTag(*tag); !s.ok()) return s;
   }
   if (ctx.group != nullptr) {
-    return absl::UnimplementedError("named snapshots of a head across processes are not built yet");
+    // Across processes: one request through the leader (group_control.h), which checks that the
+    // processes keep checkpoints.
+    return absl::OkStatus();
   }
   if (ctx.checkpointer == nullptr) {
     return absl::FailedPreconditionError(
@@ -43,6 +48,20 @@ grpc::ServerUnaryReactor* LossHeadService::RestoreHead(grpc::CallbackServerConte
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (absl::Status s = Admit(*ctx_, request->head(), &request->tag()); !s.ok()) {
     FinishUnary(ctx_, reactor, "RestoreHead", start, s);
+    return reactor;
+  }
+  if (ctx_->group != nullptr) {
+    // Waits for every process: off the gRPC threads.
+    ctx_->pool->Schedule(
+        [this, reactor, request, response, start, authorization = AuthorizationOf(*context)] {
+          absl::StatusOr<v1::HeadInfo> info =
+              ctx_->group->RestoreSnapshot(request->head(), request->tag(), authorization);
+          if (info.ok()) {
+            *response = std::move(*info);
+            RefreshMemoryMetrics();
+          }
+          FinishUnary(ctx_, reactor, "RestoreHead", start, info.status());
+        });
     return reactor;
   }
   // Reads the file and fills device memory: off the gRPC threads.
@@ -67,6 +86,14 @@ grpc::ServerUnaryReactor* LossHeadService::DeleteSnapshot(
     FinishUnary(ctx_, reactor, "DeleteSnapshot", start, s);
     return reactor;
   }
+  if (ctx_->group != nullptr) {
+    ctx_->pool->Schedule(
+        [this, reactor, request, start, authorization = AuthorizationOf(*context)] {
+          FinishUnary(ctx_, reactor, "DeleteSnapshot", start,
+                      ctx_->group->DeleteSnapshot(request->head(), request->tag(), authorization));
+        });
+    return reactor;
+  }
   // Waits for a checkpoint write in progress (they are serialised): off the gRPC threads.
   ctx_->pool->Schedule([this, reactor, request, start] {
     FinishUnary(ctx_, reactor, "DeleteSnapshot", start,
@@ -84,15 +111,17 @@ grpc::ServerUnaryReactor* LossHeadService::ListSnapshots(grpc::CallbackServerCon
     FinishUnary(ctx_, reactor, "ListSnapshots", start, s);
     return reactor;
   }
-  // Reads a header per snapshot: off the gRPC threads.
-  ctx_->pool->Schedule([this, reactor, request, response, start] {
-    absl::StatusOr<std::vector<v1::SnapshotInfo>> listed =
-        ctx_->checkpointer->ListSnapshots(request->head());
-    if (listed.ok()) {
-      for (v1::SnapshotInfo& info : *listed) *response->add_snapshots() = std::move(info);
-    }
-    FinishUnary(ctx_, reactor, "ListSnapshots", start, listed.status());
-  });
+  // Reads a header per snapshot (in a group: the leader's manifests): off the gRPC threads.
+  ctx_->pool->Schedule(
+      [this, reactor, request, response, start, authorization = AuthorizationOf(*context)] {
+        absl::StatusOr<std::vector<v1::SnapshotInfo>> listed =
+            ctx_->group != nullptr ? ctx_->group->ListSnapshots(request->head(), authorization)
+                                   : ctx_->checkpointer->ListSnapshots(request->head());
+        if (listed.ok()) {
+          for (v1::SnapshotInfo& info : *listed) *response->add_snapshots() = std::move(info);
+        }
+        FinishUnary(ctx_, reactor, "ListSnapshots", start, listed.status());
+      });
   return reactor;
 }
 

@@ -58,9 +58,11 @@ std::vector<std::string> Dirs(const std::string& name, int n) {
 
 std::function<std::vector<std::string>(int)> CheckpointFlags(const std::vector<std::string>& dirs,
                                                              std::string interval = "0") {
+  // A process stopped alone waits for the others (the final set of a group stopping together)
+  // until its drain deadline: these tests stop them one after another.
   return [dirs, interval](int p) {
     return std::vector<std::string>{"--checkpoint_dir=" + dirs[p],
-                                    "--checkpoint_interval=" + interval};
+                                    "--checkpoint_interval=" + interval, "--drain_timeout=2s"};
   };
 }
 
@@ -440,12 +442,14 @@ TEST(GroupCheckpointErrorsTest, EveryRefusalHasItsCode) {
     auto unknown = group.clients[p]->Checkpoint("no-such-head");
     ASSERT_FALSE(unknown.ok());
     EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
-    auto snapshot = group.clients[p]->SnapshotHead(kHead, "t1");
+    // Named snapshots have their own tests (group_snapshot_test.cc); one of an unknown head is
+    // refused as a checkpoint of it is, and none is listed.
+    auto snapshot = group.clients[p]->SnapshotHead("no-such-head", "t1");
     ASSERT_FALSE(snapshot.ok());
-    EXPECT_EQ(snapshot.status().code(), absl::StatusCode::kUnimplemented) << snapshot.status();
+    EXPECT_EQ(snapshot.status().code(), absl::StatusCode::kNotFound) << snapshot.status();
     auto listed = group.clients[p]->ListSnapshots(kHead);
-    ASSERT_FALSE(listed.ok());
-    EXPECT_EQ(listed.status().code(), absl::StatusCode::kUnimplemented) << listed.status();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    EXPECT_TRUE(listed->empty());
   }
   EXPECT_TRUE(Sets(dirs[0]).empty()) << "a refused checkpoint wrote a set";
   // A named head that exists: the set holds every head all the same.

@@ -86,7 +86,9 @@ std::vector<std::string> Dirs(const std::string& name, int n) {
 std::function<std::vector<std::string>(int)> Flags(const std::vector<std::string>& dirs,
                                                    std::function<int(int)> devices = nullptr) {
   return [dirs, devices](int p) {
-    std::vector<std::string> flags = {"--checkpoint_dir=" + dirs[p], "--checkpoint_interval=0"};
+    // A process stopped alone waits for the others until its drain deadline (the final set).
+    std::vector<std::string> flags = {"--checkpoint_dir=" + dirs[p], "--checkpoint_interval=0",
+                                      "--drain_timeout=2s"};
     if (devices != nullptr && devices(p) > 1) {
       std::string list = "--devices=0";
       for (int d = 1; d < devices(p); ++d) absl::StrAppend(&list, ",", d);
