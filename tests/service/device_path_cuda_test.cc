@@ -329,14 +329,19 @@ TEST_F(DevicePathTest, SeveralMicroBatchesOfOneStreamInFlightMatchTheNetworkPath
   const uint64_t hidden = batches[0].hidden_bytes.size();
   const uint64_t slice = Aligned(hidden) + Aligned(batches[0].target_bytes.size()) + hidden * 4;
   DeviceBuffer buffer(0, slice * kInFlight);
-  auto region = dev_->RegisterDeviceRegion(buffer.handle, 0, buffer.bytes, BusId(0));
-  ASSERT_TRUE(region.ok()) << region.status();
+  // A region per slice: OnDevice lays its tensors out from the region's start.
+  std::vector<std::shared_ptr<const client::DeviceRegion>> regions;
+  for (int i = 0; i < kInFlight; ++i) {
+    auto region = dev_->RegisterDeviceRegion(buffer.handle, slice * i, slice, BusId(0));
+    ASSERT_TRUE(region.ok()) << region.status();
+    regions.push_back(*region);
+  }
   auto ds = dev_->OpenStepStream();
   auto ns = net_->OpenStepStream();
   ASSERT_TRUE(ds.ok() && ns.ok());
   std::vector<client::Microbatch> sent;
   for (int i = 0; i < kInFlight; ++i) {
-    sent.push_back(OnDevice(a->name, "dev", i + 1, batches[i], buffer, slice * i, *region));
+    sent.push_back(OnDevice(a->name, "dev", i + 1, batches[i], buffer, slice * i, regions[i]));
     ASSERT_TRUE((*ds)->Send(sent.back()).ok());
     ASSERT_TRUE((*ns)->Send(ToMicrobatch(b->name, "net", i + 1, batches[i])).ok());
   }
