@@ -152,6 +152,21 @@ absl::Status Collective::AllReduce(std::span<void* const> buffers, int64_t count
   return DoAllReduce(buffers, count, dtype, op, streams);
 }
 
+absl::Status Collective::Reduce(std::span<void* const> buffers, int64_t count, DType dtype,
+                                int root, std::span<Stream* const> streams) {
+  constexpr absl::string_view kCall = "Reduce";
+  if (absl::Status s = CheckRanks(kCall, size_, local_size_, buffers, streams); !s.ok()) return s;
+  if (root < 0 || root >= size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kCall, ": root ", root, " is outside [0, ", size_, ")"));
+  }
+  if (absl::Status s = CheckCount(kCall, count); !s.ok()) return s;
+  if (absl::Status s = CheckBuffers(kCall, buffers, count, dtype); !s.ok()) return s;
+  if (absl::Status s = CheckReducible(kCall, dtype); !s.ok()) return s;
+  if (count == 0) return absl::OkStatus();
+  return DoReduce(buffers, count, dtype, root, streams);
+}
+
 absl::Status Collective::ReduceScatter(std::span<void* const> buffers,
                                        std::span<const int64_t> counts, DType dtype,
                                        std::span<Stream* const> streams) {

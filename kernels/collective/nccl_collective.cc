@@ -155,6 +155,16 @@ class NcclCollective final : public Collective {
     });
   }
 
+  absl::Status DoReduce(std::span<void* const> buffers, int64_t count, DType dtype, int root,
+                        std::span<Stream* const> streams) override {
+    // In place at the root; the other ranks only send.
+    return Issue("Reduce", buffers, streams, [&](int r, cudaStream_t stream) {
+      LOSSHEAD_NCCL_CHECK(ncclReduce(buffers[r], buffers[r], static_cast<size_t>(count),
+                                     NcclType(dtype), ncclSum, root, comms_[r], stream));
+      return absl::OkStatus();
+    });
+  }
+
   absl::Status DoReduceScatter(std::span<void* const> buffers, std::span<const int64_t> counts,
                                std::span<const int64_t> offsets, DType dtype,
                                std::span<Stream* const> streams) override {

@@ -36,7 +36,7 @@ char* At(void* buffer, int64_t elements, size_t element_size) {
 
 // terms[0..n) reduced as the host collective does: fp64 sum from the first term (which keeps -0
 // when every term is -0), rounded once; or the maximum, NaN when any term is NaN.
-float Reduce(const float* terms, size_t n, ReduceOp op) {
+float ReduceTerms(const float* terms, size_t n, ReduceOp op) {
   if (op == ReduceOp::kSum) {
     double sum = terms[0];
     for (size_t r = 1; r < n; ++r) sum += terms[r];
@@ -132,7 +132,7 @@ class ProcessHostCollective final : public Collective {
           }
         }
       }
-      result[j] = Reduce(terms.data(), terms.size(), op);
+      result[j] = ReduceTerms(terms.data(), terms.size(), op);
     }
     // Round 2: every process gets every part's result.
     for (int q = 0; q < processes_; ++q) {
@@ -197,7 +197,7 @@ class ProcessHostCollective final : public Collective {
             Copy(&terms[g], from, sizeof(float));
           }
         }
-        sums[j - mine.begin] = Reduce(terms.data(), terms.size(), ReduceOp::kSum);
+        sums[j - mine.begin] = ReduceTerms(terms.data(), terms.size(), ReduceOp::kSum);
       }
     }
     for (int i = 0; i < local; ++i) {

@@ -290,10 +290,10 @@ absl::Status ReplicaGroup::GatherShardStats(int64_t chunk_rows, int output_stats
                                 kernels::DType::kFP32, Streams());
 }
 
-absl::Status ReplicaGroup::SumShardPartials(int64_t floats) {
+absl::Status ReplicaGroup::SumShardPartials(int64_t floats, int root) {
   if (collective_ == nullptr) return absl::OkStatus();
-  return collective_->AllReduce(Buffers(&Replica::shard_partial), floats, kernels::DType::kFP32,
-                                kernels::ReduceOp::kSum, Streams());
+  return collective_->Reduce(Buffers(&Replica::shard_partial), floats, kernels::DType::kFP32, root,
+                             Streams());
 }
 
 absl::Status ReplicaGroup::BroadcastShards(std::span<void* const> buffers, int64_t elements,

@@ -289,9 +289,10 @@ class ReplicaGroup {
   // Under the locks of every shard, during a sharded run: each shard's statistics slice of a chunk
   // of up to `chunk_rows` tokens to every shard (AllGather), and with `output_stats_rows` > 0
   // (kernels::ShardOutputStatsRows) its slice of shard_output_stats beside it; the dH partials of
-  // `floats` elements summed on every shard (AllReduce). Nothing to do for one shard.
+  // `floats` elements summed on global shard `root`, the one that returns dH (Reduce: the other
+  // shards' partials are left unspecified). Nothing to do for one shard.
   absl::Status GatherShardStats(int64_t chunk_rows, int output_stats_rows);
-  absl::Status SumShardPartials(int64_t floats);
+  absl::Status SumShardPartials(int64_t floats, int root);
   // Under the locks of every shard, during a sharded run: `elements` of `dtype` copied from
   // global shard `root`'s buffer into every other shard's (Broadcast), `buffers` being this
   // process's shards' in rank order. Nothing to do for one shard.

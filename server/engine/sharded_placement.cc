@@ -180,6 +180,9 @@ absl::Status ShardedPlacement::Run(const StepRun& run, StepDevices& devices) {
 absl::Status ShardedPlacement::RunChunks(const StepRun& run, StepDevices& devices) {
   const IoSlot& out = devices.slot(0);
   Replica& first = *shards_[0];
+  // dH is summed on the shard that returns it: this process's first, or across processes the
+  // micro-batch's origin's first (the one that holds its hidden states).
+  const int root = run.hidden_root >= 0 ? run.hidden_root : group().first_shard();
   for (int64_t t0 = 0; t0 < run.problem.n; t0 += chunk_rows_) {
     const kernels::ShardChunk chunk{.begin = t0, .size = std::min(chunk_rows_, run.problem.n - t0)};
     for (Replica* r : shards_) {
@@ -192,7 +195,8 @@ absl::Status ShardedPlacement::RunChunks(const StepRun& run, StepDevices& device
           r->backend.ShardBackward(parts_[r->rank], args_[r->rank], chunk, *r->stream));
     }
     if (!run.grad_hidden) continue;
-    LOSSHEAD_RETURN_IF_ERROR(group().SumShardPartials(chunk.size * group().hidden_size()));
+    LOSSHEAD_RETURN_IF_ERROR(group().SumShardPartials(chunk.size * group().hidden_size(), root));
+    if (group().first_shard() != root) continue;  // another process returns dH
     LOSSHEAD_RETURN_IF_ERROR(first.backend.ShardStoreGradHidden(
         parts_[0], first.shard_partial.as<float>(), chunk, out.grad_hidden.data(), *first.stream));
   }

@@ -3,7 +3,7 @@
 // compute lock (the cut). Each shard computes its rows' logits of each token chunk, the shards
 // exchange their softmax statistics (AllGather; and beside them those of the distribution outputs
 // and top-k, when asked), each writes its columns of the gradient and its part of dH and dW (or of
-// its stash: deferred dW), and the dH parts are summed (AllReduce) and rounded on shard 0, which
+// its stash: deferred dW), and the dH parts are summed (Reduce) and rounded on shard 0, which
 // returns the results and the outputs. The sequence and its math are the backend's (see
 // losshead/kernels/shard_problem.h); this placement drives it over the shards' streams.
 //

@@ -233,6 +233,23 @@ TEST_P(NcclCollectiveTest, AllReduceSumMatchesTheHostWithinFp32Rounding) {
   }
 }
 
+// Only the root's sum is specified: it matches the host's within fp32 rounding, for every root.
+TEST_P(NcclCollectiveTest, ReduceSumOnTheRootMatchesTheHostWithinFp32Rounding) {
+  constexpr int64_t kCount = (int64_t{1} << 20) + 7;
+  for (int root = 0; root < k(); ++root) {
+    SCOPED_TRACE(root);
+    const Bytes input = RandomFloats(rng_, k(), kCount);
+    const Call call = [root](Collective& c, std::span<void* const> b, std::span<Stream* const> s) {
+      return c.Reduce(b, kCount, DType::kFP32, root, s);
+    };
+    Bytes gpu, host;
+    RunBoth(input, call, &gpu, &host);
+    for (int64_t j = 0; j < kCount; ++j) {
+      if (!SumClose(input, gpu[root], host[root], j, root)) return;
+    }
+  }
+}
+
 TEST_P(NcclCollectiveTest, AllReduceMaxMatchesTheHostBitForBit) {
   constexpr int64_t kCount = 100003;
   const Bytes input = RandomFloats(rng_, k(), kCount);

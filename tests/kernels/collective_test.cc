@@ -177,6 +177,22 @@ TEST_P(HostCollectiveTest, AllReduceSumIsTheFp64SumInRankOrder) {
   }
 }
 
+// The root holds the fp64 sum in rank order, whichever rank it is.
+TEST_P(HostCollectiveTest, ReduceSumOnTheRootIsTheFp64SumInRankOrder) {
+  constexpr int64_t kCount = 1001;
+  for (int root = 0; root < k(); ++root) {
+    const std::vector<std::vector<float>> input = RandomRanks(kCount);
+    std::vector<std::vector<float>> data = input;
+    ASSERT_TRUE(ranks_.collective()
+                    .Reduce(Pointers(data), kCount, DType::kFP32, root, ranks_.streams())
+                    .ok());
+    for (int64_t j = 0; j < kCount; ++j) {
+      ASSERT_EQ(Bits(data[root][j]), Bits(OrderedSum(input, j)))
+          << "root " << root << " element " << j;
+    }
+  }
+}
+
 TEST_P(HostCollectiveTest, AllReduceMaxIsTheLargestValue) {
   const int64_t count = 2003;
   std::vector<std::vector<float>> input = RandomRanks(count);
@@ -402,6 +418,8 @@ TEST_F(HostCollectiveErrorsTest, ReductionsTakeFp32Only) {
                 "AllReduce: reduces fp32 only, got fp16");
   ExpectRefused(c().ReduceScatter(buffers_, counts_, DType::kBF16, streams()),
                 "ReduceScatter: reduces fp32 only, got bf16");
+  ExpectRefused(c().Reduce(buffers_, kCount, DType::kBF16, 0, streams()),
+                "Reduce: reduces fp32 only, got bf16");
 }
 
 TEST_F(HostCollectiveErrorsTest, UnknownOpDTypeOrRoot) {
@@ -413,6 +431,8 @@ TEST_F(HostCollectiveErrorsTest, UnknownOpDTypeOrRoot) {
                 "Broadcast: root 3 is outside [0, 3)");
   ExpectRefused(c().Broadcast(buffers_, kCount, DType::kFP32, -1, streams()),
                 "Broadcast: root -1 is outside [0, 3)");
+  ExpectRefused(c().Reduce(buffers_, kCount, DType::kFP32, 3, streams()),
+                "Reduce: root 3 is outside [0, 3)");
 }
 
 TEST_F(HostCollectiveErrorsTest, DeviceStream) {

@@ -84,6 +84,12 @@ class Collective {
   absl::Status AllReduce(std::span<void* const> buffers, int64_t count, DType dtype, ReduceOp op,
                          std::span<Stream* const> streams);
 
+  // In place, sum, fp32: afterwards rank `root`'s `count` elements hold the sum over all ranks'
+  // elements (AllReduce's sum, in its order); every other rank's buffer is unspecified (it may
+  // hold the sum too). Moves about half of AllReduce's bytes where only one rank needs the sum.
+  absl::Status Reduce(std::span<void* const> buffers, int64_t count, DType dtype, int root,
+                      std::span<Stream* const> streams);
+
   // In place, sum, fp32. Every rank's buffer holds the sum of `counts` elements, rank r's slice
   // starting at counts[0] + ... + counts[r-1]; slices may be uneven (ShardCounts). Afterwards rank
   // r's slice r holds the sum over all ranks of their slice r; every other slice of every buffer
@@ -121,6 +127,11 @@ class Collective {
                                    std::span<Stream* const> streams) = 0;
   virtual absl::Status DoBroadcast(std::span<void* const> buffers, int64_t count, DType dtype,
                                    int root, std::span<Stream* const> streams) = 0;
+  // The sum everywhere by default (DoAllReduce), which Reduce's contract allows.
+  virtual absl::Status DoReduce(std::span<void* const> buffers, int64_t count, DType dtype,
+                                int /*root*/, std::span<Stream* const> streams) {
+    return DoAllReduce(buffers, count, dtype, ReduceOp::kSum, streams);
+  }
 
  private:
   const int size_;
