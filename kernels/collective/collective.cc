@@ -112,6 +112,19 @@ absl::Status SliceOffsets(absl::string_view call, int k, std::span<const int64_t
   return absl::OkStatus();
 }
 
+// The checks of a call with a root (Broadcast, Reduce): ranks, root, count and buffers.
+absl::Status CheckRooted(absl::string_view call, int size, int local_size,
+                         std::span<void* const> buffers, int64_t count, DType dtype, int root,
+                         std::span<Stream* const> streams) {
+  if (absl::Status s = CheckRanks(call, size, local_size, buffers, streams); !s.ok()) return s;
+  if (root < 0 || root >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(call, ": root ", root, " is outside [0, ", size, ")"));
+  }
+  if (absl::Status s = CheckCount(call, count); !s.ok()) return s;
+  return CheckBuffers(call, buffers, count, dtype);
+}
+
 }  // namespace
 
 absl::string_view ReduceOpName(ReduceOp op) {
@@ -155,13 +168,10 @@ absl::Status Collective::AllReduce(std::span<void* const> buffers, int64_t count
 absl::Status Collective::Reduce(std::span<void* const> buffers, int64_t count, DType dtype,
                                 int root, std::span<Stream* const> streams) {
   constexpr absl::string_view kCall = "Reduce";
-  if (absl::Status s = CheckRanks(kCall, size_, local_size_, buffers, streams); !s.ok()) return s;
-  if (root < 0 || root >= size_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kCall, ": root ", root, " is outside [0, ", size_, ")"));
+  if (absl::Status s = CheckRooted(kCall, size_, local_size_, buffers, count, dtype, root, streams);
+      !s.ok()) {
+    return s;
   }
-  if (absl::Status s = CheckCount(kCall, count); !s.ok()) return s;
-  if (absl::Status s = CheckBuffers(kCall, buffers, count, dtype); !s.ok()) return s;
   if (absl::Status s = CheckReducible(kCall, dtype); !s.ok()) return s;
   if (count == 0) return absl::OkStatus();
   return DoReduce(buffers, count, dtype, root, streams);
@@ -196,13 +206,10 @@ absl::Status Collective::AllGather(std::span<void* const> buffers, std::span<con
 absl::Status Collective::Broadcast(std::span<void* const> buffers, int64_t count, DType dtype,
                                    int root, std::span<Stream* const> streams) {
   constexpr absl::string_view kCall = "Broadcast";
-  if (absl::Status s = CheckRanks(kCall, size_, local_size_, buffers, streams); !s.ok()) return s;
-  if (root < 0 || root >= size_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kCall, ": root ", root, " is outside [0, ", size_, ")"));
+  if (absl::Status s = CheckRooted(kCall, size_, local_size_, buffers, count, dtype, root, streams);
+      !s.ok()) {
+    return s;
   }
-  if (absl::Status s = CheckCount(kCall, count); !s.ok()) return s;
-  if (absl::Status s = CheckBuffers(kCall, buffers, count, dtype); !s.ok()) return s;
   if (count == 0) return absl::OkStatus();
   return DoBroadcast(buffers, count, dtype, root, streams);
 }
