@@ -137,6 +137,10 @@ class Placement {
   // part of the run in dW, except UNIMPLEMENTED: the backends refused the arguments before
   // launching anything (an output they do not compute, say), and nothing was computed.
   virtual absl::Status Run(const StepRun& run, StepDevices& devices) = 0;
+  // The device (global shard rank) that alone copies a micro-batch's hidden states in from the
+  // host, Run broadcasting them to the others (StepRun::hidden_root); -1 where every device
+  // copies its own.
+  virtual int HiddenRoot() const { return -1; }
 
   // Under the Cut: every stash flushed and dW laid out as the file comment says (a fault of an
   // earlier flush answered: DATA_LOSS). Enqueued.

@@ -44,6 +44,9 @@ class ShardedPlacement final : public Placement {
   void Take(int64_t tokens, StepDevices& devices) override;
   absl::Status Prepare(const StepRun& run, StepDevices& devices, DeviceScratch& scratch) override;
   absl::Status Run(const StepRun& run, StepDevices& devices) override;
+  // The first shard: the hidden states cross the host once and reach the other shards over the
+  // collective (NVLink between GPUs) instead of once per shard.
+  int HiddenRoot() const override { return shards_.size() > 1 ? group().first_shard() : -1; }
   absl::Status ReduceGradientToOwners() override { return group().FlushAllStashes(); }
   absl::Status BroadcastWeights() override { return absl::OkStatus(); }
   absl::Status GatherWeights() override { return absl::OkStatus(); }

@@ -105,6 +105,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
     return StepEmbeddingGrad(mb, stats, on_ordered);
   }
   LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
+  prepared.hidden_root = placement_->HiddenRoot();
   // Forward-only counts nothing, so there is nothing a replay could protect from being counted
   // twice: it bypasses the cache both ways. Answering it from a counted micro-batch's result (or
   // remembering it so that a later counted one with the same key replays it) would hand a
