@@ -2,8 +2,8 @@
 // loopback (CPU backend, Placement.across_processes), 2 x 1, 3 x 1 and 2 x 2 processes x
 // devices, against a one-process server whose head is sharded over as many CPU devices with the
 // same spec (the same shards, the same host collective: the same bits):
-// - W and b pushed through a follower reach every process's rows: DownloadWeights through every
-//   process answers the one-process head's W and b bit for bit;
+// - W and b pushed through a follower (replaced, or a delta added) reach every process's rows:
+//   DownloadWeights through every process answers the one-process head's W and b bit for bit;
 // - loss and dH of micro-batches keyed at their homes, unkeyed through every process (with
 //   per-token weights) and forward-only are the one-process head's bit for bit (b enters every
 //   shard's logits over its rows);
@@ -273,6 +273,25 @@ TEST_P(ShardedBiasTest, StepsPullsPushesAndAppliesEqualOneProcessShardedOverAsMa
   auto after = one.client->PullGradient(kBiased);
   ASSERT_TRUE(after.ok()) << after.status();
   ExpectWindow(group, *after, "round 2");
+
+  // A delta added to W and b through a follower (PUSH_MODE_ADD): b + delta on every process.
+  {
+    const client::Bytes dw =
+        Encode(RandomValues(kBiasVocab * kBiasHidden, 0.01, v1::DTYPE_FP32, 61), v1::DTYPE_FP32);
+    const client::Bytes db =
+        Encode(RandomValues(kBiasVocab, 0.1, v1::DTYPE_FP32, 62), v1::DTYPE_FP32);
+    const client::PushRequest add{.head = kBiased,
+                                  .dtype = v1::DTYPE_FP32,
+                                  .data = dw,
+                                  .bias = db,
+                                  .mode = v1::PUSH_MODE_ADD};
+    auto added = group.clients[n - 1]->PushWeights(add);
+    ASSERT_TRUE(added.ok()) << added.status();
+    ASSERT_TRUE(one.client->PushWeights(add).ok());
+    auto want_w = one.client->DownloadWeights(kBiased);
+    ASSERT_TRUE(want_w.ok()) << want_w.status();
+    ExpectWeights(group, *want_w, "after an added delta");
+  }
 
   // A discard through a follower empties db on every process.
   ASSERT_TRUE(group.clients[n - 1]->DiscardGradient(kBiased).ok());
