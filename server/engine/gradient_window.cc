@@ -108,6 +108,25 @@ absl::Status Head::GatherOtherRows(std::string& tensor, size_t element_bytes) {
   return options_.process_window->GatherRows("W's rows", tensor, begin, end);
 }
 
+absl::StatusOr<std::vector<float>> Head::GroupGradBias() {
+  LOSSHEAD_ASSIGN_OR_RETURN(std::vector<float> db, ReadGradBias(group()));
+  if (!across_processes()) return db;
+  if (options_.process_window == nullptr) {
+    return absl::InternalError("a head sharded across processes without its process group");
+  }
+  // db's rows are W's rows, one value each: this process's shards hold rows [first.begin,
+  // last.end), contiguous in global shard order.
+  const kernels::Shard first = group()[0].rows;
+  const kernels::Shard last = group()[group().size() - 1].rows;
+  std::string bytes(db.size() * sizeof(float), '\0');
+  std::memcpy(bytes.data(), db.data(), bytes.size());
+  LOSSHEAD_RETURN_IF_ERROR(options_.process_window->GatherRows(
+      "db's rows", bytes, static_cast<size_t>(first.begin) * sizeof(float),
+      static_cast<size_t>(last.end) * sizeof(float)));
+  std::memcpy(db.data(), bytes.data(), bytes.size());
+  return db;
+}
+
 void Head::WarnOfUnappliedWindowLocked() {
   const uint64_t limit = options_.window_warn_microbatches;
   if (!HasOptimizer(optimizer_spec_) || !window_.TakeWarning(limit)) return;
@@ -207,6 +226,13 @@ absl::StatusOr<GradientSnapshot> Head::PullGradient(v1::DType dtype, bool reset)
         const auto [begin, end] = OwnRowBytes(group(), sizeof(float));
         LOSSHEAD_RETURN_IF_ERROR(
             options_.process_window->GatherRows("a pull of dW's rows", snap.data, begin, end));
+        if (has_bias()) {
+          // db after dW: its rows are W's, one value each.
+          const size_t at = static_cast<size_t>(vocab_size()) * hidden_size() * sizeof(float);
+          const size_t row = static_cast<size_t>(hidden_size());
+          LOSSHEAD_RETURN_IF_ERROR(options_.process_window->GatherRows(
+              "a pull of db's rows", snap.data, at + begin / row, at + end / row));
+        }
       } else {
         // dW and db (after it) in one sum: every element in fp64 in process order.
         LOSSHEAD_RETURN_IF_ERROR(options_.process_window->Sum(

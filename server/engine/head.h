@@ -342,6 +342,10 @@ class Head {
   // other process's rows (a collective call: every process makes it for the same cut). Nothing
   // to do for a head of this process alone (gradient_window.cc).
   absl::Status GatherOtherRows(std::string& tensor, size_t element_bytes);
+  // Under the cut, for a head with an output bias: the window's db (V values, ReadGradBias),
+  // sharded across processes completed with every other process's rows (a collective call, as
+  // GatherOtherRows), so that every process holds the whole of db and decides on it alike.
+  absl::StatusOr<std::vector<float>> GroupGradBias();
   // After a micro-batch was counted in the window: the warning of
   // HeadOptions::window_warn_microbatches, once per window (gradient_window.cc).
   void WarnOfUnappliedWindowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);

@@ -325,10 +325,12 @@ absl::StatusOr<v1::ApplyOptimizerResponse> Head::ApplyOptimizer(
   } else {
     for (double p : partial) squared += p;
   }
-  // An output bias is part of the head's gradient: its norm, its clipping, its step.
+  // An output bias is part of the head's gradient: its norm, its clipping, its step. Sharded
+  // across processes, every process takes the whole of db (every process's rows), so that each
+  // decides the norm alike and steps every value of b alike, as one process does.
   std::vector<float> grad_bias;
   if (has_bias()) {
-    LOSSHEAD_ASSIGN_OR_RETURN(grad_bias, ReadGradBias(group()));
+    LOSSHEAD_ASSIGN_OR_RETURN(grad_bias, GroupGradBias());
     squared += SquaredNorm(grad_bias);
   }
   if (!std::isfinite(squared)) {

@@ -326,6 +326,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext*
           snap.version = done.weights_version();
           snap.dtype = gathered.summary.dtype();
           snap.data = std::move(gathered.data);
+          snap.bias = head->has_bias();  // b (every process's alike) after the gathered W
         } else {
           LOSSHEAD_ASSIGN_OR_RETURN(snap, head->DownloadWeights(req.dtype()));
         }
