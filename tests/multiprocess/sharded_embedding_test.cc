@@ -322,6 +322,9 @@ TEST_P(ShardedEmbeddingTest, RowsAndGradientsEqualOneProcessShardedOverAsManyDev
   apply.set_client_id("optimizer");
   apply.set_step_key(1);
   apply.mutable_params()->set_lr(0.05);
+  apply.mutable_params()->set_beta1(0.9);
+  apply.mutable_params()->set_beta2(0.999);
+  apply.mutable_params()->set_eps(1e-8);
   auto applied = group.clients[n - 1]->ApplyOptimizer(apply);
   ASSERT_TRUE(applied.ok()) << applied.status();
   auto want_applied = one.client->ApplyOptimizer(apply);
