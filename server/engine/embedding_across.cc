@@ -148,23 +148,32 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunEmbeddingGrad(const 
     lo[q] = std::lower_bound(sorted.begin(), sorted.end(), owned.begin) - sorted.begin();
     hi[q] = std::lower_bound(sorted.begin(), sorted.end(), owned.end) - sorted.begin();
   }
+  // Each part starts with the micro-batch's turn, and every other process sends its turn to every
+  // process: each hears from every other even when it owns none of the rows, so that a process
+  // that is gone fails the exchange on every survivor (nothing added or counted there, as when a
+  // loss micro-batch's broadcast fails), and a part of another turn is never taken for this one.
+  const uint64_t stamp = turn.turn();
   std::vector<std::string> parts(processes);
   for (int q = 0; q < processes; ++q) {
     if (!here && q != me) continue;
-    parts[q].resize((hi[q] - lo[q]) * row_bytes);
+    parts[q].resize(sizeof(stamp) + (hi[q] - lo[q]) * row_bytes);
     if (!here) continue;
+    std::memcpy(parts[q].data(), &stamp, sizeof(stamp));
     for (int64_t i = lo[q]; i < hi[q]; ++i) {
-      std::memcpy(parts[q].data() + (i - lo[q]) * row_bytes, rows.data() + order[i] * row_bytes,
-                  row_bytes);
+      std::memcpy(parts[q].data() + sizeof(stamp) + (i - lo[q]) * row_bytes,
+                  rows.data() + order[i] * row_bytes, row_bytes);
     }
   }
+  std::string own_stamp(sizeof(stamp), '\0');
+  std::memcpy(own_stamp.data(), &stamp, sizeof(stamp));
+  std::vector<std::string> stamps(processes, std::string(sizeof(stamp), '\0'));
   std::vector<std::span<const std::byte>> sends(processes);
   std::vector<std::span<std::byte>> recvs(processes);
   for (int q = 0; q < processes; ++q) {
     if (q == me) continue;
-    if (here) sends[q] = Bytes(std::as_const(parts[q]));
+    sends[q] = here ? Bytes(std::as_const(parts[q])) : Bytes(std::as_const(own_stamp));
+    recvs[q] = q == origin ? Bytes(parts[me]) : Bytes(stamps[q]);
   }
-  if (!here) recvs[origin] = Bytes(parts[me]);
 
   // No slots to take; the run's gate orders the exchange and the adds among the group's runs.
   LOSSHEAD_RETURN_IF_ERROR(turn.AwaitTake());
@@ -181,9 +190,19 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunEmbeddingGrad(const 
     if (keyed) cache_.Fail(h.client_id(), h.sequence(), broken);
     return broken;
   }
+  for (int q = 0; q < processes; ++q) {
+    if (q == me) continue;
+    uint64_t received;
+    std::memcpy(&received, q == origin ? parts[me].data() : stamps[q].data(), sizeof(received));
+    if (received != stamp) {
+      return absl::InternalError(absl::StrCat("the embedding gradient of turn ", stamp,
+                                              " met process ", q, " at turn ", received,
+                                              ": the group's order is broken"));
+    }
+  }
   p.ids.assign(sorted.begin() + lo[me], sorted.begin() + hi[me]);
   p.values.resize(p.ids.size() * d);
-  kernels::ToFloat(dtype, parts[me].data(), p.values.data(), p.values.size());
+  kernels::ToFloat(dtype, parts[me].data() + sizeof(stamp), p.values.data(), p.values.size());
   // Elsewhere than at its home the micro-batch has no key here: nothing of it is remembered.
   v1::StepHeader header = h;
   if (!keyed) header.clear_client_id();

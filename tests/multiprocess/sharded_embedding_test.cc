@@ -19,6 +19,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -339,12 +340,137 @@ TEST_P(ShardedEmbeddingTest, RowsAndGradientsEqualOneProcessShardedOverAsManyDev
   }
 }
 
+// EMBEDDING_GRAD and LOSS micro-batches in flight at once (every client on a thread of its own
+// through its home, unkeyed gradients through every process), beside EmbeddingRows and a pull
+// (which wait for those in flight): every micro-batch counted once on every process, dW the
+// one-process head's within fp32 rounding (its sums follow the turns' order), the rows W's.
+TEST_P(ShardedEmbeddingTest, InFlightAtOnceWithLossMicroBatches) {
+  const int n = GetParam().processes;
+  const int devices = GetParam().devices;
+  const std::string name = absl::StrCat("embedding_inflight", n, "x", devices);
+  Group group(n, name, DeviceFlags(devices));
+  ASSERT_TRUE(group.ok());
+  Single one(name + "_one", DeviceFlags(n * devices));
+  ASSERT_NE(one.client, nullptr);
+  ASSERT_TRUE(group.clients[0]->CreateHead(AcrossSpec(devices)).ok());
+  ASSERT_TRUE(one.client->CreateHead(LocalSpec(n * devices)).ok());
+  const std::vector<int64_t> ids = Ids(29, 8);
+  auto want_rows = one.client->EmbeddingRows(kTied, ids);
+  ASSERT_TRUE(want_rows.ok()) << want_rows.status();
+
+  constexpr int kRounds = 3;
+  struct Sent {
+    HostBatch batch;  // what mb points into
+    client::Microbatch mb;
+    Grad grad;
+    absl::StatusOr<client::StepResult> loss = absl::UnknownError("not sent");
+    absl::StatusOr<client::StepResult> added = absl::UnknownError("not sent");
+  };
+  std::vector<std::vector<Sent>> sent(kClients + n);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients + n; ++c) {
+    const bool keyed = c < kClients;
+    const std::string id = keyed ? Learner(c) : "";
+    const int process = keyed ? Home(id, n) : c - kClients;
+    sent[c].resize(kRounds);
+    for (int k = 0; k < kRounds; ++k) {
+      Sent& s = sent[c][k];
+      s.batch = MakeBatch(12, kD, kV, v1::DTYPE_FP32, 900 + 17 * c + k, 5);
+      s.mb = ToMicrobatch(kTied, id, keyed ? 2 * k + 1 : 0, s.batch);
+      s.grad = MakeGrad(1000 + 17 * c + k, k % 2 == 0 ? v1::DTYPE_FP32 : v1::DTYPE_BF16);
+    }
+    threads.emplace_back([&, c, process, keyed, id] {
+      std::unique_ptr<client::Client> client = Connect(group.addresses[process]);
+      for (int k = 0; k < kRounds; ++k) {
+        Sent& s = sent[c][k];
+        if (keyed) s.loss = client->Step(s.mb);
+        s.added = Send(*client, id, keyed ? 2 * k + 2 : 0, s.grad);
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    std::unique_ptr<client::Client> client = Connect(group.addresses[n - 1]);
+    ExpectSameRows(client->EmbeddingRows(kTied, ids), want_rows, "rows among micro-batches");
+    auto pulled = client->PullGradient(kTied);
+    EXPECT_TRUE(pulled.ok()) << pulled.status();
+  });
+  for (std::thread& t : threads) t.join();
+
+  uint64_t tokens = 0, microbatches = 0;
+  for (int c = 0; c < kClients + n; ++c) {
+    const bool keyed = c < kClients;
+    for (int k = 0; k < kRounds; ++k) {
+      const Sent& s = sent[c][k];
+      if (keyed) {
+        ASSERT_TRUE(s.loss.ok()) << "sender " << c << ": " << s.loss.status();
+        auto want = one.client->Step(s.mb);
+        ASSERT_TRUE(want.ok()) << want.status();
+        EXPECT_EQ(s.loss->loss_sum, want->loss_sum);
+        EXPECT_TRUE(s.loss->grad_hidden == want->grad_hidden) << "sender " << c << ": dH";
+        tokens += static_cast<uint64_t>(s.loss->token_count);
+        ++microbatches;
+      }
+      ASSERT_TRUE(s.added.ok()) << "sender " << c << ": " << s.added.status();
+      ASSERT_TRUE(Send(*one.client, keyed ? Learner(c) : "", keyed ? 2 * k + 2 : 0, s.grad).ok());
+      ++microbatches;
+    }
+  }
+  ExpectCounted(group, microbatches, tokens, "in flight at once");
+  auto reference = one.client->PullGradient(kTied);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  const std::vector<float> reference_dw = Floats(reference->data);
+  const std::vector<double> want_dw(reference_dw.begin(), reference_dw.end());
+  for (int p = 0; p < n; ++p) {
+    auto pulled = group.clients[p]->PullGradient(kTied);
+    ASSERT_TRUE(pulled.ok()) << "process " << p << ": " << pulled.status();
+    EXPECT_EQ(pulled->summary.microbatch_count(), microbatches) << "process " << p;
+    EXPECT_TRUE(AllClose(Floats(pulled->data), want_dw, 1e-5)) << "process " << p;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, ShardedEmbeddingTest,
                          ::testing::Values(Layout{2, 1}, Layout{3, 1}, Layout{2, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return absl::StrCat(info.param.processes, "Processes",
                                                info.param.devices, "Devices");
                          });
+
+// One of 3 processes killed: an EMBEDDING_GRAD micro-batch at a survivor's home and
+// EmbeddingRows are UNAVAILABLE (the gradient's key keeps that answer), and every survivor
+// counts the micro-batches before the kill and none after.
+TEST(ShardedEmbeddingFailureTest, AKilledProcessMakesGradientsAndRowsUnavailable) {
+  constexpr int n = 3;
+  Group group(n, "embedding_killed");
+  ASSERT_TRUE(group.ok());
+  ASSERT_TRUE(group.clients[0]->CreateHead(AcrossSpec(1)).ok());
+  int survivor = -1;
+  for (int c = 0; c < 16 && survivor < 0; ++c) {
+    if (Home(Learner(c), n) != 2) survivor = c;
+  }
+  ASSERT_GE(survivor, 0);
+  const std::string id = Learner(survivor);
+  client::Client& home = *group.clients[Home(id, n)];
+  ASSERT_TRUE(Send(home, id, 1, MakeGrad(1)).ok());
+  group.processes[2]->Kill();
+  // Rows that process 2 owns none of: the group is still the whole group's to run it.
+  Grad g = MakeGrad(2);
+  for (int64_t& row : g.ids) row = row % 5;
+  auto added = Send(home, id, 2, g);
+  ASSERT_FALSE(added.ok());
+  EXPECT_EQ(added.status().code(), absl::StatusCode::kUnavailable) << added.status();
+  auto again = Send(home, id, 2, g);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable) << again.status();
+  const int64_t ids[] = {0, 1};
+  for (int p = 0; p < 2; ++p) {
+    auto rows = group.clients[p]->EmbeddingRows(kTied, ids);
+    ASSERT_FALSE(rows.ok());
+    EXPECT_EQ(rows.status().code(), absl::StatusCode::kUnavailable) << rows.status();
+    auto info = group.clients[p]->GetHead(kTied);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->microbatches_since_pull(), 1u) << "process " << p;
+  }
+}
 
 }  // namespace
 }  // namespace losshead::testing
