@@ -1,7 +1,7 @@
-// Head's tied input embedding on a head sharded across server processes (Placement.across_processes:
-// docs/multi-process.md). Each process holds only its rows of W and dW, so a row goes to or from
-// the process that owns it and nowhere else, over the group's point-to-point exchange
-// (ProcessWindow::Exchange):
+// Head's tied input embedding on a head sharded across server processes
+// (Placement.across_processes: docs/multi-process.md). Each process holds only its rows of W and
+// dW, so a row goes to or from the process that owns it and nowhere else, over the group's
+// point-to-point exchange (ProcessWindow::Exchange):
 // - EmbeddingRows: every process reads the rows of the ids it owns and sends them to the origin
 //   (the process whose client asked), which places them by position.
 // - An EMBEDDING_GRAD micro-batch, in its turn: the origin orders dE's rows by id as one process
@@ -182,11 +182,11 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunEmbeddingGrad(const 
   if (absl::Status sent = window.Exchange("an embedding gradient's rows", sends, recvs);
       !sent.ok()) {
     // Nothing was added anywhere, but the group is broken: its window can never be cut again.
-    absl::Status broken = absl::UnavailableError(absl::StrCat(
-        "embedding gradient (client '", h.client_id(), "', sequence ", h.sequence(),
-        ") could not reach every process of the head's group: ", sent.message(),
-        "; the group is broken and must be rebuilt",
-        keyed ? "; this key keeps this answer and is never computed again" : ""));
+    absl::Status broken = absl::UnavailableError(
+        absl::StrCat("embedding gradient (client '", h.client_id(), "', sequence ", h.sequence(),
+                     ") could not reach every process of the head's group: ", sent.message(),
+                     "; the group is broken and must be rebuilt",
+                     keyed ? "; this key keeps this answer and is never computed again" : ""));
     if (keyed) cache_.Fail(h.client_id(), h.sequence(), broken);
     return broken;
   }

@@ -108,6 +108,15 @@ absl::StatusOr<WeightsSnapshot> Head::EmbeddingRows(v1::DType id_dtype, absl::st
   return snap;
 }
 
+absl::Status Head::CheckEmbeddingRows(v1::DType id_dtype, absl::string_view id_bytes,
+                                      v1::DType dtype) const {
+  if (dtype != v1::DTYPE_UNSPECIFIED) LOSSHEAD_RETURN_IF_ERROR(FloatDType(dtype, "dtype").status());
+  LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<int64_t> ids,
+                            ParseRowIds(id_dtype, id_bytes, vocab_size()));
+  if (ids.empty()) return absl::InvalidArgumentError("EmbeddingRows needs at least one id");
+  return absl::OkStatus();
+}
+
 absl::Status Head::ReadHeldRows(const std::vector<int64_t>& ids, size_t row_bytes,
                                 std::string& rows_out) {
   const int64_t d = hidden_size();

@@ -246,6 +246,9 @@ class Head {
                                                 v1::DType dtype,
                                                 std::optional<uint64_t> expected_version,
                                                 int origin = -1);
+  // EmbeddingRows' checks of the request alone (INVALID_ARGUMENT as it answers them), so that a
+  // process of a group refuses a bad one before asking the others.
+  absl::Status CheckEmbeddingRows(v1::DType id_dtype, absl::string_view ids, v1::DType dtype) const;
 
   // The server-side optimizer (optimizer_apply.cc).
   // Replaces the optimizer (INVALID_ARGUMENT for a bad spec); the new one starts afresh: state

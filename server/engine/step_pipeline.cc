@@ -141,8 +141,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBa
     *hidden_abs = static_cast<float>(p.max_abs);
     if (client_id.empty()) return nullptr;
   } else {
-    LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared,
-                              PrepareStep(mb, StepTargetOf(), Defaults()));
+    LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
     *hidden_abs = static_cast<float>(prepared.hidden_abs);
     if (prepared.forward_only || client_id.empty()) return nullptr;
   }

@@ -352,7 +352,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
         WeightsSnapshot rows;
         if (ctx->group != nullptr && head->across_processes()) {
-          // Every process sends the rows it owns, in the leader's order (group_control.h).
+          // Every process sends the rows it owns, in the leader's order (group_control.h); a bad
+          // request is refused here first, without waiting for the group.
+          LOSSHEAD_RETURN_IF_ERROR(
+              head->CheckEmbeddingRows(req.id_dtype(), req.ids(), req.dtype()));
           v1::ControlRequest control;
           *control.mutable_embedding_rows() = req;
           GradientSnapshot gathered;
@@ -363,10 +366,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
           rows.data = std::move(gathered.data);
         } else {
           LOSSHEAD_ASSIGN_OR_RETURN(
-              rows, head->EmbeddingRows(req.id_dtype(), req.ids(), req.dtype(),
-                                        req.has_expected_weights_version()
-                                            ? std::optional<uint64_t>(req.expected_weights_version())
-                                            : std::nullopt));
+              rows,
+              head->EmbeddingRows(req.id_dtype(), req.ids(), req.dtype(),
+                                  req.has_expected_weights_version()
+                                      ? std::optional<uint64_t>(req.expected_weights_version())
+                                      : std::nullopt));
         }
         const size_t row_bytes =
             static_cast<size_t>(head->hidden_size()) * v1::WireDTypeSize(rows.dtype);

@@ -175,7 +175,8 @@ TEST_P(ShardedEmbeddingTest, RowsAndGradientsEqualOneProcessShardedOverAsManyDev
   const int64_t outside[] = {3, kV};
   const int64_t negative[] = {-1};
   for (int p = 0; p < n; ++p) {
-    for (const auto& bad : {std::span<const int64_t>(outside), std::span<const int64_t>(negative)}) {
+    for (const auto& bad :
+         {std::span<const int64_t>(outside), std::span<const int64_t>(negative)}) {
       auto got = group.clients[p]->EmbeddingRows(kTied, bad);
       ASSERT_FALSE(got.ok());
       EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
