@@ -4,7 +4,9 @@
 // head, every shard), each device taking the ids of its own rows, under those devices' compute
 // locks: W cannot change under a lookup, and a gradient is counted in the window under the same
 // locks that add it to dW, so that a cut sees it wholly before or wholly after. A replicated head
-// adds every gradient to replica 0's accumulator, which the cut reduces with the others.
+// adds every gradient to replica 0's accumulator, which the cut reduces with the others. A head
+// sharded across processes does the same on each process's own rows, its rows exchanged with
+// the other processes by embedding_across.cc.
 #include "server/engine/embedding_rows.h"
 
 #include <algorithm>
