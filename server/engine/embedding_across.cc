@@ -181,7 +181,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunEmbeddingGrad(const 
   LOSSHEAD_RETURN_IF_ERROR(turn.AwaitRun());
   if (absl::Status sent = window.Exchange("an embedding gradient's rows", sends, recvs);
       !sent.ok()) {
-    // Nothing was added anywhere, but the group is broken: its window can never be cut again.
+    // Nothing was added here, and the group is broken: its window can never be cut again.
     absl::Status broken = absl::UnavailableError(
         absl::StrCat("embedding gradient (client '", h.client_id(), "', sequence ", h.sequence(),
                      ") could not reach every process of the head's group: ", sent.message(),
