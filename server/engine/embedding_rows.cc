@@ -4,7 +4,9 @@
 // head, every shard), each device taking the ids of its own rows, under those devices' compute
 // locks: W cannot change under a lookup, and a gradient is counted in the window under the same
 // locks that add it to dW, so that a cut sees it wholly before or wholly after. A replicated head
-// adds every gradient to replica 0's accumulator, which the cut reduces with the others.
+// adds every gradient to replica 0's accumulator, which the cut reduces with the others. A head
+// sharded across processes does the same on each process's own rows, its rows exchanged with
+// the other processes by embedding_across.cc.
 #include "server/engine/embedding_rows.h"
 
 #include <algorithm>
@@ -49,11 +51,11 @@ absl::StatusOr<kernels::DeviceBuffer> AllocateOn(Replica& r, size_t bytes, absl:
 
 absl::StatusOr<WeightsSnapshot> Head::EmbeddingRows(v1::DType id_dtype, absl::string_view id_bytes,
                                                     v1::DType dtype,
-                                                    std::optional<uint64_t> expected_version) {
-  if (across_processes()) {
-    // Each process holds only its rows; reading another's is not built.
-    return absl::UnimplementedError(
-        "EmbeddingRows is not served by a head sharded across processes yet");
+                                                    std::optional<uint64_t> expected_version,
+                                                    int origin) {
+  if (across_processes() && (origin < 0 || options_.process_window == nullptr)) {
+    return absl::InternalError(
+        "EmbeddingRows of a head sharded across processes runs through its group's leader");
   }
   kernels::DType to = dtype_;
   if (dtype != v1::DTYPE_UNSPECIFIED) {
@@ -68,6 +70,9 @@ absl::StatusOr<WeightsSnapshot> Head::EmbeddingRows(v1::DType id_dtype, absl::st
   snap.dtype = ToProto(to);
   snap.data = TakeTransferBuffer(ids.size() * row_bytes);
   snap.data.resize(ids.size() * row_bytes);
+  // Across processes every process reaches the exchange below whatever its devices answer (the
+  // checks above and the version decide alike everywhere), so that no peer waits for it.
+  absl::Status read;
   {
     // As DownloadWeights: the holders' locks keep pushes and applies (cuts) out.
     const ReplicaGroup::DeviceLocks holders(placement_->WeightHolders());
@@ -81,30 +86,21 @@ absl::StatusOr<WeightsSnapshot> Head::EmbeddingRows(v1::DType id_dtype, absl::st
           absl::StrCat("expected_weights_version is ", *expected_version,
                        " but the head's weights are at version ", snap.version));
     }
-    for (Replica* r : placement_->WeightHolders()) {
-      const std::vector<int64_t> positions = HeldPositions(*r, ids);
-      if (positions.empty()) continue;
-      std::vector<int64_t> local(positions.size());
-      for (size_t i = 0; i < positions.size(); ++i) local[i] = ids[positions[i]] - r->held.begin;
-      LOSSHEAD_ASSIGN_OR_RETURN(
-          kernels::DeviceBuffer device_ids,
-          AllocateOn(*r, local.size() * sizeof(int64_t), "embedding row ids"));
-      LOSSHEAD_ASSIGN_OR_RETURN(kernels::DeviceBuffer rows,
-                                AllocateOn(*r, local.size() * row_bytes, "embedding rows"));
-      std::string host(local.size() * row_bytes, '\0');
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(device_ids.data(), local.data(),
-                                                       local.size() * sizeof(int64_t), *r->stream));
-      LOSSHEAD_RETURN_IF_ERROR(r->backend.GatherRows(
-          dtype_, r->weights.data(), r->held.size(), d, device_ids.as<int64_t>(),
-          static_cast<int64_t>(local.size()), rows.data(), *r->stream));
-      LOSSHEAD_RETURN_IF_ERROR(
-          r->backend.CopyToHost(host.data(), rows.data(), host.size(), *r->stream));
-      LOSSHEAD_RETURN_IF_ERROR(r->stream->Synchronize());
-      for (size_t i = 0; i < positions.size(); ++i) {
-        std::memcpy(snap.data.data() + positions[i] * row_bytes, host.data() + i * row_bytes,
-                    row_bytes);
-      }
+    read = ReadHeldRows(ids, row_bytes, snap.data);
+  }
+  if (across_processes()) {
+    const absl::Status gathered = GatherEmbeddingRows(ids, row_bytes, origin, snap.data);
+    if (read.ok()) read = gathered;
+    if (read.ok() && origin != group().process()) {
+      // Only the origin answers its client with the rows.
+      GiveTransferBuffer(std::move(snap.data));
+      snap.data.clear();
+      return snap;
     }
+  }
+  if (!read.ok()) {
+    GiveTransferBuffer(std::move(snap.data));
+    return read;
   }
   if (to != dtype_) {
     std::string raw = std::move(snap.data);
@@ -112,6 +108,44 @@ absl::StatusOr<WeightsSnapshot> Head::EmbeddingRows(v1::DType id_dtype, absl::st
     GiveTransferBuffer(std::move(raw));
   }
   return snap;
+}
+
+absl::Status Head::CheckEmbeddingRows(v1::DType id_dtype, absl::string_view id_bytes,
+                                      v1::DType dtype) const {
+  if (dtype != v1::DTYPE_UNSPECIFIED) LOSSHEAD_RETURN_IF_ERROR(FloatDType(dtype, "dtype").status());
+  LOSSHEAD_ASSIGN_OR_RETURN(const std::vector<int64_t> ids,
+                            ParseRowIds(id_dtype, id_bytes, vocab_size()));
+  if (ids.empty()) return absl::InvalidArgumentError("EmbeddingRows needs at least one id");
+  return absl::OkStatus();
+}
+
+absl::Status Head::ReadHeldRows(const std::vector<int64_t>& ids, size_t row_bytes,
+                                std::string& rows_out) {
+  const int64_t d = hidden_size();
+  for (Replica* r : placement_->WeightHolders()) {
+    const std::vector<int64_t> positions = HeldPositions(*r, ids);
+    if (positions.empty()) continue;
+    std::vector<int64_t> local(positions.size());
+    for (size_t i = 0; i < positions.size(); ++i) local[i] = ids[positions[i]] - r->held.begin;
+    LOSSHEAD_ASSIGN_OR_RETURN(kernels::DeviceBuffer device_ids,
+                              AllocateOn(*r, local.size() * sizeof(int64_t), "embedding row ids"));
+    LOSSHEAD_ASSIGN_OR_RETURN(kernels::DeviceBuffer rows,
+                              AllocateOn(*r, local.size() * row_bytes, "embedding rows"));
+    std::string host(local.size() * row_bytes, '\0');
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.CopyToDevice(device_ids.data(), local.data(),
+                                                     local.size() * sizeof(int64_t), *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->backend.GatherRows(
+        dtype_, r->weights.data(), r->held.size(), d, device_ids.as<int64_t>(),
+        static_cast<int64_t>(local.size()), rows.data(), *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(
+        r->backend.CopyToHost(host.data(), rows.data(), host.size(), *r->stream));
+    LOSSHEAD_RETURN_IF_ERROR(r->stream->Synchronize());
+    for (size_t i = 0; i < positions.size(); ++i) {
+      std::memcpy(rows_out.data() + positions[i] * row_bytes, host.data() + i * row_bytes,
+                  row_bytes);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::StepEmbeddingGrad(

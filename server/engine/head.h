@@ -187,9 +187,12 @@ class Head {
   // whose exchanges with the other processes failed is UNAVAILABLE (the group is broken: the
   // window can never be cut again), and the key keeps that answer: the micro-batch is never
   // computed again anywhere. Forward-only micro-batches and those without a client id claim
-  // nothing. EMBEDDING_GRAD micro-batches are UNIMPLEMENTED across processes.
+  // nothing. An EMBEDDING_GRAD micro-batch goes the same way: validated and claimed at its home,
+  // run on every process in its turn, its rows of dE sent from its home to the process owning
+  // each (embedding_across.cc), each process adding only its own rows and counting it.
   bool across_processes() const { return group().across_processes(); }
-  // `*hidden_abs`: the largest |h| in the head's dtype, which the other processes take as theirs.
+  // `*hidden_abs`: the largest |h| in the head's dtype (of an EMBEDDING_GRAD micro-batch, |dE|),
+  // which the other processes take as theirs.
   absl::StatusOr<std::shared_ptr<const StepOutcome>> ClaimStep(const MicroBatch& microbatch,
                                                                StepStats* stats, float* hidden_abs);
   // `origin`: the process that received the micro-batch (its home, where it is keyed, its
@@ -235,9 +238,17 @@ class Head {
   // (id_dtype INT32 | INT64, each in [0, V): INVALID_ARGUMENT otherwise, or for none) in `dtype`
   // (UNSPECIFIED: the head's), in the order of the ids, with the version they were read at
   // (FAILED_PRECONDITION when not `expected_version`). Reads only: W, dW and the counters stay.
+  // A head sharded across processes: a collective call of every process in the group leader's
+  // order, `origin` being the process whose client asked. Each process reads the rows it owns
+  // and sends them to the origin, which alone gets the rows (the others' snapshot holds the
+  // version only); the checks decide alike everywhere before anything is sent.
   absl::StatusOr<WeightsSnapshot> EmbeddingRows(v1::DType id_dtype, absl::string_view ids,
                                                 v1::DType dtype,
-                                                std::optional<uint64_t> expected_version);
+                                                std::optional<uint64_t> expected_version,
+                                                int origin = -1);
+  // EmbeddingRows' checks of the request alone (INVALID_ARGUMENT as it answers them), so that a
+  // process of a group refuses a bad one before asking the others.
+  absl::Status CheckEmbeddingRows(v1::DType id_dtype, absl::string_view ids, v1::DType dtype) const;
 
   // The server-side optimizer (optimizer_apply.cc).
   // Replaces the optimizer (INVALID_ARGUMENT for a bad spec); the new one starts afresh: state
@@ -396,6 +407,19 @@ class Head {
   absl::StatusOr<std::shared_ptr<StepOutcome>> AddEmbeddingGrad(
       const PreparedEmbeddingGrad& prepared, const v1::StepHeader& header, StepStats* stats,
       const std::function<void()>& on_ordered);
+  // Under the holders' compute locks: the rows of W for `ids` that this process holds, each
+  // copied to its position in `rows` (ids.size() x `row_bytes`); the others left as they are.
+  absl::Status ReadHeldRows(const std::vector<int64_t>& ids, size_t row_bytes, std::string& rows);
+  // Sharded across processes (embedding_across.cc). EmbeddingRows' exchange: every other
+  // process's rows of `ids` sent to `origin` into their positions of `rows` (a collective call).
+  absl::Status GatherEmbeddingRows(const std::vector<int64_t>& ids, size_t row_bytes, int origin,
+                                   std::string& rows);
+  // RunStep of an EMBEDDING_GRAD micro-batch: in its turn, the origin sends each process the rows
+  // of dE it owns (ordered by id as one process orders them), and each adds them
+  // (AddEmbeddingGrad) with the whole micro-batch's bound. Keyed at the origin only.
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> RunEmbeddingGrad(const MicroBatch& microbatch,
+                                                                      StepStats* stats, int origin,
+                                                                      StepTurn& turn);
 
   // The server-side optimizer (optimizer_apply.cc).
   // Each replica's optimizer buffers for its rows (contents undefined); RESOURCE_EXHAUSTED names

@@ -127,6 +127,14 @@ absl::Status ProcessWindow::Broadcast(std::string& data, int root) {
   return absl::OkStatus();
 }
 
+absl::Status ProcessWindow::Exchange(absl::string_view what,
+                                     std::span<const std::span<const std::byte>> sends,
+                                     std::span<const std::span<std::byte>> recvs) {
+  absl::MutexLock lock(&mu_);
+  LOSSHEAD_RETURN_IF_ERROR(group_->health());
+  return group_->Exchange(what, sends, recvs);
+}
+
 absl::StatusOr<std::vector<absl::Status>> ProcessWindow::GatherStatuses(absl::string_view what,
                                                                         const absl::Status& mine) {
   absl::MutexLock lock(&mu_);

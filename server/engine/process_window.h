@@ -69,6 +69,12 @@ class ProcessWindow {
   // every process holds every process's rows. The ranges must not overlap. On error `data` is
   // not touched outside [begin, end).
   absl::Status GatherRows(absl::string_view what, std::string& data, size_t begin, size_t end);
+  // One round of point-to-point transfers (kernels::ProcessGroup::Exchange), serialised with the
+  // calls above: sends[q] to process q, recvs[q] filled from it, each byte count what the peer
+  // sends or expects. For the rows of a head sharded across processes that only some processes
+  // need (its embedding rows and embedding gradients: each row goes to or from its owner only).
+  absl::Status Exchange(absl::string_view what, std::span<const std::span<const std::byte>> sends,
+                        std::span<const std::span<std::byte>> recvs);
   // The group, for the collectives of a head sharded across processes (CreateProcessCollective).
   const std::shared_ptr<kernels::ProcessGroup>& group() const { return group_; }
 

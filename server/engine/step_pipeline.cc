@@ -133,15 +133,19 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::Step(
 absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::ClaimStep(const MicroBatch& mb,
                                                                    StepStats* stats,
                                                                    float* hidden_abs) {
+  const std::string& client_id = mb.header.client_id();
   if (mb.header.kind() != v1::STEP_KIND_LOSS) {
     LOSSHEAD_RETURN_IF_ERROR(CheckHeader(mb.header));  // an unknown kind
-    return absl::UnimplementedError(
-        "EMBEDDING_GRAD micro-batches are not run on a head sharded across processes yet");
+    // Validated whole here, as StepEmbeddingGrad does, so that every process's run passes.
+    LOSSHEAD_ASSIGN_OR_RETURN(const PreparedEmbeddingGrad p,
+                              PrepareEmbeddingGrad(mb, vocab_size(), hidden_size()));
+    *hidden_abs = static_cast<float>(p.max_abs);
+    if (client_id.empty()) return nullptr;
+  } else {
+    LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
+    *hidden_abs = static_cast<float>(prepared.hidden_abs);
+    if (prepared.forward_only || client_id.empty()) return nullptr;
   }
-  LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));
-  *hidden_abs = static_cast<float>(prepared.hidden_abs);
-  const std::string& client_id = mb.header.client_id();
-  if (prepared.forward_only || client_id.empty()) return nullptr;
   const StepFingerprint fingerprint = FingerprintOf(mb);
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> remembered,
                             cache_.Begin(client_id, mb.header.sequence(), fingerprint));
@@ -155,8 +159,11 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> Head::RunStep(const MicroBatc
                                                                  StepStats* stats, int origin,
                                                                  StepTurn& turn) {
   if (mb.header.kind() != v1::STEP_KIND_LOSS) {
-    return absl::UnimplementedError(
-        "EMBEDDING_GRAD micro-batches are not run on a head sharded across processes yet");
+    absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome =
+        RunEmbeddingGrad(mb, stats, origin, turn);
+    // A claim at the home that never reached dW is freed (a settled one stays).
+    if (!outcome.ok() && origin == group().process()) AbandonStep(mb.header);
+    return outcome;
   }
   // The same checks as at the home, on the same bytes and the same state: they pass here too.
   LOSSHEAD_ASSIGN_OR_RETURN(PreparedStep prepared, PrepareStep(mb, StepTargetOf(), Defaults()));

@@ -27,12 +27,14 @@ namespace {
 
 // What every process runs at once, meeting in an exchange of the group.
 bool IsCut(const v1::ControlRequest& request) {
-  // A head sharded across processes: its creation (the collective joins every process) and its
-  // downloads (every process sends its rows) too; its micro-batches go by turns (LeadStep).
+  // A head sharded across processes: its creation (the collective joins every process), its
+  // downloads and embedding rows (every process sends its rows) too; its micro-batches go by
+  // turns (LeadStep).
   const bool across =
       request.has_create_head() && request.create_head().spec().placement().across_processes();
   return request.has_apply_optimizer() || request.has_pull_gradient() ||
-         request.has_push_weights() || request.has_download_weights() || across;
+         request.has_push_weights() || request.has_download_weights() ||
+         request.has_embedding_rows() || across;
 }
 
 // The micro-batch's targets and per-token inputs one after another, as StepControl counts them
@@ -170,7 +172,9 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Run(v1::ControlRequest request
     }
     return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
   }
-  if ((request.has_pull_gradient() || request.has_download_weights()) && pulled != nullptr) {
+  if ((request.has_pull_gradient() || request.has_download_weights() ||
+       request.has_embedding_rows()) &&
+      pulled != nullptr) {
     absl::MutexLock lock(&mu_);
     auto it = pulled_.find(response.sequence());
     if (it == pulled_.end()) {
@@ -414,7 +418,8 @@ absl::StatusOr<v1::ControlResponse> GroupControl::Apply(const v1::ControlRequest
   }
   GradientSnapshot pulled;
   LOSSHEAD_ASSIGN_OR_RETURN(v1::ControlResponse response, RunHere(request, &pulled));
-  if ((request.has_pull_gradient() || request.has_download_weights()) &&
+  if ((request.has_pull_gradient() || request.has_download_weights() ||
+       request.has_embedding_rows()) &&
       request.origin() == rank()) {
     absl::MutexLock lock(&mu_);
     pulled_[request.sequence()] = std::move(pulled);
@@ -563,6 +568,24 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
       const v1::DownloadWeightsRequest& download = request.download_weights();
       LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(download.head()));
       LOSSHEAD_ASSIGN_OR_RETURN(WeightsSnapshot snap, head->DownloadWeights(download.dtype()));
+      response.set_weights_version(snap.version);
+      *pulled = GradientSnapshot();
+      pulled->summary.set_dtype(snap.dtype);
+      pulled->data = std::move(snap.data);
+      break;
+    }
+    case v1::ControlRequest::kEmbeddingRows: {
+      // The rows every process owns sent to the origin, which keeps them (in `pulled`, its
+      // summary carrying their dtype); a refusal is every process's alike, before any exchange.
+      const v1::EmbeddingRowsRequest& rows = request.embedding_rows();
+      LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, registry.Get(rows.head()));
+      LOSSHEAD_ASSIGN_OR_RETURN(
+          WeightsSnapshot snap,
+          head->EmbeddingRows(rows.id_dtype(), rows.ids(), rows.dtype(),
+                              rows.has_expected_weights_version()
+                                  ? std::optional<uint64_t>(rows.expected_weights_version())
+                                  : std::nullopt,
+                              request.origin()));
       response.set_weights_version(snap.version);
       *pulled = GradientSnapshot();
       pulled->summary.set_dtype(snap.dtype);

@@ -154,8 +154,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::DownloadWeights(
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossHeadService::EmbeddingRows(
-    grpc::CallbackServerContext* /*context*/, const grpc::ByteBuffer* request) {
-  return StartEmbeddingRows(ctx_, request);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  return StartEmbeddingRows(ctx_, request, AuthorizationOf(*context));
 }
 
 grpc::ServerUnaryReactor* LossHeadService::GetStats(grpc::CallbackServerContext* context,

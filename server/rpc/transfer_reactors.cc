@@ -341,21 +341,38 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext*
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* ctx,
-                                                               const grpc::ByteBuffer* raw) {
+                                                               const grpc::ByteBuffer* raw,
+                                                               std::string authorization) {
   absl::StatusOr<v1::EmbeddingRowsRequest> parsed =
       ParseRequest<v1::EmbeddingRowsRequest>(raw, "EmbeddingRows");
   if (!parsed.ok()) return new Refusal(ctx, "EmbeddingRows", parsed.status());
   return new ChunkedWriter<v1::EmbeddingRowsChunk, kEmbeddingRowsDataField>(
       ctx, "EmbeddingRows",
-      [ctx,
-       req = *std::move(parsed)](v1::EmbeddingRowsChunk& first) -> absl::StatusOr<std::string> {
+      [ctx, req = *std::move(parsed),
+       authorization](v1::EmbeddingRowsChunk& first) -> absl::StatusOr<std::string> {
         LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, ctx->registry->Get(req.head()));
-        LOSSHEAD_ASSIGN_OR_RETURN(
-            WeightsSnapshot rows,
-            head->EmbeddingRows(req.id_dtype(), req.ids(), req.dtype(),
-                                req.has_expected_weights_version()
-                                    ? std::optional<uint64_t>(req.expected_weights_version())
-                                    : std::nullopt));
+        WeightsSnapshot rows;
+        if (ctx->group != nullptr && head->across_processes()) {
+          // Every process sends the rows it owns, in the leader's order (group_control.h); a bad
+          // request is refused here first, without waiting for the group.
+          LOSSHEAD_RETURN_IF_ERROR(
+              head->CheckEmbeddingRows(req.id_dtype(), req.ids(), req.dtype()));
+          v1::ControlRequest control;
+          *control.mutable_embedding_rows() = req;
+          GradientSnapshot gathered;
+          LOSSHEAD_ASSIGN_OR_RETURN(const v1::ControlResponse done,
+                                    ctx->group->Run(control, authorization, &gathered));
+          rows.version = done.weights_version();
+          rows.dtype = gathered.summary.dtype();
+          rows.data = std::move(gathered.data);
+        } else {
+          LOSSHEAD_ASSIGN_OR_RETURN(
+              rows,
+              head->EmbeddingRows(req.id_dtype(), req.ids(), req.dtype(),
+                                  req.has_expected_weights_version()
+                                      ? std::optional<uint64_t>(req.expected_weights_version())
+                                      : std::nullopt));
+        }
         const size_t row_bytes =
             static_cast<size_t>(head->hidden_size()) * v1::WireDTypeSize(rows.dtype);
         first.set_num_rows(row_bytes > 0 ? rows.data.size() / row_bytes : 0);

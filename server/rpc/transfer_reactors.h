@@ -23,9 +23,12 @@ namespace losshead::server {
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(
     ServiceContext* ctx, const grpc::ByteBuffer* request,
     absl::Status reset_permission = absl::OkStatus(), std::string authorization = "");
-// The rows of W for token ids (EmbeddingRowsRequest), streamed like DownloadWeights.
+// The rows of W for token ids (EmbeddingRowsRequest), streamed like DownloadWeights; of a head
+// sharded across processes, through the leader (every process sends the rows it owns), with the
+// caller's `authorization` forwarded.
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* ctx,
-                                                               const grpc::ByteBuffer* request);
+                                                               const grpc::ByteBuffer* request,
+                                                               std::string authorization = "");
 // A head sharded across processes is downloaded through the leader (every process sends its
 // rows), with the caller's `authorization` forwarded.
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext* ctx,

@@ -14,7 +14,8 @@
 //   the same norm and W bit for bit, every window empty; a push through a follower reaches
 //   every process's rows; one of the wrong size is INVALID_ARGUMENT and changes nothing;
 // - the refusals: across_processes without a group (FAILED_PRECONDITION) or on a replicated head
-//   (INVALID_ARGUMENT), a taken name (ALREADY_EXISTS), EmbeddingRows (UNIMPLEMENTED);
+//   (INVALID_ARGUMENT), a taken name (ALREADY_EXISTS), EmbeddingRows of a bad id
+//   (INVALID_ARGUMENT);
 // - killing one process makes the next micro-batch, pull, download and apply UNAVAILABLE on the
 //   others, and no process counts a micro-batch the others did not.
 #include <signal.h>
@@ -467,10 +468,11 @@ TEST(ShardedGroupRefusalTest, EachRefusalHasItsCodeAndChangesNothing) {
   auto taken = group.clients[0]->CreateHead(AcrossSpec(1));
   ASSERT_FALSE(taken.ok());
   EXPECT_EQ(taken.status().code(), absl::StatusCode::kAlreadyExists) << taken.status();
-  const int64_t ids[] = {0, 7};
+  // EmbeddingRows of an id outside the vocabulary (sharded_embedding_test.cc has the rest).
+  const int64_t ids[] = {0, kVocab};
   auto rows = group.clients[0]->EmbeddingRows(kHead, ids);
   ASSERT_FALSE(rows.ok());
-  EXPECT_EQ(rows.status().code(), absl::StatusCode::kUnimplemented) << rows.status();
+  EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument) << rows.status();
   // The group still serves the head after every refusal.
   const HostBatch batch = Batch(0, 0);
   const std::string id = ClientId(0);
