@@ -175,6 +175,37 @@ inline v1::HeadSpec Spec() {
   return spec;
 }
 
+// A head sharded across a group: its processes and each one's devices.
+struct Layout {
+  int processes;
+  int devices;  // per process
+};
+
+// The flag of a server on CPU devices 0, ..., devices - 1.
+inline std::vector<std::string> DeviceFlags(int devices) {
+  std::string list = "--devices=0";
+  for (int d = 1; d < devices; ++d) absl::StrAppend(&list, ",", d);
+  return {list};
+}
+
+// A V x D fp32 head with AdamW and a normal init from `seed`, sharded over `devices` devices of
+// every process of a group (`across`), or of one process.
+inline v1::HeadSpec ShardedSpec(const std::string& name, int64_t vocab, int64_t hidden,
+                                uint64_t seed, int devices, bool across) {
+  v1::HeadSpec spec;
+  spec.set_name(name);
+  spec.set_vocab_size(vocab);
+  spec.set_hidden_size(hidden);
+  spec.set_weight_dtype(v1::DTYPE_FP32);
+  spec.mutable_init()->mutable_normal()->set_std(0.3f);
+  spec.mutable_init()->mutable_normal()->set_seed(seed);
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
+  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
+  spec.mutable_placement()->set_devices(devices);
+  spec.mutable_placement()->set_across_processes(across);
+  return spec;
+}
+
 inline std::string ClientId(int c) { return absl::StrCat("trainer-", c); }
 
 // Client c's micro-batch k (sequence k + 1).

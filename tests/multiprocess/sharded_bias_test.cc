@@ -44,25 +44,11 @@ constexpr int64_t kBiasTokens = 12;
 constexpr int kBiasClients = 5;
 constexpr int kExitGroupBroken = 3;  // server/server.cc
 
-struct Layout {
-  int processes;
-  int devices;  // per process
-};
-
 // Sharded across every process of the group, `devices` shards on each, with an output bias.
 v1::HeadSpec BiasedAcross(int devices) {
-  v1::HeadSpec spec;
-  spec.set_name(kBiased);
-  spec.set_vocab_size(kBiasVocab);
-  spec.set_hidden_size(kBiasHidden);
-  spec.set_weight_dtype(v1::DTYPE_FP32);
+  v1::HeadSpec spec =
+      ShardedSpec(kBiased, kBiasVocab, kBiasHidden, /*seed=*/17, devices, /*across=*/true);
   spec.set_bias(true);
-  spec.mutable_init()->mutable_normal()->set_std(0.3f);
-  spec.mutable_init()->mutable_normal()->set_seed(17);
-  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
-  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
-  spec.mutable_placement()->set_devices(devices);
-  spec.mutable_placement()->set_across_processes(true);
   return spec;
 }
 
@@ -71,12 +57,6 @@ v1::HeadSpec BiasedLocal(int shards) {
   v1::HeadSpec spec = BiasedAcross(shards);
   spec.mutable_placement()->set_across_processes(false);
   return spec;
-}
-
-std::vector<std::string> DeviceList(int devices) {
-  std::string list = "--devices=0";
-  for (int d = 1; d < devices; ++d) absl::StrAppend(&list, ",", d);
-  return {list};
 }
 
 std::string BiasClient(int c) { return absl::StrCat("biased-learner-", c); }
@@ -241,9 +221,9 @@ TEST_P(ShardedBiasTest, StepsPullsPushesAndAppliesEqualOneProcessShardedOverAsMa
   const int n = GetParam().processes;
   const int devices = GetParam().devices;
   const std::string name = absl::StrCat("shardbias", n, "x", devices);
-  Group group(n, name, DeviceList(devices));
+  Group group(n, name, DeviceFlags(devices));
   ASSERT_TRUE(group.ok());
-  Single one(name + "_one", DeviceList(n * devices));
+  Single one(name + "_one", DeviceFlags(n * devices));
   ASSERT_NE(one.client, nullptr);
 
   // Created through the last process (a follower).
@@ -334,7 +314,7 @@ TEST_P(ShardedBiasCheckpointTest, AKilledProcessAndARestartComeBackToBAndDb) {
   const GroupAddresses at(n);
   auto group = std::make_unique<Group>(at, name + "_a", CheckpointFlags(dirs));
   ASSERT_TRUE(group->ok());
-  Single one(name + "_one", DeviceList(n));
+  Single one(name + "_one", DeviceFlags(n));
   ASSERT_NE(one.client, nullptr);
   ASSERT_TRUE(group->clients[n - 1]->CreateHead(BiasedAcross(1)).ok());
   ASSERT_TRUE(one.client->CreateHead(BiasedLocal(n)).ok());

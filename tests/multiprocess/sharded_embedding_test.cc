@@ -39,36 +39,14 @@ constexpr int64_t kD = 20;
 constexpr int64_t kRowsPerGrad = 17;
 constexpr int kClients = 4;
 
-struct Layout {
-  int processes;
-  int devices;  // per process
-};
-
+// Sharded across every process of the group, `devices` shards on each.
 v1::HeadSpec AcrossSpec(int devices) {
-  v1::HeadSpec spec;
-  spec.set_name(kTied);
-  spec.set_vocab_size(kV);
-  spec.set_hidden_size(kD);
-  spec.set_weight_dtype(v1::DTYPE_FP32);
-  spec.mutable_init()->mutable_normal()->set_std(0.3f);
-  spec.mutable_init()->mutable_normal()->set_seed(9);
-  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
-  spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
-  spec.mutable_placement()->set_devices(devices);
-  spec.mutable_placement()->set_across_processes(true);
-  return spec;
+  return ShardedSpec(kTied, kV, kD, /*seed=*/9, devices, /*across=*/true);
 }
 
+// The same head on one process, sharded over `shards` devices.
 v1::HeadSpec LocalSpec(int shards) {
-  v1::HeadSpec spec = AcrossSpec(shards);
-  spec.mutable_placement()->set_across_processes(false);
-  return spec;
-}
-
-std::vector<std::string> DeviceFlags(int devices) {
-  std::string list = "--devices=0";
-  for (int d = 1; d < devices; ++d) absl::StrAppend(&list, ",", d);
-  return {list};
+  return ShardedSpec(kTied, kV, kD, /*seed=*/9, shards, /*across=*/false);
 }
 
 std::string Learner(int c) { return absl::StrCat("embedder-", c); }
