@@ -260,6 +260,22 @@ class PushReactor final : public grpc::ServerReadReactor<v1::PushWeightsRequest>
   grpc::Status status_;
 };
 
+// `control` (a download or rows of a head sharded across processes) run on every process in the
+// leader's order (group_control.h); the bytes gathered at this process, with their version and
+// dtype.
+absl::StatusOr<WeightsSnapshot> GatheredByGroup(ServiceContext* ctx,
+                                                const v1::ControlRequest& control,
+                                                const std::string& authorization) {
+  GradientSnapshot gathered;
+  LOSSHEAD_ASSIGN_OR_RETURN(const v1::ControlResponse done,
+                            ctx->group->Run(control, authorization, &gathered));
+  WeightsSnapshot snap;
+  snap.version = done.weights_version();
+  snap.dtype = gathered.summary.dtype();
+  snap.data = std::move(gathered.data);
+  return snap;
+}
+
 }  // namespace
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* StartPullGradient(ServiceContext* ctx,
@@ -320,12 +336,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartDownloadWeights(ServiceContext*
           // Every process sends its rows, in the leader's order (group_control.h).
           v1::ControlRequest control;
           *control.mutable_download_weights() = req;
-          GradientSnapshot gathered;
-          LOSSHEAD_ASSIGN_OR_RETURN(const v1::ControlResponse done,
-                                    ctx->group->Run(control, authorization, &gathered));
-          snap.version = done.weights_version();
-          snap.dtype = gathered.summary.dtype();
-          snap.data = std::move(gathered.data);
+          LOSSHEAD_ASSIGN_OR_RETURN(snap, GatheredByGroup(ctx, control, authorization));
           snap.bias = head->has_bias();  // b (every process's alike) after the gathered W
         } else {
           LOSSHEAD_ASSIGN_OR_RETURN(snap, head->DownloadWeights(req.dtype()));
@@ -359,12 +370,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
               head->CheckEmbeddingRows(req.id_dtype(), req.ids(), req.dtype()));
           v1::ControlRequest control;
           *control.mutable_embedding_rows() = req;
-          GradientSnapshot gathered;
-          LOSSHEAD_ASSIGN_OR_RETURN(const v1::ControlResponse done,
-                                    ctx->group->Run(control, authorization, &gathered));
-          rows.version = done.weights_version();
-          rows.dtype = gathered.summary.dtype();
-          rows.data = std::move(gathered.data);
+          LOSSHEAD_ASSIGN_OR_RETURN(rows, GatheredByGroup(ctx, control, authorization));
         } else {
           LOSSHEAD_ASSIGN_OR_RETURN(
               rows,
@@ -385,8 +391,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StartEmbeddingRows(ServiceContext* c
       });
 }
 
-grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(
-    ServiceContext* ctx, v1::PushWeightsResponse* response, std::string authorization) {
+grpc::ServerReadReactor<v1::PushWeightsRequest>* StartPushWeights(ServiceContext* ctx,
+                                                                  v1::PushWeightsResponse* response,
+                                                                  std::string authorization) {
   return new PushReactor(ctx, response, std::move(authorization));
 }
 
