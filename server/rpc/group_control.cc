@@ -546,6 +546,10 @@ absl::StatusOr<v1::ControlResponse> GroupControl::RunHere(const v1::ControlReque
         }
         pending = it->second;
       }
+      // Its turn is fixed: whatever its caller sends from now on gets a later one.
+      if (origin && pending->on_ordered != nullptr && *pending->on_ordered) {
+        (*pending->on_ordered)();
+      }
       if (!origin) LOSSHEAD_RETURN_IF_ERROR(UnpackTensors(step, &received));
       StepStats unused;
       absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome =
@@ -634,7 +638,8 @@ absl::StatusOr<std::shared_ptr<Head>> GroupControl::CreateAcross(const v1::HeadS
 }
 
 absl::StatusOr<std::shared_ptr<const StepOutcome>> GroupControl::Step(
-    Head& head, const MicroBatch& mb, StepStats* stats, const std::string& authorization) {
+    Head& head, const MicroBatch& mb, StepStats* stats, const std::string& authorization,
+    const std::function<void()>& on_ordered) {
   float hidden_abs = 0;
   LOSSHEAD_ASSIGN_OR_RETURN(std::shared_ptr<const StepOutcome> replayed,
                             head.ClaimStep(mb, stats, &hidden_abs));
@@ -647,7 +652,7 @@ absl::StatusOr<std::shared_ptr<const StepOutcome>> GroupControl::Step(
   for (const std::string& input : mb.token_inputs) step.add_token_input_bytes(input.size());
   step.set_tensors(PackTensors(mb));
   step.set_hidden_max_abs(hidden_abs);
-  PendingStep pending{.microbatch = &mb, .stats = stats};
+  PendingStep pending{.microbatch = &mb, .stats = stats, .on_ordered = &on_ordered};
   {
     absl::MutexLock lock(&mu_);
     step.set_step_id(++next_step_);

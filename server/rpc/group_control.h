@@ -29,6 +29,7 @@
 #define LOSSHEAD_SERVER_RPC_GROUP_CONTROL_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -168,10 +169,12 @@ class GroupControl {
   // process with the order, and every process runs it (Head::RunStep) in turn, its hidden states
   // coming from this process's first shard in the run. The outcome is this process's run's.
   // UNAVAILABLE when the group failed before it ran here (nothing counted here, the key free
-  // again) or while it ran (the key keeps that answer).
-  absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(Head& head, const MicroBatch& microbatch,
-                                                          StepStats* stats,
-                                                          const std::string& authorization);
+  // again) or while it ran (the key keeps that answer). `on_ordered`, when given, is called once
+  // its turn is fixed (as Head::Step's once it holds its devices): a stream sends its next
+  // micro-batch then, which gets a later turn, so that several of one stream are in flight.
+  absl::StatusOr<std::shared_ptr<const StepOutcome>> Step(
+      Head& head, const MicroBatch& microbatch, StepStats* stats, const std::string& authorization,
+      const std::function<void()>& on_ordered = nullptr);
 
  private:
   // The leader's part of a micro-batch of a head sharded across processes: numbered under
@@ -260,6 +263,7 @@ class GroupControl {
   struct PendingStep {
     const MicroBatch* microbatch = nullptr;
     StepStats* stats = nullptr;
+    const std::function<void()>* on_ordered = nullptr;
     bool ran = false;
     absl::StatusOr<std::shared_ptr<const StepOutcome>> outcome{absl::UnknownError("not run")};
   };

@@ -3,6 +3,7 @@
 // traced once its last answer is written.
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -127,17 +128,20 @@ void StepReactor::ComputeSlot(Slot& slot, absl::Time picked, SlotRun& run) {
     ctx_->metrics->StepDataBytes("device", "in", bytes);
   }
   run.reach = MicrobatchRecord::Reach::kRan;
+  // Once this micro-batch's place is fixed, the stream's next one may start.
+  const std::function<void()> ordered = [this, &run] {
+    absl::MutexLock lock(&mu_);
+    run.ordered = true;
+    computing_ = false;
+    StartNextSlotLocked();
+  };
   if (ctx_->group != nullptr && (*head)->across_processes()) {
     // Sharded across processes: run on every process in the leader's order (group_control.h).
-    run.outcome = ctx_->group->Step(**head, mb, &run.stats,
-                                    call_ != nullptr ? AuthorizationOf(*call_) : std::string());
+    run.outcome =
+        ctx_->group->Step(**head, mb, &run.stats,
+                          call_ != nullptr ? AuthorizationOf(*call_) : std::string(), ordered);
   } else {
-    run.outcome = (*head)->Step(mb, &run.stats, [this, &run] {
-      absl::MutexLock lock(&mu_);
-      run.ordered = true;
-      computing_ = false;
-      StartNextSlotLocked();
-    });
+    run.outcome = (*head)->Step(mb, &run.stats, ordered);
   }
   // The copy out of a device region is the micro-batch's first copy in: its stage phase.
   run.stats.stage += copied_out;

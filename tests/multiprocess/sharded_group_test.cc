@@ -338,6 +338,49 @@ TEST_P(ShardedGroupTest, MicroBatchesInFlightAtOnceEqualOneProcess) {
   }
 }
 
+// One stream's micro-batches in flight at once (the stream sends its next one once the previous
+// one's turn is fixed): they keep the stream's order on every process, so that dW is the
+// one-process head's bit for bit, as are every loss and dH.
+TEST_P(ShardedGroupTest, OneStreamsMicroBatchesInFlightKeepTheirOrder) {
+  const int n = GetParam().processes;
+  const int devices = GetParam().devices;
+  const std::string name = absl::StrCat("stream", n, "x", devices);
+  Group group(n, name, DeviceFlags(devices));
+  ASSERT_TRUE(group.ok());
+  Single one(name + "_one", DeviceFlags(n * devices));
+  ASSERT_NE(one.client, nullptr);
+  ASSERT_TRUE(group.clients[0]->CreateHead(AcrossSpec(devices)).ok());
+  ASSERT_TRUE(one.client->CreateHead(LocalSpec(n * devices)).ok());
+
+  constexpr int kInFlight = 8;
+  const std::string id = ClientId(0);
+  std::vector<HostBatch> batches;
+  for (int k = 0; k < kInFlight; ++k) batches.push_back(Batch(0, k));
+  std::unique_ptr<client::Client> client = Connect(group.addresses[Home(id, n)]);
+  auto stream = client->OpenStepStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  for (int k = 0; k < kInFlight; ++k) {
+    ASSERT_TRUE((*stream)->Send(ToMicrobatch(kHead, id, k + 1, batches[k])).ok());
+  }
+  for (int k = 0; k < kInFlight; ++k) {
+    auto got = (*stream)->Receive();
+    ASSERT_TRUE(got.ok()) << "micro-batch " << k + 1 << ": " << got.status();
+    EXPECT_EQ(got->sequence, static_cast<uint64_t>(k + 1));
+    auto want = one.client->Step(ToMicrobatch(kHead, id, k + 1, batches[k]));
+    ASSERT_TRUE(want.ok()) << want.status();
+    ExpectSameStep(*got, *want, absl::StrCat("micro-batch ", k + 1));
+  }
+  EXPECT_TRUE((*stream)->Finish().ok());
+  auto reference = one.client->PullGradient(kHead);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  for (int p = 0; p < n; ++p) {
+    auto pulled = group.clients[p]->PullGradient(kHead);
+    ASSERT_TRUE(pulled.ok()) << "process " << p << ": " << pulled.status();
+    EXPECT_EQ(pulled->summary.microbatch_count(), static_cast<uint64_t>(kInFlight));
+    EXPECT_TRUE(pulled->data == reference->data) << "process " << p << ": another dW";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, ShardedGroupTest,
                          ::testing::Values(Layout{2, 1}, Layout{3, 1}, Layout{2, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
