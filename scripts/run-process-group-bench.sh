@@ -15,6 +15,10 @@
 #
 #   scripts/run-process-group-bench.sh BUNDLE_DIR [OUT_DIR]
 #
+# METRICS=1 also notes, after each bench, every process's mean compute phase per micro-batch and
+# its devices' busy time (losshead_step_phase_duration_seconds, losshead_device_busy_seconds_total;
+# the whole scrape in OUT_DIR/metrics-*.txt): where a row's time goes.
+#
 # BUNDLE_DIR holds bin/losshead-server, bin/losshead and lib/ (scripts/run-gpu-e2e-bench.sh);
 # libnccl.so.2 must be on LD_LIBRARY_PATH. Needs 4 GPUs.
 set -uo pipefail
@@ -28,6 +32,7 @@ rounds=${ROUNDS:-2}
 sharded=${SHARDED:-}  # non-empty: the sharded rows too (SHARDED_STREAMS streams each)
 sharded_streams=${SHARDED_STREAMS:-8}
 only_sharded=${ONLY_SHARDED:-}  # non-empty: the sharded rows alone
+metrics=${METRICS:-}  # non-empty: each process's phases and device busy time after each bench
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="$bundle/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader \
@@ -61,15 +66,37 @@ wait_healthy() {
   return 1
 }
 # bench NAME PORT STREAMS PLACEMENT-FLAGS...
+# The process at `port`'s mean queue and compute phase per micro-batch and its devices' busy
+# seconds, from its metrics endpoint (at port + 1000).
+scrape() {
+  local name=$1 port=$2 file="$out/metrics-${1//[^a-z0-9]/_}-$2.txt"
+  python3 -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen(
+    'http://127.0.0.1:$((port + 1000))/metrics', timeout=10).read().decode())" > "$file" 2>&1 || return
+  note "  process :$port: $(awk '
+    /^losshead_step_phase_duration_seconds_(sum|count)/ {
+      match($0, /phase="[a-z]+"/); ph = substr($0, RSTART + 7, RLENGTH - 8)
+      if ($0 ~ /_sum/) sum[ph] += $NF; else count[ph] += $NF }
+    /^losshead_device_busy_seconds_total/ { match($0, /device="[^"]*"/)
+      busy = busy " " substr($0, RSTART + 8, RLENGTH - 9) "=" sprintf("%.1fs", $NF) }
+    END { for (ph in count) if (ph == "queue" || ph == "compute" || ph == "stage" || ph == "finish")
+            printf "%s %.2f ms, ", ph, 1000 * sum[ph] / (count[ph] ? count[ph] : 1)
+          printf "%d micro-batches; busy%s", count["compute"], busy }' "$file")"
+}
 bench() {
   local name=$1 port=$2 streams=$3 log="$out/bench-${1//[^a-z0-9]/_}.log"
   shift 3
+  local ports=("$port")
+  [[ " $* " == *" --across_processes "* || "$name" == *"two processes"* ]] && ports=(50071 50072)
   if "$bundle/bin/losshead" bench --server="127.0.0.1:$port" --hidden_size=4096 \
-    --vocab_size=128256 --chunk_tokens=8192 --streams="$streams" --seconds="$seconds" "$@" \
+    --vocab_size=128256 --chunk_tokens=8192 --streams="$streams" --seconds="$seconds" \
+    ${metrics:+--keep_head} "$@" \
     > "$log" 2>&1; then
     note "$name, $streams streams: $(grep -E 'tokens/s|p50' "$log" | tr '\n' ' ')"
   else
     note "$name, $streams streams: FAILED: $(tail -3 "$log" | tr '\n' ' ')"
+  fi
+  if [ -n "$metrics" ]; then
+    for p in "${ports[@]}"; do scrape "$name" "$p"; done
   fi
 }
 

@@ -131,7 +131,9 @@ int RunBench() {
               absl::StrJoin(info->devices(), ", ").c_str());
 
   int exit_code = CheckAndTime(*clients, head, own_head, *settings, numerics);
-  if (own_head) {
+  // --keep_head leaves it for a look at its metrics afterwards
+  // (scripts/run-process-group-bench.sh).
+  if (own_head && !absl::GetFlag(FLAGS_keep_head)) {
     if (absl::Status s = admin.DeleteHead(head); !s.ok() && exit_code == 0) {
       exit_code = Fail("delete head", s);
     }

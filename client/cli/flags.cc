@@ -55,7 +55,8 @@ ABSL_FLAG(double, teacher_gain, 2.5,
           "teacher weights ~ N(0, (gain / sqrt(D))^2); larger means lower entropy");
 ABSL_FLAG(int, print_every, 5, "print the loss every this many steps");
 ABSL_FLAG(bool, keep_head, false,
-          "leave the trained head on the server (and in its checkpoints) instead of deleting it");
+          "leave the head the command created on the server (and in its checkpoints) instead of "
+          "deleting it at the end");
 
 ABSL_FLAG(double, seconds, 5, "run time when --iterations is 0");
 ABSL_FLAG(int64_t, iterations, 0, "micro-batches per stream; 0 runs for --seconds");

@@ -1,11 +1,11 @@
 // Benchmark of a vocabulary-sharded micro-batch (bf16, mean reduction): the shard sequence of
 // losshead/kernels/shard_problem.h over k GPUs joined by NCCL (per token chunk: logits and
-// statistics on every shard, AllGather, gradient and dH parts, AllReduce of dH, rounding on shard
-// 0), against the unsharded fused Run on GPU 0, in one process on the same random data.
+// statistics on every shard, AllGather, gradient and dH parts, Reduce of dH to shard 0, rounding on
+// shard 0), against the unsharded fused Run on GPU 0, in one process on the same random data.
 //
 //   losshead_shard_bench [--n=8192] [--v=128256] [--d=4096] [--shards=1,2,4] [--runs=10]
 //                        [--budget_mib=4096] [--one_gpu] [--fp32_logits] [--no_unsharded]
-//                        [--stash=M]
+//                        [--stash=M] [--chunks=C] [--overlap] [--broadcast] [--no_exchange]
 //
 // Per k: the median wall time of the whole micro-batch (all shards' streams synchronised), its
 // ratio to the unsharded call, and the device memory per GPU (W and dW rows, workspace, buffers).
@@ -20,6 +20,11 @@
 // micro-batch, and each k twice: adding to dW as they run, and with deferred dW (each shard's
 // G and H into a stash of M micro-batches, then one flush per shard;
 // losshead/kernels/grad_stash.h).
+// --chunks=C splits each micro-batch into at least C token chunks. --overlap issues the exchanges
+// on a second stream per shard, ordered by events, so that a chunk's dH sum runs beside the next
+// chunk's logits. --broadcast sends H from shard 0 to the others first (as the server stages it
+// on one shard), per chunk. --no_exchange runs the k GPUs with no collective at all (results are
+// not the head's): the compute a k-GPU run cannot beat.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -53,6 +58,8 @@ using kernels::DeviceBuffer;
 struct ShardState {
   Backend* backend = nullptr;
   std::unique_ptr<kernels::Stream> stream;
+  std::unique_ptr<kernels::Stream> comm;  // --overlap: the exchanges' stream
+  std::vector<cudaEvent_t> events;        // --overlap: reused every micro-batch
   kernels::ShardProblem problem;
   kernels::ShardArguments args;
   DeviceBuffer hidden, weight, targets, grad, stats, partial, workspace, grad_hidden, scalars;
@@ -77,7 +84,7 @@ double Median(std::vector<double> v) {
 // stash_tokens > 0, each shard defers dW into a stash of that many tokens.
 std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, int k,
                                    const kernels::Problem& p, size_t budget, bool one_gpu,
-                                   int64_t stash_tokens) {
+                                   int64_t stash_tokens, int min_chunks) {
   std::vector<ShardState> s(k);
   int64_t chunk = p.n;
   for (int r = 0; r < k; ++r) {
@@ -91,6 +98,7 @@ std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, 
     chunk =
         std::min(chunk, Unwrap(s[r].backend->PlanShard(s[r].problem, budget), "plan").chunk_rows);
   }
+  chunk = std::min(chunk, (p.n + min_chunks - 1) / min_chunks);
   chunk = kernels::BalancedChunkRows(p.n, chunk);  // as the server's engine runs them
   for (int r = 0; r < k; ++r) {
     ShardState& st = s[r];
@@ -98,7 +106,12 @@ std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, 
     const int64_t rows = st.problem.rows;
     const kernels::ShardPlan plan = Unwrap(b.PlanShard(st.problem, budget), "plan");
     st.stream = Unwrap(b.CreateStream(), "stream");
+    st.comm = Unwrap(b.CreateStream(), "stream");
     BENCH_CUDA(cudaSetDevice(b.device_ordinal()));
+    st.events.resize(1 + (p.n + chunk - 1) / chunk);  // one for every wait, one per H chunk
+    for (cudaEvent_t& e : st.events) {
+      BENCH_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
     st.hidden = Alloc(b, p.n * p.d * 2, &st.bytes);
     st.weight = Alloc(b, rows * p.d * 2, &st.bytes);
     st.targets = Alloc(b, p.n * 4, &st.bytes);
@@ -141,46 +154,91 @@ std::vector<ShardState> MakeShards(std::vector<std::unique_ptr<Backend>>& gpus, 
   return s;
 }
 
+// How a micro-batch's exchanges are issued.
+struct Exchange {
+  bool overlap = false;    // on each shard's second stream, ordered by events
+  bool broadcast = false;  // H from shard 0 to the others, chunk by chunk
+};
+
+// `waiter` waits for the work issued on `signal` so far. A wait takes the event's state when it is
+// issued, so one event serves every wait issued right after its record.
+void After(ShardState& st, kernels::Stream& signal, kernels::Stream& waiter) {
+  BENCH_CUDA(cudaSetDevice(st.backend->device_ordinal()));
+  BENCH_CUDA(cudaEventRecord(st.events[0], Native(signal)));
+  BENCH_CUDA(cudaStreamWaitEvent(Native(waiter), st.events[0], 0));
+}
+
 // One micro-batch over the shards, as the server's engine drives it (shard_step.cc).
-void RunSharded(std::vector<ShardState>& s, kernels::Collective* collective, int64_t n, int64_t d) {
+void RunSharded(std::vector<ShardState>& s, kernels::Collective* collective, int64_t n, int64_t d,
+                Exchange ex) {
   const int64_t chunk_rows = s[0].args.stats_chunk_rows;
-  std::vector<void*> stats, partials;
-  std::vector<kernels::Stream*> streams;
+  std::vector<void*> stats, partials, hidden;
+  std::vector<kernels::Stream*> streams, comms;
   for (ShardState& st : s) {
     stats.push_back(st.stats.data());
     partials.push_back(st.partial.data());
+    hidden.push_back(st.hidden.data());
     streams.push_back(st.stream.get());
+    comms.push_back(ex.overlap ? st.comm.get() : st.stream.get());
     BENCH_OK(st.backend->ShardBegin(st.problem, st.args, *st.stream));
+    if (ex.overlap) After(st, *st.stream, *st.comm);
   }
   const std::vector<int64_t> slices(s.size(), kernels::kShardStats * chunk_rows);
-  for (int64_t t0 = 0; t0 < n; t0 += chunk_rows) {
-    const kernels::ShardChunk chunk{.begin = t0, .size = std::min(chunk_rows, n - t0)};
+  const auto chunk_at = [&](int64_t t0) {
+    return kernels::ShardChunk{.begin = t0, .size = std::min(chunk_rows, n - t0)};
+  };
+  const bool broadcast = ex.broadcast && collective != nullptr;
+  if (broadcast) {
+    // Every chunk's rows of H ahead of the exchanges, so that chunk c + 1's arrive while chunk c
+    // computes; chunk c's event (events[1 + c]) marks its arrival.
+    for (int64_t t0 = 0, c = 0; t0 < n; t0 += chunk_rows, ++c) {
+      std::vector<void*> rows;
+      for (void* h : hidden) rows.push_back(static_cast<char*>(h) + t0 * d * 2);
+      BENCH_OK(collective->Broadcast(rows, chunk_at(t0).size * d, kernels::DType::kBF16, 0, comms));
+      if (!ex.overlap) continue;
+      for (ShardState& st : s) {
+        BENCH_CUDA(cudaSetDevice(st.backend->device_ordinal()));
+        BENCH_CUDA(cudaEventRecord(st.events[1 + c], Native(*st.comm)));
+      }
+    }
+  }
+  for (int64_t t0 = 0, c = 0; t0 < n; t0 += chunk_rows, ++c) {
+    const kernels::ShardChunk chunk = chunk_at(t0);
     for (ShardState& st : s) {
+      if (broadcast && ex.overlap) {
+        BENCH_CUDA(cudaSetDevice(st.backend->device_ordinal()));
+        BENCH_CUDA(cudaStreamWaitEvent(Native(*st.stream), st.events[1 + c], 0));
+      }
       BENCH_OK(st.backend->ShardForward(st.problem, st.args, chunk, *st.stream));
+      if (ex.overlap) After(st, *st.stream, *st.comm);
     }
     if (collective != nullptr) {
-      BENCH_OK(collective->AllGather(stats, slices, kernels::DType::kFP32, streams));
+      BENCH_OK(collective->AllGather(stats, slices, kernels::DType::kFP32, comms));
     }
     for (ShardState& st : s) {
+      if (ex.overlap) After(st, *st.comm, *st.stream);
       BENCH_OK(st.backend->ShardBackward(st.problem, st.args, chunk, *st.stream));
+      if (ex.overlap) After(st, *st.stream, *st.comm);
     }
     if (collective != nullptr) {
-      BENCH_OK(collective->AllReduce(partials, chunk.size * d, kernels::DType::kFP32,
-                                     kernels::ReduceOp::kSum, streams));
+      BENCH_OK(collective->Reduce(partials, chunk.size * d, kernels::DType::kFP32, 0, comms));
     }
     BENCH_OK(s[0].backend->ShardStoreGradHidden(s[0].problem, s[0].partial.as<float>(), chunk,
-                                                s[0].grad_hidden.data(), *s[0].stream));
+                                                s[0].grad_hidden.data(), *comms[0]));
   }
-  for (ShardState& st : s) BENCH_OK(st.stream->Synchronize());
+  for (ShardState& st : s) {
+    BENCH_OK(st.stream->Synchronize());
+    BENCH_OK(st.comm->Synchronize());
+  }
 }
 
 // `m` micro-batches one after another; with stashes, each into the next rows, then one flush per
 // shard adds them all to its dW.
 void RunMicroBatches(std::vector<ShardState>& s, kernels::Collective* collective, int64_t n,
-                     int64_t d, int m) {
+                     int64_t d, int m, Exchange ex) {
   for (int i = 0; i < m; ++i) {
     for (ShardState& st : s) st.args.grad_stash.tokens = i * n;
-    RunSharded(s, collective, n, d);
+    RunSharded(s, collective, n, d, ex);
   }
   // Every shard's flush launched before any is waited for, as the server flushes them.
   for (ShardState& st : s) {
@@ -266,6 +324,9 @@ int Main(int argc, char** argv) {
   kernels::CudaBackendOptions options;
   bool unsharded = true;
   int stash = 0;  // micro-batches per timed call with deferred dW; 0: one, no deferral
+  int min_chunks = 1;
+  Exchange exchange;
+  bool no_exchange = false;
   std::vector<int> shard_counts = {1, 2, 4};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -278,6 +339,10 @@ int Main(int argc, char** argv) {
     if (a == "--fp32_logits") options.bf16_logits = false;
     if (a == "--no_unsharded") unsharded = false;
     if (a.rfind("--stash=", 0) == 0) stash = std::max(0, std::atoi(a.c_str() + 8));
+    if (a.rfind("--chunks=", 0) == 0) min_chunks = std::max(1, std::atoi(a.c_str() + 9));
+    if (a == "--overlap") exchange.overlap = true;
+    if (a == "--broadcast") exchange.broadcast = true;
+    if (a == "--no_exchange") no_exchange = true;
     if (a.rfind("--shards=", 0) == 0) {
       shard_counts.clear();
       for (absl::string_view part : absl::StrSplit(a.substr(9), ',')) {
@@ -302,11 +367,14 @@ int Main(int argc, char** argv) {
   const kernels::Problem p{.n = n, .d = d, .v = v, .dtype = kernels::DType::kBF16};
   std::printf(
       "shard_bench: N=%lld V=%lld D=%lld bf16 mean, %s logits, budget %zu MiB, %d GPU(s): "
-      "%s%s\n",
+      "%s%s%s%s%s\n",
       static_cast<long long>(n), static_cast<long long>(v), static_cast<long long>(d),
       options.bf16_logits ? "bf16" : "fp32", budget >> 20, gpus_visible,
       gpus[0]->device_description().c_str(),
-      one_gpu ? ", shards one after another on GPU 0 (no exchange)" : "");
+      one_gpu ? ", shards one after another on GPU 0 (no exchange)" : "",
+      no_exchange ? ", no exchange" : "",
+      exchange.overlap ? ", exchanges on their own streams" : "",
+      exchange.broadcast ? ", H broadcast from shard 0" : "");
 
   // Every configuration is set up first, then timed round by round (TimeInterleaved): the
   // unsharded fused call on GPU 0 (the one-device head's Run), then each k.
@@ -344,8 +412,8 @@ int Main(int argc, char** argv) {
     Placement& pl = placements.emplace_back();
     pl.k = k;
     pl.deferred = deferred;
-    pl.shards = MakeShards(gpus, k, p, budget, one_gpu, deferred ? stash * n : 0);
-    if (!one_gpu && k > 1) {
+    pl.shards = MakeShards(gpus, k, p, budget, one_gpu, deferred ? stash * n : 0, min_chunks);
+    if (!one_gpu && !no_exchange && k > 1) {
       std::vector<Backend*> devices;
       for (int r = 0; r < k; ++r) devices.push_back(gpus[r].get());
       pl.collective = Unwrap(kernels::CreateCollective(devices), "collective");
@@ -357,13 +425,13 @@ int Main(int argc, char** argv) {
         timed.push_back({[&st, n, d, per_call] {
           std::vector<ShardState> one;
           one.push_back(std::move(st));
-          RunMicroBatches(one, nullptr, n, d, per_call);
+          RunMicroBatches(one, nullptr, n, d, per_call, Exchange{});
           st = std::move(one[0]);
         }});
       }
     } else {
-      timed.push_back({[&pl, n, d, per_call] {
-        RunMicroBatches(pl.shards, pl.collective.get(), n, d, per_call);
+      timed.push_back({[&pl, n, d, per_call, exchange] {
+        RunMicroBatches(pl.shards, pl.collective.get(), n, d, per_call, exchange);
       }});
     }
   }
