@@ -15,8 +15,8 @@
 #
 #   scripts/run-process-group-bench.sh BUNDLE_DIR [OUT_DIR]
 #
-# METRICS=1 also notes, after each bench, every process's mean compute phase per micro-batch and
-# its devices' busy time (losshead_step_phase_duration_seconds, losshead_device_busy_seconds_total;
+# METRICS=1 also notes, after each bench, every process's mean phases per micro-batch and its
+# devices' busy time (losshead_step_phase_duration_seconds, losshead_device_busy_seconds_total;
 # the whole scrape in OUT_DIR/metrics-*.txt): where a row's time goes.
 #
 # BUNDLE_DIR holds bin/losshead-server, bin/losshead and lib/ (scripts/run-gpu-e2e-bench.sh);
@@ -65,9 +65,9 @@ wait_healthy() {
   done
   return 1
 }
-# bench NAME PORT STREAMS PLACEMENT-FLAGS...
-# The process at `port`'s mean queue and compute phase per micro-batch and its devices' busy
-# seconds, from its metrics endpoint (at port + 1000).
+# The process at `port`'s mean stage, queue, compute and finish phase per micro-batch and its
+# devices' busy seconds, from its metrics endpoint (at port + 1000): means over every head it ran
+# since it started (the benches keep theirs for this).
 scrape() {
   local name=$1 port=$2 file="$out/metrics-${1//[^a-z0-9]/_}-$2.txt"
   python3 -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen(
@@ -82,6 +82,7 @@ scrape() {
             printf "%s %.2f ms, ", ph, 1000 * sum[ph] / (count[ph] ? count[ph] : 1)
           printf "%d micro-batches; busy%s", count["compute"], busy }' "$file")"
 }
+# bench NAME PORT STREAMS PLACEMENT-FLAGS...
 bench() {
   local name=$1 port=$2 streams=$3 log="$out/bench-${1//[^a-z0-9]/_}.log"
   shift 3
