@@ -463,6 +463,12 @@ int Main(int argc, char** argv) {
         pl.k, mode.c_str(), ms, ratio.c_str(), n / ms * 1e3,
         static_cast<long long>(pl.shards[0].args.stats_chunk_rows), most / double(1 << 30));
   }
+  for (Placement& pl : placements) {
+    for (ShardState& st : pl.shards) {
+      BENCH_CUDA(cudaSetDevice(st.backend->device_ordinal()));
+      for (cudaEvent_t e : st.events) BENCH_CUDA(cudaEventDestroy(e));
+    }
+  }
   return 0;
 }
 
