@@ -42,8 +42,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The exit code of a process whose group broke (server/server.cc).
-constexpr int kExitGroupBroken = 3;
 constexpr int kKeepSets = 3;  // server/durability/group_checkpoint.h
 
 // A fresh checkpoint directory per process.

@@ -46,8 +46,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kWide[] = "wide";
-constexpr int64_t kWideVocab = 53;   // shards of unequal rows
-constexpr int kExitGroupBroken = 3;  // server/server.cc
+constexpr int64_t kWideVocab = 53;  // shards of unequal rows
 
 struct Layout {
   int processes;

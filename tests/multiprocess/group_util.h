@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -34,6 +35,8 @@ inline constexpr int64_t kHidden = 24;
 inline constexpr int64_t kTokens = 16;
 inline constexpr int kClients = 6;
 inline constexpr int kPerClient = 3;
+// The exit code of a process whose group broke (server/server.cc).
+inline constexpr int kExitGroupBroken = 3;
 
 inline std::string LogPath(const std::string& name) {
   return absl::StrCat(::testing::TempDir(), "/mp_", getpid(), "_", name, ".log");
@@ -145,6 +148,19 @@ struct Group {
   std::vector<std::unique_ptr<ServerProcess>> processes;
   std::vector<std::unique_ptr<client::Client>> clients;
 };
+
+// Kills the group's process `victim` (kill -9); every other one exits within `within`, its group
+// broken.
+inline void KillAndExpectTheOthersExit(Group& group, int victim,
+                                       absl::Duration within = absl::Seconds(30)) {
+  group.processes[victim]->Kill();
+  for (int p = 0; p < static_cast<int>(group.processes.size()); ++p) {
+    if (p == victim) continue;
+    const std::optional<int> code = group.processes[p]->WaitForExit(within);
+    ASSERT_TRUE(code.has_value()) << "process " << p << " still runs with its group broken";
+    EXPECT_EQ(*code, kExitGroupBroken) << "process " << p;
+  }
+}
 
 // A one-process server, as today (no group flags).
 struct Single {
