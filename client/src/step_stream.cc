@@ -14,6 +14,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "common/parallel_copy.h"
 #include "losshead/client/client.h"
 #include "losshead/client/device_region.h"
 #include "losshead/client/retry.h"
@@ -213,7 +214,7 @@ absl::Status StepStream::Send(const Microbatch& mb) {
         const size_t grad_at = targets_at + Aligned(mb.targets.size());
         region = TakeRegion(grad_at + *grad);
         if (region != nullptr) {
-          if (!mb.hidden.empty()) std::memcpy(region->data(), mb.hidden.data(), mb.hidden.size());
+          ParallelCopy(region->data(), mb.hidden.data(), mb.hidden.size());
           if (!mb.targets.empty()) {
             std::memcpy(region->data() + targets_at, mb.targets.data(), mb.targets.size());
           }
@@ -493,7 +494,7 @@ void StepStream::ReadLoop() {
       } else if (r.grad_hidden_in_shared_memory()) {
         const std::byte* from = key.region->data() + key.grad_offset;
         if (grad_dest != nullptr) {
-          std::memcpy(grad_dest, from, grad_bytes);
+          ParallelCopy(grad_dest, from, grad_bytes);
         } else {
           current->grad_hidden.assign(from, from + grad_bytes);
         }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/parallel_copy.h"
 #include "common/status_macros.h"
 
 namespace losshead::server {
@@ -105,7 +106,7 @@ absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, Res
   }
   LOSSHEAD_RETURN_IF_ERROR(slot.copies->Synchronize());
   if (staged) {
-    if (p.want_grad_hidden) std::memcpy(grad_hidden->data(), dh, hidden_bytes);
+    if (p.want_grad_hidden) ParallelCopy(grad_hidden->data(), dh, hidden_bytes);
     if (p.want_per_token) std::memcpy(per_token->data(), pt, n * sizeof(float));
     if (outputs_bytes > 0) std::memcpy(token_outputs->data(), to, outputs_bytes);
   }

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/parallel_copy.h"
 #include "server/observability/microbatch_metrics.h"
 #include "server/rpc/control_service.h"
 #include "server/rpc/group_control.h"
@@ -164,7 +165,7 @@ void StepReactor::WriteSharedGradHidden(const Slot& slot, SlotRun& run) {
       return;
     }
   } else {
-    std::memcpy(slot.shared.region->data() + slot.shared.grad_offset, grad.data(), grad.size());
+    ParallelCopy(slot.shared.region->data() + slot.shared.grad_offset, grad.data(), grad.size());
   }
   run.grad_hidden_shared = true;
 }
