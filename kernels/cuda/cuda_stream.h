@@ -59,6 +59,7 @@ class CudaStream final : public Stream {
     return absl::OkStatus();
   }
   void* native() const override { return stream_; }
+  absl::StatusOr<std::unique_ptr<StreamMark>> Mark() override;
 
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }

@@ -3,17 +3,19 @@
 // window's counters, default loss options and idempotency state. Thread-safe. The head
 // coordinates; what runs on the devices is its placement's and the step pipeline's parts'.
 //
-// A device's compute lock serialises what touches its W or dW: a micro-batch runs under the
-// compute locks of the devices its placement gives it (one replica's, or every shard's), taken in
-// rank order. Pulls, pushes, optimizer applies and checkpoints take every device's lock
-// (ReplicaGroup::Cut). A micro-batch's dW update and its counter update happen under its locks
-// together, so a pull with reset sees every micro-batch either entirely before its cut or entirely
-// after. Only the run itself holds them: a micro-batch's copies in (host -> device) and out (dH
-// back to the host) use buffers of their own (an I/O slot of each device) and overlap the run of
-// another micro-batch. Another, short mutex (state_mu_, always taken after any compute lock)
-// guards the counters and options so that Info() never waits for compute. Callers hold heads by
-// shared_ptr: deleting a head from the registry while work runs on it is safe; the memory goes
-// when the last holder lets go.
+// A device's compute lock serialises what touches its W or dW: a micro-batch runs under the compute
+// locks of the devices its placement gives it (one replica's, or every shard's), taken in rank
+// order. Pulls, pushes, optimizer applies and checkpoints take every device's lock
+// (ReplicaGroup::Cut). A micro-batch holds its locks while it launches its run; the run is then in
+// flight (Replica::runs_in_flight) and the locks go to the next micro-batch, whose run the devices
+// take up behind it, while this one waits for its own work and counts it. A cut, once it holds
+// every lock, waits for the runs in flight to be done and counted, so a pull with reset sees every
+// micro-batch either entirely before its cut or entirely after. A micro-batch's copies in (host ->
+// device) and out (dH back to the host) use buffers of their own (an I/O slot of each device) and
+// overlap the run of another micro-batch. Another, short mutex (state_mu_, always taken after any
+// compute lock) guards the counters and options so that Info() never waits for compute. Callers
+// hold heads by shared_ptr: deleting a head from the registry while work runs on it is safe; the
+// memory goes when the last holder lets go.
 //
 // The members are defined by concern: the head itself in head.cc, the step pipeline in
 // step_pipeline.cc, the gradient window (pull, discard, push, download) in gradient_window.cc,
@@ -371,8 +373,9 @@ class Head {
   absl::StatusOr<std::shared_ptr<const StepOutcome>> Compute(
       const PreparedStep& prepared, StepStats* stats, const std::string& client_id,
       uint64_t sequence, const std::function<void()>& on_ordered, StepTurn* turn = nullptr);
-  // Compute's part under its devices' compute locks: its turn, the checks against W and the
-  // window (ReserveRun), the placement's run, the counters; the outcome's version. A device
+  // Compute's part on its devices: under their compute locks its turn, the checks against W and
+  // the window (ReserveRun) and the placement's run launched; then, in flight, the wait for its
+  // work and the counters; the outcome's version. A device
   // failure once the run has begun is DATA_LOSS, kept by the key (see Step).
   absl::StatusOr<RunScalars> RunOnDevices(const PreparedStep& p, StepDevices& devices,
                                           StepStats* stats, const std::string& client_id,
@@ -387,7 +390,7 @@ class Head {
   // of dW could overflow, or the gradient window with it (kernels::CheckStepBounds); otherwise
   // reserves its part of the window's bound. Nothing changes on a refusal.
   absl::Status ReserveStepBounds(const PreparedStep& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // A run counted in the window (under its compute locks).
+  // A run counted in the window (while it is in flight: before a Cut can begin).
   void CountRun(int64_t token_count, uint64_t version);
   // The largest |w| of W, read from `held` (replicas whose compute lock the caller holds and
   // which together hold every row: one replica, or every shard) through the host. For the rare

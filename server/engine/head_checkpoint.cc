@@ -67,11 +67,11 @@ absl::StatusOr<HeadCheckpointData> Head::SnapshotPart() {
   const size_t esize = kernels::DTypeSize(dtype_);
   d.weights.resize(count * esize);
   d.gradient.resize(count * sizeof(float));
-  // Micro-batches add to dW and bump the counters under their replica's compute lock; pulls and
-  // pushes hold every one. Holding them all here makes the snapshot one cut. A micro-batch
-  // completes its idempotency claim just after (once its dH is on the host): waiting for those
-  // still pending, while no new one can start, puts every micro-batch counted in dW among the
-  // remembered ones too.
+  // Micro-batches add to dW and bump the counters before their run lands (the Cut waits for that);
+  // pulls and pushes hold every lock. Holding them all here makes the snapshot one cut. A
+  // micro-batch completes its idempotency claim just after (once its dH is on the host): waiting
+  // for those still pending, while no new one can start, puts every micro-batch counted in dW among
+  // the remembered ones too.
   ReplicaGroup::Cut cut(group());
   {
     absl::MutexLock state(&state_mu_);

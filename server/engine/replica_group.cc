@@ -180,6 +180,12 @@ ReplicaGroup::DeviceLocks::~DeviceLocks() {
 
 ReplicaGroup::Cut::Cut(const ReplicaGroup& group) : group_(group) {
   for (const auto& replica : group_.replicas_) replica->compute_mu.Lock();
+  // No run launches while the locks are held; those in flight finish and count without them.
+  for (const auto& replica : group_.replicas_) {
+    absl::MutexLock flight(&replica->flight_mu);
+    replica->flight_mu.Await(absl::Condition(
+        +[](int* in_flight) { return *in_flight == 0; }, &replica->runs_in_flight));
+  }
 }
 
 ReplicaGroup::Cut::~Cut() {

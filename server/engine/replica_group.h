@@ -52,7 +52,7 @@ struct IoSlot {
   kernels::HostBuffer staging;
 };
 
-// A run's scalars, as they come back under the compute lock: token count (int64, first: it needs
+// A run's scalars, as they come back once its work is done: token count (int64, first: it needs
 // 8-byte alignment), loss sum (fp32), correct count (int64, when asked).
 inline constexpr size_t kStepScalarBytes = 24;
 inline constexpr size_t kTokenCountOffset = 0;
@@ -80,6 +80,11 @@ struct Replica {
   // Micro-batches wait here, largest first, before they take compute_mu.
   ComputeQueue compute_queue;
   absl::Mutex compute_mu;
+  // Runs launched under compute_mu whose work may still be on the device, not yet counted: a
+  // micro-batch lets the next one launch behind its work before its own is done (the step
+  // pipeline's RunOnDevices), and counts itself once it is. A Cut waits for none to be left.
+  absl::Mutex flight_mu;
+  int runs_in_flight ABSL_GUARDED_BY(flight_mu) = 0;
   // V x D in the head's dtype, the same on every replica; a shard's rows x D.
   kernels::DeviceBuffer weights;
   // V x D fp32: this replica's micro-batches since the last cut; a shard's rows x D, its rows of
@@ -252,7 +257,9 @@ class ReplicaGroup {
     std::span<Replica* const> devices_;
   };
 
-  // Every replica's compute lock, in rank order, for as long as it lives.
+  // Every replica's compute lock, in rank order, for as long as it lives, taken once the runs in
+  // flight on them are done and counted (Replica::runs_in_flight): W, dW and the window are then
+  // what every micro-batch counted so far left.
   class Cut {
    public:
     explicit Cut(const ReplicaGroup& group);

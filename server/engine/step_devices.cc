@@ -10,6 +10,7 @@
 namespace losshead::server {
 
 StepDevices::~StepDevices() {
+  Landed();
   for (size_t i = 0; i < parts_.size(); ++i) {
     if (parts_[i].slot == nullptr) continue;
     Replica& r = *replicas_[i];
@@ -50,10 +51,40 @@ absl::Status StepDevices::Synchronize() const {
   return first;
 }
 
-void StepDevices::EndRun(int64_t tokens, bool ran) {
+absl::Status StepDevices::Launched() {
+  std::vector<std::unique_ptr<kernels::StreamMark>> marks;
+  for (Replica* r : replicas_) {
+    absl::StatusOr<std::unique_ptr<kernels::StreamMark>> mark = r->stream->Mark();
+    if (!mark.ok()) return mark.status();
+    marks.push_back(std::move(*mark));
+  }
+  for (Replica* r : replicas_) {
+    absl::MutexLock flight(&r->flight_mu);
+    ++r->runs_in_flight;
+  }
+  launched_ = std::move(marks);
+  return absl::OkStatus();
+}
+
+absl::Status StepDevices::AwaitLaunched() {
+  absl::Status first;
+  for (const auto& mark : launched_) first.Update(mark->Wait());
+  return first;
+}
+
+void StepDevices::Landed() {
+  if (launched_.empty()) return;
+  launched_.clear();
+  for (Replica* r : replicas_) {
+    absl::MutexLock flight(&r->flight_mu);
+    --r->runs_in_flight;
+  }
+}
+
+void StepDevices::EndRun(int64_t tokens, bool launched) {
   for (size_t i = 0; i < replicas_.size(); ++i) {
     Replica& r = *replicas_[i];
-    if (ran && parts_[i].stash.data != nullptr) {
+    if (launched && parts_[i].stash.data != nullptr) {
       r.stash_tokens += tokens;
       r.stashed_tokens = r.stash_tokens;
     }

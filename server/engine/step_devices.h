@@ -21,7 +21,8 @@ namespace losshead::server {
 class StepDevices {
  public:
   StepDevices() = default;
-  // Gives the slots back and takes the tokens off the queues (where ReleaseQueued has not).
+  // Lands a launched run (Landed), gives the slots back and takes the tokens off the queues
+  // (where ReleaseQueued has not).
   ~StepDevices();
   StepDevices(const StepDevices&) = delete;
   StepDevices& operator=(const StepDevices&) = delete;
@@ -46,10 +47,22 @@ class StepDevices {
 
   // Waits for every device's stream; the first error.
   absl::Status Synchronize() const;
-  // Under the devices' compute locks, after a run of `tokens` on them (`ran`: through without an
-  // error): the rows each stashed count in its stash (a failed run's are left out of dW), and the
-  // idle flush's clock starts again.
-  void EndRun(int64_t tokens, bool ran);
+  // Under the devices' compute locks, after a run was launched: marks its work on every device's
+  // stream and counts it in flight there (Replica::runs_in_flight), so that the locks can go to
+  // the next micro-batch, whose run then waits on the streams behind this one's, before it is
+  // done. Nothing is in flight when this fails.
+  absl::Status Launched();
+  // Without the locks: waits for the work Launched marked (not the runs launched since); the
+  // first error.
+  absl::Status AwaitLaunched();
+  // The run is done and counted: no longer in flight, a Cut waiting for it goes on. Called once
+  // after a successful Launched, whatever AwaitLaunched answered; the destructor calls it
+  // otherwise.
+  void Landed();
+  // Under the devices' compute locks, once a run of `tokens` on them is launched (`launched`:
+  // without an error so far): the rows each stashed count in its stash, those of a run that
+  // failed before it was launched being left out of dW, and the idle flush's clock starts again.
+  void EndRun(int64_t tokens, bool launched);
 
  private:
   struct Part {
@@ -59,6 +72,7 @@ class StepDevices {
   };
   std::vector<Replica*> replicas_;
   std::vector<Part> parts_;
+  std::vector<std::unique_ptr<kernels::StreamMark>> launched_;  // one per device while in flight
   int64_t queued_ = 0;  // tokens queued on each device until ReleaseQueued
 };
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -250,9 +251,9 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
   const absl::Time wait_start = absl::Now();
   Replica& first = devices.replica(0);
   if (group_turn != nullptr) LOSSHEAD_RETURN_IF_ERROR(group_turn->AwaitRun());
-  const ComputeQueue::Turn turn = first.compute_queue.Wait(p.problem.n);
+  std::optional<ComputeQueue::Turn> turn(first.compute_queue.Wait(p.problem.n));
   // Its devices' compute locks in rank order: one replica's, or every shard's (then the cut).
-  const ReplicaGroup::DeviceLocks locks(devices.replicas());
+  std::optional<ReplicaGroup::DeviceLocks> locks(devices.replicas());
   if (on_ordered) on_ordered();
   const absl::Time start = absl::Now();
   stats->compute_start = start;
@@ -267,21 +268,35 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
                     .workspace_budget = options_.workspace_budget_bytes,
                     .hidden_root = p.hidden_root};
   LOSSHEAD_RETURN_IF_ERROR(placement_->Prepare(run, devices, scratch_));
-  // Only the scalars come back under the lock; dH follows on the slot's stream once the lock is
-  // free for the next micro-batch's run.
-  char scalars[kStepScalarBytes];
   absl::Status ran = placement_->Run(run, devices);
   // The backends refused the run's arguments before launching anything (an output a backend or
   // a sharded head does not compute): nothing is in dW or counted, and the key is free again.
   const bool refused = absl::IsUnimplemented(ran);
-  if (ran.ok()) {
-    ran = first.backend.CopyToHost(scalars, devices.slot(0).scalars.data(), kStepScalarBytes,
-                                   *first.stream);
-  }
-  if (ran.ok()) ran = devices.Synchronize();
-  devices.EndRun(p.problem.n, ran.ok());
-  // Its exchanges are over: the group's next run may begin while this one's results come back.
+  // Once launched the run is in flight: the locks and the turn go to the next micro-batch, whose
+  // run the devices take up behind this one's without a gap, while this one waits for its own
+  // work, then counts itself or keeps its failure (a Cut waits for either). A run that failed to
+  // launch keeps the locks until its failure is kept. Its rows of a deferred-dW stash are taken
+  // at launch, since the next run's go after them: should its work then fail, they stay, as a
+  // failed run's part of dW does (DATA_LOSS below).
+  if (ran.ok()) ran = devices.Launched();
+  const bool in_flight = ran.ok();
+  devices.EndRun(p.problem.n, in_flight);
+  // Its exchanges are issued: the group's next run may begin.
   if (group_turn != nullptr) group_turn->Ran();
+  if (in_flight) {
+    locks.reset();
+    turn.reset();
+    ran = devices.AwaitLaunched();
+  }
+  // The scalars come back through the slot's own stream, which no other run's work is behind.
+  char scalars[kStepScalarBytes];
+  if (ran.ok()) {
+    const IoSlot& out = devices.slot(0);
+    ran = first.backend.CopyToHost(scalars, out.scalars.data(), kStepScalarBytes, *out.copies);
+    if (ran.ok()) ran = out.copies->Synchronize();
+  }
+  // Counted (or failed) before it lands: a Cut then finds it in the window.
+  absl::Cleanup landed = [&devices] { devices.Landed(); };
   if (!ran.ok()) {
     // Forward-only: dW was not an argument, nothing can be in it.
     if (p.forward_only || refused) return ran;

@@ -5,8 +5,9 @@
 // from ever reaching Inf.
 //
 // Plain data with the arithmetic of counting; not thread-safe. The head guards it with its state
-// mutex, and a micro-batch counts itself under its compute locks too, so that a cut (which holds
-// every compute lock) sees each micro-batch wholly in the window or wholly in the next.
+// mutex, and a micro-batch counts itself while its run is in flight, so that a cut (which holds
+// every compute lock and waits for the runs in flight) sees each micro-batch wholly in the window
+// or wholly in the next.
 #ifndef LOSSHEAD_SERVER_ENGINE_WINDOW_COUNTERS_H_
 #define LOSSHEAD_SERVER_ENGINE_WINDOW_COUNTERS_H_
 

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "losshead/kernels/backend.h"
 #include "server/engine/replica_group.h"
 
@@ -40,21 +41,75 @@ class CallLog {
   std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
 };
 
-// A stream whose waits are logged.
+// Holds the marks of a device's streams (a run in flight: StepDevices::Launched) unreached until
+// released: a device still at work on a run that was launched.
+class MarkGate {
+ public:
+  void Hold() {
+    absl::MutexLock lock(&mu_);
+    held_ = true;
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    held_ = false;
+  }
+  // Blocks while held; counted meanwhile in `waiting`.
+  void Pass() {
+    absl::MutexLock lock(&mu_);
+    ++waiting_;
+    mu_.Await(absl::Condition(+[](bool* held) { return !*held; }, &held_));
+    --waiting_;
+  }
+  // Blocks until `n` waits are held at once; false after 10 s.
+  bool AwaitWaiting(int n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return waiting_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), absl::Seconds(10));
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
+  int waiting_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A stream whose waits are logged (where `log` is set) and whose marks pass `gate`.
 class LoggedStream : public kernels::Stream {
  public:
-  LoggedStream(std::unique_ptr<kernels::Stream> inner, CallLog* log, std::string tag)
-      : inner_(std::move(inner)), log_(log), tag_(std::move(tag)) {}
+  LoggedStream(std::unique_ptr<kernels::Stream> inner, CallLog* log, std::string tag,
+               MarkGate* gate)
+      : inner_(std::move(inner)), log_(log), tag_(std::move(tag)), gate_(gate) {}
   absl::Status Synchronize() override {
-    log_->Add("sync " + tag_);
+    if (log_ != nullptr) log_->Add("sync " + tag_);
     return inner_->Synchronize();
   }
   void* native() const override { return inner_->native(); }
+  absl::StatusOr<std::unique_ptr<kernels::StreamMark>> Mark() override {
+    absl::StatusOr<std::unique_ptr<kernels::StreamMark>> inner = inner_->Mark();
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<kernels::StreamMark>(
+        std::make_unique<GatedMark>(*std::move(inner), gate_));
+  }
 
  private:
+  class GatedMark final : public kernels::StreamMark {
+   public:
+    GatedMark(std::unique_ptr<kernels::StreamMark> inner, MarkGate* gate)
+        : inner_(std::move(inner)), gate_(gate) {}
+    absl::Status Wait() override {
+      gate_->Pass();
+      return inner_->Wait();
+    }
+
+   private:
+    std::unique_ptr<kernels::StreamMark> inner_;
+    MarkGate* gate_;
+  };
+
   std::unique_ptr<kernels::Stream> inner_;
   CallLog* log_;
   std::string tag_;
+  MarkGate* gate_;
 };
 
 // The CPU backend, with faults to order: the next copy of results to the host (anything larger
@@ -79,6 +134,8 @@ class FaultyBackend : public kernels::Backend {
   // streams are logged, tagged `tag`.
   CallLog* call_log = nullptr;
   std::string tag;
+  // The marks of this device's streams: held, a run launched on it stays in flight until released.
+  MarkGate marks;
 
   // Device memory of `bytes` from now on; buffers allocated before do not count.
   void LimitMemory(size_t bytes) {
@@ -191,8 +248,8 @@ class FaultyBackend : public kernels::Backend {
   }
   absl::StatusOr<std::unique_ptr<kernels::Stream>> CreateStream() override {
     absl::StatusOr<std::unique_ptr<kernels::Stream>> stream = inner_->CreateStream();
-    if (!stream.ok() || call_log == nullptr) return stream;
-    return std::make_unique<LoggedStream>(*std::move(stream), call_log, tag);
+    if (!stream.ok()) return stream;
+    return std::make_unique<LoggedStream>(*std::move(stream), call_log, tag, &marks);
   }
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes,
                             kernels::Stream& stream) override {

@@ -19,6 +19,15 @@ namespace losshead::kernels {
 
 class Backend;
 
+// A point in a Stream (Stream::Mark): the work enqueued before it.
+class StreamMark {
+ public:
+  virtual ~StreamMark() = default;
+  // Blocks until the work before the mark has finished, however much was enqueued after it;
+  // returns its first error.
+  virtual absl::Status Wait() = 0;
+};
+
 // An ordered queue of work on a backend (a cudaStream_t on CUDA; on the CPU, work runs inline in
 // the calling thread and Synchronize returns at once). Destroying it waits for its work.
 class Stream {
@@ -28,6 +37,10 @@ class Stream {
   virtual absl::Status Synchronize() = 0;
   // The native handle (cudaStream_t) or nullptr.
   virtual void* native() const = 0;
+  // A mark after the work enqueued so far, so that a caller can let others enqueue more and still
+  // wait for its own work alone. The default, for streams whose work runs inline, is a mark
+  // already reached.
+  virtual absl::StatusOr<std::unique_ptr<StreamMark>> Mark();
 };
 
 // Memory owned by a backend; freed on destruction. Move-only.
