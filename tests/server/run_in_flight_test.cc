@@ -18,15 +18,14 @@
 #include "losshead/kernels/backend.h"
 #include "server/engine/head.h"
 #include "tests/server/faulty_backend.h"
+#include "tests/server/fp32_microbatch.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
 namespace {
 
-using testing::Bytes;
 using testing::FaultyBackend;
 using testing::FromBytes;
-using testing::RandomFloats;
 
 constexpr int64_t kV = 19, kD = 8, kN = 5;
 
@@ -70,19 +69,7 @@ class RunInFlightTest : public ::testing::TestWithParam<Layout> {
   }
 
   static MicroBatch Batch(uint64_t seed, const std::string& client, uint64_t sequence) {
-    MicroBatch mb;
-    mb.header.set_head("h");
-    mb.header.set_client_id(client);
-    mb.header.set_sequence(sequence);
-    mb.header.set_num_tokens(kN);
-    mb.header.set_hidden_dtype(v1::DTYPE_FP32);
-    mb.header.set_target_dtype(v1::DTYPE_INT32);
-    mb.header.mutable_loss_options()->set_reduction(v1::REDUCTION_SUM);
-    mb.hidden = Bytes(RandomFloats(kN * kD, seed));
-    std::vector<int32_t> y(kN);
-    for (int64_t i = 0; i < kN; ++i) y[i] = static_cast<int32_t>((seed * 7 + 3 * i) % kV);
-    mb.targets = Bytes(y);
-    return mb;
+    return Fp32SumMicroBatch(kN, kD, kV, seed, client, sequence);
   }
 
   // The float64 reference's sum-reduced dW of `batches` together.
