@@ -177,6 +177,50 @@ TEST_F(SameNodeTest, AnswersAndGradientMatchTheNetworkPathBitForBit) {
   }
 }
 
+// Hidden states and dH of 8 MiB and more go through the region on several threads at both ends
+// (common/parallel_copy.h): the same bits as the network path, whether dH lands in the caller's
+// buffer or in the result.
+TEST_F(SameNodeTest, LargeMicroBatchesMatchTheNetworkPathBitForBit) {
+  constexpr int64_t kWideD = 4096, kN = 600;  // 9.8 MB of fp32 hidden states, dH the same
+  auto a = CreateKnownHead(*client_, "shm-large", kV, kWideD, v1::DTYPE_FP32, 12);
+  auto b = CreateKnownHead(*client_, "net-large", kV, kWideD, v1::DTYPE_FP32, 12);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto shm_stream = shm_->OpenStepStream();
+  auto net_stream = net_->OpenStepStream();
+  ASSERT_TRUE(shm_stream.ok() && net_stream.ok());
+  for (uint64_t seq = 1; seq <= 2; ++seq) {
+    const HostBatch batch = MakeBatch(kN, kWideD, kV, v1::DTYPE_FP32, 77 + seq);
+    client::Microbatch ms = ToMicrobatch(a->name, "shm", seq, batch);
+    client::Microbatch mn = ToMicrobatch(b->name, "net", seq, batch);
+    std::vector<std::byte> out_s, out_n;
+    if (seq == 1) {
+      out_s.resize(kN * kWideD * 4);
+      out_n.resize(kN * kWideD * 4);
+      ms.grad_hidden_out = std::span<std::byte>(out_s);
+      mn.grad_hidden_out = std::span<std::byte>(out_n);
+    }
+    ASSERT_TRUE((*shm_stream)->Send(ms).ok());
+    ASSERT_TRUE((*net_stream)->Send(mn).ok());
+    auto rs = (*shm_stream)->Receive();
+    auto rn = (*net_stream)->Receive();
+    ASSERT_TRUE(rs.ok()) << rs.status();
+    ASSERT_TRUE(rn.ok()) << rn.status();
+    EXPECT_TRUE(rs->shared_memory);
+    EXPECT_EQ(rs->grad_hidden_bytes, static_cast<uint64_t>(kN * kWideD * 4));
+    EXPECT_EQ(rs->grad_hidden.size(), seq == 1 ? 0u : static_cast<size_t>(kN * kWideD * 4));
+    ExpectSameBits(*rs, *rn);
+    EXPECT_TRUE(out_s == out_n) << "dH in the caller's buffer differs between the paths";
+  }
+  ASSERT_TRUE((*shm_stream)->Finish().ok());
+  ASSERT_TRUE((*net_stream)->Finish().ok());
+  auto ga = client_->PullGradient(a->name);
+  auto gb = client_->PullGradient(b->name);
+  ASSERT_TRUE(ga.ok() && gb.ok());
+  EXPECT_EQ(ga->summary.microbatch_count(), 2u);
+  EXPECT_TRUE(ga->data == gb->data) << "dW differs between the paths";
+}
+
 TEST_F(SameNodeTest, BytesAreCountedByPath) {
   auto head = CreateKnownHead(*client_, "bytes-by-path", kV, kD, v1::DTYPE_FP32, 3);
   ASSERT_TRUE(head.ok()) << head.status();
