@@ -63,6 +63,22 @@ void ExpectSameBits(const client::StepResult& a, const client::StepResult& b) {
   EXPECT_TRUE(SameBits(a.top_k_logprobs, b.top_k_logprobs));
 }
 
+// Sends `ms` through shared memory on `shm` and `mn` over the network on `net`, and expects the
+// same answer bit for bit; the shared-memory answer goes to `out`.
+void StepBothPaths(client::StepStream& shm, client::StepStream& net, const client::Microbatch& ms,
+                   const client::Microbatch& mn, client::StepResult* out) {
+  ASSERT_TRUE(shm.Send(ms).ok());
+  ASSERT_TRUE(net.Send(mn).ok());
+  auto rs = shm.Receive();
+  auto rn = net.Receive();
+  ASSERT_TRUE(rs.ok()) << rs.status();
+  ASSERT_TRUE(rn.ok()) << rn.status();
+  EXPECT_TRUE(rs->shared_memory);
+  EXPECT_FALSE(rn->shared_memory);
+  ExpectSameBits(*rs, *rn);
+  *out = *std::move(rs);
+}
+
 // Mappings of memfds named `name` in this process (the in-process server's among them).
 int MappingsNamed(const std::string& name) {
   std::ifstream maps("/proc/self/maps");
@@ -153,17 +169,11 @@ TEST_F(SameNodeTest, AnswersAndGradientMatchTheNetworkPathBitForBit) {
           ms.options.set_skip_grad_hidden(true);
           mn.options.set_skip_grad_hidden(true);
         }
-        ASSERT_TRUE((*shm_stream)->Send(ms).ok());
-        ASSERT_TRUE((*net_stream)->Send(mn).ok());
-        auto rs = (*shm_stream)->Receive();
-        auto rn = (*net_stream)->Receive();
-        ASSERT_TRUE(rs.ok()) << rs.status();
-        ASSERT_TRUE(rn.ok()) << rn.status();
-        EXPECT_TRUE(rs->shared_memory);
-        EXPECT_FALSE(rn->shared_memory);
-        ExpectSameBits(*rs, *rn);
+        client::StepResult rs;
+        StepBothPaths(**shm_stream, **net_stream, ms, mn, &rs);
+        if (HasFatalFailure()) return;
         EXPECT_EQ(out_s, out_n);
-        if (variant == 1) EXPECT_GT(rs->grad_hidden_bytes, 0u);
+        if (variant == 1) EXPECT_GT(rs.grad_hidden_bytes, 0u);
       }
     }
     ASSERT_TRUE((*shm_stream)->Finish().ok());
@@ -200,16 +210,11 @@ TEST_F(SameNodeTest, LargeMicroBatchesMatchTheNetworkPathBitForBit) {
       ms.grad_hidden_out = std::span<std::byte>(out_s);
       mn.grad_hidden_out = std::span<std::byte>(out_n);
     }
-    ASSERT_TRUE((*shm_stream)->Send(ms).ok());
-    ASSERT_TRUE((*net_stream)->Send(mn).ok());
-    auto rs = (*shm_stream)->Receive();
-    auto rn = (*net_stream)->Receive();
-    ASSERT_TRUE(rs.ok()) << rs.status();
-    ASSERT_TRUE(rn.ok()) << rn.status();
-    EXPECT_TRUE(rs->shared_memory);
-    EXPECT_EQ(rs->grad_hidden_bytes, static_cast<uint64_t>(kN * kWideD * 4));
-    EXPECT_EQ(rs->grad_hidden.size(), seq == 1 ? 0u : static_cast<size_t>(kN * kWideD * 4));
-    ExpectSameBits(*rs, *rn);
+    client::StepResult rs;
+    StepBothPaths(**shm_stream, **net_stream, ms, mn, &rs);
+    if (HasFatalFailure()) return;
+    EXPECT_EQ(rs.grad_hidden_bytes, static_cast<uint64_t>(kN * kWideD * 4));
+    EXPECT_EQ(rs.grad_hidden.size(), seq == 1 ? 0u : static_cast<size_t>(kN * kWideD * 4));
     EXPECT_TRUE(out_s == out_n) << "dH in the caller's buffer differs between the paths";
   }
   ASSERT_TRUE((*shm_stream)->Finish().ok());
