@@ -71,7 +71,7 @@ def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers, monkeypat
     network path with the same tensors on the host: answers, dH and dW bit for bit."""
     if not native_available():
         pytest.skip(f"no native library: {native_library()}")
-    monkeypatch.setenv("LOSSHEAD_DEVICE_PATH", "1")  # opt-in (losshead._device_path)
+    monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)  # the default: on
     n, d, v = 300, 64, 97
     hidden, weight, targets = random_problem(n, d, v, seed=9, ignore_fraction=0.2)
     port = free_port()
@@ -112,6 +112,47 @@ def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers, monkeypat
                 assert torch.equal(ga.grad, gb.grad)
     moved = _path_bytes(port)
     assert moved[("device", "in")] > 0 and moved[("device", "out")] > 0, moved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_device_path_off_takes_the_host_path_bit_for_bit(servers, monkeypatch) -> None:
+    """LOSSHEAD_DEVICE_PATH=0: a CUDA tensor on the server's own GPU takes the host path
+    (shared memory), with the network path's answers and dH."""
+    if not native_available():
+        pytest.skip(f"no native library: {native_library()}")
+    monkeypatch.setenv("LOSSHEAD_DEVICE_PATH", "0")
+    n, d, v = 200, 64, 97
+    hidden, weight, targets = random_problem(n, d, v, seed=13, ignore_fraction=0.1)
+    server = servers.start("--backend=cuda", "--devices=0", "--grad_stash_idle=inf")
+    with Client(server.address, native=True, client_id="off") as c, \
+            Client(server.address, native=False, client_id="net") as net:
+        for name in ("off", "net"):
+            net.create_head(name, v, d)
+            net.upload_weights(name, weight)
+        r = c.step("off", hidden.to("cuda:0"), targets.to("cuda:0"))
+        s = net.step("net", hidden, targets)
+        assert r.data_path == "shared_memory"
+        assert (r.loss_sum, r.token_count) == (s.loss_sum, s.token_count)
+        assert torch.equal(r.grad_hidden, s.grad_hidden)
+
+
+class _DeviceAbi:
+    """A library that reports the device path's C ABI version and nothing else."""
+
+    def lh_capi_version(self) -> int:
+        from losshead._native_abi import _DEVICE_VERSION
+        return _DEVICE_VERSION
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("yes", True)])
+def test_device_path_is_on_unless_turned_off(monkeypatch, value, on) -> None:
+    """The device path is the default; only LOSSHEAD_DEVICE_PATH=0 turns it off."""
+    from losshead._device_path import DevicePath
+    if value is None:
+        monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)
+    else:
+        monkeypatch.setenv("LOSSHEAD_DEVICE_PATH", value)
+    assert DevicePath(_DeviceAbi(), lambda: None).supported is on
 
 
 def test_torch_ipc_handles_are_read_in_both_layouts() -> None:

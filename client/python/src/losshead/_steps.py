@@ -205,8 +205,8 @@ class Steps(ClientBase):
         that INVALID_ARGUMENT with nothing counted).
         Transient failures are retried under the same key (see `run_microbatches`).
 
-        With LOSSHEAD_DEVICE_PATH=1, a CUDA `hidden` goes by the same-node device path where
-        every native connection offers it (losshead._device_path; `result.data_path` says
+        A CUDA `hidden` goes by the same-node device path where every native connection offers
+        it, unless LOSSHEAD_DEVICE_PATH=0 (losshead._device_path; `result.data_path` says
         "device"): the server copies it out of device memory. dH is returned on the host either
         way.
         """
@@ -356,6 +356,10 @@ class Steps(ClientBase):
         combined = combine_results([dataclasses.replace(p, grad_hidden=None) for p in parts])
         if on_device is not None:
             combined.grad_hidden = on_device
+        elif target is not None and target.type == "cpu" and grad.is_cuda:
+            # dH of the device path, returned on the host as the host path returns it: pinned.
+            combined.grad_hidden = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+            combined.grad_hidden.copy_(grad)
         elif target is not None:
             combined.grad_hidden = grad.to(target, non_blocking=grad.is_pinned())
         else:
