@@ -66,7 +66,7 @@ absl::Status Denied(absl::string_view who, absl::string_view why) {
 absl::Status AuthenticatePeer(const tcp::Fd& fd, bool connector, absl::string_view secret,
                               std::span<const std::byte> connector_hello,
                               std::span<const std::byte> acceptor_hello, absl::string_view who,
-                              absl::Time deadline) {
+                              absl::Time deadline, MeshKeys* keys) {
   Offer mine;
   mine.has_secret = secret.empty() ? 0 : 1;
   if (!secret.empty() && RAND_bytes(mine.nonce, kNonceBytes) != 1) {
@@ -91,6 +91,21 @@ absl::Status AuthenticatePeer(const tcp::Fd& fd, bool connector, absl::string_vi
                                         connector_offer, acceptor_offer);
   const Proof acceptor_proof =
       ProofOf(secret, "acceptor", connector_hello, acceptor_hello, connector_offer, acceptor_offer);
+  // The sealed mesh's keys, one per direction: the same PRF under labels of their own, never sent.
+  const auto key_of = [&](absl::string_view label) {
+    const Proof k = ProofOf(secret, label, connector_hello, acceptor_hello, connector_offer,
+                            acceptor_offer);
+    MeshKey key;
+    std::copy(k.begin(), k.end(), key.begin());
+    return key;
+  };
+  const auto keep_keys = [&] {
+    if (keys == nullptr) return;
+    const MeshKey to_acceptor = key_of("mesh key: connector to acceptor");
+    const MeshKey to_connector = key_of("mesh key: acceptor to connector");
+    keys->send = connector ? to_acceptor : to_connector;
+    keys->receive = connector ? to_connector : to_acceptor;
+  };
   std::byte verdict = kRefused;
   if (connector) {
     if (absl::Status s = tcp::WriteAll(fd, connector_proof, deadline); !s.ok()) return s;
@@ -108,7 +123,9 @@ absl::Status AuthenticatePeer(const tcp::Fd& fd, bool connector, absl::string_vi
         !s.ok()) {
       return valid ? s : Denied(who, "does not hold this group's secret");
     }
-    return valid ? absl::OkStatus() : Denied(who, "does not hold this group's secret");
+    if (!valid) return Denied(who, "does not hold this group's secret");
+    keep_keys();
+    return absl::OkStatus();
   }
   Proof received{};
   if (absl::Status s = tcp::ReadAll(fd, received, deadline); !s.ok()) return s;
@@ -127,6 +144,7 @@ absl::Status AuthenticatePeer(const tcp::Fd& fd, bool connector, absl::string_vi
   if (verdict != kAccepted) {
     return Denied(who, "refused this process's group secret: the two hold different secrets");
   }
+  keep_keys();
   return absl::OkStatus();
 }
 

@@ -13,8 +13,9 @@
 // only to a connector that proved itself first, and a connector's proof covers the acceptor's
 // fresh nonce, so it is worth nothing on another connection. Proofs are compared in constant
 // time. The secret authenticates the peers when the connection forms; the bytes the group moves
-// afterwards are neither encrypted nor authenticated (docs/multi-process.md, "Security between
-// processes": the mesh belongs on a private network).
+// afterwards are sealed only where the group seals its mesh (process_group.h, "encrypt"), under
+// two keys derived here, one per direction: HMAC-SHA256(secret, a label of the direction | both
+// hellos | both offers), never sent, fresh for every connection (its nonces).
 //
 // A process that refuses a peer says so in the message (naming `who`), never the secret.
 #ifndef LOSSHEAD_KERNELS_COLLECTIVE_GROUP_AUTH_H_
@@ -26,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "kernels/collective/mesh_cipher.h"
 #include "kernels/collective/tcp.h"
 
 namespace losshead::kernels {
@@ -34,10 +36,16 @@ namespace losshead::kernels {
 // (the connector's, then the acceptor's). OK when both ends hold the same secret or neither holds
 // one; PERMISSION_DENIED when they differ (final: the peer got it too); the I/O error (UNAVAILABLE,
 // DEADLINE_EXCEEDED by `deadline`) when the peer went away meanwhile (a retry may succeed).
+// On OK with a secret, `keys` (when not null) gets this end's keys of the connection's two
+// directions.
+struct MeshKeys {
+  MeshKey send;
+  MeshKey receive;
+};
 absl::Status AuthenticatePeer(const tcp::Fd& fd, bool connector, absl::string_view secret,
                               std::span<const std::byte> connector_hello,
                               std::span<const std::byte> acceptor_hello, absl::string_view who,
-                              absl::Time deadline);
+                              absl::Time deadline, MeshKeys* keys = nullptr);
 
 }  // namespace losshead::kernels
 

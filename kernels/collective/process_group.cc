@@ -4,6 +4,7 @@
 // their socket buffers and stall), under one deadline.
 #include "losshead/kernels/process_group.h"
 
+#include <openssl/crypto.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -25,6 +26,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/collective/group_auth.h"
+#include "kernels/collective/mesh_cipher.h"
 #include "kernels/collective/tcp.h"
 
 namespace losshead::kernels {
@@ -41,6 +43,7 @@ struct Hello {
   uint32_t version = kProcessGroupProtocolVersion;
   uint32_t world = 0;
   uint32_t rank = 0;
+  uint32_t sealed = 0;  // 1: this process seals the mesh (ProcessGroupOptions::encrypt)
   char group[kGroupNameBytes] = {};
 };
 
@@ -48,6 +51,7 @@ Hello MakeHello(const ProcessGroupOptions& options) {
   Hello hello;
   hello.world = static_cast<uint32_t>(options.world);
   hello.rank = static_cast<uint32_t>(options.rank);
+  hello.sealed = options.encrypt ? 1 : 0;
   std::memcpy(hello.group, options.group_name.data(), options.group_name.size());
   return hello;
 }
@@ -85,6 +89,12 @@ absl::Status CheckHello(const Hello& mine, const Hello& theirs, absl::string_vie
                                                       "\", this process of \"", GroupName(mine),
                                                       "\""));
   }
+  if (theirs.sealed != mine.sealed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, theirs.sealed != 0 ? " seals" : " does not seal",
+        " the group's mesh (--group_mesh_encryption), this process ",
+        mine.sealed != 0 ? "does" : "does not"));
+  }
   if (want_rank >= 0 && theirs.rank != static_cast<uint32_t>(want_rank)) {
     return absl::FailedPreconditionError(
         absl::StrCat(who, " is process ", theirs.rank, ", expected process ", want_rank));
@@ -120,6 +130,10 @@ absl::Status CheckOptions(const ProcessGroupOptions& options) {
                                                    options.secret.size(), " bytes (at least ",
                                                    kMinSecretBytes, ")"));
   }
+  if (options.encrypt && options.secret.empty()) {
+    return absl::InvalidArgumentError(
+        "process group: sealing the mesh needs the group secret its keys come from");
+  }
   if (options.bootstrap_timeout <= absl::ZeroDuration() ||
       options.op_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("process group: timeouts must be positive");
@@ -131,9 +145,10 @@ std::string Describe(const absl::Status& status, absl::string_view context) {
   return absl::StrCat(context, ": ", status.message());
 }
 
-// Connects to lower-ranked process q, retrying while it is not up yet, and exchanges hellos.
+// Connects to lower-ranked process q, retrying while it is not up yet, and exchanges hellos;
+// `keys` gets the connection's mesh keys where the processes hold a secret.
 absl::StatusOr<tcp::Fd> ConnectTo(const ProcessGroupOptions& options, const Hello& mine, int q,
-                                  absl::Time deadline) {
+                                  absl::Time deadline, MeshKeys* keys) {
   const std::string& address = options.peers[q];
   const tcp::HostPort to = *tcp::ParseHostPort(address);
   absl::Status last;
@@ -150,7 +165,7 @@ absl::StatusOr<tcp::Fd> ConnectTo(const ProcessGroupOptions& options, const Hell
           if (absl::Status c = CheckHello(mine, theirs, address, q); !c.ok()) return c;
           const absl::Status a =
               AuthenticatePeer(*fd, /*connector=*/true, options.secret, Bytes(mine), Bytes(theirs),
-                               absl::StrCat("process ", q, " at ", address), deadline);
+                               absl::StrCat("process ", q, " at ", address), deadline, keys);
           if (a.ok()) return std::move(*fd);
           if (a.code() == absl::StatusCode::kPermissionDenied) return a;
           s2 = a;  // it went away during the check: try again
@@ -176,9 +191,11 @@ absl::StatusOr<tcp::Fd> ConnectTo(const ProcessGroupOptions& options, const Hell
   }
 }
 
-// Accepts every higher-ranked process on `listener`, each into fds[its rank].
+// Accepts every higher-ranked process on `listener`, each into fds[its rank] (its mesh keys into
+// keys[its rank]).
 absl::Status AcceptHigher(const ProcessGroupOptions& options, const Hello& mine,
-                          const tcp::Fd& listener, absl::Time deadline, std::vector<tcp::Fd>* fds) {
+                          const tcp::Fd& listener, absl::Time deadline, std::vector<tcp::Fd>* fds,
+                          std::vector<MeshKeys>* keys) {
   int missing = options.world - 1 - options.rank;
   while (missing > 0) {
     absl::StatusOr<tcp::Fd> fd = tcp::Accept(listener, deadline);
@@ -209,10 +226,11 @@ absl::Status AcceptHigher(const ProcessGroupOptions& options, const Hello& mine,
     }
     if (!sent.ok()) continue;  // it left; it will connect again
     // Before the rank is taken: a process without the group's secret claims nothing.
+    MeshKeys connection_keys;
     const absl::Status a =
         AuthenticatePeer(*fd, /*connector=*/false, options.secret, Bytes(theirs), Bytes(mine),
                          absl::StrCat("the process at ", address, " (claiming process ", q, ")"),
-                         std::min(deadline, absl::Now() + absl::Seconds(5)));
+                         std::min(deadline, absl::Now() + absl::Seconds(5)), &connection_keys);
     if (a.code() == absl::StatusCode::kPermissionDenied) return a;
     if (!a.ok()) continue;  // it left during the check; it will connect again
     if ((*fds)[q].valid()) {
@@ -220,16 +238,105 @@ absl::Status AcceptHigher(const ProcessGroupOptions& options, const Hello& mine,
           absl::StrCat("process group: two processes claim rank ", q));
     }
     (*fds)[q] = std::move(*fd);
+    (*keys)[q] = connection_keys;
     --missing;
   }
   return absl::OkStatus();
 }
+
+// One peer's share of an exchange going out: the bytes as they are, or sealed record by record
+// (mesh_cipher.h) just before each goes.
+class Sending {
+ public:
+  Sending(std::span<const std::byte> data, MeshCipher* sealer) : data_(data), sealer_(sealer) {}
+  bool done() const { return taken_ == data_.size() && at_ == wire_.size(); }
+  // Bytes of data_ gone (on a sealed mesh: sealed, the record on its way included).
+  size_t progress() const { return sealer_ != nullptr ? taken_ : taken_ - (wire_.size() - at_); }
+  // Sends what the socket takes now; the error (for the peer's name) otherwise.
+  absl::Status Pump(int fd) {
+    if (at_ == wire_.size()) {
+      const size_t n = sealer_ != nullptr ? MeshRecordPlainBytes(data_.size(), taken_)
+                                          : data_.size() - taken_;
+      if (sealer_ != nullptr) {
+        record_.resize(n + kMeshTagBytes);
+        if (absl::Status s = sealer_->Seal(data_.subspan(taken_, n), record_); !s.ok()) return s;
+        wire_ = record_;
+      } else {
+        wire_ = data_.subspan(taken_, n);
+      }
+      taken_ += n;
+      at_ = 0;
+    }
+    const ssize_t put = send(fd, wire_.data() + at_, wire_.size() - at_, MSG_NOSIGNAL);
+    if (put < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return absl::UnavailableError(absl::StrCat("send: ", tcp::ErrnoText(errno)));
+    }
+    if (put > 0) at_ += static_cast<size_t>(put);
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::span<const std::byte> data_;
+  MeshCipher* const sealer_;
+  std::vector<std::byte> record_;
+  std::span<const std::byte> wire_;  // what goes now: a part of data_, or record_
+  size_t taken_ = 0;                 // bytes of data_ in wire_ or gone
+  size_t at_ = 0;                    // bytes of wire_ gone
+};
+
+// One peer's share of an exchange coming in: straight into place, or record by record, each
+// opened (its tag checked) once it came whole.
+class Receiving {
+ public:
+  Receiving(std::span<std::byte> data, MeshCipher* opener) : data_(data), opener_(opener) {}
+  bool done() const { return filled_ == data_.size(); }
+  size_t progress() const { return filled_; }  // bytes of data_ in place
+  absl::Status Pump(int fd) {
+    std::span<std::byte> into = data_.subspan(filled_);
+    if (opener_ != nullptr) {
+      if (record_.empty()) {
+        record_.resize(MeshRecordPlainBytes(data_.size(), filled_) + kMeshTagBytes);
+        got_ = 0;
+      }
+      into = std::span<std::byte>(record_).subspan(got_);
+    }
+    const ssize_t got = recv(fd, into.data(), into.size(), 0);
+    if (got == 0) {
+      return absl::UnavailableError("the peer closed the connection (its process ended?)");
+    }
+    if (got < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return absl::OkStatus();
+      return absl::UnavailableError(absl::StrCat("recv: ", tcp::ErrnoText(errno)));
+    }
+    if (opener_ == nullptr) {
+      filled_ += static_cast<size_t>(got);
+      return absl::OkStatus();
+    }
+    got_ += static_cast<size_t>(got);
+    if (got_ < record_.size()) return absl::OkStatus();
+    const size_t n = record_.size() - kMeshTagBytes;
+    if (absl::Status s = opener_->Open(record_, data_.subspan(filled_, n)); !s.ok()) return s;
+    filled_ += n;
+    got_ = 0;
+    record_.clear();
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::span<std::byte> data_;
+  MeshCipher* const opener_;
+  std::vector<std::byte> record_;  // the record coming in, on a sealed mesh
+  size_t filled_ = 0;              // bytes of data_ in place
+  size_t got_ = 0;                 // bytes of record_ in
+};
 
 }  // namespace
 
 struct ProcessGroup::State {
   std::mutex exchange_mu;  // one exchange at a time
   std::vector<tcp::Fd> fds;
+  // On a sealed mesh, each peer's two directions (null for this process, and when not sealing).
+  std::vector<std::unique_ptr<MeshCipher>> sealers, openers;
   mutable absl::Mutex status_mu;
   absl::Status broken ABSL_GUARDED_BY(status_mu);
   uint64_t exchanges = 0;  // for errors: which exchange failed
@@ -270,6 +377,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(
   const absl::Time deadline = absl::Now() + options.bootstrap_timeout;
   const Hello mine = MakeHello(options);
   std::vector<tcp::Fd> fds(options.world);
+  std::vector<MeshKeys> keys(options.world);
   tcp::Fd listener;
   // Listening comes first: higher ranks may be connecting already (they retry until it is up).
   if (options.rank + 1 < options.world) {
@@ -290,17 +398,33 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(
   }
   // Lower ranks first, then higher ones: process p waits only on lower ranks, so no cycle forms.
   for (int q = 0; q < options.rank; ++q) {
-    absl::StatusOr<tcp::Fd> fd = ConnectTo(options, mine, q, deadline);
+    absl::StatusOr<tcp::Fd> fd = ConnectTo(options, mine, q, deadline, &keys[q]);
     if (!fd.ok()) return fd.status();
     fds[q] = std::move(*fd);
   }
   if (listener.valid()) {
-    if (absl::Status s = AcceptHigher(options, mine, listener, deadline, &fds); !s.ok()) return s;
+    if (absl::Status s = AcceptHigher(options, mine, listener, deadline, &fds, &keys); !s.ok()) {
+      return s;
+    }
   }
   std::vector<int> raw;
   for (tcp::Fd& fd : fds) raw.push_back(fd.Release());
-  return std::unique_ptr<ProcessGroup>(
+  std::unique_ptr<ProcessGroup> group(
       new ProcessGroup(options.rank, options.peers, std::move(raw), options.op_timeout));
+  group->state_->sealers.resize(options.world);
+  group->state_->openers.resize(options.world);
+  if (options.encrypt) {
+    for (int q = 0; q < options.world; ++q) {
+      if (q == options.rank) continue;
+      group->state_->sealers[q] = std::make_unique<MeshCipher>(keys[q].send);
+      group->state_->openers[q] = std::make_unique<MeshCipher>(keys[q].receive);
+    }
+  }
+  for (MeshKeys& k : keys) {
+    OPENSSL_cleanse(k.send.data(), k.send.size());
+    OPENSSL_cleanse(k.receive.data(), k.receive.size());
+  }
+  return group;
 }
 
 ProcessGroup::ProcessGroup(int rank, std::vector<std::string> peers, std::vector<int> fds,
@@ -347,7 +471,17 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
   }
   const int world = size();
   const absl::Time deadline = absl::Now() + op_timeout_;
-  std::vector<size_t> sent(world, 0), received(world, 0);
+  std::vector<Sending> out;
+  std::vector<Receiving> in;
+  out.reserve(world);
+  in.reserve(world);
+  for (int q = 0; q < world; ++q) {
+    const bool peer = q != rank_;
+    out.emplace_back(peer ? sends[q] : std::span<const std::byte>(),
+                     peer ? state_->sealers[q].get() : nullptr);
+    in.emplace_back(peer ? recvs[q] : std::span<std::byte>(),
+                    peer ? state_->openers[q].get() : nullptr);
+  }
   const auto fail = [&](int q, absl::string_view why) {
     return Break(absl::UnavailableError(absl::StrCat(what, " (exchange ", number, ") with process ",
                                                      q, " at ", peers_[q], ": ", why)));
@@ -360,8 +494,8 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
     for (int q = 0; q < world; ++q) {
       if (q == rank_) continue;
       short events = 0;
-      if (sent[q] < sends[q].size()) events |= POLLOUT;
-      if (received[q] < recvs[q].size()) events |= POLLIN;
+      if (!out[q].done()) events |= POLLOUT;
+      if (!in[q].done()) events |= POLLIN;
       if (events == 0) continue;
       polls.push_back(pollfd{state_->fds[q].get(), events, 0});
       peer_of.push_back(q);
@@ -376,8 +510,9 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
       if (absl::Now() < deadline) continue;
       const int q = peer_of[0];
       return fail(q, absl::StrCat("not finished within ", absl::FormatDuration(op_timeout_),
-                                  " (sent ", sent[q], " of ", sends[q].size(), " bytes, received ",
-                                  received[q], " of ", recvs[q].size(), ")"));
+                                  " (sent ", out[q].progress(), " of ", sends[q].size(),
+                                  " bytes, received ", in[q].progress(), " of ", recvs[q].size(),
+                                  ")"));
     }
     for (size_t i = 0; i < polls.size(); ++i) {
       const short ready = polls[i].revents;
@@ -385,21 +520,10 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
       const int q = peer_of[i];
       const int fd = polls[i].fd;
       if ((polls[i].events & POLLIN) && (ready & (POLLIN | POLLHUP | POLLERR))) {
-        const ssize_t got =
-            recv(fd, recvs[q].data() + received[q], recvs[q].size() - received[q], 0);
-        if (got == 0) return fail(q, "the peer closed the connection (its process ended?)");
-        if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          return fail(q, absl::StrCat("recv: ", tcp::ErrnoText(errno)));
-        }
-        if (got > 0) received[q] += static_cast<size_t>(got);
+        if (absl::Status s = in[q].Pump(fd); !s.ok()) return fail(q, s.message());
       }
       if ((polls[i].events & POLLOUT) && (ready & (POLLOUT | POLLHUP | POLLERR))) {
-        const ssize_t put =
-            send(fd, sends[q].data() + sent[q], sends[q].size() - sent[q], MSG_NOSIGNAL);
-        if (put < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          return fail(q, absl::StrCat("send: ", tcp::ErrnoText(errno)));
-        }
-        if (put > 0) sent[q] += static_cast<size_t>(put);
+        if (absl::Status s = out[q].Pump(fd); !s.ok()) return fail(q, s.message());
       } else if ((ready & (POLLHUP | POLLERR)) && !(polls[i].events & POLLIN)) {
         return fail(q, "the connection broke");
       }

@@ -12,11 +12,16 @@
 // exchange a hello (protocol version, world size, rank, group name) and check it; then, where the
 // processes hold a group secret, each end proves to the other that it holds the same one
 // (kernels/collective/group_auth.h: HMAC-SHA256 over both ends' fresh nonces, the higher rank
-// first, so that a process without it learns nothing but its refusal).
+// first, so that a process without it learns nothing but its refusal). With `encrypt`, every
+// exchange afterwards goes sealed (kernels/collective/mesh_cipher.h: AES-256-GCM records under
+// two keys per connection, one per direction, derived from the secret and the connection's fresh
+// nonces): what the group moves can be neither read nor altered, replayed or reordered on the
+// network unnoticed. A record that fails its tag breaks the group as a closed connection does.
 //
 // Errors: bootstrap that does not finish by options.bootstrap_timeout is DEADLINE_EXCEEDED naming
 // the processes (and addresses) that never came; a hello whose version, world size, group name or
-// rank disagrees is FAILED_PRECONDITION naming both values, on both ends; a peer that holds
+// rank disagrees, or a peer that seals the mesh beside one that does not, is FAILED_PRECONDITION
+// naming both values, on both ends; a peer that holds
 // another secret, or none where this process holds one (or one where this process holds none), is
 // PERMISSION_DENIED on both ends, before it is given its rank; a peer that goes away
 // during bootstrap is tried again until the deadline; malformed options are INVALID_ARGUMENT.
@@ -53,8 +58,8 @@
 namespace losshead::kernels {
 
 // Version of the group's wire protocol; processes of different versions refuse each other.
-// 2: the group secret's check after the hello.
-inline constexpr uint32_t kProcessGroupProtocolVersion = 2;
+// 2: the group secret's check after the hello. 3: the hello says whether the mesh is sealed.
+inline constexpr uint32_t kProcessGroupProtocolVersion = 3;
 
 struct ProcessGroupOptions {
   int rank = 0;   // this process, in [0, peers.size())
@@ -71,8 +76,11 @@ struct ProcessGroupOptions {
   absl::Duration op_timeout = absl::Seconds(60);
   // The group secret every process must hold to join (at least 16 bytes; empty: none, and then
   // no process may hold one). It authenticates the peers at bootstrap; what the group moves later
-  // is neither encrypted nor authenticated: the endpoints belong on a private network.
+  // is sealed only with `encrypt`, else it travels in the clear (the endpoints then belong on a
+  // private network).
   std::string secret;
+  // Seal every exchange (see above); needs `secret`, and every process of the group must agree.
+  bool encrypt = false;
 };
 
 // "name-{}.svc:port" with {} replaced by 0, ..., world - 1. INVALID_ARGUMENT unless the pattern
