@@ -136,6 +136,12 @@ ABSL_FLAG(std::string, group_secret_file, "",
           "checked when the group's connections form, and the processes' credential to each "
           "other on ProcessControl (needed for periodic checkpoint sets with --auth_tokens_file); "
           "empty: none");
+ABSL_FLAG(bool, group_mesh_encryption, false,
+          "Seal what the group's processes move between each other over their own connections "
+          "(dW sums, pushed W, a sharded head's tensors) with AES-256-GCM under keys derived from "
+          "--group_secret_file (needed), fresh for every connection: neither read nor altered on "
+          "the network unnoticed; every process of the group must agree. NCCL's traffic is not "
+          "covered");
 ABSL_FLAG(std::string, group_tls_root_ca, "",
           "With --tls_cert in a group: the PEM CA that signed the processes' certificates, which "
           "they verify each other with (empty: --tls_client_ca)");
@@ -294,6 +300,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.group_bootstrap_timeout = absl::GetFlag(FLAGS_group_bootstrap_timeout);
   o.group_op_timeout = absl::GetFlag(FLAGS_group_op_timeout);
   o.group_secret_file = absl::GetFlag(FLAGS_group_secret_file);
+  o.group_mesh_encryption = absl::GetFlag(FLAGS_group_mesh_encryption);
   o.group_tls_root_ca_file = absl::GetFlag(FLAGS_group_tls_root_ca);
   if (o.group_bootstrap_timeout <= absl::ZeroDuration() ||
       o.group_op_timeout <= absl::ZeroDuration()) {

@@ -130,7 +130,8 @@ SecurityOptions SecurityOf(const ServerOptions& options) {
                          .metrics_basic_auth_file = options.metrics_basic_auth_file,
                          .group = !options.group_peers.empty(),
                          .group_secret_file = options.group_secret_file,
-                         .group_tls_root_ca_file = options.group_tls_root_ca_file};
+                         .group_tls_root_ca_file = options.group_tls_root_ca_file,
+                         .group_mesh_encryption = options.group_mesh_encryption};
 }
 
 class ServerImpl final : public Server {
@@ -420,6 +421,7 @@ class ServerImpl final : public Server {
     group.bootstrap_timeout = options_.group_bootstrap_timeout;
     group.op_timeout = options_.group_op_timeout;
     if (security_.group_secret != nullptr) group.secret = security_.group_secret->secret();
+    group.encrypt = options_.group_mesh_encryption;
     absl::StatusOr<std::unique_ptr<kernels::ProcessGroup>> created =
         kernels::ProcessGroup::Create(group);
     if (!created.ok()) return created.status();
@@ -445,8 +447,9 @@ class ServerImpl final : public Server {
         security_.group_secret != nullptr ? security_.group_secret->authorization() : "");
     ctx_.group_secret = security_.group_secret.get();
     ctx_.group = group_control_.get();
-    std::fprintf(stderr, "losshead-server: process %d of a group of %d (leader: %s)\n", group.rank,
-                 group.world, (*addresses)[0].c_str());
+    std::fprintf(stderr, "losshead-server: process %d of a group of %d (leader: %s; mesh %s)\n",
+                 group.rank, group.world, (*addresses)[0].c_str(),
+                 group.encrypt ? "sealed, AES-256-GCM" : "in the clear");
     return absl::OkStatus();
   }
 

@@ -120,6 +120,9 @@ struct ServerOptions {
   // tls_client_ca_file).
   std::string group_secret_file;
   std::string group_tls_root_ca_file;
+  // Seal the group's mesh (kernels/process_group.h, "encrypt"): needs group_secret_file, and every
+  // process of the group must agree.
+  bool group_mesh_encryption = false;
   // The same-node path (docs/same-node.md): clients on this host may register shared memory
   // regions on a Unix socket and step through them; Stats.same_node advertises it. Off: Stats
   // has no same_node and a header naming shared memory is FAILED_PRECONDITION.

@@ -121,10 +121,15 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const SecurityOptions& options
   if (!options.tls_client_ca_file.empty() && !has_cert) {
     return absl::InvalidArgumentError("--tls_client_ca (mTLS) needs --tls_cert and --tls_key");
   }
-  if (!options.group &&
-      (!options.group_secret_file.empty() || !options.group_tls_root_ca_file.empty())) {
+  if (!options.group && (!options.group_secret_file.empty() ||
+                         !options.group_tls_root_ca_file.empty() || options.group_mesh_encryption)) {
     return absl::InvalidArgumentError(
-        "--group_secret_file and --group_tls_root_ca are for a process of a group (--group_peers)");
+        "--group_secret_file, --group_tls_root_ca and --group_mesh_encryption are for a process of "
+        "a group (--group_peers)");
+  }
+  if (options.group_mesh_encryption && options.group_secret_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--group_mesh_encryption needs --group_secret_file: the mesh's keys come from the secret");
   }
   if (options.group) {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel = GroupChannel(options);

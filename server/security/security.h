@@ -34,6 +34,8 @@ struct SecurityOptions {
   // The CA that signed the peers' certificates, to verify them when the server serves TLS (empty:
   // tls_client_ca_file's). Only with `group` and TLS.
   std::string group_tls_root_ca_file;
+  // Seal the group's own connections (--group_mesh_encryption). Only with `group` and a secret.
+  bool group_mesh_encryption = false;
 };
 
 struct ServerSecurity {

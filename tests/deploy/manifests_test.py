@@ -384,6 +384,9 @@ def check_group(d, objects):
               f"group statefulset: --{name}={path} is not in a Secret volume")
     check(flag(args, "group_secret_file") is not None,
           "group statefulset: no --group_secret_file (any process could join the group's mesh)")
+    check("--group_mesh_encryption" in args,
+          "group statefulset: no --group_mesh_encryption (the mesh's bytes cross the network "
+          "between nodes in the clear)")
     if flag(args, "tls_cert") is not None:
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             cmd = dig(container.get(probe, {}), "exec.command") or []

@@ -126,6 +126,7 @@ struct TlsSetup {
   std::string name;
   bool mtls;               // --tls_client_ca: clients (and the processes) present certificates
   bool tokens_and_secret;  // --auth_tokens_file and --group_secret_file
+  bool sealed_mesh = false;  // --group_mesh_encryption (with the secret)
 };
 
 void PrintTo(const TlsSetup& setup, std::ostream* os) { *os << setup.name; }
@@ -150,6 +151,8 @@ TEST_P(TlsGroupTest, FormsServesTlsClientsAndCutsAsWithoutTls) {
                     WriteText(setup.name + "_tokens", absl::StrCat("writer ", kWriterA, "\n")));
     extra.push_back("--group_secret_file=" +
                     WriteText(setup.name + "_secret", absl::StrCat(kSecret, "\n")));
+    // The cut's sums, the pushes and the checkpoint set's agreement then go sealed.
+    if (setup.sealed_mesh) extra.push_back("--group_mesh_encryption");
   }
   // With a checkpoint directory each process watches its peers (ProcessControl.Members every
   // second, over TLS here), and exits should a peer not answer within the op timeout.
@@ -166,6 +169,12 @@ TEST_P(TlsGroupTest, FormsServesTlsClientsAndCutsAsWithoutTls) {
     return flags;
   });
   for (int p = 0; p < n; ++p) ASSERT_NE(group.processes[p], nullptr) << "process " << p;
+  for (int p = 0; p < n; ++p) {
+    const std::string log = ReadText(LogPath(absl::StrCat(setup.name, "_p", p)));
+    EXPECT_NE(log.find(setup.sealed_mesh ? "mesh sealed, AES-256-GCM" : "mesh in the clear"),
+              std::string::npos)
+        << "process " << p << ": " << log;
+  }
   // The clients speak TLS (the plaintext ones the group made would not get in).
   for (int p = 0; p < n; ++p) {
     auto c = client::Client::Connect(group.addresses[p], TlsOptions(setup.mtls, token));
@@ -243,9 +252,13 @@ TEST_P(TlsGroupTest, FormsServesTlsClientsAndCutsAsWithoutTls) {
 INSTANTIATE_TEST_SUITE_P(
     Setups, TlsGroupTest,
     ::testing::Values(TlsSetup{"mtls_tokens", /*mtls=*/true, /*tokens_and_secret=*/true},
-                      TlsSetup{"tls_root_ca", /*mtls=*/false, /*tokens_and_secret=*/false}),
+                      TlsSetup{"tls_root_ca", /*mtls=*/false, /*tokens_and_secret=*/false},
+                      TlsSetup{"mtls_sealed", /*mtls=*/true, /*tokens_and_secret=*/true,
+                               /*sealed_mesh=*/true}),
     [](const ::testing::TestParamInfo<TlsSetup>& info) {
-      return info.param.mtls ? "MutualTlsTokensAndSecret" : "ServerTlsWithGroupRootCa";
+      if (info.param.sealed_mesh) return std::string("MutualTlsTokensSecretAndSealedMesh");
+      return std::string(info.param.mtls ? "MutualTlsTokensAndSecret"
+                                         : "ServerTlsWithGroupRootCa");
     });
 
 TEST_F(GroupSecurityTest, APeerWithAnotherSecretOrNoneIsRefusedAtBootstrapOnBothEnds) {
@@ -413,6 +426,10 @@ TEST_F(GroupSecurityTest, StartRefusalsNameTheMissingPiece) {
        {"--group_secret_file=" + WriteText("short_secret", "too-short\n")},
        "INVALID_ARGUMENT",
        "a group secret of 9 bytes (at least 16"},
+      {"sealed_mesh_no_secret",
+       {"--group_mesh_encryption"},
+       "INVALID_ARGUMENT",
+       "--group_mesh_encryption needs --group_secret_file"},
   };
   for (const Case& c : cases) {
     const GroupAddresses lonely(2);
@@ -435,6 +452,14 @@ TEST_F(GroupSecurityTest, StartRefusalsNameTheMissingPiece) {
   EXPECT_EQ(*code, 1);
   EXPECT_NE(ReadText(log).find("are for a process of a group (--group_peers)"), std::string::npos)
       << ReadText(log);
+  const std::string sealed_log = LogPath("refusal_sealed_no_group");
+  code = ServerProcess::RunToExit(LOSSHEAD_SERVER_BINARY, {"--backend=cpu", "--group_mesh_encryption"},
+                                  sealed_log, absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 1);
+  EXPECT_NE(ReadText(sealed_log).find("are for a process of a group (--group_peers)"),
+            std::string::npos)
+      << ReadText(sealed_log);
 }
 
 }  // namespace
