@@ -321,7 +321,7 @@ TEST(ProcessBootstrapTest, OtherGroupOrVersionIsFailedPrecondition) {
                "is of group \"head-a\", this process of \"head-b\"");
 
   // A peer of another protocol version (its hello written by hand: magic, version, world, rank,
-  // group name).
+  // whether it seals the mesh, group name).
   const std::vector<std::string> peers2 = FreeLoopbackAddresses(2);
   std::thread stranger([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -331,10 +331,10 @@ TEST(ProcessBootstrapTest, OtherGroupOrVersionIsFailedPrecondition) {
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     addr.sin_port = htons(static_cast<uint16_t>(std::stoi(peers2[0].substr(10))));
     if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-      char hello[16 + 64] = {};
-      const uint32_t fields[4] = {0x4c485047, kProcessGroupProtocolVersion + 1, 2, 1};
+      char hello[20 + 64] = {};
+      const uint32_t fields[5] = {0x4c485047, kProcessGroupProtocolVersion + 1, 2, 1, 0};
       std::memcpy(hello, fields, sizeof(fields));
-      std::memcpy(hello + 16, "losshead", 8);
+      std::memcpy(hello + 20, "losshead", 8);
       EXPECT_EQ(write(fd, hello, sizeof(hello)), static_cast<ssize_t>(sizeof(hello)));
       char reply[sizeof(hello)];
       EXPECT_EQ(read(fd, reply, sizeof(reply)), static_cast<ssize_t>(sizeof(reply)));
