@@ -9,7 +9,7 @@
 namespace losshead::kernels {
 namespace {
 
-absl::string_view KindName(uint32_t kind) {
+absl::string_view CallKindName(uint32_t kind) {
   switch (static_cast<CallKind>(kind)) {
     case CallKind::kAllReduce:
       return "AllReduce";
@@ -39,7 +39,7 @@ uint64_t HashCounts(std::span<const int64_t> counts) {
 }
 
 std::string DescribeCall(const CallHeader& h) {
-  std::string text = absl::StrCat(KindName(h.kind), " #", h.sequence);
+  std::string text = absl::StrCat(CallKindName(h.kind), " #", h.sequence);
   switch (static_cast<CallKind>(h.kind)) {
     case CallKind::kAllReduce:
       absl::StrAppend(&text, " (", h.count, " elements, op ", h.op, ")");

@@ -93,8 +93,8 @@ absl::Status AuthenticatePeer(const tcp::Fd& fd, bool connector, absl::string_vi
       ProofOf(secret, "acceptor", connector_hello, acceptor_hello, connector_offer, acceptor_offer);
   // The sealed mesh's keys, one per direction: the same PRF under labels of their own, never sent.
   const auto key_of = [&](absl::string_view label) {
-    const Proof k = ProofOf(secret, label, connector_hello, acceptor_hello, connector_offer,
-                            acceptor_offer);
+    const Proof k =
+        ProofOf(secret, label, connector_hello, acceptor_hello, connector_offer, acceptor_offer);
     MeshKey key;
     std::copy(k.begin(), k.end(), key.begin());
     return key;

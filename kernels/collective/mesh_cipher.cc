@@ -76,9 +76,10 @@ absl::Status MeshCipher::Open(std::span<const std::byte> record, std::span<std::
     return CipherError("opening");
   }
   if (EVP_DecryptFinal_ex(ctx_->ctx, out.data() + n, &n) != 1) {
-    return absl::UnauthenticatedError(absl::StrCat(
-        "record ", records_ - 1, " failed its authentication: altered in transit, replayed, out of "
-        "order, or sealed under another key"));
+    return absl::UnauthenticatedError(
+        absl::StrCat("record ", records_ - 1,
+                     " failed its authentication: altered in transit, replayed, out of "
+                     "order, or sealed under another key"));
   }
   std::memcpy(plain.data(), out.data(), plain.size());
   return absl::OkStatus();

@@ -29,7 +29,7 @@ struct Holding {
   uint32_t ranks = 0;
 };
 
-absl::string_view KindName(uint32_t kind) {
+absl::string_view BackendKindName(uint32_t kind) {
   switch (static_cast<Kind>(kind)) {
     case Kind::kCpu:
       return "cpu";
@@ -91,9 +91,9 @@ absl::StatusOr<std::unique_ptr<Collective>> CreateProcessCollective(
     std::memcpy(&theirs, (*all)[p].data(), sizeof(theirs));
     if (theirs.kind != mine.kind) {
       return absl::FailedPreconditionError(
-          absl::StrCat("CreateProcessCollective: process ", p, " holds ", KindName(theirs.kind),
-                       " backends, process ", group->rank(), " ", KindName(mine.kind),
-                       ": one collective spans backends of one kind"));
+          absl::StrCat("CreateProcessCollective: process ", p, " holds ",
+                       BackendKindName(theirs.kind), " backends, process ", group->rank(), " ",
+                       BackendKindName(mine.kind), ": one collective spans backends of one kind"));
     }
     first.push_back(first.back() + static_cast<int>(theirs.ranks));
   }

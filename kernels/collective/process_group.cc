@@ -90,10 +90,10 @@ absl::Status CheckHello(const Hello& mine, const Hello& theirs, absl::string_vie
                                                       "\""));
   }
   if (theirs.sealed != mine.sealed) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, theirs.sealed != 0 ? " seals" : " does not seal",
-        " the group's mesh (--group_mesh_encryption), this process ",
-        mine.sealed != 0 ? "does" : "does not"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, theirs.sealed != 0 ? " seals" : " does not seal",
+                     " the group's mesh (--group_mesh_encryption), this process ",
+                     mine.sealed != 0 ? "does" : "does not"));
   }
   if (want_rank >= 0 && theirs.rank != static_cast<uint32_t>(want_rank)) {
     return absl::FailedPreconditionError(
@@ -255,8 +255,8 @@ class Sending {
   // Sends what the socket takes now; the error (for the peer's name) otherwise.
   absl::Status Pump(int fd) {
     if (at_ == wire_.size()) {
-      const size_t n = sealer_ != nullptr ? MeshRecordPlainBytes(data_.size(), taken_)
-                                          : data_.size() - taken_;
+      const size_t n =
+          sealer_ != nullptr ? MeshRecordPlainBytes(data_.size(), taken_) : data_.size() - taken_;
       if (sealer_ != nullptr) {
         record_.resize(n + kMeshTagBytes);
         if (absl::Status s = sealer_->Seal(data_.subspan(taken_, n), record_); !s.ok()) return s;
@@ -509,10 +509,10 @@ absl::Status ProcessGroup::Exchange(absl::string_view what,
     if (n == 0) {
       if (absl::Now() < deadline) continue;
       const int q = peer_of[0];
-      return fail(q, absl::StrCat("not finished within ", absl::FormatDuration(op_timeout_),
-                                  " (sent ", out[q].progress(), " of ", sends[q].size(),
-                                  " bytes, received ", in[q].progress(), " of ", recvs[q].size(),
-                                  ")"));
+      return fail(q,
+                  absl::StrCat("not finished within ", absl::FormatDuration(op_timeout_), " (sent ",
+                               out[q].progress(), " of ", sends[q].size(), " bytes, received ",
+                               in[q].progress(), " of ", recvs[q].size(), ")"));
     }
     for (size_t i = 0; i < polls.size(); ++i) {
       const short ready = polls[i].revents;

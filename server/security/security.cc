@@ -121,8 +121,9 @@ absl::StatusOr<ServerSecurity> LoadServerSecurity(const SecurityOptions& options
   if (!options.tls_client_ca_file.empty() && !has_cert) {
     return absl::InvalidArgumentError("--tls_client_ca (mTLS) needs --tls_cert and --tls_key");
   }
-  if (!options.group && (!options.group_secret_file.empty() ||
-                         !options.group_tls_root_ca_file.empty() || options.group_mesh_encryption)) {
+  if (!options.group &&
+      (!options.group_secret_file.empty() || !options.group_tls_root_ca_file.empty() ||
+       options.group_mesh_encryption)) {
     return absl::InvalidArgumentError(
         "--group_secret_file, --group_tls_root_ca and --group_mesh_encryption are for a process of "
         "a group (--group_peers)");

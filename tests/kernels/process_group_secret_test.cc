@@ -9,10 +9,9 @@
 // delivers the altered byte; a process sealing beside one that does not is FAILED_PRECONDITION on
 // both ends; sealing without a secret is INVALID_ARGUMENT.
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <poll.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,8 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <latch>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -184,7 +183,6 @@ TEST(ProcessGroupSecretTest, AShortSecretIsInvalidArgument) {
                absl::StatusCode::kInvalidArgument, "a secret of 5 bytes (at least 16)");
 }
 
-
 // Byte i of what process `from` sends process `to` in exchange `round`.
 std::byte Pattern(int from, int to, int round, size_t i) {
   return std::byte(static_cast<unsigned char>((i * 131 + 17 * from + 5 * to + 3 * round) & 0xff));
@@ -192,8 +190,8 @@ std::byte Pattern(int from, int to, int round, size_t i) {
 
 TEST(ProcessGroupSealedTest, SealedExchangesOfEverySizeCarryEveryByte) {
   // Around a record's size, so that records whole, partial and empty all go.
-  const std::vector<size_t> sizes = {0, 1, kMeshRecordBytes - 1, kMeshRecordBytes,
-                                     kMeshRecordBytes + 1, 3 * kMeshRecordBytes + 7};
+  const std::vector<size_t> sizes = {
+      0, 1, kMeshRecordBytes - 1, kMeshRecordBytes, kMeshRecordBytes + 1, 3 * kMeshRecordBytes + 7};
   constexpr int kWorld = 3;
   const std::vector<std::string> peers = FreeLoopbackAddresses(kWorld);
   std::vector<std::thread> threads;

@@ -124,8 +124,8 @@ TestPki* GroupSecurityTest::pki_ = nullptr;
 // What each kind of TLS group is given beyond the group's flags, and how its clients connect.
 struct TlsSetup {
   std::string name;
-  bool mtls;               // --tls_client_ca: clients (and the processes) present certificates
-  bool tokens_and_secret;  // --auth_tokens_file and --group_secret_file
+  bool mtls;                 // --tls_client_ca: clients (and the processes) present certificates
+  bool tokens_and_secret;    // --auth_tokens_file and --group_secret_file
   bool sealed_mesh = false;  // --group_mesh_encryption (with the secret)
 };
 
@@ -257,8 +257,7 @@ INSTANTIATE_TEST_SUITE_P(
                                /*sealed_mesh=*/true}),
     [](const ::testing::TestParamInfo<TlsSetup>& info) {
       if (info.param.sealed_mesh) return std::string("MutualTlsTokensSecretAndSealedMesh");
-      return std::string(info.param.mtls ? "MutualTlsTokensAndSecret"
-                                         : "ServerTlsWithGroupRootCa");
+      return std::string(info.param.mtls ? "MutualTlsTokensAndSecret" : "ServerTlsWithGroupRootCa");
     });
 
 TEST_F(GroupSecurityTest, APeerWithAnotherSecretOrNoneIsRefusedAtBootstrapOnBothEnds) {
@@ -453,8 +452,9 @@ TEST_F(GroupSecurityTest, StartRefusalsNameTheMissingPiece) {
   EXPECT_NE(ReadText(log).find("are for a process of a group (--group_peers)"), std::string::npos)
       << ReadText(log);
   const std::string sealed_log = LogPath("refusal_sealed_no_group");
-  code = ServerProcess::RunToExit(LOSSHEAD_SERVER_BINARY, {"--backend=cpu", "--group_mesh_encryption"},
-                                  sealed_log, absl::Seconds(30));
+  code =
+      ServerProcess::RunToExit(LOSSHEAD_SERVER_BINARY, {"--backend=cpu", "--group_mesh_encryption"},
+                               sealed_log, absl::Seconds(30));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 1);
   EXPECT_NE(ReadText(sealed_log).find("are for a process of a group (--group_peers)"),

@@ -125,8 +125,8 @@ void Round(Group& group, client::Client& one, int k, uint64_t& counted) {
     const client::Bytes grad =
         Encode(RandomValues(kGradRows * kD, 0.5, v1::DTYPE_FP32, 900 + 10 * c + k), v1::DTYPE_FP32);
     const std::span<const std::byte> view(grad.data(), grad.size());
-    auto got = group.clients[home]->EmbeddingGrad(kTiedBiased, id, 2 * k + 2, ids,
-                                                  v1::DTYPE_FP32, view);
+    auto got =
+        group.clients[home]->EmbeddingGrad(kTiedBiased, id, 2 * k + 2, ids, v1::DTYPE_FP32, view);
     auto want = one.EmbeddingGrad(kTiedBiased, id, 2 * k + 2, ids, v1::DTYPE_FP32, view);
     ASSERT_TRUE(got.ok()) << id << " dE round " << k << ": " << got.status();
     ASSERT_TRUE(want.ok()) << want.status();
@@ -193,7 +193,8 @@ TEST(ShardedNcclCudaTest, BiasAndTiedEmbeddingOfTwoGpuProcessesAsOneProcessOverT
   // Random W and b through the follower: every row and every logit's b shows.
   const client::Bytes w = Encode(RandomValues(kV * kD, 0.1, v1::DTYPE_FP32, 31), v1::DTYPE_FP32);
   const client::Bytes b = Encode(RandomValues(kV, 0.5, v1::DTYPE_FP32, 32), v1::DTYPE_FP32);
-  const client::PushRequest push{.head = kTiedBiased, .dtype = v1::DTYPE_FP32, .data = w, .bias = b};
+  const client::PushRequest push{
+      .head = kTiedBiased, .dtype = v1::DTYPE_FP32, .data = w, .bias = b};
   ASSERT_TRUE(group.clients[1]->PushWeights(push).ok());
   ASSERT_TRUE(one->PushWeights(push).ok());
   for (int p = 0; p < kProcesses; ++p) {
