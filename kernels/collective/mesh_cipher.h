@@ -6,9 +6,10 @@
 // altered in transit fails its tag. Nothing else goes on the wire: both ends know every
 // exchange's byte counts (the callers' protocol), hence every record's length.
 //
-// Invariants: a nonce is never used twice under one key (the counter only grows; a connection
-// that would reach 2^64 records is refused long before, at 2^64 MiB); Open writes the plaintext
-// only after the tag checked. Not thread-safe: the group's exchanges are serialised.
+// Invariants: a nonce is never used twice under one key (the counter only grows; 2^64 records of
+// up to 1 MiB are out of any connection's reach). Open decrypts in place and zeroes what it wrote
+// when the tag fails, so no unauthenticated byte stays. Not thread-safe: the group's exchanges are
+// serialised.
 #ifndef LOSSHEAD_KERNELS_COLLECTIVE_MESH_CIPHER_H_
 #define LOSSHEAD_KERNELS_COLLECTIVE_MESH_CIPHER_H_
 
@@ -44,7 +45,7 @@ class MeshCipher {
   // the next record of this direction.
   absl::Status Seal(std::span<const std::byte> plain, std::span<std::byte> record);
   // The next record of this direction opened into `plain` (record.size() - kMeshTagBytes):
-  // UNAUTHENTICATED, `plain` untouched, when its tag does not check (altered, replayed, out of
+  // UNAUTHENTICATED, `plain` zeroed, when its tag does not check (altered, replayed, out of
   // order, or sealed under another key).
   absl::Status Open(std::span<const std::byte> record, std::span<std::byte> plain);
 
