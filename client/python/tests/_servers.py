@@ -30,6 +30,25 @@ def server_backend() -> str:
     return os.environ.get("LOSSHEAD_SERVER_BACKEND", "cpu")
 
 
+def device_count(wanted: int, at_least: Optional[int] = None) -> int:
+    """How many devices a test's server gets: `wanted` on the CPU backend (its devices are
+    virtual), as many GPUs as there are up to `wanted` on CUDA; skips where that is fewer than
+    `at_least` (default `wanted`)."""
+    if server_backend() != "cuda":
+        return wanted
+    import torch
+    count = min(wanted, torch.cuda.device_count())
+    needed = wanted if at_least is None else at_least
+    if count < needed:
+        pytest.skip(f"needs {needed} devices; the CUDA server here has {count}")
+    return count
+
+
+def devices_flag(count: int) -> str:
+    """The server flag for devices 0 .. count - 1."""
+    return "--devices=" + ",".join(str(i) for i in range(count))
+
+
 def server_binary() -> Path:
     env = os.environ.get("LOSSHEAD_SERVER_BIN")
     if env:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _reference import assert_close, random_problem, reference
+from _servers import device_count, devices_flag
 from losshead import Client, LossheadError, LossOptions, RetryPolicy, StepStream
 from losshead import native_available, native_library
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
@@ -486,7 +487,7 @@ def test_sharded_head_matches_the_reference(servers) -> None:
     """A head sharded by vocabulary rows over the three (CPU) devices of a server: every chunk
     runs on all shards, which combine their softmax statistics; loss, dH and dW are the float64
     reference's, and W comes back whole."""
-    server = servers.start("--devices=0,1,2")
+    server = servers.start(devices_flag(device_count(3)))
     n, d, v = 500, 24, 61  # 61 rows: shards hold 20, 20 and 21
     hidden, weight, targets = random_problem(n, d, v, seed=9, ignore_fraction=0.1)
     with Client(server.address, client_id="sharded") as c:
@@ -510,7 +511,7 @@ def test_sharded_head_matches_the_reference(servers) -> None:
 def test_replicated_head_matches_the_reference(servers) -> None:
     """A head replicated over the three (CPU) devices of a server: chunks run on every replica
     from several streams, and the reduced window is the float64 sum."""
-    server = servers.start("--devices=0,1,2")
+    server = servers.start(devices_flag(device_count(3)))
     n, d, v = 600, 24, 61  # 61 rows: replicas own 20, 20 and 21
     hidden, weight, targets = random_problem(n, d, v, seed=8, ignore_fraction=0.1)
     with Client(server.address, client_id="replicated") as c:

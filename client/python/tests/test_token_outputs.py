@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import losshead.functional as LF
 from _reference import assert_close, random_problem
+from _servers import device_count, devices_flag
 from losshead import Client, LossheadError, RemoteLMHead, StepPlan, native_available
 
 ALL = ("logprob", "entropy", "lse", "argmax")
@@ -152,7 +153,7 @@ def test_bad_values_are_invalid_argument(path_client: Client, make_head) -> None
 
 
 def test_a_sharded_head_answers_them_as_one_device(servers) -> None:
-    server = servers.start("--devices=0,1")
+    server = servers.start(devices_flag(device_count(2)))
     n, d, v = 80, 16, 31
     hidden, weight, targets = random_problem(n, d, v, seed=6, ignore_fraction=0.1)
     want = distribution(hidden, weight, targets)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import losshead.functional as LF
 from _reference import assert_close, random_problem
-from _servers import ServerFactory
+from _servers import ServerFactory, device_count, devices_flag
 from losshead import Client, LossheadError, RemoteLMHead, StepPlan, native_available
 
 IGNORE = -100
@@ -27,7 +27,7 @@ def two_devices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A server with two (CPU) devices, for replicated and sharded heads."""
     factory = ServerFactory(tmp_path_factory.mktemp("topk"))
     try:
-        yield factory.start("--devices=0,1").address
+        yield factory.start(devices_flag(device_count(2))).address
     finally:
         factory.stop_all()
 
