@@ -44,6 +44,18 @@ def device_count(wanted: int, at_least: Optional[int] = None) -> int:
     return count
 
 
+# What a CUDA server rounds that the CPU backend (fp32 from fp32 inputs) does not, as relative
+# tolerances: a bf16 head's logits chunk and softmax gradient are kept in bf16 (2^-9 per element,
+# CudaBackendOptions::bf16_logits), and an fp32 head at "high" or "medium" multiplies on the
+# TF32 or bf16 tensor cores.
+CUDA_BF16_ROUNDING_REL = 4e-3
+CUDA_TF32_REL = 2e-3
+
+
+def on_cuda() -> bool:
+    return server_backend() == "cuda"
+
+
 def devices_flag(count: int) -> str:
     """The server flag for devices 0 .. count - 1."""
     return "--devices=" + ",".join(str(i) for i in range(count))

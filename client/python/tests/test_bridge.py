@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from _reference import assert_close, random_problem, reference
+from _servers import CUDA_BF16_ROUNDING_REL, on_cuda
 from losshead import Client, RemoteHeadOptimizer, RemoteLMHead
 
 FP32_REL = 2e-5
@@ -66,7 +67,8 @@ def test_remote_head_bf16_wire(client: Client, make_head) -> None:
     assert h.grad.dtype == torch.float32
     assert_close(h.grad, ref.grad_hidden, BF16_REL, "dH")
     grad = client.pull_gradient(name).grad / ref.token_count
-    assert_close(grad, ref.grad_weight, 1e-4, "dW")
+    # A CUDA server forms the softmax gradient in bf16 before the dW GEMM.
+    assert_close(grad, ref.grad_weight, CUDA_BF16_ROUNDING_REL if on_cuda() else 1e-4, "dW")
 
 
 def test_pipelined_chunks_equal_one_batch(client: Client, make_head) -> None:

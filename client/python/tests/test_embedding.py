@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from _servers import device_count, devices_flag
 from losshead import Client, LossheadError, RemoteLMHead
 from losshead.embedding import OffloadedEmbedding
 from losshead.joint import JointOptimizer
@@ -128,7 +129,8 @@ def test_bad_lookup_is_refused(client: Client, make_head) -> None:
 @pytest.mark.parametrize("stash", ["0", "1MiB"])
 @pytest.mark.parametrize("layout", [{}, {"replicas": 2}, {"shards": 3}])
 def test_every_placement(servers, stash: str, layout) -> None:
-    server = servers.start("--devices", "0,1,2", f"--grad_stash_bytes={stash.replace('MiB', '')}"
+    devices = device_count(3, at_least=max(layout.values(), default=1))
+    server = servers.start(devices_flag(devices), f"--grad_stash_bytes={stash.replace('MiB', '')}"
                            if stash == "0" else "--grad_stash_bytes=1048576",
                            "--grad_stash_idle=inf")
     with Client(server.address, client_id="placed") as c:

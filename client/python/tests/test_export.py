@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from _servers import server_binary
+from _servers import on_cuda, server_binary
 from losshead import (Client, LossheadError, RemoteAdamW, export_checkpoint, import_safetensors,
                       load_safetensors)
 
@@ -46,8 +46,11 @@ def _window(client: Client, head: str, step: int) -> torch.Tensor:
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A few fp32 roundings apart: a CUDA server's fused AdamW orders its multiply-adds unlike
+    torch's and lands up to about 1e-6 away."""
     err = (got.double() - want.double()).abs().max().item()
-    assert err <= 1e-6 * max(want.abs().max().item(), 1e-30), f"max error {err}"
+    rel = 1e-5 if on_cuda() else 1e-6
+    assert err <= rel * max(want.abs().max().item(), 1e-30), f"max error {err}"
 
 
 def test_export_is_the_download_and_torch_adamw_state(servers, tmp_path, cli) -> None:

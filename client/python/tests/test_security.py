@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _reference import random_problem
-from _servers import NO_RETRY, ServerFactory
+from _servers import NO_RETRY, ServerFactory, server_backend
 from losshead import Client, LossheadError
 
 C = grpc.StatusCode
@@ -150,7 +150,7 @@ def test_tls(servers: ServerFactory, pki: Dict[str, Path]) -> None:
     with Client(server.address, tls_root_ca=pki["ca"]) as by_ip:  # a path
         assert by_ip.health() == "SERVING" and by_ip.list_heads() == []
     with Client(f"localhost:{port}", tls_root_ca=pki["ca"].read_bytes()) as by_name:  # PEM bytes
-        assert by_name.stats().device.backend == "cpu"
+        assert by_name.stats().device.backend == server_backend()
     with Client(server.address, tls_root_ca=str(pki["ca"]), tls_server_name="localhost") as c:
         assert c.list_heads() == []
     # Plaintext, an unknown CA, or a name the certificate does not carry: no connection.
