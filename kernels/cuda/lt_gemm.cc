@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
@@ -88,16 +89,21 @@ absl::Status LtGemm::MakePlan(const GemmShape& s, int align_a, int align_b, int 
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
 
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(rank_ + 1);
   int found = 0;
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b,
-                                                       plan->c, plan->c, pref, 1, &result, &found));
-  if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+                                                       plan->c, plan->c, pref, rank_ + 1,
+                                                       results.data(), &found));
+  if (found < 1 || results[0].state != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cublasLt found no algorithm for m=", s.m, " n=", s.n,
                                             " k=", s.k, " within ", workspace_bytes,
                                             " bytes of workspace"));
   }
-  plan->algo = result.algo;
+  if (found <= rank_ || results[rank_].state != CUBLAS_STATUS_SUCCESS) {
+    return absl::NotFoundError(absl::StrCat("cublasLt offers ", found, " algorithms for m=", s.m,
+                                            " n=", s.n, " k=", s.k, ", none of rank ", rank_));
+  }
+  plan->algo = results[rank_].algo;
   return absl::OkStatus();
 }
 
@@ -128,9 +134,34 @@ absl::Status LtGemm::Run(const GemmShape& s, const void* alpha, const void* a, c
     it = plans_.emplace(key, std::move(plan)).first;
   }
   const Plan& p = *it->second;
+  last_ = &p;
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, alpha, a, p.a, b, p.b, beta, c, p.c, c, p.c,
                                        &p.algo, workspace, workspace_bytes, stream));
   return absl::OkStatus();
+}
+
+std::string LtGemm::LastAlgorithm() const {
+  if (last_ == nullptr) return "";
+  // Each attribute must be read with its own width (uint16_t for the inner and cluster shapes).
+  auto get = [this](cublasLtMatmulAlgoConfigAttributes_t attribute, auto value) -> int64_t {
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&last_->algo, attribute, &value, sizeof(value),
+                                             &written) != CUBLAS_STATUS_SUCCESS) {
+      return -1;
+    }
+    return static_cast<int64_t>(value);
+  };
+  const int32_t i32 = 0;
+  const uint32_t u32 = 0;
+  const uint16_t u16 = 0;
+  return absl::StrCat("algo ", get(CUBLASLT_ALGO_CONFIG_ID, i32), " tile ",
+                      get(CUBLASLT_ALGO_CONFIG_TILE_ID, u32), " stages ",
+                      get(CUBLASLT_ALGO_CONFIG_STAGES_ID, u32), " splitk ",
+                      get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, i32), " swizzle ",
+                      get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, u32), " cluster ",
+                      get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, u16), " inner ",
+                      get(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, u16), " custom ",
+                      get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, u32));
 }
 
 }  // namespace losshead::kernels::cuda

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include "absl/status/status.h"
@@ -60,6 +61,15 @@ class LtGemm {
                    const void* beta, void* c, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream);
 
+  // Which of the heuristic's algorithms plans made from now on take: 0, its first (the
+  // default), or a later one, so that losshead_gemm_sweep can time the others. A shape whose
+  // heuristic offers fewer than rank + 1 algorithms fails to plan with NOT_FOUND.
+  void set_heuristic_rank(int rank) { rank_ = rank; }
+
+  // The configuration of the algorithm the last Run ran (cublasLt's algorithm id, tile, stages,
+  // split-K, swizzle, cluster shape, as their enum values), or "" before any Run.
+  std::string LastAlgorithm() const;
+
  private:
   struct Plan;
   using Key =
@@ -70,6 +80,8 @@ class LtGemm {
 
   cublasLtHandle_t handle_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
+  int rank_ = 0;
+  const Plan* last_ = nullptr;
 };
 
 }  // namespace losshead::kernels::cuda
