@@ -5,8 +5,7 @@
 // into fp32 with beta = 1, alpha on the device), over random data. Each candidate's result is
 // first compared with the heuristic's first choice on the same inputs (relative L2 difference and
 // the count of elements whose bits differ), then all are timed in rounds (CUDA events, one call
-// of each candidate per round, median of --runs rounds), with, last, the algorithm a learning
-// LtGemm settles on after its first calls.
+// of each candidate per round, median of --runs rounds).
 //
 //   losshead_gemm_sweep --v=128256 --d=4096 --tokens=4096,8192 --candidates=24 --runs=10
 #include <cublasLt.h>
@@ -105,7 +104,7 @@ void Sweep(const SweptGemm& g, const SweepArgs& args, int64_t tokens, double flo
   };
   for (int rank = 0; rank < args.candidates; ++rank) {
     std::unique_ptr<LtGemm> gemm;
-    BENCH_OK(LtGemm::Create(&gemm, /*learn=*/false));
+    BENCH_OK(LtGemm::Create(&gemm));
     gemm->set_heuristic_rank(rank);
     // The output starts as dW's start or as NaN (all bits set), so that an element a candidate
     // leaves unwritten shows in the comparison.
@@ -126,33 +125,6 @@ void Sweep(const SweptGemm& g, const SweepArgs& args, int64_t tokens, double flo
     candidates.push_back(std::move(gemm));
     diffs.push_back(diff);
   }
-  // Last, what a learning LtGemm settles on (lt_gemm.h), its calls back to back as a server's
-  // are (it reads each timed call's events once they have completed).
-  std::unique_ptr<LtGemm> learned;
-  BENCH_OK(LtGemm::Create(&learned, /*learn=*/true));
-  int learning_calls = 0;
-  do {
-    BENCH_OK(run(*learned));
-    // A server waits for each step's results: a few calls in flight, not hundreds.
-    if (++learning_calls % 4 == 0) BENCH_CUDA(cudaStreamSynchronize(stream));
-  } while (learned->LastLearning() && learning_calls < 400);
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  if (learned->LastLearning()) {
-    std::fprintf(stderr, "%s: still learning after %d calls\n", g.name, learning_calls);
-    std::exit(1);
-  }
-  std::printf("%s: learned in %d calls\n", g.name, learning_calls);
-  if (g.c_start == nullptr) {  // the learned choice computes what the first does
-    TensorDiff diff;
-    BENCH_CUDA(DiffTensors(g.c, reference, g.c_count, g.c_fp32, stream, &diff));
-    if (diff.differing != 0) {
-      std::fprintf(stderr, "%s: the learned algorithm differs in %lld elements\n", g.name,
-                   (long long)diff.differing);
-      std::exit(1);
-    }
-  }
-  diffs.push_back(TensorDiff{});
-  candidates.push_back(std::move(learned));
   const size_t count = candidates.size();
   std::vector<std::vector<float>> times(count);
   cudaEvent_t begin, end;
@@ -176,8 +148,8 @@ void Sweep(const SweptGemm& g, const SweepArgs& args, int64_t tokens, double flo
     std::sort(times[i].begin(), times[i].end());
     const float ms = times[i][times[i].size() / 2];
     if (i == 0) first_ms = ms;
-    const std::string rank = i + 1 < count ? std::to_string(i) : "learned";
-    std::printf("| %-6s | %5lld | %7s | %8.3f | %6.1f | %6.3f | %.1e | %11lld | %s |\n", g.name,
+    const std::string rank = std::to_string(i);
+    std::printf("| %-6s | %5lld | %4s | %8.3f | %6.1f | %6.3f | %.1e | %11lld | %s |\n", g.name,
                 (long long)tokens, rank.c_str(), ms, flop / ms / 1e9, first_ms / ms,
                 diffs[i].relative, (long long)diffs[i].differing,
                 candidates[i]->LastAlgorithm().c_str());

@@ -91,12 +91,8 @@ int Main(int argc, char** argv) {
       all_ok &= ok;
       const FusedCall call = MakeFusedCall(*backend, s.n, s, num, budget, h, w, y, dh, dw);
       auto cs = static_cast<cudaStream_t>(stream->native());
-      // Warm-up long enough for the stream's GEMMs to have tried their candidates (lt_gemm.h):
-      // every chunk calls each of the three shapes once.
-      constexpr int kWarmup =
-          3 + kernels::cuda::LtGemm::kMaxCandidates * kernels::cuda::LtGemm::kLearningRounds;
-      const float ms = MedianMs(cs, kWarmup, runs,
-                                [&] { BENCH_OK(backend->Run(call.problem, call.args, *stream)); });
+      const float ms =
+          MedianMs(cs, 3, runs, [&] { BENCH_OK(backend->Run(call.problem, call.args, *stream)); });
       const size_t free1 = FreeBytes();
       BENCH_OK(stream->Synchronize());
       const double extra_mib = (double(free0) - double(free1)) / (1 << 20);

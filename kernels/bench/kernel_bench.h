@@ -118,8 +118,7 @@ FusedCall MakeFusedCall(Backend& backend, int64_t n, const Shape& s, const Numer
                         const int32_t* targets, void* grad_hidden, float* grad_weight);
 
 // A variant is '+'-joined tokens over the backend's defaults: fp32logits, t1024, bal/nobal,
-// ws<MiB> (cuBLAS workspace), res<MiB> (handle reserve), bps<k> (row blocks per SM), ovl,
-// nolearn (the heuristic's first GEMM algorithms only).
+// ws<MiB> (cuBLAS workspace), res<MiB> (handle reserve), bps<k> (row blocks per SM), ovl.
 // "default" alone is the backend's defaults.
 kernels::CudaBackendOptions ParseVariant(const std::string& variant);
 

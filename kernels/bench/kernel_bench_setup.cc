@@ -74,8 +74,6 @@ kernels::CudaBackendOptions ParseVariant(const std::string& variant) {
       opt.overlap = true;
     } else if (t == "noovl") {
       opt.overlap = false;
-    } else if (t == "nolearn") {
-      opt.learn_gemm_algorithms = false;
     } else if (t.rfind("ws", 0) == 0) {
       opt.cublas_workspace_bytes = size_t(std::atoll(t.c_str() + 2)) << 20;
     } else if (t.rfind("res", 0) == 0) {

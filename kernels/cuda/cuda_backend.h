@@ -41,9 +41,6 @@ struct CudaBackendOptions {
   // Split each chunk in two halves of tokens and run a half's row kernel on a second stream while
   // the GEMMs of the other half run.
   bool overlap = false;
-  // Each stream's GEMMs try, in their first calls of a shape, the cuBLASLt algorithms that compute
-  // bit for bit what the heuristic's first does, and keep the fastest (lt_gemm.h).
-  bool learn_gemm_algorithms = true;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device,

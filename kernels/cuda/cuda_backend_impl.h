@@ -150,7 +150,7 @@ class CudaBackend final : public Backend {
     cudaStream_t stream = nullptr;
     LOSSHEAD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     std::unique_ptr<LtGemm> gemm;
-    if (absl::Status st = LtGemm::Create(&gemm, options_.learn_gemm_algorithms); !st.ok()) {
+    if (absl::Status st = LtGemm::Create(&gemm); !st.ok()) {
       cudaStreamDestroy(stream);
       return st;
     }

@@ -1,8 +1,6 @@
 #include "kernels/cuda/lt_gemm.h"
 
-#include <algorithm>
 #include <cstdint>
-#include <deque>
 #include <utility>
 #include <vector>
 
@@ -26,31 +24,8 @@ int AlignmentOf(const void* p) {
 struct LtGemm::Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  std::vector<cublasLtMatmulAlgo_t> algos;  // the candidates, the heuristic's first at 0
-  int chosen = 0;
-  bool learning = false;
-  // While learning: calls issued and times taken per candidate, the timed calls not yet read,
-  // and events to reuse.
-  std::vector<int> issued;
-  std::vector<std::vector<float>> times;
-  struct Timing {
-    int candidate;
-    cudaEvent_t begin, end;
-  };
-  std::deque<Timing> pending;
-  std::vector<cudaEvent_t> spare;
-
-  void DropEvents() {
-    for (const Timing& t : pending) {
-      cudaEventDestroy(t.begin);
-      cudaEventDestroy(t.end);
-    }
-    pending.clear();
-    for (cudaEvent_t e : spare) cudaEventDestroy(e);
-    spare.clear();
-  }
+  cublasLtMatmulAlgo_t algo{};
   ~Plan() {
-    DropEvents();
     if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
     if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
     if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
@@ -58,37 +33,14 @@ struct LtGemm::Plan {
   }
 };
 
-namespace {
-
-template <typename T>
-T ConfigOf(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
-  T value{};
-  size_t written = 0;
-  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written) !=
-      CUBLAS_STATUS_SUCCESS) {
-    return T{-1};
-  }
-  return value;
-}
-
-// Whether `other` sums over k in the order `first` does: the same kernel family, neither split.
-bool SameSums(const cublasLtMatmulAlgo_t& first, const cublasLtMatmulAlgo_t& other) {
-  return ConfigOf<int32_t>(first, CUBLASLT_ALGO_CONFIG_ID) ==
-             ConfigOf<int32_t>(other, CUBLASLT_ALGO_CONFIG_ID) &&
-         ConfigOf<int32_t>(first, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1 &&
-         ConfigOf<int32_t>(other, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1;
-}
-
-}  // namespace
-
-absl::Status LtGemm::Create(std::unique_ptr<LtGemm>* out, bool learn) {
+absl::Status LtGemm::Create(std::unique_ptr<LtGemm>* out) {
   cublasLtHandle_t handle = nullptr;
   LOSSHEAD_CUBLAS_CHECK(cublasLtCreate(&handle));
-  out->reset(new LtGemm(handle, learn));
+  out->reset(new LtGemm(handle));
   return absl::OkStatus();
 }
 
-LtGemm::LtGemm(cublasLtHandle_t handle, bool learn) : handle_(handle), learn_(learn) {}
+LtGemm::LtGemm(cublasLtHandle_t handle) : handle_(handle) {}
 
 LtGemm::~LtGemm() {
   plans_.clear();
@@ -137,79 +89,22 @@ absl::Status LtGemm::MakePlan(const GemmShape& s, int align_a, int align_b, int 
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
 
-  // Only 16-bit inputs learn: the GPU suite checks that their candidates agree bit for bit.
-  const bool sixteen_bit = (s.type_a == CUDA_R_16BF || s.type_a == CUDA_R_16F) &&
-                           (s.type_b == CUDA_R_16BF || s.type_b == CUDA_R_16F);
-  const int wanted = rank_ > 0 ? rank_ + 1 : (learn_ && sixteen_bit ? kMaxCandidates : 1);
-  std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
+  std::vector<cublasLtMatmulHeuristicResult_t> results(rank_ + 1);
   int found = 0;
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b,
-                                                       plan->c, plan->c, pref, wanted,
+                                                       plan->c, plan->c, pref, rank_ + 1,
                                                        results.data(), &found));
   if (found < 1 || results[0].state != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cublasLt found no algorithm for m=", s.m, " n=", s.n,
                                             " k=", s.k, " within ", workspace_bytes,
                                             " bytes of workspace"));
   }
-  if (rank_ > 0) {
-    if (found <= rank_ || results[rank_].state != CUBLAS_STATUS_SUCCESS) {
-      return absl::NotFoundError(absl::StrCat("cublasLt offers ", found, " algorithms for m=", s.m,
-                                              " n=", s.n, " k=", s.k, ", none of rank ", rank_));
-    }
-    plan->algos = {results[rank_].algo};
-    return absl::OkStatus();
+  if (found <= rank_ || results[rank_].state != CUBLAS_STATUS_SUCCESS) {
+    return absl::NotFoundError(absl::StrCat("cublasLt offers ", found, " algorithms for m=", s.m,
+                                            " n=", s.n, " k=", s.k, ", none of rank ", rank_));
   }
-  plan->algos = {results[0].algo};
-  for (int i = 1; i < found; ++i) {
-    if (results[i].state == CUBLAS_STATUS_SUCCESS && SameSums(results[0].algo, results[i].algo)) {
-      plan->algos.push_back(results[i].algo);
-    }
-  }
-  const size_t count = plan->algos.size();
-  plan->learning = count > 1;
-  plan->issued.assign(count, 0);
-  plan->times.assign(count, {});
+  plan->algo = results[rank_].algo;
   return absl::OkStatus();
-}
-
-absl::StatusOr<int> LtGemm::NextCandidate(Plan& plan) {
-  while (!plan.pending.empty()) {
-    const Plan::Timing t = plan.pending.front();
-    const cudaError_t done = cudaEventQuery(t.end);
-    if (done == cudaErrorNotReady) break;
-    LOSSHEAD_CUDA_CHECK(done);
-    float ms = 0;
-    LOSSHEAD_CUDA_CHECK(cudaEventElapsedTime(&ms, t.begin, t.end));
-    plan.times[t.candidate].push_back(ms);
-    plan.spare.push_back(t.begin);
-    plan.spare.push_back(t.end);
-    plan.pending.pop_front();
-  }
-  const int count = static_cast<int>(plan.algos.size());
-  bool all_timed = true;
-  for (const std::vector<float>& t : plan.times) all_timed &= t.size() >= kLearningRounds;
-  if (all_timed) {
-    float best = 0;
-    for (int i = 0; i < count; ++i) {
-      std::vector<float>& t = plan.times[i];
-      std::sort(t.begin(), t.end());
-      const float median = t[t.size() / 2];
-      if (i == 0 || median < best) {
-        best = median;
-        plan.chosen = i;
-      }
-    }
-    plan.learning = false;
-    plan.DropEvents();
-    return plan.chosen;
-  }
-  // The candidate with the fewest calls so far, while any still needs one; otherwise the first,
-  // untimed, until the timed calls in flight finish.
-  int next = 0;
-  for (int i = 1; i < count; ++i) {
-    if (plan.issued[i] < plan.issued[next]) next = i;
-  }
-  return plan.issued[next] < kLearningRounds ? next : -1;
 }
 
 absl::Status LtGemm::Run(const GemmShape& s, const void* alpha, const void* a, const void* b,
@@ -238,42 +133,11 @@ absl::Status LtGemm::Run(const GemmShape& s, const void* alpha, const void* a, c
     LOSSHEAD_RETURN_IF_ERROR(MakePlan(s, align_a, align_b, align_c, workspace_bytes, plan.get()));
     it = plans_.emplace(key, std::move(plan)).first;
   }
-  Plan& p = *it->second;
-  int candidate = p.chosen;
-  bool timed = false;
-  if (p.learning) {
-    const absl::StatusOr<int> next_or = NextCandidate(p);
-    if (!next_or.ok()) return next_or.status();
-    const int next = *next_or;
-    timed = p.learning && next >= 0;
-    candidate = p.learning ? std::max(next, 0) : p.chosen;
-  }
-  Plan::Timing timing{candidate, nullptr, nullptr};
-  if (timed) {
-    for (cudaEvent_t* e : {&timing.begin, &timing.end}) {
-      if (p.spare.empty()) {
-        LOSSHEAD_CUDA_CHECK(cudaEventCreate(e));
-      } else {
-        *e = p.spare.back();
-        p.spare.pop_back();
-      }
-    }
-    p.pending.push_back(timing);  // owned by the plan from here, whatever happens below
-    ++p.issued[candidate];
-    LOSSHEAD_CUDA_CHECK(cudaEventRecord(timing.begin, stream));
-  }
+  const Plan& p = *it->second;
   last_ = &p;
-  last_candidate_ = candidate;
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, alpha, a, p.a, b, p.b, beta, c, p.c, c, p.c,
-                                       &p.algos[candidate], workspace, workspace_bytes, stream));
-  if (timed) LOSSHEAD_CUDA_CHECK(cudaEventRecord(timing.end, stream));
+                                       &p.algo, workspace, workspace_bytes, stream));
   return absl::OkStatus();
-}
-
-bool LtGemm::LastLearning() const { return last_ != nullptr && last_->learning; }
-
-int LtGemm::LastCandidates() const {
-  return last_ == nullptr ? 0 : static_cast<int>(last_->algos.size());
 }
 
 std::string LtGemm::LastAlgorithm() const {
@@ -281,8 +145,8 @@ std::string LtGemm::LastAlgorithm() const {
   // Each attribute must be read with its own width (uint16_t for the inner and cluster shapes).
   auto get = [this](cublasLtMatmulAlgoConfigAttributes_t attribute, auto value) -> int64_t {
     size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&last_->algos[last_candidate_], attribute, &value,
-                                             sizeof(value), &written) != CUBLAS_STATUS_SUCCESS) {
+    if (cublasLtMatmulAlgoConfigGetAttribute(&last_->algo, attribute, &value, sizeof(value),
+                                             &written) != CUBLAS_STATUS_SUCCESS) {
       return -1;
     }
     return static_cast<int64_t>(value);

@@ -17,7 +17,6 @@
 #include <tuple>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 
 namespace losshead::kernels::cuda {
 
@@ -50,26 +49,12 @@ struct GemmShape {
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
 };
 
-// One stream's cublasLt handle plus, per shape, the descriptors and the algorithm it runs.
-//
-// The heuristic's first algorithm is not always the fastest one on the card as it runs (at the
-// power limit, clocks well under their maximum): on an H200 at the fused call's chunk shapes, a
-// later candidate ran the logits GEMM 5 % and the dW GEMM 10 % faster (losshead_gemm_sweep). So a
-// learning LtGemm tries, in its first calls of a shape with 16-bit inputs, the heuristic's
-// candidates that compute exactly what its first does (the same kernel family, no split-K: the
-// same order of the sums over k, only the tiling and scheduling differ; bit-identical results,
-// which the GPU suite checks for the fused call's three GEMMs), one per call in turn, timing each with events on the caller's stream, and after
-// kLearningRounds calls of each keeps the one of least median time. Every call is a real call:
-// nothing runs twice and nothing more is allocated on the device. Results are the same whichever
-// candidate runs, so they stay reproducible run to run. Not thread-safe: the owning stream's mutex
-// serialises callers.
+// One stream's cublasLt handle plus, per shape, the descriptors and the algorithm the heuristic
+// picked the first time (same shape, same algorithm: results are reproducible run to run). Not
+// thread-safe: the owning stream's mutex serialises callers.
 class LtGemm {
  public:
-  static constexpr int kMaxCandidates = 8;
-  static constexpr int kLearningRounds = 5;
-
-  // `learn`: try the candidates as above; false: always the heuristic's first.
-  static absl::Status Create(std::unique_ptr<LtGemm>* out, bool learn = true);
+  static absl::Status Create(std::unique_ptr<LtGemm>* out);
   ~LtGemm();
 
   absl::Status Run(const GemmShape& shape, const void* alpha, const void* a, const void* b,
@@ -77,35 +62,26 @@ class LtGemm {
                    cudaStream_t stream);
 
   // Which of the heuristic's algorithms plans made from now on take: 0, its first (the
-  // default), or a later one, so that losshead_gemm_sweep can time the others; such plans do not
-  // learn. A shape whose heuristic offers fewer than rank + 1 algorithms fails to plan with
-  // NOT_FOUND.
+  // default), or a later one, so that losshead_gemm_sweep can time the others. A shape whose
+  // heuristic offers fewer than rank + 1 algorithms fails to plan with NOT_FOUND.
   void set_heuristic_rank(int rank) { rank_ = rank; }
 
   // The configuration of the algorithm the last Run ran (cublasLt's algorithm id, tile, stages,
   // split-K, swizzle, cluster shape, as their enum values), or "" before any Run.
   std::string LastAlgorithm() const;
-  // Whether the last Run's shape is still trying its candidates.
-  bool LastLearning() const;
-  // How many candidates the last Run's shape tries (1: nothing to learn), 0 before any Run.
-  int LastCandidates() const;
 
  private:
   struct Plan;
   using Key =
       std::tuple<int, int, int, int, int, int, int, int, int, int, int, int, int, int, int, size_t>;
-  LtGemm(cublasLtHandle_t handle, bool learn);
+  explicit LtGemm(cublasLtHandle_t handle);
   absl::Status MakePlan(const GemmShape& shape, int align_a, int align_b, int align_c,
                         size_t workspace_bytes, Plan* plan);
-  // The candidate this call runs, after taking the times of calls that have finished.
-  absl::StatusOr<int> NextCandidate(Plan& plan);
 
   cublasLtHandle_t handle_;
-  bool learn_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int rank_ = 0;
   const Plan* last_ = nullptr;
-  int last_candidate_ = 0;
 };
 
 }  // namespace losshead::kernels::cuda
