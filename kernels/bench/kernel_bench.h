@@ -118,7 +118,8 @@ FusedCall MakeFusedCall(Backend& backend, int64_t n, const Shape& s, const Numer
                         const int32_t* targets, void* grad_hidden, float* grad_weight);
 
 // A variant is '+'-joined tokens over the backend's defaults: fp32logits, t1024, bal/nobal,
-// ws<MiB> (cuBLAS workspace), res<MiB> (handle reserve), bps<k> (row blocks per SM), ovl.
+// ws<MiB> (cuBLAS workspace), res<MiB> (handle reserve), bps<k> (row blocks per SM), ovl,
+// rl<k> / rh<k> / rw<k> (the logits / dH / dW GEMM's cuBLASLt candidate, CudaBackendOptions).
 // "default" alone is the backend's defaults.
 kernels::CudaBackendOptions ParseVariant(const std::string& variant);
 

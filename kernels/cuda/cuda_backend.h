@@ -41,6 +41,10 @@ struct CudaBackendOptions {
   // Split each chunk in two halves of tokens and run a half's row kernel on a second stream while
   // the GEMMs of the other half run.
   bool overlap = false;
+  // Which of cuBLASLt's candidates the logits, dH and dW GEMMs take (0: the heuristic's first;
+  // losshead_gemm_sweep ranks them). A later one only where it computes the first's bits
+  // (LtGemm::set_role_ranks), so results do not change; speed may.
+  int gemm_ranks[3] = {0, 0, 0};
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device,

@@ -154,6 +154,7 @@ class CudaBackend final : public Backend {
       cudaStreamDestroy(stream);
       return st;
     }
+    gemm->set_role_ranks(options_.gemm_ranks);
     auto result = std::make_unique<CudaStream>(device_, stream, std::move(gemm));
     LOSSHEAD_RETURN_IF_ERROR(result->InitSide());
     return std::unique_ptr<Stream>(std::move(result));

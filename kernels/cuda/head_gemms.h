@@ -38,6 +38,7 @@ inline cublasComputeType_t GemmCompute(const Problem& problem) {
 inline GemmShape LogitsGemm(int64_t width, int64_t tokens, int64_t d, cudaDataType_t in,
                             cublasComputeType_t compute, cudaDataType_t logits, int64_t ldl) {
   GemmShape g;
+  g.role = GemmRole::kLogits;
   g.compute = compute;
   g.trans_a = CUBLAS_OP_T;
   g.m = static_cast<int>(width);
@@ -55,6 +56,7 @@ inline GemmShape LogitsGemm(int64_t width, int64_t tokens, int64_t d, cudaDataTy
 inline GemmShape GradHiddenGemm(int64_t width, int64_t tokens, int64_t d, cudaDataType_t in,
                                 cublasComputeType_t compute, cudaDataType_t out, int64_t ldg) {
   GemmShape g;
+  g.role = GemmRole::kGradHidden;
   g.compute = compute;
   g.m = static_cast<int>(d);
   g.n = static_cast<int>(tokens);
@@ -72,6 +74,7 @@ inline GemmShape GradHiddenGemm(int64_t width, int64_t tokens, int64_t d, cudaDa
 inline GemmShape GradWeightGemm(int64_t width, int64_t tokens, int64_t d, cudaDataType_t in,
                                 cublasComputeType_t compute, int64_t ldg) {
   GemmShape g;
+  g.role = GemmRole::kGradWeight;
   g.compute = compute;
   g.trans_b = CUBLAS_OP_T;
   g.m = static_cast<int>(d);

@@ -1,5 +1,6 @@
 #include "kernels/cuda/lt_gemm.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -17,6 +18,25 @@ int AlignmentOf(const void* p) {
   int a = 256;
   while (a > 1 && x % a != 0) a /= 2;
   return a;
+}
+
+template <typename T>
+T ConfigOf(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
+  T value{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written) !=
+      CUBLAS_STATUS_SUCCESS) {
+    return T{-1};
+  }
+  return value;
+}
+
+// Whether `other` sums over k in the order `first` does: the same kernel family, neither split.
+bool SameSums(const cublasLtMatmulAlgo_t& first, const cublasLtMatmulAlgo_t& other) {
+  return ConfigOf<int32_t>(first, CUBLASLT_ALGO_CONFIG_ID) ==
+             ConfigOf<int32_t>(other, CUBLASLT_ALGO_CONFIG_ID) &&
+         ConfigOf<int32_t>(first, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1 &&
+         ConfigOf<int32_t>(other, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1;
 }
 
 }  // namespace
@@ -89,21 +109,31 @@ absl::Status LtGemm::MakePlan(const GemmShape& s, int align_a, int align_b, int 
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
 
-  std::vector<cublasLtMatmulHeuristicResult_t> results(rank_ + 1);
+  const int role_rank = s.role == GemmRole::kOther ? 0 : role_ranks_[static_cast<int>(s.role)];
+  const int wanted = std::max(rank_, role_rank) + 1;
+  std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
   int found = 0;
   LOSSHEAD_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b,
-                                                       plan->c, plan->c, pref, rank_ + 1,
+                                                       plan->c, plan->c, pref, wanted,
                                                        results.data(), &found));
   if (found < 1 || results[0].state != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cublasLt found no algorithm for m=", s.m, " n=", s.n,
                                             " k=", s.k, " within ", workspace_bytes,
                                             " bytes of workspace"));
   }
-  if (found <= rank_ || results[rank_].state != CUBLAS_STATUS_SUCCESS) {
-    return absl::NotFoundError(absl::StrCat("cublasLt offers ", found, " algorithms for m=", s.m,
-                                            " n=", s.n, " k=", s.k, ", none of rank ", rank_));
+  if (rank_ > 0) {
+    if (found <= rank_ || results[rank_].state != CUBLAS_STATUS_SUCCESS) {
+      return absl::NotFoundError(absl::StrCat("cublasLt offers ", found, " algorithms for m=", s.m,
+                                              " n=", s.n, " k=", s.k, ", none of rank ", rank_));
+    }
+    plan->algo = results[rank_].algo;
+    return absl::OkStatus();
   }
-  plan->algo = results[rank_].algo;
+  plan->algo = results[0].algo;
+  if (role_rank > 0 && found > role_rank && results[role_rank].state == CUBLAS_STATUS_SUCCESS &&
+      SameSums(results[0].algo, results[role_rank].algo)) {
+    plan->algo = results[role_rank].algo;
+  }
   return absl::OkStatus();
 }
 
@@ -124,6 +154,7 @@ absl::Status LtGemm::Run(const GemmShape& s, const void* alpha, const void* a, c
                 s.ldc,
                 s.device_scalars ? 1 : 0,
                 static_cast<int>(s.compute),
+                static_cast<int>(s.role),
                 align_a,
                 align_b * 512 + align_c,
                 workspace_bytes};

@@ -36,6 +36,11 @@ constexpr cudaDataType_t CudaType<__half>() {
   return CUDA_R_16F;
 }
 
+// Which of the fused call's three GEMMs a shape is (head_gemms.h), so that each may take its own
+// cuBLASLt candidate (LtGemm::set_role_ranks); kOther for any other.
+enum class GemmRole { kLogits = 0, kGradHidden = 1, kGradWeight = 2, kOther = 3 };
+inline constexpr int kGemmRoles = 3;
+
 // D = alpha * op(A) * op(B) + beta * C with C = D, column-major as in cuBLAS; fp32 sums, and
 // fp32 inputs rounded to TF32 or bf16 on the tensor cores where `compute` allows it
 // (CUBLAS_COMPUTE_32F_FAST_TF32, _FAST_16BF). alpha and beta point to floats in host or device
@@ -47,6 +52,7 @@ struct GemmShape {
   int lda = 0, ldb = 0, ldc = 0;
   bool device_scalars = false;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  GemmRole role = GemmRole::kOther;
 };
 
 // One stream's cublasLt handle plus, per shape, the descriptors and the algorithm the heuristic
@@ -66,14 +72,22 @@ class LtGemm {
   // heuristic offers fewer than rank + 1 algorithms fails to plan with NOT_FOUND.
   void set_heuristic_rank(int rank) { rank_ = rank; }
 
+  // The candidate each of the three head GEMMs' plans take from now on, by GemmRole (0: the
+  // heuristic's first). A candidate is taken only where it sums over k as the first does (the
+  // same kernel family, no split-K: the same bits, in another tiling) and the heuristic offers
+  // it; otherwise the first. Where set_heuristic_rank asks a rank, that rank rules.
+  void set_role_ranks(const int (&ranks)[kGemmRoles]) {
+    for (int i = 0; i < kGemmRoles; ++i) role_ranks_[i] = ranks[i];
+  }
+
   // The configuration of the algorithm the last Run ran (cublasLt's algorithm id, tile, stages,
   // split-K, swizzle, cluster shape, as their enum values), or "" before any Run.
   std::string LastAlgorithm() const;
 
  private:
   struct Plan;
-  using Key =
-      std::tuple<int, int, int, int, int, int, int, int, int, int, int, int, int, int, int, size_t>;
+  using Key = std::tuple<int, int, int, int, int, int, int, int, int, int, int, int, int, int, int,
+                         int, size_t>;
   explicit LtGemm(cublasLtHandle_t handle);
   absl::Status MakePlan(const GemmShape& shape, int align_a, int align_b, int align_c,
                         size_t workspace_bytes, Plan* plan);
@@ -81,6 +95,7 @@ class LtGemm {
   cublasLtHandle_t handle_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int rank_ = 0;
+  int role_ranks_[kGemmRoles] = {0, 0, 0};
   const Plan* last_ = nullptr;
 };
 

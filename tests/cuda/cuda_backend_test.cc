@@ -477,6 +477,38 @@ TEST(CudaBackendTest, OverlappedRunsAreBitIdenticalToSerial) {
   EXPECT_LE(RelErr(b.grad_hidden, a.grad_hidden), 1e-2);
 }
 
+// CudaBackendOptions::gemm_ranks picks other cuBLASLt candidates for the three GEMMs only where
+// they sum as the heuristic's first does: the same bits, whatever the ranks (a rank the heuristic
+// does not offer falls back to the first).
+TEST(CudaBackendTest, OtherGemmCandidatesGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  Case c = SmallCase();
+  c.n = 1024;
+  c.v = 32000;
+  c.d = 512;
+  c.chunk_rows = 512;
+  const Inputs in = MakeInputs(c, 44);
+  std::unique_ptr<Backend> first = MakeCuda(&c);
+  ASSERT_NE(first, nullptr);
+  Outputs want;
+  ASSERT_OK(RunOn(*first, ProblemFor(c), in, BudgetForRows(c), &want));
+  const int rank_sets[][3] = {{5, 1, 5}, {1, 2, 3}, {7, 7, 7}, {50, 50, 50}};
+  for (const auto& ranks : rank_sets) {
+    SCOPED_TRACE(::testing::Message() << ranks[0] << "," << ranks[1] << "," << ranks[2]);
+    CudaBackendOptions o;
+    for (int i = 0; i < 3; ++i) o.gemm_ranks[i] = ranks[i];
+    absl::StatusOr<std::unique_ptr<Backend>> other = CreateCudaBackend(0, o);
+    ASSERT_TRUE(other.ok()) << other.status();
+    Outputs got;
+    ASSERT_OK(RunOn(**other, ProblemFor(c), in, BudgetForRows(c), &got));
+    EXPECT_EQ(std::memcmp(&got.loss_sum, &want.loss_sum, 4), 0);
+    EXPECT_EQ(got.grad_hidden_raw, want.grad_hidden_raw);
+    EXPECT_EQ(
+        std::memcmp(got.grad_weight.data(), want.grad_weight.data(), want.grad_weight.size() * 4),
+        0);
+  }
+}
+
 // An allocation the device cannot hold is RESOURCE_EXHAUSTED, and nothing of it lingers: the next
 // run on the same thread, whose launch checks read the thread's last CUDA error, goes through and
 // gives the same bits as the run before it.
