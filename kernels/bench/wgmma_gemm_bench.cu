@@ -1,0 +1,426 @@
+// losshead_wgmma_bench: a GEMM of our own on Hopper's bulk tensor copies (TMA) and warpgroup
+// matrix instructions (wgmma), against cuBLASLt on the fused call's logits shape. The first piece
+// of a fused kernel (docs/benchmarks/kernels.md, "The GEMMs at the power limit": the logits' trips
+// through memory are what is left), measured alone before anything is built on it.
+//
+// C (M x N, row-major, bf16) = A (M x K, row-major) . B (N x K, row-major)^T, bf16 inputs, fp32
+// sums: the logits GEMM with A = H (tokens x D) and B = W (V x D). One persistent block per SM
+// walks 128 x 256 tiles of C, M fastest (the blocks in flight share a slice of B, and A stays in
+// L2). In a block, one warpgroup's one thread loads 128 x 64 and 256 x 64 slices of A and B into a
+// four-stage ring of shared memory (128-byte swizzle, completion on the stage's "full" barrier);
+// two warpgroups of consumers each multiply 64 rows of the A slice by the B slice
+// (m64n256k16, fp32 accumulators in registers), release the stage on its "empty" barrier once
+// their instructions have read it, and after the last k slice store their rows of C.
+//
+// Requires sm_90a (wgmma, setmaxnreg); K and the row strides a multiple of 8 elements (the tensor
+// maps' 16-byte strides). Each shape is checked against cuBLASLt on the same inputs (relative L2
+// difference and the count of elements whose bits differ; the output poisoned with NaN before),
+// then both are timed in rounds (one call of each per round, median of --runs).
+//
+//   losshead_wgmma_bench --shapes=4096:128256:4096,8192:8192:8192,1000:1032:520 --runs=20
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/bench/bench_util.h"
+#include "kernels/bench/random_fill.cuh"
+#include "kernels/bench/tensor_diff.cuh"
+#include "kernels/cuda/head_gemms.h"
+#include "kernels/cuda/lt_gemm.h"
+
+namespace losshead::bench {
+namespace {
+
+constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64, kStages = 4;
+constexpr int kConsumers = 2;  // warpgroups of 64 rows each
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kStageABytes = kBlockM * kBlockK * 2;  // 16 KiB
+constexpr int kStageBBytes = kBlockN * kBlockK * 2;  // 32 KiB
+// The ring, its barriers, and room to align the ring to the 1024 bytes of a swizzle pattern.
+constexpr int kSmemBytes = kStages * (kStageABytes + kStageBBytes) + 2 * kStages * 8 + 1024;
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void BarrierInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddress(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void BarrierExpectBytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddress(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddress(bar)) : "memory");
+}
+
+// Until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(SmemAddress(bar)), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+// The box of the 2-D tensor `map` whose first element is (inner, outer) into `dst`, its bytes
+// counted on `bar`.
+__device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, uint64_t* bar, int inner,
+                                        int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%3, %4}], [%2];" ::"r"(SmemAddress(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddress(bar)), "r"(inner), "r"(outer)
+      : "memory");
+}
+
+// A wgmma operand in shared memory: K-major rows of 128 bytes in the 128-byte swizzle the tensor
+// maps write, 8-row groups 1024 bytes apart. Stepping k by 16 elements moves the start by 32
+// bytes; the hardware applies the swizzle to the address.
+__device__ __forceinline__ uint64_t SmemDescriptor(const void* p) {
+  const uint64_t address = SmemAddress(p);
+  return ((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving reads or writes of the accumulators across an asynchronous
+// wgmma's issue or wait.
+__device__ __forceinline__ void FenceAccumulators(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x 256 fp32 per warpgroup) += A (smem, desc_a) . B^T (smem, desc_b), both K-major bf16;
+// d is overwritten instead where scale_d is 0.
+__device__ __forceinline__ void Wgmma64x256(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                            int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "
+      "%127},"
+      " %128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    GemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+               __nv_bfloat16* c, int m, int n, int k, int64_t ldc) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  auto* a_ring = reinterpret_cast<__nv_bfloat16*>(smem);
+  auto* b_ring = reinterpret_cast<__nv_bfloat16*>(smem + kStages * kStageABytes);
+  auto* full = reinterpret_cast<uint64_t*>(smem + kStages * (kStageABytes + kStageBBytes));
+  uint64_t* empty = full + kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      BarrierInit(&full[s], 1);
+      BarrierInit(&empty[s], kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int tiles_m = (m + kBlockM - 1) / kBlockM;
+  const int tiles = tiles_m * ((n + kBlockN - 1) / kBlockN);
+  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int m0 = tile % tiles_m * kBlockM, n0 = tile / tiles_m * kBlockN;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        BarrierWait(&empty[stage], phase ^ 1);  // a fresh barrier passes parity 1 at once
+        // Boxes past the tensor's edge are filled with zeros and count in full.
+        BarrierExpectBytes(&full[stage], kStageABytes + kStageBBytes);
+        TmaLoad(a_ring + stage * kBlockM * kBlockK, &map_a, &full[stage], kb * kBlockK, m0);
+        TmaLoad(b_ring + stage * kBlockN * kBlockK, &map_b, &full[stage], kb * kBlockK, n0);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+  int stage = 0;
+  uint32_t phase = 0;
+  float d[128];
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = tile % tiles_m * kBlockM, n0 = tile / tiles_m * kBlockN;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    FenceAccumulators(d);
+    int held = -1;  // the stage whose instructions may still be reading it
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      BarrierWait(&full[stage], phase);
+      WgmmaFence();
+      const __nv_bfloat16* a = a_ring + stage * kBlockM * kBlockK + consumer * 64 * kBlockK;
+      const __nv_bfloat16* b = b_ring + stage * kBlockN * kBlockK;
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        Wgmma64x256(d, SmemDescriptor(a + kk * 16), SmemDescriptor(b + kk * 16), 1);
+      }
+      WgmmaCommit();
+      WgmmaWait<1>();  // the previous slice's instructions are done with its stage
+      FenceAccumulators(d);
+      if (held >= 0 && t == 0) BarrierArrive(&empty[held]);
+      held = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    WgmmaWait<0>();
+    FenceAccumulators(d);
+    if (held >= 0 && t == 0) BarrierArrive(&empty[held]);
+
+    // The accumulators' layout: row warp * 16 + lane / 4 (+ 8), columns j * 8 + lane % 4 * 2
+    // (+ 1) for j in [0, 32): d[4j], d[4j + 1] on the first row, d[4j + 2], d[4j + 3] on the
+    // second.
+    const int row0 = m0 + consumer * 64 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const int col = n0 + j * 8 + lane % 4 * 2;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + half * 8;
+        if (row >= m || col >= n) continue;
+        __nv_bfloat16* out = c + static_cast<int64_t>(row) * ldc + col;
+        const float x = d[4 * j + 2 * half], y = d[4 * j + 2 * half + 1];
+        if (col + 1 < n) {
+          *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
+        } else {
+          *out = __float2bfloat16_rn(x);
+        }
+      }
+    }
+  }
+}
+
+// cuTensorMapEncodeTiled, from the driver the runtime found (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 EncodeTiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    BENCH_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      std::fprintf(stderr, "the driver has no cuTensorMapEncodeTiled\n");
+      std::exit(1);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A row-major bf16 matrix (rows x cols, row stride ld elements) read in boxes of box_rows x 64.
+CUtensorMap MakeMap(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = EncodeTiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d) for %lld x %lld, ld %lld\n",
+                 static_cast<int>(r), (long long)rows, (long long)cols, (long long)ld);
+    std::exit(1);
+  }
+  return map;
+}
+
+struct Shape {
+  int64_t m, n, k;
+};
+
+void LaunchGemm(const CUtensorMap& map_a, const CUtensorMap& map_b, __nv_bfloat16* c,
+                const Shape& s, int sms, cudaStream_t stream) {
+  const int64_t tiles = (s.m + kBlockM - 1) / kBlockM * ((s.n + kBlockN - 1) / kBlockN);
+  const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
+  GemmKernel<<<grid, kThreads, kSmemBytes, stream>>>(
+      map_a, map_b, c, static_cast<int>(s.m), static_cast<int>(s.n), static_cast<int>(s.k), s.n);
+  BENCH_CUDA(cudaGetLastError());
+}
+
+int Main(int argc, char** argv) {
+  std::vector<Shape> shapes = {{4096, 128256, 4096}, {8192, 8192, 8192}, {1000, 1032, 520}};
+  int runs = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--runs=", 0) == 0) runs = std::max(1, std::atoi(a.c_str() + 7));
+    if (a.rfind("--shapes=", 0) == 0) {
+      shapes.clear();
+      for (size_t start = 9; start < a.size();) {
+        size_t end = a.find(',', start);
+        if (end == std::string::npos) end = a.size();
+        long long m = 0, n = 0, k = 0;
+        if (std::sscanf(a.substr(start, end - start).c_str(), "%lld:%lld:%lld", &m, &n, &k) != 3 ||
+            m < 1 || n < 8 || k < 8 || n % 8 != 0 || k % 8 != 0) {
+          std::fprintf(stderr, "--shapes=M:N:K,... with N and K multiples of 8\n");
+          return 1;
+        }
+        shapes.push_back({m, n, k});
+        start = end + 1;
+      }
+    }
+  }
+  cudaDeviceProp prop;
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9) {
+    std::fprintf(stderr, "needs a Hopper GPU (sm_90a); this is sm_%d%d\n", prop.major, prop.minor);
+    return 1;
+  }
+  BENCH_CUDA(
+      cudaFuncSetAttribute(GemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  std::printf("device: %s, %d SMs; C = A . B^T in bf16, fp32 sums; median of %d rounds\n",
+              prop.name, prop.multiProcessorCount, runs);
+  std::printf(
+      "| M | N | K | ours ms | TFLOP/s | cuBLASLt ms | TFLOP/s | cuBLASLt / ours | rel. diff | "
+      "bits differ |\n");
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::unique_ptr<kernels::cuda::LtGemm> lt;
+  BENCH_OK(kernels::cuda::LtGemm::Create(&lt));
+  constexpr size_t kWorkspace = size_t{4} << 20;
+  void* workspace = nullptr;
+  BENCH_CUDA(cudaMalloc(&workspace, kWorkspace));
+  bool all_close = true;
+  for (const Shape& s : shapes) {
+    __nv_bfloat16 *a, *b, *ours, *theirs;
+    BENCH_CUDA(cudaMalloc(&a, s.m * s.k * 2));
+    BENCH_CUDA(cudaMalloc(&b, s.n * s.k * 2));
+    BENCH_CUDA(cudaMalloc(&ours, s.m * s.n * 2));
+    BENCH_CUDA(cudaMalloc(&theirs, s.m * s.n * 2));
+    // As kernel_bench's: h ~ U(-1, 1), w ~ U(-4 / sqrt(K), 4 / sqrt(K)).
+    BENCH_CUDA(FillUniformBf16(a, s.m * s.k, 1.0f, 11, stream));
+    BENCH_CUDA(FillUniformBf16(b, s.n * s.k, 4.0f / std::sqrt(float(s.k)), 12, stream));
+    BENCH_CUDA(cudaMemsetAsync(ours, 0xff, s.m * s.n * 2, stream));  // NaN where unwritten
+    const CUtensorMap map_a = MakeMap(a, s.m, s.k, s.k, kBlockM);
+    const CUtensorMap map_b = MakeMap(b, s.n, s.k, s.k, kBlockN);
+    static constexpr float kOne = 1.0f, kZero = 0.0f;
+    // The fused call's logits GEMM: logits (tokens x width) = H . W^T with H = A, W = B.
+    const kernels::cuda::GemmShape shape =
+        kernels::cuda::LogitsGemm(s.n, s.m, s.k, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUDA_R_16BF, s.n);
+    auto run_ours = [&] { LaunchGemm(map_a, map_b, ours, s, prop.multiProcessorCount, stream); };
+    auto run_theirs = [&] {
+      BENCH_OK(lt->Run(shape, &kOne, b, a, &kZero, theirs, workspace, kWorkspace, stream));
+    };
+    run_ours();
+    run_theirs();
+    TensorDiff diff;
+    BENCH_CUDA(DiffTensors(ours, theirs, s.m * s.n, /*fp32=*/false, stream, &diff));
+    const bool close = diff.relative <= 1e-2;  // bf16 outputs: a rounding step is 2^-8
+    all_close &= close;
+    std::vector<float> t_ours, t_theirs;
+    cudaEvent_t e0, e1;
+    BENCH_CUDA(cudaEventCreate(&e0));
+    BENCH_CUDA(cudaEventCreate(&e1));
+    auto time = [&](auto fn) {
+      BENCH_CUDA(cudaEventRecord(e0, stream));
+      fn();
+      BENCH_CUDA(cudaEventRecord(e1, stream));
+      BENCH_CUDA(cudaEventSynchronize(e1));
+      float ms = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      return ms;
+    };
+    for (int round = -2; round < runs; ++round) {
+      const float x = time(run_ours), y = time(run_theirs);
+      if (round >= 0) {
+        t_ours.push_back(x);
+        t_theirs.push_back(y);
+      }
+    }
+    std::sort(t_ours.begin(), t_ours.end());
+    std::sort(t_theirs.begin(), t_theirs.end());
+    const float ms_ours = t_ours[runs / 2], ms_theirs = t_theirs[runs / 2];
+    const double flop = 2.0 * s.m * s.n * s.k;
+    std::printf("| %lld | %lld | %lld | %.3f | %.1f | %.3f | %.1f | %.3f | %.1e%s | %lld |\n",
+                (long long)s.m, (long long)s.n, (long long)s.k, ms_ours, flop / ms_ours / 1e9,
+                ms_theirs, flop / ms_theirs / 1e9, ms_theirs / ms_ours, diff.relative,
+                close ? "" : " FAIL", (long long)diff.differing);
+    std::fflush(stdout);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    for (void* p : {(void*)a, (void*)b, (void*)ours, (void*)theirs}) cudaFree(p);
+  }
+  cudaFree(workspace);
+  BENCH_CUDA(cudaStreamDestroy(stream));
+  return all_close ? 0 : 2;
+}
+
+}  // namespace
+}  // namespace losshead::bench
+
+int main(int argc, char** argv) { return losshead::bench::Main(argc, argv); }
