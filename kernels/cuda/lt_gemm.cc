@@ -20,15 +20,17 @@ int AlignmentOf(const void* p) {
   return a;
 }
 
+// An algorithm's configuration attribute, read with its own width T (cublasLt refuses any
+// other); -1 where it cannot be read.
 template <typename T>
-T ConfigOf(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
+int64_t ConfigOf(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
   T value{};
   size_t written = 0;
   if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written) !=
       CUBLAS_STATUS_SUCCESS) {
-    return T{-1};
+    return -1;
   }
-  return value;
+  return static_cast<int64_t>(value);
 }
 
 // Whether `other` sums over k in the order `first` does: the same kernel family, neither split.
@@ -173,26 +175,15 @@ absl::Status LtGemm::Run(const GemmShape& s, const void* alpha, const void* a, c
 
 std::string LtGemm::LastAlgorithm() const {
   if (last_ == nullptr) return "";
-  // Each attribute must be read with its own width (uint16_t for the inner and cluster shapes).
-  auto get = [this](cublasLtMatmulAlgoConfigAttributes_t attribute, auto value) -> int64_t {
-    size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&last_->algo, attribute, &value, sizeof(value),
-                                             &written) != CUBLAS_STATUS_SUCCESS) {
-      return -1;
-    }
-    return static_cast<int64_t>(value);
-  };
-  const int32_t i32 = 0;
-  const uint32_t u32 = 0;
-  const uint16_t u16 = 0;
-  return absl::StrCat("algo ", get(CUBLASLT_ALGO_CONFIG_ID, i32), " tile ",
-                      get(CUBLASLT_ALGO_CONFIG_TILE_ID, u32), " stages ",
-                      get(CUBLASLT_ALGO_CONFIG_STAGES_ID, u32), " splitk ",
-                      get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, i32), " swizzle ",
-                      get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, u32), " cluster ",
-                      get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, u16), " inner ",
-                      get(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, u16), " custom ",
-                      get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, u32));
+  const cublasLtMatmulAlgo_t& a = last_->algo;
+  return absl::StrCat("algo ", ConfigOf<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID), " tile ",
+                      ConfigOf<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID), " stages ",
+                      ConfigOf<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID), " splitk ",
+                      ConfigOf<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), " swizzle ",
+                      ConfigOf<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), " cluster ",
+                      ConfigOf<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), " inner ",
+                      ConfigOf<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID), " custom ",
+                      ConfigOf<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION));
 }
 
 }  // namespace losshead::kernels::cuda
