@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _reference import assert_close
-from _servers import device_count, devices_flag, server_backend
+from _servers import CUDA_TF32_REL, device_count, devices_flag, on_cuda
 from losshead import Client, LossheadError, RemoteAdamW, StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
 from losshead.embedding import OffloadedEmbedding
@@ -36,8 +36,6 @@ from losshead.integrations.causal_lm import (TIED_EMBEDDINGS_ERROR, CausalLMOutp
 
 V, D, B, T = 97, 32, 3, 11
 FP32_REL = 2e-5
-# A CUDA server honours "high" with TF32 products (10 mantissa bits: 2^-11 per input).
-TF32_REL = 2e-3
 BF16_REL = 2 ** -6  # hidden states go up and dH comes back in bf16, then through the trunk
 
 
@@ -793,7 +791,7 @@ def test_offloaded_head_under_high_precision_matches_own_head(client: Client, he
     name = head_name()
     offload_causal_lm(model, client, name, wire_dtype=torch.float32)
     assert client.get_head(name).spec.matmul_precision == pb.MATMUL_PRECISION_HIGH
-    _step_both(model, reference, _batch(16), TF32_REL if server_backend() == "cuda" else FP32_REL)
+    _step_both(model, reference, _batch(16), CUDA_TF32_REL if on_cuda() else FP32_REL)
 
 
 def test_offload_refusals_of_matmul_precision_leave_model_and_server(client: Client,
