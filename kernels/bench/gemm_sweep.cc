@@ -4,8 +4,10 @@
 // (LogitsGemm, GradHiddenGemm, GradWeightGemm: bf16 in, fp32 sums, bf16 logits and dH, dW added
 // into fp32 with beta = 1, alpha on the device), over random data. Each candidate's result is
 // first compared with the heuristic's first choice on the same inputs (relative L2 difference and
-// the count of elements whose bits differ), then all are timed in rounds (CUDA events, one call
-// of each candidate per round, median of --runs rounds).
+// the count of elements whose bits differ), then all are timed in rounds (CUDA events, one
+// measurement of each candidate per round, median of --runs rounds). A measurement is
+// --calls_per_round calls back to back (their mean): with one, the card rests between calls and
+// may clock higher than under the fused call's back-to-back GEMMs at its power limit.
 //
 //   losshead_gemm_sweep --v=128256 --d=4096 --tokens=4096,8192 --candidates=24 --runs=10
 #include <cublasLt.h>
@@ -37,6 +39,7 @@ struct SweepArgs {
   std::vector<int64_t> tokens = {4096, 8192};
   int candidates = 24;
   int runs = 10;
+  int calls_per_round = 1;
   size_t workspace_bytes = size_t{4} << 20;  // the backend's default cuBLAS slice
 };
 
@@ -46,13 +49,16 @@ bool ParseSweepArgs(int argc, char** argv, SweepArgs* args) {
     if (a == "--help") {
       std::printf(
           "losshead_gemm_sweep [--v=V] [--d=D] [--tokens=T,T] [--candidates=K] [--runs=R] "
-          "[--workspace_mib=M]\n");
+          "[--calls_per_round=C] [--workspace_mib=M]\n");
       return false;
     }
     if (a.rfind("--v=", 0) == 0) args->v = std::atoll(a.c_str() + 4);
     if (a.rfind("--d=", 0) == 0) args->d = std::atoll(a.c_str() + 4);
     if (a.rfind("--candidates=", 0) == 0) args->candidates = std::atoi(a.c_str() + 13);
     if (a.rfind("--runs=", 0) == 0) args->runs = std::atoi(a.c_str() + 7);
+    if (a.rfind("--calls_per_round=", 0) == 0) {
+      args->calls_per_round = std::atoi(a.c_str() + 18);
+    }
     if (a.rfind("--workspace_mib=", 0) == 0) {
       args->workspace_bytes = size_t(std::atoll(a.c_str() + 16)) << 20;
     }
@@ -66,8 +72,10 @@ bool ParseSweepArgs(int argc, char** argv, SweepArgs* args) {
       }
     }
   }
-  if (args->v < 8 || args->v % 8 != 0 || args->d < 8 || args->candidates < 1 || args->runs < 1) {
-    std::fprintf(stderr, "need V and D multiples of 8, --candidates and --runs >= 1\n");
+  if (args->v < 8 || args->v % 8 != 0 || args->d < 8 || args->candidates < 1 || args->runs < 1 ||
+      args->calls_per_round < 1) {
+    std::fprintf(stderr,
+                 "need V and D multiples of 8, --candidates, --runs and --calls_per_round >= 1\n");
     return false;
   }
   for (int64_t t : args->tokens) {
@@ -133,12 +141,12 @@ void Sweep(const SweptGemm& g, const SweepArgs& args, int64_t tokens, double flo
   for (int round = -2; round < args.runs; ++round) {  // two rounds of warm-up
     for (size_t i = 0; i < count; ++i) {
       BENCH_CUDA(cudaEventRecord(begin, stream));
-      BENCH_OK(run(*candidates[i]));
+      for (int call = 0; call < args.calls_per_round; ++call) BENCH_OK(run(*candidates[i]));
       BENCH_CUDA(cudaEventRecord(end, stream));
       BENCH_CUDA(cudaEventSynchronize(end));
       float ms = 0;
       BENCH_CUDA(cudaEventElapsedTime(&ms, begin, end));
-      if (round >= 0) times[i].push_back(ms);
+      if (round >= 0) times[i].push_back(ms / args.calls_per_round);
     }
   }
   cudaEventDestroy(begin);
@@ -162,9 +170,11 @@ int Main(int argc, char** argv) {
   if (!ParseSweepArgs(argc, argv, &args)) return 1;
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs; V = %lld, D = %lld; cuBLAS workspace %zu MiB; median of %d\n",
-              prop.name, prop.multiProcessorCount, (long long)args.v, (long long)args.d,
-              args.workspace_bytes >> 20, args.runs);
+  std::printf(
+      "device: %s, %d SMs; V = %lld, D = %lld; cuBLAS workspace %zu MiB; median of %d rounds of "
+      "%d call(s) each\n",
+      prop.name, prop.multiProcessorCount, (long long)args.v, (long long)args.d,
+      args.workspace_bytes >> 20, args.runs, args.calls_per_round);
   std::printf(
       "| GEMM   | tokens | rank | ms | TFLOP/s | first/this | rel. diff to first | bits differ | "
       "cublasLt configuration |\n");
