@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,6 +113,35 @@ std::pair<float, float> PairedMedianMs(cudaStream_t stream, int warmup, int runs
   std::sort(ms_a.begin(), ms_a.end());
   std::sort(ms_b.begin(), ms_b.end());
   return {ms_a[runs / 2], ms_b[runs / 2]};
+}
+
+// Medians of each of `fns` timed in rounds, one call of each per round, after `warmup` rounds:
+// PairedMedianMs for any number of candidates, the drift weighing on all alike.
+inline std::vector<float> RoundsMedianMs(cudaStream_t stream, int warmup, int runs,
+                                         const std::vector<std::function<void()>>& fns) {
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<std::vector<float>> ms(fns.size());
+  for (int round = -warmup; round < runs; ++round) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      BENCH_CUDA(cudaEventRecord(a, stream));
+      fns[i]();
+      BENCH_CUDA(cudaEventRecord(b, stream));
+      BENCH_CUDA(cudaEventSynchronize(b));
+      float t = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+      if (round >= 0) ms[i].push_back(t);
+    }
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::vector<float> medians;
+  for (std::vector<float>& m : ms) {
+    std::sort(m.begin(), m.end());
+    medians.push_back(m[m.size() / 2]);
+  }
+  return medians;
 }
 
 }  // namespace losshead::bench

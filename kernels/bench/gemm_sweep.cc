@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -99,8 +100,9 @@ struct SweptGemm {
   const void* c_start;  // copied into c before a checked run; null where beta is 0
 };
 
-// Checks every candidate first, then times them in rounds, one call of each per round, so that
-// the card's clocks drifting over the run (heat, the power limit) weigh on all alike.
+// Checks every candidate first, then times them in rounds, one measurement of each per round
+// (RoundsMedianMs), so that the card's clocks drifting over the run (heat, the power limit) weigh
+// on all alike.
 void Sweep(const SweptGemm& g, const SweepArgs& args, int64_t tokens, double flop, void* workspace,
            void* reference, cudaStream_t stream) {
   const size_t c_bytes = g.c_count * (g.c_fp32 ? 4 : 2);
@@ -134,27 +136,16 @@ void Sweep(const SweptGemm& g, const SweepArgs& args, int64_t tokens, double flo
     diffs.push_back(diff);
   }
   const size_t count = candidates.size();
-  std::vector<std::vector<float>> times(count);
-  cudaEvent_t begin, end;
-  BENCH_CUDA(cudaEventCreate(&begin));
-  BENCH_CUDA(cudaEventCreate(&end));
-  for (int round = -2; round < args.runs; ++round) {  // two rounds of warm-up
-    for (size_t i = 0; i < count; ++i) {
-      BENCH_CUDA(cudaEventRecord(begin, stream));
+  std::vector<std::function<void()>> calls;
+  for (size_t i = 0; i < count; ++i) {
+    calls.push_back([&, i] {
       for (int call = 0; call < args.calls_per_round; ++call) BENCH_OK(run(*candidates[i]));
-      BENCH_CUDA(cudaEventRecord(end, stream));
-      BENCH_CUDA(cudaEventSynchronize(end));
-      float ms = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, begin, end));
-      if (round >= 0) times[i].push_back(ms / args.calls_per_round);
-    }
+    });
   }
-  cudaEventDestroy(begin);
-  cudaEventDestroy(end);
+  const std::vector<float> round_ms = RoundsMedianMs(stream, 2, args.runs, calls);
   float first_ms = 0;
   for (size_t i = 0; i < count; ++i) {
-    std::sort(times[i].begin(), times[i].end());
-    const float ms = times[i][times[i].size() / 2];
+    const float ms = round_ms[i] / args.calls_per_round;
     if (i == 0) first_ms = ms;
     const std::string rank = std::to_string(i);
     std::printf("| %-6s | %5lld | %4s | %8.3f | %6.1f | %6.3f | %.1e | %11lld | %s |\n", g.name,

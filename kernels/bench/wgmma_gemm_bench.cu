@@ -15,7 +15,7 @@
 // Requires sm_90a (wgmma, setmaxnreg); K and the row strides a multiple of 8 elements (the tensor
 // maps' 16-byte strides). Each shape is checked against cuBLASLt on the same inputs (relative L2
 // difference and the count of elements whose bits differ; the output poisoned with NaN before),
-// then both are timed in rounds (one call of each per round, median of --runs).
+// then both are timed in alternating pairs (PairedMedianMs, median of --runs).
 //
 //   losshead_wgmma_bench --shapes=4096:128256:4096,8192:8192:8192,1000:1032:520 --runs=20
 #include <cuda.h>
@@ -343,8 +343,8 @@ int Main(int argc, char** argv) {
   }
   BENCH_CUDA(
       cudaFuncSetAttribute(GemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  std::printf("device: %s, %d SMs; C = A . B^T in bf16, fp32 sums; median of %d rounds\n",
-              prop.name, prop.multiProcessorCount, runs);
+  std::printf("device: %s, %d SMs; C = A . B^T in bf16, fp32 sums; median of %d pairs\n", prop.name,
+              prop.multiProcessorCount, runs);
   std::printf(
       "| M | N | K | ours ms | TFLOP/s | cuBLASLt ms | TFLOP/s | cuBLASLt / ours | rel. diff | "
       "bits differ |\n");
@@ -382,37 +382,13 @@ int Main(int argc, char** argv) {
     BENCH_CUDA(DiffTensors(ours, theirs, s.m * s.n, /*fp32=*/false, stream, &diff));
     const bool close = diff.relative <= 1e-2;  // bf16 outputs: a rounding step is 2^-8
     all_close &= close;
-    std::vector<float> t_ours, t_theirs;
-    cudaEvent_t e0, e1;
-    BENCH_CUDA(cudaEventCreate(&e0));
-    BENCH_CUDA(cudaEventCreate(&e1));
-    auto time = [&](auto fn) {
-      BENCH_CUDA(cudaEventRecord(e0, stream));
-      fn();
-      BENCH_CUDA(cudaEventRecord(e1, stream));
-      BENCH_CUDA(cudaEventSynchronize(e1));
-      float ms = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-      return ms;
-    };
-    for (int round = -2; round < runs; ++round) {
-      const float x = time(run_ours), y = time(run_theirs);
-      if (round >= 0) {
-        t_ours.push_back(x);
-        t_theirs.push_back(y);
-      }
-    }
-    std::sort(t_ours.begin(), t_ours.end());
-    std::sort(t_theirs.begin(), t_theirs.end());
-    const float ms_ours = t_ours[runs / 2], ms_theirs = t_theirs[runs / 2];
+    const auto [ms_ours, ms_theirs] = PairedMedianMs(stream, 2, runs, run_ours, run_theirs);
     const double flop = 2.0 * s.m * s.n * s.k;
     std::printf("| %lld | %lld | %lld | %.3f | %.1f | %.3f | %.1f | %.3f | %.1e%s | %lld |\n",
                 (long long)s.m, (long long)s.n, (long long)s.k, ms_ours, flop / ms_ours / 1e9,
                 ms_theirs, flop / ms_theirs / 1e9, ms_theirs / ms_ours, diff.relative,
                 close ? "" : " FAIL", (long long)diff.differing);
     std::fflush(stdout);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
     for (void* p : {(void*)a, (void*)b, (void*)ours, (void*)theirs}) cudaFree(p);
   }
   cudaFree(workspace);

@@ -30,11 +30,15 @@ def server_backend() -> str:
     return os.environ.get("LOSSHEAD_SERVER_BACKEND", "cpu")
 
 
+def on_cuda() -> bool:
+    return server_backend() == "cuda"
+
+
 def device_count(wanted: int, at_least: Optional[int] = None) -> int:
     """How many devices a test's server gets: `wanted` on the CPU backend (its devices are
     virtual), as many GPUs as there are up to `wanted` on CUDA; skips where that is fewer than
     `at_least` (default `wanted`)."""
-    if server_backend() != "cuda":
+    if not on_cuda():
         return wanted
     import torch
     count = min(wanted, torch.cuda.device_count())
@@ -50,10 +54,6 @@ def device_count(wanted: int, at_least: Optional[int] = None) -> int:
 # TF32 or bf16 tensor cores.
 CUDA_BF16_ROUNDING_REL = 4e-3
 CUDA_TF32_REL = 2e-3
-
-
-def on_cuda() -> bool:
-    return server_backend() == "cuda"
 
 
 def devices_flag(count: int) -> str:
