@@ -115,6 +115,34 @@ def test_native_cuda_tensors_take_the_device_path_bit_for_bit(servers, monkeypat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fresh_clients_lanes_take_their_first_regions_at_once(servers, monkeypatch) -> None:
+    """Each fresh client's four lanes make their first device regions at the same moment (the
+    step's first call on every lane): torch's storage sharing, called from the lanes at once,
+    crashed the process. Ten fresh clients in turn, each step against the network path's
+    answers and dH bit for bit."""
+    if not native_available():
+        pytest.skip(f"no native library: {native_library()}")
+    monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)
+    n, d, v = 512, 64, 97
+    hidden, weight, targets = random_problem(n, d, v, seed=21, ignore_fraction=0.1)
+    server = servers.start("--backend=cuda", "--devices=0")
+    chunks = [64] * 8
+    with Client(server.address, native=False, client_id="net") as net:
+        for name in ("lanes", "net"):
+            net.create_head(name, v, d)
+            net.upload_weights(name, weight)
+        s = net.step_chunked("net", hidden, targets, chunks=chunks, streams=1)
+        for i in range(10):
+            with Client(server.address, native=True, connections=4,
+                        client_id=f"lanes-{i}") as c:
+                r = c.step_chunked("lanes", hidden.to("cuda:0"), targets.to("cuda:0"),
+                                   chunks=chunks, streams=4, grad_hidden_device="cuda:0")
+            assert r.data_path == "device"
+            assert (r.loss_sum, r.token_count) == (s.loss_sum, s.token_count)
+            assert torch.equal(r.grad_hidden.cpu(), s.grad_hidden)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_device_path_off_takes_the_host_path_bit_for_bit(servers, monkeypatch) -> None:
     """LOSSHEAD_DEVICE_PATH=0: a CUDA tensor on the server's own GPU takes the host path
     (shared memory), with the network path's answers and dH."""

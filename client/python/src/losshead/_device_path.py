@@ -41,6 +41,10 @@ from losshead._native_abi import _DEVICE_VERSION, _SameNodeDevice, _Status
 _c = ctypes
 _p = ctypes.c_void_p
 _MIN_REGION = 1 << 20
+# torch's _share_cuda_() is not safe to call from two threads at once: a step's lanes, each
+# making its first region at the same moment, crashed the process inside it (a segmentation
+# fault, torch 2.11). Every region of every client of the process is made under this lock.
+_SHARE_LOCK = threading.Lock()
 _IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 ALIGN = 256  # offsets inside a region: any dtype's alignment, and a DMA's
 
@@ -170,11 +174,13 @@ class DevicePath:
         if bus is None:
             return None
         size = max(_MIN_REGION, 1 << max(0, nbytes - 1).bit_length())
-        tensor = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
-        storage = (tensor.untyped_storage() if hasattr(tensor, "untyped_storage")
-                   else tensor.storage())
-        # (device, handle, size in bytes, offset in bytes of the storage in its allocation, ...)
-        shared = storage._share_cuda_()  # type: ignore[attr-defined]
+        # The allocation too: the crash was in one lane's share while the others allocated.
+        with _SHARE_LOCK:
+            tensor = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+            storage = (tensor.untyped_storage() if hasattr(tensor, "untyped_storage")
+                       else tensor.storage())
+            # (device, handle, size in bytes, offset of the storage in its allocation, ...)
+            shared = storage._share_cuda_()  # type: ignore[attr-defined]
         ipc, offset = _ipc_handle(bytes(shared[1])), int(shared[3])
         if ipc is None:  # memory the runtime's IPC cannot share: the host path for this device
             with self._lock:
