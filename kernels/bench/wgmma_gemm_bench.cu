@@ -7,15 +7,20 @@
 // sums: the logits GEMM with A = H (tokens x D) and B = W (V x D). One persistent block per SM
 // walks 128 x 256 tiles of C, M fastest (the blocks in flight share a slice of B, and A stays in
 // L2). In a block, one warpgroup's one thread loads 128 x 64 and 256 x 64 slices of A and B into a
-// four-stage ring of shared memory (128-byte swizzle, completion on the stage's "full" barrier);
-// two warpgroups of consumers each multiply 64 rows of the A slice by the B slice
-// (m64n256k16, fp32 accumulators in registers), release the stage on its "empty" barrier once
-// their instructions have read it, and after the last k slice store their rows of C.
+// ring of shared memory (128-byte swizzle, completion on the stage's "full" barrier); two
+// warpgroups of consumers each multiply 64 rows of the A slice by the B slice (m64n256k16, fp32
+// accumulators in registers), release the stage on its "empty" barrier once their instructions
+// have read it, and after the last k slice write their rows of C. Two epilogues (Epilogue): each
+// thread storing its accumulators to global memory (a four-stage ring), or the rows staged in
+// shared memory and written by bulk tensor stores that the warpgroup does not wait for (a
+// three-stage ring, to make room): the second keeps the tensor cores' idle time per tile to the
+// staging, and is what matched cuBLASLt (docs/benchmarks/kernels.md, "Our own GEMM").
 //
-// Requires sm_90a (wgmma, setmaxnreg); K and the row strides a multiple of 8 elements (the tensor
-// maps' 16-byte strides). Each shape is checked against cuBLASLt on the same inputs (relative L2
-// difference and the count of elements whose bits differ; the output poisoned with NaN before),
-// then both are timed in alternating pairs (PairedMedianMs, median of --runs).
+// Requires sm_90a (wgmma, setmaxnreg, bulk tensor copies); K and the row strides a multiple of 8
+// elements (the tensor maps' 16-byte strides). Each shape is checked against cuBLASLt on the same
+// inputs (relative L2 difference and the count of elements whose bits differ; the outputs
+// poisoned with NaN before), then all three are timed in rounds (RoundsMedianMs, median of
+// --runs).
 //
 //   losshead_wgmma_bench --shapes=4096:128256:4096,8192:8192:8192,1000:1032:520 --runs=20
 #include <cuda.h>
@@ -41,13 +46,28 @@
 namespace losshead::bench {
 namespace {
 
-constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64, kStages = 4;
+constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64;
 constexpr int kConsumers = 2;  // warpgroups of 64 rows each
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kStageABytes = kBlockM * kBlockK * 2;  // 16 KiB
 constexpr int kStageBBytes = kBlockN * kBlockK * 2;  // 32 KiB
-// The ring, its barriers, and room to align the ring to the 1024 bytes of a swizzle pattern.
-constexpr int kSmemBytes = kStages * (kStageABytes + kStageBBytes) + 2 * kStages * 8 + 1024;
+// How a tile of C leaves the block.
+enum class Epilogue {
+  kDirect,    // each thread stores its accumulators to global memory; the tensor cores wait
+  kTmaStore,  // into shared memory, then one bulk tensor store per 64 x 64 box, not waited for:
+              // the warpgroup starts its next tile while the copy engine writes this one
+};
+// A consumer's staging of its 64 x 256 rows of C: four 64 x 64 boxes in the 128-byte swizzle.
+constexpr int kStagingBytes = 64 * kBlockN * 2;  // 32 KiB
+// The staging takes a stage of the ring: 3 x 48 + 2 x 32 KiB fit the 227 KiB a block may have.
+template <Epilogue kEpilogue>
+constexpr int kStages = kEpilogue == Epilogue::kTmaStore ? 3 : 4;
+// The ring, the staging, the barriers, and room to align the ring to the 1024 bytes of a swizzle
+// pattern.
+template <Epilogue kEpilogue>
+constexpr int kSmemBytes = kStages<kEpilogue> * (kStageABytes + kStageBBytes) +
+                           (kEpilogue == Epilogue::kTmaStore ? kConsumers * kStagingBytes : 0) +
+                           2 * kStages<kEpilogue> * 8 + 1024;
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -92,6 +112,37 @@ __device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, uint6
       "{%3, %4}], [%2];" ::"r"(SmemAddress(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddress(bar)), "r"(inner), "r"(outer)
       : "memory");
+}
+
+// The box of `map` whose first element is (inner, outer) from `src`, in this thread's bulk group.
+__device__ __forceinline__ void TmaStore(const CUtensorMap* map, const void* src, int inner,
+                                         int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(SmemAddress(src)), "r"(inner), "r"(outer)
+      : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Until this thread's bulk stores have read their shared memory (kReadOnly), or are complete.
+template <bool kReadOnly>
+__device__ __forceinline__ void TmaStoreWait() {
+  if constexpr (kReadOnly) {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+}
+
+// Makes this thread's ordinary writes to shared memory visible to the bulk copies.
+__device__ __forceinline__ void FenceToAsyncProxy() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// The 128 threads of one warpgroup (named barrier `id`, 1 or more: 0 is __syncthreads').
+__device__ __forceinline__ void WarpgroupSync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
 
 // A wgmma operand in shared memory: K-major rows of 128 bytes in the 128-byte swizzle the tensor
@@ -162,18 +213,41 @@ __device__ __forceinline__ void Wgmma64x256(float (&d)[128], uint64_t desc_a, ui
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// One consumer's 64 x 256 rows of C (its accumulators, `row0` the first row of this thread)
+// written into its staging in the bulk copies' 128-byte swizzle: element (r, c) is in box c / 64,
+// row r, 16-byte chunk (c % 64 / 8) ^ (r % 8). The four threads of a row fill one chunk and the
+// eight rows of a store go to eight different chunks: no bank conflicts.
+__device__ __forceinline__ void StageTile(const float (&d)[128], uint8_t* staging, int row0,
+                                          int lane) {
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + half * 8;
+      const int offset = j / 8 * (64 * 128) + r * 128 + ((j % 8) ^ (r % 8)) * 16 + lane % 4 * 4;
+      *reinterpret_cast<__nv_bfloat162*>(staging + offset) =
+          __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+    }
+  }
+}
+
+template <Epilogue kEpilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-               __nv_bfloat16* c, int m, int n, int k, int64_t ldc) {
+               const __grid_constant__ CUtensorMap map_c, __nv_bfloat16* c, int m, int n, int k,
+               int64_t ldc) {
+  constexpr int kRing = kStages<kEpilogue>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   auto* a_ring = reinterpret_cast<__nv_bfloat16*>(smem);
-  auto* b_ring = reinterpret_cast<__nv_bfloat16*>(smem + kStages * kStageABytes);
-  auto* full = reinterpret_cast<uint64_t*>(smem + kStages * (kStageABytes + kStageBBytes));
-  uint64_t* empty = full + kStages;
+  auto* b_ring = reinterpret_cast<__nv_bfloat16*>(smem + kRing * kStageABytes);
+  uint8_t* staging = smem + kRing * (kStageABytes + kStageBBytes);
+  auto* full = reinterpret_cast<uint64_t*>(
+      staging + (kEpilogue == Epilogue::kTmaStore ? kConsumers * kStagingBytes : 0));
+  uint64_t* empty = full + kRing;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kRing; ++s) {
       BarrierInit(&full[s], 1);
       BarrierInit(&empty[s], kConsumers);
     }
@@ -198,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         BarrierExpectBytes(&full[stage], kStageABytes + kStageBBytes);
         TmaLoad(a_ring + stage * kBlockM * kBlockK, &map_a, &full[stage], kb * kBlockK, m0);
         TmaLoad(b_ring + stage * kBlockN * kBlockK, &map_b, &full[stage], kb * kBlockK, n0);
-        if (++stage == kStages) {
+        if (++stage == kRing) {
           stage = 0;
           phase ^= 1;
         }
@@ -233,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       FenceAccumulators(d);
       if (held >= 0 && t == 0) BarrierArrive(&empty[held]);
       held = stage;
-      if (++stage == kStages) {
+      if (++stage == kRing) {
         stage = 0;
         phase ^= 1;
       }
@@ -245,6 +319,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The accumulators' layout: row warp * 16 + lane / 4 (+ 8), columns j * 8 + lane % 4 * 2
     // (+ 1) for j in [0, 32): d[4j], d[4j + 1] on the first row, d[4j + 2], d[4j + 3] on the
     // second.
+    if constexpr (kEpilogue == Epilogue::kTmaStore) {
+      uint8_t* mine = staging + consumer * kStagingBytes;
+      // The last tile's stores must have read the staging before it is written again.
+      if (t == 0) TmaStoreWait<true>();
+      WarpgroupSync(1 + consumer);
+      StageTile(d, mine, warp * 16 + lane / 4, lane);
+      FenceToAsyncProxy();
+      WarpgroupSync(1 + consumer);
+      // Boxes past the tensor's edge are clipped by the copy.
+      if (t == 0) {
+        for (int box = 0; box < kBlockN / 64; ++box) {
+          TmaStore(&map_c, mine + box * 64 * 128, n0 + box * 64, m0 + consumer * 64);
+        }
+      }
+      continue;
+    }
     const int row0 = m0 + consumer * 64 + warp * 16 + lane / 4;
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
@@ -263,6 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  if (kEpilogue == Epilogue::kTmaStore && t == 0) TmaStoreWait<false>();
 }
 
 // cuTensorMapEncodeTiled, from the driver the runtime found (no link against libcuda).
@@ -304,12 +395,14 @@ struct Shape {
   int64_t m, n, k;
 };
 
-void LaunchGemm(const CUtensorMap& map_a, const CUtensorMap& map_b, __nv_bfloat16* c,
-                const Shape& s, int sms, cudaStream_t stream) {
+template <Epilogue kEpilogue>
+void LaunchGemm(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+                __nv_bfloat16* c, const Shape& s, int sms, cudaStream_t stream) {
   const int64_t tiles = (s.m + kBlockM - 1) / kBlockM * ((s.n + kBlockN - 1) / kBlockN);
   const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
-  GemmKernel<<<grid, kThreads, kSmemBytes, stream>>>(
-      map_a, map_b, c, static_cast<int>(s.m), static_cast<int>(s.n), static_cast<int>(s.k), s.n);
+  GemmKernel<kEpilogue><<<grid, kThreads, kSmemBytes<kEpilogue>, stream>>>(
+      map_a, map_b, map_c, c, static_cast<int>(s.m), static_cast<int>(s.n),
+      static_cast<int>(s.k), s.n);
   BENCH_CUDA(cudaGetLastError());
 }
 
@@ -341,13 +434,20 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "needs a Hopper GPU (sm_90a); this is sm_%d%d\n", prop.major, prop.minor);
     return 1;
   }
-  BENCH_CUDA(
-      cudaFuncSetAttribute(GemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  std::printf("device: %s, %d SMs; C = A . B^T in bf16, fp32 sums; median of %d pairs\n", prop.name,
-              prop.multiProcessorCount, runs);
+  BENCH_CUDA(cudaFuncSetAttribute(GemmKernel<Epilogue::kDirect>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kSmemBytes<Epilogue::kDirect>));
+  BENCH_CUDA(cudaFuncSetAttribute(GemmKernel<Epilogue::kTmaStore>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kSmemBytes<Epilogue::kTmaStore>));
   std::printf(
-      "| M | N | K | ours ms | TFLOP/s | cuBLASLt ms | TFLOP/s | cuBLASLt / ours | rel. diff | "
-      "bits differ |\n");
+      "device: %s, %d SMs; C = A . B^T in bf16, fp32 sums; ours with each epilogue (direct: "
+      "stores from registers, 4 stages; TMA: through shared memory, 3 stages) and cuBLASLt timed "
+      "in rounds, median of %d\n",
+      prop.name, prop.multiProcessorCount, runs);
+  std::printf(
+      "| M | N | K | direct ms | TMA ms | TFLOP/s (TMA) | cuBLASLt ms | TFLOP/s | cuBLASLt / "
+      "direct | cuBLASLt / TMA | rel. diff direct / TMA | bits differ direct / TMA |\n");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<kernels::cuda::LtGemm> lt;
@@ -362,34 +462,50 @@ int Main(int argc, char** argv) {
     BENCH_CUDA(cudaMalloc(&b, s.n * s.k * 2));
     BENCH_CUDA(cudaMalloc(&ours, s.m * s.n * 2));
     BENCH_CUDA(cudaMalloc(&theirs, s.m * s.n * 2));
+    __nv_bfloat16* staged;  // the TMA epilogue's output
+    BENCH_CUDA(cudaMalloc(&staged, s.m * s.n * 2));
     // As kernel_bench's: h ~ U(-1, 1), w ~ U(-4 / sqrt(K), 4 / sqrt(K)).
     BENCH_CUDA(FillUniformBf16(a, s.m * s.k, 1.0f, 11, stream));
     BENCH_CUDA(FillUniformBf16(b, s.n * s.k, 4.0f / std::sqrt(float(s.k)), 12, stream));
     BENCH_CUDA(cudaMemsetAsync(ours, 0xff, s.m * s.n * 2, stream));  // NaN where unwritten
+    BENCH_CUDA(cudaMemsetAsync(staged, 0xff, s.m * s.n * 2, stream));
     const CUtensorMap map_a = MakeMap(a, s.m, s.k, s.k, kBlockM);
     const CUtensorMap map_b = MakeMap(b, s.n, s.k, s.k, kBlockN);
+    const CUtensorMap map_c = MakeMap(staged, s.m, s.n, s.n, 64);
     static constexpr float kOne = 1.0f, kZero = 0.0f;
     // The fused call's logits GEMM: logits (tokens x width) = H . W^T with H = A, W = B.
     const kernels::cuda::GemmShape shape =
         kernels::cuda::LogitsGemm(s.n, s.m, s.k, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUDA_R_16BF, s.n);
-    auto run_ours = [&] { LaunchGemm(map_a, map_b, ours, s, prop.multiProcessorCount, stream); };
+    auto run_ours = [&] {
+      LaunchGemm<Epilogue::kDirect>(map_a, map_b, map_c, ours, s, prop.multiProcessorCount,
+                                    stream);
+    };
+    auto run_staged = [&] {
+      LaunchGemm<Epilogue::kTmaStore>(map_a, map_b, map_c, staged, s, prop.multiProcessorCount,
+                                      stream);
+    };
     auto run_theirs = [&] {
       BENCH_OK(lt->Run(shape, &kOne, b, a, &kZero, theirs, workspace, kWorkspace, stream));
     };
     run_ours();
+    run_staged();
     run_theirs();
-    TensorDiff diff;
+    TensorDiff diff, diff_staged;
     BENCH_CUDA(DiffTensors(ours, theirs, s.m * s.n, /*fp32=*/false, stream, &diff));
-    const bool close = diff.relative <= 1e-2;  // bf16 outputs: a rounding step is 2^-8
+    BENCH_CUDA(DiffTensors(staged, theirs, s.m * s.n, /*fp32=*/false, stream, &diff_staged));
+    // bf16 outputs: a rounding step is 2^-8.
+    const bool close = diff.relative <= 1e-2 && diff_staged.relative <= 1e-2;
     all_close &= close;
-    const auto [ms_ours, ms_theirs] = PairedMedianMs(stream, 2, runs, run_ours, run_theirs);
+    const std::vector<float> ms = RoundsMedianMs(stream, 2, runs, {run_ours, run_staged, run_theirs});
     const double flop = 2.0 * s.m * s.n * s.k;
-    std::printf("| %lld | %lld | %lld | %.3f | %.1f | %.3f | %.1f | %.3f | %.1e%s | %lld |\n",
-                (long long)s.m, (long long)s.n, (long long)s.k, ms_ours, flop / ms_ours / 1e9,
-                ms_theirs, flop / ms_theirs / 1e9, ms_theirs / ms_ours, diff.relative,
-                close ? "" : " FAIL", (long long)diff.differing);
+    std::printf(
+        "| %lld | %lld | %lld | %.3f | %.3f | %.1f | %.3f | %.1f | %.3f | %.3f | %.1e / %.1e%s | "
+        "%lld / %lld |\n",
+        (long long)s.m, (long long)s.n, (long long)s.k, ms[0], ms[1], flop / ms[1] / 1e9, ms[2],
+        flop / ms[2] / 1e9, ms[2] / ms[0], ms[2] / ms[1], diff.relative, diff_staged.relative,
+        close ? "" : " FAIL", (long long)diff.differing, (long long)diff_staged.differing);
     std::fflush(stdout);
-    for (void* p : {(void*)a, (void*)b, (void*)ours, (void*)theirs}) cudaFree(p);
+    for (void* p : {(void*)a, (void*)b, (void*)ours, (void*)theirs, (void*)staged}) cudaFree(p);
   }
   cudaFree(workspace);
   BENCH_CUDA(cudaStreamDestroy(stream));
