@@ -14,7 +14,12 @@
 // thread storing its accumulators to global memory (a four-stage ring), or the rows staged in
 // shared memory and written by bulk tensor stores that the warpgroup does not wait for (a
 // three-stage ring, to make room): the second keeps the tensor cores' idle time per tile to the
-// staging, and is what matched cuBLASLt (docs/benchmarks/kernels.md, "Our own GEMM").
+// staging, and is what matched cuBLASLt (docs/benchmarks/kernels.md, "Our own GEMM"). On the
+// second, each row's softmax statistics per 256 columns (its largest logit and the sum of exp
+// over the rest), what a row kernel's first read of the logits computes: by the consumers
+// before they move on (the tensor cores wait), or by the producer warpgroup's three idle warps
+// from the staged tile while the consumers multiply the next one; checked against one read of
+// C that computes them, timed beside it.
 //
 // Requires sm_90a (wgmma, setmaxnreg, bulk tensor copies); K and the row strides a multiple of 8
 // elements (the tensor maps' 16-byte strides). Each shape is checked against cuBLASLt on the same
@@ -56,18 +61,24 @@ enum class Epilogue {
   kDirect,    // each thread stores its accumulators to global memory; the tensor cores wait
   kTmaStore,  // into shared memory, then one bulk tensor store per 64 x 64 box, not waited for:
               // the warpgroup starts its next tile while the copy engine writes this one
+  kTmaStoreStats,  // kTmaStore, and each row's softmax statistics over the tile's 256 columns
+                   // (RowTileStats): what a row kernel's first read of the logits computes
+  kTmaStoreStatsAside,  // the same statistics, read from the staged tile by the producer
+                        // warpgroup's three idle warps (StatsWarps) while the consumers
+                        // multiply the next tile
 };
+__host__ __device__ constexpr bool Staged(Epilogue e) { return e != Epilogue::kDirect; }
 // A consumer's staging of its 64 x 256 rows of C: four 64 x 64 boxes in the 128-byte swizzle.
 constexpr int kStagingBytes = 64 * kBlockN * 2;  // 32 KiB
 // The staging takes a stage of the ring: 3 x 48 + 2 x 32 KiB fit the 227 KiB a block may have.
 template <Epilogue kEpilogue>
-constexpr int kStages = kEpilogue == Epilogue::kTmaStore ? 3 : 4;
+constexpr int kStages = Staged(kEpilogue) ? 3 : 4;
 // The ring, the staging, the barriers, and room to align the ring to the 1024 bytes of a swizzle
 // pattern.
 template <Epilogue kEpilogue>
 constexpr int kSmemBytes = kStages<kEpilogue> * (kStageABytes + kStageBBytes) +
-                           (kEpilogue == Epilogue::kTmaStore ? kConsumers * kStagingBytes : 0) +
-                           2 * kStages<kEpilogue> * 8 + 1024;
+                           (Staged(kEpilogue) ? kConsumers * kStagingBytes : 0) +
+                           2 * kStages<kEpilogue> * 8 + 2 * kConsumers * 8 + 1024;
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -231,11 +242,135 @@ __device__ __forceinline__ void StageTile(const float (&d)[128], uint8_t* stagin
   }
 }
 
+// The statistics a row of logits x takes for its softmax, over one tile of 256 columns: the
+// largest x and sum(exp(x - largest)), from x as stored (rounded to bf16), exp as exp2 of x log2 e.
+constexpr int kStatsColumns = kBlockN;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float AsStored(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// A consumer's rows of one tile: this thread holds 64 of a row's 256 columns (its quad the rest)
+// for rows row0 and row0 + 8; columns past n do not count. stats is M x tiles_n.
+__device__ __forceinline__ void RowTileStats(const float (&d)[128], float2* stats, int m, int n,
+                                             int row0, int n0, int tiles_n, int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float largest = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const int col = n0 + j * 8 + lane % 4 * 2;
+      if (col < n) largest = fmaxf(largest, AsStored(d[4 * j + 2 * half]));
+      if (col + 1 < n) largest = fmaxf(largest, AsStored(d[4 * j + 2 * half + 1]));
+    }
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+    const float shift = largest * kLog2e;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const int col = n0 + j * 8 + lane % 4 * 2;
+      if (col < n) sum += exp2f(fmaf(AsStored(d[4 * j + 2 * half]), kLog2e, -shift));
+      if (col + 1 < n) sum += exp2f(fmaf(AsStored(d[4 * j + 2 * half + 1]), kLog2e, -shift));
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = row0 + half * 8;
+    if (lane % 4 == 0 && row < m) {
+      stats[static_cast<int64_t>(row) * tiles_n + n0 / kStatsColumns] = make_float2(largest, sum);
+    }
+  }
+}
+
+// The same statistics by one read of C (M x n, row-major): a block per row, a warp per tile of
+// 256 columns at a time, 16 bytes per lane. The reference the epilogue's are checked against,
+// and the read of the logits they would save a row kernel (timed beside the GEMMs).
+__global__ void __launch_bounds__(256) ReadRowTileStats(const __nv_bfloat16* c, int n,
+                                                        int tiles_n, float2* stats) {
+  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const __nv_bfloat16* x = c + static_cast<int64_t>(row) * n;
+  for (int tile = warp; tile < tiles_n; tile += 8) {
+    const int col = tile * kStatsColumns + lane * 8;
+    float v[8];
+    if (col + 8 <= n) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + col);
+      const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = col + i < n ? __bfloat162float(x[col + i]) : -INFINITY;
+    }
+    float largest = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) largest = fmaxf(largest, v[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+    const float shift = largest * kLog2e;
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += v[i] == -INFINITY ? 0.0f : exp2f(fmaf(v[i], kLog2e, -shift));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) stats[static_cast<int64_t>(row) * tiles_n + tile] = make_float2(largest, sum);
+  }
+}
+
+// One staged row of 256 columns (row r of a consumer's staging, first column n0) into its
+// statistics, by one warp: lane l reads the 16-byte chunk of columns 8l to 8l + 7, as
+// ReadRowTileStats does from global memory, so both sum in the same order.
+__device__ __forceinline__ float2 StagedRowStats(const uint8_t* staging, int r, int n0, int n,
+                                                 int lane) {
+  const int box = lane / 8, chunk = lane % 8;
+  const uint4 raw = *reinterpret_cast<const uint4*>(staging + box * (64 * 128) + r * 128 +
+                                                    ((chunk ^ (r % 8)) * 16));
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const int col = n0 + lane * 8;
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    v[2 * i] = col + 2 * i < n ? f.x : -INFINITY;
+    v[2 * i + 1] = col + 2 * i + 1 < n ? f.y : -INFINITY;
+  }
+  float largest = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) largest = fmaxf(largest, v[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+  const float shift = largest * kLog2e;
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum += v[i] == -INFINITY ? 0.0f : exp2f(fmaf(v[i], kLog2e, -shift));
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  return make_float2(largest, sum);
+}
+
+// Largest |a.x - b.x| and largest |a.y - b.y| / b.y over `count` pairs, into out[0], out[1]
+// (zeroed first; non-negative floats compare as their bits).
+__global__ void StatsDiff(const float2* a, const float2* b, int64_t count, float* out) {
+  float largest = 0.0f, rel = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    largest = fmaxf(largest, fabsf(a[i].x - b[i].x));
+    rel = fmaxf(rel, fabsf(a[i].y - b[i].y) / b[i].y);
+    if (a[i].x != a[i].x || a[i].y != a[i].y) rel = INFINITY;  // NaN: never written
+  }
+  atomicMax(reinterpret_cast<unsigned*>(&out[0]), __float_as_uint(largest));
+  atomicMax(reinterpret_cast<unsigned*>(&out[1]), __float_as_uint(rel));
+}
+
 template <Epilogue kEpilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-               const __grid_constant__ CUtensorMap map_c, __nv_bfloat16* c, int m, int n, int k,
-               int64_t ldc) {
+               const __grid_constant__ CUtensorMap map_c, __nv_bfloat16* c, float2* stats, int m,
+               int n, int k, int64_t ldc) {
   constexpr int kRing = kStages<kEpilogue>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -244,12 +379,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto* b_ring = reinterpret_cast<__nv_bfloat16*>(smem + kRing * kStageABytes);
   uint8_t* staging = smem + kRing * (kStageABytes + kStageBBytes);
   auto* full = reinterpret_cast<uint64_t*>(
-      staging + (kEpilogue == Epilogue::kTmaStore ? kConsumers * kStagingBytes : 0));
+      staging + (Staged(kEpilogue) ? kConsumers * kStagingBytes : 0));
   uint64_t* empty = full + kRing;
+  // Per consumer: its tile is staged (its thread 0 arrives); the stats warps are done reading it
+  // (each of the three arrives). kTmaStoreStatsAside only.
+  uint64_t* staged = empty + kRing;
+  uint64_t* released = staged + kConsumers;
+  constexpr int kStatsWarps = 3;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kRing; ++s) {
       BarrierInit(&full[s], 1);
       BarrierInit(&empty[s], kConsumers);
+    }
+    for (int c = 0; c < kConsumers; ++c) {
+      BarrierInit(&staged[c], 1);
+      BarrierInit(&released[c], kStatsWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -261,6 +405,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (kEpilogue == Epilogue::kTmaStoreStatsAside && threadIdx.x >= 32) {  // the stats warps
+      const int stats_warp = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
+      const int tiles_n = (n + kStatsColumns - 1) / kStatsColumns;
+      for (int tile = blockIdx.x, iteration = 0; tile < tiles; tile += gridDim.x, ++iteration) {
+        const int m0 = tile % tiles_m * kBlockM, n0 = tile / tiles_m * kBlockN;
+        for (int c = 0; c < kConsumers; ++c) {
+          BarrierWait(&staged[c], iteration & 1);
+          for (int r = stats_warp; r < 64 && m0 + c * 64 + r < m; r += kStatsWarps) {
+            const float2 rs = StagedRowStats(staging + c * kStagingBytes, r, n0, n, lane);
+            if (lane == 0) {
+              stats[static_cast<int64_t>(m0 + c * 64 + r) * tiles_n + n0 / kStatsColumns] = rs;
+            }
+          }
+          __syncwarp();
+          if (lane == 0) BarrierArrive(&released[c]);
+        }
+      }
+      return;
+    }
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
@@ -287,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int stage = 0;
   uint32_t phase = 0;
   float d[128];
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int tile = blockIdx.x, iteration = 0; tile < tiles; tile += gridDim.x, ++iteration) {
     const int m0 = tile % tiles_m * kBlockM, n0 = tile / tiles_m * kBlockN;
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.0f;
@@ -319,12 +482,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The accumulators' layout: row warp * 16 + lane / 4 (+ 8), columns j * 8 + lane % 4 * 2
     // (+ 1) for j in [0, 32): d[4j], d[4j + 1] on the first row, d[4j + 2], d[4j + 3] on the
     // second.
-    if constexpr (kEpilogue == Epilogue::kTmaStore) {
+    if constexpr (Staged(kEpilogue)) {
       uint8_t* mine = staging + consumer * kStagingBytes;
-      // The last tile's stores must have read the staging before it is written again.
-      if (t == 0) TmaStoreWait<true>();
+      // The last tile's stores, and its statistics, must have read the staging before it is
+      // written again.
+      if (t == 0) {
+        TmaStoreWait<true>();
+        if (kEpilogue == Epilogue::kTmaStoreStatsAside && iteration > 0) {
+          BarrierWait(&released[consumer], (iteration - 1) & 1);
+        }
+      }
       WarpgroupSync(1 + consumer);
       StageTile(d, mine, warp * 16 + lane / 4, lane);
+      if constexpr (kEpilogue == Epilogue::kTmaStoreStats) {
+        RowTileStats(d, stats, m, n, m0 + consumer * 64 + warp * 16 + lane / 4, n0,
+                     (n + kStatsColumns - 1) / kStatsColumns, lane);
+      }
       FenceToAsyncProxy();
       WarpgroupSync(1 + consumer);
       // Boxes past the tensor's edge are clipped by the copy.
@@ -332,6 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int box = 0; box < kBlockN / 64; ++box) {
           TmaStore(&map_c, mine + box * 64 * 128, n0 + box * 64, m0 + consumer * 64);
         }
+        if (kEpilogue == Epilogue::kTmaStoreStatsAside) BarrierArrive(&staged[consumer]);
       }
       continue;
     }
@@ -353,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  if (kEpilogue == Epilogue::kTmaStore && t == 0) TmaStoreWait<false>();
+  if (Staged(kEpilogue) && t == 0) TmaStoreWait<false>();
 }
 
 // cuTensorMapEncodeTiled, from the driver the runtime found (no link against libcuda).
@@ -397,11 +571,11 @@ struct Shape {
 
 template <Epilogue kEpilogue>
 void LaunchGemm(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
-                __nv_bfloat16* c, const Shape& s, int sms, cudaStream_t stream) {
+                __nv_bfloat16* c, float2* stats, const Shape& s, int sms, cudaStream_t stream) {
   const int64_t tiles = (s.m + kBlockM - 1) / kBlockM * ((s.n + kBlockN - 1) / kBlockN);
   const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
   GemmKernel<kEpilogue><<<grid, kThreads, kSmemBytes<kEpilogue>, stream>>>(
-      map_a, map_b, map_c, c, static_cast<int>(s.m), static_cast<int>(s.n),
+      map_a, map_b, map_c, c, stats, static_cast<int>(s.m), static_cast<int>(s.n),
       static_cast<int>(s.k), s.n);
   BENCH_CUDA(cudaGetLastError());
 }
@@ -440,14 +614,25 @@ int Main(int argc, char** argv) {
   BENCH_CUDA(cudaFuncSetAttribute(GemmKernel<Epilogue::kTmaStore>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kSmemBytes<Epilogue::kTmaStore>));
+  BENCH_CUDA(cudaFuncSetAttribute(GemmKernel<Epilogue::kTmaStoreStats>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kSmemBytes<Epilogue::kTmaStoreStats>));
+  BENCH_CUDA(cudaFuncSetAttribute(GemmKernel<Epilogue::kTmaStoreStatsAside>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kSmemBytes<Epilogue::kTmaStoreStatsAside>));
   std::printf(
       "device: %s, %d SMs; C = A . B^T in bf16, fp32 sums; ours with each epilogue (direct: "
-      "stores from registers, 4 stages; TMA: through shared memory, 3 stages) and cuBLASLt timed "
-      "in rounds, median of %d\n",
+      "stores from registers, 4 stages; TMA: through shared memory, 3 stages; + stats: and each "
+      "row's softmax statistics per 256 columns, by the consumers / aside, by the producer's idle "
+      "warps), cuBLASLt, and one read of C for the same statistics, timed in rounds, median of "
+      "%d\n",
       prop.name, prop.multiProcessorCount, runs);
   std::printf(
-      "| M | N | K | direct ms | TMA ms | TFLOP/s (TMA) | cuBLASLt ms | TFLOP/s | cuBLASLt / "
-      "direct | cuBLASLt / TMA | rel. diff direct / TMA | bits differ direct / TMA |\n");
+      "| M | N | K | direct ms | TMA ms | + stats ms | + stats aside ms | TFLOP/s (TMA) | "
+      "cuBLASLt ms | TFLOP/s | cuBLASLt / direct | cuBLASLt / TMA | cuBLASLt / aside | read for "
+      "stats ms | rel. diff direct / TMA / + stats / aside | bits differ direct / TMA / + stats / "
+      "aside | stats vs the read, + stats / aside: max abs diff of largest, max rel diff of sum "
+      "|\n");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<kernels::cuda::LtGemm> lt;
@@ -462,8 +647,15 @@ int Main(int argc, char** argv) {
     BENCH_CUDA(cudaMalloc(&b, s.n * s.k * 2));
     BENCH_CUDA(cudaMalloc(&ours, s.m * s.n * 2));
     BENCH_CUDA(cudaMalloc(&theirs, s.m * s.n * 2));
-    __nv_bfloat16* staged;  // the TMA epilogue's output
+    __nv_bfloat16* staged;  // the TMA epilogues' output
     BENCH_CUDA(cudaMalloc(&staged, s.m * s.n * 2));
+    const int64_t tiles_n = (s.n + kStatsColumns - 1) / kStatsColumns;
+    float2 *stats, *read_stats;  // the epilogue's and the read's
+    float* stats_diff;
+    BENCH_CUDA(cudaMalloc(&stats, s.m * tiles_n * sizeof(float2)));
+    BENCH_CUDA(cudaMalloc(&read_stats, s.m * tiles_n * sizeof(float2)));
+    BENCH_CUDA(cudaMalloc(&stats_diff, 2 * sizeof(float)));
+    BENCH_CUDA(cudaMemsetAsync(stats, 0xff, s.m * tiles_n * sizeof(float2), stream));
     // As kernel_bench's: h ~ U(-1, 1), w ~ U(-4 / sqrt(K), 4 / sqrt(K)).
     BENCH_CUDA(FillUniformBf16(a, s.m * s.k, 1.0f, 11, stream));
     BENCH_CUDA(FillUniformBf16(b, s.n * s.k, 4.0f / std::sqrt(float(s.k)), 12, stream));
@@ -477,12 +669,25 @@ int Main(int argc, char** argv) {
     const kernels::cuda::GemmShape shape =
         kernels::cuda::LogitsGemm(s.n, s.m, s.k, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUDA_R_16BF, s.n);
     auto run_ours = [&] {
-      LaunchGemm<Epilogue::kDirect>(map_a, map_b, map_c, ours, s, prop.multiProcessorCount,
-                                    stream);
+      LaunchGemm<Epilogue::kDirect>(map_a, map_b, map_c, ours, nullptr, s,
+                                    prop.multiProcessorCount, stream);
     };
     auto run_staged = [&] {
-      LaunchGemm<Epilogue::kTmaStore>(map_a, map_b, map_c, staged, s, prop.multiProcessorCount,
-                                      stream);
+      LaunchGemm<Epilogue::kTmaStore>(map_a, map_b, map_c, staged, nullptr, s,
+                                      prop.multiProcessorCount, stream);
+    };
+    auto run_stats = [&] {
+      LaunchGemm<Epilogue::kTmaStoreStats>(map_a, map_b, map_c, staged, stats, s,
+                                           prop.multiProcessorCount, stream);
+    };
+    auto run_aside = [&] {
+      LaunchGemm<Epilogue::kTmaStoreStatsAside>(map_a, map_b, map_c, staged, stats, s,
+                                                prop.multiProcessorCount, stream);
+    };
+    auto run_read = [&] {
+      ReadRowTileStats<<<static_cast<unsigned>(s.m), 256, 0, stream>>>(
+          theirs, static_cast<int>(s.n), static_cast<int>(tiles_n), read_stats);
+      BENCH_CUDA(cudaGetLastError());
     };
     auto run_theirs = [&] {
       BENCH_OK(lt->Run(shape, &kOne, b, a, &kZero, theirs, workspace, kWorkspace, stream));
@@ -490,22 +695,50 @@ int Main(int argc, char** argv) {
     run_ours();
     run_staged();
     run_theirs();
-    TensorDiff diff, diff_staged;
+    TensorDiff diff, diff_staged, diff_stats, diff_aside;
     BENCH_CUDA(DiffTensors(ours, theirs, s.m * s.n, /*fp32=*/false, stream, &diff));
     BENCH_CUDA(DiffTensors(staged, theirs, s.m * s.n, /*fp32=*/false, stream, &diff_staged));
-    // bf16 outputs: a rounding step is 2^-8.
-    const bool close = diff.relative <= 1e-2 && diff_staged.relative <= 1e-2;
+    run_read();
+    // Each statistics variant from outputs poisoned with NaN, its C and statistics checked.
+    auto check_stats = [&](auto run, TensorDiff* c_diff, float* error) {
+      BENCH_CUDA(cudaMemsetAsync(staged, 0xff, s.m * s.n * 2, stream));
+      BENCH_CUDA(cudaMemsetAsync(stats, 0xff, s.m * tiles_n * sizeof(float2), stream));
+      run();
+      BENCH_CUDA(DiffTensors(staged, theirs, s.m * s.n, /*fp32=*/false, stream, c_diff));
+      BENCH_CUDA(cudaMemsetAsync(stats_diff, 0, 2 * sizeof(float), stream));
+      StatsDiff<<<264, 256, 0, stream>>>(stats, read_stats, s.m * tiles_n, stats_diff);
+      BENCH_CUDA(cudaMemcpyAsync(error, stats_diff, 2 * sizeof(float), cudaMemcpyDeviceToHost,
+                                 stream));
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+    };
+    float stats_error[2], aside_error[2];
+    check_stats(run_stats, &diff_stats, stats_error);
+    check_stats(run_aside, &diff_aside, aside_error);
+    // bf16 outputs: a rounding step is 2^-8. The statistics: the same largest value, and sums
+    // of the same exp2 values, in another order in the consumers.
+    const bool close = diff.relative <= 1e-2 && diff_staged.relative <= 1e-2 &&
+                       diff_stats.relative <= 1e-2 && diff_aside.relative <= 1e-2 &&
+                       stats_error[0] == 0.0f && stats_error[1] <= 1e-5f &&
+                       aside_error[0] == 0.0f && aside_error[1] <= 1e-5f;
     all_close &= close;
-    const std::vector<float> ms = RoundsMedianMs(stream, 2, runs, {run_ours, run_staged, run_theirs});
+    const std::vector<float> ms = RoundsMedianMs(
+        stream, 2, runs, {run_ours, run_staged, run_stats, run_aside, run_theirs, run_read});
     const double flop = 2.0 * s.m * s.n * s.k;
     std::printf(
-        "| %lld | %lld | %lld | %.3f | %.3f | %.1f | %.3f | %.1f | %.3f | %.3f | %.1e / %.1e%s | "
-        "%lld / %lld |\n",
-        (long long)s.m, (long long)s.n, (long long)s.k, ms[0], ms[1], flop / ms[1] / 1e9, ms[2],
-        flop / ms[2] / 1e9, ms[2] / ms[0], ms[2] / ms[1], diff.relative, diff_staged.relative,
-        close ? "" : " FAIL", (long long)diff.differing, (long long)diff_staged.differing);
+        "| %lld | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.1f | %.3f | %.1f | %.3f | %.3f | "
+        "%.3f | %.3f | %.1e / %.1e / %.1e / %.1e | %lld / %lld / %lld / %lld | %.1e, %.1e / "
+        "%.1e, %.1e%s |\n",
+        (long long)s.m, (long long)s.n, (long long)s.k, ms[0], ms[1], ms[2], ms[3],
+        flop / ms[1] / 1e9, ms[4], flop / ms[4] / 1e9, ms[4] / ms[0], ms[4] / ms[1],
+        ms[4] / ms[3], ms[5], diff.relative, diff_staged.relative, diff_stats.relative,
+        diff_aside.relative, (long long)diff.differing, (long long)diff_staged.differing,
+        (long long)diff_stats.differing, (long long)diff_aside.differing, stats_error[0],
+        stats_error[1], aside_error[0], aside_error[1], close ? "" : " FAIL");
     std::fflush(stdout);
-    for (void* p : {(void*)a, (void*)b, (void*)ours, (void*)theirs, (void*)staged}) cudaFree(p);
+    for (void* p : {(void*)a, (void*)b, (void*)ours, (void*)theirs, (void*)staged, (void*)stats,
+                    (void*)read_stats, (void*)stats_diff}) {
+      cudaFree(p);
+    }
   }
   cudaFree(workspace);
   BENCH_CUDA(cudaStreamDestroy(stream));
