@@ -30,17 +30,18 @@
 #include "kernels/cuda/head_gemms.h"
 #include "kernels/cuda/logits_gemm_sm90.cuh"
 #include "kernels/cuda/lt_gemm.h"
+#include "kernels/cuda/reduce.cuh"
 
 namespace losshead::bench {
 namespace {
 
 using kernels::cuda::kLogitsStatsColumns;
 constexpr int kColumns = static_cast<int>(kLogitsStatsColumns);
-constexpr float kLog2e = 1.4426950408889634f;
 
 // The same statistics by one read of C (M x n, row-major): a block per row, a warp per tile of
-// 256 columns at a time, 16 bytes per lane. The reference the epilogue's are checked against,
-// and the read of the logits they would save a row kernel (timed beside the GEMMs).
+// 256 columns at a time, 16 bytes per lane, reduced as the GEMM's are (reduce.cuh's
+// WarpTileStats). What the GEMM's are checked against, and the read of the logits they would
+// save a row kernel (timed beside the GEMMs).
 __global__ void __launch_bounds__(256)
     ReadRowTileStats(const __nv_bfloat16* c, int n, int tiles_n, float2* stats) {
   const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -61,19 +62,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = col + i < n ? __bfloat162float(x[col + i]) : -INFINITY;
     }
-    float largest = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) largest = fmaxf(largest, v[i]);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2)
-      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
-    const float shift = largest * kLog2e;
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum += v[i] == -INFINITY ? 0.0f : exp2f(fmaf(v[i], kLog2e, -shift));
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) stats[static_cast<int64_t>(row) * tiles_n + tile] = make_float2(largest, sum);
+    const float2 tile_stats = kernels::cuda::WarpTileStats(v);
+    if (lane == 0) stats[static_cast<int64_t>(row) * tiles_n + tile] = tile_stats;
   }
 }
 

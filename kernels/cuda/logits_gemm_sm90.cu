@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/logits_gemm_sm90.cuh"
+#include "kernels/cuda/reduce.cuh"
 
 namespace losshead::kernels::cuda {
 namespace {
@@ -44,7 +45,6 @@ constexpr int kStagingBytes = 64 * kBlockN * 2;  // 32 KiB
 // KiB of the 227 a block may have.
 constexpr int kSmemBytes = kStages * (kStageABytes + kStageBBytes) + kConsumers * kStagingBytes +
                            (2 * kStages + 2 * kConsumers) * 8 + 1024;
-constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -224,19 +224,7 @@ __device__ __forceinline__ float2 StagedRowStats(const uint8_t* staging, int r, 
     v[2 * i] = col + 2 * i < n ? f.x : -INFINITY;  // past the width: no part
     v[2 * i + 1] = col + 2 * i + 1 < n ? f.y : -INFINITY;
   }
-  float largest = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) largest = fmaxf(largest, v[i]);
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2)
-    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
-  const float shift = largest * kLog2e;
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) sum += v[i] == -INFINITY ? 0.0f : exp2f(fmaf(v[i], kLog2e, -shift));
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  return make_float2(largest, sum);
+  return WarpTileStats(v);
 }
 
 template <bool kStats>
