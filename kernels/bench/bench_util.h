@@ -45,6 +45,42 @@ T Unwrap(absl::StatusOr<T> v, const char* what) {
   return std::move(*v);
 }
 
+// Times calls on `stream` with a pair of CUDA events (made once, freed with it).
+class EventTimer {
+ public:
+  explicit EventTimer(cudaStream_t stream) : stream_(stream) {
+    BENCH_CUDA(cudaEventCreate(&begin_));
+    BENCH_CUDA(cudaEventCreate(&end_));
+  }
+  ~EventTimer() {
+    cudaEventDestroy(begin_);
+    cudaEventDestroy(end_);
+  }
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+
+  // Milliseconds fn() took on the stream.
+  template <typename Fn>
+  float Ms(Fn&& fn) {
+    BENCH_CUDA(cudaEventRecord(begin_, stream_));
+    fn();
+    BENCH_CUDA(cudaEventRecord(end_, stream_));
+    BENCH_CUDA(cudaEventSynchronize(end_));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, begin_, end_));
+    return ms;
+  }
+
+ private:
+  cudaStream_t stream_;
+  cudaEvent_t begin_, end_;
+};
+
+inline float Median(std::vector<float> ms) {
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 // Median of `runs` timings of fn() with CUDA events on `stream`, after `warmup` calls.
 // before() runs ahead of each timed call, outside the events (e.g. to refill an input that the
 // call consumes).
@@ -54,22 +90,13 @@ float MedianMs(cudaStream_t stream, int warmup, int runs, Fn fn, Before before) 
     before();
     fn();
   }
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
+  EventTimer timer(stream);
   std::vector<float> ms(runs);
   for (int i = 0; i < runs; ++i) {
     before();
-    BENCH_CUDA(cudaEventRecord(a, stream));
-    fn();
-    BENCH_CUDA(cudaEventRecord(b, stream));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    BENCH_CUDA(cudaEventElapsedTime(&ms[i], a, b));
+    ms[i] = timer.Ms(fn);
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[runs / 2];
+  return Median(std::move(ms));
 }
 
 template <typename Fn>
@@ -77,71 +104,32 @@ float MedianMs(cudaStream_t stream, int warmup, int runs, Fn fn) {
   return MedianMs(stream, warmup, runs, fn, [] {});
 }
 
-// Medians of `fa` and `fb` timed in alternating pairs (a then b, then b then a, and so on), so
-// that a drift of the card's clocks over the runs (heat, power) weighs on both alike: timing all
-// of one and then all of the other put the drift into the difference.
-template <typename Fa, typename Fb>
-std::pair<float, float> PairedMedianMs(cudaStream_t stream, int warmup, int runs, Fa fa, Fb fb) {
-  for (int i = 0; i < warmup; ++i) {
-    fa();
-    fb();
-  }
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  auto time = [&](auto& fn) {
-    float ms = 0;
-    BENCH_CUDA(cudaEventRecord(a, stream));
-    fn();
-    BENCH_CUDA(cudaEventRecord(b, stream));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
-    return ms;
-  };
-  std::vector<float> ms_a(runs), ms_b(runs);
-  for (int i = 0; i < runs; ++i) {
-    if (i % 2 == 0) {
-      ms_a[i] = time(fa);
-      ms_b[i] = time(fb);
-    } else {
-      ms_b[i] = time(fb);
-      ms_a[i] = time(fa);
-    }
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms_a.begin(), ms_a.end());
-  std::sort(ms_b.begin(), ms_b.end());
-  return {ms_a[runs / 2], ms_b[runs / 2]};
-}
-
-// Medians of each of `fns` timed in rounds, one call of each per round, after `warmup` rounds:
-// PairedMedianMs for any number of candidates, the drift weighing on all alike.
+// Medians of each of `fns` timed in rounds, one call of each per round, in order on even rounds
+// and in reverse on odd ones (a b, b a, ... for two), after `warmup` rounds: a drift of the
+// card's clocks over the runs (heat, power) weighs on all alike, where timing all of one and
+// then all of the next puts the drift into their differences.
 inline std::vector<float> RoundsMedianMs(cudaStream_t stream, int warmup, int runs,
                                          const std::vector<std::function<void()>>& fns) {
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<std::vector<float>> ms(fns.size());
+  EventTimer timer(stream);
+  const size_t n = fns.size();
+  std::vector<std::vector<float>> ms(n);
   for (int round = -warmup; round < runs; ++round) {
-    for (size_t i = 0; i < fns.size(); ++i) {
-      BENCH_CUDA(cudaEventRecord(a, stream));
-      fns[i]();
-      BENCH_CUDA(cudaEventRecord(b, stream));
-      BENCH_CUDA(cudaEventSynchronize(b));
-      float t = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = round % 2 == 0 ? k : n - 1 - k;
+      const float t = timer.Ms(fns[i]);
       if (round >= 0) ms[i].push_back(t);
     }
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   std::vector<float> medians;
-  for (std::vector<float>& m : ms) {
-    std::sort(m.begin(), m.end());
-    medians.push_back(m[m.size() / 2]);
-  }
+  for (std::vector<float>& m : ms) medians.push_back(Median(std::move(m)));
   return medians;
+}
+
+// RoundsMedianMs of two.
+template <typename Fa, typename Fb>
+std::pair<float, float> PairedMedianMs(cudaStream_t stream, int warmup, int runs, Fa fa, Fb fb) {
+  const std::vector<float> ms = RoundsMedianMs(stream, warmup, runs, {fa, fb});
+  return {ms[0], ms[1]};
 }
 
 }  // namespace losshead::bench
