@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/logits_gemm_sm90.cuh"
 #include "kernels/cuda/reduce.cuh"
 
@@ -424,36 +425,28 @@ absl::Status LaunchLogitsGemmSm90(const __nv_bfloat16* hidden, const __nv_bfloat
   }
   if (!Aligned16(hidden) || !Aligned16(weight) || !Aligned16(logits)) {
     return absl::InvalidArgumentError(
-        "logits GEMM: hidden, weight and logits must be 16-byte "
-        "aligned");
+        "logits GEMM: hidden, weight and logits must be 16-byte aligned");
   }
   int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("cudaGetDevice: ", cudaGetErrorString(e)));
-  }
+  LOSSHEAD_CUDA_CHECK(cudaGetDevice(&device));
   if (!LogitsGemmSm90Runs(device)) {
     return absl::FailedPreconditionError("logits GEMM: needs a device of compute capability 9.0");
   }
   CUtensorMap map_h, map_w, map_logits;
-  if (absl::Status s = MakeMap(hidden, rows, d, d, kBlockM, &map_h); !s.ok()) return s;
-  if (absl::Status s = MakeMap(weight, v, d, d, kBlockN, &map_w); !s.ok()) return s;
-  if (absl::Status s = MakeMap(logits, rows, v, ldl, 64, &map_logits); !s.ok()) return s;
+  LOSSHEAD_RETURN_IF_ERROR(MakeMap(hidden, rows, d, d, kBlockM, &map_h));
+  LOSSHEAD_RETURN_IF_ERROR(MakeMap(weight, v, d, d, kBlockN, &map_w));
+  LOSSHEAD_RETURN_IF_ERROR(MakeMap(logits, rows, v, ldl, 64, &map_logits));
   int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  LOSSHEAD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t tiles = (rows + kBlockM - 1) / kBlockM * ((v + kBlockN - 1) / kBlockN);
-  const int grid = static_cast<int>(std::min<int64_t>(tiles, std::max(sms, 1)));
+  const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
   auto launch = [&](auto kernel) -> absl::Status {
-    cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (e == cudaSuccess) {
-      kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_h, map_w, map_logits, tile_stats,
-                                                     static_cast<int>(rows), static_cast<int>(v),
-                                                     static_cast<int>(d));
-      e = cudaGetLastError();
-    }
-    if (e != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("logits GEMM: ", cudaGetErrorString(e)));
-    }
+    LOSSHEAD_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_h, map_w, map_logits, tile_stats,
+                                                   static_cast<int>(rows), static_cast<int>(v),
+                                                   static_cast<int>(d));
+    LOSSHEAD_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   };
   return tile_stats != nullptr ? launch(LogitsGemmKernel<true>) : launch(LogitsGemmKernel<false>);
