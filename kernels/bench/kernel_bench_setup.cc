@@ -74,6 +74,10 @@ kernels::CudaBackendOptions ParseVariant(const std::string& variant) {
       opt.overlap = true;
     } else if (t == "noovl") {
       opt.overlap = false;
+    } else if (t == "sm90") {
+      opt.sm90_logits_gemm = true;
+    } else if (t == "nosm90") {
+      opt.sm90_logits_gemm = false;
     } else if (t.rfind("rl", 0) == 0 || t.rfind("rh", 0) == 0 || t.rfind("rw", 0) == 0) {
       opt.gemm_ranks[t[1] == 'l' ? 0 : t[1] == 'h' ? 1 : 2] = std::atoi(t.c_str() + 2);
     } else if (t.rfind("ws", 0) == 0) {

@@ -1,6 +1,7 @@
 // Where each part of the CUDA backend's workspace lives for a token chunk: the device scalars,
-// the per-row losses, cublasLt's slice, the logits chunk and, where a 16-bit dH is summed over a
-// split width (head_gemms.h), its fp32 scratch. Run and a vocabulary shard's calls
+// the per-row losses, cublasLt's slice, the logits chunk, where a 16-bit dH is summed over a
+// split width (head_gemms.h) its fp32 scratch and, where our own logits GEMM runs, its softmax
+// statistics per row and tile (logits_gemm_sm90.cuh). Run and a vocabulary shard's calls
 // share the layout; a shard's logits are as wide as its rows.
 #ifndef LOSSHEAD_KERNELS_CUDA_CHUNK_LAYOUT_H_
 #define LOSSHEAD_KERNELS_CUDA_CHUNK_LAYOUT_H_
@@ -37,13 +38,15 @@ struct Layout {
   size_t logits_off = 0;
   size_t scratch_off = 0;  // chunk x scratch_row_floats fp32, after the logits
   int64_t scratch_row_floats = 0;
+  size_t stats_off = 0;  // chunk x stats_row_floats fp32, after the scratch
+  int64_t stats_row_floats = 0;
   size_t total = 0;
 };
 
 // The layout of a chunk of `chunk` token rows whose logits are `width` wide, with
-// `scratch_row_floats` fp32 of scratch per token row.
+// `scratch_row_floats` fp32 of scratch and `stats_row_floats` fp32 of statistics per token row.
 inline Layout ChunkLayout(int64_t chunk, int64_t width, size_t logits_elem, size_t cublas_bytes,
-                          int64_t scratch_row_floats = 0) {
+                          int64_t scratch_row_floats = 0, int64_t stats_row_floats = 0) {
   Layout l;
   l.chunk = chunk;
   l.ldl = LogitsStride(width);
@@ -56,7 +59,11 @@ inline Layout ChunkLayout(int64_t chunk, int64_t width, size_t logits_elem, size
   const size_t logits_end = l.logits_off + static_cast<size_t>(chunk) * l.ldl * l.logits_elem;
   l.scratch_off = scratch_row_floats > 0 ? AlignUp(logits_end) : logits_end;
   l.scratch_row_floats = scratch_row_floats;
-  l.total = l.scratch_off + static_cast<size_t>(chunk) * scratch_row_floats * sizeof(float);
+  const size_t scratch_end =
+      l.scratch_off + static_cast<size_t>(chunk) * scratch_row_floats * sizeof(float);
+  l.stats_off = stats_row_floats > 0 ? AlignUp(scratch_end) : scratch_end;
+  l.stats_row_floats = stats_row_floats;
+  l.total = l.stats_off + static_cast<size_t>(chunk) * stats_row_floats * sizeof(float);
   return l;
 }
 

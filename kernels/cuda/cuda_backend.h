@@ -45,6 +45,16 @@ struct CudaBackendOptions {
   // losshead_gemm_sweep ranks them). A later one only where it computes the first's bits
   // (LtGemm::set_role_ranks), so results do not change; speed may.
   int gemm_ranks[3] = {0, 0, 0};
+  // bf16 problems with bf16 logits on a compute capability 9.0 device: the logits GEMM of our own
+  // (logits_gemm_sm90.cuh, on wgmma and bulk tensor copies) instead of cuBLASLt's. It also leaves
+  // each row's log-sum-exp per 256 columns, so that the row kernel reads the logits once instead
+  // of twice where the loss takes them as they are (no soft-cap, label smoothing or terms; with
+  // distribution outputs their kernels still read the row for their own statistics). Costs a
+  // float of workspace per 256 columns per token row (2 KB at V = 128256, 0.8 % of its bf16
+  // logits). Elsewhere, and where H or W is not 16-byte aligned, cuBLASLt's GEMM runs as before.
+  // Off: on an H200 the fused call took as long with it (V = 128256) or longer (the Gemma-2 shape,
+  // whose chunk the statistics push below 2048 rows), BENCHMARKS.md "Our GEMM in the fused call".
+  bool sm90_logits_gemm = false;
 };
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device,

@@ -37,7 +37,8 @@ class CudaBackend final : public Backend {
       : device_(device),
         options_(options),
         description_(std::move(description)),
-        smem_per_sm_(smem_per_sm) {}
+        smem_per_sm_(smem_per_sm),
+        sm90_gemm_runs_(LogitsGemmSm90Runs(device)) {}
 
   absl::string_view name() const override { return "cuda"; }
   std::string device_description() const override { return description_; }
@@ -209,9 +210,17 @@ class CudaBackend final : public Backend {
     return problem.dtype != DType::kFP32 && WidthSplits(problem.v);
   }
 
+  // Whether the problem's logits GEMM may be our own (CudaBackendOptions::sm90_logits_gemm): its
+  // statistics then have room in the layout, and Run takes it where H and W are aligned.
+  bool UseSm90LogitsGemm(const Problem& problem) const {
+    return options_.sm90_logits_gemm && sm90_gemm_runs_ && UseBf16Logits(problem) &&
+           Sm90LogitsGemmFits(problem.v, problem.d);
+  }
+
   Layout MakeLayoutForChunk(const Problem& problem, int64_t chunk) const {
     return ChunkLayout(chunk, problem.v, UseBf16Logits(problem) ? 2 : 4,
-                       options_.cublas_workspace_bytes, GradHiddenScratch(problem) ? problem.d : 0);
+                       options_.cublas_workspace_bytes, GradHiddenScratch(problem) ? problem.d : 0,
+                       UseSm90LogitsGemm(problem) ? Sm90StatsPerRow(problem.v) : 0);
   }
 
   // The largest chunk that fits `bytes`, at most n; rounded down to a multiple of 256 rows when
@@ -220,7 +229,8 @@ class CudaBackend final : public Backend {
     const Layout one = MakeLayoutForChunk(problem, 1);
     if (bytes < one.total) return Layout{};
     const size_t per_row = static_cast<size_t>(one.ldl) * one.logits_elem +
-                           sizeof(float) * (1 + static_cast<size_t>(one.scratch_row_floats));
+                           sizeof(float) * (1 + static_cast<size_t>(one.scratch_row_floats) +
+                                            static_cast<size_t>(one.stats_row_floats));
     // Estimate, then settle on the exact largest chunk (alignment padding makes the estimate off
     // by a row or two either way).
     int64_t chunk = std::clamp<int64_t>((bytes - one.logits_off) / per_row, 1, problem.n);
@@ -247,6 +257,7 @@ class CudaBackend final : public Backend {
   const CudaBackendOptions options_;
   const std::string description_;
   const size_t smem_per_sm_;
+  const bool sm90_gemm_runs_;  // LogitsGemmSm90Runs(device_)
   const ShardCalls shards_{device_, options_};
 };
 

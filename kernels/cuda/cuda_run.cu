@@ -190,12 +190,31 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
   params.loss = loss::OptionsOf(o);
   if (stashed) params.grad_scale = &scalars->grad_alpha;
 
+  // Our own logits GEMM where the layout made room for its statistics (UseSm90LogitsGemm) and H
+  // and W are aligned for its tensor maps; its statistics spare the row kernel its first read of
+  // the logits where the loss takes them as they are (SoftmaxGradParams::tile_stats), whatever
+  // distribution outputs are asked for.
+  constexpr bool kBf16 = std::is_same_v<TIn, __nv_bfloat16> && std::is_same_v<TL, __nv_bfloat16>;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool sm90_gemm =
+      kBf16 && layout.stats_row_floats > 0 && aligned(args.hidden) && aligned(args.weight);
+  const bool plain_logits = !row_terms(0).Any() && o.softcap == 0.0f && o.label_smoothing == 0.0f;
+  float* const tile_stats =
+      sm90_gemm && plain_logits ? reinterpret_cast<float*>(ws + layout.stats_off) : nullptr;
+  const int64_t stats_ld = Sm90StatsPerRow(v);
+  if (tile_stats != nullptr) {
+    params.stats_width = WidthBulk(v);
+    params.stats_ld = stats_ld;
+  }
+
   const int chunk = ChunkRows(n, static_cast<int>(layout.chunk));
   const RowLaunch row_launch{options_.row_threads, options_.row_blocks_per_sm, smem_per_sm_};
   // Row kernel (and the chunk's loss reduction when `reduce`) over rows [q0, q0 + rows) of the
   // chunk that starts at token r0, on stream `s`.
   auto rows_step = [&](int r0, int q0, int rows, bool reduce, cudaStream_t s) -> absl::Status {
     const int64_t t0 = static_cast<int64_t>(r0) + q0;
+    SoftmaxGradParams rows_params = params;
+    if (tile_stats != nullptr) rows_params.tile_stats = tile_stats + q0 * stats_ld;
     TIn* g = nullptr;
     if (stashed) {
       g = stash_grad + t0 * stash_layout.ldg;
@@ -203,7 +222,7 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
       g = grad + static_cast<int64_t>(q0) * ldg;
     }
     LOSSHEAD_RETURN_IF_ERROR((LaunchSoftmaxGrad<TL, TIn>(
-        logits + static_cast<int64_t>(q0) * ldl, ldl, rows, args.targets + t0, params, g,
+        logits + static_cast<int64_t>(q0) * ldl, ldl, rows, args.targets + t0, rows_params, g,
         stashed ? stash_layout.ldg : ldg, row_loss + q0,
         args.per_token_loss != nullptr ? args.per_token_loss + t0 : nullptr,
         args.per_token_lse != nullptr ? args.per_token_lse + t0 : nullptr, row_launch, s,
@@ -218,6 +237,14 @@ absl::Status CudaBackend::RunTyped(const Problem& problem, const Arguments& args
   void* const gemm_ws = ws + layout.cublas_off;
   const size_t gemm_ws_bytes = layout.cublas_bytes;
   auto logits_gemm = [&](int t0, int rows, int q0) -> absl::Status {
+    if constexpr (kBf16) {
+      if (sm90_gemm) {
+        return RunLogitsGemmSm90(v, rows, d, ldl, weight, hidden + static_cast<int64_t>(t0) * d,
+                                 logits + static_cast<int64_t>(q0) * ldl,
+                                 tile_stats != nullptr ? tile_stats + q0 * stats_ld : nullptr,
+                                 stream);
+      }
+    }
     return RunLogitsGemm(gemm, v, rows, d, kIn, compute, kLogits, ldl, weight,
                          hidden + static_cast<int64_t>(t0) * d,
                          logits + static_cast<int64_t>(q0) * ldl, gemm_ws, gemm_ws_bytes, stream);

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/logits_gemm_sm90.cuh"
 #include "kernels/cuda/logits_tail.cuh"
 #include "kernels/cuda/lt_gemm.h"
 #include "losshead/kernels/problem.h"
@@ -113,9 +114,12 @@ struct WidthParts {
   const WidthPart* end() const { return part + count; }
 };
 
+// The width's aligned bulk: rounded down to kWidthAlign.
+inline int64_t WidthBulk(int64_t width) { return width / kWidthAlign * kWidthAlign; }
+
 inline WidthParts SplitWidth(int64_t width) {
   WidthParts parts;
-  const int64_t bulk = width / kWidthAlign * kWidthAlign;
+  const int64_t bulk = WidthBulk(width);
   if (bulk > 0) parts.part[parts.count++] = {0, bulk};
   if (bulk < width) parts.part[parts.count++] = {bulk, width - bulk};
   return parts;
@@ -156,6 +160,31 @@ inline absl::Status RunLogitsGemm(LtGemm& gemm, int64_t width, int64_t tokens, i
     }
   }
   return absl::OkStatus();
+}
+
+// Whether our own logits GEMM (logits_gemm_sm90.cuh) takes a width's bulk at this D: a bulk at
+// all, D a whole number of 16-byte vectors, both within its sizes.
+inline bool Sm90LogitsGemmFits(int64_t width, int64_t d) {
+  constexpr int64_t kMax = int64_t{1} << 30;
+  return WidthBulk(width) > 0 && width <= kMax && d % 8 == 0 && d <= kMax;
+}
+
+// Its statistics per token row: one float per 256 columns of the bulk.
+inline int64_t Sm90StatsPerRow(int64_t width) { return LogitsTileCount(WidthBulk(width)); }
+
+// RunLogitsGemm for bf16 operands and logits by our own GEMM (Sm90LogitsGemmFits; H and W 16-byte
+// aligned, ldl a multiple of 8): the bulk, with each row's statistics of its tiles into
+// tile_stats + r * Sm90StatsPerRow(width) unless tile_stats is null, then the tail as there.
+inline absl::Status RunLogitsGemmSm90(int64_t width, int64_t tokens, int64_t d, int64_t ldl,
+                                      const __nv_bfloat16* weight, const __nv_bfloat16* hidden,
+                                      __nv_bfloat16* logits, float* tile_stats,
+                                      cudaStream_t stream) {
+  const int64_t bulk = WidthBulk(width);
+  LOSSHEAD_RETURN_IF_ERROR(
+      LaunchLogitsGemmSm90(hidden, weight, tokens, bulk, d, logits, ldl, tile_stats, stream));
+  if (bulk == width) return absl::OkStatus();
+  return LaunchLogitsTail(CUDA_R_16BF, CUDA_R_16BF, weight + bulk * d, hidden, d, tokens,
+                          static_cast<int>(width - bulk), logits + bulk, ldl, stream);
 }
 
 // dH_cm (D x tokens, type `out`) = alpha . W_cm . G_cm (G's row stride ldg) + beta . dH_cm, the

@@ -209,10 +209,10 @@ __device__ __forceinline__ void StageTile(const float (&d)[128], uint8_t* stagin
 }
 
 // One staged row of 256 columns (row r of a consumer's staging, first column n0) into its
-// statistics, by one warp: lane l reads the 16-byte chunk of columns 8l to 8l + 7, largest over
+// log-sum-exp, by one warp: lane l reads the 16-byte chunk of columns 8l to 8l + 7, largest over
 // the lane's eight then across the warp by xor shuffles, then the sum the same way.
-__device__ __forceinline__ float2 StagedRowStats(const uint8_t* staging, int r, int n0, int n,
-                                                 int lane) {
+__device__ __forceinline__ float StagedRowLse(const uint8_t* staging, int r, int n0, int n,
+                                              int lane) {
   const int box = lane / 8, chunk = lane % 8;
   const uint4 raw = *reinterpret_cast<const uint4*>(staging + box * (64 * 128) + r * 128 +
                                                     ((chunk ^ (r % 8)) * 16));
@@ -225,14 +225,14 @@ __device__ __forceinline__ float2 StagedRowStats(const uint8_t* staging, int r, 
     v[2 * i] = col + 2 * i < n ? f.x : -INFINITY;  // past the width: no part
     v[2 * i + 1] = col + 2 * i + 1 < n ? f.y : -INFINITY;
   }
-  return WarpTileStats(v);
+  return WarpTileLse(v);
 }
 
 template <bool kStats>
 __global__ void __launch_bounds__(kThreads, 1)
     LogitsGemmKernel(const __grid_constant__ CUtensorMap map_h,
                      const __grid_constant__ CUtensorMap map_w,
-                     const __grid_constant__ CUtensorMap map_logits, float2* stats, int m, int n,
+                     const __grid_constant__ CUtensorMap map_logits, float* stats, int m, int n,
                      int k) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -273,9 +273,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < kConsumers; ++c) {
           BarrierWait(&staged[c], iteration & 1);
           for (int r = stats_warp; r < 64 && m0 + c * 64 + r < m; r += kStatsWarps) {
-            const float2 rs = StagedRowStats(staging + c * kStagingBytes, r, n0, n, lane);
+            const float lse = StagedRowLse(staging + c * kStagingBytes, r, n0, n, lane);
             if (lane == 0)
-              stats[static_cast<int64_t>(m0 + c * 64 + r) * tiles_n + n0 / kBlockN] = rs;
+              stats[static_cast<int64_t>(m0 + c * 64 + r) * tiles_n + n0 / kBlockN] = lse;
           }
           __syncwarp();
           if (lane == 0) BarrierArrive(&released[c]);
@@ -412,7 +412,7 @@ bool LogitsGemmSm90Runs(int device) {
 
 absl::Status LaunchLogitsGemmSm90(const __nv_bfloat16* hidden, const __nv_bfloat16* weight,
                                   int64_t rows, int64_t v, int64_t d, __nv_bfloat16* logits,
-                                  int64_t ldl, float2* tile_stats, cudaStream_t stream) {
+                                  int64_t ldl, float* tile_stats, cudaStream_t stream) {
   constexpr int64_t kMax = int64_t{1} << 30;  // the kernel's indices are int
   if (rows < 1 || v < 1 || d < 1 || rows > kMax || v > kMax || d > kMax) {
     return absl::InvalidArgumentError(absl::StrCat(

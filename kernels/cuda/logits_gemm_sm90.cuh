@@ -5,15 +5,17 @@
 // logits (rows x v, row stride ldl, bf16) = hidden (rows x d, bf16) . weight (v x d, bf16)^T,
 // fp32 sums rounded once to bf16. On every shape measured it wrote the same bits as cuBLASLt's
 // plan for the fused call's logits GEMM (head_gemms.h's RunLogitsGemm), at the same speed
-// (docs/benchmarks/kernels.md, "Our own GEMM"). Not yet called by the fused call.
+// (docs/benchmarks/kernels.md, "Our own GEMM"). The fused call's logits GEMM on such devices
+// (CudaBackendOptions::sm90_logits_gemm), its statistics the row kernel's (softmax_grad.cuh).
 //
 // Invariants: v, d and ldl multiples of 8 and the three pointers 16-byte aligned (the tensor
 // maps' strides and addresses); ldl >= v. Columns [v, ldl) of the logits are left as they were.
 // (At a width not a multiple of 8, columns just past it were written: the fused call runs its
 // GEMMs on the width's aligned bulk and the last rows apart anyway, head_gemms.h.) The
 // statistics, when asked for, are those of the logits as stored: for row r and tile t (columns
-// [256 t, min(256 t + 256, v))), tile_stats[r * LogitsTileCount(v) + t] = (the largest logit,
-// the sum over the tile of exp(x - largest)), exp taken as exp2f(x log2 e - largest log2 e).
+// [256 t, min(256 t + 256, v))), tile_stats[r * LogitsTileCount(v) + t] = the tile's
+// log-sum-exp: the largest logit plus the log of the sum over the tile of exp(x - largest), exp
+// taken as exp2f(x log2 e - largest log2 e) (reduce.cuh's WarpTileLse).
 // Each is summed in one fixed order: the same bits on every run.
 #ifndef LOSSHEAD_KERNELS_CUDA_LOGITS_GEMM_SM90_CUH_
 #define LOSSHEAD_KERNELS_CUDA_LOGITS_GEMM_SM90_CUH_
@@ -29,7 +31,7 @@ namespace losshead::kernels::cuda {
 
 inline constexpr int64_t kLogitsStatsColumns = 256;
 
-// Statistics per row: one pair per tile of 256 columns.
+// Statistics per row: one per tile of 256 columns.
 inline constexpr int64_t LogitsTileCount(int64_t v) {
   return (v + kLogitsStatsColumns - 1) / kLogitsStatsColumns;
 }
@@ -38,11 +40,11 @@ inline constexpr int64_t LogitsTileCount(int64_t v) {
 bool LogitsGemmSm90Runs(int device);
 
 // The GEMM on `stream` (on the current device), and the statistics into `tile_stats` (rows x
-// LogitsTileCount(v) pairs) unless it is null. INVALID_ARGUMENT where the invariants above do
+// LogitsTileCount(v) floats) unless it is null. INVALID_ARGUMENT where the invariants above do
 // not hold or a size is below 1; FAILED_PRECONDITION on a device LogitsGemmSm90Runs refuses.
 absl::Status LaunchLogitsGemmSm90(const __nv_bfloat16* hidden, const __nv_bfloat16* weight,
                                   int64_t rows, int64_t v, int64_t d, __nv_bfloat16* logits,
-                                  int64_t ldl, float2* tile_stats, cudaStream_t stream);
+                                  int64_t ldl, float* tile_stats, cudaStream_t stream);
 
 }  // namespace losshead::kernels::cuda
 

@@ -252,10 +252,11 @@ __device__ __forceinline__ T WarpAllReduce(T x, Op op) {
   return x;
 }
 
-// The softmax statistics of 256 values held 8 per lane (-inf: no value): the largest, and the
-// sum of exp(v - largest) taken as exp2f(v log2 e - largest log2 e); the same in every lane. A
-// row's statistics per 256 columns of the logits (logits_gemm_sm90.cuh) are this of each tile.
-__device__ __forceinline__ float2 WarpTileStats(const float (&v)[8]) {
+// The log-sum-exp of 256 values held 8 per lane (-inf: no value), the same in every lane: the
+// largest, plus the log of the sum of exp(v - largest) taken as exp2f(v log2 e - largest log2 e).
+// A row's statistics per 256 columns of the logits (logits_gemm_sm90.cuh) are this of each tile:
+// one float, where the largest and the sum apart would take two.
+__device__ __forceinline__ float WarpTileLse(const float (&v)[8]) {
   constexpr float kLog2e = 1.4426950408889634f;
   float largest = -INFINITY;
 #pragma unroll
@@ -265,7 +266,7 @@ __device__ __forceinline__ float2 WarpTileStats(const float (&v)[8]) {
   float sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) sum += v[i] == -INFINITY ? 0.0f : exp2f(fmaf(v[i], kLog2e, -shift));
-  return make_float2(largest, WarpAllReduce(sum, SumOp{}));
+  return largest + logf(WarpAllReduce(sum, SumOp{}));
 }
 
 // The first half of a block reduction: each warp's WarpReduce of x into slots[warp], then a

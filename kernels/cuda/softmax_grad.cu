@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/common/loss_math.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/logits_gemm_sm90.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/row_terms.cuh"
 #include "kernels/cuda/row_vec.cuh"
@@ -53,7 +54,11 @@ __device__ __forceinline__ float RowTermsLoss(const loss::Options& o, const RowT
 template <int kThreads, RowExtras kExtras>
 inline constexpr int kMinBlocksPerSm = kExtras == RowExtras::kTopK ? 2048 / 2 / kThreads : 1;
 
-template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms>
+// kStats: the lse comes from the logits GEMM's statistics per tile (SoftmaxGradParams::
+// tile_stats), so pass 1 reads the row only for the distribution's other statistics (kDist), not
+// at all in the plain kernel. The lse is then the same bits whatever else is asked. Never with
+// the terms, whose z is not the logit.
+template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms, bool kStats>
 __global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>))
     SoftmaxGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                       SoftmaxGradParams p, TG* grad, int64_t ldg, float* __restrict__ row_loss,
@@ -65,6 +70,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>)
   constexpr bool kDist = kExtras != RowExtras::kNone || kTerms;
   constexpr bool kTop = kExtras == RowExtras::kTopK;
   using State = SoftmaxState<false, kDist>;
+  static_assert(!kStats || !kTerms, "the statistics are those of the logits, not of the terms' z");
+  using Plain = SoftmaxState<false>;
+  [[maybe_unused]] __shared__ Plain tile_slots[kThreads / kWarpSize];
+  // The row's own read in pass 1: for its lse, or for the distribution's other statistics.
+  constexpr bool kRead = !kStats || kDist;
   __shared__ State warp_states[kThreads / kWarpSize];
   __shared__ float shared_lse;
 
@@ -103,7 +113,19 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>)
   float lse = 0.0f;
   if (need_stats) {
     State st = State::Empty();
-    for (int64_t base = tid; base < nvec; base += kThreads * kUnroll) {
+    // kStats: a tile's log-sum-exp is a state of its own (largest lse, sum 1); the columns past
+    // the tiles are pushed one by one. sz stays 0: no label smoothing with the statistics.
+    [[maybe_unused]] Plain tiles = Plain::Empty();
+    if constexpr (kStats) {
+      const float* lse_of_tile = p.tile_stats + row * p.stats_ld;
+      const int64_t count = LogitsTileCount(p.stats_width);
+      for (int64_t i = tid; i < count; i += kThreads) {
+        tiles = Combine(tiles, Plain{__ldcs(&lse_of_tile[i]), 1.0f, 0.0f});
+      }
+      for (int64_t j = p.stats_width + tid; j < p.v; j += kThreads) Push(tiles, ToF(x[j]));
+      if constexpr (!kDist) st = tiles;
+    }
+    for (int64_t base = tid; kRead && base < nvec; base += kThreads * kUnroll) {
       Vec<TL> in[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -126,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>)
         }
       }
     }
-    for (int64_t j = tail_start + tid; j < p.v; j += kThreads) {
+    for (int64_t j = tail_start + tid; kRead && j < p.v; j += kThreads) {
       if constexpr (kDist) {
         const float z = z_of(ToF(x[j]), j);
         Push(st, z, j);
@@ -135,9 +157,14 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>)
       }
     }
     ReduceToWarpSlots<kThreads>(st, CombineOp{}, warp_states);
+    if constexpr (kStats && kDist) ReduceToWarpSlots<kThreads>(tiles, CombineOp{}, tile_slots);
     if (tid == 0) {
       const State total = FoldWarpSlots<kThreads>(warp_states, CombineOp{}, warp_states[0], 1);
-      const float l = loss::Lse(total.m, total.s);
+      float l = loss::Lse(total.m, total.s);
+      if constexpr (kStats && kDist) {
+        const Plain t = FoldWarpSlots<kThreads>(tile_slots, CombineOp{}, tile_slots[0], 1);
+        l = loss::Lse(t.m, t.s);
+      }
       float loss = 0.0f;
       if constexpr (kTerms) {
         if (valid) {
@@ -295,13 +322,14 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>)
   }
 }
 
-template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms>
+template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms,
+          bool kStats = false>
 absl::Status LaunchWithThreads(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                                const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                                float* row_loss, float* per_token_loss, float* per_token_lse,
                                const RowLaunch& launch, cudaStream_t stream,
                                const RowOutputs& outputs, const RowTerms& terms) {
-  auto* kernel = &SoftmaxGradKernel<TL, TG, kThreads, kExtras, kTerms>;
+  auto* kernel = &SoftmaxGradKernel<TL, TG, kThreads, kExtras, kTerms, kStats>;
   // The kernel needs no dynamic shared memory: asking for some only caps how many rows an SM
   // holds at once, so that the rows in flight fit in L2 for the second pass.
   size_t smem = 0;
@@ -319,23 +347,23 @@ absl::Status LaunchWithThreads(const TL* logits, int64_t ldl, int64_t rows, cons
 
 // The instantiation for the outputs asked for (RowOutputs) and the terms (RowTerms). The terms
 // carry the distribution's state already, so with them the outputs short of the top-k share it.
-template <typename TL, typename TG, int kThreads, bool kTerms>
+template <typename TL, typename TG, int kThreads, bool kTerms, bool kStats>
 absl::Status LaunchForOutputs(const TL* logits, int64_t ldl, int64_t rows, const int32_t* targets,
                               const SoftmaxGradParams& params, TG* grad, int64_t ldg,
                               float* row_loss, float* per_token_loss, float* per_token_lse,
                               const RowLaunch& launch, cudaStream_t stream,
                               const RowOutputs& outputs, const RowTerms& terms) {
   if (outputs.TopK()) {
-    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kTopK, kTerms>(
+    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kTopK, kTerms, kStats>(
         logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
         launch, stream, outputs, terms);
   }
   if (outputs.Any() || kTerms) {
-    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kDistribution, kTerms>(
+    return LaunchWithThreads<TL, TG, kThreads, RowExtras::kDistribution, kTerms, kStats>(
         logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
         launch, stream, outputs, terms);
   }
-  return LaunchWithThreads<TL, TG, kThreads, RowExtras::kNone, false>(
+  return LaunchWithThreads<TL, TG, kThreads, RowExtras::kNone, false, kStats>(
       logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
       launch, stream, {}, {});
 }
@@ -346,13 +374,42 @@ absl::Status LaunchForTerms(const TL* logits, int64_t ldl, int64_t rows, const i
                             float* per_token_loss, float* per_token_lse, const RowLaunch& launch,
                             cudaStream_t stream, const RowOutputs& outputs, const RowTerms& terms) {
   if (terms.Any()) {
-    return LaunchForOutputs<TL, TG, kThreads, true>(logits, ldl, rows, targets, params, grad, ldg,
-                                                    row_loss, per_token_loss, per_token_lse, launch,
-                                                    stream, outputs, terms);
+    return LaunchForOutputs<TL, TG, kThreads, true, false>(
+        logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
+        launch, stream, outputs, terms);
   }
-  return LaunchForOutputs<TL, TG, kThreads, false>(logits, ldl, rows, targets, params, grad, ldg,
-                                                   row_loss, per_token_loss, per_token_lse, launch,
-                                                   stream, outputs, {});
+  // The statistics come from bf16 logits only (CheckTileStats): no other instantiation needs them.
+  if constexpr (std::is_same_v<TL, __nv_bfloat16>) {
+    if (params.tile_stats != nullptr) {
+      return LaunchForOutputs<TL, TG, kThreads, false, true>(
+          logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
+          launch, stream, outputs, {});
+    }
+  }
+  return LaunchForOutputs<TL, TG, kThreads, false, false>(
+      logits, ldl, rows, targets, params, grad, ldg, row_loss, per_token_loss, per_token_lse,
+      launch, stream, outputs, {});
+}
+
+// The statistics stand for bf16 logits as they are: only a loss that takes them so may use them.
+template <typename TL>
+absl::Status CheckTileStats(const SoftmaxGradParams& params, const RowTerms& terms) {
+  if (params.tile_stats == nullptr) return absl::OkStatus();
+  if (!std::is_same_v<TL, __nv_bfloat16>) {
+    return absl::InvalidArgumentError("tile statistics come with bf16 logits only");
+  }
+  if (terms.Any() || params.loss.softcap != 0.0f || params.loss.label_smoothing != 0.0f) {
+    return absl::InvalidArgumentError(
+        "tile statistics serve only a loss of the logits as they are: no soft-cap, label "
+        "smoothing or terms");
+  }
+  if (params.stats_width < 0 || params.stats_width > params.v ||
+      params.stats_ld < LogitsTileCount(params.stats_width)) {
+    return absl::InvalidArgumentError(absl::StrCat("tile statistics of width ", params.stats_width,
+                                                   " and stride ", params.stats_ld,
+                                                   " do not fit rows of ", params.v, " logits"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -364,6 +421,7 @@ absl::Status LaunchSoftmaxGrad(const TL* logits, int64_t ldl, int64_t rows, cons
                                const RowLaunch& launch, cudaStream_t stream,
                                const RowOutputs& outputs, const RowTerms& terms) {
   if (rows <= 0) return absl::OkStatus();
+  LOSSHEAD_RETURN_IF_ERROR(CheckTileStats<TL>(params, terms));
   if (launch.threads == 512) {
     return LaunchForTerms<TL, TG, 512>(logits, ldl, rows, targets, params, grad, ldg, row_loss,
                                        per_token_loss, per_token_lse, launch, stream, outputs,

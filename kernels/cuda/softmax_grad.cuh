@@ -20,6 +20,17 @@ struct SoftmaxGradParams {
   // Device pointer to a factor the gradient is multiplied by before it is rounded to TG (the
   // gradient stash keeps G scaled); null: the gradient is written unscaled.
   const float* grad_scale = nullptr;
+  // Each row's log-sum-exp of columns [0, stats_width) per 256 columns, as the logits GEMM of
+  // logits_gemm_sm90.cuh leaves them (row r's at tile_stats + r * stats_ld; stats_ld >=
+  // LogitsTileCount(stats_width)), or null. With them the lse is theirs folded with the columns
+  // past stats_width: the plain kernel then reads the row once (for the gradient) instead of
+  // twice, and the distribution outputs' kernels read it for their own statistics only, so that
+  // the lse, the loss and the gradient are the same bits with or without them. bf16 logits only,
+  // of a loss that takes them as they are: no soft-cap, label smoothing or terms
+  // (INVALID_ARGUMENT otherwise).
+  const float* tile_stats = nullptr;
+  int64_t stats_width = 0;
+  int64_t stats_ld = 0;
 };
 
 // The distribution outputs (problem.h) of one launch's rows, each optional, at the launch's row r

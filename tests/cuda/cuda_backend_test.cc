@@ -70,6 +70,7 @@ struct Case {
   int row_blocks_per_sm = 0;
   bool overlap = false;
   bool balance_chunks = true;
+  bool sm90_logits_gemm = CudaBackendOptions{}.sm90_logits_gemm;  // where the device runs it
   bool extreme_logits = false;  // bf16 logits at |logit| ~ 1e4: looser gradient bound
   MatmulPrecision precision = MatmulPrecision::kHighest;
 };
@@ -202,6 +203,7 @@ std::unique_ptr<Backend> MakeCuda(const Case* c = nullptr) {
     o.row_blocks_per_sm = c->row_blocks_per_sm;
     o.overlap = c->overlap;
     o.balance_chunks = c->balance_chunks;
+    o.sm90_logits_gemm = c->sm90_logits_gemm;
   }
   absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(0, o);
   EXPECT_TRUE(b.ok()) << b.status();
@@ -212,7 +214,9 @@ std::unique_ptr<Backend> MakeCuda(const Case* c = nullptr) {
 size_t BudgetForRows(const Case& c) {
   if (c.chunk_rows == 0) return kGiB;
   const bool narrow = c.bf16_logits && c.dtype == DType::kBF16;
-  const size_t row = ((c.v + 15) / 16 * 16) * (narrow ? 2 : 4) + 4;
+  // Our own logits GEMM's statistics (a float per 256 columns) where it may run.
+  const size_t stats = narrow && c.sm90_logits_gemm ? (c.v / 8 * 8 + 255) / 256 * 4 : 0;
+  const size_t row = ((c.v + 15) / 16 * 16) * (narrow ? 2 : 4) + 4 + stats;
   // The cuBLAS part of the workspace, the handle's reserve, scalars and alignment slack.
   const CudaBackendOptions o;
   return o.cublas_workspace_bytes + o.handle_reserve_bytes + 4096 + c.chunk_rows * row;
@@ -342,6 +346,40 @@ std::vector<Case> Cases() {
     c.bf16_logits = false;
     c.row_blocks_per_sm = 2;
   });
+  // Our own logits GEMM (CudaBackendOptions::sm90_logits_gemm, compute capability 9.0; cuBLASLt's
+  // elsewhere): with its statistics for the row kernel, a tail, chunks, the overlapped schedule,
+  // the z-loss, every row ignored, extreme logits; without them (a soft-cap); a D that is no whole
+  // number of 16-byte vectors, which it leaves to cuBLASLt.
+  const auto sm90 = [](Case& c) { c.sm90_logits_gemm = true; };
+  add(DType::kBF16, 257, 32003, 768, Reduction::kMean, "_sm90", sm90);
+  add(DType::kBF16, 16384, 1001, 64, Reduction::kMean, "_sm90_chunk2048", [=](Case& c) {
+    sm90(c);
+    c.chunk_rows = 2048;
+  });
+  add(DType::kBF16, 1500, 4093, 512, Reduction::kSum, "_sm90_overlap_tail_chunk1024", [=](Case& c) {
+    sm90(c);
+    c.overlap = true;
+    c.chunk_rows = 1024;
+  });
+  add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_sm90_zloss", [=](Case& c) {
+    sm90(c);
+    c.options.z_loss = 1e-4f;
+  });
+  add(DType::kBF16, 700, 1001, 768, Reduction::kMean, "_sm90_allignored", [=](Case& c) {
+    sm90(c);
+    c.ignored_fraction = 1.0;
+  });
+  add(DType::kBF16, 300, 1001, 64, Reduction::kSum, "_sm90_logits1e4", [=](Case& c) {
+    sm90(c);
+    c.logit_std = 1e4f;
+    c.extreme_logits = true;
+  });
+  add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_sm90_softcap", [=](Case& c) {
+    sm90(c);
+    c.options.softcap = 15.0f;
+    c.logit_std = 20.0f;
+  });
+  add(DType::kBF16, 300, 4093, 100, Reduction::kMean, "_sm90_d100", sm90);
   add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_smoothing",
       [](Case& c) { c.options.label_smoothing = 0.1f; });
   add(DType::kBF16, 500, 32003, 768, Reduction::kMean, "_zloss",
@@ -403,10 +441,13 @@ Case SmallCase(DType dtype = DType::kBF16) {
 
 TEST(CudaBackendTest, TwoRunsAreBitIdentical) {
   SKIP_WITHOUT_GPU();
-  for (DType dt : {DType::kBF16, DType::kFP32}) {
-    const Case c = SmallCase(dt);
+  for (auto [dt, sm90] : {std::pair{DType::kBF16, false}, std::pair{DType::kBF16, true},
+                          std::pair{DType::kFP32, false}}) {
+    Case c = SmallCase(dt);
+    c.sm90_logits_gemm = sm90;
+    SCOPED_TRACE(sm90 ? "our logits GEMM" : "cuBLASLt's logits GEMM");
     const Inputs in = MakeInputs(c, 42);
-    std::unique_ptr<Backend> cuda = MakeCuda();
+    std::unique_ptr<Backend> cuda = MakeCuda(&c);
     ASSERT_NE(cuda, nullptr);
     Outputs a, b;
     ASSERT_OK(RunOn(*cuda, ProblemFor(c), in, BudgetForRows(c), &a));

@@ -45,9 +45,9 @@ using testing::ExpectDistributionMatchesReference;
 using testing::ExpectDistributionsAgree;
 using testing::ExpectSameLossBits;
 using testing::Inputs;
-using testing::MakeCuda;
 using testing::InputSpec;
 using testing::LadderInputs;
+using testing::MakeCuda;
 using testing::MakeRandomInputs;
 using testing::Outputs;
 using testing::ReferenceLoss;
@@ -101,6 +101,7 @@ struct Case {
   // No gradient asked (evaluation): the row kernel has no second pass, and the top-k reads the
   // row once more on its own.
   bool forward_only = false;
+  bool sm90_logits_gemm = false;  // our logits GEMM and its statistics, where the device runs it
 };
 
 // The workspace budget for chunks of about c.chunk_rows tokens: the cuBLAS part, the handle's
@@ -108,7 +109,8 @@ struct Case {
 size_t BudgetFor(const Case& c, const CudaBackendOptions& o) {
   if (c.chunk_rows == 0) return 64 * kMiB;
   const bool narrow = c.bf16_logits && c.dtype == DType::kBF16;
-  const size_t row = ((c.v + 15) / 16 * 16) * (narrow ? 2 : 4) + 4;
+  const size_t stats = narrow && c.sm90_logits_gemm ? (c.v / 8 * 8 + 255) / 256 * 4 : 0;
+  const size_t row = ((c.v + 15) / 16 * 16) * (narrow ? 2 : 4) + 4 + stats;
   return o.cublas_workspace_bytes + o.handle_reserve_bytes + 4096 + c.chunk_rows * row;
 }
 
@@ -130,6 +132,7 @@ TEST_P(CudaDistributionTest, MatchesTheCpuBackendAndFloat64) {
   o.bf16_logits = c.bf16_logits;
   o.row_threads = c.row_threads;
   o.overlap = c.overlap;
+  o.sm90_logits_gemm = c.sm90_logits_gemm;
   std::unique_ptr<Backend> cuda = MakeCuda(o);
   ASSERT_NE(cuda, nullptr);
   std::unique_ptr<Backend> cpu = CreateCpuBackend(4);
@@ -217,6 +220,25 @@ INSTANTIATE_TEST_SUITE_P(
              .options = Options(Reduction::kMean),
              .top_k = 16,
              .forward_only = true},
+        // Our logits GEMM (CudaBackendOptions::sm90_logits_gemm): the lse from its statistics
+        // with the outputs' kernels reading the row for theirs, into the stash, chunked, and
+        // forward only over a wide row with a tail.
+        Case{.name = "BF16_Sm90Gemm_Stash_Chunked",
+             .dtype = DType::kBF16,
+             .options = Options(Reduction::kSum),
+             .top_k = 3,
+             .stash = true,
+             .chunk_rows = 32,
+             .sm90_logits_gemm = true},
+        Case{.name = "BF16_Sm90Gemm_ForwardOnly_WideVocab_Top16",
+             .dtype = DType::kBF16,
+             .options = Options(Reduction::kMean),
+             .n = 40,
+             .d = 32,
+             .v = 32003,
+             .top_k = 16,
+             .forward_only = true,
+             .sm90_logits_gemm = true},
         Case{.name = "FP32_ForwardOnly_WideVocab_1024Threads",
              .dtype = DType::kFP32,
              .options = Options(Reduction::kSum, 0.1f),

@@ -115,6 +115,8 @@ TEST_P(CudaGradStashTest, FlushedStashAddsUpToEveryMicroBatchAndAnswersMatch) {
     SCOPED_TRACE(overlap ? "overlap" : "one stream");
     CheckCase(c, CudaBackendOptions{.overlap = overlap});
   }
+  SCOPED_TRACE("our logits GEMM");
+  CheckCase(c, CudaBackendOptions{.sm90_logits_gemm = true});
 }
 
 void CudaGradStashTest::CheckCase(const StashCase& c, const CudaBackendOptions& options) {
