@@ -22,6 +22,9 @@
 namespace losshead::kernels::cuda {
 namespace {
 
+using ::losshead::kernels::testing::ToDevice;
+using ::losshead::kernels::testing::ToHost;
+
 struct Shape {
   int64_t rows, v, d, ldl;
 };
@@ -31,22 +34,6 @@ class LogitsGemmSm90Test : public ::testing::TestWithParam<Shape> {};
 std::vector<__nv_bfloat16> RandomBf16(int64_t count, float scale, absl::BitGen& gen) {
   std::vector<__nv_bfloat16> out(count);
   for (auto& x : out) x = __float2bfloat16(absl::Uniform(gen, -scale, scale));
-  return out;
-}
-
-template <typename T>
-T* ToDevice(const std::vector<T>& host) {
-  T* p = nullptr;
-  EXPECT_EQ(cudaMalloc(&p, host.size() * sizeof(T)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-            cudaSuccess);
-  return p;
-}
-
-template <typename T>
-std::vector<T> ToHost(const T* p, int64_t count) {
-  std::vector<T> out(count);
-  EXPECT_EQ(cudaMemcpy(out.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
   return out;
 }
 

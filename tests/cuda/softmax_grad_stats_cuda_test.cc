@@ -24,28 +24,15 @@
 namespace losshead::kernels::cuda {
 namespace {
 
+using ::losshead::kernels::testing::ToDevice;
+using ::losshead::kernels::testing::ToHost;
+
 struct StatsCase {
   int64_t rows, v, d;
   float z_loss;
 };
 
 class SoftmaxGradStatsTest : public ::testing::TestWithParam<StatsCase> {};
-
-template <typename T>
-T* DeviceCopy(const std::vector<T>& host) {
-  T* p = nullptr;
-  EXPECT_EQ(cudaMalloc(&p, host.size() * sizeof(T)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-            cudaSuccess);
-  return p;
-}
-
-template <typename T>
-std::vector<T> HostCopy(const T* p, int64_t count) {
-  std::vector<T> out(count);
-  EXPECT_EQ(cudaMemcpy(out.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  return out;
-}
 
 // One launch's per-row lse and loss, and its gradient (bf16, beside the logits).
 struct RowResults {
@@ -67,7 +54,7 @@ RowResults RunRows(const __nv_bfloat16* logits, int64_t ldl, const int32_t* targ
       outputs);
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  RowResults r{HostCopy(lse, rows), HostCopy(row_loss, rows), HostCopy(grad, rows * ldl)};
+  RowResults r{ToHost(lse, rows), ToHost(row_loss, rows), ToHost(grad, rows * ldl)};
   cudaFree(row_loss);
   cudaFree(lse);
   cudaFree(grad);
@@ -94,9 +81,9 @@ TEST_P(SoftmaxGradStatsTest, MatchesFloat64AndTheTwoPassKernel) {
                      ? static_cast<int32_t>(absl::Uniform<int64_t>(gen, bulk, c.v))
                      : static_cast<int32_t>(absl::Uniform<int64_t>(gen, 0, c.v));
   }
-  __nv_bfloat16* dh = DeviceCopy(h);
-  __nv_bfloat16* dw = DeviceCopy(w);
-  int32_t* dt = DeviceCopy(targets);
+  __nv_bfloat16* dh = ToDevice(h);
+  __nv_bfloat16* dw = ToDevice(w);
+  int32_t* dt = ToDevice(targets);
   __nv_bfloat16* logits = nullptr;
   float* stats = nullptr;
   ASSERT_EQ(cudaMalloc(&logits, c.rows * ldl * 2), cudaSuccess);
@@ -111,7 +98,7 @@ TEST_P(SoftmaxGradStatsTest, MatchesFloat64AndTheTwoPassKernel) {
               cudaSuccess);
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<__nv_bfloat16> x = HostCopy(logits, c.rows * ldl);
+  const std::vector<__nv_bfloat16> x = ToHost(logits, c.rows * ldl);
 
   SoftmaxGradParams two_pass;
   two_pass.v = c.v;
@@ -137,9 +124,9 @@ TEST_P(SoftmaxGradStatsTest, MatchesFloat64AndTheTwoPassKernel) {
   outputs.top_k_ids = top_ids;
   outputs.top_k_logprobs = top_logprobs;
   const RowResults with_outputs = RunRows(logits, ldl, dt, from_stats, c.rows, outputs);
-  const std::vector<float> got_logprob = HostCopy(logprob, c.rows);
-  const std::vector<float> got_top = HostCopy(top_logprobs, c.rows * kTopK);
-  const std::vector<int32_t> got_ids = HostCopy(top_ids, c.rows * kTopK);
+  const std::vector<float> got_logprob = ToHost(logprob, c.rows);
+  const std::vector<float> got_top = ToHost(top_logprobs, c.rows * kTopK);
+  const std::vector<int32_t> got_ids = ToHost(top_ids, c.rows * kTopK);
   EXPECT_EQ(std::memcmp(with_outputs.lse.data(), a.lse.data(), c.rows * 4), 0);
   EXPECT_EQ(std::memcmp(with_outputs.loss.data(), a.loss.data(), c.rows * 4), 0);
   EXPECT_EQ(std::memcmp(with_outputs.grad.data(), a.grad.data(), c.rows * ldl * 2), 0);
