@@ -162,11 +162,9 @@ inline absl::Status RunLogitsGemm(LtGemm& gemm, int64_t width, int64_t tokens, i
   return absl::OkStatus();
 }
 
-// Whether our own logits GEMM (logits_gemm_sm90.cuh) takes a width's bulk at this D: a bulk at
-// all, D a whole number of 16-byte vectors, both within its sizes.
+// Whether our own logits GEMM (logits_gemm_sm90.cuh) takes a width's bulk at this D.
 inline bool Sm90LogitsGemmFits(int64_t width, int64_t d) {
-  constexpr int64_t kMax = int64_t{1} << 30;
-  return WidthBulk(width) > 0 && width <= kMax && d % 8 == 0 && d <= kMax;
+  return LogitsGemmSm90Takes(WidthBulk(width), d);
 }
 
 // Its statistics per token row: one float per 256 columns of the bulk.

@@ -413,7 +413,7 @@ bool LogitsGemmSm90Runs(int device) {
 absl::Status LaunchLogitsGemmSm90(const __nv_bfloat16* hidden, const __nv_bfloat16* weight,
                                   int64_t rows, int64_t v, int64_t d, __nv_bfloat16* logits,
                                   int64_t ldl, float* tile_stats, cudaStream_t stream) {
-  constexpr int64_t kMax = int64_t{1} << 30;  // the kernel's indices are int
+  constexpr int64_t kMax = kLogitsGemmSm90MaxSize;
   if (rows < 1 || v < 1 || d < 1 || rows > kMax || v > kMax || d > kMax) {
     return absl::InvalidArgumentError(absl::StrCat(
         "logits GEMM: rows, v and d must be in [1, 2^30], got ", rows, ", ", v, ", ", d));

@@ -36,6 +36,15 @@ inline constexpr int64_t LogitsTileCount(int64_t v) {
   return (v + kLogitsStatsColumns - 1) / kLogitsStatsColumns;
 }
 
+// The largest rows, v and d the kernel takes (its indices are int).
+inline constexpr int64_t kLogitsGemmSm90MaxSize = int64_t{1} << 30;
+
+// Whether the kernel takes a width v and a D: both multiples of 8 in [8, kLogitsGemmSm90MaxSize].
+inline constexpr bool LogitsGemmSm90Takes(int64_t v, int64_t d) {
+  return v >= 8 && d >= 8 && v % 8 == 0 && d % 8 == 0 && v <= kLogitsGemmSm90MaxSize &&
+         d <= kLogitsGemmSm90MaxSize;
+}
+
 // Whether `device` runs the kernel: compute capability 9.0 (its code is sm_90a only).
 bool LogitsGemmSm90Runs(int device);
 
