@@ -26,9 +26,10 @@ class _Lanes:
         self._lock = threading.Lock()
         native, grpc_path = NativeClient.step_many, step_stream.step_many
 
-        def on_native(this: NativeClient, mbs, plan):  # type: ignore[no-untyped-def]
+        def on_native(this: NativeClient, mbs, plan,  # type: ignore[no-untyped-def]
+                      before_send=None):
             self._note("native", plan, mbs)
-            return native(this, mbs, plan)
+            return native(this, mbs, plan, before_send)
 
         def on_grpc(client, connection, mbs, plan):  # type: ignore[no-untyped-def]
             self._note("grpc", plan, mbs)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import urllib.request
 
+import grpc
 import pytest
 import torch
 
 from _reference import random_problem
 from _servers import free_port
 from losshead import Client, native_available, native_library
+from losshead.errors import LossheadError
 
 
 def _path_bytes(metrics_port: int) -> dict:
@@ -140,6 +142,79 @@ def test_fresh_clients_lanes_take_their_first_regions_at_once(servers, monkeypat
             assert r.data_path == "device"
             assert (r.loss_sum, r.token_count) == (s.loss_sum, s.token_count)
             assert torch.equal(r.grad_hidden.cpu(), s.grad_hidden)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_cut_device_batch_is_checked_on_every_stream_and_refused_whole(servers,
+                                                                        monkeypatch) -> None:
+    """The device path checks a cut batch on the streams' threads once their regions are
+    filled (the first of them for all): a NaN in the last micro-batch, or a target outside the
+    vocabulary, fails the call INVALID_ARGUMENT on four streams with nothing sent (the window
+    stays empty); the regions then serve a good step, bit for bit against the network path."""
+    if not native_available():
+        pytest.skip(f"no native library: {native_library()}")
+    monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)
+    n, d, v = 512, 64, 97
+    hidden, weight, targets = random_problem(n, d, v, seed=33, ignore_fraction=0.1)
+    server = servers.start("--backend=cuda", "--devices=0")
+    chunks = [64] * 8
+    with Client(server.address, native=True, connections=4, client_id="dev") as c, \
+            Client(server.address, native=False, client_id="net") as net:
+        for name in ("dev", "net"):
+            net.create_head(name, v, d)
+            net.upload_weights(name, weight)
+        nan = hidden.clone()
+        nan[n - 3, 5] = float("nan")
+        far = targets.clone()
+        far[n - 1] = v
+        for h, t, why in ((nan, targets, "NaN"), (hidden, far, "outside [0, 97)")):
+            with pytest.raises(LossheadError) as e:
+                c.step_chunked("dev", h.to("cuda:0"), t.to("cuda:0"), chunks=chunks, streams=4,
+                               grad_hidden_device="cuda:0")
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert why in e.value.message and "nothing of the batch was sent" in e.value.message
+            assert c.get_head("dev").tokens_since_pull == 0
+        r = c.step_chunked("dev", hidden.to("cuda:0"), targets.to("cuda:0"), chunks=chunks,
+                           streams=4, grad_hidden_device="cuda:0")
+        s = net.step_chunked("net", hidden, targets, chunks=chunks, streams=1)
+        assert r.data_path == "device"
+        assert (r.loss_sum, r.token_count) == (s.loss_sum, s.token_count)
+        assert torch.equal(r.grad_hidden.cpu(), s.grad_hidden)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_device_path_follows_the_callers_stream(servers, monkeypatch) -> None:
+    """Hidden states made on a side stream and dH read there: the copies into and out of the
+    regions go on the caller's stream from every lane's thread, and dH is not waited for on the
+    host, so only that ordering makes it right. Five steps in a row (the regions reused, each
+    waiting for the last one's copies out), against the network path bit for bit."""
+    if not native_available():
+        pytest.skip(f"no native library: {native_library()}")
+    monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)
+    n, d, v = 512, 64, 97
+    hidden, weight, targets = random_problem(n, d, v, seed=35, ignore_fraction=0.1)
+    server = servers.start("--backend=cuda", "--devices=0", "--grad_stash_idle=inf")
+    chunks = [64] * 8
+    with Client(server.address, native=True, connections=4, client_id="dev") as c, \
+            Client(server.address, native=False, client_id="net") as net:
+        for name in ("dev", "net"):
+            net.create_head(name, v, d)
+            net.upload_weights(name, weight)
+        side = torch.cuda.Stream()
+        for k in range(5):
+            scale = 1.0 + k / 4
+            s = net.step_chunked("net", hidden * scale, targets, chunks=chunks, streams=1)
+            with torch.cuda.stream(side):
+                on_device = hidden.to("cuda:0", non_blocking=False)
+                torch.cuda._sleep(2_000_000)  # the side stream still busy as the step starts
+                h = on_device * scale
+                r = c.step_chunked("dev", h, targets.to("cuda:0"), chunks=chunks, streams=4,
+                                   grad_hidden_device="cuda:0")
+                assert r.data_path == "device"
+                got = r.grad_hidden * 1  # read on the side stream
+            side.synchronize()
+            assert (r.loss_sum, r.token_count) == (s.loss_sum, s.token_count)
+            assert torch.equal(got.cpu(), s.grad_hidden)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -12,8 +12,9 @@ changed since.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -67,3 +68,24 @@ def refusal(facts: HeadFacts, largest: float, targets: torch.Tensor,
         return (f"targets[{i}] = {int(targets[i])} is outside [0, {facts.vocab_size}) and is not "
                 f"ignore_index {ignore}")
     return None
+
+
+class Once:
+    """A check that several threads wait on and the first of them runs: every caller returns or
+    raises what that one run raised."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self._check: Optional[Callable[[], None]] = check
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._check is not None:
+                try:
+                    self._check()
+                except BaseException as e:  # noqa: BLE001 - raised in every caller
+                    self._error = e
+                self._check = None
+        if self._error is not None:
+            raise self._error

@@ -11,10 +11,13 @@ id) or on a peer of it (``torch.cuda.can_device_access_peer``); otherwise, or wh
 is refused (a server without CUDA devices: FAILED_PRECONDITION), the client keeps to the host
 path (shared memory, else the network) and does not ask again for that device.
 
-Ordering contract: the copies into a region are queued on the device's current stream, which is
+Ordering contract: the copies into and out of a region are queued on the caller's stream
+(Microbatch.device_stream), whichever thread sends the micro-batches. The copies in are
 synchronised before the micro-batches are sent; dH is in the region once the call returns (the
-server synchronised its copy before answering), and the copies out of it are synchronised
-before the region serves another call.
+server synchronised its copy before answering); the copies out of it are not waited for: the
+caller's stream orders what reads dH after them, and the next call that takes the region waits
+for them on the device (`Region.reusable`) before it writes it. On the server's own GPU a host
+wait there would sit behind the server's kernels (BENCHMARKS.md, "Where the 3.5 ms go").
 
 The region's memory comes from torch's caching allocator and is shared as torch.multiprocessing
 shares storage, so torch keeps it for the process's lifetime once it was shared: regions are
@@ -89,6 +92,8 @@ class Region:
     def __init__(self, tensor: torch.Tensor, handle: int) -> None:
         self.tensor = tensor
         self.handle = handle
+        # Recorded after the last call's copies out of the region: the next writer waits for it.
+        self.reusable: Optional[torch.cuda.Event] = None
 
     @property
     def size(self) -> int:

@@ -45,6 +45,10 @@ class Microbatch:
     # when the device path is out of reach. The gRPC path never sees one (step_chunked sets it
     # only for native clients that offer the path).
     device_hidden: Optional[torch.Tensor] = None
+    # The caller's CUDA stream when `device_hidden` was made: the copies into and out of the
+    # device region are queued on it, so that they follow what wrote the hidden states and what
+    # reads dH follows them, whichever thread sends the micro-batch.
+    device_stream: Optional[torch.cuda.Stream] = None
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -80,3 +84,9 @@ class Microbatch:
             yield msg
             if last:
                 return
+
+
+def grad_dtype(header: pb.StepHeader) -> torch.dtype:
+    """The dH dtype the server will send (StepOptions.grad_hidden_dtype, else hidden's)."""
+    wire = header.options.grad_hidden_dtype or header.hidden_dtype
+    return _wire.to_torch_dtype(wire)

@@ -18,15 +18,16 @@ The library is found at ``$LOSSHEAD_CAPI_LIB``, else beside this module (setup.p
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
 
 from losshead import _wire
 from losshead._channel import TlsFiles
-from losshead._microbatch import Microbatch, Outcome
-from losshead._device_path import DevicePath, Region, aligned
+from losshead._device_layout import copy_out, lay_out
+from losshead._device_path import DevicePath, Region
+from losshead._microbatch import Microbatch, Outcome, grad_dtype
 from losshead._native_abi import (_BIAS_VERSION, NativeLibraryWarning, _CInputs, _CMicrobatch,
                                   _CStepResult, _DeviceTensors, _EmbeddingRowsInfo,
                                   _GradientSummary, _IntArg, _load, _MetadataPair, _Options,
@@ -128,56 +129,16 @@ class NativeClient:
         registers with), else None."""
         return self._device.bus_for(device)
 
-    def _lay_out(self, mbs: Sequence[Microbatch]
-                 ) -> Tuple[Optional[Region], Dict[int, Tuple[int, int, int, int]]]:
-        """The device micro-batches (Microbatch.device_hidden) laid out in one region of their
-        device (hidden | targets | room for dH each, aligned), copied in and synchronised:
-        (region, {index: (hidden_at, targets_at, grad_at, grad_bytes)}). Without a region (the
-        path refused or out of reach) their hidden states come to the host instead, and they go
-        the host's way."""
-        wanted = [i for i, mb in enumerate(mbs) if mb.device_hidden is not None]
-        if not wanted:
-            return None, {}
-        device = mbs[wanted[0]].device_hidden.device  # type: ignore[union-attr]
-        places: Dict[int, Tuple[int, int, int, int]] = {}
-        at = 0
-        for i in wanted:
-            mb = mbs[i]
-            h = mb.header
-            grad = 0 if h.options.skip_grad_hidden else (
-                max(0, h.num_tokens) * mb.hidden_size * _wire_size(_grad_dtype(h)))
-            hidden_at = at
-            targets_at = aligned(hidden_at + _nbytes(mb.hidden))
-            grad_at = aligned(targets_at + _nbytes(mb.targets))
-            places[i] = (hidden_at, targets_at, grad_at, grad)
-            at = aligned(grad_at + grad)
-        region = None
-        if all(mbs[i].device_hidden.device == device for i in wanted):  # type: ignore[union-attr]
-            if self._device.bus_for(device) is not None:
-                region = self._device.take(device, at)
-        if region is None:
-            for i in wanted:
-                mb = mbs[i]
-                mb.hidden.copy_(mb.device_hidden)  # type: ignore[arg-type]
-                mb.device_hidden = None
-            return None, {}
-        with torch.cuda.device(device):
-            for i, (hidden_at, targets_at, _, _) in places.items():
-                mb = mbs[i]
-                src = mb.device_hidden.reshape(-1).view(torch.uint8)  # type: ignore[union-attr]
-                region.tensor[hidden_at:hidden_at + src.numel()].copy_(src)
-                tgt = mb.targets.reshape(-1).view(torch.uint8)
-                region.tensor[targets_at:targets_at + tgt.numel()].copy_(tgt)
-            # The ordering contract: every write of the region is done before anything is sent.
-            torch.cuda.current_stream(device).synchronize()
-        return region, places
-
-    def step_many(self, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
+    def step_many(self, mbs: Sequence[Microbatch], plan: StepPlan,
+                  before_send: Optional[Callable[[], None]] = None) -> List[Outcome]:
         """Client::StepMany over one stream at a time, `plan.lane_depth` micro-batches on the
-        wire; outcomes in input order. The gRPC path's counterpart is
+        wire; outcomes in input order; `before_send()` once the device micro-batches are in their
+        region, before anything is sent. The gRPC path's counterpart is
         `losshead._step_stream.step_many`."""
-        region, places = self._lay_out(mbs)
+        region, places = lay_out(self._device, mbs)
         try:
+            if before_send is not None:
+                before_send()
             return self._step_many(mbs, plan, region, places)
         finally:
             if region is not None:
@@ -196,9 +157,12 @@ class NativeClient:
             h = mb.header
             dh = mb.grad_hidden_out
             if dh is None and not h.options.skip_grad_hidden:
-                # dH of a device micro-batch stays on its device.
+                # dH of a device micro-batch stays on its device (made on the stream that
+                # fills it).
                 on = mb.device_hidden.device if i in places else None  # type: ignore[union-attr]
-                dh = torch.empty((h.num_tokens, mb.hidden_size), dtype=_grad_dtype(h), device=on)
+                with torch.cuda.stream(mb.device_stream):  # None (a host micro-batch): no-op
+                    dh = torch.empty((h.num_tokens, mb.hidden_size), dtype=grad_dtype(h),
+                                     device=on)
             # Always room for them: a replayed answer carries them if the first attempt asked.
             ptl = torch.empty(max(0, h.num_tokens), dtype=torch.float32)
             # Room for each token output asked (a replay answers the same ones: the server
@@ -266,19 +230,9 @@ class NativeClient:
         if failed:
             raise _error(status)
         if places:
-            # dH of the device micro-batches, out of the region before it serves another call.
-            for i, (_, _, grad_at, _) in places.items():
-                dh, r = outs[i][0], results[i]
-                if dh is None or r.status.code or not r.grad_hidden_bytes:
-                    continue
-                assert region is not None
-                if r.grad_hidden_bytes == _nbytes(dh):
-                    with torch.cuda.device(region.tensor.device):
-                        dh.reshape(-1).view(torch.uint8).copy_(
-                            region.tensor[grad_at:grad_at + r.grad_hidden_bytes])
             assert region is not None
-            with torch.cuda.device(region.tensor.device):
-                torch.cuda.current_stream().synchronize()
+            copy_out(region, places, mbs, [dh for dh, _, _ in outs],
+                     [r.grad_hidden_bytes if not r.status.code else 0 for r in results])
         outcomes = [_outcome(mb, r, dh, ptl, tos,
                              _PATHS.get(paths[i], "network") if reported else None)
                     for i, (mb, r, (dh, ptl, tos)) in enumerate(zip(mbs, results, outs))]
@@ -373,12 +327,6 @@ class NativeClient:
         return info, int(bias_bytes.value)
 
 
-def _grad_dtype(header: pb.StepHeader) -> torch.dtype:
-    """The dH dtype the server will send (StepOptions.grad_hidden_dtype, else hidden's)."""
-    wire = header.options.grad_hidden_dtype or header.hidden_dtype
-    return _wire.to_torch_dtype(wire)
-
-
 # The token outputs by their C field names: proto value and tensor dtype.
 _TOKEN_OUTPUTS = {
     "logprob": (pb.TOKEN_OUTPUT_LOGPROB, torch.float32),
@@ -392,10 +340,6 @@ _TOP_K = {"top_k_ids": torch.int32, "top_k_logprobs": torch.float32}
 
 # lh_step_many_device's paths (LH_PATH_*).
 _PATHS = {0: "network", 1: "shared_memory", 2: "device"}
-
-
-def _wire_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _outcome(mb: Microbatch, r: _CStepResult, dh: Optional[torch.Tensor],

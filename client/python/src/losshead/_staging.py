@@ -59,17 +59,7 @@ def staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int,
     # On the tensor's own device: the events must follow the stream the copies are queued on.
     with torch.cuda.device(hidden.device):
         source = hidden.to(dtype)
-        read_largest: Optional[Callable[[], float]] = None
-        if measure:
-            largest = torch.empty((), dtype=source.dtype, pin_memory=True)
-            largest.copy_(torch.linalg.vector_norm(source, float("inf")), non_blocking=True)
-            measured = torch.cuda.Event()
-            measured.record()
-
-            def read() -> float:
-                measured.synchronize()  # the reduction only, not the copies behind it
-                return float(largest)
-            read_largest = read
+        read_largest = queued_largest(source) if measure else None
         for lane in range(streams):
             for a, b in bounds[lane::streams]:
                 staged[a:b].copy_(source[a:b], non_blocking=True)
@@ -79,3 +69,18 @@ def staged(hidden: torch.Tensor, dtype: torch.dtype, bounds: Sequence[Tuple[int,
     # Freeing a converted `source` now is safe: the copies were queued on the current stream
     # before anything that could reuse its memory.
     return staged, lambda lane: copied[lane].synchronize(), read_largest
+
+
+def queued_largest(source: torch.Tensor) -> Callable[[], float]:
+    """largest_magnitude of a CUDA tensor: one reduction queued on the current stream now, its
+    value read when asked for (waiting for the reduction only, not for what was queued after
+    it)."""
+    largest = torch.empty((), dtype=source.dtype, pin_memory=True)
+    largest.copy_(torch.linalg.vector_norm(source, float("inf")), non_blocking=True)
+    measured = torch.cuda.Event()
+    measured.record()
+
+    def read() -> float:
+        measured.synchronize()
+        return float(largest)
+    return read

@@ -19,11 +19,11 @@ import torch
 
 from losshead import _step_stream, _wire
 from losshead._base import ClientBase
-from losshead._batch_check import HeadFacts, refusal
+from losshead._batch_check import HeadFacts, Once, refusal
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
-from losshead._staging import lane_copies, staged
+from losshead._staging import lane_copies, queued_largest, staged
 from losshead._step_stream import StepStream, _StepPipeline
 from losshead._token_inputs import take_token_inputs
 from losshead._types import (TOKEN_INPUTS, LossOptions, ReductionLike, StepResult,
@@ -122,7 +122,8 @@ class Steps(ClientBase):
                          max_inflight: Optional[int] = None,
                          lane_ready: Optional[Callable[[int], None]] = None,
                          lane_done: Optional[Callable[[int], None]] = None,
-                         plan: Optional[StepPlan] = None) -> List[StepResult]:
+                         plan: Optional[StepPlan] = None,
+                         before_send: Optional[Callable[[], None]] = None) -> List[StepResult]:
         """Runs micro-batches pipelined over `streams` Step streams; results in input order.
 
         Micro-batch k goes on stream k % streams; each stream has up to `max_inflight` of them
@@ -140,7 +141,9 @@ class Steps(ClientBase):
         `lane_ready(j)`, when given, is called on stream j's thread before it sends anything
         (step_chunked waits there for that stream's rows to reach the host); `lane_done(j)`,
         on stream j's thread once its micro-batches are settled without raising (step_chunked
-        copies that stream's dH to the device there).
+        copies that stream's dH to the device there); `before_send()`, on each stream's thread
+        once its micro-batches are staged, before any is sent: what it raises fails the call
+        with nothing sent (step_chunked checks a batch on the device path there).
         """
         self._check_open()
         if plan is None:
@@ -160,7 +163,7 @@ class Steps(ClientBase):
                     lane_ready(j)
                 indices = range(j, len(mbs), n_streams)
                 for i, outcome in zip(indices, self._run_lane(j, [mbs[i] for i in indices],
-                                                              plan)):
+                                                              plan, before_send)):
                     outcomes[i] = outcome
                 if lane_done is not None:
                     lane_done(j)
@@ -180,11 +183,14 @@ class Steps(ClientBase):
                 raise o
         return [o for o in outcomes if isinstance(o, StepResult)]
 
-    def _run_lane(self, j: int, mbs: Sequence[Microbatch], plan: StepPlan) -> List[Outcome]:
+    def _run_lane(self, j: int, mbs: Sequence[Microbatch], plan: StepPlan,
+                  before_send: Optional[Callable[[], None]]) -> List[Outcome]:
         """Stream j's micro-batches, in order, on the native path (the C++ client of connection
         j) or the gRPC one: the same plan either way."""
         if self._natives:
-            return self._natives[j % len(self._natives)].step_many(mbs, plan)
+            return self._natives[j % len(self._natives)].step_many(mbs, plan, before_send)
+        if before_send is not None:
+            before_send()
         return _step_stream.step_many(self, j, mbs, plan)
 
     def step(self, head: str, hidden: torch.Tensor, targets: torch.Tensor, **options: object
@@ -222,6 +228,7 @@ class Steps(ClientBase):
                                  **options)  # type: ignore[arg-type]
             with torch.cuda.device(hidden.device):
                 mb.device_hidden = hidden.detach().reshape(-1, d).to(wire).contiguous()
+                mb.device_stream = torch.cuda.current_stream()
             result = self.run_microbatches([mb])[0]
             if result.grad_hidden is not None and result.grad_hidden.is_cuda:
                 result.grad_hidden = result.grad_hidden.cpu()
@@ -311,8 +318,7 @@ class Steps(ClientBase):
                 source = flat.to(wire).contiguous()
                 h2 = torch.empty((n, d), dtype=wire)
                 lane_ready = None
-                largest = ((lambda: float(torch.linalg.vector_norm(source, float("inf"))))
-                           if cut else None)
+                largest = queued_largest(source) if cut else None
         else:
             h2, lane_ready, largest = staged(flat, wire, bounds, n_streams, measure=cut)
         # The per-token inputs of the loss terms, cut as the targets are.
@@ -321,8 +327,9 @@ class Steps(ClientBase):
                                hidden_dtype=wire, **{k: v[a:b] for k, v in inputs.items()},
                                **options) for a, b in bounds]
         if device_path:
+            caller = torch.cuda.current_stream(hidden.device)
             for mb, (a, b) in zip(mbs, bounds):
-                mb.device_hidden = source[a:b]
+                mb.device_hidden, mb.device_stream = source[a:b], caller
         grad = None
         if self._natives and not options.get("skip_grad_hidden"):
             # The chunks' dH lands in one tensor: no concatenation afterwards (on the device
@@ -343,11 +350,20 @@ class Steps(ClientBase):
                 target = torch.device("cpu")
         elif grad is not None and target is not None and target.type == "cuda":
             on_device, lane_done = lane_copies(grad, target, bounds, n_streams)
+        before_send = None
         if largest is not None:  # the last thing before sending: the reduction had time to run
             ignore = getattr(options.get("loss_options"), "ignore_index", None)
-            self._check_cut_batch(head, largest(), t1, ignore)
+            check = Once(lambda: self._check_cut_batch(head, largest(), t1, ignore))
+            if device_path:
+                # On each stream's thread once its micro-batches are in their device region, by
+                # the first to get there: the reduction was queued ahead of the copies, so the
+                # copies' one wait for the device covers it (a GPU shared with the server makes
+                # each wait long: BENCHMARKS.md, "Where the 3.5 ms go").
+                before_send = check
+            else:
+                check()
         parts = self.run_microbatches(mbs, plan=plan, lane_ready=lane_ready,
-                                      lane_done=lane_done)
+                                      lane_done=lane_done, before_send=before_send)
         if grad is None or any(p.grad_hidden is None for p in parts):
             combined = combine_results(parts)
             if target is not None and combined.grad_hidden is not None:

@@ -52,9 +52,10 @@ class WindowTracker:
         self._longest = 0  # the longest such run that ended with a new version
         self._warned = False
         # A tied input embedding (losshead.embedding): the factor the head's loss gave its dH in
-        # the last backward (the upstream gradient over the reduction's count; None before one,
-        # or for per-token losses), and the embedding gradients still on their way to the window.
-        self.last_grad_scale: Optional[float] = None
+        # the last backward (the upstream gradient over the reduction's count, a 0-d tensor on
+        # dH's device; None before one, or for per-token losses), and the embedding gradients
+        # still on their way to the window.
+        self.last_grad_scale: Optional[Any] = None
         self._embedding_sends: List[Any] = []
 
     def note_embedding_send(self, done: Any) -> None:

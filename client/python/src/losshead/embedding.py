@@ -147,7 +147,8 @@ class OffloadedEmbedding(nn.Module):
         window = tracker(self.client.target, self.head)
         divisor: Optional[float]
         if self.grad_divisor == "head":
-            divisor = window.last_grad_scale
+            scale = window.last_grad_scale
+            divisor = None if scale is None else float(scale)
             if divisor is None or divisor == 0.0:
                 raise RuntimeError(
                     "losshead: the embedding's gradient is divided by the factor the head's loss "

@@ -63,11 +63,20 @@ class Asked:
 _NOTHING_ASKED = Asked()
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for it: from pageable memory a copy to a CUDA
+    device waits for the device, and on a GPU the server shares that wait sits behind its
+    kernels (BENCHMARKS.md, "Where the 3.5 ms go")."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _shape_outputs(result: StepResult, hidden: torch.Tensor, targets: torch.Tensor) -> None:
     """The result's token outputs on hidden's device, in targets' shape."""
     if result.outputs is not None:
         result.outputs = result.outputs.map(
-            lambda t: t.to(device=hidden.device).reshape(targets.shape))
+            lambda t: _to_device(t, hidden.device).reshape(targets.shape))
 
 
 def _check_reduction(reduction: str) -> None:
@@ -110,17 +119,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         out_dtype = torch.promote_types(hidden.dtype, torch.float32)
         if reduction == "none":
             assert result.per_token_loss is not None
-            loss = result.per_token_loss.to(device=hidden.device, dtype=out_dtype)
+            loss = _to_device(result.per_token_loss, hidden.device).to(out_dtype)
             loss = loss.reshape(targets.shape)
             scale = 1.0
         elif reduction == "sum":
-            loss = torch.tensor(result.loss_sum, dtype=out_dtype, device=hidden.device)
+            # A fill, not a copy from the host: nothing waits for the device.
+            loss = torch.full((), result.loss_sum, dtype=out_dtype, device=hidden.device)
             scale = 1.0
         else:
             # 0/0 is NaN, as in F.cross_entropy when every target is ignored.
             count = result.token_count
-            loss = torch.tensor(result.loss_sum / count if count else float("nan"),
-                                dtype=out_dtype, device=hidden.device)
+            loss = torch.full((), result.loss_sum / count if count else float("nan"),
+                              dtype=out_dtype, device=hidden.device)
             scale = 1.0 / count if count else 0.0
         ctx.grad_hidden = result.grad_hidden
         ctx.scale = scale
@@ -151,8 +161,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             factor = g * ctx.scale
             dh = dh * factor
             # A tied input embedding's backward, which runs after this one, divides its rows by
-            # it (losshead.embedding), so that the window holds both in the same units.
-            window.last_grad_scale = float(factor)
+            # it (losshead.embedding), so that the window holds both in the same units. Kept as
+            # a tensor: reading it here would make every backward wait for the device.
+            window.last_grad_scale = factor.detach()
         return (dh.to(dtype).reshape(shape),) + _NO_GRADS[1:]
 
 
