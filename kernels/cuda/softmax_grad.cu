@@ -47,21 +47,26 @@ __device__ __forceinline__ float RowTermsLoss(const loss::Options& o, const RowT
   return in.weight * r.loss;
 }
 
-// Blocks of the plain and the top-k's instantiations each SM must hold at once: two of 512
-// threads, one of 1024 (at most 64 registers), so that they keep the rows in flight that the
-// row's bandwidth needs. Left to itself the compiler gave the top-k 95 registers (110 with the
-// terms): one block of 512 per SM, and the row kernel took about twice as long; and the plain
-// bf16 kernel 94 (ncu: 25 % occupancy, 2.2 TB/s from DRAM).
-template <int kThreads, RowExtras kExtras>
+// Blocks each SM must hold at once: two of 512 threads, one of 1024 (at most 64 registers), so
+// that they keep the rows in flight that the row's bandwidth needs. Left to itself the compiler
+// gave the top-k 95 registers (110 with the terms): one block of 512 per SM, and the row kernel
+// took about twice as long; the plain bf16 kernel 94 (ncu: 25 % occupancy, 2.2 TB/s from DRAM)
+// and the distribution outputs' 90 (held to 64: 4 bytes spilled, the call with logprob, entropy
+// and argmax 0.7 ms faster at 8192 tokens). Only the distribution outputs with the terms keep
+// one block: 113 registers would spill too much.
+template <int kThreads, RowExtras kExtras, bool kTerms>
 inline constexpr int kMinBlocksPerSm =
-    kExtras == RowExtras::kTopK || kExtras == RowExtras::kNone ? 2048 / 2 / kThreads : 1;
+    kExtras == RowExtras::kTopK || kExtras == RowExtras::kNone ||
+            (kExtras == RowExtras::kDistribution && !kTerms)
+        ? 2048 / 2 / kThreads
+        : 1;
 
 // kStats: the lse comes from the logits GEMM's statistics per tile (SoftmaxGradParams::
 // tile_stats), so pass 1 reads the row only for the distribution's other statistics (kDist), not
 // at all in the plain kernel. The lse is then the same bits whatever else is asked. Never with
 // the terms, whose z is not the logit.
 template <typename TL, typename TG, int kThreads, RowExtras kExtras, bool kTerms, bool kStats>
-__global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras>))
+__global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<kThreads, kExtras, kTerms>))
     SoftmaxGradKernel(const TL* logits, int64_t ldl, const int32_t* __restrict__ targets,
                       SoftmaxGradParams p, TG* grad, int64_t ldg, float* __restrict__ row_loss,
                       float* __restrict__ per_token_loss, float* __restrict__ per_token_lse,
