@@ -11,7 +11,7 @@ thread sends them:
 - out: dH, once the call returned (the server synchronised its writes before answering), not
   waited for on the host. What reads dH comes after the copies on the caller's stream, and the
   next call that takes the region waits for them on the device. On the server's own GPU a host
-  wait here sat behind the server's kernels (BENCHMARKS.md, "Where the 3.5 ms go").
+  wait here sat behind the server's kernels (BENCHMARKS.md, "The trainer's host waits").
 """
 
 from __future__ import annotations

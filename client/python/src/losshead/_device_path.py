@@ -17,7 +17,7 @@ synchronised before the micro-batches are sent; dH is in the region once the cal
 server synchronised its copy before answering); the copies out of it are not waited for: the
 caller's stream orders what reads dH after them, and the next call that takes the region waits
 for them on the device (`Region.reusable`) before it writes it. On the server's own GPU a host
-wait there would sit behind the server's kernels (BENCHMARKS.md, "Where the 3.5 ms go").
+wait there would sit behind the server's kernels (BENCHMARKS.md, "The trainer's host waits").
 
 The region's memory comes from torch's caching allocator and is shared as torch.multiprocessing
 shares storage, so torch keeps it for the process's lifetime once it was shared: regions are

@@ -358,7 +358,7 @@ class Steps(ClientBase):
                 # On each stream's thread once its micro-batches are in their device region, by
                 # the first to get there: the reduction was queued ahead of the copies, so the
                 # copies' one wait for the device covers it (a GPU shared with the server makes
-                # each wait long: BENCHMARKS.md, "Where the 3.5 ms go").
+                # each wait long: BENCHMARKS.md, "The trainer's host waits").
                 before_send = check
             else:
                 check()

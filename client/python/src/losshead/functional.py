@@ -66,7 +66,7 @@ _NOTHING_ASKED = Asked()
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for it: from pageable memory a copy to a CUDA
     device waits for the device, and on a GPU the server shares that wait sits behind its
-    kernels (BENCHMARKS.md, "Where the 3.5 ms go")."""
+    kernels (BENCHMARKS.md, "The trainer's host waits")."""
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
