@@ -8,6 +8,7 @@ LOSSHEAD_TEST_NATIVE=1 when it built the library into the package: then its abse
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Dict, Iterator
 
 import grpc
@@ -18,6 +19,7 @@ from _reference import assert_close, random_problem, reference
 from _servers import NO_RETRY, free_port
 from losshead import Client, LossheadError, LossOptions, RemoteLMHead, native_available
 from losshead import native_library
+from losshead._batch_check import Once
 
 C = grpc.StatusCode
 FP32_REL = 2e-5
@@ -486,3 +488,65 @@ def _code_of(call: Callable[[], object]) -> grpc.StatusCode:
     with pytest.raises(LossheadError) as e:
         call()
     return e.value.code
+
+
+@pytest.mark.parametrize("path", ["native", "grpc"])
+def test_what_before_send_raises_fails_the_call_with_nothing_sent(paths: Dict[str, Client],
+                                                                  make_head, path: str) -> None:
+    """run_microbatches' `before_send` (where the device path checks a cut batch) runs on each
+    stream's thread once its micro-batches are staged: what it raises fails the call with
+    nothing sent. Under `Once`, as step_chunked gives it, the check runs once for all the
+    streams, and then the micro-batches go."""
+    c = paths[path]
+    n, d, v = 64, 8, 11
+    name = make_head(v, d, init_std=0.1)
+    hidden, targets = torch.randn(n, d), torch.randint(0, v, (n,))
+
+    def cut() -> list:
+        return [c.microbatch(name, hidden[a:a + 16], targets[a:a + 16]) for a in range(0, n, 16)]
+
+    threads = []
+
+    def refuse() -> None:
+        threads.append(threading.current_thread().name)
+        raise LossheadError(grpc.StatusCode.INVALID_ARGUMENT, "refused before sending")
+
+    with pytest.raises(LossheadError) as e:
+        c.run_microbatches(cut(), streams=2, before_send=refuse)
+    assert (e.value.code, e.value.message) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                               "refused before sending")
+    assert len(threads) == 2 and len(set(threads)) == 2
+    info = c.get_head(name)
+    assert (info.tokens_since_pull, info.microbatches_since_pull) == (0, 0)
+    calls = []
+    results = c.run_microbatches(cut(), streams=2, before_send=Once(lambda: calls.append(1)))
+    assert len(results) == 4 and calls == [1]
+    assert c.get_head(name).microbatches_since_pull == 4
+
+
+def test_once_runs_its_check_once_and_raises_its_error_in_every_caller() -> None:
+    """_batch_check.Once from four threads at once: one run, every caller raising its error."""
+    runs = []
+    gate = threading.Barrier(4)
+
+    def check() -> None:
+        runs.append(threading.current_thread().name)
+        raise LossheadError(grpc.StatusCode.INVALID_ARGUMENT, "bad batch")
+
+    once = Once(check)
+    raised = []
+
+    def call() -> None:
+        gate.wait()
+        try:
+            once()
+        except LossheadError as err:
+            raised.append(err)
+
+    workers = [threading.Thread(target=call) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(runs) == 1 and len(raised) == 4
+    assert all(err is raised[0] for err in raised) and raised[0].message == "bad batch"
