@@ -20,19 +20,12 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from losshead import _wire
 from losshead._device_path import DevicePath, Region, aligned
 from losshead._microbatch import Microbatch, grad_dtype
 
 # Index of a micro-batch in its call -> (hidden_at, targets_at, grad_at, grad_bytes).
 Places = Dict[int, Tuple[int, int, int, int]]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def device_stream(mbs: Sequence[Microbatch]) -> Optional[torch.cuda.Stream]:
@@ -55,10 +48,10 @@ def lay_out(path: DevicePath, mbs: Sequence[Microbatch]) -> Tuple[Optional[Regio
         mb = mbs[i]
         h = mb.header
         grad = 0 if h.options.skip_grad_hidden else (
-            max(0, h.num_tokens) * mb.hidden_size * _element_size(grad_dtype(h)))
+            max(0, h.num_tokens) * mb.hidden_size * _wire.element_size(grad_dtype(h)))
         hidden_at = at
-        targets_at = aligned(hidden_at + _nbytes(mb.hidden))
-        grad_at = aligned(targets_at + _nbytes(mb.targets))
+        targets_at = aligned(hidden_at + _wire.nbytes(mb.hidden))
+        grad_at = aligned(targets_at + _wire.nbytes(mb.targets))
         places[i] = (hidden_at, targets_at, grad_at, grad)
         at = aligned(grad_at + grad)
     region = None
@@ -94,6 +87,6 @@ def copy_out(region: Region, places: Places, mbs: Sequence[Microbatch],
     with torch.cuda.device(region.tensor.device), torch.cuda.stream(device_stream(mbs)):
         for i, (_, _, grad_at, _) in places.items():
             dh = grads[i]
-            if dh is not None and written[i] and written[i] == _nbytes(dh):
+            if dh is not None and written[i] and written[i] == _wire.nbytes(dh):
                 dh.reshape(-1).view(torch.uint8).copy_(region.tensor[grad_at:grad_at + written[i]])
         region.reusable = torch.cuda.current_stream().record_event()

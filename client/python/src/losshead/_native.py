@@ -56,8 +56,7 @@ def _ptr(t: torch.Tensor) -> Optional[int]:
     return t.data_ptr() if t.numel() else None
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+_nbytes = _wire.nbytes
 
 
 class NativeClient:
@@ -256,8 +255,8 @@ class NativeClient:
                 ids.numel(), dtype, int(expected_weights_version is not None),
                 int(expected_weights_version or 0), _ptr(out), _nbytes(out), _c.byref(info),
                 _c.byref(status)):
-            need = info.num_rows * info.hidden_size * (torch.empty(
-                (), dtype=_wire.to_torch_dtype(info.dtype)).element_size() if info.dtype else 0)
+            need = info.num_rows * info.hidden_size * (
+                _wire.element_size(info.dtype) if info.dtype else 0)
             if status_code(status.code) == grpc.StatusCode.FAILED_PRECONDITION and (
                     need > _nbytes(out)):
                 return info, False

@@ -353,13 +353,14 @@ class Steps(ClientBase):
         before_send = None
         if largest is not None:  # the last thing before sending: the reduction had time to run
             ignore = getattr(options.get("loss_options"), "ignore_index", None)
-            check = Once(lambda: self._check_cut_batch(head, largest(), t1, ignore))
+            def check() -> None:
+                self._check_cut_batch(head, largest(), t1, ignore)
             if device_path:
                 # On each stream's thread once its micro-batches are in their device region, by
                 # the first to get there: the reduction was queued ahead of the copies, so the
                 # copies' one wait for the device covers it (a GPU shared with the server makes
                 # each wait long: BENCHMARKS.md, "The trainer's host waits").
-                before_send = check
+                before_send = Once(check)
             else:
                 check()
         parts = self.run_microbatches(mbs, plan=plan, lane_ready=lane_ready,

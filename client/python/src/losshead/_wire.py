@@ -56,7 +56,16 @@ def to_wire_dtype(dtype: DTypeLike) -> int:
 
 
 def element_size(dtype: DTypeLike) -> int:
-    return torch.empty((), dtype=to_torch_dtype(dtype)).element_size()
+    return _ELEMENT_SIZES[to_torch_dtype(dtype)]
+
+
+# Looked up rather than measured on an empty tensor: the device path asks once per micro-batch.
+_ELEMENT_SIZES = {t: torch.empty((), dtype=t).element_size() for t in _TORCH_TO_WIRE}
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor's elements take."""
+    return tensor.numel() * tensor.element_size()
 
 
 def encode(tensor: torch.Tensor, dtype: DTypeLike) -> bytes:
