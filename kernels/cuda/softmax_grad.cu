@@ -56,10 +56,7 @@ __device__ __forceinline__ float RowTermsLoss(const loss::Options& o, const RowT
 // one block: 113 registers would spill too much.
 template <int kThreads, RowExtras kExtras, bool kTerms>
 inline constexpr int kMinBlocksPerSm =
-    kExtras == RowExtras::kTopK || kExtras == RowExtras::kNone ||
-            (kExtras == RowExtras::kDistribution && !kTerms)
-        ? 2048 / 2 / kThreads
-        : 1;
+    kExtras == RowExtras::kDistribution && kTerms ? 1 : 2048 / 2 / kThreads;
 
 // kStats: the lse comes from the logits GEMM's statistics per tile (SoftmaxGradParams::
 // tile_stats), so pass 1 reads the row only for the distribution's other statistics (kDist), not
