@@ -7,7 +7,9 @@ path to a server computing on CUDA (skipped without a CUDA device), bit for bit 
 
 from __future__ import annotations
 
+import contextlib
 import urllib.request
+from typing import Iterator
 
 import grpc
 import pytest
@@ -144,6 +146,27 @@ def test_fresh_clients_lanes_take_their_first_regions_at_once(servers, monkeypat
             assert torch.equal(r.grad_hidden.cpu(), s.grad_hidden)
 
 
+@contextlib.contextmanager
+def _device_and_network(servers, monkeypatch, seed: int, *flags: str) -> Iterator[tuple]:
+    """A 512-token problem (D 64, V 97), a server computing on GPU 0, a native client of four
+    connections ("dev") and a grpcio one ("net"), each with a head of the same weights, named as
+    the client: (dev, net, hidden, targets), the tensors on the host."""
+    if not native_available():
+        pytest.skip(f"no native library: {native_library()}")
+    monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)  # the default: on
+    hidden, weight, targets = random_problem(512, 64, 97, seed=seed, ignore_fraction=0.1)
+    server = servers.start("--backend=cuda", "--devices=0", *flags)
+    with Client(server.address, native=True, connections=4, client_id="dev") as dev, \
+            Client(server.address, native=False, client_id="net") as net:
+        for name in ("dev", "net"):
+            net.create_head(name, 97, 64)
+            net.upload_weights(name, weight)
+        yield dev, net, hidden, targets
+
+
+_CHUNKS = [64] * 8
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_cut_device_batch_is_checked_on_every_stream_and_refused_whole(servers,
                                                                         monkeypatch) -> None:
@@ -151,32 +174,21 @@ def test_a_cut_device_batch_is_checked_on_every_stream_and_refused_whole(servers
     filled (the first of them for all): a NaN in the last micro-batch, or a target outside the
     vocabulary, fails the call INVALID_ARGUMENT on four streams with nothing sent (the window
     stays empty); the regions then serve a good step, bit for bit against the network path."""
-    if not native_available():
-        pytest.skip(f"no native library: {native_library()}")
-    monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)
-    n, d, v = 512, 64, 97
-    hidden, weight, targets = random_problem(n, d, v, seed=33, ignore_fraction=0.1)
-    server = servers.start("--backend=cuda", "--devices=0")
-    chunks = [64] * 8
-    with Client(server.address, native=True, connections=4, client_id="dev") as c, \
-            Client(server.address, native=False, client_id="net") as net:
-        for name in ("dev", "net"):
-            net.create_head(name, v, d)
-            net.upload_weights(name, weight)
+    with _device_and_network(servers, monkeypatch, 33) as (c, net, hidden, targets):
         nan = hidden.clone()
-        nan[n - 3, 5] = float("nan")
+        nan[-3, 5] = float("nan")
         far = targets.clone()
-        far[n - 1] = v
+        far[-1] = 97
         for h, t, why in ((nan, targets, "NaN"), (hidden, far, "outside [0, 97)")):
             with pytest.raises(LossheadError) as e:
-                c.step_chunked("dev", h.to("cuda:0"), t.to("cuda:0"), chunks=chunks, streams=4,
-                               grad_hidden_device="cuda:0")
+                c.step_chunked("dev", h.to("cuda:0"), t.to("cuda:0"), chunks=_CHUNKS,
+                               streams=4, grad_hidden_device="cuda:0")
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert why in e.value.message and "nothing of the batch was sent" in e.value.message
             assert c.get_head("dev").tokens_since_pull == 0
-        r = c.step_chunked("dev", hidden.to("cuda:0"), targets.to("cuda:0"), chunks=chunks,
+        r = c.step_chunked("dev", hidden.to("cuda:0"), targets.to("cuda:0"), chunks=_CHUNKS,
                            streams=4, grad_hidden_device="cuda:0")
-        s = net.step_chunked("net", hidden, targets, chunks=chunks, streams=1)
+        s = net.step_chunked("net", hidden, targets, chunks=_CHUNKS, streams=1)
         assert r.data_path == "device"
         assert (r.loss_sum, r.token_count) == (s.loss_sum, s.token_count)
         assert torch.equal(r.grad_hidden.cpu(), s.grad_hidden)
@@ -184,31 +196,23 @@ def test_a_cut_device_batch_is_checked_on_every_stream_and_refused_whole(servers
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_the_device_path_follows_the_callers_stream(servers, monkeypatch) -> None:
-    """Hidden states made on a side stream and dH read there: the copies into and out of the
-    regions go on the caller's stream from every lane's thread, and dH is not waited for on the
-    host, so only that ordering makes it right. Five steps in a row (the regions reused, each
-    waiting for the last one's copies out), against the network path bit for bit."""
-    if not native_available():
-        pytest.skip(f"no native library: {native_library()}")
-    monkeypatch.delenv("LOSSHEAD_DEVICE_PATH", raising=False)
-    n, d, v = 512, 64, 97
-    hidden, weight, targets = random_problem(n, d, v, seed=35, ignore_fraction=0.1)
-    server = servers.start("--backend=cuda", "--devices=0", "--grad_stash_idle=inf")
-    chunks = [64] * 8
-    with Client(server.address, native=True, connections=4, client_id="dev") as c, \
-            Client(server.address, native=False, client_id="net") as net:
-        for name in ("dev", "net"):
-            net.create_head(name, v, d)
-            net.upload_weights(name, weight)
+    """Hidden states and targets made on a side stream and dH read there: the copies into and
+    out of the regions go on the caller's stream from every lane's thread, and dH is not waited
+    for on the host, so only that ordering makes it right. Five steps in a row (the regions
+    reused, each waiting for the last one's copies out), against the network path bit for
+    bit; the targets come from the host, then from the device (copied device to device)."""
+    with _device_and_network(servers, monkeypatch, 35, "--grad_stash_idle=inf") as (
+            c, net, hidden, targets):
         side = torch.cuda.Stream()
         for k in range(5):
             scale = 1.0 + k / 4
-            s = net.step_chunked("net", hidden * scale, targets, chunks=chunks, streams=1)
+            s = net.step_chunked("net", hidden * scale, targets, chunks=_CHUNKS, streams=1)
             with torch.cuda.stream(side):
                 on_device = hidden.to("cuda:0", non_blocking=False)
                 torch.cuda._sleep(2_000_000)  # the side stream still busy as the step starts
                 h = on_device * scale
-                r = c.step_chunked("dev", h, targets.to("cuda:0"), chunks=chunks, streams=4,
+                t = targets if k < 2 else (targets.to("cuda:0") + 1) - 1  # made on the stream
+                r = c.step_chunked("dev", h, t, chunks=_CHUNKS, streams=4,
                                    grad_hidden_device="cuda:0")
                 assert r.data_path == "device"
                 got = r.grad_hidden * 1  # read on the side stream

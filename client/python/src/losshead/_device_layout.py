@@ -72,7 +72,8 @@ def lay_out(path: DevicePath, mbs: Sequence[Microbatch]) -> Tuple[Optional[Regio
             mb = mbs[i]
             src = mb.device_hidden.reshape(-1).view(torch.uint8)  # type: ignore[union-attr]
             region.tensor[hidden_at:hidden_at + src.numel()].copy_(src)
-            tgt = mb.targets.reshape(-1).view(torch.uint8)
+            tgt = (mb.device_targets if mb.device_targets is not None
+                   else mb.targets).reshape(-1).view(torch.uint8)
             region.tensor[targets_at:targets_at + tgt.numel()].copy_(tgt)
         stream.synchronize()  # every write of the region done before anything is sent
     return region, places

@@ -328,8 +328,12 @@ class Steps(ClientBase):
                                **options) for a, b in bounds]
         if device_path:
             caller = torch.cuda.current_stream(hidden.device)
+            same = targets.device == hidden.device
+            device_targets = (targets.detach().reshape(-1).to(mbs[0].targets.dtype)
+                              if same else None)
             for mb, (a, b) in zip(mbs, bounds):
                 mb.device_hidden, mb.device_stream = source[a:b], caller
+                mb.device_targets = None if device_targets is None else device_targets[a:b]
         grad = None
         if self._natives and not options.get("skip_grad_hidden"):
             # The chunks' dH lands in one tensor: no concatenation afterwards (on the device
