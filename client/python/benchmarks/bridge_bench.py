@@ -100,9 +100,10 @@ def _tolerance(dtype: str, precision: str) -> float:
     return 2e-2
 
 
-def _fwd_bwd(loss_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor
-             ) -> Callable[[], torch.Tensor]:
+def _fwd_bwd(loss_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+             trunk: Callable[[], object] = lambda: None) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
+        trunk()  # queued ahead of the head on the trainer's stream, not waited for
         h = hidden.detach().requires_grad_()
         loss = loss_fn(h)
         loss.backward()
@@ -138,6 +139,10 @@ def main() -> None:
     p.add_argument("--gap-ms", type=float, default=0.0,
                    help="untimed pause before each timed step, standing for the trunk's forward "
                         "and backward between two head steps")
+    p.add_argument("--trunk-gemms", type=int, default=0,
+                   help="GEMMs (4096 x D by D x D) queued on the trainer's stream ahead of each "
+                        "timed step and timed with it, standing for the trunk's last layers, "
+                        "still running when the head is called; a row of them alone is printed")
     p.add_argument("--no-local", action="store_true", help="skip the local-head rows")
     p.add_argument("--no-transfers", action="store_true", help="skip pull / push / download")
     p.add_argument("--no-steps", action="store_true",
@@ -168,6 +173,7 @@ def main() -> None:
     print(f"V={v} D={d} tokens/step={n} {_SHORT[dtype]}{precision} device={device}")
 
     rows: List[Row] = []
+    args.trunk = _trunk(args.trunk_gemms, d, dtype, device, args, rows)
     with Client(args.server, token=args.token, native=False) as admin:
         admin.create_head(head, v, d, weight_dtype=dtype, init_std=0.02, seed=1,
                           matmul_precision=args.fp32_precision if fp32 else None)
@@ -210,6 +216,27 @@ def main() -> None:
             print(f"{name:<44} {gbps:9.2f} GB/s  {note}")
 
 
+def _trunk(count: int, d: int, dtype: torch.dtype, device: torch.device,
+           args: argparse.Namespace, rows: List[Row]) -> Callable[[], object]:
+    """`count` GEMMs of (4096 x d) by (d x d) in the head's dtype on random data, queued when
+    called; their own row goes into `rows`."""
+    if count <= 0:
+        return lambda: None
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(4096, d, generator=g).to(device, dtype)
+    w = (torch.randn(d, d, generator=g) / d ** 0.5).to(device, dtype)
+
+    def trunk() -> torch.Tensor:
+        y = x
+        for _ in range(count):
+            y = y @ w
+        return y
+    seconds = _median_seconds(trunk, device, args.warmup, args.iters)
+    rows.append((f"trunk alone ({count} GEMMs)", seconds * 1e3, 0.0, None,
+                 "queued ahead of every row's step and timed with it"))
+    return trunk
+
+
 def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
                 hidden: torch.Tensor, targets: torch.Tensor, device: torch.device,
                 ref: Tuple[float, torch.Tensor], n: int, **cut: int) -> Row:
@@ -229,7 +256,7 @@ def _remote_row(args: argparse.Namespace, path: str, streams: int, head: str,
         err = float((h.grad.float() - local_grad.float()).norm() / local_grad.float().norm())
         assert err <= tol, f"dH differs from the local head's by {err:.3g} (relative norm)"
         del h
-        run = _fwd_bwd(lambda h: module(h, targets), hidden)
+        run = _fwd_bwd(lambda h: module(h, targets), hidden, args.trunk)
         seconds = _median_seconds(run, device, args.warmup, args.iters, args.gap_ms / 1e3)
         mib = _extra_memory_mib(run, device)
     sizes = module._chunks_for(n)
@@ -252,7 +279,7 @@ def _local_rows(args: argparse.Namespace, hidden: torch.Tensor, targets: torch.T
     if hasattr(torch, "compile"):
         variants.append(("local head, torch.compile", torch.compile(loss_fn)))
     for name, fn in variants:
-        run = _fwd_bwd(fn, hidden)
+        run = _fwd_bwd(fn, hidden, args.trunk)
         seconds = _median_seconds(run, device, args.warmup, args.iters, args.gap_ms / 1e3)
         w.grad = None
         mib = _extra_memory_mib(run, device)

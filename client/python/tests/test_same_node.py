@@ -222,6 +222,48 @@ def test_the_device_path_follows_the_callers_stream(servers, monkeypatch) -> Non
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_targets_on_the_device_are_checked_there(servers, monkeypatch) -> None:
+    """A cut batch's targets on the hidden states' device stay there and are judged there
+    against the head's facts as this client knows them: a target outside V is refused with the
+    host check's message whether the facts were known yet or not; after another client
+    recreated the head wider, the same target is judged again on the host against fresh facts
+    and goes through; with the device regions refused, the targets reach the host path. Each
+    good step bit for bit against the network path."""
+    from losshead._device_path import DevicePath
+
+    def same(r, s) -> None:
+        assert (r.loss_sum, r.token_count) == (s.loss_sum, s.token_count)
+        assert torch.equal(r.grad_hidden.cpu(), s.grad_hidden)
+
+    with _device_and_network(servers, monkeypatch, 37) as (c, net, hidden, targets):
+        far = targets.clone()
+        far[200] = 100
+        h, t, t_far = hidden.to("cuda:0"), targets.to("cuda:0"), far.to("cuda:0")
+        for known in (False, True):
+            counted = c.get_head("dev").tokens_since_pull
+            with pytest.raises(LossheadError) as e:
+                c.step_chunked("dev", h, t_far, chunks=_CHUNKS, streams=4)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "targets[200] = 100 is outside [0, 97)" in e.value.message, known
+            assert c.get_head("dev").tokens_since_pull == counted
+            r = c.step_chunked("dev", h, t, chunks=_CHUNKS, streams=4)
+            assert r.data_path == "device"
+            same(r, net.step_chunked("net", hidden, targets, chunks=_CHUNKS, streams=1))
+        wider = torch.randn(120, 64, generator=torch.Generator().manual_seed(38)) * 0.1
+        for name in ("dev", "net"):
+            net.delete_head(name)
+            net.create_head(name, 120, 64)
+            net.upload_weights(name, wider)
+        r = c.step_chunked("dev", h, t_far, chunks=_CHUNKS, streams=4)
+        assert r.data_path == "device"
+        same(r, net.step_chunked("net", hidden, far, chunks=_CHUNKS, streams=1))
+        monkeypatch.setattr(DevicePath, "take", lambda self, device, nbytes: None)
+        r = c.step_chunked("dev", h, t_far, chunks=_CHUNKS, streams=4)
+        assert r.data_path == "shared_memory"
+        same(r, net.step_chunked("net", hidden, far, chunks=_CHUNKS, streams=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_device_path_off_takes_the_host_path_bit_for_bit(servers, monkeypatch) -> None:
     """LOSSHEAD_DEVICE_PATH=0: a CUDA tensor on the server's own GPU takes the host path
     (shared memory), with the network path's answers and dH."""

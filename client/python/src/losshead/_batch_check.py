@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -48,12 +48,49 @@ def largest_magnitude(hidden: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(hidden, float("inf")))
 
 
-def refusal(facts: HeadFacts, largest: float, targets: torch.Tensor,
+def queued_read(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A 0-d CUDA tensor copied to page-locked host memory behind what the current stream has
+    queued now, read when asked for: the read waits for that copy only, not for what is queued
+    after it."""
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> torch.Tensor:
+        copied.synchronize()
+        return host
+    return read
+
+
+class DeviceTargets:
+    """A cut batch's targets left on their CUDA device (the device path, so that nothing waits
+    for the device before the batch is staged): judged there against the facts known when the
+    batch was cut (a reduction queued on the current stream). Other facts, or a refusal, whose
+    message names the first bad target, bring them to the host."""
+
+    def __init__(self, targets: torch.Tensor, facts: Optional[HeadFacts],
+                 ignore_index: Optional[int]) -> None:
+        self.tensor = targets
+        self._judged: Optional[Callable[[], torch.Tensor]] = None
+        if facts is not None:
+            self._under = (facts.vocab_size, _ignore(facts, ignore_index))
+            self._judged = queued_read(_out_of_range(targets, *self._under).any())
+
+    def fine_under(self, facts: HeadFacts, ignore: int) -> bool:
+        """True when no target is out of range under (facts, ignore) as judged on the device;
+        False when some is, or when they were judged under other facts (ask the host)."""
+        return (self._judged is not None and self._under == (facts.vocab_size, ignore)
+                and not bool(self._judged()))
+
+
+def refusal(facts: HeadFacts, largest: float, targets: Union[torch.Tensor, DeviceTargets],
             ignore_index: Optional[int]) -> Optional[str]:
     """Why the server would refuse some micro-batch of the batch, or None.
 
     `largest` is `largest_magnitude` of the hidden states as sent (the wire dtype); `targets`
-    the batch's class ids on the host; `ignore_index` the step's own, if it sets one.
+    the batch's class ids on the host, or on the device (`DeviceTargets`); `ignore_index` the
+    step's own, if it sets one.
     """
     if not math.isfinite(largest):
         return "hidden contains NaN or Inf"
@@ -61,13 +98,25 @@ def refusal(facts: HeadFacts, largest: float, targets: torch.Tensor,
     if not math.isfinite(float(torch.tensor(largest, dtype=torch.float64).to(facts.dtype))):
         return (f"hidden overflows the head's dtype {_DTYPE_NAMES[facts.dtype]} (largest "
                 f"magnitude {largest:g})")
-    ignore = ignore_index if ignore_index is not None else facts.default_ignore_index
-    bad = ((targets < 0) | (targets >= facts.vocab_size)) & (targets != ignore)
+    ignore = _ignore(facts, ignore_index)
+    if isinstance(targets, DeviceTargets):
+        if targets.fine_under(facts, ignore):
+            return None
+        targets = targets.tensor.cpu()
+    bad = _out_of_range(targets, facts.vocab_size, ignore)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         return (f"targets[{i}] = {int(targets[i])} is outside [0, {facts.vocab_size}) and is not "
                 f"ignore_index {ignore}")
     return None
+
+
+def _ignore(facts: HeadFacts, ignore_index: Optional[int]) -> int:
+    return ignore_index if ignore_index is not None else facts.default_ignore_index
+
+
+def _out_of_range(targets: torch.Tensor, vocab_size: int, ignore: int) -> torch.Tensor:
+    return ((targets < 0) | (targets >= vocab_size)) & (targets != ignore)
 
 
 class Once:

@@ -63,7 +63,9 @@ def lay_out(path: DevicePath, mbs: Sequence[Microbatch]) -> Tuple[Optional[Regio
             for i in wanted:
                 mb = mbs[i]
                 mb.hidden.copy_(mb.device_hidden)  # type: ignore[arg-type]
-                mb.device_hidden = None
+                if mb.device_targets is not None:
+                    mb.targets.copy_(mb.device_targets)
+                mb.device_hidden, mb.device_targets = None, None
             return None, {}
         stream = torch.cuda.current_stream()
         if region.reusable is not None:

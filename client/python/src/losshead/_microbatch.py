@@ -46,9 +46,10 @@ class Microbatch:
     # only for native clients that offer the path).
     device_hidden: Optional[torch.Tensor] = None
     # With `device_hidden`, the targets as well where the caller's are on the same device (a
-    # contiguous CUDA tensor of the wire dtype, N): copied into the region device to device.
-    # Without it they come from `targets`, whose copy from pageable memory waits on the host for
-    # everything queued before it on the device (BENCHMARKS.md, "The trainer's host waits").
+    # contiguous CUDA tensor of the wire dtype, N), copied into the region device to device;
+    # `targets` is then a stand-in as `hidden` is. Without it they come from `targets`, whose
+    # copy from pageable memory waits on the host for everything queued before it on the device
+    # (BENCHMARKS.md, "The trainer's host waits").
     device_targets: Optional[torch.Tensor] = None
     # The caller's CUDA stream when `device_hidden` was made: the copies into and out of the
     # device region are queued on it, so that they follow what wrote the hidden states and what

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from losshead import _wire
-from losshead._batch_check import largest_magnitude
+from losshead._batch_check import largest_magnitude, queued_read
 
 LaneReady = Optional[Callable[[int], None]]
 
@@ -75,12 +75,5 @@ def queued_largest(source: torch.Tensor) -> Callable[[], float]:
     """largest_magnitude of a CUDA tensor: one reduction queued on the current stream now, its
     value read when asked for (waiting for the reduction only, not for what was queued after
     it)."""
-    largest = torch.empty((), dtype=source.dtype, pin_memory=True)
-    largest.copy_(torch.linalg.vector_norm(source, float("inf")), non_blocking=True)
-    measured = torch.cuda.Event()
-    measured.record()
-
-    def read() -> float:
-        measured.synchronize()
-        return float(largest)
-    return read
+    read = queued_read(torch.linalg.vector_norm(source, float("inf")))
+    return lambda: float(read())

@@ -14,12 +14,12 @@ import dataclasses
 import itertools
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-import grpc
 import torch
 
 from losshead import _step_stream, _wire
 from losshead._base import ClientBase
-from losshead._batch_check import HeadFacts, Once, refusal
+from losshead._batch_check import DeviceTargets, HeadFacts, Once, refusal
+from losshead._input_checks import check_pairing, check_tensors, invalid_argument
 from losshead._microbatch import Microbatch, Outcome
 from losshead._plan import StepPlan
 from losshead._proto.losshead.v1 import losshead_pb2 as pb
@@ -38,18 +38,19 @@ _ONE_STREAM = StepPlan(streams=1)
 class Steps(ClientBase):
     """The step methods of `losshead.Client`."""
 
-    def _check_cut_batch(self, head: str, largest: float, targets: torch.Tensor,
+    def _check_cut_batch(self, head: str, largest: float,
+                         targets: Union[torch.Tensor, DeviceTargets],
                          ignore_index: Optional[int]) -> None:
         """LossheadError (INVALID_ARGUMENT) when the server would refuse some micro-batch of a
         cut batch (losshead._batch_check): `largest` magnitude of the hidden states as sent,
-        `targets` on the host."""
+        `targets` on the host or judged on their device."""
         facts = self._head_facts.get(head)
         why = None if facts is None else refusal(facts, largest, targets, ignore_index)
         if facts is None or why is not None:  # not known yet, or perhaps out of date
             facts = self._head_facts[head] = HeadFacts.of(self.get_head(head))
             why = refusal(facts, largest, targets, ignore_index)
         if why is not None:
-            raise _invalid(f"{why}; nothing of the batch was sent")
+            raise invalid_argument(f"{why}; nothing of the batch was sent")
 
     def open_step_stream(self) -> StepStream:
         """A raw Step stream, for callers that schedule micro-batches themselves."""
@@ -291,7 +292,6 @@ class Steps(ClientBase):
                              "is per micro-batch")
         d = hidden.shape[-1]
         flat = hidden.detach().reshape(-1, d)
-        t1 = targets.detach().reshape(-1).cpu()
         n = flat.shape[0]
         wire_given = options.pop("hidden_dtype", None)
         if plan is None:
@@ -313,14 +313,24 @@ class Steps(ClientBase):
         # stand-in, filled only if the path turns out to be refused.
         device_path = bool(self._natives) and hidden.is_cuda and all(
             native.device_bus(hidden.device) is not None for native in self._natives)
+        # So do targets on the same device, checked there (nothing waits for the device before
+        # the batch is staged), unless per-token inputs are checked against them on the host.
+        ignore = getattr(options.get("loss_options"), "ignore_index", None)
+        device_targets, judged = None, None
         if device_path:
             with torch.cuda.device(hidden.device):
                 source = flat.to(wire).contiguous()
                 h2 = torch.empty((n, d), dtype=wire)
                 lane_ready = None
                 largest = queued_largest(source) if cut else None
+                if targets.device == hidden.device and not any(
+                        options.get(name) is not None for name, _ in TOKEN_INPUTS):
+                    device_targets = targets.detach().reshape(-1).to(torch.int64)
+                    judged = DeviceTargets(device_targets, self._head_facts.get(head), ignore)
         else:
             h2, lane_ready, largest = staged(flat, wire, bounds, n_streams, measure=cut)
+        t1 = (targets.detach().reshape(-1).cpu() if device_targets is None
+              else torch.empty(n, dtype=torch.int64))  # a stand-in, as h2 is
         # The per-token inputs of the loss terms, cut as the targets are.
         inputs = take_token_inputs(options, n, t1, check=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
@@ -328,12 +338,10 @@ class Steps(ClientBase):
                                **options) for a, b in bounds]
         if device_path:
             caller = torch.cuda.current_stream(hidden.device)
-            same = targets.device == hidden.device
-            device_targets = (targets.detach().reshape(-1).to(mbs[0].targets.dtype)
-                              if same else None)
             for mb, (a, b) in zip(mbs, bounds):
                 mb.device_hidden, mb.device_stream = source[a:b], caller
-                mb.device_targets = None if device_targets is None else device_targets[a:b]
+                if device_targets is not None:
+                    mb.device_targets = device_targets[a:b]
         grad = None
         if self._natives and not options.get("skip_grad_hidden"):
             # The chunks' dH lands in one tensor: no concatenation afterwards (on the device
@@ -356,9 +364,8 @@ class Steps(ClientBase):
             on_device, lane_done = lane_copies(grad, target, bounds, n_streams)
         before_send = None
         if largest is not None:  # the last thing before sending: the reduction had time to run
-            ignore = getattr(options.get("loss_options"), "ignore_index", None)
             def check() -> None:
-                self._check_cut_batch(head, largest(), t1, ignore)
+                self._check_cut_batch(head, largest(), t1 if judged is None else judged, ignore)
             if device_path:
                 # On each stream's thread once its micro-batches are in their device region, by
                 # the first to get there: the reduction was queued ahead of the copies, so the
@@ -386,43 +393,6 @@ class Steps(ClientBase):
         else:
             combined.grad_hidden = grad
         return combined
-
-
-def _invalid(message: str) -> LossheadError:
-    return LossheadError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def check_tensors(hidden: torch.Tensor, targets: torch.Tensor) -> None:
-    """What encoding would lose, refused before anything is sent (INVALID_ARGUMENT).
-
-    Encoding converts hidden states to the wire dtype and targets to integer class ids, so an
-    integer `hidden` or a floating-point or boolean `targets` would reach the server as valid
-    data it could not tell from what was meant.
-    """
-    if hidden.dim() == 0:
-        raise _invalid("hidden must have a last dim D")
-    if not hidden.is_floating_point():
-        raise _invalid(f"hidden must be a floating-point tensor, got {hidden.dtype}")
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise _invalid(f"targets must be an integer tensor of class ids, got {targets.dtype}")
-
-
-def check_pairing(hidden: torch.Tensor, targets: torch.Tensor) -> None:
-    """Targets (...) pair with hidden (..., D) token for token: the same leading shape, or
-    either side flattened with as many tokens (INVALID_ARGUMENT otherwise, before anything is
-    sent). (2, 4) targets against (4, 2, D) hidden states have as many tokens but no pairing.
-    """
-    lead = tuple(hidden.shape[:-1])
-    if tuple(targets.shape) == lead:
-        return
-    tokens = 1
-    for size in lead:
-        tokens *= size
-    if targets.numel() == tokens and (targets.dim() == 1 or hidden.dim() == 2):
-        return
-    raise _invalid(f"targets of shape {tuple(targets.shape)} do not pair with hidden states of "
-                   f"shape {tuple(hidden.shape)}: targets take hidden's shape without its last "
-                   f"dim, {lead}, or {tokens} tokens flattened")
 
 
 def _default_wire(hidden: torch.Tensor) -> torch.dtype:
