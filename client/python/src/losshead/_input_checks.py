@@ -26,7 +26,8 @@ def check_tensors(hidden: torch.Tensor, targets: torch.Tensor) -> None:
     if not hidden.is_floating_point():
         raise invalid_argument(f"hidden must be a floating-point tensor, got {hidden.dtype}")
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise invalid_argument(f"targets must be an integer tensor of class ids, got {targets.dtype}")
+        raise invalid_argument(
+            f"targets must be an integer tensor of class ids, got {targets.dtype}")
 
 
 def check_pairing(hidden: torch.Tensor, targets: torch.Tensor) -> None:
@@ -42,6 +43,7 @@ def check_pairing(hidden: torch.Tensor, targets: torch.Tensor) -> None:
         tokens *= size
     if targets.numel() == tokens and (targets.dim() == 1 or hidden.dim() == 2):
         return
-    raise invalid_argument(f"targets of shape {tuple(targets.shape)} do not pair with hidden states of "
-                   f"shape {tuple(hidden.shape)}: targets take hidden's shape without its last "
-                   f"dim, {lead}, or {tokens} tokens flattened")
+    raise invalid_argument(
+        f"targets of shape {tuple(targets.shape)} do not pair with hidden states of shape "
+        f"{tuple(hidden.shape)}: targets take hidden's shape without its last dim, {lead}, or "
+        f"{tokens} tokens flattened")

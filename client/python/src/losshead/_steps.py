@@ -326,7 +326,8 @@ class Steps(ClientBase):
                 if targets.device == hidden.device and not any(
                         options.get(name) is not None for name, _ in TOKEN_INPUTS):
                     device_targets = targets.detach().reshape(-1).to(torch.int64)
-                    judged = DeviceTargets(device_targets, self._head_facts.get(head), ignore)
+                    judged = (DeviceTargets(device_targets, self._head_facts.get(head), ignore)
+                              if cut else None)
         else:
             h2, lane_ready, largest = staged(flat, wire, bounds, n_streams, measure=cut)
         t1 = (targets.detach().reshape(-1).cpu() if device_targets is None
