@@ -222,14 +222,21 @@ class Steps(ClientBase):
             wire = _wire.to_torch_dtype(
                 options.pop("hidden_dtype", None) or _default_wire(hidden))  # type: ignore[arg-type]
             d = hidden.shape[-1]
-            # The host tensor stands in for the hidden states (filled only if the device path
-            # turns out to be refused).
+            # Host tensors stand in for the hidden states, and for targets on the same device
+            # (filled only if the device path turns out to be refused).
+            check_tensors(hidden, targets)  # the stand-in's dtype would hide the caller's
             stand_in = torch.empty(hidden.shape, dtype=wire)
-            mb = self.microbatch(head, stand_in, targets, hidden_dtype=wire,
+            t_dtype = _wire.to_torch_dtype(
+                options.get("target_dtype", torch.int64))  # type: ignore[arg-type]
+            kept = targets.device == hidden.device
+            mb = self.microbatch(head, stand_in, torch.empty(targets.numel(), dtype=t_dtype)
+                                 if kept else targets, hidden_dtype=wire,
                                  **options)  # type: ignore[arg-type]
             with torch.cuda.device(hidden.device):
                 mb.device_hidden = hidden.detach().reshape(-1, d).to(wire).contiguous()
                 mb.device_stream = torch.cuda.current_stream()
+                if kept:
+                    mb.device_targets = targets.detach().reshape(-1).to(t_dtype)
             result = self.run_microbatches([mb])[0]
             if result.grad_hidden is not None and result.grad_hidden.is_cuda:
                 result.grad_hidden = result.grad_hidden.cpu()
