@@ -320,25 +320,32 @@ class Steps(ClientBase):
         # stand-in, filled only if the path turns out to be refused.
         device_path = bool(self._natives) and hidden.is_cuda and all(
             native.device_bus(hidden.device) is not None for native in self._natives)
-        # So do targets on the same device, checked there (nothing waits for the device before
-        # the batch is staged), unless per-token inputs are checked against them on the host.
+        # So do targets on the same device, checked there; on the host path they go to the host
+        # ahead of the hidden states' rows. Either way nothing waits for the device before the
+        # batch is staged, unless per-token inputs are checked against the targets on the host.
         ignore = getattr(options.get("loss_options"), "ignore_index", None)
-        device_targets, judged = None, None
+        beside = hidden.is_cuda and targets.device == hidden.device and not any(
+            options.get(name) is not None for name, _ in TOKEN_INPUTS)
+        t1, device_targets, judged = None, None, None
         if device_path:
             with torch.cuda.device(hidden.device):
                 source = flat.to(wire).contiguous()
                 h2 = torch.empty((n, d), dtype=wire)
                 lane_ready = None
                 largest = queued_largest(source) if cut else None
-                if targets.device == hidden.device and not any(
-                        options.get(name) is not None for name, _ in TOKEN_INPUTS):
+                if beside:
                     device_targets = targets.detach().reshape(-1).to(torch.int64)
                     judged = (DeviceTargets(device_targets, self._head_facts.get(head), ignore)
                               if cut else None)
+                    t1 = torch.empty(n, dtype=torch.int64)  # a stand-in, as h2 is
         else:
+            if beside:  # each stream's wait for its rows (lane_ready) covers this copy
+                with torch.cuda.device(hidden.device):
+                    t1 = torch.empty(n, dtype=torch.int64, pin_memory=True)
+                    t1.copy_(targets.detach().reshape(-1).to(torch.int64), non_blocking=True)
             h2, lane_ready, largest = staged(flat, wire, bounds, n_streams, measure=cut)
-        t1 = (targets.detach().reshape(-1).cpu() if device_targets is None
-              else torch.empty(n, dtype=torch.int64))  # a stand-in, as h2 is
+        if t1 is None:
+            t1 = targets.detach().reshape(-1).cpu()
         # The per-token inputs of the loss terms, cut as the targets are.
         inputs = take_token_inputs(options, n, t1, check=cut)
         mbs = [self.microbatch(head, h2[a:b], t1[a:b], reduction=red,  # type: ignore[arg-type]
@@ -374,11 +381,12 @@ class Steps(ClientBase):
         if largest is not None:  # the last thing before sending: the reduction had time to run
             def check() -> None:
                 self._check_cut_batch(head, largest(), t1 if judged is None else judged, ignore)
-            if device_path:
-                # On each stream's thread once its micro-batches are in their device region, by
-                # the first to get there: the reduction was queued ahead of the copies, so the
-                # copies' one wait for the device covers it (a GPU shared with the server makes
-                # each wait long: BENCHMARKS.md, "The trainer's host waits").
+            if device_path or lane_ready is not None:
+                # On each stream's thread once its micro-batches are staged (in their device
+                # region, or their rows on the host), by the first to get there: the reduction
+                # and the targets' copy were queued ahead of the copies, so the copies' one wait
+                # for the device covers them (a GPU shared with the server makes each wait long:
+                # BENCHMARKS.md, "The trainer's host waits").
                 before_send = Once(check)
             else:
                 check()
