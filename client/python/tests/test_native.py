@@ -19,7 +19,7 @@ from _reference import assert_close, random_problem, reference
 from _servers import NO_RETRY, free_port
 from losshead import Client, LossheadError, LossOptions, RemoteLMHead, native_available
 from losshead import native_library
-from losshead._batch_check import Once
+from losshead._batch_check import DeviceTargets, HeadFacts, Once, refusal
 
 C = grpc.StatusCode
 FP32_REL = 2e-5
@@ -550,3 +550,25 @@ def test_once_runs_its_check_once_and_raises_its_error_in_every_caller() -> None
         w.join()
     assert len(runs) == 1 and len(raised) == 4
     assert all(err is raised[0] for err in raised) and raised[0].message == "bad batch"
+
+
+def test_targets_not_judged_on_their_device_are_checked_on_the_host() -> None:
+    """DeviceTargets judged under no facts (the head not looked up yet) answer as the same
+    targets on the host do: the same refusal word for word, None for good ones, whatever the
+    ignore_index in force."""
+    facts = HeadFacts(vocab_size=11, dtype=torch.float32, default_ignore_index=-100)
+    good = torch.randint(0, 11, (40,), generator=torch.Generator().manual_seed(3))
+    good[7] = -100
+    high, ignored = good.clone(), good.clone()
+    high[33] = 11
+    ignored[7], ignored[20] = 3, 5000
+    for targets in (good, high, ignored):
+        for ignore in (None, 5000):
+            want = refusal(facts, 1.0, targets, ignore)
+            assert refusal(facts, 1.0, DeviceTargets(targets, None, ignore), ignore) == want
+    assert refusal(facts, 1.0, good, None) is None
+    assert refusal(facts, 1.0, high, None) == (
+        "targets[33] = 11 is outside [0, 11) and is not ignore_index -100")
+    assert refusal(facts, 1.0, ignored, 5000) is None
+    assert refusal(facts, 1.0, ignored, None).startswith("targets[20] = 5000")
+
