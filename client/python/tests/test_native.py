@@ -571,4 +571,3 @@ def test_targets_not_judged_on_their_device_are_checked_on_the_host() -> None:
         "targets[33] = 11 is outside [0, 11) and is not ignore_index -100")
     assert refusal(facts, 1.0, ignored, 5000) is None
     assert refusal(facts, 1.0, ignored, None).startswith("targets[20] = 5000")
-
