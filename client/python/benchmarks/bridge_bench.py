@@ -31,6 +31,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from _trunk import make_trunk
 from losshead import Client, RemoteLMHead, native_available, native_library
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -218,22 +219,12 @@ def main() -> None:
 
 def _trunk(count: int, d: int, dtype: torch.dtype, device: torch.device,
            args: argparse.Namespace, rows: List[Row]) -> Callable[[], object]:
-    """`count` GEMMs of (4096 x d) by (d x d) in the head's dtype on random data, queued when
-    called; their own row goes into `rows`."""
-    if count <= 0:
-        return lambda: None
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(4096, d, generator=g).to(device, dtype)
-    w = (torch.randn(d, d, generator=g) / d ** 0.5).to(device, dtype)
-
-    def trunk() -> torch.Tensor:
-        y = x
-        for _ in range(count):
-            y = y @ w
-        return y
-    seconds = _median_seconds(trunk, device, args.warmup, args.iters)
-    rows.append((f"trunk alone ({count} GEMMs)", seconds * 1e3, 0.0, None,
-                 "queued ahead of every row's step and timed with it"))
+    """The trunk of `count` GEMMs (benchmarks/_trunk.py); its own row goes into `rows`."""
+    trunk = make_trunk(count, d, dtype, device)
+    if count > 0:
+        seconds = _median_seconds(trunk, device, args.warmup, args.iters)
+        rows.append((f"trunk alone ({count} GEMMs)", seconds * 1e3, 0.0, None,
+                     "queued ahead of every row's step and timed with it"))
     return trunk
 
 

@@ -14,6 +14,9 @@ On a GPU the server shares with the trainer, every such wait is for the trainer'
 kernels behind the server's (BENCHMARKS.md, "The trainer's host waits"):
 
     python3 client/python/benchmarks/step_waits.py --server 127.0.0.1:50051 --streams 4
+
+`--trunk-gemms N` queues N GEMMs ahead of each step, still running when the head is called, as a
+trainer's trunk would be (benchmarks/_trunk.py; its queueing is inside the step's time).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from _trunk import make_trunk
 from losshead import Client, RemoteLMHead
 
 # (step, call site, thread, start s, end s) from the start of the step's forward.
@@ -90,6 +94,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--trunk-gemms", type=int, default=0,
+                   help="GEMMs (4096 x D by D x D) queued ahead of each step, still running when "
+                        "the head is called (benchmarks/_trunk.py)")
     p.add_argument("--least-ms", type=float, default=0.2,
                    help="copies and allocations shorter than this are not listed")
     args = p.parse_args()
@@ -102,6 +109,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    trunk = make_trunk(args.trunk_gemms, args.hidden, torch.bfloat16, device)
     rec = Recorder()
     _wrap_blocking_calls(rec, args.least_ms / 1e3)
     head = f"step-waits-{time.time_ns()}"
@@ -119,6 +127,7 @@ def main() -> None:
                     h = hidden.detach().requires_grad_()
                     rec.step = i - args.warmup
                     rec.start = time.perf_counter()
+                    trunk()
                     loss = module(h, targets)
                     forward = time.perf_counter() - rec.start
                     loss.backward()
