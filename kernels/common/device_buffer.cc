@@ -61,4 +61,8 @@ absl::StatusOr<HostBuffer> Backend::AllocateHost(size_t) {
   return absl::UnimplementedError(absl::StrCat(name(), " backend: no staging host memory"));
 }
 
+absl::Status Backend::CopyOnDevice(void*, const void*, size_t, Stream&) {
+  return absl::UnimplementedError(absl::StrCat(name(), " backend: no copies between devices"));
+}
+
 }  // namespace losshead::kernels

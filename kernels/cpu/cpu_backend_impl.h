@@ -169,6 +169,9 @@ class CpuBackend final : public Backend {
   absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream&) override {
     return Copy(host_dst, src, bytes);
   }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream&) override {
+    return Copy(dst, src, bytes);
+  }
   absl::Status Memset(void* dst, int value, size_t bytes, Stream&) override {
     if (bytes == 0) return absl::OkStatus();
     if (dst == nullptr) return absl::InvalidArgumentError("Memset to a null pointer");

@@ -168,6 +168,11 @@ class CudaBackend final : public Backend {
   absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream& stream) override {
     return Copy(host_dst, src, bytes, stream);
   }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream& stream) override {
+    // cudaMemcpyDefault: unified addressing finds each side's device, a peer's or an IPC
+    // mapping's included.
+    return Copy(dst, src, bytes, stream);
+  }
   absl::StatusOr<HostBuffer> AllocateHost(size_t bytes) override {
     if (bytes == 0) return HostBuffer();
     LOSSHEAD_CUDA_CHECK(cudaSetDevice(device_));

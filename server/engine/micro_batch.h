@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "losshead/kernels/backend.h"
@@ -42,6 +43,13 @@ struct MicroBatch {
   // processes (Head::RunStep): `hidden` is empty, and the hidden states reach this process's
   // shards in the run, broadcast from the origin's first shard; hidden_max_abs is the origin's.
   bool hidden_elsewhere = false;
+  // Where dH goes as well, device to device (a same-node client's device region, mapped into
+  // this process; null: nowhere): `grad_hidden_to_bytes` of room. Copied by the device that
+  // computes it, as the run's last work there, before Head::Step returns; StepStats::
+  // grad_hidden_delivery says whether it was. Not part of the fingerprint, nor of what a replay
+  // answers with: a replay's dH goes there the caller's way, from the host.
+  void* grad_hidden_to = nullptr;
+  size_t grad_hidden_to_bytes = 0;
 
   absl::string_view hidden_bytes() const {
     return pinned_hidden != nullptr ? pinned_hidden->view() : absl::string_view(hidden);
@@ -62,6 +70,10 @@ struct StepStats {
   absl::Duration stage;    // copies in (host -> device), before the compute mutex
   absl::Duration compute;  // Run under the compute mutex, synchronised
   absl::Duration finish;   // copies out (dH -> host), after the compute mutex
+  // Set when dH was copied to MicroBatch::grad_hidden_to: OK, or why that copy failed (dH is
+  // then in the outcome only). Unset where it was not tried: no destination, a replay, dH in a
+  // dtype other than the computed one, or too little room.
+  std::optional<absl::Status> grad_hidden_delivery;
   // The devices the run took: its replica, or every shard of a sharded head (empty if it never
   // reached one).
   std::vector<const kernels::Backend*> devices;

@@ -269,6 +269,11 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
                     .hidden_root = p.hidden_root};
   LOSSHEAD_RETURN_IF_ERROR(placement_->Prepare(run, devices, scratch_));
   absl::Status ran = placement_->Run(run, devices);
+  // dH into the caller's device memory too (a same-node region), as the run's last work.
+  std::optional<absl::Status> delivery;
+  if (ran.ok() && DeliversGradHidden(p)) {
+    delivery = QueueGradHiddenDelivery(p, first, devices.slot(0));
+  }
   // The backends refused the run's arguments before launching anything (an output a backend or
   // a sharded head does not compute): nothing is in dW or counted, and the key is free again.
   const bool refused = absl::IsUnimplemented(ran);
@@ -323,6 +328,7 @@ absl::StatusOr<Head::RunScalars> Head::RunOnDevices(const PreparedStep& p, StepD
     if (keyed) cache_.Fail(client_id, sequence, fault);
     return fault;
   }
+  stats->grad_hidden_delivery = delivery;  // landed with the run
   RunScalars result;
   std::memcpy(&result.token_count, scalars + kTokenCountOffset, 8);
   std::memcpy(&result.loss_sum, scalars + kLossSumOffset, 4);

@@ -81,6 +81,8 @@ absl::StatusOr<PreparedStep> PrepareStep(const MicroBatch& mb, const StepTarget&
   const v1::StepHeader& h = mb.header;
   PreparedStep p;
   LOSSHEAD_RETURN_IF_ERROR(PrepareHeader(h, head, defaults, &p));
+  p.grad_hidden_to = mb.grad_hidden_to;
+  p.grad_hidden_to_bytes = mb.grad_hidden_to_bytes;
   const uint64_t n = h.num_tokens();
   const uint64_t d = head.hidden_size;
   const size_t hsize = kernels::DTypeSize(p.hidden_dtype);

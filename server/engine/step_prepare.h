@@ -46,6 +46,9 @@ struct PreparedStep {
   std::vector<int32_t> targets;
   bool want_grad_hidden = true;
   kernels::DType grad_hidden_dtype = kernels::DType::kFP32;
+  // MicroBatch::grad_hidden_to and its room: where dH goes as well, device to device.
+  void* grad_hidden_to = nullptr;
+  size_t grad_hidden_to_bytes = 0;
   bool want_per_token = false;
   TokenOutputs outputs;  // the token outputs and accuracy asked for
   // The per-token inputs of the loss terms (fp32, laid out as token_inputs.h says), finite at

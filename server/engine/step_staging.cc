@@ -113,4 +113,16 @@ absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, Res
   return absl::OkStatus();
 }
 
+bool DeliversGradHidden(const PreparedStep& p) {
+  const size_t bytes = p.problem.n * p.problem.d * kernels::DTypeSize(p.problem.dtype);
+  return p.grad_hidden_to != nullptr && p.want_grad_hidden && !p.results_unread &&
+         p.grad_hidden_dtype == p.problem.dtype && bytes <= p.grad_hidden_to_bytes;
+}
+
+absl::Status QueueGradHiddenDelivery(const PreparedStep& p, Replica& replica, IoSlot& slot) {
+  const size_t bytes = p.problem.n * p.problem.d * kernels::DTypeSize(p.problem.dtype);
+  return replica.backend.CopyOnDevice(p.grad_hidden_to, slot.grad_hidden.data(), bytes,
+                                      *replica.stream);
+}
+
 }  // namespace losshead::server

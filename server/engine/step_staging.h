@@ -26,6 +26,14 @@ absl::Status StageIn(const PreparedStep& p, Replica& replica, IoSlot& slot, bool
 absl::Status StageOut(const PreparedStep& p, Replica& replica, IoSlot& slot, ResultPool& results,
                       std::string* grad_hidden, std::vector<float>* per_token,
                       std::string* token_outputs);
+// Whether QueueGradHiddenDelivery applies to `p`: a destination with room for dH, dH wanted, read
+// here and in the dtype the run computes it in (a conversion happens on the host).
+bool DeliversGradHidden(const PreparedStep& p);
+// Queues the copy of the run's dH from `slot` to p.grad_hidden_to on `replica`'s compute stream,
+// behind the run that computes it: once the run has landed, dH is there. In stream order, so
+// that it waits for no other micro-batch's work (on one device a copy by the multiprocessors
+// would wait for the GEMMs of the micro-batch behind, or of a deferred-dW flush, to end).
+absl::Status QueueGradHiddenDelivery(const PreparedStep& p, Replica& replica, IoSlot& slot);
 
 }  // namespace losshead::server
 

@@ -67,6 +67,9 @@ class DeviceMapping {
 
   uint64_t size() const { return bytes_; }
   int device() const { return device_; }  // the ordinal it was opened on
+  // [offset, offset + bytes) in this process's address space: device memory, for copies a device
+  // makes into it (kernels::Backend::CopyOnDevice; unified addressing finds its device).
+  void* data() const { return data_; }
   // Copies [offset, offset + bytes) of the region into host memory, and waits.
   absl::Status CopyOut(void* host_dst, uint64_t offset, uint64_t bytes) const;
   // The same in pieces of kCopyPieceBytes, one after another: `landed(end)` is called, in order

@@ -1,10 +1,12 @@
 // Running a Step stream's micro-batches (step_reactor.h): one at a time on the worker pool, each
 // answered with its head's outcome or the refusal it was given, recorded in the metrics, and
 // traced once its last answer is written.
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -128,6 +130,14 @@ void StepReactor::ComputeSlot(Slot& slot, absl::Time picked, SlotRun& run) {
     ctx_->metrics->Bytes("Step", "in", bytes);
     ctx_->metrics->StepDataBytes("device", "in", bytes);
   }
+  if (const DeviceMapping* device =
+          slot.shared.region != nullptr ? slot.shared.region->device() : nullptr;
+      device != nullptr) {
+    // dH into the client's device region from the device that computes it, not through this
+    // host (WriteSharedGradHidden's way, still taken for a replay or should that copy fail).
+    mb.grad_hidden_to = static_cast<uint8_t*>(device->data()) + slot.shared.grad_offset;
+    mb.grad_hidden_to_bytes = slot.shared.grad_bytes;
+  }
   run.reach = MicrobatchRecord::Reach::kRan;
   // Once this micro-batch's place is fixed, the stream's next one may start.
   const std::function<void()> ordered = [this, &run] {
@@ -155,6 +165,18 @@ void StepReactor::WriteSharedGradHidden(const Slot& slot, SlotRun& run) {
   // same options, so the same size. Should it ever not fit, dH goes on the stream instead.
   if (grad.empty() || grad.size() > slot.shared.grad_bytes) return;
   if (const DeviceMapping* device = slot.shared.region->device(); device != nullptr) {
+    const std::optional<absl::Status>& delivered = run.stats.grad_hidden_delivery;
+    if (delivered.has_value() && delivered->ok()) {
+      run.grad_hidden_shared = true;  // copied there from the computing device, and waited for
+      return;
+    }
+    if (delivered.has_value()) {
+      std::fprintf(stderr,
+                   "losshead-server: dH not copied into device region %llu from the device (%s): "
+                   "copying it from the host\n",
+                   static_cast<unsigned long long>(slot.shared.region->id()),
+                   delivered->ToString().c_str());
+    }
     // Synchronous: dH is in the client's device memory before the answer says so.
     if (absl::Status copied = device->CopyIn(slot.shared.grad_offset, grad.data(), grad.size());
         !copied.ok()) {

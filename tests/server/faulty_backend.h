@@ -127,6 +127,7 @@ class FaultyBackend : public kernels::Backend {
   std::atomic<bool> fail_run{false};
   std::atomic<bool> fail_copy_in{false};
   std::atomic<bool> fail_flush{false};
+  std::atomic<bool> fail_copy_on_device{false};
   std::atomic<int> runs{0};
   std::atomic<int> flushes{0};
   std::atomic<int> optimizer_checks{0};
@@ -264,6 +265,13 @@ class FaultyBackend : public kernels::Backend {
       return absl::InternalError("injected: the copy of results to the host failed");
     }
     return inner_->CopyToHost(dst, src, bytes, stream);
+  }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes,
+                            kernels::Stream& stream) override {
+    if (fail_copy_on_device.exchange(false)) {
+      return absl::InternalError("injected: the copy between devices failed");
+    }
+    return inner_->CopyOnDevice(dst, src, bytes, stream);
   }
   absl::Status Memset(void* dst, int value, size_t bytes, kernels::Stream& stream) override {
     return inner_->Memset(dst, value, bytes, stream);

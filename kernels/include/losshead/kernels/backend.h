@@ -194,6 +194,10 @@ class Backend {
                                     Stream& stream) = 0;
   virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes,
                                   Stream& stream) = 0;
+  // Copies between two allocations in device memory of this process, on `stream`: `dst` may lie
+  // on another device (a peer) or be mapped from another process (a same-node client's region).
+  // UNIMPLEMENTED (the default) where a backend has no such copy (a test double).
+  virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream& stream);
   virtual absl::Status Memset(void* dst, int value, size_t bytes, Stream& stream) = 0;
   // Host memory to stage copies through (see HostBuffer). Allocation is slow on CUDA (it pins
   // pages): keep and reuse these buffers. UNIMPLEMENTED where staging buys nothing (the CPU
