@@ -41,16 +41,7 @@ class DeviceFaultTest : public ::testing::Test {
 
  public:
   // An fp32 head of kV x kD, the same W whatever its options.
-  static v1::HeadSpec Spec() {
-    v1::HeadSpec spec;
-    spec.set_name("h");
-    spec.set_vocab_size(kV);
-    spec.set_hidden_size(kD);
-    spec.set_weight_dtype(v1::DTYPE_FP32);
-    spec.mutable_init()->mutable_normal()->set_std(0.5f);
-    spec.mutable_init()->mutable_normal()->set_seed(11);
-    return spec;
-  }
+  static v1::HeadSpec Spec() { return Fp32HeadSpec(kV, kD, 11); }
   // A sum-reduced fp32 micro-batch of kN tokens (also for the sharded test below).
   static MicroBatch Batch(uint64_t seed, const std::string& client, uint64_t sequence) {
     return Fp32SumMicroBatch(kN, kD, kV, seed, client, sequence);

@@ -1,5 +1,6 @@
 // A sum-reduced fp32 micro-batch for Head::Step with random hidden states and targets spread over
-// the vocabulary: what the tests that drive a head through faults and cuts send.
+// the vocabulary, and the fp32 head it goes to: what the tests that drive a head through faults
+// and cuts send.
 #ifndef LOSSHEAD_TESTS_SERVER_FP32_MICROBATCH_H_
 #define LOSSHEAD_TESTS_SERVER_FP32_MICROBATCH_H_
 
@@ -11,6 +12,18 @@
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
+
+// An fp32 head "h" of v x d whose W is drawn from N(0, 0.5^2) with `seed`: the head they step.
+inline v1::HeadSpec Fp32HeadSpec(int64_t v, int64_t d, uint64_t seed) {
+  v1::HeadSpec spec;
+  spec.set_name("h");
+  spec.set_vocab_size(v);
+  spec.set_hidden_size(d);
+  spec.set_weight_dtype(v1::DTYPE_FP32);
+  spec.mutable_init()->mutable_normal()->set_std(0.5f);
+  spec.mutable_init()->mutable_normal()->set_seed(seed);
+  return spec;
+}
 
 // n x d hidden states drawn from `seed`; target i is (3 seed + 5 i) mod v. Head "h".
 inline MicroBatch Fp32SumMicroBatch(int64_t n, int64_t d, int64_t v, uint64_t seed,

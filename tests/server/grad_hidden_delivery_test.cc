@@ -28,13 +28,7 @@ constexpr int64_t kV = 19, kD = 8, kN = 7;
 constexpr size_t kGradBytes = kN * kD * sizeof(float);
 
 v1::HeadSpec Spec(uint32_t shards) {
-  v1::HeadSpec spec;
-  spec.set_name("h");
-  spec.set_vocab_size(kV);
-  spec.set_hidden_size(kD);
-  spec.set_weight_dtype(v1::DTYPE_FP32);
-  spec.mutable_init()->mutable_normal()->set_std(0.5f);
-  spec.mutable_init()->mutable_normal()->set_seed(5);
+  v1::HeadSpec spec = Fp32HeadSpec(kV, kD, 5);
   if (shards > 0) {
     spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
     spec.mutable_placement()->set_devices(shards);

@@ -12,6 +12,7 @@
 #include "losshead/kernels/backend.h"
 #include "server/durability/checkpoint.h"
 #include "server/engine/head.h"
+#include "tests/server/fp32_microbatch.h"
 #include "tests/server/test_util.h"
 
 namespace losshead::server {
@@ -34,13 +35,7 @@ class ReusedKeyTest : public ::testing::Test {
   }
 
   std::shared_ptr<Head> Fresh() {
-    v1::HeadSpec spec;
-    spec.set_name("h");
-    spec.set_vocab_size(kV);
-    spec.set_hidden_size(kD);
-    spec.set_weight_dtype(v1::DTYPE_FP32);
-    spec.mutable_init()->mutable_normal()->set_std(0.5f);
-    spec.mutable_init()->mutable_normal()->set_seed(7);
+    v1::HeadSpec spec = Fp32HeadSpec(kV, kD, 7);
     spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_SGD);
     auto head = Head::Create(*backend_, spec, HeadOptions{});
     EXPECT_TRUE(head.ok()) << head.status();

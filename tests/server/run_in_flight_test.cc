@@ -48,13 +48,7 @@ class RunInFlightTest : public ::testing::TestWithParam<Layout> {
       backends_.push_back(std::make_unique<FaultyBackend>(std::move(*cpu)));
       devices.push_back(backends_.back().get());
     }
-    v1::HeadSpec spec;
-    spec.set_name("h");
-    spec.set_vocab_size(kV);
-    spec.set_hidden_size(kD);
-    spec.set_weight_dtype(v1::DTYPE_FP32);
-    spec.mutable_init()->mutable_normal()->set_std(0.5f);
-    spec.mutable_init()->mutable_normal()->set_seed(5);
+    v1::HeadSpec spec = Fp32HeadSpec(kV, kD, 5);
     if (GetParam().devices > 1) {
       spec.mutable_placement()->set_kind(v1::PLACEMENT_SHARDED);
       spec.mutable_placement()->set_devices(GetParam().devices);

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "losshead/kernels/backend.h"
 #include "server/engine/head.h"
+#include "tests/server/fp32_microbatch.h"
 #include "tests/server/placed_head_util.h"
 #include "tests/server/test_util.h"
 
@@ -41,13 +42,7 @@ class WindowTest : public ::testing::Test {
 
   std::shared_ptr<Head> MakeHead(const HeadOptions& options,
                                  v1::OptimizerKind optimizer = v1::OPTIMIZER_NONE) {
-    v1::HeadSpec spec;
-    spec.set_name("h");
-    spec.set_vocab_size(kV);
-    spec.set_hidden_size(kD);
-    spec.set_weight_dtype(v1::DTYPE_FP32);
-    spec.mutable_init()->mutable_normal()->set_std(0.5f);
-    spec.mutable_init()->mutable_normal()->set_seed(3);
+    v1::HeadSpec spec = Fp32HeadSpec(kV, kD, 3);
     spec.mutable_optimizer()->set_kind(optimizer);
     auto head = Head::Create(*backend_, spec, options);
     EXPECT_TRUE(head.ok()) << head.status();
